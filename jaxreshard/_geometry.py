@@ -1,0 +1,102 @@
+"""Flat-shard geometry: which global flat elements a rank owns.
+
+This is the ZeRO / FSDP layout (``flatten(t).chunk(W)``, each chunk padded to the
+first chunk's size): every rank stores ``slots = ceil(count / W)`` elements of
+each buffer and owns ``[rank * slots, min((rank + 1) * slots, count))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Sequence
+
+from jaxreshard._errors import PlacementError
+
+__all__ = ["FlatShard", "MAX_COUNT", "normalize_shape"]
+
+# Element counts and offsets must fit a signed 64-bit index.
+MAX_COUNT = 2**63 - 1
+
+
+def normalize_shape(shape: Sequence[int], *, what: str = "shape") -> tuple[int, ...]:
+  """Returns ``shape`` as a tuple of Python ints, refusing negative dims."""
+  try:
+    dims = tuple(operator.index(d) for d in shape)
+  except TypeError as e:
+    raise PlacementError(f"{what} {shape!r} is not a sequence of integers") from e
+  if any(d < 0 for d in dims):
+    raise PlacementError(f"{what} {dims} has a negative dimension")
+  count = math.prod(dims)
+  if count > MAX_COUNT:
+    raise PlacementError(
+        f"{what} {dims} has {count} elements, more than a 64-bit index can address"
+    )
+  return dims
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatShard:
+  """The slice of a flattened parameter that one rank of a layout owns.
+
+  Attributes:
+    shape: logical shape of the parameter; ``()`` for a scalar.
+    rank: this rank, ``0 <= rank < world_size``.
+    world_size: number of ranks the parameter is split over.
+
+  Raises:
+    PlacementError: for ``world_size < 1``, a rank outside ``[0, world_size)``,
+      a negative dimension or an element count beyond a 64-bit index.
+
+  Examples:
+    >>> g = FlatShard(shape=(3, 4), rank=1, world_size=5)
+    >>> g.count, g.slots, g.start, g.stop
+    (12, 3, 3, 6)
+    >>> FlatShard(shape=(5,), rank=3, world_size=4).owned
+    0
+  """
+
+  shape: tuple[int, ...]
+  rank: int
+  world_size: int
+
+  def __post_init__(self):
+    object.__setattr__(self, "shape", normalize_shape(self.shape))
+    try:
+      rank, world = operator.index(self.rank), operator.index(self.world_size)
+    except TypeError as e:
+      raise PlacementError(
+          f"rank {self.rank!r} and world_size {self.world_size!r} must be integers"
+      ) from e
+    if world < 1:
+      raise PlacementError(f"world_size {world} must be at least 1")
+    if not 0 <= rank < world:
+      raise PlacementError(f"rank {rank} is outside world_size {world} (0..{world - 1})")
+    object.__setattr__(self, "rank", rank)
+    object.__setattr__(self, "world_size", world)
+
+  @property
+  def count(self) -> int:
+    """Elements of the logical parameter (1 for a scalar)."""
+    return math.prod(self.shape)
+
+  @property
+  def slots(self) -> int:
+    """Elements every rank stores: ``ceil(count / world_size)``."""
+    return -(-self.count // self.world_size)
+
+  @property
+  def start(self) -> int:
+    """First global flat element this rank owns (clipped to ``count``)."""
+    return min(self.rank * self.slots, self.count)
+
+  @property
+  def stop(self) -> int:
+    """One past the last global flat element this rank owns."""
+    return min((self.rank + 1) * self.slots, self.count)
+
+  @property
+  def owned(self) -> int:
+    """Number of real (non-padding) elements on this rank."""
+    return self.stop - self.start

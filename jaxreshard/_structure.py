@@ -1,0 +1,291 @@
+"""The anatomy of an optax state: clock scalars, param-mirroring subtrees, ids.
+
+An optax state is a pytree in which some subtrees mirror the params tree (Adam's
+``mu`` and ``nu``, a momentum ``trace``, ``MultiSteps``' ``acc_grads``) and every
+other leaf is a scalar of the optimizer clock. Optax itself says which is which
+(:func:`optax.tree_map_params`); this module records that once, as per-leaf
+*roles*, and from then on takes a state apart and puts it back together with
+no optimizer object:
+
+* the *skeleton*: the state with every mirror replaced by a marker leaf; its
+  tree structure and scalar leaves are the optimizer clock;
+* the *mirrors*: for each param-mirroring subtree, its own tree structure and,
+  per param id, its buffer or ``optax.MaskedNode`` (no history there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+import optax
+
+__all__ = [
+    "Anatomy",
+    "MASKED",
+    "anatomy",
+    "build_state",
+    "history_roles",
+    "param_ids",
+    "path_id",
+]
+
+KeyPath = tuple[Any, ...]
+
+
+class _Masked:
+  """A parameter masked out of one mirror (``optax.MaskedNode`` in the state)."""
+
+  def __repr__(self):
+    return "MASKED"
+
+
+MASKED = _Masked()
+
+
+@dataclasses.dataclass(frozen=True)
+class MirrorSlot:
+  """Leaf standing in for mirror ``index`` inside a skeleton."""
+
+  index: int
+
+
+def _is_masked_node(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _key_name(key: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def path_id(path: Sequence[Any]) -> str:
+  """A pytree key path joined with ``/``: ``{'dense': {'kernel': x}}`` -> ``dense/kernel``."""
+  return "/".join(_key_name(k) for k in path)
+
+
+def param_ids(params: Any) -> tuple[list[str], list[Any], Any]:
+  """Returns (ids, leaves, treedef) of a params pytree, in flatten order."""
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
+  return [path_id(p) for p, _ in with_path], [x for _, x in with_path], treedef
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hist:
+  pid: str
+
+
+_SCALAR_ROLE = object()
+
+
+def history_roles(optimizer: Any, params: Any, state: Any) -> tuple[Optional[str], ...]:
+  """Per leaf of ``state``: the param id of a history buffer, or None for a scalar.
+
+  Uses :func:`optax.tree_map_params`, which re-runs ``optimizer.init`` on a
+  placeholder to find every subtree that mirrors the params.
+  """
+  ids, _, treedef = param_ids(params)
+  id_tree = jax.tree_util.tree_unflatten(treedef, ids)
+
+  def tag(value, pid):
+    return value if _is_masked_node(value) else _Hist(pid)
+
+  tagged = optax.tree_map_params(
+      optimizer,
+      tag,
+      state,
+      id_tree,
+      transform_non_params=lambda v: jax.tree.map(lambda _: _SCALAR_ROLE, v),
+      is_leaf=_is_masked_node,
+  )
+  leaves = jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Hist) or x is _SCALAR_ROLE)
+  return tuple(x.pid if isinstance(x, _Hist) else None for x in leaves)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mirror:
+  """One param-mirroring subtree, taken apart."""
+
+  prefix: KeyPath
+  treedef: Any  # tree structure with MaskedNode positions as leaves
+  order: tuple[str, ...]  # param id of each position, in flatten order
+  entries: Mapping[str, Any]  # param id -> buffer or MASKED
+
+
+@dataclasses.dataclass(frozen=True)
+class Anatomy:
+  """A state taken apart into skeleton, scalars and mirrors."""
+
+  skeleton: Any  # treedef; leaves are scalars and MirrorSlot markers
+  skeleton_leaves: tuple[Any, ...]
+  mirrors: tuple[Mirror, ...]
+
+  @property
+  def scalars(self) -> list[tuple[int, Any]]:
+    return [(i, x) for i, x in enumerate(self.skeleton_leaves) if not isinstance(x, MirrorSlot)]
+
+  def history(self, pid: str) -> tuple[Any, ...]:
+    """Per mirror: the buffer, MASKED, or None when the mirror lacks ``pid``."""
+    return tuple(m.entries.get(pid) for m in self.mirrors)
+
+  def param_set(self) -> set[str]:
+    out = set()
+    for m in self.mirrors:
+      out.update(m.entries)
+    return out
+
+
+class AnatomyError(Exception):
+  """Internal: a state that cannot be taken apart; callers re-raise with context."""
+
+
+def _mirror_prefix(path: KeyPath, pid: str) -> KeyPath:
+  for k in range(0, len(path) + 1):
+    if path_id(path[len(path) - k:]) == pid:
+      return path[: len(path) - k]
+  raise AnatomyError(f"the leaf at {jax.tree_util.keystr(path)} is not under a key path {pid!r}")
+
+
+def _children(node: Any):
+  """One level of a pytree node: [(key, child)], treedef to rebuild it."""
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(
+      node, is_leaf=lambda x: x is not node
+  )
+  return [(p[0], c) for p, c in with_path], treedef
+
+
+def _is_leaf_node(node: Any) -> bool:
+  return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node)) and not (
+      node is None or _is_masked_node(node)
+  )
+
+
+def _replace_subtrees(tree: Any, replacements: Mapping[KeyPath, Any]) -> tuple[Any, dict]:
+  """Replaces the subtrees at ``replacements``' paths; returns (tree, removed)."""
+  removed = {}
+
+  def rec(node, path):
+    if path in replacements:
+      removed[path] = node
+      return replacements[path]
+    if not any(p[: len(path)] == path for p in replacements) or _is_leaf_node(node):
+      return node
+    children, treedef = _children(node)
+    return jax.tree_util.tree_unflatten(treedef, [rec(c, path + (k,)) for k, c in children])
+
+  return rec(tree, ()), removed
+
+
+def infer_roles(state: Any, listed: Sequence[str]) -> tuple[Optional[str], ...]:
+  """Roles of a hand-built record: 0-d leaves are scalars, others histories."""
+  roles = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if np.ndim(leaf) == 0:
+      roles.append(None)
+      continue
+    match = [pid for pid in listed if _suffix_matches(path, pid)]
+    if not match:
+      raise AnatomyError(
+          f"the buffer at {jax.tree_util.keystr(path)} is not the history of any listed parameter"
+      )
+    roles.append(max(match, key=len))
+  return tuple(roles)
+
+
+def _suffix_matches(path: KeyPath, pid: str) -> bool:
+  return any(path_id(path[len(path) - k:]) == pid for k in range(1, len(path) + 1))
+
+
+def anatomy(state: Any, roles: Sequence[Optional[str]]) -> Anatomy:
+  """Takes ``state`` apart using per-leaf ``roles`` (see ``history_roles``).
+
+  Raises:
+    AnatomyError: when roles do not describe the state, or a mirror is ragged.
+  """
+  with_path = jax.tree_util.tree_flatten_with_path(state)[0]
+  if len(with_path) != len(roles):
+    raise AnatomyError(
+        f"the state has {len(with_path)} leaves but its roles describe {len(roles)}"
+    )
+  prefixes: dict[KeyPath, int] = {}
+  for (path, _), pid in zip(with_path, roles):
+    if pid is not None:
+      prefixes.setdefault(_mirror_prefix(path, pid), len(prefixes))
+  skeleton_tree, removed = _replace_subtrees(
+      state, {p: MirrorSlot(i) for p, i in prefixes.items()}
+  )
+  mirrors = []
+  for prefix, index in prefixes.items():
+    sub = removed[prefix]
+    sub_with_path, sub_def = jax.tree_util.tree_flatten_with_path(sub, is_leaf=_is_masked_node)
+    order, entries = [], {}
+    for path, leaf in sub_with_path:
+      pid = path_id(path)
+      if pid in entries:
+        raise AnatomyError(f"parameter {pid!r} appears twice in one optimizer subtree")
+      order.append(pid)
+      entries[pid] = MASKED if _is_masked_node(leaf) else leaf
+    # Every buffer in the mirror must carry the role its position says.
+    for (path, _), pid in zip(with_path, roles):
+      if pid is not None and path[: len(prefix)] == prefix and path_id(path[len(prefix):]) != pid:
+        raise AnatomyError(f"roles and state disagree at {jax.tree_util.keystr(path)}")
+    mirrors.append(Mirror(prefix, sub_def, tuple(order), entries))
+  skel_leaves, skel_def = jax.tree_util.tree_flatten(skeleton_tree)
+  return Anatomy(skel_def, tuple(skel_leaves), tuple(mirrors))
+
+
+def _nested(pids: Sequence[str], values: Mapping[str, Any]) -> Any:
+  if list(pids) == [""]:
+    return values[""]
+  root: dict = {}
+  for pid in pids:
+    *parents, last = pid.split("/")
+    node = root
+    for key in parents:
+      node = node.setdefault(key, {})
+    node[last] = values[pid]
+  return root
+
+
+def build_state(
+    template: Anatomy,
+    histories: Mapping[str, Sequence[Any]],
+    scalars: Optional[Sequence[Any]] = None,
+) -> Any:
+  """Reassembles a state with ``template``'s clock and the given histories.
+
+  Args:
+    template: the anatomy whose skeleton (structure and scalars) the new state
+      takes.
+    histories: param id -> per mirror of the template: a buffer, MASKED, or
+      None (the parameter is absent from that mirror).
+    scalars: replacement skeleton scalars, in order (defaults to the template's).
+
+  A mirror whose param set equals the template's keeps its exact tree
+  structure; a mirror of a different set (merged or restricted groups) is
+  rebuilt as nested dicts from the ids.
+  """
+  subtrees = []
+  for i, mirror in enumerate(template.mirrors):
+    values = {}
+    for pid, per_mirror in histories.items():
+      v = per_mirror[i]
+      if v is not None:
+        values[pid] = optax.MaskedNode() if v is MASKED else v
+    if set(values) == set(mirror.order):
+      subtrees.append(jax.tree_util.tree_unflatten(mirror.treedef, [values[p] for p in mirror.order]))
+    else:
+      subtrees.append(_nested(sorted(values), values))
+  scalar_iter = iter(scalars) if scalars is not None else None
+  leaves = []
+  for leaf in template.skeleton_leaves:
+    if isinstance(leaf, MirrorSlot):
+      leaves.append(subtrees[leaf.index])
+    else:
+      leaves.append(next(scalar_iter) if scalar_iter is not None else leaf)
+  # Unflattening places each mirror subtree whole where its marker stood.
+  return jax.tree_util.tree_unflatten(template.skeleton, leaves)

@@ -1,0 +1,252 @@
+"""Every refusal of SPEC.md ("What is refused"), checked before any copy.
+
+The checks only read their inputs. They return the facts the kernels need
+(the anatomy of each archive, the source of each rank) so nothing is computed
+twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxreshard import _structure
+from jaxreshard._errors import DtypeError, PlacementError, ShapeError
+from jaxreshard._geometry import FlatShard
+from jaxreshard._placement import SUPPORTED_DTYPES, Migration, ParamPlacement
+from jaxreshard._record import FORMAT_VERSION, ShardRecord
+
+__all__ = ["SourceGroup", "check_archive", "check_buffer_dtype", "check_clocks", "check_migration"]
+
+_BUFFER_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def check_storage_dtype(dtype: Any, where: str) -> None:
+  if not (isinstance(dtype, np.dtype) and dtype.name in SUPPORTED_DTYPES):
+    raise DtypeError(
+        f"{where}: storage dtype {dtype} is not one of {', '.join(SUPPORTED_DTYPES)}"
+    )
+
+
+def check_buffer_dtype(dtype: Any, where: str) -> None:
+  """History buffers must be floating: integer, bool and quantized state is refused."""
+  name = np.dtype(dtype).name
+  if name in _BUFFER_DTYPES:
+    return
+  if name == "float64" and jax.config.jax_enable_x64:
+    return
+  hint = " (enable jax_enable_x64 to keep float64 exact)" if name == "float64" else ""
+  raise ShapeError(
+      f"{where}: history buffer dtype {name} is not a floating dtype jaxreshard copies"
+      f" ({', '.join(_BUFFER_DTYPES)}){hint}"
+  )
+
+
+def check_archive(index: int, record: Any) -> _structure.Anatomy:
+  """Refusals 2 and 3 for one archive; returns its anatomy."""
+  if not isinstance(record, ShardRecord):
+    raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
+  if record.version != FORMAT_VERSION:
+    raise PlacementError(
+        f"archive {index}: record version {record.version!r} is not supported"
+        f" (only version {FORMAT_VERSION} exists)"
+    )
+  seen = set()
+  for p in record.placements:
+    if not isinstance(p, ParamPlacement):
+      raise PlacementError(f"archive {index}: placement {p!r} is not a ParamPlacement")
+    if p.param in seen:
+      raise PlacementError(f"param {p.param!r}: archive {index} lists it twice")
+    seen.add(p.param)
+  try:
+    roles = record.roles
+    if roles is None:
+      roles = _structure.infer_roles(record.state, sorted(seen))
+    anatomy = _structure.anatomy(record.state, roles)
+  except _structure.AnatomyError as e:
+    raise PlacementError(f"archive {index}: {e}") from None
+  for pid in sorted(anatomy.param_set() - seen):
+    raise PlacementError(
+        f"param {pid!r}: archive {index} holds a history for it but does not list it"
+        " in its placements"
+    )
+  return anatomy
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceGroup:
+  """A validated migration: target geometry and one source per original rank."""
+
+  migration: Migration
+  target: FlatShard
+  source: FlatShard  # geometry of rank 0 of the source layout (slots, count)
+  by_rank: tuple[int, ...]  # archive index holding each original rank
+  dtype: np.dtype
+  trainable: bool
+  history: tuple[Any, ...]  # per mirror: MASKED, None (absent) or True (a buffer)
+
+
+def _history_pattern(hist: Sequence[Any]) -> tuple[Any, ...]:
+  return tuple(h if h is None or h is _structure.MASKED else True for h in hist)
+
+
+def check_migration(
+    migration: Migration,
+    archives: Sequence[ShardRecord],
+    anatomies: Sequence[_structure.Anatomy],
+) -> SourceGroup:
+  """Refusals 5-11, 13 and 14 for one migration."""
+  pid = migration.param
+  if not isinstance(migration, Migration):
+    raise PlacementError(f"expected a Migration, got {type(migration).__name__}")
+  try:
+    target = FlatShard(migration.shape, migration.rank, migration.world_size)
+  except PlacementError as e:
+    raise PlacementError(f"param {pid!r}: invalid target placement: {e}") from None
+  sources = migration.sources
+  if not sources:
+    raise PlacementError(f"param {pid!r}: the migration names no source archives")
+  for s in sources:
+    if not isinstance(s, (int, np.integer)) or not 0 <= s < len(archives):
+      raise PlacementError(
+          f"param {pid!r}: source archive index {s!r} is out of range"
+          f" (0..{len(archives) - 1})"
+      )
+  entries: list[tuple[int, ParamPlacement]] = []
+  for s in sources:
+    p = archives[s].placement(pid)
+    if p is None:
+      raise PlacementError(f"param {pid!r}: source archive {s} does not list it")
+    entries.append((int(s), p))
+
+  first_index, first = entries[0]
+  for s, p in entries:
+    if p.shape != target.shape:
+      raise PlacementError(
+          f"param {pid!r}: archive {s} has logical shape {p.shape} but the target"
+          f" has {target.shape}"
+      )
+  for s, p in entries:
+    try:
+      FlatShard(p.shape, p.rank, p.world_size)
+    except PlacementError as e:
+      raise PlacementError(f"param {pid!r}: archive {s}: {e}") from None
+  world = first.world_size
+  for s, p in entries:
+    if p.world_size != world:
+      raise PlacementError(
+          f"param {pid!r}: archive {s} has world_size {p.world_size} but archive"
+          f" {first_index} has {world}; these archives are not one group"
+      )
+  by_rank: dict[int, int] = {}
+  for s, p in entries:
+    if p.rank in by_rank:
+      raise PlacementError(
+          f"param {pid!r}: archives {by_rank[p.rank]} and {s} both hold rank {p.rank}"
+          f" of world_size {world}"
+      )
+    by_rank[p.rank] = s
+  if len(by_rank) != world:
+    missing = sorted(set(range(world)) - set(by_rank))
+    raise PlacementError(
+        f"param {pid!r}: {len(by_rank)} source archives for world_size {world};"
+        f" ranks {missing} are missing (archives {list(sources)})"
+    )
+
+  for s, p in entries:
+    check_storage_dtype(p.dtype, f"param {pid!r}: archive {s}")
+    if p.dtype != first.dtype:
+      raise DtypeError(
+          f"param {pid!r}: archive {s} stores it as {p.dtype} but archive"
+          f" {first_index} as {first.dtype}"
+      )
+    if bool(p.trainable) != bool(first.trainable):
+      raise PlacementError(
+          f"param {pid!r}: archive {s} has trainable={p.trainable} but archive"
+          f" {first_index} has trainable={first.trainable}"
+      )
+
+  histories = {s: anatomies[s].history(pid) for s, _ in entries}
+  first_hist = histories[first_index]
+  n_first = sum(h is not None and h is not _structure.MASKED for h in first_hist)
+  for s, _ in entries:
+    n = sum(h is not None and h is not _structure.MASKED for h in histories[s])
+    if n != n_first:
+      raise PlacementError(
+          f"param {pid!r}: archive {s} holds {n} history buffers but archive"
+          f" {first_index} holds {n_first}"
+      )
+  for s, _ in entries:
+    if _history_pattern(histories[s]) != _history_pattern(first_hist):
+      raise PlacementError(
+          f"param {pid!r}: its history is present in some optimizer subtrees of"
+          f" archive {s} and absent from them in archive {first_index}"
+      )
+
+  source = FlatShard(first.shape, 0, world)
+  for m, h0 in enumerate(first_hist):
+    if h0 is None or h0 is _structure.MASKED:
+      continue
+    dtype0 = np.dtype(h0.dtype)
+    for s, _ in entries:
+      buf = histories[s][m]
+      where = f"param {pid!r}: archive {s}, history buffer {m}"
+      if np.shape(buf) != (source.slots,):
+        raise ShapeError(
+            f"{where} has shape {np.shape(buf)}, not ({source.slots},) of its flat"
+            f" layout (count {source.count}, world_size {world}); non-coordinate"
+            " optimizer state (factored or matrix statistics) cannot be resharded"
+        )
+      check_buffer_dtype(buf.dtype, where)
+      if np.dtype(buf.dtype) != dtype0:
+        raise ShapeError(
+            f"{where} has dtype {np.dtype(buf.dtype).name} but archive {first_index}"
+            f" has {dtype0.name}"
+        )
+  return SourceGroup(
+      migration=migration,
+      target=target,
+      source=source,
+      by_rank=tuple(by_rank[r] for r in range(world)),
+      dtype=first.dtype,
+      trainable=bool(first.trainable),
+      history=_history_pattern(first_hist),
+  )
+
+
+def _slots(a: _structure.Anatomy) -> tuple[Any, ...]:
+  return tuple(x.index if isinstance(x, _structure.MirrorSlot) else None for x in a.skeleton_leaves)
+
+
+def _scalar_bits(x: Any) -> tuple[Any, ...]:
+  a = np.asarray(x)
+  return (a.dtype.str, a.shape, a.tobytes())
+
+
+def check_clocks(
+    indices: Sequence[int],
+    anatomies: Sequence[_structure.Anatomy],
+    param: Optional[Mapping[int, str]] = None,
+) -> None:
+  """Refusal 12: every archive merged into one state shares one optimizer clock."""
+  if not indices:
+    return
+  ref = indices[0]
+  a0 = anatomies[ref]
+  for i in indices[1:]:
+    a = anatomies[i]
+    name = f"param {param[i]!r}: " if param and i in param else ""
+    if a.skeleton != a0.skeleton or _slots(a) != _slots(a0):
+      raise PlacementError(
+          f"{name}archive {i} has optimizer state structure {a.skeleton} but archive"
+          f" {ref} has {a0.skeleton}; these archives are not one checkpoint"
+      )
+    for (k, x), (_, y) in zip(a.scalars, a0.scalars):
+      if _scalar_bits(x) != _scalar_bits(y):
+        raise PlacementError(
+            f"{name}archive {i} has optimizer scalar #{k} = {np.asarray(x)!r} but"
+            f" archive {ref} has {np.asarray(y)!r}; these archives are not one checkpoint"
+        )
