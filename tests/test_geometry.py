@@ -1,0 +1,99 @@
+"""FlatShard geometry against SPEC.md "Flat shard geometry" (hand-computed values)."""
+
+import numpy as np
+import pytest
+
+import jaxreshard as jr
+from tests._core_util import oracle_shard, oracle_slots
+
+
+@pytest.mark.parametrize(
+    "shape, rank, world, count, slots, start, stop",
+    [
+        ((3, 4), 1, 5, 12, 3, 3, 6),  # the API.md example
+        ((), 0, 1, 1, 1, 0, 1),  # scalar: count 1
+        ((), 0, 3, 1, 1, 0, 1),
+        ((), 2, 3, 1, 1, 1, 1),  # scalar over 3 ranks: ranks 1, 2 are all padding
+        ((1,), 0, 1, 1, 1, 0, 1),
+        ((1,), 5, 8, 1, 1, 1, 1),
+        ((0,), 0, 4, 0, 0, 0, 0),  # zero-size: no slots at all
+        ((3, 0, 2), 2, 3, 0, 0, 0, 0),
+        ((5,), 0, 4, 5, 2, 0, 2),
+        ((5,), 2, 4, 5, 2, 4, 5),  # owns [4, 5) plus one pad
+        ((5,), 3, 4, 5, 2, 5, 5),  # trailing rank: all padding
+        ((7,), 5, 6, 7, 2, 7, 7),  # ranks 4 and 5 of 6 own nothing
+        ((17,), 16, 17, 17, 1, 16, 17),
+        ((2, 3, 4), 2, 5, 24, 5, 10, 15),
+    ],
+)
+def test_flat_shard_values(shape, rank, world, count, slots, start, stop):
+  g = jr.FlatShard(shape=shape, rank=rank, world_size=world)
+  assert (g.count, g.slots, g.start, g.stop) == (count, slots, start, stop)
+  assert g.owned == stop - start
+  assert g.shape == tuple(shape)
+
+
+def test_trailing_all_padding_ranks_cover_exactly_once():
+  # count 5, W 4 (SPEC's example) and count 1, W 7: ranks partition [0, count).
+  for shape, world in [((5,), 4), ((), 7), ((13, 1), 12), ((3,), 16)]:
+    gs = [jr.FlatShard(shape, r, world) for r in range(world)]
+    owned = [i for g in gs for i in range(g.start, g.stop)]
+    assert owned == list(range(gs[0].count))
+    assert all(g.slots == gs[0].slots for g in gs)
+    assert gs[-1].owned == 0  # every one of these layouts ends in an all-padding rank
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 5, 7, 12, 17, 64])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 16, 17])
+def test_geometry_matches_numpy_oracle(count, world):
+  full = np.arange(1, count + 1, dtype=np.float32)
+  for r in range(world):
+    g = jr.FlatShard((count,), r, world)
+    shard = oracle_shard(full, world, r)
+    assert g.slots == oracle_slots(count, world) == shard.size
+    # The owned range holds exactly the non-padding values (all are >= 1).
+    np.testing.assert_array_equal(shard[: g.owned], full[g.start:g.stop])
+    assert not shard[g.owned:].any()
+
+
+def test_numpy_integer_inputs_are_normalized():
+  g = jr.FlatShard(shape=np.array([3, 4]), rank=np.int64(1), world_size=np.int32(5))
+  assert g.shape == (3, 4) and type(g.rank) is int and type(g.world_size) is int
+  assert g == jr.FlatShard((3, 4), 1, 5)
+
+
+@pytest.mark.parametrize(
+    "shape, rank, world, needle",
+    [
+        ((4,), 0, 0, "world_size 0"),
+        ((4,), 0, -3, "world_size -3"),
+        ((4,), -1, 4, "rank -1"),
+        ((4,), 4, 4, "rank 4"),
+        ((4,), 9, 4, "rank 9"),
+        ((), 1, 1, "rank 1"),
+        ((3, -1), 0, 2, "negative"),
+        ((-5,), 0, 1, "negative"),
+        ((2**40, 2**40), 0, 1, "64-bit"),  # 2**80 elements overflow an int64 index
+        ((2**63,), 0, 1, "64-bit"),
+        ((2.5,), 0, 1, "integers"),
+        ((4,), 0.0, 1, "integers"),
+    ],
+)
+def test_invalid_geometry_is_a_placement_error(shape, rank, world, needle):
+  with pytest.raises(jr.PlacementError, match=needle):
+    jr.FlatShard(shape, rank, world)
+
+
+def test_placement_error_is_a_reshard_error_and_value_error():
+  with pytest.raises(ValueError):
+    jr.FlatShard((1,), 1, 1)
+  assert issubclass(jr.PlacementError, jr.ReshardError)
+  assert issubclass(jr.ShapeError, jr.ReshardError)
+  assert issubclass(jr.DtypeError, jr.PlacementError) and issubclass(jr.DtypeError, jr.ShapeError)
+
+
+def test_flat_shard_is_frozen_and_hashable():
+  g = jr.FlatShard((5,), 1, 4)
+  with pytest.raises(Exception):
+    g.rank = 2  # type: ignore[misc]
+  assert len({g, jr.FlatShard((5,), 1, 4)}) == 1
