@@ -32,6 +32,9 @@ __all__ = ["Piece", "Output", "assemble", "kernel_cache_info", "clear_kernel_cac
 
 BUCKET_SIZE = 32
 _INT32_MAX = 2**31 - 1
+# The kernels only move bits, so XLA's backend optimizations buy nothing at run
+# time and double compile time on CPU (measured: ~14 -> ~7 ms per fused buffer).
+_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
@@ -119,7 +122,7 @@ def _make_kernel(signature):
       outs.append(lax.bitcast_convert_type(buf, dtype).reshape(shape))
     return outs
 
-  return jax.jit(kernel)
+  return jax.jit(kernel, compiler_options=_COMPILER_OPTIONS)
 
 
 def _run_bucket(outputs: Sequence[Output]) -> list[jax.Array]:
