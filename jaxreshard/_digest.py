@@ -1,0 +1,270 @@
+"""A sharding-independent digest of a checkpoint's optimizer state.
+
+Two checkpoints hold the same optimizer state, whatever their layouts, when
+every logical buffer (flat, unpadded) has the same bits, every clock scalar has
+the same bits, and the state has the same structure. The digest hashes exactly
+that: each history buffer's owned elements are fed, rank by rank in rank order,
+into one ``hashlib`` hash per (param, buffer index), so the padding and the
+world size never reach the hash. The padding is checked separately (it must be
+exactly zero bits; ``-0.0`` is not zero padding).
+
+Records may arrive one at a time (a generator reading one rank at a time):
+slices that arrive before their turn wait in a small reorder buffer, so a
+checkpoint streamed in rank order is hashed without holding more than one
+record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Iterable, Mapping, Optional
+
+import jax
+import numpy as np
+
+from jaxreshard import _structure
+from jaxreshard._errors import PlacementError
+from jaxreshard._geometry import FlatShard
+from jaxreshard._record import ShardRecord
+
+__all__ = ["BufferDigest", "ParamDigest", "Digest", "clock_scalars", "compare_digests", "digest_records"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferDigest:
+  """One logical history buffer: dtype, element count and sha256 of its bits."""
+
+  dtype: str
+  count: int
+  sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamDigest:
+  """One parameter: logical metadata, which mirrors hold it, its buffers."""
+
+  shape: tuple[int, ...]
+  dtype: str
+  trainable: bool
+  history: tuple[str, ...]  # per optimizer mirror: "buffer", "masked" or "absent"
+  buffers: tuple[BufferDigest, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Digest:
+  """What a checkpoint holds, independent of how it is sharded.
+
+  Attributes:
+    structure: the optimizer state's tree structure with every
+      param-mirroring subtree replaced by a marker, plus the mirrors' paths.
+    scalars: ``(path, dtype, hex of the bits)`` of every clock scalar.
+    params: param id -> ``ParamDigest``.
+    problems: nonzero padding, incomplete or inconsistent archives; a
+      checkpoint with problems is never "identical" to anything.
+  """
+
+  structure: str
+  scalars: tuple[tuple[str, str, str], ...]
+  params: Mapping[str, ParamDigest]
+  problems: tuple[str, ...]
+
+  def hexdigest(self) -> str:
+    """One sha256 over everything above but the problems."""
+    h = hashlib.sha256(self.structure.encode())
+    h.update(repr(self.scalars).encode())
+    for pid in sorted(self.params):
+      h.update(repr((pid, self.params[pid])).encode())
+    return h.hexdigest()
+
+
+def _bits(x: Any) -> np.ndarray:
+  a = np.ascontiguousarray(np.asarray(x))
+  return a.reshape(-1).view(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else a
+
+
+def _history_word(entry: Any) -> str:
+  if entry is None:
+    return "absent"
+  if entry is _structure.MASKED:
+    return "masked"
+  return "buffer"
+
+
+class _Stream:
+  """One (param, buffer) hash fed in rank order through a reorder buffer."""
+
+  def __init__(self, dtype: np.dtype):
+    self.hash = hashlib.sha256()
+    self.dtype = dtype
+    self.next_rank = 0
+    self.count = 0  # elements hashed so far
+    self.waiting: dict[int, np.ndarray] = {}
+
+  def feed(self, rank: int, bits: np.ndarray) -> None:
+    # Early slices are copied so that waiting never pins a whole record.
+    self.waiting[rank] = bits if rank == self.next_rank else bits.copy()
+    while self.next_rank in self.waiting:
+      chunk = self.waiting.pop(self.next_rank)
+      self.hash.update(chunk.tobytes())
+      self.count += chunk.size
+      self.next_rank += 1
+
+
+def digest_records(records: Iterable[ShardRecord]) -> Digest:
+  """Digests a complete set of archives, streaming them one at a time.
+
+  Args:
+    records: every rank's archive of one checkpoint, in any order (rank order
+      keeps the reorder buffer empty); a generator is read once.
+
+  Returns:
+    A ``Digest``; ``digest.problems`` lists nonzero padding and archives that
+    do not form one complete, consistent checkpoint.
+
+  Raises:
+    PlacementError: an archive that cannot be taken apart at all.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxreshard as jr
+    >>> params = {"w": jnp.arange(5.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> state = opt.init(params)
+    >>> a = digest_records(jr.shard_state(opt, params, state, world_size=2))
+    >>> b = digest_records(jr.shard_state(opt, params, state, world_size=3))
+    >>> a == b
+    True
+  """
+  structure: Optional[str] = None
+  scalars: Optional[tuple] = None
+  meta: dict[str, tuple] = {}  # pid -> (shape, dtype, trainable, world_size, history)
+  seen_ranks: dict[str, set[int]] = {}
+  streams: dict[tuple[str, int], _Stream] = {}
+  problems: list[str] = []
+
+  for index, record in enumerate(records):
+    anatomy = _anatomy(index, record)
+    rec_structure = repr((str(anatomy.skeleton), [jax.tree_util.keystr(m.prefix)
+                                                  for m in anatomy.mirrors]))
+    rec_scalars = _scalars(record)
+    if structure is None:
+      structure, scalars = rec_structure, rec_scalars
+    elif rec_structure != structure:
+      problems.append(f"archive {index}: optimizer state structure differs from archive 0")
+    elif rec_scalars != scalars:
+      problems.append(f"archive {index}: optimizer clock scalars differ from archive 0")
+
+    for p in record.placements:
+      pid = p.param
+      hist = anatomy.history(pid)
+      words = tuple(_history_word(h) for h in hist)
+      key = (tuple(p.shape), np.dtype(p.dtype).name, bool(p.trainable), p.world_size, words)
+      if meta.setdefault(pid, key) != key:
+        problems.append(
+            f"param {pid!r}: archive {index} disagrees with another archive on its shape,"
+            f" dtype, trainability, world size or history")
+        continue
+      if p.rank in seen_ranks.setdefault(pid, set()):
+        problems.append(f"param {pid!r}: rank {p.rank} appears in more than one archive")
+        continue
+      seen_ranks[pid].add(p.rank)
+      g = FlatShard(p.shape, p.rank, p.world_size)
+      buffers = [h for h in hist if h is not None and h is not _structure.MASKED]
+      for m, buf in enumerate(buffers):
+        where = f"param {pid!r} buffer {m} (archive {index}, rank {p.rank})"
+        if tuple(np.shape(buf)) != (g.slots,):
+          problems.append(f"{where}: shape {tuple(np.shape(buf))} is not ({g.slots},)")
+          continue
+        bits = _bits(buf)
+        pad = np.flatnonzero(bits[g.owned:])
+        if pad.size:
+          problems.append(
+              f"{where}: padding is not zero ({pad.size} nonzero, first at local"
+              f" index {g.owned + int(pad[0])})")
+        dtype = np.asarray(buf).dtype
+        stream = streams.setdefault((pid, m), _Stream(dtype))
+        if stream.dtype != dtype:
+          problems.append(f"{where}: dtype {dtype.name} differs from another rank's"
+                          f" {stream.dtype.name}")
+          continue
+        stream.feed(p.rank, bits[:g.owned])
+
+  params = {}
+  for pid, (shape, dtype, trainable, world, words) in sorted(meta.items()):
+    missing = sorted(set(range(world)) - seen_ranks.get(pid, set()))
+    if missing:
+      problems.append(f"param {pid!r}: ranks {missing} of world size {world} are missing")
+    buffers = []
+    for m in range(words.count("buffer")):
+      s = streams.get((pid, m))
+      if s is None:
+        continue
+      buffers.append(BufferDigest(s.dtype.name, s.count, s.hash.hexdigest()))
+    params[pid] = ParamDigest(shape, dtype, trainable, words, tuple(buffers))
+  if structure is None:
+    problems.append("no archives")
+  return Digest(structure or "", scalars or (), params, tuple(problems))
+
+
+def _anatomy(index: int, record: Any) -> _structure.Anatomy:
+  if not isinstance(record, ShardRecord):
+    raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
+  try:
+    roles = record.roles
+    if roles is None:
+      roles = _structure.infer_roles(record.state, sorted(record.params))
+    return _structure.anatomy(record.state, roles)
+  except _structure.AnatomyError as e:
+    raise PlacementError(f"archive {index}: {e}") from None
+
+
+def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
+  """``(key path, value)`` of every clock scalar of a record, in state order."""
+  leaves = jax.tree_util.tree_flatten_with_path(record.state)[0]
+  roles = record.roles
+  if roles is None:
+    roles = [None if np.ndim(x) == 0 else "" for _, x in leaves]
+  return [(jax.tree_util.keystr(path), np.asarray(leaf))
+          for (path, leaf), role in zip(leaves, roles) if role is None]
+
+
+def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
+  return tuple((path, f"{a.dtype.name}{a.shape}", _bits(a).tobytes().hex())
+               for path, a in clock_scalars(record))
+
+
+def compare_digests(a: Digest, b: Digest, names: tuple[str, str] = ("CHECKPOINT", "OUT")) -> list[str]:
+  """Every difference between two digests, one line each; empty when identical.
+
+  Each line names the parameter and buffer index (or the scalar path) that
+  differs. Problems of either digest (nonzero padding, missing ranks) are
+  differences too.
+  """
+  out = [f"{names[0]}: {p}" for p in a.problems] + [f"{names[1]}: {p}" for p in b.problems]
+  if a.structure != b.structure:
+    out.append("optimizer state structure differs")
+  sa, sb = dict((p, v) for p, *v in a.scalars), dict((p, v) for p, *v in b.scalars)
+  for path in sorted(set(sa) | set(sb)):
+    if sa.get(path) != sb.get(path):
+      out.append(f"scalar {path}: {_scalar_text(sa.get(path))} != {_scalar_text(sb.get(path))}")
+  for pid in sorted(set(a.params) | set(b.params)):
+    pa, pb = a.params.get(pid), b.params.get(pid)
+    if pa is None or pb is None:
+      out.append(f"param {pid!r}: only in {names[0] if pb is None else names[1]}")
+      continue
+    for field in ("shape", "dtype", "trainable", "history"):
+      if getattr(pa, field) != getattr(pb, field):
+        out.append(f"param {pid!r}: {field} {getattr(pa, field)} != {getattr(pb, field)}")
+    if len(pa.buffers) != len(pb.buffers):
+      out.append(f"param {pid!r}: {len(pa.buffers)} buffers != {len(pb.buffers)}")
+    for m, (ba, bb) in enumerate(zip(pa.buffers, pb.buffers)):
+      if ba != bb:
+        what = "bits" if (ba.dtype, ba.count) == (bb.dtype, bb.count) else "dtype or size"
+        out.append(f"param {pid!r} buffer {m}: {what} differ"
+                   f" ({ba.dtype}[{ba.count}] {ba.sha256[:12]} != {bb.dtype}[{bb.count}]"
+                   f" {bb.sha256[:12]})")
+  return out
+
+
+def _scalar_text(v: Optional[list]) -> str:
+  return "missing" if v is None else f"{v[0]} 0x{v[1]}"
