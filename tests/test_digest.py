@@ -1,0 +1,149 @@
+"""The sharding-independent digest behind ``jaxreshard verify``."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxreshard as jr
+from jaxreshard._digest import compare_digests, digest_records
+
+from tests._core_util import bits
+
+PARAMS = {
+    "dense": {"kernel": jnp.arange(39.0, dtype=jnp.float32).reshape(3, 13) - 7.0,
+              "bias": jnp.linspace(-1.0, 1.0, 5, dtype=jnp.float32)},
+    "emb": jnp.ones((7,), jnp.bfloat16),
+    "scale": jnp.float32(0.5),
+}
+FROZEN = {"dense": {"kernel": True, "bias": True}, "emb": False, "scale": True}
+
+
+def _state():
+  opt = optax.chain(optax.masked(optax.adamw(1e-2, mu_dtype=jnp.bfloat16), FROZEN),
+                    optax.scale_by_schedule(optax.linear_schedule(1.0, 0.1, 10)))
+  # Trained-looking histories (strict dtype promotion rules out a real bf16-mu
+  # update here): random values with a NaN and a -0.0 among them; clocks at 2.
+  rng = np.random.default_rng(0)
+
+  def fill(x):
+    a = np.asarray(x)
+    if a.ndim == 0:
+      return jnp.asarray(2, a.dtype)
+    v = rng.standard_normal(a.shape).astype(a.dtype)
+    v.reshape(-1)[:2] = [np.nan, -0.0][: v.size]
+    return jnp.asarray(v)
+
+  return opt, jax.tree.map(fill, opt.init(PARAMS))
+
+
+@pytest.fixture(scope="module")
+def layouts():
+  opt, state = _state()
+  return {w: jr.shard_state(opt, PARAMS, state, w) for w in (1, 6, 8)}
+
+
+def _replace(record, pid, m, fn):
+  """A copy of ``record`` whose ``m``-th history buffer of ``pid`` is ``fn(buffer)``."""
+  leaves, treedef = jax.tree_util.tree_flatten(record.state)
+  seen = 0
+  for i, role in enumerate(record.roles):
+    if role == pid:
+      if seen == m:
+        leaves[i] = fn(np.asarray(leaves[i]).copy())
+      seen += 1
+  return jr.ShardRecord(record.version, record.placements,
+                        jax.tree_util.tree_unflatten(treedef, leaves), record.roles)
+
+
+def _flip_low_bit(index):
+  def fn(a):
+    a.view(f"u{a.dtype.itemsize}")[index] ^= 1
+    return a
+  return fn
+
+
+def _set_bits(value):
+  def fn(a):
+    u = a.view(f"u{a.dtype.itemsize}")
+    u[0] = value
+    return a
+  return fn
+
+
+def test_equal_across_layouts_and_orders(layouts):
+  d1, d6, d8 = (digest_records(layouts[w]) for w in (1, 6, 8))
+  assert d8 == d6 == d1
+  assert d8.hexdigest() == d6.hexdigest()
+  assert not d8.problems
+  # Streaming order does not matter (a generator, reversed: the reorder buffer).
+  assert digest_records(r for r in reversed(layouts[6])) == d8
+  # The frozen, masked-out parameter keeps its "no history" in the digest.
+  assert d8.params["emb"].history == ("masked", "masked") and not d8.params["emb"].buffers
+  assert [b.dtype for b in d8.params["dense/kernel"].buffers] == ["bfloat16", "float32"]
+  assert d8.params["dense/kernel"].buffers[0].count == 39
+
+
+def test_equal_after_reshard(layouts):
+  src = layouts[8]
+  dst = [jr.reshard(src, jr.plan(src, world_size=6, rank=r)) for r in range(6)]
+  assert compare_digests(digest_records(src), digest_records(dst)) == []
+
+
+@pytest.mark.parametrize("pid,m,value", [
+    ("dense/kernel", 1, None),  # one flipped low bit of a float32 buffer
+    ("dense/bias", 1, 0x7FC00001),  # a NaN with a different payload bit
+    ("scale", 0, 0x8000),  # -0.0 instead of +0.0 (bf16 mu)
+])
+def test_one_bit_changes_digest_and_is_named(layouts, pid, m, value):
+  src = list(layouts[6])
+  rank = 0
+  if value is None:
+    fn = _flip_low_bit(3)
+  elif pid == "dense/bias":
+    src = [_replace(r, pid, m, _set_bits(0x7FC00000)) if i == 0 else r for i, r in enumerate(src)]
+    fn = _set_bits(value)
+  else:
+    src = [_replace(r, pid, m, _set_bits(0x0000)) if i == 0 else r for i, r in enumerate(src)]
+    fn = _set_bits(value)
+  changed = [_replace(r, pid, m, fn) if i == rank else r for i, r in enumerate(src)]
+  before = np.asarray(jax.tree.leaves(src[rank].state)[0])
+  d_before, d_after = digest_records(src), digest_records(changed)
+  assert d_before != d_after and d_before.hexdigest() != d_after.hexdigest()
+  diffs = compare_digests(d_before, d_after)
+  assert diffs == [diffs[0]] and f"param {pid!r} buffer {m}: bits differ" in diffs[0]
+  assert bits(jax.tree.leaves(src[rank].state)[0]).tobytes() == bits(before).tobytes()
+
+
+def test_nonzero_padding_is_a_problem(layouts):
+  src = list(layouts[8])
+  # dense/bias has 5 elements over 8 ranks: rank 6 is all padding.
+  src[6] = _replace(src[6], "dense/bias", 0, _set_bits(0x8000))  # -0.0 in bf16 padding
+  d = digest_records(src)
+  assert d.params == digest_records(layouts[8]).params  # the logical data is unchanged
+  assert len(d.problems) == 1 and "param 'dense/bias' buffer 0" in d.problems[0]
+  assert "padding is not zero" in d.problems[0] and "rank 6" in d.problems[0]
+  assert compare_digests(digest_records(layouts[6]), d)
+
+
+def test_clock_structure_and_missing_ranks(layouts):
+  src = layouts[8]
+  leaves, treedef = jax.tree_util.tree_flatten(src[0].state)
+  roles = src[0].roles
+  i = roles.index(None)
+  later = []
+  for r in src:
+    ls = jax.tree.leaves(r.state)
+    ls[i] = np.asarray(ls[i]) + np.asarray(1, np.asarray(ls[i]).dtype)
+    later.append(jr.ShardRecord(1, r.placements, jax.tree_util.tree_unflatten(treedef, ls), roles))
+  diffs = compare_digests(digest_records(src), digest_records(later))
+  assert len(diffs) == 1 and diffs[0].startswith("scalar ")
+  # A mixed checkpoint: archives from two steps disagree among themselves.
+  assert any("clock" in p for p in digest_records(src[:4] + later[4:]).problems)
+  missing = digest_records(src[:3] + src[4:])
+  assert any("ranks [3] of world size 8 are missing" in p for p in missing.problems)
+  other = jr.shard_state(optax.sgd(0.1, momentum=0.9), PARAMS,
+                         optax.sgd(0.1, momentum=0.9).init(PARAMS), 8)
+  assert "optimizer state structure differs" in compare_digests(digest_records(src),
+                                                                digest_records(other))
