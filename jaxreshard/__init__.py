@@ -5,29 +5,41 @@ bit for bit, with jitted gather kernels, and refuses archives that do not
 belong together.
 """
 
+from jaxreshard._archive_format import ArchiveError, ArchiveExistsError
+from jaxreshard._archive_io import load_records, save_records
 from jaxreshard._errors import DtypeError, PlacementError, ReshardError, ShapeError
 from jaxreshard._geometry import FlatShard
 from jaxreshard._kernels import clear_kernel_cache, kernel_cache_info
 from jaxreshard._placement import Migration, ParamPlacement
 from jaxreshard._record import FORMAT_VERSION, ShardRecord
+from jaxreshard._orbax_hook import ReshardCheckpointHandler, ReshardRestore, ReshardSave
 from jaxreshard._reshard import plan, reshard, shard_state, unshard_state
+from jaxreshard._restore import restore
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArchiveError",
+    "ArchiveExistsError",
     "DtypeError",
     "FORMAT_VERSION",
     "FlatShard",
     "Migration",
     "ParamPlacement",
     "PlacementError",
+    "ReshardCheckpointHandler",
     "ReshardError",
+    "ReshardRestore",
+    "ReshardSave",
     "ShapeError",
     "ShardRecord",
     "clear_kernel_cache",
     "kernel_cache_info",
+    "load_records",
     "plan",
     "reshard",
+    "restore",
+    "save_records",
     "shard_state",
     "unshard_state",
 ]

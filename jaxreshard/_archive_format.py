@@ -1,0 +1,340 @@
+"""The JSON half of an archive on disk: metadata, scalars and the state's tree.
+
+A checkpoint is untrusted data (SPEC.md). Everything here turns JSON into
+Python values without executing anything from it: no pickle, no eval, names
+checked against strict patterns before they become paths, NamedTuple classes
+re-created only from an allowlist, sizes checked before anything is allocated
+(the array files themselves are checked in ``_archive_io``).
+
+A state's tree is encoded node by node::
+
+  {"t": "none"} | {"t": "leaf", "i": 3} | {"t": "list" | "tuple", "c": [...]}
+  {"t": "dict", "k": [["s", "mu"], ["i", 0]], "c": [...]}
+  {"t": "namedtuple", "m": "optax._src.transform", "n": "ScaleByAdamState",
+   "f": ["count", "mu", "nu"], "c": [...]}
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import json
+import keyword
+import math
+import re
+import sys
+import threading
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxreshard._errors import ReshardError
+from jaxreshard._placement import ParamPlacement
+
+__all__ = [
+    "ArchiveError",
+    "ArchiveExistsError",
+    "decode_tree",
+    "encode_tree",
+    "decode_scalar",
+    "encode_scalar",
+    "decode_placement",
+    "encode_placement",
+    "check_name",
+    "np_dtype",
+]
+
+# Names that become file names inside a checkpoint; anything else is refused.
+ARCHIVE_NAME = re.compile(r"archive_[0-9]{5,9}\Z")
+BUFFER_NAME = re.compile(r"b[0-9]{5,9}\Z")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}\Z")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,9}\Z")
+
+# NamedTuple classes are looked up only in these (already imported) packages.
+ALLOWED_PACKAGES = ("optax",)
+
+_DTYPES = {
+    name: jnp.dtype(name)
+    for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                 "uint64", "float16", "bfloat16", "float32", "float64")
+}
+MAX_SCALAR_BYTES = 1 << 16  # clock scalars are tiny; refuse anything that is not
+MAX_TREE_DEPTH = 200
+
+
+class ArchiveError(ReshardError):
+  """A checkpoint directory or file that is not a valid jaxreshard checkpoint."""
+
+
+class ArchiveExistsError(ArchiveError):
+  """The output directory of a save already exists (nothing is overwritten)."""
+
+
+def check_name(name: Any, pattern: re.Pattern, where: str) -> str:
+  """Refuses any metadata name that could leave the checkpoint directory."""
+  if not isinstance(name, str) or not pattern.match(name):
+    raise ArchiveError(f"{where}: name {name!r} is not a valid name inside a checkpoint")
+  return name
+
+
+def np_dtype(name: Any, where: str) -> np.dtype:
+  """A dtype from its name, only from a fixed list."""
+  if not isinstance(name, str) or name not in _DTYPES:
+    raise ArchiveError(f"{where}: dtype {name!r} is not one jaxreshard stores")
+  return np.dtype(_DTYPES[name])
+
+
+def loads(text: str, where: str) -> Any:
+  """Strict JSON: no NaN/Infinity constants, no duplicate keys."""
+
+  def no_constants(c):
+    raise ValueError(f"constant {c} is not allowed")
+
+  def no_duplicates(pairs):
+    out = {}
+    for k, v in pairs:
+      if k in out:
+        raise ValueError(f"duplicate key {k!r}")
+      out[k] = v
+    return out
+
+  try:
+    return json.loads(text, parse_constant=no_constants, object_pairs_hook=no_duplicates)
+  except (ValueError, RecursionError) as e:
+    raise ArchiveError(f"{where} is not valid JSON: {e}") from None
+
+
+def expect(value: Any, kind: type, where: str) -> Any:
+  if kind is int:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+  else:
+    ok = isinstance(value, kind)
+  if not ok:
+    raise ArchiveError(f"{where}: expected {kind.__name__}, got {type(value).__name__}")
+  return value
+
+
+def shape_of(value: Any, where: str) -> tuple[int, ...]:
+  dims = tuple(expect(d, int, where) for d in expect(value, list, where))
+  if any(d < 0 for d in dims) or math.prod(dims) > 2**62:
+    raise ArchiveError(f"{where}: shape {dims} is not a valid array shape")
+  return dims
+
+
+# --- placements ---------------------------------------------------------------
+
+
+def encode_placement(p: ParamPlacement) -> dict:
+  return {
+      "param": p.param,
+      "shape": [int(d) for d in p.shape],
+      "rank": int(p.rank),
+      "world_size": int(p.world_size),
+      "dtype": np.dtype(p.dtype).name,
+      "trainable": bool(p.trainable),
+  }
+
+
+def decode_placement(d: Any, where: str) -> ParamPlacement:
+  expect(d, dict, where)
+  if set(d) != {"param", "shape", "rank", "world_size", "dtype", "trainable"}:
+    raise ArchiveError(f"{where}: placement keys {sorted(d)} are not a placement")
+  # Geometry and dtype support are the core's refusals; here only the types.
+  return ParamPlacement(
+      param=expect(d["param"], str, where),
+      shape=shape_of(d["shape"], f"{where} shape"),
+      rank=expect(d["rank"], int, where),
+      world_size=expect(d["world_size"], int, where),
+      dtype=np_dtype(d["dtype"], where),
+      trainable=expect(d["trainable"], bool, where),
+  )
+
+
+# --- scalars (the optimizer clock) --------------------------------------------
+
+
+def encode_scalar(x: Any, where: str) -> dict:
+  if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
+    kind = type(x).__name__
+    return {"py": kind, "v": x.hex() if kind == "float" else x}
+  a = np.asarray(x)
+  if a.dtype.name not in _DTYPES or a.nbytes > MAX_SCALAR_BYTES:
+    raise ReshardError(f"{where}: cannot store a {a.dtype} leaf of shape {a.shape} as a scalar")
+  return {
+      "dtype": a.dtype.name,
+      "shape": list(a.shape),
+      "weak": bool(getattr(x, "weak_type", False)),
+      "bytes": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii"),
+  }
+
+
+def decode_scalar(d: Any, where: str) -> Any:
+  expect(d, dict, where)
+  if "py" in d:
+    kind, v = d.get("py"), d.get("v")
+    if kind == "bool" and isinstance(v, bool):
+      return v
+    if kind == "int" and isinstance(v, int) and not isinstance(v, bool):
+      return v
+    if kind == "float" and isinstance(v, str) and len(v) < 64:
+      try:
+        return float.fromhex(v)
+      except ValueError:
+        pass
+    raise ArchiveError(f"{where}: invalid Python scalar {d!r}")
+  if set(d) != {"dtype", "shape", "weak", "bytes"}:
+    raise ArchiveError(f"{where}: scalar keys {sorted(d)} are not a scalar")
+  dtype = np_dtype(d["dtype"], where)
+  shape = shape_of(d["shape"], where)
+  nbytes = math.prod(shape) * dtype.itemsize
+  data = expect(d["bytes"], str, where)
+  if nbytes > MAX_SCALAR_BYTES or len(data) != 4 * ((nbytes + 2) // 3):
+    raise ArchiveError(f"{where}: scalar of shape {shape} does not match its {len(data)} bytes")
+  try:
+    raw = base64.b64decode(data, validate=True)
+  except ValueError:
+    raise ArchiveError(f"{where}: scalar bytes are not base64") from None
+  a = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+  if expect(d["weak"], bool, where) and a.ndim == 0:
+    # A weak-typed scalar (from a Python number) is rebuilt as one; only when
+    # the round trip is exact, otherwise the strong scalar is the safe answer.
+    weak = jnp.asarray(a.item())
+    if weak.dtype == a.dtype and np.asarray(weak).tobytes() == a.tobytes():
+      return weak
+  return jnp.asarray(a)
+
+
+# --- the state's tree structure -----------------------------------------------
+
+
+def _is_namedtuple(x: Any) -> bool:
+  return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def encode_tree(state: Any) -> tuple[dict, list[Any]]:
+  """Encodes ``state``'s structure; returns (tree, leaves in jax.tree.leaves order).
+
+  Raises:
+    ReshardError: a node type the on-disk format cannot re-create.
+  """
+  leaves: list[Any] = []
+
+  def enc(node, path):
+    if node is None:
+      return {"t": "none"}
+    if _is_namedtuple(node):
+      cls = type(node)
+      return {"t": "namedtuple", "m": cls.__module__, "n": cls.__name__,
+              "f": list(cls._fields), "c": [enc(c, path + (f,)) for f, c in zip(cls._fields, node)]}
+    if type(node) in (tuple, list):
+      return {"t": type(node).__name__, "c": [enc(c, path + (i,)) for i, c in enumerate(node)]}
+    if type(node) is dict:
+      keys = list(node)
+      if not (all(type(k) is str for k in keys) or all(type(k) is int for k in keys)):
+        raise ReshardError(
+            f"state node at {path}: dict keys must be all str or all int to be stored")
+      keys = sorted(keys)  # jax flattens dicts in sorted key order
+      return {"t": "dict", "k": [["s" if type(k) is str else "i", k] for k in keys],
+              "c": [enc(node[k], path + (k,)) for k in keys]}
+    if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node)):
+      leaves.append(node)
+      return {"t": "leaf", "i": len(leaves) - 1}
+    raise ReshardError(
+        f"state node at {path} is a {type(node).__module__}.{type(node).__qualname__}, a"
+        " pytree node type jaxreshard cannot store (NamedTuple, dict, list, tuple and None can be)")
+
+  tree = enc(state, ())
+  # The encoding must give back exactly this structure, or saving is pointless.
+  rebuilt = decode_tree(tree, list(range(len(leaves))), "state")
+  if (jax.tree_util.tree_structure(rebuilt) != jax.tree_util.tree_structure(state)
+      or jax.tree.leaves(rebuilt) != list(range(len(leaves)))):
+    raise ReshardError("the state's tree structure cannot be stored exactly")
+  return tree, leaves
+
+
+_FALLBACK_LOCK = threading.Lock()
+_FALLBACK_CLASSES: dict[tuple[str, tuple[str, ...]], type] = {}
+
+
+def namedtuple_class(module: Any, name: Any, fields: Any, where: str) -> type:
+  """The NamedTuple class to re-create, found without running any checkpoint code.
+
+  An allowlisted class (found by attribute lookup in an already-imported optax
+  module, a NamedTuple with exactly these fields) when there is one; otherwise
+  a plain ``collections.namedtuple`` of the same name and fields, one class per
+  (name, fields) so that archives loaded separately still share a structure.
+  """
+  check_name(name, _IDENTIFIER, where)
+  if not isinstance(fields, list) or not all(isinstance(f, str) and _IDENTIFIER.match(f)
+                                             and not keyword.iskeyword(f) for f in fields):
+    raise ArchiveError(f"{where}: NamedTuple {name!r} has invalid field names {fields!r}")
+  fields = tuple(fields)
+  if len(set(fields)) != len(fields) or keyword.iskeyword(name):
+    raise ArchiveError(f"{where}: NamedTuple {name!r} has invalid field names {list(fields)!r}")
+  if isinstance(module, str) and _MODULE.match(module) and module.split(".")[0] in ALLOWED_PACKAGES:
+    mod = sys.modules.get(module)  # never imports: only modules already loaded
+    cls = getattr(mod, name, None) if mod is not None else None
+    if (isinstance(cls, type) and issubclass(cls, tuple)
+        and tuple(getattr(cls, "_fields", ())) == fields and hasattr(cls, "_make")):
+      return cls
+  with _FALLBACK_LOCK:
+    key = (name, fields)
+    cls = _FALLBACK_CLASSES.get(key)
+    if cls is None:
+      try:
+        cls = _FALLBACK_CLASSES[key] = collections.namedtuple(name, fields)
+      except ValueError as e:
+        raise ArchiveError(f"{where}: cannot re-create NamedTuple {name!r}: {e}") from None
+    return cls
+
+
+def decode_tree(tree: Any, leaves: Sequence[Any], where: str) -> Any:
+  """Rebuilds a pytree from ``encode_tree``'s JSON and its leaves (each used once)."""
+  used = [False] * len(leaves)
+
+  def dec(node, depth):
+    if depth > MAX_TREE_DEPTH:
+      raise ArchiveError(f"{where}: the state tree is nested deeper than {MAX_TREE_DEPTH}")
+    expect(node, dict, where)
+    t = node.get("t")
+    if t == "none" and len(node) == 1:
+      return None
+    if t == "leaf" and set(node) == {"t", "i"}:
+      i = expect(node["i"], int, where)
+      if not 0 <= i < len(leaves) or used[i]:
+        raise ArchiveError(f"{where}: leaf index {i} is out of range or used twice")
+      used[i] = True
+      return leaves[i]
+    if t in ("list", "tuple") and set(node) == {"t", "c"}:
+      children = [dec(c, depth + 1) for c in expect(node["c"], list, where)]
+      return children if t == "list" else tuple(children)
+    if t == "dict" and set(node) == {"t", "k", "c"}:
+      keys, children = expect(node["k"], list, where), expect(node["c"], list, where)
+      if len(keys) != len(children):
+        raise ArchiveError(f"{where}: a dict node has {len(keys)} keys and {len(children)} children")
+      out = {}
+      for k in keys:
+        if not (isinstance(k, list) and len(k) == 2 and
+                ((k[0] == "s" and isinstance(k[1], str)) or
+                 (k[0] == "i" and isinstance(k[1], int) and not isinstance(k[1], bool)))):
+          raise ArchiveError(f"{where}: invalid dict key {k!r}")
+        if k[1] in out:
+          raise ArchiveError(f"{where}: dict key {k[1]!r} appears twice")
+        out[k[1]] = None
+      for k, c in zip(keys, children):
+        out[k[1]] = dec(c, depth + 1)
+      return out
+    if t == "namedtuple" and set(node) == {"t", "m", "n", "f", "c"}:
+      cls = namedtuple_class(node["m"], node["n"], node["f"], where)
+      children = [dec(c, depth + 1) for c in expect(node["c"], list, where)]
+      if len(children) != len(cls._fields):
+        raise ArchiveError(f"{where}: NamedTuple {cls.__name__} has {len(children)} children")
+      return cls(*children)
+    raise ArchiveError(f"{where}: invalid tree node {str(node)[:200]!r}")
+
+  out = dec(tree, 0)
+  if not all(used):
+    raise ArchiveError(f"{where}: {used.count(False)} stored leaves are not in the tree")
+  return out
