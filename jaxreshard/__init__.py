@@ -7,8 +7,10 @@ belong together.
 
 from jaxreshard._archive_format import ArchiveError, ArchiveExistsError
 from jaxreshard._archive_io import load_records, save_records
+from jaxreshard._distributed import reshard_to_mesh, restore_sharded, save_sharded
 from jaxreshard._errors import DtypeError, PlacementError, ReshardError, ShapeError
 from jaxreshard._geometry import FlatShard
+from jaxreshard._global import MeshState, gather_from_mesh, mesh_ranks, shard_to_mesh
 from jaxreshard._kernels import clear_kernel_cache, kernel_cache_info
 from jaxreshard._placement import Migration, ParamPlacement
 from jaxreshard._record import FORMAT_VERSION, ShardRecord
@@ -24,6 +26,7 @@ __all__ = [
     "DtypeError",
     "FORMAT_VERSION",
     "FlatShard",
+    "MeshState",
     "Migration",
     "ParamPlacement",
     "PlacementError",
@@ -34,12 +37,18 @@ __all__ = [
     "ShapeError",
     "ShardRecord",
     "clear_kernel_cache",
+    "gather_from_mesh",
     "kernel_cache_info",
     "load_records",
+    "mesh_ranks",
     "plan",
     "reshard",
+    "reshard_to_mesh",
     "restore",
+    "restore_sharded",
+    "save_sharded",
     "save_records",
     "shard_state",
+    "shard_to_mesh",
     "unshard_state",
 ]
