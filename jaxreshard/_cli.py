@@ -8,8 +8,10 @@ one line on stderr, never a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -74,35 +76,47 @@ def _guard(fn: Callable) -> Callable:
   return wrapper
 
 
-def _api(name: str) -> Callable:
-  fn = getattr(jr, name, None)
-  if fn is None:
-    raise jr.ReshardError(f"this jaxreshard has no archive layer (jaxreshard.{name} is missing)")
-  return fn
+def _metadata(path: Path) -> list[Any]:
+  """Every archive's record with its history buffers left on disk (shape and
+  dtype only), so inspect and the read plans read no array data."""
+  from jaxreshard import _archive_io
+
+  return list(_archive_io.open_checkpoint(str(path)).records)
 
 
-def _require(path: Path) -> str:
-  if not path.exists():
-    raise FileNotFoundError(2, "No such checkpoint", str(path))
-  return str(path)
+def _stream(path: Path) -> Iterator[Any]:
+  """The checkpoint's records, loaded one archive at a time.
+
+  ``load_records`` returns every archive at once; verify needs only one in
+  memory, so it reads each archive's buffers just before it is digested.
+  """
+  import jax
+  from jaxreshard import _archive_io, _validate
+
+  ckpt = _archive_io.open_checkpoint(str(path))
+  for i, rec in enumerate(ckpt.records):
+    _validate.check_archive(i, rec)
+  reader = _archive_io.Reader()
+  for i, rec in enumerate(ckpt.records):
+    bufs = ckpt.buffers(i)
+    data = dict(zip(map(id, bufs), reader.read([(b, 0, b.size) for b in bufs])))
+    yield dataclasses.replace(rec, state=jax.tree.map(
+        lambda x: data[id(x)].reshape(x.shape) if isinstance(x, _archive_io.LazyBuffer) else x,
+        rec.state))
 
 
-def _records(path: Path) -> list[Any]:
-  where = _require(path)
-  return list(_api("load_records")(where))
+def _restorer(path: Path, world_size: int) -> Callable[[int], Any]:
+  """``rank -> record`` that reads the metadata once and opens each array once."""
+  from jaxreshard import _archive_io, _restore
 
-
-def _layouts(path: Path) -> list[_progress.ArchiveLayout]:
-  """Each archive's placements and buffer dtypes, reading no arrays when the
-  archive layer can say them from metadata alone."""
-  meta = getattr(jr, "load_layouts", None)
-  if meta is not None:
-    return list(meta(_require(path)))
-  return [_progress.layout_of(r) for r in _records(path)]
+  ckpt = _archive_io.open_checkpoint(str(path))
+  reader = _archive_io.Reader()
+  return lambda rank: _restore.restore_ranks(
+      str(path), [rank], world_size, checkpoint=ckpt, reader=reader)[0]
 
 
 def _size(n: int) -> str:
-  return filesize.decimal(n)
+  return filesize.decimal(n).replace(" bytes", " B").replace(" byte", " B")
 
 
 # --------------------------------------------------------------------------- demo
@@ -199,6 +213,16 @@ def _clock(record: Any) -> list[dict]:
   return out
 
 
+def _buffers_text(dtypes: list[str]) -> str:
+  groups: list[list] = []
+  for d in dtypes:
+    if groups and groups[-1][1] == d:
+      groups[-1][0] += 1
+    else:
+      groups.append([1, d])
+  return " ".join(f"{n}x{d}" if n > 1 else d for n, d in groups) or "none"
+
+
 @app.command()
 @_guard
 def inspect(
@@ -206,22 +230,23 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON only."),
 ):
   """Show parameters, logical shapes, world sizes, dtypes, bytes and optimizer clocks."""
-  info = inspect_info(_records(checkpoint))
+  info = inspect_info(_metadata(checkpoint))
   if as_json:
     print(json.dumps(info, indent=2))
     return
   out = _out()
   table = Table(title=f"{checkpoint}: {info['archives']} archives, world size"
                 f" {', '.join(map(str, info['world_sizes']))}")
-  for col in ("param", "shape", "world", "dtype", "trainable", "buffers", "bytes", "stored"):
-    table.add_column(col, justify="right" if col in ("world", "bytes", "stored") else "left")
+  for col in ("param", "shape", "world", "dtype", "train", "buffers", "bytes", "stored"):
+    table.add_column(col, justify="right" if col in ("world", "bytes", "stored") else "left",
+                     no_wrap=col != "buffers")
   for e in info["params"]:
     ranks = e["ranks"]
     world = ", ".join(map(str, e["world_sizes"]))
     if ranks != list(range(e["world_sizes"][0])):
       world += f" (ranks {ranks})"
     table.add_row(e["param"], str(tuple(e["shape"])), world, e["dtype"],
-                  "yes" if e["trainable"] else "no", " ".join(e["buffers"]) or "-",
+                  "yes" if e["trainable"] else "no", _buffers_text(e["buffers"]),
                   _size(e["bytes"]), _size(e["stored_bytes"]))
   out.print(table)
   clocks = Table(title="optimizer clock" + ("" if info["clocks_agree"] else
@@ -248,17 +273,17 @@ def reshard(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the read plan; write nothing."),
 ):
   """Rebuild every target rank (or one) for a new world size, streaming rank by rank."""
-  layouts = _layouts(checkpoint)
+  layouts = [_progress.layout_of(r) for r in _metadata(checkpoint)]
+  # Refuses a bad world size or a rank outside it before any work.
+  jr.FlatShard((), 0 if rank is None else rank, world_size)
   ranks = [rank] if rank is not None else list(range(world_size))
-  if rank is not None:
-    jr.FlatShard((), rank, world_size)  # refuses a rank outside the world, before any work
   plans = [_progress.target_plan(layouts, world_size, r) for r in ranks]
   if dry_run:
     _print_plans(plans, len(layouts))
     return
-  if out.exists():
-    raise FileExistsError(17, "Output already exists", str(out))
-  restore, save = _api("restore"), _api("save_records")
+  if os.path.lexists(out):
+    raise jr.ArchiveExistsError(f"{out} already exists; jaxreshard never overwrites a checkpoint")
+  restore = _restorer(checkpoint, world_size)
   err = _err()
   t0 = time.perf_counter()
   with _progress.progress_bar(err) as bar:
@@ -267,10 +292,10 @@ def reshard(
     def targets() -> Iterator[Any]:
       for p in plans:
         bar.update(task, description=f"rank {p.rank}/{world_size}")
-        yield restore(str(checkpoint), rank=p.rank, world_size=world_size)
+        yield restore(p.rank)
         bar.advance(task, p.bytes_read)  # after save_records has taken this rank
 
-    save(str(out), targets())
+    jr.save_records(str(out), targets())
   moved = sum(p.bytes_read for p in plans)
   _out().print(f"wrote {len(plans)} of {world_size} target ranks to {out}"
                f" ({_size(moved)} moved, {time.perf_counter() - t0:.1f} s)")
@@ -280,8 +305,9 @@ def _print_plans(plans: list[_progress.TargetPlan], n_archives: int) -> None:
   out = _out()
   for p in plans:
     table = Table(title=f"target rank {p.rank} of {p.world_size}", title_justify="left")
-    for col in ("param", "archive", "source rank", "elements [lo, hi)", "local offset", "bytes"):
-      table.add_column(col, justify="left" if col in ("param", "elements [lo, hi)") else "right")
+    for col in ("param", "archive", "src rank", "elements [lo, hi)", "local", "bytes"):
+      table.add_column(col, justify="left" if col in ("param", "elements [lo, hi)") else "right",
+                       no_wrap=True)
     for r in p.reads:
       table.add_row(r.param, str(r.archive), str(r.source_rank), f"[{r.lo}, {r.hi})",
                     str(r.local), str(r.bytes))
@@ -290,7 +316,7 @@ def _print_plans(plans: list[_progress.TargetPlan], n_archives: int) -> None:
               f" {_size(p.bytes_read)} moved; target {_size(p.target_bytes)};"
               f" peak memory ~{_size(p.peak_bytes)}")
   total = sum(p.bytes_read for p in plans)
-  out.print(f"dry run: {len(plans)} target ranks, {_size(total)} moved in all,"
+  out.print(f"dry run: {len(plans)} target rank{'s' if len(plans) != 1 else ''}, {_size(total)} moved in all,"
             f" peak memory ~{_size(max((p.peak_bytes for p in plans), default=0))};"
             " nothing written")
 
@@ -305,8 +331,8 @@ def verify(
     out: Path = typer.Argument(..., help="The checkpoint that should hold the same state."),
 ):
   """Prove OUT holds exactly CHECKPOINT's optimizer state, whatever the two layouts."""
-  a = _digest.digest_records(_records(checkpoint))
-  b = _digest.digest_records(_records(out))
+  a = _digest.digest_records(_stream(checkpoint))
+  b = _digest.digest_records(_stream(out))
   diffs = _digest.compare_digests(a, b)
   console = _out()
   if diffs:

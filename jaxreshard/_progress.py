@@ -50,7 +50,9 @@ def layout_of(record: Any) -> ArchiveLayout:
       raise PlacementError(f"an archive without roles: {e}") from None
   for leaf, role in zip(leaves, roles):
     if role is not None:
-      buffers.setdefault(role, []).append(np.dtype(np.asarray(leaf).dtype))
+      # ``.dtype`` first: a buffer still on disk has one but no data.
+      buffers.setdefault(role, []).append(np.dtype(getattr(leaf, "dtype", None)
+                                                   or np.asarray(leaf).dtype))
   return ArchiveLayout(tuple(record.placements), {k: tuple(v) for k, v in buffers.items()})
 
 
