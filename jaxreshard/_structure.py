@@ -94,14 +94,18 @@ def history_roles(optimizer: Any, params: Any, state: Any) -> tuple[Optional[str
   def tag(value, pid):
     return value if _is_masked_node(value) else _Hist(pid)
 
-  tagged = optax.tree_map_params(
-      optimizer,
-      tag,
-      state,
-      id_tree,
-      transform_non_params=lambda v: jax.tree.map(lambda _: _SCALAR_ROLE, v),
-      is_leaf=_is_masked_node,
-  )
+  # tree_map_params re-runs optax's own init, whose math (schedules in
+  # inject_hyperparams) is not clean under strict dtype promotion; only the
+  # state's structure is used here, so the caller's setting must not matter.
+  with jax.numpy_dtype_promotion("standard"):
+    tagged = optax.tree_map_params(
+        optimizer,
+        tag,
+        state,
+        id_tree,
+        transform_non_params=lambda v: jax.tree.map(lambda _: _SCALAR_ROLE, v),
+        is_leaf=_is_masked_node,
+    )
   leaves = jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Hist) or x is _SCALAR_ROLE)
   return tuple(x.pid if isinstance(x, _Hist) else None for x in leaves)
 
