@@ -209,6 +209,9 @@ def decode_scalar(d: Any, where: str) -> Any:
 # --- the state's tree structure -----------------------------------------------
 
 
+_LEAF = jax.tree_util.tree_structure(0)
+
+
 def _is_namedtuple(x: Any) -> bool:
   return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
@@ -220,12 +223,14 @@ def encode_tree(state: Any) -> tuple[dict, list[Any]]:
     ReshardError: a node type the on-disk format cannot re-create.
   """
   leaves: list[Any] = []
+  classes: dict[tuple, type] = {}
 
   def enc(node, path):
     if node is None:
       return {"t": "none"}
     if _is_namedtuple(node):
       cls = type(node)
+      classes[(cls.__module__, cls.__name__, tuple(cls._fields))] = cls
       return {"t": "namedtuple", "m": cls.__module__, "n": cls.__name__,
               "f": list(cls._fields), "c": [enc(c, path + (f,)) for f, c in zip(cls._fields, node)]}
     if type(node) in (tuple, list):
@@ -238,7 +243,7 @@ def encode_tree(state: Any) -> tuple[dict, list[Any]]:
       keys = sorted(keys)  # jax flattens dicts in sorted key order
       return {"t": "dict", "k": [["s" if type(k) is str else "i", k] for k in keys],
               "c": [enc(node[k], path + (k,)) for k in keys]}
-    if jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node)):
+    if jax.tree_util.tree_structure(node) == _LEAF:
       leaves.append(node)
       return {"t": "leaf", "i": len(leaves) - 1}
     raise ReshardError(
@@ -246,8 +251,9 @@ def encode_tree(state: Any) -> tuple[dict, list[Any]]:
         " pytree node type jaxreshard cannot store (NamedTuple, dict, list, tuple and None can be)")
 
   tree = enc(state, ())
-  # The encoding must give back exactly this structure, or saving is pointless.
-  rebuilt = decode_tree(tree, list(range(len(leaves))), "state")
+  # The encoding must give back exactly this structure, or saving is pointless
+  # (with the original classes: one loaded elsewhere may be a plain namedtuple).
+  rebuilt = decode_tree(tree, list(range(len(leaves))), "state", classes)
   if (jax.tree_util.tree_structure(rebuilt) != jax.tree_util.tree_structure(state)
       or jax.tree.leaves(rebuilt) != list(range(len(leaves)))):
     raise ReshardError("the state's tree structure cannot be stored exactly")
@@ -290,8 +296,13 @@ def namedtuple_class(module: Any, name: Any, fields: Any, where: str) -> type:
     return cls
 
 
-def decode_tree(tree: Any, leaves: Sequence[Any], where: str) -> Any:
-  """Rebuilds a pytree from ``encode_tree``'s JSON and its leaves (each used once)."""
+def decode_tree(tree: Any, leaves: Sequence[Any], where: str,
+                classes: Optional[dict] = None) -> Any:
+  """Rebuilds a pytree from ``encode_tree``'s JSON and its leaves (each used once).
+
+  ``classes`` (the encoder's own, never a checkpoint's) maps (module, name,
+  fields) to the NamedTuple class to use instead of the allowlist lookup.
+  """
   used = [False] * len(leaves)
 
   def dec(node, depth):
@@ -327,7 +338,8 @@ def decode_tree(tree: Any, leaves: Sequence[Any], where: str) -> Any:
         out[k[1]] = dec(c, depth + 1)
       return out
     if t == "namedtuple" and set(node) == {"t", "m", "n", "f", "c"}:
-      cls = namedtuple_class(node["m"], node["n"], node["f"], where)
+      key = (node["m"], node["n"], tuple(node["f"]) if isinstance(node["f"], list) else None)
+      cls = (classes or {}).get(key) or namedtuple_class(node["m"], node["n"], node["f"], where)
       children = [dec(c, depth + 1) for c in expect(node["c"], list, where)]
       if len(children) != len(cls._fields):
         raise ArchiveError(f"{where}: NamedTuple {cls.__name__} has {len(children)} children")
