@@ -42,7 +42,7 @@ app = typer.Typer(
 
 def _out() -> Console:
   # Made per call so that a test runner's captured stdout is the one used.
-  return Console(highlight=False, soft_wrap=False)
+  return Console(highlight=False, soft_wrap=True)
 
 
 def _err() -> Console:
@@ -239,7 +239,7 @@ def inspect(
                 f" {', '.join(map(str, info['world_sizes']))}")
   for col in ("param", "shape", "world", "dtype", "train", "buffers", "bytes", "stored"):
     table.add_column(col, justify="right" if col in ("world", "bytes", "stored") else "left",
-                     no_wrap=col != "buffers")
+                     no_wrap=col != "buffers", overflow="fold")
   for e in info["params"]:
     ranks = e["ranks"]
     world = ", ".join(map(str, e["world_sizes"]))

@@ -123,7 +123,7 @@ def target_plan(layouts: Sequence[ArchiveLayout], world_size: int, rank: int) ->
 
 
 def progress_bar(console: Any) -> Any:
-  """A rich progress bar counting bytes, with speed and ETA."""
+  """A rich progress bar counting bytes, with speed and ETA, on terminals only."""
   from rich import progress  # only the CLI draws bars
 
   return progress.Progress(
@@ -133,5 +133,6 @@ def progress_bar(console: Any) -> Any:
       progress.TransferSpeedColumn(),
       progress.TimeRemainingColumn(),
       console=console,
-      transient=False,
+      # Pipes and logs get the one summary line, not a frozen bar.
+      disable=not console.is_terminal,
   )

@@ -1,0 +1,206 @@
+"""The ``jaxreshard`` command line on real checkpoints on disk (no mocks)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import optax
+import pytest
+from typer.testing import CliRunner
+
+import jaxreshard as jr
+from jaxreshard import _progress
+from jaxreshard._cli import EXIT_DIFFERENT, EXIT_ERROR, app
+
+from tests._core_util import assert_records_equal
+
+PARAMS = {"enc": {"kernel": np.zeros((7, 11), np.float32), "bias": np.zeros((5,), np.float32)},
+          "head": np.zeros((9,), np.float32)}
+
+
+def _records(world_size):
+  """A trained-looking adam state (random bits of history, clock at 3)."""
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+  rng = np.random.default_rng(1)
+
+  def fill(x):
+    a = np.asarray(x)
+    if a.ndim == 0:
+      return np.asarray(3 if a.dtype.kind == "i" else 0.25, a.dtype)
+    return rng.standard_normal(a.shape).astype(a.dtype)
+
+  state = jax.tree.map(fill, opt.init(PARAMS))
+  return jr.shard_state(opt, PARAMS, state, world_size)
+
+
+def _replace(record, pid, m, fn):
+  leaves, treedef = jax.tree_util.tree_flatten(record.state)
+  hits = [i for i, role in enumerate(record.roles) if role == pid]
+  leaves[hits[m]] = fn(np.asarray(leaves[hits[m]]).copy())
+  return jr.ShardRecord(1, record.placements, jax.tree_util.tree_unflatten(treedef, leaves),
+                        record.roles)
+
+
+def _run(*args):
+  result = CliRunner().invoke(app, [str(a) for a in args])
+  assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+  return result
+
+
+def _one_line_error(result, code=EXIT_ERROR):
+  assert result.exit_code == code, result.output
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("jaxreshard: error: "), result.stderr
+  assert "Traceback" not in result.output
+  return lines[0]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+  root = tmp_path_factory.mktemp("cli")
+  src = _records(8)
+  jr.save_records(root / "ckpt8", src)
+  return root, src
+
+
+@pytest.fixture(scope="module")
+def resharded(ckpt):
+  root, src = ckpt
+  result = _run("reshard", root / "ckpt8", root / "ckpt6", "--world-size", 6)
+  assert result.exit_code == 0, result.output
+  assert "wrote 6 of 6 target ranks" in result.stdout
+  return root / "ckpt6"
+
+
+def test_inspect_table_and_json(ckpt):
+  root, src = ckpt
+  result = _run("inspect", root / "ckpt8")
+  assert result.exit_code == 0, result.output
+  for text in ("enc/kernel", "enc/bias", "head", "(7, 11)", "8 archives", "world size 8",
+               "learning_rate", "count"):
+    assert text in result.stdout, text
+  data = json.loads(_run("inspect", root / "ckpt8", "--json").stdout)
+  assert data["archives"] == 8 and data["world_sizes"] == [8] and data["clocks_agree"]
+  kernel = next(p for p in data["params"] if p["param"] == "enc/kernel")
+  assert kernel["shape"] == [7, 11] and kernel["ranks"] == list(range(8))
+  assert kernel["buffers"] == ["float32", "float32"] and kernel["dtype"] == "float32"
+  assert kernel["bytes"] == 77 * 2 * 4 and kernel["stored_bytes"] == 8 * 10 * 2 * 4
+  clocks = {c["path"]: c["value"] for c in data["clocks"]}
+  assert 3 in clocks.values() and 0.25 in clocks.values()
+
+
+def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
+  root, src = ckpt
+  result = _run("reshard", root / "ckpt8", root / "never", "-m", 6, "--dry-run")
+  assert result.exit_code == 0, result.output
+  assert not (root / "never").exists() and "nothing written" in result.stdout
+  assert all(f"target rank {r} of 6" in result.stdout for r in range(6))
+  layouts = [_progress.layout_of(r) for r in src]
+  for rank in range(6):
+    p = _progress.target_plan(layouts, 6, rank)
+    for pid, shape in (("enc/kernel", (7, 11)), ("enc/bias", (5,)), ("head", (9,))):
+      t = jr.FlatShard(shape, rank, 6)
+      reads = [r for r in p.reads if r.param == pid]
+      # The reads tile exactly the target's owned range, each inside its source slot.
+      covered = [i for r in reads for i in range(r.lo, r.hi)]
+      assert covered == list(range(t.start, t.stop))
+      for r in reads:
+        s = jr.FlatShard(shape, r.source_rank, 8)
+        assert s.start <= r.lo < r.hi <= s.stop and r.local == r.lo - s.start
+    assert p.bytes_read == sum(jr.FlatShard(s, rank, 6).owned * 8 for s in ((7, 11), (5,), (9,)))
+    assert f"rank {rank}: reads {len(p.per_archive)} of 8 archives" in result.stdout
+
+
+def test_reshard_writes_exactly_the_target_ranks(ckpt, resharded):
+  root, src = ckpt
+  got = jr.load_records(resharded)
+  assert len(got) == 6
+  for rank, rec in enumerate(got):
+    assert_records_equal(rec, jr.reshard(src, jr.plan(src, world_size=6, rank=rank)))
+  one = _run("reshard", root / "ckpt8", root / "rank2", "-m", 6, "--rank", 2)
+  assert one.exit_code == 0 and "wrote 1 of 6 target ranks" in one.stdout
+  [rec] = jr.load_records(root / "rank2")
+  assert_records_equal(rec, got[2])
+
+
+def test_verify_identical_across_layouts(ckpt, resharded):
+  root, _ = ckpt
+  result = _run("verify", root / "ckpt8", resharded)
+  assert result.exit_code == 0, result.output
+  assert "identical: 3 params, 6 buffers" in result.stdout and "padding all zero" in result.stdout
+
+
+def test_verify_names_the_differing_buffer_and_bad_padding(ckpt):
+  root, src = ckpt
+  six = [jr.reshard(src, jr.plan(src, world_size=6, rank=r)) for r in range(6)]
+
+  def flip(a):
+    a.view(np.uint32)[0] ^= 1 << 22  # a mantissa bit, in rank 4's owned part
+    return a
+
+  bad = [_replace(r, "enc/kernel", 1, flip) if i == 4 else r for i, r in enumerate(six)]
+  jr.save_records(root / "bitflip", bad)
+  result = _run("verify", root / "ckpt8", root / "bitflip")
+  assert result.exit_code == EXIT_DIFFERENT, result.output
+  assert "param 'enc/kernel' buffer 1: bits differ" in result.stdout
+  assert "does not hold" in result.stderr and "Traceback" not in result.output
+
+  def pad(a):
+    a.view(np.uint32)[-1] = 0x80000000  # -0.0 in rank 5's padding of head (9 over 6)
+    return a
+
+  padded = [_replace(r, "head", 0, pad) if i == 5 else r for i, r in enumerate(six)]
+  jr.save_records(root / "badpad", padded)
+  result = _run("verify", root / "ckpt8", root / "badpad")
+  assert result.exit_code == EXIT_DIFFERENT
+  assert "param 'head' buffer 0" in result.stdout and "padding is not zero" in result.stdout
+
+
+def test_errors_are_one_line(ckpt, resharded, tmp_path):
+  root, _ = ckpt
+  assert "does not exist" in _one_line_error(_run("inspect", tmp_path / "missing"))
+  assert "not a jaxreshard checkpoint" in _one_line_error(_run("verify", tmp_path, resharded))
+  assert "already exists" in _one_line_error(_run("reshard", root / "ckpt8", resharded, "-m", 6))
+  assert "outside world_size 6" in _one_line_error(
+      _run("reshard", root / "ckpt8", tmp_path / "o", "-m", 6, "-r", 6))
+  assert "world_size 0" in _one_line_error(_run("reshard", root / "ckpt8", tmp_path / "o", "-m", 0))
+  mixed = tmp_path / "mixed"
+  shutil.copytree(root / "ckpt8", mixed)
+  shutil.rmtree(mixed / "archive_00003")
+  assert "archive 3" in _one_line_error(_run("inspect", mixed))
+  assert not (tmp_path / "o").exists()
+
+
+def test_failed_reshard_leaves_no_output(ckpt, tmp_path):
+  root, _ = ckpt
+  broken = tmp_path / "broken"
+  shutil.copytree(root / "ckpt8", broken)
+  # Corrupt the last archive's arrays (their checksums catch it): only target
+  # rank 5 reads archive 7, so ranks 0..4 are written before the failure.
+  for f in (broken / "archive_00007").rglob("c/0"):
+    data = bytearray(f.read_bytes())
+    data[0] ^= 0xFF
+    f.write_bytes(bytes(data))
+  line = _one_line_error(_run("reshard", broken, tmp_path / "out", "-m", 6))
+  assert "archive 7" in line and "corrupted" in line, line
+  assert sorted(os.listdir(tmp_path)) == ["broken"]  # no OUT, no temporary leftovers
+  result = _run("reshard", root / "ckpt8", tmp_path / "out", "-m", 6)
+  assert result.exit_code == 0 and len(jr.load_records(tmp_path / "out")) == 6
+
+
+def test_subprocess_python_m(ckpt, resharded):
+  root, _ = ckpt
+  ok = subprocess.run([sys.executable, "-m", "jaxreshard", "verify", str(root / "ckpt8"),
+                       str(resharded)], capture_output=True, text=True, timeout=120)
+  assert ok.returncode == 0, ok.stderr
+  assert ok.stdout.startswith("identical: 3 params")
+  bad = subprocess.run([sys.executable, "-m", "jaxreshard", "reshard", str(root / "nope"),
+                        str(root / "x"), "--world-size", "3"],
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode == EXIT_ERROR and bad.stdout == ""
+  assert bad.stderr.strip().splitlines() == [
+      f"jaxreshard: error: checkpoint directory {root / 'nope'} does not exist"]
