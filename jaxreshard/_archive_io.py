@@ -395,6 +395,7 @@ class Reader:
     self._ctx = ts.Context()
     self._open: dict[str, Any] = {}
     self._lock = threading.Lock()
+    self.opened = 0  # arrays opened so far (each at most once)
 
   def _store(self, buf: LazyBuffer):
     with self._lock:
@@ -418,6 +419,7 @@ class Reader:
           f" {buf.dtype.name}[{buf.size}] in chunks of {buf.chunk}")
     with self._lock:
       self._open[buf.path] = store
+      self.opened += 1
     return store
 
   def check(self, buf: LazyBuffer) -> None:
