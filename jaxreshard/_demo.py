@@ -100,8 +100,11 @@ def train_example(steps: int = 3, seed: int = 0) -> tuple[Any, Any, Any]:
     updates, state = optimizer.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
 
-  for _ in range(steps):
-    params, state, _ = step(params, state)
+  # optax's own update mixes Python floats with int32 counters, which strict
+  # dtype promotion (a setting of the caller's, e.g. a test suite) refuses.
+  with jax.numpy_dtype_promotion("standard"):
+    for _ in range(steps):
+      params, state, _ = step(params, state)
   return optimizer, params, state
 
 
