@@ -1,0 +1,62 @@
+"""Checkpoints on disk for the restore, CLI and RSS benchmarks (jaxreshard and orbax)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+
+import jaxreshard as jr
+from benchmarks import _workload
+
+__all__ = ["write_jaxreshard", "write_orbax_plain", "history_tree", "dir_bytes", "rmtree"]
+
+
+def write_jaxreshard(path: str, history: int, n_params: int, world: int, seed: int) -> list:
+  """Saves an Adam checkpoint of ``world`` archives with ``jr.save_records``; returns them."""
+  records = _workload.adam_records(history, n_params, world, seed, as_numpy=True)
+  jr.save_records(path, records)
+  return records
+
+
+def history_tree(records) -> dict:
+  """``{"r<rank>": {"mu"|"nu": {param: array}}}``: the history buffers as a plain pytree."""
+  out = {}
+  for i, rec in enumerate(records):
+    adam = rec.state[0]
+    out[f"r{i:05d}"] = {"mu": _flat(adam.mu), "nu": _flat(adam.nu)}
+  return out
+
+
+def _flat(tree: dict) -> dict:
+  return {f"{a}.{b}": np.asarray(x) for a, sub in tree.items() for b, x in sub.items()}
+
+
+def write_orbax_plain(path: str, tree: dict) -> None:
+  """Saves a pytree of numpy arrays with orbax's standard checkpointer."""
+  import orbax.checkpoint as ocp
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(os.path.abspath(path), tree)
+
+
+def restore_orbax_plain(path: str) -> dict:
+  """Restores a ``write_orbax_plain`` checkpoint as numpy arrays."""
+  import jax
+  import orbax.checkpoint as ocp
+  path = os.path.abspath(path)
+  ckptr = ocp.PyTreeCheckpointer()
+  meta = ckptr.metadata(path)
+  tree = meta.item_metadata if hasattr(meta, "item_metadata") else meta
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree.tree
+                      if hasattr(tree, "tree") else tree)
+  return ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+
+
+def dir_bytes(path: str) -> int:
+  """Bytes of every file under ``path``."""
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def rmtree(path: str) -> None:
+  shutil.rmtree(path, ignore_errors=True)

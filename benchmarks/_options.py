@@ -1,0 +1,65 @@
+"""The suite's options: one frozen dataclass, a full and a quick preset."""
+
+from __future__ import annotations
+
+import dataclasses
+
+_M = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """What every benchmark runs at.
+
+  Sizes count elements of optimizer *history* (Adam ``mu`` + ``nu``, float32),
+  i.e. the bytes a reshard copies are ``4 * size``.
+
+  Attributes:
+    quick: smoke run (tiny sizes, one repeat); figures mean nothing.
+    sizes: history sizes for the in-memory sweep (benchmark 1).
+    n_params: parameters of the Adam workload (lognormal sizes).
+    src_world: source world size (8 in every benchmark but ``scale``).
+    dst_world: target world size.
+    repeats: warm repeats per measurement; the best is reported.
+    param_counts: parameter counts of the compile benchmark (2).
+    compile_size: fixed history size of the compile benchmark.
+    compile_ranks: target ranks resharded per cold/warm pass in (2).
+    disk_size: history size of the restore, CLI and RSS benchmarks (3, 4, 5).
+    scale_worlds: ``(source, target)`` world sizes of the scale benchmark (6).
+    scale_size: history size of the scale benchmark.
+    seed: workload seed.
+  """
+
+  quick: bool = False
+  sizes: tuple[int, ...] = (1 * _M, 4 * _M, 16 * _M, 64 * _M, 256 * _M)
+  n_params: int = 200
+  src_world: int = 8
+  dst_world: int = 6
+  repeats: int = 3
+  param_counts: tuple[int, ...] = (10, 100, 1000, 10000)
+  compile_size: int = 32 * _M
+  compile_ranks: int = 1
+  disk_size: int = 64 * _M
+  scale_worlds: tuple[tuple[int, int], ...] = ((8, 6), (64, 48), (512, 384))
+  scale_size: int = 32 * _M
+  seed: int = 0
+
+  @classmethod
+  def full(cls) -> "Options":
+    """The real run (< 15 minutes on a 2-core CPU machine)."""
+    return cls()
+
+  @classmethod
+  def smoke(cls) -> "Options":
+    """The ``--quick`` run: every code path, tiny sizes."""
+    return cls(
+        quick=True,
+        sizes=(_M // 4, _M),
+        n_params=20,
+        repeats=1,
+        param_counts=(10, 40),
+        compile_size=_M // 4,
+        disk_size=_M // 4,
+        scale_worlds=((8, 6), (64, 48)),
+        scale_size=_M // 4,
+    )

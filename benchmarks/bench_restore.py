@@ -1,0 +1,137 @@
+"""(3) restore of target ranks from disk vs orbax (plain arrays, and global array 8 -> 6 devices).
+
+Runs in a child process with ``src_world`` simulated CPU devices, which orbax
+needs to save a global array sharded over 8 devices and restore it onto 6.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks._measure import Result, run_child
+from benchmarks._options import Options
+
+NAME = "restore"
+GOAL = "one-rank restore no slower than orbax's own restore-with-new-sharding of the same bytes"
+
+
+def _timed(fn, repeats):
+  """(best seconds, bytes read during the best run, last result)."""
+  from benchmarks._measure import block, rchar
+  best, read, out = float("inf"), 0, None
+  for _ in range(max(1, repeats)):
+    out = None
+    r0, t0 = rchar(), time.perf_counter()
+    out = block(fn())
+    t, r = time.perf_counter() - t0, rchar() - r0
+    if t < best:
+      best, read = t, r
+  return best, read, out
+
+
+def child(history: int, n_params: int, src: int, dst: int, seed: int, repeats: int,
+          workdir: str) -> list[dict]:
+  """Writes the three checkpoints, times every restore; runs with ``src`` devices."""
+  import jax
+  import orbax.checkpoint as ocp
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+  import jaxreshard as jr
+  from benchmarks import _disk, _workload
+  from benchmarks._measure import block, rchar
+
+  assert len(jax.devices()) >= src, jax.devices()
+  jr_path = os.path.join(workdir, "jr")
+  records = _disk.write_jaxreshard(jr_path, history, n_params, src, seed)
+  # The same flat buffers as global arrays: each (src * slots,) buffer sharded over src devices.
+  mesh_src = Mesh(np.array(jax.devices()[:src]), ("x",))
+  mesh_dst = Mesh(np.array(jax.devices()[:dst]), ("x",))
+  plain = _disk.history_tree(records)
+  glob = {name: {pid: jax.device_put(np.concatenate([plain[r][name][pid] for r in sorted(plain)]),
+                                     NamedSharding(mesh_src, P("x")))
+                 for pid in plain["r00000"][name]} for name in ("mu", "nu")}
+  del records, plain
+  glob_path = os.path.abspath(os.path.join(workdir, "global"))
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(glob_path, glob)
+  counts = {pid: int(x.shape[0]) for pid, x in glob["mu"].items()}
+  del glob
+  sizes = dict(zip([f"layer_{i:0{len(str(n_params - 1))}d}.w" for i in range(n_params)],
+                   _workload.param_sizes(history // 2, n_params, seed)))
+  restore_args = {name: {pid: ocp.ArrayRestoreArgs(
+      sharding=NamedSharding(mesh_dst, P("x")),
+      global_shape=(dst * jr.FlatShard((sizes[pid],), 0, dst).slots,), strict=False)
+      for pid in counts} for name in ("mu", "nu")}
+  ckptr = ocp.PyTreeCheckpointer()
+  restore_global = lambda: ckptr.restore(
+      glob_path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+
+  rows = []
+  rank = 0
+  t0 = time.perf_counter()
+  target = block(jr.restore(jr_path, rank, dst))
+  cold = time.perf_counter() - t0
+  one_s, one_read, target = _timed(lambda: jr.restore(jr_path, rank, dst), repeats)
+  one_bytes = _workload.history_bytes([target])
+  plain_path = os.path.join(workdir, "plain")
+  _disk.write_orbax_plain(plain_path, _disk.history_tree([target]))
+  plain_s, plain_read, _ = _timed(lambda: _disk.restore_orbax_plain(plain_path), repeats)
+  block([jr.restore(jr_path, r, dst) for r in range(dst)])  # compiles every rank
+  all_s, all_read, targets = _timed(lambda: [jr.restore(jr_path, r, dst) for r in range(dst)],
+                                    repeats)
+  all_bytes = _workload.history_bytes(targets)
+  _timed(restore_global, 1)
+  glob_s, glob_read, restored = _timed(restore_global, repeats)
+  # Bit-exactness of the comparison: orbax's device-r shard is jaxreshard's rank r.
+  pid = sorted(counts)[0]
+  layer, w = pid.split(".")
+  shard = np.asarray(restored["mu"][pid].addressable_shards[rank].data)
+  exact = bool(np.array_equal(shard.view(np.uint32),
+                              np.asarray(target.state[0].mu[layer][w]).view(np.uint32)))
+  del restored, targets
+  rows.append({"what": f"jaxreshard restore, rank {rank} of {dst}", "mib": one_bytes / 2**20,
+               "seconds": one_s, "cold_seconds": cold, "mib_read": one_read / 2**20})
+  rows.append({"what": "orbax restore of that rank's bytes as plain numpy arrays",
+               "mib": one_bytes / 2**20, "seconds": plain_s, "cold_seconds": None,
+               "mib_read": plain_read / 2**20})
+  rows.append({"what": f"jaxreshard restore, all {dst} ranks (one process)",
+               "mib": all_bytes / 2**20, "seconds": all_s, "cold_seconds": None,
+               "mib_read": all_read / 2**20})
+  rows.append({"what": f"orbax global arrays saved on {src} devices, restored onto {dst}",
+               "mib": all_bytes / 2**20, "seconds": glob_s, "cold_seconds": None,
+               "mib_read": glob_read / 2**20, "bit_exact_vs_jaxreshard": exact})
+  for r in rows:
+    r["gb_per_s"] = r["mib"] * 2**20 / r["seconds"] / 1e9
+    for k, v in list(r.items()):
+      if isinstance(v, float):
+        r[k] = round(v, 4)
+  return rows
+
+
+def run(opts: Options) -> Result:
+  with tempfile.TemporaryDirectory(prefix="jr-bench-restore-") as tmp:
+    rows = run_child("bench_restore", "child", dict(
+        history=opts.disk_size, n_params=opts.n_params, src=opts.src_world, dst=opts.dst_world,
+        seed=opts.seed, repeats=opts.repeats, workdir=tmp), devices=opts.src_world)
+  jr_one, _, jr_all, orbax_global = rows
+  per_rank_orbax = orbax_global["seconds"] / opts.dst_world
+  for r in rows:
+    r["vs_orbax_global"] = round(orbax_global["seconds"] * r["mib"] / orbax_global["mib"]
+                                 / r["seconds"], 3)
+  met = None if opts.quick else jr_all["seconds"] <= orbax_global["seconds"]
+  notes = (
+      f"Adam, {opts.n_params} parameters, {opts.disk_size} history elements saved over"
+      f" {opts.src_world} ranks, restored for {opts.dst_world}; {opts.src_world} simulated CPU"
+      " devices in a child process. Files are read from the page cache (just written; no"
+      " root to drop caches), so this measures the read path, not the disk."
+      " `seconds`: best of warm runs; `cold_seconds`: the first restore (compiles kernels)."
+      " `mib_read`: /proc/self/io rchar delta during the best run."
+      " `vs_orbax_global`: this row's bytes per second over orbax's global restore"
+      " (>1: faster than orbax). Orbax restores every target rank at once onto"
+      f" {opts.dst_world} devices; per rank that is {per_rank_orbax:.3f} s."
+      " Verdict: all ranks with jaxreshard vs orbax's global restore of the same bytes.")
+  return Result(NAME, "restore from disk vs orbax", GOAL, met, tuple(rows), notes)
