@@ -45,14 +45,24 @@ def check_buffer_dtype(dtype: Any, where: str) -> None:
   )
 
 
+def _params_of(record: ShardRecord, limit: int = 3) -> str:
+  """``params 'a', 'b', ... (N in all)``: names a whole archive's parameters briefly."""
+  ids = [getattr(p, "param", p) for p in record.placements]
+  if not ids:
+    return "no params listed"
+  shown = ", ".join(repr(i) for i in ids[:limit])
+  more = f", ... ({len(ids)} in all)" if len(ids) > limit else ""
+  return f"param {shown}" if len(ids) == 1 else f"params {shown}{more}"
+
+
 def check_archive(index: int, record: Any) -> _structure.Anatomy:
   """Refusals 2 and 3 for one archive; returns its anatomy."""
   if not isinstance(record, ShardRecord):
     raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
   if record.version != FORMAT_VERSION:
     raise PlacementError(
-        f"archive {index}: record version {record.version!r} is not supported"
-        f" (only version {FORMAT_VERSION} exists)"
+        f"{_params_of(record)}: archive {index} has record version {record.version!r},"
+        f" which is not supported (only version {FORMAT_VERSION} exists)"
     )
   seen = set()
   for p in record.placements:
