@@ -211,11 +211,14 @@ def _reshard(records, migrations, *, logical: bool) -> ShardRecord:
   if not records:
     raise PlacementError("no archives supplied")
   anatomies = [_validate.check_archive(i, r) for i, r in enumerate(records)]
-  seen: set[str] = set()
+  seen: dict[str, Migration] = {}
   for m in migrations:
     if m.param in seen:
-      raise PlacementError(f"param {m.param!r}: two migrations target it")
-    seen.add(m.param)
+      raise PlacementError(
+          f"param {m.param!r}: two migrations target it (from archives"
+          f" {list(seen[m.param].sources)} and {list(m.sources)}); pass one per parameter"
+      )
+    seen[m.param] = m
   groups = sorted(
       (_validate.check_migration(m, records, anatomies) for m in migrations),
       key=lambda g: g.migration.param,
