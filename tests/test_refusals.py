@@ -1,0 +1,301 @@
+"""One test per refusal of SPEC.md "What is refused" (1..14).
+
+Each asserts the specific class, that the message names the parameter and the
+archive index involved, and that the refused call changed none of its inputs.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxreshard as jr
+from tests._core_util import snapshot
+
+W = 4
+OPT = optax.adam(1e-2)
+
+
+def _records(opt=OPT, world=W, seed=0, count=3):
+  rng = np.random.default_rng(seed)
+  params = {"a": jnp.zeros((5,), jnp.float32), "b": {"c": jnp.zeros((3, 2), jnp.float32)}}
+  state = opt.init(params)
+  fill = lambda x: jnp.asarray(rng.standard_normal(x.shape).astype(x.dtype)) if x.ndim else x
+  state = jax.tree.map(fill, state)
+  if isinstance(state[0], optax.ScaleByAdamState):
+    state = (state[0]._replace(count=jnp.asarray(count, jnp.int32)),) + tuple(state[1:])
+  return jr.shard_state(opt, params, state, world)
+
+
+def _refused(records, migrations, cls, *needles):
+  """reshard refuses with ``cls``, names every needle, and leaves inputs alone."""
+  before = snapshot(records), list(migrations), [snapshot(r.state) for r in records
+                                                   if isinstance(r, jr.ShardRecord)]
+  with pytest.raises(cls) as info:
+    jr.reshard(records, migrations)
+  after = snapshot(records), list(migrations), [snapshot(r.state) for r in records
+                                                  if isinstance(r, jr.ShardRecord)]
+  assert before[1] == after[1]
+  assert before[0][0] == after[0][0] and before[0][1] == after[0][1]
+  assert before[2] == after[2]
+  msg = str(info.value)
+  for needle in needles:
+    assert needle in msg, f"{needle!r} not in {msg!r}"
+  assert isinstance(info.value, jr.ReshardError) and isinstance(info.value, ValueError)
+  return info.value
+
+
+def _with_placement(rec, pid, **changes):
+  placements = tuple(dataclasses.replace(p, **changes) if p.param == pid else p
+                     for p in rec.placements)
+  return dataclasses.replace(rec, placements=placements)
+
+
+def _with_mu(rec, pid, value, which="mu"):
+  """``rec`` with the ``which`` buffer of ``pid`` (a nested id) replaced."""
+  adam = rec.state[0]
+  tree = jax.tree.map(lambda x: x, getattr(adam, which))  # a copy of the dicts
+  *parents, last = pid.split("/")
+  node = tree
+  for k in parents:
+    node = node[k]
+  node[last] = value
+  return dataclasses.replace(rec, state=(adam._replace(**{which: tree}),) + tuple(rec.state[1:]))
+
+
+def _plan(records=None, world=6, rank=2):
+  return jr.plan(records if records is not None else _records(), world_size=world, rank=rank)
+
+
+def test_sanity_the_base_case_is_accepted():
+  records = _records()
+  target = jr.reshard(records, _plan(records))
+  assert target.params == ("a", "b/c")
+
+
+def test_01_no_archives():
+  with pytest.raises(jr.PlacementError, match="no archives"):
+    jr.reshard([], [jr.Migration("a", (5,), 0, 1, (0,))])
+  with pytest.raises(jr.PlacementError, match="no archives"):
+    jr.plan([], world_size=2, rank=0)
+
+
+def test_02_version_not_1():
+  records = _records()
+  records[1] = dataclasses.replace(records[1], version=2)
+  _refused(records, _plan(_records()), jr.PlacementError, "archive 1", "version 2", "'a'")
+
+
+def test_03a_param_listed_twice():
+  records = _records()
+  records[2] = dataclasses.replace(
+      records[2], placements=records[2].placements + (records[2].placements[0],))
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 2", "twice")
+
+
+def test_03b_history_for_unlisted_param():
+  records = _records()
+  records[3] = dataclasses.replace(
+      records[3], placements=tuple(p for p in records[3].placements if p.param != "b/c"))
+  migrations = [m for m in _plan(_records()) if m.param == "a"]
+  _refused(records, migrations, jr.PlacementError, "param 'b/c'", "archive 3",
+           "does not list")
+
+
+def test_04_two_migrations_for_one_param():
+  records = _records()
+  m = _plan(records)
+  _refused(records, m + [m[0]], jr.PlacementError, "param 'a'", "two migrations",
+           "archive")
+
+
+@pytest.mark.parametrize("rank, world, shape", [(6, 6, (5,)), (0, 0, (5,)), (-1, 6, (5,)),
+                                                (0, 6, (-5,))])
+def test_05_invalid_target_geometry(rank, world, shape):
+  records = _records()
+  bad = jr.Migration("a", shape, rank, world, (0, 1, 2, 3))
+  _refused(records, [bad], jr.PlacementError, "param 'a'", "target")
+
+
+def test_06a_empty_source_list():
+  records = _records()
+  _refused(records, [jr.Migration("a", (5,), 0, 6, ())], jr.PlacementError, "param 'a'",
+           "no source archives")
+
+
+@pytest.mark.parametrize("bad", [4, -1, 99])
+def test_06b_source_index_out_of_range(bad):
+  records = _records()
+  _refused(records, [jr.Migration("a", (5,), 0, 6, (0, 1, 2, bad))], jr.PlacementError,
+           "param 'a'", f"archive index {bad}", "out of range")
+
+
+def test_07_source_does_not_list_param():
+  # Two groups: archives 0..3 hold 'a' and 'b/c'; archive 4 holds only 'x'.
+  records = _records()
+  other = jr.shard_state(optax.adam(1e-2), {"x": jnp.zeros((3,))},
+                         optax.adam(1e-2).init({"x": jnp.zeros((3,))}), 1)
+  records = records + other
+  _refused(records, [jr.Migration("a", (5,), 0, 6, (0, 1, 2, 4))], jr.PlacementError,
+           "param 'a'", "archive 4", "does not list")
+
+
+def test_08a_shape_differs_from_target():
+  records = _records()
+  _refused(records, [jr.Migration("a", (6,), 0, 6, (0, 1, 2, 3))], jr.PlacementError,
+           "param 'a'", "archive 0", "(5,)", "(6,)")
+
+
+def test_08b_shape_differs_between_sources():
+  records = _records()
+  records[2] = _with_placement(records[2], "a", shape=(2, 3))
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 2",
+           "(2, 3)", "(5,)")
+
+
+def test_09a_incomplete_group():
+  records = _records()
+  _refused(records, [jr.Migration("a", (5,), 0, 6, (0, 1, 3))], jr.PlacementError,
+           "param 'a'", "world_size 4", "[2]")
+
+
+def test_09b_over_complete_group_from_two_checkpoints():
+  # Rank 2 supplied twice (a second copy of the same checkpoint) -> repeated rank.
+  records = _records() + _records()
+  _refused(records, [jr.Migration("a", (5,), 0, 6, (0, 1, 2, 3, 6))], jr.PlacementError,
+           "param 'a'", "archives 2 and 6", "rank 2")
+
+
+def test_09c_repeated_source_index():
+  records = _records()
+  _refused(records, [jr.Migration("a", (5,), 0, 6, (0, 1, 2, 2, 3))], jr.PlacementError,
+           "param 'a'", "archives 2 and 2", "rank 2")
+
+
+def test_09d_world_size_disagrees():
+  records = _records()
+  records[1] = _with_placement(records[1], "a", world_size=5)
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 1",
+           "world_size 5")
+
+
+def test_09e_rank_outside_its_world():
+  records = _records()
+  records[3] = _with_placement(records[3], "a", rank=7)
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 3", "rank 7")
+
+
+def test_10a_storage_dtypes_disagree():
+  records = _records()
+  records[2] = _with_placement(records[2], "a", dtype=jnp.float16)
+  _refused(records, _plan(_records()), jr.DtypeError, "param 'a'", "archive 2", "float16")
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, "bool", "float8_e4m3fn"])
+def test_10b_unsupported_storage_dtype(dtype):
+  records = [_with_placement(r, "a", dtype=dtype) for r in _records()]
+  err = _refused(records, _plan(_records()), jr.DtypeError, "param 'a'", "archive 0")
+  assert isinstance(err, jr.PlacementError) and isinstance(err, jr.ShapeError)
+
+
+def test_10c_trainability_disagrees():
+  records = _records()
+  records[1] = _with_placement(records[1], "b/c", trainable=False)
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'b/c'", "archive 1",
+           "trainable")
+
+
+def test_11a_history_absent_in_one_source():
+  records = _records()
+  rec = _with_mu(records[2], "a", optax.MaskedNode())
+  rec = _with_mu(rec, "a", optax.MaskedNode(), which="nu")
+  records[2] = dataclasses.replace(rec, roles=None)  # a hand-edited record: roles inferred
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 2", "histor")
+
+
+def test_11b_history_present_in_other_subtrees():
+  # Same number of buffers, different subtrees: mu here, nu there.
+  records = _records()
+  records = [dataclasses.replace(_with_mu(r, "a", optax.MaskedNode(),
+                                          which="nu" if i < 2 else "mu"), roles=None)
+             for i, r in enumerate(records)]
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 2",
+           "absent")
+
+
+def test_12a_clock_scalar_differs():
+  records = _records()
+  records[3] = _records(count=4)[3]
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 3",
+           "scalar", "not one checkpoint")
+
+
+def test_12b_state_structure_differs():
+  # adamw's state has one more (empty) transform than adam's: same histories.
+  records = _records()
+  records[1] = _records(opt=optax.adamw(1e-2))[1]
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 1",
+           "structure")
+
+
+def test_12c_merged_groups_with_different_clocks():
+  # Two groups merged into one target state must share one optimizer clock.
+  g1 = _records(count=3)
+  opt = optax.adam(1e-2)
+  params = {"x": jnp.zeros((3,))}
+  state = opt.init(params)
+  state = (state[0]._replace(count=jnp.asarray(9, jnp.int32)),) + tuple(state[1:])
+  g2 = jr.shard_state(opt, params, state, 2)
+  records = g1 + g2
+  migrations = _plan(g1) + [jr.Migration("x", (3,), 2, 6, (4, 5))]
+  _refused(records, migrations, jr.PlacementError, "param 'x'", "archive 4", "scalar")
+
+
+def test_13_different_number_of_buffers():
+  # Rank 1 saved by an optimizer with three histories per param (adam + trace).
+  records = _records()
+  records[1] = _records(opt=optax.chain(optax.adam(1e-2), optax.trace(0.9)))[1]
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 1",
+           "3 history buffers", "2")
+
+
+def test_14a_buffer_shape_not_slots():
+  records = _records()
+  records[2] = _with_mu(records[2], "a", jnp.zeros((3,), jnp.float32))  # slots are 2
+  _refused(records, _plan(_records()), jr.ShapeError, "param 'a'", "archive 2", "(3,)",
+           "(2,)")
+
+
+def test_14b_buffer_dtype_differs_across_sources():
+  records = _records()
+  records[3] = _with_mu(records[3], "a", jnp.zeros((2,), jnp.float16))
+  _refused(records, _plan(_records()), jr.ShapeError, "param 'a'", "archive 3", "float16",
+           "float32")
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.uint8])
+def test_14c_buffer_not_floating(dtype):
+  records = [_with_mu(r, "b/c", jnp.zeros((2,), dtype)) for r in _records()]
+  _refused(records, _plan(_records()), jr.ShapeError, "param 'b/c'", "archive 0",
+           np.dtype(dtype).name)
+
+
+def test_14d_factored_state_is_refused():
+  # Adafactor-like factored rows stored where a flat history should be.
+  records = [_with_mu(r, "b/c", jnp.zeros((3, 1), jnp.float32)) for r in _records()]
+  _refused(records, _plan(_records()), jr.ShapeError, "param 'b/c'", "archive 0", "(3, 1)")
+
+
+def test_plan_refuses_incomplete_groups():
+  records = _records()
+  with pytest.raises(jr.PlacementError, match=r"param 'a'.*missing ranks \[1\]"):
+    jr.plan(records[:1] + records[2:], world_size=2, rank=0)
+
+
+def test_unshard_refuses_incomplete_groups():
+  records = _records()
+  with pytest.raises(jr.PlacementError, match="param 'a'"):
+    jr.unshard_state(records[1:])
