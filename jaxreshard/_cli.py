@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import jax
 import numpy as np
 import typer
 from rich import filesize
@@ -24,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 import jaxreshard as jr
-from jaxreshard import _digest, _progress
+from jaxreshard import _archive_io, _digest, _progress, _restore, _validate
 
 __all__ = ["app", "main"]
 
@@ -79,8 +80,6 @@ def _guard(fn: Callable) -> Callable:
 def _metadata(path: Path) -> list[Any]:
   """Every archive's record with its history buffers left on disk (shape and
   dtype only), so inspect and the read plans read no array data."""
-  from jaxreshard import _archive_io
-
   return list(_archive_io.open_checkpoint(str(path)).records)
 
 
@@ -90,9 +89,6 @@ def _stream(path: Path) -> Iterator[Any]:
   ``load_records`` returns every archive at once; verify needs only one in
   memory, so it reads each archive's buffers just before it is digested.
   """
-  import jax
-  from jaxreshard import _archive_io, _validate
-
   ckpt = _archive_io.open_checkpoint(str(path))
   for i, rec in enumerate(ckpt.records):
     _validate.check_archive(i, rec)
@@ -107,8 +103,6 @@ def _stream(path: Path) -> Iterator[Any]:
 
 def _restorer(path: Path, world_size: int) -> Callable[[int], Any]:
   """``rank -> record`` that reads the metadata once and opens each array once."""
-  from jaxreshard import _archive_io, _restore
-
   ckpt = _archive_io.open_checkpoint(str(path))
   reader = _archive_io.Reader()
   return lambda rank: _restore.restore_ranks(
@@ -117,6 +111,21 @@ def _restorer(path: Path, world_size: int) -> Callable[[int], Any]:
 
 def _size(n: int) -> str:
   return filesize.decimal(n).replace(" bytes", " B").replace(" byte", " B")
+
+
+def _version(value: bool) -> None:
+  if value:
+    print(f"jaxreshard {jr.__version__}")
+    raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+  """Exact resharding of optax flat-shard (ZeRO / FSDP) optimizer state."""
+  del version
 
 
 # --------------------------------------------------------------------------- demo
@@ -333,7 +342,7 @@ def verify(
   """Prove OUT holds exactly CHECKPOINT's optimizer state, whatever the two layouts."""
   a = _digest.digest_records(_stream(checkpoint))
   b = _digest.digest_records(_stream(out))
-  diffs = _digest.compare_digests(a, b)
+  diffs = _digest.compare_digests(a, b, names=(str(checkpoint), str(out)))
   console = _out()
   if diffs:
     for line in diffs:

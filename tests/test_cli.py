@@ -204,3 +204,4 @@ def test_subprocess_python_m(ckpt, resharded):
   assert bad.returncode == EXIT_ERROR and bad.stdout == ""
   assert bad.stderr.strip().splitlines() == [
       f"jaxreshard: error: checkpoint directory {root / 'nope'} does not exist"]
+  assert _run("--version").stdout == f"jaxreshard {jr.__version__}\n"
