@@ -329,8 +329,15 @@ def shard_to_mesh(
 
 def _gather_bits(leaf: Any) -> np.ndarray:
   """The whole of a (possibly multi-process) global array, as host numpy, exactly."""
-  if not isinstance(leaf, jax.Array) or leaf.is_fully_addressable:
+  if not isinstance(leaf, jax.Array):
     return np.asarray(leaf)
+  if leaf.is_fully_addressable:
+    # From the device buffers themselves: ``np.asarray`` of a partially
+    # replicated array may go through a computation that quiets NaN payloads.
+    out = np.zeros(leaf.shape, leaf.dtype)
+    for shard in leaf.addressable_shards:
+      out[shard.index] = np.asarray(shard.data)
+    return out
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
   dtype = np.dtype(leaf.dtype)

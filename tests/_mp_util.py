@@ -1,0 +1,219 @@
+"""Helpers of the distributed tests: one example state, and local process groups.
+
+The example state is deterministic (same seed -> same bits in every process),
+so a worker process and the pytest process build it independently and the
+pytest process computes the single-process reference with the core.
+
+``ProcessGroup`` starts ``n`` real Python processes that call
+``jax.distributed.initialize`` against a coordinator on a free localhost port,
+each with its own simulated CPU device count, and guarantees they are all gone
+when it exits (killed if still running), whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "_mp_worker.py")
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+# param id -> (shape, storage dtype). Uneven sizes on purpose: 8 -> 6 and 8 -> 5
+# split them unevenly, "tiny" leaves trailing ranks all padding, "empty" has
+# no elements, "scalar" is 0-d. Big enough that array bytes dominate metadata.
+SPECS = {
+    "dense/kernel": ((256, 301), np.float32),
+    "dense/bias": ((130,), np.float32),
+    "embed/table": ((61, 67), jnp.bfloat16),
+    "head/w": ((33, 17), np.float16),
+    "tiny": ((3,), np.float32),
+    "scalar": ((), np.float32),
+    "empty": ((0, 4), np.float32),
+}
+FROZEN = ("head/w",)
+
+
+def nest(flat: dict) -> dict:
+  root: dict = {}
+  for pid, v in flat.items():
+    *parents, last = pid.split("/")
+    node = root
+    for k in parents:
+      node = node.setdefault(k, {})
+    node[last] = v
+  return root
+
+
+def optimizer() -> Any:
+  """Adam (bf16 first moment) on trainable params, nothing on frozen ones, clipped."""
+  labels = nest({pid: "frozen" if pid in FROZEN else "train" for pid in SPECS})
+  return optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.multi_transform(
+          {"train": optax.adam(1e-3, mu_dtype=jnp.bfloat16), "frozen": optax.set_to_zero()},
+          labels,
+      ),
+  )
+
+
+def random_bits(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+  """Uniformly random bit patterns (NaN payloads, -0.0, inf included).
+
+  For bfloat16 only, signalling NaNs are made quiet and subnormals zero: the
+  core gather kernel currently loses exactly those on XLA:CPU in some padded
+  bf16 programs (see ``test_distributed.test_core_bf16_padding_bug``); these
+  tests are about placement across devices and processes, which copy bytes.
+  """
+  dt = np.dtype(dtype)
+  raw = rng.integers(0, 2 ** (8 * dt.itemsize), size=math.prod(shape), dtype=np.uint64)
+  bits = raw.astype(_UINT[dt.itemsize])
+  if dt == np.dtype(jnp.bfloat16):
+    exponent, mantissa = bits & 0x7F80, bits & 0x007F
+    bits = np.where((exponent == 0x7F80) & (mantissa != 0), bits | 0x0040, bits)
+    bits = np.where((exponent == 0) & (mantissa != 0), bits & 0x8000, bits)
+  return bits.view(dt).reshape(shape)
+
+
+def example(seed: int = 0):
+  """(optimizer, params, state, shapes): history buffers are random bits, count set."""
+  from jaxreshard import _structure  # pylint: disable=g-import-not-at-top
+
+  opt = optimizer()
+  params = nest({pid: jnp.zeros(s, d) for pid, (s, d) in SPECS.items()})
+  state = opt.init(params)
+  rng = np.random.default_rng(seed)
+  roles = _structure.history_roles(opt, params, state)
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  new = []
+  for leaf, role in zip(leaves, roles):
+    if role is None:
+      new.append(jnp.asarray(rng.integers(1, 10**6), leaf.dtype) if leaf.dtype == jnp.int32
+                 else leaf)
+    else:
+      new.append(jnp.asarray(random_bits(rng, leaf.shape, leaf.dtype)))
+  state = jax.tree_util.tree_unflatten(treedef, new)
+  shapes = {pid: s for pid, (s, _) in SPECS.items()}
+  return opt, params, state, shapes
+
+
+def trainable() -> dict:
+  return {pid: pid not in FROZEN for pid in SPECS}
+
+
+def bits(x: Any) -> np.ndarray:
+  a = np.asarray(x)
+  return a.view(_UINT[a.dtype.itemsize]) if a.dtype.itemsize in _UINT else a
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def rchar() -> int:
+  """Bytes this process has read through read-like syscalls so far."""
+  with open("/proc/self/io") as f:
+    for line in f:
+      if line.startswith("rchar:"):
+        return int(line.split()[1])
+  raise RuntimeError("no rchar in /proc/self/io")
+
+
+class ProcessGroup:
+  """``n`` worker processes of one jax.distributed job on localhost.
+
+  Args:
+    n: number of processes.
+    devices: simulated CPU devices per process.
+    task: the worker task name (see ``_mp_worker.py``).
+    out: a directory the workers write results to (``<out>/p<i>.json`` ...).
+    args: JSON-able task arguments, the same for every process.
+    timeout: seconds the whole group may run.
+  """
+
+  def __init__(self, n: int, devices: int, task: str, out: str, args: dict,
+               timeout: float = 150.0):
+    self.n, self.devices, self.task, self.out, self.args = n, devices, task, out, args
+    self.timeout = timeout
+    self.procs: list[subprocess.Popen] = []
+    self.logs: list[str] = []
+
+  def __enter__(self) -> "ProcessGroup":
+    os.makedirs(self.out, exist_ok=True)
+    port = free_port()
+    for i in range(self.n):
+      env = dict(os.environ)
+      env.update(
+          XLA_FLAGS=f"--xla_force_host_platform_device_count={self.devices}",
+          JAX_PLATFORMS="cpu",
+          PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+          MP_COORDINATOR=f"127.0.0.1:{port}",
+          MP_NUM_PROCESSES=str(self.n),
+          MP_PROCESS_ID=str(i),
+          MP_TASK=self.task,
+          MP_OUT=self.out,
+          MP_ARGS=json.dumps(self.args),
+      )
+      log = os.path.join(self.out, f"p{i}.log")
+      self.logs.append(log)
+      with open(log, "wb") as f:
+        self.procs.append(subprocess.Popen(
+            [sys.executable, WORKER], env=env, stdout=f, stderr=subprocess.STDOUT,
+            cwd=ROOT, start_new_session=True))
+    self.started = time.monotonic()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.kill()
+
+  def kill(self, i: Optional[int] = None) -> None:
+    """SIGKILLs process ``i`` (default: every process still running)."""
+    for j, p in enumerate(self.procs):
+      if (i is None or i == j) and p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+
+  def wait(self, only: Optional[Sequence[int]] = None) -> list[int]:
+    """Waits for the processes (all, or ``only``); returns exit codes; kills all on timeout."""
+    which = range(self.n) if only is None else only
+    for j in which:
+      left = self.timeout - (time.monotonic() - self.started)
+      try:
+        self.procs[j].wait(max(left, 0.1))
+      except subprocess.TimeoutExpired:
+        self.kill()
+        raise AssertionError(f"process group {self.task!r} timed out:\n{self.tail()}")
+    return [self.procs[j].returncode for j in which]
+
+  def check(self) -> list[dict]:
+    """Waits for every process, asserts success, returns each one's JSON result."""
+    codes = self.wait()
+    if any(codes):
+      self.kill()
+      raise AssertionError(f"process group {self.task!r} exit codes {codes}:\n{self.tail()}")
+    return [json.load(open(os.path.join(self.out, f"p{i}.json"))) for i in range(self.n)]
+
+  def tail(self, chars: int = 3000) -> str:
+    parts = []
+    for log in self.logs:
+      try:
+        text = open(log, errors="replace").read()
+      except OSError:
+        text = ""
+      parts.append(f"--- {log} ---\n{text[-chars:]}")
+    return "\n".join(parts)

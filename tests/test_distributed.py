@@ -1,0 +1,187 @@
+"""Global flat-sharded state on a mesh of 8 simulated devices, in one process.
+
+Every shard is compared bit for bit with the single-process core
+(``shard_state`` / ``reshard`` / ``unshard_state``).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, PartitionSpec
+
+import jaxreshard as jr
+from tests import _mp_util as U
+from tests._core_util import assert_records_equal, assert_trees_bit_equal, oracle_shard
+
+
+def _mesh(shape, names, devices=None):
+  devices = jax.devices()[: int(np.prod(shape))] if devices is None else devices
+  return Mesh(np.array(devices).reshape(shape), names)
+
+
+@pytest.fixture(scope="module")
+def ex():
+  return U.example(seed=1)
+
+
+def _check_against(state, mesh, axis, expected):
+  """Every addressable shard of ``state`` equals the core record of its rank."""
+  roles = expected[0].roles
+  a = mesh.axis_names.index(axis)
+  rank_of = {d: int(i[a]) for i, d in np.ndenumerate(mesh.devices)}
+  for leaf, role, *per_rank in zip(jax.tree.leaves(state), roles,
+                                   *[jax.tree.leaves(r.state) for r in expected]):
+    if role is None:
+      assert leaf.sharding.spec == PartitionSpec()
+      for shard in leaf.addressable_shards:
+        U_bits = U.bits(shard.data)
+        assert np.array_equal(U_bits, U.bits(per_rank[0])), role
+      continue
+    assert leaf.sharding.spec == PartitionSpec(axis), role
+    assert leaf.shape == (len(expected) * per_rank[0].shape[0],), role
+    seen = set()
+    for shard in leaf.addressable_shards:
+      r = rank_of[shard.device]
+      seen.add(shard.device)
+      assert shard.data.devices() == {shard.device}
+      assert np.array_equal(U.bits(shard.data), U.bits(per_rank[r])), (role, r)
+      assert shard.data.dtype == per_rank[r].dtype
+  return True
+
+
+@pytest.mark.parametrize("shape,names,axis", [
+    ((8,), ("fsdp",), "fsdp"),
+    ((2, 3), ("data", "fsdp"), "fsdp"),   # 3 ranks, each replicated on 2 devices
+    ((5, 1), ("fsdp", "model"), "fsdp"),  # 5: uneven split, trailing padding
+])
+def test_shard_to_mesh_equals_shard_state(ex, shape, names, axis):
+  opt, params, state, shapes = ex
+  mesh = _mesh(shape, names)
+  world = mesh.shape[axis]
+  out = jr.shard_to_mesh(opt, params, state, mesh, axis, trainable=U.trainable())
+  expected = jr.shard_state(opt, params, state, world, trainable=U.trainable())
+  _check_against(out.state, mesh, axis, expected)
+  assert out.placements == {r: expected[r].placements for r in range(world)}
+  # Back to the records, from the device buffers, and to the full state.
+  got = jr.gather_from_mesh(opt, out.state, {p.param: p for p in out.placements[0]}, mesh, axis)
+  assert_trees_bit_equal(got, jr.unshard_state(expected))
+
+
+def test_mesh_round_trip_is_the_original_state(ex):
+  opt, params, state, shapes = ex
+  mesh = _mesh((3,), ("fsdp",))
+  out = jr.shard_to_mesh(opt, params, state, mesh, trainable=U.trainable())
+  assert_trees_bit_equal(jr.gather_from_mesh(opt, out.state, shapes, mesh), state)
+  # Against the numpy oracle, independent of the core.
+  mu = out.state[1].inner_states["train"].inner_state[0].mu["dense"]["kernel"]
+  full = state[1].inner_states["train"].inner_state[0].mu["dense"]["kernel"]
+  for shard in mu.addressable_shards:
+    r = shard.index[0].start // shard.data.shape[0]
+    assert np.array_equal(U.bits(shard.data), U.bits(oracle_shard(full, 3, r)))
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "core bug in jaxreshard/_kernels.py, not in this module: a zero-padded bf16 output"
+    " gathered from a >= 2-D source loses signalling-NaN payloads and subnormals on XLA:CPU"))
+def test_core_bf16_padding_bug():
+  """Documents the core kernel bug that ``_mp_util.random_bits`` steers around."""
+  x = jnp.asarray(np.array([0x7FA8, 0x807E, 0x0068, 0x3F80] * 500, np.uint16)
+                  .view(jnp.bfloat16).reshape(4, 500))
+  from jaxreshard import _kernels
+  out = _kernels.assemble([_kernels.Output((1002,), x.dtype, (_kernels.Piece(x, 500, 1000),))])[0]
+  expected = np.zeros(1002, np.uint16)
+  expected[:1000] = U.bits(x).reshape(-1)[500:1500]
+  assert np.array_equal(U.bits(out), expected)
+
+
+def test_records_from_mesh_equal_core_records(ex):
+  from jaxreshard import _global
+  opt, params, state, _ = ex
+  mesh = _mesh((2, 4), ("data", "fsdp"))
+  out = jr.shard_to_mesh(opt, params, state, mesh, "fsdp", trainable=U.trainable())
+  expected = jr.shard_state(opt, params, state, 4, trainable=U.trainable())
+  shapes = {p.param: p for p in out.placements[0]}
+  records = _global.records_from_mesh(opt, out.state, shapes, mesh, "fsdp")
+  assert sorted(records) == [0, 1, 2, 3]
+  for r, rec in records.items():
+    assert_records_equal(rec, expected[r])
+
+
+@pytest.mark.parametrize("source,target", [(8, 6), (3, 8), (8, 5)])
+def test_reshard_to_mesh_equals_core(ex, source, target):
+  opt, params, state, _ = ex
+  records = jr.shard_state(opt, params, state, source, trainable=U.trainable())
+  mesh = _mesh((target,), ("fsdp",))
+  out = jr.reshard_to_mesh(records, mesh)
+  expected = [jr.reshard(records, jr.plan(records, target, r)) for r in range(target)]
+  _check_against(out.state, mesh, "fsdp", expected)
+  assert out.placements == {r: expected[r].placements for r in range(target)}
+
+
+def test_save_sharded_then_restore_sharded(ex, tmp_path):
+  """8 ranks on a (2 x 4) mesh saved, restored onto 6, then onto 5 x 1: all exact."""
+  opt, params, state, _ = ex
+  mesh8 = _mesh((2, 4), ("data", "fsdp"))
+  src = jr.shard_to_mesh(opt, params, state, mesh8, "fsdp", trainable=U.trainable())
+  path = os.path.join(tmp_path, "step_1")
+  jr.save_sharded(path, opt, src.state, {p.param: p for p in src.placements[0]}, mesh8, "fsdp")
+  records = jr.load_records(path)
+  for got, want in zip(records, jr.shard_state(opt, params, state, 4, trainable=U.trainable())):
+    assert_records_equal(got, want)
+  with pytest.raises(jr.ArchiveExistsError):
+    jr.save_sharded(path, opt, src.state, {p.param: p for p in src.placements[0]}, mesh8, "fsdp")
+
+  for shape, names in [((6,), ("fsdp",)), ((1, 5), ("data", "fsdp"))]:
+    mesh = _mesh(shape, names)
+    world = mesh.shape["fsdp"]
+    out = jr.restore_sharded(path, mesh, "fsdp")
+    expected = [jr.reshard(records, jr.plan(records, world, r)) for r in range(world)]
+    _check_against(out.state, mesh, "fsdp", expected)
+    assert out.placements == {r: expected[r].placements for r in range(world)}
+  # Full state back, from the restored 5-way layout.
+  got = jr.gather_from_mesh(opt, out.state, {p.param: p for p in out.placements[0]}, mesh, "fsdp")
+  assert_trees_bit_equal(got, jr.unshard_state(records))
+
+
+def test_kernels_run_on_each_ranks_device(ex):
+  """Each rank's buffers are built on (not copied to) its first device."""
+  opt, params, state, _ = ex
+  mesh = _mesh((4,), ("fsdp",), devices=jax.devices()[4:])
+  out = jr.shard_to_mesh(opt, params, state, mesh)
+  leaf = out.state[1].inner_states["train"].inner_state[0].mu["dense"]["kernel"]
+  assert {s.device for s in leaf.addressable_shards} == set(jax.devices()[4:])
+  assert jax.devices()[0] not in leaf.sharding.device_set
+
+
+def test_refusals(ex, tmp_path):
+  opt, params, state, shapes = ex
+  mesh = _mesh((4,), ("fsdp",))
+  with pytest.raises(jr.PlacementError, match="mesh axis 'dp'"):
+    jr.shard_to_mesh(opt, params, state, mesh, "dp")
+  out = jr.shard_to_mesh(opt, params, state, mesh)
+  wrong = dict(shapes, **{"dense/kernel": (256, 300)})
+  with pytest.raises(jr.ShapeError, match="dense/kernel"):
+    jr.gather_from_mesh(opt, out.state, wrong, mesh)
+  path = os.path.join(tmp_path, "bad")
+  with pytest.raises(jr.ShapeError, match="dense/kernel"):
+    jr.save_sharded(path, opt, out.state, wrong, mesh)
+  assert not os.path.exists(path)
+  assert [p for p in os.listdir(tmp_path)] == []  # the temporary directory is gone too
+  with pytest.raises(FileNotFoundError):
+    jr.restore_sharded(os.path.join(tmp_path, "missing"), mesh)
+
+
+def test_second_restore_compiles_nothing(ex, tmp_path):
+  opt, params, state, _ = ex
+  records = jr.shard_state(opt, params, state, 8, trainable=U.trainable())
+  path = os.path.join(tmp_path, "ckpt")
+  jr.save_records(path, records)
+  mesh = _mesh((6,), ("fsdp",))
+  jr.restore_sharded(path, mesh)
+  before = jr.kernel_cache_info().traces
+  jr.restore_sharded(path, mesh)
+  assert jr.kernel_cache_info().traces == before
