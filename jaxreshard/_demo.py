@@ -3,7 +3,7 @@
 ``jaxreshard demo`` runs this end to end and proves every step exact by
 comparing bits: the 6-rank archives unshard to the original state, 8 -> 6 -> 8
 returns the original archives, the sharding-independent digests agree, and
-(when the archive layer is present) rank 2 of 6 restored from disk equals the
+rank 2 of 6 restored from disk equals the
 in-memory one. Shapes are chosen so that neither 8 nor 6 divides them evenly
 and the 5-element bias leaves trailing all-padding ranks.
 """
@@ -52,8 +52,7 @@ class DemoSummary:
     unshard_exact: the 6-rank archives unshard to the original state, bit for bit.
     round_trip_exact: 8 -> 6 -> 8 returns the original archives exactly.
     digest_equal: the 8- and 6-rank digests agree (and have no problems).
-    disk_exact: rank 2 of 6 restored from disk equals the in-memory one; None
-      when the archive layer is not available.
+    disk_exact: rank 2 of 6 restored from disk equals the in-memory one.
     steps: optimizer steps trained before sharding.
     seconds: wall time of the whole demo.
   """
@@ -62,14 +61,14 @@ class DemoSummary:
   unshard_exact: bool
   round_trip_exact: bool
   digest_equal: bool
-  disk_exact: Optional[bool]
+  disk_exact: bool
   steps: int
   seconds: float
 
   @property
   def exact(self) -> bool:
     return (self.unshard_exact and self.round_trip_exact and self.digest_equal
-            and self.disk_exact is not False and all(r.exact for r in self.rows))
+            and self.disk_exact and all(r.exact for r in self.rows))
 
 
 def train_example(steps: int = 3, seed: int = 0) -> tuple[Any, Any, Any]:
@@ -170,14 +169,13 @@ def run_demo(steps: int = 3, *, archive_dir: Optional[str] = None,
   d_src, d_dst = _digest.digest_records(src), _digest.digest_records(dst)
   digest_equal = not _digest.compare_digests(d_src, d_dst)
 
-  disk_exact = None
-  if hasattr(jr, "save_records") and hasattr(jr, "restore"):
-    with tempfile.TemporaryDirectory(prefix="jaxreshard-demo-") as tmp:
-      path = archive_dir or f"{tmp}/checkpoint"
-      jr.save_records(path, src)
-      restored = jr.restore(path, rank=DISK_RANK, world_size=TARGET_WORLD)
-      disk_exact = _same_record(restored, dst[DISK_RANK])
-    log(f"restored rank {DISK_RANK} of {TARGET_WORLD} from disk")
+  with tempfile.TemporaryDirectory(prefix="jaxreshard-demo-") as tmp:
+    path = archive_dir or f"{tmp}/checkpoint"
+    jr.save_records(path, src)
+    restored = jr.restore(path, rank=DISK_RANK, world_size=TARGET_WORLD)
+    disk_exact = _same_record(restored, dst[DISK_RANK])
+  log(f"saved the {SOURCE_WORLD} archives and restored rank {DISK_RANK} of {TARGET_WORLD}"
+      " from disk")
 
   # Per parameter: its unsharded history and its 8 -> 6 -> 8 slices are exact.
   roles = src[0].roles

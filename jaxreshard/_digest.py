@@ -28,7 +28,15 @@ from jaxreshard._errors import PlacementError
 from jaxreshard._geometry import FlatShard
 from jaxreshard._record import ShardRecord
 
-__all__ = ["BufferDigest", "ParamDigest", "Digest", "clock_scalars", "compare_digests", "digest_records"]
+__all__ = [
+    "BufferDigest",
+    "Digest",
+    "ParamDigest",
+    "clock_scalars",
+    "compare_digests",
+    "digest_records",
+    "raw_bits",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +86,8 @@ class Digest:
     return h.hexdigest()
 
 
-def _bits(x: Any) -> np.ndarray:
+def raw_bits(x: Any) -> np.ndarray:
+  """The flat bit patterns of an array, as unsigned integers of its width."""
   a = np.ascontiguousarray(np.asarray(x))
   return a.reshape(-1).view(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else a
 
@@ -175,7 +184,7 @@ def digest_records(records: Iterable[ShardRecord]) -> Digest:
         if tuple(np.shape(buf)) != (g.slots,):
           problems.append(f"{where}: shape {tuple(np.shape(buf))} is not ({g.slots},)")
           continue
-        bits = _bits(buf)
+        bits = raw_bits(buf)
         pad = np.flatnonzero(bits[g.owned:])
         if pad.size:
           problems.append(
@@ -229,7 +238,7 @@ def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
 
 
 def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
-  return tuple((path, f"{a.dtype.name}{a.shape}", _bits(a).tobytes().hex())
+  return tuple((path, f"{a.dtype.name}{a.shape}", raw_bits(a).tobytes().hex())
                for path, a in clock_scalars(record))
 
 
