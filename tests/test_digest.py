@@ -1,15 +1,19 @@
 """The sharding-independent digest behind ``jaxreshard verify``."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxreshard as jr
 from jaxreshard._digest import compare_digests, digest_records
 
-from tests._core_util import bits
+from tests._core_util import BF16, F16, F32, bits, random_bits_array
 
 PARAMS = {
     "dense": {"kernel": jnp.arange(39.0, dtype=jnp.float32).reshape(3, 13) - 7.0,
@@ -147,3 +151,31 @@ def test_clock_structure_and_missing_ranks(layouts):
                          optax.sgd(0.1, momentum=0.9).init(PARAMS), 8)
   assert "optimizer state structure differs" in compare_digests(digest_records(src),
                                                                 digest_records(other))
+
+
+@settings(max_examples=20, deadline=None)
+@given(shapes=st.lists(st.sampled_from([(), (1,), (0,), (7,), (3, 5), (17,), (2, 2, 3)]),
+                       min_size=1, max_size=3),
+       dtype=st.sampled_from([F32, F16, BF16]), w1=st.integers(1, 9), w2=st.integers(1, 9),
+       seed=st.integers(0, 2**16))
+def test_digest_property_any_two_layouts(shapes, dtype, w1, w2, seed):
+  rng = np.random.default_rng(seed)
+  params = {f"p{i}": jnp.asarray(random_bits_array(rng, s, dtype)) for i, s in enumerate(shapes)}
+  opt = optax.sgd(0.1, momentum=0.9)
+  state = jax.tree.map(lambda x: jnp.asarray(random_bits_array(rng, x.shape, x.dtype))
+                       if x.ndim else x, opt.init(params))
+  a = digest_records(jr.shard_state(opt, params, state, w1))
+  b = digest_records(jr.shard_state(opt, params, state, w2))
+  assert compare_digests(a, b) == [] and a.hexdigest() == b.hexdigest()
+  # One random bit of one buffer (when there is any element) is always seen.
+  nonempty = [k for k, s in zip(params, shapes) if math.prod(s)]
+  if nonempty:
+    pid = nonempty[rng.integers(len(nonempty))]
+    flat = np.asarray(state[0].trace[pid]).reshape(-1).copy()
+    u = flat.view(f"u{flat.dtype.itemsize}")
+    u[rng.integers(flat.size)] ^= np.asarray(1 << int(rng.integers(8 * flat.dtype.itemsize)),
+                                             u.dtype)
+    trace = dict(state[0].trace, **{pid: jnp.asarray(flat.reshape(shapes[int(pid[1:])]))})
+    changed = (state[0]._replace(trace=trace),) + tuple(state[1:])
+    diffs = compare_digests(a, digest_records(jr.shard_state(opt, params, changed, w2)))
+    assert len(diffs) == 1 and diffs[0].startswith(f"param {pid!r} buffer 0: bits differ")
