@@ -31,7 +31,7 @@ class Options:
   """
 
   quick: bool = False
-  sizes: tuple[int, ...] = (1 * _M, 4 * _M, 16 * _M, 64 * _M, 256 * _M)
+  sizes: tuple[int, ...] = (1 * _M, 8 * _M, 64 * _M, 256 * _M)
   n_params: int = 200
   src_world: int = 8
   dst_world: int = 6
@@ -54,12 +54,12 @@ class Options:
     """The ``--quick`` run: every code path, tiny sizes."""
     return cls(
         quick=True,
-        sizes=(_M // 4, _M),
-        n_params=20,
+        sizes=(_M // 16, _M // 4),
+        n_params=8,
         repeats=1,
-        param_counts=(10, 40),
+        param_counts=(4, 16),
         compile_size=_M // 4,
         disk_size=_M // 4,
-        scale_worlds=((8, 6), (64, 48)),
+        scale_worlds=((8, 6), (32, 24)),
         scale_size=_M // 4,
     )

@@ -1,0 +1,78 @@
+"""``python -m benchmarks [--quick] [--json] [--only NAME ...] [--out PATH]``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import shlex
+import sys
+import time
+import traceback
+
+from benchmarks import BENCHMARKS
+from benchmarks._measure import machine
+from benchmarks._options import Options
+from benchmarks._report import markdown, plot_throughput
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+  parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, one repeat")
+  parser.add_argument("--json", action="store_true", help="print every result as JSON on stdout")
+  parser.add_argument("--only", action="append", choices=BENCHMARKS, metavar="NAME",
+                      help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
+  parser.add_argument("--out", default=None,
+                      help="RESULTS.md to write (a throughput.png goes next to it); default"
+                      " benchmarks/RESULTS.md for a full run, nothing for --quick")
+  args = parser.parse_args(argv)
+  opts = Options.smoke() if args.quick else Options.full()
+  out = args.out if args.out is not None else (None if args.quick else
+                                               os.path.join(_HERE, "RESULTS.md"))
+  log = sys.stderr if args.json else sys.stdout
+  started = datetime.datetime.now(datetime.timezone.utc)
+  argv_used = sys.argv[1:] if argv is None else list(argv)
+  doc = {"started": started.strftime("%Y-%m-%d %H:%M UTC"), "quick": opts.quick,
+         "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in argv_used),
+         "machine": machine(), "results": []}
+  t_all = time.perf_counter()
+  for name in args.only or BENCHMARKS:
+    module = importlib.import_module(f"benchmarks.bench_{name}")
+    print(f"[benchmarks] {name} ...", file=log, flush=True)
+    t0 = time.perf_counter()
+    try:
+      result = module.run(opts).to_json()
+    except Exception:  # noqa: BLE001 - one failing benchmark must not hide the others
+      result = {"name": name, "title": "failed", "goal": module.GOAL, "met": None, "rows": [],
+                "notes": "", "error": traceback.format_exc()}
+    result["elapsed_s"] = round(time.perf_counter() - t0, 1)
+    print(f"[benchmarks] {name}: {result['elapsed_s']} s, met={result['met']}", file=log,
+          flush=True)
+    doc["results"].append(result)
+  doc["elapsed_s"] = round(time.perf_counter() - t_all, 1)
+  if out:
+    memory = next((r for r in doc["results"] if r["name"] == "memory" and r["rows"]), None)
+    if memory:
+      png = os.path.join(os.path.dirname(os.path.abspath(out)), "throughput.png")
+      plot_throughput(memory["rows"], png, f"8 -> 6 reshard vs copies, {doc['machine']['cpu']}")
+      doc["plot"] = os.path.basename(png)
+    analysis_path = os.path.join(_HERE, "ANALYSIS.md")
+    analysis = open(analysis_path).read() if os.path.exists(analysis_path) and not opts.quick else ""
+    text = markdown(doc, analysis)
+    if doc.get("plot"):
+      text = text.replace("## Machine", f"![throughput vs size]({doc['plot']})\n\n## Machine", 1)
+    with open(out, "w") as f:
+      f.write(text)
+    print(f"[benchmarks] wrote {out}", file=log)
+  if args.json:
+    json.dump(doc, sys.stdout, indent=1)
+    print()
+  return 1 if any(r.get("error") for r in doc["results"]) else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

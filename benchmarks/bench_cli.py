@@ -1,0 +1,93 @@
+"""(4) ``jaxreshard reshard`` of a whole checkpoint vs an orbax load + save of the same data.
+
+Both run as fresh processes (interpreter start and imports included on both
+sides). A third figure runs the CLI twice more with JAX's persistent
+compilation cache pointed at an empty directory: the first fills it, the
+second (timed) shows what a restart costs when the kernels are not recompiled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks import _disk
+from benchmarks._measure import Result
+from benchmarks._options import Options
+
+NAME = "cli"
+GOAL = "CLI reshard at most 1.3x an orbax load + save of the same data"
+
+_ORBAX_COPY = """
+import sys, numpy as np
+sys.path.insert(0, {root!r})
+from benchmarks import _disk
+_disk.write_orbax_plain(sys.argv[2], _disk.restore_orbax_plain(sys.argv[1]))
+"""
+
+
+def _env(cache: str = "") -> dict:
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  if cache:
+    env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return env
+
+
+def _time(cmd: list[str], env: dict) -> float:
+  t0 = time.perf_counter()
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+  took = time.perf_counter() - t0
+  if proc.returncode != 0:
+    raise RuntimeError(f"{cmd} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+  return took
+
+
+def _cli(src: str, out: str, world: int) -> list[str]:
+  return [sys.executable, "-m", "jaxreshard", "reshard", src, out, "--world-size", str(world)]
+
+
+def run(opts: Options) -> Result:
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with tempfile.TemporaryDirectory(prefix="jr-bench-cli-") as tmp:
+    src = os.path.join(tmp, "src")
+    records = _disk.write_jaxreshard(src, opts.disk_size, opts.n_params, opts.src_world, opts.seed)
+    plain = os.path.join(tmp, "plain")
+    _disk.write_orbax_plain(plain, _disk.history_tree(records))
+    del records
+    nbytes = _disk.dir_bytes(src)
+    import_s = _time([sys.executable, "-c", "import jaxreshard, orbax.checkpoint"], _env())
+    orbax = min(_time([sys.executable, "-c", _ORBAX_COPY.format(root=root), plain,
+                       os.path.join(tmp, f"copy{i}")], _env()) for i in range(opts.repeats))
+    # The first CLI run starts from an empty persistent cache: it compiles everything,
+    # exactly like a run without the cache, and fills it for the second.
+    cache = os.path.join(tmp, "jax-cache")
+    cli = _time(_cli(src, os.path.join(tmp, "out"), opts.dst_world), _env(cache))
+    cached = _time(_cli(src, os.path.join(tmp, "cached"), opts.dst_world), _env(cache))
+  row = {
+      "checkpoint_mib": round(nbytes / 2**20, 1),
+      "source_ranks": opts.src_world,
+      "target_ranks": opts.dst_world,
+      "cli_s": round(cli, 3),
+      "orbax_load_save_s": round(orbax, 3),
+      "cli_over_orbax": round(cli / orbax, 2),
+      "cli_with_compile_cache_s": round(cached, 3),
+      "cached_over_orbax": round(cached / orbax, 2),
+      "python_import_s": round(import_s, 3),
+  }
+  met = None if opts.quick else row["cli_over_orbax"] <= 1.3
+  notes = (
+      f"Adam, {opts.n_params} parameters, {opts.disk_size} history elements over"
+      f" {opts.src_world} ranks, resharded to {opts.dst_world} by `python -m jaxreshard reshard`"
+      " (every target rank, written as a new checkpoint) vs a python process that restores"
+      " the same history buffers (a plain orbax checkpoint) as numpy arrays and saves them"
+      " again with orbax (best of"
+      f" {opts.repeats} fresh processes); page cache warm. `cli_s`: one fresh CLI process"
+      " (compiles every kernel; JAX_COMPILATION_CACHE_DIR set but empty);"
+      " `cli_with_compile_cache_s`: a second CLI process, that cache now filled;"
+      " `python_import_s`: starting python and importing jaxreshard + orbax.")
+  return Result(NAME, "CLI reshard vs orbax load + save", GOAL, met, (row,), notes)
