@@ -133,13 +133,18 @@ def _root(
 
 @app.command()
 @_guard
-def demo(steps: int = typer.Option(3, min=1, help="AdamW steps to train before sharding.")):
+def demo(
+    steps: int = typer.Option(3, min=1, help="AdamW steps to train before sharding."),
+    save: Optional[Path] = typer.Option(
+        None, "--save", help="Keep the 8-rank checkpoint here, to try the other commands on."),
+):
   """Train a small flax MLP, shard its AdamW state over 8 ranks, reshard to 6, prove it exact."""
   from jaxreshard import _demo
 
   out = _out()
   try:
-    summary = _demo.run_demo(steps, log=lambda line: out.print(f"[green]ok[/] {line}"))
+    summary = _demo.run_demo(steps, archive_dir=None if save is None else str(save),
+                             log=lambda line: out.print(f"[green]ok[/] {line}"))
   except ModuleNotFoundError as e:
     raise jr.ReshardError(
         f"the demo needs {e.name}: pip install 'jaxreshard[examples]'") from None

@@ -11,6 +11,7 @@ and the 5-element bias leaves trailing all-padding ranks.
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 import time
 from typing import Any, Callable, Optional
@@ -145,14 +146,16 @@ def run_demo(steps: int = 3, *, archive_dir: Optional[str] = None,
 
   Args:
     steps: optimizer steps to train before sharding.
-    archive_dir: where to save the 8 archives for the disk check; a fresh
-      temporary directory (removed afterwards) by default.
+    archive_dir: where to save the 8 archives for the disk check (kept; it
+      must not exist); a temporary directory, removed afterwards, by default.
     log: called with a short line as each stage finishes.
 
   Returns:
     A ``DemoSummary``; ``summary.exact`` is True only when every check passed.
   """
   t0 = time.perf_counter()
+  if archive_dir is not None and os.path.lexists(archive_dir):
+    raise jr.ArchiveExistsError(f"{archive_dir} already exists; the demo never overwrites it")
   optimizer, params, state = train_example(steps)
   log(f"trained a flax MLP for {steps} AdamW steps")
   src = jr.shard_state(optimizer, params, state, SOURCE_WORLD)

@@ -5,6 +5,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+import jaxreshard as jr
 from jaxreshard._cli import app
 from jaxreshard._demo import run_demo
 
@@ -28,9 +29,9 @@ def test_run_demo_is_exact(summary):
   assert summary.seconds < 60
 
 
-def test_demo_command(summary):
+def test_demo_command(summary, tmp_path):
   t0 = time.perf_counter()
-  result = CliRunner().invoke(app, ["demo", "--steps", "2"])
+  result = CliRunner().invoke(app, ["demo", "--steps", "2", "--save", str(tmp_path / "ckpt8")])
   assert result.exit_code == 0, result.output
   out = result.stdout
   assert "trained a flax MLP for 2 AdamW steps" in out
@@ -40,3 +41,7 @@ def test_demo_command(summary):
   assert "rank 2 of 6 restored from disk is identical" in out
   assert out.strip().splitlines()[-1].startswith("EXACT: 8 -> 6 ranks, every bit preserved")
   assert time.perf_counter() - t0 < 60
+  # --save keeps the 8-rank checkpoint for the other commands, and never overwrites.
+  assert [r.placements[0].rank for r in jr.load_records(tmp_path / "ckpt8")] == list(range(8))
+  again = CliRunner().invoke(app, ["demo", "--save", str(tmp_path / "ckpt8")])
+  assert again.exit_code == 2 and "already exists" in again.stderr
