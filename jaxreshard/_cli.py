@@ -66,6 +66,10 @@ def _guard(fn: Callable) -> Callable:
       return fn(*args, **kwargs)
     except (typer.Exit, typer.Abort):
       raise
+    except BrokenPipeError:
+      # `jaxreshard inspect ... | head`: the reader left; that is not an error.
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+      raise typer.Exit(0) from None
     except KeyboardInterrupt:
       print("jaxreshard: interrupted", file=sys.stderr)
       raise typer.Exit(130) from None
@@ -231,7 +235,8 @@ def _buffers_text(dtypes: list[str]) -> str:
       groups[-1][0] += 1
     else:
       groups.append([1, d])
-  return " ".join(f"{n}x{d}" if n > 1 else d for n, d in groups) or "none"
+  short = lambda d: d.replace("bfloat", "bf").replace("float", "f")
+  return " ".join(f"{n}x{short(d)}" if n > 1 else short(d) for n, d in groups) or "none"
 
 
 @app.command()
@@ -250,7 +255,8 @@ def inspect(
                 f" {', '.join(map(str, info['world_sizes']))}")
   for col in ("param", "shape", "world", "dtype", "train", "buffers", "bytes", "stored"):
     table.add_column(col, justify="right" if col in ("world", "bytes", "stored") else "left",
-                     no_wrap=col != "buffers", overflow="fold")
+                     no_wrap=col != "buffers", overflow="fold",
+                     min_width=len(col) if col == "buffers" else None)
   for e in info["params"]:
     ranks = e["ranks"]
     world = ", ".join(map(str, e["world_sizes"]))
@@ -357,7 +363,8 @@ def verify(
   elements = sum(x.count for p in a.params.values() for x in p.buffers)
   console.print(
       f"identical: {len(a.params)} params, {buffers} buffers ({elements} elements),"
-      f" {len(a.scalars)} clock scalars, padding all zero; digest {a.hexdigest()[:16]}")
+      f" {len(a.scalars)} clock scalar{'s' if len(a.scalars) != 1 else ''}, padding all zero;"
+      f" digest {a.hexdigest()[:16]}")
 
 
 def main(argv: Optional[list[str]] = None) -> None:
