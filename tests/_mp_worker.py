@@ -1,0 +1,118 @@
+"""One process of a multi-process test job (started by ``_mp_util.ProcessGroup``).
+
+Environment: ``MP_COORDINATOR``, ``MP_NUM_PROCESSES``, ``MP_PROCESS_ID``,
+``MP_TASK``, ``MP_OUT`` (results directory), ``MP_ARGS`` (JSON), and
+``XLA_FLAGS`` with this process's simulated device count. Writes
+``<out>/p<i>.json`` (and ``<out>/p<i>.npz`` with device buffers) on success.
+
+Tasks:
+  save:      lay the example state out over every device of the job
+             (``shard_to_mesh``) and ``save_sharded`` it to ``args.path``.
+  restore:   ``restore_sharded(args.path)`` onto a (world,) mesh; report the
+             bytes this process read and dump every addressable shard; then
+             ``gather_from_mesh`` (all processes) and compare with the original.
+  kill_save: process 0 saves to ``args.path`` at once; the others first wait
+             for the file ``args.go``. The test kills process 0 inside the save.
+"""
+
+import json
+import os
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+jax.distributed.initialize(
+    coordinator_address=os.environ["MP_COORDINATOR"],
+    num_processes=int(os.environ["MP_NUM_PROCESSES"]),
+    process_id=int(os.environ["MP_PROCESS_ID"]),
+    initialization_timeout=60,
+    heartbeat_timeout_seconds=10,
+    shutdown_timeout_seconds=20,
+)
+
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import jaxreshard as jr  # noqa: E402
+from tests import _mp_util as U  # noqa: E402
+
+ME = jax.process_index()
+OUT = os.environ["MP_OUT"]
+ARGS = json.loads(os.environ["MP_ARGS"])
+
+
+def mesh() -> Mesh:
+  return Mesh(np.array(jax.devices()), ("fsdp",))
+
+
+def save(opt, params, state, shapes) -> dict:
+  m = mesh()
+  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
+  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
+  jr.save_sharded(ARGS["path"], opt, sharded.state, spec, m, timeout_s=60,
+                  chunk_bytes=ARGS.get("chunk_bytes", 1 << 20))
+  return {"ranks": sorted(sharded.placements)}
+
+
+def restore(opt, params, state, shapes) -> dict:
+  m = mesh()
+  # Warm-up on a tiny private checkpoint: imports and first-call work are then
+  # not counted as bytes read for the real restore.
+  tiny, tiny_opt = {"w": jax.numpy.arange(3.0)}, optax.adam(1e-3)
+  warm = os.path.join(OUT, f"warm_p{ME}")
+  jr.save_records(warm, jr.shard_state(tiny_opt, tiny, tiny_opt.init(tiny), 2))
+  jr.restore_sharded(warm, m)
+
+  before = U.rchar()
+  out = jr.restore_sharded(ARGS["path"], m)
+  jax.block_until_ready(out.state)
+  read = U.rchar() - before
+
+  dump = {}
+  for i, leaf in enumerate(jax.tree.leaves(out.state)):
+    for shard in leaf.addressable_shards:
+      dump[f"{i}:{shard.device.id}"] = U.bits(shard.data)
+  np.savez(os.path.join(OUT, f"p{ME}.npz"), **dump)
+  rank_of = {d.id: r for r, ds in jr.mesh_ranks(m).items() for d in ds}
+
+  spec = {p.param: p for p in out.placements[min(out.placements)]}
+  gathered = jr.gather_from_mesh(opt, out.state, spec, m)
+  same = all(
+      np.array_equal(U.bits(a), U.bits(b))
+      for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(state)))
+  same = same and jax.tree.structure(gathered) == jax.tree.structure(state)
+  return {"ranks": sorted(out.placements), "rank_of": rank_of, "bytes_read": read,
+          "gather_equals_original": bool(same),
+          "placements": {str(r): [[p.param, list(p.shape), p.rank, p.world_size,
+                                   np.dtype(p.dtype).name, p.trainable] for p in ps]
+                         for r, ps in out.placements.items()}}
+
+
+def kill_save(opt, params, state, shapes) -> dict:
+  if ME != 0:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(ARGS["go"]):
+      if time.monotonic() > deadline:
+        raise TimeoutError("no go signal")
+      time.sleep(0.05)
+  return save(opt, params, state, shapes)
+
+
+def main() -> None:
+  task = os.environ["MP_TASK"]
+  opt, params, state, shapes = U.example(seed=ARGS.get("seed", 0))
+  result = {"task": task, "process": ME, "devices": jax.local_device_count()}
+  result.update(globals()[task](opt, params, state, shapes))
+  tmp = os.path.join(OUT, f"p{ME}.json.tmp")
+  with open(tmp, "w") as f:
+    json.dump(result, f)
+  os.rename(tmp, os.path.join(OUT, f"p{ME}.json"))
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  main()
+  sys.exit(0)

@@ -1,0 +1,173 @@
+"""Multi-process save and restore with real ``jax.distributed`` jobs on localhost.
+
+One module-scoped job saves the example state from 2 processes x 4 devices (8
+ranks). Then, concurrently: a 3 processes x 2 devices job and a 1 process x 5
+devices job restore it; a 2-process job saving the next step has its primary
+killed inside ``save_sharded``. Each restoring process reports the bytes it
+read and dumps every addressable shard; this process checks them bit for bit
+against the single-process core.
+"""
+
+import glob
+import json
+import os
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import jaxreshard as jr
+from jaxreshard._geometry import FlatShard
+from tests import _mp_util as U
+from tests._core_util import assert_records_equal
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+  """Runs every process group of this module once; yields what they produced."""
+  root = tmp_path_factory.mktemp("mp")
+  step1 = os.path.join(root, "step_1")
+  with U.ProcessGroup(2, 4, "save", os.path.join(root, "save"),
+                      {"path": step1, "chunk_bytes": 4096}) as g:
+    saved = g.check()
+  step2, go = os.path.join(root, "step_2"), os.path.join(root, "go")
+  groups = {
+      "r6": U.ProcessGroup(3, 2, "restore", os.path.join(root, "r6"), {"path": step1}),
+      "r5": U.ProcessGroup(1, 5, "restore", os.path.join(root, "r5"), {"path": step1}),
+      "kill": U.ProcessGroup(2, 4, "kill_save", os.path.join(root, "kill"),
+                             {"path": step2, "go": go}),
+  }
+  try:
+    for g in groups.values():
+      g.__enter__()
+    # The primary of the "kill" job writes its 4 archives, then waits inside
+    # save_sharded for process 1 (held back by the missing go file): kill it there.
+    kill = groups["kill"]
+    deadline = time.monotonic() + 120
+    while len(glob.glob(os.path.join(root, ".step_2.tmp-*", "archive_*", "record.json"))) < 4:
+      if time.monotonic() > deadline or kill.procs[0].poll() is not None:
+        raise AssertionError(f"the kill job's primary never wrote its archives:\n{kill.tail()}")
+      time.sleep(0.05)
+    kill.kill(0)
+    killed_in_save = kill.procs[0].returncode
+    open(go, "w").close()  # process 1 now finds its coordinator gone
+    results = {k: groups[k].check() for k in ("r6", "r5")}
+    kill.wait([1]) if kill.procs[1].poll() is None else None
+  except AssertionError:
+    raise
+  finally:
+    for g in groups.values():
+      g.kill()
+  yield dict(root=root, step1=step1, step2=step2, saved=saved, results=results,
+             out={k: groups[k].out for k in groups}, killed_in_save=killed_in_save,
+             kill_tail=kill.tail())
+
+
+@pytest.fixture(scope="module")
+def reference():
+  opt, params, state, shapes = U.example(seed=0)
+  return opt, params, state, jr.shard_state(opt, params, state, 8, trainable=U.trainable())
+
+
+def test_two_processes_save_eight_ranks(job, reference):
+  assert [r["ranks"] for r in job["saved"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  for got, want in zip(jr.load_records(job["step1"]), reference[3]):
+    assert_records_equal(got, want)
+
+
+@pytest.mark.parametrize("name,procs,world", [("r6", 3, 6), ("r5", 1, 5)])
+def test_restart_on_other_layout_is_bit_identical(job, reference, name, procs, world):
+  records = reference[3]
+  expected = [jr.reshard(records, jr.plan(records, world, r)) for r in range(world)]
+  results = job["results"][name]
+  assert len(results) == procs
+  covered = set()
+  for res in results:
+    dump = np.load(os.path.join(job["out"][name], f"p{res['process']}.npz"))
+    assert len(dump.files) > 0
+    for key in dump.files:
+      i, device = map(int, key.split(":"))
+      rank = res["rank_of"][str(device)]
+      want = jax.tree.leaves(expected[rank].state)[i]
+      assert np.array_equal(dump[key], U.bits(want)), (name, key, rank)
+      covered.add(rank)
+    for r, ps in res["placements"].items():
+      want = [[p.param, list(p.shape), p.rank, p.world_size, np.dtype(p.dtype).name, p.trainable]
+              for p in expected[int(r)].placements]
+      assert ps == want
+    assert res["gather_equals_original"]
+  assert covered == set(range(world))
+
+
+def _read_plan(step, ranks, world):
+  """What restoring ``ranks`` of ``world`` must read, from the checkpoint's own metadata.
+
+  Returns (exact: bytes the ranks' buffers hold, bound: the bytes of every
+  stored chunk they overlap + each opened array's index and zarr.json + every
+  archive's metadata, which a reader needs to validate the clocks).
+  """
+  index = json.load(open(os.path.join(step, "jaxreshard.json")))
+  exact = 0
+  bound = os.path.getsize(os.path.join(step, "jaxreshard.json"))
+  opened = set()
+  for s, name in enumerate(index["archives"]):
+    meta_path = os.path.join(step, name, "record.json")
+    bound += os.path.getsize(meta_path)
+    meta = json.load(open(meta_path))
+    by_param = {p["param"]: p for p in meta["placements"]}
+    for entry, role in zip(meta["leaves"], meta["roles"]):
+      if role is None or "buffer" not in entry:
+        continue
+      buf, p = entry["buffer"], by_param[role]
+      src = FlatShard(tuple(p["shape"]), s, p["world_size"])
+      item = 2 if buf["dtype"] == "bfloat16" else np.dtype(buf["dtype"]).itemsize
+      chunk = buf["chunk"]
+      for r in ranks:
+        t = FlatShard(tuple(p["shape"]), r, world)
+        lo, hi = max(t.start, src.start), min(t.stop, src.stop)
+        if lo >= hi:
+          continue
+        exact += (hi - lo) * item
+        first, last = (lo - src.rank * src.slots) // chunk, (hi - 1 - src.rank * src.slots) // chunk
+        bound += (last - first + 1) * (chunk * item + 4)
+        path = os.path.join(step, name, buf["name"])
+        if path not in opened:
+          opened.add(path)
+          n_chunks = -(-src.slots // chunk)
+          bound += n_chunks * 16 + 4 + os.path.getsize(os.path.join(path, "zarr.json"))
+  return exact, bound
+
+
+def _du(path):
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def test_each_process_reads_only_what_its_ranks_need(job):
+  """8 -> 6 on 3 hosts: each host reads its ranks' chunks, not the checkpoint."""
+  step1 = job["step1"]
+  total = _du(step1)
+  report = []
+  for res in job["results"]["r6"]:
+    exact, bound = _read_plan(step1, res["ranks"], 6)
+    report.append(dict(process=res["process"], ranks=res["ranks"], read=res["bytes_read"],
+                       exact=exact, chunk_bound=bound, checkpoint=total))
+    # rchar also counts a few small reads of the runtime; 16 KiB is their slack.
+    assert exact <= res["bytes_read"] <= bound + 16 * 1024, report[-1]
+    assert res["bytes_read"] < 0.5 * total, report[-1]
+  print("\n8 -> 6, bytes read per process:", *report, sep="\n  ")
+
+
+def test_killed_save_commits_nothing_and_previous_step_restores(job, reference):
+  assert job["killed_in_save"] == -9
+  assert not os.path.exists(job["step2"]), "a killed save left a committed checkpoint"
+  leftovers = glob.glob(os.path.join(job["root"], ".step_2.tmp-*"))
+  for d in leftovers:  # never loadable: no index is written before the commit
+    with pytest.raises(jr.ArchiveError):
+      jr.load_records(d)
+  # The previous step restores, here on this process's 8 devices as a 4 x 2 mesh.
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "model"))
+  records = reference[3]
+  out = jr.restore_sharded(job["step1"], mesh, "fsdp")
+  for r, ps in out.placements.items():
+    assert ps == jr.reshard(records, jr.plan(records, 4, r)).placements
