@@ -205,3 +205,20 @@ def test_subprocess_python_m(ckpt, resharded):
   assert bad.stderr.strip().splitlines() == [
       f"jaxreshard: error: checkpoint directory {root / 'nope'} does not exist"]
   assert _run("--version").stdout == f"jaxreshard {jr.__version__}\n"
+
+
+def test_progress_bar_shows_bytes_and_eta_on_terminals():
+  import io
+
+  from rich.console import Console
+
+  text = io.StringIO()
+  with _progress.progress_bar(Console(file=text, force_terminal=True, width=100)) as bar:
+    task = bar.add_task("rank 0/6", total=2_000_000)
+    bar.advance(task, 1_000_000)
+  assert "rank 0/6" in text.getvalue() and "1.0/2.0 MB" in text.getvalue()
+  assert "-:--:--" in text.getvalue() or "0:00:" in text.getvalue()  # the ETA column
+  piped = io.StringIO()
+  with _progress.progress_bar(Console(file=piped)) as bar:
+    bar.advance(bar.add_task("x", total=10), 10)
+  assert piped.getvalue() == ""  # pipes and logs get no frozen bar
