@@ -357,7 +357,7 @@ def verify(
     for line in diffs:
       console.print(f"differs: {line}", markup=False)
     print(f"jaxreshard: {out} does not hold {checkpoint}'s optimizer state"
-          f" ({len(diffs)} differences)", file=sys.stderr)
+          f" ({len(diffs)} difference{'s' if len(diffs) != 1 else ''})", file=sys.stderr)
     raise typer.Exit(EXIT_DIFFERENT)
   buffers = sum(len(p.buffers) for p in a.params.values())
   elements = sum(x.count for p in a.params.values() for x in p.buffers)
