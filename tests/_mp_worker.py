@@ -11,8 +11,9 @@ Tasks:
   restore:   ``restore_sharded(args.path)`` onto a (world,) mesh; report the
              bytes this process read and dump every addressable shard; then
              ``gather_from_mesh`` (all processes) and compare with the original.
-  kill_save: process 0 saves to ``args.path`` at once; the others first wait
-             for the file ``args.go``. The test kills process 0 inside the save.
+  kill_save: like save, but process ``args.hold`` first waits for the file
+             ``args.go``; the other marks ``<out>/entering_p<i>`` and saves at
+             once. The test kills one process inside ``save_sharded``.
 """
 
 import json
@@ -92,12 +93,14 @@ def restore(opt, params, state, shapes) -> dict:
 
 
 def kill_save(opt, params, state, shapes) -> dict:
-  if ME != 0:
+  if ME == ARGS["hold"]:
     deadline = time.monotonic() + 60
     while not os.path.exists(ARGS["go"]):
       if time.monotonic() > deadline:
         raise TimeoutError("no go signal")
       time.sleep(0.05)
+  else:
+    open(os.path.join(OUT, f"entering_p{ME}"), "w").close()
   return save(opt, params, state, shapes)
 
 

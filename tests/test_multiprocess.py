@@ -23,45 +23,53 @@ from tests import _mp_util as U
 from tests._core_util import assert_records_equal
 
 
+def _wait_for(predicate, group, what, timeout=120):
+  deadline = time.monotonic() + timeout
+  while not predicate():
+    if time.monotonic() > deadline or any(p.poll() is not None for p in group.procs):
+      raise AssertionError(f"{what} never happened:\n{group.tail()}")
+    time.sleep(0.05)
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
   """Runs every process group of this module once; yields what they produced."""
-  root = tmp_path_factory.mktemp("mp")
+  root = str(tmp_path_factory.mktemp("mp"))
   step1 = os.path.join(root, "step_1")
   with U.ProcessGroup(2, 4, "save", os.path.join(root, "save"),
                       {"path": step1, "chunk_bytes": 4096}) as g:
     saved = g.check()
-  step2, go = os.path.join(root, "step_2"), os.path.join(root, "go")
+  go2, go3 = os.path.join(root, "go2"), os.path.join(root, "go3")
   groups = {
       "r6": U.ProcessGroup(3, 2, "restore", os.path.join(root, "r6"), {"path": step1}),
       "r5": U.ProcessGroup(1, 5, "restore", os.path.join(root, "r5"), {"path": step1}),
-      "kill": U.ProcessGroup(2, 4, "kill_save", os.path.join(root, "kill"),
-                             {"path": step2, "go": go}),
+      # The primary is killed after writing its archives, waiting for process 1.
+      "kill0": U.ProcessGroup(2, 4, "kill_save", os.path.join(root, "kill0"),
+                              {"path": os.path.join(root, "step_2"), "go": go2, "hold": 1}),
+      # Process 1 is killed inside save_sharded, waiting for the primary.
+      "kill1": U.ProcessGroup(2, 4, "kill_save", os.path.join(root, "kill1"),
+                              {"path": os.path.join(root, "step_3"), "go": go3, "hold": 0}),
   }
   try:
     for g in groups.values():
       g.__enter__()
-    # The primary of the "kill" job writes its 4 archives, then waits inside
-    # save_sharded for process 1 (held back by the missing go file): kill it there.
-    kill = groups["kill"]
-    deadline = time.monotonic() + 120
-    while len(glob.glob(os.path.join(root, ".step_2.tmp-*", "archive_*", "record.json"))) < 4:
-      if time.monotonic() > deadline or kill.procs[0].poll() is not None:
-        raise AssertionError(f"the kill job's primary never wrote its archives:\n{kill.tail()}")
-      time.sleep(0.05)
-    kill.kill(0)
-    killed_in_save = kill.procs[0].returncode
-    open(go, "w").close()  # process 1 now finds its coordinator gone
+    kill0, kill1 = groups["kill0"], groups["kill1"]
+    written = os.path.join(root, ".step_2.tmp-*", "archive_*", "record.json")
+    _wait_for(lambda: len(glob.glob(written)) == 4, kill0, "the primary's 4 archives")
+    kill0.kill(0)
+    open(go2, "w").close()  # process 1 now saves and finds its coordinator gone
+    _wait_for(lambda: os.path.exists(os.path.join(kill1.out, "entering_p1")), kill1,
+              "process 1 entering save_sharded")
+    time.sleep(0.5)  # inside save_sharded: blocked until the primary names the directory
+    kill1.kill(1)
+    open(go3, "w").close()  # the primary now saves, waits for process 1, never hears back
     results = {k: groups[k].check() for k in ("r6", "r5")}
-    kill.wait([1]) if kill.procs[1].poll() is None else None
-  except AssertionError:
-    raise
+    codes = {k: groups[k].wait() for k in ("kill0", "kill1")}
   finally:
     for g in groups.values():
       g.kill()
-  yield dict(root=root, step1=step1, step2=step2, saved=saved, results=results,
-             out={k: groups[k].out for k in groups}, killed_in_save=killed_in_save,
-             kill_tail=kill.tail())
+  yield dict(root=root, step1=step1, saved=saved, results=results, codes=codes,
+             out={k: g.out for k, g in groups.items()})
 
 
 @pytest.fixture(scope="module")
@@ -159,12 +167,16 @@ def test_each_process_reads_only_what_its_ranks_need(job):
 
 
 def test_killed_save_commits_nothing_and_previous_step_restores(job, reference):
-  assert job["killed_in_save"] == -9
-  assert not os.path.exists(job["step2"]), "a killed save left a committed checkpoint"
-  leftovers = glob.glob(os.path.join(job["root"], ".step_2.tmp-*"))
-  for d in leftovers:  # never loadable: no index is written before the commit
-    with pytest.raises(jr.ArchiveError):
-      jr.load_records(d)
+  # kill0: the primary was SIGKILLed inside save_sharded; process 1 then died too.
+  # kill1: process 1 was SIGKILLed inside save_sharded; the primary never committed.
+  assert job["codes"]["kill0"][0] == -9 and job["codes"]["kill0"][1] != 0, job["codes"]
+  assert job["codes"]["kill1"][1] == -9 and job["codes"]["kill1"][0] != 0, job["codes"]
+  for step in ("step_2", "step_3"):
+    assert not os.path.exists(os.path.join(job["root"], step)), f"{step} was committed"
+    for d in glob.glob(os.path.join(job["root"], f".{step}.tmp-*")):
+      with pytest.raises(jr.ArchiveError):  # never loadable: no index before the commit
+        jr.load_records(d)
+  assert len(glob.glob(os.path.join(job["root"], ".step_2.tmp-*", "archive_*"))) == 4
   # The previous step restores, here on this process's 8 devices as a 4 x 2 mesh.
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "model"))
   records = reference[3]
