@@ -11,6 +11,9 @@ Tasks:
   restore:   ``restore_sharded(args.path)`` onto a (world,) mesh; report the
              bytes this process read and dump every addressable shard; then
              ``gather_from_mesh`` (all processes) and compare with the original.
+             With ``args.replicated`` (a mesh shape), also restore onto a
+             (data, fsdp) mesh of that shape and ``save_sharded`` it to
+             ``args.resave``.
   kill_save: like save, but process ``args.hold`` first waits for the file
              ``args.go``; the other marks ``<out>/entering_p<i>`` and saves at
              once. The test kills one process inside ``save_sharded``.
@@ -85,11 +88,30 @@ def restore(opt, params, state, shapes) -> dict:
       np.array_equal(U.bits(a), U.bits(b))
       for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(state)))
   same = same and jax.tree.structure(gathered) == jax.tree.structure(state)
-  return {"ranks": sorted(out.placements), "rank_of": rank_of, "bytes_read": read,
+  result = {}
+  if ARGS.get("replicated"):
+    result["replicated"] = restore_replicated(opt)
+  return {**result, "ranks": sorted(out.placements), "rank_of": rank_of, "bytes_read": read,
           "gather_equals_original": bool(same),
           "placements": {str(r): [[p.param, list(p.shape), p.rank, p.world_size,
                                    np.dtype(p.dtype).name, p.trainable] for p in ps]
                          for r, ps in out.placements.items()}}
+
+
+def restore_replicated(opt) -> dict:
+  """A (data x fsdp) mesh whose fsdp ranks are replicated across processes: restore, save."""
+  m = Mesh(np.array(jax.devices()).reshape(ARGS["replicated"]), ("data", "fsdp"))
+  out = jr.restore_sharded(ARGS["path"], m, "fsdp")
+  dump = {}
+  for i, leaf in enumerate(jax.tree.leaves(out.state)):
+    for shard in leaf.addressable_shards:
+      dump[f"{i}:{shard.device.id}"] = U.bits(shard.data)
+  np.savez(os.path.join(OUT, f"p{ME}_rep.npz"), **dump)
+  spec = {p.param: p for p in out.placements[min(out.placements)]}
+  jr.save_sharded(ARGS["resave"], opt, out.state, spec, m, "fsdp", timeout_s=60)
+  from jaxreshard import _global  # pylint: disable=g-import-not-at-top
+  return {"ranks": sorted(out.placements), "written": _global.writer_ranks(m, "fsdp"),
+          "rank_of": {d.id: r for r, ds in jr.mesh_ranks(m, "fsdp").items() for d in ds}}
 
 
 def kill_save(opt, params, state, shapes) -> dict:

@@ -41,7 +41,9 @@ def job(tmp_path_factory):
     saved = g.check()
   go2, go3 = os.path.join(root, "go2"), os.path.join(root, "go3")
   groups = {
-      "r6": U.ProcessGroup(3, 2, "restore", os.path.join(root, "r6"), {"path": step1}),
+      "r6": U.ProcessGroup(3, 2, "restore", os.path.join(root, "r6"),
+                           {"path": step1, "replicated": [2, 3],
+                            "resave": os.path.join(root, "step_1_on_3")}),
       "r5": U.ProcessGroup(1, 5, "restore", os.path.join(root, "r5"), {"path": step1}),
       # The primary is killed after writing its archives, waiting for process 1.
       "kill0": U.ProcessGroup(2, 4, "kill_save", os.path.join(root, "kill0"),
@@ -106,6 +108,25 @@ def test_restart_on_other_layout_is_bit_identical(job, reference, name, procs, w
       assert ps == want
     assert res["gather_equals_original"]
   assert covered == set(range(world))
+
+
+def test_ranks_replicated_across_processes(job, reference):
+  """(data 2 x fsdp 3) over 3 processes x 2 devices: every fsdp rank lives on 2 hosts."""
+  records = reference[3]
+  expected = [jr.reshard(records, jr.plan(records, 3, r)) for r in range(3)]
+  results = [res["replicated"] for res in job["results"]["r6"]]
+  # Devices 0..5 fill the mesh row by row: process 0 holds ranks 0, 1; process 1
+  # ranks 2, 0; process 2 ranks 1, 2. Each rank is written by its first device's process.
+  assert [res["ranks"] for res in results] == [[0, 1], [0, 2], [1, 2]]
+  assert [res["written"] for res in results] == [[0, 1], [2], []]
+  for p, res in enumerate(results):
+    dump = np.load(os.path.join(job["out"]["r6"], f"p{p}_rep.npz"))
+    for key in dump.files:
+      i, device = map(int, key.split(":"))
+      want = jax.tree.leaves(expected[res["rank_of"][str(device)]].state)[i]
+      assert np.array_equal(dump[key], U.bits(want)), key
+  for got, want in zip(jr.load_records(os.path.join(job["root"], "step_1_on_3")), expected):
+    assert_records_equal(got, want)
 
 
 def _read_plan(step, ranks, world):
