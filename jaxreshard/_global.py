@@ -179,7 +179,7 @@ def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = 
 
 def _shard_on(leaf: jax.Array, rank: int, slots: int) -> jax.Array:
   for shard in leaf.addressable_shards:
-    start = shard.index[0].start or 0 if shard.index else 0
+    start = (shard.index[0].start or 0) if shard.index else 0
     if start == rank * slots and shard.data.shape == (slots,):
       return shard.data
   raise PlacementError(f"rank {rank}: no device of this process holds its shard")
@@ -191,11 +191,7 @@ def _placeholder_params(shapes: Mapping[str, Any]) -> Any:
 
 
 def _shape_of(value: Any, pid: str) -> tuple[int, ...]:
-  shape = getattr(value, "shape", value)
-  try:
-    return normalize_shape(shape, what=f"param {pid!r}: shape")
-  except PlacementError as e:
-    raise PlacementError(str(e)) from None
+  return normalize_shape(getattr(value, "shape", value), what=f"param {pid!r}: shape")
 
 
 def placements_for(
