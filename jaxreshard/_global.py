@@ -177,12 +177,15 @@ def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = 
   return jax.tree_util.tree_unflatten(treedef, new_leaves)
 
 
-def _shard_on(leaf: jax.Array, rank: int, slots: int) -> jax.Array:
-  for shard in leaf.addressable_shards:
+def _shard_on(leaf: Any, rank: int, slots: int, pid: str, axis: str) -> jax.Array:
+  for shard in getattr(leaf, "addressable_shards", ()):
     start = (shard.index[0].start or 0) if shard.index else 0
     if start == rank * slots and shard.data.shape == (slots,):
       return shard.data
-  raise PlacementError(f"rank {rank}: no device of this process holds its shard")
+  raise PlacementError(
+      f"param {pid!r}: no device of this process holds rank {rank}'s ({slots},) shard;"
+      f" the buffer must be a global array sharded over mesh axis {axis!r}, not"
+      f" {getattr(leaf, 'sharding', type(leaf).__name__)}")
 
 
 def _placeholder_params(shapes: Mapping[str, Any]) -> Any:
@@ -272,7 +275,7 @@ def records_from_mesh(
             f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
             f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
         )
-      rank_leaves.append(_shard_on(leaf, rank, g.slots))
+      rank_leaves.append(_shard_on(leaf, rank, g.slots, role, axis))
     out[rank] = ShardRecord(
         version=FORMAT_VERSION, placements=of(rank),
         state=jax.tree_util.tree_unflatten(treedef, rank_leaves), roles=roles)

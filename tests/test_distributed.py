@@ -173,6 +173,12 @@ def test_refusals(ex, tmp_path):
   assert [p for p in os.listdir(tmp_path)] == []  # the temporary directory is gone too
   with pytest.raises(FileNotFoundError):
     jr.restore_sharded(os.path.join(tmp_path, "missing"), mesh)
+  # A history buffer replicated instead of sharded over the axis.
+  replicated = jax.tree.map(
+      lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, PartitionSpec())), out.state)
+  with pytest.raises(jr.PlacementError, match="sharded over mesh axis 'fsdp'"):
+    jr.save_sharded(path, opt, replicated, shapes, mesh)
+  assert not os.path.exists(path)
 
 
 def test_second_restore_compiles_nothing(ex, tmp_path):
