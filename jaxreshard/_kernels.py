@@ -153,7 +153,20 @@ def _run_bucket(outputs: Sequence[Output]) -> list[jax.Array]:
     if fn is None:
       fn = _CACHE.programs[signature] = _make_kernel(signature)
   dyn = np.asarray(starts if static is None else [], dtype=np.int32)
-  return fn(inputs, dyn)
+  return fn(_on_one_device(inputs), dyn)
+
+
+def _on_one_device(inputs: list[Any]) -> list[Any]:
+  """Sources committed to different devices (each rank's archive restored onto
+  its own device) cannot feed one jitted program: gather them on the default
+  device. Sources on a single device stay there (GPU/TPU arrays stay put)."""
+  devices = {d for x in inputs if isinstance(x, jax.Array) for d in x.devices()}
+  if len(devices) <= 1:
+    return inputs
+  target = jax.config.jax_default_device
+  if target is None or isinstance(target, str):
+    target = jax.devices(target)[0]
+  return [jax.device_put(x, target) if isinstance(x, jax.Array) else x for x in inputs]
 
 
 def assemble(outputs: Sequence[Output]) -> list[jax.Array]:
