@@ -6,6 +6,7 @@ Compile counts come from two independent counters: jaxreshard's own
 """
 
 import contextlib
+import dataclasses
 import math
 import time
 
@@ -17,7 +18,9 @@ import pytest
 
 import jaxreshard as jr
 from jaxreshard import _kernels
-from tests._core_util import BF16, F16, F32, assert_bits_equal, oracle_shard, special_values
+from tests._core_util import (
+    BF16, F16, F32, assert_bits_equal, assert_trees_bit_equal, oracle_shard, special_values,
+)
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
@@ -186,3 +189,38 @@ def test_buckets_hold_at_most_bucket_size_outputs():
     assert_bits_equal(x, np.asarray(v)[i % 5:i % 5 + 3])
   # 4 buckets; the three full ones share one signature (offsets are runtime arguments).
   assert jr.kernel_cache_info().programs == 2
+
+
+def _small_records():
+  opt = optax.adam(1e-2)
+  params = {"a": jnp.zeros((5,), jnp.float32), "b": {"c": jnp.zeros((3, 2), jnp.bfloat16)}}
+  rng = np.random.default_rng(3)
+  state = jax.tree.map(
+      lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype) if x.ndim else x,
+      opt.init(params))
+  return jr.shard_state(opt, params, state, 4), state
+
+
+def test_sources_committed_to_different_devices():
+  # Each rank's archive restored onto its own device (8 simulated CPU devices):
+  # one program must still read them all (this raised jax's "incompatible
+  # devices" ValueError before sources were gathered on one device).
+  assert jax.device_count() >= 4
+  records, state = _small_records()
+  placed = [dataclasses.replace(r, state=jax.device_put(r.state, jax.devices()[i]))
+            for i, r in enumerate(records)]
+  assert {next(iter(x.devices())).id for r in placed for x in jax.tree.leaves(r.state)} == {
+      0, 1, 2, 3}
+  for rank in range(3):
+    target = jr.reshard(placed, jr.plan(placed, world_size=3, rank=rank))
+    assert_bits_equal(target.state[0].mu["a"], oracle_shard(state[0].mu["a"], 3, rank))
+  assert_trees_bit_equal(jr.unshard_state(placed), state)
+
+
+def test_numpy_sources():
+  # Archives read from disk hold numpy arrays, not jax arrays.
+  records, state = _small_records()
+  as_numpy = [dataclasses.replace(r, state=jax.tree.map(np.asarray, r.state)) for r in records]
+  assert_trees_bit_equal(jr.unshard_state(as_numpy), state)
+  target = jr.reshard(as_numpy, jr.plan(as_numpy, world_size=7, rank=6))
+  assert_bits_equal(target.state[0].nu["b"]["c"], oracle_shard(state[0].nu["b"]["c"], 7, 6))
