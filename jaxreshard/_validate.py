@@ -231,9 +231,17 @@ def _slots(a: _structure.Anatomy) -> tuple[Any, ...]:
   return tuple(x.index if isinstance(x, _structure.MirrorSlot) else None for x in a.skeleton_leaves)
 
 
+def _plain(x: Any) -> Any:
+  """A clock leaf as numpy; typed PRNG keys (``noisy_sgd``) as their key data."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return np.asarray(jax.random.key_data(x))
+  return np.asarray(x)
+
+
 def _scalar_bits(x: Any) -> tuple[Any, ...]:
-  a = np.asarray(x)
-  return (a.dtype.str, a.shape, a.tobytes())
+  a = _plain(x)
+  return (str(getattr(x, "dtype", a.dtype)), a.dtype.str, a.shape, a.tobytes())
 
 
 def check_clocks(
@@ -257,6 +265,6 @@ def check_clocks(
     for (k, x), (_, y) in zip(a.scalars, a0.scalars):
       if _scalar_bits(x) != _scalar_bits(y):
         raise PlacementError(
-            f"{name}archive {i} has optimizer scalar #{k} = {np.asarray(x)!r} but"
-            f" archive {ref} has {np.asarray(y)!r}; these archives are not one checkpoint"
+            f"{name}archive {i} has optimizer scalar #{k} = {_plain(x)!r} but"
+            f" archive {ref} has {_plain(y)!r}; these archives are not one checkpoint"
         )
