@@ -258,3 +258,24 @@ def test_explicit_groups_refuse_a_migration_mixing_the_groups():
     jr.reshard(group_a + group_b, [jr.Migration("w", (5,), 0, 4, (0, 2, 3, 4))])
   with pytest.raises(jr.PlacementError, match="param 'w'"):
     jr.plan(group_a + group_b, world_size=4, rank=0)  # plan never guesses a group
+
+
+def test_prng_key_in_the_optimizer_clock_is_carried_and_compared():
+  # noisy_sgd keeps a typed PRNG key in its state: a clock leaf numpy cannot
+  # read directly (this crashed with a TypeError before keys were compared by
+  # their key data).
+  opt = optax.noisy_sgd(1e-2, key=jax.random.key(0))
+  params, state = _train(opt, _params(), steps=2)
+  records = jr.shard_state(opt, params, state, 8)
+  targets = [jr.reshard(records, jr.plan(records, world_size=6, rank=r)) for r in range(6)]
+  full = jr.unshard_state(targets)
+  key_data = lambda s: np.asarray(jax.random.key_data(s[0].rng_key))
+  np.testing.assert_array_equal(key_data(full), key_data(state))
+  assert jax.tree.structure(full) == jax.tree.structure(state)
+  # Archives whose keys differ (same step count) are not one checkpoint.
+  other = optax.noisy_sgd(1e-2, key=jax.random.key(1))
+  _, other_state = _train(other, _params(), steps=2)
+  assert int(other_state[0].count) == int(state[0].count)
+  mixed = records[:7] + jr.shard_state(other, params, other_state, 8)[7:]
+  with pytest.raises(jr.PlacementError, match="archive 7 has optimizer scalar #1"):
+    jr.reshard(mixed, jr.plan(mixed, world_size=6, rank=0))
