@@ -66,7 +66,19 @@ def shard_state(
   for pid, x in zip(ids, leaves):
     _validate.check_storage_dtype(np.dtype(x.dtype), f"param {pid!r}")
 
-  roles = _structure.history_roles(optimizer, params, state)
+  try:
+    roles = _structure.history_roles(optimizer, params, state)
+  except (ValueError, TypeError, IndexError, KeyError) as e:
+    if isinstance(e, PlacementError):
+      raise
+    # optax.tree_map_params cannot pair a subtree with the params when its
+    # leaves are not one per parameter (SM3's per-axis lists, for example).
+    raise ShapeError(
+        f"params {ids[:3]}{'...' if len(ids) > 3 else ''}: the optimizer state does not"
+        " mirror the params leaf for leaf (optax.tree_map_params failed:"
+        f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); non-coordinate"
+        " optimizer state (factored or matrix statistics) cannot be sharded flat"
+    ) from e
   state_leaves, state_def = jax.tree_util.tree_flatten(state)
   if len(state_leaves) != len(roles):
     raise PlacementError("the optimizer's own description of its state does not match `state`")
