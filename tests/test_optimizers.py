@@ -279,3 +279,13 @@ def test_prng_key_in_the_optimizer_clock_is_carried_and_compared():
   mixed = records[:7] + jr.shard_state(other, params, other_state, 8)[7:]
   with pytest.raises(jr.PlacementError, match="archive 7 has optimizer scalar #1"):
     jr.reshard(mixed, jr.plan(mixed, world_size=6, rank=0))
+
+
+def test_sm3_per_axis_statistics_are_refused_with_a_shape_error():
+  # SM3 keeps a list of per-axis accumulators per parameter; optax.tree_map_params
+  # cannot pair them with the params (this leaked a raw pytree ValueError).
+  opt = optax.sm3(1e-2)
+  params = {"w": jnp.ones((3, 4)), "b": jnp.ones((5,))}
+  state = opt.init(params)
+  with pytest.raises(jr.ShapeError, match=r"params \['b', 'w'\].*non-coordinate"):
+    jr.shard_state(opt, params, state, 2)
