@@ -102,6 +102,8 @@ def test_reshard_matches_oracle_and_round_trips(specs, w1, w2, seed):
     assert t.version == 1
     assert [p.param for p in t.placements] == sorted(p.param for p in records[0].placements)
 
+  assert_trees_bit_equal(jr.unshard_state(targets), state)
+
   back = _all_ranks(targets, w1)
   for original, returned in zip(records, back, strict=True):
     assert_records_equal(returned, original)

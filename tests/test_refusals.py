@@ -299,3 +299,28 @@ def test_unshard_refuses_incomplete_groups():
   records = _records()
   with pytest.raises(jr.PlacementError, match="param 'a'"):
     jr.unshard_state(records[1:])
+
+
+@pytest.mark.parametrize("case", ["world_size", "duplicate_ids", "unknown_trainable",
+                                  "integer_param"])
+def test_shard_state_refusals_leave_inputs_alone(case):
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"a": jnp.arange(5.0), "b": {"c": jnp.ones((3, 2))}}
+  kwargs, cls, needle = {"world_size": 2}, jr.PlacementError, None
+  if case == "world_size":
+    kwargs, needle = {"world_size": 0}, "world_size 0"
+  elif case == "duplicate_ids":
+    params = {"a/b": jnp.ones((2,)), "a": {"b": jnp.ones((2,))}}
+    needle = "'a/b'"
+  elif case == "unknown_trainable":
+    kwargs["trainable"], needle = {"zz": False}, "'zz'"
+  else:
+    params = {"i": jnp.arange(3)}
+    cls, needle = jr.DtypeError, "param 'i'"
+  state = opt.init(params)
+  before = snapshot(params), snapshot(state)
+  with pytest.raises(cls, match=needle):
+    jr.shard_state(opt, params, state, **kwargs)
+  after = snapshot(params), snapshot(state)
+  assert before[0][0] == after[0][0] and before[0][1] == after[0][1]
+  assert before[1][0] == after[1][0] and before[1][1] == after[1][1]
