@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
@@ -219,10 +219,29 @@ def reshard(records: Sequence[ShardRecord], migrations: Sequence[Migration]) -> 
 
 def _reshard(records, migrations, *, logical: bool) -> ShardRecord:
   records = list(records)
-  migrations = list(migrations)
   if not records:
     raise PlacementError("no archives supplied")
   anatomies = [_validate.check_archive(i, r) for i, r in enumerate(records)]
+  groups = validate_migrations(records, anatomies, migrations)
+  requests = copy_requests(groups, anatomies, logical=logical)
+  outputs = [
+      _kernels.Output(r.shape, r.dtype, tuple(
+          _kernels.Piece(buf, lo, hi - lo) for buf, lo, hi in r.ranges))
+      for r in requests
+  ]
+  return build_record(groups, anatomies, requests, _kernels.assemble(outputs))
+
+
+def validate_migrations(
+    records: Sequence[ShardRecord],
+    anatomies: Sequence[_structure.Anatomy],
+    migrations: Sequence[Migration],
+) -> list[_validate.SourceGroup]:
+  """Refusals 4-14 for a migration list (refusals 1-3 are ``check_archive``'s).
+
+  Returns:
+    One validated group per migration, sorted by param id.
+  """
   seen: dict[str, Migration] = {}
   for m in migrations:
     if m.param in seen:
@@ -240,8 +259,32 @@ def _reshard(records, migrations, *, logical: bool) -> ShardRecord:
     for s in g.by_rank:
       involved.setdefault(s, g.migration.param)
   _validate.check_clocks(sorted(involved), anatomies, involved)
+  return groups
 
-  outputs, slots_of = [], []
+
+class CopyRequest(NamedTuple):
+  """One target buffer: the source ranges it is made of, in order.
+
+  ``ranges`` holds ``(source buffer, lo, hi)`` in the source's local flat
+  elements; the buffer is whatever the archive holds (an array in memory, or a
+  lazy handle on disk that the caller reads ``[lo, hi)`` of).
+  """
+
+  param: str
+  mirror: int
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  ranges: tuple[tuple[Any, int, int], ...]
+
+
+def copy_requests(
+    groups: Sequence[_validate.SourceGroup],
+    anatomies: Sequence[_structure.Anatomy],
+    *,
+    logical: bool = False,
+) -> list[CopyRequest]:
+  """For each target history buffer, the overlapping ranges of its sources."""
+  requests = []
   for g in groups:
     pid = g.migration.param
     t, src = g.target, g.source
@@ -249,17 +292,25 @@ def _reshard(records, migrations, *, logical: bool) -> ShardRecord:
     for m, present in enumerate(g.history):
       if present is not True:
         continue
-      pieces = []
+      ranges = []
       for r, hist in enumerate(histories):
         lo = max(t.start, r * src.slots)
         hi = min(t.stop, (r + 1) * src.slots, src.count)
         if lo < hi:
-          pieces.append(_kernels.Piece(hist[m], lo - r * src.slots, hi - lo))
+          ranges.append((hist[m], lo - r * src.slots, hi - r * src.slots))
       shape = t.shape if logical else (t.slots,)
-      outputs.append(_kernels.Output(shape, np.dtype(histories[0][m].dtype), tuple(pieces)))
-      slots_of.append((pid, m))
-  built = dict(zip(slots_of, _kernels.assemble(outputs)))
+      requests.append(CopyRequest(pid, m, shape, np.dtype(histories[0][m].dtype), tuple(ranges)))
+  return requests
 
+
+def build_record(
+    groups: Sequence[_validate.SourceGroup],
+    anatomies: Sequence[_structure.Anatomy],
+    requests: Sequence[CopyRequest],
+    buffers: Sequence[Any],
+) -> ShardRecord:
+  """The target record: ``buffers[i]`` is the result of ``requests[i]``."""
+  built = {(r.param, r.mirror): b for r, b in zip(requests, buffers)}
   template = anatomies[groups[0].by_rank[0]] if groups else anatomies[0]
   n_mirrors = len(template.mirrors)
   histories: dict[str, list[Any]] = {}

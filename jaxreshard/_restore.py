@@ -12,23 +12,14 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import jax
-import numpy as np
 
-from jaxreshard import _kernels, _structure, _validate
+from jaxreshard import _kernels, _reshard, _validate
 from jaxreshard._archive_io import Checkpoint, LazyBuffer, Reader, open_checkpoint
 from jaxreshard._errors import PlacementError
-from jaxreshard._placement import ParamPlacement
-from jaxreshard._record import FORMAT_VERSION, ShardRecord
+from jaxreshard._record import ShardRecord
 from jaxreshard._reshard import plan
 
 __all__ = ["restore", "restore_ranks"]
-
-
-class _ScalarRole:
-  pass
-
-
-_SCALAR = _ScalarRole()
 
 
 def restore(directory: Any, rank: int, world_size: int) -> ShardRecord:
@@ -103,63 +94,21 @@ def restore_ranks(
 
 
 def _restore_one(records, anatomies, migrations, reader: Reader) -> ShardRecord:
-  # Validation: exactly the core's sequence in ``reshard``.
-  groups = sorted(
-      (_validate.check_migration(m, records, anatomies) for m in migrations),
-      key=lambda g: g.migration.param,
-  )
-  involved: dict[int, str] = {}
-  for g in groups:
-    for s in g.by_rank:
-      involved.setdefault(s, g.migration.param)
-  _validate.check_clocks(sorted(involved), anatomies, involved)
+  groups = _reshard.validate_migrations(records, anatomies, migrations)
   # Every buffer of every involved archive against its file's size (a stat,
   # no read), so no metadata size is trusted before anything is allocated.
-  for s in sorted(involved):
+  for s in sorted({s for g in groups for s in g.by_rank}):
     for leaf in jax.tree.leaves(records[s].state):
       if isinstance(leaf, LazyBuffer):
         leaf.check_file()
-
-  requests: list[tuple[LazyBuffer, int, int]] = []
-  plans = []  # per output: (pid, mirror, shape, dtype, [request index, ...])
-  for g in groups:
-    pid = g.migration.param
-    t, src = g.target, g.source
-    histories = [anatomies[s].history(pid) for s in g.by_rank]
-    for m, present in enumerate(g.history):
-      if present is not True:
-        continue
-      parts = []
-      for r, hist in enumerate(histories):
-        lo = max(t.start, r * src.slots)
-        hi = min(t.stop, (r + 1) * src.slots, src.count)
-        if lo < hi:
-          parts.append(len(requests))
-          requests.append((hist[m], lo - r * src.slots, hi - r * src.slots))
-      plans.append((pid, m, (t.slots,), np.dtype(histories[0][m].dtype), parts))
-  data = reader.read(requests)
-  outputs = [
-      _kernels.Output(shape, dtype, tuple(_kernels.Piece(data[k], 0, len(data[k])) for k in parts))
-      for _, _, shape, dtype, parts in plans
-  ]
-  built = dict(zip([(pid, m) for pid, m, *_ in plans], _kernels.assemble(outputs)))
-  del data
-
-  template = anatomies[groups[0].by_rank[0]] if groups else anatomies[0]
-  n_mirrors = len(template.mirrors)
-  histories: dict[str, list[Any]] = {}
-  role_histories: dict[str, list[Any]] = {}
-  for g in groups:
-    pid = g.migration.param
-    histories[pid] = [built.get((pid, m), g.history[m]) for m in range(n_mirrors)]
-    role_histories[pid] = [pid if g.history[m] is True else g.history[m] for m in range(n_mirrors)]
-  state = _structure.build_state(template, histories)
-  role_tree = _structure.build_state(
-      template, role_histories, scalars=[_SCALAR] * len(template.scalars))
-  roles = tuple(None if x is _SCALAR else x for x in jax.tree.leaves(role_tree))
-  placements = tuple(
-      ParamPlacement(g.migration.param, g.target.shape, g.target.rank, g.target.world_size,
-                     g.dtype, g.trainable)
-      for g in groups
-  )
-  return ShardRecord(version=FORMAT_VERSION, placements=placements, state=state, roles=roles)
+  requests = _reshard.copy_requests(groups, anatomies)
+  flat = [rng for r in requests for rng in r.ranges]
+  data = iter(reader.read(flat))
+  outputs = []
+  for r in requests:
+    parts = [next(data) for _ in r.ranges]
+    outputs.append(_kernels.Output(
+        r.shape, r.dtype, tuple(_kernels.Piece(d, 0, len(d)) for d in parts)))
+  buffers = _kernels.assemble(outputs)
+  del outputs, data
+  return _reshard.build_record(groups, anatomies, requests, buffers)
