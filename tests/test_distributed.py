@@ -84,11 +84,11 @@ def test_mesh_round_trip_is_the_original_state(ex):
     assert np.array_equal(U.bits(shard.data), U.bits(oracle_shard(full, 3, r)))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "core bug in jaxreshard/_kernels.py, not in this module: a zero-padded bf16 output"
-    " gathered from a >= 2-D source loses signalling-NaN payloads and subnormals on XLA:CPU"))
-def test_core_bf16_padding_bug():
-  """Documents the core kernel bug that ``_mp_util.random_bits`` steers around."""
+def test_bf16_padded_output_from_2d_source_is_bit_exact():
+  """Signalling NaNs and subnormals of a 2-D bf16 source survive a padded gather.
+
+  XLA:CPU once rewrote the bitcast into bfloat16 through float32 here.
+  """
   x = jnp.asarray(np.array([0x7FA8, 0x807E, 0x0068, 0x3F80] * 500, np.uint16)
                   .view(jnp.bfloat16).reshape(4, 500))
   from jaxreshard import _kernels
