@@ -20,6 +20,20 @@ from benchmarks._report import markdown, plot_throughput
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _readme_section(header: str) -> str:
+  """The README section starting at ``header`` (to the next ``## ``), or ''."""
+  try:
+    with open(os.path.join(_HERE, "README.md")) as f:
+      text = f.read()
+  except OSError:
+    return ""
+  start = text.find(header)
+  if start < 0:
+    return ""
+  end = text.find("\n## ", start + len(header))
+  return text[start:end if end >= 0 else None]
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
   parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, one repeat")
@@ -53,6 +67,10 @@ def main(argv=None) -> int:
     print(f"[benchmarks] {name}: {result['elapsed_s']} s, met={result['met']}", file=log,
           flush=True)
     doc["results"].append(result)
+    if out:  # partial results survive a run that is stopped later
+      os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+      with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
   doc["elapsed_s"] = round(time.perf_counter() - t_all, 1)
   if out:
     memory = next((r for r in doc["results"] if r["name"] == "memory" and r["rows"]), None)
@@ -60,8 +78,7 @@ def main(argv=None) -> int:
       png = os.path.join(os.path.dirname(os.path.abspath(out)), "throughput.png")
       plot_throughput(memory["rows"], png, f"8 -> 6 reshard vs copies, {doc['machine']['cpu']}")
       doc["plot"] = os.path.basename(png)
-    analysis_path = os.path.join(_HERE, "ANALYSIS.md")
-    analysis = open(analysis_path).read() if os.path.exists(analysis_path) and not opts.quick else ""
+    analysis = "" if opts.quick else _readme_section("## What dominates")
     text = markdown(doc, analysis)
     if doc.get("plot"):
       text = text.replace("## Machine", f"![throughput vs size]({doc['plot']})\n\n## Machine", 1)

@@ -1,0 +1,66 @@
+"""Smoke test of the benchmark suite: ``python -m benchmarks --quick --json`` completes.
+
+Benchmarks are not timed tests: this checks only that every benchmark runs
+end to end and emits well-formed rows, never how fast anything is.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("bench") / "RESULTS.md"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+  env.pop("XLA_FLAGS", None)  # the suite sets simulated devices itself where needed
+  proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--json", "--out", str(out)],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout), out
+
+
+def test_every_benchmark_emits_rows(quick_run):
+  from benchmarks import BENCHMARKS
+  doc, _ = quick_run
+  assert doc["quick"] is True
+  assert [r["name"] for r in doc["results"]] == list(BENCHMARKS)
+  for result in doc["results"]:
+    assert not result.get("error"), result.get("error")
+    assert result["rows"], result["name"]
+    assert result["met"] is None  # a quick run gives no verdicts
+    keys = set(result["rows"][0])
+    assert all(keys <= set(row) for row in result["rows"]), result["name"]
+
+
+def test_machine_command_report_and_plot(quick_run):
+  doc, out = quick_run
+  assert doc["machine"]["cpus"] >= 1 and doc["command"].startswith("python -m benchmarks --quick")
+  text = out.read_text()
+  assert "## Machine" in text and "## memory" in text and "## scale" in text
+  assert (out.parent / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_workload_matches_shard_state():
+  """The benchmark's direct archive builder agrees with jr.shard_state."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  import jaxreshard as jr
+  from benchmarks import _workload
+  n = 5
+  sizes = _workload.param_sizes(1000, n)
+  params = _workload._nest({pid: jnp.zeros((s,), jnp.float32)
+                            for pid, s in zip(_workload._ids(n), sizes)})
+  opt = optax.adam(1e-3)
+  ref = jr.shard_state(opt, params, opt.init(params), 8)
+  got = _workload.adam_records(2000, n, 8)
+  for a, b in zip(got, ref):
+    assert a.placements == b.placements and a.roles == b.roles
+    assert jax.tree.structure(a.state) == jax.tree.structure(b.state)
+    assert [x.shape for x in jax.tree.leaves(a.state)] == [x.shape for x in jax.tree.leaves(b.state)]
