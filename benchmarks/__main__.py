@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import json
@@ -43,8 +44,12 @@ def main(argv=None) -> int:
   parser.add_argument("--out", default=None,
                       help="RESULTS.md to write (a throughput.png goes next to it); default"
                       " benchmarks/RESULTS.md for a full run, nothing for --quick")
+  parser.add_argument("--param-counts", default=None, metavar="N,N,...",
+                      help="override the compile benchmark's parameter counts, e.g. 10,10000")
   args = parser.parse_args(argv)
   opts = Options.smoke() if args.quick else Options.full()
+  if args.param_counts:
+    opts = dataclasses.replace(opts, param_counts=tuple(int(n) for n in args.param_counts.split(",")))
   out = args.out if args.out is not None else (None if args.quick else
                                                os.path.join(_HERE, "RESULTS.md"))
   log = sys.stderr if args.json else sys.stdout

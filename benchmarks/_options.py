@@ -22,7 +22,8 @@ class Options:
     dst_world: target world size.
     repeats: warm repeats per measurement; the best is reported.
     param_counts: parameter counts of the compile benchmark (2). The full run stops at
-      3,000: a cold 10,000-parameter reshard alone compiles for ~6 minutes here.
+      3,000: a cold 10,000-parameter reshard alone compiles for 2.5-6 minutes here
+      (``--param-counts 10,10000`` runs it).
     compile_size: fixed history size of the compile benchmark.
     compile_ranks: target ranks resharded per cold/warm pass in (2).
     disk_size: history size of the restore, CLI and RSS benchmarks (3, 4, 5).
@@ -32,7 +33,7 @@ class Options:
   """
 
   quick: bool = False
-  sizes: tuple[int, ...] = (1 * _M, 16 * _M, 256 * _M)
+  sizes: tuple[int, ...] = (1 * _M, 4 * _M, 16 * _M, 64 * _M, 256 * _M)
   n_params: int = 200
   src_world: int = 8
   dst_world: int = 6
