@@ -75,16 +75,20 @@ class FlatShard:
       raise PlacementError(f"rank {rank} is outside world_size {world} (0..{world - 1})")
     object.__setattr__(self, "rank", rank)
     object.__setattr__(self, "world_size", world)
+    # Derived once: planning reads these for every source of every buffer.
+    count = math.prod(self.shape)
+    object.__setattr__(self, "_count", count)
+    object.__setattr__(self, "_slots", -(-count // world))
 
   @property
   def count(self) -> int:
     """Elements of the logical parameter (1 for a scalar)."""
-    return math.prod(self.shape)
+    return self._count
 
   @property
   def slots(self) -> int:
     """Elements every rank stores: ``ceil(count / world_size)``."""
-    return -(-self.count // self.world_size)
+    return self._slots
 
   @property
   def start(self) -> int:

@@ -48,10 +48,13 @@ class ShardRecord:
 
   def placement(self, param: str) -> Optional[ParamPlacement]:
     """The entry for ``param``, or None when this archive does not list it."""
-    for p in self.placements:
-      if p.param == param:
-        return p
-    return None
+    index = self.__dict__.get("_placement_index")
+    if index is None:  # placements are frozen: index them once, not per lookup
+      index = {}
+      for p in self.placements:
+        index.setdefault(getattr(p, "param", None), p)
+      object.__setattr__(self, "_placement_index", index)
+    return index.get(param)
 
   @property
   def params(self) -> tuple[str, ...]:

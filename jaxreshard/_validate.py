@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxreshard import _structure
@@ -24,8 +25,14 @@ __all__ = ["SourceGroup", "check_archive", "check_buffer_dtype", "check_clocks",
 _BUFFER_DTYPES = ("float32", "float16", "bfloat16")
 
 
+# Sets of dtype objects: hashing a dtype is cheap, its ``.name`` is not, and
+# these checks run for every source buffer of every migration.
+_STORAGE_SET = frozenset(np.dtype(jnp.dtype(n)) for n in SUPPORTED_DTYPES)
+_BUFFER_SET = frozenset(np.dtype(jnp.dtype(n)) for n in _BUFFER_DTYPES)
+
+
 def check_storage_dtype(dtype: Any, where: str) -> None:
-  if not (isinstance(dtype, np.dtype) and dtype.name in SUPPORTED_DTYPES):
+  if not (isinstance(dtype, np.dtype) and dtype in _STORAGE_SET):
     raise DtypeError(
         f"{where}: storage dtype {dtype} is not one of {', '.join(SUPPORTED_DTYPES)}"
     )
@@ -33,9 +40,9 @@ def check_storage_dtype(dtype: Any, where: str) -> None:
 
 def check_buffer_dtype(dtype: Any, where: str) -> None:
   """History buffers must be floating: integer, bool and quantized state is refused."""
-  name = np.dtype(dtype).name
-  if name in _BUFFER_DTYPES:
+  if dtype in _BUFFER_SET:
     return
+  name = np.dtype(dtype).name
   if name == "float64" and jax.config.jax_enable_x64:
     return
   hint = " (enable jax_enable_x64 to keep float64 exact)" if name == "float64" else ""
@@ -71,13 +78,24 @@ def check_archive(index: int, record: Any) -> _structure.Anatomy:
     if p.param in seen:
       raise PlacementError(f"param {p.param!r}: archive {index} lists it twice")
     seen.add(p.param)
-  try:
-    roles = record.roles
-    if roles is None:
-      roles = _structure.infer_roles(record.state, sorted(seen))
-    anatomy = _structure.anatomy(record.state, roles)
-  except _structure.AnatomyError as e:
-    raise PlacementError(f"archive {index}: {e}") from None
+  # A record's fields are frozen but the containers inside its state are not:
+  # reuse the anatomy of an earlier call only while the state's structure and
+  # every leaf object are the very same.
+  leaves, treedef = jax.tree_util.tree_flatten(record.state)
+  fingerprint = (treedef, tuple(map(id, leaves)))
+  cached = record.__dict__.get("_anatomy_cache")
+  if cached is not None and cached[0] == fingerprint:
+    anatomy = cached[1]
+  else:
+    try:
+      roles = record.roles
+      if roles is None:
+        roles = _structure.infer_roles(record.state, sorted(seen))
+      anatomy = _structure.anatomy(record.state, roles)
+    except _structure.AnatomyError as e:
+      raise PlacementError(f"archive {index}: {e}") from None
+    # The cache holds the leaves, so their ids cannot be reused while it lives.
+    object.__setattr__(record, "_anatomy_cache", (fingerprint, anatomy, leaves))
   for pid in sorted(anatomy.param_set() - seen):
     raise PlacementError(
         f"param {pid!r}: archive {index} holds a history for it but does not list it"
