@@ -46,6 +46,9 @@ def main(argv=None) -> int:
                       " benchmarks/RESULTS.md for a full run, nothing for --quick")
   parser.add_argument("--param-counts", default=None, metavar="N,N,...",
                       help="override the compile benchmark's parameter counts, e.g. 10,10000")
+  parser.add_argument("--rewrite", action="store_true",
+                      help="rewrite --out's markdown and plot from its .json (no measuring),"
+                      " e.g. after editing the README's analysis")
   args = parser.parse_args(argv)
   opts = Options.smoke() if args.quick else Options.full()
   if args.param_counts:
@@ -53,6 +56,11 @@ def main(argv=None) -> int:
   out = args.out if args.out is not None else (None if args.quick else
                                                os.path.join(_HERE, "RESULTS.md"))
   log = sys.stderr if args.json else sys.stdout
+  if args.rewrite:
+    with open(os.path.splitext(out)[0] + ".json") as f:
+      doc = json.load(f)
+    _write(doc, out, opts.quick, log)
+    return 0
   started = datetime.datetime.now(datetime.timezone.utc)
   argv_used = sys.argv[1:] if argv is None else list(argv)
   doc = {"started": started.strftime("%Y-%m-%d %H:%M UTC"), "quick": opts.quick,
@@ -78,22 +86,29 @@ def main(argv=None) -> int:
         json.dump(doc, f, indent=1)
   doc["elapsed_s"] = round(time.perf_counter() - t_all, 1)
   if out:
-    memory = next((r for r in doc["results"] if r["name"] == "memory" and r["rows"]), None)
-    if memory:
-      png = os.path.join(os.path.dirname(os.path.abspath(out)), "throughput.png")
-      plot_throughput(memory["rows"], png, f"8 -> 6 reshard vs copies, {doc['machine']['cpu']}")
-      doc["plot"] = os.path.basename(png)
-    analysis = "" if opts.quick else _readme_section("## What dominates")
-    text = markdown(doc, analysis)
-    if doc.get("plot"):
-      text = text.replace("## Machine", f"![throughput vs size]({doc['plot']})\n\n## Machine", 1)
-    with open(out, "w") as f:
-      f.write(text)
-    print(f"[benchmarks] wrote {out}", file=log)
+    _write(doc, out, opts.quick, log)
   if args.json:
     json.dump(doc, sys.stdout, indent=1)
     print()
   return 1 if any(r.get("error") for r in doc["results"]) else 0
+
+
+def _write(doc: dict, out: str, quick: bool, log) -> None:
+  """RESULTS.md and throughput.png for ``doc``."""
+  memory = next((r for r in doc["results"] if r["name"] == "memory" and r["rows"]), None)
+  if memory:
+    png = os.path.join(os.path.dirname(os.path.abspath(out)), "throughput.png")
+    plot_throughput(memory["rows"], png, f"8 -> 6 reshard vs copies, {doc['machine']['cpu']}")
+    doc["plot"] = os.path.basename(png)
+  analysis = "" if quick else _readme_section("## What dominates")
+  text = markdown(doc, analysis)
+  if doc.get("plot"):
+    text = text.replace("## Machine", f"![throughput vs size]({doc['plot']})\n\n## Machine", 1)
+  with open(out, "w") as f:
+    f.write(text)
+  with open(os.path.splitext(out)[0] + ".json", "w") as f:
+    json.dump(doc, f, indent=1)
+  print(f"[benchmarks] wrote {out}", file=log)
 
 
 if __name__ == "__main__":
