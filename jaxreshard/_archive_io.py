@@ -29,7 +29,7 @@ import os
 import shutil
 import threading
 import uuid
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +168,23 @@ def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
   return len(names)
 
 
+def new_temp_dir(final: str) -> str:
+  """Creates the hidden sibling a checkpoint is written into before its rename.
+
+  Raises:
+    ArchiveExistsError: ``final`` exists (a checkpoint is never overwritten).
+    FileNotFoundError: its parent directory does not exist.
+  """
+  if os.path.lexists(final):
+    raise ArchiveExistsError(f"{final} already exists; jaxreshard never overwrites a checkpoint")
+  parent = os.path.dirname(final)
+  if not os.path.isdir(parent):
+    raise FileNotFoundError(f"parent directory {parent} of {final} does not exist")
+  tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex}")
+  os.mkdir(tmp)
+  return tmp
+
+
 def save_records(directory: Any, records: Iterable[ShardRecord], *,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
   """Saves every rank's archive as one checkpoint directory, atomically.
@@ -202,13 +219,7 @@ def save_records(directory: Any, records: Iterable[ShardRecord], *,
   if chunk_bytes < 1:
     raise ReshardError(f"chunk_bytes {chunk_bytes} must be positive")
   final = os.path.abspath(os.fspath(directory))
-  if os.path.lexists(final):
-    raise ArchiveExistsError(f"{final} already exists; jaxreshard never overwrites a checkpoint")
-  parent = os.path.dirname(final)
-  if not os.path.isdir(parent):
-    raise FileNotFoundError(f"parent directory {parent} of {final} does not exist")
-  tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex}")
-  os.mkdir(tmp)
+  tmp = new_temp_dir(final)
   try:
     write_checkpoint(tmp, records, chunk_bytes=chunk_bytes)
     if os.path.lexists(final):

@@ -15,7 +15,7 @@ import itertools
 import os
 import shutil
 import uuid
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -230,13 +230,7 @@ def save_sharded(
 
   if primary:  # 1. the primary picks (and creates) the temporary directory
     try:
-      if os.path.lexists(final):
-        raise ArchiveExistsError(f"{final} already exists; jaxreshard never overwrites a checkpoint")
-      parent = os.path.dirname(final)
-      if not os.path.isdir(parent):
-        raise FileNotFoundError(f"parent directory {parent} of {final} does not exist")
-      tmp = os.path.join(parent, f".{os.path.basename(final)}.tmp-{uuid.uuid4().hex}")
-      os.mkdir(tmp)
+      tmp = _archive_io.new_temp_dir(final)
       sync.put("tmp", f"ok:{tmp}")
     except ArchiveExistsError as e:
       sync.put("tmp", f"exists:{e}")

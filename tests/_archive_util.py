@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 import jaxreshard as jr
-from tests._core_util import random_bits_array, special_values
+from tests._core_util import nest, random_bits_array, special_values
 
 # Small, odd sizes: nothing divides evenly, one parameter is a scalar, one is
 # empty, one is bf16 and one f16 (storage dtypes), so padding and every dtype occur.
@@ -24,17 +24,6 @@ SHAPES = {
     "scale": ((), jnp.float32),
     "empty": ((0,), jnp.float32),
 }
-
-
-def nest(flat: dict) -> dict:
-  root: dict = {}
-  for pid, v in flat.items():
-    *parents, last = pid.split("/")
-    node = root
-    for k in parents:
-      node = node.setdefault(k, {})
-    node[last] = v
-  return root
 
 
 def params(shapes=None, seed: int = 0) -> Any:

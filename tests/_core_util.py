@@ -116,3 +116,15 @@ def special_values(dtype) -> np.ndarray:
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
+
+
+def nest(flat: dict) -> dict:
+  """A nested-dict pytree from ``{"a/b": x}`` ids (how flax nests params)."""
+  root: dict = {}
+  for pid, v in flat.items():
+    *parents, last = pid.split("/")
+    node = root
+    for k in parents:
+      node = node.setdefault(k, {})
+    node[last] = v
+  return root

@@ -16,7 +16,7 @@ import pytest
 
 import jaxreshard as jr
 from tests._core_util import (
-    assert_records_equal, assert_trees_bit_equal, bits, oracle_shard,
+    assert_records_equal, assert_trees_bit_equal, bits, nest, oracle_shard,
 )
 
 SHAPES = {
@@ -28,20 +28,9 @@ SHAPES = {
 }
 
 
-def _nest(flat):
-  root = {}
-  for pid, v in flat.items():
-    *parents, last = pid.split("/")
-    node = root
-    for k in parents:
-      node = node.setdefault(k, {})
-    node[last] = v
-  return root
-
-
 def _params(dtype=jnp.float32, seed=0):
   rng = np.random.default_rng(seed)
-  return _nest({pid: jnp.asarray(rng.standard_normal(s).astype(np.float32), dtype)
+  return nest({pid: jnp.asarray(rng.standard_normal(s).astype(np.float32), dtype)
                 for pid, s in SHAPES.items()})
 
 
@@ -68,7 +57,7 @@ def _train(opt, params, steps=3):
   return params, state
 
 
-LABELS = _nest({"dense/kernel": "train", "dense/bias": "train", "emb": "frozen",
+LABELS = nest({"dense/kernel": "train", "dense/bias": "train", "emb": "frozen",
                 "scale": "train", "tiny": "frozen"})
 MASK = jax.tree.map(lambda label: label == "train", LABELS)
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=10)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 import jaxreshard as jr
 from tests._core_util import (
     BF16, F16, F32, assert_bits_equal, assert_records_equal, assert_trees_bit_equal, bits,
-    oracle_shard, random_bits_array, special_values,
+    nest, oracle_shard, random_bits_array, special_values,
 )
 
 SHAPES = st.one_of(
@@ -36,25 +36,14 @@ def _ids(n):
   return ["p0", "blk/p1", "blk/sub/p2", "z"][:n]
 
 
-def _nest(flat):
-  root = {}
-  for pid, v in flat.items():
-    *parents, last = pid.split("/")
-    node = root
-    for k in parents:
-      node = node.setdefault(k, {})
-    node[last] = v
-  return root
-
-
 def _state(specs, seed):
   """Full params and an Adam state whose mu/nu are random bits of each dtype."""
   rng = np.random.default_rng(seed)
   ids = _ids(len(specs))
-  params = _nest({pid: jnp.zeros(shape, dtype) for pid, (shape, dtype) in zip(ids, specs)})
-  mu = _nest({pid: jnp.asarray(random_bits_array(rng, shape, dtype))
+  params = nest({pid: jnp.zeros(shape, dtype) for pid, (shape, dtype) in zip(ids, specs)})
+  mu = nest({pid: jnp.asarray(random_bits_array(rng, shape, dtype))
               for pid, (shape, dtype) in zip(ids, specs)})
-  nu = _nest({pid: jnp.asarray(random_bits_array(rng, shape, dtype))
+  nu = nest({pid: jnp.asarray(random_bits_array(rng, shape, dtype))
               for pid, (shape, dtype) in zip(ids, specs)})
   adam, rest = OPT.init(params)
   state = (adam._replace(count=jnp.asarray(rng.integers(0, 2**31 - 1), jnp.int32), mu=mu, nu=nu),
@@ -134,7 +123,7 @@ def _check_layout_one(rec, full_state, world, rank):
 
 def test_special_values_survive_every_path():
   # NaN payloads (quiet and signalling, both signs), +-inf, +-0, subnormals.
-  specs, mu, nu = [], {}, {}
+  mu, nu = {}, {}
   for name, dt in (("f32", F32), ("f16", F16), ("bf16", BF16)):
     v = special_values(dt)
     mu[name] = jnp.asarray(v)
