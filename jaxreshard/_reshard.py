@@ -288,18 +288,22 @@ def copy_requests(
   for g in groups:
     pid = g.migration.param
     t, src = g.target, g.source
-    histories = [anatomies[s].history(pid) for s in g.by_rank]
+    # Only the overlapping source ranks are looked at (1 to a few of W).
+    history_of = lambda r, pid=pid, g=g: anatomies[g.by_rank[r]].history(pid)
+    dtypes = [np.dtype(h.dtype) if h is not None and h is not _structure.MASKED else None
+              for h in history_of(0)]
     for m, present in enumerate(g.history):
       if present is not True:
         continue
       ranges = []
-      for r, hist in enumerate(histories):
-        lo = max(t.start, r * src.slots)
-        hi = min(t.stop, (r + 1) * src.slots, src.count)
-        if lo < hi:
-          ranges.append((hist[m], lo - r * src.slots, hi - r * src.slots))
+      if t.stop > t.start:  # only the source ranks that overlap [start, stop)
+        for r in range(t.start // src.slots, (t.stop - 1) // src.slots + 1):
+          lo = max(t.start, r * src.slots)
+          hi = min(t.stop, (r + 1) * src.slots, src.count)
+          if lo < hi:
+            ranges.append((history_of(r)[m], lo - r * src.slots, hi - r * src.slots))
       shape = t.shape if logical else (t.slots,)
-      requests.append(CopyRequest(pid, m, shape, np.dtype(histories[0][m].dtype), tuple(ranges)))
+      requests.append(CopyRequest(pid, m, shape, dtypes[m], tuple(ranges)))
   return requests
 
 

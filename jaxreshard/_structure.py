@@ -127,6 +127,9 @@ class Anatomy:
   skeleton: Any  # treedef; leaves are scalars and MirrorSlot markers
   skeleton_leaves: tuple[Any, ...]
   mirrors: tuple[Mirror, ...]
+  # Per-parameter summaries memoized by validation (an anatomy is rebuilt
+  # whenever its state changes, so these never go stale).
+  memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   @property
   def scalars(self) -> list[tuple[int, Any]]:
