@@ -319,6 +319,11 @@ def _read_archive(root: str, index: int, name: str) -> ShardRecord:
   if not os.path.isdir(adir):
     raise ArchiveError(f"{where}: the archive directory {adir} is missing")
   meta = fmt.expect(_read_json(_inside(root, name, RECORD_FILE), where), dict, where)
+  # Buffer names match a strict pattern (no separators, no ".."), so only a
+  # symbolic link could lead elsewhere: one directory listing finds them all,
+  # instead of resolving every buffer's path.
+  with os.scandir(adir) as listing:
+    links = {e.name for e in listing if e.is_symlink()}
   if meta.get("format") != FORMAT:
     raise ArchiveError(f"{where}: {adir} is not a {FORMAT} archive")
   version = fmt.expect(meta.get("version"), int, f"{where} version")
@@ -353,7 +358,10 @@ def _read_archive(root: str, index: int, name: str) -> ShardRecord:
       shape = fmt.shape_of(b["shape"], lw)
       if chunk < 1 or (math.prod(shape) and chunk > math.prod(shape)):
         raise ArchiveError(f"{lw}: chunk {chunk} does not fit shape {shape}")
-      leaves.append(LazyBuffer(_inside(root, name, bname), shape,
+      if bname in links:
+        raise ArchiveError(f"{lw}: {os.path.join(adir, bname)} is a symbolic link; a"
+                           " checkpoint's buffers must lie inside it")
+      leaves.append(LazyBuffer(os.path.join(adir, bname), shape,
                                fmt.np_dtype(b["dtype"], lw), chunk, bw))
     else:
       raise ArchiveError(f"{lw}: entry {sorted(entry)} disagrees with its role {role!r}")
@@ -411,27 +419,41 @@ class Reader:
   def _store(self, buf: LazyBuffer):
     with self._lock:
       store = self._open.get(buf.path)
-    if store is not None:
-      return store
-    buf.check_file()
-    info = ocp.type_handlers.ParamInfo(
-        name=os.path.basename(buf.path), parent_dir=epath.Path(os.path.dirname(buf.path)),
-        use_zarr3=True, is_ocdbt_checkpoint=False, ts_context=self._ctx)
-    spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=False)
-    try:
-      store = ts.open(spec, open=True, context=self._ctx).result()
-    except Exception as e:  # tensorstore raises ValueError/RuntimeError variants
-      raise ArchiveError(f"{buf.where}: cannot open {buf.path}: {e}") from None
-    if (tuple(store.shape) != (buf.size,) or np.dtype(store.dtype.numpy_dtype) != buf.dtype
-        or list(store.chunk_layout.read_chunk.shape) != [buf.chunk]):
-      raise ArchiveError(
-          f"{buf.where}: {buf.path} holds {store.dtype.name}{list(store.shape)} in chunks of"
-          f" {list(store.chunk_layout.read_chunk.shape)} but the archive says"
-          f" {buf.dtype.name}[{buf.size}] in chunks of {buf.chunk}")
-    with self._lock:
-      self._open[buf.path] = store
-      self.opened += 1
+    if store is None:
+      self._open_all([buf])
+      with self._lock:
+        store = self._open[buf.path]
     return store
+
+  def _open_all(self, bufs) -> None:
+    """Opens every not-yet-open buffer of ``bufs``: all opens in flight at once."""
+    pending, seen = [], set()
+    for buf in bufs:
+      with self._lock:
+        known = buf.path in self._open
+      if known or buf.path in seen:
+        continue
+      seen.add(buf.path)
+      buf.check_file()
+      info = ocp.type_handlers.ParamInfo(
+          name=os.path.basename(buf.path), parent_dir=epath.Path(os.path.dirname(buf.path)),
+          use_zarr3=True, is_ocdbt_checkpoint=False, ts_context=self._ctx)
+      spec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=False)
+      pending.append((buf, ts.open(spec, open=True, context=self._ctx)))
+    for buf, future in pending:
+      try:
+        store = future.result()
+      except Exception as e:  # tensorstore raises ValueError/RuntimeError variants
+        raise ArchiveError(f"{buf.where}: cannot open {buf.path}: {e}") from None
+      if (tuple(store.shape) != (buf.size,) or np.dtype(store.dtype.numpy_dtype) != buf.dtype
+          or list(store.chunk_layout.read_chunk.shape) != [buf.chunk]):
+        raise ArchiveError(
+            f"{buf.where}: {buf.path} holds {store.dtype.name}{list(store.shape)} in chunks of"
+            f" {list(store.chunk_layout.read_chunk.shape)} but the archive says"
+            f" {buf.dtype.name}[{buf.size}] in chunks of {buf.chunk}")
+      with self._lock:
+        self._open[buf.path] = store
+        self.opened += 1
 
   def check(self, buf: LazyBuffer) -> None:
     """Checks ``buf``'s files and metadata (opens it) without reading data."""
@@ -443,7 +465,7 @@ class Reader:
     for buf, lo, hi in requests:
       if not 0 <= lo <= hi <= buf.size:
         raise ArchiveError(f"{buf.where}: range [{lo}, {hi}) is outside its {buf.size} elements")
-      self.check(buf)
+    self._open_all([buf for buf, _, _ in requests if buf.size])
     futures = [self._store(b)[lo:hi].read() if hi > lo else None for b, lo, hi in requests]
     out = []
     for (buf, lo, hi), fut in zip(requests, futures):

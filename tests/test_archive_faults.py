@@ -191,6 +191,17 @@ def test_path_traversal_archive_name_and_symlink(ckpt, tmp_path):
     jr.load_records(ckpt)
 
 
+def test_buffer_directory_that_is_a_symlink_is_refused(ckpt, tmp_path):
+  archive = ckpt / "archive_00000"
+  buffer = sorted(p for p in archive.iterdir() if p.is_dir())[0]
+  shutil.move(buffer, tmp_path / "elsewhere")
+  os.symlink(tmp_path / "elsewhere", buffer)
+  with pytest.raises(jr.ArchiveError, match="symbolic link"):
+    jr.load_records(ckpt)
+  with pytest.raises(jr.ArchiveError, match="symbolic link"):
+    jr.restore(ckpt, rank=0, world_size=3)
+
+
 def test_namedtuple_of_a_foreign_module_is_never_looked_up(ckpt):
   def foreign(d):
     node = d["tree"]["c"][0]  # ScaleByAdamState
