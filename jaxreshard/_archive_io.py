@@ -110,12 +110,10 @@ def _dump(path: str, obj: Any) -> None:
 def _write_archive(archive_dir: epath.Path, index: int, record: Any, chunk_bytes: int, ctx) -> None:
   if not isinstance(record, ShardRecord):
     raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
-  roles = record.roles
-  if roles is None:
-    try:
-      roles = _structure.infer_roles(record.state, sorted(record.params))
-    except _structure.AnatomyError as e:
-      raise PlacementError(f"archive {index}: {e}") from None
+  try:
+    roles = _structure.roles_of(record)
+  except _structure.AnatomyError as e:
+    raise PlacementError(f"archive {index}: {e}") from None
   tree, leaves = fmt.encode_tree(record.state)
   if len(leaves) != len(roles):
     raise PlacementError(f"archive {index}: {len(leaves)} state leaves but {len(roles)} roles")

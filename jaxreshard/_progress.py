@@ -42,12 +42,10 @@ def layout_of(record: Any) -> ArchiveLayout:
   """The layout of a ``ShardRecord`` (roles say which leaves are buffers)."""
   buffers: dict[str, list[np.dtype]] = {}
   leaves = jax.tree.leaves(record.state)
-  roles = record.roles
-  if roles is None:
-    try:
-      roles = _structure.infer_roles(record.state, sorted(record.params))
-    except _structure.AnatomyError as e:
-      raise PlacementError(f"an archive without roles: {e}") from None
+  try:
+    roles = _structure.roles_of(record)
+  except _structure.AnatomyError as e:
+    raise PlacementError(f"an archive without roles: {e}") from None
   for leaf, role in zip(leaves, roles):
     if role is not None:
       # ``.dtype`` first: a buffer still on disk has one but no data.

@@ -187,6 +187,17 @@ def _replace_subtrees(tree: Any, replacements: Mapping[KeyPath, Any]) -> tuple[A
   return rec(tree, ()), removed
 
 
+def roles_of(record: Any) -> tuple[Optional[str], ...]:
+  """A record's roles: as recorded, or inferred for a hand-built record.
+
+  Raises:
+    AnatomyError: a hand-built record with a buffer no listed param explains.
+  """
+  if record.roles is not None:
+    return record.roles
+  return infer_roles(record.state, sorted(p.param for p in record.placements))
+
+
 def infer_roles(state: Any, listed: Sequence[str]) -> tuple[Optional[str], ...]:
   """Roles of a hand-built record: 0-d leaves are scalars, others histories."""
   roles = []

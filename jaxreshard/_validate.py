@@ -88,10 +88,7 @@ def check_archive(index: int, record: Any) -> _structure.Anatomy:
     anatomy = cached[1]
   else:
     try:
-      roles = record.roles
-      if roles is None:
-        roles = _structure.infer_roles(record.state, sorted(seen))
-      anatomy = _structure.anatomy(record.state, roles)
+      anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
     except _structure.AnatomyError as e:
       raise PlacementError(f"archive {index}: {e}") from None
     # The cache holds the leaves, so their ids cannot be reused while it lives.

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 
 import jaxreshard as jr
-from tests._core_util import nest, random_bits_array, special_values
+from tests._core_util import nest, random_bits_array, rchar, special_values  # noqa: F401
 
 # Small, odd sizes: nothing divides evenly, one parameter is a scalar, one is
 # empty, one is bf16 and one f16 (storage dtypes), so padding and every dtype occur.
@@ -76,15 +76,6 @@ def file_hashes(directory: str) -> dict[str, str]:
 
 def dir_bytes(directory: str) -> int:
   return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(directory) for f in fs)
-
-
-def rchar() -> int:
-  """Bytes this process has read through read-like syscalls (pread included) so far."""
-  with open("/proc/self/io") as f:
-    for line in f:
-      if line.startswith("rchar:"):
-        return int(line.split()[1])
-  raise RuntimeError("no rchar in /proc/self/io")
 
 
 def buffer_file(directory: str, archive: int = 0) -> str:

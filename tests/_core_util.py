@@ -128,3 +128,12 @@ def nest(flat: dict) -> dict:
       node = node.setdefault(k, {})
     node[last] = v
   return root
+
+
+def rchar() -> int:
+  """Bytes this process has read through read-like syscalls (pread included) so far."""
+  with open("/proc/self/io") as f:
+    for line in f:
+      if line.startswith("rchar:"):
+        return int(line.split()[1])
+  raise RuntimeError("no rchar in /proc/self/io")

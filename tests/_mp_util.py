@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from tests._core_util import nest, rchar  # noqa: F401  (re-exported for the worker)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_mp_worker.py")
@@ -45,17 +47,6 @@ SPECS = {
     "empty": ((0, 4), np.float32),
 }
 FROZEN = ("head/w",)
-
-
-def nest(flat: dict) -> dict:
-  root: dict = {}
-  for pid, v in flat.items():
-    *parents, last = pid.split("/")
-    node = root
-    for k in parents:
-      node = node.setdefault(k, {})
-    node[last] = v
-  return root
 
 
 def optimizer() -> Any:
@@ -112,15 +103,6 @@ def free_port() -> int:
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     return s.getsockname()[1]
-
-
-def rchar() -> int:
-  """Bytes this process has read through read-like syscalls so far."""
-  with open("/proc/self/io") as f:
-    for line in f:
-      if line.startswith("rchar:"):
-        return int(line.split()[1])
-  raise RuntimeError("no rchar in /proc/self/io")
 
 
 class ProcessGroup:
