@@ -152,11 +152,32 @@ def plan(records: Sequence[ShardRecord], world_size: int, rank: int) -> list[Mig
   if not records:
     raise PlacementError("no archives supplied")
   FlatShard((), rank, world_size)
+  migrations = []
+  for pid, shape, sources in _complete_groups(records):
+    try:
+      FlatShard(shape, rank, world_size)
+    except PlacementError as e:
+      raise PlacementError(f"param {pid!r}: {e}") from None
+    migrations.append(Migration(pid, shape, rank, world_size, sources))
+  return migrations
+
+
+def _complete_groups(records: list[Any]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+  """(param, shape, archive index of each original rank) per param, sorted.
+
+  The grouping does not depend on the target, so planning rank after rank over
+  the same archives (frozen records) groups them once.
+  """
+  first_record = records[0]
+  memo = first_record.__dict__.get("_plan_memo") if isinstance(first_record, ShardRecord) else None
+  if (memo is not None and len(memo[0]) == len(records)
+      and all(a is b for a, b in zip(memo[0], records))):
+    return memo[1]
   groups: dict[str, list[tuple[int, ParamPlacement]]] = {}
   for i, rec in enumerate(records):
     for p in getattr(rec, "placements", ()):
       groups.setdefault(p.param, []).append((i, p))
-  migrations = []
+  out = []
   for pid in sorted(groups):
     entries = groups[pid]
     first_index, first = entries[0]
@@ -179,13 +200,10 @@ def plan(records: Sequence[ShardRecord], world_size: int, rank: int) -> list[Mig
           f"param {pid!r}: archives {sorted(ranks.values())} hold ranks"
           f" {sorted(ranks)} of world_size {first.world_size}; missing ranks {missing}"
       )
-    try:
-      FlatShard(first.shape, rank, world_size)
-    except PlacementError as e:
-      raise PlacementError(f"param {pid!r}: {e}") from None
-    migrations.append(Migration(pid, first.shape, rank, world_size,
-                                tuple(ranks[r] for r in sorted(ranks))))
-  return migrations
+    out.append((pid, first.shape, tuple(ranks[r] for r in sorted(ranks))))
+  if isinstance(first_record, ShardRecord):
+    object.__setattr__(first_record, "_plan_memo", (tuple(records), out))
+  return out
 
 
 def reshard(records: Sequence[ShardRecord], migrations: Sequence[Migration]) -> ShardRecord:
