@@ -152,8 +152,11 @@ def _make_kernel(signature):
       for index, length in pieces:
         src = flat[index]
         chex.assert_equal(src.shape[1:], _bits_tail(dtype))  # same width in, same width out
-        start = static_starts[j] if static_starts is not None else starts[j]
-        parts.append(lax.dynamic_slice_in_dim(src, start, length))
+        if static_starts is not None:  # offsets past int32: compiled-in static slices
+          start = static_starts[j]
+          parts.append(lax.slice_in_dim(src, start, start + length))
+        else:
+          parts.append(lax.dynamic_slice_in_dim(src, starts[j], length))
         j += 1
       used = sum(length for _, length in pieces)
       if size > used or not parts:

@@ -187,8 +187,23 @@ def test_buckets_hold_at_most_bucket_size_outputs():
   assert len(built) == n
   for i, x in enumerate(built):
     assert_bits_equal(x, np.asarray(v)[i % 5:i % 5 + 3])
-  # 4 buckets; the three full ones share one signature (offsets are runtime arguments).
+  # Identical outputs go into homogeneous buckets of REPEAT_SIZE that share one
+  # program (offsets are runtime arguments); the remainder is one more program.
+  assert n % _kernels.REPEAT_SIZE != 0
   assert jr.kernel_cache_info().programs == 2
+
+
+def test_offsets_beyond_int32_are_compiled_in(monkeypatch):
+  # A shard of more than 2**31 elements cannot be built here; lower the
+  # threshold so that the static-offset program runs on small data.
+  monkeypatch.setattr(_kernels, "_INT32_MAX", 3)
+  for dtype in (F32, BF16):
+    v = jnp.asarray(special_values(dtype))
+    n = v.shape[0]
+    out = _kernels.assemble([_kernels.Output(
+        (n + 2,), dtype, (_kernels.Piece(v, 5, n - 5), _kernels.Piece(v, 0, 5)))])[0]
+    base = np.asarray(v)
+    assert_bits_equal(out, np.concatenate([base[5:], base[:5], np.zeros(2, dtype)]))
 
 
 def _small_records():
