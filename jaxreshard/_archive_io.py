@@ -453,11 +453,6 @@ class Reader:
         self._open[buf.path] = store
         self.opened += 1
 
-  def check(self, buf: LazyBuffer) -> None:
-    """Checks ``buf``'s files and metadata (opens it) without reading data."""
-    if buf.size:
-      self._store(buf)
-
   def read(self, requests: list[tuple[LazyBuffer, int, int]]) -> list[np.ndarray]:
     """Reads flat ``[lo, hi)`` of each buffer, all at once; every buffer is checked first."""
     for buf, lo, hi in requests:

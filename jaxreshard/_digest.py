@@ -219,10 +219,7 @@ def _anatomy(index: int, record: Any) -> _structure.Anatomy:
   if not isinstance(record, ShardRecord):
     raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
   try:
-    roles = record.roles
-    if roles is None:
-      roles = _structure.infer_roles(record.state, sorted(record.params))
-    return _structure.anatomy(record.state, roles)
+    return _structure.anatomy(record.state, _structure.roles_of(record))
   except _structure.AnatomyError as e:
     raise PlacementError(f"archive {index}: {e}") from None
 
@@ -230,9 +227,10 @@ def _anatomy(index: int, record: Any) -> _structure.Anatomy:
 def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
   """``(key path, value)`` of every clock scalar of a record, in state order."""
   leaves = jax.tree_util.tree_flatten_with_path(record.state)[0]
-  roles = record.roles
-  if roles is None:
-    roles = [None if np.ndim(x) == 0 else "" for _, x in leaves]
+  try:
+    roles = _structure.roles_of(record)
+  except _structure.AnatomyError as e:
+    raise PlacementError(f"an archive without roles: {e}") from None
   return [(jax.tree_util.keystr(path), np.asarray(leaf))
           for (path, leaf), role in zip(leaves, roles) if role is None]
 

@@ -107,7 +107,10 @@ def _check_layout(records: Mapping[int, ShardRecord]) -> tuple[Any, tuple]:
     if not isinstance(rec, ShardRecord):
       raise PlacementError(f"rank {rank}: expected a ShardRecord, got {type(rec).__name__}")
     leaves, td = jax.tree_util.tree_flatten(rec.state)
-    r = rec.roles if rec.roles is not None else tuple(None if np.ndim(x) == 0 else "" for x in leaves)
+    try:
+      r = _structure.roles_of(rec)
+    except _structure.AnatomyError as e:
+      raise PlacementError(f"rank {rank}: {e}") from None
     if treedef is None:
       treedef, roles = td, r
     elif td != treedef or r != roles:
