@@ -324,7 +324,7 @@ def shard_to_mesh(
   records = {}
   for rank, devices in local.items():
     with jax.default_device(devices[0]):  # the kernels run where the rank lives
-      records[rank] = _reshard.reshard(whole, _reshard.plan(whole, world, rank))
+      records[rank] = _reshard.reshard(whole, _reshard.plan(whole, world_size=world, rank=rank))
   return MeshState(records_to_mesh(records, mesh, axis),
                    {r: rec.placements for r, rec in records.items()})
 

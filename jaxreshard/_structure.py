@@ -16,6 +16,7 @@ no optimizer object:
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
@@ -56,7 +57,18 @@ def _is_masked_node(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
+_DictKey, _GetAttrKey, _SequenceKey = (jax.tree_util.DictKey, jax.tree_util.GetAttrKey,
+                                       jax.tree_util.SequenceKey)
+
+
 def _key_name(key: Any) -> str:
+  t = type(key)
+  if t is _DictKey:
+    return str(key.key)
+  if t is _GetAttrKey:
+    return key.name
+  if t is _SequenceKey:
+    return str(key.idx)
   for attr in ("key", "name", "idx"):
     if hasattr(key, attr):
       return str(getattr(key, attr))
@@ -127,9 +139,6 @@ class Anatomy:
   skeleton: Any  # treedef; leaves are scalars and MirrorSlot markers
   skeleton_leaves: tuple[Any, ...]
   mirrors: tuple[Mirror, ...]
-  # Per-parameter summaries memoized by validation (an anatomy is rebuilt
-  # whenever its state changes, so these never go stale).
-  memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   @property
   def scalars(self) -> list[tuple[int, Any]]:
@@ -218,12 +227,55 @@ def _suffix_matches(path: KeyPath, pid: str) -> bool:
   return any(path_id(path[len(path) - k:]) == pid for k in range(1, len(path) + 1))
 
 
+class _PlanCache:
+  """Anatomies of tree *structures* (leaves as indices), by (treedef, roles).
+
+  Every rank of a layout has the same structure, so taking W archives apart
+  walks their key paths once; each archive then only places its leaves.
+  """
+
+  def __init__(self, maxsize: int = 64):
+    self.maxsize = maxsize
+    self.lock = threading.Lock()
+    self.plans: dict[Any, Anatomy] = {}
+
+  def get(self, treedef: Any, roles: tuple, n: int) -> Anatomy:
+    key = (treedef, roles)
+    with self.lock:
+      plan = self.plans.get(key)
+    if plan is None:
+      plan = _anatomy_of_paths(jax.tree_util.tree_unflatten(treedef, list(range(n))), roles)
+      with self.lock:
+        if len(self.plans) >= self.maxsize:
+          self.plans.pop(next(iter(self.plans)))
+        self.plans[key] = plan
+    return plan
+
+
+PLANS = _PlanCache()
+
+
 def anatomy(state: Any, roles: Sequence[Optional[str]]) -> Anatomy:
   """Takes ``state`` apart using per-leaf ``roles`` (see ``history_roles``).
 
   Raises:
     AnatomyError: when roles do not describe the state, or a mirror is ragged.
   """
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  if len(leaves) != len(roles):
+    raise AnatomyError(
+        f"the state has {len(leaves)} leaves but its roles describe {len(roles)}")
+  plan = PLANS.get(treedef, tuple(roles), len(leaves))
+  mirrors = tuple(
+      Mirror(m.prefix, m.treedef, m.order,
+             {pid: e if e is MASKED else leaves[e] for pid, e in m.entries.items()})
+      for m in plan.mirrors)
+  return Anatomy(plan.skeleton, tuple(x if isinstance(x, MirrorSlot) else leaves[x]
+                                      for x in plan.skeleton_leaves), mirrors)
+
+
+def _anatomy_of_paths(state: Any, roles: Sequence[Optional[str]]) -> Anatomy:
+  """``anatomy`` by walking key paths (the state's leaves are their own indices)."""
   with_path = jax.tree_util.tree_flatten_with_path(state)[0]
   if len(with_path) != len(roles):
     raise AnatomyError(
@@ -233,6 +285,13 @@ def anatomy(state: Any, roles: Sequence[Optional[str]]) -> Anatomy:
   for (path, _), pid in zip(with_path, roles):
     if pid is not None:
       prefixes.setdefault(_mirror_prefix(path, pid), len(prefixes))
+  # Every buffer below a mirror's prefix must carry the role its position says.
+  for (path, _), pid in zip(with_path, roles):
+    if pid is None:
+      continue
+    for k in range(len(path) + 1):
+      if path[:k] in prefixes and path_id(path[k:]) != pid:
+        raise AnatomyError(f"roles and state disagree at {jax.tree_util.keystr(path)}")
   skeleton_tree, removed = _replace_subtrees(
       state, {p: MirrorSlot(i) for p, i in prefixes.items()}
   )
@@ -247,10 +306,6 @@ def anatomy(state: Any, roles: Sequence[Optional[str]]) -> Anatomy:
         raise AnatomyError(f"parameter {pid!r} appears twice in one optimizer subtree")
       order.append(pid)
       entries[pid] = MASKED if _is_masked_node(leaf) else leaf
-    # Every buffer in the mirror must carry the role its position says.
-    for (path, _), pid in zip(with_path, roles):
-      if pid is not None and path[: len(prefix)] == prefix and path_id(path[len(prefix):]) != pid:
-        raise AnatomyError(f"roles and state disagree at {jax.tree_util.keystr(path)}")
     mirrors.append(Mirror(prefix, sub_def, tuple(order), entries))
   skel_leaves, skel_def = jax.tree_util.tree_flatten(skeleton_tree)
   return Anatomy(skel_def, tuple(skel_leaves), tuple(mirrors))

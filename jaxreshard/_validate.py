@@ -1,14 +1,21 @@
-"""Every refusal of SPEC.md ("What is refused"), checked before any copy.
+"""Every refusal of a migration, checked before any byte is copied.
 
-The checks only read their inputs. They return the facts the kernels need
-(the anatomy of each archive, the source of each rank) so nothing is computed
-twice.
+The checks read *sources*: anything that answers, per archive index, which
+placement it lists for a parameter, the parameter's history (per optimizer
+subtree: a buffer with ``.shape``/``.dtype``, ``MASKED`` or None) and the class
+of its optimizer clock. Archives in memory and checkpoints on disk both
+answer them (``_sources``, ``_checkpoint``), so every path refuses the same
+inputs with the same words.
+
+The source side of a group (shapes, ranks, dtypes, histories, clock) does not
+depend on the target; it is checked once per (param, sources) and cached by
+the sources object. Only the target geometry is checked per call.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,36 +27,40 @@ from jaxreshard._geometry import FlatShard
 from jaxreshard._placement import SUPPORTED_DTYPES, Migration, ParamPlacement
 from jaxreshard._record import FORMAT_VERSION, ShardRecord
 
-__all__ = ["SourceGroup", "check_archive", "check_buffer_dtype", "check_clocks", "check_migration"]
+__all__ = [
+    "SourceFacts",
+    "SourceGroup",
+    "Sources",
+    "check_archive",
+    "check_buffer_dtype",
+    "check_storage_dtype",
+    "clock_mismatch",
+    "source_facts",
+]
 
-_BUFFER_DTYPES = ("float32", "float16", "bfloat16")
-
-
-# Sets of dtype objects: hashing a dtype is cheap, its ``.name`` is not, and
-# these checks run for every source buffer of every migration.
-_STORAGE_SET = frozenset(np.dtype(jnp.dtype(n)) for n in SUPPORTED_DTYPES)
-_BUFFER_SET = frozenset(np.dtype(jnp.dtype(n)) for n in _BUFFER_DTYPES)
+_SUPPORTED = frozenset(np.dtype(jnp.dtype(n)) for n in SUPPORTED_DTYPES)
 
 
 def check_storage_dtype(dtype: Any, where: str) -> None:
-  if not (isinstance(dtype, np.dtype) and dtype in _STORAGE_SET):
+  if not (isinstance(dtype, np.dtype) and dtype in _SUPPORTED):
     raise DtypeError(
-        f"{where}: storage dtype {dtype} is not one of {', '.join(SUPPORTED_DTYPES)}"
-    )
+        f"{where}: storage dtype {dtype} is not one of {', '.join(SUPPORTED_DTYPES)}")
 
 
 def check_buffer_dtype(dtype: Any, where: str) -> None:
   """History buffers must be floating: integer, bool and quantized state is refused."""
-  if dtype in _BUFFER_SET:
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    raise ShapeError(f"{where}: history buffer dtype {dtype!r} is not a dtype") from None
+  if dtype in _SUPPORTED:
     return
-  name = np.dtype(dtype).name
-  if name == "float64" and jax.config.jax_enable_x64:
+  if dtype.name == "float64" and jax.config.jax_enable_x64:
     return
-  hint = " (enable jax_enable_x64 to keep float64 exact)" if name == "float64" else ""
+  hint = " (enable jax_enable_x64 to keep float64 exact)" if dtype.name == "float64" else ""
   raise ShapeError(
-      f"{where}: history buffer dtype {name} is not a floating dtype jaxreshard copies"
-      f" ({', '.join(_BUFFER_DTYPES)}){hint}"
-  )
+      f"{where}: history buffer dtype {dtype.name} is not a floating dtype jaxreshard copies"
+      f" ({', '.join(SUPPORTED_DTYPES)}){hint}")
 
 
 def _params_of(record: ShardRecord, limit: int = 3) -> str:
@@ -62,270 +73,263 @@ def _params_of(record: ShardRecord, limit: int = 3) -> str:
   return f"param {shown}" if len(ids) == 1 else f"params {shown}{more}"
 
 
-def check_archive(index: int, record: Any) -> _structure.Anatomy:
-  """Refusals 2 and 3 for one archive; returns its anatomy."""
+def check_archive(index: int, record: Any) -> tuple[_structure.Anatomy, dict[str, ParamPlacement]]:
+  """One archive on its own: its type, version, placements and histories.
+
+  Returns:
+    Its anatomy and its placements by param id.
+  """
   if not isinstance(record, ShardRecord):
     raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
   if record.version != FORMAT_VERSION:
     raise PlacementError(
         f"{_params_of(record)}: archive {index} has record version {record.version!r},"
-        f" which is not supported (only version {FORMAT_VERSION} exists)"
-    )
-  seen = set()
+        f" which is not supported (only version {FORMAT_VERSION} exists)")
+  placements: dict[str, ParamPlacement] = {}
   for p in record.placements:
     if not isinstance(p, ParamPlacement):
       raise PlacementError(f"archive {index}: placement {p!r} is not a ParamPlacement")
-    if p.param in seen:
+    if p.param in placements:
       raise PlacementError(f"param {p.param!r}: archive {index} lists it twice")
-    seen.add(p.param)
-  # A record's fields are frozen but the containers inside its state are not:
-  # reuse the anatomy of an earlier call only while the state's structure and
-  # every leaf object are the very same.
-  leaves, treedef = jax.tree_util.tree_flatten(record.state)
-  fingerprint = (treedef, tuple(map(id, leaves)))
-  cached = record.__dict__.get("_anatomy_cache")
-  if cached is not None and cached[0] == fingerprint:
-    anatomy = cached[1]
-  else:
-    try:
-      anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
-    except _structure.AnatomyError as e:
-      raise PlacementError(f"archive {index}: {e}") from None
-    # The cache holds the leaves, so their ids cannot be reused while it lives.
-    object.__setattr__(record, "_anatomy_cache", (fingerprint, anatomy, leaves))
-  for pid in sorted(anatomy.param_set() - seen):
+    placements[p.param] = p
+  try:
+    anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
+  except _structure.AnatomyError as e:
+    raise PlacementError(f"archive {index}: {e}") from None
+  for pid in sorted(anatomy.param_set() - set(placements)):
     raise PlacementError(
         f"param {pid!r}: archive {index} holds a history for it but does not list it"
-        " in its placements"
-    )
-  return anatomy
+        " in its placements")
+  return anatomy, placements
+
+
+class Sources(Protocol):
+  """What validation reads of a list of source archives."""
+
+  def __len__(self) -> int: ...
+  def placement(self, archive: int, pid: str) -> Optional[ParamPlacement]: ...
+  def history(self, archive: int, pid: str) -> tuple[Any, ...]: ...
+  def clock_class(self, archive: int) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
-class SourceGroup:
-  """A validated migration: target geometry and one source per original rank."""
+class SourceFacts:
+  """The validated source side of one parameter's group; no target yet."""
 
-  migration: Migration
-  target: FlatShard
-  source: FlatShard  # geometry of rank 0 of the source layout (slots, count)
+  param: str
+  shape: tuple[int, ...]
+  source: FlatShard  # rank 0 of the source layout (slots, count)
   by_rank: tuple[int, ...]  # archive index holding each original rank
   dtype: np.dtype
   trainable: bool
   history: tuple[Any, ...]  # per mirror: MASKED, None (absent) or True (a buffer)
+  buffer_dtypes: tuple[Optional[np.dtype], ...]  # per mirror: the buffer's dtype
+  clock: int  # clock class shared by every source
 
 
-def _history_pattern(hist: Sequence[Any]) -> tuple[Any, ...]:
-  return tuple(h if h is None or h is _structure.MASKED else True for h in hist)
+@dataclasses.dataclass(frozen=True)
+class SourceGroup:
+  """A validated migration: the target geometry and its sources' facts."""
+
+  migration: Migration
+  target: FlatShard
+  facts: SourceFacts
+
+  @property
+  def param(self) -> str:
+    return self.facts.param
+
+  @property
+  def source(self) -> FlatShard:
+    return self.facts.source
+
+  @property
+  def by_rank(self) -> tuple[int, ...]:
+    return self.facts.by_rank
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self.facts.dtype
+
+  @property
+  def trainable(self) -> bool:
+    return self.facts.trainable
+
+  @property
+  def history(self) -> tuple[Any, ...]:
+    return self.facts.history
+
+  @property
+  def buffer_dtypes(self) -> tuple[Optional[np.dtype], ...]:
+    return self.facts.buffer_dtypes
 
 
-def check_migration(
-    migration: Migration,
-    archives: Sequence[ShardRecord],
-    anatomies: Sequence[_structure.Anatomy],
-) -> SourceGroup:
-  """Refusals 5-11, 13 and 14 for one migration."""
-  pid = migration.param
-  if not isinstance(migration, Migration):
-    raise PlacementError(f"expected a Migration, got {type(migration).__name__}")
-  try:
-    target = FlatShard(migration.shape, migration.rank, migration.world_size)
-  except PlacementError as e:
-    raise PlacementError(f"param {pid!r}: invalid target placement: {e}") from None
-  sources = migration.sources
-  if not sources:
-    raise PlacementError(f"param {pid!r}: the migration names no source archives")
-  for s in sources:
-    if not isinstance(s, (int, np.integer)) or not 0 <= s < len(archives):
-      raise PlacementError(
-          f"param {pid!r}: source archive index {s!r} is out of range"
-          f" (0..{len(archives) - 1})"
-      )
-  # The source side of a group does not depend on the target rank: reshard
-  # of rank after rank over the same archives validates it once. A hit needs
-  # the very same anatomies (so the same record objects and state leaves).
-  key = ("group", pid, tuple(int(s) for s in sources))
-  memo = anatomies[sources[0]].memo
-  hit = memo.get(key)
-  if (hit is not None and all(anatomies[s] is a for s, a in zip(sources, hit[1]))
-      and hit[0].source.shape == target.shape):
-    return dataclasses.replace(hit[0], migration=migration, target=target)
-  group = _fast_group(migration, target, archives, anatomies)
-  if group is None:
-    group = _checked_group(migration, target, archives, anatomies)
-  memo[key] = (group, tuple(anatomies[s] for s in sources))
-  return group
+def _is_buffer(h: Any) -> bool:
+  return h is not None and h is not _structure.MASKED
 
 
-def _source_facts(record: ShardRecord, anatomy: _structure.Anatomy, pid: str):
-  """What must agree across one parameter's sources, memoized per archive state."""
-  key = ("facts", pid)
-  facts = anatomy.memo.get(key)
-  if facts is None:
-    p = record.placement(pid)
-    if p is None:
-      return None
-    try:
-      FlatShard(p.shape, p.rank, p.world_size)
-    except PlacementError:
-      return None  # the checked path words this refusal
-    hist = anatomy.history(pid)
-    buffers = tuple((np.shape(h), np.dtype(h.dtype)) for h in hist
-                    if h is not None and h is not _structure.MASKED)
-    facts = anatomy.memo[key] = (p, (p.shape, p.world_size, p.dtype, bool(p.trainable),
-                                     _history_pattern(hist), buffers))
-  return facts
+def _pattern(hist: Sequence[Any]) -> tuple[Any, ...]:
+  return tuple(True if _is_buffer(h) else h for h in hist)
 
 
-def _fast_group(migration, target, archives, anatomies) -> Optional[SourceGroup]:
-  """The common case in a few set operations per source; None means "look closer".
+def source_facts(pid: str, sources: tuple[int, ...], src: Sources) -> SourceFacts:
+  """Checks one parameter's source group, one rule at a time, naming the culprit.
 
-  Accepts only when every source agrees on every fact and every rank is held
-  once; anything else goes to ``_checked_group``, which finds the culprit and
-  words the refusal. Both accept exactly the same groups.
+  Raises:
+    PlacementError: a source that does not list the parameter, disagreeing
+      shapes, world sizes, dtypes, trainability or histories, an incomplete
+      group, a repeated rank, or different optimizer clocks.
+    ShapeError: a history buffer of the wrong shape or precision.
   """
-  pid = migration.param
-  by_rank: dict[int, int] = {}
-  common = None
-  for s in migration.sources:
-    facts = _source_facts(archives[s], anatomies[s], pid)
-    if facts is None:
-      return None
-    placement, agreed = facts
-    if common is None:
-      common = agreed
-    elif agreed != common:
-      return None
-    if by_rank.setdefault(placement.rank, int(s)) != s:
-      return None
-  shape, world, dtype, trainable, pattern, buffers = common
-  if (shape != target.shape or len(migration.sources) != world
-      or sorted(by_rank) != list(range(world))):
-    return None
-  try:
-    source = FlatShard(shape, 0, world)
-    check_storage_dtype(dtype, "")
-    for buf_shape, buf_dtype in buffers:
-      check_buffer_dtype(buf_dtype, "")
-      if buf_shape != (source.slots,):
-        return None
-  except (PlacementError, ShapeError):
-    return None
-  return SourceGroup(migration=migration, target=target, source=source,
-                     by_rank=tuple(by_rank[r] for r in range(world)), dtype=dtype,
-                     trainable=trainable, history=pattern)
-
-
-def _checked_group(migration, target, archives, anatomies) -> SourceGroup:
-  """Every check one at a time, so a refusal names the parameter, archive and values."""
-  pid = migration.param
-  sources = migration.sources
   entries: list[tuple[int, ParamPlacement]] = []
   for s in sources:
-    p = archives[s].placement(pid)
+    p = src.placement(s, pid)
     if p is None:
       raise PlacementError(f"param {pid!r}: source archive {s} does not list it")
-    entries.append((int(s), p))
-
+    entries.append((s, p))
   first_index, first = entries[0]
   for s, p in entries:
-    if p.shape != target.shape:
+    if p.shape != first.shape:
       raise PlacementError(
-          f"param {pid!r}: archive {s} has logical shape {p.shape} but the target"
-          f" has {target.shape}"
-      )
+          f"param {pid!r}: archive {s} has logical shape {p.shape} but archive"
+          f" {first_index} has {first.shape}")
   for s, p in entries:
     try:
       FlatShard(p.shape, p.rank, p.world_size)
     except PlacementError as e:
       raise PlacementError(f"param {pid!r}: archive {s}: {e}") from None
   world = first.world_size
+  by_rank: dict[int, int] = {}
   for s, p in entries:
     if p.world_size != world:
       raise PlacementError(
           f"param {pid!r}: archive {s} has world_size {p.world_size} but archive"
-          f" {first_index} has {world}; these archives are not one group"
-      )
-  by_rank: dict[int, int] = {}
-  for s, p in entries:
+          f" {first_index} has {world}; these archives are not one group")
     if p.rank in by_rank:
       raise PlacementError(
           f"param {pid!r}: archives {by_rank[p.rank]} and {s} both hold rank {p.rank}"
-          f" of world_size {world}"
-      )
+          f" of world_size {world}")
     by_rank[p.rank] = s
   if len(by_rank) != world:
     missing = sorted(set(range(world)) - set(by_rank))
     raise PlacementError(
         f"param {pid!r}: {len(by_rank)} source archives for world_size {world};"
-        f" ranks {missing} are missing (archives {list(sources)})"
-    )
-
+        f" ranks {missing} are missing (archives {list(sources)})")
   for s, p in entries:
     check_storage_dtype(p.dtype, f"param {pid!r}: archive {s}")
     if p.dtype != first.dtype:
       raise DtypeError(
           f"param {pid!r}: archive {s} stores it as {p.dtype} but archive"
-          f" {first_index} as {first.dtype}"
-      )
+          f" {first_index} as {first.dtype}")
     if bool(p.trainable) != bool(first.trainable):
       raise PlacementError(
           f"param {pid!r}: archive {s} has trainable={p.trainable} but archive"
-          f" {first_index} has trainable={first.trainable}"
-      )
+          f" {first_index} has trainable={first.trainable}")
+  source = FlatShard(first.shape, 0, world)
+  buffer_dtypes = _check_histories(pid, entries, src, source)
+  clock = _check_clocks(pid, [s for s, _ in entries], src)
+  return SourceFacts(
+      param=pid, shape=first.shape, source=source,
+      by_rank=tuple(by_rank[r] for r in range(world)), dtype=first.dtype,
+      trainable=bool(first.trainable), history=_pattern(src.history(first_index, pid)),
+      buffer_dtypes=buffer_dtypes, clock=clock)
 
-  histories = {s: anatomies[s].history(pid) for s, _ in entries}
-  first_hist = histories[first_index]
-  n_first = sum(h is not None and h is not _structure.MASKED for h in first_hist)
+
+def uniform_facts(pid: str, sources: tuple[int, ...], src: Any) -> SourceFacts:
+  """The facts of a group whose archives are interchangeable (see ``_sources``).
+
+  Archive ``r`` of ``sources`` holds rank ``r``; every archive has the same
+  placements, buffer shapes and dtypes, structure and clock, so the checks of
+  :func:`source_facts` reduce to those of one archive.
+  """
+  a0 = sources[0]
+  p = src.placement(a0, pid)
+  if p is None:
+    raise PlacementError(f"param {pid!r}: source archive {a0} does not list it")
+  check_storage_dtype(p.dtype, f"param {pid!r}: archive {a0}")
+  source = FlatShard(p.shape, 0, p.world_size)
+  hist = src.history(a0, pid)
+  dtypes = []
+  for m, h in enumerate(hist):
+    if not _is_buffer(h):
+      dtypes.append(None)
+      continue
+    where = f"param {pid!r}: archive {a0}, history buffer {m}"
+    if tuple(np.shape(h)) != (source.slots,):
+      raise ShapeError(
+          f"{where} has shape {tuple(np.shape(h))}, not ({source.slots},) of its flat"
+          f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
+          " optimizer state (factored or matrix statistics) cannot be resharded")
+    check_buffer_dtype(h.dtype, where)
+    dtypes.append(np.dtype(h.dtype))
+  return SourceFacts(param=pid, shape=p.shape, source=source, by_rank=sources, dtype=p.dtype,
+                     trainable=bool(p.trainable), history=_pattern(hist),
+                     buffer_dtypes=tuple(dtypes), clock=src.clock_class(a0))
+
+
+def _check_histories(pid, entries, src: Sources, source: FlatShard) -> tuple[Any, ...]:
+  first_index = entries[0][0]
+  first_hist = src.history(first_index, pid)
+  n_first = sum(map(_is_buffer, first_hist))
+  pattern = _pattern(first_hist)
   for s, _ in entries:
-    n = sum(h is not None and h is not _structure.MASKED for h in histories[s])
+    hist = src.history(s, pid)
+    n = sum(map(_is_buffer, hist))
     if n != n_first:
       raise PlacementError(
           f"param {pid!r}: archive {s} holds {n} history buffers but archive"
-          f" {first_index} holds {n_first}"
-      )
-  for s, _ in entries:
-    if _history_pattern(histories[s]) != _history_pattern(first_hist):
+          f" {first_index} holds {n_first}")
+    if _pattern(hist) != pattern:
       raise PlacementError(
           f"param {pid!r}: its history is present in some optimizer subtrees of"
-          f" archive {s} and absent from them in archive {first_index}"
-      )
-
-  source = FlatShard(first.shape, 0, world)
+          f" archive {s} and absent from them in archive {first_index}")
+  dtypes = []
   for m, h0 in enumerate(first_hist):
-    if h0 is None or h0 is _structure.MASKED:
+    if not _is_buffer(h0):
+      dtypes.append(None)
       continue
     dtype0 = np.dtype(h0.dtype)
     for s, _ in entries:
-      buf = histories[s][m]
+      buf = src.history(s, pid)[m]
       where = f"param {pid!r}: archive {s}, history buffer {m}"
-      if np.shape(buf) != (source.slots,):
+      if tuple(np.shape(buf)) != (source.slots,):
         raise ShapeError(
-            f"{where} has shape {np.shape(buf)}, not ({source.slots},) of its flat"
-            f" layout (count {source.count}, world_size {world}); non-coordinate"
-            " optimizer state (factored or matrix statistics) cannot be resharded"
-        )
+            f"{where} has shape {tuple(np.shape(buf))}, not ({source.slots},) of its flat"
+            f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
+            " optimizer state (factored or matrix statistics) cannot be resharded")
       check_buffer_dtype(buf.dtype, where)
       if np.dtype(buf.dtype) != dtype0:
         raise ShapeError(
             f"{where} has dtype {np.dtype(buf.dtype).name} but archive {first_index}"
-            f" has {dtype0.name}"
-        )
-  return SourceGroup(
-      migration=migration,
-      target=target,
-      source=source,
-      by_rank=tuple(by_rank[r] for r in range(world)),
-      dtype=first.dtype,
-      trainable=bool(first.trainable),
-      history=_history_pattern(first_hist),
-  )
+            f" has {dtype0.name}")
+    dtypes.append(dtype0)
+  return tuple(dtypes)
 
 
-def _slots(a: _structure.Anatomy) -> tuple[Any, ...]:
-  return tuple(x.index if isinstance(x, _structure.MirrorSlot) else None for x in a.skeleton_leaves)
+def _check_clocks(pid: str, archives: Sequence[int], src: Any) -> int:
+  ref = archives[0]
+  clock = src.clock_class(ref)
+  for s in archives[1:]:
+    if src.clock_class(s) != clock:
+      raise PlacementError(clock_mismatch(src, s, ref, pid))
+  return clock
 
 
-def _plain(x: Any) -> Any:
+def clock_mismatch(src: Any, a: int, b: int, pid: Optional[str] = None) -> str:
+  """Words the refusal of archives ``a`` and ``b``, whose optimizer clocks differ."""
+  name = f"param {pid!r}: " if pid is not None else ""
+  sa, sb = src.skeleton(a), src.skeleton(b)
+  if sa != sb:
+    return (f"{name}archive {a} has optimizer state structure {sa[0]} but archive"
+            f" {b} has {sb[0]}; these archives are not one checkpoint")
+  for k, (x, y) in enumerate(zip(src.scalars(a), src.scalars(b))):
+    if scalar_bits(x) != scalar_bits(y):
+      return (f"{name}archive {a} has optimizer scalar #{k} = {plain(x)!r} but"
+              f" archive {b} has {plain(y)!r}; these archives are not one checkpoint")
+  return f"{name}archives {a} and {b} have different optimizer clocks; not one checkpoint"
+
+
+def plain(x: Any) -> Any:
   """A clock leaf as numpy; typed PRNG keys (``noisy_sgd``) as their key data."""
   dtype = getattr(x, "dtype", None)
   if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
@@ -333,41 +337,36 @@ def _plain(x: Any) -> Any:
   return np.asarray(x)
 
 
-def _clock_bits(a: _structure.Anatomy) -> tuple[Any, ...]:
-  bits = a.memo.get("clock")
-  if bits is None:
-    bits = a.memo["clock"] = tuple(_scalar_bits(x) for _, x in a.scalars)
-  return bits
-
-
-def _scalar_bits(x: Any) -> tuple[Any, ...]:
-  a = _plain(x)
+def scalar_bits(x: Any) -> tuple[Any, ...]:
+  """What must agree for two clock scalars to be the same: dtype, shape, bytes."""
+  a = plain(x)
   return (str(getattr(x, "dtype", a.dtype)), a.dtype.str, a.shape, a.tobytes())
 
 
-def check_clocks(
-    indices: Sequence[int],
-    anatomies: Sequence[_structure.Anatomy],
-    param: Optional[Mapping[int, str]] = None,
-) -> None:
-  """Refusal 12: every archive merged into one state shares one optimizer clock."""
-  if not indices:
-    return
-  ref = indices[0]
-  a0 = anatomies[ref]
-  for i in indices[1:]:
-    a = anatomies[i]
-    name = f"param {param[i]!r}: " if param and i in param else ""
-    if a.skeleton != a0.skeleton or _slots(a) != _slots(a0):
+def skeleton_key(anatomy: _structure.Anatomy) -> tuple[Any, ...]:
+  """The optimizer state's structure, with where each mirror subtree sits."""
+  return (anatomy.skeleton, tuple(x.index if isinstance(x, _structure.MirrorSlot) else None
+                                  for x in anatomy.skeleton_leaves))
+
+
+def check_target(migration: Any, n_archives: int) -> FlatShard:
+  """The per-call checks of one migration: its type, target geometry and source indices."""
+  if not isinstance(migration, Migration):
+    raise PlacementError(f"expected a Migration, got {type(migration).__name__}")
+  pid = migration.param
+  try:
+    target = FlatShard(migration.shape, migration.rank, migration.world_size)
+  except PlacementError as e:
+    raise PlacementError(f"param {pid!r}: invalid target placement: {e}") from None
+  return target
+
+
+def check_source_indices(pid: str, sources: tuple[Any, ...], n_archives: int) -> None:
+  if not sources:
+    raise PlacementError(f"param {pid!r}: the migration names no source archives")
+  for s in sources:
+    if (not isinstance(s, (int, np.integer)) or isinstance(s, bool)
+        or not 0 <= s < n_archives):
       raise PlacementError(
-          f"{name}archive {i} has optimizer state structure {a.skeleton} but archive"
-          f" {ref} has {a0.skeleton}; these archives are not one checkpoint"
-      )
-    if _clock_bits(a) == _clock_bits(a0):
-      continue
-    for (k, x), (_, y) in zip(a.scalars, a0.scalars):
-      if _scalar_bits(x) != _scalar_bits(y):
-        raise PlacementError(
-            f"{name}archive {i} has optimizer scalar #{k} = {_plain(x)!r} but"
-            f" archive {ref} has {_plain(y)!r}; these archives are not one checkpoint"
-        )
+          f"param {pid!r}: source archive index {s!r} is out of range"
+          f" (0..{n_archives - 1})")

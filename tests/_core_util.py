@@ -7,6 +7,7 @@ is the FSDP flat-shard definition in four lines of numpy.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Any
@@ -137,3 +138,23 @@ def rchar() -> int:
       if line.startswith("rchar:"):
         return int(line.split()[1])
   raise RuntimeError("no rchar in /proc/self/io")
+
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_xla_compiles():
+  """Counts XLA backend compilations inside the block (jax.monitoring)."""
+  counter = {"n": 0}
+
+  def listener(event, duration, **kwargs):
+    del duration, kwargs
+    if event == _BACKEND_COMPILE:
+      counter["n"] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield counter
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)

@@ -90,8 +90,10 @@ def test_bf16_padded_output_from_2d_source_is_bit_exact():
   """
   x = jnp.asarray(np.array([0x7FA8, 0x807E, 0x0068, 0x3F80] * 500, np.uint16)
                   .view(jnp.bfloat16).reshape(4, 500))
-  from jaxreshard import _kernels
-  out = _kernels.assemble([_kernels.Output((1002,), x.dtype, (_kernels.Piece(x, 500, 1000),))])[0]
+  from jaxreshard import _device_exec
+  flat = _device_exec.pack([x])
+  out = _device_exec.gather([flat], np.array([0]), np.array([500]), np.array([0]),
+                            np.array([1000]), 1002)
   expected = np.zeros(1002, np.uint16)
   expected[:1000] = U.bits(x).reshape(-1)[500:1500]
   assert np.array_equal(U.bits(out), expected)
@@ -116,7 +118,7 @@ def test_reshard_to_mesh_equals_core(ex, source, target):
   records = jr.shard_state(opt, params, state, source, trainable=U.trainable())
   mesh = _mesh((target,), ("fsdp",))
   out = jr.reshard_to_mesh(records, mesh)
-  expected = [jr.reshard(records, jr.plan(records, target, r)) for r in range(target)]
+  expected = [jr.reshard(records, jr.plan(records, world_size=target, rank=r)) for r in range(target)]
   _check_against(out.state, mesh, "fsdp", expected)
   assert out.placements == {r: expected[r].placements for r in range(target)}
 
@@ -138,7 +140,7 @@ def test_save_sharded_then_restore_sharded(ex, tmp_path):
     mesh = _mesh(shape, names)
     world = mesh.shape["fsdp"]
     out = jr.restore_sharded(path, mesh, "fsdp")
-    expected = [jr.reshard(records, jr.plan(records, world, r)) for r in range(world)]
+    expected = [jr.reshard(records, jr.plan(records, world_size=world, rank=r)) for r in range(world)]
     _check_against(out.state, mesh, "fsdp", expected)
     assert out.placements == {r: expected[r].placements for r in range(world)}
   # Full state back, from the restored 5-way layout.

@@ -1,0 +1,167 @@
+"""The two executors: numpy copies on the host (nothing compiled), jitted gathers on a device.
+
+Compile counts come from jax's own backend-compile monitoring event (every XLA
+compilation in the process, whoever asked for it) and from the device
+executor's program cache.
+"""
+
+import dataclasses
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxreshard as jr
+from jaxreshard import _copyplan, _sources
+from tests._core_util import (
+    BF16, F16, F32, assert_bits_equal, assert_records_equal, assert_trees_bit_equal,
+    count_xla_compiles, oracle_shard, special_values,
+)
+
+
+
+
+
+def _adam_records(n_params, world, seed=0):
+  """An Adam state of ``n_params`` parameters of distinct sizes, as numpy, sharded."""
+  rng = np.random.default_rng(seed)
+  params = {f"layer{i:04d}": np.zeros((3 * i + 1,), np.float32) for i in range(n_params)}
+  opt = optax.adam(1e-3)
+  adam, rest = opt.init(params)
+  fill = lambda t: jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), t)
+  state = (adam._replace(mu=fill(adam.mu), nu=fill(adam.nu)), rest)
+  return jr.shard_state(opt, params, state, world), state
+
+
+def test_host_path_compiles_nothing():
+  records, state = _adam_records(60, 8)
+  with count_xla_compiles() as compiles:
+    targets = jr.reshard_ranks(records, [jr.plan(records, world_size=6, rank=r) for r in range(6)])
+    back = jr.reshard_ranks(targets, [jr.plan(targets, world_size=8, rank=r) for r in range(8)])
+  assert compiles["n"] == 0, f"{compiles['n']} XLA compilations on the host path"
+  for a, b in zip(back, records, strict=True):
+    assert_records_equal(a, b)
+  # A target's history buffers are views of one buffer per dtype.
+  leaves = [x for x, r in zip(jax.tree.leaves(targets[2].state), targets[2].roles) if r]
+  assert all(isinstance(x, np.ndarray) for x in leaves)
+  assert len({id(x.base) for x in leaves}) == 1
+  assert_trees_bit_equal(jr.unshard_state(targets), state)
+
+
+def test_reshard_ranks_equals_reshard_rank_by_rank():
+  records, _ = _adam_records(12, 5)
+  plans = [jr.plan(records, world_size=7, rank=r) for r in range(7)]
+  for a, rank in zip(jr.reshard_ranks(records, plans), range(7)):
+    assert_records_equal(a, jr.reshard(records, plans[rank]))
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_device_executor_equals_host_executor_bit_for_bit(dtype):
+  """The device executor, forced on the CPU backend, on special values and padding."""
+  opt = optax.sgd(0.1, momentum=0.9)
+  sv = special_values(dtype)
+  full = np.resize(sv, 37)
+  params = {"w": np.zeros((37,), dtype), "s": np.zeros((), dtype), "v": np.zeros((5,), dtype)}
+  state = (optax.TraceState(trace={"w": full, "s": sv[:1].reshape(()), "v": sv[2:7]}),
+           optax.EmptyState())
+  records = jr.shard_state(opt, params, state, 5)
+  on_device = [dataclasses.replace(r, state=jax.device_put(r.state)) for r in records]
+  for rank in range(7):
+    migrations = jr.plan(records, world_size=7, rank=rank)
+    host = jr.reshard(records, migrations, executor="host")
+    device = jr.reshard(on_device, migrations, executor="device")
+    assert_records_equal(device, host)
+    assert isinstance(jax.tree.leaves(device.state)[-1], jax.Array)
+    assert_bits_equal(host.state[0].trace["w"], oracle_shard(full, 7, rank))
+
+
+def test_device_program_count_does_not_grow_with_parameters():
+  counts = {}
+  for n in (10, 100, 400):
+    records, _ = _adam_records(n, 8, seed=n)
+    on_device = [dataclasses.replace(r, state=jax.device_put(r.state)) for r in records]
+    jr.clear_kernel_cache()
+    jr.reshard(on_device, jr.plan(on_device, world_size=6, rank=2), executor="device")
+    counts[n] = jr.kernel_cache_info().programs
+  # A gather per run-count bucket, one zeros program, one split: a handful per
+  # dtype, never one per buffer.
+  assert max(counts.values()) <= 8, counts
+  assert counts[400] - counts[10] <= 3, counts
+
+
+def test_second_device_reshard_of_the_same_layout_compiles_nothing():
+  records, _ = _adam_records(30, 8)
+  later, _ = _adam_records(30, 8, seed=1)  # a restart from a later checkpoint
+  dev = lambda rs: [dataclasses.replace(r, state=jax.device_put(r.state)) for r in rs]
+  records, later = dev(records), dev(later)
+  jr.reshard(records, jr.plan(records, world_size=6, rank=3), executor="device")
+  info = jr.kernel_cache_info()
+  with count_xla_compiles() as compiles:
+    jr.reshard(later, jr.plan(later, world_size=6, rank=3), executor="device")
+  assert jr.kernel_cache_info() == info and compiles["n"] == 0
+
+
+def _overlapping_source_ranks(count, src, dst, rank):
+  s, t = -(-count // src), -(-count // dst)
+  lo, hi = rank * t, min((rank + 1) * t, count)
+  return [r for r in range(src) if max(lo, r * s) < min(hi, (r + 1) * s, count)]
+
+
+@pytest.mark.parametrize("count, src, dst", [(48, 8, 6), (1000, 8, 6), (37, 5, 7),
+                                             (1000, 16, 3), (5, 4, 2), (5, 2, 4)])
+def test_a_target_rank_reads_only_overlapping_source_buffers(count, src, dst):
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"w": np.zeros((count,), np.float32)}
+  full = np.arange(1, count + 1, dtype=np.float32)
+  state = (optax.TraceState(trace={"w": full}), optax.EmptyState())
+  records = jr.shard_state(opt, params, state, src)
+  sources = _sources.record_sources(records)
+  for rank in range(dst):
+    target = jr.reshard(records, jr.plan(records, world_size=dst, rank=rank))
+    assert_bits_equal(target.state[0].trace["w"], oracle_shard(full, dst, rank))
+    groups = jr_validate(sources, records, dst, rank)
+    runs, keys = _copyplan.plan_runs(groups, _copyplan.target_layout(groups), sources.locate)
+    # One run per overlapping source rank, reading only inside that rank's slots.
+    assert sorted(a for a, _, _ in keys) == _overlapping_source_ranks(count, src, dst, rank)
+    (r,) = runs.values()
+    assert r.elements == jr.FlatShard((count,), rank, dst).owned
+    assert (r.src + r.length <= -(-count // src)).all()
+
+
+def jr_validate(sources, records, dst, rank):
+  from jaxreshard import _pipeline
+  return _pipeline.validate(sources, jr.plan(records, world_size=dst, rank=rank))
+
+
+def test_sources_committed_to_different_devices():
+  # Each rank's archive on its own device (8 simulated CPU devices): the device
+  # executor gathers them on one device, the host executor reads them all.
+  assert jax.device_count() >= 4
+  records, state = _adam_records(6, 4)
+  placed = [dataclasses.replace(r, state=jax.device_put(r.state, jax.devices()[i]))
+            for i, r in enumerate(records)]
+  for executor in ("host", "device"):
+    for rank in range(3):
+      target = jr.reshard(placed, jr.plan(placed, world_size=3, rank=rank), executor=executor)
+      assert_bits_equal(target.state[0].mu["layer0003"],
+                        oracle_shard(state[0].mu["layer0003"], 3, rank))
+  assert_trees_bit_equal(jr.unshard_state(placed), state)
+
+
+def test_validation_is_cached_per_record_list_and_never_keeps_records_alive():
+  records, _ = _adam_records(5, 4)
+  first = _sources.record_sources(records)
+  assert _sources.record_sources(list(records)) is first  # rank after rank: validated once
+  n = len(_sources.CACHE)
+  del records, first
+  gc.collect()
+  assert len(_sources.CACHE) < n  # the entry went with its records
+
+
+def test_unknown_executor_is_refused():
+  records, _ = _adam_records(2, 2)
+  with pytest.raises(jr.PlacementError, match="executor"):
+    jr.reshard(records, jr.plan(records, world_size=1, rank=0), executor="gpu")
