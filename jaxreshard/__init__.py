@@ -1,21 +1,23 @@
 """jaxreshard: exact resharding of optax flat-shard optimizer state.
 
 Rebuilds ZeRO / FSDP flat shards of optax state for a new number of ranks,
-bit for bit, with jitted gather kernels, and refuses archives that do not
-belong together.
+bit for bit, with numpy copies where the bytes are in host memory and jitted gather
+kernels where they are on a device, and refuses archives that do not belong
+together.
 """
 
-from jaxreshard._archive_format import ArchiveError, ArchiveExistsError
-from jaxreshard._archive_io import load_records, save_records
+from jaxreshard._archive_io import load_records, open_checkpoint, save_records
+from jaxreshard._device_exec import clear_device_cache as clear_kernel_cache
+from jaxreshard._device_exec import device_cache_info as kernel_cache_info
 from jaxreshard._distributed import reshard_to_mesh, restore_sharded, save_sharded
-from jaxreshard._errors import DtypeError, PlacementError, ReshardError, ShapeError
+from jaxreshard._errors import (ArchiveError, ArchiveExistsError, DtypeError, PlacementError,
+                                ReshardError, ShapeError)
 from jaxreshard._geometry import FlatShard
 from jaxreshard._global import MeshState, gather_from_mesh, mesh_ranks, shard_to_mesh
-from jaxreshard._kernels import clear_kernel_cache, kernel_cache_info
 from jaxreshard._placement import Migration, ParamPlacement
 from jaxreshard._record import FORMAT_VERSION, ShardRecord
 from jaxreshard._orbax_hook import ReshardCheckpointHandler, ReshardRestore, ReshardSave
-from jaxreshard._reshard import plan, reshard, shard_state, unshard_state
+from jaxreshard._reshard import plan, reshard, reshard_ranks, shard_state, unshard_state
 from jaxreshard._restore import restore
 
 __version__ = "0.1.0"
@@ -41,8 +43,10 @@ __all__ = [
     "kernel_cache_info",
     "load_records",
     "mesh_ranks",
+    "open_checkpoint",
     "plan",
     "reshard",
+    "reshard_ranks",
     "reshard_to_mesh",
     "restore",
     "restore_sharded",

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxreshard._errors import ReshardError
+from jaxreshard._errors import ArchiveError, ArchiveExistsError, ReshardError
 from jaxreshard._placement import ParamPlacement
 
 __all__ = [
@@ -62,14 +62,6 @@ _DTYPES = {
 }
 MAX_SCALAR_BYTES = 1 << 16  # clock scalars are tiny; refuse anything that is not
 MAX_TREE_DEPTH = 200
-
-
-class ArchiveError(ReshardError):
-  """A checkpoint directory or file that is not a valid jaxreshard checkpoint."""
-
-
-class ArchiveExistsError(ArchiveError):
-  """The output directory of a save already exists (nothing is overwritten)."""
 
 
 def check_name(name: Any, pattern: re.Pattern, where: str) -> str:
@@ -203,6 +195,10 @@ def decode_scalar(d: Any, where: str) -> Any:
     weak = jnp.asarray(a.item())
     if weak.dtype == a.dtype and np.asarray(weak).tobytes() == a.tobytes():
       return weak
+  if jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype:
+    # A float64 or int64 scalar while x64 is off: jax would cut it to 32 bits,
+    # so it stays a numpy scalar with every bit.
+    return a
   return jnp.asarray(a)
 
 

@@ -25,7 +25,7 @@ from rich.console import Console
 from rich.table import Table
 
 import jaxreshard as jr
-from jaxreshard import _archive_io, _digest, _progress, _restore, _validate
+from jaxreshard import _checkpoint, _digest, _progress, _restore
 
 __all__ = ["app", "main"]
 
@@ -81,36 +81,13 @@ def _guard(fn: Callable) -> Callable:
   return wrapper
 
 
-def _metadata(path: Path) -> list[Any]:
-  """Every archive's record with its history buffers left on disk (shape and
-  dtype only), so inspect and the read plans read no array data."""
-  return list(_archive_io.open_checkpoint(str(path)).records)
-
-
 def _stream(path: Path) -> Iterator[Any]:
-  """The checkpoint's records, loaded one archive at a time.
-
-  ``load_records`` returns every archive at once; verify needs only one in
-  memory, so it reads each archive's buffers just before it is digested.
-  """
-  ckpt = _archive_io.open_checkpoint(str(path))
-  for i, rec in enumerate(ckpt.records):
-    _validate.check_archive(i, rec)
-  reader = _archive_io.Reader()
-  for i, rec in enumerate(ckpt.records):
-    bufs = ckpt.buffers(i)
-    data = dict(zip(map(id, bufs), reader.read([(b, 0, b.size) for b in bufs])))
-    yield dataclasses.replace(rec, state=jax.tree.map(
-        lambda x: data[id(x)].reshape(x.shape) if isinstance(x, _archive_io.LazyBuffer) else x,
-        rec.state))
-
-
-def _restorer(path: Path, world_size: int) -> Callable[[int], Any]:
-  """``rank -> record`` that reads the metadata once and opens each array once."""
-  ckpt = _archive_io.open_checkpoint(str(path))
-  reader = _archive_io.Reader()
-  return lambda rank: _restore.restore_ranks(
-      str(path), [rank], world_size, checkpoint=ckpt, reader=reader)[0]
+  """The checkpoint's records, read one archive at a time (verify holds one at once)."""
+  ckpt = _checkpoint.open_checkpoint(str(path))
+  for i in range(len(ckpt)):
+    ckpt.check_archive(i)
+  for i in range(len(ckpt)):
+    yield ckpt.record(i)
 
 
 def _size(n: int) -> str:
@@ -185,35 +162,38 @@ def demo(
 # ------------------------------------------------------------------------ inspect
 
 
-def inspect_info(records: list[Any]) -> dict:
-  """The machine-readable description ``inspect --json`` prints."""
-  layouts = [_progress.layout_of(r) for r in records]
+def inspect_info(ckpt: _checkpoint.Checkpoint) -> dict:
+  """The machine-readable description ``inspect --json`` prints (index only)."""
   params: dict[str, dict] = {}
-  for rec, lay in zip(records, layouts):
-    for p in rec.placements:
-      dtypes = lay.buffers.get(p.param, ())
-      e = params.setdefault(p.param, dict(
-          param=p.param, shape=list(p.shape), dtype=np.dtype(p.dtype).name,
-          trainable=bool(p.trainable), world_sizes=[], ranks=[],
+  for g in ckpt.groups:
+    if not g.ranks:
+      continue
+    archive0 = g.ranks[0][0]
+    for p in g.params:
+      e = ckpt.params[p]
+      dtypes = [h.dtype for h in ckpt.history(archive0, e.param)
+                if isinstance(h, _checkpoint.LeafInfo)]
+      itemsize = sum(d.itemsize for d in dtypes)
+      entry = params.setdefault(e.param, dict(
+          param=e.param, shape=list(e.shape), dtype=np.dtype(e.dtype).name,
+          trainable=bool(e.trainable), world_sizes=[], ranks=[],
           buffers=[d.name for d in dtypes],
-          bytes=int(np.prod(p.shape, dtype=np.int64)) * sum(d.itemsize for d in dtypes),
-          stored_bytes=0))
-      if p.world_size not in e["world_sizes"]:
-        e["world_sizes"].append(p.world_size)
-      e["ranks"].append(p.rank)
-      e["stored_bytes"] += jr.FlatShard(p.shape, p.rank, p.world_size).slots * sum(
-          d.itemsize for d in dtypes)
+          bytes=int(np.prod(e.shape, dtype=np.int64)) * itemsize, stored_bytes=0))
+      if g.world_size not in entry["world_sizes"]:
+        entry["world_sizes"].append(g.world_size)
+      entry["ranks"].extend(r for _, r in g.ranks)
+      entry["stored_bytes"] += (jr.FlatShard(e.shape, 0, g.world_size).slots * itemsize
+                                * len(g.ranks))
   for e in params.values():
     e["ranks"].sort()
-  clocks = [_clock(r) for r in records]
   return dict(
-      archives=len(records),
+      archives=len(ckpt),
       world_sizes=sorted({w for e in params.values() for w in e["world_sizes"]}),
       params=[params[k] for k in sorted(params)],
       bytes=sum(e["bytes"] for e in params.values()),
       stored_bytes=sum(e["stored_bytes"] for e in params.values()),
-      clocks=clocks[0] if clocks else [],
-      clocks_agree=all(c == clocks[0] for c in clocks),
+      clocks=_clock(ckpt.metadata_record(0)),
+      clocks_agree=len({ckpt.clock_class(i) for i in range(len(ckpt))}) == 1,
   )
 
 
@@ -246,7 +226,10 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON only."),
 ):
   """Show parameters, logical shapes, world sizes, dtypes, bytes and optimizer clocks."""
-  info = inspect_info(_metadata(checkpoint))
+  ckpt = _checkpoint.open_checkpoint(str(checkpoint))
+  for i in range(len(ckpt)):  # every archive is present and belongs to this checkpoint
+    ckpt.archive_meta(i)
+  info = inspect_info(ckpt)
   if as_json:
     print(json.dumps(info, indent=2))
     return
@@ -290,17 +273,18 @@ def reshard(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the read plan; write nothing."),
 ):
   """Rebuild every target rank (or one) for a new world size, streaming rank by rank."""
-  layouts = [_progress.layout_of(r) for r in _metadata(checkpoint)]
+  ckpt = _checkpoint.open_checkpoint(str(checkpoint))
   # Refuses a bad world size or a rank outside it before any work.
   jr.FlatShard((), 0 if rank is None else rank, world_size)
   ranks = [rank] if rank is not None else list(range(world_size))
-  plans = [_progress.target_plan(layouts, world_size, r) for r in ranks]
+  plans = [_progress.target_plan(ckpt, world_size=world_size, rank=r) for r in ranks]
   if dry_run:
-    _print_plans(plans, len(layouts))
+    _print_plans(plans, len(ckpt))
     return
   if os.path.lexists(out):
     raise jr.ArchiveExistsError(f"{out} already exists; jaxreshard never overwrites a checkpoint")
-  restore = _restorer(checkpoint, world_size)
+  restore = lambda r: _restore.restore_ranks(str(checkpoint), [r], world_size=world_size,
+                                             checkpoint=ckpt)[0]
   err = _err()
   t0 = time.perf_counter()
   with _progress.progress_bar(err) as bar:

@@ -22,10 +22,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxreshard import _archive_io, _global, _restore
-from jaxreshard._archive_format import ArchiveError, ArchiveExistsError
-from jaxreshard._errors import PlacementError, ReshardError
+from jaxreshard import _checkpoint
+from jaxreshard._errors import ArchiveError, ArchiveExistsError, PlacementError, ReshardError
 from jaxreshard._global import MeshState
-from jaxreshard._record import ShardRecord
+from jaxreshard._geometry import FlatShard
+from jaxreshard._record import FORMAT_VERSION, ShardRecord
 
 __all__ = ["restore_sharded", "save_sharded", "reshard_to_mesh"]
 
@@ -67,7 +68,7 @@ def reshard_to_mesh(records: Any, mesh: Mesh, axis: str = "fsdp") -> MeshState:
   built = {}
   for rank, devices in _global.mesh_ranks(mesh, axis).items():
     with jax.default_device(devices[0]):
-      built[rank] = _reshard.reshard(records, _reshard.plan(records, world, rank))
+      built[rank] = _reshard.reshard(records, _reshard.plan(records, world_size=world, rank=rank))
   return MeshState(_global.records_to_mesh(built, mesh, axis),
                    {r: rec.placements for r, rec in built.items()})
 
@@ -110,13 +111,10 @@ def restore_sharded(directory: Any, mesh: Mesh, axis: str = "fsdp") -> MeshState
     P('fsdp',)
   """
   world = _global._axis_size(mesh, axis)  # pylint: disable=protected-access
-  ckpt = _archive_io.open_checkpoint(directory)
-  reader = _archive_io.Reader()  # shared: each source array is opened at most once
+  ckpt = _archive_io.open_checkpoint(directory)  # shared: the index is read once
   built = {}
-  for rank, devices in _global.mesh_ranks(mesh, axis).items():
-    with jax.default_device(devices[0]):  # the kernels run where the rank lives
-      built[rank] = _restore.restore_ranks(directory, [rank], world, checkpoint=ckpt,
-                                           reader=reader)[0]
+  for rank in _global.mesh_ranks(mesh, axis):
+    built[rank] = _restore.restore_ranks(directory, [rank], world_size=world, checkpoint=ckpt)[0]
   return MeshState(_global.records_to_mesh(built, mesh, axis),
                    {r: rec.placements for r, rec in built.items()})
 
@@ -231,22 +229,24 @@ def save_sharded(
   if primary:  # 1. the primary picks (and creates) the temporary directory
     try:
       tmp = _archive_io.new_temp_dir(final)
-      sync.put("tmp", f"ok:{tmp}")
+      sync.put("tmp", f"ok:{uuid.uuid4().hex}:{tmp}")
     except ArchiveExistsError as e:
       sync.put("tmp", f"exists:{e}")
       raise
     except Exception as e:
       sync.put("tmp", f"error:{type(e).__name__}: {e}")
       raise
-  tmp = _outcome(sync.get("tmp"), "the primary process could not start the save")
+  # Every archive of one save carries the identity the primary picked.
+  checkpoint_id, _, tmp = _outcome(sync.get("tmp"), "the primary process could not start the save"
+                                   ).partition(":")
 
   # 2. every process writes its own ranks' archives.
   try:
     ranks = _global.writer_ranks(mesh, axis)
     records = _global.records_from_mesh(optimizer, state, shapes, mesh, axis, ranks=ranks)
-    ctx = _archive_io.ts.Context()
+    builder = _checkpoint.IndexBuilder(checkpoint_id)
     for rank in ranks:
-      _write_rank(tmp, rank, records[rank], chunk_bytes, ctx)
+      _write_rank(tmp, rank, records[rank], chunk_bytes, builder)
     sync.put(f"done/{jax.process_index()}", "ok:")
   except BaseException as e:
     message = f"error:process {jax.process_index()}: {type(e).__name__}: {e}"
@@ -262,12 +262,12 @@ def save_sharded(
       for p in range(jax.process_count()):
         _outcome(sync.get(f"done/{p}"), f"process {p} failed")
       names = [f"archive_{r:05d}" for r in range(world)]
-      missing = [n for n in names if not os.path.isfile(os.path.join(tmp, n, _archive_io.RECORD_FILE))]
+      missing = [n for n in names
+                 if not os.path.isfile(os.path.join(tmp, n, _checkpoint.ARCHIVE_FILE))]
       if missing:
         raise ArchiveError(f"archives {missing} were not written")
-      _archive_io._dump(os.path.join(tmp, _archive_io.INDEX_FILE), {  # pylint: disable=protected-access
-          "format": _archive_io.FORMAT, "format_version": _archive_io.FORMAT_VERSION,
-          "archives": names})
+      _checkpoint.dump(os.path.join(tmp, _checkpoint.INDEX_FILE),
+                       _global_index(optimizer, state, shapes, mesh, axis, checkpoint_id))
       if os.path.lexists(final):
         raise ArchiveExistsError(f"{final} appeared while it was being written")
       os.rename(tmp, final)
@@ -279,11 +279,34 @@ def save_sharded(
   _outcome(sync.get("commit"), "the checkpoint was not committed")
 
 
-def _write_rank(tmp: str, rank: int, record: ShardRecord, chunk_bytes: int, ctx) -> None:
+def _write_rank(tmp: str, rank: int, record: ShardRecord, chunk_bytes: int,
+                builder: "_checkpoint.IndexBuilder") -> None:
   # Host copies of this rank's device buffers; the archive writer takes numpy.
   host = jax.tree.map(np.asarray, record.state)
   record = ShardRecord(record.version, record.placements, host, record.roles)
-  from etils import epath  # pylint: disable=g-import-not-at-top
+  _checkpoint.write_archive(tmp, rank, record, builder, chunk_bytes)
 
-  _archive_io._write_archive(  # pylint: disable=protected-access
-      epath.Path(tmp) / f"archive_{rank:05d}", rank, record, chunk_bytes, ctx)
+
+def _global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> dict:
+  """The index of every rank, from the state's layout alone (no other process's data).
+
+  Every rank of a global flat-sharded state has the same tree, the same
+  ``(slots,)`` buffers and the same (replicated) clock; only placements'
+  ranks differ, so the primary describes all ``M`` archives itself.
+  """
+  world = _global._axis_size(mesh, axis)  # pylint: disable=protected-access
+  roles = _global.roles_of(optimizer, state, shapes)
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  of = _global.placements_for(shapes, roles, leaves, world)
+  abstract = []
+  for leaf, role in zip(leaves, roles):
+    if role is None:
+      abstract.append(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
+    else:
+      slots = FlatShard(_global._shape_of(shapes[role], role), 0, world).slots  # pylint: disable=protected-access
+      abstract.append(jax.ShapeDtypeStruct((slots,), leaf.dtype))
+  builder = _checkpoint.IndexBuilder(checkpoint_id)
+  tree_state = jax.tree_util.tree_unflatten(treedef, abstract)
+  for rank in range(world):
+    builder.add(rank, ShardRecord(FORMAT_VERSION, of(rank), tree_state, roles), pack=False)
+  return builder.index()

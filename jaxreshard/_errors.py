@@ -6,7 +6,8 @@ catch one class. The subclasses say what kind of disagreement was found.
 
 from __future__ import annotations
 
-__all__ = ["ReshardError", "PlacementError", "ShapeError", "DtypeError"]
+__all__ = ["ReshardError", "PlacementError", "ShapeError", "DtypeError", "ArchiveError",
+           "ArchiveExistsError"]
 
 
 class ReshardError(ValueError):
@@ -27,3 +28,11 @@ class DtypeError(PlacementError, ShapeError):
   A storage dtype is both placement metadata and a question of precision, so
   this error is a :class:`PlacementError` and a :class:`ShapeError` at once.
   """
+
+
+class ArchiveError(ReshardError):
+  """A checkpoint directory or file that is not a valid jaxreshard checkpoint."""
+
+
+class ArchiveExistsError(ArchiveError):
+  """The output directory of a save already exists (nothing is overwritten)."""

@@ -17,6 +17,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxreshard import _archive_io, _restore
+from jaxreshard._errors import ArchiveExistsError
 from jaxreshard._record import ShardRecord
 
 __all__ = ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
@@ -32,7 +33,7 @@ class ReshardCheckpointHandler(ocp.CheckpointHandler):
     directory = epath.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if any(directory.iterdir()):
-      raise _archive_io.ArchiveExistsError(f"{directory} is not empty")
+      raise ArchiveExistsError(f"{directory} is not empty")
     _archive_io.write_checkpoint(
         directory, args.records,
         chunk_bytes=args.chunk_bytes if args.chunk_bytes is not None else self._chunk_bytes)
@@ -42,7 +43,7 @@ class ReshardCheckpointHandler(ocp.CheckpointHandler):
       return _archive_io.load_records(directory)
     if args.world_size is None:
       raise ValueError("ReshardRestore(rank=...) needs world_size as well")
-    return _restore.restore(directory, args.rank, args.world_size)
+    return _restore.restore(directory, rank=args.rank, world_size=args.world_size)
 
   def metadata(self, directory: epath.Path) -> Any:
     """Every archive's placements, clocks and lazy buffers (no array data read)."""

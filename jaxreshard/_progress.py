@@ -1,65 +1,28 @@
-"""What each target rank reads, in bytes, from metadata alone; the progress bar.
+"""What each target rank reads, in bytes, from a checkpoint's index alone; the progress bar.
 
 ``reshard --dry-run`` prints these plans and ``reshard`` sizes its progress bar
-with them, so both need only the archives' placements and the dtypes of each
-parameter's history buffers, never the arrays themselves.
+with them. They come from the same validation and copy plan as the restore
+itself (``_pipeline``, ``_copyplan``), computed from the index: no archive is
+read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
-
-import jax
-import numpy as np
-
-from jaxreshard import _structure
-from jaxreshard._errors import PlacementError
-from jaxreshard._geometry import FlatShard
-from jaxreshard._placement import ParamPlacement
-from jaxreshard._reshard import plan
-
-__all__ = ["ArchiveLayout", "Read", "TargetPlan", "layout_of", "progress_bar", "target_plan"]
+from typing import Any
 
 
-@dataclasses.dataclass(frozen=True)
-class ArchiveLayout:
-  """The metadata of one archive: its placements and buffer dtypes.
+from jaxreshard import _copyplan, _pipeline, _reshard
+from jaxreshard._checkpoint import Checkpoint
 
-  Attributes:
-    placements: as in ``ShardRecord.placements``.
-    buffers: param id -> dtype of each of its history buffers, in order.
-  """
-
-  placements: tuple[ParamPlacement, ...]
-  buffers: Mapping[str, tuple[np.dtype, ...]]
-
-  def placement(self, param: str):
-    return next((p for p in self.placements if p.param == param), None)
-
-
-def layout_of(record: Any) -> ArchiveLayout:
-  """The layout of a ``ShardRecord`` (roles say which leaves are buffers)."""
-  buffers: dict[str, list[np.dtype]] = {}
-  leaves = jax.tree.leaves(record.state)
-  try:
-    roles = _structure.roles_of(record)
-  except _structure.AnatomyError as e:
-    raise PlacementError(f"an archive without roles: {e}") from None
-  for leaf, role in zip(leaves, roles):
-    if role is not None:
-      # ``.dtype`` first: a buffer still on disk has one but no data.
-      buffers.setdefault(role, []).append(np.dtype(getattr(leaf, "dtype", None)
-                                                   or np.asarray(leaf).dtype))
-  return ArchiveLayout(tuple(record.placements), {k: tuple(v) for k, v in buffers.items()})
+__all__ = ["Read", "TargetPlan", "progress_bar", "target_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Read:
-  """One contiguous read: elements ``[lo, hi)`` of ``param``'s flat buffers.
+  """One contiguous read: global flat elements ``[lo, hi)`` of ``param``'s buffers.
 
-  ``lo``/``hi`` are global flat indices; ``local`` is where they start inside
-  the source archive's slot buffer.
+  ``local`` is where they start inside the source rank's ``(slots,)`` buffers.
   """
 
   archive: int
@@ -93,31 +56,33 @@ class TargetPlan:
 
   @property
   def peak_bytes(self) -> int:
-    """Estimate: the target's buffers plus the largest read from one archive."""
-    return self.target_bytes + max(self.per_archive.values(), default=0)
+    """Estimate: the target's buffers plus the restore's bounded read buffer."""
+    from jaxreshard._checkpoint import STAGING_BYTES  # pylint: disable=g-import-not-at-top
+
+    return self.target_bytes + min(STAGING_BYTES, self.bytes_read)
 
 
-def target_plan(layouts: Sequence[ArchiveLayout], world_size: int, rank: int) -> TargetPlan:
-  """The reads of target ``rank`` of ``world_size``, from metadata only.
+def target_plan(ckpt: Checkpoint, *, world_size: int, rank: int) -> TargetPlan:
+  """The reads of target ``rank`` of ``world_size``, from the index only.
 
   Raises:
     PlacementError: archives that do not form complete groups, or an invalid
-      target (the same checks as ``jaxreshard.plan``).
+      target (the same refusals as ``jaxreshard.restore``).
   """
-  reads, target_bytes = [], 0
-  for m in plan(layouts, world_size=world_size, rank=rank):
-    t = FlatShard(m.shape, m.rank, m.world_size)
-    first = layouts[m.sources[0]]
-    itemsize = sum(d.itemsize for d in first.buffers.get(m.param, ()))
-    target_bytes += t.slots * itemsize
-    for a in m.sources:
-      p = layouts[a].placement(m.param)
-      s = FlatShard(p.shape, p.rank, p.world_size)
-      lo, hi = max(t.start, s.start), min(t.stop, s.stop)
-      if lo < hi and itemsize:
-        reads.append(Read(a, p.rank, m.param, lo, hi, lo - s.rank * s.slots, (hi - lo) * itemsize))
-  reads.sort(key=lambda r: (r.param, r.lo))
-  return TargetPlan(rank, world_size, tuple(reads), target_bytes)
+  migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=rank)
+  groups = _pipeline.validate(ckpt, migrations)
+  layout = _copyplan.target_layout(groups)
+  gi, k, src_local, _, length = _copyplan.overlaps(groups)
+  itemsize = [sum(d.itemsize for _, d in _copyplan.history_buffers(g)) for g in groups]
+  reads = []
+  for g, r, local, n in zip(gi.tolist(), k.tolist(), src_local.tolist(), length.tolist()):
+    grp = groups[g]
+    if not itemsize[g]:
+      continue
+    lo = r * grp.source.slots + local
+    reads.append(Read(grp.by_rank[r], r, grp.param, lo, lo + n, local, n * itemsize[g]))
+  reads.sort(key=lambda x: (x.param, x.lo))
+  return TargetPlan(rank, world_size, tuple(reads), layout.nbytes)
 
 
 def progress_bar(console: Any) -> Any:

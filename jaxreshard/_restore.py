@@ -1,33 +1,31 @@
 """Restore target ranks straight from a checkpoint, reading only what they need.
 
-The core's validation runs on records whose history buffers are still on disk
-(``LazyBuffer``: shape and dtype, no data), so every refusal of ``reshard``
-holds. Only then are the overlapping ``[lo, hi)`` ranges of the overlapping
-source buffers read (tensorstore partial reads, chunk-granular) and handed to
-the core's gather kernels as ``Piece(partial, 0, hi - lo)``.
+The pipeline is the one ``reshard`` runs; the checkpoint answers validation
+from its index (no archive is read to plan), and the fetch step reads, for
+each source archive that overlaps the target, only the chunks of its packed
+buffers that the planned runs touch, straight into the target's buffers.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
-import jax
+import numpy as np
 
-from jaxreshard import _kernels, _reshard, _validate
-from jaxreshard._archive_io import Checkpoint, LazyBuffer, Reader, open_checkpoint
+from jaxreshard import _copyplan, _pipeline, _reshard
+from jaxreshard._checkpoint import STAGING_BYTES, Checkpoint, open_checkpoint
 from jaxreshard._errors import PlacementError
 from jaxreshard._record import ShardRecord
-from jaxreshard._reshard import plan
 
-__all__ = ["restore", "restore_ranks"]
+__all__ = ["disk_fetch", "restore", "restore_ranks"]
 
 
-def restore(directory: Any, rank: int, world_size: int) -> ShardRecord:
+def restore(directory: Any, *, rank: int, world_size: int) -> ShardRecord:
   """One target rank's archive, built from a checkpoint on disk.
 
-  Reads the metadata of every archive (small JSON: placements, clocks), then
-  only the history buffers of source archives that overlap the target rank,
-  and inside those only the chunks covering the overlapping ranges.
+  Reads the checkpoint's index (the whole layout: placements, clocks), then
+  only the archives that overlap the target rank, and inside those only the
+  chunks covering the overlapping ranges, straight into the target's buffers.
 
   Args:
     directory: a checkpoint written by ``save_records``.
@@ -35,7 +33,8 @@ def restore(directory: Any, rank: int, world_size: int) -> ShardRecord:
     world_size: the target world size (every parameter).
 
   Returns:
-    The same record as ``reshard(load_records(directory), plan(..., world_size, rank))``.
+    The same record as ``reshard(load_records(directory), plan(..., world_size=world_size,
+    rank=rank))``.
 
   Raises:
     FileNotFoundError: ``directory`` does not exist.
@@ -52,30 +51,24 @@ def restore(directory: Any, rank: int, world_size: int) -> ShardRecord:
     >>> target.placements[0].rank, target.state[0].mu["w"].shape
     (1, (4,))
   """
-  return restore_ranks(directory, [rank], world_size)[0]
+  return restore_ranks(directory, [rank], world_size=world_size)[0]
 
 
 def restore_ranks(
     directory: Any,
     ranks: Sequence[int],
-    world_size: int,
     *,
+    world_size: int,
     checkpoint: Optional[Checkpoint] = None,
-    reader: Optional[Reader] = None,
 ) -> list[ShardRecord]:
-  """Several target ranks of one layout, opening each source array at most once.
-
-  For one process that hosts several target ranks (multi-host restore): the
-  metadata is read and validated once, every source array opened at most once
-  (``reader`` caches open arrays), and each rank reads only its own ranges.
+  """Several target ranks of one layout; the index is read and checked once.
 
   Args:
     directory: a checkpoint written by ``save_records``.
     ranks: target ranks to build, in the order returned.
     world_size: the target world size of every parameter.
-    checkpoint: the result of ``_archive_io.open_checkpoint(directory)``, when
-      the caller already has it (skips re-reading the metadata).
-    reader: an ``_archive_io.Reader`` to share open arrays across calls.
+    checkpoint: ``open_checkpoint(directory)``, when the caller already has it
+      (its validated groups and archive metadata are reused).
 
   Returns:
     One ``ShardRecord`` per entry of ``ranks``.
@@ -84,31 +77,49 @@ def restore_ranks(
     FileNotFoundError, ReshardError: as ``restore``.
   """
   ckpt = checkpoint if checkpoint is not None else open_checkpoint(directory)
-  records = list(ckpt.records)
-  if not records:
-    raise PlacementError("no archives supplied")
-  anatomies = [_validate.check_archive(i, r) for i, r in enumerate(records)]
-  reader = reader if reader is not None else Reader()
-  return [_restore_one(records, anatomies, plan(records, world_size, rank), reader)
-          for rank in ranks]
+  plans = [_reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=r)
+           for r in ranks]
+  return [restore_plan(ckpt, migrations) for migrations in plans]
 
 
-def _restore_one(records, anatomies, migrations, reader: Reader) -> ShardRecord:
-  groups = _reshard.validate_migrations(records, anatomies, migrations)
-  # Every buffer of every involved archive against its file's size (a stat,
-  # no read), so no metadata size is trusted before anything is allocated.
-  for s in sorted({s for g in groups for s in g.by_rank}):
-    for leaf in jax.tree.leaves(records[s].state):
-      if isinstance(leaf, LazyBuffer):
-        leaf.check_file()
-  requests = _reshard.copy_requests(groups, anatomies)
-  flat = [rng for r in requests for rng in r.ranges]
-  data = iter(reader.read(flat))
-  outputs = []
-  for r in requests:
-    parts = [next(data) for _ in r.ranges]
-    outputs.append(_kernels.Output(
-        r.shape, r.dtype, tuple(_kernels.Piece(d, 0, len(d)) for d in parts)))
-  buffers = _kernels.assemble(outputs)
-  del outputs, data
-  return _reshard.build_record(groups, anatomies, requests, buffers)
+def restore_plan(ckpt: Checkpoint, migrations: Sequence[Any]) -> ShardRecord:
+  """One target rank from explicit migrations over a checkpoint's archives."""
+  groups = _pipeline.validate(ckpt, migrations)
+  if not groups:
+    raise PlacementError("no migrations: a target rank needs at least one parameter")
+  for a in sorted({a for g in groups for a in g.by_rank}):
+    ckpt.check_archive(a)
+  return _pipeline.build(ckpt, groups, disk_fetch(ckpt))
+
+
+def disk_fetch(ckpt: Checkpoint) -> _pipeline.Fetch:
+  """Runs over packed buffers on disk: chunk spans read, checked and copied."""
+
+  def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
+    # Every involved archive's metadata and file sizes first: nothing is
+    # allocated for a checkpoint whose files cannot hold what it claims.
+    for archive, d in sorted(set(keys)):
+      ckpt.archive_meta(archive)
+      ckpt.open_buffer(archive, d).close()
+    scratch = None
+    out = {}
+    for dtype, r in runs.items():
+      buf = np.zeros(layout.sizes[dtype], dtype)
+      for sid in np.unique(r.source).tolist():
+        sel = r.source == sid
+        archive, d = keys[sid]
+        if scratch is None:
+          scratch = np.empty(STAGING_BYTES, np.uint8)
+        f = ckpt.open_buffer(archive, d)
+        try:
+          if len(scratch) < f.stride:  # a chunk larger than the scratch buffer
+            scratch = np.empty(f.stride, np.uint8)
+          from jaxreshard._checkpoint import _read_runs  # pylint: disable=g-import-not-at-top
+
+          _read_runs(f, r.src[sel], r.dst[sel], r.length[sel], buf, scratch)
+        finally:
+          f.close()
+      out[dtype] = buf
+    return out
+
+  return fetch

@@ -83,3 +83,8 @@ def buffer_file(directory: str, archive: int = 0) -> str:
   adir = os.path.join(directory, f"archive_{archive:05d}")
   name = sorted(n for n in os.listdir(adir) if n.startswith("b"))[0]
   return os.path.join(adir, name, "c", "0")
+
+
+def shard_file(directory: str, archive: int = 0, dtype: str = "float32") -> str:
+  """The shard file (``c/0``) of one archive's packed buffer of ``dtype``."""
+  return os.path.join(directory, f"archive_{archive:05d}", dtype, "c", "0")

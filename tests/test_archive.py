@@ -29,8 +29,8 @@ def test_every_optimizer_round_trips_exactly(tmp_path, name):
   for a, b in zip(loaded, records, strict=True):
     assert_records_equal(a, b)  # structure (NamedTuple classes, MaskedNode), roles, bits
   # A loaded checkpoint is as good as the records: the core reshards it identically.
-  assert_records_equal(jr.reshard(loaded, jr.plan(loaded, 2, 1)),
-                       jr.reshard(records, jr.plan(records, 2, 1)))
+  assert_records_equal(jr.reshard(loaded, jr.plan(loaded, world_size=2, rank=1)),
+                       jr.reshard(records, jr.plan(records, world_size=2, rank=1)))
 
 
 def test_random_bits_every_storage_dtype(tmp_path):
@@ -42,18 +42,64 @@ def test_random_bits_every_storage_dtype(tmp_path):
     assert_records_equal(a, b)
 
 
+def _files(directory):
+  return sorted(os.path.relpath(os.path.join(r, f), directory)
+                for r, _, fs in os.walk(directory) for f in fs)
+
+
 def test_layout_on_disk(tmp_path):
-  jr.save_records(tmp_path / "ckpt", adam_records(2), chunk_bytes=16)
-  names = sorted(os.listdir(tmp_path / "ckpt"))
-  assert names == ["archive_00000", "archive_00001", "jaxreshard.json"]
+  records = adam_records(2)
+  jr.save_records(tmp_path / "ckpt", records, chunk_bytes=16)
+  assert sorted(os.listdir(tmp_path / "ckpt")) == ["archive_00000", "archive_00001",
+                                                    "jaxreshard.json"]
   index = json.loads((tmp_path / "ckpt" / "jaxreshard.json").read_text())
-  assert index == {"format": "jaxreshard-checkpoint", "format_version": 1,
-                   "archives": ["archive_00000", "archive_00001"]}
-  meta = json.loads((tmp_path / "ckpt" / "archive_00001" / "record.json").read_text())
-  assert meta["version"] == 1 and meta["placements"][0]["rank"] == 1
-  zarr = glob.glob(str(tmp_path / "ckpt" / "archive_00001" / "b*" / "zarr.json"))
-  assert zarr and all(json.loads(open(z).read())["zarr_format"] == 3 for z in zarr)
+  assert index["format"] == "jaxreshard-checkpoint" and index["format_version"] == 2
+  # Both ranks share one layout, one clock and one group: the index does not
+  # grow with the ranks beyond their [archive, rank] pairs.
+  assert index["archives"] == [["archive_00000", 0, 0], ["archive_00001", 0, 0]]
+  assert len(index["layouts"]) == 1 and len(index["clocks"]) == 1
+  (group,) = index["groups"]
+  assert group["world_size"] == 2 and group["ranks"] == [[0, 0], [1, 1]]
+  assert sorted(index["params"][i][0] for i in group["params"]) == sorted(
+      p.param for p in records[0].placements)
+  # Files grow with ranks x dtypes: per archive its metadata and, per dtype,
+  # zarr.json and one shard file.
+  dtypes = ["bfloat16", "float16", "float32"]
+  assert _files(tmp_path / "ckpt" / "archive_00001") == ["archive.json"] + [
+      f"{d}/{f}" for d in dtypes for f in ("c/0", "zarr.json")]
+  meta = json.loads((tmp_path / "ckpt" / "archive_00001" / "archive.json").read_text())
+  assert meta["checkpoint"] == index["checkpoint"] and sorted(meta["buffers"]) == dtypes
   assert not glob.glob(str(tmp_path / ".ckpt.tmp-*"))  # the temporary sibling is gone
+
+
+def test_plain_tensorstore_reads_a_saved_buffer(tmp_path):
+  """The buffers are ordinary zarr v3 arrays: tensorstore opens them by path alone."""
+  import tensorstore as ts
+
+  records = adam_records(3)
+  jr.save_records(tmp_path / "ckpt", records, chunk_bytes=12)
+  rec = records[1]
+  # float32 buffers of rank 1, in packing order: params by id, then mu before nu.
+  expected = []
+  for pid in sorted(p.param for p in rec.placements):
+    for sub in (rec.state[0].mu, rec.state[0].nu):
+      leaf = nest_get(sub, pid)
+      if leaf is not None and np.asarray(leaf).dtype == np.float32:
+        expected.append(np.asarray(leaf))
+  store = ts.open({"driver": "zarr3", "kvstore": {
+      "driver": "file", "path": str(tmp_path / "ckpt" / "archive_00001" / "float32")}}).result()
+  got = store.read().result()
+  want = np.concatenate(expected)
+  assert got.dtype == np.float32 and got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+
+
+def nest_get(tree, pid):
+  node = tree
+  for k in pid.split("/"):
+    if not isinstance(node, dict) or k not in node:
+      return None
+    node = node[k]
+  return node
 
 
 def test_records_are_streamed_one_at_a_time(tmp_path):

@@ -7,7 +7,9 @@ import pytest
 import jax.numpy as jnp
 
 import jaxreshard as jr
-from jaxreshard import _archive_io, _restore
+import shutil
+
+from jaxreshard import _restore
 from tests._archive_util import adam_records, dir_bytes, file_hashes, params, random_state, rchar
 from tests._core_util import assert_records_equal
 
@@ -23,9 +25,9 @@ def test_restore_equals_reshard_of_loaded_records(tmp_path, src, dst):
                            trainable={"dense/bias": False, "half": False})
   jr.save_records(tmp_path / "ckpt", records, chunk_bytes=8)
   before = file_hashes(tmp_path / "ckpt")
-  targets = _restore.restore_ranks(tmp_path / "ckpt", range(dst), dst)
+  targets = _restore.restore_ranks(tmp_path / "ckpt", range(dst), world_size=dst)
   for rank, target in enumerate(targets):
-    assert_records_equal(target, jr.reshard(records, jr.plan(records, dst, rank)))
+    assert_records_equal(target, jr.reshard(records, jr.plan(records, world_size=dst, rank=rank)))
   assert_records_equal(jr.restore(tmp_path / "ckpt", rank=dst - 1, world_size=dst), targets[-1])
   assert file_hashes(tmp_path / "ckpt") == before  # inputs never modified
 
@@ -33,9 +35,9 @@ def test_restore_equals_reshard_of_loaded_records(tmp_path, src, dst):
 def test_restore_round_trip_through_disk(tmp_path):
   records = adam_records(6)
   jr.save_records(tmp_path / "a", records, chunk_bytes=12)
-  jr.save_records(tmp_path / "b", (jr.restore(tmp_path / "a", r, 4) for r in range(4)),
+  jr.save_records(tmp_path / "b", (jr.restore(tmp_path / "a", rank=r, world_size=4) for r in range(4)),
                   chunk_bytes=20)
-  back = _restore.restore_ranks(tmp_path / "b", range(6), 6)
+  back = _restore.restore_ranks(tmp_path / "b", range(6), world_size=6)
   for a, b in zip(back, records, strict=True):
     assert_records_equal(a, b)
 
@@ -51,11 +53,11 @@ def _big_checkpoint(path, world):
 def test_16_to_12_reads_only_the_overlapping_ranges(tmp_path):
   records = _big_checkpoint(tmp_path / "ckpt", 16)
   # Target rank 1 of 12 owns [87382, 174764): sources 1 and 2 of 16 only.
-  jr.restore(tmp_path / "ckpt", 1, 12)  # warm up: compile, imports
+  jr.restore(tmp_path / "ckpt", rank=1, world_size=12)  # warm up: compile, imports
   start = rchar()
-  target = jr.restore(tmp_path / "ckpt", 1, 12)
+  target = jr.restore(tmp_path / "ckpt", rank=1, world_size=12)
   read = rchar() - start
-  assert_records_equal(target, jr.reshard(records, jr.plan(records, 12, 1)))
+  assert_records_equal(target, jr.reshard(records, jr.plan(records, world_size=12, rank=1)))
   total = dir_bytes(tmp_path / "ckpt")
   own = sum(np.asarray(x).nbytes for x, r in zip(
       jax.tree.leaves(target.state), target.roles) if r is not None)
@@ -66,17 +68,24 @@ def test_16_to_12_reads_only_the_overlapping_ranges(tmp_path):
   assert read < total / 10
 
 
-def test_restore_ranks_opens_each_source_array_once(tmp_path):
+def test_restore_reads_only_the_overlapping_archives(tmp_path):
+  """Planning needs only the index: archives that do not overlap the target may be gone."""
+  records = adam_records(16, {"a": ((160,), jnp.float32), "b": ((32, 5), jnp.bfloat16)})
+  jr.save_records(tmp_path / "ckpt", records, chunk_bytes=16)
+  expected = jr.reshard(records, jr.plan(records, world_size=12, rank=1))
+  # Target rank 1 of 12 owns [14, 28) of "a" (slots 10 at 16 ranks: sources 1 and 2)
+  # and [14, 28) of "b" (160 elements too): nothing of sources 0 or 3..15.
+  for r in [0] + list(range(3, 16)):
+    shutil.rmtree(tmp_path / "ckpt" / f"archive_{r:05d}")
+  assert_records_equal(jr.restore(tmp_path / "ckpt", rank=1, world_size=12), expected)
+  with pytest.raises(jr.ArchiveError, match="archive_00003"):
+    jr.restore(tmp_path / "ckpt", rank=2, world_size=12)
+
+
+def test_restore_ranks_shares_one_index(tmp_path):
   records = adam_records(4)
   jr.save_records(tmp_path / "ckpt", records, chunk_bytes=8)
-  reader = _archive_io.Reader()
-  targets = _restore.restore_ranks(tmp_path / "ckpt", [2, 0, 1], 3, reader=reader)
+  ckpt = jr.open_checkpoint(tmp_path / "ckpt")
+  targets = _restore.restore_ranks(tmp_path / "ckpt", [2, 0, 1], world_size=3, checkpoint=ckpt)
   for rank, t in zip([2, 0, 1], targets):
-    assert_records_equal(t, jr.reshard(records, jr.plan(records, 3, rank)))
-  n_buffers = sum(1 for r in records for role, x in zip(r.roles, jax.tree.leaves(r.state))
-                  if role is not None and np.size(x))
-  # Every array is opened once for all three ranks; all-padding slices of a
-  # parameter smaller than the world (``scale``) are never opened at all.
-  assert reader.opened == len(reader._open) < n_buffers
-  _restore.restore_ranks(tmp_path / "ckpt", [1], 3, reader=reader)
-  assert reader.opened == len(reader._open)
+    assert_records_equal(t, jr.reshard(records, jr.plan(records, world_size=3, rank=rank)))

@@ -99,9 +99,9 @@ def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
   assert result.exit_code == 0, result.output
   assert not (root / "never").exists() and "nothing written" in result.stdout
   assert all(f"target rank {r} of 6" in result.stdout for r in range(6))
-  layouts = [_progress.layout_of(r) for r in src]
+  index = jr.open_checkpoint(root / "ckpt8")
   for rank in range(6):
-    p = _progress.target_plan(layouts, 6, rank)
+    p = _progress.target_plan(index, world_size=6, rank=rank)
     for pid, shape in (("enc/kernel", (7, 11)), ("enc/bias", (5,)), ("head", (9,))):
       t = jr.FlatShard(shape, rank, 6)
       reads = [r for r in p.reads if r.param == pid]

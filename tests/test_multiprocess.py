@@ -56,7 +56,7 @@ def job(tmp_path_factory):
     for g in groups.values():
       g.__enter__()
     kill0, kill1 = groups["kill0"], groups["kill1"]
-    written = os.path.join(root, ".step_2.tmp-*", "archive_*", "record.json")
+    written = os.path.join(root, ".step_2.tmp-*", "archive_*", "archive.json")
     _wait_for(lambda: len(glob.glob(written)) == 4, kill0, "the primary's 4 archives")
     kill0.kill(0)
     open(go2, "w").close()  # process 1 now saves and finds its coordinator gone
@@ -89,7 +89,7 @@ def test_two_processes_save_eight_ranks(job, reference):
 @pytest.mark.parametrize("name,procs,world", [("r6", 3, 6), ("r5", 1, 5)])
 def test_restart_on_other_layout_is_bit_identical(job, reference, name, procs, world):
   records = reference[3]
-  expected = [jr.reshard(records, jr.plan(records, world, r)) for r in range(world)]
+  expected = [jr.reshard(records, jr.plan(records, world_size=world, rank=r)) for r in range(world)]
   results = job["results"][name]
   assert len(results) == procs
   covered = set()
@@ -113,7 +113,7 @@ def test_restart_on_other_layout_is_bit_identical(job, reference, name, procs, w
 def test_ranks_replicated_across_processes(job, reference):
   """(data 2 x fsdp 3) over 3 processes x 2 devices: every fsdp rank lives on 2 hosts."""
   records = reference[3]
-  expected = [jr.reshard(records, jr.plan(records, 3, r)) for r in range(3)]
+  expected = [jr.reshard(records, jr.plan(records, world_size=3, rank=r)) for r in range(3)]
   results = [res["replicated"] for res in job["results"]["r6"]]
   # Devices 0..5 fill the mesh row by row: process 0 holds ranks 0, 1; process 1
   # ranks 2, 0; process 2 ranks 1, 2. Each rank is written by its first device's process.
@@ -133,38 +133,48 @@ def _read_plan(step, ranks, world):
   """What restoring ``ranks`` of ``world`` must read, from the checkpoint's own metadata.
 
   Returns (exact: bytes the ranks' buffers hold, bound: the bytes of every
-  stored chunk they overlap + each opened array's index and zarr.json + every
-  archive's metadata, which a reader needs to validate the clocks).
+  stored chunk they overlap + each opened buffer's index, zarr.json and its
+  archive's metadata + the checkpoint's index). An archive packs its buffers
+  of one dtype by param id, then in the order the state's leaves hold them.
   """
-  index = json.load(open(os.path.join(step, "jaxreshard.json")))
-  exact = 0
-  bound = os.path.getsize(os.path.join(step, "jaxreshard.json"))
-  opened = set()
-  for s, name in enumerate(index["archives"]):
-    meta_path = os.path.join(step, name, "record.json")
-    bound += os.path.getsize(meta_path)
+  index_path = os.path.join(step, "jaxreshard.json")
+  index = json.load(open(index_path))
+  (group,) = index["groups"]
+  params = {index["params"][i][0]: index["params"][i] for i in group["params"]}
+  source_world = group["world_size"]
+  (layout,) = index["layouts"]
+  buffers = {}  # pid -> [dtype of each buffer, in leaf order]
+  for leaf in layout["leaves"]:
+    if isinstance(leaf, list):
+      buffers.setdefault(leaf[0], []).append(leaf[1])
+  exact, bound, opened = 0, os.path.getsize(index_path), set()
+  for s, (name, _, _) in enumerate(index["archives"]):
+    meta_path = os.path.join(step, name, "archive.json")
     meta = json.load(open(meta_path))
-    by_param = {p["param"]: p for p in meta["placements"]}
-    for entry, role in zip(meta["leaves"], meta["roles"]):
-      if role is None or "buffer" not in entry:
-        continue
-      buf, p = entry["buffer"], by_param[role]
-      src = FlatShard(tuple(p["shape"]), s, p["world_size"])
-      item = 2 if buf["dtype"] == "bfloat16" else np.dtype(buf["dtype"]).itemsize
-      chunk = buf["chunk"]
-      for r in ranks:
-        t = FlatShard(tuple(p["shape"]), r, world)
-        lo, hi = max(t.start, src.start), min(t.stop, src.stop)
-        if lo >= hi:
-          continue
-        exact += (hi - lo) * item
-        first, last = (lo - src.rank * src.slots) // chunk, (hi - 1 - src.rank * src.slots) // chunk
-        bound += (last - first + 1) * (chunk * item + 4)
-        path = os.path.join(step, name, buf["name"])
-        if path not in opened:
-          opened.add(path)
-          n_chunks = -(-src.slots // chunk)
-          bound += n_chunks * 16 + 4 + os.path.getsize(os.path.join(path, "zarr.json"))
+    offset = {}
+    for pid in sorted(buffers):
+      src = FlatShard(tuple(params[pid][1]), s, source_world)
+      for dtype in buffers[pid]:
+        start = offset.get(dtype, 0)
+        offset[dtype] = start + src.slots
+        item = 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+        chunk = meta["buffers"][dtype]["chunk"]
+        for r in ranks:
+          t = FlatShard(tuple(params[pid][1]), r, world)
+          lo, hi = max(t.start, src.start), min(t.stop, src.stop)
+          if lo >= hi:
+            continue
+          exact += (hi - lo) * item
+          first = (start + lo - src.rank * src.slots) // chunk
+          last = (start + hi - 1 - src.rank * src.slots) // chunk
+          bound += (last - first + 1) * (chunk * item + 4)
+          if (name, dtype) not in opened:
+            opened.add((name, dtype))
+            n_chunks = -(-meta["buffers"][dtype]["elements"] // chunk)
+            bound += (n_chunks * 16 + 4 + os.path.getsize(os.path.join(step, name, dtype,
+                                                                       "zarr.json")))
+            if name not in {n for n, _ in opened if n == name and _ != dtype}:
+              bound += os.path.getsize(meta_path)
   return exact, bound
 
 
@@ -203,4 +213,4 @@ def test_killed_save_commits_nothing_and_previous_step_restores(job, reference):
   records = reference[3]
   out = jr.restore_sharded(job["step1"], mesh, "fsdp")
   for r, ps in out.placements.items():
-    assert ps == jr.reshard(records, jr.plan(records, 4, r)).placements
+    assert ps == jr.reshard(records, jr.plan(records, world_size=4, rank=r)).placements

@@ -31,7 +31,7 @@ def test_manager_keeps_steps_and_restores_the_latest_on_a_new_world_size(tmp_pat
     records = steps[latest]
     for rank in range(3):
       target = manager.restore(latest, args=jr.ReshardRestore(rank=rank, world_size=3))
-      assert_records_equal(target, jr.reshard(records, jr.plan(records, 3, rank)))
+      assert_records_equal(target, jr.reshard(records, jr.plan(records, world_size=3, rank=rank)))
     # Without a rank: every archive, exactly as saved.
     for a, b in zip(manager.restore(20, args=jr.ReshardRestore()), steps[20], strict=True):
       assert_records_equal(a, b)
@@ -50,7 +50,7 @@ def test_one_item_of_a_composite_checkpoint(tmp_path):
     out = manager.restore(7, args=ocp.args.Composite(
         opt=jr.ReshardRestore(rank=1, world_size=2), meta=ocp.args.JsonRestore()))
   assert out.meta == {"lr": 0.1}
-  assert_records_equal(out.opt, jr.reshard(records, jr.plan(records, 2, 1)))
+  assert_records_equal(out.opt, jr.reshard(records, jr.plan(records, world_size=2, rank=1)))
 
 
 def test_handler_refusals_reach_the_caller(tmp_path):

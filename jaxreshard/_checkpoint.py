@@ -1,0 +1,774 @@
+"""A checkpoint on disk: its index, its archives and their buffers (format version 2).
+
+Layout::
+
+  CHECKPOINT/
+    jaxreshard.json          # the index, written last: the whole layout
+    archive_00000/           # one source rank's archive
+      archive.json           # checkpoint id, and per dtype: elements, chunk, chunk crc32c's
+      float32/               # every float32 history buffer of the rank, back to back
+        zarr.json            #   (zarr v3, one shard, a crc32c per chunk: see _shardfile)
+        c/0
+      bfloat16/ ...
+    archive_00001/ ...
+
+The index carries everything planning needs, once for the whole checkpoint:
+
+* ``params``: distinct ``[id, shape, dtype, trainable]`` entries;
+* ``groups``: parameters split the same way: ``world_size``, the param
+  entries and the ``[archive, rank]`` pairs that hold them;
+* ``layouts``: distinct state layouts: the optax state's tree (scalars and
+  history buffers as numbered leaves) and, per leaf, a clock scalar's number
+  or a history buffer's ``[param, dtype, slots]``;
+* ``clocks``: distinct optimizer clocks (the scalar leaves, exact bits);
+* ``archives``: ``[name, layout, clock]`` of each archive;
+* ``checkpoint``: an identity shared by every archive of one save.
+
+A rank's buffers of one dtype lie in *packing order* (parameters sorted by id,
+then the optimizer subtrees in order), so an archive's offsets follow from its
+layout alone; planning a target rank reads the index and then only the
+archives that overlap it. Files grow with ranks x dtypes, not with buffers.
+
+Everything read here is untrusted: JSON sizes are bounded, every field is
+type-checked, names are checked before they become paths, files are opened
+without following links (``_shardfile.Dir``), sizes in the metadata are
+checked against the bytes on disk before anything is allocated, and every
+archive read must carry the index's checkpoint identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import threading
+import uuid
+from typing import Any, Iterable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxreshard import _archive_format as fmt
+from jaxreshard import _copyplan, _shardfile, _sources, _structure, _validate
+from jaxreshard._errors import ArchiveError, PlacementError, ReshardError, ShapeError
+from jaxreshard._geometry import FlatShard
+from jaxreshard._placement import ParamPlacement
+from jaxreshard._record import FORMAT_VERSION as RECORD_VERSION
+from jaxreshard._record import ShardRecord
+
+__all__ = ["Checkpoint", "FORMAT_VERSION", "LeafInfo", "open_checkpoint", "write_checkpoint"]
+
+FORMAT = "jaxreshard-checkpoint"
+FORMAT_VERSION = 2
+INDEX_FILE = "jaxreshard.json"
+ARCHIVE_FILE = "archive.json"
+DEFAULT_CHUNK_BYTES = 1 << 20
+# Metadata grows with parameters and ranks; these bounds are far above any
+# real model's (a 10,000-parameter Adam state over 4,096 ranks has a ~3 MB
+# index) and refuse a metadata bomb before it is parsed.
+MAX_INDEX_BYTES = 256 << 20
+MAX_ARCHIVE_BYTES = 64 << 20
+MAX_CLOCK_SCALARS = 1 << 16
+# Reads of chunk spans go through a reused scratch buffer of this size.
+STAGING_BYTES = 8 << 20
+
+_INDEX_KEYS = {"format", "format_version", "checkpoint", "record_version", "params", "groups",
+               "layouts", "clocks", "archives"}
+_ID = fmt.re.compile(r"[0-9a-f]{32}\Z")
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafInfo:
+  """A history buffer of a layout: shape ``(slots,)`` and dtype, no data."""
+
+  param: str
+  shape: tuple[int]
+  dtype: np.dtype
+
+  @property
+  def size(self) -> int:
+    return self.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ScalarSlot:
+  index: int
+
+
+class Layout:
+  """One state layout of the index: tree, roles, history buffers, packing offsets."""
+
+  def __init__(self, tree: Any, leaves: list[Any], where: str):
+    self.tree = tree
+    self.where = where
+    self.leaves = leaves  # LeafInfo or _ScalarSlot, in tree-leaf order
+    self.roles = tuple(x.param if isinstance(x, LeafInfo) else None for x in leaves)
+    self.n_scalars = sum(isinstance(x, _ScalarSlot) for x in leaves)
+    placeholder = fmt.decode_tree(tree, leaves, where)
+    try:
+      self.anatomy = _structure.anatomy(placeholder, self.roles)
+    except _structure.AnatomyError as e:
+      raise ArchiveError(f"{where}: {e}") from None
+    self.offsets: dict[tuple[str, int], tuple[np.dtype, int, int]] = {}
+    self.sizes: dict[np.dtype, int] = {}
+    for pid, m, info in _copyplan.packing_order(
+        {p: self.anatomy.history(p) for p in self.anatomy.param_set()}):
+      start = self.sizes.get(info.dtype, 0)
+      self.offsets[(pid, m)] = (info.dtype, start, info.size)
+      self.sizes[info.dtype] = start + info.size
+    self._templates: dict[int, _structure.Anatomy] = {}
+    # (param, mirror) of each history leaf, by the leaf's identity.
+    self._keys = {id(info): (pid, mi) for mi, mirror in enumerate(self.anatomy.mirrors)
+                  for pid, info in mirror.entries.items() if isinstance(info, LeafInfo)}
+
+  def state(self, scalars: Sequence[Any], buffers: dict[tuple[str, int], Any]) -> Any:
+    """The archive's state: clock scalars and history buffers put in the tree."""
+    leaves = [scalars[x.index] if isinstance(x, _ScalarSlot) else buffers[self._keys[id(x)]]
+              for x in self.leaves]
+    return fmt.decode_tree(self.tree, leaves, self.where)
+
+  def infos(self) -> dict[tuple[str, int], LeafInfo]:
+    """Every history buffer of the layout, by (param, mirror)."""
+    return {key: info for info in self.leaves if isinstance(info, LeafInfo)
+            for key in (self._keys[id(info)],)}
+
+  def template(self, clock_id: int, scalars: Sequence[Any]) -> _structure.Anatomy:
+    """The anatomy of an archive with this layout and clock (for building targets)."""
+    t = self._templates.get(clock_id)
+    if t is None:
+      leaves = [scalars[x.index] if isinstance(x, _ScalarSlot) else x for x in self.leaves]
+      t = self._templates[clock_id] = _structure.anatomy(
+          fmt.decode_tree(self.tree, leaves, self.where), self.roles)
+    return t
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+  """Parameters split the same way over the same archives."""
+
+  world_size: int
+  params: tuple[int, ...]  # indices into Checkpoint.params
+  ranks: tuple[tuple[int, int], ...]  # (archive, rank) pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamEntry:
+  param: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  trainable: bool
+
+
+class Checkpoint:
+  """An opened checkpoint: the index checked, archives opened on demand.
+
+  It answers the questions validation asks of sources (``_validate.Sources``),
+  so ``restore`` runs the same pipeline as ``reshard``, and it caches what it
+  learns (archive metadata, open files are not kept) for as long as it lives.
+  """
+
+  def __init__(self, directory: Any):
+    self.directory = os.path.abspath(os.fspath(directory))
+    with _shardfile.Dir.root(self.directory) as root:
+      if not root.exists(INDEX_FILE):
+        raise ArchiveError(
+            f"{os.fspath(directory)} is not a jaxreshard checkpoint (no {INDEX_FILE}; a save"
+            " that did not finish leaves none)")
+      index = root.read_json(INDEX_FILE, MAX_INDEX_BYTES)
+    self._parse(index)
+    self._lock = threading.Lock()
+    self._archive_meta: dict[int, dict] = {}
+    self._facts = _sources.FactsCache()
+    self._group_facts: dict[tuple[int, str], _validate.SourceFacts] = {}
+    self._uniform: dict[int, bool] = {}
+    self._complete: Optional[list] = None
+    self._group_by_sources: dict[int, tuple[tuple, int]] = {}
+
+  # --- the index ---------------------------------------------------------------
+
+  def _parse(self, index: Any) -> None:
+    where = f"{self.directory}/{INDEX_FILE}"
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+      raise ArchiveError(f"{where} does not describe a {FORMAT}")
+    version = index.get("format_version")
+    if version != FORMAT_VERSION:
+      raise ArchiveError(
+          f"{where}: checkpoint format version {version!r} is not supported; this jaxreshard"
+          f" reads version {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard"
+          " that wrote it: load it there and save it again)" if version == 1 else
+          f"{where}: checkpoint format version {version!r} is not supported; this jaxreshard"
+          f" reads version {FORMAT_VERSION}")
+    if set(index) != _INDEX_KEYS:
+      raise ArchiveError(f"{where}: unexpected index keys {sorted(index)}")
+    self.id = index["checkpoint"]
+    if not isinstance(self.id, str) or not _ID.match(self.id):
+      raise ArchiveError(f"{where}: invalid checkpoint identity {str(self.id)[:80]!r}")
+    self.record_version = fmt.expect(index["record_version"], int, where)
+    self.params = [self._param(e, f"{where}, param {i}")
+                   for i, e in enumerate(fmt.expect(index["params"], list, where))]
+    archives = fmt.expect(index["archives"], list, where)
+    if not archives:
+      raise ArchiveError(f"{where}: the archive list is empty")
+    self.layouts = [self._layout(e, f"{where}, layout {i}")
+                    for i, e in enumerate(fmt.expect(index["layouts"], list, where))]
+    self.clocks = [self._clock(e, f"{where}, clock {i}")
+                   for i, e in enumerate(fmt.expect(index["clocks"], list, where))]
+    self.names, self.archive_layout, self.archive_clock = [], [], []
+    for i, e in enumerate(archives):
+      aw = f"{where}, archive {i}"
+      if not (isinstance(e, list) and len(e) == 3):
+        raise ArchiveError(f"{aw}: expected [name, layout, clock]")
+      name = fmt.check_name(e[0], fmt.ARCHIVE_NAME, aw)
+      layout, clock = fmt.expect(e[1], int, aw), fmt.expect(e[2], int, aw)
+      if not (0 <= layout < len(self.layouts) and 0 <= clock < len(self.clocks)):
+        raise ArchiveError(f"{aw}: layout {layout} or clock {clock} does not exist")
+      if self.layouts[layout].n_scalars != len(self.clocks[clock]):
+        raise ArchiveError(f"{aw}: its clock has {len(self.clocks[clock])} scalars but its"
+                           f" layout {self.layouts[layout].n_scalars}")
+      self.names.append(name)
+      self.archive_layout.append(layout)
+      self.archive_clock.append(clock)
+    if len(set(self.names)) != len(self.names):
+      raise ArchiveError(f"{where}: the archive list has repeats")
+    self.groups = [self._group(e, f"{where}, group {i}")
+                   for i, e in enumerate(fmt.expect(index["groups"], list, where))]
+    self._membership()
+    # Clocks with identical bits are one class, whatever their index.
+    classes: dict[str, int] = {}
+    self._clock_class = [classes.setdefault(json.dumps(c, sort_keys=True), len(classes))
+                         for c in fmt.expect(index["clocks"], list, where)]
+
+  def _param(self, e: Any, where: str) -> ParamEntry:
+    if not (isinstance(e, list) and len(e) == 4):
+      raise ArchiveError(f"{where}: expected [id, shape, dtype, trainable]")
+    return ParamEntry(fmt.expect(e[0], str, where), fmt.shape_of(e[1], where),
+                      fmt.np_dtype(e[2], where), fmt.expect(e[3], bool, where))
+
+  def _layout(self, e: Any, where: str) -> Layout:
+    fmt.expect(e, dict, where)
+    if set(e) != {"tree", "leaves"}:
+      raise ArchiveError(f"{where}: expected tree and leaves")
+    leaves, n_scalars = [], 0
+    for i, x in enumerate(fmt.expect(e["leaves"], list, where)):
+      lw = f"{where}, leaf {i}"
+      if isinstance(x, dict) and set(x) == {"s"}:
+        if x["s"] != n_scalars:
+          raise ArchiveError(f"{lw}: clock scalars must be numbered in order")
+        leaves.append(_ScalarSlot(n_scalars))
+        n_scalars += 1
+      elif isinstance(x, list) and len(x) == 3:
+        slots = fmt.expect(x[2], int, lw)
+        if not 0 <= slots <= 2**62:
+          raise ArchiveError(f"{lw}: {slots} slots is not a buffer size")
+        leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), fmt.np_dtype(x[1], lw)))
+      else:
+        raise ArchiveError(f"{lw}: invalid leaf {str(x)[:80]!r}")
+    return Layout(e["tree"], leaves, where)
+
+  def _clock(self, e: Any, where: str) -> list[Any]:
+    scalars = fmt.expect(e, list, where)
+    if len(scalars) > MAX_CLOCK_SCALARS:
+      raise ArchiveError(f"{where}: {len(scalars)} clock scalars, more than an optimizer has")
+    return [fmt.decode_scalar(x, f"{where}, scalar {k}") for k, x in enumerate(scalars)]
+
+  def _group(self, e: Any, where: str) -> Group:
+    fmt.expect(e, dict, where)
+    if set(e) != {"world_size", "params", "ranks"}:
+      raise ArchiveError(f"{where}: expected world_size, params and ranks")
+    world = fmt.expect(e["world_size"], int, where)
+    if world < 1:
+      raise ArchiveError(f"{where}: world_size {world} must be at least 1")
+    params = tuple(fmt.expect(p, int, where) for p in fmt.expect(e["params"], list, where))
+    if any(not 0 <= p < len(self.params) for p in params):
+      raise ArchiveError(f"{where}: a param index is out of range")
+    ranks = []
+    for pair in fmt.expect(e["ranks"], list, where):
+      if not (isinstance(pair, list) and len(pair) == 2):
+        raise ArchiveError(f"{where}: expected [archive, rank] pairs")
+      a, r = fmt.expect(pair[0], int, where), fmt.expect(pair[1], int, where)
+      if not 0 <= a < len(self.names):
+        raise ArchiveError(f"{where}: archive {a} does not exist")
+      if not 0 <= r < world:
+        raise ArchiveError(f"{where}: rank {r} is outside world_size {world}")
+      ranks.append((a, r))
+    return Group(world, params, tuple(ranks))
+
+  def _membership(self) -> None:
+    """Which groups (and ranks) each archive holds; each param once per archive."""
+    self.member: list[list[tuple[int, int]]] = [[] for _ in self.names]
+    for gi, g in enumerate(self.groups):
+      for a, r in g.ranks:
+        self.member[a].append((gi, r))
+    self._param_index = [{self.params[p].param: p for p in g.params} for g in self.groups]
+    for gi, index in enumerate(self._param_index):
+      if len(index) != len(self.groups[gi].params):
+        raise ArchiveError(f"{self.directory}/{INDEX_FILE}: group {gi} lists a param twice")
+
+  # --- the sources protocol ----------------------------------------------------
+
+  def __len__(self) -> int:
+    return len(self.names)
+
+  def placement(self, archive: int, pid: str) -> Optional[ParamPlacement]:
+    found = None
+    for gi, rank in self.member[archive]:
+      p = self._param_index[gi].get(pid)
+      if p is None:
+        continue
+      if found is not None:
+        raise PlacementError(f"param {pid!r}: archive {archive} lists it twice")
+      e = self.params[p]
+      found = ParamPlacement(pid, e.shape, rank, self.groups[gi].world_size, e.dtype,
+                             e.trainable)
+    return found
+
+  def placements(self, archive: int) -> list[ParamPlacement]:
+    """Every placement an archive lists, sorted by param."""
+    out = []
+    for gi, rank in self.member[archive]:
+      g = self.groups[gi]
+      for p in g.params:
+        e = self.params[p]
+        out.append(ParamPlacement(e.param, e.shape, rank, g.world_size, e.dtype, e.trainable))
+    out.sort(key=lambda p: p.param)
+    for a, b in zip(out, out[1:]):
+      if a.param == b.param:
+        raise PlacementError(f"param {a.param!r}: archive {archive} lists it twice")
+    return out
+
+  def layout(self, archive: int) -> Layout:
+    return self.layouts[self.archive_layout[archive]]
+
+  def history(self, archive: int, pid: str) -> tuple[Any, ...]:
+    return self.layout(archive).anatomy.history(pid)
+
+  def clock_class(self, archive: int) -> int:
+    return self._clock_class[self.archive_clock[archive]]
+
+  def skeleton(self, archive: int) -> tuple[Any, ...]:
+    return _validate.skeleton_key(self.layout(archive).anatomy)
+
+  def scalars(self, archive: int) -> list[Any]:
+    return self.clocks[self.archive_clock[archive]]
+
+  def template(self, archive: int) -> _structure.Anatomy:
+    c = self.archive_clock[archive]
+    with self._lock:
+      return self.layout(archive).template(c, self.clocks[c])
+
+  def check_archive(self, archive: int) -> None:
+    """Refusals of one archive on its own: version, listing, histories of unlisted params."""
+    if self.record_version != RECORD_VERSION:
+      raise PlacementError(
+          f"archive {archive}: record version {self.record_version!r} is not supported"
+          f" (only version {RECORD_VERSION} exists)")
+    placements = self.placements(archive)
+    anatomy = self.layout(archive).anatomy
+    for pid in sorted(anatomy.param_set() - {p.param for p in placements}):
+      raise PlacementError(f"param {pid!r}: archive {archive} holds a history for it but"
+                           " does not list it in its placements")
+    for p in placements:
+      try:
+        slots = FlatShard(p.shape, p.rank, p.world_size).slots
+      except PlacementError as e:
+        raise PlacementError(f"param {p.param!r}: archive {archive}: {e}") from None
+      for m, h in enumerate(anatomy.history(p.param)):
+        if isinstance(h, LeafInfo) and h.shape != (slots,):
+          raise ShapeError(
+              f"param {p.param!r}: archive {archive}, history buffer {m} has shape {h.shape},"
+              f" not ({slots},) of its flat layout (shape {p.shape}, world_size {p.world_size})")
+
+  def complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(param, shape, archive of each rank) of every param, from the groups alone."""
+    with self._lock:
+      if self._complete is not None:
+        return self._complete
+    seen: dict[str, int] = {}
+    out = []
+    for gi, g in enumerate(self.groups):
+      by_rank = self._group_sources(gi)
+      for p in g.params:
+        e = self.params[p]
+        if e.param in seen:
+          raise PlacementError(
+              f"param {e.param!r}: groups {seen[e.param]} and {gi} of the checkpoint both hold"
+              " it; pass explicit migrations to pick one group")
+        seen[e.param] = gi
+        out.append((e.param, e.shape, by_rank))
+    out.sort(key=lambda x: x[0])
+    with self._lock:
+      self._complete = out
+    return out
+
+  def _group_sources(self, gi: int) -> tuple[int, ...]:
+    """The archive of each rank of group ``gi``, refusing an incomplete group."""
+    g = self.groups[gi]
+    by_rank: dict[int, int] = {}
+    for a, r in g.ranks:
+      if r in by_rank:
+        name = self.params[g.params[0]].param if g.params else "?"
+        raise PlacementError(f"param {name!r}: archives {by_rank[r]} and {a} both hold rank {r}")
+      by_rank[r] = a
+    if (len(by_rank) != g.world_size
+        or any(not 0 <= r < g.world_size for r in by_rank)):
+      name = self.params[g.params[0]].param if g.params else "?"
+      missing = (sorted(set(range(g.world_size)) - set(by_rank))
+                 if g.world_size <= len(by_rank) + 64 else "(too many to list)")
+      raise PlacementError(
+          f"param {name!r}: archives {sorted(by_rank.values())[:16]} hold ranks"
+          f" {sorted(by_rank)[:16]} of world_size {g.world_size}; missing ranks {missing}")
+    sources = tuple(by_rank[r] for r in range(g.world_size))
+    self._group_by_sources[id(sources)] = (sources, gi)
+    return sources
+
+  def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts:
+    hit = self._group_by_sources.get(id(sources))
+    if hit is not None and hit[0] is sources and self._is_uniform(hit[1]):
+      key = (hit[1], pid)
+      with self._lock:
+        facts = self._group_facts.get(key)
+      if facts is None:
+        facts = self._uniform_facts(hit[1], pid, sources)
+        with self._lock:
+          self._group_facts[key] = facts
+      return facts
+    with self._lock:
+      return self._facts.facts(pid, sources, self)
+
+  def _is_uniform(self, gi: int) -> bool:
+    """Every archive of the group has one layout and clock, with the group's slots."""
+    u = self._uniform.get(gi)
+    if u is None:
+      g = self.groups[gi]
+      archives = [a for a, _ in g.ranks]
+      u = (len({self.archive_layout[a] for a in archives}) == 1
+           and len({self.clock_class(a) for a in archives}) == 1
+           and all(len(self.member[a]) == 1 for a in archives))
+      if u:
+        anatomy = self.layout(archives[0]).anatomy
+        for p in g.params:
+          e = self.params[p]
+          slots = FlatShard(e.shape, 0, g.world_size).slots
+          for h in anatomy.history(e.param):
+            if isinstance(h, LeafInfo) and h.shape != (slots,):
+              u = False
+        u = u and anatomy.param_set() <= set(self._param_index[gi])
+      self._uniform[gi] = u
+    return u
+
+  def _uniform_facts(self, gi: int, pid: str, sources: tuple) -> _validate.SourceFacts:
+    g = self.groups[gi]
+    p = self._param_index[gi].get(pid)
+    if p is None:
+      raise PlacementError(f"param {pid!r}: source archive {sources[0]} does not list it")
+    e = self.params[p]
+    a0 = sources[0]
+    _validate.check_storage_dtype(e.dtype, f"param {pid!r}: archive {a0}")
+    hist = self.history(a0, pid)
+    dtypes = []
+    for m, h in enumerate(hist):
+      if isinstance(h, LeafInfo):
+        _validate.check_buffer_dtype(h.dtype, f"param {pid!r}: archive {a0}, history buffer {m}")
+        dtypes.append(h.dtype)
+      else:
+        dtypes.append(None)
+    return _validate.SourceFacts(
+        param=pid, shape=e.shape, source=FlatShard(e.shape, 0, g.world_size), by_rank=sources,
+        dtype=e.dtype, trainable=e.trainable,
+        history=tuple(True if isinstance(h, LeafInfo) else h for h in hist),
+        buffer_dtypes=tuple(dtypes), clock=self.clock_class(a0))
+
+  def locate(self, archive: int, group: Any, mirror: int, dtype: np.dtype) -> tuple[Any, int]:
+    """A history buffer lives in its archive's packed buffer of its dtype."""
+    d, offset, _ = self.layout(archive).offsets[(group.param, mirror)]
+    return (archive, d), offset
+
+  # --- archives and their buffers ----------------------------------------------
+
+  def archive_meta(self, archive: int) -> dict:
+    """An archive's ``archive.json``, checked against the index (read once)."""
+    with self._lock:
+      meta = self._archive_meta.get(archive)
+    if meta is not None:
+      return meta
+    name = self.names[archive]
+    where = f"archive {archive} ({self.directory}/{name})"
+    try:
+      with _shardfile.Dir.root(self.directory) as root, root.dir(name) as adir:
+        meta = fmt.expect(adir.read_json(ARCHIVE_FILE, MAX_ARCHIVE_BYTES), dict, where)
+    except ArchiveError as e:
+      raise ArchiveError(f"archive {archive}: {e}") from None
+    if meta.get("format") != FORMAT or set(meta) != {"format", "format_version", "checkpoint",
+                                                     "archive", "buffers"}:
+      raise ArchiveError(f"{where}: {ARCHIVE_FILE} does not describe a {FORMAT} archive")
+    if meta["format_version"] != FORMAT_VERSION:
+      raise ArchiveError(f"{where}: archive format version {meta['format_version']!r} is not"
+                         f" supported; this jaxreshard reads version {FORMAT_VERSION}")
+    if meta["checkpoint"] != self.id:
+      raise ArchiveError(
+          f"{where} belongs to checkpoint {str(meta['checkpoint'])[:40]!r}, not to this"
+          f" checkpoint {self.id!r}; archives of two different saves are never combined")
+    if meta["archive"] != name:
+      raise ArchiveError(f"{where}: {ARCHIVE_FILE} names archive {str(meta['archive'])[:40]!r}")
+    layout = self.layout(archive)
+    buffers = fmt.expect(meta["buffers"], dict, where)
+    expected = {d.name: n for d, n in layout.sizes.items() if n}
+    got = {}
+    for dname, b in buffers.items():
+      bw = f"{where}, buffer {dname!r}"
+      fmt.expect(b, dict, bw)
+      if set(b) != {"elements", "chunk", "crc32c"}:
+        raise ArchiveError(f"{bw}: expected elements, chunk and crc32c")
+      n, chunk = fmt.expect(b["elements"], int, bw), fmt.expect(b["chunk"], int, bw)
+      crcs = fmt.expect(b["crc32c"], list, bw)
+      if not (0 < chunk <= max(n, 1)) or not all(
+          isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in crcs):
+        raise ArchiveError(f"{bw}: invalid chunking or checksums")
+      got[dname] = n
+    if got != expected:
+      raise ArchiveError(f"{where}: holds buffers {got} but its layout needs {expected}")
+    with self._lock:
+      self._archive_meta[archive] = meta
+    return meta
+
+  def open_buffer(self, archive: int, dtype: np.dtype) -> _shardfile.ShardFile:
+    meta = self.archive_meta(archive)
+    b = meta["buffers"][np.dtype(dtype).name]
+    with _shardfile.Dir.root(self.directory) as root, root.dir(self.names[archive]) as adir:
+      return _shardfile.ShardFile(adir, np.dtype(dtype).name, b["elements"], dtype, b["chunk"],
+                                  b["crc32c"], label=f"archive {archive}")
+
+  def read_buffer(self, archive: int, dtype: np.dtype) -> np.ndarray:
+    """A whole packed buffer, read straight into a fresh array."""
+    n = self.layout(archive).sizes.get(dtype, 0)
+    if not n:
+      return np.empty(0, dtype)
+    f = self.open_buffer(archive, dtype)  # metadata, size and index checked first
+    try:
+      out = np.empty(n, dtype)
+      f.read_all(out)
+    finally:
+      f.close()
+    return out
+
+  def check_files(self, archive: int) -> None:
+    """Every buffer file of an archive against its metadata, before anything is allocated."""
+    self.archive_meta(archive)
+    for d, n in self.layout(archive).sizes.items():
+      if n:
+        self.open_buffer(archive, d).close()
+
+  def read_runs(self, archive: int, dtype: np.dtype, src: np.ndarray, dst: np.ndarray,
+                length: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> None:
+    """Copies runs of one packed buffer into ``out``, reading only their chunks."""
+    f = self.open_buffer(archive, dtype)
+    try:
+      _read_runs(f, src, dst, length, out, scratch)
+    finally:
+      f.close()
+
+  def metadata_record(self, archive: int) -> ShardRecord:
+    """An archive's record with ``LeafInfo`` (shape and dtype, no data) as buffers."""
+    layout = self.layout(archive)
+    return ShardRecord(version=self.record_version, placements=tuple(self.placements(archive)),
+                       state=layout.state(self.scalars(archive), layout.infos()),
+                       roles=layout.roles)
+
+  def record(self, archive: int) -> ShardRecord:
+    """One whole archive, read from disk."""
+    layout = self.layout(archive)
+    packed = {d: self.read_buffer(archive, d) for d in layout.sizes}
+    buffers = {key: packed[d][o:o + n] for key, (d, o, n) in layout.offsets.items()}
+    state = layout.state(self.scalars(archive), buffers)
+    return ShardRecord(version=self.record_version, placements=tuple(self.placements(archive)),
+                       state=state, roles=layout.roles)
+
+
+def _read_runs(f: _shardfile.ShardFile, src, dst, length, out, scratch) -> None:
+  if f.size and (int((src + length).max(initial=0)) > f.size or int(src.min(initial=0)) < 0):
+    raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
+  c = f.chunk
+  first, last = src // c, (src + length - 1) // c
+  pieces = last - first + 1
+  run = np.repeat(np.arange(len(src)), pieces)
+  chunk = first[run] + (np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces))
+  lo = np.maximum(src[run], chunk * c)
+  hi = np.minimum(src[run] + length[run], (chunk + 1) * c)
+  to = dst[run] + (lo - src[run])
+  order = np.argsort(chunk, kind="stable")
+  per_span = max(1, len(scratch) // f.stride)
+  view = out.reshape(-1).view(_shardfile._UINT[out.dtype.itemsize])  # pylint: disable=protected-access
+  data, span_first, span_n = None, -1, 0
+  needed = np.unique(chunk)
+  pos = 0
+  for j in order.tolist():
+    ch = int(chunk[j])
+    if not span_first <= ch < span_first + span_n:
+      # The next span: consecutive needed chunks from this one, as many as fit.
+      pos = int(np.searchsorted(needed, ch))
+      n = 1
+      while (pos + n < len(needed) and n < per_span and needed[pos + n] == ch + n):
+        n += 1
+      data = f.read_chunks(ch, n, scratch)
+      span_first, span_n = ch, n
+    row = data[ch - span_first]
+    a, b, t = int(lo[j]) - ch * c, int(hi[j]) - ch * c, int(to[j])
+    view[t:t + b - a] = row[a:b]
+
+
+def open_checkpoint(directory: Any) -> Checkpoint:
+  """Reads and checks a checkpoint's index; reads no archive.
+
+  Raises:
+    FileNotFoundError: ``directory`` does not exist.
+    ArchiveError: it is not a jaxreshard checkpoint of this format version, or
+      its index is malformed.
+  """
+  return Checkpoint(directory)
+
+
+# --- writing ------------------------------------------------------------------
+
+
+def _packed(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+  """The concatenation of flat ``parts``; without a copy when they tile one buffer."""
+  if not parts:
+    return np.zeros(0, dtype)
+  base = parts[0].base
+  if (isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == dtype
+      and base.flags.c_contiguous and all(p.base is base and p.flags.c_contiguous
+                                          for p in parts)):
+    start = (parts[0].__array_interface__["data"][0] - base.__array_interface__["data"][0])
+    ptr = parts[0].__array_interface__["data"][0]
+    for p in parts:
+      if p.__array_interface__["data"][0] != ptr:
+        break
+      ptr += p.nbytes
+    else:
+      i0 = start // dtype.itemsize
+      return base[i0:i0 + sum(p.size for p in parts)]
+  return np.concatenate(parts)
+
+
+class IndexBuilder:
+  """Collects each archive's entry of the index as records are written."""
+
+  def __init__(self, checkpoint_id: Optional[str] = None):
+    self.id = checkpoint_id or uuid.uuid4().hex
+    self._layouts: dict[str, int] = {}
+    self._clocks: dict[str, int] = {}
+    self.layouts: list[dict] = []
+    self.clocks: list[list] = []
+    self.archives: list[Optional[list]] = []
+    self._params: dict[tuple, int] = {}
+    self.params: list[list] = []
+    self._members: dict[int, list[tuple[int, int, int]]] = {}  # param entry -> (archive, rank, W)
+
+  def add(self, index: int, record: Any, *, pack: bool = True) -> dict[np.dtype, np.ndarray]:
+    """Registers archive ``index``; returns its packed buffers (per dtype).
+
+    With ``pack=False`` the record's buffers may be shapes alone
+    (``jax.ShapeDtypeStruct``): only the index entry is made.
+    """
+    try:
+      anatomy, placements = _validate.check_archive(index, record)
+    except PlacementError:
+      raise
+    roles = _structure.roles_of(record)
+    tree, leaves = fmt.encode_tree(record.state)
+    entries, scalars = [], []
+    for i, (leaf, role) in enumerate(zip(leaves, roles)):
+      if role is None:
+        entries.append({"s": len(scalars)})
+        scalars.append(fmt.encode_scalar(leaf, f"archive {index}, leaf {i}"))
+        continue
+      where = f"param {role!r}: archive {index}"
+      if np.ndim(leaf) != 1:
+        raise ShapeError(f"{where}: history buffer of shape {np.shape(leaf)} is not flat")
+      dtype = fmt.np_dtype(np.dtype(leaf.dtype).name, where)
+      entries.append([role, dtype.name, int(np.size(leaf))])
+    layout_key = json.dumps([tree, entries], separators=(",", ":"))
+    clock_key = json.dumps(scalars, separators=(",", ":"), sort_keys=True)
+    layout = self._layouts.setdefault(layout_key, len(self._layouts))
+    if layout == len(self.layouts):
+      self.layouts.append({"tree": tree, "leaves": entries})
+    clock = self._clocks.setdefault(clock_key, len(self._clocks))
+    if clock == len(self.clocks):
+      self.clocks.append(scalars)
+    while len(self.archives) <= index:
+      self.archives.append(None)
+    self.archives[index] = [f"archive_{index:05d}", layout, clock]
+    for p in placements.values():
+      FlatShard(p.shape, p.rank, p.world_size)  # a placement the format can describe
+      key = (p.param, tuple(p.shape), np.dtype(p.dtype).name, bool(p.trainable))
+      e = self._params.setdefault(key, len(self._params))
+      if e == len(self.params):
+        self.params.append([p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable)])
+      self._members.setdefault(e, []).append((index, p.rank, p.world_size))
+    if not pack:
+      return {}
+    parts: dict[np.dtype, list[np.ndarray]] = {}
+    for pid, m, buf in _copyplan.packing_order(
+        {pid: anatomy.history(pid) for pid in anatomy.param_set()}):
+      parts.setdefault(np.dtype(buf.dtype), []).append(np.asarray(buf).reshape(-1))
+    return {d: _packed(p, d) for d, p in parts.items()}
+
+  def groups(self) -> list[dict]:
+    """Param entries split the same way, merged into one group."""
+    merged: dict[tuple, list[int]] = {}
+    for e, members in self._members.items():
+      worlds = {w for _, _, w in members}
+      for w in sorted(worlds):
+        ranks = tuple((a, r) for a, r, ww in members if ww == w)
+        merged.setdefault((w, ranks), []).append(e)
+    return [{"world_size": w, "params": sorted(es), "ranks": [list(x) for x in ranks]}
+            for (w, ranks), es in merged.items()]
+
+  def index(self) -> dict:
+    if not self.archives or any(a is None for a in self.archives):
+      raise PlacementError("no archives supplied")
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": self.id,
+            "record_version": RECORD_VERSION, "params": self.params, "groups": self.groups(),
+            "layouts": self.layouts, "clocks": self.clocks, "archives": self.archives}
+
+
+def write_archive(directory: str, index: int, record: Any, builder: IndexBuilder,
+                  chunk_bytes: int) -> None:
+  """Writes one archive directory and registers it with ``builder``."""
+  buffers = builder.add(index, record)
+  adir = os.path.join(directory, f"archive_{index:05d}")
+  os.mkdir(adir)
+  meta_buffers = {}
+  for dtype, data in sorted(buffers.items(), key=lambda kv: kv[0].name):
+    if not data.size:
+      continue
+    chunk = _shardfile.chunk_elements(data.size, dtype.itemsize, chunk_bytes)
+    crcs = _shardfile.write_array(adir, dtype.name, data, chunk)
+    meta_buffers[dtype.name] = {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}
+  dump(os.path.join(adir, ARCHIVE_FILE), {
+      "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": builder.id,
+      "archive": f"archive_{index:05d}", "buffers": meta_buffers})
+
+
+def dump(path: str, obj: Any) -> None:
+  with open(path, "x") as f:
+    json.dump(obj, f, separators=(",", ":"), allow_nan=False)
+
+
+def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                     progress: Any = None) -> int:
+  """Writes every record into an existing empty ``directory``; returns the count.
+
+  Records are written one at a time as the iterable yields them. Not atomic by
+  itself: ``save_records`` and the orbax handler supply the atomic commit.
+  """
+  directory = os.fspath(directory)
+  builder = IndexBuilder()
+  count = 0
+  for index, record in enumerate(records):
+    write_archive(directory, index, record, builder, chunk_bytes)
+    count += 1
+  dump(os.path.join(directory, INDEX_FILE), builder.index())
+  return count
