@@ -21,29 +21,38 @@ class Options:
     src_world: source world size (8 in every benchmark but ``scale``).
     dst_world: target world size.
     repeats: warm repeats per measurement; the best is reported.
-    param_counts: parameter counts of the compile benchmark (2). The full run stops at
-      3,000: a cold 10,000-parameter reshard alone compiles for 2.5-6 minutes here
-      (``--param-counts 10,10000`` runs it).
+    param_counts: parameter counts of the cold/warm benchmark (host executor).
+    device_param_counts: parameter counts run on the device executor (forced on the CPU
+      backend) to count its compiled programs.
     compile_size: fixed history size of the compile benchmark.
     compile_ranks: target ranks resharded per cold/warm pass in (2).
     disk_size: history size of the restore, CLI and RSS benchmarks (3, 4, 5).
     scale_worlds: ``(source, target)`` world sizes of the scale benchmark (6).
     scale_size: history size of the scale benchmark.
+    plan_params: parameters of the planning-from-disk measurement.
+    plan_worlds: (source, target) world sizes of the planning measurement.
+    plan_size: history elements of the planning checkpoint.
+    save_states: (parameters, history elements) of each save measurement.
     seed: workload seed.
   """
 
   quick: bool = False
-  sizes: tuple[int, ...] = (1 * _M, 4 * _M, 16 * _M, 64 * _M, 256 * _M)
+  sizes: tuple[int, ...] = (32 * _M, 128 * _M)
   n_params: int = 200
   src_world: int = 8
   dst_world: int = 6
   repeats: int = 3
-  param_counts: tuple[int, ...] = (10, 100, 1000, 3000)
+  param_counts: tuple[int, ...] = (10, 100, 1000, 10_000)
+  device_param_counts: tuple[int, ...] = (10, 100, 1000)
   compile_size: int = 32 * _M
   compile_ranks: int = 1
   disk_size: int = 64 * _M
-  scale_worlds: tuple[tuple[int, int], ...] = ((8, 6), (64, 48), (512, 384))
+  scale_worlds: tuple[tuple[int, int], ...] = ((8, 6), (512, 384), (4096, 3072))
   scale_size: int = 32 * _M
+  plan_params: int = 10_000
+  plan_worlds: tuple[int, int] = (4096, 3072)
+  plan_size: int = 8 * _M
+  save_states: tuple[tuple[int, int], ...] = ((200, 2 * _M), (148, 2_200_000))
   seed: int = 0
 
   @classmethod
@@ -64,4 +73,9 @@ class Options:
         disk_size=_M // 4,
         scale_worlds=((8, 6), (32, 24)),
         scale_size=_M // 4,
+        plan_params=50,
+        plan_worlds=(64, 48),
+        plan_size=_M // 16,
+        save_states=((8, _M // 16),),
+        device_param_counts=(4, 16),
     )

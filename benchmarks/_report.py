@@ -61,14 +61,13 @@ def plot_throughput(memory_rows: Sequence[dict], path: str, title: str) -> str:
 
   mib = [r["mib"] for r in memory_rows]
   fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-  series = [("reshard_gbps", "jaxreshard.reshard (all target ranks)", "o-"),
-            ("memcpy_gbps", "numpy copyto (pre-touched)", "s--"),
-            ("device_copy_gbps", "jitted XLA copy", "^--")]
+  gbps = lambda key: [2 * r["mib"] * 2**20 / r[key] / 1e9 for r in memory_rows]
+  series = [("reshard_s", "jaxreshard.reshard, rank after rank", "o-"),
+            ("reshard_ranks_s", "jaxreshard.reshard_ranks (one call)", "d-"),
+            ("memcpy_s", "numpy copyto (pre-touched)", "s--"),
+            ("fresh_copy_s", "numpy copy into a fresh array", "^--")]
   for key, label, style in series:
-    ax.plot(mib, [r[key] for r in memory_rows], style, label=label)
-  kernel = [2 * r["mib"] * 2**20 / r["kernel_s"] / 1e9 for r in memory_rows if r["kernel_s"]]
-  if len(kernel) == len(mib):
-    ax.plot(mib, kernel, "x:", label="jaxreshard kernels alone")
+    ax.plot(mib, gbps(key), style, label=label)
   ax.set_xscale("log", base=2)
   ax.set_yscale("log")
   ax.set_xlabel("optimizer history copied (MiB, float32 mu + nu)")

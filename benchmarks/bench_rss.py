@@ -17,7 +17,7 @@ from benchmarks._measure import Result, run_child
 from benchmarks._options import Options
 
 NAME = "rss"
-GOAL = "peak memory at most 2x the rank's bytes above the import baseline"
+GOAL = "peak memory of a one-rank restore at most 1.5x the rank's bytes above the import baseline"
 
 
 def _status_kib(field: str) -> int:
@@ -57,14 +57,14 @@ def child(path: str, rank: int, world_size: int) -> dict:
   proc = psutil.Process()
   gc.collect()
   base = proc.memory_info().rss
-  target = block(jr.restore(path, rank, world_size))
+  target = block(jr.restore(path, rank=rank, world_size=world_size))
   cold_peak = _peak_kib() * 1024 - base
   nbytes = _workload.history_bytes([target])
   del target
   gc.collect()
   base_warm = proc.memory_info().rss
   reset = _reset_peak()
-  target = block(jr.restore(path, rank, world_size))
+  target = block(jr.restore(path, rank=rank, world_size=world_size))
   warm_peak = _peak_kib() * 1024 - base_warm if reset else None
   held = proc.memory_info().rss - base_warm
   return {"rank_bytes": nbytes, "import_rss": base, "cold_peak": cold_peak,
@@ -90,7 +90,7 @@ def run(opts: Options) -> Result:
       "held_after_mib": mib(got["held_after"]),
   }
   ratio = row["warm_over_rank"] if row["warm_over_rank"] is not None else row["cold_over_rank"]
-  met = None if opts.quick else ratio <= 2
+  met = None if opts.quick else ratio <= 1.5
   notes = (
       f"Adam, {opts.n_params} parameters, {opts.disk_size} history elements over"
       f" {opts.src_world} ranks; target rank 0 of {opts.dst_world} restored in a fresh process."
