@@ -77,7 +77,9 @@ def adam_records(history: int, n_params: int, world_size: int, seed: int = 0,
     records.append(jr.ShardRecord(version=jr.FORMAT_VERSION,
                                   placements=tuple(sorted(placements, key=lambda p: p.param)),
                                   state=state, roles=roles))
-  return records
+  # Transfers to the CPU backend are asynchronous: finish them here, not inside
+  # the first measured call.
+  return jax.block_until_ready(records)
 
 
 def _nest(flat: dict) -> dict:

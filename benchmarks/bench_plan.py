@@ -52,23 +52,23 @@ def write_index_checkpoint(path: str, n_params: int, history: int, world: int,
   group["ranks"] = [[a, a] for a in range(world)]
   rng = np.random.default_rng(seed)
   flat = {m: rng.random(int(sizes_sorted.sum()), dtype=np.float32) for m in ("mu", "nu")}
+  both = np.concatenate([flat["mu"], flat["nu"]])
   base = np.concatenate([[0], np.cumsum(sizes_sorted)[:-1]])
-  # Element j of a param's slots at rank r is flat[base + r * slots + j], or padding.
-  rep = np.repeat(np.arange(len(ids)), slots)
-  j = np.arange(int(slots.sum())) - np.repeat(np.cumsum(slots) - slots, slots)
+  # Packing order: per parameter (by id) its mu slots, then its nu slots. Position
+  # q of that order is element j of mirror m of parameter p; at rank r it holds
+  # both[m * total + base[p] + r * slots[p] + j], or padding.
+  p_of = np.repeat(np.arange(len(ids)), 2 * slots)
+  first = np.repeat(np.cumsum(2 * slots) - 2 * slots, 2 * slots)
+  within = np.arange(len(p_of)) - first
+  m_of = within // slots[p_of]
+  j_of = within % slots[p_of]
+  origin = m_of * int(sizes_sorted.sum()) + base[p_of] + j_of
   os.makedirs(path)
   for r in range(world):
-    local = r * slots[rep] + j
-    valid = local < sizes_sorted[rep]
-    parts = []
-    for m in ("mu", "nu"):
-      v = np.zeros(len(j), np.float32)
-      v[valid] = flat[m][base[rep][valid] + local[valid]]
-      parts.append(v)
-    # Packing order interleaves per parameter: its mu slots, then its nu slots.
-    packed = np.stack([parts[0], parts[1]])  # (2, total)
-    per_param = np.split(packed, np.cumsum(slots)[:-1], axis=1)
-    data = np.concatenate([p.reshape(-1) for p in per_param])
+    local = r * slots[p_of] + j_of
+    valid = local < sizes_sorted[p_of]
+    data = np.zeros(len(p_of), np.float32)
+    data[valid] = both[origin[valid] + r * slots[p_of][valid]]
     adir = os.path.join(path, f"archive_{r:05d}")
     os.mkdir(adir)
     chunk = _shardfile.chunk_elements(data.size, 4, 1 << 20)

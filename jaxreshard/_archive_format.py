@@ -6,12 +6,12 @@ checked against strict patterns before they become paths, NamedTuple classes
 re-created only from an allowlist, sizes checked before anything is allocated
 (the array files themselves are checked in ``_archive_io``).
 
-A state's tree is encoded node by node::
+A state's tree is encoded node by node, as JSON arrays (a large state's tree
+has a node per leaf, and arrays parse faster than objects)::
 
-  {"t": "none"} | {"t": "leaf", "i": 3} | {"t": "list" | "tuple", "c": [...]}
-  {"t": "dict", "k": [["s", "mu"], ["i", 0]], "c": [...]}
-  {"t": "namedtuple", "m": "optax._src.transform", "n": "ScaleByAdamState",
-   "f": ["count", "mu", "nu"], "c": [...]}
+  null (None) | 3 (leaf number 3) | ["l" | "t", [children]] (list, tuple)
+  ["d", [["s", "mu"], ["i", 0]], [children]] (dict: str or int keys)
+  ["n", "optax._src.transform", "ScaleByAdamState", ["count", "mu", "nu"], [children]]
 """
 
 from __future__ import annotations
@@ -85,11 +85,13 @@ def loads(text: str, where: str) -> Any:
     raise ValueError(f"constant {c} is not allowed")
 
   def no_duplicates(pairs):
-    out = {}
-    for k, v in pairs:
-      if k in out:
-        raise ValueError(f"duplicate key {k!r}")
-      out[k] = v
+    out = dict(pairs)
+    if len(out) != len(pairs):
+      seen = set()
+      for k, _ in pairs:
+        if k in seen:
+          raise ValueError(f"duplicate key {k!r}")
+        seen.add(k)
     return out
 
   try:
@@ -223,25 +225,26 @@ def encode_tree(state: Any) -> tuple[dict, list[Any]]:
 
   def enc(node, path):
     if node is None:
-      return {"t": "none"}
+      return None
     if _is_namedtuple(node):
       cls = type(node)
       classes[(cls.__module__, cls.__name__, tuple(cls._fields))] = cls
-      return {"t": "namedtuple", "m": cls.__module__, "n": cls.__name__,
-              "f": list(cls._fields), "c": [enc(c, path + (f,)) for f, c in zip(cls._fields, node)]}
+      return ["n", cls.__module__, cls.__name__, list(cls._fields),
+              [enc(c, path + (f,)) for f, c in zip(cls._fields, node)]]
     if type(node) in (tuple, list):
-      return {"t": type(node).__name__, "c": [enc(c, path + (i,)) for i, c in enumerate(node)]}
+      return ["t" if type(node) is tuple else "l",
+              [enc(c, path + (i,)) for i, c in enumerate(node)]]
     if type(node) is dict:
       keys = list(node)
       if not (all(type(k) is str for k in keys) or all(type(k) is int for k in keys)):
         raise ReshardError(
             f"state node at {path}: dict keys must be all str or all int to be stored")
       keys = sorted(keys)  # jax flattens dicts in sorted key order
-      return {"t": "dict", "k": [["s" if type(k) is str else "i", k] for k in keys],
-              "c": [enc(node[k], path + (k,)) for k in keys]}
+      return ["d", [["s" if type(k) is str else "i", k] for k in keys],
+              [enc(node[k], path + (k,)) for k in keys]]
     if jax.tree_util.tree_structure(node) == _LEAF:
       leaves.append(node)
-      return {"t": "leaf", "i": len(leaves) - 1}
+      return len(leaves) - 1
     raise ReshardError(
         f"state node at {path} is a {type(node).__module__}.{type(node).__qualname__}, a"
         " pytree node type jaxreshard cannot store (NamedTuple, dict, list, tuple and None can be)")
@@ -301,45 +304,46 @@ def decode_tree(tree: Any, leaves: Sequence[Any], where: str,
   """
   used = [False] * len(leaves)
 
+  n_leaves = len(leaves)
+
   def dec(node, depth):
     if depth > MAX_TREE_DEPTH:
       raise ArchiveError(f"{where}: the state tree is nested deeper than {MAX_TREE_DEPTH}")
-    expect(node, dict, where)
-    t = node.get("t")
-    if t == "none" and len(node) == 1:
+    t = type(node)
+    if t is int:  # a leaf: the common node, checked first
+      if not 0 <= node < n_leaves or used[node]:
+        raise ArchiveError(f"{where}: leaf index {node!r} is out of range or used twice")
+      used[node] = True
+      return leaves[node]
+    if node is None:
       return None
-    if t == "leaf" and set(node) == {"t", "i"}:
-      i = expect(node["i"], int, where)
-      if not 0 <= i < len(leaves) or used[i]:
-        raise ArchiveError(f"{where}: leaf index {i} is out of range or used twice")
-      used[i] = True
-      return leaves[i]
-    if t in ("list", "tuple") and set(node) == {"t", "c"}:
-      children = [dec(c, depth + 1) for c in expect(node["c"], list, where)]
-      return children if t == "list" else tuple(children)
-    if t == "dict" and set(node) == {"t", "k", "c"}:
-      keys, children = expect(node["k"], list, where), expect(node["c"], list, where)
+    if t is not list or not node or type(node[-1]) is not list:
+      raise ArchiveError(f"{where}: invalid tree node {str(node)[:200]!r}")
+    kind, children = node[0], node[-1]
+    if kind in ("l", "t") and len(node) == 2:
+      out = [dec(c, depth + 1) for c in children]
+      return out if kind == "l" else tuple(out)
+    if kind == "d" and len(node) == 3 and type(node[1]) is list:
+      keys = node[1]
       if len(keys) != len(children):
         raise ArchiveError(f"{where}: a dict node has {len(keys)} keys and {len(children)} children")
       out = {}
-      for k in keys:
-        if not (isinstance(k, list) and len(k) == 2 and
-                ((k[0] == "s" and isinstance(k[1], str)) or
-                 (k[0] == "i" and isinstance(k[1], int) and not isinstance(k[1], bool)))):
+      for k, c in zip(keys, children):
+        if not (type(k) is list and len(k) == 2 and
+                ((k[0] == "s" and type(k[1]) is str) or (k[0] == "i" and type(k[1]) is int))):
           raise ArchiveError(f"{where}: invalid dict key {k!r}")
         if k[1] in out:
           raise ArchiveError(f"{where}: dict key {k[1]!r} appears twice")
-        out[k[1]] = None
-      for k, c in zip(keys, children):
         out[k[1]] = dec(c, depth + 1)
       return out
-    if t == "namedtuple" and set(node) == {"t", "m", "n", "f", "c"}:
-      key = (node["m"], node["n"], tuple(node["f"]) if isinstance(node["f"], list) else None)
-      cls = (classes or {}).get(key) or namedtuple_class(node["m"], node["n"], node["f"], where)
-      children = [dec(c, depth + 1) for c in expect(node["c"], list, where)]
-      if len(children) != len(cls._fields):
-        raise ArchiveError(f"{where}: NamedTuple {cls.__name__} has {len(children)} children")
-      return cls(*children)
+    if kind == "n" and len(node) == 5:
+      _, module, name, fields = node[:4]
+      key = (module, name, tuple(fields) if type(fields) is list else None)
+      cls = (classes or {}).get(key) or namedtuple_class(module, name, fields, where)
+      out = [dec(c, depth + 1) for c in children]
+      if len(out) != len(cls._fields):
+        raise ArchiveError(f"{where}: NamedTuple {cls.__name__} has {len(out)} children")
+      return cls(*out)
     raise ArchiveError(f"{where}: invalid tree node {str(node)[:200]!r}")
 
   out = dec(tree, 0)

@@ -63,7 +63,9 @@ FORMAT = "jaxreshard-checkpoint"
 FORMAT_VERSION = 2
 INDEX_FILE = "jaxreshard.json"
 ARCHIVE_FILE = "archive.json"
-DEFAULT_CHUNK_BYTES = 1 << 20
+# Restores read whole chunks: smaller chunks round partial reads less, at 4
+# bytes of checksum each.
+DEFAULT_CHUNK_BYTES = 256 << 10
 # Metadata grows with parameters and ranks; these bounds are far above any
 # real model's (a 10,000-parameter Adam state over 4,096 ranks has a ~3 MB
 # index) and refuse a metadata bomb before it is parsed.
@@ -175,8 +177,10 @@ class Checkpoint:
         raise ArchiveError(
             f"{os.fspath(directory)} is not a jaxreshard checkpoint (no {INDEX_FILE}; a save"
             " that did not finish leaves none)")
-      index = root.read_json(INDEX_FILE, MAX_INDEX_BYTES)
-    self._parse(index)
+      from jaxreshard._pipeline import no_gc  # pylint: disable=g-import-not-at-top
+
+      with no_gc():  # parsing makes many small objects and no cycles
+        self._parse(root.read_json(INDEX_FILE, MAX_INDEX_BYTES))
     self._lock = threading.Lock()
     self._archive_meta: dict[int, dict] = {}
     self._facts = _sources.FactsCache()
@@ -358,11 +362,17 @@ class Checkpoint:
       return self.layout(archive).template(c, self.clocks[c])
 
   def check_archive(self, archive: int) -> None:
-    """Refusals of one archive on its own: version, listing, histories of unlisted params."""
+    """Refusals of one archive on its own: version, listing, histories of unlisted params.
+
+    An archive of a uniform group (one layout whose buffers have the group's
+    slots, checked once for the group) needs no check of its own.
+    """
     if self.record_version != RECORD_VERSION:
       raise PlacementError(
           f"archive {archive}: record version {self.record_version!r} is not supported"
           f" (only version {RECORD_VERSION} exists)")
+    if self.member[archive] and all(self._is_uniform(gi) for gi, _ in self.member[archive]):
+      return
     placements = self.placements(archive)
     anatomy = self.layout(archive).anatomy
     for pid in sorted(anatomy.param_set() - {p.param for p in placements}):
@@ -449,7 +459,7 @@ class Checkpoint:
         anatomy = self.layout(archives[0]).anatomy
         for p in g.params:
           e = self.params[p]
-          slots = FlatShard(e.shape, 0, g.world_size).slots
+          slots = FlatShard.checked(e.shape, 0, g.world_size).slots
           for h in anatomy.history(e.param):
             if isinstance(h, LeafInfo) and h.shape != (slots,):
               u = False
@@ -474,7 +484,8 @@ class Checkpoint:
       else:
         dtypes.append(None)
     return _validate.SourceFacts(
-        param=pid, shape=e.shape, source=FlatShard(e.shape, 0, g.world_size), by_rank=sources,
+        param=pid, shape=e.shape, source=FlatShard.checked(e.shape, 0, g.world_size),
+        by_rank=sources,
         dtype=e.dtype, trainable=e.trainable,
         history=tuple(True if isinstance(h, LeafInfo) else h for h in hist),
         buffer_dtypes=tuple(dtypes), clock=self.clock_class(a0))
@@ -657,6 +668,7 @@ class IndexBuilder:
   def __init__(self, checkpoint_id: Optional[str] = None):
     self.id = checkpoint_id or uuid.uuid4().hex
     self._layouts: dict[str, int] = {}
+    self._layout_of_signature: dict[tuple, int] = {}
     self._clocks: dict[str, int] = {}
     self.layouts: list[dict] = []
     self.clocks: list[list] = []
@@ -676,23 +688,17 @@ class IndexBuilder:
     except PlacementError:
       raise
     roles = _structure.roles_of(record)
-    tree, leaves = fmt.encode_tree(record.state)
-    entries, scalars = [], []
-    for i, (leaf, role) in enumerate(zip(leaves, roles)):
-      if role is None:
-        entries.append({"s": len(scalars)})
-        scalars.append(fmt.encode_scalar(leaf, f"archive {index}, leaf {i}"))
-        continue
-      where = f"param {role!r}: archive {index}"
-      if np.ndim(leaf) != 1:
-        raise ShapeError(f"{where}: history buffer of shape {np.shape(leaf)} is not flat")
-      dtype = fmt.np_dtype(np.dtype(leaf.dtype).name, where)
-      entries.append([role, dtype.name, int(np.size(leaf))])
-    layout_key = json.dumps([tree, entries], separators=(",", ":"))
+    leaves, treedef = jax.tree_util.tree_flatten(record.state)
+    # Ranks of one layout share its structure: encode it once.
+    signature = (treedef, roles, tuple((getattr(x, "shape", None), getattr(x, "dtype", None))
+                                       for x, r in zip(leaves, roles) if r is not None))
+    layout = self._layout_of_signature.get(signature)
+    if layout is None:
+      layout = self._layout(index, record, roles)
+      self._layout_of_signature[signature] = layout
+    scalars = [fmt.encode_scalar(leaf, f"archive {index}, leaf {i}")
+               for i, (leaf, role) in enumerate(zip(leaves, roles)) if role is None]
     clock_key = json.dumps(scalars, separators=(",", ":"), sort_keys=True)
-    layout = self._layouts.setdefault(layout_key, len(self._layouts))
-    if layout == len(self.layouts):
-      self.layouts.append({"tree": tree, "leaves": entries})
     clock = self._clocks.setdefault(clock_key, len(self._clocks))
     if clock == len(self.clocks):
       self.clocks.append(scalars)
@@ -701,7 +707,7 @@ class IndexBuilder:
     self.archives[index] = [f"archive_{index:05d}", layout, clock]
     for p in placements.values():
       FlatShard(p.shape, p.rank, p.world_size)  # a placement the format can describe
-      key = (p.param, tuple(p.shape), np.dtype(p.dtype).name, bool(p.trainable))
+      key = (p.param, p.shape, p.dtype, bool(p.trainable))
       e = self._params.setdefault(key, len(self._params))
       if e == len(self.params):
         self.params.append([p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable)])
@@ -713,6 +719,26 @@ class IndexBuilder:
         {pid: anatomy.history(pid) for pid in anatomy.param_set()}):
       parts.setdefault(np.dtype(buf.dtype), []).append(np.asarray(buf).reshape(-1))
     return {d: _packed(p, d) for d, p in parts.items()}
+
+  def _layout(self, index: int, record: Any, roles: Sequence[Any]) -> int:
+    """The layout entry of a record's state structure (added when new)."""
+    tree, leaves = fmt.encode_tree(record.state)
+    entries, n_scalars = [], 0
+    for leaf, role in zip(leaves, roles):
+      if role is None:
+        entries.append({"s": n_scalars})
+        n_scalars += 1
+        continue
+      where = f"param {role!r}: archive {index}"
+      if np.ndim(leaf) != 1:
+        raise ShapeError(f"{where}: history buffer of shape {np.shape(leaf)} is not flat")
+      dtype = fmt.np_dtype(np.dtype(leaf.dtype).name, where)
+      entries.append([role, dtype.name, int(np.size(leaf))])
+    key = json.dumps([tree, entries], separators=(",", ":"))
+    layout = self._layouts.setdefault(key, len(self._layouts))
+    if layout == len(self.layouts):
+      self.layouts.append({"tree": tree, "leaves": entries})
+    return layout
 
   def groups(self) -> list[dict]:
     """Param entries split the same way, merged into one group."""
@@ -752,8 +778,10 @@ def write_archive(directory: str, index: int, record: Any, builder: IndexBuilder
 
 
 def dump(path: str, obj: Any) -> None:
+  # json.dumps, not json.dump: only the former uses the C encoder.
+  text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
   with open(path, "x") as f:
-    json.dump(obj, f, separators=(",", ":"), allow_nan=False)
+    f.write(text)
 
 
 def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,

@@ -8,6 +8,7 @@ each buffer and owns ``[rank * slots, min((rank + 1) * slots, count))``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from typing import Sequence
@@ -80,6 +81,12 @@ class FlatShard:
     object.__setattr__(self, "_count", count)
     object.__setattr__(self, "_slots", -(-count // world))
 
+  @classmethod
+  def checked(cls, shape: tuple[int, ...], rank: int, world_size: int) -> "FlatShard":
+    """``FlatShard(shape, rank, world_size)``, memoized: geometry is a pure value, and
+    planning asks for the same (shape, world size) once per target rank."""
+    return _flat_shard(shape, rank, world_size)
+
   @property
   def count(self) -> int:
     """Elements of the logical parameter (1 for a scalar)."""
@@ -104,3 +111,8 @@ class FlatShard:
   def owned(self) -> int:
     """Number of real (non-padding) elements on this rank."""
     return self.stop - self.start
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _flat_shard(shape: tuple[int, ...], rank: int, world_size: int) -> FlatShard:
+  return FlatShard(shape, rank, world_size)

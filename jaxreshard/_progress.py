@@ -69,6 +69,11 @@ def target_plan(ckpt: Checkpoint, *, world_size: int, rank: int) -> TargetPlan:
     PlacementError: archives that do not form complete groups, or an invalid
       target (the same refusals as ``jaxreshard.restore``).
   """
+  with _pipeline.no_gc():
+    return _target_plan(ckpt, world_size, rank)
+
+
+def _target_plan(ckpt: Checkpoint, world_size: int, rank: int) -> TargetPlan:
   migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=rank)
   groups = _pipeline.validate(ckpt, migrations)
   layout = _copyplan.target_layout(groups)

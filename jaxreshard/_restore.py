@@ -87,8 +87,6 @@ def restore_plan(ckpt: Checkpoint, migrations: Sequence[Any]) -> ShardRecord:
   groups = _pipeline.validate(ckpt, migrations)
   if not groups:
     raise PlacementError("no migrations: a target rank needs at least one parameter")
-  for a in sorted({a for g in groups for a in g.by_rank}):
-    ckpt.check_archive(a)
   return _pipeline.build(ckpt, groups, disk_fetch(ckpt))
 
 
@@ -99,6 +97,7 @@ def disk_fetch(ckpt: Checkpoint) -> _pipeline.Fetch:
     # Every involved archive's metadata and file sizes first: nothing is
     # allocated for a checkpoint whose files cannot hold what it claims.
     for archive, d in sorted(set(keys)):
+      ckpt.check_archive(archive)
       ckpt.archive_meta(archive)
       ckpt.open_buffer(archive, d).close()
     scratch = None

@@ -110,7 +110,7 @@ class RecordSources:
     self._placements = [p for _, p in checked]
     # What makes archives interchangeable but for their rank and their bytes:
     # the state's structure, each buffer's shape and dtype, the placements.
-    self._signatures = [_signature(r, p) for r, p in zip(records, self._placements)]
+    self._signatures = [_signature(a, p) for a, p in zip(self.anatomies, self._placements)]
     self._uniform: dict[int, tuple[tuple, bool]] = {}
     self._uniform_facts: dict[str, _validate.SourceFacts] = {}
     self._host_views: dict[tuple[int, str, int], np.ndarray] = {}
@@ -226,17 +226,22 @@ class RecordSources:
     return False
 
 
-def _signature(record: Any, placements: dict) -> tuple[Any, Optional[int], Optional[int]]:
-  """(layout key, the archive's one rank or None, its one world size or None)."""
-  leaves, treedef = jax.tree_util.tree_flatten(record.state)
-  roles = _structure.roles_of(record)
+def _signature(anatomy: _structure.Anatomy,
+               placements: dict) -> tuple[Any, Optional[int], Optional[int]]:
+  """(layout key, the archive's one rank or None, its one world size or None).
+
+  Anatomies of one tree structure share their skeleton and mirror structures
+  (``_structure.PLANS``), so comparing those is cheap.
+  """
   buffers = tuple((getattr(x, "shape", None), getattr(x, "dtype", None))
-                  for x, r in zip(leaves, roles) if r)
+                  for m in anatomy.mirrors for x in m.entries.values())
+  structure = (anatomy.skeleton, tuple(m.treedef for m in anatomy.mirrors),
+               tuple(m.order for m in anatomy.mirrors))
   entries = tuple((p.param, p.shape, p.world_size, p.dtype, bool(p.trainable))
                   for p in placements.values())
   ranks = {p.rank for p in placements.values()}
   worlds = {p.world_size for p in placements.values()}
-  return ((treedef, roles, buffers, entries), ranks.pop() if len(ranks) == 1 else None,
+  return ((structure, buffers, entries), ranks.pop() if len(ranks) == 1 else None,
           worlds.pop() if len(worlds) == 1 else None)
 
 

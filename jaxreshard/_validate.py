@@ -247,7 +247,7 @@ def uniform_facts(pid: str, sources: tuple[int, ...], src: Any) -> SourceFacts:
   if p is None:
     raise PlacementError(f"param {pid!r}: source archive {a0} does not list it")
   check_storage_dtype(p.dtype, f"param {pid!r}: archive {a0}")
-  source = FlatShard(p.shape, 0, p.world_size)
+  source = FlatShard.checked(p.shape, 0, p.world_size)
   hist = src.history(a0, pid)
   dtypes = []
   for m, h in enumerate(hist):
@@ -355,7 +355,10 @@ def check_target(migration: Any, n_archives: int) -> FlatShard:
     raise PlacementError(f"expected a Migration, got {type(migration).__name__}")
   pid = migration.param
   try:
-    target = FlatShard(migration.shape, migration.rank, migration.world_size)
+    shape, rank, world = migration.shape, migration.rank, migration.world_size
+    plain = (type(shape) is tuple and type(rank) is int and type(world) is int
+             and all(type(d) is int for d in shape))
+    target = FlatShard.checked(shape, rank, world) if plain else FlatShard(shape, rank, world)
   except PlacementError as e:
     raise PlacementError(f"param {pid!r}: invalid target placement: {e}") from None
   return target

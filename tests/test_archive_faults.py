@@ -636,9 +636,9 @@ def test_buffer_names_come_from_the_layout_not_from_the_archive(ckpt, name):
 
 def test_namedtuple_of_a_foreign_module_is_never_looked_up(ckpt):
   def foreign(d):
-    node = d["layouts"][0]["tree"]["c"][0]  # ScaleByAdamState
-    assert node["n"] == "ScaleByAdamState"
-    node["m"], node["n"] = "os", "system"
+    node = d["layouts"][0]["tree"][1][0]  # ScaleByAdamState: ["n", module, name, fields, children]
+    assert node[0] == "n" and node[2] == "ScaleByAdamState"
+    node[1], node[2] = "os", "system"
 
   _edit_json(_index(ckpt), foreign)
   records = jr.load_records(ckpt)
