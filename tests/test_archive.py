@@ -180,3 +180,23 @@ def test_weak_typed_scalars_keep_their_type(tmp_path):
   for a, b in zip(jr.load_records(tmp_path / "ckpt"), records):
     for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
       assert getattr(x, "weak_type", False) == getattr(y, "weak_type", False)
+
+
+def test_float64_clock_scalars_keep_dtype_and_bits_with_x64_on_and_off(tmp_path):
+  """A float64 scalar of the clock is never cut to float32, whatever the reader's x64."""
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+  prm = {"w": np.arange(10.0, dtype=np.float32)}
+  third = np.float64(1 / 3)
+  with jax.enable_x64(True):
+    state = opt.init(prm)
+    state = state._replace(hyperparams={**state.hyperparams,
+                                        "learning_rate": jnp.asarray(third)})
+    records = jr.shard_state(opt, prm, state, 4)
+    target = jr.reshard(records, jr.plan(records, world_size=3, rank=1))
+    assert np.asarray(target.state.hyperparams["learning_rate"]).tobytes() == third.tobytes()
+    jr.save_records(tmp_path / "ckpt", records)
+    on = jr.restore(tmp_path / "ckpt", rank=1, world_size=3).state.hyperparams["learning_rate"]
+  off = jr.restore(tmp_path / "ckpt", rank=1, world_size=3).state.hyperparams["learning_rate"]
+  assert not jax.config.jax_enable_x64
+  for x in (on, off, jr.load_records(tmp_path / "ckpt")[2].state.hyperparams["learning_rate"]):
+    assert np.asarray(x).dtype == np.float64 and np.asarray(x).tobytes() == third.tobytes()
