@@ -16,6 +16,7 @@ no optimizer object:
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from typing import Any, Mapping, Optional, Sequence
 
@@ -61,22 +62,48 @@ _DictKey, _GetAttrKey, _SequenceKey = (jax.tree_util.DictKey, jax.tree_util.GetA
                                        jax.tree_util.SequenceKey)
 
 
+def _escape(name: str) -> str:
+  """A key as one segment of an id: ``%`` and ``/`` percent-encoded."""
+  if "%" in name or "/" in name:
+    return name.replace("%", "%25").replace("/", "%2F")
+  return name
+
+
+_ESCAPED = re.compile("%(25|2F)")
+
+
+def unescape(segment: str) -> str:
+  """The key a segment of an id stands for (the inverse of the escaping)."""
+  if "%" not in segment:
+    return segment
+  return _ESCAPED.sub(lambda m: "%" if m.group(1) == "25" else "/", segment)
+
+
+def split_id(pid: str) -> list[str]:
+  """The keys of a param id, in order."""
+  return [unescape(k) for k in pid.split("/")]
+
+
 def _key_name(key: Any) -> str:
   t = type(key)
   if t is _DictKey:
-    return str(key.key)
+    return _escape(str(key.key))
   if t is _GetAttrKey:
-    return key.name
+    return _escape(key.name)
   if t is _SequenceKey:
     return str(key.idx)
   for attr in ("key", "name", "idx"):
     if hasattr(key, attr):
-      return str(getattr(key, attr))
-  return str(key)
+      return _escape(str(getattr(key, attr)))
+  return _escape(str(key))
 
 
 def path_id(path: Sequence[Any]) -> str:
-  """A pytree key path joined with ``/``: ``{'dense': {'kernel': x}}`` -> ``dense/kernel``."""
+  """A pytree key path joined with ``/``: ``{'dense': {'kernel': x}}`` -> ``dense/kernel``.
+
+  Keys that contain ``/`` or ``%`` are percent-encoded (haiku's ``mlp/~/linear_0``
+  becomes ``mlp%2F~%2Flinear_0``), so two different key paths never share an id.
+  """
   return "/".join(_key_name(k) for k in path)
 
 
@@ -160,9 +187,13 @@ class AnatomyError(Exception):
 
 
 def _mirror_prefix(path: KeyPath, pid: str) -> KeyPath:
-  for k in range(0, len(path) + 1):
-    if path_id(path[len(path) - k:]) == pid:
-      return path[: len(path) - k]
+  # An id of n segments is the last n keys of the path; the id "" is also the
+  # empty path of a params tree that is a single leaf.
+  k = pid.count("/") + 1
+  if k <= len(path) and path_id(path[len(path) - k:]) == pid:
+    return path[: len(path) - k]
+  if pid == "":
+    return path
   raise AnatomyError(f"the leaf at {jax.tree_util.keystr(path)} is not under a key path {pid!r}")
 
 
@@ -316,7 +347,7 @@ def _nested(pids: Sequence[str], values: Mapping[str, Any]) -> Any:
     return values[""]
   root: dict = {}
   for pid in pids:
-    *parents, last = pid.split("/")
+    *parents, last = split_id(pid)
     node = root
     for key in parents:
       node = node.setdefault(key, {})
