@@ -184,6 +184,9 @@ class Checkpoint:
     self._lock = threading.Lock()
     self._archive_meta: dict[int, dict] = {}
     self._facts = _sources.FactsCache()
+    # Packed target layouts by the validated groups they were made from (ids of
+    # facts this object keeps alive).
+    self.target_layouts: dict = {}
     self._group_facts: dict[tuple[int, str], _validate.SourceFacts] = {}
     self._uniform: dict[int, bool] = {}
     self._complete: Optional[list] = None

@@ -82,6 +82,24 @@ class FlatShard:
     object.__setattr__(self, "_slots", -(-count // world))
 
   @classmethod
+  def of_checked_shape(cls, shape: tuple[int, ...], count: int, rank: int,
+                       world_size: int) -> "FlatShard":
+    """A geometry whose ``shape`` (and its ``count``) was already checked; the rank
+    and world size are checked here. Planning builds one per target parameter."""
+    if type(rank) is not int or type(world_size) is not int:
+      return cls(shape, rank, world_size)
+    if world_size < 1:
+      raise PlacementError(f"world_size {world_size} must be at least 1")
+    if not 0 <= rank < world_size:
+      raise PlacementError(
+          f"rank {rank} is outside world_size {world_size} (0..{world_size - 1})")
+    g = object.__new__(cls)
+    d = g.__dict__
+    d["shape"], d["rank"], d["world_size"] = shape, rank, world_size
+    d["_count"], d["_slots"] = count, -(-count // world_size)
+    return g
+
+  @classmethod
   def checked(cls, shape: tuple[int, ...], rank: int, world_size: int) -> "FlatShard":
     """``FlatShard(shape, rank, world_size)``, memoized: geometry is a pure value, and
     planning asks for the same (shape, world size) once per target rank."""

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxreshard import _copyplan, _host_exec, _structure, _validate
 from jaxreshard._errors import PlacementError
+from jaxreshard._geometry import FlatShard
 from jaxreshard._placement import Migration, ParamPlacement
 from jaxreshard._record import FORMAT_VERSION, ShardRecord
 
@@ -55,9 +56,16 @@ def _validate_all(src: Any, migrations: Sequence[Migration]) -> list[_validate.S
     seen[m.param] = m
   groups = []
   for m in migrations:
-    target = _validate.check_target(m, len(src))
     facts = src.facts(m.param, m.sources)
-    if facts.shape != target.shape:
+    if m.shape == facts.shape and type(m.shape) is tuple:
+      # The shape is the sources' own, already checked: only the rank and world.
+      try:
+        target = FlatShard.of_checked_shape(facts.shape, facts.source.count, m.rank,
+                                            m.world_size)
+      except PlacementError as e:
+        raise PlacementError(f"param {m.param!r}: invalid target placement: {e}") from None
+    else:
+      target = _validate.check_target(m, len(src))
       raise PlacementError(
           f"param {m.param!r}: archive {facts.by_rank[0]} has logical shape {facts.shape}"
           f" but the target has {target.shape}")
@@ -155,7 +163,12 @@ def build(src: Any, groups: Sequence[_validate.SourceGroup], fetch: Fetch, *,
 
 
 def _build(src, groups, fetch, *, logical):
-  layout = _copyplan.target_layout(groups, logical=logical)
+  # Every target rank of one plan has the same packed layout (slots do not depend
+  # on the rank): the sources object keeps it, keyed by the validated groups.
+  key = (logical, tuple((id(g.facts), g.target.slots) for g in groups))
+  layout = src.target_layouts.get(key)
+  if layout is None:
+    layout = src.target_layouts[key] = _copyplan.target_layout(groups, logical=logical)
   runs, keys = _copyplan.plan_runs(groups, layout, src.locate)
   buffers = fetch(runs, keys, layout)
   built: dict[tuple[int, int], Any] = {}

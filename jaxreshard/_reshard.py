@@ -217,6 +217,11 @@ def reshard_ranks(records: Sequence[ShardRecord], plans: Sequence[Sequence[Migra
     >>> [t.state[0].mu["w"].shape for t in targets]
     [(2,), (2,), (2,)]
   """
+  with _pipeline.no_gc():  # no reference cycles are made; see no_gc
+    return _reshard_ranks(records, plans, executor)
+
+
+def _reshard_ranks(records, plans, executor) -> list[ShardRecord]:
   src = _sources.record_sources(records)
   if isinstance(plans, (str, bytes)) or not isinstance(plans, Sequence):
     raise PlacementError(f"plans must be a list of migration lists, got {type(plans).__name__}")

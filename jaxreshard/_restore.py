@@ -77,9 +77,10 @@ def restore_ranks(
     FileNotFoundError, ReshardError: as ``restore``.
   """
   ckpt = checkpoint if checkpoint is not None else open_checkpoint(directory)
-  plans = [_reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=r)
-           for r in ranks]
-  return [restore_plan(ckpt, migrations) for migrations in plans]
+  with _pipeline.no_gc():  # no reference cycles are made; see no_gc
+    plans = [_reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=r)
+             for r in ranks]
+    return [restore_plan(ckpt, migrations) for migrations in plans]
 
 
 def restore_plan(ckpt: Checkpoint, migrations: Sequence[Any]) -> ShardRecord:

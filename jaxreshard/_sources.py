@@ -118,6 +118,9 @@ class RecordSources:
     self._clock_keys: dict[Any, int] = {}
     self._clocks: list[Optional[int]] = [None] * len(records)
     self._cache = FactsCache()
+    # Packed target layouts by the validated groups they were made from (ids of
+    # facts this object keeps alive).
+    self.target_layouts: dict = {}
     self._groups: Optional[list] = None
     self._lock = threading.Lock()
 
