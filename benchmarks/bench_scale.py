@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import time
 
-import numpy as np
 
 import jaxreshard as jr
 from benchmarks import _workload

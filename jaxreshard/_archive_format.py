@@ -1,10 +1,10 @@
 """The JSON half of an archive on disk: metadata, scalars and the state's tree.
 
-A checkpoint is untrusted data (SPEC.md). Everything here turns JSON into
+A checkpoint is untrusted data. Everything here turns JSON into
 Python values without executing anything from it: no pickle, no eval, names
 checked against strict patterns before they become paths, NamedTuple classes
 re-created only from an allowlist, sizes checked before anything is allocated
-(the array files themselves are checked in ``_archive_io``).
+(the buffer files themselves are checked in ``_shardfile``).
 
 A state's tree is encoded node by node, as JSON arrays (a large state's tree
 has a node per leaf, and arrays parse faster than objects)::
@@ -31,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxreshard._errors import ArchiveError, ArchiveExistsError, ReshardError
-from jaxreshard._placement import ParamPlacement
 
 __all__ = [
     "ArchiveError",
@@ -40,15 +39,12 @@ __all__ = [
     "encode_tree",
     "decode_scalar",
     "encode_scalar",
-    "decode_placement",
-    "encode_placement",
     "check_name",
     "np_dtype",
 ]
 
 # Names that become file names inside a checkpoint; anything else is refused.
 ARCHIVE_NAME = re.compile(r"archive_[0-9]{5,9}\Z")
-BUFFER_NAME = re.compile(r"b[0-9]{5,9}\Z")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}\Z")
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,9}\Z")
 
@@ -115,35 +111,6 @@ def shape_of(value: Any, where: str) -> tuple[int, ...]:
   if any(d < 0 for d in dims) or math.prod(dims) > 2**62:
     raise ArchiveError(f"{where}: shape {dims} is not a valid array shape")
   return dims
-
-
-# --- placements ---------------------------------------------------------------
-
-
-def encode_placement(p: ParamPlacement) -> dict:
-  return {
-      "param": p.param,
-      "shape": [int(d) for d in p.shape],
-      "rank": int(p.rank),
-      "world_size": int(p.world_size),
-      "dtype": np.dtype(p.dtype).name,
-      "trainable": bool(p.trainable),
-  }
-
-
-def decode_placement(d: Any, where: str) -> ParamPlacement:
-  expect(d, dict, where)
-  if set(d) != {"param", "shape", "rank", "world_size", "dtype", "trainable"}:
-    raise ArchiveError(f"{where}: placement keys {sorted(d)} are not a placement")
-  # Geometry and dtype support are the core's refusals; here only the types.
-  return ParamPlacement(
-      param=expect(d["param"], str, where),
-      shape=shape_of(d["shape"], f"{where} shape"),
-      rank=expect(d["rank"], int, where),
-      world_size=expect(d["world_size"], int, where),
-      dtype=np_dtype(d["dtype"], where),
-      trainable=expect(d["trainable"], bool, where),
-  )
 
 
 # --- scalars (the optimizer clock) --------------------------------------------

@@ -12,7 +12,6 @@ import shutil
 import uuid
 from typing import Any, Iterable
 
-from jaxreshard import _checkpoint
 from jaxreshard._checkpoint import DEFAULT_CHUNK_BYTES, open_checkpoint, write_checkpoint
 from jaxreshard._errors import ArchiveExistsError, ReshardError
 from jaxreshard._record import ShardRecord

@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
+import re
 import threading
 import uuid
 from typing import Any, Iterable, Optional, Sequence
@@ -51,7 +51,7 @@ import numpy as np
 
 from jaxreshard import _archive_format as fmt
 from jaxreshard import _copyplan, _shardfile, _sources, _structure, _validate
-from jaxreshard._errors import ArchiveError, PlacementError, ReshardError, ShapeError
+from jaxreshard._errors import ArchiveError, PlacementError, ShapeError
 from jaxreshard._geometry import FlatShard
 from jaxreshard._placement import ParamPlacement
 from jaxreshard._record import FORMAT_VERSION as RECORD_VERSION
@@ -77,7 +77,7 @@ STAGING_BYTES = 8 << 20
 
 _INDEX_KEYS = {"format", "format_version", "checkpoint", "record_version", "params", "groups",
                "layouts", "clocks", "archives"}
-_ID = fmt.re.compile(r"[0-9a-f]{32}\Z")
+_ID = re.compile(r"[0-9a-f]{32}\Z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -575,9 +575,14 @@ class Checkpoint:
 
   def read_runs(self, archive: int, dtype: np.dtype, src: np.ndarray, dst: np.ndarray,
                 length: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> None:
-    """Copies runs of one packed buffer into ``out``, reading only their chunks."""
+    """Copies runs of one packed buffer into ``out``, reading only their chunks.
+
+    ``scratch`` (uint8) holds the chunk spans read; it grows to one chunk if smaller.
+    """
     f = self.open_buffer(archive, dtype)
     try:
+      if len(scratch) < f.stride:
+        scratch = np.empty(f.stride, np.uint8)
       _read_runs(f, src, dst, length, out, scratch)
     finally:
       f.close()

@@ -8,7 +8,6 @@ one line on stderr, never a traceback.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
@@ -17,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-import jax
 import numpy as np
 import typer
 from rich import filesize

@@ -101,24 +101,15 @@ def disk_fetch(ckpt: Checkpoint) -> _pipeline.Fetch:
       ckpt.check_archive(archive)
       ckpt.archive_meta(archive)
       ckpt.open_buffer(archive, d).close()
-    scratch = None
+    # One scratch buffer for every read of this target rank, reused (warm pages).
+    scratch = np.empty(STAGING_BYTES, np.uint8)
     out = {}
     for dtype, r in runs.items():
       buf = np.zeros(layout.sizes[dtype], dtype)
       for sid in np.unique(r.source).tolist():
         sel = r.source == sid
         archive, d = keys[sid]
-        if scratch is None:
-          scratch = np.empty(STAGING_BYTES, np.uint8)
-        f = ckpt.open_buffer(archive, d)
-        try:
-          if len(scratch) < f.stride:  # a chunk larger than the scratch buffer
-            scratch = np.empty(f.stride, np.uint8)
-          from jaxreshard._checkpoint import _read_runs  # pylint: disable=g-import-not-at-top
-
-          _read_runs(f, r.src[sel], r.dst[sel], r.length[sel], buf, scratch)
-        finally:
-          f.close()
+        ckpt.read_runs(archive, d, r.src[sel], r.dst[sel], r.length[sel], buf, scratch)
       out[dtype] = buf
     return out
 

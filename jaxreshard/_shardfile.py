@@ -24,7 +24,7 @@ import errno
 import json
 import os
 import stat
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import google_crc32c
 import numpy as np

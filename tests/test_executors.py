@@ -9,7 +9,6 @@ import dataclasses
 import gc
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
