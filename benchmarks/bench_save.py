@@ -64,7 +64,9 @@ def measure(n_params: int, history: int, world: int, repeats: int, tmp: str) -> 
       "save_over_orbax": round(jr_s / ob_s, 3),
       "files": files,
       "files_per_rank_dtype": round((files - 1) / (world * dtypes), 2),
-      "v1_format_files": 2 * (1 + 2 * n_params) * world + 1,
+      # Computed: the previous format wrote per rank a record.json and, per history
+      # buffer (mu and nu of each parameter), a zarr.json and a shard file.
+      "v1_format_files": world * (1 + 2 * 2 * n_params) + 1,
       "orbax_files": orbax_files,
   }
 
