@@ -69,7 +69,7 @@ DEFAULT_CHUNK_BYTES = 256 << 10
 # Metadata grows with parameters and ranks; these bounds are far above any
 # real model's (a 10,000-parameter Adam state over 4,096 ranks has a ~3 MB
 # index) and refuse a metadata bomb before it is parsed.
-MAX_INDEX_BYTES = 256 << 20
+MAX_INDEX_BYTES = 64 << 20
 MAX_ARCHIVE_BYTES = 64 << 20
 MAX_CLOCK_SCALARS = 1 << 16
 # Reads of chunk spans go through a reused scratch buffer of this size.
