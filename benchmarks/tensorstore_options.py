@@ -1,7 +1,11 @@
 """Page-cache read / write throughput: tensorstore zarr3 sharding_indexed+crc32c vs plain file I/O.
 
-Usage: python measure.py [--quick]
-All data lives under /tmp/tsmeasure/data. Results -> /tmp/tsmeasure/results.json and RESULTS_tables.md
+The measurement behind jaxreshard reading and writing its shard files itself
+(summary: benchmarks/RESULTS-tensorstore-options.md).
+
+Usage: python benchmarks/tensorstore_options.py [--quick]
+Data (about 3 GB for the full run; delete it afterwards) lives under
+/tmp/tsmeasure/data; results go to /tmp/tsmeasure/results.json and RESULTS_tables.md.
 """
 import gc
 import importlib.metadata as md
