@@ -65,7 +65,7 @@ def _validate_all(src: Any, migrations: Sequence[Migration]) -> list[_validate.S
       except PlacementError as e:
         raise PlacementError(f"param {m.param!r}: invalid target placement: {e}") from None
     else:
-      target = _validate.check_target(m, len(src))
+      target = _validate.check_target(m)
       raise PlacementError(
           f"param {m.param!r}: archive {facts.by_rank[0]} has logical shape {facts.shape}"
           f" but the target has {target.shape}")

@@ -96,18 +96,17 @@ def shard_state(
       )
     _validate.check_buffer_dtype(leaf.dtype, where)
 
-  placements_of = lambda r, w: tuple(sorted(
-      (ParamPlacement(pid, shapes[pid], r, w, np.dtype(x.dtype),
-                      bool(trainable.get(pid, True)))
+  # The full state is the one archive of a world of size 1; every rank is resharded from it.
+  placements = tuple(sorted(
+      (ParamPlacement(pid, shapes[pid], 0, 1, np.dtype(x.dtype), bool(trainable.get(pid, True)))
        for pid, x in zip(ids, leaves)),
-      key=lambda p: p.param,
-  ))
-  whole = _whole_record(state, state_leaves, state_def, roles, shapes, placements_of(0, 1))
+      key=lambda p: p.param))
+  whole = _whole_record(state_leaves, state_def, roles, placements)
   return reshard_ranks([whole], [plan([whole], world_size=world_size, rank=r)
                                  for r in range(world_size)])
 
 
-def _whole_record(state, leaves, treedef, roles, shapes, placements) -> ShardRecord:
+def _whole_record(leaves, treedef, roles, placements) -> ShardRecord:
   """The full state as the one archive of a world of size 1 (flat history buffers)."""
   on_device = any(isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices())
                   for x, pid in zip(leaves, roles) if pid is not None)

@@ -349,19 +349,12 @@ def skeleton_key(anatomy: _structure.Anatomy) -> tuple[Any, ...]:
                                   for x in anatomy.skeleton_leaves))
 
 
-def check_target(migration: Any, n_archives: int) -> FlatShard:
-  """The per-call checks of one migration: its type, target geometry and source indices."""
-  if not isinstance(migration, Migration):
-    raise PlacementError(f"expected a Migration, got {type(migration).__name__}")
-  pid = migration.param
+def check_target(migration: Migration) -> FlatShard:
+  """A migration's target geometry, or the refusal naming its parameter."""
   try:
-    shape, rank, world = migration.shape, migration.rank, migration.world_size
-    plain = (type(shape) is tuple and type(rank) is int and type(world) is int
-             and all(type(d) is int for d in shape))
-    target = FlatShard.checked(shape, rank, world) if plain else FlatShard(shape, rank, world)
+    return FlatShard(migration.shape, migration.rank, migration.world_size)
   except PlacementError as e:
-    raise PlacementError(f"param {pid!r}: invalid target placement: {e}") from None
-  return target
+    raise PlacementError(f"param {migration.param!r}: invalid target placement: {e}") from None
 
 
 def check_source_indices(pid: str, sources: tuple[Any, ...], n_archives: int) -> None:
