@@ -11,14 +11,29 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import Sequence
+from typing import Any, Sequence
 
 from jaxreshard._errors import PlacementError
 
-__all__ = ["FlatShard", "MAX_COUNT", "normalize_shape"]
+__all__ = ["FlatShard", "MAX_COUNT", "MAX_WORLD_SIZE", "normalize_shape"]
 
 # Element counts and offsets must fit a signed 64-bit index.
 MAX_COUNT = 2**63 - 1
+# The most ranks a layout may have: far beyond any data-parallel job, and small
+# enough that anything done once per rank (a plan, a line of output, a file)
+# stays bounded when a world size is mistyped or comes from hostile metadata.
+MAX_WORLD_SIZE = 1 << 20
+
+
+def _int(value: Any, what: str) -> int:
+  """``value`` as a Python int; bools and non-integers are refused by name."""
+  if isinstance(value, bool):
+    raise PlacementError(f"{what} must be an integer, not the bool {value!r}")
+  try:
+    return operator.index(value)
+  except TypeError:
+    raise PlacementError(
+        f"{what} must be an integer, not {type(value).__name__} {value!r}") from None
 
 
 def normalize_shape(shape: Sequence[int], *, what: str = "shape") -> tuple[int, ...]:
@@ -27,6 +42,8 @@ def normalize_shape(shape: Sequence[int], *, what: str = "shape") -> tuple[int, 
     dims = tuple(operator.index(d) for d in shape)
   except TypeError as e:
     raise PlacementError(f"{what} {shape!r} is not a sequence of integers") from e
+  if any(isinstance(d, bool) for d in shape):
+    raise PlacementError(f"{what} {tuple(shape)!r} has a bool where a dimension belongs")
   if any(d < 0 for d in dims):
     raise PlacementError(f"{what} {dims} has a negative dimension")
   count = math.prod(dims)
@@ -64,14 +81,12 @@ class FlatShard:
 
   def __post_init__(self):
     object.__setattr__(self, "shape", normalize_shape(self.shape))
-    try:
-      rank, world = operator.index(self.rank), operator.index(self.world_size)
-    except TypeError as e:
-      raise PlacementError(
-          f"rank {self.rank!r} and world_size {self.world_size!r} must be integers"
-      ) from e
+    rank, world = _int(self.rank, "rank"), _int(self.world_size, "world_size")
     if world < 1:
       raise PlacementError(f"world_size {world} must be at least 1")
+    if world > MAX_WORLD_SIZE:
+      raise PlacementError(
+          f"world_size {world} is more than the {MAX_WORLD_SIZE} ranks jaxreshard supports")
     if not 0 <= rank < world:
       raise PlacementError(f"rank {rank} is outside world_size {world} (0..{world - 1})")
     object.__setattr__(self, "rank", rank)

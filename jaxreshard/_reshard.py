@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxreshard import _pipeline, _sources, _structure, _validate
-from jaxreshard._errors import PlacementError, ShapeError
+from jaxreshard._errors import DtypeError, PlacementError, ShapeError
 from jaxreshard._geometry import FlatShard
 from jaxreshard._placement import Migration, ParamPlacement
 from jaxreshard._record import FORMAT_VERSION, ShardRecord
@@ -55,6 +55,7 @@ def shard_state(
     [(3,), (3,)]
   """
   FlatShard((), 0, world_size)  # validates world_size
+  _check_arguments(optimizer, params)
   ids, leaves, _ = _structure.param_ids(params)
   if len(set(ids)) != len(ids):
     dup = sorted({i for i in ids if ids.count(i) > 1})
@@ -104,6 +105,28 @@ def shard_state(
   whole = _whole_record(state_leaves, state_def, roles, placements)
   return reshard_ranks([whole], [plan([whole], world_size=world_size, rank=r)
                                  for r in range(world_size)])
+
+
+def _check_arguments(optimizer: Any, params: Any) -> None:
+  """Refuses arguments of the wrong kind by name, before anything uses them."""
+  if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+    raise PlacementError(
+        "optimizer must be an optax GradientTransformation (with init and update), got"
+        f" {type(optimizer).__name__}; the arguments are (optimizer, params, state)")
+  leaves = jax.tree_util.tree_leaves(params)
+  if not leaves:
+    raise PlacementError(f"params ({type(params).__name__}) holds no arrays")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not hasattr(leaf, "shape"):
+      raise PlacementError(
+          f"params{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array;"
+          " params must be the model's parameter pytree")
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise DtypeError(
+          f"param {_structure.path_id(path)!r} has dtype {np.dtype(dtype).name}: params must be"
+          " the model's float parameters (were params and state swapped? the arguments are"
+          " (optimizer, params, state))")
 
 
 def _whole_record(leaves, treedef, roles, placements) -> ShardRecord:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -289,6 +289,9 @@ CACHE = SourceCache()
 
 def record_sources(records: Sequence[Any]) -> RecordSources:
   """The validated sources of ``records`` (from :data:`CACHE` when they were seen)."""
+  if isinstance(records, (ShardRecord, str, bytes)) or not isinstance(records, Iterable):
+    raise PlacementError(
+        f"records must be a list of ShardRecord, got {type(records).__name__}")
   records = list(records)
   if not records:
     raise PlacementError("no archives supplied")

@@ -361,8 +361,9 @@ def check_source_indices(pid: str, sources: tuple[Any, ...], n_archives: int) ->
   if not sources:
     raise PlacementError(f"param {pid!r}: the migration names no source archives")
   for s in sources:
-    if (not isinstance(s, (int, np.integer)) or isinstance(s, bool)
-        or not 0 <= s < n_archives):
+    if isinstance(s, (bool, np.bool_)):
+      raise PlacementError(f"param {pid!r}: source archive index {s!r} is a bool, not an index")
+    if not isinstance(s, (int, np.integer)) or not 0 <= s < n_archives:
       raise PlacementError(
           f"param {pid!r}: source archive index {s!r} is out of range"
           f" (0..{n_archives - 1})")

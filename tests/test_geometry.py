@@ -76,7 +76,12 @@ def test_numpy_integer_inputs_are_normalized():
         ((2**40, 2**40), 0, 1, "64-bit"),  # 2**80 elements overflow an int64 index
         ((2**63,), 0, 1, "64-bit"),
         ((2.5,), 0, 1, "integers"),
-        ((4,), 0.0, 1, "integers"),
+        ((4,), 0.0, 1, "rank must be an integer"),
+        ((4,), True, 2, "rank must be an integer, not the bool True"),
+        ((4,), 0, True, "world_size must be an integer, not the bool"),
+        ((4,), 0, None, "world_size must be an integer, not NoneType"),
+        ((True, 2), 0, 1, "bool"),
+        ((4,), 0, 2**20 + 1, "more than the 1048576 ranks"),
     ],
 )
 def test_invalid_geometry_is_a_placement_error(shape, rank, world, needle):

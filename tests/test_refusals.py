@@ -320,3 +320,41 @@ def test_shard_state_refusals_leave_inputs_alone(case):
   after = snapshot(params), snapshot(state)
   assert before[0][0] == after[0][0] and before[0][1] == after[0][1]
   assert before[1][0] == after[1][0] and before[1][1] == after[1][1]
+
+
+# --- arguments of the wrong kind: refused by name, never a bare TypeError -----------
+
+
+def _params_and_state():
+  params = {"w": jnp.arange(6.0), "b": jnp.ones(2)}
+  return params, OPT.init(params)
+
+
+@pytest.mark.parametrize("call, needles", [
+    (lambda r, p, s: jr.plan(r, world_size=True, rank=0), ("world_size", "bool")),
+    (lambda r, p, s: jr.plan(r, world_size=3, rank=False), ("rank", "bool")),
+    (lambda r, p, s: jr.plan(r, world_size=None, rank=0), ("world_size", "NoneType")),
+    (lambda r, p, s: jr.plan(r, world_size="3", rank=0), ("world_size", "str")),
+    (lambda r, p, s: jr.reshard(r, [dataclasses.replace(m, rank=True) for m in
+                                    jr.plan(r, world_size=3, rank=1)]), ("rank", "bool")),
+    (lambda r, p, s: jr.reshard(r, [dataclasses.replace(m, sources=(0, True, 2, 3)) for m in
+                                    jr.plan(r, world_size=3, rank=1)]), ("index True", "bool")),
+    (lambda r, p, s: jr.reshard(r, []), ("no migrations",)),
+    (lambda r, p, s: jr.reshard(r, None), ("migrations", "NoneType")),
+    (lambda r, p, s: jr.reshard(None, jr.plan(r, world_size=2, rank=0)), ("records", "NoneType")),
+    (lambda r, p, s: jr.reshard(r[0], jr.plan(r, world_size=2, rank=0)),
+     ("records", "ShardRecord")),
+    (lambda r, p, s: jr.reshard_ranks(r, 3), ("plans", "int")),
+    (lambda r, p, s: jr.unshard_state(None), ("records", "NoneType")),
+    (lambda r, p, s: jr.shard_state(OPT, p, s, world_size=True), ("world_size", "bool")),
+    (lambda r, p, s: jr.shard_state(p, OPT, s, world_size=2), ("optimizer", "dict")),
+    (lambda r, p, s: jr.shard_state(None, p, s, world_size=2), ("optimizer", "NoneType")),
+    (lambda r, p, s: jr.shard_state(OPT, s, p, world_size=2), ("swapped",)),
+    (lambda r, p, s: jr.shard_state(OPT, None, s, world_size=2), ("params", "no arrays")),
+])
+def test_arguments_of_the_wrong_kind_are_refused_by_name(call, needles):
+  params, state = _params_and_state()
+  records = jr.shard_state(OPT, params, state, world_size=W)
+  with pytest.raises(jr.ReshardError) as info:
+    call(records, params, state)
+  assert all(n in str(info.value) for n in needles), str(info.value)
