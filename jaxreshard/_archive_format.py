@@ -11,6 +11,7 @@ has a node per leaf, and arrays parse faster than objects)::
 
   null (None) | 3 (leaf number 3) | ["l" | "t", [children]] (list, tuple)
   ["d", [["s", "mu"], ["i", 0]], [children]] (dict: str or int keys)
+  ["f", [...keys...], [children]]             (flax FrozenDict, keys as for dict)
   ["n", "optax._src.transform", "ScaleByAdamState", ["count", "mu", "nu"], [children]]
 """
 
@@ -181,6 +182,21 @@ def _is_namedtuple(x: Any) -> bool:
   return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
+def _is_frozen_dict(node: Any) -> bool:
+  # Only flax's own class, and only when flax is loaded (nothing is imported here).
+  core = sys.modules.get("flax.core.frozen_dict")
+  return core is not None and type(node) is getattr(core, "FrozenDict", None)
+
+
+def _frozen_dict_class(where: str) -> type:
+  try:
+    from flax.core.frozen_dict import FrozenDict  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ArchiveError(f"{where}: the state holds a flax FrozenDict; loading it needs flax"
+                       " installed") from None
+  return FrozenDict
+
+
 def encode_tree(state: Any) -> tuple[dict, list[Any]]:
   """Encodes ``state``'s structure; returns (tree, leaves in jax.tree.leaves order).
 
@@ -201,20 +217,22 @@ def encode_tree(state: Any) -> tuple[dict, list[Any]]:
     if type(node) in (tuple, list):
       return ["t" if type(node) is tuple else "l",
               [enc(c, path + (i,)) for i, c in enumerate(node)]]
-    if type(node) is dict:
+    frozen = _is_frozen_dict(node)
+    if type(node) is dict or frozen:
       keys = list(node)
       if not (all(type(k) is str for k in keys) or all(type(k) is int for k in keys)):
         raise ReshardError(
             f"state node at {path}: dict keys must be all str or all int to be stored")
       keys = sorted(keys)  # jax flattens dicts in sorted key order
-      return ["d", [["s" if type(k) is str else "i", k] for k in keys],
+      return ["f" if frozen else "d", [["s" if type(k) is str else "i", k] for k in keys],
               [enc(node[k], path + (k,)) for k in keys]]
     if jax.tree_util.tree_structure(node) == _LEAF:
       leaves.append(node)
       return len(leaves) - 1
     raise ReshardError(
         f"state node at {path} is a {type(node).__module__}.{type(node).__qualname__}, a"
-        " pytree node type jaxreshard cannot store (NamedTuple, dict, list, tuple and None can be)")
+        " pytree node type jaxreshard cannot store (NamedTuple, dict, flax's FrozenDict, list,"
+        " tuple and None can be)")
 
   tree = enc(state, ())
   # The encoding must give back exactly this structure, or saving is pointless
@@ -290,7 +308,7 @@ def decode_tree(tree: Any, leaves: Sequence[Any], where: str,
     if kind in ("l", "t") and len(node) == 2:
       out = [dec(c, depth + 1) for c in children]
       return out if kind == "l" else tuple(out)
-    if kind == "d" and len(node) == 3 and type(node[1]) is list:
+    if kind in ("d", "f") and len(node) == 3 and type(node[1]) is list:
       keys = node[1]
       if len(keys) != len(children):
         raise ArchiveError(f"{where}: a dict node has {len(keys)} keys and {len(children)} children")
@@ -302,11 +320,14 @@ def decode_tree(tree: Any, leaves: Sequence[Any], where: str,
         if k[1] in out:
           raise ArchiveError(f"{where}: dict key {k[1]!r} appears twice")
         out[k[1]] = dec(c, depth + 1)
-      return out
+      return out if kind == "d" else _frozen_dict_class(where)(out)
     if kind == "n" and len(node) == 5:
       _, module, name, fields = node[:4]
-      key = (module, name, tuple(fields) if type(fields) is list else None)
-      cls = (classes or {}).get(key) or namedtuple_class(module, name, fields, where)
+      if not (type(module) is str and type(name) is str and type(fields) is list
+              and all(type(f) is str for f in fields)):
+        raise ArchiveError(f"{where}: invalid NamedTuple node {str(node[:4])[:200]!r}")
+      cls = ((classes or {}).get((module, name, tuple(fields)))
+             or namedtuple_class(module, name, fields, where))
       out = [dec(c, depth + 1) for c in children]
       if len(out) != len(cls._fields):
         raise ArchiveError(f"{where}: NamedTuple {cls.__name__} has {len(out)} children")

@@ -108,37 +108,54 @@ def write_array(directory: str, name: str, data: np.ndarray, chunk: int) -> list
   size, itemsize = data.size, data.dtype.itemsize
   path = os.path.join(directory, name)
   os.mkdir(path)
-  with open(os.path.join(path, META_FILE), "x") as f:
-    json.dump(zarr_metadata(size, data.dtype, chunk), f, separators=(",", ":"))
+  write_json(os.path.join(path, META_FILE), zarr_metadata(size, data.dtype, chunk))
   os.mkdir(os.path.join(path, SHARD_KEY[0]))
   raw = memoryview(data.view(np.uint8))
+  fd = os.open(os.path.join(path, *SHARD_KEY), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+               0o644)
+  try:
+    return _write_chunks(fd, raw, size, itemsize, chunk)
+  except OSError as e:  # a full disk or a quota: say which file
+    raise OSError(e.errno, e.strerror, os.path.join(path, *SHARD_KEY)) from None
+  finally:
+    os.close(fd)
+
+
+def write_json(path: str, obj: Any) -> None:
+  """Writes ``obj`` as compact JSON into a new file; errors name the file."""
+  # json.dumps, not json.dump: only the former uses the C encoder.
+  text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
+  try:
+    with open(path, "x") as f:
+      f.write(text)
+  except OSError as e:  # a full disk reports itself without the file's name
+    raise OSError(e.errno, e.strerror, path) from None
+
+
+def _write_chunks(fd: int, raw: memoryview, size: int, itemsize: int, chunk: int) -> list[int]:
+  """Writes every chunk, its crc32c and the shard index; returns the chunks' crc32c."""
   cb = chunk * itemsize
   n = n_chunks(size, chunk)
   tail = bytes(n * cb - size * itemsize)  # zero padding of the last chunk
   crcs, iov = [], []
   index = np.empty((n, 2), "<u8")
-  fd = os.open(os.path.join(path, *SHARD_KEY), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-               0o644)
-  try:
-    for i in range(n):
-      part = raw[i * cb:(i + 1) * cb]
-      crc = _crc(part)
-      if i == n - 1 and tail:
-        crc = google_crc32c.extend(crc, tail)
-        iov += [part, tail]
-      else:
-        iov.append(part)
-      crcs.append(crc)
-      iov.append(crc.to_bytes(4, "little"))
-      index[i] = (i * (cb + CRC_BYTES), cb + CRC_BYTES)
-      if len(iov) >= _IOV_MAX:
-        _writev(fd, iov)
-        iov = []
-    index_bytes = index.tobytes()
-    iov += [index_bytes, _crc(index_bytes).to_bytes(4, "little")]
-    _writev(fd, iov)
-  finally:
-    os.close(fd)
+  for i in range(n):
+    part = raw[i * cb:(i + 1) * cb]
+    crc = _crc(part)
+    if i == n - 1 and tail:
+      crc = google_crc32c.extend(crc, tail)
+      iov += [part, tail]
+    else:
+      iov.append(part)
+    crcs.append(crc)
+    iov.append(crc.to_bytes(4, "little"))
+    index[i] = (i * (cb + CRC_BYTES), cb + CRC_BYTES)
+    if len(iov) >= _IOV_MAX:
+      _writev(fd, iov)
+      iov = []
+  index_bytes = index.tobytes()
+  iov += [index_bytes, _crc(index_bytes).to_bytes(4, "little")]
+  _writev(fd, iov)
   return crcs
 
 

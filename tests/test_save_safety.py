@@ -1,0 +1,206 @@
+"""A save never leaves half a checkpoint: full disks, killed saves, races and bad paths.
+
+Every case runs the real writer on the real file system: a full disk is a file
+size limit (``RLIMIT_FSIZE``, any user) and, where this process may mount one,
+a tiny tmpfs; a killed save is a real process killed mid-write.
+"""
+
+import errno
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.core import FrozenDict
+
+import jaxreshard as jr
+from jaxreshard import _archive_io
+from tests._archive_util import adam_records
+from tests._core_util import assert_records_equal, bits
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(code: str, *, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                        text=True, timeout=timeout, env=env, **kwargs)
+
+
+def test_a_full_disk_is_an_os_error_naming_the_checkpoint_and_leaves_nothing(tmp_path):
+  # A file size limit makes the writer's writes fail the way a full disk does.
+  out = tmp_path / "ckpt"
+  result = _python(f"""
+      import resource, signal
+      import jax.numpy as jnp, optax, jaxreshard as jr
+      signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+      params = {{"w": jnp.arange(200_000.0)}}
+      opt = optax.adam(1e-3)
+      records = jr.shard_state(opt, params, opt.init(params), world_size=3)
+      resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+      try:
+        jr.save_records({str(out)!r}, records)
+      except OSError as e:
+        print("errno", e.errno, "filename", e.filename, "|", e)
+      """)
+  assert result.returncode == 0, result.stderr
+  assert f"errno {errno.EFBIG} filename {out} |" in result.stdout, result.stdout
+  assert os.listdir(tmp_path) == []  # no checkpoint, no temporary directory
+
+
+def test_a_full_tmpfs_is_enospc_and_leaves_nothing(tmp_path):
+  mnt = tmp_path / "small"
+  mnt.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                    capture_output=True).returncode:
+    pytest.skip("this process may not mount a tmpfs (needs root); the RLIMIT_FSIZE case covers it")
+  try:
+    records = adam_records(3, {"w": ((200_000,), jnp.float32)})
+    with pytest.raises(OSError) as info:
+      jr.save_records(mnt / "ckpt", records)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(mnt / "ckpt")
+    assert os.listdir(mnt) == []
+    jr.save_records(mnt / "ckpt", adam_records(3, {"w": ((10,), jnp.float32)}))  # room again: it saves
+  finally:
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_killed_save_is_cleaned_by_the_next_save(tmp_path):
+  out = tmp_path / "ckpt"
+  # A save killed between its archives: the generator blocks until killed.
+  proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+      import sys, time
+      import jax.numpy as jnp, optax, jaxreshard as jr
+      params = {{"w": jnp.arange(100.0)}}
+      opt = optax.adam(1e-3)
+      records = jr.shard_state(opt, params, opt.init(params), world_size=4)
+      def slow():
+        yield records[0]
+        print("written", flush=True)
+        time.sleep(600)
+        yield from records[1:]
+      jr.save_records({str(out)!r}, slow())
+      """)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+  try:
+    assert proc.stdout.readline().strip() == "written"
+    (leftover,) = os.listdir(tmp_path)
+    assert leftover.startswith(".ckpt.tmp-") and not out.exists()
+    # While its writer lives, nothing removes it.
+    assert _archive_io.temp_dirs(str(out)) == [(str(tmp_path / leftover), False)]
+  finally:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+  assert _archive_io.temp_dirs(str(out)) == [(str(tmp_path / leftover), True)]
+  records = adam_records(2)
+  jr.save_records(out, records)
+  assert os.listdir(tmp_path) == ["ckpt"]
+  for x, y in zip(jr.load_records(out), records):
+    assert_records_equal(x, y)
+
+
+def test_clean_command_removes_what_a_dead_writer_left(tmp_path):
+  from typer.testing import CliRunner
+  from jaxreshard._cli import app
+
+  out = tmp_path / "ckpt"
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  stale = tmp_path / f".ckpt.tmp-{'a' * 32}-{dead.pid}-{_archive_io._host()}"
+  live = tmp_path / f".ckpt.tmp-{'b' * 32}-{os.getpid()}-{_archive_io._host()}"
+  other = tmp_path / f".ckpt.tmp-{'c' * 32}-1-some.other.host"
+  unrelated = tmp_path / f".ckpt2.tmp-{'d' * 32}-{dead.pid}-{_archive_io._host()}"
+  for d in (stale, live, other, unrelated):
+    (d / "archive_00000").mkdir(parents=True)
+  result = CliRunner().invoke(app, ["clean", str(out)])
+  assert result.exit_code == 0, result.output
+  assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, unrelated.name])
+  assert f"removed: {stale}" in result.stdout and "1 of 3 temporary directories" in result.stdout
+  result = CliRunner().invoke(app, ["clean", str(out), "--all"])
+  assert result.exit_code == 0 and os.listdir(tmp_path) == [unrelated.name]
+
+
+def test_the_commit_never_replaces_what_appeared_meanwhile(tmp_path):
+  # An empty directory made at the destination while the save ran: a plain
+  # rename would silently replace it; the commit refuses.
+  final = str(tmp_path / "ckpt")
+  tmp = _archive_io.new_temp_dir(final)
+  os.mkdir(final)
+  with pytest.raises(jr.ArchiveExistsError, match="appeared while it was being written"):
+    _archive_io.commit_dir(tmp, final)
+  assert os.listdir(final) == [] and os.path.isdir(tmp)
+
+
+def test_a_parent_that_is_a_file_is_named_as_such(tmp_path):
+  (tmp_path / "file").write_text("x")
+  with pytest.raises(NotADirectoryError, match="is not a directory"):
+    jr.save_records(tmp_path / "file" / "ckpt", adam_records(2))
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    jr.save_records(tmp_path / "nope" / "ckpt", adam_records(2))
+
+
+@pytest.mark.parametrize("bad", [None, 3, b"/tmp/x", ""])
+def test_a_path_argument_that_is_not_a_path_is_refused_by_name(bad):
+  for fn in (lambda: jr.save_records(bad, adam_records(2)), lambda: jr.load_records(bad),
+             lambda: jr.restore(bad, rank=0, world_size=2), lambda: jr.open_checkpoint(bad)):
+    with pytest.raises(jr.ReshardError, match="directory"):
+      fn()
+
+
+def test_an_unreadable_file_is_a_permission_error_not_corruption():
+  # Root reads everything, so as root the reader runs as nobody; every
+  # directory on the way must then be open to nobody (pytest's are not).
+  tmp_path = pathlib.Path(tempfile.mkdtemp())
+  os.chmod(tmp_path, 0o755)
+  try:
+    _unreadable_file(tmp_path)
+  finally:
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def _unreadable_file(tmp_path):
+  jr.save_records(tmp_path / "ckpt", adam_records(2))
+  target = tmp_path / "ckpt" / "archive_00001" / "archive.json"
+  os.chmod(target, 0)
+  code = f"""
+      import os, jaxreshard as jr
+      if os.getuid() == 0:
+        os.setgid(65534); os.setuid(65534)   # root reads everything: read as nobody
+      try:
+        jr.load_records({str(tmp_path / 'ckpt')!r})
+      except PermissionError as e:
+        print("permission", e.filename)
+      except Exception as e:
+        print("other", type(e).__name__, e)
+      """
+  result = _python(code)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == f"permission {target}", result.stdout
+
+
+def test_frozen_dict_state_nodes_round_trip_through_every_path(tmp_path):
+  params = FrozenDict({"dense": {"kernel": jnp.arange(12.0).reshape(3, 4)}, "b": jnp.ones(5)})
+  opt = optax.adam(1e-3)
+  state = opt.init(params)
+  assert type(state[0].mu) is FrozenDict
+  records = jr.shard_state(opt, params, state, world_size=3)
+  jr.save_records(tmp_path / "ckpt", records)
+  loaded = jr.load_records(tmp_path / "ckpt")
+  assert type(loaded[0].state[0].mu) is FrozenDict
+  for x, y in zip(loaded, records):
+    assert_records_equal(x, y)
+  for full in (jr.unshard_state(records), jr.unshard_state(loaded)):
+    assert jax.tree_util.tree_structure(full) == jax.tree_util.tree_structure(state)
+    assert all(np.array_equal(bits(a), bits(b)) for a, b in
+               zip(jax.tree.leaves(full), jax.tree.leaves(state)))
+  target = jr.restore(tmp_path / "ckpt", rank=1, world_size=2)
+  assert type(target.state[0].mu) is FrozenDict
+
