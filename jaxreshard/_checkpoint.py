@@ -51,8 +51,8 @@ import numpy as np
 
 from jaxreshard import _archive_format as fmt
 from jaxreshard import _copyplan, _shardfile, _sources, _structure, _validate
-from jaxreshard._errors import ArchiveError, PlacementError, ShapeError
-from jaxreshard._geometry import FlatShard
+from jaxreshard._errors import ArchiveError, PlacementError, ReshardError, ShapeError
+from jaxreshard._geometry import MAX_WORLD_SIZE, FlatShard
 from jaxreshard._placement import ParamPlacement
 from jaxreshard._record import FORMAT_VERSION as RECORD_VERSION
 from jaxreshard._record import ShardRecord
@@ -171,7 +171,7 @@ class Checkpoint:
   """
 
   def __init__(self, directory: Any):
-    self.directory = os.path.abspath(os.fspath(directory))
+    self.directory = path_arg(directory)
     with _shardfile.Dir.root(self.directory) as root:
       if not root.exists(INDEX_FILE):
         raise ArchiveError(
@@ -212,6 +212,10 @@ class Checkpoint:
     if not isinstance(self.id, str) or not _ID.match(self.id):
       raise ArchiveError(f"{where}: invalid checkpoint identity {str(self.id)[:80]!r}")
     self.record_version = fmt.expect(index["record_version"], int, where)
+    if self.record_version != RECORD_VERSION:
+      raise PlacementError(
+          f"{where}: record version {self.record_version!r} is not supported"
+          f" (only version {RECORD_VERSION} exists)")
     self.params = [self._param(e, f"{where}, param {i}")
                    for i, e in enumerate(fmt.expect(index["params"], list, where))]
     archives = fmt.expect(index["archives"], list, where)
@@ -245,6 +249,10 @@ class Checkpoint:
     classes: dict[str, int] = {}
     self._clock_class = [classes.setdefault(json.dumps(c, sort_keys=True), len(classes))
                          for c in fmt.expect(index["clocks"], list, where)]
+
+  def _param_names(self, params: Sequence[int]) -> str:
+    names = [self.params[p].param for p in params[:3]]
+    return f"{names}{'...' if len(params) > 3 else ''}"
 
   def _param(self, e: Any, where: str) -> ParamEntry:
     if not (isinstance(e, list) and len(e) == 4):
@@ -284,8 +292,8 @@ class Checkpoint:
     if set(e) != {"world_size", "params", "ranks"}:
       raise ArchiveError(f"{where}: expected world_size, params and ranks")
     world = fmt.expect(e["world_size"], int, where)
-    if world < 1:
-      raise ArchiveError(f"{where}: world_size {world} must be at least 1")
+    if not 1 <= world <= MAX_WORLD_SIZE:
+      raise ArchiveError(f"{where}: world_size {world} must be between 1 and {MAX_WORLD_SIZE}")
     params = tuple(fmt.expect(p, int, where) for p in fmt.expect(e["params"], list, where))
     if any(not 0 <= p < len(self.params) for p in params):
       raise ArchiveError(f"{where}: a param index is out of range")
@@ -297,7 +305,8 @@ class Checkpoint:
       if not 0 <= a < len(self.names):
         raise ArchiveError(f"{where}: archive {a} does not exist")
       if not 0 <= r < world:
-        raise ArchiveError(f"{where}: rank {r} is outside world_size {world}")
+        raise ArchiveError(f"{where}: archive {a} ({self.names[a]}) has rank {r}, outside"
+                           f" world_size {world} of params {self._param_names(params)}")
       ranks.append((a, r))
     return Group(world, params, tuple(ranks))
 
@@ -370,10 +379,6 @@ class Checkpoint:
     An archive of a uniform group (one layout whose buffers have the group's
     slots, checked once for the group) needs no check of its own.
     """
-    if self.record_version != RECORD_VERSION:
-      raise PlacementError(
-          f"archive {archive}: record version {self.record_version!r} is not supported"
-          f" (only version {RECORD_VERSION} exists)")
     if self.member[archive] and all(self._is_uniform(gi) for gi, _ in self.member[archive]):
       return
     placements = self.placements(archive)
@@ -636,6 +641,17 @@ def _read_runs(f: _shardfile.ShardFile, src, dst, length, out, scratch) -> None:
     view[t:t + b - a] = row[a:b]
 
 
+def path_arg(directory: Any, what: str = "directory") -> str:
+  """``directory`` as an absolute path; anything that is not a path is refused by name."""
+  if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)):
+    raise ReshardError(f"{what} must be a path (str or os.PathLike), got"
+                       f" {type(directory).__name__}")
+  path = os.fspath(directory)
+  if not isinstance(path, str) or not path or "\0" in path:
+    raise ReshardError(f"{what} {path!r} is not a usable path")
+  return os.path.abspath(path)
+
+
 def open_checkpoint(directory: Any) -> Checkpoint:
   """Reads and checks a checkpoint's index; reads no archive.
 
@@ -785,11 +801,7 @@ def write_archive(directory: str, index: int, record: Any, builder: IndexBuilder
       "archive": f"archive_{index:05d}", "buffers": meta_buffers})
 
 
-def dump(path: str, obj: Any) -> None:
-  # json.dumps, not json.dump: only the former uses the C encoder.
-  text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
-  with open(path, "x") as f:
-    f.write(text)
+dump = _shardfile.write_json
 
 
 def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,

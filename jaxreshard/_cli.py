@@ -1,4 +1,4 @@
-"""The ``jaxreshard`` command line: demo, inspect, reshard, verify.
+"""The ``jaxreshard`` command line: demo, inspect, reshard, verify, clean.
 
 Exit codes follow ``cmp``/``diff``: 0 success (for ``verify``: identical),
 1 a negative answer (``verify``: the checkpoints differ; ``demo``: a check
@@ -9,6 +9,7 @@ one line on stderr, never a traceback.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import sys
@@ -21,9 +22,10 @@ import typer
 from rich import filesize
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 import jaxreshard as jr
-from jaxreshard import _checkpoint, _digest, _progress, _restore
+from jaxreshard import _archive_io, _checkpoint, _digest, _progress, _restore
 
 __all__ = ["app", "main"]
 
@@ -41,18 +43,39 @@ app = typer.Typer(
 
 def _out() -> Console:
   # Made per call so that a test runner's captured stdout is the one used.
-  return Console(highlight=False, soft_wrap=True)
+  console = Console(highlight=False, soft_wrap=True)
+  if not console.is_terminal:
+    # Pipes and files get every value whole: tables as wide as they need.
+    console.width = _PIPE_WIDTH
+  return console
+
+
+_PIPE_WIDTH = 10_000
 
 
 def _err() -> Console:
   return Console(stderr=True, highlight=False)
 
 
+def safe(text: Any) -> str:
+  """``text`` with every non-printable character (terminal escapes, newlines) escaped."""
+  text = str(text)
+  if text.isprintable():
+    return text
+  return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _cell(text: Any) -> Text:
+  # Names and paths come from checkpoints and users: never rich markup.
+  return Text(safe(text))
+
+
 def _message(e: BaseException) -> str:
   if isinstance(e, OSError) and e.filename is not None and e.strerror:
-    return f"{e.strerror}: {e.filename}"
+    return safe(f"{e.strerror}: {e.filename}")
   text = " ".join(str(e).split()) or type(e).__name__
-  return text if isinstance(e, (jr.ReshardError, OSError)) else f"{type(e).__name__}: {text}"
+  text = text if isinstance(e, (jr.ReshardError, OSError)) else f"{type(e).__name__}: {text}"
+  return safe(text)
 
 
 def _guard(fn: Callable) -> Callable:
@@ -75,6 +98,13 @@ def _guard(fn: Callable) -> Callable:
     except (ValueError, OSError) as e:
       print(f"jaxreshard: error: {_message(e)}", file=sys.stderr)
       raise typer.Exit(EXIT_ERROR) from None
+    except Exception as e:  # pylint: disable=broad-except
+      # A bug, not an answer: exit 2 (verify's 1 means "different"), one line.
+      if os.environ.get("JAXRESHARD_TRACEBACK"):
+        raise
+      print(f"jaxreshard: error: internal error, please report it: {_message(e)}"
+            " (JAXRESHARD_TRACEBACK=1 shows where)", file=sys.stderr)
+      raise typer.Exit(EXIT_ERROR) from None
 
   return wrapper
 
@@ -82,6 +112,11 @@ def _guard(fn: Callable) -> Callable:
 def _stream(path: Path) -> Iterator[Any]:
   """The checkpoint's records, read one archive at a time (verify holds one at once)."""
   ckpt = _checkpoint.open_checkpoint(str(path))
+  try:
+    ckpt.complete_groups()
+  except jr.PlacementError as e:
+    raise jr.PlacementError(f"{path} is not a complete checkpoint, which verify needs: {e}"
+                            ) from None
   for i in range(len(ckpt)):
     ckpt.check_archive(i)
   for i in range(len(ckpt)):
@@ -232,8 +267,8 @@ def inspect(
     print(json.dumps(info, indent=2))
     return
   out = _out()
-  table = Table(title=f"{checkpoint}: {info['archives']} archives, world size"
-                f" {', '.join(map(str, info['world_sizes']))}")
+  table = Table(title=_cell(f"{checkpoint}: {info['archives']} archives, world size"
+                            f" {', '.join(map(str, info['world_sizes']))}"))
   for col in ("param", "shape", "world", "dtype", "train", "buffers", "bytes", "stored"):
     table.add_column(col, justify="right" if col in ("world", "bytes", "stored") else "left",
                      no_wrap=col != "buffers", overflow="fold",
@@ -241,9 +276,9 @@ def inspect(
   for e in info["params"]:
     ranks = e["ranks"]
     world = ", ".join(map(str, e["world_sizes"]))
-    if ranks != list(range(e["world_sizes"][0])):
+    if len(ranks) != e["world_sizes"][0] or ranks != list(range(len(ranks))):
       world += f" (ranks {ranks})"
-    table.add_row(e["param"], str(tuple(e["shape"])), world, e["dtype"],
+    table.add_row(_cell(e["param"]), str(tuple(e["shape"])), world, e["dtype"],
                   "yes" if e["trainable"] else "no", _buffers_text(e["buffers"]),
                   _size(e["bytes"]), _size(e["stored_bytes"]))
   out.print(table)
@@ -252,7 +287,7 @@ def inspect(
   for col in ("scalar", "dtype", "value"):
     clocks.add_column(col)
   for c in info["clocks"]:
-    clocks.add_row(c["path"], c["dtype"], str(c["value"]))
+    clocks.add_row(_cell(c["path"]), c["dtype"], _cell(c["value"]))
   out.print(clocks)
   out.print(f"{len(info['params'])} params, {_size(info['bytes'])} of optimizer state"
             f" ({_size(info['stored_bytes'])} stored with padding)")
@@ -268,25 +303,34 @@ def reshard(
     out: Path = typer.Argument(..., help="The new checkpoint directory (must not exist)."),
     world_size: int = typer.Option(..., "--world-size", "-m", help="The target world size M."),
     rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Write only this target rank."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the read plan; write nothing."),
+    dry_run: bool = typer.Option(False, "--dry-run",
+                                 help="Print what each target rank reads; write nothing."),
+    reads: bool = typer.Option(False, "--reads",
+                               help="With --dry-run: list every read, not one line per rank."),
 ):
   """Rebuild every target rank (or one) for a new world size, streaming rank by rank."""
   ckpt = _checkpoint.open_checkpoint(str(checkpoint))
   # Refuses a bad world size or a rank outside it before any work.
   jr.FlatShard((), 0 if rank is None else rank, world_size)
-  ranks = [rank] if rank is not None else list(range(world_size))
-  plans = [_progress.target_plan(ckpt, world_size=world_size, rank=r) for r in ranks]
+  ranks = [rank] if rank is not None else range(world_size)
+  # Plans are made one rank at a time, as they are printed or used: a world
+  # size of a million ranks costs a million small plans, never their list.
+  plans = (_progress.target_plan(ckpt, world_size=world_size, rank=r) for r in ranks)
+  first = next(plans)  # refuses archives that do not form complete groups, before any output
+  plans = itertools.chain([first], plans)
   if dry_run:
-    _print_plans(plans, len(ckpt))
+    _print_plans(plans, len(ckpt), len(ranks), reads)
     return
   if os.path.lexists(out):
-    raise jr.ArchiveExistsError(f"{out} already exists; jaxreshard never overwrites a checkpoint")
+    raise jr.ArchiveExistsError(
+        f"{safe(out)} already exists; jaxreshard never overwrites a checkpoint")
+  total = first.bytes_read if rank is not None else _progress.total_bytes(ckpt)
   restore = lambda r: _restore.restore_ranks(str(checkpoint), [r], world_size=world_size,
                                              checkpoint=ckpt)[0]
   err = _err()
   t0 = time.perf_counter()
   with _progress.progress_bar(err) as bar:
-    task = bar.add_task("resharding", total=sum(p.bytes_read for p in plans) or 1)
+    task = bar.add_task("resharding", total=total or 1)
 
     def targets() -> Iterator[Any]:
       for p in plans:
@@ -295,30 +339,43 @@ def reshard(
         bar.advance(task, p.bytes_read)  # after save_records has taken this rank
 
     jr.save_records(str(out), targets())
-  moved = sum(p.bytes_read for p in plans)
-  _out().print(f"wrote {len(plans)} of {world_size} target ranks to {out}"
-               f" ({_size(moved)} moved, {time.perf_counter() - t0:.1f} s)")
+  _out().print(_cell(f"wrote {len(ranks)} of {world_size} target ranks to {out}"
+                     f" ({_size(total)} moved, {time.perf_counter() - t0:.1f} s)"))
 
 
-def _print_plans(plans: list[_progress.TargetPlan], n_archives: int) -> None:
-  out = _out()
+def _print_plans(plans: Iterator[_progress.TargetPlan], n_archives: int, n_ranks: int,
+                 reads: bool) -> None:
+  """One line per target rank (every read under it with ``reads``), then the total.
+
+  Plain aligned text, printed as each plan is made: no value is ever cut.
+  """
+  head = ("target rank", "archives read", "bytes moved", "target bytes", "peak memory")
+  print("  ".join(f"{h:>13}" for h in head))
+  total = peak = 0
   for p in plans:
-    table = Table(title=f"target rank {p.rank} of {p.world_size}", title_justify="left")
-    for col in ("param", "archive", "src rank", "elements [lo, hi)", "local", "bytes"):
-      table.add_column(col, justify="left" if col in ("param", "elements [lo, hi)") else "right",
-                       no_wrap=True)
-    for r in p.reads:
-      table.add_row(r.param, str(r.archive), str(r.source_rank), f"[{r.lo}, {r.hi})",
-                    str(r.local), str(r.bytes))
-    out.print(table)
-    out.print(f"rank {p.rank}: reads {len(p.per_archive)} of {n_archives} archives,"
-              f" {_size(p.bytes_read)} moved; target {_size(p.target_bytes)};"
-              f" peak memory ~{_size(p.peak_bytes)}")
-  total = sum(p.bytes_read for p in plans)
-  ranks = f"{len(plans)} target rank{'s' if len(plans) != 1 else ''}"
-  out.print(f"dry run: {ranks}, {_size(total)} moved in all,"
-            f" peak memory ~{_size(max((p.peak_bytes for p in plans), default=0))};"
-            " nothing written")
+    total += p.bytes_read
+    peak = max(peak, p.peak_bytes)
+    row = (p.rank, f"{len(p.per_archive)} of {n_archives}", _size(p.bytes_read),
+           _size(p.target_bytes), _size(p.peak_bytes))
+    print("  ".join(f"{v:>13}" for v in row))
+    if reads:
+      _print_reads(p)
+  print(f"dry run: {n_ranks} target rank{'s' if n_ranks != 1 else ''}, {_size(total)} moved"
+        f" in all, peak memory ~{_size(peak)} (the target rank's buffers plus one bounded"
+        " read buffer); nothing written")
+
+
+def _print_reads(p: _progress.TargetPlan) -> None:
+  """Each read of one target rank: whose elements, from which archive and where in it."""
+  head = ("param", "archive", "source rank", "elements [lo, hi)", "source offset", "bytes")
+  rows = [(safe(r.param), r.archive, r.source_rank, f"[{r.lo}, {r.hi})", r.local, r.bytes)
+          for r in p.reads]
+  widths = [max([len(h)] + [len(str(row[i])) for row in rows]) for i, h in enumerate(head)]
+  line = lambda vals: "    " + "  ".join(
+      f"{v!s:<{w}}" if i in (0, 3) else f"{v!s:>{w}}" for i, (v, w) in enumerate(zip(vals, widths)))
+  print(line(head).rstrip())
+  for row in rows:
+    print(line(row).rstrip())
 
 
 # ------------------------------------------------------------------------- verify
@@ -337,8 +394,8 @@ def verify(
   console = _out()
   if diffs:
     for line in diffs:
-      console.print(f"differs: {line}", markup=False)
-    print(f"jaxreshard: {out} does not hold {checkpoint}'s optimizer state"
+      console.print(_cell(f"differs: {line}"))
+    print(f"jaxreshard: {safe(out)} does not hold {safe(checkpoint)}'s optimizer state"
           f" ({len(diffs)} difference{'s' if len(diffs) != 1 else ''})", file=sys.stderr)
     raise typer.Exit(EXIT_DIFFERENT)
   buffers = sum(len(p.buffers) for p in a.params.values())
@@ -347,6 +404,28 @@ def verify(
       f"identical: {len(a.params)} params, {buffers} buffers ({elements} elements),"
       f" {len(a.scalars)} clock scalar{'s' if len(a.scalars) != 1 else ''}, padding all zero;"
       f" digest {a.hexdigest()[:16]}")
+
+
+# -------------------------------------------------------------------------- clean
+
+
+@app.command()
+@_guard
+def clean(
+    checkpoint: Path = typer.Argument(..., help="The checkpoint path saves were writing to."),
+    everything: bool = typer.Option(
+        False, "--all", help="Also remove temporary directories of other hosts or of live"
+        " processes (only when no save to CHECKPOINT is running anywhere)."),
+):
+  """Remove the temporary directories that killed saves to CHECKPOINT left behind."""
+  final = os.path.abspath(str(checkpoint))
+  found = _archive_io.temp_dirs(final)
+  removed = set(_archive_io.remove_temp_dirs(final, everything=everything))
+  for path, _ in found:
+    verb = "removed" if path in removed else "kept (its writer may still run; --all removes it)"
+    print(f"{verb}: {safe(path)}")
+  print(f"{len(removed)} of {len(found)} temporary director{'y' if len(found) == 1 else 'ies'}"
+        f" of {safe(final)} removed")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

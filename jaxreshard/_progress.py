@@ -9,13 +9,14 @@ read.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 
 from jaxreshard import _copyplan, _pipeline, _reshard
 from jaxreshard._checkpoint import Checkpoint
 
-__all__ = ["Read", "TargetPlan", "progress_bar", "target_plan"]
+__all__ = ["Read", "TargetPlan", "progress_bar", "target_plan", "total_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +89,16 @@ def _target_plan(ckpt: Checkpoint, world_size: int, rank: int) -> TargetPlan:
     reads.append(Read(grp.by_rank[r], r, grp.param, lo, lo + n, local, n * itemsize[g]))
   reads.sort(key=lambda x: (x.param, x.lo))
   return TargetPlan(rank, world_size, tuple(reads), layout.nbytes)
+
+
+def total_bytes(ckpt: Checkpoint) -> int:
+  """The history bytes every target rank together reads: each element once, padding never."""
+  total = 0
+  for pid, shape, sources in ckpt.complete_groups():
+    itemsize = sum(h.dtype.itemsize for h in ckpt.history(sources[0], pid)
+                   if hasattr(h, "dtype"))
+    total += math.prod(shape) * itemsize
+  return total
 
 
 def progress_bar(console: Any) -> Any:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -96,9 +97,16 @@ def test_inspect_table_and_json(ckpt):
 def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
   root, src = ckpt
   result = _run("reshard", root / "ckpt8", root / "never", "-m", 6, "--dry-run")
-  assert result.exit_code == 0, result.output
+  detail = _run("reshard", root / "ckpt8", root / "never", "-m", 6, "--dry-run", "--reads")
+  assert result.exit_code == 0 and detail.exit_code == 0, result.output + detail.output
   assert not (root / "never").exists() and "nothing written" in result.stdout
-  assert all(f"target rank {r} of 6" in result.stdout for r in range(6))
+  summary = result.stdout.splitlines()
+  assert summary[0].split() == ["target", "rank", "archives", "read", "bytes", "moved",
+                                "target", "bytes", "peak", "memory"]
+  assert len(summary) == 1 + 6 + 1
+  # With --reads, every read is one line under its rank's line.
+  read_lines = [l.split() for l in detail.stdout.splitlines() if re.match(r"    \S", l)
+                and not l.split()[0] == "param"]
   index = jr.open_checkpoint(root / "ckpt8")
   for rank in range(6):
     p = _progress.target_plan(index, world_size=6, rank=rank)
@@ -112,7 +120,15 @@ def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
         s = jr.FlatShard(shape, r.source_rank, 8)
         assert s.start <= r.lo < r.hi <= s.stop and r.local == r.lo - s.start
     assert p.bytes_read == sum(jr.FlatShard(s, rank, 6).owned * 8 for s in ((7, 11), (5,), (9,)))
-    assert f"rank {rank}: reads {len(p.per_archive)} of 8 archives" in result.stdout
+    row = summary[1 + rank].split()
+    assert row[:4] == [str(rank), str(len(p.per_archive)), "of", "8"], row
+    assert row[4:6] == [str(p.bytes_read), "B"], row
+    mine = [[r.param, str(r.archive), str(r.source_rank), f"[{r.lo},", f"{r.hi})", str(r.local),
+             str(r.bytes)] for r in p.reads]
+    assert all(m in read_lines for m in mine)
+  assert len(read_lines) == sum(
+      len(_progress.target_plan(index, world_size=6, rank=r).reads) for r in range(6))
+  assert summary[-1].startswith("dry run: 6 target ranks, ")
 
 
 def test_reshard_writes_exactly_the_target_ranks(ckpt, resharded):
@@ -222,3 +238,103 @@ def test_progress_bar_shows_bytes_and_eta_on_terminals():
   with _progress.progress_bar(Console(file=piped)) as bar:
     bar.advance(bar.add_task("x", total=10), 10)
   assert piped.getvalue() == ""  # pipes and logs get no frozen bar
+
+
+# --- untrusted names, metadata and arguments ------------------------------------
+
+
+def _first_namedtuple(tree):
+  if isinstance(tree, list) and tree and tree[0] == "n":
+    return tree
+  for child in (tree[-1] if isinstance(tree, list) and tree else []):
+    found = _first_namedtuple(child)
+    if found is not None:
+      return found
+  return None
+
+
+def _edit_index(path, fn):
+  index = path / "jaxreshard.json"
+  data = json.loads(index.read_text())
+  fn(data)
+  index.write_text(json.dumps(data))
+
+
+def test_names_and_paths_are_printed_literally_and_escaped(tmp_path):
+  # Rich markup and terminal escapes in param names and paths are data, never
+  # markup or control sequences.
+  params = {"\x1b[2J": np.ones(4, np.float32), "[bold]y": np.ones(2, np.float32),
+            "[/x]": np.ones(3, np.float32)}
+  opt = optax.adam(1e-3)
+  (tmp_path / "[").mkdir()
+  path = tmp_path / "[/p] \x1b[31m"
+  jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=2))
+  for args in (("inspect", path), ("reshard", path, tmp_path / "[/o]", "-m", 3, "--dry-run",
+                                   "--reads"), ("reshard", path, tmp_path / "[/o]", "-m", 3),
+               ("verify", path, tmp_path / "[/o]")):
+    result = _run(*args)
+    assert result.exit_code == 0, result.output
+    assert "\x1b" not in result.stdout, result.stdout
+  result = _run("inspect", path)
+  assert "\\x1b[2J" in result.stdout and "[bold]y" in result.stdout
+  assert "[%2Fx]" in result.stdout  # the param id of the key "[/x]"
+  assert "[/p] \\x1b[31m" in result.stdout
+  missing = _one_line_error(_run("inspect", tmp_path / "gone \x1b[2J"))
+  assert "\x1b" not in missing and "gone \\x1b[2J" in missing
+
+
+@pytest.mark.parametrize("edit, needle", [
+    # a NamedTuple node whose module is a list (unhashable)
+    (lambda d: _first_namedtuple(d["layouts"][0]["tree"]).__setitem__(1, ["optax"]),
+     "invalid NamedTuple"),
+    (lambda d: d["groups"][0].update(world_size=10**12), "between 1 and 1048576"),
+    (lambda d: d["groups"][0].update(world_size=0), "world_size 0 must be"),
+    (lambda d: d["groups"][0].update(world_size=True), "expected int, got bool"),
+    (lambda d: d["params"][0].__setitem__(1, [10**30]), "shape"),
+    (lambda d: d["groups"][0]["ranks"].__setitem__(1, d["groups"][0]["ranks"][0]), "twice|both hold rank 0"),
+    (lambda d: d["groups"][0]["ranks"][1].__setitem__(1, -1), "has rank -1"),
+    (lambda d: d.update(record_version=2), "record version 2 is not supported"),
+])
+def test_hostile_index_is_one_line_exit_2_in_every_command(ckpt, tmp_path, edit, needle):
+  root, _ = ckpt
+  bad = tmp_path / "bad"
+  shutil.copytree(root / "ckpt8", bad)
+  _edit_index(bad, edit)
+  for args in (("inspect", bad), ("verify", root / "ckpt8", bad), ("verify", bad, root / "ckpt8"),
+               ("reshard", bad, tmp_path / "o", "-m", 3, "--dry-run"),
+               ("reshard", bad, tmp_path / "o", "-m", 3)):
+    assert re.search(needle, _one_line_error(_run(*args))), args
+  assert sorted(os.listdir(tmp_path)) == ["bad"]
+
+
+def test_verify_of_a_partial_checkpoint_says_so(ckpt, tmp_path):
+  root, _ = ckpt
+  result = _run("reshard", root / "ckpt8", tmp_path / "r2", "-m", 6, "-r", 2)
+  assert result.exit_code == 0, result.output
+  line = _one_line_error(_run("verify", root / "ckpt8", tmp_path / "r2"))
+  assert "is not a complete checkpoint" in line and "hold ranks [2] of world_size 6" in line
+
+
+def test_a_mistyped_world_size_is_refused_at_once(ckpt):
+  root, _ = ckpt
+  for m in (100_000_000, 2**20 + 1):
+    line = _one_line_error(_run("reshard", root / "ckpt8", root / "never", "-m", m, "--dry-run"))
+    assert f"world_size {m} is more than the 1048576 ranks" in line
+  # The largest allowed world size plans lazily: one rank is one line, at once.
+  result = _run("reshard", root / "ckpt8", root / "never", "-m", 2**20, "-r", 2**20 - 1,
+                "--dry-run")
+  assert result.exit_code == 0 and result.stdout.splitlines()[1].split()[:4] == [
+      str(2**20 - 1), "0", "of", "8"]
+
+
+def test_verify_exits_2_not_1_on_bad_input(ckpt, tmp_path):
+  root, _ = ckpt
+  dup = tmp_path / "dup"
+  shutil.copytree(root / "ckpt8", dup)
+  _edit_index(dup, lambda d: d["groups"][0]["ranks"][1].__setitem__(1, 0))
+  assert "rank" in _one_line_error(_run("verify", root / "ckpt8", dup))
+  missing = tmp_path / "missing"
+  shutil.copytree(root / "ckpt8", missing)
+  shutil.rmtree(missing / "archive_00002")
+  assert "archive 2" in _one_line_error(_run("verify", root / "ckpt8", missing))
+  assert "does not exist" in _one_line_error(_run("verify", root / "ckpt8", tmp_path / "none"))
