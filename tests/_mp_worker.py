@@ -26,6 +26,7 @@ Tasks:
 import json
 import os
 import sys
+import threading
 
 import jax
 
@@ -76,19 +77,38 @@ def replicated_params(m: Mesh):
 
 
 def manager_save(opt, state, spec, m) -> dict:
-  """Step 1 of a manager: params and the sharded state, saved asynchronously."""
+  """Step 1 of a manager: params and the sharded state, saved asynchronously.
+
+  The archive writes wait for a gate this thread opens only after ``save``
+  returned: a ``save`` that waited for its writes would never return.
+  """
+  from jaxreshard import _checkpoint  # pylint: disable=g-import-not-at-top
+
   params = replicated_params(m)
-  with ocp.CheckpointManager(ARGS["run"], item_names=("params", "opt_state")) as manager:
-    manager.save(1, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params),
-        opt_state=jr.ReshardSave(state=state, optimizer=opt, shapes=spec, mesh=m, axis="fsdp",
-                                 chunk_bytes=4096)))
-    # save returned with host copies taken: the device buffers may go now.
-    in_progress = manager.is_saving_in_progress()
-    for leaf in jax.tree.leaves(state):
-      leaf.delete()
-    manager.wait_until_finished()
-    return {"in_progress_after_save": bool(in_progress), "steps": manager.all_steps()}
+  gate, write = threading.Event(), _checkpoint.write_archive
+
+  def gated(*a, **k):
+    if not gate.wait(60):
+      raise TimeoutError("the gate never opened: save waited for its own writes")
+    return write(*a, **k)
+
+  _checkpoint.write_archive = gated
+  try:
+    with ocp.CheckpointManager(ARGS["run"], item_names=("params", "opt_state")) as manager:
+      manager.save(1, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params),
+          opt_state=jr.ReshardSave(state=state, optimizer=opt, shapes=spec, mesh=m,
+                                   axis="fsdp", chunk_bytes=4096)))
+      result = {"in_progress_after_save": manager.is_saving_in_progress(),
+                "committed_after_save": os.path.exists(os.path.join(ARGS["run"], "1"))}
+      # save returned with host copies taken: the device buffers may go now.
+      for leaf in jax.tree.leaves(state):
+        leaf.delete()
+      gate.set()
+      manager.wait_until_finished()
+      return {**result, "steps": manager.all_steps()}
+  finally:
+    _checkpoint.write_archive = write
 
 
 def restore(opt, params, state, shapes) -> dict:

@@ -67,9 +67,16 @@ def _mesh(shape, names):
   return jax.sharding.Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
 
 
-def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path):
-  """A (2 x 4) mesh state saved beside params, restored onto 6 ranks; all exact."""
+def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatch):
+  """A (2 x 4) mesh state saved beside params, restored onto 6 ranks; all exact.
+
+  The archive writes wait for a gate opened only after ``save`` returned (a
+  ``save`` that waited for its writes would never return), and the device
+  state is deleted before they run.
+  """
+  import threading
   import jax
+  from jaxreshard import _checkpoint
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec
   from tests import _mp_util as U
@@ -84,15 +91,21 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path):
   records = jax.tree.map(np.array, jr.shard_state(opt, params, state, 4,
                                                   trainable=U.trainable()))
   structure = jax.tree.structure(state)
+  gate, write = threading.Event(), _checkpoint.write_archive
+  monkeypatch.setattr(_checkpoint, "write_archive",
+                      lambda *a: write(*a) if gate.wait(60) else None)
   with ocp.CheckpointManager(tmp_path / "run", item_names=("params", "opt_state")) as manager:
     manager.save(5, args=ocp.args.Composite(
         params=ocp.args.StandardSave(weights),
         opt_state=jr.ReshardSave(state=src.state, optimizer=opt, params=params, mesh=mesh,
                                  trainable=U.trainable())))
+    assert manager.is_saving_in_progress() and not (tmp_path / "run" / "5").exists()
     # Host copies were taken before save returned: the device state may go.
     for leaf in jax.tree.leaves(src.state):
       leaf.delete()
+    gate.set()
     manager.wait_until_finished()
+    assert manager.all_steps() == [5]
   for got, want in zip(jr.load_records(tmp_path / "run" / "5" / "opt_state"), records,
                        strict=True):
     assert_records_equal(got, want)  # placements from params: dtypes, trainability
