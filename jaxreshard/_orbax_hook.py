@@ -52,7 +52,7 @@ class _Plan:
 
   checkpoint_id: str
   archives: tuple[tuple[int, ShardRecord], ...]  # (archive index, host record)
-  index: Optional[dict]  # the primary's; None elsewhere, or None until records are written
+  index: Optional[dict]  # the primary's; None elsewhere
   chunk_bytes: Optional[int]
 
 
@@ -101,9 +101,10 @@ def prepare(args: "ReshardSave", primary_host: Optional[int] = 0) -> _Plan:
     plan = _Plan(checkpoint_id, tuple(sorted(archives.items())), index, args.chunk_bytes)
   elif primary:
     records = tuple((i, _distributed.host_record(r)) for i, r in enumerate(args.records))
-    if not records:
-      raise PlacementError("no archives supplied")
-    plan = _Plan(uuid.uuid4().hex, records, None, args.chunk_bytes)
+    builder = _checkpoint.IndexBuilder()
+    for i, record in records:  # every refusal of the records, before save returns
+      builder.add(i, record, pack=False)
+    plan = _Plan(builder.id, records, builder.index(), args.chunk_bytes)
   else:
     plan = _Plan("", (), None, args.chunk_bytes)
   object.__setattr__(args, "_plan", plan)
@@ -144,9 +145,6 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     builder = _checkpoint.IndexBuilder(plan.checkpoint_id or None)
     for index, record in plan.archives:
       _checkpoint.write_archive(directory, index, record, builder, chunk_bytes)
-    if plan.archives and plan.index is None and _is_primary(self._primary_host):
-      with self._lock:  # records: the index is the builder's, complete once all are written
-        self._pending[directory] = builder.index()
 
   def save(self, directory: epath.Path, args: "ReshardSave") -> None:
     """The synchronous save: ``async_save`` and its futures, waited for."""
