@@ -2,19 +2,16 @@
 
 Every process calls the same function (SPMD). On restore each process builds
 only the target ranks of its own devices, reading only the source archives and
-chunks they overlap; on save each process writes only the archives of the
-ranks it owns, and the primary process commits the checkpoint (writes its
-index and renames it into place) once every process has reported success, the
-way orbax commits a multi-host checkpoint. Processes agree through the
-key-value store of ``jax.distributed``'s coordination service.
+chunks they overlap. On save each process writes only the archives of the
+ranks it owns and the primary process writes the index; the save is an orbax
+save of the ``ReshardCheckpointHandler`` (``_orbax_hook``), so orbax's
+barriers and its commit (a temporary directory renamed into place by the
+primary once every process finished) make it atomic across hosts.
 """
 
 from __future__ import annotations
 
-import itertools
 import os
-import shutil
-import uuid
 from typing import Any, Mapping
 
 import jax
@@ -23,7 +20,7 @@ from jax.sharding import Mesh
 
 from jaxreshard import _archive_io, _global, _restore
 from jaxreshard import _checkpoint
-from jaxreshard._errors import ArchiveError, ArchiveExistsError, PlacementError, ReshardError
+from jaxreshard._errors import ArchiveError, ArchiveExistsError, ReshardError, ShapeError
 from jaxreshard._global import MeshState
 from jaxreshard._geometry import FlatShard
 from jaxreshard._record import FORMAT_VERSION, ShardRecord
@@ -31,9 +28,6 @@ from jaxreshard._record import FORMAT_VERSION, ShardRecord
 __all__ = ["restore_sharded", "save_sharded", "reshard_to_mesh"]
 
 DEFAULT_TIMEOUT_S = 300
-# Every process calls save_sharded the same number of times, so the n-th call
-# has the same number everywhere: it names that save's keys in the shared store.
-_SAVES = itertools.count()
 
 
 def reshard_to_mesh(records: Any, mesh: Mesh, axis: str = "fsdp") -> MeshState:
@@ -119,55 +113,6 @@ def restore_sharded(directory: Any, mesh: Mesh, axis: str = "fsdp") -> MeshState
                    {r: rec.placements for r, rec in built.items()})
 
 
-def _client():
-  # The coordination service client that jax.distributed.initialize started
-  # (orbax's multihost utilities reach it the same way).
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-
-  client = distributed.global_state.client
-  if client is None:
-    raise PlacementError(
-        "this mesh spans several processes but jax.distributed is not initialized;"
-        " call jax.distributed.initialize() first")
-  return client
-
-
-class _Sync:
-  """Key-value agreement between the processes of one save (no device collectives)."""
-
-  def __init__(self, directory: str, timeout_s: float):
-    self.multi = jax.process_count() > 1
-    self.prefix = f"jaxreshard/save/{next(_SAVES)}/{uuid.uuid5(uuid.NAMESPACE_URL, directory)}"
-    self.timeout_ms = int(timeout_s * 1000)
-
-  def put(self, key: str, value: str) -> None:
-    if self.multi:
-      _client().key_value_set(f"{self.prefix}/{key}", value)
-    else:
-      self.local = getattr(self, "local", {})
-      self.local[key] = value
-
-  def get(self, key: str) -> str:
-    if not self.multi:
-      return self.local[key]
-    try:
-      return _client().blocking_key_value_get(f"{self.prefix}/{key}", self.timeout_ms)
-    except Exception as e:  # the runtime's error types are not public
-      raise ArchiveError(
-          f"save_sharded: no answer from the other processes for {key!r} within"
-          f" {self.timeout_ms // 1000} s ({type(e).__name__}: {e}); nothing was committed"
-      ) from None
-
-
-def _outcome(text: str, what: str) -> str:
-  kind, _, detail = text.partition(":")
-  if kind == "ok":
-    return detail
-  if kind == "exists":
-    raise ArchiveExistsError(detail)
-  raise ArchiveError(f"save_sharded: {what}: {detail}")
-
-
 def save_sharded(
     directory: Any,
     optimizer: Any,
@@ -181,12 +126,13 @@ def save_sharded(
 ) -> None:
   """Saves a global flat-sharded state as one checkpoint of ``M`` archives, from every process.
 
-  Call it in every process with the same arguments. Each process writes the
-  archives of the ranks whose first device (in mesh order) it owns, from its
-  own device buffers; no process writes another's files. Archives go to a
-  temporary sibling directory; the primary process (process 0) writes the
-  index and renames the directory into place only after every process has
-  reported success. A failed or killed process leaves no ``directory``.
+  Call it in every process with the same arguments. It is an orbax
+  ``AsyncCheckpointer`` save of :class:`ReshardSave` to ``directory``, waited
+  for: each process writes the archives of the ranks whose first device (in
+  mesh order) it owns, from host copies of its own device buffers; the primary
+  process writes the index; orbax commits (renames its temporary directory to
+  ``directory``) on the primary only after every process finished writing. A
+  failed or killed process leaves no ``directory``.
 
   Args:
     directory: the checkpoint directory to create; it must not exist and must
@@ -201,12 +147,14 @@ def save_sharded(
     mesh: the mesh of ``state``.
     axis: the mesh axis of the flat shards.
     chunk_bytes: bytes per stored chunk, the granularity of partial reads.
-    timeout_s: how long a process waits for the others before giving up.
+    timeout_s: how long a process waits for the others to finish writing.
 
   Raises:
     ArchiveExistsError: ``directory`` already exists (raised on every process).
-    ReshardError: a state that does not match ``shapes``, a process that
-      failed, or a process that did not answer within ``timeout_s``.
+    FileNotFoundError: its parent directory does not exist.
+    ReshardError: a state that does not match ``shapes`` (raised before
+      anything is written); ``ArchiveError`` when the checkpoint was not
+      committed (a process failed, or did not finish within ``timeout_s``).
 
   Examples:
     >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
@@ -219,75 +167,68 @@ def save_sharded(
     >>> len(jr.load_records(path)) == jax.device_count()
     True
   """
-  if chunk_bytes < 1:
-    raise ReshardError(f"chunk_bytes {chunk_bytes} must be positive")
-  world = _global._axis_size(mesh, axis)  # pylint: disable=protected-access
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from jaxreshard import _orbax_hook  # pylint: disable=g-import-not-at-top
+
+  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+    raise ReshardError(f"chunk_bytes {chunk_bytes!r} must be a positive integer")
   final = os.path.abspath(os.fspath(directory))
-  sync = _Sync(final, timeout_s)
-  primary = jax.process_index() == 0
-
-  if primary:  # 1. the primary picks (and creates) the temporary directory
-    try:
-      tmp = _archive_io.new_temp_dir(final)
-      sync.put("tmp", f"ok:{uuid.uuid4().hex}:{tmp}")
-    except ArchiveExistsError as e:
-      sync.put("tmp", f"exists:{e}")
-      raise
-    except Exception as e:
-      sync.put("tmp", f"error:{type(e).__name__}: {e}")
-      raise
-  # Every archive of one save carries the identity the primary picked.
-  checkpoint_id, _, tmp = _outcome(sync.get("tmp"), "the primary process could not start the save"
-                                   ).partition(":")
-
-  # 2. every process writes its own ranks' archives.
+  # Every process looks before any of them can commit (a commit needs all of
+  # them), so all of them agree on this refusal.
+  if os.path.lexists(final):
+    raise ArchiveExistsError(f"{final} already exists; jaxreshard never overwrites a checkpoint")
+  if not os.path.isdir(os.path.dirname(final)):
+    raise FileNotFoundError(f"parent directory {os.path.dirname(final)} of {final} does not exist")
+  args = _orbax_hook.ReshardSave(optimizer=optimizer, state=state, shapes=shapes, mesh=mesh,
+                                 axis=axis, chunk_bytes=chunk_bytes)
+  # Refusals of the state, host copies and the index, before any directory exists.
+  _orbax_hook.prepare(args)
+  checkpointer = ocp.AsyncCheckpointer(_orbax_hook.ReshardCheckpointHandler(),
+                                       timeout_secs=max(1, int(timeout_s)))
   try:
-    ranks = _global.writer_ranks(mesh, axis)
-    records = _global.records_from_mesh(optimizer, state, shapes, mesh, axis, ranks=ranks)
-    builder = _checkpoint.IndexBuilder(checkpoint_id)
-    for rank in ranks:
-      _write_rank(tmp, rank, records[rank], chunk_bytes, builder)
-    sync.put(f"done/{jax.process_index()}", "ok:")
-  except BaseException as e:
-    message = f"error:process {jax.process_index()}: {type(e).__name__}: {e}"
-    sync.put(f"done/{jax.process_index()}", message)
-    if primary:
-      shutil.rmtree(tmp, ignore_errors=True)
-      sync.put("commit", message)
+    checkpointer.save(final, args=args)
+    checkpointer.wait_until_finished()
+  except ReshardError:
     raise
-
-  # 3. the primary commits once every process succeeded; everyone learns the outcome.
-  if primary:
+  except Exception as e:  # orbax's and the runtime's error types
+    raise ArchiveError(
+        f"save_sharded: {final} was not committed ({type(e).__name__}: {e})") from e
+  finally:
     try:
-      for p in range(jax.process_count()):
-        _outcome(sync.get(f"done/{p}"), f"process {p} failed")
-      names = [f"archive_{r:05d}" for r in range(world)]
-      missing = [n for n in names
-                 if not os.path.isfile(os.path.join(tmp, n, _checkpoint.ARCHIVE_FILE))]
-      if missing:
-        raise ArchiveError(f"archives {missing} were not written")
-      _checkpoint.dump(os.path.join(tmp, _checkpoint.INDEX_FILE),
-                       _global_index(optimizer, state, shapes, mesh, axis, checkpoint_id))
-      if os.path.lexists(final):
-        raise ArchiveExistsError(f"{final} appeared while it was being written")
-      os.rename(tmp, final)
-      sync.put("commit", "ok:")
-    except BaseException as e:
-      shutil.rmtree(tmp, ignore_errors=True)
-      sync.put("commit", f"error:{type(e).__name__}: {e}")
-      raise
-  _outcome(sync.get("commit"), "the checkpoint was not committed")
+      checkpointer.close()
+    except Exception:  # pylint: disable=broad-exception-caught
+      pass  # the error, if any, was raised above
 
 
-def _write_rank(tmp: str, rank: int, record: ShardRecord, chunk_bytes: int,
-                builder: "_checkpoint.IndexBuilder") -> None:
-  # Host copies of this rank's device buffers; the archive writer takes numpy.
-  host = jax.tree.map(np.asarray, record.state)
-  record = ShardRecord(record.version, record.placements, host, record.roles)
-  _checkpoint.write_archive(tmp, rank, record, builder, chunk_bytes)
+def mesh_archives(optimizer: Any, state: Any, shapes: Mapping[str, Any], mesh: Mesh,
+                  axis: str) -> dict[int, ShardRecord]:
+  """Host copies of the archives this process writes (see ``_global.writer_ranks``).
+
+  The copies are taken now, so the caller may then mutate or donate ``state``.
+  """
+  ranks = _global.writer_ranks(mesh, axis)
+  records = _global.records_from_mesh(optimizer, state, shapes, mesh, axis, ranks=ranks)
+  return {r: host_record(rec) for r, rec in records.items()}
 
 
-def _global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> dict:
+def host_record(record: ShardRecord) -> ShardRecord:
+  """The record with every ``jax.Array`` leaf copied to a host numpy array.
+
+  Device-to-host transfers of all leaves start before the first is awaited.
+  A replicated array is read from one of its device buffers, bit for bit.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(record.state)
+  single = [x.addressable_data(0) if isinstance(x, jax.Array) and x.is_fully_replicated
+            and len(x.sharding.device_set) > 1 else x for x in leaves]
+  for x in single:
+    if isinstance(x, jax.Array):
+      x.copy_to_host_async()
+  host = [np.array(x) if isinstance(x, jax.Array) else x for x in single]
+  return ShardRecord(record.version, record.placements,
+                     jax.tree_util.tree_unflatten(treedef, host), record.roles)
+
+
+def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> dict:
   """The index of every rank, from the state's layout alone (no other process's data).
 
   Every rank of a global flat-sharded state has the same tree, the same
@@ -304,6 +245,10 @@ def _global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> d
       abstract.append(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
     else:
       slots = FlatShard(_global._shape_of(shapes[role], role), 0, world).slots  # pylint: disable=protected-access
+      if tuple(np.shape(leaf)) != (world * slots,):
+        raise ShapeError(
+            f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
+            f" ({world} * {slots},) of its shape over mesh axis {axis!r}")
       abstract.append(jax.ShapeDtypeStruct((slots,), leaf.dtype))
   builder = _checkpoint.IndexBuilder(checkpoint_id)
   tree_state = jax.tree_util.tree_unflatten(treedef, abstract)

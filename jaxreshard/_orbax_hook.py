@@ -1,48 +1,185 @@
-"""jaxreshard archives as an orbax checkpoint item, registered the way orbax expects.
+"""jaxreshard archives as an asynchronous, multi-host orbax checkpoint item.
 
 ``ReshardSave`` and ``ReshardRestore`` are ``CheckpointArgs`` registered with
 ``ReshardCheckpointHandler`` through ``ocp.args.register_with_handler``, so an
-``ocp.CheckpointManager`` (or ``Checkpointer``, or one item of a
-``Composite``) picks the handler from the arguments alone. Orbax owns the step
-directories, the atomic commit and ``max_to_keep``; the handler writes and
-reads the jaxreshard layout inside the item directory it is given.
+``ocp.CheckpointManager`` (or ``Checkpointer``, ``AsyncCheckpointer``, or one
+item of a ``Composite``) picks the handler from the arguments alone.
+
+The handler is an ``AsyncCheckpointHandler``. ``async_save`` runs in every
+process, synchronously: it takes host copies of the buffers this process
+writes (so the caller may mutate or donate its state as soon as ``save``
+returns) and, on the primary process, the checkpoint's index. It returns a
+commit future that writes the archives in a background thread once orbax has
+created the directory. Orbax owns the rest: it waits for every process's
+futures, then on the primary calls ``finalize`` (which writes the index, the
+checkpoint's last file) and renames the temporary directory into place. A
+process that fails leaves nothing committed.
+
+Who writes what:
+
+* a mesh state (``ReshardSave(state=..., mesh=...)``): each process writes
+  the archives of the ranks whose first device it owns
+  (``_global.writer_ranks``); the primary writes the index, made from the
+  state's layout alone.
+* records (``ReshardSave(records)``): every process passes the same records;
+  the primary writes them all and the index.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional
+import os
+import threading
+import uuid
+from typing import Any, Iterable, Mapping, Optional
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxreshard import _archive_io, _restore
-from jaxreshard._errors import ArchiveExistsError
+from jaxreshard import _archive_io, _checkpoint, _distributed, _restore, _structure
+from jaxreshard._errors import ArchiveError, PlacementError, ReshardError
+from jaxreshard._placement import ParamPlacement
 from jaxreshard._record import ShardRecord
 
 __all__ = ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
 
 
-class ReshardCheckpointHandler(ocp.CheckpointHandler):
-  """Saves every rank's archive; restores all of them or one resharded target rank."""
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What one process writes for one save, with every byte already on the host."""
 
-  def __init__(self, chunk_bytes: int = _archive_io.DEFAULT_CHUNK_BYTES):
+  checkpoint_id: str
+  archives: tuple[tuple[int, ShardRecord], ...]  # (archive index, host record)
+  index: Optional[dict]  # the primary's; None elsewhere
+  chunk_bytes: Optional[int]
+
+
+def _is_primary(primary_host: Optional[int]) -> bool:
+  return ocp.multihost.is_primary_host(primary_host)
+
+
+def _shared_checkpoint_id(primary_host: Optional[int]) -> str:
+  """One new identity for this save, the same in every process (the primary's)."""
+  raw = np.frombuffer(uuid.uuid4().bytes, np.uint8).astype(np.int32)
+  if jax.process_count() > 1:
+    raw = np.asarray(ocp.multihost.broadcast_one_to_all(
+        raw, is_source=_is_primary(primary_host)))
+  return bytes(raw.astype(np.uint8).tolist()).hex()
+
+
+def _shapes_of(args: "ReshardSave") -> Mapping[str, Any]:
+  if args.shapes is not None:
+    return args.shapes
+  ids, leaves, _ = _structure.param_ids(args.params)
+  trainable = dict(args.trainable or {})
+  unknown = sorted(set(trainable) - set(ids))
+  if unknown:
+    raise PlacementError(f"params {unknown}: named in `trainable` but not in params")
+  return {pid: ParamPlacement(pid, tuple(np.shape(x)), 0, 1, np.dtype(x.dtype),
+                              trainable.get(pid, True)) for pid, x in zip(ids, leaves)}
+
+
+def prepare(args: "ReshardSave", primary_host: Optional[int] = 0) -> _Plan:
+  """Everything a save needs from the caller's buffers, taken now (see the module doc).
+
+  The plan is kept on ``args`` until the handler's ``async_save`` takes it,
+  so a caller may prepare first to get every refusal before orbax creates any
+  directory. Each save gets its own plan and checkpoint identity.
+  """
+  plan = args.__dict__.get("_plan")
+  if plan is not None:
+    return plan
+  primary = _is_primary(primary_host)
+  if args.state is not None:
+    shapes = _shapes_of(args)
+    checkpoint_id = _shared_checkpoint_id(primary_host)
+    archives = _distributed.mesh_archives(args.optimizer, args.state, shapes, args.mesh, args.axis)
+    index = (_distributed.global_index(args.optimizer, args.state, shapes, args.mesh, args.axis,
+                                       checkpoint_id) if primary else None)
+    plan = _Plan(checkpoint_id, tuple(sorted(archives.items())), index, args.chunk_bytes)
+  elif primary:
+    records = tuple((i, _distributed.host_record(r)) for i, r in enumerate(args.records))
+    builder = _checkpoint.IndexBuilder()
+    for i, record in records:  # every refusal of the records, before save returns
+      builder.add(i, record, pack=False)
+    plan = _Plan(builder.id, records, builder.index(), args.chunk_bytes)
+  else:
+    plan = _Plan("", (), None, args.chunk_bytes)
+  object.__setattr__(args, "_plan", plan)
+  return plan
+
+
+class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
+  """Saves archives asynchronously from every process; restores them resharded.
+
+  Args:
+    chunk_bytes: bytes per stored chunk (the granularity of partial reads),
+      unless ``ReshardSave.chunk_bytes`` says otherwise.
+    multiprocessing_options: orbax's; its ``primary_host`` writes the index.
+  """
+
+  def __init__(self, chunk_bytes: int = _archive_io.DEFAULT_CHUNK_BYTES, *,
+               multiprocessing_options: ocp.options.MultiprocessingOptions = (
+                   ocp.options.MultiprocessingOptions())):
     self._chunk_bytes = chunk_bytes
+    self._primary_host = multiprocessing_options.primary_host
+    self._lock = threading.Lock()
+    # Item directory -> the index its finalize writes (primary only).
+    self._pending: dict[str, dict] = {}
+
+  async def async_save(self, directory: epath.Path, args: "ReshardSave"):
+    """Takes host copies now; returns the future that writes them (see the module doc)."""
+    plan = prepare(args, self._primary_host)
+    args.__dict__.pop("_plan", None)  # a second save of these args is a new save
+    key = os.fspath(directory)
+    if plan.index is not None:
+      with self._lock:
+        self._pending[key] = plan.index
+    return [ocp.future.CommitFutureAwaitingContractedSignals(
+        self._write(key, plan), name="jaxreshard_save")]
+
+  async def _write(self, directory: str, plan: _Plan) -> None:
+    chunk_bytes = plan.chunk_bytes if plan.chunk_bytes is not None else self._chunk_bytes
+    builder = _checkpoint.IndexBuilder(plan.checkpoint_id or None)
+    for index, record in plan.archives:
+      _checkpoint.write_archive(directory, index, record, builder, chunk_bytes)
 
   def save(self, directory: epath.Path, args: "ReshardSave") -> None:
-    directory = epath.Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    if any(directory.iterdir()):
-      raise ArchiveExistsError(f"{directory} is not empty")
-    _archive_io.write_checkpoint(
-        directory, args.records,
-        chunk_bytes=args.chunk_bytes if args.chunk_bytes is not None else self._chunk_bytes)
+    """The synchronous save: ``async_save`` and its futures, waited for."""
+
+    async def run():
+      for f in await self.async_save(directory, args) or []:
+        f.result()
+
+    _run_sync(run())
+
+  def finalize(self, directory: epath.Path) -> None:
+    """On the primary, after every process wrote its archives: the index, last.
+
+    Raises:
+      ArchiveError: an archive the index lists was not written.
+    """
+    key = os.fspath(directory)
+    with self._lock:
+      index = self._pending.pop(key, None)
+    if index is None:
+      return
+    missing = [name for name, _, _ in index["archives"]
+               if not os.path.isfile(os.path.join(key, name, _checkpoint.ARCHIVE_FILE))]
+    if missing:
+      raise ArchiveError(f"{key}: archives {missing[:8]} were not written; nothing is committed")
+    _checkpoint.dump(os.path.join(key, _checkpoint.INDEX_FILE), index)
 
   def restore(self, directory: epath.Path, args: Optional["ReshardRestore"] = None) -> Any:
-    if args is None or args.rank is None:
+    """Every archive, one target rank's archive, or the state laid out on a mesh."""
+    args = args if args is not None else ReshardRestore()
+    if args.mesh is not None:
+      extra = {} if args.target is None else {"target": args.target}
+      return _distributed.restore_sharded(directory, args.mesh, args.axis, **extra).state
+    if args.rank is None:
       return _archive_io.load_records(directory)
-    if args.world_size is None:
-      raise ValueError("ReshardRestore(rank=...) needs world_size as well")
     return _restore.restore(directory, rank=args.rank, world_size=args.world_size)
 
   def metadata(self, directory: epath.Path) -> Any:
@@ -50,15 +187,38 @@ class ReshardCheckpointHandler(ocp.CheckpointHandler):
     return _archive_io.open_checkpoint(directory)
 
 
+def _run_sync(coro) -> None:
+  from orbax.checkpoint._src import asyncio_utils  # pylint: disable=g-import-not-at-top
+
+  asyncio_utils.run_sync(coro)
+
+
 @ocp.args.register_with_handler(ReshardCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class ReshardSave(ocp.args.CheckpointArgs):
-  """Save every rank's archive as one orbax checkpoint item.
+  """Save archives as one orbax checkpoint item: given records, or a state on a mesh.
+
+  Either ``records`` (every rank's archive, the same in every process; the
+  primary writes them) or the training loop's sharded state: ``state``,
+  ``optimizer``, ``mesh``, ``axis`` and the params' ids and shapes, as
+  ``shapes`` (``param id -> shape or placement``, as :func:`save_sharded`
+  takes) or ``params`` (the params pytree, or its ``jax.ShapeDtypeStruct``s;
+  ``trainable`` optionally marks frozen ones). Each process then writes the
+  archives of its own ranks.
 
   Attributes:
-    records: the archives, any iterable (written one at a time).
+    records: the archives, any iterable.
     chunk_bytes: bytes per stored chunk (the granularity of partial reads);
       None keeps the handler's default.
+    state: the optax state, history leaves ``(M * slots,)`` sharded over ``axis``.
+    optimizer: the optax transformation of ``state``.
+    shapes: param id -> logical shape, or anything with ``.shape`` (and then
+      its ``.dtype`` / ``.trainable``).
+    params: instead of ``shapes``: the params pytree (ids are its key paths,
+      storage dtypes its leaves' dtypes).
+    trainable: with ``params``: optional ``param id -> bool``.
+    mesh: the mesh of ``state``.
+    axis: the mesh axis of the flat shards.
 
   Examples:
     >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, jaxreshard as jr
@@ -73,19 +233,67 @@ class ReshardSave(ocp.args.CheckpointArgs):
     (3,)
   """
 
-  records: Iterable[ShardRecord]
+  records: Optional[Iterable[ShardRecord]] = None
   chunk_bytes: Optional[int] = None
+  _: dataclasses.KW_ONLY
+  state: Any = None
+  optimizer: Any = None
+  shapes: Optional[Mapping[str, Any]] = None
+  params: Any = None
+  trainable: Optional[Mapping[str, bool]] = None
+  mesh: Optional[jax.sharding.Mesh] = None
+  axis: str = "fsdp"
+
+  def __post_init__(self):
+    cb = self.chunk_bytes
+    if cb is not None and (isinstance(cb, bool) or not isinstance(cb, int) or cb < 1):
+      raise ReshardError(f"chunk_bytes {cb!r} must be a positive integer")
+    if (self.records is None) == (self.state is None):
+      raise PlacementError("ReshardSave takes records, or a state (with optimizer, mesh and"
+                           " shapes or params), not both and not neither")
+    if self.state is not None:
+      missing = [n for n in ("optimizer", "mesh") if getattr(self, n) is None]
+      if (self.shapes is None) == (self.params is None):
+        missing.append("exactly one of shapes and params")
+      if missing:
+        raise PlacementError(f"ReshardSave(state=...) also needs {', '.join(missing)}")
+      if self.trainable is not None and self.params is None:
+        raise PlacementError("ReshardSave: trainable goes with params; with shapes, give each"
+                             " value a .trainable")
 
 
 @ocp.args.register_with_handler(ReshardCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
 class ReshardRestore(ocp.args.CheckpointArgs):
-  """Restore one target rank (``rank`` and ``world_size``), or every archive (both None).
+  """What to restore: a state on a mesh, one target rank, or every archive.
+
+  * ``mesh`` (and ``axis``): the optax state laid out on ``mesh``, every
+    history leaf a global ``(M * slots,)`` array sharded over ``axis`` (M its
+    size), ready for the training step: ``restore_sharded(...).state``. Every
+    process restores only its own ranks. ``target`` (an abstract state whose
+    shardings say the layout) is passed on to ``restore_sharded``.
+  * ``rank`` and ``world_size``: that target rank's ``ShardRecord``.
+  * nothing: every archive, as saved (``load_records``).
 
   Attributes:
-    rank: the target rank to build, or None for ``load_records``.
-    world_size: the target world size.
+    rank: the target rank to build.
+    world_size: the target world size (with ``rank``).
+    mesh: the target mesh (keyword-only, as the rest).
+    axis: the mesh axis of the flat shards.
+    target: optional abstract target for ``restore_sharded(..., target=)``.
   """
 
   rank: Optional[int] = None
   world_size: Optional[int] = None
+  _: dataclasses.KW_ONLY
+  mesh: Optional[jax.sharding.Mesh] = None
+  axis: str = "fsdp"
+  target: Any = None
+
+  def __post_init__(self):
+    if self.mesh is not None and (self.rank is not None or self.world_size is not None):
+      raise PlacementError("ReshardRestore takes a mesh, or rank and world_size, not both")
+    if self.target is not None and self.mesh is None:
+      raise PlacementError("ReshardRestore(target=...) needs the mesh as well")
+    if (self.rank is None) != (self.world_size is None):
+      raise PlacementError("ReshardRestore(rank=...) needs world_size as well, and the reverse")

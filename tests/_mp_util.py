@@ -90,6 +90,18 @@ def example(seed: int = 0):
   return opt, params, state, shapes
 
 
+def example_params(seed: int = 0) -> Any:
+  """Params of the example's shapes and dtypes, random finite values (host numpy).
+
+  Finite: ``jax.device_put`` onto a multi-process sharding checks that every
+  process passes equal values, and NaN is never equal. Without the zero-size
+  parameter: orbax refuses to save arrays with zero size.
+  """
+  rng = np.random.default_rng(seed + 1000)
+  return nest({pid: rng.standard_normal(s).astype(d) for pid, (s, d) in SPECS.items()
+               if math.prod(s)})
+
+
 def trainable() -> dict:
   return {pid: pid not in FROZEN for pid in SPECS}
 

@@ -7,22 +7,26 @@ Environment: ``MP_COORDINATOR``, ``MP_NUM_PROCESSES``, ``MP_PROCESS_ID``,
 
 Tasks:
   save:      lay the example state out over every device of the job
-             (``shard_to_mesh``) and ``save_sharded`` it to ``args.path``.
+             (``shard_to_mesh``) and ``save_sharded`` it to ``args.path``;
+             then save it as step 1 of an orbax ``CheckpointManager`` at
+             ``args.run`` (``Composite``: params and ``ReshardSave(state=...)``),
+             deleting the device state as soon as ``save`` returns.
   restore:   ``restore_sharded(args.path)`` onto a (world,) mesh; report the
              bytes this process read and dump every addressable shard; then
              ``gather_from_mesh`` (all processes) and compare with the original.
              With ``args.replicated`` (a mesh shape), also restore onto a
              (data, fsdp) mesh of that shape and ``save_sharded`` it to
-             ``args.resave``.
-  kill_save: like save, but process ``args.hold`` first waits for the file
-             ``args.go``; the other marks ``<out>/entering_p<i>`` and saves at
-             once. The test kills one process inside ``save_sharded``.
+             ``args.resave``. With ``args.run``, also restore step 1 of that
+             manager (``ReshardRestore(mesh=...)``, params with
+             ``StandardRestore``) and dump it to ``<out>/p<i>_manager.npz``.
+  fail:      a manager saves step 1, then step 2 with process ``args.fail``
+             raising inside its archive write; reports what each process saw.
 """
 
 import json
 import os
 import sys
-import time
+import threading
 
 import jax
 
@@ -39,6 +43,8 @@ jax.distributed.initialize(
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
+
+import orbax.checkpoint as ocp  # noqa: E402
 
 import jaxreshard as jr  # noqa: E402
 from tests import _mp_util as U  # noqa: E402
@@ -58,7 +64,51 @@ def save(opt, params, state, shapes) -> dict:
   spec = {p.param: p for p in next(iter(sharded.placements.values()))}
   jr.save_sharded(ARGS["path"], opt, sharded.state, spec, m, timeout_s=60,
                   chunk_bytes=ARGS.get("chunk_bytes", 1 << 20))
-  return {"ranks": sorted(sharded.placements)}
+  result = {"ranks": sorted(sharded.placements)}
+  if ARGS.get("run"):
+    result.update(manager_save(opt, sharded.state, spec, m))
+  return result
+
+
+def replicated_params(m: Mesh):
+  """The example params with random bits, replicated over ``m``."""
+  host = U.example_params(seed=ARGS.get("seed", 0))
+  return jax.device_put(host, jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec()))
+
+
+def manager_save(opt, state, spec, m) -> dict:
+  """Step 1 of a manager: params and the sharded state, saved asynchronously.
+
+  The archive writes wait for a gate this thread opens only after ``save``
+  returned: a ``save`` that waited for its writes would never return.
+  """
+  from jaxreshard import _checkpoint  # pylint: disable=g-import-not-at-top
+
+  params = replicated_params(m)
+  gate, write = threading.Event(), _checkpoint.write_archive
+
+  def gated(*a, **k):
+    if not gate.wait(60):
+      raise TimeoutError("the gate never opened: save waited for its own writes")
+    return write(*a, **k)
+
+  _checkpoint.write_archive = gated
+  try:
+    with ocp.CheckpointManager(ARGS["run"], item_names=("params", "opt_state")) as manager:
+      manager.save(1, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params),
+          opt_state=jr.ReshardSave(state=state, optimizer=opt, shapes=spec, mesh=m,
+                                   axis="fsdp", chunk_bytes=4096)))
+      result = {"in_progress_after_save": manager.is_saving_in_progress(),
+                "committed_after_save": os.path.exists(os.path.join(ARGS["run"], "1"))}
+      # save returned with host copies taken: the device buffers may go now.
+      for leaf in jax.tree.leaves(state):
+        leaf.delete()
+      gate.set()
+      manager.wait_until_finished()
+      return {**result, "steps": manager.all_steps()}
+  finally:
+    _checkpoint.write_archive = write
 
 
 def restore(opt, params, state, shapes) -> dict:
@@ -91,6 +141,8 @@ def restore(opt, params, state, shapes) -> dict:
   result = {}
   if ARGS.get("replicated"):
     result["replicated"] = restore_replicated(opt)
+  if ARGS.get("run"):
+    result["manager"] = manager_restore(m)
   return {**result, "ranks": sorted(out.placements), "rank_of": rank_of, "bytes_read": read,
           "gather_equals_original": bool(same),
           "placements": {str(r): [[p.param, list(p.shape), p.rank, p.world_size,
@@ -114,16 +166,56 @@ def restore_replicated(opt) -> dict:
           "rank_of": {d.id: r for r, ds in jr.mesh_ranks(m, "fsdp").items() for d in ds}}
 
 
-def kill_save(opt, params, state, shapes) -> dict:
-  if ME == ARGS["hold"]:
-    deadline = time.monotonic() + 60
-    while not os.path.exists(ARGS["go"]):
-      if time.monotonic() > deadline:
-        raise TimeoutError("no go signal")
-      time.sleep(0.05)
-  else:
-    open(os.path.join(OUT, f"entering_p{ME}"), "w").close()
-  return save(opt, params, state, shapes)
+def manager_restore(m: Mesh) -> dict:
+  """Step 1 of the manager onto this job's mesh: the optax state and the params."""
+  want = U.example_params(seed=ARGS.get("seed", 0))
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+          m, jax.sharding.PartitionSpec())), want)
+  with ocp.CheckpointManager(ARGS["run"], item_names=("params", "opt_state")) as manager:
+    out = manager.restore(1, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract),
+        opt_state=jr.ReshardRestore(mesh=m, axis="fsdp")))
+  dump = {}
+  for i, leaf in enumerate(jax.tree.leaves(out.opt_state)):
+    assert leaf.sharding.mesh.shape == m.shape, leaf.sharding
+    for shard in leaf.addressable_shards:
+      dump[f"{i}:{shard.device.id}"] = U.bits(shard.data)
+  np.savez(os.path.join(OUT, f"p{ME}_manager.npz"), **dump)
+  params_equal = all(
+      np.array_equal(U.bits(a.addressable_data(0)), U.bits(b))
+      for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(want), strict=True))
+  return {"params_equal": bool(params_equal),
+          "structure_equal": jax.tree.structure(out.params) == jax.tree.structure(want)}
+
+
+def fail(opt, params, state, shapes) -> dict:
+  """Step 1 saved; step 2 with one process's archive write raising. Reports both."""
+  from jaxreshard import _checkpoint  # pylint: disable=g-import-not-at-top
+
+  m = mesh()
+  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
+  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
+  options = ocp.CheckpointManagerOptions(
+      async_options=ocp.AsyncOptions(timeout_secs=ARGS.get("timeout_s", 30)))
+  manager = ocp.CheckpointManager(ARGS["run"], options=options)
+  args = lambda: jr.ReshardSave(state=sharded.state, optimizer=opt, shapes=spec, mesh=m)
+  manager.save(1, args=args())
+  manager.wait_until_finished()
+  if ME == ARGS["fail"]:
+    def broken(*a, **k):
+      raise OSError("injected: the disk is full")
+    _checkpoint.write_archive = broken
+  result = {"steps_before": manager.all_steps()}
+  try:
+    manager.save(2, args=args())
+    manager.wait_until_finished()
+    result["error"] = None
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    result["error"] = f"{type(e).__name__}: {e}"[:500]
+  # The job is broken now: report and leave without the shutdown barrier.
+  write_result({"task": "fail", "process": ME, **result})
+  os._exit(0)
 
 
 def main() -> None:
@@ -131,11 +223,15 @@ def main() -> None:
   opt, params, state, shapes = U.example(seed=ARGS.get("seed", 0))
   result = {"task": task, "process": ME, "devices": jax.local_device_count()}
   result.update(globals()[task](opt, params, state, shapes))
+  write_result(result)
+  jax.distributed.shutdown()
+
+
+def write_result(result: dict) -> None:
   tmp = os.path.join(OUT, f"p{ME}.json.tmp")
   with open(tmp, "w") as f:
     json.dump(result, f)
   os.rename(tmp, os.path.join(OUT, f"p{ME}.json"))
-  jax.distributed.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,20 +1,24 @@
 """Multi-process save and restore with real ``jax.distributed`` jobs on localhost.
 
-One module-scoped job saves the example state from 2 processes x 4 devices (8
-ranks). Then, concurrently: a 3 processes x 2 devices job and a 1 process x 5
-devices job restore it; a 2-process job saving the next step has its primary
-killed inside ``save_sharded``. Each restoring process reports the bytes it
-read and dumps every addressable shard; this process checks them bit for bit
-against the single-process core.
+One module-scoped job of 2 processes x 4 devices (8 ranks) saves the example
+state twice: with ``save_sharded``, and as step 1 of an orbax
+``CheckpointManager`` (a ``Composite`` of params and ``ReshardSave(state=...)``,
+asynchronous: ``save`` returns while the archive writes are held back, and the
+device state is deleted before they run). Then,
+concurrently: a 3 processes x 2 devices job and a 1 process x 5 devices job
+restore both (the manager's with ``ReshardRestore(mesh=...)``); a 2-process
+job whose process 1 raises inside its archive write of step 2. Each restoring
+process reports the bytes it read and dumps every addressable shard; this
+process checks them bit for bit against the single-process core.
 """
 
 import glob
 import json
 import os
-import time
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 import jaxreshard as jr
@@ -23,54 +27,34 @@ from tests import _mp_util as U
 from tests._core_util import assert_records_equal
 
 
-def _wait_for(predicate, group, what, timeout=120):
-  deadline = time.monotonic() + timeout
-  while not predicate():
-    if time.monotonic() > deadline or any(p.poll() is not None for p in group.procs):
-      raise AssertionError(f"{what} never happened:\n{group.tail()}")
-    time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
   """Runs every process group of this module once; yields what they produced."""
   root = str(tmp_path_factory.mktemp("mp"))
-  step1 = os.path.join(root, "step_1")
+  step1, run = os.path.join(root, "step_1"), os.path.join(root, "run")
   with U.ProcessGroup(2, 4, "save", os.path.join(root, "save"),
-                      {"path": step1, "chunk_bytes": 4096}) as g:
+                      {"path": step1, "chunk_bytes": 4096, "run": run}) as g:
     saved = g.check()
-  go2, go3 = os.path.join(root, "go2"), os.path.join(root, "go3")
   groups = {
       "r6": U.ProcessGroup(3, 2, "restore", os.path.join(root, "r6"),
-                           {"path": step1, "replicated": [2, 3],
+                           {"path": step1, "replicated": [2, 3], "run": run,
                             "resave": os.path.join(root, "step_1_on_3")}),
-      "r5": U.ProcessGroup(1, 5, "restore", os.path.join(root, "r5"), {"path": step1}),
-      # The primary is killed after writing its archives, waiting for process 1.
-      "kill0": U.ProcessGroup(2, 4, "kill_save", os.path.join(root, "kill0"),
-                              {"path": os.path.join(root, "step_2"), "go": go2, "hold": 1}),
-      # Process 1 is killed inside save_sharded, waiting for the primary.
-      "kill1": U.ProcessGroup(2, 4, "kill_save", os.path.join(root, "kill1"),
-                              {"path": os.path.join(root, "step_3"), "go": go3, "hold": 0}),
+      "r5": U.ProcessGroup(1, 5, "restore", os.path.join(root, "r5"),
+                           {"path": step1, "run": run}),
+      # Process 1 raises inside its archive write of step 2; the primary then
+      # waits for it at orbax's barrier until the 10 s timeout.
+      "fail": U.ProcessGroup(2, 4, "fail", os.path.join(root, "fail"),
+                             {"run": os.path.join(root, "fail_run"), "fail": 1,
+                              "timeout_s": 10}),
   }
   try:
     for g in groups.values():
       g.__enter__()
-    kill0, kill1 = groups["kill0"], groups["kill1"]
-    written = os.path.join(root, ".step_2.tmp-*", "archive_*", "archive.json")
-    _wait_for(lambda: len(glob.glob(written)) == 4, kill0, "the primary's 4 archives")
-    kill0.kill(0)
-    open(go2, "w").close()  # process 1 now saves and finds its coordinator gone
-    _wait_for(lambda: os.path.exists(os.path.join(kill1.out, "entering_p1")), kill1,
-              "process 1 entering save_sharded")
-    time.sleep(0.5)  # inside save_sharded: blocked until the primary names the directory
-    kill1.kill(1)
-    open(go3, "w").close()  # the primary now saves, waits for process 1, never hears back
-    results = {k: groups[k].check() for k in ("r6", "r5")}
-    codes = {k: groups[k].wait() for k in ("kill0", "kill1")}
+    results = {k: g.check() for k, g in groups.items()}
   finally:
     for g in groups.values():
       g.kill()
-  yield dict(root=root, step1=step1, saved=saved, results=results, codes=codes,
+  yield dict(root=root, step1=step1, run=run, saved=saved, results=results,
              out={k: g.out for k, g in groups.items()})
 
 
@@ -82,8 +66,19 @@ def reference():
 
 def test_two_processes_save_eight_ranks(job, reference):
   assert [r["ranks"] for r in job["saved"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-  for got, want in zip(jr.load_records(job["step1"]), reference[3]):
-    assert_records_equal(got, want)
+  for step in (job["step1"], os.path.join(job["run"], "1", "opt_state")):
+    got = jr.load_records(step)
+    assert len(got) == 8
+    for a, b in zip(got, reference[3]):
+      assert_records_equal(a, b)
+
+
+def test_manager_save_returns_before_the_write_commits(job):
+  """``save`` returned while every archive write was held back, then committed."""
+  assert isinstance(jr.ReshardCheckpointHandler(), ocp.AsyncCheckpointHandler)
+  for res in job["saved"]:
+    assert res["in_progress_after_save"] and not res["committed_after_save"], res
+    assert res["steps"] == [1]
 
 
 @pytest.mark.parametrize("name,procs,world", [("r6", 3, 6), ("r5", 1, 5)])
@@ -102,6 +97,11 @@ def test_restart_on_other_layout_is_bit_identical(job, reference, name, procs, w
       want = jax.tree.leaves(expected[rank].state)[i]
       assert np.array_equal(dump[key], U.bits(want)), (name, key, rank)
       covered.add(rank)
+    manager = np.load(os.path.join(job["out"][name], f"p{res['process']}_manager.npz"))
+    assert sorted(manager.files) == sorted(dump.files)
+    for key in manager.files:  # the manager's restore: the same shards, the same bits
+      assert np.array_equal(manager[key], dump[key]), (name, key)
+    assert res["manager"] == {"params_equal": True, "structure_equal": True}
     for r, ps in res["placements"].items():
       want = [[p.param, list(p.shape), p.rank, p.world_size, np.dtype(p.dtype).name, p.trainable]
               for p in expected[int(r)].placements]
@@ -197,20 +197,19 @@ def test_each_process_reads_only_what_its_ranks_need(job):
   print("\n8 -> 6, bytes read per process:", *report, sep="\n  ")
 
 
-def test_killed_save_commits_nothing_and_previous_step_restores(job, reference):
-  # kill0: the primary was SIGKILLed inside save_sharded; process 1 then died too.
-  # kill1: process 1 was SIGKILLed inside save_sharded; the primary never committed.
-  assert job["codes"]["kill0"][0] == -9 and job["codes"]["kill0"][1] != 0, job["codes"]
-  assert job["codes"]["kill1"][1] == -9 and job["codes"]["kill1"][0] != 0, job["codes"]
-  for step in ("step_2", "step_3"):
-    assert not os.path.exists(os.path.join(job["root"], step)), f"{step} was committed"
-    for d in glob.glob(os.path.join(job["root"], f".{step}.tmp-*")):
-      with pytest.raises(jr.ArchiveError):  # never loadable: no index before the commit
-        jr.load_records(d)
-  assert len(glob.glob(os.path.join(job["root"], ".step_2.tmp-*", "archive_*"))) == 4
-  # The previous step restores, here on this process's 8 devices as a 4 x 2 mesh.
-  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ("fsdp", "model"))
+def test_failed_write_commits_nothing_and_previous_step_restores(job, reference):
+  results = job["results"]["fail"]
+  assert [r["steps_before"] for r in results] == [[1], [1]]
+  # Every process learned that step 2 failed (the primary by orbax's timeout).
+  assert all(r["error"] for r in results), results
+  run = os.path.join(job["root"], "fail_run")
+  assert not os.path.exists(os.path.join(run, "2")), "step 2 was committed"
+  for d in glob.glob(os.path.join(run, "2.orbax-checkpoint-tmp*", "default")):
+    with pytest.raises(jr.ArchiveError):  # never loadable: the index comes last
+      jr.load_records(d)
   records = reference[3]
-  out = jr.restore_sharded(job["step1"], mesh, "fsdp")
-  for r, ps in out.placements.items():
-    assert ps == jr.reshard(records, jr.plan(records, world_size=4, rank=r)).placements
+  with ocp.CheckpointManager(run) as manager:
+    assert manager.all_steps() == [1]
+    for rank in (0, 5):
+      got = manager.restore(1, args=jr.ReshardRestore(rank=rank, world_size=6))
+      assert_records_equal(got, jr.reshard(records, jr.plan(records, world_size=6, rank=rank)))

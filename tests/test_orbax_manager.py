@@ -59,3 +59,110 @@ def test_handler_refusals_reach_the_caller(tmp_path):
     manager.wait_until_finished()
     with pytest.raises(jr.PlacementError):
       manager.restore(1, args=jr.ReshardRestore(rank=3, world_size=3))
+
+
+def _mesh(shape, names):
+  import jax
+  import numpy as np
+  return jax.sharding.Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatch):
+  """A (2 x 4) mesh state saved beside params, restored onto 6 ranks; all exact.
+
+  The archive writes wait for a gate opened only after ``save`` returned (a
+  ``save`` that waited for its writes would never return), and the device
+  state is deleted before they run.
+  """
+  import threading
+  import jax
+  from jaxreshard import _checkpoint
+  import numpy as np
+  from jax.sharding import NamedSharding, PartitionSpec
+  from tests import _mp_util as U
+  from tests.test_distributed import _check_against
+
+  opt, params, state, _ = U.example(seed=3)
+  mesh = _mesh((2, 4), ("data", "fsdp"))
+  src = jr.shard_to_mesh(opt, params, state, mesh, "fsdp", trainable=U.trainable())
+  weights = jax.device_put(U.example_params(3), NamedSharding(mesh, PartitionSpec()))
+  # The reference as host copies first: the mesh state shares its scalars' buffers
+  # with ``state``, and those are deleted below.
+  records = jax.tree.map(np.array, jr.shard_state(opt, params, state, 4,
+                                                  trainable=U.trainable()))
+  structure = jax.tree.structure(state)
+  gate, write = threading.Event(), _checkpoint.write_archive
+  monkeypatch.setattr(_checkpoint, "write_archive",
+                      lambda *a: write(*a) if gate.wait(60) else None)
+  with ocp.CheckpointManager(tmp_path / "run", item_names=("params", "opt_state")) as manager:
+    manager.save(5, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(weights),
+        opt_state=jr.ReshardSave(state=src.state, optimizer=opt, params=params, mesh=mesh,
+                                 trainable=U.trainable())))
+    assert manager.is_saving_in_progress() and not (tmp_path / "run" / "5").exists()
+    # Host copies were taken before save returned: the device state may go.
+    for leaf in jax.tree.leaves(src.state):
+      leaf.delete()
+    gate.set()
+    manager.wait_until_finished()
+    assert manager.all_steps() == [5]
+  for got, want in zip(jr.load_records(tmp_path / "run" / "5" / "opt_state"), records,
+                       strict=True):
+    assert_records_equal(got, want)  # placements from params: dtypes, trainability
+
+  target = _mesh((6,), ("fsdp",))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(target, PartitionSpec())), U.example_params(3))
+  with ocp.CheckpointManager(tmp_path / "run", item_names=("params", "opt_state")) as manager:
+    out = manager.restore(5, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract),
+        opt_state=jr.ReshardRestore(mesh=target, axis="fsdp")))
+  expected = [jr.reshard(records, jr.plan(records, world_size=6, rank=r)) for r in range(6)]
+  assert _check_against(out.opt_state, target, "fsdp", expected)
+  assert jax.tree.structure(out.opt_state) == structure
+  for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(U.example_params(3))):
+    assert (U.bits(a) == U.bits(b)).all()
+
+
+def test_save_and_restore_arguments_are_checked():
+  records = adam_records(2)
+  mesh = _mesh((2,), ("fsdp",))
+  for bad in (dict(), dict(records=records, state={}), dict(state={}, mesh=mesh),
+              dict(state={}, optimizer=object(), mesh=mesh, shapes={}, params={}),
+              dict(state={}, optimizer=object(), mesh=mesh, shapes={}, trainable={})):
+    with pytest.raises(jr.PlacementError):
+      jr.ReshardSave(**bad)
+  with pytest.raises(jr.ReshardError):
+    jr.ReshardSave(records, chunk_bytes=0)
+  for bad in (dict(rank=1), dict(world_size=2), dict(mesh=mesh, rank=0, world_size=2),
+              dict(target={})):
+    with pytest.raises(jr.PlacementError):
+      jr.ReshardRestore(**bad)
+
+
+def test_a_failed_write_commits_nothing(tmp_path, monkeypatch):
+  import jax
+  from jaxreshard import _checkpoint
+  from tests import _mp_util as U
+
+  opt, params, state, _ = U.example(seed=4)
+  mesh = _mesh((4,), ("fsdp",))
+  src = jr.shard_to_mesh(opt, params, state, mesh)
+  shapes = {p.param: p for p in src.placements[0]}
+  write = _checkpoint.write_archive
+
+  def fail_on_rank_2(directory, index, *rest):
+    if index == 2:
+      raise OSError("injected: no space left on device")
+    return write(directory, index, *rest)
+
+  monkeypatch.setattr(_checkpoint, "write_archive", fail_on_rank_2)
+  path = tmp_path / "ckpt"
+  with pytest.raises(jr.ArchiveError, match="not committed.*no space left"):
+    jr.save_sharded(path, opt, src.state, shapes, mesh)
+  assert not path.exists()
+  monkeypatch.setattr(_checkpoint, "write_archive", write)
+  jr.save_sharded(path, opt, src.state, shapes, mesh)  # the same path, now complete
+  for got, want in zip(jr.load_records(path), jr.shard_state(opt, params, state, 4), strict=True):
+    assert_records_equal(got, want)
+  assert jax.tree.structure(jr.restore_sharded(path, mesh).state) == jax.tree.structure(state)
