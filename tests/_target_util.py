@@ -35,8 +35,9 @@ SPECS = {
 FROZEN = ("frozen/w",)
 
 
-def optimizer() -> Any:
-  labels = nest({pid: "frozen" if pid in FROZEN else "train" for pid in SPECS})
+def optimizer(pids=tuple(SPECS)) -> Any:
+  """The example optimizer for params with ids ``pids``."""
+  labels = nest({pid: "frozen" if pid in FROZEN else "train" for pid in pids})
   return optax.chain(
       optax.clip_by_global_norm(1.0),
       optax.multi_transform(
