@@ -70,6 +70,15 @@ def example(seed: int = 0, specs: dict = SPECS, opt: Any = None) -> tuple[Any, A
   return opt, params, jax.tree_util.tree_unflatten(treedef, new)
 
 
+# One big parameter under Adam (1 MiB of history), read in chunks of one row.
+BIG = {"big/w": ((256, 512), np.float32)}
+BIG_CHUNK_BYTES = 2048
+
+
+def big_example(seed: int = 7) -> tuple[Any, Any, Any]:
+  return example(seed=seed, specs=BIG, opt=optax.adam(1e-3))
+
+
 def trainable() -> dict:
   return {pid: pid not in FROZEN for pid in SPECS}
 

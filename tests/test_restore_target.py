@@ -264,3 +264,39 @@ def test_replicas_share_one_read(tmp_path):
   assert stats.bytes == whole
   # The system's own count: the chunk data plus metadata and shard indexes.
   assert whole <= read <= whole + 64 * 1024, (whole, read)
+
+
+# --- two processes: each reads only what its own devices hold ----------------------
+
+
+def test_each_process_reads_only_its_devices_share(tmp_path):
+  from tests import _mp_util as U  # pylint: disable=g-import-not-at-top
+
+  opt, params, state = T.big_example()
+  path = tmp_path / "big"
+  jr.save_records(path, jr.shard_state(opt, params, state, world_size=5),
+                  chunk_bytes=T.BIG_CHUNK_BYTES)
+  whole, stride = 0, 0
+  ckpt = jr.open_checkpoint(path)
+  for a in range(len(ckpt)):
+    for d in ckpt.layout(a).sizes:
+      f = ckpt.open_buffer(a, d)
+      whole, stride = whole + f.n * f.stride, f.stride
+      f.close()
+  with U.ProcessGroup(2, 4, "restore_target", str(tmp_path / "out"),
+                      {"path": str(path)}, timeout=240) as g:
+    results = g.check()
+  # Slack: per history buffer and process, the chunks at the two ends of each
+  # source archive's part of the share (source shards do not start on rows).
+  slack = 2 * 5 * 2 * stride
+  for p, res in enumerate(results):
+    for name, k in (("one_of_4", 4), ("half", 8)):  # k: devices in the mesh
+      r = res[name]
+      assert r["mismatches"] == [], (p, name, r["mismatches"][:3])
+      share = whole * r["devices_in_mesh"] / k  # what the process's devices hold
+      assert share <= r["bytes_read"] <= share + slack, (p, name, r, whole)
+      assert r["bytes_read"] <= r["rchar"] <= r["bytes_read"] + 64 * 1024, (p, name, r)
+  one = results[0]["one_of_4"]
+  print(f"\nbytes read: one device's share (1/4 rows) {one['bytes_read']} of {whole}"
+        f" ({one['bytes_read'] / whole:.3f}); rchar {one['rchar']}; half"
+        f" {results[0]['half']['bytes_read']} / {results[1]['half']['bytes_read']}")
