@@ -25,7 +25,7 @@ import optax
 
 from jaxreshard import _pipeline, _reshard, _structure
 from jaxreshard._checkpoint import STAGING_BYTES, Checkpoint, ReadStats, open_checkpoint
-from jaxreshard._errors import DtypeError, PlacementError, ShapeError
+from jaxreshard._errors import DtypeError, PlacementError, ReshardError, ShapeError
 from jaxreshard._global import MeshState
 from jaxreshard._placement import ParamPlacement
 
@@ -75,7 +75,9 @@ def restore_to_target(directory: Any, target: Any, *,
                                                           jax.tree.leaves(target))]
   errors = [s for s in specs if isinstance(s, Exception)]
   if errors:
-    kind = type(errors[0]) if all(type(e) is type(errors[0]) for e in errors) else PlacementError
+    # The most specific class every refusal belongs to (DtypeError is both others).
+    kind = next((c for c in (DtypeError, ShapeError, PlacementError)
+                 if all(isinstance(e, c) for e in errors)), ReshardError)
     raise kind("the target does not match the checkpoint: "
                + "; ".join(str(e) for e in errors[:_MAX_LISTED])
                + (f"; and {len(errors) - _MAX_LISTED} more" if len(errors) > _MAX_LISTED else ""))
@@ -115,8 +117,9 @@ def _check_structure(expected: Any, target: Any, groups) -> tuple[list[str], lis
   exp_paths = [jax.tree_util.keystr(p) for p, _ in exp]
   tgt_paths = [jax.tree_util.keystr(p) for p, _ in tgt]
   if exp_paths != tgt_paths:
-    missing = [(p, x) for p, (_, x) in zip(exp_paths, exp) if p not in set(tgt_paths)]
-    extra = [p for p in tgt_paths if p not in set(exp_paths)]
+    exp_set, tgt_set = set(exp_paths), set(tgt_paths)
+    missing = [(p, x) for p, (_, x) in zip(exp_paths, exp) if p not in tgt_set]
+    extra = [p for p in tgt_paths if p not in exp_set]
     parts = []
     if missing:
       parts.append("missing " + ", ".join(f"leaf {p} ({_describe(x, groups)})"

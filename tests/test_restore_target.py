@@ -157,6 +157,18 @@ def test_refuses_a_scalar_of_another_dtype(saved):
     jr.restore_sharded(path, _mesh("explicit"), target=bad)
 
 
+def test_a_shape_and_a_dtype_refusal_together_are_a_shape_error(saved):
+  opt, params, _, path = saved
+  bad = _replace(_replicated_target(opt, params), MU_KERNEL,
+                 lambda x: jax.ShapeDtypeStruct((24, 16), x.dtype, sharding=x.sharding))
+  bad = _replace(bad, "nu['head']['w']",
+                 lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding))
+  with pytest.raises(jr.ShapeError) as e:
+    jr.restore_sharded(path, _mesh("explicit"), target=bad)
+  assert "mu['dense']['kernel'] (param 'dense/kernel'): the target has shape" in str(e.value)
+  assert "nu['head']['w'] (param 'head/w'): the target has dtype bfloat16" in str(e.value)
+
+
 def _params_and_optimizer(pids):
   params = T.nest({pid: jnp.zeros(*(T.SPECS.get(pid) or ((2,), np.float32))) for pid in pids})
   return T.optimizer(pids), params
