@@ -86,7 +86,8 @@ def restore_sharded(directory: Any, mesh: Mesh, axis: str = "fsdp", *,
   With ``target``, the state comes back in logical form instead: every history
   leaf in its parameter's shape, every leaf laid out as ``target`` says, and
   each process reads only the chunks holding the elements its own devices
-  hold (see :func:`jaxreshard._target_restore.restore_to_target`).
+  hold (each device's index box of a leaf, as row-major flat ranges, mapped
+  to the source flat shards; devices holding the same box share one read).
 
   Args:
     directory: a checkpoint written by ``save_records`` or :func:`save_sharded`
