@@ -57,7 +57,8 @@ from jaxreshard._placement import ParamPlacement
 from jaxreshard._record import FORMAT_VERSION as RECORD_VERSION
 from jaxreshard._record import ShardRecord
 
-__all__ = ["Checkpoint", "FORMAT_VERSION", "LeafInfo", "open_checkpoint", "write_checkpoint"]
+__all__ = ["Checkpoint", "FORMAT_VERSION", "LeafInfo", "ReadStats", "open_checkpoint",
+           "write_checkpoint"]
 
 FORMAT = "jaxreshard-checkpoint"
 FORMAT_VERSION = 2
@@ -78,6 +79,21 @@ STAGING_BYTES = 8 << 20
 _INDEX_KEYS = {"format", "format_version", "checkpoint", "record_version", "params", "groups",
                "layouts", "clocks", "archives"}
 _ID = re.compile(r"[0-9a-f]{32}\Z")
+
+
+@dataclasses.dataclass
+class ReadStats:
+  """What ``Checkpoint.read_runs`` read from buffer files: a counter the caller owns.
+
+  Attributes:
+    reads: read calls (one per span of consecutive chunks).
+    chunks: chunks read, each with its crc32c.
+    bytes: bytes read from the shard files (chunk data and checksums).
+  """
+
+  reads: int = 0
+  chunks: int = 0
+  bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -579,16 +595,18 @@ class Checkpoint:
         self.open_buffer(archive, d).close()
 
   def read_runs(self, archive: int, dtype: np.dtype, src: np.ndarray, dst: np.ndarray,
-                length: np.ndarray, out: np.ndarray, scratch: np.ndarray) -> None:
+                length: np.ndarray, out: np.ndarray, scratch: np.ndarray,
+                stats: Optional[ReadStats] = None) -> None:
     """Copies runs of one packed buffer into ``out``, reading only their chunks.
 
     ``scratch`` (uint8) holds the chunk spans read; it grows to one chunk if smaller.
+    ``stats``, when given, counts the chunk spans read.
     """
     f = self.open_buffer(archive, dtype)
     try:
       if len(scratch) < f.stride:
         scratch = np.empty(f.stride, np.uint8)
-      _read_runs(f, src, dst, length, out, scratch)
+      _read_runs(f, src, dst, length, out, scratch, stats)
     finally:
       f.close()
 
@@ -609,7 +627,8 @@ class Checkpoint:
                        state=state, roles=layout.roles)
 
 
-def _read_runs(f: _shardfile.ShardFile, src, dst, length, out, scratch) -> None:
+def _read_runs(f: _shardfile.ShardFile, src, dst, length, out, scratch,
+               stats: Optional[ReadStats] = None) -> None:
   if f.size and (int((src + length).max(initial=0)) > f.size or int(src.min(initial=0)) < 0):
     raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
   c = f.chunk
@@ -636,6 +655,10 @@ def _read_runs(f: _shardfile.ShardFile, src, dst, length, out, scratch) -> None:
         n += 1
       data = f.read_chunks(ch, n, scratch)
       span_first, span_n = ch, n
+      if stats is not None:
+        stats.reads += 1
+        stats.chunks += n
+        stats.bytes += n * f.stride
     row = data[ch - span_first]
     a, b, t = int(lo[j]) - ch * c, int(hi[j]) - ch * c, int(to[j])
     view[t:t + b - a] = row[a:b]

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxreshard import _archive_io, _global, _restore
+from jaxreshard import _archive_io, _global, _restore, _target_restore
 from jaxreshard import _checkpoint
 from jaxreshard._errors import ArchiveError, ArchiveExistsError, ReshardError, ShapeError
 from jaxreshard._global import MeshState
@@ -67,7 +67,8 @@ def reshard_to_mesh(records: Any, mesh: Mesh, axis: str = "fsdp") -> MeshState:
                    {r: rec.placements for r, rec in built.items()})
 
 
-def restore_sharded(directory: Any, mesh: Mesh, axis: str = "fsdp") -> MeshState:
+def restore_sharded(directory: Any, mesh: Mesh, axis: str = "fsdp", *,
+                    target: Any = None) -> MeshState:
   """Restores a checkpoint onto a mesh, each process reading only what its devices need.
 
   Call it in every process with the same arguments. With ``M`` the size of
@@ -76,11 +77,22 @@ def restore_sharded(directory: Any, mesh: Mesh, axis: str = "fsdp") -> MeshState
   then only the chunks of the source buffers that overlap those ranks, and
   runs the gather kernels on the device of each rank.
 
+  With ``target``, the state comes back in logical form instead: every history
+  leaf in its parameter's shape, every leaf laid out as ``target`` says, and
+  each process reads only the chunks holding the elements its own devices
+  hold (each device's index box of a leaf, as row-major flat ranges, mapped
+  to the source flat shards; devices holding the same box share one read).
+
   Args:
     directory: a checkpoint written by ``save_records`` or :func:`save_sharded`
       (any source world size).
     mesh: the target mesh (e.g. ``jax.make_mesh((M,), ("fsdp",))``).
     axis: the mesh axis the flat shards are split over.
+    target: None (the flat layout above), or an abstract optax state: the
+      tree ``optimizer.init(params)`` builds, each leaf a
+      ``jax.ShapeDtypeStruct`` (or array) with ``.sharding`` set, any
+      sharding per leaf, over any mesh. ``mesh`` and ``axis`` are then not
+      used: the target's shardings say where everything goes.
 
   Returns:
     A :class:`MeshState`: ``state`` is the optax state whose history leaves are
@@ -89,9 +101,20 @@ def restore_sharded(directory: Any, mesh: Mesh, axis: str = "fsdp") -> MeshState
     local target rank to its placements. Every local shard is bit-identical
     to ``reshard(load_records(directory), plan(..., M, rank))``.
 
+    With ``target``: ``state`` is the full optax state, bit-identical to the
+    state that was saved, each leaf a global array with the target leaf's
+    shape, dtype and sharding (a 64-bit scalar while x64 is off stays a numpy
+    value, a Python number stays one); ``placements`` is ``{0: ...}``, every
+    parameter as the one rank of world_size 1 (logical shape, storage dtype,
+    trainability), since a logical state has no flat ranks.
+
   Raises:
     FileNotFoundError: ``directory`` does not exist.
-    ReshardError: every refusal of ``restore``.
+    ReshardError: every refusal of ``restore``. With ``target``, a target
+      that disagrees with the checkpoint, naming the leaf's key path:
+      ``PlacementError`` (tree structure, a missing or extra leaf, a missing
+      or unusable sharding), ``ShapeError`` (a leaf's shape), ``DtypeError``
+      (a leaf's dtype).
 
   Examples:
     >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
@@ -103,7 +126,16 @@ def restore_sharded(directory: Any, mesh: Mesh, axis: str = "fsdp") -> MeshState
     >>> state, placements = restore_sharded(path, mesh)
     >>> state[0].mu["w"].sharding.spec
     P('fsdp',)
+    >>> abstract = jax.eval_shape(opt.init, params)
+    >>> everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    >>> abstract = jax.tree.map(
+    ...     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere), abstract)
+    >>> state, _ = restore_sharded(path, mesh, target=abstract)
+    >>> state[0].mu["w"].shape, state[0].count.sharding == everywhere
+    ((10,), True)
   """
+  if target is not None:
+    return _target_restore.restore_to_target(directory, target)
   world = _global._axis_size(mesh, axis)  # pylint: disable=protected-access
   ckpt = _archive_io.open_checkpoint(directory)  # shared: the index is read once
   built = {}

@@ -21,6 +21,11 @@ Tasks:
              ``StandardRestore``) and dump it to ``<out>/p<i>_manager.npz``.
   fail:      a manager saves step 1, then step 2 with process ``args.fail``
              raising inside its archive write; reports what each process saw.
+  restore_target: ``restore_sharded(args.path, target=...)`` of
+             ``_target_util.big_example``'s checkpoint, rows sharded over a
+             mesh of 4 devices of which process 0 has one (so it holds one
+             device's share) and then over all 8 devices; report each
+             restore's bytes read and whether every local piece is exact.
 """
 
 import json
@@ -216,6 +221,36 @@ def fail(opt, params, state, shapes) -> dict:
   # The job is broken now: report and leave without the shutdown barrier.
   write_result({"task": "fail", "process": ME, **result})
   os._exit(0)
+
+
+def restore_target(opt, params, state, shapes) -> dict:
+  del opt, params, state, shapes  # this task restores its own example
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+
+  from jaxreshard import _checkpoint, _target_restore  # pylint: disable=g-import-not-at-top
+  from tests import _target_util as T  # pylint: disable=g-import-not-at-top
+
+  opt, params, state = T.big_example()
+  devices = jax.devices()  # process 0's first
+  mine = [d for d in devices if d.process_index == ME]
+  theirs = [d for d in devices if d.process_index != ME]
+  meshes = {
+      # Process 0 holds one device of four; process 1 the other three.
+      "one_of_4": Mesh(np.array(devices[:1] + devices[4:7]), ("x",)),
+      "half": Mesh(np.array(devices).reshape(2, 4), ("a", "b")),
+  }
+  specs = {"one_of_4": PartitionSpec("x"), "half": PartitionSpec(("a", "b"))}
+  out = {"local_devices": [d.id for d in mine], "other_devices": [d.id for d in theirs]}
+  for name, m in meshes.items():
+    target = T.abstract(opt, params, T.spec_or_replicated(m, specs[name]))
+    stats = _checkpoint.ReadStats()
+    before = U.rchar()
+    restored = _target_restore.restore_to_target(ARGS["path"], target, stats=stats)
+    jax.block_until_ready(restored.state)
+    out[name] = {"bytes_read": stats.bytes, "chunks": stats.chunks, "rchar": U.rchar() - before,
+                 "mismatches": T.shard_mismatches(restored.state, state, target),
+                 "devices_in_mesh": sum(d.process_index == ME for d in m.devices.flat)}
+  return out
 
 
 def main() -> None:

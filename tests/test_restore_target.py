@@ -1,0 +1,314 @@
+"""restore_sharded(target=...): the saved optax state, param-shaped, in any target sharding.
+
+Every restored device piece is compared bit for bit (as unsigned integers) with
+the same index of the original optax state the checkpoint was made from.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+import jaxreshard as jr
+from jaxreshard import _checkpoint, _target_restore
+from tests import _target_util as T
+from tests._core_util import rchar
+
+
+@pytest.fixture(scope="module", params=[3, 5])
+def saved(request, tmp_path_factory):
+  """(opt, params, original state, checkpoint path) saved from an uneven world size."""
+  opt, params, state = T.example(seed=request.param)
+  records = jr.shard_state(opt, params, state, world_size=request.param,
+                           trainable=T.trainable())
+  path = tmp_path_factory.mktemp(f"w{request.param}") / "ckpt"
+  jr.save_records(path, records, chunk_bytes=64)  # small chunks: runs span several
+  return opt, params, state, path
+
+
+def _mesh(kind: str):
+  if kind == "explicit":
+    return jax.make_mesh((2, 4), ("a", "b"))  # Explicit axes, jax's default
+  return jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+
+
+LAYOUTS = {
+    "replicated": P(),
+    "rows": P("b"),
+    "columns": P(None, "a"),
+    "2d": P("a", "b"),
+    "rows_over_both": P(("a", "b")),
+    "columns_over_both_transposed": P(None, ("b", "a")),
+}
+
+
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_restore_into_target_sharding(saved, layout, axis_types):
+  opt, params, state, path = saved
+  mesh = _mesh(axis_types)
+  target = T.abstract(opt, params, T.spec_or_replicated(mesh, LAYOUTS[layout]))
+  out = jr.restore_sharded(path, mesh, target=target)
+  assert T.shard_mismatches(out.state, state, target) == []
+  hyper = out.state[1].inner_states["train"].inner_state.hyperparams  # scalars placed too
+  assert hyper["learning_rate"].sharding == NamedSharding(mesh, P())
+  assert out.placements[0][1] == jr.ParamPlacement("dense/kernel", (16, 24), 0, 1,
+                                                    np.float32, True)
+  assert [p.trainable for p in out.placements[0]] == [p.param not in T.FROZEN
+                                                      for p in out.placements[0]]
+
+
+def _per_leaf(path, x):
+  """A different layout per leaf: meshes of different devices and axis types."""
+  devices = jax.devices()
+  name = jax.tree_util.keystr(path)
+  explicit = jax.make_mesh((2, 4), ("a", "b"))
+  auto = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+  three = Mesh(np.array(devices[5:8]), ("t",))  # a mesh of only some devices
+  if x.shape == ():
+    return SingleDeviceSharding(devices[6])
+  if "kernel" in name and ".mu" in name:
+    return NamedSharding(three, P(None, "t"))  # 24 columns over 3 devices
+  if ".mu" in name and T.fits(P("b"), x.shape, explicit):
+    return NamedSharding(explicit, P("b"))
+  if ".nu" in name and T.fits(P("y", "x"), x.shape, auto):
+    return NamedSharding(auto, P("y", "x"))
+  return NamedSharding(auto, P())
+
+
+def test_different_sharding_per_leaf(saved):
+  opt, params, state, path = saved
+  target = T.abstract(opt, params, _per_leaf)
+  out = jr.restore_sharded(path, jax.make_mesh((8,), ("fsdp",)), target=target)
+  assert T.shard_mismatches(out.state, state, target) == []
+  count = out.state[1].inner_states["train"].inner_state.inner_state[0].count
+  assert count.sharding == SingleDeviceSharding(jax.devices()[6])
+
+
+def test_target_from_arrays_and_then_an_update(saved):
+  """Arrays work as targets, and the result is an ordinary state for a jitted update."""
+  opt, params, state, path = saved
+  mesh = _mesh("auto")
+  target = T.abstract(opt, params, T.spec_or_replicated(mesh, P("a", "b")))
+  first = jr.restore_sharded(path, mesh, target=target).state
+  again = jr.restore_sharded(path, mesh, target=first).state
+  assert T.shard_mismatches(again, state, target) == []
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  grads = jax.tree.map(jnp.ones_like, params)
+  with jax.numpy_dtype_promotion("standard"):
+    _, new = jax.jit(opt.update)(grads, again, params)
+  assert jax.tree.structure(new) == jax.tree.structure(state)
+
+
+def test_flat_layout_is_unchanged_without_target(saved):
+  opt, params, state, path = saved
+  mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+  out = jr.restore_sharded(path, mesh)
+  adam = out.state[1].inner_states["train"].inner_state.inner_state[0]
+  assert adam.mu["dense"]["kernel"].shape == (4 * 96,)
+  assert sorted(out.placements) == [0, 1, 2, 3]
+
+
+# --- refusals: each names the leaf -----------------------------------------------
+
+
+def _replicated_target(opt, params, mesh=None):
+  mesh = mesh or _mesh("explicit")
+  return T.abstract(opt, params, lambda path, x: NamedSharding(mesh, P()))
+
+
+def _replace(target, key: str, fn):
+  """``target`` with every leaf whose key path contains ``key`` replaced by ``fn(leaf)``."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: fn(x) if key in jax.tree_util.keystr(path) else x, target)
+
+
+MU_KERNEL = "[1].inner_states['train'].inner_state.inner_state[0].mu['dense']['kernel']"
+
+
+def test_refuses_a_leaf_of_another_shape(saved):
+  opt, params, _, path = saved
+  bad = _replace(_replicated_target(opt, params), MU_KERNEL,
+                 lambda x: jax.ShapeDtypeStruct((24, 16), x.dtype, sharding=x.sharding))
+  with pytest.raises(jr.ShapeError, match=r"leaf .*mu\['dense'\]\['kernel'\] \(param"
+                     r" 'dense/kernel'\): the target has shape \(24, 16\)"):
+    jr.restore_sharded(path, _mesh("explicit"), target=bad)
+
+
+def test_refuses_a_leaf_of_another_dtype(saved):
+  opt, params, _, path = saved
+  bad = _replace(_replicated_target(opt, params), "nu['embed']['table']",
+                 lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding))
+  with pytest.raises(jr.DtypeError, match=r"nu\['embed'\]\['table'\].*float32 but the"
+                     r" checkpoint holds bfloat16"):
+    jr.restore_sharded(path, _mesh("explicit"), target=bad)
+
+
+def test_refuses_a_scalar_of_another_dtype(saved):
+  opt, params, _, path = saved
+  bad = _replace(_replicated_target(opt, params), "inner_state[0].count",
+                 lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding))
+  with pytest.raises(jr.DtypeError, match=r"inner_state\[0\]\.count \(clock scalar\): the"
+                     r" target has dtype float32 but the checkpoint holds int32"):
+    jr.restore_sharded(path, _mesh("explicit"), target=bad)
+
+
+def test_a_shape_and_a_dtype_refusal_together_are_a_shape_error(saved):
+  opt, params, _, path = saved
+  bad = _replace(_replicated_target(opt, params), MU_KERNEL,
+                 lambda x: jax.ShapeDtypeStruct((24, 16), x.dtype, sharding=x.sharding))
+  bad = _replace(bad, "nu['head']['w']",
+                 lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding))
+  with pytest.raises(jr.ShapeError) as e:
+    jr.restore_sharded(path, _mesh("explicit"), target=bad)
+  assert "mu['dense']['kernel'] (param 'dense/kernel'): the target has shape" in str(e.value)
+  assert "nu['head']['w'] (param 'head/w'): the target has dtype bfloat16" in str(e.value)
+
+
+def _params_and_optimizer(pids):
+  params = T.nest({pid: jnp.zeros(*(T.SPECS.get(pid) or ((2,), np.float32))) for pid in pids})
+  return T.optimizer(pids), params
+
+
+def test_refuses_a_missing_param(saved):
+  path = saved[3]
+  opt, fewer = _params_and_optimizer([p for p in T.SPECS if p != "head/w"])
+  with pytest.raises(jr.PlacementError, match=r"missing leaf .*mu\['head'\]\['w'\] \(history"
+                     r" buffer 0 of param 'head/w'\)"):
+    jr.restore_sharded(path, _mesh("explicit"), target=_replicated_target(opt, fewer))
+
+
+def test_refuses_a_missing_masked_param(saved):
+  """A param the optimizer masks has no buffers, but its MaskedNode positions count."""
+  path = saved[3]
+  opt, fewer = _params_and_optimizer([p for p in T.SPECS if p not in T.FROZEN])
+  with pytest.raises(jr.PlacementError, match=r"missing leaf .*\['frozen'\]\['w'\] \(a masked"):
+    jr.restore_sharded(path, _mesh("explicit"), target=_replicated_target(opt, fewer))
+
+
+def test_refuses_an_extra_param(saved):
+  path = saved[3]
+  opt, more = _params_and_optimizer([*T.SPECS, "extra"])
+  with pytest.raises(jr.PlacementError, match=r"extra leaf .*mu\['extra'\].* \(not in the"
+                     r" checkpoint\)"):
+    jr.restore_sharded(path, _mesh("explicit"), target=_replicated_target(opt, more))
+
+
+def test_refuses_another_optimizer(saved):
+  _, params, _, path = saved
+  with pytest.raises(jr.PlacementError, match=r"target's tree does not match .*leaf"):
+    jr.restore_sharded(path, _mesh("explicit"),
+                       target=_replicated_target(optax.sgd(0.1, momentum=0.9), params))
+
+
+def _with_sharding(sharding):
+  return lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def test_refuses_shardings_jax_cannot_use(saved):
+  opt, params, _, path = saved
+  mesh = _mesh("explicit")
+  bad = _replace(_replicated_target(opt, params), "mu['embed']['table']",
+                 _with_sharding(NamedSharding(mesh, P(None, ("a", "b")))))  # 12 over 8
+  bad = _replace(bad, "nu['head']['w']",
+                 _with_sharding(NamedSharding(mesh, P(("a", "b")))))  # 4 rows over 8
+  with pytest.raises(jr.PlacementError) as e:
+    jr.restore_sharded(path, mesh, target=bad)
+  # Every bad leaf in one message.
+  assert ("mu['embed']['table'] (param 'embed/table'): its sharding cannot lay out shape"
+          " (8, 12)") in str(e.value)
+  assert ("nu['head']['w'] (param 'head/w'): its sharding cannot lay out shape"
+          " (4, 8)") in str(e.value)
+
+
+def test_refuses_a_leaf_without_sharding_and_reports_every_bad_leaf(saved):
+  opt, params, _, path = saved
+  bad = _replace(_replicated_target(opt, params), "mu['dense']['bias']",
+                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
+  bad = _replace(bad, "nu['scalar']", lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
+  with pytest.raises(jr.PlacementError) as e:
+    jr.restore_sharded(path, _mesh("explicit"), target=bad)
+  assert "mu['dense']['bias'] (param 'dense/bias'): the target leaf has no sharding" in str(e.value)
+  assert "nu['scalar'] (param 'scalar'): the target leaf has no sharding" in str(e.value)
+
+
+# --- bytes read -------------------------------------------------------------------
+
+BIG = {"big/w": ((256, 512), np.float32)}  # Adam: 1 MiB of history (mu and nu)
+CHUNK = 2048  # bytes: one chunk is one row of 512 elements
+
+
+def _big(tmp_path, world=5):
+  opt = optax.adam(1e-3)
+  opt, params, state = T.example(seed=7, specs=BIG, opt=opt)
+  jr.save_records(tmp_path / "big", jr.shard_state(opt, params, state, world_size=world),
+                  chunk_bytes=CHUNK)
+  ckpt = jr.open_checkpoint(tmp_path / "big")
+  # Every chunk of every buffer file, with its crc32c: what a whole restore reads.
+  whole = 0
+  for a in range(len(ckpt)):
+    for d, n in ckpt.layout(a).sizes.items():
+      f = ckpt.open_buffer(a, d)
+      whole += f.n * f.stride
+      f.close()
+  return opt, params, state, tmp_path / "big", whole
+
+
+def _restore_counted(path, target):
+  stats = _checkpoint.ReadStats()
+  before = rchar()
+  out = _target_restore.restore_to_target(path, target, stats=stats)
+  return out, stats, rchar() - before
+
+
+def test_replicas_share_one_read(tmp_path):
+  """Eight devices holding the whole state read each chunk once, no more."""
+  opt, params, state, path, whole = _big(tmp_path)
+  mesh = _mesh("explicit")
+  target = T.abstract(opt, params, lambda p, x: NamedSharding(mesh, P()))
+  _restore_counted(path, target)  # warm-up: imports, first-call work
+  out, stats, read = _restore_counted(path, target)
+  assert T.shard_mismatches(out.state, state, target) == []
+  assert stats.bytes == whole
+  # The system's own count: the chunk data plus metadata and shard indexes.
+  assert whole <= read <= whole + 64 * 1024, (whole, read)
+
+
+# --- two processes: each reads only what its own devices hold ----------------------
+
+
+def test_each_process_reads_only_its_devices_share(tmp_path):
+  from tests import _mp_util as U  # pylint: disable=g-import-not-at-top
+
+  opt, params, state = T.big_example()
+  path = tmp_path / "big"
+  jr.save_records(path, jr.shard_state(opt, params, state, world_size=5),
+                  chunk_bytes=T.BIG_CHUNK_BYTES)
+  whole, stride = 0, 0
+  ckpt = jr.open_checkpoint(path)
+  for a in range(len(ckpt)):
+    for d in ckpt.layout(a).sizes:
+      f = ckpt.open_buffer(a, d)
+      whole, stride = whole + f.n * f.stride, f.stride
+      f.close()
+  with U.ProcessGroup(2, 4, "restore_target", str(tmp_path / "out"),
+                      {"path": str(path)}, timeout=240) as g:
+    results = g.check()
+  # Slack: per history buffer and process, the chunks at the two ends of each
+  # source archive's part of the share (source shards do not start on rows).
+  slack = 2 * 5 * 2 * stride
+  for p, res in enumerate(results):
+    for name, k in (("one_of_4", 4), ("half", 8)):  # k: devices in the mesh
+      r = res[name]
+      assert r["mismatches"] == [], (p, name, r["mismatches"][:3])
+      share = whole * r["devices_in_mesh"] / k  # what the process's devices hold
+      assert share <= r["bytes_read"] <= share + slack, (p, name, r, whole)
+      assert r["bytes_read"] <= r["rchar"] <= r["bytes_read"] + 64 * 1024, (p, name, r)
+  one = results[0]["one_of_4"]
+  print(f"\nbytes read: one device's share (1/4 rows) {one['bytes_read']} of {whole}"
+        f" ({one['bytes_read'] / whole:.3f}); rchar {one['rchar']}; half"
+        f" {results[0]['half']['bytes_read']} / {results[1]['half']['bytes_read']}")
