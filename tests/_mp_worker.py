@@ -20,7 +20,8 @@ Tasks:
              manager (``ReshardRestore(mesh=...)``, params with
              ``StandardRestore``) and dump it to ``<out>/p<i>_manager.npz``.
   fail:      a manager saves step 1, then step 2 with process ``args.fail``
-             raising inside its archive write; reports what each process saw.
+             unable to write its archives (a file size limit, as a full disk);
+             reports what each process saw.
   restore_target: ``restore_sharded(args.path, target=...)`` of
              ``_target_util.big_example``'s checkpoint, rows sharded over a
              mesh of 4 devices of which process 0 has one (so it holds one
@@ -195,8 +196,13 @@ def manager_restore(m: Mesh) -> dict:
 
 
 def fail(opt, params, state, shapes) -> dict:
-  """Step 1 saved; step 2 with one process's archive write raising. Reports both."""
-  from jaxreshard import _checkpoint  # pylint: disable=g-import-not-at-top
+  """Step 1 saved; step 2 with one process's disk full. Reports what each saw.
+
+  The failing process's files may not grow past 1 KiB (``RLIMIT_FSIZE``): its
+  archive writes fail for real, as on a full disk, and nothing else changes.
+  """
+  import resource  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
 
   m = mesh()
   sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
@@ -208,9 +214,8 @@ def fail(opt, params, state, shapes) -> dict:
   manager.save(1, args=args())
   manager.wait_until_finished()
   if ME == ARGS["fail"]:
-    def broken(*a, **k):
-      raise OSError("injected: the disk is full")
-    _checkpoint.write_archive = broken
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
   result = {"steps_before": manager.all_steps()}
   try:
     manager.save(2, args=args())
