@@ -12,6 +12,7 @@ from jaxreshard._device_exec import device_cache_info as kernel_cache_info
 from jaxreshard._distributed import reshard_to_mesh, restore_sharded, save_sharded
 from jaxreshard._errors import (ArchiveError, ArchiveExistsError, DtypeError, PlacementError,
                                 ReshardError, ShapeError)
+from jaxreshard._flat_sharded import flat_sharded
 from jaxreshard._geometry import FlatShard
 from jaxreshard._global import MeshState, gather_from_mesh, mesh_ranks, shard_to_mesh
 from jaxreshard._placement import Migration, ParamPlacement
@@ -39,6 +40,7 @@ __all__ = [
     "ShapeError",
     "ShardRecord",
     "clear_kernel_cache",
+    "flat_sharded",
     "gather_from_mesh",
     "kernel_cache_info",
     "load_records",

@@ -14,7 +14,7 @@ from jaxreshard._geometry import FlatShard
 from jaxreshard._placement import Migration, ParamPlacement
 from jaxreshard._record import FORMAT_VERSION, ShardRecord
 
-__all__ = ["shard_state", "unshard_state", "plan", "reshard", "reshard_ranks"]
+__all__ = ["coordinate_roles", "shard_state", "unshard_state", "plan", "reshard", "reshard_ranks"]
 
 
 def shard_state(
@@ -55,16 +55,45 @@ def shard_state(
     [(3,), (3,)]
   """
   FlatShard((), 0, world_size)  # validates world_size
+  ids, leaves, shapes, roles = coordinate_roles(optimizer, params, state)
+  trainable = dict(trainable or {})
+  unknown = sorted(set(trainable) - set(ids))
+  if unknown:
+    raise PlacementError(f"params {unknown}: named in `trainable` but not in params")
+  state_leaves, state_def = jax.tree_util.tree_flatten(state)
+
+  # The full state is the one archive of a world of size 1; every rank is resharded from it.
+  placements = tuple(sorted(
+      (ParamPlacement(pid, shapes[pid], 0, 1, np.dtype(x.dtype), bool(trainable.get(pid, True)))
+       for pid, x in zip(ids, leaves)),
+      key=lambda p: p.param))
+  whole = _whole_record(state_leaves, state_def, roles, placements)
+  return reshard_ranks([whole], [plan([whole], world_size=world_size, rank=r)
+                                 for r in range(world_size)])
+
+
+def coordinate_roles(
+    optimizer: Any, params: Any, state: Any,
+) -> tuple[list[str], list[Any], dict[str, tuple[int, ...]], tuple[Optional[str], ...]]:
+  """Checks that ``state`` can be sharded flat; returns (ids, leaves, shapes, roles).
+
+  A state can be sharded flat when every param id is unique, every param has a
+  supported storage dtype, and every history buffer (``_structure.history_roles``) is
+  floating and shaped exactly like its parameter: coordinate-wise state.
+  ``params`` and ``state`` may hold arrays or ``jax.ShapeDtypeStruct``s.
+
+  Raises:
+    PlacementError: colliding ids, or a state optax cannot describe.
+    DtypeError: a parameter dtype other than float32/float16/bfloat16.
+    ShapeError: non-coordinate state (factored or matrix statistics), or a
+      history buffer that is not floating.
+  """
   _check_arguments(optimizer, params)
   ids, leaves, _ = _structure.param_ids(params)
   if len(set(ids)) != len(ids):
     dup = sorted({i for i in ids if ids.count(i) > 1})
     raise PlacementError(f"params {dup}: two parameters have the same key path id")
   shapes = {pid: tuple(np.shape(x)) for pid, x in zip(ids, leaves)}
-  trainable = dict(trainable or {})
-  unknown = sorted(set(trainable) - set(ids))
-  if unknown:
-    raise PlacementError(f"params {unknown}: named in `trainable` but not in params")
   for pid, x in zip(ids, leaves):
     _validate.check_storage_dtype(np.dtype(x.dtype), f"param {pid!r}")
 
@@ -81,13 +110,12 @@ def shard_state(
         f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); non-coordinate"
         " optimizer state (factored or matrix statistics) cannot be sharded flat"
     ) from e
-  state_leaves, state_def = jax.tree_util.tree_flatten(state)
-  if len(state_leaves) != len(roles):
+  with_path = jax.tree_util.tree_flatten_with_path(state)[0]
+  if len(with_path) != len(roles):
     raise PlacementError("the optimizer's own description of its state does not match `state`")
-  for path_leaf, pid in zip(jax.tree_util.tree_flatten_with_path(state)[0], roles):
+  for (path, leaf), pid in zip(with_path, roles):
     if pid is None:
       continue
-    path, leaf = path_leaf
     where = f"param {pid!r}: history buffer at {jax.tree_util.keystr(path)}"
     if tuple(np.shape(leaf)) != shapes[pid]:
       raise ShapeError(
@@ -96,15 +124,7 @@ def shard_state(
           " sharded flat"
       )
     _validate.check_buffer_dtype(leaf.dtype, where)
-
-  # The full state is the one archive of a world of size 1; every rank is resharded from it.
-  placements = tuple(sorted(
-      (ParamPlacement(pid, shapes[pid], 0, 1, np.dtype(x.dtype), bool(trainable.get(pid, True)))
-       for pid, x in zip(ids, leaves)),
-      key=lambda p: p.param))
-  whole = _whole_record(state_leaves, state_def, roles, placements)
-  return reshard_ranks([whole], [plan([whole], world_size=world_size, rank=r)
-                                 for r in range(world_size)])
+  return ids, leaves, shapes, roles
 
 
 def _check_arguments(optimizer: Any, params: Any) -> None:

@@ -1,0 +1,231 @@
+"""An optax wrapper that keeps the state flat-sharded on a mesh (ZeRO stage 1/2).
+
+The wrapped optimizer runs on flat params: each leaf flattened row-major,
+zero-padded to ``M * slots`` and sharded over the mesh axis, so every device
+holds and updates only its own ``(slots,)`` slice of every history buffer. The
+state is therefore always in the layout of :func:`jaxreshard.restore_sharded`
+and :func:`jaxreshard.save_sharded`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxreshard import _global, _reshard, _structure
+from jaxreshard._errors import ShapeError
+from jaxreshard._geometry import FlatShard
+
+__all__ = ["flat_sharded"]
+
+
+def _is_concrete(x: Any) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+class _Layout:
+  """Where arrays go on ``mesh``: flat shards over ``axis``, everything else replicated."""
+
+  def __init__(self, mesh: Mesh, axis: str):
+    self.world = _global._axis_size(mesh, axis)  # pylint: disable=protected-access
+    self.axis = axis
+    # Explicit axes change shardings only through ``reshard`` (the sharding is part
+    # of the type); Auto axes take ``with_sharding_constraint`` as a constraint.
+    self.explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
+    self.sharded = NamedSharding(mesh, PartitionSpec(axis))
+    self.replicated = NamedSharding(mesh, PartitionSpec())
+
+  def put(self, x: Any, sharding: Any) -> jax.Array:
+    if _is_concrete(x):  # outside jit: a transfer, from any devices or the host
+      return jax.device_put(x, sharding)
+    if self.explicit:
+      return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+  def flat(self, x: Any, shape: tuple[int, ...]) -> jax.Array:
+    """``x`` (any sharding) flattened, zero-padded to ``M * slots``, sharded over the axis."""
+    g = FlatShard(shape, 0, self.world)
+    # Pinned replicated as a whole flat array, each device's shard is a 1-D slice of
+    # it: left free, the partitioner slices the param's own rows instead, and XLA
+    # fuses (and contracts multiply-adds in) the update differently from optax's.
+    x = jnp.reshape(self.put(x, self.replicated), (g.count,))
+    x = self.put(jnp.pad(x, (0, self.world * g.slots - g.count)), self.replicated)
+    return self.put(x, self.sharded)
+
+  def unflat(self, u: jax.Array, like: Any, shape: tuple[int, ...]) -> jax.Array:
+    """A flat update back in its parameter's shape, laid out like ``like`` where known."""
+    count = FlatShard(shape, 0, self.world).count
+    if self.explicit:
+      u = self.put(u, self.replicated)  # the ZeRO all-gather of the updates
+    u = jnp.reshape(u[:count], shape)
+    if _is_concrete(like) and isinstance(like, jax.Array):
+      return jax.device_put(u, like.sharding)
+    if not _is_concrete(like) and self.explicit:
+      target = jax.typeof(like).sharding
+      if not target.mesh.empty:
+        return jax.sharding.reshard(u, target)
+    return u  # under Auto axes, the partitioner lays it out for its consumer
+
+  def settle(self, state: Any, roles: tuple, counts: dict[str, int]) -> Any:
+    """``state`` laid out on the mesh, with the padding of every history set to zero."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    out = []
+    for leaf, pid in zip(leaves, roles):
+      if pid is None:
+        out.append(self.put(leaf, self.replicated))
+        continue
+      leaf = self.put(leaf, self.sharded)
+      index = jax.lax.broadcasted_iota(
+          jnp.int32, np.shape(leaf), 0, out_sharding=self.sharded if self.explicit else None)
+      # Padding is zero by definition of the layout; a select keeps every owned
+      # element's bits, and in an elementwise chain no owned element reads padding.
+      out.append(jax.lax.select(index < counts[pid], leaf, jax.lax.full_like(leaf, 0)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def flat_sharded(optimizer: Any, mesh: Mesh, axis: str = "fsdp") -> optax.GradientTransformationExtraArgs:
+  """Wraps an optax optimizer so its state stays flat-sharded over a mesh axis (ZeRO-1/2).
+
+  ``init`` returns ``optimizer``'s state with every history buffer (``mu``,
+  ``nu``, ``trace``, ``acc_grads``, ...) as a global ``(M * slots,)`` array
+  sharded over ``axis`` and replicated over the other mesh axes, ``M =
+  mesh.shape[axis]``, holding the parameter's row-major flattening followed by
+  zeros; scalars (counts, injected hyper-parameters) are replicated. That is
+  exactly the layout :func:`jaxreshard.restore_sharded` returns and
+  :func:`jaxreshard.save_sharded` takes (and :func:`jaxreshard.shard_to_mesh`
+  builds). ``update`` takes and returns param-shaped pytrees in any sharding
+  and works inside ``jax.jit``: it flattens and pads grads and params, runs
+  ``optimizer.update`` on them sharded over ``axis`` (each device computes its
+  own slots), and reshapes the updates back, laid out like the grads where
+  their sharding is known (outside ``jit``, or under explicit mesh axes).
+
+  Meshes with explicit axes (``jax.make_mesh``'s default) and with ``Auto``
+  axes (``jax.sharding.Mesh``) are both supported.
+
+  Exactness: when every transformation of ``optimizer`` is elementwise in the
+  params, grads and histories (adam, adamw, sgd with momentum, lion,
+  ``inject_hyperparams``, ``masked``, ``multi_transform``, ``MultiSteps``, ...)
+  each element goes through the same operations on the same values as in the
+  unwrapped optimizer; run op by op, chains of multiplies, adds, signs and
+  selects (sgd with momentum, lion) give the same bits. What the compiler
+  decides per program can still move the last bit: XLA's CPU backend compiles
+  a division by a broadcast scalar (adam's bias correction) differently for a
+  one-element shard than for a longer array, and contracts multiply-adds into
+  FMAs depending on how it fused the program (jitted optax differs from itself
+  run op by op in the same way). A reduction over a whole parameter or tree
+  (``clip_by_global_norm``, lamb's trust ratio) adds the same values, padding
+  zeros included, in another order. Both agree to float rounding.
+
+  Padding: after every ``init`` and ``update`` the padding slots of every
+  history are exactly zero (they are reset, so a non-zero initial value such as
+  adagrad's ``initial_accumulator_value`` does not leak into them); grads and
+  params are padded with zeros, so weight decay adds nothing there. Reductions
+  also see the padding of the intermediate updates, which is zero whenever each
+  transformation maps zero grads, params and history to a zero update (every
+  optax scaling, clipping and weight decay; not ``add_noise``).
+
+  Limitation: ``optimizer`` sees 1-D params, so a mask or label *function* that
+  depends on shapes or ``ndim`` (e.g. "decay only matrices") must be given as
+  a pytree computed from the real params. ``init`` refuses it when it changes
+  the state's structure, but cannot detect a mask that only affects updates.
+
+  Args:
+    optimizer: an optax ``GradientTransformation`` (or anything with ``init``
+      and ``update``, e.g. ``optax.MultiSteps``) with coordinate-wise state.
+    mesh: the device mesh.
+    axis: the mesh axis to shard the optimizer state over.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; extra ``update`` arguments
+    are passed to ``optimizer`` unchanged.
+
+  Raises:
+    PlacementError: ``axis`` is not an axis of ``mesh``.
+    ShapeError: (at ``init``) non-coordinate optimizer state, as
+      :func:`jaxreshard.shard_state` refuses it, or a state whose structure
+      depends on the params' shapes.
+    DtypeError: (at ``init``) a param dtype other than float32, float16 or
+      bfloat16.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxreshard as jr
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+    >>> opt = jr.flat_sharded(optax.sgd(0.5, momentum=0.9), mesh, axis="fsdp")
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> state = opt.init(params)
+    >>> trace = state[0].trace["w"]
+    >>> trace.sharding.spec, trace.shape[0] % jax.device_count()
+    (P('fsdp',), 0)
+    >>> updates, state = jax.jit(opt.update)({"w": jnp.ones((2, 3))}, state, params)
+    >>> updates["w"].shape, float(updates["w"][1, 2])
+    ((2, 3), -0.5)
+  """
+  layout = _Layout(mesh, axis)
+  roles_cache: dict[Any, tuple] = {}
+
+  def on_mesh(*trees: Any) -> Any:
+    # Outside jit, operations on arrays typed with explicit axes (and arrays created
+    # next to them) need the mesh in context; inside jit, the types carry it.
+    if layout.explicit and all(_is_concrete(x) for x in jax.tree_util.tree_leaves(trees)):
+      return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
+
+  def roles(flat_params: Any, state: Any) -> tuple:
+    key = (jax.tree_util.tree_structure(flat_params), jax.tree_util.tree_structure(state))
+    if key not in roles_cache:
+      roles_cache[key] = _structure.history_roles(optimizer, flat_params, state)
+    return roles_cache[key]
+
+  def flatten(tree: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.tree_unflatten(
+        treedef, [layout.flat(x, shapes[_structure.path_id(p)]) for p, x in with_path])
+
+  def counts_of(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    return {pid: FlatShard(s, 0, layout.world).count for pid, s in shapes.items()}
+
+  def init(params: Any) -> Any:
+    # The coordinate rule is checked on the state of the real params: flat
+    # params would hide factored statistics (1-D params are never factored).
+    logical = jax.eval_shape(optimizer.init, params)
+    _, _, shapes, _ = _reshard.coordinate_roles(optimizer, params, logical)
+    with on_mesh(params):
+      flat_params = flatten(params, shapes)
+      state = optimizer.init(flat_params)
+      if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(logical):
+        raise ShapeError(
+            f"params {sorted(shapes)[:3]}: the optimizer's state is structured differently"
+            " for flat params than for the params themselves (a mask or label function that"
+            " depends on shapes?); pass such masks and labels as pytrees")
+      return layout.settle(state, roles(flat_params, state), counts_of(shapes))
+
+  def update(grads: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+    ids, leaves, _ = _structure.param_ids(grads)
+    shapes = {pid: tuple(np.shape(g)) for pid, g in zip(ids, leaves)}
+    flat_grads = flatten(grads, shapes)
+    flat_params = None if params is None else flatten(params, shapes)
+    state_roles = roles(flat_grads, state)
+    for leaf, pid in zip(jax.tree_util.tree_leaves(state), state_roles):
+      if pid is None:
+        continue
+      want = (layout.world * FlatShard(shapes[pid], 0, layout.world).slots,)
+      if tuple(np.shape(leaf)) != want:
+        raise ShapeError(
+            f"param {pid!r}: history buffer of shape {tuple(np.shape(leaf))} is not the"
+            f" ({layout.world} * slots,) = {want} of its shape {shapes[pid]} over mesh axis"
+            f" {axis!r}; was the state built for another mesh or other params?")
+    with on_mesh(grads, state, params):
+      flat_updates, state = optimizer.update(flat_grads, state, flat_params, **extra_args)
+      updates = jax.tree_util.tree_unflatten(
+          jax.tree_util.tree_structure(grads),
+          [layout.unflat(u, g, shapes[pid])
+           for pid, u, g in zip(ids, jax.tree_util.tree_leaves(flat_updates), leaves)])
+      return updates, layout.settle(state, state_roles, counts_of(shapes))
+
+  return optax.GradientTransformationExtraArgs(init, update)
