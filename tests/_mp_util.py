@@ -127,11 +127,15 @@ class ProcessGroup:
     out: a directory the workers write results to (``<out>/p<i>.json`` ...).
     args: JSON-able task arguments, the same for every process.
     timeout: seconds the whole group may run.
+    argv: optional ``argv(i, coordinator) -> list[str]``: process ``i`` runs
+      ``python *argv`` (a script of its own) instead of the worker task.
   """
 
   def __init__(self, n: int, devices: int, task: str, out: str, args: dict,
-               timeout: float = 150.0):
+               timeout: float = 150.0, argv: Optional[Any] = None):
     self.n, self.devices, self.task, self.out, self.args = n, devices, task, out, args
+    # ``argv(i, coordinator)``: run that command line instead of the worker.
+    self.argv = argv
     self.timeout = timeout
     self.procs: list[subprocess.Popen] = []
     self.logs: list[str] = []
@@ -154,10 +158,11 @@ class ProcessGroup:
       )
       log = os.path.join(self.out, f"p{i}.log")
       self.logs.append(log)
+      cmd = ([sys.executable, WORKER] if self.argv is None
+             else [sys.executable, *self.argv(i, f"127.0.0.1:{port}")])
       with open(log, "wb") as f:
         self.procs.append(subprocess.Popen(
-            [sys.executable, WORKER], env=env, stdout=f, stderr=subprocess.STDOUT,
-            cwd=ROOT, start_new_session=True))
+            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True))
     self.started = time.monotonic()
     return self
 
