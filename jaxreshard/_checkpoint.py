@@ -72,7 +72,13 @@ DEFAULT_CHUNK_BYTES = 256 << 10
 # index) and refuse a metadata bomb before it is parsed.
 MAX_INDEX_BYTES = 64 << 20
 MAX_ARCHIVE_BYTES = 64 << 20
-MAX_CLOCK_SCALARS = 1 << 16
+# Optimizer scalars (counters, hyper-parameters) come a few per transformation,
+# at most a few per parameter (a count per masked or labelled subtree): more
+# than this is not an optimizer's state, and would only cost time to print.
+MAX_CLOCK_SCALARS_BASE = 1024
+MAX_CLOCK_SCALARS_PER_PARAM = 8
+# Param ids are key paths; no model's run to this length.
+MAX_ID_CHARS = 4096
 # Reads of chunk spans go through a reused scratch buffer of this size.
 STAGING_BYTES = 8 << 20
 
@@ -273,6 +279,9 @@ class Checkpoint:
   def _param(self, e: Any, where: str) -> ParamEntry:
     if not (isinstance(e, list) and len(e) == 4):
       raise ArchiveError(f"{where}: expected [id, shape, dtype, trainable]")
+    if isinstance(e[0], str) and len(e[0]) > MAX_ID_CHARS:
+      raise ArchiveError(f"{where}: a param id of {len(e[0])} characters (at most"
+                         f" {MAX_ID_CHARS})")
     return ParamEntry(fmt.expect(e[0], str, where), fmt.shape_of(e[1], where),
                       fmt.np_dtype(e[2], where), fmt.expect(e[3], bool, where))
 
@@ -299,8 +308,10 @@ class Checkpoint:
 
   def _clock(self, e: Any, where: str) -> list[Any]:
     scalars = fmt.expect(e, list, where)
-    if len(scalars) > MAX_CLOCK_SCALARS:
-      raise ArchiveError(f"{where}: {len(scalars)} clock scalars, more than an optimizer has")
+    limit = MAX_CLOCK_SCALARS_BASE + MAX_CLOCK_SCALARS_PER_PARAM * len(self.params)
+    if len(scalars) > limit:
+      raise ArchiveError(f"{where}: {len(scalars)} optimizer scalars for {len(self.params)}"
+                         f" params, more than an optimizer has (at most {limit})")
     return [fmt.decode_scalar(x, f"{where}, scalar {k}") for k, x in enumerate(scalars)]
 
   def _group(self, e: Any, where: str) -> Group:

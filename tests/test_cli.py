@@ -294,6 +294,8 @@ def test_names_and_paths_are_printed_literally_and_escaped(tmp_path):
     (lambda d: d["groups"][0]["ranks"].__setitem__(1, d["groups"][0]["ranks"][0]), "twice|both hold rank 0"),
     (lambda d: d["groups"][0]["ranks"][1].__setitem__(1, -1), "has rank -1"),
     (lambda d: d.update(record_version=2), "record version 2 is not supported"),
+    (lambda d: d["clocks"][0].extend(d["clocks"][0][-1:] * 1100), "more than an optimizer has"),
+    (lambda d: d["params"][0].__setitem__(0, "x" * 5000), "param id of 5000 characters"),
 ])
 def test_hostile_index_is_one_line_exit_2_in_every_command(ckpt, tmp_path, edit, needle):
   root, _ = ckpt
