@@ -449,21 +449,8 @@ class Checkpoint:
   def _group_sources(self, gi: int) -> tuple[int, ...]:
     """The archive of each rank of group ``gi``, refusing an incomplete group."""
     g = self.groups[gi]
-    by_rank: dict[int, int] = {}
-    for a, r in g.ranks:
-      if r in by_rank:
-        name = self.params[g.params[0]].param if g.params else "?"
-        raise PlacementError(f"param {name!r}: archives {by_rank[r]} and {a} both hold rank {r}")
-      by_rank[r] = a
-    if (len(by_rank) != g.world_size
-        or any(not 0 <= r < g.world_size for r in by_rank)):
-      name = self.params[g.params[0]].param if g.params else "?"
-      missing = (sorted(set(range(g.world_size)) - set(by_rank))
-                 if g.world_size <= len(by_rank) + 64 else "(too many to list)")
-      raise PlacementError(
-          f"param {name!r}: archives {sorted(by_rank.values())[:16]} hold ranks"
-          f" {sorted(by_rank)[:16]} of world_size {g.world_size}; missing ranks {missing}")
-    sources = tuple(by_rank[r] for r in range(g.world_size))
+    name = self.params[g.params[0]].param if g.params else "?"
+    sources = _validate.rank_sources(name, g.world_size, ((a, r) for a, r in g.ranks))
     self._group_by_sources[id(sources)] = (sources, gi)
     return sources
 

@@ -76,24 +76,14 @@ def complete_groups(
   for pid in sorted(groups):
     entries = groups[pid]
     first_index, first = entries[0]
-    ranks: dict[int, int] = {}
     for i, p in entries:
       if p.world_size != first.world_size or p.shape != first.shape:
         raise PlacementError(
             f"param {pid!r}: archive {i} has shape {p.shape} over world_size"
             f" {p.world_size} but archive {first_index} has {first.shape} over"
             f" {first.world_size}; pass explicit migrations to pick one group")
-      if p.rank in ranks:
-        raise PlacementError(
-            f"param {pid!r}: archives {ranks[p.rank]} and {i} both hold rank {p.rank}")
-      ranks[p.rank] = i
-    world = first.world_size
-    if len(ranks) != world or any(not isinstance(r, int) or not 0 <= r < world for r in ranks):
-      missing = sorted(set(range(world)) - set(ranks)) if len(ranks) < world else []
-      raise PlacementError(
-          f"param {pid!r}: archives {sorted(ranks.values())} hold ranks"
-          f" {sorted(ranks)} of world_size {world}; missing ranks {missing}")
-    out.append((pid, first.shape, tuple(ranks[r] for r in range(world))))
+    sources = _validate.rank_sources(pid, first.world_size, ((i, p.rank) for i, p in entries))
+    out.append((pid, first.shape, sources))
   return out
 
 

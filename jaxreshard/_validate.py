@@ -15,7 +15,7 @@ the sources object. Only the target geometry is checked per call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -355,6 +355,32 @@ def check_target(migration: Migration) -> FlatShard:
     return FlatShard(migration.shape, migration.rank, migration.world_size)
   except PlacementError as e:
     raise PlacementError(f"param {migration.param!r}: invalid target placement: {e}") from None
+
+
+def rank_sources(pid: str, world: int, pairs: Iterable[tuple[int, int]]) -> tuple[int, ...]:
+  """The archive holding each rank ``0..world-1`` of ``pid``: a complete group.
+
+  Args:
+    pid: the parameter, for the refusal.
+    world: the group's world size.
+    pairs: ``(archive, rank)`` of every archive listing the parameter.
+
+  Raises:
+    PlacementError: a rank held twice, a rank outside ``world``, or a rank missing.
+  """
+  by_rank: dict[int, int] = {}
+  for archive, rank in pairs:
+    if rank in by_rank:
+      raise PlacementError(
+          f"param {pid!r}: archives {by_rank[rank]} and {archive} both hold rank {rank}")
+    by_rank[rank] = archive
+  if len(by_rank) != world or any(not 0 <= r < world for r in by_rank):
+    missing = (sorted(set(range(world)) - set(by_rank)) if world <= len(by_rank) + 64
+               else "(too many to list)")
+    raise PlacementError(
+        f"param {pid!r}: archives {sorted(by_rank.values())[:16]} hold ranks"
+        f" {sorted(by_rank)[:16]} of world_size {world}; missing ranks {missing}")
+  return tuple(by_rank[r] for r in range(world))
 
 
 def check_source_indices(pid: str, sources: tuple[Any, ...], n_archives: int) -> None:
