@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxreshard import _reshard, _structure
+from jaxreshard import _reshard, _structure, _validate
 from jaxreshard._errors import PlacementError, ShapeError
 from jaxreshard._geometry import FlatShard, normalize_shape
 from jaxreshard._placement import ParamPlacement
@@ -104,8 +104,7 @@ def writer_ranks(mesh: Mesh, axis: str = "fsdp") -> list[int]:
 def _check_layout(records: Mapping[int, ShardRecord]) -> tuple[Any, tuple]:
   treedef, roles = None, None
   for rank, rec in records.items():
-    if not isinstance(rec, ShardRecord):
-      raise PlacementError(f"rank {rank}: expected a ShardRecord, got {type(rec).__name__}")
+    _validate.check_is_record(rec, f"rank {rank}")
     leaves, td = jax.tree_util.tree_flatten(rec.state)
     try:
       r = _structure.roles_of(rec)

@@ -73,14 +73,18 @@ def _params_of(record: ShardRecord, limit: int = 3) -> str:
   return f"param {shown}" if len(ids) == 1 else f"params {shown}{more}"
 
 
+def check_is_record(record: Any, where: str) -> None:
+  if not isinstance(record, ShardRecord):
+    raise PlacementError(f"{where}: expected a ShardRecord, got {type(record).__name__}")
+
+
 def check_archive(index: int, record: Any) -> tuple[_structure.Anatomy, dict[str, ParamPlacement]]:
   """One archive on its own: its type, version, placements and histories.
 
   Returns:
     Its anatomy and its placements by param id.
   """
-  if not isinstance(record, ShardRecord):
-    raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
+  check_is_record(record, f"archive {index}")
   if record.version != FORMAT_VERSION:
     raise PlacementError(
         f"{_params_of(record)}: archive {index} has record version {record.version!r},"
