@@ -50,7 +50,7 @@ import jax
 import numpy as np
 
 from jaxreshard import _archive_format as fmt
-from jaxreshard import _copyplan, _shardfile, _sources, _structure, _validate
+from jaxreshard import _bitview, _copyplan, _shardfile, _sources, _structure, _validate
 from jaxreshard._errors import ArchiveError, PlacementError, ReshardError, ShapeError
 from jaxreshard._geometry import MAX_WORLD_SIZE, FlatShard
 from jaxreshard._placement import ParamPlacement
@@ -639,7 +639,7 @@ def _read_runs(f: _shardfile.ShardFile, src, dst, length, out, scratch,
   to = dst[run] + (lo - src[run])
   order = np.argsort(chunk, kind="stable")
   per_span = max(1, len(scratch) // f.stride)
-  view = out.reshape(-1).view(_shardfile._UINT[out.dtype.itemsize])  # pylint: disable=protected-access
+  view = _bitview.bits(out)
   data, span_first, span_n = None, -1, 0
   needed = np.unique(chunk)
   pos = 0

@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 import jaxreshard as jr
-from jaxreshard import _digest
+from jaxreshard import _bitview, _digest
 
 __all__ = ["DemoRow", "DemoSummary", "run_demo", "train_example"]
 
@@ -108,9 +108,6 @@ def train_example(steps: int = 3, seed: int = 0) -> tuple[Any, Any, Any]:
   return optimizer, params, state
 
 
-def _bits(x: Any) -> np.ndarray:
-  a = np.asarray(x)
-  return a.view(f"u{a.dtype.itemsize}")
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -119,7 +116,7 @@ def _same(a: Any, b: Any) -> bool:
   lb, tb = jax.tree_util.tree_flatten(b)
   return ta == tb and all(
       np.asarray(x).dtype == np.asarray(y).dtype and np.shape(x) == np.shape(y)
-      and np.array_equal(_bits(x), _bits(y)) for x, y in zip(la, lb))
+      and np.array_equal(_bitview.bits(x), _bitview.bits(y)) for x, y in zip(la, lb))
 
 
 def _same_record(a: jr.ShardRecord, b: jr.ShardRecord) -> bool:

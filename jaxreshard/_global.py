@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxreshard import _reshard, _structure, _validate
+from jaxreshard import _bitview, _reshard, _structure, _validate
 from jaxreshard._errors import PlacementError, ShapeError
 from jaxreshard._geometry import FlatShard, normalize_shape
 from jaxreshard._placement import ParamPlacement
@@ -33,7 +33,6 @@ __all__ = [
     "shard_to_mesh",
 ]
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 class MeshState(NamedTuple):
@@ -342,7 +341,7 @@ def _gather_bits(leaf: Any) -> np.ndarray:
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
   dtype = np.dtype(leaf.dtype)
-  uint = _UINT[dtype.itemsize]
+  uint = _bitview.UINT[dtype.itemsize]
   # Gather unsigned bits so no float path can touch NaN payloads or -0.0.
   as_bits = jax.jit(lambda x: lax.bitcast_convert_type(x, uint))(leaf)
   return np.asarray(multihost_utils.process_allgather(as_bits, tiled=True)).view(dtype)

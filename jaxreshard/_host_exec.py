@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from jaxreshard import _bitview
 from jaxreshard._copyplan import Runs
 
 __all__ = ["bits", "execute", "host_view"]
@@ -27,15 +28,11 @@ THREADS = 2
 # Below this many bytes a second thread costs more than it saves.
 _PARALLEL_BYTES = 4 << 20
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _POOL_LOCK = threading.Lock()
 _POOL: list[concurrent.futures.ThreadPoolExecutor] = []
 
 
-def bits(a: np.ndarray) -> np.ndarray:
-  """A flat unsigned-integer view of ``a``'s bytes (no copy for contiguous arrays)."""
-  a = np.ascontiguousarray(a).reshape(-1)
-  return a.view(_UINT[a.dtype.itemsize])
+bits = _bitview.bits
 
 
 def host_view(x: Any) -> np.ndarray:

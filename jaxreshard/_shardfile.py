@@ -29,6 +29,7 @@ from typing import Any, Sequence
 import google_crc32c
 import numpy as np
 
+from jaxreshard import _bitview
 from jaxreshard._errors import ArchiveError
 
 __all__ = ["Dir", "ShardFile", "chunk_elements", "file_size", "write_array", "zarr_metadata"]
@@ -40,7 +41,6 @@ SHARD_KEY = ("c", "0")
 MAX_META_BYTES = 1 << 16
 _IOV_MAX = 512  # iovecs per system call, well below Linux's 1024
 
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _ZARR_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
                 "float64": "float64"}
 
@@ -366,7 +366,7 @@ class ShardFile:
     rows = into[:count * self.stride].reshape(count, self.stride)
     self._verify(first, [memoryview(r[:self.chunk_bytes]) for r in rows],
                  [bytes(r[self.chunk_bytes:]) for r in rows])
-    return rows[:, :self.chunk_bytes].view(_UINT[self.dtype.itemsize])
+    return rows[:, :self.chunk_bytes].view(_bitview.UINT[self.dtype.itemsize])
 
   def read_all(self, out: np.ndarray) -> None:
     """Reads the whole buffer straight into ``out`` (``size`` elements, this dtype)."""
