@@ -180,7 +180,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
       return _distributed.restore_sharded(directory, args.mesh, args.axis, **extra).state
     if args.rank is None:
       return _archive_io.load_records(directory)
-    return _restore.restore(directory, rank=args.rank, world_size=args.world_size)
+    return _restore.restore(directory, world_size=args.world_size, rank=args.rank)
 
   def metadata(self, directory: epath.Path) -> Any:
     """Every archive's placements, clocks and lazy buffers (no array data read)."""
@@ -228,7 +228,7 @@ class ReshardSave(ocp.args.CheckpointArgs):
     >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as manager:
     ...   _ = manager.save(100, args=ReshardSave(records))
     ...   manager.wait_until_finished()
-    ...   target = manager.restore(100, args=ReshardRestore(rank=0, world_size=3))
+    ...   target = manager.restore(100, args=ReshardRestore(world_size=3, rank=0))
     >>> target.state[0].mu["w"].shape
     (3,)
   """
@@ -263,7 +263,7 @@ class ReshardSave(ocp.args.CheckpointArgs):
 
 
 @ocp.args.register_with_handler(ReshardCheckpointHandler, for_restore=True)
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class ReshardRestore(ocp.args.CheckpointArgs):
   """What to restore: a state on a mesh, one target rank, or every archive.
 
@@ -272,28 +272,29 @@ class ReshardRestore(ocp.args.CheckpointArgs):
     size), ready for the training step: ``restore_sharded(...).state``. Every
     process restores only its own ranks. ``target`` (an abstract state whose
     shardings say the layout) is passed on to ``restore_sharded``.
-  * ``rank`` and ``world_size``: that target rank's ``ShardRecord``.
+  * ``world_size`` and ``rank``: that target rank's ``ShardRecord``.
   * nothing: every archive, as saved (``load_records``).
 
+  Every field is keyword-only.
+
   Attributes:
-    rank: the target rank to build.
     world_size: the target world size (with ``rank``).
-    mesh: the target mesh (keyword-only, as the rest).
+    rank: the target rank to build.
+    mesh: the target mesh.
     axis: the mesh axis of the flat shards.
     target: optional abstract target for ``restore_sharded(..., target=)``.
   """
 
-  rank: Optional[int] = None
   world_size: Optional[int] = None
-  _: dataclasses.KW_ONLY
+  rank: Optional[int] = None
   mesh: Optional[jax.sharding.Mesh] = None
   axis: str = "fsdp"
   target: Any = None
 
   def __post_init__(self):
     if self.mesh is not None and (self.rank is not None or self.world_size is not None):
-      raise PlacementError("ReshardRestore takes a mesh, or rank and world_size, not both")
+      raise PlacementError("ReshardRestore takes a mesh, or world_size and rank, not both")
     if self.target is not None and self.mesh is None:
       raise PlacementError("ReshardRestore(target=...) needs the mesh as well")
     if (self.rank is None) != (self.world_size is None):
-      raise PlacementError("ReshardRestore(rank=...) needs world_size as well, and the reverse")
+      raise PlacementError("ReshardRestore(world_size=...) needs rank as well, and the reverse")

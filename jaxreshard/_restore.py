@@ -20,7 +20,7 @@ from jaxreshard._record import ShardRecord
 __all__ = ["disk_fetch", "restore", "restore_ranks"]
 
 
-def restore(directory: Any, *, rank: int, world_size: int) -> ShardRecord:
+def restore(directory: Any, *, world_size: int, rank: int) -> ShardRecord:
   """One target rank's archive, built from a checkpoint on disk.
 
   Reads the checkpoint's index (the whole layout: placements, clocks), then
@@ -29,8 +29,8 @@ def restore(directory: Any, *, rank: int, world_size: int) -> ShardRecord:
 
   Args:
     directory: a checkpoint written by ``save_records``.
-    rank: the target rank.
     world_size: the target world size (every parameter).
+    rank: the target rank.
 
   Returns:
     The same record as ``reshard(load_records(directory), plan(..., world_size=world_size,
@@ -47,7 +47,7 @@ def restore(directory: Any, *, rank: int, world_size: int) -> ShardRecord:
     >>> opt = optax.adam(1e-3)
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
     >>> jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=4))
-    >>> target = restore(path, rank=1, world_size=3)
+    >>> target = restore(path, world_size=3, rank=1)
     >>> target.placements[0].rank, target.state[0].mu["w"].shape
     (1, (4,))
   """
