@@ -54,13 +54,15 @@ from jaxreshard import _copyplan, _shardfile, _sources, _structure, _validate
 from jaxreshard._errors import ArchiveError, PlacementError, ReshardError, ShapeError
 from jaxreshard._geometry import MAX_WORLD_SIZE, FlatShard
 from jaxreshard._placement import ParamPlacement
-from jaxreshard._record import FORMAT_VERSION as RECORD_VERSION
+from jaxreshard._record import RECORD_VERSION
 from jaxreshard._record import ShardRecord
 
 __all__ = ["Checkpoint", "FORMAT_VERSION", "LeafInfo", "ReadStats", "open_checkpoint",
            "write_checkpoint"]
 
 FORMAT = "jaxreshard-checkpoint"
+# The version of the on-disk checkpoint layout (index, archives, buffer files); the
+# records inside carry their own ``RECORD_VERSION``.
 FORMAT_VERSION = 2
 INDEX_FILE = "jaxreshard.json"
 ARCHIVE_FILE = "archive.json"

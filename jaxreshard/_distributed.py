@@ -23,7 +23,7 @@ from jaxreshard import _checkpoint
 from jaxreshard._errors import ArchiveError, ArchiveExistsError, ReshardError, ShapeError
 from jaxreshard._global import MeshState
 from jaxreshard._geometry import FlatShard
-from jaxreshard._record import FORMAT_VERSION, ShardRecord
+from jaxreshard._record import RECORD_VERSION, ShardRecord
 
 __all__ = ["restore_sharded", "save_sharded", "reshard_to_mesh"]
 
@@ -285,5 +285,5 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> di
   builder = _checkpoint.IndexBuilder(checkpoint_id)
   tree_state = jax.tree_util.tree_unflatten(treedef, abstract)
   for rank in range(world):
-    builder.add(rank, ShardRecord(FORMAT_VERSION, of(rank), tree_state, roles), pack=False)
+    builder.add(rank, ShardRecord(RECORD_VERSION, of(rank), tree_state, roles), pack=False)
   return builder.index()

@@ -22,7 +22,7 @@ from jaxreshard import _reshard, _structure
 from jaxreshard._errors import PlacementError, ShapeError
 from jaxreshard._geometry import FlatShard, normalize_shape
 from jaxreshard._placement import ParamPlacement
-from jaxreshard._record import FORMAT_VERSION, ShardRecord
+from jaxreshard._record import RECORD_VERSION, ShardRecord
 
 __all__ = [
     "MeshState",
@@ -280,7 +280,7 @@ def records_from_mesh(
         )
       rank_leaves.append(_shard_on(leaf, rank, g.slots, role, axis))
     out[rank] = ShardRecord(
-        version=FORMAT_VERSION, placements=of(rank),
+        version=RECORD_VERSION, placements=of(rank),
         state=jax.tree_util.tree_unflatten(treedef, rank_leaves), roles=roles)
   return out
 
@@ -400,6 +400,6 @@ def gather_from_mesh(
             f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
         )
       rank_leaves.append(leaf[rank * g.slots:(rank + 1) * g.slots])
-    records.append(ShardRecord(FORMAT_VERSION, of(rank),
+    records.append(ShardRecord(RECORD_VERSION, of(rank),
                                jax.tree_util.tree_unflatten(treedef, rank_leaves), roles))
   return _reshard.unshard_state(records)
