@@ -8,6 +8,10 @@ together.
 The orbax integration is also grouped as ``jaxreshard.orbax`` (``ReshardSave``,
 ``ReshardRestore``, ``ReshardCheckpointHandler``). That module is not in
 ``__all__``: ``from jaxreshard import *`` must not shadow the ``orbax`` package.
+
+Long calls (saves, loads, restores) take ``progress=`` (a callable receiving a
+:class:`Progress`) and log to ``logging.getLogger("jaxreshard")``: DEBUG per
+archive or rank, INFO per call; the library installs no handler.
 """
 
 from jaxreshard import orbax
@@ -25,6 +29,7 @@ from jaxreshard._global import MeshState, gather_from_mesh, shard_to_mesh
 from jaxreshard._placement import Migration, ParamPlacement
 from jaxreshard._record import RECORD_VERSION, ShardRecord
 from jaxreshard._orbax_hook import ReshardCheckpointHandler, ReshardRestore, ReshardSave
+from jaxreshard._report import Progress
 from jaxreshard._reshard import plan, reshard, reshard_ranks, shard_state, unshard_state
 from jaxreshard._restore import restore, restore_ranks
 
@@ -41,6 +46,7 @@ __all__ = [
     "Migration",
     "ParamPlacement",
     "PlacementError",
+    "Progress",
     "RECORD_VERSION",
     "ReshardCheckpointHandler",
     "ReshardError",

@@ -42,6 +42,7 @@ from jaxreshard import _archive_io, _checkpoint, _distributed, _restore, _struct
 from jaxreshard._errors import ArchiveError, PlacementError, ReshardError
 from jaxreshard._placement import ParamPlacement
 from jaxreshard._record import ShardRecord
+from jaxreshard._report import ProgressCallback, Reporter
 
 __all__ = ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
 
@@ -54,6 +55,7 @@ class _Plan:
   archives: tuple[tuple[int, ShardRecord], ...]  # (archive index, host record)
   index: Optional[dict]  # the primary's; None elsewhere
   chunk_bytes: Optional[int]
+  reporter: Reporter  # told of each archive written
 
 
 def _is_primary(primary_host: Optional[int]) -> bool:
@@ -81,32 +83,38 @@ def _shapes_of(args: "ReshardSave") -> Mapping[str, Any]:
                               trainable.get(pid, True)) for pid, x in zip(ids, leaves)}
 
 
-def prepare(args: "ReshardSave", primary_host: Optional[int] = 0) -> _Plan:
+def prepare(args: "ReshardSave", primary_host: Optional[int] = 0, *,
+            progress: Optional[ProgressCallback] = None, where: Any = "") -> _Plan:
   """Everything a save needs from the caller's buffers, taken now (see the module doc).
 
   The plan is kept on ``args`` until the handler's ``async_save`` takes it,
   so a caller may prepare first to get every refusal before orbax creates any
-  directory. Each save gets its own plan and checkpoint identity.
+  directory. Each save gets its own plan and checkpoint identity. Its
+  reporter tells ``progress`` (and the logger) of each archive written.
   """
   plan = args.__dict__.get("_plan")
   if plan is not None:
     return plan
   primary = _is_primary(primary_host)
+  what = "save_sharded" if args.state is not None else "ReshardSave"
   if args.state is not None:
     shapes = _shapes_of(args)
     checkpoint_id = _shared_checkpoint_id(primary_host)
     archives = _distributed.mesh_archives(args.optimizer, args.state, shapes, args.mesh, args.axis)
     index = (_distributed.global_index(args.optimizer, args.state, shapes, args.mesh, args.axis,
                                        checkpoint_id) if primary else None)
-    plan = _Plan(checkpoint_id, tuple(sorted(archives.items())), index, args.chunk_bytes)
+    archives = tuple(sorted(archives.items()))
   elif primary:
-    records = tuple((i, _distributed.host_record(r)) for i, r in enumerate(args.records))
+    archives = tuple((i, _distributed.host_record(r)) for i, r in enumerate(args.records))
     builder = _checkpoint.IndexBuilder()
-    for i, record in records:  # every refusal of the records, before save returns
+    for i, record in archives:  # every refusal of the records, before save returns
       builder.add(i, record, pack=False)
-    plan = _Plan(builder.id, records, builder.index(), args.chunk_bytes)
+    checkpoint_id, index = builder.id, builder.index()
   else:
-    plan = _Plan("", (), None, args.chunk_bytes)
+    checkpoint_id, archives, index = "", (), None
+  reporter = Reporter(what, progress, where=where, total=len(archives),
+                      total_bytes=sum(_archive_io.history_bytes(r) for _, r in archives))
+  plan = _Plan(checkpoint_id, archives, index, args.chunk_bytes, reporter)
   object.__setattr__(args, "_plan", plan)
   return plan
 
@@ -144,7 +152,8 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     chunk_bytes = plan.chunk_bytes if plan.chunk_bytes is not None else self._chunk_bytes
     builder = _checkpoint.IndexBuilder(plan.checkpoint_id or None)
     for index, record in plan.archives:
-      _checkpoint.write_archive(directory, index, record, builder, chunk_bytes)
+      nbytes = _checkpoint.write_archive(directory, index, record, builder, chunk_bytes)
+      plan.reporter.step(nbytes, archive=index)
 
   def save(self, directory: epath.Path, args: "ReshardSave") -> None:
     """The synchronous save: ``async_save`` and its futures, waited for."""
