@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
+import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -286,7 +287,8 @@ def records_from_mesh(
 
 
 def shard_to_mesh(
-    optimizer: Any, params: Any, state: Any, mesh: Mesh, axis: str = "fsdp", *,
+    optimizer: optax.GradientTransformation, params: optax.Params, state: optax.OptState,
+    mesh: Mesh, axis: str = "fsdp", *,
     trainable: Optional[Mapping[str, bool]] = None,
 ) -> MeshState:
   """Lays a full (unsharded) optax state out on a mesh, flat-sharded over ``axis``.
@@ -350,8 +352,9 @@ def _gather_bits(leaf: Any) -> np.ndarray:
 
 
 def gather_from_mesh(
-    optimizer: Any, state: Any, shapes: Mapping[str, Any], mesh: Mesh, axis: str = "fsdp",
-) -> Any:
+    optimizer: optax.GradientTransformation, state: optax.OptState, shapes: Mapping[str, Any],
+    mesh: Mesh, axis: str = "fsdp",
+) -> optax.OptState:
   """The full (unsharded) optax state of a global flat-sharded state, on every process.
 
   The inverse of :func:`shard_to_mesh`. In a multi-process run every process

@@ -7,6 +7,7 @@ from typing import Any, Mapping, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxreshard import _pipeline, _sources, _structure, _validate
 from jaxreshard._errors import DtypeError, PlacementError, ShapeError
@@ -18,9 +19,9 @@ __all__ = ["coordinate_roles", "shard_state", "unshard_state", "plan", "reshard"
 
 
 def shard_state(
-    optimizer: Any,
-    params: Any,
-    state: Any,
+    optimizer: optax.GradientTransformation,
+    params: optax.Params,
+    state: optax.OptState,
     world_size: int,
     *,
     trainable: Optional[Mapping[str, bool]] = None,
@@ -277,7 +278,7 @@ def _reshard_ranks(records, plans, executor) -> list[ShardRecord]:
   return [_pipeline.build(src, groups, fetch) for groups in validated]
 
 
-def unshard_state(records: Sequence[ShardRecord]) -> Any:
+def unshard_state(records: Sequence[ShardRecord]) -> optax.OptState:
   """Rebuilds the full (unsharded) optax state from a complete set of archives.
 
   Args:
