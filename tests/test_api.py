@@ -122,3 +122,32 @@ def test_directory_arguments_take_path_like(tmp_path):
   jr.save_records(tmp_path / "b", records)
   for path in (os.fspath(tmp_path / "a"), tmp_path / "b"):
     assert len(jr.load_records(path)) == 2
+
+
+# Modules where a built-in ValueError/TypeError/RuntimeError may be raised: private
+# kernel invariants, and parsers whose errors are converted where they are caught.
+_BUILTIN_RAISES_ALLOWED = {"_device_exec.py", "_archive_format.py", "_target_restore.py"}
+
+
+def test_public_code_raises_reshard_errors_not_builtins():
+  root = pathlib.Path(jr.__file__).parent
+  offenders = []
+  for path in sorted(root.glob("*.py")):
+    if path.name in _BUILTIN_RAISES_ALLOWED:
+      continue
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+      stripped = line.strip()
+      if stripped.startswith(("raise ValueError", "raise TypeError", "raise RuntimeError")):
+        offenders.append(f"{path.name}:{n}: {stripped}")
+  assert offenders == []
+
+
+def test_refusals_of_arguments_are_reshard_errors(tmp_path):
+  records = _records(2)
+  for call in (lambda: jr.save_records(b"bytes-path", records),
+               lambda: jr.save_records(tmp_path / "x", records, chunk_bytes=0),
+               lambda: jr.load_records(3),
+               lambda: jr.restore(tmp_path / "x", world_size=2, rank=0, progress=object())):
+    with pytest.raises(jr.ReshardError):
+      call()
+  assert os.listdir(tmp_path) == []
