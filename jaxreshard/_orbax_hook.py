@@ -142,6 +142,8 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     plan = prepare(args, self._primary_host)
     args.__dict__.pop("_plan", None)  # a second save of these args is a new save
     key = os.fspath(directory)
+    if not plan.reporter.where:  # a manager's save: its logs name the item directory
+      plan.reporter.where = key
     if plan.index is not None:
       with self._lock:
         self._pending[key] = plan.index
