@@ -74,7 +74,7 @@ def adam_records(history: int, n_params: int, world_size: int, seed: int = 0,
                            mu=_nest(bufs["mu"]), nu=_nest(bufs["nu"])), template[1])
     roles = tuple(None if np.ndim(leaf) == 0 else _leaf_id(path)
                   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0])
-    records.append(jr.ShardRecord(version=jr.FORMAT_VERSION,
+    records.append(jr.ShardRecord(version=jr.RECORD_VERSION,
                                   placements=tuple(sorted(placements, key=lambda p: p.param)),
                                   state=state, roles=roles))
   # Transfers to the CPU backend are asynchronous: finish them here, not inside

@@ -97,7 +97,7 @@ def planning_rows(opts: Options) -> list[dict]:
     plan = _progress.target_plan(ckpt, world_size=dst, rank=rank)
     planning = time.perf_counter() - t0
     t0 = time.perf_counter()
-    target = jr.restore(path, rank=rank, world_size=dst)
+    target = jr.restore(path, world_size=dst, rank=rank)
     restore_s = time.perf_counter() - t0
     # Exact: a parameter's mu on the target rank is its slice of the flat buffer.
     pid = truth["ids"][len(truth["ids"]) // 2]

@@ -87,15 +87,15 @@ def child(history: int, n_params: int, src: int, dst: int, seed: int, repeats: i
   rows = []
   rank = 0
   t0 = time.perf_counter()
-  target = block(jr.restore(jr_path, rank=rank, world_size=dst))
+  target = block(jr.restore(jr_path, world_size=dst, rank=rank))
   cold = time.perf_counter() - t0
-  one_s, one_read, target = _timed(lambda: jr.restore(jr_path, rank=rank, world_size=dst), repeats)
+  one_s, one_read, target = _timed(lambda: jr.restore(jr_path, world_size=dst, rank=rank), repeats)
   one_bytes = _workload.history_bytes([target])
   raw_s, raw_read, _ = _timed(lambda: _raw_read(jr_path, one_bytes), repeats)
   plain_path = os.path.join(workdir, "plain")
   _disk.write_orbax_plain(plain_path, _disk.history_tree([target]))
   plain_s, plain_read, _ = _timed(lambda: _disk.restore_orbax_plain(plain_path), repeats)
-  all_s, all_read, targets = _timed(lambda: [jr.restore(jr_path, rank=r, world_size=dst) for r in range(dst)],
+  all_s, all_read, targets = _timed(lambda: [jr.restore(jr_path, world_size=dst, rank=r) for r in range(dst)],
                                     repeats)
   all_bytes = _workload.history_bytes(targets)
   _timed(restore_global, 1)

@@ -57,14 +57,14 @@ def child(path: str, rank: int, world_size: int) -> dict:
   proc = psutil.Process()
   gc.collect()
   base = proc.memory_info().rss
-  target = block(jr.restore(path, rank=rank, world_size=world_size))
+  target = block(jr.restore(path, world_size=world_size, rank=rank))
   cold_peak = _peak_kib() * 1024 - base
   nbytes = _workload.history_bytes([target])
   del target
   gc.collect()
   base_warm = proc.memory_info().rss
   reset = _reset_peak()
-  target = block(jr.restore(path, rank=rank, world_size=world_size))
+  target = block(jr.restore(path, world_size=world_size, rank=rank))
   warm_peak = _peak_kib() * 1024 - base_warm if reset else None
   held = proc.memory_info().rss - base_warm
   return {"rank_bytes": nbytes, "import_rss": base, "cold_peak": cold_peak,
@@ -77,7 +77,7 @@ def run(opts: Options) -> Result:
   with tempfile.TemporaryDirectory(prefix="jr-bench-rss-") as tmp:
     path = os.path.join(tmp, "ckpt")
     _disk.write_jaxreshard(path, opts.disk_size, opts.n_params, opts.src_world, opts.seed)
-    got = run_child("bench_rss", "child", dict(path=path, rank=0, world_size=opts.dst_world))
+    got = run_child("bench_rss", "child", dict(path=path, world_size=opts.dst_world, rank=0))
   mib = lambda b: None if b is None else round(b / 2**20, 1)
   row = {
       "rank_mib": mib(got["rank_bytes"]),

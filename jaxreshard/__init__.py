@@ -4,35 +4,50 @@ Rebuilds ZeRO / FSDP flat shards of optax state for a new number of ranks,
 bit for bit, with numpy copies where the bytes are in host memory and jitted gather
 kernels where they are on a device, and refuses archives that do not belong
 together.
+
+The orbax integration is also grouped as ``jaxreshard.orbax`` (``ReshardSave``,
+``ReshardRestore``, ``ReshardCheckpointHandler``). That module is not in
+``__all__``: ``from jaxreshard import *`` must not shadow the ``orbax`` package.
+
+Long calls (saves, loads, restores) take ``progress=`` (a callable receiving a
+:class:`Progress`) and log to ``logging.getLogger("jaxreshard")``: DEBUG per
+archive or rank, INFO per call; the library installs no handler.
 """
 
+from jaxreshard import orbax
 from jaxreshard._archive_io import load_records, open_checkpoint, save_records
+from jaxreshard._checkpoint import FORMAT_VERSION as CHECKPOINT_FORMAT_VERSION
 from jaxreshard._device_exec import clear_device_cache as clear_kernel_cache
 from jaxreshard._device_exec import device_cache_info as kernel_cache_info
+from jaxreshard._digest import Digest, compare_digests, digest
 from jaxreshard._distributed import reshard_to_mesh, restore_sharded, save_sharded
 from jaxreshard._errors import (ArchiveError, ArchiveExistsError, DtypeError, PlacementError,
                                 ReshardError, ShapeError)
 from jaxreshard._flat_sharded import flat_sharded
 from jaxreshard._geometry import FlatShard
-from jaxreshard._global import MeshState, gather_from_mesh, mesh_ranks, shard_to_mesh
+from jaxreshard._global import MeshState, gather_from_mesh, shard_to_mesh
 from jaxreshard._placement import Migration, ParamPlacement
-from jaxreshard._record import FORMAT_VERSION, ShardRecord
+from jaxreshard._record import RECORD_VERSION, ShardRecord
 from jaxreshard._orbax_hook import ReshardCheckpointHandler, ReshardRestore, ReshardSave
+from jaxreshard._report import Progress
 from jaxreshard._reshard import plan, reshard, reshard_ranks, shard_state, unshard_state
-from jaxreshard._restore import restore
+from jaxreshard._restore import restore, restore_ranks
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArchiveError",
     "ArchiveExistsError",
+    "CHECKPOINT_FORMAT_VERSION",
+    "Digest",
     "DtypeError",
-    "FORMAT_VERSION",
     "FlatShard",
     "MeshState",
     "Migration",
     "ParamPlacement",
     "PlacementError",
+    "Progress",
+    "RECORD_VERSION",
     "ReshardCheckpointHandler",
     "ReshardError",
     "ReshardRestore",
@@ -40,17 +55,19 @@ __all__ = [
     "ShapeError",
     "ShardRecord",
     "clear_kernel_cache",
+    "compare_digests",
+    "digest",
     "flat_sharded",
     "gather_from_mesh",
     "kernel_cache_info",
     "load_records",
-    "mesh_ranks",
     "open_checkpoint",
     "plan",
     "reshard",
     "reshard_ranks",
     "reshard_to_mesh",
     "restore",
+    "restore_ranks",
     "restore_sharded",
     "save_sharded",
     "save_records",

@@ -14,14 +14,19 @@ import re
 import shutil
 import socket
 import uuid
-from typing import Any, Iterable
+from typing import Iterable, Optional, Sequence
 
-from jaxreshard._checkpoint import (DEFAULT_CHUNK_BYTES, open_checkpoint, path_arg,
+import jax
+import numpy as np
+
+from jaxreshard import _structure
+from jaxreshard._checkpoint import (DEFAULT_CHUNK_BYTES, Checkpoint, open_checkpoint, path_arg,
                                     write_checkpoint)
 from jaxreshard._errors import ArchiveExistsError, ReshardError
 from jaxreshard._record import ShardRecord
+from jaxreshard._report import ProgressCallback, Reporter
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "commit_dir", "load_records", "new_temp_dir",
+__all__ = ["DEFAULT_CHUNK_BYTES", "commit_dir", "history_bytes", "load_records", "new_temp_dir",
            "open_checkpoint", "remove_temp_dirs", "save_records", "temp_dirs",
            "write_checkpoint"]
 
@@ -134,8 +139,9 @@ def commit_dir(tmp: str, final: str) -> None:
   os.rename(tmp, final)
 
 
-def save_records(directory: Any, records: Iterable[ShardRecord], *,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+def save_records(directory: os.PathLike | str, records: Iterable[ShardRecord], *,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 progress: Optional[ProgressCallback] = None) -> None:
   """Saves every rank's archive as one checkpoint directory, atomically.
 
   Each archive is one buffer per dtype (all of the rank's history buffers back
@@ -148,6 +154,10 @@ def save_records(directory: Any, records: Iterable[ShardRecord], *,
       at a time, so a whole reshard never needs every rank in memory). Archive
       ``i`` is the ``i``-th record yielded.
     chunk_bytes: bytes per stored chunk, the granularity of partial reads.
+    progress: called with a :class:`jaxreshard.Progress` after each archive is
+      written (``total`` and ``total_bytes`` are None when ``records`` is not
+      a sequence); each archive is also logged at DEBUG, the save at INFO, to
+      the ``"jaxreshard"`` logger.
 
   Raises:
     ArchiveExistsError: ``directory`` already exists, or appeared while it
@@ -177,9 +187,15 @@ def save_records(directory: Any, records: Iterable[ShardRecord], *,
   if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
     raise ReshardError(f"chunk_bytes {chunk_bytes!r} must be a positive integer")
   final = path_arg(directory)
+  if isinstance(records, Sequence):
+    reporter = Reporter("save_records", progress, where=final, total=len(records),
+                        total_bytes=sum(history_bytes(r) for r in records))
+  else:
+    reporter = Reporter("save_records", progress, where=final, total=None, total_bytes=None)
   tmp = new_temp_dir(final)
   try:
-    write_checkpoint(tmp, records, chunk_bytes=chunk_bytes)
+    write_checkpoint(tmp, records, chunk_bytes=chunk_bytes,
+                     progress=lambda i, nbytes: reporter.step(nbytes, archive=i))
     commit_dir(tmp, final)
   except OSError as e:
     shutil.rmtree(tmp, ignore_errors=True)
@@ -191,9 +207,28 @@ def save_records(directory: Any, records: Iterable[ShardRecord], *,
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
+  reporter.finish()
 
 
-def load_records(directory: Any) -> list[ShardRecord]:
+def history_bytes(record: ShardRecord) -> int:
+  """The bytes of a record's history buffers, as a save stores them (0 for a record
+  a save refuses: the write names what is wrong with it)."""
+  try:
+    roles = _structure.roles_of(record)
+    leaves = jax.tree_util.tree_leaves(record.state)
+    return sum(int(np.size(x)) * np.dtype(x.dtype).itemsize
+               for x, role in zip(leaves, roles) if role is not None)
+  except Exception:  # pylint: disable=broad-exception-caught
+    return 0
+
+
+def _archive_bytes(ckpt: Checkpoint, archive: int) -> int:
+  """The bytes of an archive's history buffers, from the index."""
+  return sum(n * np.dtype(d).itemsize for d, n in ckpt.layout(archive).sizes.items())
+
+
+def load_records(directory: os.PathLike | str, *,
+                 progress: Optional[ProgressCallback] = None) -> list[ShardRecord]:
   """Loads every archive of a checkpoint, exactly as it was saved.
 
   Needs neither the optimizer nor the model: the state's tree structure,
@@ -203,6 +238,9 @@ def load_records(directory: Any) -> list[ShardRecord]:
 
   Args:
     directory: a checkpoint written by ``save_records``.
+    progress: called with a :class:`jaxreshard.Progress` after each archive is
+      read; each archive is also logged at DEBUG, the load at INFO, to the
+      ``"jaxreshard"`` logger.
 
   Returns:
     The records, archive 0 first.
@@ -226,4 +264,12 @@ def load_records(directory: Any) -> list[ShardRecord]:
     ckpt.check_archive(i)
   for i in range(len(ckpt)):  # every archive's metadata and file sizes before any allocation
     ckpt.check_files(i)
-  return [ckpt.record(i) for i in range(len(ckpt))]
+  sizes = [_archive_bytes(ckpt, i) for i in range(len(ckpt))]
+  reporter = Reporter("load_records", progress, where=ckpt.directory, total=len(ckpt),
+                      total_bytes=sum(sizes))
+  records = []
+  for i in range(len(ckpt)):
+    records.append(ckpt.record(i))
+    reporter.step(sizes[i], archive=i)
+  reporter.finish()
+  return records

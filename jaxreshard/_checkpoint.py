@@ -44,7 +44,7 @@ import os
 import re
 import threading
 import uuid
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -54,13 +54,15 @@ from jaxreshard import _bitview, _copyplan, _shardfile, _sources, _structure, _v
 from jaxreshard._errors import ArchiveError, PlacementError, ReshardError, ShapeError
 from jaxreshard._geometry import MAX_WORLD_SIZE, FlatShard
 from jaxreshard._placement import ParamPlacement
-from jaxreshard._record import FORMAT_VERSION as RECORD_VERSION
+from jaxreshard._record import RECORD_VERSION
 from jaxreshard._record import ShardRecord
 
 __all__ = ["Checkpoint", "FORMAT_VERSION", "LeafInfo", "ReadStats", "open_checkpoint",
            "write_checkpoint"]
 
 FORMAT = "jaxreshard-checkpoint"
+# The version of the on-disk checkpoint layout (index, archives, buffer files); the
+# records inside carry their own ``RECORD_VERSION``.
 FORMAT_VERSION = 2
 INDEX_FILE = "jaxreshard.json"
 ARCHIVE_FILE = "archive.json"
@@ -673,7 +675,7 @@ def path_arg(directory: Any, what: str = "directory") -> str:
   return os.path.abspath(path)
 
 
-def open_checkpoint(directory: Any) -> Checkpoint:
+def open_checkpoint(directory: os.PathLike | str) -> Checkpoint:
   """Reads and checks a checkpoint's index; reads no archive.
 
   Raises:
@@ -805,8 +807,11 @@ class IndexBuilder:
 
 
 def write_archive(directory: str, index: int, record: Any, builder: IndexBuilder,
-                  chunk_bytes: int) -> None:
-  """Writes one archive directory and registers it with ``builder``."""
+                  chunk_bytes: int) -> int:
+  """Writes one archive directory and registers it with ``builder``.
+
+  Returns the bytes of its history buffers (the data, not the checksums).
+  """
   buffers = builder.add(index, record)
   adir = os.path.join(directory, f"archive_{index:05d}")
   os.mkdir(adir)
@@ -820,6 +825,7 @@ def write_archive(directory: str, index: int, record: Any, builder: IndexBuilder
   dump(os.path.join(adir, ARCHIVE_FILE), {
       "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": builder.id,
       "archive": f"archive_{index:05d}", "buffers": meta_buffers})
+  return sum(int(data.nbytes) for data in buffers.values())
 
 
 dump = _shardfile.write_json
@@ -827,17 +833,20 @@ dump = _shardfile.write_json
 
 def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
                      chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                     progress: Any = None) -> int:
+                     progress: Optional[Callable[[int, int], None]] = None) -> int:
   """Writes every record into an existing empty ``directory``; returns the count.
 
-  Records are written one at a time as the iterable yields them. Not atomic by
-  itself: ``save_records`` and the orbax handler supply the atomic commit.
+  Records are written one at a time as the iterable yields them;
+  ``progress(archive, nbytes)`` is called after each. Not atomic by itself:
+  ``save_records`` and the orbax handler supply the atomic commit.
   """
   directory = os.fspath(directory)
   builder = IndexBuilder()
   count = 0
   for index, record in enumerate(records):
-    write_archive(directory, index, record, builder, chunk_bytes)
+    nbytes = write_archive(directory, index, record, builder, chunk_bytes)
     count += 1
+    if progress is not None:
+      progress(index, nbytes)
   dump(os.path.join(directory, INDEX_FILE), builder.index())
   return count

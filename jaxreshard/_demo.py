@@ -172,7 +172,7 @@ def run_demo(steps: int = 3, *, archive_dir: Optional[str] = None,
   with tempfile.TemporaryDirectory(prefix="jaxreshard-demo-") as tmp:
     path = archive_dir or f"{tmp}/checkpoint"
     jr.save_records(path, src)
-    restored = jr.restore(path, rank=DISK_RANK, world_size=TARGET_WORLD)
+    restored = jr.restore(path, world_size=TARGET_WORLD, rank=DISK_RANK)
     disk_exact = _same_record(restored, dst[DISK_RANK])
   log(f"saved the {SOURCE_WORLD} archives and restored rank {DISK_RANK} of {TARGET_WORLD}"
       " from disk")

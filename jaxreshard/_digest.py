@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Iterable, Mapping, Optional
+import os
+from typing import Any, Iterable, Iterator, Mapping, Optional, Union
 
 import jax
 import numpy as np
 
-from jaxreshard import _structure
+from jaxreshard import _checkpoint, _structure
 from jaxreshard._errors import PlacementError
 from jaxreshard._geometry import FlatShard
 from jaxreshard._record import ShardRecord
@@ -34,6 +35,7 @@ __all__ = [
     "ParamDigest",
     "clock_scalars",
     "compare_digests",
+    "digest",
     "digest_records",
     "raw_bits",
 ]
@@ -215,6 +217,62 @@ def digest_records(records: Iterable[ShardRecord]) -> Digest:
   return Digest(structure or "", scalars or (), params, tuple(problems))
 
 
+def digest(records_or_directory: Union[Iterable[ShardRecord], os.PathLike, str]) -> Digest:
+  """A fingerprint of an optimizer state that does not depend on how it is sharded.
+
+  Two sets of archives have equal digests (``==``, or the same ``hexdigest()``)
+  exactly when they hold the same optimizer state: the same structure, every
+  clock scalar with the same bits, every parameter with the same shape, dtype,
+  trainability and history buffers, each buffer's elements with the same bits
+  in the same order, whatever the world sizes. Padding never enters the hash;
+  nonzero padding and incomplete sets of archives are listed in
+  ``Digest.problems``.
+
+  Args:
+    records_or_directory: every archive of one state (any iterable of
+      ``ShardRecord``; a generator is read once, one record at a time), or a
+      checkpoint directory written by ``save_records`` or ``save_sharded``
+      (read one archive at a time).
+
+  Returns:
+    A ``Digest``: ``hexdigest()`` (one sha256), ``params`` (param id ->
+    shape, dtype, trainability and a sha256 per history buffer), ``scalars``
+    (path, dtype and bits of every clock scalar) and ``problems``.
+
+  Raises:
+    FileNotFoundError: the directory does not exist.
+    ReshardError: an archive that cannot be taken apart, or a directory that
+      is not a readable jaxreshard checkpoint.
+
+  Examples:
+    >>> import os, tempfile, jax.numpy as jnp, optax, jaxreshard as jr
+    >>> params = {"w": jnp.arange(5.0)}
+    >>> opt = optax.sgd(0.1, momentum=0.9)
+    >>> state = opt.update(params, opt.init(params))[1]
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> jr.save_records(path, jr.shard_state(opt, params, state, world_size=2))
+    >>> a = jr.digest(path)
+    >>> b = jr.digest(jr.shard_state(opt, params, state, world_size=3))
+    >>> a.hexdigest() == b.hexdigest(), jr.compare_digests(a, b)
+    (True, [])
+    >>> later = opt.update(params, state)[1]
+    >>> jr.compare_digests(a, jr.digest(jr.shard_state(opt, params, later, world_size=3)))
+    ["param 'w' buffer 0: bits differ (float32[5] ... != float32[5] ...)"]
+  """
+  if isinstance(records_or_directory, (str, os.PathLike)):
+    return digest_records(_stream(records_or_directory))
+  return digest_records(records_or_directory)
+
+
+def _stream(directory: Union[os.PathLike, str]) -> Iterator[ShardRecord]:
+  """A checkpoint's records, one archive at a time, every archive's metadata checked first."""
+  ckpt = _checkpoint.open_checkpoint(directory)
+  for i in range(len(ckpt)):
+    ckpt.check_archive(i)
+  for i in range(len(ckpt)):
+    yield ckpt.record(i)
+
+
 def _anatomy(index: int, record: Any) -> _structure.Anatomy:
   if not isinstance(record, ShardRecord):
     raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
@@ -240,12 +298,24 @@ def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
                for path, a in clock_scalars(record))
 
 
-def compare_digests(a: Digest, b: Digest, names: tuple[str, str] = ("CHECKPOINT", "OUT")) -> list[str]:
+def compare_digests(a: Digest, b: Digest, *,
+                    names: tuple[str, str] = ("a", "b")) -> list[str]:
   """Every difference between two digests, one line each; empty when identical.
 
   Each line names the parameter and buffer index (or the scalar path) that
   differs. Problems of either digest (nonzero padding, missing ranks) are
   differences too.
+
+  Args:
+    a: a :func:`digest`.
+    b: another.
+    names: what the lines call ``a`` and ``b``.
+
+  Returns:
+    The differences, sorted by kind then by scalar path or param id; ``[]``
+    exactly when the two states are identical and neither has problems.
+
+  Examples: see :func:`digest`.
   """
   out = [f"{names[0]}: {p}" for p in a.problems] + [f"{names[1]}: {p}" for p in b.problems]
   if a.structure != b.structure:

@@ -12,10 +12,11 @@ primary once every process finished) make it atomic across hosts.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
+import optax
 from jax.sharding import Mesh
 
 from jaxreshard import _archive_io, _global, _restore, _target_restore
@@ -23,14 +24,15 @@ from jaxreshard import _checkpoint
 from jaxreshard._errors import ArchiveError, ArchiveExistsError, ReshardError, ShapeError
 from jaxreshard._global import MeshState
 from jaxreshard._geometry import FlatShard
-from jaxreshard._record import FORMAT_VERSION, ShardRecord
+from jaxreshard._record import RECORD_VERSION, ShardRecord
+from jaxreshard._report import ProgressCallback, check_callback
 
 __all__ = ["restore_sharded", "save_sharded", "reshard_to_mesh"]
 
 DEFAULT_TIMEOUT_S = 300
 
 
-def reshard_to_mesh(records: Any, mesh: Mesh, axis: str = "fsdp") -> MeshState:
+def reshard_to_mesh(records: Sequence[ShardRecord], mesh: Mesh, axis: str = "fsdp") -> MeshState:
   """In-memory source archives -> global state on ``mesh``, resharded to its axis size.
 
   Each process builds only the target ranks of its own devices, each with the
@@ -67,8 +69,9 @@ def reshard_to_mesh(records: Any, mesh: Mesh, axis: str = "fsdp") -> MeshState:
                    {r: rec.placements for r, rec in built.items()})
 
 
-def restore_sharded(directory: Any, mesh: Mesh, axis: str = "fsdp", *,
-                    target: Any = None) -> MeshState:
+def restore_sharded(directory: os.PathLike | str, mesh: Mesh, axis: str = "fsdp", *,
+                    target: Optional[optax.OptState] = None,
+                    progress: Optional[ProgressCallback] = None) -> MeshState:
   """Restores a checkpoint onto a mesh, each process reading only what its devices need.
 
   Call it in every process with the same arguments. With ``M`` the size of
@@ -93,6 +96,10 @@ def restore_sharded(directory: Any, mesh: Mesh, axis: str = "fsdp", *,
       ``jax.ShapeDtypeStruct`` (or array) with ``.sharding`` set, any
       sharding per leaf, over any mesh. ``mesh`` and ``axis`` are then not
       used: the target's shardings say where everything goes.
+    progress: called with a :class:`jaxreshard.Progress` after each target
+      rank this process builds (with ``target``: after each source archive it
+      reads); each is also logged at DEBUG, the call at INFO, to the
+      ``"jaxreshard"`` logger.
 
   Returns:
     A :class:`MeshState`: ``state`` is the optax state whose history leaves are
@@ -134,27 +141,29 @@ def restore_sharded(directory: Any, mesh: Mesh, axis: str = "fsdp", *,
     >>> state[0].mu["w"].shape, state[0].count.sharding == everywhere
     ((10,), True)
   """
+  check_callback(progress)
   if target is not None:
-    return _target_restore.restore_to_target(directory, target)
+    return _target_restore.restore_to_target(directory, target, progress=progress)
   world = _global._axis_size(mesh, axis)  # pylint: disable=protected-access
-  ckpt = _archive_io.open_checkpoint(directory)  # shared: the index is read once
-  built = {}
-  for rank in _global.mesh_ranks(mesh, axis):
-    built[rank] = _restore.restore_ranks(directory, [rank], world_size=world, checkpoint=ckpt)[0]
+  ranks = list(_global.mesh_ranks(mesh, axis))
+  records = _restore.restore_reported("restore_sharded", directory, ranks, world_size=world,
+                                      progress=progress)
+  built = dict(zip(ranks, records))
   return MeshState(_global.records_to_mesh(built, mesh, axis),
                    {r: rec.placements for r, rec in built.items()})
 
 
 def save_sharded(
-    directory: Any,
-    optimizer: Any,
-    state: Any,
+    directory: os.PathLike | str,
+    optimizer: optax.GradientTransformation,
+    state: optax.OptState,
     shapes: Mapping[str, Any],
     mesh: Mesh,
     axis: str = "fsdp",
     *,
     chunk_bytes: int = _archive_io.DEFAULT_CHUNK_BYTES,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    progress: Optional[ProgressCallback] = None,
 ) -> None:
   """Saves a global flat-sharded state as one checkpoint of ``M`` archives, from every process.
 
@@ -180,6 +189,10 @@ def save_sharded(
     axis: the mesh axis of the flat shards.
     chunk_bytes: bytes per stored chunk, the granularity of partial reads.
     timeout_s: how long a process waits for the others to finish writing.
+    progress: called with a :class:`jaxreshard.Progress` after each archive
+      this process writes (from orbax's writer thread; the save returns after
+      the last); each is also logged at DEBUG, the save at INFO, to the
+      ``"jaxreshard"`` logger.
 
   Raises:
     ArchiveExistsError: ``directory`` already exists (raised on every process).
@@ -204,6 +217,7 @@ def save_sharded(
 
   if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
     raise ReshardError(f"chunk_bytes {chunk_bytes!r} must be a positive integer")
+  check_callback(progress)
   final = os.path.abspath(os.fspath(directory))
   # Every process looks before any of them can commit (a commit needs all of
   # them), so all of them agree on this refusal.
@@ -214,12 +228,13 @@ def save_sharded(
   args = _orbax_hook.ReshardSave(optimizer=optimizer, state=state, shapes=shapes, mesh=mesh,
                                  axis=axis, chunk_bytes=chunk_bytes)
   # Refusals of the state, host copies and the index, before any directory exists.
-  _orbax_hook.prepare(args)
+  reporter = _orbax_hook.prepare(args, progress=progress, where=final).reporter
   checkpointer = ocp.AsyncCheckpointer(_orbax_hook.ReshardCheckpointHandler(),
                                        timeout_secs=max(1, int(timeout_s)))
   try:
     checkpointer.save(final, args=args)
     checkpointer.wait_until_finished()
+    reporter.finish()
   except ReshardError:
     raise
   except Exception as e:  # orbax's and the runtime's error types
@@ -232,7 +247,8 @@ def save_sharded(
       pass  # the error, if any, was raised above
 
 
-def mesh_archives(optimizer: Any, state: Any, shapes: Mapping[str, Any], mesh: Mesh,
+def mesh_archives(optimizer: optax.GradientTransformation, state: optax.OptState,
+                  shapes: Mapping[str, Any], mesh: Mesh,
                   axis: str) -> dict[int, ShardRecord]:
   """Host copies of the archives this process writes (see ``_global.writer_ranks``).
 
@@ -285,5 +301,5 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> di
   builder = _checkpoint.IndexBuilder(checkpoint_id)
   tree_state = jax.tree_util.tree_unflatten(treedef, abstract)
   for rank in range(world):
-    builder.add(rank, ShardRecord(FORMAT_VERSION, of(rank), tree_state, roles), pack=False)
+    builder.add(rank, ShardRecord(RECORD_VERSION, of(rank), tree_state, roles), pack=False)
   return builder.index()

@@ -89,7 +89,8 @@ class _Layout:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def flat_sharded(optimizer: Any, mesh: Mesh, axis: str = "fsdp") -> optax.GradientTransformationExtraArgs:
+def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
+                 axis: str = "fsdp") -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer so its state stays flat-sharded over a mesh axis (ZeRO-1/2).
 
   ``init`` returns ``optimizer``'s state with every history buffer (``mu``,

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
+import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -22,7 +23,7 @@ from jaxreshard import _bitview, _reshard, _structure, _validate
 from jaxreshard._errors import PlacementError, ShapeError
 from jaxreshard._geometry import FlatShard, normalize_shape
 from jaxreshard._placement import ParamPlacement
-from jaxreshard._record import FORMAT_VERSION, ShardRecord
+from jaxreshard._record import RECORD_VERSION, ShardRecord
 
 __all__ = [
     "MeshState",
@@ -278,13 +279,14 @@ def records_from_mesh(
         )
       rank_leaves.append(_shard_on(leaf, rank, g.slots, role, axis))
     out[rank] = ShardRecord(
-        version=FORMAT_VERSION, placements=of(rank),
+        version=RECORD_VERSION, placements=of(rank),
         state=jax.tree_util.tree_unflatten(treedef, rank_leaves), roles=roles)
   return out
 
 
 def shard_to_mesh(
-    optimizer: Any, params: Any, state: Any, mesh: Mesh, axis: str = "fsdp", *,
+    optimizer: optax.GradientTransformation, params: optax.Params, state: optax.OptState,
+    mesh: Mesh, axis: str = "fsdp", *,
     trainable: Optional[Mapping[str, bool]] = None,
 ) -> MeshState:
   """Lays a full (unsharded) optax state out on a mesh, flat-sharded over ``axis``.
@@ -348,8 +350,9 @@ def _gather_bits(leaf: Any) -> np.ndarray:
 
 
 def gather_from_mesh(
-    optimizer: Any, state: Any, shapes: Mapping[str, Any], mesh: Mesh, axis: str = "fsdp",
-) -> Any:
+    optimizer: optax.GradientTransformation, state: optax.OptState, shapes: Mapping[str, Any],
+    mesh: Mesh, axis: str = "fsdp",
+) -> optax.OptState:
   """The full (unsharded) optax state of a global flat-sharded state, on every process.
 
   The inverse of :func:`shard_to_mesh`. In a multi-process run every process
@@ -398,6 +401,6 @@ def gather_from_mesh(
             f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
         )
       rank_leaves.append(leaf[rank * g.slots:(rank + 1) * g.slots])
-    records.append(ShardRecord(FORMAT_VERSION, of(rank),
+    records.append(ShardRecord(RECORD_VERSION, of(rank),
                                jax.tree_util.tree_unflatten(treedef, rank_leaves), roles))
   return _reshard.unshard_state(records)

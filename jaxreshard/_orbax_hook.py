@@ -42,6 +42,7 @@ from jaxreshard import _archive_io, _checkpoint, _distributed, _restore, _struct
 from jaxreshard._errors import ArchiveError, PlacementError, ReshardError
 from jaxreshard._placement import ParamPlacement
 from jaxreshard._record import ShardRecord
+from jaxreshard._report import ProgressCallback, Reporter
 
 __all__ = ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
 
@@ -54,6 +55,7 @@ class _Plan:
   archives: tuple[tuple[int, ShardRecord], ...]  # (archive index, host record)
   index: Optional[dict]  # the primary's; None elsewhere
   chunk_bytes: Optional[int]
+  reporter: Reporter  # told of each archive written
 
 
 def _is_primary(primary_host: Optional[int]) -> bool:
@@ -81,32 +83,38 @@ def _shapes_of(args: "ReshardSave") -> Mapping[str, Any]:
                               trainable.get(pid, True)) for pid, x in zip(ids, leaves)}
 
 
-def prepare(args: "ReshardSave", primary_host: Optional[int] = 0) -> _Plan:
+def prepare(args: "ReshardSave", primary_host: Optional[int] = 0, *,
+            progress: Optional[ProgressCallback] = None, where: Any = "") -> _Plan:
   """Everything a save needs from the caller's buffers, taken now (see the module doc).
 
   The plan is kept on ``args`` until the handler's ``async_save`` takes it,
   so a caller may prepare first to get every refusal before orbax creates any
-  directory. Each save gets its own plan and checkpoint identity.
+  directory. Each save gets its own plan and checkpoint identity. Its
+  reporter tells ``progress`` (and the logger) of each archive written.
   """
   plan = args.__dict__.get("_plan")
   if plan is not None:
     return plan
   primary = _is_primary(primary_host)
+  what = "save_sharded" if args.state is not None else "ReshardSave"
   if args.state is not None:
     shapes = _shapes_of(args)
     checkpoint_id = _shared_checkpoint_id(primary_host)
     archives = _distributed.mesh_archives(args.optimizer, args.state, shapes, args.mesh, args.axis)
     index = (_distributed.global_index(args.optimizer, args.state, shapes, args.mesh, args.axis,
                                        checkpoint_id) if primary else None)
-    plan = _Plan(checkpoint_id, tuple(sorted(archives.items())), index, args.chunk_bytes)
+    archives = tuple(sorted(archives.items()))
   elif primary:
-    records = tuple((i, _distributed.host_record(r)) for i, r in enumerate(args.records))
+    archives = tuple((i, _distributed.host_record(r)) for i, r in enumerate(args.records))
     builder = _checkpoint.IndexBuilder()
-    for i, record in records:  # every refusal of the records, before save returns
+    for i, record in archives:  # every refusal of the records, before save returns
       builder.add(i, record, pack=False)
-    plan = _Plan(builder.id, records, builder.index(), args.chunk_bytes)
+    checkpoint_id, index = builder.id, builder.index()
   else:
-    plan = _Plan("", (), None, args.chunk_bytes)
+    checkpoint_id, archives, index = "", (), None
+  reporter = Reporter(what, progress, where=where, total=len(archives),
+                      total_bytes=sum(_archive_io.history_bytes(r) for _, r in archives))
+  plan = _Plan(checkpoint_id, archives, index, args.chunk_bytes, reporter)
   object.__setattr__(args, "_plan", plan)
   return plan
 
@@ -134,6 +142,8 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     plan = prepare(args, self._primary_host)
     args.__dict__.pop("_plan", None)  # a second save of these args is a new save
     key = os.fspath(directory)
+    if not plan.reporter.where:  # a manager's save: its logs name the item directory
+      plan.reporter.where = key
     if plan.index is not None:
       with self._lock:
         self._pending[key] = plan.index
@@ -144,7 +154,8 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     chunk_bytes = plan.chunk_bytes if plan.chunk_bytes is not None else self._chunk_bytes
     builder = _checkpoint.IndexBuilder(plan.checkpoint_id or None)
     for index, record in plan.archives:
-      _checkpoint.write_archive(directory, index, record, builder, chunk_bytes)
+      nbytes = _checkpoint.write_archive(directory, index, record, builder, chunk_bytes)
+      plan.reporter.step(nbytes, archive=index)
 
   def save(self, directory: epath.Path, args: "ReshardSave") -> None:
     """The synchronous save: ``async_save`` and its futures, waited for."""
@@ -180,7 +191,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
       return _distributed.restore_sharded(directory, args.mesh, args.axis, **extra).state
     if args.rank is None:
       return _archive_io.load_records(directory)
-    return _restore.restore(directory, rank=args.rank, world_size=args.world_size)
+    return _restore.restore(directory, world_size=args.world_size, rank=args.rank)
 
   def metadata(self, directory: epath.Path) -> Any:
     """Every archive's placements, clocks and lazy buffers (no array data read)."""
@@ -228,7 +239,7 @@ class ReshardSave(ocp.args.CheckpointArgs):
     >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as manager:
     ...   _ = manager.save(100, args=ReshardSave(records))
     ...   manager.wait_until_finished()
-    ...   target = manager.restore(100, args=ReshardRestore(rank=0, world_size=3))
+    ...   target = manager.restore(100, args=ReshardRestore(world_size=3, rank=0))
     >>> target.state[0].mu["w"].shape
     (3,)
   """
@@ -263,7 +274,7 @@ class ReshardSave(ocp.args.CheckpointArgs):
 
 
 @ocp.args.register_with_handler(ReshardCheckpointHandler, for_restore=True)
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class ReshardRestore(ocp.args.CheckpointArgs):
   """What to restore: a state on a mesh, one target rank, or every archive.
 
@@ -272,28 +283,29 @@ class ReshardRestore(ocp.args.CheckpointArgs):
     size), ready for the training step: ``restore_sharded(...).state``. Every
     process restores only its own ranks. ``target`` (an abstract state whose
     shardings say the layout) is passed on to ``restore_sharded``.
-  * ``rank`` and ``world_size``: that target rank's ``ShardRecord``.
+  * ``world_size`` and ``rank``: that target rank's ``ShardRecord``.
   * nothing: every archive, as saved (``load_records``).
 
+  Every field is keyword-only.
+
   Attributes:
-    rank: the target rank to build.
     world_size: the target world size (with ``rank``).
-    mesh: the target mesh (keyword-only, as the rest).
+    rank: the target rank to build.
+    mesh: the target mesh.
     axis: the mesh axis of the flat shards.
     target: optional abstract target for ``restore_sharded(..., target=)``.
   """
 
-  rank: Optional[int] = None
   world_size: Optional[int] = None
-  _: dataclasses.KW_ONLY
+  rank: Optional[int] = None
   mesh: Optional[jax.sharding.Mesh] = None
   axis: str = "fsdp"
   target: Any = None
 
   def __post_init__(self):
     if self.mesh is not None and (self.rank is not None or self.world_size is not None):
-      raise PlacementError("ReshardRestore takes a mesh, or rank and world_size, not both")
+      raise PlacementError("ReshardRestore takes a mesh, or world_size and rank, not both")
     if self.target is not None and self.mesh is None:
       raise PlacementError("ReshardRestore(target=...) needs the mesh as well")
     if (self.rank is None) != (self.world_size is None):
-      raise PlacementError("ReshardRestore(rank=...) needs world_size as well, and the reverse")
+      raise PlacementError("ReshardRestore(world_size=...) needs rank as well, and the reverse")

@@ -21,7 +21,7 @@ from jaxreshard import _copyplan, _host_exec, _structure, _validate
 from jaxreshard._errors import PlacementError
 from jaxreshard._geometry import FlatShard
 from jaxreshard._placement import Migration, ParamPlacement
-from jaxreshard._record import FORMAT_VERSION, ShardRecord
+from jaxreshard._record import RECORD_VERSION, ShardRecord
 
 __all__ = ["EXECUTORS", "build", "memory_fetch", "validate"]
 
@@ -212,4 +212,4 @@ def record(src: Any, groups: Sequence[_validate.SourceGroup],
       ParamPlacement(g.param, g.target.shape, g.target.rank, g.target.world_size,
                      g.dtype, g.trainable)
       for g in groups)
-  return ShardRecord(version=FORMAT_VERSION, placements=placements, state=state, roles=roles)
+  return ShardRecord(version=RECORD_VERSION, placements=placements, state=state, roles=roles)

@@ -9,9 +9,11 @@ import jax
 
 from jaxreshard._placement import ParamPlacement
 
-__all__ = ["ShardRecord", "FORMAT_VERSION"]
+__all__ = ["ShardRecord", "RECORD_VERSION"]
 
-FORMAT_VERSION = 1
+# The version of a ShardRecord's in-memory layout (``ShardRecord.version``), not of
+# the files on disk: that is ``_checkpoint.FORMAT_VERSION``.
+RECORD_VERSION = 1
 
 
 @jax.tree_util.register_dataclass

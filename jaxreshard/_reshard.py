@@ -7,20 +7,21 @@ from typing import Any, Mapping, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from jaxreshard import _pipeline, _sources, _structure, _validate
 from jaxreshard._errors import DtypeError, PlacementError, ShapeError
 from jaxreshard._geometry import FlatShard
 from jaxreshard._placement import Migration, ParamPlacement
-from jaxreshard._record import FORMAT_VERSION, ShardRecord
+from jaxreshard._record import RECORD_VERSION, ShardRecord
 
 __all__ = ["coordinate_roles", "shard_state", "unshard_state", "plan", "reshard", "reshard_ranks"]
 
 
 def shard_state(
-    optimizer: Any,
-    params: Any,
-    state: Any,
+    optimizer: optax.GradientTransformation,
+    params: optax.Params,
+    state: optax.OptState,
     world_size: int,
     *,
     trainable: Optional[Mapping[str, bool]] = None,
@@ -155,7 +156,7 @@ def _whole_record(leaves, treedef, roles, placements) -> ShardRecord:
                   for x, pid in zip(leaves, roles) if pid is not None)
   flat = [x if pid is None else (x.reshape(-1) if on_device else np.asarray(x).reshape(-1))
           for x, pid in zip(leaves, roles)]
-  return ShardRecord(version=FORMAT_VERSION, placements=placements,
+  return ShardRecord(version=RECORD_VERSION, placements=placements,
                      state=jax.tree_util.tree_unflatten(treedef, flat), roles=roles)
 
 
@@ -277,7 +278,7 @@ def _reshard_ranks(records, plans, executor) -> list[ShardRecord]:
   return [_pipeline.build(src, groups, fetch) for groups in validated]
 
 
-def unshard_state(records: Sequence[ShardRecord]) -> Any:
+def unshard_state(records: Sequence[ShardRecord]) -> optax.OptState:
   """Rebuilds the full (unsharded) optax state from a complete set of archives.
 
   Args:

@@ -8,19 +8,23 @@ buffers that the planned runs touch, straight into the target's buffers.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from jaxreshard import _copyplan, _pipeline, _reshard
+from jaxreshard import _copyplan, _pipeline, _reshard, _validate
 from jaxreshard._checkpoint import STAGING_BYTES, Checkpoint, open_checkpoint
 from jaxreshard._errors import PlacementError
+from jaxreshard._placement import Migration
 from jaxreshard._record import ShardRecord
+from jaxreshard._report import ProgressCallback, Reporter, check_callback
 
 __all__ = ["disk_fetch", "restore", "restore_ranks"]
 
 
-def restore(directory: Any, *, rank: int, world_size: int) -> ShardRecord:
+def restore(directory: os.PathLike | str, *, world_size: int, rank: int,
+            progress: Optional[ProgressCallback] = None) -> ShardRecord:
   """One target rank's archive, built from a checkpoint on disk.
 
   Reads the checkpoint's index (the whole layout: placements, clocks), then
@@ -29,8 +33,11 @@ def restore(directory: Any, *, rank: int, world_size: int) -> ShardRecord:
 
   Args:
     directory: a checkpoint written by ``save_records``.
-    rank: the target rank.
     world_size: the target world size (every parameter).
+    rank: the target rank.
+    progress: called with a :class:`jaxreshard.Progress` once the rank is
+      built; it is also logged at DEBUG, the restore at INFO, to the
+      ``"jaxreshard"`` logger.
 
   Returns:
     The same record as ``reshard(load_records(directory), plan(..., world_size=world_size,
@@ -47,19 +54,21 @@ def restore(directory: Any, *, rank: int, world_size: int) -> ShardRecord:
     >>> opt = optax.adam(1e-3)
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
     >>> jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=4))
-    >>> target = restore(path, rank=1, world_size=3)
+    >>> target = restore(path, world_size=3, rank=1)
     >>> target.placements[0].rank, target.state[0].mu["w"].shape
     (1, (4,))
   """
-  return restore_ranks(directory, [rank], world_size=world_size)[0]
+  return restore_reported("restore", directory, [rank], world_size=world_size,
+                          progress=progress)[0]
 
 
 def restore_ranks(
-    directory: Any,
+    directory: os.PathLike | str,
     ranks: Sequence[int],
     *,
     world_size: int,
     checkpoint: Optional[Checkpoint] = None,
+    progress: Optional[ProgressCallback] = None,
 ) -> list[ShardRecord]:
   """Several target ranks of one layout; the index is read and checked once.
 
@@ -69,26 +78,71 @@ def restore_ranks(
     world_size: the target world size of every parameter.
     checkpoint: ``open_checkpoint(directory)``, when the caller already has it
       (its validated groups and archive metadata are reused).
+    progress: called with a :class:`jaxreshard.Progress` after each target
+      rank is built; each rank is also logged at DEBUG, the call at INFO, to
+      the ``"jaxreshard"`` logger.
 
   Returns:
     One ``ShardRecord`` per entry of ``ranks``.
 
   Raises:
-    FileNotFoundError, ReshardError: as ``restore``.
+    FileNotFoundError, ReshardError: as ``restore``; every target rank is
+      validated before any archive is read.
+
+  Examples:
+    >>> import tempfile, os, jax.numpy as jnp, optax, jaxreshard as jr
+    >>> params = {"w": jnp.arange(10.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=4))
+    >>> seen = []
+    >>> targets = jr.restore_ranks(path, [0, 1, 2], world_size=3, progress=seen.append)
+    >>> [(p.rank, p.done_bytes, p.total_bytes) for p in seen]   # mu and nu, float32
+    [(0, 32, 80), (1, 64, 80), (2, 80, 80)]
   """
+  return restore_reported("restore_ranks", directory, ranks, world_size=world_size,
+                          checkpoint=checkpoint, progress=progress)
+
+
+def restore_reported(what: str, directory: Any, ranks: Sequence[int], *, world_size: int,
+                     checkpoint: Optional[Checkpoint] = None,
+                     progress: Optional[ProgressCallback] = None) -> list[ShardRecord]:
+  """``restore_ranks``, reporting as the public call ``what``."""
+  check_callback(progress)
   ckpt = checkpoint if checkpoint is not None else open_checkpoint(directory)
   with _pipeline.no_gc():  # no reference cycles are made; see no_gc
     plans = [_reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=r)
              for r in ranks]
-    return [restore_plan(ckpt, migrations) for migrations in plans]
+    validated = [_validated(ckpt, migrations) for migrations in plans]
+    sizes = [copied_bytes(groups) for groups in validated]
+    reporter = Reporter(what, progress, where=ckpt.directory, total=len(validated),
+                        total_bytes=sum(sizes), unit="rank")
+    out = []
+    for rank, groups, nbytes in zip(ranks, validated, sizes):
+      out.append(_pipeline.build(ckpt, groups, disk_fetch(ckpt)))
+      reporter.step(nbytes, rank=rank)
+  reporter.finish()
+  return out
 
 
-def restore_plan(ckpt: Checkpoint, migrations: Sequence[Any]) -> ShardRecord:
+def restore_plan(ckpt: Checkpoint, migrations: Sequence[Migration]) -> ShardRecord:
   """One target rank from explicit migrations over a checkpoint's archives."""
+  return _pipeline.build(ckpt, _validated(ckpt, migrations), disk_fetch(ckpt))
+
+
+def _validated(ckpt: Checkpoint,
+               migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
   groups = _pipeline.validate(ckpt, migrations)
   if not groups:
     raise PlacementError("no migrations: a target rank needs at least one parameter")
-  return _pipeline.build(ckpt, groups, disk_fetch(ckpt))
+  return groups
+
+
+def copied_bytes(groups: Sequence[_validate.SourceGroup]) -> int:
+  """The history bytes a target rank copies from its sources: owned elements, no padding."""
+  return sum((g.target.stop - g.target.start)
+             * sum(np.dtype(d).itemsize for _, d in _copyplan.history_buffers(g))
+             for g in groups)
 
 
 def disk_fetch(ckpt: Checkpoint) -> _pipeline.Fetch:

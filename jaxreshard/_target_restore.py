@@ -28,6 +28,7 @@ from jaxreshard._checkpoint import STAGING_BYTES, Checkpoint, ReadStats, open_ch
 from jaxreshard._errors import DtypeError, PlacementError, ReshardError, ShapeError
 from jaxreshard._global import MeshState
 from jaxreshard._placement import ParamPlacement
+from jaxreshard._report import ProgressCallback, Reporter
 
 __all__ = ["box_runs", "restore_to_target"]
 
@@ -46,13 +47,15 @@ class _Hist:
 
 
 def restore_to_target(directory: Any, target: Any, *,
-                      stats: Optional[ReadStats] = None) -> MeshState:
+                      stats: Optional[ReadStats] = None,
+                      progress: Optional[ProgressCallback] = None) -> MeshState:
   """The checkpoint's full optax state, laid out as ``target``'s shardings say.
 
   Args:
     directory: a checkpoint written by ``save_records`` or ``save_sharded``.
     target: the abstract state (see ``restore_sharded``).
     stats: a counter of the chunk bytes this process reads, when given.
+    progress: told after each source archive read (see ``restore_sharded``).
 
   Returns:
     ``MeshState(state, {0: placements})``: see ``restore_sharded``.
@@ -82,7 +85,7 @@ def restore_to_target(directory: Any, target: Any, *,
                + "; ".join(str(e) for e in errors[:_MAX_LISTED])
                + (f"; and {len(errors) - _MAX_LISTED} more" if len(errors) > _MAX_LISTED else ""))
 
-  host = _read(ckpt, groups, leaves, specs, stats)
+  host = _read(ckpt, groups, leaves, specs, stats, progress)
   out = []
   for leaf, spec, data in zip(leaves, specs, host):
     out.append(_place(leaf, spec, data))
@@ -259,7 +262,7 @@ def _split(starts: np.ndarray, length: int, dst: np.ndarray, ss: int):
   return rank, lo - rank * ss, dst[run] + (lo - starts[run]), hi - lo
 
 
-def _read(ckpt: Checkpoint, groups, leaves, specs, stats) -> list[Any]:
+def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]:
   """Host data of every leaf: ``{box: array}`` for histories, the value for scalars."""
   sizes: dict[np.dtype, int] = {}
   where: list[dict[Box, int]] = []
@@ -295,9 +298,19 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats) -> list[Any]:
     ckpt.open_buffer(archive, d).close()
   out = {d: np.zeros(n, d) for d, n in sizes.items()}
   scratch = np.empty(STAGING_BYTES, np.uint8)
+  per_archive: dict[int, int] = {}  # bytes copied out of each archive, in reading order
+  tables = []
   for (archive, d), parts in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
     src, dst, lens = (np.concatenate(x) for x in zip(*parts))
+    tables.append((archive, d, src, dst, lens))
+    per_archive[archive] = per_archive.get(archive, 0) + int(lens.sum()) * d.itemsize
+  reporter = Reporter("restore_sharded", progress, where=ckpt.directory, total=len(per_archive),
+                      total_bytes=sum(per_archive.values()))
+  for i, (archive, d, src, dst, lens) in enumerate(tables):
     ckpt.read_runs(archive, d, src, dst, lens, out[d], scratch, stats)
+    if i + 1 == len(tables) or tables[i + 1][0] != archive:
+      reporter.step(per_archive[archive], archive=archive)
+  reporter.finish()
 
   host = []
   for leaf, spec, at in zip(leaves, specs, where):

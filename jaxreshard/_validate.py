@@ -25,7 +25,7 @@ from jaxreshard import _structure
 from jaxreshard._errors import DtypeError, PlacementError, ShapeError
 from jaxreshard._geometry import FlatShard
 from jaxreshard._placement import SUPPORTED_DTYPES, Migration, ParamPlacement
-from jaxreshard._record import FORMAT_VERSION, ShardRecord
+from jaxreshard._record import RECORD_VERSION, ShardRecord
 
 __all__ = [
     "SourceFacts",
@@ -85,10 +85,10 @@ def check_archive(index: int, record: Any) -> tuple[_structure.Anatomy, dict[str
     Its anatomy and its placements by param id.
   """
   check_is_record(record, f"archive {index}")
-  if record.version != FORMAT_VERSION:
+  if record.version != RECORD_VERSION:
     raise PlacementError(
         f"{_params_of(record)}: archive {index} has record version {record.version!r},"
-        f" which is not supported (only version {FORMAT_VERSION} exists)")
+        f" which is not supported (only version {RECORD_VERSION} exists)")
   placements: dict[str, ParamPlacement] = {}
   for p in record.placements:
     if not isinstance(p, ParamPlacement):

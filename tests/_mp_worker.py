@@ -53,6 +53,7 @@ from jax.sharding import Mesh  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 import jaxreshard as jr  # noqa: E402
+from jaxreshard._global import mesh_ranks  # noqa: E402
 from tests import _mp_util as U  # noqa: E402
 
 ME = jax.process_index()
@@ -136,7 +137,7 @@ def restore(opt, params, state, shapes) -> dict:
     for shard in leaf.addressable_shards:
       dump[f"{i}:{shard.device.id}"] = U.bits(shard.data)
   np.savez(os.path.join(OUT, f"p{ME}.npz"), **dump)
-  rank_of = {d.id: r for r, ds in jr.mesh_ranks(m).items() for d in ds}
+  rank_of = {d.id: r for r, ds in mesh_ranks(m).items() for d in ds}
 
   spec = {p.param: p for p in out.placements[min(out.placements)]}
   gathered = jr.gather_from_mesh(opt, out.state, spec, m)
@@ -169,7 +170,7 @@ def restore_replicated(opt) -> dict:
   jr.save_sharded(ARGS["resave"], opt, out.state, spec, m, "fsdp", timeout_s=60)
   from jaxreshard import _global  # pylint: disable=g-import-not-at-top
   return {"ranks": sorted(out.placements), "written": _global.writer_ranks(m, "fsdp"),
-          "rank_of": {d.id: r for r, ds in jr.mesh_ranks(m, "fsdp").items() for d in ds}}
+          "rank_of": {d.id: r for r, ds in mesh_ranks(m, "fsdp").items() for d in ds}}
 
 
 def manager_restore(m: Mesh) -> dict:

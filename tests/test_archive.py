@@ -195,8 +195,8 @@ def test_float64_clock_scalars_keep_dtype_and_bits_with_x64_on_and_off(tmp_path)
     target = jr.reshard(records, jr.plan(records, world_size=3, rank=1))
     assert np.asarray(target.state.hyperparams["learning_rate"]).tobytes() == third.tobytes()
     jr.save_records(tmp_path / "ckpt", records)
-    on = jr.restore(tmp_path / "ckpt", rank=1, world_size=3).state.hyperparams["learning_rate"]
-  off = jr.restore(tmp_path / "ckpt", rank=1, world_size=3).state.hyperparams["learning_rate"]
+    on = jr.restore(tmp_path / "ckpt", world_size=3, rank=1).state.hyperparams["learning_rate"]
+  off = jr.restore(tmp_path / "ckpt", world_size=3, rank=1).state.hyperparams["learning_rate"]
   assert not jax.config.jax_enable_x64
   for x in (on, off, jr.load_records(tmp_path / "ckpt")[2].state.hyperparams["learning_rate"]):
     assert np.asarray(x).dtype == np.float64 and np.asarray(x).tobytes() == third.tobytes()
@@ -222,4 +222,4 @@ def test_keys_with_slashes_percent_and_empty_keys_keep_their_structure(tmp_path)
   jr.save_records(tmp_path / "ckpt", records)
   for a, b in zip(jr.load_records(tmp_path / "ckpt"), records, strict=True):
     assert_records_equal(a, b)
-  assert_records_equal(jr.restore(tmp_path / "ckpt", rank=1, world_size=2), targets[1])
+  assert_records_equal(jr.restore(tmp_path / "ckpt", world_size=2, rank=1), targets[1])

@@ -95,7 +95,7 @@ def _load(path):
 
 def _restore_all(path):
   """Every target rank of world size 3: together they read every source archive."""
-  return [jr.restore(path, rank=r, world_size=3) for r in range(3)]
+  return [jr.restore(path, world_size=3, rank=r) for r in range(3)]
 
 
 READERS = {"load_records": _load, "restore": _restore_all}
@@ -219,7 +219,7 @@ def test_the_root_itself_may_be_a_symlink(ckpt, tmp_path):
   link = tmp_path / "link"
   os.symlink(ckpt, link)
   _same(jr.load_records(link), jr.load_records(ckpt))
-  _same([jr.restore(link, rank=1, world_size=3)], [jr.restore(ckpt, rank=1, world_size=3)])
+  _same([jr.restore(link, world_size=3, rank=1)], [jr.restore(ckpt, world_size=3, rank=1)])
 
 
 def test_missing_rank_archive(ckpt):
@@ -254,7 +254,7 @@ def test_archive_dropped_from_the_index_is_an_incomplete_group(ckpt):
       g["ranks"] = [[a - 1 if a > 2 else a, r] for a, r in g["ranks"] if a != 2]
 
   _edit_json(_index(ckpt), drop)
-  _refused(lambda: jr.restore(ckpt, rank=0, world_size=3), jr.PlacementError,
+  _refused(lambda: jr.restore(ckpt, world_size=3, rank=0), jr.PlacementError,
            r"world_size 4; missing ranks \[2\]")
 
 
@@ -858,9 +858,9 @@ def test_existing_output_is_refused_and_untouched(ckpt):
 def test_inputs_unchanged_by_loads_restores_and_refusals(ckpt):
   before = file_hashes(ckpt)
   jr.load_records(ckpt)
-  jr.restore(ckpt, rank=2, world_size=3)
+  jr.restore(ckpt, world_size=3, rank=2)
   with pytest.raises(jr.PlacementError):
-    jr.restore(ckpt, rank=5, world_size=3)
+    jr.restore(ckpt, world_size=3, rank=5)
   assert file_hashes(ckpt) == before
 
 

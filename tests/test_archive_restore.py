@@ -28,14 +28,14 @@ def test_restore_equals_reshard_of_loaded_records(tmp_path, src, dst):
   targets = _restore.restore_ranks(tmp_path / "ckpt", range(dst), world_size=dst)
   for rank, target in enumerate(targets):
     assert_records_equal(target, jr.reshard(records, jr.plan(records, world_size=dst, rank=rank)))
-  assert_records_equal(jr.restore(tmp_path / "ckpt", rank=dst - 1, world_size=dst), targets[-1])
+  assert_records_equal(jr.restore(tmp_path / "ckpt", world_size=dst, rank=dst - 1), targets[-1])
   assert file_hashes(tmp_path / "ckpt") == before  # inputs never modified
 
 
 def test_restore_round_trip_through_disk(tmp_path):
   records = adam_records(6)
   jr.save_records(tmp_path / "a", records, chunk_bytes=12)
-  jr.save_records(tmp_path / "b", (jr.restore(tmp_path / "a", rank=r, world_size=4) for r in range(4)),
+  jr.save_records(tmp_path / "b", (jr.restore(tmp_path / "a", world_size=4, rank=r) for r in range(4)),
                   chunk_bytes=20)
   back = _restore.restore_ranks(tmp_path / "b", range(6), world_size=6)
   for a, b in zip(back, records, strict=True):
@@ -53,9 +53,9 @@ def _big_checkpoint(path, world):
 def test_16_to_12_reads_only_the_overlapping_ranges(tmp_path):
   records = _big_checkpoint(tmp_path / "ckpt", 16)
   # Target rank 1 of 12 owns [87382, 174764): sources 1 and 2 of 16 only.
-  jr.restore(tmp_path / "ckpt", rank=1, world_size=12)  # warm up: compile, imports
+  jr.restore(tmp_path / "ckpt", world_size=12, rank=1)  # warm up: compile, imports
   start = rchar()
-  target = jr.restore(tmp_path / "ckpt", rank=1, world_size=12)
+  target = jr.restore(tmp_path / "ckpt", world_size=12, rank=1)
   read = rchar() - start
   assert_records_equal(target, jr.reshard(records, jr.plan(records, world_size=12, rank=1)))
   total = dir_bytes(tmp_path / "ckpt")
@@ -77,9 +77,9 @@ def test_restore_reads_only_the_overlapping_archives(tmp_path):
   # and [14, 28) of "b" (160 elements too): nothing of sources 0 or 3..15.
   for r in [0] + list(range(3, 16)):
     shutil.rmtree(tmp_path / "ckpt" / f"archive_{r:05d}")
-  assert_records_equal(jr.restore(tmp_path / "ckpt", rank=1, world_size=12), expected)
+  assert_records_equal(jr.restore(tmp_path / "ckpt", world_size=12, rank=1), expected)
   with pytest.raises(jr.ArchiveError, match="archive_00003"):
-    jr.restore(tmp_path / "ckpt", rank=2, world_size=12)
+    jr.restore(tmp_path / "ckpt", world_size=12, rank=2)
 
 
 def test_restore_ranks_shares_one_index(tmp_path):

@@ -1,4 +1,4 @@
-"""The sharding-independent digest behind ``jaxreshard verify``."""
+"""The sharding-independent digest (``jr.digest``, ``jr.compare_digests``) behind ``jaxreshard verify``."""
 
 import math
 
@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxreshard as jr
-from jaxreshard._digest import compare_digests, digest_records
 
 from tests._core_util import BF16, F16, F32, bits, random_bits_array
 
@@ -77,12 +76,12 @@ def _set_bits(value):
 
 
 def test_equal_across_layouts_and_orders(layouts):
-  d1, d6, d8 = (digest_records(layouts[w]) for w in (1, 6, 8))
+  d1, d6, d8 = (jr.digest(layouts[w]) for w in (1, 6, 8))
   assert d8 == d6 == d1
   assert d8.hexdigest() == d6.hexdigest()
   assert not d8.problems
   # Streaming order does not matter (a generator, reversed: the reorder buffer).
-  assert digest_records(r for r in reversed(layouts[6])) == d8
+  assert jr.digest(r for r in reversed(layouts[6])) == d8
   # The frozen, masked-out parameter keeps its "no history" in the digest.
   assert d8.params["emb"].history == ("masked", "masked") and not d8.params["emb"].buffers
   assert [b.dtype for b in d8.params["dense/kernel"].buffers] == ["bfloat16", "float32"]
@@ -92,7 +91,7 @@ def test_equal_across_layouts_and_orders(layouts):
 def test_equal_after_reshard(layouts):
   src = layouts[8]
   dst = [jr.reshard(src, jr.plan(src, world_size=6, rank=r)) for r in range(6)]
-  assert compare_digests(digest_records(src), digest_records(dst)) == []
+  assert jr.compare_digests(jr.digest(src), jr.digest(dst)) == []
 
 
 @pytest.mark.parametrize("pid,m,value", [
@@ -113,9 +112,9 @@ def test_one_bit_changes_digest_and_is_named(layouts, pid, m, value):
     fn = _set_bits(value)
   changed = [_replace(r, pid, m, fn) if i == rank else r for i, r in enumerate(src)]
   before = np.asarray(jax.tree.leaves(src[rank].state)[0])
-  d_before, d_after = digest_records(src), digest_records(changed)
+  d_before, d_after = jr.digest(src), jr.digest(changed)
   assert d_before != d_after and d_before.hexdigest() != d_after.hexdigest()
-  diffs = compare_digests(d_before, d_after)
+  diffs = jr.compare_digests(d_before, d_after)
   assert diffs == [diffs[0]] and f"param {pid!r} buffer {m}: bits differ" in diffs[0]
   assert bits(jax.tree.leaves(src[rank].state)[0]).tobytes() == bits(before).tobytes()
 
@@ -124,11 +123,11 @@ def test_nonzero_padding_is_a_problem(layouts):
   src = list(layouts[8])
   # dense/bias has 5 elements over 8 ranks: rank 6 is all padding.
   src[6] = _replace(src[6], "dense/bias", 0, _set_bits(0x8000))  # -0.0 in bf16 padding
-  d = digest_records(src)
-  assert d.params == digest_records(layouts[8]).params  # the logical data is unchanged
+  d = jr.digest(src)
+  assert d.params == jr.digest(layouts[8]).params  # the logical data is unchanged
   assert len(d.problems) == 1 and "param 'dense/bias' buffer 0" in d.problems[0]
   assert "padding is not zero" in d.problems[0] and "rank 6" in d.problems[0]
-  assert compare_digests(digest_records(layouts[6]), d)
+  assert jr.compare_digests(jr.digest(layouts[6]), d)
 
 
 def test_clock_structure_and_missing_ranks(layouts):
@@ -141,16 +140,16 @@ def test_clock_structure_and_missing_ranks(layouts):
     ls = jax.tree.leaves(r.state)
     ls[i] = np.asarray(ls[i]) + np.asarray(1, np.asarray(ls[i]).dtype)
     later.append(jr.ShardRecord(1, r.placements, jax.tree_util.tree_unflatten(treedef, ls), roles))
-  diffs = compare_digests(digest_records(src), digest_records(later))
+  diffs = jr.compare_digests(jr.digest(src), jr.digest(later))
   assert len(diffs) == 1 and diffs[0].startswith("scalar ")
   # A mixed checkpoint: archives from two steps disagree among themselves.
-  assert any("clock" in p for p in digest_records(src[:4] + later[4:]).problems)
-  missing = digest_records(src[:3] + src[4:])
+  assert any("clock" in p for p in jr.digest(src[:4] + later[4:]).problems)
+  missing = jr.digest(src[:3] + src[4:])
   assert any("ranks [3] of world size 8 are missing" in p for p in missing.problems)
   other = jr.shard_state(optax.sgd(0.1, momentum=0.9), PARAMS,
                          optax.sgd(0.1, momentum=0.9).init(PARAMS), 8)
-  assert "optimizer state structure differs" in compare_digests(digest_records(src),
-                                                                digest_records(other))
+  assert "optimizer state structure differs" in jr.compare_digests(jr.digest(src),
+                                                                jr.digest(other))
 
 
 @settings(max_examples=20, deadline=None)
@@ -164,9 +163,9 @@ def test_digest_property_any_two_layouts(shapes, dtype, w1, w2, seed):
   opt = optax.sgd(0.1, momentum=0.9)
   state = jax.tree.map(lambda x: jnp.asarray(random_bits_array(rng, x.shape, x.dtype))
                        if x.ndim else x, opt.init(params))
-  a = digest_records(jr.shard_state(opt, params, state, w1))
-  b = digest_records(jr.shard_state(opt, params, state, w2))
-  assert compare_digests(a, b) == [] and a.hexdigest() == b.hexdigest()
+  a = jr.digest(jr.shard_state(opt, params, state, w1))
+  b = jr.digest(jr.shard_state(opt, params, state, w2))
+  assert jr.compare_digests(a, b) == [] and a.hexdigest() == b.hexdigest()
   # One random bit of one buffer (when there is any element) is always seen.
   nonempty = [k for k, s in zip(params, shapes) if math.prod(s)]
   if nonempty:
@@ -177,5 +176,24 @@ def test_digest_property_any_two_layouts(shapes, dtype, w1, w2, seed):
                                              u.dtype)
     trace = dict(state[0].trace, **{pid: jnp.asarray(flat.reshape(shapes[int(pid[1:])]))})
     changed = (state[0]._replace(trace=trace),) + tuple(state[1:])
-    diffs = compare_digests(a, digest_records(jr.shard_state(opt, params, changed, w2)))
+    diffs = jr.compare_digests(a, jr.digest(jr.shard_state(opt, params, changed, w2)))
     assert len(diffs) == 1 and diffs[0].startswith(f"param {pid!r} buffer 0: bits differ")
+
+
+def test_digest_of_a_directory_equals_the_digest_of_its_records(layouts, tmp_path):
+  jr.save_records(tmp_path / "six", layouts[6])
+  from_dir = jr.digest(tmp_path / "six")
+  assert from_dir == jr.digest(str(tmp_path / "six")) == jr.digest(layouts[8])
+  assert from_dir.problems == () and jr.compare_digests(from_dir, jr.digest(layouts[1])) == []
+  # The digest hashes the saved bits themselves: every loaded buffer is those bits.
+  loaded = jr.load_records(tmp_path / "six")
+  for a, b in zip(loaded, layouts[6]):
+    for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
+      np.testing.assert_array_equal(bits(x), bits(y))
+
+
+def test_compare_digests_names_its_sides(layouts):
+  src = layouts[6]
+  diffs = jr.compare_digests(jr.digest(src), jr.digest(src[:5]), names=("old", "new"))
+  assert any(d.startswith("new: ") and "missing" in d for d in diffs)
+  assert not any(d.startswith("old: ") for d in diffs)

@@ -211,5 +211,5 @@ def test_failed_write_commits_nothing_and_previous_step_restores(job, reference)
   with ocp.CheckpointManager(run) as manager:
     assert manager.all_steps() == [1]
     for rank in (0, 5):
-      got = manager.restore(1, args=jr.ReshardRestore(rank=rank, world_size=6))
+      got = manager.restore(1, args=jr.ReshardRestore(world_size=6, rank=rank))
       assert_records_equal(got, jr.reshard(records, jr.plan(records, world_size=6, rank=rank)))

@@ -30,7 +30,7 @@ def test_manager_keeps_steps_and_restores_the_latest_on_a_new_world_size(tmp_pat
     assert latest == 30
     records = steps[latest]
     for rank in range(3):
-      target = manager.restore(latest, args=jr.ReshardRestore(rank=rank, world_size=3))
+      target = manager.restore(latest, args=jr.ReshardRestore(world_size=3, rank=rank))
       assert_records_equal(target, jr.reshard(records, jr.plan(records, world_size=3, rank=rank)))
     # Without a rank: every archive, exactly as saved.
     for a, b in zip(manager.restore(20, args=jr.ReshardRestore()), steps[20], strict=True):
@@ -48,7 +48,7 @@ def test_one_item_of_a_composite_checkpoint(tmp_path):
         opt=jr.ReshardSave(records), meta=ocp.args.JsonSave({"lr": 0.1})))
     manager.wait_until_finished()
     out = manager.restore(7, args=ocp.args.Composite(
-        opt=jr.ReshardRestore(rank=1, world_size=2), meta=ocp.args.JsonRestore()))
+        opt=jr.ReshardRestore(world_size=2, rank=1), meta=ocp.args.JsonRestore()))
   assert out.meta == {"lr": 0.1}
   assert_records_equal(out.opt, jr.reshard(records, jr.plan(records, world_size=2, rank=1)))
 
@@ -58,7 +58,7 @@ def test_handler_refusals_reach_the_caller(tmp_path):
     manager.save(1, args=jr.ReshardSave(adam_records(2)))
     manager.wait_until_finished()
     with pytest.raises(jr.PlacementError):
-      manager.restore(1, args=jr.ReshardRestore(rank=3, world_size=3))
+      manager.restore(1, args=jr.ReshardRestore(world_size=3, rank=3))
 
 
 def _mesh(shape, names):
@@ -134,7 +134,7 @@ def test_save_and_restore_arguments_are_checked():
       jr.ReshardSave(**bad)
   with pytest.raises(jr.ReshardError):
     jr.ReshardSave(records, chunk_bytes=0)
-  for bad in (dict(rank=1), dict(world_size=2), dict(mesh=mesh, rank=0, world_size=2),
+  for bad in (dict(rank=1), dict(world_size=2), dict(mesh=mesh, world_size=2, rank=0),
               dict(target={})):
     with pytest.raises(jr.PlacementError):
       jr.ReshardRestore(**bad)

@@ -20,8 +20,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import jax
 import pytest

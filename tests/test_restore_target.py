@@ -4,7 +4,6 @@ Every restored device piece is compared bit for bit (as unsigned integers) with
 the same index of the original optax state the checkpoint was made from.
 """
 
-import os
 
 import jax
 import jax.numpy as jnp

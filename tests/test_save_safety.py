@@ -150,7 +150,7 @@ def test_a_parent_that_is_a_file_is_named_as_such(tmp_path):
 @pytest.mark.parametrize("bad", [None, 3, b"/tmp/x", ""])
 def test_a_path_argument_that_is_not_a_path_is_refused_by_name(bad):
   for fn in (lambda: jr.save_records(bad, adam_records(2)), lambda: jr.load_records(bad),
-             lambda: jr.restore(bad, rank=0, world_size=2), lambda: jr.open_checkpoint(bad)):
+             lambda: jr.restore(bad, world_size=2, rank=0), lambda: jr.open_checkpoint(bad)):
     with pytest.raises(jr.ReshardError, match="directory"):
       fn()
 
@@ -201,6 +201,6 @@ def test_frozen_dict_state_nodes_round_trip_through_every_path(tmp_path):
     assert jax.tree_util.tree_structure(full) == jax.tree_util.tree_structure(state)
     assert all(np.array_equal(bits(a), bits(b)) for a, b in
                zip(jax.tree.leaves(full), jax.tree.leaves(state)))
-  target = jr.restore(tmp_path / "ckpt", rank=1, world_size=2)
+  target = jr.restore(tmp_path / "ckpt", world_size=2, rank=1)
   assert type(target.state[0].mu) is FrozenDict
 
