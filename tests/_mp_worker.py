@@ -231,7 +231,7 @@ def fail(opt, params, state, shapes) -> dict:
 
 def restore_target(opt, params, state, shapes) -> dict:
   del opt, params, state, shapes  # this task restores its own example
-  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
 
   from jaxreshard import _checkpoint, _target_restore  # pylint: disable=g-import-not-at-top
   from tests import _target_util as T  # pylint: disable=g-import-not-at-top
