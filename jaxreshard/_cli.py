@@ -32,8 +32,53 @@ __all__ = ["app", "main"]
 EXIT_DIFFERENT = 1
 EXIT_ERROR = 2
 
+
+
+def _plain_flags(params: list) -> list:
+  # A flag takes no value: help shows no value type for it (an empty metavar).
+  for p in params:
+    if isinstance(p, typer.core.TyperOption) and p.is_flag and p.metavar is None:
+      p.metavar = ""
+  return params
+
+
+def _usage(command: Any, ctx: Any) -> list[str]:
+  # Arguments appear in the usage line by their metavar, CHECKPOINT OUT, and
+  # in brackets when optional.
+  pieces = [command.options_metavar] if command.options_metavar else []
+  for p in command.get_params(ctx):
+    if isinstance(p, typer.core.TyperArgument):
+      name = p.metavar or p.name.upper()
+      name += "..." if p.nargs != 1 else ""
+      pieces.append(name if p.required else f"[{name}]")
+    else:
+      pieces.extend(p.get_usage_pieces(ctx))
+  return pieces
+
+
+class _Command(typer.core.TyperCommand):
+  """A subcommand whose help shows CHECKPOINT OUT and flags without a value type."""
+
+  def get_params(self, ctx: Any) -> list:
+    return _plain_flags(super().get_params(ctx))
+
+  def collect_usage_pieces(self, ctx: Any) -> list[str]:
+    return _usage(self, ctx)
+
+
+class _Group(typer.core.TyperGroup):
+  """The root command, with the same help conventions as its subcommands."""
+
+  def get_params(self, ctx: Any) -> list:
+    return _plain_flags(super().get_params(ctx))
+
+  def collect_usage_pieces(self, ctx: Any) -> list[str]:
+    return _usage(self, ctx) + [self.subcommand_metavar]
+
+
 app = typer.Typer(
     name="jaxreshard",
+    cls=_Group,
     help="Exact resharding of optax flat-shard (ZeRO / FSDP) optimizer state.",
     no_args_is_help=True,
     add_completion=False,
@@ -145,7 +190,7 @@ def _root(
 # --------------------------------------------------------------------------- demo
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def demo(
     steps: int = typer.Option(3, min=1, help="AdamW steps to train before sharding."),
@@ -252,10 +297,11 @@ def _buffers_text(dtypes: list[str]) -> str:
   return " ".join(f"{n}x{short(d)}" if n > 1 else short(d) for n, d in groups) or "none"
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def inspect(
-    checkpoint: Path = typer.Argument(..., help="A checkpoint directory written by save_records."),
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT",
+                                      help="A checkpoint directory written by save_records."),
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON only."),
 ):
   """Show parameters, logical shapes, world sizes, dtypes, bytes and optimizer clocks."""
@@ -296,12 +342,14 @@ def inspect(
 # ------------------------------------------------------------------------ reshard
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def reshard(
-    checkpoint: Path = typer.Argument(..., help="The source checkpoint directory."),
-    out: Path = typer.Argument(..., help="The new checkpoint directory (must not exist)."),
-    world_size: int = typer.Option(..., "--world-size", "-m", help="The target world size M."),
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT",
+                                      help="The source checkpoint directory."),
+    out: Path = typer.Argument(..., metavar="OUT",
+                               help="The new checkpoint directory (must not exist)."),
+    world_size: int = typer.Option(..., "--world-size", "-w", help="The target world size M."),
     rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Write only this target rank."),
     dry_run: bool = typer.Option(False, "--dry-run",
                                  help="Print what each target rank reads; write nothing."),
@@ -381,11 +429,12 @@ def _print_reads(p: _progress.TargetPlan) -> None:
 # ------------------------------------------------------------------------- verify
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def verify(
-    checkpoint: Path = typer.Argument(..., help="The original checkpoint."),
-    out: Path = typer.Argument(..., help="The checkpoint that should hold the same state."),
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="The original checkpoint."),
+    out: Path = typer.Argument(..., metavar="OUT",
+                               help="The checkpoint that should hold the same state."),
 ):
   """Prove OUT holds exactly CHECKPOINT's optimizer state, whatever the two layouts."""
   a = _digest.digest_records(_stream(checkpoint))
@@ -409,10 +458,11 @@ def verify(
 # -------------------------------------------------------------------------- clean
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def clean(
-    checkpoint: Path = typer.Argument(..., help="The checkpoint path saves were writing to."),
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT",
+                                      help="The checkpoint path saves were writing to."),
     everything: bool = typer.Option(
         False, "--all", help="Also remove temporary directories of other hosts or of live"
         " processes (only when no save to CHECKPOINT is running anywhere)."),

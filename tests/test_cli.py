@@ -96,8 +96,8 @@ def test_inspect_table_and_json(ckpt):
 
 def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
   root, src = ckpt
-  result = _run("reshard", root / "ckpt8", root / "never", "-m", 6, "--dry-run")
-  detail = _run("reshard", root / "ckpt8", root / "never", "-m", 6, "--dry-run", "--reads")
+  result = _run("reshard", root / "ckpt8", root / "never", "-w", 6, "--dry-run")
+  detail = _run("reshard", root / "ckpt8", root / "never", "-w", 6, "--dry-run", "--reads")
   assert result.exit_code == 0 and detail.exit_code == 0, result.output + detail.output
   assert not (root / "never").exists() and "nothing written" in result.stdout
   summary = result.stdout.splitlines()
@@ -137,7 +137,7 @@ def test_reshard_writes_exactly_the_target_ranks(ckpt, resharded):
   assert len(got) == 6
   for rank, rec in enumerate(got):
     assert_records_equal(rec, jr.reshard(src, jr.plan(src, world_size=6, rank=rank)))
-  one = _run("reshard", root / "ckpt8", root / "rank2", "-m", 6, "--rank", 2)
+  one = _run("reshard", root / "ckpt8", root / "rank2", "-w", 6, "--rank", 2)
   assert one.exit_code == 0 and "wrote 1 of 6 target ranks" in one.stdout
   [rec] = jr.load_records(root / "rank2")
   assert_records_equal(rec, got[2])
@@ -180,10 +180,10 @@ def test_errors_are_one_line(ckpt, resharded, tmp_path):
   root, _ = ckpt
   assert "does not exist" in _one_line_error(_run("inspect", tmp_path / "missing"))
   assert "not a jaxreshard checkpoint" in _one_line_error(_run("verify", tmp_path, resharded))
-  assert "already exists" in _one_line_error(_run("reshard", root / "ckpt8", resharded, "-m", 6))
+  assert "already exists" in _one_line_error(_run("reshard", root / "ckpt8", resharded, "-w", 6))
   assert "outside world_size 6" in _one_line_error(
-      _run("reshard", root / "ckpt8", tmp_path / "o", "-m", 6, "-r", 6))
-  assert "world_size 0" in _one_line_error(_run("reshard", root / "ckpt8", tmp_path / "o", "-m", 0))
+      _run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "-r", 6))
+  assert "world_size 0" in _one_line_error(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 0))
   mixed = tmp_path / "mixed"
   shutil.copytree(root / "ckpt8", mixed)
   shutil.rmtree(mixed / "archive_00003")
@@ -201,10 +201,10 @@ def test_failed_reshard_leaves_no_output(ckpt, tmp_path):
     data = bytearray(f.read_bytes())
     data[0] ^= 0xFF
     f.write_bytes(bytes(data))
-  line = _one_line_error(_run("reshard", broken, tmp_path / "out", "-m", 6))
+  line = _one_line_error(_run("reshard", broken, tmp_path / "out", "-w", 6))
   assert "archive 7" in line and "corrupted" in line, line
   assert sorted(os.listdir(tmp_path)) == ["broken"]  # no OUT, no temporary leftovers
-  result = _run("reshard", root / "ckpt8", tmp_path / "out", "-m", 6)
+  result = _run("reshard", root / "ckpt8", tmp_path / "out", "-w", 6)
   assert result.exit_code == 0 and len(jr.load_records(tmp_path / "out")) == 6
 
 
@@ -269,8 +269,8 @@ def test_names_and_paths_are_printed_literally_and_escaped(tmp_path):
   (tmp_path / "[").mkdir()
   path = tmp_path / "[/p] \x1b[31m"
   jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=2))
-  for args in (("inspect", path), ("reshard", path, tmp_path / "[/o]", "-m", 3, "--dry-run",
-                                   "--reads"), ("reshard", path, tmp_path / "[/o]", "-m", 3),
+  for args in (("inspect", path), ("reshard", path, tmp_path / "[/o]", "-w", 3, "--dry-run",
+                                   "--reads"), ("reshard", path, tmp_path / "[/o]", "-w", 3),
                ("verify", path, tmp_path / "[/o]")):
     result = _run(*args)
     assert result.exit_code == 0, result.output
@@ -303,15 +303,15 @@ def test_hostile_index_is_one_line_exit_2_in_every_command(ckpt, tmp_path, edit,
   shutil.copytree(root / "ckpt8", bad)
   _edit_index(bad, edit)
   for args in (("inspect", bad), ("verify", root / "ckpt8", bad), ("verify", bad, root / "ckpt8"),
-               ("reshard", bad, tmp_path / "o", "-m", 3, "--dry-run"),
-               ("reshard", bad, tmp_path / "o", "-m", 3)):
+               ("reshard", bad, tmp_path / "o", "-w", 3, "--dry-run"),
+               ("reshard", bad, tmp_path / "o", "-w", 3)):
     assert re.search(needle, _one_line_error(_run(*args))), args
   assert sorted(os.listdir(tmp_path)) == ["bad"]
 
 
 def test_verify_of_a_partial_checkpoint_says_so(ckpt, tmp_path):
   root, _ = ckpt
-  result = _run("reshard", root / "ckpt8", tmp_path / "r2", "-m", 6, "-r", 2)
+  result = _run("reshard", root / "ckpt8", tmp_path / "r2", "-w", 6, "-r", 2)
   assert result.exit_code == 0, result.output
   line = _one_line_error(_run("verify", root / "ckpt8", tmp_path / "r2"))
   assert "is not a complete checkpoint" in line and "hold ranks [2] of world_size 6" in line
@@ -320,10 +320,10 @@ def test_verify_of_a_partial_checkpoint_says_so(ckpt, tmp_path):
 def test_a_mistyped_world_size_is_refused_at_once(ckpt):
   root, _ = ckpt
   for m in (100_000_000, 2**20 + 1):
-    line = _one_line_error(_run("reshard", root / "ckpt8", root / "never", "-m", m, "--dry-run"))
+    line = _one_line_error(_run("reshard", root / "ckpt8", root / "never", "-w", m, "--dry-run"))
     assert f"world_size {m} is more than the 1048576 ranks" in line
   # The largest allowed world size plans lazily: one rank is one line, at once.
-  result = _run("reshard", root / "ckpt8", root / "never", "-m", 2**20, "-r", 2**20 - 1,
+  result = _run("reshard", root / "ckpt8", root / "never", "-w", 2**20, "-r", 2**20 - 1,
                 "--dry-run")
   assert result.exit_code == 0 and result.stdout.splitlines()[1].split()[:4] == [
       str(2**20 - 1), "0", "of", "8"]
@@ -340,3 +340,28 @@ def test_verify_exits_2_not_1_on_bad_input(ckpt, tmp_path):
   shutil.rmtree(missing / "archive_00002")
   assert "archive 2" in _one_line_error(_run("verify", root / "ckpt8", missing))
   assert "does not exist" in _one_line_error(_run("verify", root / "ckpt8", tmp_path / "none"))
+
+
+# --- help -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["inspect"], ["reshard"], ["verify"],
+                                     ["clean"]])
+def test_help_shows_metavars_and_flags_without_a_value_type(command):
+  result = _run(*command, "--help")
+  assert result.exit_code == 0, result.output
+  text = result.stdout
+  assert "<bool>" not in text and "{" not in text, text
+  usage = next(l for l in text.splitlines() if "Usage:" in l)
+  expected = {"inspect": "CHECKPOINT", "reshard": "CHECKPOINT OUT", "verify": "CHECKPOINT OUT",
+              "clean": "CHECKPOINT"}.get(command[0] if command else "")
+  if expected:
+    assert usage.split("[OPTIONS]")[1].split() == expected.split(), usage
+
+
+def test_world_size_short_flag_is_w(ckpt, tmp_path):
+  root, _ = ckpt
+  assert "-w" in _run("reshard", "--help").stdout
+  ok = _run("reshard", root / "ckpt8", tmp_path / "o", "-w", 3, "--dry-run")
+  assert ok.exit_code == 0, ok.output
+  assert _run("reshard", root / "ckpt8", tmp_path / "o", "-m", 3, "--dry-run").exit_code == 2
