@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import jax
 import numpy as np
 import typer
 from rich import filesize
@@ -96,6 +97,18 @@ def _out() -> Console:
 
 
 _PIPE_WIDTH = 10_000
+
+
+def _table(title: Any, columns: list[tuple[str, str]]) -> Table:
+  """A table whose every value is shown whole: folded onto more lines, never cut.
+
+  Pipes and files are as wide as the table needs (see ``_out``); on a
+  terminal a value too wide for its column wraps inside the cell.
+  """
+  table = Table(title=title)
+  for name, justify in columns:
+    table.add_column(name, justify=justify, overflow="fold", min_width=len(name))
+  return table
 
 
 def _err() -> Console:
@@ -207,10 +220,10 @@ def demo(
   except ModuleNotFoundError as e:
     raise jr.ReshardError(
         f"the demo needs {e.name}: pip install 'jaxreshard[examples]'") from None
-  table = Table(title=f"AdamW state, {_demo.SOURCE_WORLD} -> {_demo.TARGET_WORLD} ranks")
-  for col in ("param", "shape", f"slots @{_demo.SOURCE_WORLD}", f"slots @{_demo.TARGET_WORLD}",
-              "buffers", "bytes", "exact"):
-    table.add_column(col, justify="left" if col in ("param", "shape") else "right")
+  table = _table(f"AdamW state, {_demo.SOURCE_WORLD} -> {_demo.TARGET_WORLD} ranks",
+                 [(col, "left" if col in ("param", "shape") else "right")
+                  for col in ("param", "shape", f"slots @{_demo.SOURCE_WORLD}",
+                              f"slots @{_demo.TARGET_WORLD}", "buffers", "bytes", "exact")])
   for r in summary.rows:
     table.add_row(r.param, str(r.shape), str(r.slots_source), str(r.slots_target),
                   str(r.buffers), str(r.bytes), "yes" if r.exact else "[red]NO[/]")
@@ -275,12 +288,28 @@ def inspect_info(ckpt: _checkpoint.Checkpoint) -> dict:
   )
 
 
+def _value(a: np.ndarray) -> Any:
+  """A clock scalar for reading: a float as the shortest decimal of its own dtype.
+
+  float32 0.9 is ``0.9``, not the float64 ``0.8999999761581421`` it widens to;
+  parsing the decimal back at that dtype gives the same bits. JSON has no NaN
+  or infinity: those are strings.
+  """
+  if not jax.dtypes.issubdtype(a.dtype, np.floating):
+    return a.item() if a.size == 1 else a.tolist()
+
+  def one(x: Any) -> Any:
+    v = float(str(x))  # numpy's str of a float is its shortest round-trip decimal
+    return v if np.isfinite(v) else str(v)
+
+  values = [one(x) for x in a.reshape(-1)]
+  return values[0] if a.size == 1 else np.array(values, object).reshape(a.shape).tolist()
+
+
 def _clock(record: Any) -> list[dict]:
   out = []
   for path, a in _digest.clock_scalars(record):
-    v = a.item() if a.size == 1 else a.tolist()
-    if isinstance(v, float) and not np.isfinite(v):
-      v = str(v)  # JSON has no NaN or infinity
+    v = _value(a)
     out.append(dict(path=path, dtype=a.dtype.name, shape=list(a.shape), value=v,
                     bits=_digest.raw_bits(a).tobytes().hex()))
   return out
@@ -313,12 +342,11 @@ def inspect(
     print(json.dumps(info, indent=2))
     return
   out = _out()
-  table = Table(title=_cell(f"{checkpoint}: {info['archives']} archives, world size"
-                            f" {', '.join(map(str, info['world_sizes']))}"))
-  for col in ("param", "shape", "world", "dtype", "train", "buffers", "bytes", "stored"):
-    table.add_column(col, justify="right" if col in ("world", "bytes", "stored") else "left",
-                     no_wrap=col != "buffers", overflow="fold",
-                     min_width=len(col) if col == "buffers" else None)
+  table = _table(_cell(f"{checkpoint}: {info['archives']} archives, world size"
+                       f" {', '.join(map(str, info['world_sizes']))}"),
+                 [(col, "right" if col in ("world", "bytes", "stored") else "left")
+                  for col in ("param", "shape", "world", "dtype", "train", "buffers", "bytes",
+                              "stored")])
   for e in info["params"]:
     ranks = e["ranks"]
     world = ", ".join(map(str, e["world_sizes"]))
@@ -328,10 +356,11 @@ def inspect(
                   "yes" if e["trainable"] else "no", _buffers_text(e["buffers"]),
                   _size(e["bytes"]), _size(e["stored_bytes"]))
   out.print(table)
-  clocks = Table(title="optimizer clock" + ("" if info["clocks_agree"] else
-                                            " ([red]archives disagree[/])"))
-  for col in ("scalar", "dtype", "value"):
-    clocks.add_column(col)
+  if any(not e["buffers"] for e in info["params"]):
+    out.print("buffers none: no optimizer state (frozen, or a stateless optimizer)")
+  clocks = _table("optimizer clock" + ("" if info["clocks_agree"] else
+                                       " ([red]archives disagree[/])"),
+                  [("scalar", "left"), ("dtype", "left"), ("value", "left")])
   for c in info["clocks"]:
     clocks.add_row(_cell(c["path"]), c["dtype"], _cell(c["value"]))
   out.print(clocks)

@@ -365,3 +365,76 @@ def test_world_size_short_flag_is_w(ckpt, tmp_path):
   ok = _run("reshard", root / "ckpt8", tmp_path / "o", "-w", 3, "--dry-run")
   assert ok.exit_code == 0, ok.output
   assert _run("reshard", root / "ckpt8", tmp_path / "o", "-m", 3, "--dry-run").exit_code == 2
+
+
+# --- every value whole ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+  """A state with long clock paths and a frozen (stateless) parameter."""
+  params = {"enc": {"kernel": np.ones((7, 11), np.float32)}, "frozen_emb": np.ones((9,), np.float32)}
+  labels = {"enc": {"kernel": "train"}, "frozen_emb": "frozen"}
+  opt = optax.multi_transform(
+      {"train": optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+       "frozen": optax.set_to_zero()}, labels)
+  path = tmp_path_factory.mktemp("multi") / "ckpt"
+  jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=4,
+                                       trainable={"enc/kernel": True, "frozen_emb": False}))
+  return path
+
+
+def _whole(text, data):
+  assert "…" not in text and "..." not in text, text
+  for c in data["clocks"]:
+    assert c["path"] in text, c["path"]
+  for p in data["params"]:
+    assert p["param"] in text and str(tuple(p["shape"])) in text
+  for whole in ("616 B", "640 B", "float32", "2xf32"):
+    assert whole in text, whole
+
+
+def test_piped_output_never_cuts_a_value(multi):
+  data = json.loads(_run("inspect", multi, "--json").stdout)
+  assert any(len(c["path"]) > 60 for c in data["clocks"])
+  _whole(_run("inspect", multi).stdout, data)
+  env = dict(os.environ, COLUMNS="80")
+  piped = subprocess.run([sys.executable, "-m", "jaxreshard", "inspect", str(multi)],
+                         capture_output=True, text=True, timeout=120, env=env)
+  assert piped.returncode == 0, piped.stderr
+  _whole(piped.stdout, data)
+
+
+def test_terminal_output_folds_and_never_cuts(multi, monkeypatch):
+  from rich.console import Console
+
+  from jaxreshard import _cli
+
+  monkeypatch.setattr(_cli, "_out", lambda: Console(force_terminal=True, width=50,
+                                                    highlight=False, no_color=True))
+  data = json.loads(_run("inspect", multi, "--json").stdout)
+  text = _run("inspect", multi).stdout
+  assert "…" not in text, text
+  # A folded cell continues on the next lines of its column: joined, it is whole.
+  rows = [l.split("│") for l in text.splitlines() if l.startswith("│")]
+  first = "".join(r[1].strip() for r in rows)
+  for c in data["clocks"]:
+    assert c["path"] in first, (c["path"], text)
+
+
+def test_inspect_frozen_params_trainable_flag_and_float32_values(multi):
+  data = json.loads(_run("inspect", multi, "--json").stdout)
+  params = {p["param"]: p for p in data["params"]}
+  assert params["frozen_emb"]["buffers"] == [] and not params["frozen_emb"]["trainable"]
+  assert params["enc/kernel"]["trainable"]
+  text = _run("inspect", multi).stdout
+  row = next(l for l in text.splitlines() if "frozen_emb" in l).split("│")
+  assert [c.strip() for c in row[5:7]] == ["no", "none"], row
+  assert "buffers none: no optimizer state (frozen, or a stateless optimizer)" in text
+  assert "local" not in text
+  clocks = {c["path"].rsplit("[", 1)[-1]: c for c in data["clocks"] if "hyperparams" in c["path"]}
+  assert clocks["'b1']"]["value"] == 0.9 and clocks["'learning_rate']"]["value"] == 0.001
+  assert clocks["'b1']"]["bits"] == np.float32(0.9).tobytes().hex()
+  value_col = [l.split("│")[3].strip() for l in text.splitlines() if "['b1']" in l]
+  assert value_col == ["0.9"]
+  assert "0.8999999761581421" not in text
