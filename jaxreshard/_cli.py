@@ -181,6 +181,13 @@ def _stream(path: Path) -> Iterator[Any]:
     yield ckpt.record(i)
 
 
+_JSON_HELP = "Print machine-readable JSON only (on stdout; errors stay on stderr)."
+
+
+def _json(data: Any) -> None:
+  print(json.dumps(data, indent=2))
+
+
 def _size(n: int) -> str:
   return filesize.decimal(n).replace(" bytes", " B").replace(" byte", " B")
 
@@ -209,17 +216,38 @@ def demo(
     steps: int = typer.Option(3, min=1, help="AdamW steps to train before sharding."),
     save: Optional[Path] = typer.Option(
         None, "--save", help="Keep the 8-rank checkpoint here, to try the other commands on."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
-  """Train a small flax MLP, shard its AdamW state over 8 ranks, reshard to 6, prove it exact."""
+  """Train a small flax MLP, shard its AdamW state over 8 ranks, reshard to 6, prove it exact.
+
+  Exit code 1 when a check fails. With --json: {"exact", "steps", "seconds",
+  "source_world_size", "target_world_size", "checks": {name: bool}, "params": a
+  list of {"param", "shape", "slots_source", "slots_target", "buffers",
+  "bytes", "exact"}, "saved": the --save path or null}.
+  """
   from jaxreshard import _demo
 
   out = _out()
+  log = (lambda line: None) if as_json else (lambda line: out.print(f"[green]ok[/] {line}"))
   try:
-    summary = _demo.run_demo(steps, archive_dir=None if save is None else str(save),
-                             log=lambda line: out.print(f"[green]ok[/] {line}"))
+    summary = _demo.run_demo(steps, archive_dir=None if save is None else str(save), log=log)
   except ModuleNotFoundError as e:
     raise jr.ReshardError(
         f"the demo needs {e.name}: pip install 'jaxreshard[examples]'") from None
+  if as_json:
+    _json(dict(
+        exact=summary.exact, steps=summary.steps, seconds=round(summary.seconds, 3),
+        source_world_size=_demo.SOURCE_WORLD, target_world_size=_demo.TARGET_WORLD,
+        checks=dict(unshard_exact=summary.unshard_exact,
+                    round_trip_exact=summary.round_trip_exact,
+                    digest_equal=summary.digest_equal, disk_exact=summary.disk_exact),
+        params=[dict(param=r.param, shape=list(r.shape), slots_source=r.slots_source,
+                     slots_target=r.slots_target, buffers=r.buffers, bytes=r.bytes,
+                     exact=r.exact) for r in summary.rows],
+        saved=None if save is None else os.path.abspath(save)))
+    if not summary.exact:
+      raise typer.Exit(EXIT_DIFFERENT)
+    return
   table = _table(f"AdamW state, {_demo.SOURCE_WORLD} -> {_demo.TARGET_WORLD} ranks",
                  [(col, "left" if col in ("param", "shape") else "right")
                   for col in ("param", "shape", f"slots @{_demo.SOURCE_WORLD}",
@@ -331,15 +359,22 @@ def _buffers_text(dtypes: list[str]) -> str:
 def inspect(
     checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT",
                                       help="A checkpoint directory written by save_records."),
-    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON only."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
-  """Show parameters, logical shapes, world sizes, dtypes, bytes and optimizer clocks."""
+  """Show parameters, logical shapes, world sizes, dtypes, bytes and optimizer clocks.
+
+  With --json: {"archives", "world_sizes", "params": a list of {"param",
+  "shape", "dtype", "trainable", "world_sizes", "ranks", "buffers": the dtype
+  of each history buffer, "bytes", "stored_bytes"}, "bytes", "stored_bytes",
+  "clocks": a list of {"path", "dtype", "shape", "value", "bits": hex},
+  "clocks_agree"}.
+  """
   ckpt = _checkpoint.open_checkpoint(str(checkpoint))
   for i in range(len(ckpt)):  # every archive is present and belongs to this checkpoint
     ckpt.archive_meta(i)
   info = inspect_info(ckpt)
   if as_json:
-    print(json.dumps(info, indent=2))
+    _json(info)
     return
   out = _out()
   table = _table(_cell(f"{checkpoint}: {info['archives']} archives, world size"
@@ -384,8 +419,17 @@ def reshard(
                                  help="Print what each target rank reads; write nothing."),
     reads: bool = typer.Option(False, "--reads",
                                help="With --dry-run: list every read, not one line per rank."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
-  """Rebuild every target rank (or one) for a new world size, streaming rank by rank."""
+  """Rebuild every target rank (or one) for a new world size, streaming rank by rank.
+
+  With --json and --dry-run: {"dry_run": true, "world_size", "archives",
+  "ranks": a list of {"rank", "archives_read": archive indices, "bytes_read",
+  "target_bytes", "peak_bytes", with --reads also "reads": a list of {"param",
+  "archive", "source_rank", "lo", "hi", "source_offset", "bytes"}},
+  "bytes_read", "peak_bytes"}. Without --dry-run: {"dry_run": false, "out",
+  "world_size", "ranks": the ranks written, "bytes_read", "seconds"}.
+  """
   ckpt = _checkpoint.open_checkpoint(str(checkpoint))
   # Refuses a bad world size or a rank outside it before any work.
   jr.FlatShard((), 0 if rank is None else rank, world_size)
@@ -396,7 +440,10 @@ def reshard(
   first = next(plans)  # refuses archives that do not form complete groups, before any output
   plans = itertools.chain([first], plans)
   if dry_run:
-    _print_plans(plans, len(ckpt), len(ranks), reads)
+    if as_json:
+      _json_plans(plans, world_size, len(ckpt), reads)
+    else:
+      _print_plans(plans, len(ckpt), len(ranks), reads)
     return
   if os.path.lexists(out):
     raise jr.ArchiveExistsError(
@@ -416,6 +463,10 @@ def reshard(
         bar.advance(task, p.bytes_read)  # after save_records has taken this rank
 
     jr.save_records(str(out), targets())
+  if as_json:
+    _json(dict(dry_run=False, out=os.path.abspath(out), world_size=world_size, ranks=list(ranks),
+               bytes_read=total, seconds=round(time.perf_counter() - t0, 3)))
+    return
   _out().print(_cell(f"wrote {len(ranks)} of {world_size} target ranks to {out}"
                      f" ({_size(total)} moved, {time.perf_counter() - t0:.1f} s)"))
 
@@ -442,10 +493,35 @@ def _print_plans(plans: Iterator[_progress.TargetPlan], n_archives: int, n_ranks
         " read buffer); nothing written")
 
 
+def _json_plans(plans: Iterator[_progress.TargetPlan], world_size: int, n_archives: int,
+                reads: bool) -> None:
+  """``--dry-run --json``: the same plans as one JSON object, written as each rank is planned."""
+  print(f'{{\n  "dry_run": true,\n  "world_size": {world_size},\n  "archives": {n_archives},'
+        '\n  "ranks": [')
+  total = peak = 0
+  pending = None  # each entry waits for the next to know whether a comma follows it
+  for p in plans:
+    if pending is not None:
+      print(f"    {pending},")
+    total += p.bytes_read
+    peak = max(peak, p.peak_bytes)
+    entry = dict(rank=p.rank, archives_read=list(p.per_archive), bytes_read=p.bytes_read,
+                 target_bytes=p.target_bytes, peak_bytes=p.peak_bytes)
+    if reads:
+      entry["reads"] = [dict(param=r.param, archive=r.archive, source_rank=r.source_rank,
+                             lo=r.lo, hi=r.hi, source_offset=r.source_offset, bytes=r.bytes)
+                        for r in p.reads]
+    pending = json.dumps(entry)
+  if pending is not None:
+    print(f"    {pending}")
+  print(f'  ],\n  "bytes_read": {total},\n  "peak_bytes": {peak}\n}}')
+
+
 def _print_reads(p: _progress.TargetPlan) -> None:
   """Each read of one target rank: whose elements, from which archive and where in it."""
   head = ("param", "archive", "source rank", "elements [lo, hi)", "source offset", "bytes")
-  rows = [(safe(r.param), r.archive, r.source_rank, f"[{r.lo}, {r.hi})", r.local, r.bytes)
+  rows = [(safe(r.param), r.archive, r.source_rank, f"[{r.lo}, {r.hi})", r.source_offset,
+           r.bytes)
           for r in p.reads]
   widths = [max([len(h)] + [len(str(row[i])) for row in rows]) for i, h in enumerate(head)]
   line = lambda vals: "    " + "  ".join(
@@ -464,20 +540,32 @@ def verify(
     checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="The original checkpoint."),
     out: Path = typer.Argument(..., metavar="OUT",
                                help="The checkpoint that should hold the same state."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
-  """Prove OUT holds exactly CHECKPOINT's optimizer state, whatever the two layouts."""
+  """Prove OUT holds exactly CHECKPOINT's optimizer state, whatever the two layouts.
+
+  Exit code 0 identical, 1 different, 2 error. With --json: {"identical",
+  "differences": a list of lines, "digest": CHECKPOINT's, "out_digest": OUT's,
+  "params", "buffers", "elements", "clock_scalars"} (counts of CHECKPOINT).
+  """
   a = _digest.digest_records(_stream(checkpoint))
   b = _digest.digest_records(_stream(out))
   diffs = _digest.compare_digests(a, b, names=(str(checkpoint), str(out)))
   console = _out()
+  buffers = sum(len(p.buffers) for p in a.params.values())
+  elements = sum(x.count for p in a.params.values() for x in p.buffers)
+  if as_json:
+    _json(dict(identical=not diffs, differences=diffs, digest=a.hexdigest(),
+               out_digest=b.hexdigest(), params=len(a.params), buffers=buffers,
+               elements=elements, clock_scalars=len(a.scalars)))
   if diffs:
-    for line in diffs:
+    for line in diffs if not as_json else ():
       console.print(_cell(f"differs: {line}"))
     print(f"jaxreshard: {safe(out)} does not hold {safe(checkpoint)}'s optimizer state"
           f" ({len(diffs)} difference{'s' if len(diffs) != 1 else ''})", file=sys.stderr)
     raise typer.Exit(EXIT_DIFFERENT)
-  buffers = sum(len(p.buffers) for p in a.params.values())
-  elements = sum(x.count for p in a.params.values() for x in p.buffers)
+  if as_json:
+    return
   console.print(
       f"identical: {len(a.params)} params, {buffers} buffers ({elements} elements),"
       f" {len(a.scalars)} clock scalar{'s' if len(a.scalars) != 1 else ''}, padding all zero;"
@@ -495,11 +583,19 @@ def clean(
     everything: bool = typer.Option(
         False, "--all", help="Also remove temporary directories of other hosts or of live"
         " processes (only when no save to CHECKPOINT is running anywhere)."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
-  """Remove the temporary directories that killed saves to CHECKPOINT left behind."""
+  """Remove the temporary directories that killed saves to CHECKPOINT left behind.
+
+  With --json: {"checkpoint", "removed": paths, "kept": paths}.
+  """
   final = os.path.abspath(str(checkpoint))
   found = _archive_io.temp_dirs(final)
   removed = set(_archive_io.remove_temp_dirs(final, everything=everything))
+  if as_json:
+    _json(dict(checkpoint=final, removed=[p for p, _ in found if p in removed],
+               kept=[p for p, _ in found if p not in removed]))
+    return
   for path, _ in found:
     verb = "removed" if path in removed else "kept (its writer may still run; --all removes it)"
     print(f"{verb}: {safe(path)}")

@@ -118,12 +118,12 @@ def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
       assert covered == list(range(t.start, t.stop))
       for r in reads:
         s = jr.FlatShard(shape, r.source_rank, 8)
-        assert s.start <= r.lo < r.hi <= s.stop and r.local == r.lo - s.start
+        assert s.start <= r.lo < r.hi <= s.stop and r.source_offset == r.lo - s.start
     assert p.bytes_read == sum(jr.FlatShard(s, rank, 6).owned * 8 for s in ((7, 11), (5,), (9,)))
     row = summary[1 + rank].split()
     assert row[:4] == [str(rank), str(len(p.per_archive)), "of", "8"], row
     assert row[4:6] == [str(p.bytes_read), "B"], row
-    mine = [[r.param, str(r.archive), str(r.source_rank), f"[{r.lo},", f"{r.hi})", str(r.local),
+    mine = [[r.param, str(r.archive), str(r.source_rank), f"[{r.lo},", f"{r.hi})", str(r.source_offset),
              str(r.bytes)] for r in p.reads]
     assert all(m in read_lines for m in mine)
   assert len(read_lines) == sum(
@@ -351,12 +351,15 @@ def test_help_shows_metavars_and_flags_without_a_value_type(command):
   result = _run(*command, "--help")
   assert result.exit_code == 0, result.output
   text = result.stdout
-  assert "<bool>" not in text and "{" not in text, text
+  assert "<bool>" not in text and "{checkpoint}" not in text and "{out}" not in text, text
+  if command:
+    assert "--json" in text, text
   usage = next(l for l in text.splitlines() if "Usage:" in l)
   expected = {"inspect": "CHECKPOINT", "reshard": "CHECKPOINT OUT", "verify": "CHECKPOINT OUT",
               "clean": "CHECKPOINT"}.get(command[0] if command else "")
   if expected:
     assert usage.split("[OPTIONS]")[1].split() == expected.split(), usage
+  assert "{" not in usage, usage
 
 
 def test_world_size_short_flag_is_w(ckpt, tmp_path):
@@ -438,3 +441,67 @@ def test_inspect_frozen_params_trainable_flag_and_float32_values(multi):
   value_col = [l.split("│")[3].strip() for l in text.splitlines() if "['b1']" in l]
   assert value_col == ["0.9"]
   assert "0.8999999761581421" not in text
+
+
+# --- --json on every subcommand ---------------------------------------------------
+
+
+def _json_out(result, code=0):
+  assert result.exit_code == code, result.output
+  return json.loads(result.stdout)  # the whole of stdout is one JSON document
+
+
+def test_reshard_json_dry_run_plans_reads_and_written(ckpt, tmp_path):
+  root, src = ckpt
+  index = jr.open_checkpoint(root / "ckpt8")
+  plans = [_progress.target_plan(index, world_size=6, rank=r) for r in range(6)]
+  data = _json_out(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "--dry-run",
+                        "--json"))
+  assert data["dry_run"] and data["world_size"] == 6 and data["archives"] == 8
+  assert [r["rank"] for r in data["ranks"]] == list(range(6))
+  assert all("reads" not in r for r in data["ranks"])
+  for got, p in zip(data["ranks"], plans):
+    assert got["archives_read"] == list(p.per_archive) and got["bytes_read"] == p.bytes_read
+    assert (got["target_bytes"], got["peak_bytes"]) == (p.target_bytes, p.peak_bytes)
+  assert data["bytes_read"] == sum(p.bytes_read for p in plans)
+  detail = _json_out(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "-r", 4,
+                          "--dry-run", "--reads", "--json"))
+  assert [r["rank"] for r in detail["ranks"]] == [4]
+  assert detail["ranks"][0]["reads"] == [
+      dict(param=r.param, archive=r.archive, source_rank=r.source_rank, lo=r.lo, hi=r.hi,
+           source_offset=r.source_offset, bytes=r.bytes) for r in plans[4].reads]
+  assert not (tmp_path / "o").exists()
+  wrote = _json_out(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "--json"))
+  assert not wrote["dry_run"] and wrote["ranks"] == list(range(6))
+  assert wrote["out"] == str(tmp_path / "o") and wrote["bytes_read"] == data["bytes_read"]
+  assert len(jr.load_records(tmp_path / "o")) == 6
+
+
+def test_verify_json_identical_and_different(ckpt, resharded, tmp_path):
+  root, src = ckpt
+  same = _json_out(_run("verify", root / "ckpt8", resharded, "--json"))
+  assert same["identical"] and same["differences"] == []
+  assert same["digest"] == same["out_digest"] and len(same["digest"]) == 64
+  assert (same["params"], same["buffers"], same["elements"]) == (3, 6, 2 * (77 + 5 + 9))
+  assert same["clock_scalars"] == len(src[0].roles) - 6
+  text = _run("verify", root / "ckpt8", resharded).stdout
+  assert f"digest {same['digest'][:16]}" in text
+
+  def flip(a):
+    a.view(np.uint32)[0] ^= 1
+    return a
+
+  bad = [_replace(r, "head", 0, flip) if i == 0 else r for i, r in enumerate(src)]
+  jr.save_records(tmp_path / "bad", bad)
+  result = _run("verify", root / "ckpt8", tmp_path / "bad", "--json")
+  diff = _json_out(result, EXIT_DIFFERENT)
+  assert not diff["identical"] and diff["digest"] != diff["out_digest"]
+  assert len(diff["differences"]) == 1 and "param 'head' buffer 0" in diff["differences"][0]
+  assert "does not hold" in result.stderr
+  assert "does not exist" in _one_line_error(_run("verify", root / "ckpt8", tmp_path / "x",
+                                                  "--json"))
+
+
+def test_clean_json(tmp_path):
+  data = _json_out(_run("clean", tmp_path / "c", "--json"))
+  assert data == dict(checkpoint=str(tmp_path / "c"), removed=[], kept=[])
