@@ -167,9 +167,42 @@ def _guard(fn: Callable) -> Callable:
   return wrapper
 
 
+def _archive_ranks(ckpt: _checkpoint.Checkpoint) -> tuple[set[int], dict[int, int]]:
+  """The world sizes of a checkpoint's groups, and the one rank each archive holds.
+
+  Raises:
+    PlacementError: an archive holding different ranks of different groups
+      (not the output of a reshard, so not a part to merge).
+  """
+  worlds: set[int] = set()
+  rank_of: dict[int, int] = {}
+  for g in ckpt.groups:
+    worlds.add(g.world_size)
+    for a, r in g.ranks:
+      if rank_of.setdefault(a, r) != r:
+        raise jr.PlacementError(f"{safe(ckpt.directory)}: archive {a} holds rank {rank_of[a]}"
+                                f" of one group and rank {r} of another")
+  return worlds, rank_of
+
+
+def _partial(path: Path, ckpt: _checkpoint.Checkpoint) -> None:
+  """Refuses a checkpoint holding only some ranks of its one world size, plainly."""
+  try:
+    worlds, rank_of = _archive_ranks(ckpt)
+  except jr.PlacementError:
+    return  # not a reshard's output: complete_groups says what is wrong
+  held = sorted(set(rank_of.values()))
+  if (len(worlds) == 1 and len(held) == len(rank_of) == len(ckpt)
+      and held != list(range(next(iter(worlds))))):
+    raise jr.PlacementError(
+        f"{safe(path)} is a partial checkpoint: ranks {held[:64]} of {next(iter(worlds))};"
+        " combine the parts with `jaxreshard merge OUT PART...` first")
+
+
 def _stream(path: Path) -> Iterator[Any]:
   """The checkpoint's records, read one archive at a time (verify holds one at once)."""
   ckpt = _checkpoint.open_checkpoint(str(path))
+  _partial(path, ckpt)
   try:
     ckpt.complete_groups()
   except jr.PlacementError as e:
@@ -601,6 +634,101 @@ def clean(
     print(f"{verb}: {safe(path)}")
   print(f"{len(removed)} of {len(found)} temporary director{'y' if len(found) == 1 else 'ies'}"
         f" of {safe(final)} removed")
+
+
+# -------------------------------------------------------------------------- merge
+
+
+def _merge_plan(parts: list[Path]) -> list[tuple[_checkpoint.Checkpoint, int]]:
+  """(part, archive) of every rank, in rank order, once every part is checked.
+
+  Parts must hold disjoint ranks of one world size that together are all of
+  them, the same parameters, and the same optimizer clock (structure and
+  every scalar's bits).
+  """
+  opened = []
+  for path in parts:
+    ckpt = _checkpoint.open_checkpoint(str(path))
+    for i in range(len(ckpt)):  # present, and belonging to this part
+      ckpt.archive_meta(i)
+      ckpt.check_archive(i)
+    worlds, rank_of = _archive_ranks(ckpt)
+    if len(worlds) != 1:
+      raise jr.PlacementError(f"{safe(path)} holds world sizes {sorted(worlds)}; merge combines"
+                              " parts of one world size")
+    opened.append((path, ckpt, next(iter(worlds)), rank_of))
+  first_path, first, world, _ = opened[0]
+  params0 = sorted(e.param for e in first.params)
+  clock0 = _clock_key(first)
+  owner: dict[int, tuple[Path, _checkpoint.Checkpoint, int]] = {}
+  for path, ckpt, w, rank_of in opened:
+    if w != world:
+      raise jr.PlacementError(f"{safe(path)} has world size {w} but {safe(first_path)} has"
+                              f" {world}; merge combines parts of one world size")
+    if sorted(e.param for e in ckpt.params) != params0:
+      raise jr.PlacementError(f"{safe(path)} holds other parameters than {safe(first_path)};"
+                              " not parts of one checkpoint")
+    for a in range(len(ckpt)):
+      mismatch = _clock_mismatch(clock0, _clock_key(ckpt, a))
+      if mismatch:
+        raise jr.PlacementError(f"{safe(path)} {mismatch} but {safe(first_path)} has"
+                                f" {_clock_mismatch(_clock_key(ckpt, a), clock0, value=True)};"
+                                " parts of different steps are never merged")
+    for a, r in sorted(rank_of.items()):
+      if r in owner:
+        raise jr.PlacementError(f"rank {r} of {world} is in both {safe(owner[r][0])} and"
+                                f" {safe(path)}; parts must hold disjoint ranks")
+      owner[r] = (path, ckpt, a)
+  missing = sorted(set(range(world)) - set(owner))
+  if missing:
+    raise jr.PlacementError(f"ranks {missing[:64]} of {world} are in none of the parts; merge"
+                            " needs every rank")
+  return [(ckpt, a) for _, ckpt, a in (owner[r] for r in range(world))]
+
+
+def _clock_key(ckpt: _checkpoint.Checkpoint, archive: int = 0) -> tuple[Any, list]:
+  """An archive's optimizer structure and clock scalars: (path, dtype, shape, bits)."""
+  scalars = [(path, a.dtype.name, a.shape, _digest.raw_bits(a).tobytes(), _value(a))
+             for path, a in _digest.clock_scalars(ckpt.metadata_record(archive))]
+  return ckpt.skeleton(archive), scalars
+
+
+def _clock_mismatch(a: tuple, b: tuple, value: bool = False) -> str:
+  """Words where clock ``b`` differs from ``a`` (its value; ``b``'s own with ``value``)."""
+  if a[0] != b[0]:
+    return "another optimizer state structure" if value else "has another optimizer state structure"
+  for x, y in zip(a[1], b[1]):
+    if x[:4] != y[:4]:
+      return f"{y[0]} = {y[4]!r}" if value else f"has {y[0]} = {y[4]!r}"
+  return ""
+
+
+@app.command(cls=_Command)
+@_guard
+def merge(
+    out: Path = typer.Argument(..., metavar="OUT", help="The merged checkpoint (must not exist)."),
+    parts: list[Path] = typer.Argument(..., metavar="PART",
+                                       help="Partial checkpoints (reshard --rank outputs)."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
+):
+  """Combine partial checkpoints of one world size (one per rank or host) into one.
+
+  Every part is checked first: one world size, disjoint ranks that together
+  are all of them, the same clocks. Archives are then copied in rank order,
+  one at a time, into a new checkpoint with its own identity. With --json:
+  {"out", "world_size", "parts", "archives"}.
+  """
+  if os.path.lexists(out):
+    raise jr.ArchiveExistsError(
+        f"{safe(out)} already exists; jaxreshard never overwrites a checkpoint")
+  order = _merge_plan(parts)
+  jr.save_records(str(out), (ckpt.record(a) for ckpt, a in order))
+  if as_json:
+    _json(dict(out=os.path.abspath(out), world_size=len(order), parts=len(parts),
+               archives=len(order)))
+    return
+  _out().print(_cell(f"merged {len(parts)} part{'s' if len(parts) != 1 else ''} into {out}:"
+                     f" ranks 0..{len(order) - 1} of {len(order)}"))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -309,14 +309,6 @@ def test_hostile_index_is_one_line_exit_2_in_every_command(ckpt, tmp_path, edit,
   assert sorted(os.listdir(tmp_path)) == ["bad"]
 
 
-def test_verify_of_a_partial_checkpoint_says_so(ckpt, tmp_path):
-  root, _ = ckpt
-  result = _run("reshard", root / "ckpt8", tmp_path / "r2", "-w", 6, "-r", 2)
-  assert result.exit_code == 0, result.output
-  line = _one_line_error(_run("verify", root / "ckpt8", tmp_path / "r2"))
-  assert "is not a complete checkpoint" in line and "hold ranks [2] of world_size 6" in line
-
-
 def test_a_mistyped_world_size_is_refused_at_once(ckpt):
   root, _ = ckpt
   for m in (100_000_000, 2**20 + 1):
@@ -505,3 +497,81 @@ def test_verify_json_identical_and_different(ckpt, resharded, tmp_path):
 def test_clean_json(tmp_path):
   data = _json_out(_run("clean", tmp_path / "c", "--json"))
   assert data == dict(checkpoint=str(tmp_path / "c"), removed=[], kept=[])
+
+
+# --- merge ------------------------------------------------------------------------
+
+
+def _with_count(records, count):
+  """The same archives at another step: every integer clock scalar set to ``count``."""
+  def step(x):
+    a = np.asarray(x)
+    return np.asarray(count, a.dtype) if a.ndim == 0 and a.dtype.kind == "i" else x
+
+  return [jr.ShardRecord(1, r.placements, jax.tree.map(step, r.state), r.roles) for r in records]
+
+
+@pytest.fixture(scope="module")
+def parts(ckpt):
+  """reshard 8 -> 6 run once per target rank, as a cluster job does (one per host)."""
+  root, _ = ckpt
+  paths = []
+  for r in range(6):
+    result = _run("reshard", root / "ckpt8", root / f"part{r}", "--world-size", 6, "--rank", r)
+    assert result.exit_code == 0, result.output
+    paths.append(root / f"part{r}")
+  return paths
+
+
+def _bits(records):
+  return [np.asarray(x).reshape(-1).view(f"u{np.asarray(x).dtype.itemsize}")
+          for r in records for x in jax.tree.leaves(r.state)]
+
+
+def test_merge_per_rank_outputs_equals_one_shot_reshard(ckpt, resharded, parts, tmp_path):
+  root, _ = ckpt
+  # The parts may come in any order: archives are written in rank order.
+  result = _run("merge", tmp_path / "merged", *reversed(parts))
+  assert result.exit_code == 0, result.output
+  assert "merged 6 parts" in result.stdout
+  verify = _run("verify", root / "ckpt8", tmp_path / "merged")
+  assert verify.exit_code == 0 and verify.stdout.startswith("identical: 3 params"), verify.output
+  merged, one_shot = jr.load_records(tmp_path / "merged"), jr.load_records(resharded)
+  assert [r.placements for r in merged] == [r.placements for r in one_shot]
+  assert [r.roles for r in merged] == [r.roles for r in one_shot]
+  a, b = _bits(merged), _bits(one_shot)
+  assert len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y)
+                                  for x, y in zip(a, b))
+  # The merged checkpoint has its own identity.
+  ids = {json.loads((p / "jaxreshard.json").read_text()).get("checkpoint")
+         for p in (tmp_path / "merged", parts[0])}
+  assert len(ids) == 2
+  data = _json_out(_run("merge", tmp_path / "again", *parts, "--json"))
+  assert data == dict(out=str(tmp_path / "again"), world_size=6, parts=6, archives=6)
+
+
+def test_merge_refusals_are_one_line_and_leave_no_out(ckpt, parts, tmp_path):
+  root, src = ckpt
+  jr.save_records(tmp_path / "step4", _with_count(src, 4))
+  assert _run("reshard", tmp_path / "step4", tmp_path / "late5", "-w", 6, "-r", 5).exit_code == 0
+  assert _run("reshard", root / "ckpt8", tmp_path / "w3", "-w", 3, "-r", 2).exit_code == 0
+  out = tmp_path / "out"
+  cases = [
+      (parts + [parts[2]], r"rank 2 of 6 is in both .*part2 and .*part2"),
+      (parts[:2] + parts[4:], r"ranks \[2, 3\] of 6 are in none of the parts"),
+      (parts[:5] + [tmp_path / "w3"], r"world size 3 but .*part0 has 6"),
+      (parts[:5] + [tmp_path / "late5"], r"late5 has \.count = 4 but .*part0 has \.count = 3;"
+                                         r" parts of different steps"),
+  ]
+  for args, needle in cases:
+    line = _one_line_error(_run("merge", out, *args))
+    assert re.search(needle, line), line
+    assert not out.exists()
+  out.mkdir()
+  assert "already exists" in _one_line_error(_run("merge", out, *parts))
+
+
+def test_verify_of_a_part_says_partial_and_suggests_merge(ckpt, parts):
+  root, _ = ckpt
+  line = _one_line_error(_run("verify", root / "ckpt8", parts[2]))
+  assert "partial checkpoint: ranks [2] of 6" in line and "jaxreshard merge" in line, line
