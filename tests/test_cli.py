@@ -575,3 +575,17 @@ def test_verify_of_a_part_says_partial_and_suggests_merge(ckpt, parts):
   root, _ = ckpt
   line = _one_line_error(_run("verify", root / "ckpt8", parts[2]))
   assert "partial checkpoint: ranks [2] of 6" in line and "jaxreshard merge" in line, line
+
+
+def test_mixed_steps_refusal_names_the_scalar_path_inspect_shows(tmp_path):
+  opt = optax.adam(1e-3)
+  params = {"w": np.ones((10,), np.float32)}
+  at3, at4 = (_with_count(jr.shard_state(opt, params, opt.init(params), world_size=4), c)
+              for c in (3, 4))
+  jr.save_records(tmp_path / "mixed", at3[:3] + at4[3:])
+  paths = [c["path"] for c in _json_out(_run("inspect", tmp_path / "mixed", "--json"))["clocks"]]
+  assert paths == ["[0].count"]
+  line = _one_line_error(_run("reshard", tmp_path / "mixed", tmp_path / "o", "-w", 3))
+  assert "archive 3 has [0].count = " in line and "not one checkpoint" in line, line
+  with pytest.raises(jr.PlacementError, match=r"has \[0\]\.count = .*4.* but archive 0 has"):
+    jr.reshard(at3[:3] + at4[3:], jr.plan(at3[:3] + at4[3:], world_size=3, rank=0))
