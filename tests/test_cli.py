@@ -586,6 +586,8 @@ def test_mixed_steps_refusal_names_the_scalar_path_inspect_shows(tmp_path):
   paths = [c["path"] for c in _json_out(_run("inspect", tmp_path / "mixed", "--json"))["clocks"]]
   assert paths == ["[0].count"]
   line = _one_line_error(_run("reshard", tmp_path / "mixed", tmp_path / "o", "-w", 3))
-  assert "archive 3 has [0].count = " in line and "not one checkpoint" in line, line
-  with pytest.raises(jr.PlacementError, match=r"has \[0\]\.count = .*4.* but archive 0 has"):
+  assert "archive 3 has clock scalar [0].count = " in line, line
+  assert "not one checkpoint" in line, line
+  with pytest.raises(jr.PlacementError,
+                     match=r"has clock scalar \[0\]\.count = .*4.* but archive 0 has"):
     jr.reshard(at3[:3] + at4[3:], jr.plan(at3[:3] + at4[3:], world_size=3, rank=0))
