@@ -123,8 +123,8 @@ def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
     row = summary[1 + rank].split()
     assert row[:4] == [str(rank), str(len(p.per_archive)), "of", "8"], row
     assert row[4:6] == [str(p.bytes_read), "B"], row
-    mine = [[r.param, str(r.archive), str(r.source_rank), f"[{r.lo},", f"{r.hi})", str(r.source_offset),
-             str(r.bytes)] for r in p.reads]
+    mine = [[r.param, str(r.archive), str(r.source_rank), f"[{r.lo},", f"{r.hi})",
+             str(r.source_offset), str(r.bytes)] for r in p.reads]
     assert all(m in read_lines for m in mine)
   assert len(read_lines) == sum(
       len(_progress.target_plan(index, world_size=6, rank=r).reads) for r in range(6))
@@ -368,7 +368,8 @@ def test_world_size_short_flag_is_w(ckpt, tmp_path):
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory):
   """A state with long clock paths and a frozen (stateless) parameter."""
-  params = {"enc": {"kernel": np.ones((7, 11), np.float32)}, "frozen_emb": np.ones((9,), np.float32)}
+  params = {"enc": {"kernel": np.ones((7, 11), np.float32)},
+            "frozen_emb": np.ones((9,), np.float32)}
   labels = {"enc": {"kernel": "train"}, "frozen_emb": "frozen"}
   opt = optax.multi_transform(
       {"train": optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
