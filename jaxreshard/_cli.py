@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+import jax
 import numpy as np
 import typer
 from rich import filesize
@@ -32,8 +33,53 @@ __all__ = ["app", "main"]
 EXIT_DIFFERENT = 1
 EXIT_ERROR = 2
 
+
+
+def _plain_flags(params: list) -> list:
+  # A flag takes no value: help shows no value type for it (an empty metavar).
+  for p in params:
+    if isinstance(p, typer.core.TyperOption) and p.is_flag and p.metavar is None:
+      p.metavar = ""
+  return params
+
+
+def _usage(command: Any, ctx: Any) -> list[str]:
+  # Arguments appear in the usage line by their metavar, CHECKPOINT OUT, and
+  # in brackets when optional.
+  pieces = [command.options_metavar] if command.options_metavar else []
+  for p in command.get_params(ctx):
+    if isinstance(p, typer.core.TyperArgument):
+      name = p.metavar or p.name.upper()
+      name += "..." if p.nargs != 1 else ""
+      pieces.append(name if p.required else f"[{name}]")
+    else:
+      pieces.extend(p.get_usage_pieces(ctx))
+  return pieces
+
+
+class _Command(typer.core.TyperCommand):
+  """A subcommand whose help shows CHECKPOINT OUT and flags without a value type."""
+
+  def get_params(self, ctx: Any) -> list:
+    return _plain_flags(super().get_params(ctx))
+
+  def collect_usage_pieces(self, ctx: Any) -> list[str]:
+    return _usage(self, ctx)
+
+
+class _Group(typer.core.TyperGroup):
+  """The root command, with the same help conventions as its subcommands."""
+
+  def get_params(self, ctx: Any) -> list:
+    return _plain_flags(super().get_params(ctx))
+
+  def collect_usage_pieces(self, ctx: Any) -> list[str]:
+    return _usage(self, ctx) + [self.subcommand_metavar]
+
+
 app = typer.Typer(
     name="jaxreshard",
+    cls=_Group,
     help="Exact resharding of optax flat-shard (ZeRO / FSDP) optimizer state.",
     no_args_is_help=True,
     add_completion=False,
@@ -51,6 +97,18 @@ def _out() -> Console:
 
 
 _PIPE_WIDTH = 10_000
+
+
+def _table(title: Any, columns: list[tuple[str, str]]) -> Table:
+  """A table whose every value is shown whole: folded onto more lines, never cut.
+
+  Pipes and files are as wide as the table needs (see ``_out``); on a
+  terminal a value too wide for its column wraps inside the cell.
+  """
+  table = Table(title=title)
+  for name, justify in columns:
+    table.add_column(name, justify=justify, overflow="fold", min_width=len(name))
+  return table
 
 
 def _err() -> Console:
@@ -109,9 +167,42 @@ def _guard(fn: Callable) -> Callable:
   return wrapper
 
 
+def _archive_ranks(ckpt: _checkpoint.Checkpoint) -> tuple[set[int], dict[int, int]]:
+  """The world sizes of a checkpoint's groups, and the one rank each archive holds.
+
+  Raises:
+    PlacementError: an archive holding different ranks of different groups
+      (not the output of a reshard, so not a part to merge).
+  """
+  worlds: set[int] = set()
+  rank_of: dict[int, int] = {}
+  for g in ckpt.groups:
+    worlds.add(g.world_size)
+    for a, r in g.ranks:
+      if rank_of.setdefault(a, r) != r:
+        raise jr.PlacementError(f"{safe(ckpt.directory)}: archive {a} holds rank {rank_of[a]}"
+                                f" of one group and rank {r} of another")
+  return worlds, rank_of
+
+
+def _partial(path: Path, ckpt: _checkpoint.Checkpoint) -> None:
+  """Refuses a checkpoint holding only some ranks of its one world size, plainly."""
+  try:
+    worlds, rank_of = _archive_ranks(ckpt)
+  except jr.PlacementError:
+    return  # not a reshard's output: complete_groups says what is wrong
+  held = sorted(set(rank_of.values()))
+  if (len(worlds) == 1 and len(held) == len(rank_of) == len(ckpt)
+      and held != list(range(next(iter(worlds))))):
+    raise jr.PlacementError(
+        f"{safe(path)} is a partial checkpoint: ranks {held[:64]} of {next(iter(worlds))};"
+        " combine the parts with `jaxreshard merge OUT PART...` first")
+
+
 def _stream(path: Path) -> Iterator[Any]:
   """The checkpoint's records, read one archive at a time (verify holds one at once)."""
   ckpt = _checkpoint.open_checkpoint(str(path))
+  _partial(path, ckpt)
   try:
     ckpt.complete_groups()
   except jr.PlacementError as e:
@@ -121,6 +212,13 @@ def _stream(path: Path) -> Iterator[Any]:
     ckpt.check_archive(i)
   for i in range(len(ckpt)):
     yield ckpt.record(i)
+
+
+_JSON_HELP = "Print machine-readable JSON only (on stdout; errors stay on stderr)."
+
+
+def _json(data: Any) -> None:
+  print(json.dumps(data, indent=2))
 
 
 def _size(n: int) -> str:
@@ -145,27 +243,48 @@ def _root(
 # --------------------------------------------------------------------------- demo
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def demo(
     steps: int = typer.Option(3, min=1, help="AdamW steps to train before sharding."),
     save: Optional[Path] = typer.Option(
         None, "--save", help="Keep the 8-rank checkpoint here, to try the other commands on."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
-  """Train a small flax MLP, shard its AdamW state over 8 ranks, reshard to 6, prove it exact."""
+  """Train a small flax MLP, shard its AdamW state over 8 ranks, reshard to 6, prove it exact.
+
+  Exit code 1 when a check fails. With --json: {"exact", "steps", "seconds",
+  "source_world_size", "target_world_size", "checks": {name: bool}, "params": a
+  list of {"param", "shape", "slots_source", "slots_target", "buffers",
+  "bytes", "exact"}, "saved": the --save path or null}.
+  """
   from jaxreshard import _demo
 
   out = _out()
+  log = (lambda line: None) if as_json else (lambda line: out.print(f"[green]ok[/] {line}"))
   try:
-    summary = _demo.run_demo(steps, archive_dir=None if save is None else str(save),
-                             log=lambda line: out.print(f"[green]ok[/] {line}"))
+    summary = _demo.run_demo(steps, archive_dir=None if save is None else str(save), log=log)
   except ModuleNotFoundError as e:
     raise jr.ReshardError(
         f"the demo needs {e.name}: pip install 'jaxreshard[examples]'") from None
-  table = Table(title=f"AdamW state, {_demo.SOURCE_WORLD} -> {_demo.TARGET_WORLD} ranks")
-  for col in ("param", "shape", f"slots @{_demo.SOURCE_WORLD}", f"slots @{_demo.TARGET_WORLD}",
-              "buffers", "bytes", "exact"):
-    table.add_column(col, justify="left" if col in ("param", "shape") else "right")
+  if as_json:
+    _json(dict(
+        exact=summary.exact, steps=summary.steps, seconds=round(summary.seconds, 3),
+        source_world_size=_demo.SOURCE_WORLD, target_world_size=_demo.TARGET_WORLD,
+        checks=dict(unshard_exact=summary.unshard_exact,
+                    round_trip_exact=summary.round_trip_exact,
+                    digest_equal=summary.digest_equal, disk_exact=summary.disk_exact),
+        params=[dict(param=r.param, shape=list(r.shape), slots_source=r.slots_source,
+                     slots_target=r.slots_target, buffers=r.buffers, bytes=r.bytes,
+                     exact=r.exact) for r in summary.rows],
+        saved=None if save is None else os.path.abspath(save)))
+    if not summary.exact:
+      raise typer.Exit(EXIT_DIFFERENT)
+    return
+  table = _table(f"AdamW state, {_demo.SOURCE_WORLD} -> {_demo.TARGET_WORLD} ranks",
+                 [(col, "left" if col in ("param", "shape") else "right")
+                  for col in ("param", "shape", f"slots @{_demo.SOURCE_WORLD}",
+                              f"slots @{_demo.TARGET_WORLD}", "buffers", "bytes", "exact")])
   for r in summary.rows:
     table.add_row(r.param, str(r.shape), str(r.slots_source), str(r.slots_target),
                   str(r.buffers), str(r.bytes), "yes" if r.exact else "[red]NO[/]")
@@ -230,12 +349,28 @@ def inspect_info(ckpt: _checkpoint.Checkpoint) -> dict:
   )
 
 
+def _value(a: np.ndarray) -> Any:
+  """A clock scalar for reading: a float as the shortest decimal of its own dtype.
+
+  float32 0.9 is ``0.9``, not the float64 ``0.8999999761581421`` it widens to;
+  parsing the decimal back at that dtype gives the same bits. JSON has no NaN
+  or infinity: those are strings.
+  """
+  if not jax.dtypes.issubdtype(a.dtype, np.floating):
+    return a.item() if a.size == 1 else a.tolist()
+
+  def one(x: Any) -> Any:
+    v = float(str(x))  # numpy's str of a float is its shortest round-trip decimal
+    return v if np.isfinite(v) else str(v)
+
+  values = [one(x) for x in a.reshape(-1)]
+  return values[0] if a.size == 1 else np.array(values, object).reshape(a.shape).tolist()
+
+
 def _clock(record: Any) -> list[dict]:
   out = []
   for path, a in _digest.clock_scalars(record):
-    v = a.item() if a.size == 1 else a.tolist()
-    if isinstance(v, float) and not np.isfinite(v):
-      v = str(v)  # JSON has no NaN or infinity
+    v = _value(a)
     out.append(dict(path=path, dtype=a.dtype.name, shape=list(a.shape), value=v,
                     bits=_digest.raw_bits(a).tobytes().hex()))
   return out
@@ -252,27 +387,34 @@ def _buffers_text(dtypes: list[str]) -> str:
   return " ".join(f"{n}x{short(d)}" if n > 1 else short(d) for n, d in groups) or "none"
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def inspect(
-    checkpoint: Path = typer.Argument(..., help="A checkpoint directory written by save_records."),
-    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON only."),
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT",
+                                      help="A checkpoint directory written by save_records."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
-  """Show parameters, logical shapes, world sizes, dtypes, bytes and optimizer clocks."""
+  """Show parameters, logical shapes, world sizes, dtypes, bytes and optimizer clocks.
+
+  With --json: {"archives", "world_sizes", "params": a list of {"param",
+  "shape", "dtype", "trainable", "world_sizes", "ranks", "buffers": the dtype
+  of each history buffer, "bytes", "stored_bytes"}, "bytes", "stored_bytes",
+  "clocks": a list of {"path", "dtype", "shape", "value", "bits": hex},
+  "clocks_agree"}.
+  """
   ckpt = _checkpoint.open_checkpoint(str(checkpoint))
   for i in range(len(ckpt)):  # every archive is present and belongs to this checkpoint
     ckpt.archive_meta(i)
   info = inspect_info(ckpt)
   if as_json:
-    print(json.dumps(info, indent=2))
+    _json(info)
     return
   out = _out()
-  table = Table(title=_cell(f"{checkpoint}: {info['archives']} archives, world size"
-                            f" {', '.join(map(str, info['world_sizes']))}"))
-  for col in ("param", "shape", "world", "dtype", "train", "buffers", "bytes", "stored"):
-    table.add_column(col, justify="right" if col in ("world", "bytes", "stored") else "left",
-                     no_wrap=col != "buffers", overflow="fold",
-                     min_width=len(col) if col == "buffers" else None)
+  table = _table(_cell(f"{checkpoint}: {info['archives']} archives, world size"
+                       f" {', '.join(map(str, info['world_sizes']))}"),
+                 [(col, "right" if col in ("world", "bytes", "stored") else "left")
+                  for col in ("param", "shape", "world", "dtype", "train", "buffers", "bytes",
+                              "stored")])
   for e in info["params"]:
     ranks = e["ranks"]
     world = ", ".join(map(str, e["world_sizes"]))
@@ -282,10 +424,11 @@ def inspect(
                   "yes" if e["trainable"] else "no", _buffers_text(e["buffers"]),
                   _size(e["bytes"]), _size(e["stored_bytes"]))
   out.print(table)
-  clocks = Table(title="optimizer clock" + ("" if info["clocks_agree"] else
-                                            " ([red]archives disagree[/])"))
-  for col in ("scalar", "dtype", "value"):
-    clocks.add_column(col)
+  if any(not e["buffers"] for e in info["params"]):
+    out.print("buffers none: no optimizer state (frozen, or a stateless optimizer)")
+  clocks = _table("optimizer clock" + ("" if info["clocks_agree"] else
+                                       " ([red]archives disagree[/])"),
+                  [("scalar", "left"), ("dtype", "left"), ("value", "left")])
   for c in info["clocks"]:
     clocks.add_row(_cell(c["path"]), c["dtype"], _cell(c["value"]))
   out.print(clocks)
@@ -296,19 +439,30 @@ def inspect(
 # ------------------------------------------------------------------------ reshard
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def reshard(
-    checkpoint: Path = typer.Argument(..., help="The source checkpoint directory."),
-    out: Path = typer.Argument(..., help="The new checkpoint directory (must not exist)."),
-    world_size: int = typer.Option(..., "--world-size", "-m", help="The target world size M."),
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT",
+                                      help="The source checkpoint directory."),
+    out: Path = typer.Argument(..., metavar="OUT",
+                               help="The new checkpoint directory (must not exist)."),
+    world_size: int = typer.Option(..., "--world-size", "-w", help="The target world size M."),
     rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Write only this target rank."),
     dry_run: bool = typer.Option(False, "--dry-run",
                                  help="Print what each target rank reads; write nothing."),
     reads: bool = typer.Option(False, "--reads",
                                help="With --dry-run: list every read, not one line per rank."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
-  """Rebuild every target rank (or one) for a new world size, streaming rank by rank."""
+  """Rebuild every target rank (or one) for a new world size, streaming rank by rank.
+
+  With --json and --dry-run: {"dry_run": true, "world_size", "archives",
+  "ranks": a list of {"rank", "archives_read": archive indices, "bytes_read",
+  "target_bytes", "peak_bytes", with --reads also "reads": a list of {"param",
+  "archive", "source_rank", "lo", "hi", "source_offset", "bytes"}},
+  "bytes_read", "peak_bytes"}. Without --dry-run: {"dry_run": false, "out",
+  "world_size", "ranks": the ranks written, "bytes_read", "seconds"}.
+  """
   ckpt = _checkpoint.open_checkpoint(str(checkpoint))
   # Refuses a bad world size or a rank outside it before any work.
   jr.FlatShard((), 0 if rank is None else rank, world_size)
@@ -319,7 +473,10 @@ def reshard(
   first = next(plans)  # refuses archives that do not form complete groups, before any output
   plans = itertools.chain([first], plans)
   if dry_run:
-    _print_plans(plans, len(ckpt), len(ranks), reads)
+    if as_json:
+      _json_plans(plans, world_size, len(ckpt), reads)
+    else:
+      _print_plans(plans, len(ckpt), len(ranks), reads)
     return
   if os.path.lexists(out):
     raise jr.ArchiveExistsError(
@@ -339,6 +496,10 @@ def reshard(
         bar.advance(task, p.bytes_read)  # after save_records has taken this rank
 
     jr.save_records(str(out), targets())
+  if as_json:
+    _json(dict(dry_run=False, out=os.path.abspath(out), world_size=world_size, ranks=list(ranks),
+               bytes_read=total, seconds=round(time.perf_counter() - t0, 3)))
+    return
   _out().print(_cell(f"wrote {len(ranks)} of {world_size} target ranks to {out}"
                      f" ({_size(total)} moved, {time.perf_counter() - t0:.1f} s)"))
 
@@ -365,10 +526,35 @@ def _print_plans(plans: Iterator[_progress.TargetPlan], n_archives: int, n_ranks
         " read buffer); nothing written")
 
 
+def _json_plans(plans: Iterator[_progress.TargetPlan], world_size: int, n_archives: int,
+                reads: bool) -> None:
+  """``--dry-run --json``: the same plans as one JSON object, written as each rank is planned."""
+  print(f'{{\n  "dry_run": true,\n  "world_size": {world_size},\n  "archives": {n_archives},'
+        '\n  "ranks": [')
+  total = peak = 0
+  pending = None  # each entry waits for the next to know whether a comma follows it
+  for p in plans:
+    if pending is not None:
+      print(f"    {pending},")
+    total += p.bytes_read
+    peak = max(peak, p.peak_bytes)
+    entry = dict(rank=p.rank, archives_read=list(p.per_archive), bytes_read=p.bytes_read,
+                 target_bytes=p.target_bytes, peak_bytes=p.peak_bytes)
+    if reads:
+      entry["reads"] = [dict(param=r.param, archive=r.archive, source_rank=r.source_rank,
+                             lo=r.lo, hi=r.hi, source_offset=r.source_offset, bytes=r.bytes)
+                        for r in p.reads]
+    pending = json.dumps(entry)
+  if pending is not None:
+    print(f"    {pending}")
+  print(f'  ],\n  "bytes_read": {total},\n  "peak_bytes": {peak}\n}}')
+
+
 def _print_reads(p: _progress.TargetPlan) -> None:
   """Each read of one target rank: whose elements, from which archive and where in it."""
   head = ("param", "archive", "source rank", "elements [lo, hi)", "source offset", "bytes")
-  rows = [(safe(r.param), r.archive, r.source_rank, f"[{r.lo}, {r.hi})", r.local, r.bytes)
+  rows = [(safe(r.param), r.archive, r.source_rank, f"[{r.lo}, {r.hi})", r.source_offset,
+           r.bytes)
           for r in p.reads]
   widths = [max([len(h)] + [len(str(row[i])) for row in rows]) for i, h in enumerate(head)]
   line = lambda vals: "    " + "  ".join(
@@ -381,25 +567,38 @@ def _print_reads(p: _progress.TargetPlan) -> None:
 # ------------------------------------------------------------------------- verify
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def verify(
-    checkpoint: Path = typer.Argument(..., help="The original checkpoint."),
-    out: Path = typer.Argument(..., help="The checkpoint that should hold the same state."),
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="The original checkpoint."),
+    out: Path = typer.Argument(..., metavar="OUT",
+                               help="The checkpoint that should hold the same state."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
-  """Prove OUT holds exactly CHECKPOINT's optimizer state, whatever the two layouts."""
+  """Prove OUT holds exactly CHECKPOINT's optimizer state, whatever the two layouts.
+
+  Exit code 0 identical, 1 different, 2 error. With --json: {"identical",
+  "differences": a list of lines, "digest": CHECKPOINT's, "out_digest": OUT's,
+  "params", "buffers", "elements", "clock_scalars"} (counts of CHECKPOINT).
+  """
   a = _digest.digest_records(_stream(checkpoint))
   b = _digest.digest_records(_stream(out))
   diffs = _digest.compare_digests(a, b, names=(str(checkpoint), str(out)))
   console = _out()
+  buffers = sum(len(p.buffers) for p in a.params.values())
+  elements = sum(x.count for p in a.params.values() for x in p.buffers)
+  if as_json:
+    _json(dict(identical=not diffs, differences=diffs, digest=a.hexdigest(),
+               out_digest=b.hexdigest(), params=len(a.params), buffers=buffers,
+               elements=elements, clock_scalars=len(a.scalars)))
   if diffs:
-    for line in diffs:
+    for line in diffs if not as_json else ():
       console.print(_cell(f"differs: {line}"))
     print(f"jaxreshard: {safe(out)} does not hold {safe(checkpoint)}'s optimizer state"
           f" ({len(diffs)} difference{'s' if len(diffs) != 1 else ''})", file=sys.stderr)
     raise typer.Exit(EXIT_DIFFERENT)
-  buffers = sum(len(p.buffers) for p in a.params.values())
-  elements = sum(x.count for p in a.params.values() for x in p.buffers)
+  if as_json:
+    return
   console.print(
       f"identical: {len(a.params)} params, {buffers} buffers ({elements} elements),"
       f" {len(a.scalars)} clock scalar{'s' if len(a.scalars) != 1 else ''}, padding all zero;"
@@ -409,23 +608,127 @@ def verify(
 # -------------------------------------------------------------------------- clean
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def clean(
-    checkpoint: Path = typer.Argument(..., help="The checkpoint path saves were writing to."),
+    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT",
+                                      help="The checkpoint path saves were writing to."),
     everything: bool = typer.Option(
         False, "--all", help="Also remove temporary directories of other hosts or of live"
         " processes (only when no save to CHECKPOINT is running anywhere)."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
-  """Remove the temporary directories that killed saves to CHECKPOINT left behind."""
+  """Remove the temporary directories that killed saves to CHECKPOINT left behind.
+
+  With --json: {"checkpoint", "removed": paths, "kept": paths}.
+  """
   final = os.path.abspath(str(checkpoint))
   found = _archive_io.temp_dirs(final)
   removed = set(_archive_io.remove_temp_dirs(final, everything=everything))
+  if as_json:
+    _json(dict(checkpoint=final, removed=[p for p, _ in found if p in removed],
+               kept=[p for p, _ in found if p not in removed]))
+    return
   for path, _ in found:
     verb = "removed" if path in removed else "kept (its writer may still run; --all removes it)"
     print(f"{verb}: {safe(path)}")
   print(f"{len(removed)} of {len(found)} temporary director{'y' if len(found) == 1 else 'ies'}"
         f" of {safe(final)} removed")
+
+
+# -------------------------------------------------------------------------- merge
+
+
+def _merge_plan(parts: list[Path]) -> list[tuple[_checkpoint.Checkpoint, int]]:
+  """(part, archive) of every rank, in rank order, once every part is checked.
+
+  Parts must hold disjoint ranks of one world size that together are all of
+  them, the same parameters, and the same optimizer clock (structure and
+  every scalar's bits).
+  """
+  opened = []
+  for path in parts:
+    ckpt = _checkpoint.open_checkpoint(str(path))
+    for i in range(len(ckpt)):  # present, and belonging to this part
+      ckpt.archive_meta(i)
+      ckpt.check_archive(i)
+    worlds, rank_of = _archive_ranks(ckpt)
+    if len(worlds) != 1:
+      raise jr.PlacementError(f"{safe(path)} holds world sizes {sorted(worlds)}; merge combines"
+                              " parts of one world size")
+    opened.append((path, ckpt, next(iter(worlds)), rank_of))
+  first_path, first, world, _ = opened[0]
+  params0 = sorted(e.param for e in first.params)
+  clock0 = _clock_key(first)
+  owner: dict[int, tuple[Path, _checkpoint.Checkpoint, int]] = {}
+  for path, ckpt, w, rank_of in opened:
+    if w != world:
+      raise jr.PlacementError(f"{safe(path)} has world size {w} but {safe(first_path)} has"
+                              f" {world}; merge combines parts of one world size")
+    if sorted(e.param for e in ckpt.params) != params0:
+      raise jr.PlacementError(f"{safe(path)} holds other parameters than {safe(first_path)};"
+                              " not parts of one checkpoint")
+    for a in range(len(ckpt)):
+      mismatch = _clock_mismatch(clock0, _clock_key(ckpt, a))
+      if mismatch:
+        raise jr.PlacementError(f"{safe(path)} {mismatch} but {safe(first_path)} has"
+                                f" {_clock_mismatch(_clock_key(ckpt, a), clock0, value=True)};"
+                                " parts of different steps are never merged")
+    for a, r in sorted(rank_of.items()):
+      if r in owner:
+        raise jr.PlacementError(f"rank {r} of {world} is in both {safe(owner[r][0])} and"
+                                f" {safe(path)}; parts must hold disjoint ranks")
+      owner[r] = (path, ckpt, a)
+  missing = sorted(set(range(world)) - set(owner))
+  if missing:
+    raise jr.PlacementError(f"ranks {missing[:64]} of {world} are in none of the parts; merge"
+                            " needs every rank")
+  return [(ckpt, a) for _, ckpt, a in (owner[r] for r in range(world))]
+
+
+def _clock_key(ckpt: _checkpoint.Checkpoint, archive: int = 0) -> tuple[Any, list]:
+  """An archive's optimizer structure and clock scalars: (path, dtype, shape, bits)."""
+  scalars = [(path, a.dtype.name, a.shape, _digest.raw_bits(a).tobytes(), _value(a))
+             for path, a in _digest.clock_scalars(ckpt.metadata_record(archive))]
+  return ckpt.skeleton(archive), scalars
+
+
+def _clock_mismatch(a: tuple, b: tuple, value: bool = False) -> str:
+  """Words where clock ``b`` differs from ``a`` (its value; ``b``'s own with ``value``)."""
+  if a[0] != b[0]:
+    return "another optimizer state structure" if value else "has another optimizer state structure"
+  for x, y in zip(a[1], b[1]):
+    if x[:4] != y[:4]:
+      return f"{y[0]} = {y[4]!r}" if value else f"has {y[0]} = {y[4]!r}"
+  return ""
+
+
+@app.command(cls=_Command)
+@_guard
+def merge(
+    out: Path = typer.Argument(..., metavar="OUT", help="The merged checkpoint (must not exist)."),
+    parts: list[Path] = typer.Argument(..., metavar="PART",
+                                       help="Partial checkpoints (reshard --rank outputs)."),
+    as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
+):
+  """Combine partial checkpoints of one world size (one per rank or host) into one.
+
+  Every part is checked first: one world size, disjoint ranks that together
+  are all of them, the same clocks. Archives are then copied in rank order,
+  one at a time, into a new checkpoint with its own identity. With --json:
+  {"out", "world_size", "parts", "archives"}.
+  """
+  if os.path.lexists(out):
+    raise jr.ArchiveExistsError(
+        f"{safe(out)} already exists; jaxreshard never overwrites a checkpoint")
+  order = _merge_plan(parts)
+  jr.save_records(str(out), (ckpt.record(a) for ckpt, a in order))
+  if as_json:
+    _json(dict(out=os.path.abspath(out), world_size=len(order), parts=len(parts),
+               archives=len(order)))
+    return
+  _out().print(_cell(f"merged {len(parts)} part{'s' if len(parts) != 1 else ''} into {out}:"
+                     f" ranks 0..{len(order) - 1} of {len(order)}"))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

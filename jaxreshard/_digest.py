@@ -283,14 +283,17 @@ def _anatomy(index: int, record: Any) -> _structure.Anatomy:
 
 
 def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
-  """``(key path, value)`` of every clock scalar of a record, in state order."""
-  leaves = jax.tree_util.tree_flatten_with_path(record.state)[0]
+  """``(key path, value)`` of every clock scalar of a record, in state order.
+
+  Paths are ``_structure.clock_paths``', the name every message uses.
+  """
   try:
-    roles = _structure.roles_of(record)
+    anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
   except _structure.AnatomyError as e:
-    raise PlacementError(f"an archive without roles: {e}") from None
-  return [(jax.tree_util.keystr(path), np.asarray(leaf))
-          for (path, leaf), role in zip(leaves, roles) if role is None]
+    raise PlacementError(f"an archive that cannot be taken apart: {e}") from None
+  paths = _structure.clock_paths(
+      anatomy.skeleton, [not isinstance(x, _structure.MirrorSlot) for x in anatomy.skeleton_leaves])
+  return [(path, np.asarray(x)) for path, (_, x) in zip(paths, anatomy.scalars)]
 
 
 def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:

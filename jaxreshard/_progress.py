@@ -23,7 +23,7 @@ __all__ = ["Read", "TargetPlan", "progress_bar", "target_plan", "total_bytes"]
 class Read:
   """One contiguous read: global flat elements ``[lo, hi)`` of ``param``'s buffers.
 
-  ``local`` is where they start inside the source rank's ``(slots,)`` buffers.
+  ``source_offset`` is where they start inside the source rank's ``(slots,)`` buffers.
   """
 
   archive: int
@@ -31,7 +31,7 @@ class Read:
   param: str
   lo: int
   hi: int
-  local: int
+  source_offset: int
   bytes: int
 
 

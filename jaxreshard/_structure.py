@@ -182,6 +182,19 @@ class Anatomy:
     return out
 
 
+def clock_paths(skeleton: Any, is_scalar: Sequence[bool]) -> list[str]:
+  """The key path of each clock scalar of a skeleton, in skeleton-leaf order.
+
+  ``skeleton`` is an ``Anatomy.skeleton``; ``is_scalar`` says, per skeleton
+  leaf, whether it is a clock scalar (or a mirror's marker). This is the one
+  name of a clock scalar: ``inspect`` shows it, ``verify`` compares by it, and
+  refusals of archives whose clocks differ name it (``[0].count``).
+  """
+  tree = jax.tree_util.tree_unflatten(skeleton, list(range(len(is_scalar))))
+  return [jax.tree_util.keystr(path) for path, i in jax.tree_util.tree_flatten_with_path(tree)[0]
+          if is_scalar[i]]
+
+
 class AnatomyError(Exception):
   """Internal: a state that cannot be taken apart; callers re-raise with context."""
 

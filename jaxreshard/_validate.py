@@ -326,10 +326,11 @@ def clock_mismatch(src: Any, a: int, b: int, pid: Optional[str] = None) -> str:
   if sa != sb:
     return (f"{name}archive {a} has optimizer state structure {sa[0]} but archive"
             f" {b} has {sb[0]}; these archives are not one checkpoint")
-  for k, (x, y) in enumerate(zip(src.scalars(a), src.scalars(b))):
+  paths = _structure.clock_paths(sa[0], [slot is None for slot in sa[1]])
+  for path, x, y in zip(paths, src.scalars(a), src.scalars(b)):
     if scalar_bits(x) != scalar_bits(y):
-      return (f"{name}archive {a} has optimizer scalar #{k} = {plain(x)!r} but"
-              f" archive {b} has {plain(y)!r}; these archives are not one checkpoint")
+      return (f"{name}archive {a} has clock scalar {path} = {plain(x)!r} but archive {b} has"
+              f" {plain(y)!r}; these archives are not one checkpoint")
   return f"{name}archives {a} and {b} have different optimizer clocks; not one checkpoint"
 
 

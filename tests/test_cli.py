@@ -96,8 +96,8 @@ def test_inspect_table_and_json(ckpt):
 
 def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
   root, src = ckpt
-  result = _run("reshard", root / "ckpt8", root / "never", "-m", 6, "--dry-run")
-  detail = _run("reshard", root / "ckpt8", root / "never", "-m", 6, "--dry-run", "--reads")
+  result = _run("reshard", root / "ckpt8", root / "never", "-w", 6, "--dry-run")
+  detail = _run("reshard", root / "ckpt8", root / "never", "-w", 6, "--dry-run", "--reads")
   assert result.exit_code == 0 and detail.exit_code == 0, result.output + detail.output
   assert not (root / "never").exists() and "nothing written" in result.stdout
   summary = result.stdout.splitlines()
@@ -118,13 +118,13 @@ def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
       assert covered == list(range(t.start, t.stop))
       for r in reads:
         s = jr.FlatShard(shape, r.source_rank, 8)
-        assert s.start <= r.lo < r.hi <= s.stop and r.local == r.lo - s.start
+        assert s.start <= r.lo < r.hi <= s.stop and r.source_offset == r.lo - s.start
     assert p.bytes_read == sum(jr.FlatShard(s, rank, 6).owned * 8 for s in ((7, 11), (5,), (9,)))
     row = summary[1 + rank].split()
     assert row[:4] == [str(rank), str(len(p.per_archive)), "of", "8"], row
     assert row[4:6] == [str(p.bytes_read), "B"], row
-    mine = [[r.param, str(r.archive), str(r.source_rank), f"[{r.lo},", f"{r.hi})", str(r.local),
-             str(r.bytes)] for r in p.reads]
+    mine = [[r.param, str(r.archive), str(r.source_rank), f"[{r.lo},", f"{r.hi})",
+             str(r.source_offset), str(r.bytes)] for r in p.reads]
     assert all(m in read_lines for m in mine)
   assert len(read_lines) == sum(
       len(_progress.target_plan(index, world_size=6, rank=r).reads) for r in range(6))
@@ -137,7 +137,7 @@ def test_reshard_writes_exactly_the_target_ranks(ckpt, resharded):
   assert len(got) == 6
   for rank, rec in enumerate(got):
     assert_records_equal(rec, jr.reshard(src, jr.plan(src, world_size=6, rank=rank)))
-  one = _run("reshard", root / "ckpt8", root / "rank2", "-m", 6, "--rank", 2)
+  one = _run("reshard", root / "ckpt8", root / "rank2", "-w", 6, "--rank", 2)
   assert one.exit_code == 0 and "wrote 1 of 6 target ranks" in one.stdout
   [rec] = jr.load_records(root / "rank2")
   assert_records_equal(rec, got[2])
@@ -180,10 +180,10 @@ def test_errors_are_one_line(ckpt, resharded, tmp_path):
   root, _ = ckpt
   assert "does not exist" in _one_line_error(_run("inspect", tmp_path / "missing"))
   assert "not a jaxreshard checkpoint" in _one_line_error(_run("verify", tmp_path, resharded))
-  assert "already exists" in _one_line_error(_run("reshard", root / "ckpt8", resharded, "-m", 6))
+  assert "already exists" in _one_line_error(_run("reshard", root / "ckpt8", resharded, "-w", 6))
   assert "outside world_size 6" in _one_line_error(
-      _run("reshard", root / "ckpt8", tmp_path / "o", "-m", 6, "-r", 6))
-  assert "world_size 0" in _one_line_error(_run("reshard", root / "ckpt8", tmp_path / "o", "-m", 0))
+      _run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "-r", 6))
+  assert "world_size 0" in _one_line_error(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 0))
   mixed = tmp_path / "mixed"
   shutil.copytree(root / "ckpt8", mixed)
   shutil.rmtree(mixed / "archive_00003")
@@ -201,10 +201,10 @@ def test_failed_reshard_leaves_no_output(ckpt, tmp_path):
     data = bytearray(f.read_bytes())
     data[0] ^= 0xFF
     f.write_bytes(bytes(data))
-  line = _one_line_error(_run("reshard", broken, tmp_path / "out", "-m", 6))
+  line = _one_line_error(_run("reshard", broken, tmp_path / "out", "-w", 6))
   assert "archive 7" in line and "corrupted" in line, line
   assert sorted(os.listdir(tmp_path)) == ["broken"]  # no OUT, no temporary leftovers
-  result = _run("reshard", root / "ckpt8", tmp_path / "out", "-m", 6)
+  result = _run("reshard", root / "ckpt8", tmp_path / "out", "-w", 6)
   assert result.exit_code == 0 and len(jr.load_records(tmp_path / "out")) == 6
 
 
@@ -269,8 +269,8 @@ def test_names_and_paths_are_printed_literally_and_escaped(tmp_path):
   (tmp_path / "[").mkdir()
   path = tmp_path / "[/p] \x1b[31m"
   jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=2))
-  for args in (("inspect", path), ("reshard", path, tmp_path / "[/o]", "-m", 3, "--dry-run",
-                                   "--reads"), ("reshard", path, tmp_path / "[/o]", "-m", 3),
+  for args in (("inspect", path), ("reshard", path, tmp_path / "[/o]", "-w", 3, "--dry-run",
+                                   "--reads"), ("reshard", path, tmp_path / "[/o]", "-w", 3),
                ("verify", path, tmp_path / "[/o]")):
     result = _run(*args)
     assert result.exit_code == 0, result.output
@@ -303,27 +303,19 @@ def test_hostile_index_is_one_line_exit_2_in_every_command(ckpt, tmp_path, edit,
   shutil.copytree(root / "ckpt8", bad)
   _edit_index(bad, edit)
   for args in (("inspect", bad), ("verify", root / "ckpt8", bad), ("verify", bad, root / "ckpt8"),
-               ("reshard", bad, tmp_path / "o", "-m", 3, "--dry-run"),
-               ("reshard", bad, tmp_path / "o", "-m", 3)):
+               ("reshard", bad, tmp_path / "o", "-w", 3, "--dry-run"),
+               ("reshard", bad, tmp_path / "o", "-w", 3)):
     assert re.search(needle, _one_line_error(_run(*args))), args
   assert sorted(os.listdir(tmp_path)) == ["bad"]
-
-
-def test_verify_of_a_partial_checkpoint_says_so(ckpt, tmp_path):
-  root, _ = ckpt
-  result = _run("reshard", root / "ckpt8", tmp_path / "r2", "-m", 6, "-r", 2)
-  assert result.exit_code == 0, result.output
-  line = _one_line_error(_run("verify", root / "ckpt8", tmp_path / "r2"))
-  assert "is not a complete checkpoint" in line and "hold ranks [2] of world_size 6" in line
 
 
 def test_a_mistyped_world_size_is_refused_at_once(ckpt):
   root, _ = ckpt
   for m in (100_000_000, 2**20 + 1):
-    line = _one_line_error(_run("reshard", root / "ckpt8", root / "never", "-m", m, "--dry-run"))
+    line = _one_line_error(_run("reshard", root / "ckpt8", root / "never", "-w", m, "--dry-run"))
     assert f"world_size {m} is more than the 1048576 ranks" in line
   # The largest allowed world size plans lazily: one rank is one line, at once.
-  result = _run("reshard", root / "ckpt8", root / "never", "-m", 2**20, "-r", 2**20 - 1,
+  result = _run("reshard", root / "ckpt8", root / "never", "-w", 2**20, "-r", 2**20 - 1,
                 "--dry-run")
   assert result.exit_code == 0 and result.stdout.splitlines()[1].split()[:4] == [
       str(2**20 - 1), "0", "of", "8"]
@@ -340,3 +332,263 @@ def test_verify_exits_2_not_1_on_bad_input(ckpt, tmp_path):
   shutil.rmtree(missing / "archive_00002")
   assert "archive 2" in _one_line_error(_run("verify", root / "ckpt8", missing))
   assert "does not exist" in _one_line_error(_run("verify", root / "ckpt8", tmp_path / "none"))
+
+
+# --- help -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["inspect"], ["reshard"], ["verify"],
+                                     ["clean"]])
+def test_help_shows_metavars_and_flags_without_a_value_type(command):
+  result = _run(*command, "--help")
+  assert result.exit_code == 0, result.output
+  text = result.stdout
+  assert "<bool>" not in text and "{checkpoint}" not in text and "{out}" not in text, text
+  if command:
+    assert "--json" in text, text
+  usage = next(l for l in text.splitlines() if "Usage:" in l)
+  expected = {"inspect": "CHECKPOINT", "reshard": "CHECKPOINT OUT", "verify": "CHECKPOINT OUT",
+              "clean": "CHECKPOINT"}.get(command[0] if command else "")
+  if expected:
+    assert usage.split("[OPTIONS]")[1].split() == expected.split(), usage
+  assert "{" not in usage, usage
+
+
+def test_world_size_short_flag_is_w(ckpt, tmp_path):
+  root, _ = ckpt
+  assert "-w" in _run("reshard", "--help").stdout
+  ok = _run("reshard", root / "ckpt8", tmp_path / "o", "-w", 3, "--dry-run")
+  assert ok.exit_code == 0, ok.output
+  assert _run("reshard", root / "ckpt8", tmp_path / "o", "-m", 3, "--dry-run").exit_code == 2
+
+
+# --- every value whole ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def multi(tmp_path_factory):
+  """A state with long clock paths and a frozen (stateless) parameter."""
+  params = {"enc": {"kernel": np.ones((7, 11), np.float32)},
+            "frozen_emb": np.ones((9,), np.float32)}
+  labels = {"enc": {"kernel": "train"}, "frozen_emb": "frozen"}
+  opt = optax.multi_transform(
+      {"train": optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+       "frozen": optax.set_to_zero()}, labels)
+  path = tmp_path_factory.mktemp("multi") / "ckpt"
+  jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=4,
+                                       trainable={"enc/kernel": True, "frozen_emb": False}))
+  return path
+
+
+def _whole(text, data):
+  assert "…" not in text and "..." not in text, text
+  for c in data["clocks"]:
+    assert c["path"] in text, c["path"]
+  for p in data["params"]:
+    assert p["param"] in text and str(tuple(p["shape"])) in text
+  for whole in ("616 B", "640 B", "float32", "2xf32"):
+    assert whole in text, whole
+
+
+def test_piped_output_never_cuts_a_value(multi):
+  data = json.loads(_run("inspect", multi, "--json").stdout)
+  assert any(len(c["path"]) > 60 for c in data["clocks"])
+  _whole(_run("inspect", multi).stdout, data)
+  env = dict(os.environ, COLUMNS="80")
+  piped = subprocess.run([sys.executable, "-m", "jaxreshard", "inspect", str(multi)],
+                         capture_output=True, text=True, timeout=120, env=env)
+  assert piped.returncode == 0, piped.stderr
+  _whole(piped.stdout, data)
+
+
+def test_terminal_output_folds_and_never_cuts(multi, monkeypatch):
+  from rich.console import Console
+
+  from jaxreshard import _cli
+
+  monkeypatch.setattr(_cli, "_out", lambda: Console(force_terminal=True, width=50,
+                                                    highlight=False, no_color=True))
+  data = json.loads(_run("inspect", multi, "--json").stdout)
+  text = _run("inspect", multi).stdout
+  assert "…" not in text, text
+  # A folded cell continues on the next lines of its column: joined, it is whole.
+  rows = [l.split("│") for l in text.splitlines() if l.startswith("│")]
+  first = "".join(r[1].strip() for r in rows)
+  for c in data["clocks"]:
+    assert c["path"] in first, (c["path"], text)
+
+
+def test_inspect_frozen_params_trainable_flag_and_float32_values(multi):
+  data = json.loads(_run("inspect", multi, "--json").stdout)
+  params = {p["param"]: p for p in data["params"]}
+  assert params["frozen_emb"]["buffers"] == [] and not params["frozen_emb"]["trainable"]
+  assert params["enc/kernel"]["trainable"]
+  text = _run("inspect", multi).stdout
+  row = next(l for l in text.splitlines() if "frozen_emb" in l).split("│")
+  assert [c.strip() for c in row[5:7]] == ["no", "none"], row
+  assert "buffers none: no optimizer state (frozen, or a stateless optimizer)" in text
+  assert "local" not in text
+  clocks = {c["path"].rsplit("[", 1)[-1]: c for c in data["clocks"] if "hyperparams" in c["path"]}
+  assert clocks["'b1']"]["value"] == 0.9 and clocks["'learning_rate']"]["value"] == 0.001
+  assert clocks["'b1']"]["bits"] == np.float32(0.9).tobytes().hex()
+  value_col = [l.split("│")[3].strip() for l in text.splitlines() if "['b1']" in l]
+  assert value_col == ["0.9"]
+  assert "0.8999999761581421" not in text
+
+
+# --- --json on every subcommand ---------------------------------------------------
+
+
+def _json_out(result, code=0):
+  assert result.exit_code == code, result.output
+  return json.loads(result.stdout)  # the whole of stdout is one JSON document
+
+
+def test_reshard_json_dry_run_plans_reads_and_written(ckpt, tmp_path):
+  root, src = ckpt
+  index = jr.open_checkpoint(root / "ckpt8")
+  plans = [_progress.target_plan(index, world_size=6, rank=r) for r in range(6)]
+  data = _json_out(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "--dry-run",
+                        "--json"))
+  assert data["dry_run"] and data["world_size"] == 6 and data["archives"] == 8
+  assert [r["rank"] for r in data["ranks"]] == list(range(6))
+  assert all("reads" not in r for r in data["ranks"])
+  for got, p in zip(data["ranks"], plans):
+    assert got["archives_read"] == list(p.per_archive) and got["bytes_read"] == p.bytes_read
+    assert (got["target_bytes"], got["peak_bytes"]) == (p.target_bytes, p.peak_bytes)
+  assert data["bytes_read"] == sum(p.bytes_read for p in plans)
+  detail = _json_out(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "-r", 4,
+                          "--dry-run", "--reads", "--json"))
+  assert [r["rank"] for r in detail["ranks"]] == [4]
+  assert detail["ranks"][0]["reads"] == [
+      dict(param=r.param, archive=r.archive, source_rank=r.source_rank, lo=r.lo, hi=r.hi,
+           source_offset=r.source_offset, bytes=r.bytes) for r in plans[4].reads]
+  assert not (tmp_path / "o").exists()
+  wrote = _json_out(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "--json"))
+  assert not wrote["dry_run"] and wrote["ranks"] == list(range(6))
+  assert wrote["out"] == str(tmp_path / "o") and wrote["bytes_read"] == data["bytes_read"]
+  assert len(jr.load_records(tmp_path / "o")) == 6
+
+
+def test_verify_json_identical_and_different(ckpt, resharded, tmp_path):
+  root, src = ckpt
+  same = _json_out(_run("verify", root / "ckpt8", resharded, "--json"))
+  assert same["identical"] and same["differences"] == []
+  assert same["digest"] == same["out_digest"] and len(same["digest"]) == 64
+  assert (same["params"], same["buffers"], same["elements"]) == (3, 6, 2 * (77 + 5 + 9))
+  assert same["clock_scalars"] == len(src[0].roles) - 6
+  text = _run("verify", root / "ckpt8", resharded).stdout
+  assert f"digest {same['digest'][:16]}" in text
+
+  def flip(a):
+    a.view(np.uint32)[0] ^= 1
+    return a
+
+  bad = [_replace(r, "head", 0, flip) if i == 0 else r for i, r in enumerate(src)]
+  jr.save_records(tmp_path / "bad", bad)
+  result = _run("verify", root / "ckpt8", tmp_path / "bad", "--json")
+  diff = _json_out(result, EXIT_DIFFERENT)
+  assert not diff["identical"] and diff["digest"] != diff["out_digest"]
+  assert len(diff["differences"]) == 1 and "param 'head' buffer 0" in diff["differences"][0]
+  assert "does not hold" in result.stderr
+  assert "does not exist" in _one_line_error(_run("verify", root / "ckpt8", tmp_path / "x",
+                                                  "--json"))
+
+
+def test_clean_json(tmp_path):
+  data = _json_out(_run("clean", tmp_path / "c", "--json"))
+  assert data == dict(checkpoint=str(tmp_path / "c"), removed=[], kept=[])
+
+
+# --- merge ------------------------------------------------------------------------
+
+
+def _with_count(records, count):
+  """The same archives at another step: every integer clock scalar set to ``count``."""
+  def step(x):
+    a = np.asarray(x)
+    return np.asarray(count, a.dtype) if a.ndim == 0 and a.dtype.kind == "i" else x
+
+  return [jr.ShardRecord(1, r.placements, jax.tree.map(step, r.state), r.roles) for r in records]
+
+
+@pytest.fixture(scope="module")
+def parts(ckpt):
+  """reshard 8 -> 6 run once per target rank, as a cluster job does (one per host)."""
+  root, _ = ckpt
+  paths = []
+  for r in range(6):
+    result = _run("reshard", root / "ckpt8", root / f"part{r}", "--world-size", 6, "--rank", r)
+    assert result.exit_code == 0, result.output
+    paths.append(root / f"part{r}")
+  return paths
+
+
+def _bits(records):
+  return [np.asarray(x).reshape(-1).view(f"u{np.asarray(x).dtype.itemsize}")
+          for r in records for x in jax.tree.leaves(r.state)]
+
+
+def test_merge_per_rank_outputs_equals_one_shot_reshard(ckpt, resharded, parts, tmp_path):
+  root, _ = ckpt
+  # The parts may come in any order: archives are written in rank order.
+  result = _run("merge", tmp_path / "merged", *reversed(parts))
+  assert result.exit_code == 0, result.output
+  assert "merged 6 parts" in result.stdout
+  verify = _run("verify", root / "ckpt8", tmp_path / "merged")
+  assert verify.exit_code == 0 and verify.stdout.startswith("identical: 3 params"), verify.output
+  merged, one_shot = jr.load_records(tmp_path / "merged"), jr.load_records(resharded)
+  assert [r.placements for r in merged] == [r.placements for r in one_shot]
+  assert [r.roles for r in merged] == [r.roles for r in one_shot]
+  a, b = _bits(merged), _bits(one_shot)
+  assert len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y)
+                                  for x, y in zip(a, b))
+  # The merged checkpoint has its own identity.
+  ids = {json.loads((p / "jaxreshard.json").read_text()).get("checkpoint")
+         for p in (tmp_path / "merged", parts[0])}
+  assert len(ids) == 2
+  data = _json_out(_run("merge", tmp_path / "again", *parts, "--json"))
+  assert data == dict(out=str(tmp_path / "again"), world_size=6, parts=6, archives=6)
+
+
+def test_merge_refusals_are_one_line_and_leave_no_out(ckpt, parts, tmp_path):
+  root, src = ckpt
+  jr.save_records(tmp_path / "step4", _with_count(src, 4))
+  assert _run("reshard", tmp_path / "step4", tmp_path / "late5", "-w", 6, "-r", 5).exit_code == 0
+  assert _run("reshard", root / "ckpt8", tmp_path / "w3", "-w", 3, "-r", 2).exit_code == 0
+  out = tmp_path / "out"
+  cases = [
+      (parts + [parts[2]], r"rank 2 of 6 is in both .*part2 and .*part2"),
+      (parts[:2] + parts[4:], r"ranks \[2, 3\] of 6 are in none of the parts"),
+      (parts[:5] + [tmp_path / "w3"], r"world size 3 but .*part0 has 6"),
+      (parts[:5] + [tmp_path / "late5"], r"late5 has \.count = 4 but .*part0 has \.count = 3;"
+                                         r" parts of different steps"),
+  ]
+  for args, needle in cases:
+    line = _one_line_error(_run("merge", out, *args))
+    assert re.search(needle, line), line
+    assert not out.exists()
+  out.mkdir()
+  assert "already exists" in _one_line_error(_run("merge", out, *parts))
+
+
+def test_verify_of_a_part_says_partial_and_suggests_merge(ckpt, parts):
+  root, _ = ckpt
+  line = _one_line_error(_run("verify", root / "ckpt8", parts[2]))
+  assert "partial checkpoint: ranks [2] of 6" in line and "jaxreshard merge" in line, line
+
+
+def test_mixed_steps_refusal_names_the_scalar_path_inspect_shows(tmp_path):
+  opt = optax.adam(1e-3)
+  params = {"w": np.ones((10,), np.float32)}
+  at3, at4 = (_with_count(jr.shard_state(opt, params, opt.init(params), world_size=4), c)
+              for c in (3, 4))
+  jr.save_records(tmp_path / "mixed", at3[:3] + at4[3:])
+  paths = [c["path"] for c in _json_out(_run("inspect", tmp_path / "mixed", "--json"))["clocks"]]
+  assert paths == ["[0].count"]
+  line = _one_line_error(_run("reshard", tmp_path / "mixed", tmp_path / "o", "-w", 3))
+  assert "archive 3 has clock scalar [0].count = " in line, line
+  assert "not one checkpoint" in line, line
+  with pytest.raises(jr.PlacementError,
+                     match=r"has clock scalar \[0\]\.count = .*4.* but archive 0 has"):
+    jr.reshard(at3[:3] + at4[3:], jr.plan(at3[:3] + at4[3:], world_size=3, rank=0))

@@ -1,6 +1,6 @@
 """``jaxreshard demo``: a flax model's AdamW state, 8 -> 6 ranks, proven exact."""
 
-import time
+import json
 
 import pytest
 from typer.testing import CliRunner
@@ -26,11 +26,9 @@ def test_run_demo_is_exact(summary):
   # 5 elements over 8 ranks: ranks 5..7 hold only padding.
   assert (rows["out/bias"].slots_source, rows["out/bias"].slots_target) == (1, 1)
   assert all(r.exact and r.buffers == 2 for r in summary.rows)
-  assert summary.seconds < 60
 
 
 def test_demo_command(summary, tmp_path):
-  t0 = time.perf_counter()
   result = CliRunner().invoke(app, ["demo", "--steps", "2", "--save", str(tmp_path / "ckpt8")])
   assert result.exit_code == 0, result.output
   out = result.stdout
@@ -40,8 +38,34 @@ def test_demo_command(summary, tmp_path):
   assert out.count("│   yes │") == 4
   assert "rank 2 of 6 restored from disk is identical" in out
   assert out.strip().splitlines()[-1].startswith("EXACT: 8 -> 6 ranks, every bit preserved")
-  assert time.perf_counter() - t0 < 60
   # --save keeps the 8-rank checkpoint for the other commands, and never overwrites.
   assert [r.placements[0].rank for r in jr.load_records(tmp_path / "ckpt8")] == list(range(8))
   again = CliRunner().invoke(app, ["demo", "--save", str(tmp_path / "ckpt8")])
   assert again.exit_code == 2 and "already exists" in again.stderr
+
+
+def test_demo_json_is_the_summary_only(tmp_path, monkeypatch):
+  result = CliRunner().invoke(app, ["demo", "--steps", "1", "--json", "--save",
+                                    str(tmp_path / "c")])
+  assert result.exit_code == 0, result.output
+  data = json.loads(result.stdout)  # nothing but the JSON on stdout
+  assert data["exact"] and data["steps"] == 1 and all(data["checks"].values())
+  assert (data["source_world_size"], data["target_world_size"]) == (8, 6)
+  assert data["saved"] == str(tmp_path / "c")
+  kernel = next(p for p in data["params"] if p["param"] == "hidden/kernel")
+  assert kernel == dict(param="hidden/kernel", shape=[13, 37], slots_source=61, slots_target=81,
+                        buffers=2, bytes=3848, exact=True)
+
+
+def test_demo_table_folds_on_a_narrow_terminal(monkeypatch):
+  from rich.console import Console
+
+  from jaxreshard import _cli
+
+  monkeypatch.setattr(_cli, "_out", lambda: Console(force_terminal=True, width=40,
+                                                    highlight=False, no_color=True))
+  result = CliRunner().invoke(app, ["demo", "--steps", "1"])
+  assert result.exit_code == 0, result.output
+  assert "…" not in result.stdout, result.stdout
+  rows = [l.split("│") for l in result.stdout.splitlines() if l.startswith("│")]
+  assert "hidden/kernel" in "".join(r[1].strip() for r in rows)

@@ -1,4 +1,4 @@
-"""The README's Python examples run, in order, in one namespace.
+"""The README's Python examples run, in order, in one namespace; its CLI output is real.
 
 Blocks preceded by ``<!-- not run: ... -->`` (a multi-host job) are skipped; the
 Quick start block must hold exactly two commands, and .ci/run must run the
@@ -7,6 +7,7 @@ second one.
 
 import contextlib
 import io
+import json
 import os
 import pathlib
 import re
@@ -52,3 +53,46 @@ def test_quick_start_holds_two_commands_and_ci_runs_the_second():
   assert "jaxreshard demo" in commands[0]
   assert "pytest" in commands[1]
   assert commands[1] in (ROOT / ".ci" / "run").read_text()
+
+
+# The README's CLI transcript: commands after "$ ", each followed by its output.
+# The one normalization, applied to both sides: a figure in seconds ("1.2 s")
+# reads "… s", and the directory the commands ran in reads "…".
+_SECONDS = re.compile(r"\b\d+(\.\d+)? s\b")
+
+
+def _normalized(text, cwd):
+  lines = _SECONDS.sub("… s", text.replace(str(cwd), "…")).splitlines()
+  return "\n".join(line.rstrip() for line in lines).strip("\n")
+
+
+def _transcript():
+  section = README.split("## Command line", 1)[1].split("\n## ", 1)[0]
+  block = section.split("```console\n", 1)[1].split("```", 1)[0]
+  steps = []
+  for line in block.splitlines():
+    if line.startswith("$ "):
+      steps.append((line[2:].split(), []))
+    else:
+      steps[-1][1].append(line)
+  return [(argv, "\n".join(out)) for argv, out in steps]
+
+
+def test_readme_cli_output_is_what_the_commands_print(tmp_path, monkeypatch):
+  from typer.testing import CliRunner
+
+  from jaxreshard._cli import app
+
+  steps = _transcript()
+  assert [argv[:2] for argv in (a for a, _ in steps)] == [
+      ["jaxreshard", "demo"], ["jaxreshard", "inspect"], ["jaxreshard", "reshard"],
+      ["jaxreshard", "reshard"], ["jaxreshard", "verify"]]
+  assert "--dry-run" in steps[2][0]
+  monkeypatch.chdir(tmp_path)
+  for argv, shown in steps:
+    result = CliRunner().invoke(app, argv[1:])
+    assert result.exit_code == 0, (argv, result.output)
+    assert _normalized(result.stdout, tmp_path) == _normalized(shown, tmp_path), argv
+  # The digest shown is the demo checkpoint's real one.
+  data = json.loads(CliRunner().invoke(app, ["verify", "ckpt8", "ckpt6", "--json"]).stdout)
+  assert f"digest {data['digest'][:16]}" in steps[-1][1]
