@@ -1,7 +1,5 @@
 """``jaxreshard demo``: a flax model's AdamW state, 8 -> 6 ranks, proven exact."""
 
-import time
-
 import pytest
 from typer.testing import CliRunner
 
@@ -26,11 +24,9 @@ def test_run_demo_is_exact(summary):
   # 5 elements over 8 ranks: ranks 5..7 hold only padding.
   assert (rows["out/bias"].slots_source, rows["out/bias"].slots_target) == (1, 1)
   assert all(r.exact and r.buffers == 2 for r in summary.rows)
-  assert summary.seconds < 60
 
 
 def test_demo_command(summary, tmp_path):
-  t0 = time.perf_counter()
   result = CliRunner().invoke(app, ["demo", "--steps", "2", "--save", str(tmp_path / "ckpt8")])
   assert result.exit_code == 0, result.output
   out = result.stdout
@@ -40,7 +36,6 @@ def test_demo_command(summary, tmp_path):
   assert out.count("│   yes │") == 4
   assert "rank 2 of 6 restored from disk is identical" in out
   assert out.strip().splitlines()[-1].startswith("EXACT: 8 -> 6 ranks, every bit preserved")
-  assert time.perf_counter() - t0 < 60
   # --save keeps the 8-rank checkpoint for the other commands, and never overwrites.
   assert [r.placements[0].rank for r in jr.load_records(tmp_path / "ckpt8")] == list(range(8))
   again = CliRunner().invoke(app, ["demo", "--save", str(tmp_path / "ckpt8")])
