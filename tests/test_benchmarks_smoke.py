@@ -55,8 +55,8 @@ def test_workload_matches_shard_state():
   from benchmarks import _workload
   n = 5
   sizes = _workload.param_sizes(1000, n)
-  params = _workload._nest({pid: jnp.zeros((s,), jnp.float32)
-                            for pid, s in zip(_workload._ids(n), sizes)})
+  params = _workload.nest({pid: jnp.zeros((s,), jnp.float32)
+                          for pid, s in zip(_workload.param_ids(n), sizes)})
   opt = optax.adam(1e-3)
   ref = jr.shard_state(opt, params, opt.init(params), 8)
   got = _workload.adam_records(2000, n, 8)
