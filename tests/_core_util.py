@@ -238,8 +238,9 @@ def replace_history(record: Any, pid: str, m: int, fn) -> Any:
                         jax.tree_util.tree_unflatten(treedef, leaves), record.roles)
 
 
-# A small model of the optimizer tests: a size no mesh divides (35), one
-# smaller than most world sizes (7), a scalar and a size-1 param; two frozen.
+# A small model of the optimizer tests: 35 elements (divisible by neither 8
+# nor 6), 7 (fewer elements than 8 ranks: the last rank is all padding), a scalar and
+# a size-1 param; ``LABELS`` freezes two of them.
 SMALL_SHAPES = {
     "dense/kernel": (5, 7),
     "dense/bias": (7,),
