@@ -6,7 +6,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxreshard as jr
-from tests._core_util import adam_records, assert_records_equal, device_mesh
+from tests._core_util import adam_records, assert_records_equal, bits, device_mesh
 
 
 def _steps():
@@ -114,7 +114,7 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
   assert _check_against(out.opt_state, target, "fsdp", expected)
   assert jax.tree.structure(out.opt_state) == structure
   for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(U.example_params(3))):
-    assert (U.bits(a) == U.bits(b)).all()
+    assert (bits(a) == bits(b)).all()
 
 
 def test_save_and_restore_arguments_are_checked():
