@@ -10,7 +10,8 @@ import numpy as np
 import jaxreshard as jr
 from benchmarks import _workload
 
-__all__ = ["write_jaxreshard", "write_orbax_plain", "history_tree", "dir_bytes", "rmtree"]
+__all__ = ["write_jaxreshard", "write_orbax_plain", "history_tree", "flat_tree", "dir_bytes",
+           "rmtree"]
 
 
 def write_jaxreshard(path: str, history: int, n_params: int, world: int, seed: int) -> list:
@@ -25,11 +26,12 @@ def history_tree(records) -> dict:
   out = {}
   for i, rec in enumerate(records):
     adam = rec.state[0]
-    out[f"r{i:05d}"] = {"mu": _flat(adam.mu), "nu": _flat(adam.nu)}
+    out[f"r{i:05d}"] = {"mu": flat_tree(adam.mu), "nu": flat_tree(adam.nu)}
   return out
 
 
-def _flat(tree: dict) -> dict:
+def flat_tree(tree: dict) -> dict:
+  """``{layer: {name: x}}`` as ``{"layer.name": numpy x}`` (orbax's key rules)."""
   return {f"{a}.{b}": np.asarray(x) for a, sub in tree.items() for b, x in sub.items()}
 
 

@@ -16,7 +16,7 @@ import optax
 
 import jaxreshard as jr
 
-__all__ = ["param_sizes", "adam_records", "history_bytes"]
+__all__ = ["param_sizes", "param_ids", "nest", "adam_records", "history_bytes"]
 
 
 def param_sizes(total: int, n_params: int, seed: int = 0) -> list[int]:
@@ -29,7 +29,8 @@ def param_sizes(total: int, n_params: int, seed: int = 0) -> list[int]:
   return [int(s) for s in sizes]
 
 
-def _ids(n: int) -> list[str]:
+def param_ids(n: int) -> list[str]:
+  """The ids of ``n`` parameters: ``layer_<i>/w``, zero-padded so they sort by ``i``."""
   width = len(str(n - 1))
   return [f"layer_{i:0{width}d}/w" for i in range(n)]
 
@@ -49,7 +50,7 @@ def adam_records(history: int, n_params: int, world_size: int, seed: int = 0,
     Records in rank order, as ``jr.shard_state`` would build them.
   """
   sizes = param_sizes(history // 2, n_params, seed)
-  ids = _ids(n_params)
+  ids = param_ids(n_params)
   rng = np.random.default_rng(seed + 1)
   flat = {name: rng.random(history // 2, dtype=np.float32) for name in ("mu", "nu")}
   bounds = np.concatenate([[0], np.cumsum(sizes)])
@@ -65,13 +66,13 @@ def adam_records(history: int, n_params: int, world_size: int, seed: int = 0,
         shard = np.zeros((g.slots,), np.float32)
         shard[:g.stop - g.start] = flat[name][lo + g.start:lo + g.stop]
         bufs[name][pid] = shard if as_numpy else jnp.asarray(shard)
-    local = _nest({pid: jax.ShapeDtypeStruct((FlatShardSlots := len(bufs["mu"][pid]),), np.float32)
+    local = nest({pid: jax.ShapeDtypeStruct((FlatShardSlots := len(bufs["mu"][pid]),), np.float32)
                    for pid in ids})
     del FlatShardSlots
     template = jax.eval_shape(opt.init, local)
     adam = template[0]
     state = (adam._replace(count=np.zeros((), np.int32) if as_numpy else jnp.zeros((), jnp.int32),
-                           mu=_nest(bufs["mu"]), nu=_nest(bufs["nu"])), template[1])
+                           mu=nest(bufs["mu"]), nu=nest(bufs["nu"])), template[1])
     roles = tuple(None if np.ndim(leaf) == 0 else _leaf_id(path)
                   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0])
     records.append(jr.ShardRecord(version=jr.RECORD_VERSION,
@@ -82,7 +83,8 @@ def adam_records(history: int, n_params: int, world_size: int, seed: int = 0,
   return jax.block_until_ready(records)
 
 
-def _nest(flat: dict) -> dict:
+def nest(flat: dict) -> dict:
+  """``{"layer/name": leaf}`` as ``{"layer": {"name": leaf}}``."""
   out: dict = {}
   for pid, leaf in flat.items():
     layer, name = pid.split("/")

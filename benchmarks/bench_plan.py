@@ -32,7 +32,7 @@ def write_index_checkpoint(path: str, n_params: int, history: int, world: int,
   sizes = _workload.param_sizes(history // 2, n_params, seed)
   rec0 = _workload.adam_records(8 * n_params, n_params, 1, seed, as_numpy=True)[0]
   ids = sorted(p.param for p in rec0.placements)
-  order = np.argsort(_workload._ids(n_params))  # pylint: disable=protected-access
+  order = np.argsort(_workload.param_ids(n_params))
   sizes_sorted = np.asarray(sizes, np.int64)[order]
   slots = -(-sizes_sorted // world)
   # Rank 0's record at this world size, with abstract buffers, describes every archive.

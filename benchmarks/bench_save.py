@@ -37,7 +37,7 @@ def measure(n_params: int, history: int, world: int, repeats: int, tmp: str) -> 
   records = _workload.adam_records(history, n_params, world, 0, as_numpy=True)
   # The same state unsharded, as orbax would save it: mu and nu per parameter.
   full = jr.unshard_state(records)
-  tree = {"mu": _disk._flat(full[0].mu), "nu": _disk._flat(full[0].nu),  # pylint: disable=protected-access
+  tree = {"mu": _disk.flat_tree(full[0].mu), "nu": _disk.flat_tree(full[0].nu),
           "count": np.asarray(full[0].count)}
   tree = {k: (np.asarray(v) if not isinstance(v, dict) else {a: np.asarray(b) for a, b in v.items()})
           for k, v in tree.items()}

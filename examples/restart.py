@@ -121,7 +121,8 @@ def _params_bits(params: Any) -> dict:
   return out
 
 
-def _loss_bits(losses: dict) -> dict:
+def loss_bits(losses: dict) -> dict:
+  """``{step: loss}`` as ``{"step": float32 bit pattern}``: losses compared exactly, in JSON."""
   return {str(k): np.float32(v).view(np.uint32).item() for k, v in sorted(losses.items())}
 
 
@@ -151,7 +152,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"step {step + 1}: loss {loss:.6f}  ({where}, fsdp={len(devices)})", flush=True)
   if args.out and jax.process_index() == 0:
     with open(args.out, "w") as f:
-      json.dump({"start": seen["start"], "losses": _loss_bits(seen["losses"]),
+      json.dump({"start": seen["start"], "losses": loss_bits(seen["losses"]),
                  "params": seen.get("params"), "devices": len(devices),
                  "processes": jax.process_count()}, f)
   if seen.get("killed"):

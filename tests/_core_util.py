@@ -1,4 +1,8 @@
-"""Shared helpers of the core tests: a plain-numpy oracle and bit comparisons.
+"""The one home of the test helpers: a plain-numpy oracle, bit comparisons,
+random bits, example params and states, and record edits.
+
+Every test module (and the multi-process worker) takes these from here; the
+other ``_*_util`` modules hold only what is particular to their tests.
 
 The oracle is deliberately independent of jaxreshard: it flattens a full
 buffer, pads it with zeros to ``W * slots`` and slices rank ``r``'s part, which
@@ -17,6 +21,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
+from jax.sharding import Mesh
+
+import jaxreshard as jr
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "fsdp_flat_shards.npz")
 
@@ -117,6 +124,7 @@ def special_values(dtype) -> np.ndarray:
 BF16 = np.dtype(jnp.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
+F64 = np.dtype(np.float64)
 
 
 def nest(flat: dict) -> dict:
@@ -158,3 +166,159 @@ def count_xla_compiles():
     yield counter
   finally:
     jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def device_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices: Any = None) -> Mesh:
+  """A mesh of ``shape`` over the first devices (or over ``devices``)."""
+  devices = jax.devices()[: math.prod(shape)] if devices is None else devices
+  return Mesh(np.array(devices).reshape(shape), names)
+
+
+def standard(fn, *args):
+  """``fn(*args)`` under jax's standard promotion rules.
+
+  optax's own math mixes Python floats and int32 counters, which the suite's
+  strict promotion refuses; jaxreshard itself runs under strict.
+  """
+  with jax.numpy_dtype_promotion("standard"):
+    return fn(*args)
+
+
+def random_params(shapes: dict, seed: int = 0) -> Any:
+  """Nested params of ``{id: (shape, dtype)}``: standard normal values, drawn in float32."""
+  rng = np.random.default_rng(seed)
+  return nest({pid: jnp.asarray(rng.standard_normal(s).astype(np.float32), d)
+               for pid, (s, d) in shapes.items()})
+
+
+def random_grads(params: Any, step: int) -> Any:
+  """Standard normal gradients of ``params``' shapes and dtypes, one stream per step."""
+  rng = np.random.default_rng(100 + step)
+  return jax.tree.map(
+      lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32), p.dtype), params)
+
+
+def random_example(opt: Any, specs: dict, seed: int = 0, *,
+                   random_float_scalars: bool = True) -> tuple[Any, Any]:
+  """(params, state) for ``{id: (shape, dtype)}``: zero params and ``opt.init``'s state
+  with every history buffer filled with random bits.
+
+  Integer clock scalars get a random value in ``[1, 10**6)``; float scalars
+  (injected hyper-parameters) get random bits when ``random_float_scalars``,
+  else keep their initial value. Leaves are filled in tree order from one
+  generator, so the same seed gives the same bits in every process.
+  """
+  from jaxreshard import _structure  # pylint: disable=g-import-not-at-top
+
+  params = nest({pid: jnp.zeros(s, d) for pid, (s, d) in specs.items()})
+  state = standard(opt.init, params)  # inject_hyperparams' init mixes dtypes
+  rng = np.random.default_rng(seed)
+  roles = _structure.history_roles(opt, params, state)
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  new = []
+  for leaf, role in zip(leaves, roles):
+    if role is not None:
+      new.append(jnp.asarray(random_bits_array(rng, leaf.shape, leaf.dtype)))
+    elif not jnp.issubdtype(leaf.dtype, jnp.floating):
+      new.append(jnp.asarray(rng.integers(1, 10**6), leaf.dtype))
+    elif random_float_scalars:
+      new.append(jnp.asarray(random_bits_array(rng, leaf.shape, leaf.dtype)))
+    else:
+      new.append(leaf)
+  return params, jax.tree_util.tree_unflatten(treedef, new)
+
+
+def replace_history(record: Any, pid: str, m: int, fn) -> Any:
+  """A copy of ``record`` whose ``m``-th history buffer of ``pid`` is ``fn(buffer)``
+  (``fn`` gets a writable numpy copy)."""
+  leaves, treedef = jax.tree_util.tree_flatten(record.state)
+  hits = [i for i, role in enumerate(record.roles) if role == pid]
+  leaves[hits[m]] = fn(np.asarray(leaves[hits[m]]).copy())
+  return jr.ShardRecord(record.version, record.placements,
+                        jax.tree_util.tree_unflatten(treedef, leaves), record.roles)
+
+
+# A small model of the optimizer tests: 35 elements (divisible by neither 8
+# nor 6), 7 (fewer elements than 8 ranks: the last rank is all padding), a scalar and
+# a size-1 param; ``LABELS`` freezes two of them.
+SMALL_SHAPES = {
+    "dense/kernel": (5, 7),
+    "dense/bias": (7,),
+    "emb": (13, 3),
+    "scale": (),
+    "tiny": (1,),
+}
+LABELS = nest({"dense/kernel": "train", "dense/bias": "train", "emb": "frozen",
+               "scale": "train", "tiny": "frozen"})
+MASK = jax.tree.map(lambda label: label == "train", LABELS)
+SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=10)
+
+# Real optax optimizers (and combinators) whose histories are per-param flat
+# buffers, written for ``SMALL_SHAPES`` (the masks and labels name its params).
+OPTIMIZERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "adamw_mu_bf16": lambda: optax.adamw(1e-2, mu_dtype=jnp.bfloat16),
+    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+    "lion": lambda: optax.lion(1e-3),
+    "amsgrad": lambda: optax.amsgrad(1e-2),
+    "rmsprop": lambda: optax.rmsprop(1e-2, momentum=0.9, centered=True),
+    "adagrad": lambda: optax.adagrad(1e-2),
+    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
+        learning_rate=SCHEDULE, weight_decay=0.01),
+    "chain_clip_schedule": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), optax.clip(0.5), optax.adamw(SCHEDULE)),
+    "masked": lambda: optax.masked(optax.adam(1e-2), MASK),
+    "multi_transform": lambda: optax.multi_transform(
+        {"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, LABELS),
+    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3),
+}
+
+
+def small_params(dtype: Any = jnp.float32, seed: int = 0) -> Any:
+  """Params of ``SMALL_SHAPES`` in ``dtype`` (``random_params``)."""
+  return random_params({pid: (s, dtype) for pid, s in SMALL_SHAPES.items()}, seed)
+
+
+# Small, odd sizes: nothing divides evenly, one parameter is a scalar, one is
+# empty, one is bf16 and one f16 (storage dtypes), so padding and every dtype occur.
+STORAGE_SHAPES = {
+    "dense/kernel": ((5, 7), jnp.float32),
+    "dense/bias": ((7,), jnp.float32),
+    "emb": ((13, 3), jnp.bfloat16),
+    "half": ((9,), jnp.float16),
+    "scale": ((), jnp.float32),
+    "empty": ((0,), jnp.float32),
+}
+
+
+def random_state(opt: Any, prm: Any, seed: int = 1) -> Any:
+  """``opt.init(prm)`` with every non-scalar leaf replaced by random bits
+  (NaN payloads, -0.0, subnormals) and the special values up front."""
+  rng = np.random.default_rng(seed)
+
+  def fill(x):
+    if np.ndim(x) == 0 or np.size(x) == 0:
+      return x
+    a = random_bits_array(rng, np.shape(x), np.dtype(x.dtype)).reshape(-1)
+    sv = special_values(x.dtype) if np.dtype(x.dtype).name != "float64" else a[:0]
+    a[: min(a.size, sv.size)] = sv[: a.size]
+    return jnp.asarray(a.reshape(np.shape(x)))
+
+  # optax's schedules mix int32 counts with Python floats, which the strict
+  # promotion of the test settings refuses; init is not what is under test.
+  with jax.numpy_dtype_promotion("standard"):
+    state = jax.tree.map(fill, opt.init(prm))
+  # A clock that is not the initial one: the count is part of what must survive.
+  return jax.tree.map(
+      lambda x: jnp.asarray(1234, x.dtype) if np.ndim(x) == 0 and x.dtype == jnp.int32 else x,
+      state)
+
+
+def adam_records(world: int, shapes=None, seed: int = 0) -> list:
+  """Adam records over ``world`` ranks of ``random_state`` (``STORAGE_SHAPES`` by default)."""
+  opt = optax.adam(1e-3)
+  prm = random_params(shapes or STORAGE_SHAPES, seed)
+  return jr.shard_state(opt, prm, random_state(opt, prm, seed + 1), world)

@@ -22,17 +22,15 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tests._core_util import nest, rchar  # noqa: F401  (re-exported for the worker)
+from tests._core_util import nest, random_example
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_mp_worker.py")
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 # param id -> (shape, storage dtype). Uneven sizes on purpose: 8 -> 6 and 8 -> 5
 # split them unevenly, "tiny" leaves trailing ranks all padding, "empty" has
@@ -61,31 +59,10 @@ def optimizer() -> Any:
   )
 
 
-def random_bits(rng: np.random.Generator, shape, dtype) -> np.ndarray:
-  """Uniformly random bit patterns (NaN payloads, -0.0, inf, subnormals included)."""
-  dt = np.dtype(dtype)
-  raw = rng.integers(0, 2 ** (8 * dt.itemsize), size=math.prod(shape), dtype=np.uint64)
-  return raw.astype(_UINT[dt.itemsize]).view(dt).reshape(shape)
-
-
 def example(seed: int = 0):
   """(optimizer, params, state, shapes): history buffers are random bits, count set."""
-  from jaxreshard import _structure  # pylint: disable=g-import-not-at-top
-
   opt = optimizer()
-  params = nest({pid: jnp.zeros(s, d) for pid, (s, d) in SPECS.items()})
-  state = opt.init(params)
-  rng = np.random.default_rng(seed)
-  roles = _structure.history_roles(opt, params, state)
-  leaves, treedef = jax.tree_util.tree_flatten(state)
-  new = []
-  for leaf, role in zip(leaves, roles):
-    if role is None:
-      new.append(jnp.asarray(rng.integers(1, 10**6), leaf.dtype) if leaf.dtype == jnp.int32
-                 else leaf)
-    else:
-      new.append(jnp.asarray(random_bits(rng, leaf.shape, leaf.dtype)))
-  state = jax.tree_util.tree_unflatten(treedef, new)
+  params, state = random_example(opt, SPECS, seed, random_float_scalars=False)
   shapes = {pid: s for pid, (s, _) in SPECS.items()}
   return opt, params, state, shapes
 
@@ -104,11 +81,6 @@ def example_params(seed: int = 0) -> Any:
 
 def trainable() -> dict:
   return {pid: pid not in FROZEN for pid in SPECS}
-
-
-def bits(x: Any) -> np.ndarray:
-  a = np.asarray(x)
-  return a.view(_UINT[a.dtype.itemsize]) if a.dtype.itemsize in _UINT else a
 
 
 def free_port() -> int:

@@ -55,6 +55,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 import jaxreshard as jr  # noqa: E402
 from jaxreshard._global import mesh_ranks  # noqa: E402
 from tests import _mp_util as U  # noqa: E402
+from tests._core_util import bits, rchar  # noqa: E402
 
 ME = jax.process_index()
 OUT = os.environ["MP_OUT"]
@@ -127,22 +128,22 @@ def restore(opt, params, state, shapes) -> dict:
   jr.save_records(warm, jr.shard_state(tiny_opt, tiny, tiny_opt.init(tiny), 2))
   jr.restore_sharded(warm, m)
 
-  before = U.rchar()
+  before = rchar()
   out = jr.restore_sharded(ARGS["path"], m)
   jax.block_until_ready(out.state)
-  read = U.rchar() - before
+  read = rchar() - before
 
   dump = {}
   for i, leaf in enumerate(jax.tree.leaves(out.state)):
     for shard in leaf.addressable_shards:
-      dump[f"{i}:{shard.device.id}"] = U.bits(shard.data)
+      dump[f"{i}:{shard.device.id}"] = bits(shard.data)
   np.savez(os.path.join(OUT, f"p{ME}.npz"), **dump)
   rank_of = {d.id: r for r, ds in mesh_ranks(m).items() for d in ds}
 
   spec = {p.param: p for p in out.placements[min(out.placements)]}
   gathered = jr.gather_from_mesh(opt, out.state, spec, m)
   same = all(
-      np.array_equal(U.bits(a), U.bits(b))
+      np.array_equal(bits(a), bits(b))
       for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(state)))
   same = same and jax.tree.structure(gathered) == jax.tree.structure(state)
   result = {}
@@ -164,7 +165,7 @@ def restore_replicated(opt) -> dict:
   dump = {}
   for i, leaf in enumerate(jax.tree.leaves(out.state)):
     for shard in leaf.addressable_shards:
-      dump[f"{i}:{shard.device.id}"] = U.bits(shard.data)
+      dump[f"{i}:{shard.device.id}"] = bits(shard.data)
   np.savez(os.path.join(OUT, f"p{ME}_rep.npz"), **dump)
   spec = {p.param: p for p in out.placements[min(out.placements)]}
   jr.save_sharded(ARGS["resave"], opt, out.state, spec, m, "fsdp", timeout_s=60)
@@ -187,10 +188,10 @@ def manager_restore(m: Mesh) -> dict:
   for i, leaf in enumerate(jax.tree.leaves(out.opt_state)):
     assert leaf.sharding.mesh.shape == m.shape, leaf.sharding
     for shard in leaf.addressable_shards:
-      dump[f"{i}:{shard.device.id}"] = U.bits(shard.data)
+      dump[f"{i}:{shard.device.id}"] = bits(shard.data)
   np.savez(os.path.join(OUT, f"p{ME}_manager.npz"), **dump)
   params_equal = all(
-      np.array_equal(U.bits(a.addressable_data(0)), U.bits(b))
+      np.array_equal(bits(a.addressable_data(0)), bits(b))
       for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(want), strict=True))
   return {"params_equal": bool(params_equal),
           "structure_equal": jax.tree.structure(out.params) == jax.tree.structure(want)}
@@ -250,10 +251,10 @@ def restore_target(opt, params, state, shapes) -> dict:
   for name, m in meshes.items():
     target = T.abstract(opt, params, T.spec_or_replicated(m, specs[name]))
     stats = _checkpoint.ReadStats()
-    before = U.rchar()
+    before = rchar()
     restored = _target_restore.restore_to_target(ARGS["path"], target, stats=stats)
     jax.block_until_ready(restored.state)
-    out[name] = {"bytes_read": stats.bytes, "chunks": stats.chunks, "rchar": U.rchar() - before,
+    out[name] = {"bytes_read": stats.bytes, "chunks": stats.chunks, "rchar": rchar() - before,
                  "mismatches": T.shard_mismatches(restored.state, state, target),
                  "devices_in_mesh": sum(d.process_index == ME for d in m.devices.flat)}
   return out

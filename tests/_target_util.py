@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from tests._core_util import bits, nest, random_bits_array
+from tests._core_util import bits, nest, random_example
 
 # param id -> (shape, dtype). Dimensions divide by 2, 4 and 8 where a test
 # shards them; the flat shards of an uneven source world size (3, 5) cut rows
@@ -50,24 +50,8 @@ def optimizer(pids=tuple(SPECS)) -> Any:
 
 def example(seed: int = 0, specs: dict = SPECS, opt: Any = None) -> tuple[Any, Any, Any]:
   """(optimizer, params, state): histories and float scalars are random bits."""
-  from jaxreshard import _structure  # pylint: disable=g-import-not-at-top
-
   opt = optimizer() if opt is None else opt
-  params = nest({pid: jnp.zeros(s, d) for pid, (s, d) in specs.items()})
-  with jax.numpy_dtype_promotion("standard"):  # inject_hyperparams' init mixes dtypes
-    state = opt.init(params)
-  rng = np.random.default_rng(seed)
-  roles = _structure.history_roles(opt, params, state)
-  leaves, treedef = jax.tree_util.tree_flatten(state)
-  new = []
-  for leaf, role in zip(leaves, roles):
-    if role is None and jnp.issubdtype(leaf.dtype, jnp.floating):
-      new.append(jnp.asarray(random_bits_array(rng, leaf.shape, leaf.dtype)))
-    elif role is None:
-      new.append(jnp.asarray(rng.integers(1, 10**6), leaf.dtype))
-    else:
-      new.append(jnp.asarray(random_bits_array(rng, leaf.shape, leaf.dtype)))
-  return opt, params, jax.tree_util.tree_unflatten(treedef, new)
+  return (opt, *random_example(opt, specs, seed))
 
 
 # One big parameter under Adam (1 MiB of history), read in chunks of one row.

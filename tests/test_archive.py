@@ -12,15 +12,16 @@ import optax
 import pytest
 
 import jaxreshard as jr
-from tests._archive_util import adam_records, params, random_state
-from tests._core_util import assert_records_equal, assert_trees_bit_equal
-from tests.test_optimizers import OPTIMIZERS, _params
+from tests._core_util import (
+    OPTIMIZERS, STORAGE_SHAPES, adam_records, assert_records_equal, assert_trees_bit_equal,
+    random_params, random_state, small_params,
+)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_optimizer_round_trips_exactly(tmp_path, name):
   opt = OPTIMIZERS[name]()
-  prm = _params()  # the shapes the optimizers' masks and labels are written for
+  prm = small_params()  # the shapes the optimizers' masks and labels are written for
   state = random_state(opt, prm)
   records = jr.shard_state(opt, prm, state, 3)
   jr.save_records(tmp_path / "ckpt", records, chunk_bytes=8)
@@ -35,7 +36,7 @@ def test_every_optimizer_round_trips_exactly(tmp_path, name):
 
 def test_random_bits_every_storage_dtype(tmp_path):
   opt = optax.chain(optax.adamw(1e-3, mu_dtype=jnp.bfloat16), optax.scale_by_schedule(lambda c: c))
-  prm = params()
+  prm = random_params(STORAGE_SHAPES)
   records = jr.shard_state(opt, prm, random_state(opt, prm), 5)
   jr.save_records(tmp_path / "ckpt", records, chunk_bytes=6)  # chunks of 1 f32 / 3 bf16
   for a, b in zip(jr.load_records(tmp_path / "ckpt"), records, strict=True):

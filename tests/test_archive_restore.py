@@ -10,8 +10,10 @@ import jaxreshard as jr
 import shutil
 
 from jaxreshard import _restore
-from tests._archive_util import adam_records, dir_bytes, file_hashes, params, random_state, rchar
-from tests._core_util import assert_records_equal
+from tests._archive_util import dir_bytes, file_hashes
+from tests._core_util import (
+    STORAGE_SHAPES, adam_records, assert_records_equal, random_params, random_state, rchar,
+)
 
 
 @pytest.mark.parametrize("src,dst", [(5, 7), (8, 3), (4, 1), (3, 16)])
@@ -20,7 +22,7 @@ def test_restore_equals_reshard_of_loaded_records(tmp_path, src, dst):
                                  {"dense": {"kernel": True, "bias": False}, "emb": True,
                                   "half": False, "scale": True, "empty": True}),
                     optax.scale_by_schedule(lambda c: c))
-  prm = params()
+  prm = random_params(STORAGE_SHAPES)
   records = jr.shard_state(opt, prm, random_state(opt, prm), src,
                            trainable={"dense/bias": False, "half": False})
   jr.save_records(tmp_path / "ckpt", records, chunk_bytes=8)

@@ -17,7 +17,7 @@ import jaxreshard as jr
 from jaxreshard import _progress
 from jaxreshard._cli import EXIT_DIFFERENT, EXIT_ERROR, app
 
-from tests._core_util import assert_records_equal
+from tests._core_util import assert_records_equal, replace_history as _replace
 
 PARAMS = {"enc": {"kernel": np.zeros((7, 11), np.float32), "bias": np.zeros((5,), np.float32)},
           "head": np.zeros((9,), np.float32)}
@@ -36,14 +36,6 @@ def _records(world_size):
 
   state = jax.tree.map(fill, opt.init(PARAMS))
   return jr.shard_state(opt, PARAMS, state, world_size)
-
-
-def _replace(record, pid, m, fn):
-  leaves, treedef = jax.tree_util.tree_flatten(record.state)
-  hits = [i for i, role in enumerate(record.roles) if role == pid]
-  leaves[hits[m]] = fn(np.asarray(leaves[hits[m]]).copy())
-  return jr.ShardRecord(1, record.placements, jax.tree_util.tree_unflatten(treedef, leaves),
-                        record.roles)
 
 
 def _run(*args):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import jaxreshard as jr
 
-from tests._core_util import BF16, F16, F32, bits, random_bits_array
+from tests._core_util import BF16, F16, F32, bits, random_bits_array, replace_history
 
 PARAMS = {
     "dense": {"kernel": jnp.arange(39.0, dtype=jnp.float32).reshape(3, 13) - 7.0,
@@ -45,19 +45,6 @@ def _state():
 def layouts():
   opt, state = _state()
   return {w: jr.shard_state(opt, PARAMS, state, w) for w in (1, 6, 8)}
-
-
-def _replace(record, pid, m, fn):
-  """A copy of ``record`` whose ``m``-th history buffer of ``pid`` is ``fn(buffer)``."""
-  leaves, treedef = jax.tree_util.tree_flatten(record.state)
-  seen = 0
-  for i, role in enumerate(record.roles):
-    if role == pid:
-      if seen == m:
-        leaves[i] = fn(np.asarray(leaves[i]).copy())
-      seen += 1
-  return jr.ShardRecord(record.version, record.placements,
-                        jax.tree_util.tree_unflatten(treedef, leaves), record.roles)
 
 
 def _flip_low_bit(index):
@@ -105,12 +92,12 @@ def test_one_bit_changes_digest_and_is_named(layouts, pid, m, value):
   if value is None:
     fn = _flip_low_bit(3)
   elif pid == "dense/bias":
-    src = [_replace(r, pid, m, _set_bits(0x7FC00000)) if i == 0 else r for i, r in enumerate(src)]
+    src = [replace_history(r, pid, m, _set_bits(0x7FC00000)) if i == 0 else r for i, r in enumerate(src)]
     fn = _set_bits(value)
   else:
-    src = [_replace(r, pid, m, _set_bits(0x0000)) if i == 0 else r for i, r in enumerate(src)]
+    src = [replace_history(r, pid, m, _set_bits(0x0000)) if i == 0 else r for i, r in enumerate(src)]
     fn = _set_bits(value)
-  changed = [_replace(r, pid, m, fn) if i == rank else r for i, r in enumerate(src)]
+  changed = [replace_history(r, pid, m, fn) if i == rank else r for i, r in enumerate(src)]
   before = np.asarray(jax.tree.leaves(src[rank].state)[0])
   d_before, d_after = jr.digest(src), jr.digest(changed)
   assert d_before != d_after and d_before.hexdigest() != d_after.hexdigest()
@@ -122,7 +109,7 @@ def test_one_bit_changes_digest_and_is_named(layouts, pid, m, value):
 def test_nonzero_padding_is_a_problem(layouts):
   src = list(layouts[8])
   # dense/bias has 5 elements over 8 ranks: rank 6 is all padding.
-  src[6] = _replace(src[6], "dense/bias", 0, _set_bits(0x8000))  # -0.0 in bf16 padding
+  src[6] = replace_history(src[6], "dense/bias", 0, _set_bits(0x8000))  # -0.0 in bf16 padding
   d = jr.digest(src)
   assert d.params == jr.digest(layouts[8]).params  # the logical data is unchanged
   assert len(d.problems) == 1 and "param 'dense/bias' buffer 0" in d.problems[0]

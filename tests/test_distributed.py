@@ -10,16 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
 import jaxreshard as jr
 from tests import _mp_util as U
-from tests._core_util import assert_records_equal, assert_trees_bit_equal, oracle_shard
-
-
-def _mesh(shape, names, devices=None):
-  devices = jax.devices()[: int(np.prod(shape))] if devices is None else devices
-  return Mesh(np.array(devices).reshape(shape), names)
+from tests._core_util import (
+    assert_records_equal, assert_trees_bit_equal, bits, device_mesh, oracle_shard,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +34,8 @@ def _check_against(state, mesh, axis, expected):
     if role is None:
       assert leaf.sharding.spec == PartitionSpec()
       for shard in leaf.addressable_shards:
-        U_bits = U.bits(shard.data)
-        assert np.array_equal(U_bits, U.bits(per_rank[0])), role
+        got = bits(shard.data)
+        assert np.array_equal(got, bits(per_rank[0])), role
       continue
     assert leaf.sharding.spec == PartitionSpec(axis), role
     assert leaf.shape == (len(expected) * per_rank[0].shape[0],), role
@@ -47,7 +44,7 @@ def _check_against(state, mesh, axis, expected):
       r = rank_of[shard.device]
       seen.add(shard.device)
       assert shard.data.devices() == {shard.device}
-      assert np.array_equal(U.bits(shard.data), U.bits(per_rank[r])), (role, r)
+      assert np.array_equal(bits(shard.data), bits(per_rank[r])), (role, r)
       assert shard.data.dtype == per_rank[r].dtype
   return True
 
@@ -59,7 +56,7 @@ def _check_against(state, mesh, axis, expected):
 ])
 def test_shard_to_mesh_equals_shard_state(ex, shape, names, axis):
   opt, params, state, shapes = ex
-  mesh = _mesh(shape, names)
+  mesh = device_mesh(shape, names)
   world = mesh.shape[axis]
   out = jr.shard_to_mesh(opt, params, state, mesh, axis, trainable=U.trainable())
   expected = jr.shard_state(opt, params, state, world, trainable=U.trainable())
@@ -72,7 +69,7 @@ def test_shard_to_mesh_equals_shard_state(ex, shape, names, axis):
 
 def test_mesh_round_trip_is_the_original_state(ex):
   opt, params, state, shapes = ex
-  mesh = _mesh((3,), ("fsdp",))
+  mesh = device_mesh((3,), ("fsdp",))
   out = jr.shard_to_mesh(opt, params, state, mesh, trainable=U.trainable())
   assert_trees_bit_equal(jr.gather_from_mesh(opt, out.state, shapes, mesh), state)
   # Against the numpy oracle, independent of the core.
@@ -80,7 +77,7 @@ def test_mesh_round_trip_is_the_original_state(ex):
   full = state[1].inner_states["train"].inner_state[0].mu["dense"]["kernel"]
   for shard in mu.addressable_shards:
     r = shard.index[0].start // shard.data.shape[0]
-    assert np.array_equal(U.bits(shard.data), U.bits(oracle_shard(full, 3, r)))
+    assert np.array_equal(bits(shard.data), bits(oracle_shard(full, 3, r)))
 
 
 def test_bf16_padded_output_from_2d_source_is_bit_exact():
@@ -95,14 +92,14 @@ def test_bf16_padded_output_from_2d_source_is_bit_exact():
   out = _device_exec.gather([flat], np.array([0]), np.array([500]), np.array([0]),
                             np.array([1000]), 1002)
   expected = np.zeros(1002, np.uint16)
-  expected[:1000] = U.bits(x).reshape(-1)[500:1500]
-  assert np.array_equal(U.bits(out), expected)
+  expected[:1000] = bits(x).reshape(-1)[500:1500]
+  assert np.array_equal(bits(out), expected)
 
 
 def test_records_from_mesh_equal_core_records(ex):
   from jaxreshard import _global
   opt, params, state, _ = ex
-  mesh = _mesh((2, 4), ("data", "fsdp"))
+  mesh = device_mesh((2, 4), ("data", "fsdp"))
   out = jr.shard_to_mesh(opt, params, state, mesh, "fsdp", trainable=U.trainable())
   expected = jr.shard_state(opt, params, state, 4, trainable=U.trainable())
   shapes = {p.param: p for p in out.placements[0]}
@@ -116,7 +113,7 @@ def test_records_from_mesh_equal_core_records(ex):
 def test_reshard_to_mesh_equals_core(ex, source, target):
   opt, params, state, _ = ex
   records = jr.shard_state(opt, params, state, source, trainable=U.trainable())
-  mesh = _mesh((target,), ("fsdp",))
+  mesh = device_mesh((target,), ("fsdp",))
   out = jr.reshard_to_mesh(records, mesh)
   expected = [jr.reshard(records, jr.plan(records, world_size=target, rank=r)) for r in range(target)]
   _check_against(out.state, mesh, "fsdp", expected)
@@ -126,7 +123,7 @@ def test_reshard_to_mesh_equals_core(ex, source, target):
 def test_save_sharded_then_restore_sharded(ex, tmp_path):
   """8 ranks on a (2 x 4) mesh saved, restored onto 6, then onto 5 x 1: all exact."""
   opt, params, state, _ = ex
-  mesh8 = _mesh((2, 4), ("data", "fsdp"))
+  mesh8 = device_mesh((2, 4), ("data", "fsdp"))
   src = jr.shard_to_mesh(opt, params, state, mesh8, "fsdp", trainable=U.trainable())
   path = os.path.join(tmp_path, "step_1")
   jr.save_sharded(path, opt, src.state, {p.param: p for p in src.placements[0]}, mesh8, "fsdp")
@@ -137,7 +134,7 @@ def test_save_sharded_then_restore_sharded(ex, tmp_path):
     jr.save_sharded(path, opt, src.state, {p.param: p for p in src.placements[0]}, mesh8, "fsdp")
 
   for shape, names in [((6,), ("fsdp",)), ((1, 5), ("data", "fsdp"))]:
-    mesh = _mesh(shape, names)
+    mesh = device_mesh(shape, names)
     world = mesh.shape["fsdp"]
     out = jr.restore_sharded(path, mesh, "fsdp")
     expected = [jr.reshard(records, jr.plan(records, world_size=world, rank=r)) for r in range(world)]
@@ -151,7 +148,7 @@ def test_save_sharded_then_restore_sharded(ex, tmp_path):
 def test_kernels_run_on_each_ranks_device(ex):
   """Each rank's buffers are built on (not copied to) its first device."""
   opt, params, state, _ = ex
-  mesh = _mesh((4,), ("fsdp",), devices=jax.devices()[4:])
+  mesh = device_mesh((4,), ("fsdp",), devices=jax.devices()[4:])
   out = jr.shard_to_mesh(opt, params, state, mesh)
   leaf = out.state[1].inner_states["train"].inner_state[0].mu["dense"]["kernel"]
   assert {s.device for s in leaf.addressable_shards} == set(jax.devices()[4:])
@@ -160,7 +157,7 @@ def test_kernels_run_on_each_ranks_device(ex):
 
 def test_refusals(ex, tmp_path):
   opt, params, state, shapes = ex
-  mesh = _mesh((4,), ("fsdp",))
+  mesh = device_mesh((4,), ("fsdp",))
   with pytest.raises(jr.PlacementError, match="mesh axis 'dp'"):
     jr.shard_to_mesh(opt, params, state, mesh, "dp")
   out = jr.shard_to_mesh(opt, params, state, mesh)
@@ -187,7 +184,7 @@ def test_second_restore_compiles_nothing(ex, tmp_path):
   records = jr.shard_state(opt, params, state, 8, trainable=U.trainable())
   path = os.path.join(tmp_path, "ckpt")
   jr.save_records(path, records)
-  mesh = _mesh((6,), ("fsdp",))
+  mesh = device_mesh((6,), ("fsdp",))
   jr.restore_sharded(path, mesh)
   before = jr.kernel_cache_info().traces
   jr.restore_sharded(path, mesh)

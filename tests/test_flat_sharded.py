@@ -24,8 +24,12 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxreshard as jr
 from jaxreshard import _structure
-from tests._core_util import assert_bits_equal, assert_trees_bit_equal, bits, nest
+from tests._core_util import (
+    LABELS, MASK, SCHEDULE, assert_bits_equal, assert_trees_bit_equal, bits, random_grads,
+    random_params, standard,
+)
 
+# ``SMALL_SHAPES`` with a bf16 param among them.
 SHAPES = {
     "dense/kernel": ((5, 7), jnp.float32),
     "dense/bias": ((7,), jnp.float32),
@@ -33,10 +37,6 @@ SHAPES = {
     "scale": ((), jnp.float32),
     "tiny": ((1,), jnp.float32),
 }
-LABELS = nest({"dense/kernel": "train", "dense/bias": "train", "emb": "frozen",
-               "scale": "train", "tiny": "frozen"})
-MASK = jax.tree.map(lambda label: label == "train", LABELS)
-SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=10)
 
 # Elementwise chains of multiplies, adds, signs and selects: bit for bit.
 EXACT = {
@@ -92,28 +92,9 @@ def _mesh(kind):
   raise ValueError(kind)
 
 
-def _params(seed=0):
-  rng = np.random.default_rng(seed)
-  return nest({pid: jnp.asarray(rng.standard_normal(s).astype(np.float32), d)
-               for pid, (s, d) in SHAPES.items()})
-
-
-def _grads(params, step):
-  rng = np.random.default_rng(100 + step)
-  return jax.tree.map(
-      lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32), p.dtype), params)
-
-
 def _shapes(params):
   ids, leaves, _ = _structure.param_ids(params)
   return dict(zip(ids, leaves))
-
-
-def _std(fn, *args):
-  # optax's own math mixes Python floats and int32 counters, which the suite's
-  # strict promotion refuses; jaxreshard itself runs under strict.
-  with jax.numpy_dtype_promotion("standard"):
-    return fn(*args)
 
 
 def _run(inner, wrapped, params, steps=3, jit=False):
@@ -126,15 +107,15 @@ def _run(inner, wrapped, params, steps=3, jit=False):
   with contextlib.ExitStack() as stack:
     if not jit:
       stack.enter_context(jax.disable_jit())
-    ref_state, flat_state = _std(inner.init, params), _std(wrapped.init, params)
+    ref_state, flat_state = standard(inner.init, params), standard(wrapped.init, params)
     p_ref = p_flat = params
     out = []
     for step in range(steps):
-      u_ref, ref_state = _std(upd_ref, _grads(params, step), ref_state, p_ref)
-      u_flat, flat_state = _std(upd_flat, _grads(params, step), flat_state, p_flat)
+      u_ref, ref_state = standard(upd_ref, random_grads(params, step), ref_state, p_ref)
+      u_flat, flat_state = standard(upd_flat, random_grads(params, step), flat_state, p_flat)
       out.append((u_ref, u_flat))
-      p_ref = _std(optax.apply_updates, p_ref, u_ref)
-      p_flat = _std(optax.apply_updates, p_flat, u_flat)
+      p_ref = standard(optax.apply_updates, p_ref, u_ref)
+      p_flat = standard(optax.apply_updates, p_flat, u_flat)
   return out, ref_state, flat_state, p_ref
 
 
@@ -176,7 +157,7 @@ def _check_exact(name, factory, mesh_kind):
   mesh = _mesh(mesh_kind)
   inner = factory()
   wrapped = jr.flat_sharded(inner, mesh, axis="fsdp")
-  params = _params()
+  params = random_params(SHAPES)
   steps, ref_state, flat_state, p_ref = _run(inner, wrapped, params)
   for u_ref, u_flat in steps:
     assert_trees_bit_equal(u_flat, u_ref)
@@ -184,6 +165,18 @@ def _check_exact(name, factory, mesh_kind):
   # The state is exactly the flat-shard layout of the unwrapped optimizer's state.
   expected = jr.shard_to_mesh(inner, p_ref, ref_state, mesh).state
   assert_trees_bit_equal(flat_state, expected)
+
+
+def _check_close(factory, mesh_kind, rtol, jit=False):
+  """Updates and the final state of ``flat_sharded(factory())`` equal optax's to ``rtol``."""
+  mesh = _mesh(mesh_kind)
+  inner = factory()
+  params = random_params(SHAPES)
+  steps, ref_state, flat_state, _ = _run(inner, jr.flat_sharded(inner, mesh), params, jit=jit)
+  for u_ref, u_flat in steps:
+    _assert_close(u_flat, u_ref, rtol=rtol)
+  _check_layout(inner, flat_state, params, mesh)
+  _assert_close(jr.gather_from_mesh(inner, flat_state, _shapes(params), mesh), ref_state, rtol)
 
 
 _LAST_BIT = pytest.mark.xfail(
@@ -209,46 +202,25 @@ def test_bit_exact_on_every_mesh(name, mesh_kind):
 @pytest.mark.parametrize("mesh_kind", ["explicit8", "auto5"])
 @pytest.mark.parametrize("name", sorted(DIVIDING))
 def test_dividing_chains_agree_to_the_last_bit(name, mesh_kind):
-  mesh = _mesh(mesh_kind)
-  inner = DIVIDING[name]()
-  params = _params()
-  steps, ref_state, flat_state, _ = _run(inner, jr.flat_sharded(inner, mesh), params)
-  for u_ref, u_flat in steps:
-    _assert_close(u_flat, u_ref, rtol=1e-6)
-  _check_layout(inner, flat_state, params, mesh)
-  _assert_close(jr.gather_from_mesh(inner, flat_state, _shapes(params), mesh), ref_state, 1e-6)
+  _check_close(DIVIDING[name], mesh_kind, rtol=1e-6)
 
 
 @pytest.mark.parametrize("mesh_kind", ["explicit2x4", "auto5"])
 @pytest.mark.parametrize("name", sorted(REDUCING))
 def test_reductions_agree_to_rounding(name, mesh_kind):
-  mesh = _mesh(mesh_kind)
-  inner = REDUCING[name]()
-  params = _params()
-  steps, ref_state, flat_state, _ = _run(inner, jr.flat_sharded(inner, mesh), params)
-  for u_ref, u_flat in steps:
-    _assert_close(u_flat, u_ref, rtol=1e-5)
-  _check_layout(inner, flat_state, params, mesh)
-  _assert_close(jr.gather_from_mesh(inner, flat_state, _shapes(params), mesh), ref_state, 1e-5)
+  _check_close(REDUCING[name], mesh_kind, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mesh_kind", ["explicit8", "auto2x4", "explicit5", "auto5"])
 @pytest.mark.parametrize("name", ["adamw", "lion", "multi_steps_adam", "clip_by_global_norm"])
 def test_jitted_updates_agree_to_rounding(name, mesh_kind):
-  mesh = _mesh(mesh_kind)
-  inner = {**EXACT, **DIVIDING, **REDUCING}[name]()
-  params = _params()
-  steps, ref_state, flat_state, _ = _run(inner, jr.flat_sharded(inner, mesh), params, jit=True)
-  for u_ref, u_flat in steps:
-    _assert_close(u_flat, u_ref, rtol=1e-5)
-  _check_layout(inner, flat_state, params, mesh)
-  _assert_close(jr.gather_from_mesh(inner, flat_state, _shapes(params), mesh), ref_state, 1e-5)
+  _check_close({**EXACT, **DIVIDING, **REDUCING}[name], mesh_kind, rtol=1e-5, jit=True)
 
 
 def test_jitted_optax_differs_from_itself_op_by_op():
   """Why jitted runs are compared to rounding: fusion alone changes last bits."""
   inner = optax.adamw(1e-2, weight_decay=0.1)
-  params = _params()
+  params = random_params(SHAPES)
   jitted = _run(inner, inner, params, jit=True)[0]
   op_by_op = _run(inner, inner, params)[0]
   differ = sum(int(np.sum(bits(a) != bits(b)))
@@ -265,9 +237,9 @@ def test_jitted_optax_differs_from_itself_op_by_op():
 def test_init_equals_shard_to_mesh(name, mesh_kind):
   mesh = _mesh(mesh_kind)
   inner = DIVIDING[name]()
-  params = _params()
-  state = _std(jr.flat_sharded(inner, mesh).init, params)
-  expected = jr.shard_to_mesh(inner, params, _std(inner.init, params), mesh).state
+  params = random_params(SHAPES)
+  state = standard(jr.flat_sharded(inner, mesh).init, params)
+  expected = jr.shard_to_mesh(inner, params, standard(inner.init, params), mesh).state
   assert_trees_bit_equal(state, expected)
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
     assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
@@ -278,7 +250,7 @@ def test_save_sharded_restore_sharded_round_trip(mesh_kind, tmp_path):
   mesh = _mesh(mesh_kind)
   inner = DIVIDING["inject_hyperparams_adamw"]()
   wrapped = jr.flat_sharded(inner, mesh)
-  params = _params()
+  params = random_params(SHAPES)
   _, _, state, _ = _run(inner, wrapped, params, steps=2)
   shapes = _shapes(params)
   jr.save_sharded(tmp_path / "ckpt", inner, state, shapes, mesh, axis="fsdp")
@@ -288,24 +260,25 @@ def test_save_sharded_restore_sharded_round_trip(mesh_kind, tmp_path):
       pid: np.dtype(x.dtype) for pid, x in shapes.items()}
   # The restored state trains on exactly as the saved one.
   update = jax.jit(wrapped.update)
-  grads = _grads(params, 7)
-  assert_trees_bit_equal(_std(update, grads, restored, params), _std(update, grads, state, params))
+  grads = random_grads(params, 7)
+  assert_trees_bit_equal(standard(update, grads, restored, params),
+                         standard(update, grads, state, params))
 
 
 def test_init_and_update_inside_jit_and_eagerly_agree():
   mesh = _mesh("auto8")
   inner = optax.lion(1e-3, weight_decay=0.1)
   wrapped = jr.flat_sharded(inner, mesh)
-  params = _params()
-  jit_state = _std(jax.jit(wrapped.init), params)
-  eager_state = _std(wrapped.init, params)
+  params = random_params(SHAPES)
+  jit_state = standard(jax.jit(wrapped.init), params)
+  eager_state = standard(wrapped.init, params)
   assert_trees_bit_equal(jit_state, eager_state)
   _check_layout(inner, jit_state, params, mesh)
   # Eagerly, with grads on one device: updates come back on the grads' device.
-  grads = jax.device_put(_grads(params, 0), jax.devices()[0])
-  u_eager, s_eager = _std(wrapped.update, grads, eager_state, params)
+  grads = jax.device_put(random_grads(params, 0), jax.devices()[0])
+  u_eager, s_eager = standard(wrapped.update, grads, eager_state, params)
   with jax.disable_jit():
-    u_ref, _ = _std(inner.update, grads, _std(inner.init, params), params)
+    u_ref, _ = standard(inner.update, grads, standard(inner.init, params), params)
   assert_trees_bit_equal(u_eager, u_ref)
   for u, g in zip(jax.tree.leaves(u_eager), jax.tree.leaves(grads)):
     assert u.sharding == g.sharding
@@ -323,12 +296,12 @@ def test_grads_sharded_over_another_axis(axis_types):
   inner = optax.adamw(1e-2, weight_decay=0.1)
   wrapped = jr.flat_sharded(inner, mesh)
   p_sharded = jax.device_put(params, by_data)
-  state = _std(wrapped.init, p_sharded)
-  ref_state = _std(inner.init, params)
+  state = standard(wrapped.init, p_sharded)
+  ref_state = standard(inner.init, params)
   for step in range(2):
-    grads = jax.device_put(_grads(params, step), by_data)
-    updates, state = _std(jax.jit(wrapped.update), grads, state, p_sharded)
-    u_ref, ref_state = _std(jax.jit(inner.update), _grads(params, step), ref_state, params)
+    grads = jax.device_put(random_grads(params, step), by_data)
+    updates, state = standard(jax.jit(wrapped.update), grads, state, p_sharded)
+    u_ref, ref_state = standard(jax.jit(inner.update), random_grads(params, step), ref_state, params)
     _assert_close(updates, u_ref, rtol=1e-5)
     if axis_types[0] == AxisType.Explicit:  # the updates' type is the grads' type
       for u in jax.tree.leaves(updates):
@@ -340,7 +313,7 @@ def test_padding_slots_stay_zero_with_a_nonzero_initial_accumulator():
   mesh = _mesh("explicit8")
   inner = optax.adagrad(1e-2, initial_accumulator_value=0.1)
   params = {"b": jnp.ones((3,), jnp.float32)}  # 3 < 8: five ranks are all padding
-  state = _std(jr.flat_sharded(inner, mesh).init, params)
+  state = standard(jr.flat_sharded(inner, mesh).init, params)
   acc = np.asarray(state[0].sum_of_squares["b"])
   assert_bits_equal(acc[:3], np.full(3, 0.1, np.float32))
   assert not np.any(bits(acc)[3:])
@@ -349,12 +322,12 @@ def test_padding_slots_stay_zero_with_a_nonzero_initial_accumulator():
 def test_non_coordinate_optimizer_is_refused_at_init_like_shard_state():
   mesh = _mesh("explicit8")
   inner = optax.adafactor(1e-2, min_dim_size_to_factor=2)
-  params = _params()
+  params = random_params(SHAPES)
   with pytest.raises(jr.ShapeError) as expected:
-    jr.shard_state(inner, params, _std(inner.init, params), 8)
+    jr.shard_state(inner, params, standard(inner.init, params), 8)
   wrapped = jr.flat_sharded(inner, mesh)
   with pytest.raises(jr.ShapeError) as got:
-    _std(wrapped.init, params)
+    standard(wrapped.init, params)
   assert str(got.value) == str(expected.value)
 
 
@@ -362,15 +335,15 @@ def test_shape_dependent_mask_function_is_refused():
   mesh = _mesh("explicit8")
   inner = optax.masked(optax.adam(1e-2), lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
   with pytest.raises(jr.ShapeError, match="mask or label function"):
-    _std(jr.flat_sharded(inner, mesh).init, _params())
+    standard(jr.flat_sharded(inner, mesh).init, random_params(SHAPES))
 
 
 def test_state_of_another_mesh_is_refused_at_update():
-  params = _params()
-  state = _std(jr.flat_sharded(optax.adam(1e-2), _mesh("explicit8")).init, params)
+  params = random_params(SHAPES)
+  state = standard(jr.flat_sharded(optax.adam(1e-2), _mesh("explicit8")).init, params)
   wrapped5 = jr.flat_sharded(optax.adam(1e-2), _mesh("explicit5"))
   with pytest.raises(jr.ShapeError, match=r"param 'dense/bias'.*another mesh"):
-    _std(wrapped5.update, _grads(params, 0), state, params)
+    standard(wrapped5.update, random_grads(params, 0), state, params)
 
 
 def test_unknown_axis_is_refused():

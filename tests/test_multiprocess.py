@@ -24,7 +24,7 @@ import pytest
 import jaxreshard as jr
 from jaxreshard._geometry import FlatShard
 from tests import _mp_util as U
-from tests._core_util import assert_records_equal
+from tests._core_util import assert_records_equal, bits
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +95,7 @@ def test_restart_on_other_layout_is_bit_identical(job, reference, name, procs, w
       i, device = map(int, key.split(":"))
       rank = res["rank_of"][str(device)]
       want = jax.tree.leaves(expected[rank].state)[i]
-      assert np.array_equal(dump[key], U.bits(want)), (name, key, rank)
+      assert np.array_equal(dump[key], bits(want)), (name, key, rank)
       covered.add(rank)
     manager = np.load(os.path.join(job["out"][name], f"p{res['process']}_manager.npz"))
     assert sorted(manager.files) == sorted(dump.files)
@@ -124,7 +124,7 @@ def test_ranks_replicated_across_processes(job, reference):
     for key in dump.files:
       i, device = map(int, key.split(":"))
       want = jax.tree.leaves(expected[res["rank_of"][str(device)]].state)[i]
-      assert np.array_equal(dump[key], U.bits(want)), key
+      assert np.array_equal(dump[key], bits(want)), key
   for got, want in zip(jr.load_records(os.path.join(job["root"], "step_1_on_3")), expected):
     assert_records_equal(got, want)
 

@@ -16,72 +16,17 @@ import pytest
 
 import jaxreshard as jr
 from tests._core_util import (
-    assert_records_equal, assert_trees_bit_equal, bits, nest, oracle_shard,
+    OPTIMIZERS, assert_records_equal, assert_trees_bit_equal, bits, oracle_shard, random_grads,
+    small_params, standard,
 )
-
-SHAPES = {
-    "dense/kernel": (5, 7),  # 35: not divisible by 8 or 6
-    "dense/bias": (7,),
-    "emb": (13, 3),
-    "scale": (),
-    "tiny": (1,),
-}
-
-
-def _params(dtype=jnp.float32, seed=0):
-  rng = np.random.default_rng(seed)
-  return nest({pid: jnp.asarray(rng.standard_normal(s).astype(np.float32), dtype)
-                for pid, s in SHAPES.items()})
-
-
-def _grads(params, step):
-  rng = np.random.default_rng(100 + step)
-  return jax.tree.map(
-      lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32), p.dtype), params)
-
-
-def _update(opt, grads, state, params):
-  # optax's own update math mixes Python floats and int32 counters, which the
-  # suite's strict promotion refuses; jaxreshard itself runs under strict.
-  with jax.numpy_dtype_promotion("standard"):
-    return opt.update(grads, state, params)
 
 
 def _train(opt, params, steps=3):
-  with jax.numpy_dtype_promotion("standard"):
-    state = opt.init(params)
+  state = standard(opt.init, params)
   for step in range(steps):
-    updates, state = _update(opt, _grads(params, step), state, params)
-    with jax.numpy_dtype_promotion("standard"):
-      params = optax.apply_updates(params, updates)
+    updates, state = standard(opt.update, random_grads(params, step), state, params)
+    params = standard(optax.apply_updates, params, updates)
   return params, state
-
-
-LABELS = nest({"dense/kernel": "train", "dense/bias": "train", "emb": "frozen",
-                "scale": "train", "tiny": "frozen"})
-MASK = jax.tree.map(lambda label: label == "train", LABELS)
-SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=10)
-
-OPTIMIZERS = {
-    "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "adamw_mu_bf16": lambda: optax.adamw(1e-2, mu_dtype=jnp.bfloat16),
-    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
-    "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
-    "lion": lambda: optax.lion(1e-3),
-    "amsgrad": lambda: optax.amsgrad(1e-2),
-    "rmsprop": lambda: optax.rmsprop(1e-2, momentum=0.9, centered=True),
-    "adagrad": lambda: optax.adagrad(1e-2),
-    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
-        learning_rate=SCHEDULE, weight_decay=0.01),
-    "chain_clip_schedule": lambda: optax.chain(
-        optax.clip_by_global_norm(1.0), optax.clip(0.5), optax.adamw(SCHEDULE)),
-    "masked": lambda: optax.masked(optax.adam(1e-2), MASK),
-    "multi_transform": lambda: optax.multi_transform(
-        {"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, LABELS),
-    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
-    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3),
-}
 
 
 def _check_targets(targets, state, world):
@@ -111,9 +56,9 @@ def _migrate_and_check(opt, params, state, trainable=None):
   unsharded = jr.unshard_state(targets)
   assert_trees_bit_equal(unsharded, state)
   # The migrated state is usable and behaves exactly as the original.
-  grads = _grads(params, 99)
-  u_new, s_new = _update(opt, grads, unsharded, params)
-  u_old, s_old = _update(opt, grads, state, params)
+  grads = random_grads(params, 99)
+  u_new, s_new = standard(opt.update, grads, unsharded, params)
+  u_old, s_old = standard(opt.update, grads, state, params)
   assert_trees_bit_equal(u_new, u_old)
   assert_trees_bit_equal(s_new, s_old)
   return records, targets
@@ -122,7 +67,7 @@ def _migrate_and_check(opt, params, state, trainable=None):
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_optimizer_round_trip_8_6_8(name):
   opt = OPTIMIZERS[name]()
-  params, state = _train(opt, _params())
+  params, state = _train(opt, small_params())
   # The moments really are non-zero after the steps (else the test proves little).
   hist = [x for x in jax.tree.leaves(state) if np.ndim(x) > 0 and x.size > 1]
   assert hist and any(np.any(np.asarray(x, np.float32) != 0) for x in hist)
@@ -131,7 +76,7 @@ def test_optimizer_round_trip_8_6_8(name):
 
 def test_adamw_mu_dtype_bfloat16_keeps_buffer_dtypes():
   opt = OPTIMIZERS["adamw_mu_bf16"]()
-  params, state = _train(opt, _params())
+  params, state = _train(opt, small_params())
   _, targets = _migrate_and_check(opt, params, state)
   adam = targets[0].state[0]
   assert adam.mu["dense"]["kernel"].dtype == jnp.bfloat16
@@ -142,7 +87,7 @@ def test_adamw_mu_dtype_bfloat16_keeps_buffer_dtypes():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_params(dtype):
   opt = optax.adam(1e-2)
-  params, state = _train(opt, _params(dtype))
+  params, state = _train(opt, small_params(dtype))
   records, targets = _migrate_and_check(opt, params, state)
   assert {p.dtype for p in targets[0].placements} == {np.dtype(dtype)}
   assert targets[0].state[0].mu["emb"].dtype == dtype
@@ -151,7 +96,7 @@ def test_low_precision_params(dtype):
 @pytest.mark.parametrize("name", ["masked", "multi_transform"])
 def test_frozen_params_have_no_history_and_stay_frozen(name):
   opt = OPTIMIZERS[name]()
-  params, state = _train(opt, _params())
+  params, state = _train(opt, small_params())
   trainable = {"emb": False, "tiny": False}
   records, targets = _migrate_and_check(opt, params, state, trainable=trainable)
   for t in targets:
@@ -165,7 +110,7 @@ def test_frozen_params_have_no_history_and_stay_frozen(name):
 
 def test_multi_steps_accumulator_and_clock_carried():
   opt = OPTIMIZERS["multi_steps"]()
-  params, state = _train(opt, _params(), steps=3)  # odd: a half-accumulated gradient
+  params, state = _train(opt, small_params(), steps=3)  # odd: a half-accumulated gradient
   assert int(state.mini_step) == 1
   records, targets = _migrate_and_check(opt, params, state)
   assert int(targets[3].state.mini_step) == 1
@@ -174,7 +119,7 @@ def test_multi_steps_accumulator_and_clock_carried():
 
 def test_adafactor_is_refused_with_a_shape_error():
   opt = optax.adafactor(1e-2, min_dim_size_to_factor=2)
-  params, state = _train(opt, _params(), steps=1)
+  params, state = _train(opt, small_params(), steps=1)
   with pytest.raises(jr.ShapeError, match=r"param 'd(ense/kernel|ense/bias)|param 'emb'"):
     jr.shard_state(opt, params, state, 8)
 
@@ -227,7 +172,7 @@ def test_explicit_groups_merge_two_archive_groups_with_different_world_sizes():
            sa[1])
   assert_trees_bit_equal(merged_full, union)
   params = {**pa, **pb}
-  _update(opt, _grads(params, 5), merged_full, params)
+  standard(opt.update, random_grads(params, 5), merged_full, params)
 
   # And back: each group from the merged records to its original layout.
   back_a = [jr.reshard(merged, [jr.Migration(p, shapes[p], r, 4, (0, 1))
@@ -254,7 +199,7 @@ def test_prng_key_in_the_optimizer_clock_is_carried_and_compared():
   # read directly (this crashed with a TypeError before keys were compared by
   # their key data).
   opt = optax.noisy_sgd(1e-2, key=jax.random.key(0))
-  params, state = _train(opt, _params(), steps=2)
+  params, state = _train(opt, small_params(), steps=2)
   records = jr.shard_state(opt, params, state, 8)
   targets = [jr.reshard(records, jr.plan(records, world_size=6, rank=r)) for r in range(6)]
   full = jr.unshard_state(targets)
@@ -263,7 +208,7 @@ def test_prng_key_in_the_optimizer_clock_is_carried_and_compared():
   assert jax.tree.structure(full) == jax.tree.structure(state)
   # Archives whose keys differ (same step count) are not one checkpoint.
   other = optax.noisy_sgd(1e-2, key=jax.random.key(1))
-  _, other_state = _train(other, _params(), steps=2)
+  _, other_state = _train(other, small_params(), steps=2)
   assert int(other_state[0].count) == int(state[0].count)
   mixed = records[:7] + jr.shard_state(other, params, other_state, 8)[7:]
   with pytest.raises(jr.PlacementError, match=r"archive 7 has clock scalar \[0\]\.rng_key = "):

@@ -6,8 +6,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxreshard as jr
-from tests._archive_util import adam_records
-from tests._core_util import assert_records_equal
+from tests._core_util import adam_records, assert_records_equal, bits, device_mesh
 
 
 def _steps():
@@ -61,12 +60,6 @@ def test_handler_refusals_reach_the_caller(tmp_path):
       manager.restore(1, args=jr.ReshardRestore(world_size=3, rank=3))
 
 
-def _mesh(shape, names):
-  import jax
-  import numpy as np
-  return jax.sharding.Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
-
-
 def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatch):
   """A (2 x 4) mesh state saved beside params, restored onto 6 ranks; all exact.
 
@@ -83,7 +76,7 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
   from tests.test_distributed import _check_against
 
   opt, params, state, _ = U.example(seed=3)
-  mesh = _mesh((2, 4), ("data", "fsdp"))
+  mesh = device_mesh((2, 4), ("data", "fsdp"))
   src = jr.shard_to_mesh(opt, params, state, mesh, "fsdp", trainable=U.trainable())
   weights = jax.device_put(U.example_params(3), NamedSharding(mesh, PartitionSpec()))
   # The reference as host copies first: the mesh state shares its scalars' buffers
@@ -110,7 +103,7 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
                        strict=True):
     assert_records_equal(got, want)  # placements from params: dtypes, trainability
 
-  target = _mesh((6,), ("fsdp",))
+  target = device_mesh((6,), ("fsdp",))
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=NamedSharding(target, PartitionSpec())), U.example_params(3))
   with ocp.CheckpointManager(tmp_path / "run", item_names=("params", "opt_state")) as manager:
@@ -121,12 +114,12 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
   assert _check_against(out.opt_state, target, "fsdp", expected)
   assert jax.tree.structure(out.opt_state) == structure
   for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(U.example_params(3))):
-    assert (U.bits(a) == U.bits(b)).all()
+    assert (bits(a) == bits(b)).all()
 
 
 def test_save_and_restore_arguments_are_checked():
   records = adam_records(2)
-  mesh = _mesh((2,), ("fsdp",))
+  mesh = device_mesh((2,), ("fsdp",))
   for bad in (dict(), dict(records=records, state={}), dict(state={}, mesh=mesh),
               dict(state={}, optimizer=object(), mesh=mesh, shapes={}, params={}),
               dict(state={}, optimizer=object(), mesh=mesh, shapes={}, trainable={})):
@@ -146,7 +139,7 @@ def test_a_failed_write_commits_nothing(tmp_path, monkeypatch):
   from tests import _mp_util as U
 
   opt, params, state, _ = U.example(seed=4)
-  mesh = _mesh((4,), ("fsdp",))
+  mesh = device_mesh((4,), ("fsdp",))
   src = jr.shard_to_mesh(opt, params, state, mesh)
   shapes = {p.param: p for p in src.placements[0]}
   write = _checkpoint.write_archive

@@ -59,7 +59,7 @@ def standard_promotion():
 def uninterrupted(example, tmp_path_factory):
   """The reference: 8 devices, never stopped."""
   seen = example.run(_mesh(8), str(tmp_path_factory.mktemp("ref") / "run"), STEPS)
-  return example._loss_bits(seen["losses"]), seen["params"]
+  return example.loss_bits(seen["losses"]), seen["params"]
 
 
 @pytest.mark.parametrize("resume_on", [8, 5, 3, 2])
@@ -71,7 +71,7 @@ def test_a_run_resumed_on_another_mesh_continues_bit_for_bit(example, uninterrup
   assert first["killed"] and sorted(first["losses"]) == [0, 1, 2]
   second = example.run(_mesh(resume_on), ckpt, STEPS)
   assert second["start"] == KILL
-  losses = {**example._loss_bits(first["losses"]), **example._loss_bits(second["losses"])}
+  losses = {**example.loss_bits(first["losses"]), **example.loss_bits(second["losses"])}
   assert losses == ref_losses
   assert second["params"] == ref_params
 

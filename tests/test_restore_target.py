@@ -4,7 +4,6 @@ Every restored device piece is compared bit for bit (as unsigned integers) with
 the same index of the original optax state the checkpoint was made from.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, Sing
 import jaxreshard as jr
 from jaxreshard import _checkpoint, _target_restore
 from tests import _target_util as T
-from tests._core_util import rchar
+from tests._core_util import nest, rchar
 
 
 @pytest.fixture(scope="module", params=[3, 5])
@@ -126,42 +125,39 @@ def _replace(target, key: str, fn):
       lambda path, x: fn(x) if key in jax.tree_util.keystr(path) else x, target)
 
 
+def _with(shape=None, dtype=None):
+  """A leaf replacement: the same leaf but for ``shape`` and/or ``dtype``."""
+  return lambda x: jax.ShapeDtypeStruct(x.shape if shape is None else shape,
+                                        x.dtype if dtype is None else dtype, sharding=x.sharding)
+
+
 MU_KERNEL = "[1].inner_states['train'].inner_state.inner_state[0].mu['dense']['kernel']"
 
 
 def test_refuses_a_leaf_of_another_shape(saved):
   opt, params, _, path = saved
-  bad = _replace(_replicated_target(opt, params), MU_KERNEL,
-                 lambda x: jax.ShapeDtypeStruct((24, 16), x.dtype, sharding=x.sharding))
+  bad = _replace(_replicated_target(opt, params), MU_KERNEL, _with(shape=(24, 16)))
   with pytest.raises(jr.ShapeError, match=r"leaf .*mu\['dense'\]\['kernel'\] \(param"
                      r" 'dense/kernel'\): the target has shape \(24, 16\)"):
     jr.restore_sharded(path, _mesh("explicit"), target=bad)
 
 
-def test_refuses_a_leaf_of_another_dtype(saved):
+@pytest.mark.parametrize("key, message", [
+    ("nu['embed']['table']", r"nu\['embed'\]\['table'\].*float32 but the checkpoint holds bfloat16"),
+    ("inner_state[0].count", r"inner_state\[0\]\.count \(clock scalar\): the target has dtype"
+     r" float32 but the checkpoint holds int32"),
+], ids=["history_buffer", "clock_scalar"])
+def test_refuses_a_leaf_of_another_dtype(saved, key, message):
   opt, params, _, path = saved
-  bad = _replace(_replicated_target(opt, params), "nu['embed']['table']",
-                 lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding))
-  with pytest.raises(jr.DtypeError, match=r"nu\['embed'\]\['table'\].*float32 but the"
-                     r" checkpoint holds bfloat16"):
-    jr.restore_sharded(path, _mesh("explicit"), target=bad)
-
-
-def test_refuses_a_scalar_of_another_dtype(saved):
-  opt, params, _, path = saved
-  bad = _replace(_replicated_target(opt, params), "inner_state[0].count",
-                 lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding))
-  with pytest.raises(jr.DtypeError, match=r"inner_state\[0\]\.count \(clock scalar\): the"
-                     r" target has dtype float32 but the checkpoint holds int32"):
+  bad = _replace(_replicated_target(opt, params), key, _with(dtype=jnp.float32))
+  with pytest.raises(jr.DtypeError, match=message):
     jr.restore_sharded(path, _mesh("explicit"), target=bad)
 
 
 def test_a_shape_and_a_dtype_refusal_together_are_a_shape_error(saved):
   opt, params, _, path = saved
-  bad = _replace(_replicated_target(opt, params), MU_KERNEL,
-                 lambda x: jax.ShapeDtypeStruct((24, 16), x.dtype, sharding=x.sharding))
-  bad = _replace(bad, "nu['head']['w']",
-                 lambda x: jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding))
+  bad = _replace(_replicated_target(opt, params), MU_KERNEL, _with(shape=(24, 16)))
+  bad = _replace(bad, "nu['head']['w']", _with(dtype=jnp.bfloat16))
   with pytest.raises(jr.ShapeError) as e:
     jr.restore_sharded(path, _mesh("explicit"), target=bad)
   assert "mu['dense']['kernel'] (param 'dense/kernel'): the target has shape" in str(e.value)
@@ -169,7 +165,7 @@ def test_a_shape_and_a_dtype_refusal_together_are_a_shape_error(saved):
 
 
 def _params_and_optimizer(pids):
-  params = T.nest({pid: jnp.zeros(*(T.SPECS.get(pid) or ((2,), np.float32))) for pid in pids})
+  params = nest({pid: jnp.zeros(*(T.SPECS.get(pid) or ((2,), np.float32))) for pid in pids})
   return T.optimizer(pids), params
 
 
@@ -237,15 +233,10 @@ def test_refuses_a_leaf_without_sharding_and_reports_every_bad_leaf(saved):
 
 # --- bytes read -------------------------------------------------------------------
 
-BIG = {"big/w": ((256, 512), np.float32)}  # Adam: 1 MiB of history (mu and nu)
-CHUNK = 2048  # bytes: one chunk is one row of 512 elements
-
-
 def _big(tmp_path, world=5):
-  opt = optax.adam(1e-3)
-  opt, params, state = T.example(seed=7, specs=BIG, opt=opt)
+  opt, params, state = T.big_example()
   jr.save_records(tmp_path / "big", jr.shard_state(opt, params, state, world_size=world),
-                  chunk_bytes=CHUNK)
+                  chunk_bytes=T.BIG_CHUNK_BYTES)
   ckpt = jr.open_checkpoint(tmp_path / "big")
   # Every chunk of every buffer file, with its crc32c: what a whole restore reads.
   whole = 0

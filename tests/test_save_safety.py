@@ -24,8 +24,7 @@ from flax.core import FrozenDict
 
 import jaxreshard as jr
 from jaxreshard import _archive_io
-from tests._archive_util import adam_records
-from tests._core_util import assert_records_equal, bits
+from tests._core_util import adam_records, assert_records_equal, bits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
