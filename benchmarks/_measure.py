@@ -39,7 +39,7 @@ class Result:
   Attributes:
     name: the benchmark's short name (``--only`` takes it).
     title: one line saying what is compared with what.
-    goal: the goal of issue 5, in words.
+    goal: the goal the figure is measured against, in words.
     met: True / False, or None where no verdict applies (quick run, skipped).
     rows: one dict per configuration; every dict has the same keys.
     notes: how to read the rows, and where a goal is missed, why.

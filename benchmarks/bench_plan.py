@@ -83,7 +83,7 @@ def write_index_checkpoint(path: str, n_params: int, history: int, world: int,
 
 def planning_rows(opts: Options) -> list[dict]:
   """Open a large checkpoint's index and plan (then restore) one target rank."""
-  from jaxreshard import _progress  # pylint: disable=g-import-not-at-top
+  from jaxreshard import _read_plan  # pylint: disable=g-import-not-at-top
 
   src, dst = opts.plan_worlds
   with tempfile.TemporaryDirectory(prefix="jr-bench-plan-") as tmp:
@@ -94,7 +94,7 @@ def planning_rows(opts: Options) -> list[dict]:
     rank = dst // 3
     t0 = time.perf_counter()
     ckpt = jr.open_checkpoint(path)
-    plan = _progress.target_plan(ckpt, world_size=dst, rank=rank)
+    plan = _read_plan.read_plan(ckpt, world_size=dst, rank=rank)
     planning = time.perf_counter() - t0
     t0 = time.perf_counter()
     target = jr.restore(path, world_size=dst, rank=rank)

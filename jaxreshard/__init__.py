@@ -20,12 +20,12 @@ from jaxreshard._checkpoint import FORMAT_VERSION as CHECKPOINT_FORMAT_VERSION
 from jaxreshard._device_exec import clear_device_cache as clear_kernel_cache
 from jaxreshard._device_exec import device_cache_info as kernel_cache_info
 from jaxreshard._digest import Digest, compare_digests, digest
-from jaxreshard._distributed import reshard_to_mesh, restore_sharded, save_sharded
+from jaxreshard._multihost import reshard_to_mesh, restore_sharded, save_sharded
 from jaxreshard._errors import (ArchiveError, ArchiveExistsError, DtypeError, PlacementError,
                                 ReshardError, ShapeError)
 from jaxreshard._flat_sharded import flat_sharded
 from jaxreshard._geometry import FlatShard
-from jaxreshard._global import MeshState, gather_from_mesh, shard_to_mesh
+from jaxreshard._mesh import MeshState, gather_from_mesh, shard_to_mesh
 from jaxreshard._placement import Migration, ParamPlacement
 from jaxreshard._record import RECORD_VERSION, ShardRecord
 from jaxreshard._orbax_hook import ReshardCheckpointHandler, ReshardRestore, ReshardSave

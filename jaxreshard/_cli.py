@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 import jaxreshard as jr
-from jaxreshard import _archive_io, _checkpoint, _digest, _progress, _restore
+from jaxreshard import _archive_io, _checkpoint, _digest, _read_plan, _restore
 
 __all__ = ["app", "main"]
 
@@ -238,6 +238,22 @@ def _root(
 ) -> None:
   """Exact resharding of optax flat-shard (ZeRO / FSDP) optimizer state."""
   del version
+
+
+def progress_bar(console: Any) -> Any:
+  """A rich progress bar counting bytes, with speed and ETA, on terminals only."""
+  from rich import progress  # only the CLI draws bars
+
+  return progress.Progress(
+      progress.TextColumn("[bold]{task.description}"),
+      progress.BarColumn(),
+      progress.DownloadColumn(),
+      progress.TransferSpeedColumn(),
+      progress.TimeRemainingColumn(),
+      console=console,
+      # Pipes and logs get the one summary line, not a frozen bar.
+      disable=not console.is_terminal,
+  )
 
 
 # --------------------------------------------------------------------------- demo
@@ -469,7 +485,7 @@ def reshard(
   ranks = [rank] if rank is not None else range(world_size)
   # Plans are made one rank at a time, as they are printed or used: a world
   # size of a million ranks costs a million small plans, never their list.
-  plans = (_progress.target_plan(ckpt, world_size=world_size, rank=r) for r in ranks)
+  plans = (_read_plan.read_plan(ckpt, world_size=world_size, rank=r) for r in ranks)
   first = next(plans)  # refuses archives that do not form complete groups, before any output
   plans = itertools.chain([first], plans)
   if dry_run:
@@ -481,12 +497,12 @@ def reshard(
   if os.path.lexists(out):
     raise jr.ArchiveExistsError(
         f"{safe(out)} already exists; jaxreshard never overwrites a checkpoint")
-  total = first.bytes_read if rank is not None else _progress.total_bytes(ckpt)
+  total = first.bytes_read if rank is not None else _read_plan.total_bytes(ckpt)
   restore = lambda r: _restore.restore_ranks(str(checkpoint), [r], world_size=world_size,
                                              checkpoint=ckpt)[0]
   err = _err()
   t0 = time.perf_counter()
-  with _progress.progress_bar(err) as bar:
+  with progress_bar(err) as bar:
     task = bar.add_task("resharding", total=total or 1)
 
     def targets() -> Iterator[Any]:
@@ -504,7 +520,7 @@ def reshard(
                      f" ({_size(total)} moved, {time.perf_counter() - t0:.1f} s)"))
 
 
-def _print_plans(plans: Iterator[_progress.TargetPlan], n_archives: int, n_ranks: int,
+def _print_plans(plans: Iterator[_read_plan.ReadPlan], n_archives: int, n_ranks: int,
                  reads: bool) -> None:
   """One line per target rank (every read under it with ``reads``), then the total.
 
@@ -526,7 +542,7 @@ def _print_plans(plans: Iterator[_progress.TargetPlan], n_archives: int, n_ranks
         " read buffer); nothing written")
 
 
-def _json_plans(plans: Iterator[_progress.TargetPlan], world_size: int, n_archives: int,
+def _json_plans(plans: Iterator[_read_plan.ReadPlan], world_size: int, n_archives: int,
                 reads: bool) -> None:
   """``--dry-run --json``: the same plans as one JSON object, written as each rank is planned."""
   print(f'{{\n  "dry_run": true,\n  "world_size": {world_size},\n  "archives": {n_archives},'
@@ -550,7 +566,7 @@ def _json_plans(plans: Iterator[_progress.TargetPlan], world_size: int, n_archiv
   print(f'  ],\n  "bytes_read": {total},\n  "peak_bytes": {peak}\n}}')
 
 
-def _print_reads(p: _progress.TargetPlan) -> None:
+def _print_reads(p: _read_plan.ReadPlan) -> None:
   """Each read of one target rank: whose elements, from which archive and where in it."""
   head = ("param", "archive", "source rank", "elements [lo, hi)", "source offset", "bytes")
   rows = [(safe(r.param), r.archive, r.source_rank, f"[{r.lo}, {r.hi})", r.source_offset,

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Union
 import jax
 import numpy as np
 
-from jaxreshard import _checkpoint, _structure
+from jaxreshard import _bitview, _checkpoint, _structure
 from jaxreshard._errors import PlacementError
 from jaxreshard._geometry import FlatShard
 from jaxreshard._record import ShardRecord
@@ -88,10 +88,7 @@ class Digest:
     return h.hexdigest()
 
 
-def raw_bits(x: Any) -> np.ndarray:
-  """The flat bit patterns of an array, as unsigned integers of its width."""
-  a = np.ascontiguousarray(np.asarray(x))
-  return a.reshape(-1).view(f"u{a.dtype.itemsize}") if a.dtype.itemsize in (1, 2, 4, 8) else a
+raw_bits = _bitview.bits
 
 
 def _history_word(entry: Any) -> str:
@@ -146,75 +143,93 @@ def digest_records(records: Iterable[ShardRecord]) -> Digest:
     >>> a == b
     True
   """
-  structure: Optional[str] = None
-  scalars: Optional[tuple] = None
-  meta: dict[str, tuple] = {}  # pid -> (shape, dtype, trainable, world_size, history)
-  seen_ranks: dict[str, set[int]] = {}
-  streams: dict[tuple[str, int], _Stream] = {}
-  problems: list[str] = []
-
+  acc = _Accumulator()
   for index, record in enumerate(records):
     anatomy = _anatomy(index, record)
-    rec_structure = repr((str(anatomy.skeleton), [jax.tree_util.keystr(m.prefix)
-                                                  for m in anatomy.mirrors]))
-    rec_scalars = _scalars(record)
-    if structure is None:
-      structure, scalars = rec_structure, rec_scalars
-    elif rec_structure != structure:
-      problems.append(f"archive {index}: optimizer state structure differs from archive 0")
-    elif rec_scalars != scalars:
-      problems.append(f"archive {index}: optimizer clock scalars differ from archive 0")
-
+    acc.add_structure(index, anatomy, record)
     for p in record.placements:
-      pid = p.param
-      hist = anatomy.history(pid)
-      words = tuple(_history_word(h) for h in hist)
-      key = (tuple(p.shape), np.dtype(p.dtype).name, bool(p.trainable), p.world_size, words)
-      if meta.setdefault(pid, key) != key:
-        problems.append(
-            f"param {pid!r}: archive {index} disagrees with another archive on its shape,"
-            f" dtype, trainability, world size or history")
-        continue
-      if p.rank in seen_ranks.setdefault(pid, set()):
-        problems.append(f"param {pid!r}: rank {p.rank} appears in more than one archive")
-        continue
-      seen_ranks[pid].add(p.rank)
-      g = FlatShard(p.shape, p.rank, p.world_size)
-      buffers = [h for h in hist if h is not None and h is not _structure.MASKED]
-      for m, buf in enumerate(buffers):
-        where = f"param {pid!r} buffer {m} (archive {index}, rank {p.rank})"
-        if tuple(np.shape(buf)) != (g.slots,):
-          problems.append(f"{where}: shape {tuple(np.shape(buf))} is not ({g.slots},)")
-          continue
-        bits = raw_bits(buf)
-        pad = np.flatnonzero(bits[g.owned:])
-        if pad.size:
-          problems.append(
-              f"{where}: padding is not zero ({pad.size} nonzero, first at local"
-              f" index {g.owned + int(pad[0])})")
-        dtype = np.asarray(buf).dtype
-        stream = streams.setdefault((pid, m), _Stream(dtype))
-        if stream.dtype != dtype:
-          problems.append(f"{where}: dtype {dtype.name} differs from another rank's"
-                          f" {stream.dtype.name}")
-          continue
-        stream.feed(p.rank, bits[:g.owned])
+      acc.add_placement(index, p, anatomy.history(p.param))
+  return acc.digest()
 
-  params = {}
-  for pid, (shape, dtype, trainable, world, words) in sorted(meta.items()):
-    missing = sorted(set(range(world)) - seen_ranks.get(pid, set()))
-    if missing:
-      problems.append(f"param {pid!r}: ranks {missing} of world size {world} are missing")
-    buffers = []
-    for m in range(words.count("buffer")):
-      s = streams.get((pid, m))
-      if s is None:
-        continue
-      buffers.append(BufferDigest(s.dtype.name, s.count, s.hash.hexdigest()))
-    params[pid] = ParamDigest(shape, dtype, trainable, words, tuple(buffers))
-  if structure is None:
-    problems.append("no archives")
-  return Digest(structure or "", scalars or (), params, tuple(problems))
+
+class _Accumulator:
+  """What ``digest_records`` has seen so far, one archive at a time."""
+
+  def __init__(self):
+    self.structure: Optional[str] = None
+    self.scalars: Optional[tuple] = None
+    self.meta: dict[str, tuple] = {}  # pid -> (shape, dtype, trainable, world_size, history)
+    self.seen_ranks: dict[str, set[int]] = {}
+    self.streams: dict[tuple[str, int], _Stream] = {}
+    self.problems: list[str] = []
+
+  def add_structure(self, index: int, anatomy: _structure.Anatomy, record: ShardRecord) -> None:
+    """The state's structure and clock scalars must be those of archive 0."""
+    structure = repr((str(anatomy.skeleton),
+                      [jax.tree_util.keystr(m.prefix) for m in anatomy.mirrors]))
+    scalars = _scalars(record)
+    if self.structure is None:
+      self.structure, self.scalars = structure, scalars
+    elif structure != self.structure:
+      self.problems.append(f"archive {index}: optimizer state structure differs from archive 0")
+    elif scalars != self.scalars:
+      self.problems.append(f"archive {index}: optimizer clock scalars differ from archive 0")
+
+  def add_placement(self, index: int, p: Any, hist: tuple[Any, ...]) -> None:
+    """One parameter's rank: its metadata agrees, the rank is new, its buffers stream in."""
+    pid = p.param
+    words = tuple(_history_word(h) for h in hist)
+    key = (tuple(p.shape), np.dtype(p.dtype).name, bool(p.trainable), p.world_size, words)
+    if self.meta.setdefault(pid, key) != key:
+      self.problems.append(
+          f"param {pid!r}: archive {index} disagrees with another archive on its shape,"
+          f" dtype, trainability, world size or history")
+      return
+    if p.rank in self.seen_ranks.setdefault(pid, set()):
+      self.problems.append(f"param {pid!r}: rank {p.rank} appears in more than one archive")
+      return
+    self.seen_ranks[pid].add(p.rank)
+    g = FlatShard(p.shape, p.rank, p.world_size)
+    buffers = [h for h in hist if h is not None and h is not _structure.MASKED]
+    for m, buf in enumerate(buffers):
+      self.add_buffer(f"param {pid!r} buffer {m} (archive {index}, rank {p.rank})",
+                      (pid, m), g, buf)
+
+  def add_buffer(self, where: str, key: tuple[str, int], g: FlatShard, buf: Any) -> None:
+    """A buffer's owned elements join its stream; its padding must be zero bits."""
+    if tuple(np.shape(buf)) != (g.slots,):
+      self.problems.append(f"{where}: shape {tuple(np.shape(buf))} is not ({g.slots},)")
+      return
+    bits = raw_bits(buf)
+    pad = np.flatnonzero(bits[g.owned:])
+    if pad.size:
+      self.problems.append(
+          f"{where}: padding is not zero ({pad.size} nonzero, first at local"
+          f" index {g.owned + int(pad[0])})")
+    dtype = np.asarray(buf).dtype
+    stream = self.streams.setdefault(key, _Stream(dtype))
+    if stream.dtype != dtype:
+      self.problems.append(f"{where}: dtype {dtype.name} differs from another rank's"
+                           f" {stream.dtype.name}")
+      return
+    stream.feed(g.rank, bits[:g.owned])
+
+  def digest(self) -> Digest:
+    """The digest of everything seen; ranks never seen are problems."""
+    params = {}
+    for pid, (shape, dtype, trainable, world, words) in sorted(self.meta.items()):
+      missing = sorted(set(range(world)) - self.seen_ranks.get(pid, set()))
+      if missing:
+        self.problems.append(f"param {pid!r}: ranks {missing} of world size {world} are missing")
+      buffers = []
+      for m in range(words.count("buffer")):
+        s = self.streams.get((pid, m))
+        if s is not None:
+          buffers.append(BufferDigest(s.dtype.name, s.count, s.hash.hexdigest()))
+      params[pid] = ParamDigest(shape, dtype, trainable, words, tuple(buffers))
+    if self.structure is None:
+      self.problems.append("no archives")
+    return Digest(self.structure or "", self.scalars or (), params, tuple(self.problems))
 
 
 def digest(records_or_directory: Union[Iterable[ShardRecord], os.PathLike, str]) -> Digest:

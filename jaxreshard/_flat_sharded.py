@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxreshard import _global, _reshard, _structure
+from jaxreshard import _mesh, _reshard, _structure
 from jaxreshard._errors import ShapeError
 from jaxreshard._geometry import FlatShard
 
@@ -33,7 +33,7 @@ class _Layout:
   """Where arrays go on ``mesh``: flat shards over ``axis``, everything else replicated."""
 
   def __init__(self, mesh: Mesh, axis: str):
-    self.world = _global._axis_size(mesh, axis)  # pylint: disable=protected-access
+    self.world = _mesh.axis_size(mesh, axis)
     self.axis = axis
     # Explicit axes change shardings only through ``reshard`` (the sharding is part
     # of the type); Auto axes take ``with_sharding_constraint`` as a constraint.

@@ -19,7 +19,7 @@ Who writes what:
 
 * a mesh state (``ReshardSave(state=..., mesh=...)``): each process writes
   the archives of the ranks whose first device it owns
-  (``_global.writer_ranks``); the primary writes the index, made from the
+  (``_mesh.writer_ranks``); the primary writes the index, made from the
   state's layout alone.
 * records (``ReshardSave(records)``): every process passes the same records;
   the primary writes them all and the index.
@@ -38,7 +38,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxreshard import _archive_io, _checkpoint, _distributed, _restore, _structure
+from jaxreshard import _archive_io, _checkpoint, _multihost, _restore, _structure
 from jaxreshard._errors import ArchiveError, PlacementError, ReshardError
 from jaxreshard._placement import ParamPlacement
 from jaxreshard._record import ShardRecord
@@ -100,12 +100,12 @@ def prepare(args: "ReshardSave", primary_host: Optional[int] = 0, *,
   if args.state is not None:
     shapes = _shapes_of(args)
     checkpoint_id = _shared_checkpoint_id(primary_host)
-    archives = _distributed.mesh_archives(args.optimizer, args.state, shapes, args.mesh, args.axis)
-    index = (_distributed.global_index(args.optimizer, args.state, shapes, args.mesh, args.axis,
+    archives = _multihost.mesh_archives(args.optimizer, args.state, shapes, args.mesh, args.axis)
+    index = (_multihost.global_index(args.optimizer, args.state, shapes, args.mesh, args.axis,
                                        checkpoint_id) if primary else None)
     archives = tuple(sorted(archives.items()))
   elif primary:
-    archives = tuple((i, _distributed.host_record(r)) for i, r in enumerate(args.records))
+    archives = tuple((i, _multihost.host_record(r)) for i, r in enumerate(args.records))
     builder = _checkpoint.IndexBuilder()
     for i, record in archives:  # every refusal of the records, before save returns
       builder.add(i, record, pack=False)
@@ -188,7 +188,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     args = args if args is not None else ReshardRestore()
     if args.mesh is not None:
       extra = {} if args.target is None else {"target": args.target}
-      return _distributed.restore_sharded(directory, args.mesh, args.axis, **extra).state
+      return _multihost.restore_sharded(directory, args.mesh, args.axis, **extra).state
     if args.rank is None:
       return _archive_io.load_records(directory)
     return _restore.restore(directory, world_size=args.world_size, rank=args.rank)

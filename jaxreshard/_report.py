@@ -8,7 +8,7 @@ logging's defaults (the root logger at WARNING) nothing is printed; an
 application turns the messages on with ``logging.basicConfig(level=logging.INFO)``
 or by configuring the ``"jaxreshard"`` logger.
 
-The bars of the command line are drawn from the plans in ``_progress``; this
+The bars of the command line are drawn from the plans in ``_read_plan``; this
 module is for library callers.
 """
 

@@ -355,7 +355,7 @@ def _anatomy_of_paths(state: Any, roles: Sequence[Optional[str]]) -> Anatomy:
   return Anatomy(skel_def, tuple(skel_leaves), tuple(mirrors))
 
 
-def _nested(pids: Sequence[str], values: Mapping[str, Any]) -> Any:
+def nested(pids: Sequence[str], values: Mapping[str, Any]) -> Any:
   if list(pids) == [""]:
     return values[""]
   root: dict = {}
@@ -396,7 +396,7 @@ def build_state(
     if set(values) == set(mirror.order):
       subtrees.append(jax.tree_util.tree_unflatten(mirror.treedef, [values[p] for p in mirror.order]))
     else:
-      subtrees.append(_nested(sorted(values), values))
+      subtrees.append(nested(sorted(values), values))
   scalar_iter = iter(scalars) if scalars is not None else None
   leaves = []
   for leaf in template.skeleton_leaves:

@@ -26,7 +26,7 @@ import optax
 from jaxreshard import _pipeline, _reshard, _structure
 from jaxreshard._checkpoint import STAGING_BYTES, Checkpoint, ReadStats, open_checkpoint
 from jaxreshard._errors import DtypeError, PlacementError, ReshardError, ShapeError
-from jaxreshard._global import MeshState
+from jaxreshard._mesh import MeshState
 from jaxreshard._placement import ParamPlacement
 from jaxreshard._report import ProgressCallback, Reporter
 

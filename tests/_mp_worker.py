@@ -53,7 +53,7 @@ from jax.sharding import Mesh  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 import jaxreshard as jr  # noqa: E402
-from jaxreshard._global import mesh_ranks  # noqa: E402
+from jaxreshard._mesh import mesh_ranks  # noqa: E402
 from tests import _mp_util as U  # noqa: E402
 from tests._core_util import bits, rchar  # noqa: E402
 
@@ -169,8 +169,8 @@ def restore_replicated(opt) -> dict:
   np.savez(os.path.join(OUT, f"p{ME}_rep.npz"), **dump)
   spec = {p.param: p for p in out.placements[min(out.placements)]}
   jr.save_sharded(ARGS["resave"], opt, out.state, spec, m, "fsdp", timeout_s=60)
-  from jaxreshard import _global  # pylint: disable=g-import-not-at-top
-  return {"ranks": sorted(out.placements), "written": _global.writer_ranks(m, "fsdp"),
+  from jaxreshard import _mesh  # pylint: disable=g-import-not-at-top
+  return {"ranks": sorted(out.placements), "written": _mesh.writer_ranks(m, "fsdp"),
           "rank_of": {d.id: r for r, ds in mesh_ranks(m, "fsdp").items() for d in ds}}
 
 

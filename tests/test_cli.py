@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 import jaxreshard as jr
-from jaxreshard import _progress
-from jaxreshard._cli import EXIT_DIFFERENT, EXIT_ERROR, app
+from jaxreshard import _read_plan
+from jaxreshard._cli import EXIT_DIFFERENT, EXIT_ERROR, app, progress_bar
 
 from tests._core_util import assert_records_equal, replace_history as _replace
 
@@ -101,7 +101,7 @@ def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
                 and not l.split()[0] == "param"]
   index = jr.open_checkpoint(root / "ckpt8")
   for rank in range(6):
-    p = _progress.target_plan(index, world_size=6, rank=rank)
+    p = _read_plan.read_plan(index, world_size=6, rank=rank)
     for pid, shape in (("enc/kernel", (7, 11)), ("enc/bias", (5,)), ("head", (9,))):
       t = jr.FlatShard(shape, rank, 6)
       reads = [r for r in p.reads if r.param == pid]
@@ -119,7 +119,7 @@ def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
              str(r.source_offset), str(r.bytes)] for r in p.reads]
     assert all(m in read_lines for m in mine)
   assert len(read_lines) == sum(
-      len(_progress.target_plan(index, world_size=6, rank=r).reads) for r in range(6))
+      len(_read_plan.read_plan(index, world_size=6, rank=r).reads) for r in range(6))
   assert summary[-1].startswith("dry run: 6 target ranks, ")
 
 
@@ -221,13 +221,13 @@ def test_progress_bar_shows_bytes_and_eta_on_terminals():
   from rich.console import Console
 
   text = io.StringIO()
-  with _progress.progress_bar(Console(file=text, force_terminal=True, width=100)) as bar:
+  with progress_bar(Console(file=text, force_terminal=True, width=100)) as bar:
     task = bar.add_task("rank 0/6", total=2_000_000)
     bar.advance(task, 1_000_000)
   assert "rank 0/6" in text.getvalue() and "1.0/2.0 MB" in text.getvalue()
   assert "-:--:--" in text.getvalue() or "0:00:" in text.getvalue()  # the ETA column
   piped = io.StringIO()
-  with _progress.progress_bar(Console(file=piped)) as bar:
+  with progress_bar(Console(file=piped)) as bar:
     bar.advance(bar.add_task("x", total=10), 10)
   assert piped.getvalue() == ""  # pipes and logs get no frozen bar
 
@@ -439,7 +439,7 @@ def _json_out(result, code=0):
 def test_reshard_json_dry_run_plans_reads_and_written(ckpt, tmp_path):
   root, src = ckpt
   index = jr.open_checkpoint(root / "ckpt8")
-  plans = [_progress.target_plan(index, world_size=6, rank=r) for r in range(6)]
+  plans = [_read_plan.read_plan(index, world_size=6, rank=r) for r in range(6)]
   data = _json_out(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "--dry-run",
                         "--json"))
   assert data["dry_run"] and data["world_size"] == 6 and data["archives"] == 8

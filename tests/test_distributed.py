@@ -97,13 +97,13 @@ def test_bf16_padded_output_from_2d_source_is_bit_exact():
 
 
 def test_records_from_mesh_equal_core_records(ex):
-  from jaxreshard import _global
+  from jaxreshard import _mesh
   opt, params, state, _ = ex
   mesh = device_mesh((2, 4), ("data", "fsdp"))
   out = jr.shard_to_mesh(opt, params, state, mesh, "fsdp", trainable=U.trainable())
   expected = jr.shard_state(opt, params, state, 4, trainable=U.trainable())
   shapes = {p.param: p for p in out.placements[0]}
-  records = _global.records_from_mesh(opt, out.state, shapes, mesh, "fsdp")
+  records = _mesh.records_from_mesh(opt, out.state, shapes, mesh, "fsdp")
   assert sorted(records) == [0, 1, 2, 3]
   for r, rec in records.items():
     assert_records_equal(rec, expected[r])

@@ -1,4 +1,4 @@
-"""Every optimizer of issue 2: real states after a few steps, 8 -> 6 -> 8, bit-exact.
+"""Every supported optimizer family: real states after a few steps, 8 -> 6 -> 8, bit-exact.
 
 For each optimizer the test runs real update steps (so moments are non-zero),
 shards the state over 8 ranks, reshards every rank of 6 and back to 8, and
@@ -125,7 +125,7 @@ def test_adafactor_is_refused_with_a_shape_error():
 
 
 def test_explicit_groups_merge_two_archive_groups_with_different_world_sizes():
-  """SPEC "Migrations": tensor-parallel 'attn' over 4 ranks and 'experts' over 3,
+  """Explicit migrations of another layout: tensor-parallel 'attn' over 4 ranks and 'experts' over 3,
   merged by one reshard call, each into its own target world size (2 and 5)."""
   opt = optax.adam(1e-2)
   rng = np.random.default_rng(7)

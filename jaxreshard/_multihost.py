@@ -19,10 +19,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxreshard import _archive_io, _global, _restore, _target_restore
+from jaxreshard import _archive_io, _mesh, _restore, _target_restore
 from jaxreshard import _checkpoint
 from jaxreshard._errors import ArchiveError, ArchiveExistsError, ReshardError, ShapeError
-from jaxreshard._global import MeshState
+from jaxreshard._mesh import MeshState
 from jaxreshard._geometry import FlatShard
 from jaxreshard._record import RECORD_VERSION, ShardRecord
 from jaxreshard._report import ProgressCallback, check_callback
@@ -60,12 +60,12 @@ def reshard_to_mesh(records: Sequence[ShardRecord], mesh: Mesh, axis: str = "fsd
   from jaxreshard import _reshard  # pylint: disable=g-import-not-at-top
 
   records = list(records)
-  world = _global._axis_size(mesh, axis)  # pylint: disable=protected-access
+  world = _mesh.axis_size(mesh, axis)
   built = {}
-  for rank, devices in _global.mesh_ranks(mesh, axis).items():
+  for rank, devices in _mesh.mesh_ranks(mesh, axis).items():
     with jax.default_device(devices[0]):
       built[rank] = _reshard.reshard(records, _reshard.plan(records, world_size=world, rank=rank))
-  return MeshState(_global.records_to_mesh(built, mesh, axis),
+  return MeshState(_mesh.records_to_mesh(built, mesh, axis),
                    {r: rec.placements for r, rec in built.items()})
 
 
@@ -144,12 +144,12 @@ def restore_sharded(directory: os.PathLike | str, mesh: Mesh, axis: str = "fsdp"
   check_callback(progress)
   if target is not None:
     return _target_restore.restore_to_target(directory, target, progress=progress)
-  world = _global._axis_size(mesh, axis)  # pylint: disable=protected-access
-  ranks = list(_global.mesh_ranks(mesh, axis))
+  world = _mesh.axis_size(mesh, axis)
+  ranks = list(_mesh.mesh_ranks(mesh, axis))
   records = _restore.restore_reported("restore_sharded", directory, ranks, world_size=world,
                                       progress=progress)
   built = dict(zip(ranks, records))
-  return MeshState(_global.records_to_mesh(built, mesh, axis),
+  return MeshState(_mesh.records_to_mesh(built, mesh, axis),
                    {r: rec.placements for r, rec in built.items()})
 
 
@@ -250,12 +250,12 @@ def save_sharded(
 def mesh_archives(optimizer: optax.GradientTransformation, state: optax.OptState,
                   shapes: Mapping[str, Any], mesh: Mesh,
                   axis: str) -> dict[int, ShardRecord]:
-  """Host copies of the archives this process writes (see ``_global.writer_ranks``).
+  """Host copies of the archives this process writes (see ``_mesh.writer_ranks``).
 
   The copies are taken now, so the caller may then mutate or donate ``state``.
   """
-  ranks = _global.writer_ranks(mesh, axis)
-  records = _global.records_from_mesh(optimizer, state, shapes, mesh, axis, ranks=ranks)
+  ranks = _mesh.writer_ranks(mesh, axis)
+  records = _mesh.records_from_mesh(optimizer, state, shapes, mesh, axis, ranks=ranks)
   return {r: host_record(rec) for r, rec in records.items()}
 
 
@@ -283,16 +283,16 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> di
   ``(slots,)`` buffers and the same (replicated) clock; only placements'
   ranks differ, so the primary describes all ``M`` archives itself.
   """
-  world = _global._axis_size(mesh, axis)  # pylint: disable=protected-access
-  roles = _global.roles_of(optimizer, state, shapes)
+  world = _mesh.axis_size(mesh, axis)
+  roles = _mesh.roles_of(optimizer, state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(state)
-  of = _global.placements_for(shapes, roles, leaves, world)
+  of = _mesh.placements_for(shapes, roles, leaves, world)
   abstract = []
   for leaf, role in zip(leaves, roles):
     if role is None:
       abstract.append(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
     else:
-      slots = FlatShard(_global._shape_of(shapes[role], role), 0, world).slots  # pylint: disable=protected-access
+      slots = FlatShard(_mesh.shape_of(shapes[role], role), 0, world).slots
       if tuple(np.shape(leaf)) != (world * slots,):
         raise ShapeError(
             f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"

@@ -51,7 +51,7 @@ class MeshState(NamedTuple):
   placements: Mapping[int, tuple[ParamPlacement, ...]]
 
 
-def _axis_size(mesh: Mesh, axis: str) -> int:
+def axis_size(mesh: Mesh, axis: str) -> int:
   if axis not in mesh.axis_names:
     raise PlacementError(f"mesh axis {axis!r} is not one of the mesh's axes {mesh.axis_names}")
   return int(mesh.shape[axis])
@@ -76,7 +76,7 @@ def mesh_ranks(mesh: Mesh, axis: str = "fsdp") -> dict[int, list[Any]]:
     >>> sorted(ranks) == list(range(jax.device_count())), ranks[0] == [jax.devices()[0]]
     (True, True)
   """
-  _axis_size(mesh, axis)
+  axis_size(mesh, axis)
   a = mesh.axis_names.index(axis)
   me = jax.process_index()
   out: dict[int, list[Any]] = {}
@@ -92,7 +92,7 @@ def writer_ranks(mesh: Mesh, axis: str = "fsdp") -> list[int]:
   Every rank has exactly one writer across all processes, so no process writes
   another's files even when the other mesh axes replicate ranks across hosts.
   """
-  _axis_size(mesh, axis)
+  axis_size(mesh, axis)
   a = mesh.axis_names.index(axis)
   first: dict[int, Any] = {}
   for index, device in np.ndenumerate(mesh.devices):
@@ -140,7 +140,7 @@ def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = 
     PlacementError: a rank of this process without a record, records of
       different layouts, or a record that is not rank ``r`` of ``M``.
   """
-  world = _axis_size(mesh, axis)
+  world = axis_size(mesh, axis)
   local = mesh_ranks(mesh, axis)
   missing = sorted(set(local) - set(records))
   if missing:
@@ -192,10 +192,10 @@ def _shard_on(leaf: Any, rank: int, slots: int, pid: str, axis: str) -> jax.Arra
 
 def _placeholder_params(shapes: Mapping[str, Any]) -> Any:
   ids = sorted(shapes)
-  return _structure._nested(ids, {pid: pid for pid in ids})  # pylint: disable=protected-access
+  return _structure.nested(ids, {pid: pid for pid in ids})
 
 
-def _shape_of(value: Any, pid: str) -> tuple[int, ...]:
+def shape_of(value: Any, pid: str) -> tuple[int, ...]:
   return normalize_shape(getattr(value, "shape", value), what=f"param {pid!r}: shape")
 
 
@@ -218,7 +218,7 @@ def placements_for(
   for pid in sorted(shapes):
     v = shapes[pid]
     dtype = np.dtype(getattr(v, "dtype", first_dtype.get(pid, np.float32)))
-    base.append((pid, _shape_of(v, pid), dtype, bool(getattr(v, "trainable", True))))
+    base.append((pid, shape_of(v, pid), dtype, bool(getattr(v, "trainable", True))))
 
   def of(rank: int) -> tuple[ParamPlacement, ...]:
     return tuple(ParamPlacement(pid, s, rank, world_size, d, t) for pid, s, d, t in base)
@@ -259,7 +259,7 @@ def records_from_mesh(
   Returns:
     rank -> ``ShardRecord`` holding that rank's local device buffers.
   """
-  world = _axis_size(mesh, axis)
+  world = axis_size(mesh, axis)
   roles = roles_of(optimizer, state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(state)
   of = placements_for(shapes, roles, leaves, world)
@@ -271,7 +271,7 @@ def records_from_mesh(
       if role is None:
         rank_leaves.append(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
         continue
-      g = FlatShard(_shape_of(shapes[role], role), rank, world)
+      g = FlatShard(shape_of(shapes[role], role), rank, world)
       if tuple(np.shape(leaf)) != (world * g.slots,):
         raise ShapeError(
             f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
@@ -318,7 +318,7 @@ def shard_to_mesh(
     >>> sharded.placements[0][0].world_size == jax.device_count()
     True
   """
-  world = _axis_size(mesh, axis)
+  world = axis_size(mesh, axis)
   whole = _reshard.shard_state(optimizer, params, state, 1, trainable=trainable)
   local = mesh_ranks(mesh, axis)
   records = {}
@@ -378,7 +378,7 @@ def gather_from_mesh(
     >>> gather_from_mesh(opt, sharded.state, {"w": (5,)}, mesh)[0].trace["w"].shape
     (5,)
   """
-  world = _axis_size(mesh, axis)
+  world = axis_size(mesh, axis)
   roles = roles_of(optimizer, state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(state)
   of = placements_for(shapes, roles, leaves, world)
@@ -394,7 +394,7 @@ def gather_from_mesh(
       if role is None:
         rank_leaves.append(leaf)
         continue
-      g = FlatShard(_shape_of(shapes[role], role), rank, world)
+      g = FlatShard(shape_of(shapes[role], role), rank, world)
       if leaf.shape != (world * g.slots,):
         raise ShapeError(
             f"param {role!r}: global history buffer of shape {leaf.shape} is not"

@@ -1,4 +1,4 @@
-"""What each target rank reads, in bytes, from a checkpoint's index alone; the progress bar.
+"""What each target rank reads, in bytes, from a checkpoint's index alone.
 
 ``reshard --dry-run`` prints these plans and ``reshard`` sizes its progress bar
 with them. They come from the same validation and copy plan as the restore
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 
 from jaxreshard import _copyplan, _pipeline, _reshard
 from jaxreshard._checkpoint import Checkpoint
 
-__all__ = ["Read", "TargetPlan", "progress_bar", "target_plan", "total_bytes"]
+__all__ = ["Read", "ReadPlan", "read_plan", "total_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Read:
 
 
 @dataclasses.dataclass(frozen=True)
-class TargetPlan:
+class ReadPlan:
   """Everything one target rank reads and holds."""
 
   rank: int
@@ -63,7 +62,7 @@ class TargetPlan:
     return self.target_bytes + min(STAGING_BYTES, self.bytes_read)
 
 
-def target_plan(ckpt: Checkpoint, *, world_size: int, rank: int) -> TargetPlan:
+def read_plan(ckpt: Checkpoint, *, world_size: int, rank: int) -> ReadPlan:
   """The reads of target ``rank`` of ``world_size``, from the index only.
 
   Raises:
@@ -74,7 +73,7 @@ def target_plan(ckpt: Checkpoint, *, world_size: int, rank: int) -> TargetPlan:
     return _target_plan(ckpt, world_size, rank)
 
 
-def _target_plan(ckpt: Checkpoint, world_size: int, rank: int) -> TargetPlan:
+def _target_plan(ckpt: Checkpoint, world_size: int, rank: int) -> ReadPlan:
   migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=rank)
   groups = _pipeline.validate(ckpt, migrations)
   layout = _copyplan.target_layout(groups)
@@ -88,7 +87,7 @@ def _target_plan(ckpt: Checkpoint, world_size: int, rank: int) -> TargetPlan:
     lo = r * grp.source.slots + local
     reads.append(Read(grp.by_rank[r], r, grp.param, lo, lo + n, local, n * itemsize[g]))
   reads.sort(key=lambda x: (x.param, x.lo))
-  return TargetPlan(rank, world_size, tuple(reads), layout.nbytes)
+  return ReadPlan(rank, world_size, tuple(reads), layout.nbytes)
 
 
 def total_bytes(ckpt: Checkpoint) -> int:
@@ -99,19 +98,3 @@ def total_bytes(ckpt: Checkpoint) -> int:
                    if hasattr(h, "dtype"))
     total += math.prod(shape) * itemsize
   return total
-
-
-def progress_bar(console: Any) -> Any:
-  """A rich progress bar counting bytes, with speed and ETA, on terminals only."""
-  from rich import progress  # only the CLI draws bars
-
-  return progress.Progress(
-      progress.TextColumn("[bold]{task.description}"),
-      progress.BarColumn(),
-      progress.DownloadColumn(),
-      progress.TransferSpeedColumn(),
-      progress.TimeRemainingColumn(),
-      console=console,
-      # Pipes and logs get the one summary line, not a frozen bar.
-      disable=not console.is_terminal,
-  )
