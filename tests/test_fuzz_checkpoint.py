@@ -1065,15 +1065,24 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
 
 # --- known bugs, tolerated by the fuzz tests (see the regression tests below) ---
 
-# (signature regex, op predicate, regression test) of each known, pinned bug.
-_KNOWN: list[tuple[str, Callable[[list[Op]], bool], str]] = []
+# (regex on the finding's text, regression test) of each known, pinned bug.
+_KNOWN: list[tuple[str, str]] = [
+    (r"OSError.*\[Errno 6\] No such device or address|No such device or address",
+     "test_socket_in_place_of_a_file_is_an_archive_error"),
+    (r"Comparator raised exception while sorting pytree dictionary keys",
+     "test_tree_dict_with_str_and_int_keys_is_refused"),
+    (r"Cannot change data-type for array of references",
+     "test_python_int_clock_scalar_beyond_int64"),
+    (r"MarkupError", "test_inspect_survives_rich_markup_in_a_clock_key"),
+]
 
 
 def _known(f: Finding, ops: list[Op]) -> Optional[str]:
+  del ops
   if STRICT:
     return None
-  for pattern, pred, test in _KNOWN:
-    if re.search(pattern, f.signature) and pred(ops):
+  for pattern, test in _KNOWN:
+    if re.search(pattern, str(f)):
       return test
   return None
 
@@ -1139,3 +1148,121 @@ def test_pristine_checkpoint_passes_the_harness():
 
 
 # --- regression tests of what the fuzzer found ----------------------------------
+#
+# Each is the minimized form of a fuzz failure. Those that fail today are
+# ``xfail(strict=True)``: they turn into failures (XPASS) once the reader is
+# fixed, and then their mark and their ``_KNOWN`` entry go together.
+
+
+@pytest.fixture
+def fuzz_ckpt(tmp_path):
+  """A private copy of the fuzzed checkpoint."""
+  path = tmp_path / "ckpt"
+  shutil.copytree(pristine().path, path)
+  return path
+
+
+def _edit_index(ckpt, fn):
+  p = os.path.join(ckpt, INDEX)
+  with open(p) as f:
+    d = json.load(f)
+  fn(d)
+  with open(p, "w") as f:
+    json.dump(d, f)
+
+
+def _refusals(ckpt):
+  """What load_records and restore raise (None: they returned)."""
+  out = []
+  for call in (lambda: jr.load_records(ckpt), lambda: jr.restore(ckpt, rank=0, world_size=2)):
+    e = run_bounded(call, "reader", str(ckpt)).error
+    out.append(e)
+  return out
+
+
+def _one_error_line(code, err):
+  assert code == 2, (code, err)
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("jaxreshard: error: "), err
+  assert not _BARE_TYPE.match(lines[0]), lines[0]
+
+
+_SOCKET_ENTRIES = [INDEX, "archive_00000/archive.json", "archive_00000/float32/zarr.json",
+                   "archive_00000/float32/c/0"]
+
+
+@pytest.mark.xfail(strict=True, reason="a UNIX socket in place of a file: os.open fails with"
+                   " ENXIO, re-raised as a bare OSError instead of 'is not a regular file'")
+@pytest.mark.parametrize("entry", _SOCKET_ENTRIES)
+def test_socket_in_place_of_a_file_is_an_archive_error(fuzz_ckpt, entry):
+  # Found by test_fuzz_file_system: Replace(entry, 'socket').
+  path = os.path.join(fuzz_ckpt, entry)
+  os.unlink(path)
+  s = socket.socket(socket.AF_UNIX)
+  s.bind(path)
+  s.close()
+  for e in _refusals(fuzz_ckpt):
+    assert isinstance(e, jr.ArchiveError), repr(e)
+    assert f"{path} is not a regular file" in str(e)
+
+
+@pytest.mark.xfail(strict=True, reason="a dict node whose keys mix str and int reaches jax's"
+                   " key sort: a bare ValueError ('Comparator raised exception while sorting"
+                   " pytree dictionary keys'), not a ReshardError")
+def test_tree_dict_with_str_and_int_keys_is_refused(fuzz_ckpt):
+  # Found by test_fuzz_json_metadata: one key of the hyperparams dict made an int key,
+  # JsonEdit('jaxreshard.json', ('layouts', 0, 'tree', 4, 1, 1, 0), 'set', ['i', 5]).
+  def mixed(d):
+    node = d["layouts"][0]["tree"][4][1]  # ["d", [["s", "b1"], ...], [...]]: hyperparams
+    assert node[0] == "d" and node[1][0] == ["s", "b1"]
+    node[1][0] = ["i", 5]
+
+  _edit_index(fuzz_ckpt, mixed)
+  for e in _refusals(fuzz_ckpt):
+    assert isinstance(e, jr.ArchiveError), repr(e)
+  code, _, err = cli("inspect", fuzz_ckpt)
+  _one_error_line(code, err)
+
+
+@pytest.mark.xfail(strict=True, reason="a Python-int clock scalar beyond int64 loads, then"
+                   " inspect and verify crash with a TypeError traceback (np.asarray makes an"
+                   " object array whose bits cannot be viewed)")
+def test_python_int_clock_scalar_beyond_int64(fuzz_ckpt):
+  # Found by test_fuzz_json_metadata: JsonEdit('jaxreshard.json', ('clocks', 0, 0, 'v'),
+  # 'set', 10**30) on a {"py": "int"} scalar (the first, made a Python int here).
+  _edit_index(fuzz_ckpt, lambda d: d["clocks"][0].__setitem__(0, {"py": "int", "v": 10**30}))
+  for args in (("inspect", fuzz_ckpt), ("verify", pristine().path, fuzz_ckpt)):
+    code, out, err = cli(*args)
+    assert not isinstance(code, BaseException), f"{args[0]}: {code!r}"
+    assert code in (0, 1, 2), (args[0], code)
+    if code == 2:
+      _one_error_line(code, err)
+
+
+@pytest.mark.xfail(strict=True, reason="inspect prints clock key paths as rich markup: a"
+                   " dict key containing '[/x]' raises rich.errors.MarkupError (a traceback)")
+def test_inspect_survives_rich_markup_in_a_clock_key(fuzz_ckpt):
+  # Found by test_fuzz_json_metadata: JsonEdit('jaxreshard.json', ('layouts', 0, 'tree', 4,
+  # 1, 1, 0, 1), 'set', '[/x]'), a key of the hyperparams dict (loads: a valid other tree).
+  def markup(d):
+    node = d["layouts"][0]["tree"][4][1]
+    assert node[1][0] == ["s", "b1"]
+    node[1][0] = ["s", "[/x]"]
+
+  _edit_index(fuzz_ckpt, markup)
+  assert jr.load_records(fuzz_ckpt)
+  code, out, err = cli("inspect", fuzz_ckpt)
+  assert not isinstance(code, BaseException), repr(code)
+  assert code == 0 and "['[/x]']" in out, (code, err)
+
+
+@pytest.mark.xfail(strict=True, reason="inspect prints param ids as rich markup: a param"
+                   " named '[bold]b' is shown as 'b' (ids escape '/', so '[/x]' cannot crash it)")
+def test_inspect_prints_param_ids_with_rich_markup_literally(tmp_path):
+  # A regular save: '[bold]b' and '[red]' are legal pytree keys.
+  opt = optax.adam(1e-3)
+  params = {"[bold]b": jnp.zeros((3,), jnp.float32), "[red]": jnp.zeros((2,), jnp.float32)}
+  jr.save_records(tmp_path / "c", jr.shard_state(opt, params, opt.init(params), 2))
+  code, out, err = cli("inspect", tmp_path / "c")
+  assert code == 0, (code, err)
+  assert "[bold]b" in out and "[red]" in out, out
