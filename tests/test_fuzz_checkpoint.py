@@ -190,7 +190,21 @@ def _key(record: Any) -> tuple:
     a = np.asarray(x)
     data.append((a.dtype.str, a.shape, weak, type(x).__name__ if np.ndim(x) == 0 else "",
                  _uint(a).tobytes() if a.dtype != object else repr(a)))
-  return (record.version, record.placements, record.roles, str(tree), tuple(data))
+  return (record.version, record.placements, record.roles, str(tree), _shape_of_tree(record.state),
+          tuple(data))
+
+
+def _shape_of_tree(node: Any) -> Any:
+  """The tree's nodes with their classes, field names and keys (a treedef shows fewer)."""
+  if isinstance(node, tuple) and hasattr(type(node), "_fields"):
+    cls = type(node)
+    return ("n", cls.__module__, cls.__qualname__, tuple(cls._fields),
+            tuple(_shape_of_tree(c) for c in node))
+  if type(node) in (list, tuple):
+    return (type(node).__name__, tuple(_shape_of_tree(c) for c in node))
+  if type(node) is dict:
+    return ("d", tuple((repr(k), _shape_of_tree(v)) for k, v in node.items()))
+  return type(node).__name__
 
 
 def _keys(records: list) -> list:
@@ -460,8 +474,8 @@ class Extra(Op):
       os.symlink(canary, p)
     elif self.what.startswith("copy:"):
       src = os.path.join(ckpt, self.what[5:])
-      if not _plain_tree(src):
-        return
+      if not _plain_tree(src) or (p + "/").startswith(src + "/"):
+        return  # links or FIFOs inside, or a copy into itself
       (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, p)
 
   def touched(self):
@@ -512,8 +526,12 @@ class Damage:
 def damage(ckpt: str) -> Damage:
   pr = pristine()
   broken, restore_broken, edited = set(), set(), set()
-  for e in pr.entries:
+  for e in pr.entries:  # sorted: a directory comes before what it holds
     p, q = os.path.join(ckpt, e), os.path.join(pr.path, e)
+    if os.path.dirname(e) in broken:  # never look through a link (a canary) or a non-dir
+      broken.add(e)
+      restore_broken.add(e)
+      continue
     try:
       mode = os.lstat(p).st_mode
     except OSError:  # gone, or a parent is no directory any more
@@ -940,8 +958,9 @@ def _file_state(root: str) -> dict:
   return out
 
 
-def _strip_path(text: str, path: str) -> str:
-  return text.replace(path, "CKPT")
+def _table(text: str) -> str:
+  """inspect's output after its title (which names, and wraps, the checkpoint's path)."""
+  return text[text.find("\u250f"):]
 
 
 def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[int, int]]) -> None:
@@ -1035,7 +1054,7 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
       _, want_out, _ = pr.cli["inspect"]
     else:
       _, want_out, _ = cli("inspect", ref_path)
-    if _strip_path(out, ckpt) != _strip_path(want_out, ref_path):
+    if _table(out) != _table(want_out):
       raise Finding("inspect: different output",
                     f"inspect printed something else than for the reference:\n{out[-1500:]}")
   if load.ok and code != 0:
@@ -1097,6 +1116,7 @@ _KNOWN: list[tuple[str, str]] = [
     (r"hexadecimal value too large to represent as a float",
      "test_python_float_clock_scalar_that_overflows"),
     (r"overlong error line", "test_error_messages_quote_metadata_truncated"),
+    (r"TypeError: unhashable type", "test_unhashable_namedtuple_module_name_or_fields"),
 ]
 
 
@@ -1321,3 +1341,26 @@ def test_error_messages_quote_metadata_truncated(fuzz_ckpt, file):
   for e in _refusals(fuzz_ckpt):
     assert isinstance(e, jr.ArchiveError), repr(e)
     assert "is not supported" in str(e) and len(str(e)) < MAX_ERROR_CHARS, len(str(e))
+
+
+@pytest.mark.xfail(strict=True, reason="decode_tree looks up (module, name, fields) in a dict"
+                   " before namedtuple_class checks them: a list there raises a bare TypeError"
+                   " (unhashable type: 'list'); the CLI prints a traceback")
+@pytest.mark.parametrize("slot, value", [(1, []), (2, ["x"]), (3, [["count"], "hyperparams",
+                                                                   "hyperparams_states",
+                                                                   "inner_state"])],
+                         ids=["module", "name", "fields"])
+def test_unhashable_namedtuple_module_name_or_fields(fuzz_ckpt, slot, value):
+  # Found by test_fuzz_json_metadata (long profile):
+  # JsonEdit('jaxreshard.json', ('layouts', 0, 'tree', 1), 'set', []).
+  def edit(d):
+    node = d["layouts"][0]["tree"]  # ["n", module, name, fields, children]
+    assert node[0] == "n" and node[2] == "InjectStatefulHyperparamsState"
+    node[slot] = value
+
+  _edit_index(fuzz_ckpt, edit)
+  for e in _refusals(fuzz_ckpt):
+    assert isinstance(e, jr.ArchiveError), repr(e)
+  code, _, err = cli("inspect", fuzz_ckpt)
+  assert not isinstance(code, BaseException), repr(code)
+  _one_error_line(code, err)
