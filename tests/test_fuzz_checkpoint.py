@@ -800,7 +800,15 @@ TARGETS = st.integers(1, 5).flatmap(lambda w: st.tuples(st.integers(0, w - 1), s
 # --- running one call -----------------------------------------------------------
 
 
-class Hang(AssertionError):
+class Finding(AssertionError):
+  """A failure of the reader, with a short signature (for the known-bug list)."""
+
+  def __init__(self, signature: str, detail: str):
+    super().__init__(f"[{signature}] {detail}")
+    self.signature = signature
+
+
+class Hang(Finding):
   pass
 
 
@@ -828,6 +836,28 @@ def _unblock_fifos(root: str) -> None:
         pass
 
 
+# Every call runs with the address space capped at what the process maps now plus
+# this much: an allocation that a metadata bomb asks for fails at once with a
+# MemoryError (a finding) instead of paging a shared machine to death.
+ADDRESS_SPACE_HEADROOM = 3 << 30
+
+
+def address_space_cap() -> Callable[[], None]:
+  """Caps the address space; returns the function that lifts the cap again."""
+  import resource  # pylint: disable=g-import-not-at-top
+
+  soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+  with open("/proc/self/statm") as f:
+    mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+  cap = mapped + ADDRESS_SPACE_HEADROOM
+  if hard != resource.RLIM_INFINITY:
+    cap = min(cap, hard)
+  if soft != resource.RLIM_INFINITY:
+    cap = min(cap, soft)
+  resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+  return lambda: resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 def run_bounded(fn: Callable[[], Any], what: str, root: str) -> Outcome:
   """``fn()`` in a watchdog thread, its allocations traced; a hang is a failure."""
   import traceback  # pylint: disable=g-import-not-at-top
@@ -844,19 +874,23 @@ def run_bounded(fn: Callable[[], Any], what: str, root: str) -> Outcome:
   tracemalloc.start()
   start = time.monotonic()
   worker = threading.Thread(target=body, daemon=True)
+  lift = address_space_cap()
   try:
     worker.start()
     worker.join(PATIENCE_S)
     if worker.is_alive():
       _unblock_fifos(root)
       worker.join(5)
-      raise Hang(f"{what}: still running after {PATIENCE_S} s (a hang)")
+    if worker.is_alive():  # the cap stays on while it runs
+      raise Hang(f"{what}: hang", f"{what}: still running after {PATIENCE_S} s")
+    lift()
     _, out.peak = tracemalloc.get_traced_memory()
   finally:
     tracemalloc.stop()
   out.seconds = time.monotonic() - start
   if out.peak > MAX_TRACED_BYTES:
-    raise AssertionError(f"{what}: allocated {out.peak} bytes (more than {MAX_TRACED_BYTES})")
+    raise Finding(f"{what}: memory", f"{what}: allocated {out.peak} bytes (more than"
+                  f" {MAX_TRACED_BYTES})")
   return out
 
 
@@ -875,14 +909,6 @@ def cli(*args: Any) -> tuple[Any, str, str]:
 
 
 # --- judging --------------------------------------------------------------------
-
-
-class Finding(AssertionError):
-  """A failure of the reader, with a short signature (for the known-bug list)."""
-
-  def __init__(self, signature: str, detail: str):
-    super().__init__(f"[{signature}] {detail}")
-    self.signature = signature
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")
@@ -1120,12 +1146,27 @@ _KNOWN: list[tuple[str, str]] = [
 ]
 
 
+def _edits_world_size(ops: list[Op]) -> bool:
+  return any(isinstance(op, JsonEdit) and op.file == INDEX and op.path[:1] == ("groups",)
+             for op in ops)
+
+
+# (regex on the finding, condition on the ops, regression test) of bugs found in
+# one call that other calls' outcomes would otherwise hide.
+_KNOWN_IF: list[tuple[str, Callable[[list[Op]], bool], str]] = [
+    (r"^\[inspect: (memory|hang|traceback MemoryError|traceback OverflowError)\]",
+     _edits_world_size, "test_inspect_lists_ranks_of_a_huge_world_size"),
+]
+
+
 def _known(f: Finding, ops: list[Op]) -> Optional[str]:
-  del ops
   if STRICT:
     return None
   for pattern, test in _KNOWN:
     if re.search(pattern, str(f)):
+      return test
+  for pattern, pred, test in _KNOWN_IF:
+    if re.search(pattern, str(f)) and pred(ops):
       return test
   return None
 
@@ -1364,3 +1405,19 @@ def test_unhashable_namedtuple_module_name_or_fields(fuzz_ckpt, slot, value):
   code, _, err = cli("inspect", fuzz_ckpt)
   assert not isinstance(code, BaseException), repr(code)
   _one_error_line(code, err)
+
+
+@pytest.mark.xfail(strict=True, reason="inspect compares a group's ranks with"
+                   " list(range(world_size)): one metadata integer makes it allocate and iterate"
+                   " world_size elements (10**7: ~400 MB, minutes; 10**12: MemoryError traceback)")
+def test_inspect_lists_ranks_of_a_huge_world_size(fuzz_ckpt, world=10**12):
+  # Found while sizing the fuzzer's values: JsonEdit('jaxreshard.json',
+  # ('groups', 0, 'world_size'), 'set', 10**7) made inspect run for minutes.
+  # load_records and restore refuse this index at once (slots disagree).
+  _edit_index(fuzz_ckpt, lambda d: d["groups"][0].__setitem__("world_size", world))
+  for e in _refusals(fuzz_ckpt):
+    assert isinstance(e, jr.ReshardError), repr(e)
+  # (Under tracemalloc, 2**22 already takes more than 15 s; 10**12 fails at once.)
+  code, _, err = cli("inspect", fuzz_ckpt)
+  assert not isinstance(code, BaseException), repr(code)
+  assert code in (0, 2), (code, err)
