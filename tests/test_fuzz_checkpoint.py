@@ -45,12 +45,24 @@ Allowed outcomes (the SPEC's "Checkpoints are untrusted data"):
 * the CLI: exit 0 (verify: 0 same, 1 different), or exit 2 with exactly one
   line ``jaxreshard: error: ...`` on stderr, no traceback, no message that
   starts with a bare exception type, no control characters in any output;
-  a failed ``reshard`` leaves no output directory; ``verify``, ``reshard`` and
-  ``inspect`` agree with ``load_records`` and ``restore``;
+  a failed ``reshard`` leaves no output directory. A refusal is always
+  allowed, but an answer must agree with ``load_records`` and ``restore``:
+  ``verify``'s 0/1, what ``reshard`` writes (bit for bit the two restored
+  ranks), what ``inspect`` prints (the original's table, or the reference's);
 * every call finishes within ``PATIENCE_S`` (a watchdog thread; FIFOs are
   unblocked before the failure is reported), allocates less than
-  ``MAX_TRACED_BYTES`` (tracemalloc peak, numpy included), and leaves the
-  checkpoint's files unchanged.
+  ``MAX_TRACED_BYTES`` (tracemalloc peak, numpy included) under an address-space
+  cap (``RLIMIT_AS`` at the current mapping + 3 GiB while the call runs, so a
+  metadata bomb fails fast as a MemoryError instead of paging the machine),
+  and leaves the checkpoint's files unchanged;
+* error messages (API and CLI) are at most ``MAX_ERROR_CHARS`` long: untrusted
+  fields are quoted truncated.
+
+The judge looks at the resulting files, not at how they were damaged: an
+entry that is missing, of another kind, a link, or (a shard file) holds other
+bytes is "broken" and every reader that needs it must refuse (``restore``
+reads only some chunks, so for it only a shard file's size and index count);
+edited JSON may be harmless.
 
 Profiles (settings are applied per test, other tests are untouched):
 
@@ -1050,16 +1062,8 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
     if r.ok and needs(pr.needed_by_restore(rank, world), dmg.restore_broken):
       raise Finding("restore: accepted a broken needed entry",
                     f"{what} succeeded although {sorted(dmg.restore_broken)} changed")
-    if not r.ok:
+    if not r.ok:  # a refusal is always allowed (index quirks that load_records ignores)
       _check_error("restore", r.error, r.tb)
-      if load.ok:
-        try:
-          ref_restore(rank, world)
-        except jr.ReshardError:
-          continue
-        raise Finding("restore: refuses what load_records accepts",
-                      f"{what} refused ({r.error}) but a clean save of the loaded records"
-                      " restores")
       continue
     try:
       want = ref_restore(rank, world)
@@ -1083,13 +1087,11 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
     if _table(out) != _table(want_out):
       raise Finding("inspect: different output",
                     f"inspect printed something else than for the reference:\n{out[-1500:]}")
-  if load.ok and code != 0:
-    raise Finding("inspect: refuses what load_records accepts", f"inspect: {err.strip()}")
 
   # CLI: verify ORIG MUT -------------------------------------------------------
   code, out, err = run_bounded(lambda: cli("verify", pr.path, ckpt), "verify", ckpt).value
   _check_cli("verify", code, out, err, (0, 1, 2))
-  if load.ok:
+  if load.ok and code != 2:  # an answer, not a refusal: it must be the right one
     want = 0 if ref_records == pr.records else cli("verify", pr.path, ref_path)[0]
     if code != want:
       raise Finding("verify: disagrees with load_records",
@@ -1107,8 +1109,6 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
   if code == 2:
     if os.path.lexists(dest):
       raise Finding("reshard: output left behind", "a refused reshard left its output")
-    if all(x.ok for x in both):
-      raise Finding("reshard: refuses what restore accepts", f"reshard: {err.strip()[:300]}")
   else:
     if not all(x.ok for x in both):
       raise Finding("reshard: accepts what restore refuses",
