@@ -74,7 +74,9 @@ Profiles (settings are applied per test, other tests are untouched):
         .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_fuzz_checkpoint.py \\
         -k fuzz --hypothesis-show-statistics
 
-  (``JAXRESHARD_FUZZ_EXAMPLES`` is per test; the default long run is 2000).
+  (``JAXRESHARD_FUZZ_EXAMPLES`` is per test; the default long run is 2000;
+  ``JAXRESHARD_FUZZ_LOG=FILE`` appends one line per case: time, test, outcome,
+  so that a run cut short by a timeout still says how far it got).
 
 Known reader bugs, each pinned by an ``xfail(strict=True)`` regression test at
 the end of this file, are tolerated by the fuzz tests (``_KNOWN``) so that the
@@ -1171,6 +1173,15 @@ def _known(f: Finding, ops: list[Op]) -> Optional[str]:
   return None
 
 
+def _log_case(status: str) -> None:
+  """One line per case to $JAXRESHARD_FUZZ_LOG (long runs: counts survive a timeout)."""
+  path = os.environ.get("JAXRESHARD_FUZZ_LOG")
+  if path:
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[-1].split(" ")[0]
+    with open(path, "a") as f:
+      f.write(f"{time.time():.1f} {test} {status}\n")
+
+
 def fuzz_case(ops: list[Op], targets: list[tuple[int, int]]) -> None:
   """Copies the pristine checkpoint, applies ``ops`` and judges every reader."""
   pr = pristine()
@@ -1187,13 +1198,17 @@ def fuzz_case(ops: list[Op], targets: list[tuple[int, int]]) -> None:
       except (OSError, ValueError, LookupError, TypeError) as e:
         note(f"  (not applicable after the earlier ops: {type(e).__name__})")
     targets = [(0, 2), (1, 2)] + [t for t in targets if t not in ((0, 2), (1, 2))]
+    status = "ok"
     try:
       check_checkpoint(ckpt, work, ops, targets)
     except Finding as f:
       test = _known(f, ops)
+      status = f"known {test}" if test else f"FAIL {f.signature}"
       if test is None:
         raise
       note(f"known bug (see {test}): {f}")
+    finally:
+      _log_case(status)
   finally:
     _unblock_fifos(work)
     shutil.rmtree(work, ignore_errors=True)
