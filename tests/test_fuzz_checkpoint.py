@@ -1158,9 +1158,19 @@ def _edits_world_size(ops: list[Op]) -> bool:
 
 # (regex on the finding, condition on the ops, regression test) of bugs found in
 # one call that other calls' outcomes would otherwise hide.
+def _renames_a_tree_key(ops: list[Op]) -> bool:
+  return any(isinstance(op, JsonEdit) and op.file == INDEX and "tree" in op.path
+             for op in ops)
+
+
 _KNOWN_IF: list[tuple[str, Callable[[list[Op]], bool], str]] = [
     (r"^\[inspect: (memory|hang|traceback MemoryError|traceback OverflowError)\]",
      _edits_world_size, "test_inspect_lists_ranks_of_a_huge_world_size"),
+    # Not a reader bug, a limit of the judge: a renamed dict key of the clock
+    # changes jax's (sorted) flatten order, so a re-save numbers the scalars
+    # differently although every value stays under its name.
+    (r"^\[load_records: index misread\]", _renames_a_tree_key,
+     "test_renamed_clock_key_keeps_its_value"),
 ]
 
 
@@ -1198,7 +1208,7 @@ def fuzz_case(ops: list[Op], targets: list[tuple[int, int]]) -> None:
         continue  # an earlier op replaced what this one edits (reading a FIFO would block)
       try:
         op.apply(ckpt, work)
-      except (OSError, ValueError, LookupError, TypeError) as e:
+      except (OSError, ValueError, LookupError, TypeError, ArithmeticError) as e:
         note(f"  (not applicable after the earlier ops: {type(e).__name__})")
     targets = [(0, 2), (1, 2)] + [t for t in targets if t not in ((0, 2), (1, 2))]
     status = "ok"
@@ -1439,3 +1449,22 @@ def test_inspect_lists_ranks_of_a_huge_world_size(fuzz_ckpt, world=10**12):
   code, _, err = cli("inspect", fuzz_ckpt)
   assert not isinstance(code, BaseException), repr(code)
   assert code in (0, 2), (code, err)
+
+
+def test_renamed_clock_key_keeps_its_value(fuzz_ckpt):
+  # From test_fuzz_json_metadata (long profile): JsonEdit('jaxreshard.json', ('layouts', 0,
+  # 'tree', 4, 1, 1, 3, 1), 'set', 'EPS_ROOT'). The index is no longer canonical (its
+  # scalars are not numbered in flatten order: 'EPS_ROOT' sorts before 'b1'), but each
+  # value stays under its own name; history buffers cannot move this way (their key
+  # paths must name their param).
+  def rename(d):
+    node = d["layouts"][0]["tree"][4][1]
+    assert node[1][3] == ["s", "eps_root"]
+    node[1][3] = ["s", "EPS_ROOT"]
+
+  _edit_index(fuzz_ckpt, rename)
+  for record in jr.load_records(fuzz_ckpt):
+    hp = record.state.hyperparams
+    assert list(hp) == ["b1", "b2", "eps", "EPS_ROOT", "learning_rate"]
+    assert hp["EPS_ROOT"].dtype == np.float64 and float(hp["EPS_ROOT"]) == 1e-300
+    assert _uint(hp["b1"]).tobytes() == _uint(np.float32(0.9)).tobytes()
