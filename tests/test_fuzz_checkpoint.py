@@ -581,7 +581,7 @@ def damage(ckpt: str) -> Damage:
 def _is_regular_or_dir(path: str) -> bool:
   try:
     mode = os.lstat(path).st_mode
-  except FileNotFoundError:
+  except OSError:  # gone, or a parent is no directory any more
     return False
   return stat.S_ISREG(mode) or stat.S_ISDIR(mode)
 
