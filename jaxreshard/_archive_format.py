@@ -64,14 +64,14 @@ MAX_TREE_DEPTH = 200
 def check_name(name: Any, pattern: re.Pattern, where: str) -> str:
   """Refuses any metadata name that could leave the checkpoint directory."""
   if not isinstance(name, str) or not pattern.match(name):
-    raise ArchiveError(f"{where}: name {name!r} is not a valid name inside a checkpoint")
+    raise ArchiveError(f"{where}: name {short(name)} is not a valid name inside a checkpoint")
   return name
 
 
 def np_dtype(name: Any, where: str) -> np.dtype:
   """A dtype from its name, only from a fixed list."""
   if not isinstance(name, str) or name not in _DTYPES:
-    raise ArchiveError(f"{where}: dtype {name!r} is not one jaxreshard stores")
+    raise ArchiveError(f"{where}: dtype {short(name)} is not one jaxreshard stores")
   return np.dtype(_DTYPES[name])
 
 
@@ -132,20 +132,27 @@ def encode_scalar(x: Any, where: str) -> dict:
   }
 
 
+def short(value: Any, limit: int = 80) -> str:
+  """``repr(value)``, cut to ``limit`` characters: untrusted fields never make long messages."""
+  text = repr(value)
+  return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def decode_scalar(d: Any, where: str) -> Any:
   expect(d, dict, where)
   if "py" in d:
     kind, v = d.get("py"), d.get("v")
     if kind == "bool" and isinstance(v, bool):
       return v
-    if kind == "int" and isinstance(v, int) and not isinstance(v, bool):
+    if kind == "int" and isinstance(v, int) and not isinstance(v, bool) and (
+        -2**63 <= v < 2**63):
       return v
     if kind == "float" and isinstance(v, str) and len(v) < 64:
       try:
         return float.fromhex(v)
-      except ValueError:
+      except (ValueError, OverflowError):
         pass
-    raise ArchiveError(f"{where}: invalid Python scalar {d!r}")
+    raise ArchiveError(f"{where}: invalid Python scalar {short(d)}")
   if set(d) != {"dtype", "shape", "weak", "bytes"}:
     raise ArchiveError(f"{where}: scalar keys {sorted(d)} are not a scalar")
   dtype = np_dtype(d["dtype"], where)
@@ -259,10 +266,10 @@ def namedtuple_class(module: Any, name: Any, fields: Any, where: str) -> type:
   check_name(name, _IDENTIFIER, where)
   if not isinstance(fields, list) or not all(isinstance(f, str) and _IDENTIFIER.match(f)
                                              and not keyword.iskeyword(f) for f in fields):
-    raise ArchiveError(f"{where}: NamedTuple {name!r} has invalid field names {fields!r}")
+    raise ArchiveError(f"{where}: NamedTuple {short(name)} has invalid field names {short(fields)}")
   fields = tuple(fields)
   if len(set(fields)) != len(fields) or keyword.iskeyword(name):
-    raise ArchiveError(f"{where}: NamedTuple {name!r} has invalid field names {list(fields)!r}")
+    raise ArchiveError(f"{where}: NamedTuple {short(name)} has invalid field names {short(list(fields))}")
   if isinstance(module, str) and _MODULE.match(module) and module.split(".")[0] in ALLOWED_PACKAGES:
     mod = sys.modules.get(module)  # never imports: only modules already loaded
     cls = getattr(mod, name, None) if mod is not None else None
@@ -276,7 +283,7 @@ def namedtuple_class(module: Any, name: Any, fields: Any, where: str) -> type:
       try:
         cls = _FALLBACK_CLASSES[key] = collections.namedtuple(name, fields)
       except ValueError as e:
-        raise ArchiveError(f"{where}: cannot re-create NamedTuple {name!r}: {e}") from None
+        raise ArchiveError(f"{where}: cannot re-create NamedTuple {short(name)}: {e}") from None
     return cls
 
 
@@ -297,7 +304,7 @@ def decode_tree(tree: Any, leaves: Sequence[Any], where: str,
     t = type(node)
     if t is int:  # a leaf: the common node, checked first
       if not 0 <= node < n_leaves or used[node]:
-        raise ArchiveError(f"{where}: leaf index {node!r} is out of range or used twice")
+        raise ArchiveError(f"{where}: leaf index {short(node)} is out of range or used twice")
       used[node] = True
       return leaves[node]
     if node is None:
@@ -316,9 +323,11 @@ def decode_tree(tree: Any, leaves: Sequence[Any], where: str,
       for k, c in zip(keys, children):
         if not (type(k) is list and len(k) == 2 and
                 ((k[0] == "s" and type(k[1]) is str) or (k[0] == "i" and type(k[1]) is int))):
-          raise ArchiveError(f"{where}: invalid dict key {k!r}")
+          raise ArchiveError(f"{where}: invalid dict key {short(k)}")
+        if out and type(k[1]) is not type(next(iter(out))):
+          raise ArchiveError(f"{where}: a dict node mixes str and int keys")
         if k[1] in out:
-          raise ArchiveError(f"{where}: dict key {k[1]!r} appears twice")
+          raise ArchiveError(f"{where}: dict key {short(k[1])} appears twice")
         out[k[1]] = dec(c, depth + 1)
       return out if kind == "d" else _frozen_dict_class(where)(out)
     if kind == "n" and len(node) == 5:

@@ -225,10 +225,10 @@ class Checkpoint:
     version = index.get("format_version")
     if version != FORMAT_VERSION:
       raise ArchiveError(
-          f"{where}: checkpoint format version {version!r} is not supported; this jaxreshard"
+          f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
           f" reads version {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard"
           " that wrote it: load it there and save it again)" if version == 1 else
-          f"{where}: checkpoint format version {version!r} is not supported; this jaxreshard"
+          f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
           f" reads version {FORMAT_VERSION}")
     if set(index) != _INDEX_KEYS:
       raise ArchiveError(f"{where}: unexpected index keys {sorted(index)}")
@@ -538,7 +538,7 @@ class Checkpoint:
                                                      "archive", "buffers"}:
       raise ArchiveError(f"{where}: {ARCHIVE_FILE} does not describe a {FORMAT} archive")
     if meta["format_version"] != FORMAT_VERSION:
-      raise ArchiveError(f"{where}: archive format version {meta['format_version']!r} is not"
+      raise ArchiveError(f"{where}: archive format version {fmt.short(meta['format_version'])} is not"
                          f" supported; this jaxreshard reads version {FORMAT_VERSION}")
     if meta["checkpoint"] != self.id:
       raise ArchiveError(

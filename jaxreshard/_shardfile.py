@@ -226,6 +226,8 @@ class Dir:
       if e.errno == errno.ELOOP:
         raise ArchiveError(f"{path} is a symbolic link; every {what} of a checkpoint must"
                            " lie inside it as a regular entry") from None
+      if e.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket or a device
+        raise ArchiveError(f"{path} is not a regular file") from None
       raise OSError(e.errno, e.strerror, path) from None
 
   def _is_link(self, name: str) -> bool:

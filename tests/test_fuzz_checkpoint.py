@@ -80,11 +80,11 @@ Profiles (settings are applied per test, other tests are untouched):
   ``JAXRESHARD_FUZZ_LOG=FILE`` appends one line per case: time, test, outcome,
   so that a run cut short by a timeout still says how far it got).
 
-Known reader bugs, each pinned by an ``xfail(strict=True)`` regression test at
-the end of this file, are tolerated by the fuzz tests (``_KNOWN``) so that the
-suite stays green while they are fixed; ``JAXRESHARD_FUZZ_STRICT=1`` reports
-them too. When a fix lands, its regression test XPASSes (a failure, being
-strict): remove its ``xfail`` mark and its ``_KNOWN`` entry together.
+Every reader bug the fuzzer found has a minimized regression test at the end
+of this file. A bug found later can be tolerated while it is fixed: an entry in
+``_KNOWN`` (the finding's text, its regression test, marked
+``xfail(strict=True)``), removed with the mark when the fix lands;
+``JAXRESHARD_FUZZ_STRICT=1`` reports known findings too.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, note, settings
 
 import jaxreshard as jr
-from jaxreshard import _cli, _progress
+from jaxreshard import _cli, _read_plan
 from jaxreshard._checkpoint import open_checkpoint
 
 # --- profiles -------------------------------------------------------------------
@@ -248,7 +248,7 @@ class Pristine:
   def needed_by_restore(self, rank: int, world: int) -> set[str]:
     """The entries ``restore(rank, world)`` must read: the index, involved archives' files."""
     if (rank, world) not in self.needed:
-      plan = _progress.target_plan(open_checkpoint(self.path), world_size=world, rank=rank)
+      plan = _read_plan.read_plan(open_checkpoint(self.path), world_size=world, rank=rank)
       dtype = {p.param: np.dtype(p.dtype).name for p in self.records[0][1]}  # key: (version, placements, ...)
       out = {INDEX}
       for r in plan.reads:
@@ -1136,24 +1136,7 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
 # --- known bugs, tolerated by the fuzz tests (see the regression tests below) ---
 
 # (regex on the finding's text, regression test) of each known, pinned bug.
-_KNOWN: list[tuple[str, str]] = [
-    (r"OSError.*\[Errno 6\] No such device or address|No such device or address",
-     "test_socket_in_place_of_a_file_is_an_archive_error"),
-    (r"Comparator raised exception while sorting pytree dictionary keys",
-     "test_tree_dict_with_str_and_int_keys_is_refused"),
-    (r"Cannot change data-type for array of references",
-     "test_python_int_clock_scalar_beyond_int64"),
-    (r"MarkupError", "test_inspect_survives_rich_markup_in_a_clock_key"),
-    (r"hexadecimal value too large to represent as a float",
-     "test_python_float_clock_scalar_that_overflows"),
-    (r"overlong error line", "test_error_messages_quote_metadata_truncated"),
-    (r"TypeError: unhashable type", "test_unhashable_namedtuple_module_name_or_fields"),
-]
-
-
-def _edits_world_size(ops: list[Op]) -> bool:
-  return any(isinstance(op, JsonEdit) and op.file == INDEX and op.path[:1] == ("groups",)
-             for op in ops)
+_KNOWN: list[tuple[str, str]] = []
 
 
 # (regex on the finding, condition on the ops, regression test) of bugs found in
@@ -1164,8 +1147,6 @@ def _renames_a_tree_key(ops: list[Op]) -> bool:
 
 
 _KNOWN_IF: list[tuple[str, Callable[[list[Op]], bool], str]] = [
-    (r"^\[inspect: (memory|hang|traceback MemoryError|traceback OverflowError)\]",
-     _edits_world_size, "test_inspect_lists_ranks_of_a_huge_world_size"),
     # Not a reader bug, a limit of the judge: a renamed dict key of the clock
     # changes jax's (sorted) flatten order, so a re-save numbers the scalars
     # differently although every value stays under its name.
@@ -1261,9 +1242,7 @@ def test_pristine_checkpoint_passes_the_harness():
 
 # --- regression tests of what the fuzzer found ----------------------------------
 #
-# Each is the minimized form of a fuzz failure. Those that fail today are
-# ``xfail(strict=True)``: they turn into failures (XPASS) once the reader is
-# fixed, and then their mark and their ``_KNOWN`` entry go together.
+# Each is the minimized form of a fuzz failure, fixed in the reader.
 
 
 @pytest.fixture
@@ -1303,8 +1282,6 @@ _SOCKET_ENTRIES = [INDEX, "archive_00000/archive.json", "archive_00000/float32/z
                    "archive_00000/float32/c/0"]
 
 
-@pytest.mark.xfail(strict=True, reason="a UNIX socket in place of a file: os.open fails with"
-                   " ENXIO, re-raised as a bare OSError instead of 'is not a regular file'")
 @pytest.mark.parametrize("entry", _SOCKET_ENTRIES)
 def test_socket_in_place_of_a_file_is_an_archive_error(fuzz_ckpt, entry):
   # Found by test_fuzz_file_system: Replace(entry, 'socket').
@@ -1318,9 +1295,6 @@ def test_socket_in_place_of_a_file_is_an_archive_error(fuzz_ckpt, entry):
     assert f"{path} is not a regular file" in str(e)
 
 
-@pytest.mark.xfail(strict=True, reason="a dict node whose keys mix str and int reaches jax's"
-                   " key sort: a bare ValueError ('Comparator raised exception while sorting"
-                   " pytree dictionary keys'), not a ReshardError")
 def test_tree_dict_with_str_and_int_keys_is_refused(fuzz_ckpt):
   # Found by test_fuzz_json_metadata: one key of the hyperparams dict made an int key,
   # JsonEdit('jaxreshard.json', ('layouts', 0, 'tree', 4, 1, 1, 0), 'set', ['i', 5]).
@@ -1336,9 +1310,6 @@ def test_tree_dict_with_str_and_int_keys_is_refused(fuzz_ckpt):
   _one_error_line(code, err)
 
 
-@pytest.mark.xfail(strict=True, reason="a Python-int clock scalar beyond int64 loads, then"
-                   " inspect and verify crash with a TypeError traceback (np.asarray makes an"
-                   " object array whose bits cannot be viewed)")
 def test_python_int_clock_scalar_beyond_int64(fuzz_ckpt):
   # Found by test_fuzz_json_metadata: JsonEdit('jaxreshard.json', ('clocks', 0, 0, 'v'),
   # 'set', 10**30) on a {"py": "int"} scalar (the first, made a Python int here).
@@ -1351,8 +1322,6 @@ def test_python_int_clock_scalar_beyond_int64(fuzz_ckpt):
       _one_error_line(code, err)
 
 
-@pytest.mark.xfail(strict=True, reason="inspect prints clock key paths as rich markup: a"
-                   " dict key containing '[/x]' raises rich.errors.MarkupError (a traceback)")
 def test_inspect_survives_rich_markup_in_a_clock_key(fuzz_ckpt):
   # Found by test_fuzz_json_metadata: JsonEdit('jaxreshard.json', ('layouts', 0, 'tree', 4,
   # 1, 1, 0, 1), 'set', '[/x]'), a key of the hyperparams dict (loads: a valid other tree).
@@ -1368,8 +1337,6 @@ def test_inspect_survives_rich_markup_in_a_clock_key(fuzz_ckpt):
   assert code == 0 and "['[/x]']" in out, (code, err)
 
 
-@pytest.mark.xfail(strict=True, reason="inspect prints param ids as rich markup: a param"
-                   " named '[bold]b' is shown as 'b' (ids escape '/', so '[/x]' cannot crash it)")
 def test_inspect_prints_param_ids_with_rich_markup_literally(tmp_path):
   # A regular save: '[bold]b' and '[red]' are legal pytree keys.
   opt = optax.adam(1e-3)
@@ -1380,9 +1347,6 @@ def test_inspect_prints_param_ids_with_rich_markup_literally(tmp_path):
   assert "[bold]b" in out and "[red]" in out, out
 
 
-@pytest.mark.xfail(strict=True, reason="decode_scalar catches ValueError around float.fromhex,"
-                   " but a too-large hex float raises OverflowError: it escapes load_records and"
-                   " restore, and inspect/verify/reshard print a traceback")
 def test_python_float_clock_scalar_that_overflows(fuzz_ckpt):
   # Found by probing the {"py": "float"} scalar form (now a nudge of every clock scalar):
   # JsonEdit('jaxreshard.json', ('clocks', 0, 1), 'set', {'py': 'float', 'v': '0x1p+9999'}).
@@ -1395,9 +1359,6 @@ def test_python_float_clock_scalar_that_overflows(fuzz_ckpt):
   _one_error_line(code, err)
 
 
-@pytest.mark.xfail(strict=True, reason="'format version {version!r} is not supported' (index and"
-                   " archive.json) quotes the untrusted field whole: a 100,000-character version"
-                   " makes a 100,000-character error line (elsewhere fields are cut to 40-200)")
 @pytest.mark.parametrize("file", [INDEX, "archive_00001/archive.json"])
 def test_error_messages_quote_metadata_truncated(fuzz_ckpt, file):
   # Found by test_fuzz_json_metadata: JsonEdit(file, ('format_version',), 'set', 'x' * 100000).
@@ -1412,9 +1373,6 @@ def test_error_messages_quote_metadata_truncated(fuzz_ckpt, file):
     assert "is not supported" in str(e) and len(str(e)) < MAX_ERROR_CHARS, len(str(e))
 
 
-@pytest.mark.xfail(strict=True, reason="decode_tree looks up (module, name, fields) in a dict"
-                   " before namedtuple_class checks them: a list there raises a bare TypeError"
-                   " (unhashable type: 'list'); the CLI prints a traceback")
 @pytest.mark.parametrize("slot, value", [(1, []), (2, ["x"]), (3, [["count"], "hyperparams",
                                                                    "hyperparams_states",
                                                                    "inner_state"])],
@@ -1435,9 +1393,6 @@ def test_unhashable_namedtuple_module_name_or_fields(fuzz_ckpt, slot, value):
   _one_error_line(code, err)
 
 
-@pytest.mark.xfail(strict=True, reason="inspect compares a group's ranks with"
-                   " list(range(world_size)): one metadata integer makes it allocate and iterate"
-                   " world_size elements (10**7: ~400 MB, minutes; 10**12: MemoryError traceback)")
 def test_inspect_lists_ranks_of_a_huge_world_size(fuzz_ckpt, world=10**12):
   # Found while sizing the fuzzer's values: JsonEdit('jaxreshard.json',
   # ('groups', 0, 'world_size'), 'set', 10**7) made inspect run for minutes.
