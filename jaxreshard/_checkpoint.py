@@ -134,7 +134,7 @@ class Layout:
     placeholder = fmt.decode_tree(tree, leaves, where)
     try:
       self.anatomy = _structure.anatomy(placeholder, self.roles)
-    except _structure.AnatomyError as e:
+    except _structure.StatePartsError as e:
       raise ArchiveError(f"{where}: {e}") from None
     self.offsets: dict[tuple[str, int], tuple[np.dtype, int, int]] = {}
     self.sizes: dict[np.dtype, int] = {}
@@ -143,7 +143,7 @@ class Layout:
       start = self.sizes.get(info.dtype, 0)
       self.offsets[(pid, m)] = (info.dtype, start, info.size)
       self.sizes[info.dtype] = start + info.size
-    self._templates: dict[int, _structure.Anatomy] = {}
+    self._templates: dict[int, _structure.StateParts] = {}
     # (param, mirror) of each history leaf, by the leaf's identity.
     self._keys = {id(info): (pid, mi) for mi, mirror in enumerate(self.anatomy.mirrors)
                   for pid, info in mirror.entries.items() if isinstance(info, LeafInfo)}
@@ -159,7 +159,7 @@ class Layout:
     return {key: info for info in self.leaves if isinstance(info, LeafInfo)
             for key in (self._keys[id(info)],)}
 
-  def template(self, clock_id: int, scalars: Sequence[Any]) -> _structure.Anatomy:
+  def template(self, clock_id: int, scalars: Sequence[Any]) -> _structure.StateParts:
     """The anatomy of an archive with this layout and clock (for building targets)."""
     t = self._templates.get(clock_id)
     if t is None:
@@ -397,7 +397,7 @@ class Checkpoint:
   def scalars(self, archive: int) -> list[Any]:
     return self.clocks[self.archive_clock[archive]]
 
-  def template(self, archive: int) -> _structure.Anatomy:
+  def template(self, archive: int) -> _structure.StateParts:
     c = self.archive_clock[archive]
     with self._lock:
       return self.layout(archive).template(c, self.clocks[c])

@@ -170,7 +170,7 @@ def packing_order(histories: dict[str, Sequence[Any]]) -> list[tuple[str, int, A
   """``(param, mirror, buffer)`` of every history buffer, in packing order.
 
   ``histories`` maps a param id to its per-mirror entries (a buffer,
-  ``MASKED`` or None), as ``Anatomy.history`` gives them.
+  ``MASKED`` or None), as ``StateParts.history`` gives them.
   """
   out = []
   for pid in sorted(histories):

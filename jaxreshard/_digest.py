@@ -163,7 +163,7 @@ class _Accumulator:
     self.streams: dict[tuple[str, int], _Stream] = {}
     self.problems: list[str] = []
 
-  def add_structure(self, index: int, anatomy: _structure.Anatomy, record: ShardRecord) -> None:
+  def add_structure(self, index: int, anatomy: _structure.StateParts, record: ShardRecord) -> None:
     """The state's structure and clock scalars must be those of archive 0."""
     structure = repr((str(anatomy.skeleton),
                       [jax.tree_util.keystr(m.prefix) for m in anatomy.mirrors]))
@@ -288,12 +288,12 @@ def _stream(directory: Union[os.PathLike, str]) -> Iterator[ShardRecord]:
     yield ckpt.record(i)
 
 
-def _anatomy(index: int, record: Any) -> _structure.Anatomy:
+def _anatomy(index: int, record: Any) -> _structure.StateParts:
   if not isinstance(record, ShardRecord):
     raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
   try:
     return _structure.anatomy(record.state, _structure.roles_of(record))
-  except _structure.AnatomyError as e:
+  except _structure.StatePartsError as e:
     raise PlacementError(f"archive {index}: {e}") from None
 
 
@@ -304,10 +304,10 @@ def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
   """
   try:
     anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
-  except _structure.AnatomyError as e:
+  except _structure.StatePartsError as e:
     raise PlacementError(f"an archive that cannot be taken apart: {e}") from None
   paths = _structure.clock_paths(
-      anatomy.skeleton, [not isinstance(x, _structure.MirrorSlot) for x in anatomy.skeleton_leaves])
+      anatomy.skeleton, [not isinstance(x, _structure.ParamsSubtreeSlot) for x in anatomy.skeleton_leaves])
   return [(path, np.asarray(x)) for path, (_, x) in zip(paths, anatomy.scalars)]
 
 

@@ -108,7 +108,7 @@ def _check_layout(records: Mapping[int, ShardRecord]) -> tuple[Any, tuple]:
     leaves, td = jax.tree_util.tree_flatten(rec.state)
     try:
       r = _structure.roles_of(rec)
-    except _structure.AnatomyError as e:
+    except _structure.StatePartsError as e:
       raise PlacementError(f"rank {rank}: {e}") from None
     if treedef is None:
       treedef, roles = td, r

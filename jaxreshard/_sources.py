@@ -123,7 +123,7 @@ class RecordSources:
   def history(self, archive: int, pid: str) -> tuple[Any, ...]:
     return self.anatomies[archive].history(pid)
 
-  def template(self, archive: int) -> _structure.Anatomy:
+  def template(self, archive: int) -> _structure.StateParts:
     return self.anatomies[archive]
 
   def skeleton(self, archive: int) -> tuple[Any, ...]:
@@ -219,7 +219,7 @@ class RecordSources:
     return False
 
 
-def _signature(anatomy: _structure.Anatomy,
+def _signature(anatomy: _structure.StateParts,
                placements: dict) -> tuple[Any, Optional[int], Optional[int]]:
   """(layout key, the archive's one rank or None, its one world size or None).
 

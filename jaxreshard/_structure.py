@@ -1,16 +1,19 @@
-"""The anatomy of an optax state: clock scalars, param-mirroring subtrees, ids.
+"""An optax state taken apart: params subtrees, non-param scalars (the clock), ids.
 
-An optax state is a pytree in which some subtrees mirror the params tree (Adam's
-``mu`` and ``nu``, a momentum ``trace``, ``MultiSteps``' ``acc_grads``) and every
-other leaf is a scalar of the optimizer clock. Optax itself says which is which
-(:func:`optax.tree_map_params`); this module records that once, as per-leaf
-*roles*, and from then on takes a state apart and puts it back together with
-no optimizer object:
+An optax state is a pytree in which some subtrees have the params' structure
+(Adam's ``mu`` and ``nu``, a momentum ``trace``, ``MultiSteps``' ``acc_grads``)
+and every other leaf is a non-param scalar (step counts, injected
+hyper-parameters): together these are the optimizer's *clock*, which every
+rank holds whole and which must agree between archives of one step. Optax
+itself says which leaf is which (:func:`optax.tree_map_params`); this module
+records that once, as per-leaf *roles*, and from then on takes a state apart
+(:class:`StateParts`) and puts it back together with no optimizer object:
 
-* the *skeleton*: the state with every mirror replaced by a marker leaf; its
-  tree structure and scalar leaves are the optimizer clock;
-* the *mirrors*: for each param-mirroring subtree, its own tree structure and,
-  per param id, its buffer or ``optax.MaskedNode`` (no history there).
+* the *skeleton*: the state with every params subtree replaced by a marker
+  leaf; its tree structure and scalar leaves are the clock;
+* the *params subtrees* (:class:`ParamsSubtree`): for each, its own tree
+  structure and, per param id, its buffer or ``optax.MaskedNode`` (no history
+  there).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 import optax
 
 __all__ = [
-    "Anatomy",
+    "StateParts",
     "MASKED",
     "anatomy",
     "build_state",
@@ -48,7 +51,7 @@ MASKED = _Masked()
 
 
 @dataclasses.dataclass(frozen=True)
-class MirrorSlot:
+class ParamsSubtreeSlot:
   """Leaf standing in for mirror ``index`` inside a skeleton."""
 
   index: int
@@ -150,7 +153,7 @@ def history_roles(optimizer: Any, params: Any, state: Any) -> tuple[Optional[str
 
 
 @dataclasses.dataclass(frozen=True)
-class Mirror:
+class ParamsSubtree:
   """One param-mirroring subtree, taken apart."""
 
   prefix: KeyPath
@@ -160,16 +163,16 @@ class Mirror:
 
 
 @dataclasses.dataclass(frozen=True)
-class Anatomy:
+class StateParts:
   """A state taken apart into skeleton, scalars and mirrors."""
 
-  skeleton: Any  # treedef; leaves are scalars and MirrorSlot markers
+  skeleton: Any  # treedef; leaves are scalars and ParamsSubtreeSlot markers
   skeleton_leaves: tuple[Any, ...]
-  mirrors: tuple[Mirror, ...]
+  mirrors: tuple[ParamsSubtree, ...]
 
   @property
   def scalars(self) -> list[tuple[int, Any]]:
-    return [(i, x) for i, x in enumerate(self.skeleton_leaves) if not isinstance(x, MirrorSlot)]
+    return [(i, x) for i, x in enumerate(self.skeleton_leaves) if not isinstance(x, ParamsSubtreeSlot)]
 
   def history(self, pid: str) -> tuple[Any, ...]:
     """Per mirror: the buffer, MASKED, or None when the mirror lacks ``pid``."""
@@ -185,7 +188,7 @@ class Anatomy:
 def clock_paths(skeleton: Any, is_scalar: Sequence[bool]) -> list[str]:
   """The key path of each clock scalar of a skeleton, in skeleton-leaf order.
 
-  ``skeleton`` is an ``Anatomy.skeleton``; ``is_scalar`` says, per skeleton
+  ``skeleton`` is an ``StateParts.skeleton``; ``is_scalar`` says, per skeleton
   leaf, whether it is a clock scalar (or a mirror's marker). This is the one
   name of a clock scalar: ``inspect`` shows it, ``verify`` compares by it, and
   refusals of archives whose clocks differ name it (``[0].count``).
@@ -195,7 +198,7 @@ def clock_paths(skeleton: Any, is_scalar: Sequence[bool]) -> list[str]:
           if is_scalar[i]]
 
 
-class AnatomyError(Exception):
+class StatePartsError(Exception):
   """Internal: a state that cannot be taken apart; callers re-raise with context."""
 
 
@@ -207,7 +210,7 @@ def _mirror_prefix(path: KeyPath, pid: str) -> KeyPath:
     return path[: len(path) - k]
   if pid == "":
     return path
-  raise AnatomyError(f"the leaf at {jax.tree_util.keystr(path)} is not under a key path {pid!r}")
+  raise StatePartsError(f"the leaf at {jax.tree_util.keystr(path)} is not under a key path {pid!r}")
 
 
 def _children(node: Any):
@@ -244,7 +247,7 @@ def roles_of(record: Any) -> tuple[Optional[str], ...]:
   """A record's roles: as recorded, or inferred for a hand-built record.
 
   Raises:
-    AnatomyError: a hand-built record with a buffer no listed param explains.
+    StatePartsError: a hand-built record with a buffer no listed param explains.
   """
   if record.roles is not None:
     return record.roles
@@ -260,7 +263,7 @@ def infer_roles(state: Any, listed: Sequence[str]) -> tuple[Optional[str], ...]:
       continue
     match = [pid for pid in listed if _suffix_matches(path, pid)]
     if not match:
-      raise AnatomyError(
+      raise StatePartsError(
           f"the buffer at {jax.tree_util.keystr(path)} is not the history of any listed parameter"
       )
     roles.append(max(match, key=len))
@@ -281,9 +284,9 @@ class _PlanCache:
   def __init__(self, maxsize: int = 64):
     self.maxsize = maxsize
     self.lock = threading.Lock()
-    self.plans: dict[Any, Anatomy] = {}
+    self.plans: dict[Any, StateParts] = {}
 
-  def get(self, treedef: Any, roles: tuple, n: int) -> Anatomy:
+  def get(self, treedef: Any, roles: tuple, n: int) -> StateParts:
     key = (treedef, roles)
     with self.lock:
       plan = self.plans.get(key)
@@ -299,30 +302,30 @@ class _PlanCache:
 PLANS = _PlanCache()
 
 
-def anatomy(state: Any, roles: Sequence[Optional[str]]) -> Anatomy:
+def anatomy(state: Any, roles: Sequence[Optional[str]]) -> StateParts:
   """Takes ``state`` apart using per-leaf ``roles`` (see ``history_roles``).
 
   Raises:
-    AnatomyError: when roles do not describe the state, or a mirror is ragged.
+    StatePartsError: when roles do not describe the state, or a mirror is ragged.
   """
   leaves, treedef = jax.tree_util.tree_flatten(state)
   if len(leaves) != len(roles):
-    raise AnatomyError(
+    raise StatePartsError(
         f"the state has {len(leaves)} leaves but its roles describe {len(roles)}")
   plan = PLANS.get(treedef, tuple(roles), len(leaves))
   mirrors = tuple(
-      Mirror(m.prefix, m.treedef, m.order,
+      ParamsSubtree(m.prefix, m.treedef, m.order,
              {pid: e if e is MASKED else leaves[e] for pid, e in m.entries.items()})
       for m in plan.mirrors)
-  return Anatomy(plan.skeleton, tuple(x if isinstance(x, MirrorSlot) else leaves[x]
+  return StateParts(plan.skeleton, tuple(x if isinstance(x, ParamsSubtreeSlot) else leaves[x]
                                       for x in plan.skeleton_leaves), mirrors)
 
 
-def _anatomy_of_paths(state: Any, roles: Sequence[Optional[str]]) -> Anatomy:
+def _anatomy_of_paths(state: Any, roles: Sequence[Optional[str]]) -> StateParts:
   """``anatomy`` by walking key paths (the state's leaves are their own indices)."""
   with_path = jax.tree_util.tree_flatten_with_path(state)[0]
   if len(with_path) != len(roles):
-    raise AnatomyError(
+    raise StatePartsError(
         f"the state has {len(with_path)} leaves but its roles describe {len(roles)}"
     )
   prefixes: dict[KeyPath, int] = {}
@@ -335,9 +338,9 @@ def _anatomy_of_paths(state: Any, roles: Sequence[Optional[str]]) -> Anatomy:
       continue
     for k in range(len(path) + 1):
       if path[:k] in prefixes and path_id(path[k:]) != pid:
-        raise AnatomyError(f"roles and state disagree at {jax.tree_util.keystr(path)}")
+        raise StatePartsError(f"roles and state disagree at {jax.tree_util.keystr(path)}")
   skeleton_tree, removed = _replace_subtrees(
-      state, {p: MirrorSlot(i) for p, i in prefixes.items()}
+      state, {p: ParamsSubtreeSlot(i) for p, i in prefixes.items()}
   )
   mirrors = []
   for prefix, index in prefixes.items():
@@ -347,12 +350,12 @@ def _anatomy_of_paths(state: Any, roles: Sequence[Optional[str]]) -> Anatomy:
     for path, leaf in sub_with_path:
       pid = path_id(path)
       if pid in entries:
-        raise AnatomyError(f"parameter {pid!r} appears twice in one optimizer subtree")
+        raise StatePartsError(f"parameter {pid!r} appears twice in one optimizer subtree")
       order.append(pid)
       entries[pid] = MASKED if _is_masked_node(leaf) else leaf
-    mirrors.append(Mirror(prefix, sub_def, tuple(order), entries))
+    mirrors.append(ParamsSubtree(prefix, sub_def, tuple(order), entries))
   skel_leaves, skel_def = jax.tree_util.tree_flatten(skeleton_tree)
-  return Anatomy(skel_def, tuple(skel_leaves), tuple(mirrors))
+  return StateParts(skel_def, tuple(skel_leaves), tuple(mirrors))
 
 
 def nested(pids: Sequence[str], values: Mapping[str, Any]) -> Any:
@@ -369,7 +372,7 @@ def nested(pids: Sequence[str], values: Mapping[str, Any]) -> Any:
 
 
 def build_state(
-    template: Anatomy,
+    template: StateParts,
     histories: Mapping[str, Sequence[Any]],
     scalars: Optional[Sequence[Any]] = None,
 ) -> Any:
@@ -400,7 +403,7 @@ def build_state(
   scalar_iter = iter(scalars) if scalars is not None else None
   leaves = []
   for leaf in template.skeleton_leaves:
-    if isinstance(leaf, MirrorSlot):
+    if isinstance(leaf, ParamsSubtreeSlot):
       leaves.append(subtrees[leaf.index])
     else:
       leaves.append(next(scalar_iter) if scalar_iter is not None else leaf)

@@ -78,7 +78,7 @@ def check_is_record(record: Any, where: str) -> None:
     raise PlacementError(f"{where}: expected a ShardRecord, got {type(record).__name__}")
 
 
-def check_archive(index: int, record: Any) -> tuple[_structure.Anatomy, dict[str, ParamPlacement]]:
+def check_archive(index: int, record: Any) -> tuple[_structure.StateParts, dict[str, ParamPlacement]]:
   """One archive on its own: its type, version, placements and histories.
 
   Returns:
@@ -98,7 +98,7 @@ def check_archive(index: int, record: Any) -> tuple[_structure.Anatomy, dict[str
     placements[p.param] = p
   try:
     anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
-  except _structure.AnatomyError as e:
+  except _structure.StatePartsError as e:
     raise PlacementError(f"archive {index}: {e}") from None
   for pid in sorted(anatomy.param_set() - set(placements)):
     raise PlacementError(
@@ -348,9 +348,9 @@ def scalar_bits(x: Any) -> tuple[Any, ...]:
   return (str(getattr(x, "dtype", a.dtype)), a.dtype.str, a.shape, a.tobytes())
 
 
-def skeleton_key(anatomy: _structure.Anatomy) -> tuple[Any, ...]:
+def skeleton_key(anatomy: _structure.StateParts) -> tuple[Any, ...]:
   """The optimizer state's structure, with where each mirror subtree sits."""
-  return (anatomy.skeleton, tuple(x.index if isinstance(x, _structure.MirrorSlot) else None
+  return (anatomy.skeleton, tuple(x.index if isinstance(x, _structure.ParamsSubtreeSlot) else None
                                   for x in anatomy.skeleton_leaves))
 
 
