@@ -82,11 +82,23 @@ class _Layout:
         continue
       leaf = self.put(leaf, self.sharded)
       index = jax.lax.broadcasted_iota(
-          jnp.int32, np.shape(leaf), 0, out_sharding=self.sharded if self.explicit else None)
+          _index_dtype(np.shape(leaf)[0], pid), np.shape(leaf), 0,
+          out_sharding=self.sharded if self.explicit else None)
       # Padding is zero by definition of the layout; a select keeps every owned
       # element's bits, and in an elementwise chain no owned element reads padding.
       out.append(jax.lax.select(index < counts[pid], leaf, jax.lax.full_like(leaf, 0)))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _index_dtype(size: int, pid: str) -> Any:
+  """The integer type that counts to ``size``: int32, or int64 where jax has it."""
+  if size < 2**31:
+    return jnp.int32
+  if not jax.config.jax_enable_x64:
+    raise ShapeError(
+        f"param {pid!r}: a flat history of {size} elements needs 64-bit indices for its"
+        " padding; enable jax_enable_x64")
+  return jnp.int64
 
 
 def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,

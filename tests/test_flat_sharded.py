@@ -349,3 +349,15 @@ def test_state_of_another_mesh_is_refused_at_update():
 def test_unknown_axis_is_refused():
   with pytest.raises(jr.PlacementError, match="'model'"):
     jr.flat_sharded(optax.adam(1e-2), _mesh("explicit8"), axis="model")
+
+
+def test_padding_index_of_a_huge_history_needs_64_bit_indices():
+  # A flat history of 2**31 elements or more cannot be counted with int32: it
+  # is refused by name without x64 (allocating one here would take 8 GiB).
+  from jaxreshard import _flat_sharded
+
+  assert _flat_sharded._index_dtype(2**31 - 1, "w") == jnp.int32
+  with pytest.raises(jr.ShapeError, match="'embed'.*64-bit indices"):
+    _flat_sharded._index_dtype(2**31, "embed")
+  with jax.enable_x64(True):
+    assert _flat_sharded._index_dtype(2**31, "embed") == jnp.int64
