@@ -131,7 +131,9 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
   a division by a broadcast scalar (adam's bias correction) differently for a
   one-element shard than for a longer array, and contracts multiply-adds into
   FMAs depending on how it fused the program (jitted optax differs from itself
-  run op by op in the same way). A reduction over a whole parameter or tree
+  run op by op in the same way). With that rewrite off
+  (``XLA_FLAGS=--xla_disable_hlo_passes=algsimp``) the dividing chains run op
+  by op are bit for bit as well. A reduction over a whole parameter or tree
   (``clip_by_global_norm``, lamb's trust ratio) adds the same values, padding
   zeros included, in another order. Both agree to float rounding.
 

@@ -14,6 +14,9 @@ trailing ranks are all padding), a scalar, a size-1 param and bf16 params.
 """
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -361,3 +364,31 @@ def test_padding_index_of_a_huge_history_needs_64_bit_indices():
     _flat_sharded._index_dtype(2**31, "embed")
   with jax.enable_x64(True):
     assert _flat_sharded._index_dtype(2**31, "embed") == jnp.int64
+
+
+# With XLA's algebraic simplifier off, a division stays a division for every
+# array length, and the dividing chains are bit for bit too: the wrapper does
+# the unwrapped optimizer's arithmetic, and only the compiler's rewrite of
+# x / broadcast(c) into x * (1 / c) (not done for one-element arrays) moves
+# last bits. The check runs in a fresh process with that XLA flag.
+_NO_ALGSIMP = "--xla_disable_hlo_passes=algsimp"
+
+
+@pytest.mark.parametrize("mesh_kind", ["explicit8", "explicit2x4"])
+@pytest.mark.parametrize("name", sorted(DIVIDING))
+def test_dividing_chains_are_bit_exact_without_the_division_rewrite(name, mesh_kind):
+  if _NO_ALGSIMP not in os.environ.get("XLA_FLAGS", ""):
+    pytest.skip("runs in the process test_division_rewrite_is_the_only_difference starts")
+  _check_exact(name, DIVIDING[name], mesh_kind)
+
+
+def test_division_rewrite_is_the_only_difference():
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {_NO_ALGSIMP}",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+       "bit_exact_without_the_division_rewrite"],
+      capture_output=True, text=True, timeout=600, env=env,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert result.returncode == 0, result.stdout[-3000:]
+  assert f"{2 * len(DIVIDING)} passed" in result.stdout, result.stdout[-500:]
