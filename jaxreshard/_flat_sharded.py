@@ -55,8 +55,19 @@ class _Layout:
     # it: left free, the partitioner slices the param's own rows instead, and XLA
     # fuses (and contracts multiply-adds in) the update differently from optax's.
     x = jnp.reshape(self.put(x, self.replicated), (g.count,))
+    if _whole(g):
+      return x
     x = self.put(jnp.pad(x, (0, self.world * g.slots - g.count)), self.replicated)
     return self.put(x, self.sharded)
+
+  def for_update(self, state: Any, roles: tuple, shapes: dict[str, tuple[int, ...]]) -> Any:
+    """``state`` as the update computes it: the histories of small params whole."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    out = []
+    for leaf, pid in zip(leaves, roles):
+      g = None if pid is None else FlatShard(shapes[pid], 0, self.world)
+      out.append(leaf if g is None or not _whole(g) else self.put(leaf, self.replicated)[:g.count])
+    return jax.tree_util.tree_unflatten(treedef, out)
 
   def unflat(self, u: jax.Array, like: Any, shape: tuple[int, ...]) -> jax.Array:
     """A flat update back in its parameter's shape, laid out like ``like`` where known."""
@@ -80,6 +91,9 @@ class _Layout:
       if pid is None:
         out.append(self.put(leaf, self.replicated))
         continue
+      g = FlatShard((counts[pid],), 0, self.world)
+      if np.shape(leaf) == (g.count,) and _whole(g):  # computed whole: back to the layout
+        leaf = jnp.pad(self.put(leaf, self.replicated), (0, self.world * g.slots - g.count))
       leaf = self.put(leaf, self.sharded)
       index = jax.lax.broadcasted_iota(
           _index_dtype(np.shape(leaf)[0], pid), np.shape(leaf), 0,
@@ -88,6 +102,18 @@ class _Layout:
       # element's bits, and in an elementwise chain no owned element reads padding.
       out.append(jax.lax.select(index < counts[pid], leaf, jax.lax.full_like(leaf, 0)))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _whole(g: FlatShard) -> bool:
+  """Whether a param's update is computed on its whole unpadded flat array.
+
+  A param of at most M elements (one slot per rank) is: as one-element shards
+  XLA would compile its update differently from the unwrapped optimizer's (a
+  division by a broadcast scalar stays a division for one element and becomes
+  a multiplication by the reciprocal for more), so it is computed, like there,
+  on exactly its own elements, on every device; it is tiny, so that is free.
+  """
+  return g.slots == 1
 
 
 def _index_dtype(size: int, pid: str) -> Any:
@@ -122,20 +148,21 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
   axes (``jax.sharding.Mesh``) are both supported.
 
   Exactness: when every transformation of ``optimizer`` is elementwise in the
-  params, grads and histories (adam, adamw, sgd with momentum, lion,
+  params, grads and histories (adam, adamw, adagrad, sgd with momentum, lion,
   ``inject_hyperparams``, ``masked``, ``multi_transform``, ``MultiSteps``, ...)
   each element goes through the same operations on the same values as in the
-  unwrapped optimizer; run op by op, chains of multiplies, adds, signs and
-  selects (sgd with momentum, lion) give the same bits. What the compiler
-  decides per program can still move the last bit: XLA's CPU backend compiles
-  a division by a broadcast scalar (adam's bias correction) differently for a
-  one-element shard than for a longer array, and contracts multiply-adds into
-  FMAs depending on how it fused the program (jitted optax differs from itself
-  run op by op in the same way). With that rewrite off
-  (``XLA_FLAGS=--xla_disable_hlo_passes=algsimp``) the dividing chains run op
-  by op are bit for bit as well. A reduction over a whole parameter or tree
-  (``clip_by_global_norm``, lamb's trust ratio) adds the same values, padding
-  zeros included, in another order. Both agree to float rounding.
+  unwrapped optimizer, and run op by op the updates and states are the same
+  bits. A param of at most M elements (one slot per rank) is updated on its own
+  unpadded elements, replicated: XLA's CPU compiler turns a division by a
+  broadcast scalar (adam's bias correction) into a multiplication by the
+  reciprocal for arrays longer than one element, so a one-element shard of a
+  longer param would otherwise round differently. Inside ``jax.jit`` the
+  compiler also contracts multiply-adds into FMAs depending on how it fused
+  the program (jitted optax differs from itself run op by op in the same way),
+  so jitted updates agree to the last bit's rounding. A reduction over a whole
+  parameter or tree (``clip_by_global_norm``, lamb's trust ratio) adds the same
+  values, padding zeros included, in another order, and agrees to float
+  rounding.
 
   Padding: after every ``init`` and ``update`` the padding slots of every
   history are exactly zero (they are reset, so a non-zero initial value such as
@@ -236,6 +263,7 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
             f" ({layout.world} * slots,) = {want} of its shape {shapes[pid]} over mesh axis"
             f" {axis!r}; was the state built for another mesh or other params?")
     with on_mesh(grads, state, params):
+      state = layout.for_update(state, state_roles, shapes)
       flat_updates, state = optimizer.update(flat_grads, state, flat_params, **extra_args)
       updates = jax.tree_util.tree_unflatten(
           jax.tree_util.tree_structure(grads),

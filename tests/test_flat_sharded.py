@@ -14,9 +14,6 @@ trailing ranks are all padding), a scalar, a size-1 param and bf16 params.
 """
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -53,10 +50,10 @@ EXACT = {
         {"train": optax.sgd(1e-2, momentum=0.9), "frozen": optax.set_to_zero()}, LABELS),
     "multi_steps": lambda: optax.MultiSteps(optax.sgd(1e-2, momentum=0.9), every_k_schedule=2),
 }
-# Elementwise chains that divide: the same operations, but XLA's CPU backend
-# compiles a division by a broadcast scalar (adam's bias correction) one way
-# for a one-element array and another for longer ones, so a param whose shard
-# length differs in that respect can differ in the last bit.
+# Elementwise chains that divide by a broadcast scalar (adam's bias correction),
+# which XLA's CPU compiler turns into a multiplication by the reciprocal for
+# arrays longer than one element: bit for bit too, because a param of at most
+# M elements is updated on its own elements, as the unwrapped optimizer does.
 DIVIDING = {
     "adam": lambda: optax.adam(1e-2),
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
@@ -182,30 +179,16 @@ def _check_close(factory, mesh_kind, rtol, jit=False):
   _assert_close(jr.gather_from_mesh(inner, flat_state, _shapes(params), mesh), ref_state, rtol)
 
 
-_LAST_BIT = pytest.mark.xfail(
-    strict=False, reason="the size-1 param's update differs in the last bit on an Auto"
-    " 5-device mesh when a hyper-parameter is an array (inject_hyperparams, MultiSteps):"
-    " XLA's CPU codegen for a one-element shard; see the docstring of flat_sharded")
-
-
-@pytest.mark.parametrize("name,mesh_kind", [
-    pytest.param(name, kind, marks=_LAST_BIT)
-    if kind == "auto5" and name in ("inject_hyperparams", "multi_steps") else (name, kind)
-    for name in sorted(EXACT) for kind in ("explicit2x4", "auto5")])
+@pytest.mark.parametrize("mesh_kind", ["explicit2x4", "auto5"])
+@pytest.mark.parametrize("name", sorted(EXACT) + sorted(DIVIDING))
 def test_elementwise_chains_are_bit_exact(name, mesh_kind):
-  _check_exact(name, EXACT[name], mesh_kind)
+  _check_exact(name, {**EXACT, **DIVIDING}[name], mesh_kind)
 
 
 @pytest.mark.parametrize("mesh_kind", ["explicit8", "auto8", "auto2x4", "explicit5", "explicit3"])
-@pytest.mark.parametrize("name", ["lion", "multi_transform"])
+@pytest.mark.parametrize("name", ["lion", "multi_transform", "adamw", "inject_hyperparams_adamw"])
 def test_bit_exact_on_every_mesh(name, mesh_kind):
-  _check_exact(name, EXACT[name], mesh_kind)
-
-
-@pytest.mark.parametrize("mesh_kind", ["explicit8", "auto5"])
-@pytest.mark.parametrize("name", sorted(DIVIDING))
-def test_dividing_chains_agree_to_the_last_bit(name, mesh_kind):
-  _check_close(DIVIDING[name], mesh_kind, rtol=1e-6)
+  _check_exact(name, {**EXACT, **DIVIDING}[name], mesh_kind)
 
 
 @pytest.mark.parametrize("mesh_kind", ["explicit2x4", "auto5"])
@@ -364,31 +347,3 @@ def test_padding_index_of_a_huge_history_needs_64_bit_indices():
     _flat_sharded._index_dtype(2**31, "embed")
   with jax.enable_x64(True):
     assert _flat_sharded._index_dtype(2**31, "embed") == jnp.int64
-
-
-# With XLA's algebraic simplifier off, a division stays a division for every
-# array length, and the dividing chains are bit for bit too: the wrapper does
-# the unwrapped optimizer's arithmetic, and only the compiler's rewrite of
-# x / broadcast(c) into x * (1 / c) (not done for one-element arrays) moves
-# last bits. The check runs in a fresh process with that XLA flag.
-_NO_ALGSIMP = "--xla_disable_hlo_passes=algsimp"
-
-
-@pytest.mark.parametrize("mesh_kind", ["explicit8", "explicit2x4"])
-@pytest.mark.parametrize("name", sorted(DIVIDING))
-def test_dividing_chains_are_bit_exact_without_the_division_rewrite(name, mesh_kind):
-  if _NO_ALGSIMP not in os.environ.get("XLA_FLAGS", ""):
-    pytest.skip("runs in the process test_division_rewrite_is_the_only_difference starts")
-  _check_exact(name, DIVIDING[name], mesh_kind)
-
-
-def test_division_rewrite_is_the_only_difference():
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {_NO_ALGSIMP}",
-             JAX_PLATFORMS="cpu")
-  result = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-       "bit_exact_without_the_division_rewrite"],
-      capture_output=True, text=True, timeout=600, env=env,
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  assert result.returncode == 0, result.stdout[-3000:]
-  assert f"{2 * len(DIVIDING)} passed" in result.stdout, result.stdout[-500:]

@@ -10,10 +10,9 @@ The quick tests use this process's 8 simulated devices; the multi-process test
 runs the example itself as real ``jax.distributed`` jobs: 2 processes x 4
 devices, killed after step 3, resumed on 3 x 2 and on 1 x 5.
 
-Not compared bitwise: a resume on one device. There the one-element bias of
-the output layer is a one-element flat array, and XLA's CPU compiler divides
-such an array exactly but multiplies longer ones by the divisor's reciprocal
-(adam's bias correction), so that element may differ in its last bit.
+Not compared bitwise: a resume on one device, where the flat arrays are
+unsharded and XLA compiles the jitted step as a different program, whose
+fusion (multiply-adds contracted into FMAs) can move a last bit.
 """
 
 import importlib.util
