@@ -166,16 +166,17 @@ def decode_scalar(d: Any, where: str) -> Any:
   except ValueError:
     raise ArchiveError(f"{where}: scalar bytes are not base64") from None
   a = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
-  if expect(d["weak"], bool, where) and a.ndim == 0:
+  weak = expect(d["weak"], bool, where)
+  if jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype:
+    # A 64-bit scalar while x64 is off (weak or not): jax would cut it to 32
+    # bits, so it stays a numpy scalar with every bit.
+    return a
+  if weak and a.ndim == 0:
     # A weak-typed scalar (from a Python number) is rebuilt as one; only when
     # the round trip is exact, otherwise the strong scalar is the safe answer.
-    weak = jnp.asarray(a.item())
-    if weak.dtype == a.dtype and np.asarray(weak).tobytes() == a.tobytes():
-      return weak
-  if jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype:
-    # A float64 or int64 scalar while x64 is off: jax would cut it to 32 bits,
-    # so it stays a numpy scalar with every bit.
-    return a
+    rebuilt = jnp.asarray(a.item())
+    if rebuilt.dtype == a.dtype and np.asarray(rebuilt).tobytes() == a.tobytes():
+      return rebuilt
   return jnp.asarray(a)
 
 

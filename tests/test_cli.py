@@ -584,3 +584,28 @@ def test_mixed_steps_refusal_names_the_scalar_path_inspect_shows(tmp_path):
   with pytest.raises(jr.PlacementError,
                      match=r"has clock scalar \[0\]\.count = .*4.* but archive 0 has"):
     jr.reshard(at3[:3] + at4[3:], jr.plan(at3[:3] + at4[3:], world_size=3, rank=0))
+
+
+@pytest.mark.parametrize("count", [
+    lambda: jax.numpy.asarray(2**40),             # weak-typed int64 (a Python int under x64)
+    lambda: np.uint64(2**64 - 1),
+    lambda: jax.numpy.asarray(10**18, jax.numpy.int64),
+])
+def test_64_bit_clock_scalars_saved_with_x64_read_without_it(tmp_path, count):
+  # Read where x64 is off, a 64-bit scalar keeps every bit (a numpy scalar):
+  # inspect and verify print it, never an overflow.
+  params = {"a": np.arange(4.0, dtype=np.float32)}
+  opt = optax.adam(1e-3)
+  with jax.enable_x64(True):
+    state = opt.init(params)
+    state = (state[0]._replace(count=count()),) + tuple(state[1:])
+    expected = np.asarray(state[0].count)
+    jr.save_records(tmp_path / "c", jr.shard_state(opt, params, state, world_size=2))
+  loaded = jr.load_records(tmp_path / "c")[0].state[0].count
+  assert np.asarray(loaded).dtype == expected.dtype
+  assert np.asarray(loaded).tobytes() == expected.tobytes()
+  result = _run("inspect", tmp_path / "c", "--json")
+  assert result.exit_code == 0, result.output
+  (clock,) = json.loads(result.stdout)["clocks"]
+  assert clock["value"] == expected.item() and clock["dtype"] == expected.dtype.name
+  assert _run("verify", tmp_path / "c", tmp_path / "c").exit_code == 0
