@@ -117,10 +117,24 @@ def shape_of(value: Any, where: str) -> tuple[int, ...]:
 # --- scalars (the optimizer clock) --------------------------------------------
 
 
+# Typed PRNG key implementations a checkpoint may name (``noisy_sgd``'s key).
+_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+def _is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def encode_scalar(x: Any, where: str) -> dict:
   if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
     kind = type(x).__name__
     return {"py": kind, "v": x.hex() if kind == "float" else x}
+  if _is_key(x):  # a typed PRNG key: its implementation and its key data
+    impl = str(jax.random.key_impl(x))
+    if impl not in _KEY_IMPLS:
+      raise ReshardError(f"{where}: cannot store a PRNG key of implementation {impl!r}")
+    return {"key": impl, **encode_scalar(jax.random.key_data(x), where)}
   a = np.asarray(x)
   if a.dtype.name not in _DTYPES or a.nbytes > MAX_SCALAR_BYTES:
     raise ReshardError(f"{where}: cannot store a {a.dtype} leaf of shape {a.shape} as a scalar")
@@ -153,6 +167,15 @@ def decode_scalar(d: Any, where: str) -> Any:
       except (ValueError, OverflowError):
         pass
     raise ArchiveError(f"{where}: invalid Python scalar {short(d)}")
+  if "key" in d:
+    impl = d["key"]
+    if impl not in _KEY_IMPLS:
+      raise ArchiveError(f"{where}: PRNG key implementation {short(impl)} is not one jax has")
+    data = decode_scalar({k: v for k, v in d.items() if k != "key"}, where)
+    try:
+      return jax.random.wrap_key_data(jnp.asarray(data), impl=impl)
+    except (TypeError, ValueError) as e:
+      raise ArchiveError(f"{where}: invalid {impl} key data: {e}") from None
   if set(d) != {"dtype", "shape", "weak", "bytes"}:
     raise ArchiveError(f"{where}: scalar keys {sorted(d)} are not a scalar")
   dtype = np_dtype(d["dtype"], where)

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator, Mapping, Optional, Union
 import jax
 import numpy as np
 
-from jaxreshard import _bitview, _checkpoint, _structure
+from jaxreshard import _bitview, _checkpoint, _structure, _validate
 from jaxreshard._errors import PlacementError
 from jaxreshard._geometry import FlatShard
 from jaxreshard._record import ShardRecord
@@ -308,12 +308,27 @@ def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
     raise PlacementError(f"an archive that cannot be taken apart: {e}") from None
   paths = _structure.clock_paths(
       anatomy.skeleton, [not isinstance(x, _structure.ParamsSubtreeSlot) for x in anatomy.skeleton_leaves])
-  return [(path, np.asarray(x)) for path, (_, x) in zip(paths, anatomy.scalars)]
+  return [(path, _validate.plain(x)) for path, x in _clock_leaves(record, paths, anatomy)]
+
+
+def _clock_leaves(record: ShardRecord, paths=None, anatomy=None) -> list[tuple[str, Any]]:
+  """``(key path, leaf)`` of every clock scalar, the leaves as the state holds them."""
+  if paths is None:
+    anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
+    paths = _structure.clock_paths(
+        anatomy.skeleton,
+        [not isinstance(x, _structure.ParamsSubtreeSlot) for x in anatomy.skeleton_leaves])
+  return [(path, x) for path, (_, x) in zip(paths, anatomy.scalars)]
 
 
 def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
-  return tuple((path, f"{a.dtype.name}{a.shape}", raw_bits(a).tobytes().hex())
-               for path, a in clock_scalars(record))
+  # A typed PRNG key is its key data, under its own dtype's name (key<fry>).
+  out = []
+  for path, x in _clock_leaves(record):
+    a = _validate.plain(x)
+    dtype = x.dtype if hasattr(x, "dtype") else a.dtype
+    out.append((path, f"{dtype}{a.shape}", raw_bits(a).tobytes().hex()))
+  return tuple(out)
 
 
 def compare_digests(a: Digest, b: Digest, *,

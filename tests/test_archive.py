@@ -224,3 +224,22 @@ def test_keys_with_slashes_percent_and_empty_keys_keep_their_structure(tmp_path)
   for a, b in zip(jr.load_records(tmp_path / "ckpt"), records, strict=True):
     assert_records_equal(a, b)
   assert_records_equal(jr.restore(tmp_path / "ckpt", world_size=2, rank=1), targets[1])
+
+
+def test_typed_prng_key_in_the_state_round_trips(tmp_path):
+  # noisy_sgd keeps a typed PRNG key (key<fry>) among its scalars: stored as
+  # its implementation and key data, it comes back a key with the same data.
+  params = {"w": jnp.arange(5.0)}
+  opt = optax.noisy_sgd(0.1, key=jax.random.key(42))
+  state = opt.init(params)
+  records = jr.shard_state(opt, params, state, world_size=2)
+  jr.save_records(tmp_path / "c", records)
+  for rec in jr.load_records(tmp_path / "c") + [jr.restore(tmp_path / "c", world_size=3, rank=2)]:
+    (key,) = [x for x in jax.tree.leaves(rec.state)
+              if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    assert key.dtype == state[0].rng_key.dtype
+    assert np.array_equal(jax.random.key_data(key), jax.random.key_data(state[0].rng_key))
+  assert jr.compare_digests(jr.digest(records), jr.digest(tmp_path / "c")) == []
+  changed = (state[0]._replace(rng_key=jax.random.key(7)),) + tuple(state[1:])
+  other = jr.shard_state(opt, params, changed, world_size=2)
+  assert any("rng_key" in d for d in jr.compare_digests(jr.digest(records), jr.digest(other)))
