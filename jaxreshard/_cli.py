@@ -479,6 +479,8 @@ def reshard(
   "bytes_read", "peak_bytes"}. Without --dry-run: {"dry_run": false, "out",
   "world_size", "ranks": the ranks written, "bytes_read", "seconds"}.
   """
+  if reads and not dry_run:
+    raise jr.ReshardError("--reads lists the reads of a dry run: give it with --dry-run")
   ckpt = _checkpoint.open_checkpoint(str(checkpoint))
   # Refuses a bad world size or a rank outside it before any work.
   jr.FlatShard((), 0 if rank is None else rank, world_size)

@@ -104,6 +104,14 @@ class _Layout:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
+class _FlatSharded(optax.GradientTransformationExtraArgs):
+  """``flat_sharded``'s transformation; ``flat_sharded_inner`` is the optimizer it wraps.
+
+  Functions that ask an optimizer which state leaves are histories (saving,
+  ``shard_state``) accept it in place of the optimizer it wraps.
+  """
+
+
 def _whole(g: FlatShard) -> bool:
   """Whether a param's update is computed on its whole unpadded flat array.
 
@@ -271,4 +279,6 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
            for pid, u, g in zip(ids, jax.tree_util.tree_leaves(flat_updates), leaves)])
       return updates, layout.settle(state, state_roles, counts_of(shapes))
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  out = _FlatSharded(init, update)
+  out.flat_sharded_inner = optimizer
+  return out

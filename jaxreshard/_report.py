@@ -5,8 +5,10 @@ finish: to the ``progress`` callback when the caller gives one, and to
 ``logging.getLogger("jaxreshard")``, at DEBUG per archive or rank and at INFO
 once per finished call. The library adds no handler and sets no level, so with
 logging's defaults (the root logger at WARNING) nothing is printed; an
-application turns the messages on with ``logging.basicConfig(level=logging.INFO)``
-or by configuring the ``"jaxreshard"`` logger.
+application turns the messages on with
+``logging.getLogger("jaxreshard").setLevel(logging.INFO)`` (importing orbax
+already gives the root logger a handler, so a later ``logging.basicConfig`` does
+nothing).
 
 The bars of the command line are drawn from the plans in ``_read_plan``; this
 module is for library callers.

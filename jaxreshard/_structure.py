@@ -130,6 +130,8 @@ def history_roles(optimizer: Any, params: Any, state: Any) -> tuple[Optional[str
   Uses :func:`optax.tree_map_params`, which re-runs ``optimizer.init`` on a
   placeholder to find every subtree that mirrors the params.
   """
+  # flat_sharded's wrapper describes its state through the optimizer it wraps.
+  optimizer = getattr(optimizer, "flat_sharded_inner", optimizer)
   ids, _, treedef = param_ids(params)
   id_tree = jax.tree_util.tree_unflatten(treedef, ids)
 

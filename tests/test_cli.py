@@ -609,3 +609,9 @@ def test_64_bit_clock_scalars_saved_with_x64_read_without_it(tmp_path, count):
   (clock,) = json.loads(result.stdout)["clocks"]
   assert clock["value"] == expected.item() and clock["dtype"] == expected.dtype.name
   assert _run("verify", tmp_path / "c", tmp_path / "c").exit_code == 0
+
+
+def test_reads_without_dry_run_is_refused_and_writes_nothing(ckpt, tmp_path):
+  root, _ = ckpt
+  line = _one_line_error(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "--reads"))
+  assert "--dry-run" in line and not (tmp_path / "o").exists()

@@ -347,3 +347,17 @@ def test_padding_index_of_a_huge_history_needs_64_bit_indices():
     _flat_sharded._index_dtype(2**31, "embed")
   with jax.enable_x64(True):
     assert _flat_sharded._index_dtype(2**31, "embed") == jnp.int64
+
+
+def test_the_wrapper_stands_for_its_optimizer_when_saving(tmp_path):
+  # What a training loop holds is the wrapper: saving takes it in place of the
+  # optimizer it wraps, and the checkpoint is the same.
+  mesh = _mesh("explicit8")
+  inner = optax.adamw(1e-2)
+  wrapped = jr.flat_sharded(inner, mesh)
+  params = random_params(SHAPES)
+  state = standard(wrapped.init, params)
+  shapes = _shapes(params)
+  jr.save_sharded(tmp_path / "w", wrapped, state, shapes, mesh)
+  jr.save_sharded(tmp_path / "i", inner, state, shapes, mesh)
+  assert jr.compare_digests(jr.digest(tmp_path / "w"), jr.digest(tmp_path / "i")) == []
