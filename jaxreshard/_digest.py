@@ -300,24 +300,21 @@ def _anatomy(index: int, record: Any) -> _structure.StateParts:
 def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
   """``(key path, value)`` of every clock scalar of a record, in state order.
 
-  Paths are ``_structure.clock_paths``', the name every message uses.
+  Paths are ``_structure.clock_paths``', the name every message uses; a typed
+  PRNG key's value is its key data.
   """
+  return [(path, _validate.plain(x)) for path, x in _clock_leaves(record)]
+
+
+def _clock_leaves(record: ShardRecord) -> list[tuple[str, Any]]:
+  """``(key path, leaf)`` of every clock scalar, the leaves as the state holds them."""
   try:
     anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
   except _structure.StatePartsError as e:
     raise PlacementError(f"an archive that cannot be taken apart: {e}") from None
   paths = _structure.clock_paths(
-      anatomy.skeleton, [not isinstance(x, _structure.ParamsSubtreeSlot) for x in anatomy.skeleton_leaves])
-  return [(path, _validate.plain(x)) for path, x in _clock_leaves(record, paths, anatomy)]
-
-
-def _clock_leaves(record: ShardRecord, paths=None, anatomy=None) -> list[tuple[str, Any]]:
-  """``(key path, leaf)`` of every clock scalar, the leaves as the state holds them."""
-  if paths is None:
-    anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
-    paths = _structure.clock_paths(
-        anatomy.skeleton,
-        [not isinstance(x, _structure.ParamsSubtreeSlot) for x in anatomy.skeleton_leaves])
+      anatomy.skeleton,
+      [not isinstance(x, _structure.ParamsSubtreeSlot) for x in anatomy.skeleton_leaves])
   return [(path, x) for path, (_, x) in zip(paths, anatomy.scalars)]
 
 
