@@ -215,6 +215,7 @@ class Checkpoint:
     self._uniform: dict[int, bool] = {}
     self._complete: Optional[list] = None
     self._group_by_sources: dict[int, tuple[tuple, int]] = {}
+    self._clock_classes = _validate.ClockClasses()
 
   # --- the index ---------------------------------------------------------------
 
@@ -269,10 +270,6 @@ class Checkpoint:
     self.groups = [self._group(e, f"{where}, group {i}")
                    for i, e in enumerate(fmt.expect(index["groups"], list, where))]
     self._membership()
-    # Clocks with identical bits are one class, whatever their index.
-    classes: dict[str, int] = {}
-    self._clock_class = [classes.setdefault(json.dumps(c, sort_keys=True), len(classes))
-                         for c in fmt.expect(index["clocks"], list, where)]
 
   def _param_names(self, params: Sequence[int]) -> str:
     names = [self.params[p].param for p in params[:3]]
@@ -389,7 +386,10 @@ class Checkpoint:
     return self.layout(archive).anatomy.history(pid)
 
   def clock_class(self, archive: int) -> int:
-    return self._clock_class[self.archive_clock[archive]]
+    """The rule records in memory follow (``_validate.ClockClasses``): one state structure
+    and bit-identical clock scalars; archives of one layout and clock share it."""
+    return self._clock_classes.of(
+        self, archive, (self.archive_layout[archive], self.archive_clock[archive]))
 
   def skeleton(self, archive: int) -> tuple[Any, ...]:
     return _validate.skeleton_key(self.layout(archive).anatomy)

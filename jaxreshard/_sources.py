@@ -105,8 +105,7 @@ class RecordSources:
     self._uniform_facts: dict[str, _validate.SourceFacts] = {}
     self._host_views: dict[tuple[int, str, int], np.ndarray] = {}
     self._accelerator: dict[tuple[int, str, int], bool] = {}
-    self._clock_keys: dict[Any, int] = {}
-    self._clocks: list[Optional[int]] = [None] * len(records)
+    self._clocks = _validate.ClockClasses()
     self._cache = FactsCache()
     # Packed target layouts by the validated groups they were made from (ids of
     # facts this object keeps alive).
@@ -134,12 +133,7 @@ class RecordSources:
 
   def clock_class(self, archive: int) -> int:
     """Archives with one structure and bit-identical clock scalars share a class."""
-    c = self._clocks[archive]
-    if c is None:
-      key = (self.skeleton(archive),
-             tuple(_validate.scalar_bits(x) for x in self.scalars(archive)))
-      c = self._clocks[archive] = self._clock_keys.setdefault(key, len(self._clock_keys))
-    return c
+    return self._clocks.of(self, archive)
 
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts:
     with self._lock:
