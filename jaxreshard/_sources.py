@@ -101,6 +101,10 @@ class RecordSources:
     # What makes archives interchangeable but for their rank and their bytes:
     # the state's structure, each buffer's shape and dtype, the placements.
     self._signatures = [_signature(a, p) for a, p in zip(self.anatomies, self._placements)]
+    # The layout keys numbered, so that comparing two archives' costs O(1), not
+    # time in their parameters (each ``_is_uniform`` compares every archive of a group).
+    layouts: dict[Any, int] = {}
+    self._layout_ids = [layouts.setdefault(sig[0], len(layouts)) for sig in self._signatures]
     self._uniform: dict[int, tuple[tuple, bool]] = {}
     self._uniform_facts: dict[str, _validate.SourceFacts] = {}
     self._host_views: dict[tuple[int, str, int], np.ndarray] = {}
@@ -156,8 +160,9 @@ class RecordSources:
                   for s in sources))
     if ok:
       first = self._signatures[sources[0]]
+      layout = self._layout_ids[sources[0]]
       ok = (first[1] is not None and first[2] == len(sources)
-            and all(self._signatures[s][0] == first[0] and self._signatures[s][1] == r
+            and all(self._layout_ids[s] == layout and self._signatures[s][1] == r
                     and self.clock_class(s) == self.clock_class(sources[0])
                     for r, s in enumerate(sources)))
     self._uniform[id(sources)] = (sources, ok)
