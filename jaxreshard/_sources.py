@@ -103,8 +103,7 @@ class RecordSources:
     self._signatures = [_signature(a, p) for a, p in zip(self.anatomies, self._placements)]
     # The layout keys numbered, so that comparing two archives' costs O(1), not
     # time in their parameters (each ``_is_uniform`` compares every archive of a group).
-    layouts: dict[Any, int] = {}
-    self._layout_ids = [layouts.setdefault(sig[0], len(layouts)) for sig in self._signatures]
+    self._layout_ids = _numbered([sig[0] for sig in self._signatures])
     self._uniform: dict[int, tuple[tuple, bool]] = {}
     self._uniform_facts: dict[str, _validate.SourceFacts] = {}
     self._host_views: dict[tuple[int, str, int], np.ndarray] = {}
@@ -216,6 +215,19 @@ class RecordSources:
       if hit:
         return True
     return False
+
+
+def _numbered(keys: Sequence[Any]) -> list[Any]:
+  """Equal keys get one number. A key that cannot be hashed (a placement with a
+  list for its shape or dtype, refused later by name) is its own class."""
+  numbers: dict[Any, int] = {}
+  out: list[Any] = []
+  for i, key in enumerate(keys):
+    try:
+      out.append(numbers.setdefault(key, len(numbers)))
+    except TypeError:
+      out.append(("unhashable", i))
+  return out
 
 
 def _signature(anatomy: _structure.StateParts,

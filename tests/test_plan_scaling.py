@@ -7,12 +7,14 @@ whose ratio is 2 for linear work and 4 for quadratic work.
 """
 
 import cProfile
+import dataclasses
 import itertools
 import pstats
 
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxreshard as jr
 
@@ -104,3 +106,16 @@ def test_one_group_per_param_restores_the_bits_reshard_gives(tmp_path):
     assert got.placements == expected.placements
     for a, b in zip(got.state[0].mu.values(), expected.state[0].mu.values(), strict=True):
       assert np.asarray(a).view(np.uint32).tobytes() == np.asarray(b).view(np.uint32).tobytes()
+
+
+def test_placements_that_cannot_be_hashed_are_refused_by_name():
+  """Archives are compared by numbered layout keys; a placement with a list for its
+  shape or dtype still reaches the refusal that names it (not a TypeError)."""
+  opt = optax.adam(1e-3)
+  params = {"w": jnp.zeros((4,), jnp.float32)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  for field, value, error in (("shape", [4.5], jr.PlacementError), ("dtype", [1], jr.DtypeError)):
+    bad = [jr.ShardRecord(r.version, (dataclasses.replace(r.placements[0], **{field: value}),),
+                          r.state, r.roles) for r in records]
+    with pytest.raises(error, match="param 'w': archive 0"):
+      jr.reshard(bad, [jr.Migration("w", (4,), 0, 1, (0, 1))])
