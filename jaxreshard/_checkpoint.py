@@ -169,6 +169,10 @@ class Layout:
     return t
 
 
+# An archive's entry for a parameter that two of its groups list.
+_TWICE = object()
+
+
 @dataclasses.dataclass(frozen=True)
 class Group:
   """Parameters split the same way over the same archives."""
@@ -215,6 +219,8 @@ class Checkpoint:
     self._uniform: dict[int, bool] = {}
     self._complete: Optional[list] = None
     self._group_by_sources: dict[int, tuple[tuple, int]] = {}
+    self._clock_classes = _validate.ClockClasses()
+    self._by_archive: dict[int, dict[str, Any]] = {}
 
   # --- the index ---------------------------------------------------------------
 
@@ -269,10 +275,6 @@ class Checkpoint:
     self.groups = [self._group(e, f"{where}, group {i}")
                    for i, e in enumerate(fmt.expect(index["groups"], list, where))]
     self._membership()
-    # Clocks with identical bits are one class, whatever their index.
-    classes: dict[str, int] = {}
-    self._clock_class = [classes.setdefault(json.dumps(c, sort_keys=True), len(classes))
-                         for c in fmt.expect(index["clocks"], list, where)]
 
   def _param_names(self, params: Sequence[int]) -> str:
     names = [self.params[p].param for p in params[:3]]
@@ -356,17 +358,31 @@ class Checkpoint:
     return len(self.names)
 
   def placement(self, archive: int, pid: str) -> Optional[ParamPlacement]:
-    found = None
-    for gi, rank in self.member[archive]:
+    member = self.member[archive]
+    if len(member) == 1:
+      gi, rank = member[0]
       p = self._param_index[gi].get(pid)
-      if p is None:
-        continue
-      if found is not None:
+    else:
+      hit = self._archive_params(archive).get(pid)
+      if hit is _TWICE:
         raise PlacementError(f"param {pid!r}: archive {archive} lists it twice")
-      e = self.params[p]
-      found = ParamPlacement(pid, e.shape, rank, self.groups[gi].world_size, e.dtype,
-                             e.trainable)
-    return found
+      gi, rank, p = hit if hit is not None else (None, None, None)
+    if p is None:
+      return None
+    e = self.params[p]
+    return ParamPlacement(pid, e.shape, rank, self.groups[gi].world_size, e.dtype, e.trainable)
+
+  def _archive_params(self, archive: int) -> dict[str, Any]:
+    """``param id -> (group, rank, param entry)`` of an archive in several groups (or
+    ``_TWICE``), made once: a lookup then costs O(1), not time in the groups."""
+    index = self._by_archive.get(archive)
+    if index is None:
+      index = {}
+      for gi, rank in self.member[archive]:
+        for pid, p in self._param_index[gi].items():
+          index[pid] = _TWICE if pid in index else (gi, rank, p)
+      self._by_archive[archive] = index
+    return index
 
   def placements(self, archive: int) -> list[ParamPlacement]:
     """Every placement an archive lists, sorted by param."""
@@ -389,7 +405,10 @@ class Checkpoint:
     return self.layout(archive).anatomy.history(pid)
 
   def clock_class(self, archive: int) -> int:
-    return self._clock_class[self.archive_clock[archive]]
+    """The rule records in memory follow (``_validate.ClockClasses``): one state structure
+    and bit-identical clock scalars; archives of one layout and clock share it."""
+    return self._clock_classes.of(
+        self, archive, (self.archive_layout[archive], self.archive_clock[archive]))
 
   def skeleton(self, archive: int) -> tuple[Any, ...]:
     return _validate.skeleton_key(self.layout(archive).anatomy)

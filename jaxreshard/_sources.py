@@ -101,12 +101,14 @@ class RecordSources:
     # What makes archives interchangeable but for their rank and their bytes:
     # the state's structure, each buffer's shape and dtype, the placements.
     self._signatures = [_signature(a, p) for a, p in zip(self.anatomies, self._placements)]
+    # The layout keys numbered, so that comparing two archives' costs O(1), not
+    # time in their parameters (each ``_is_uniform`` compares every archive of a group).
+    self._layout_ids = _numbered([sig[0] for sig in self._signatures])
     self._uniform: dict[int, tuple[tuple, bool]] = {}
     self._uniform_facts: dict[str, _validate.SourceFacts] = {}
     self._host_views: dict[tuple[int, str, int], np.ndarray] = {}
     self._accelerator: dict[tuple[int, str, int], bool] = {}
-    self._clock_keys: dict[Any, int] = {}
-    self._clocks: list[Optional[int]] = [None] * len(records)
+    self._clocks = _validate.ClockClasses()
     self._cache = FactsCache()
     # Packed target layouts by the validated groups they were made from (ids of
     # facts this object keeps alive).
@@ -134,12 +136,7 @@ class RecordSources:
 
   def clock_class(self, archive: int) -> int:
     """Archives with one structure and bit-identical clock scalars share a class."""
-    c = self._clocks[archive]
-    if c is None:
-      key = (self.skeleton(archive),
-             tuple(_validate.scalar_bits(x) for x in self.scalars(archive)))
-      c = self._clocks[archive] = self._clock_keys.setdefault(key, len(self._clock_keys))
-    return c
+    return self._clocks.of(self, archive)
 
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts:
     with self._lock:
@@ -162,8 +159,9 @@ class RecordSources:
                   for s in sources))
     if ok:
       first = self._signatures[sources[0]]
+      layout = self._layout_ids[sources[0]]
       ok = (first[1] is not None and first[2] == len(sources)
-            and all(self._signatures[s][0] == first[0] and self._signatures[s][1] == r
+            and all(self._layout_ids[s] == layout and self._signatures[s][1] == r
                     and self.clock_class(s) == self.clock_class(sources[0])
                     for r, s in enumerate(sources)))
     self._uniform[id(sources)] = (sources, ok)
@@ -217,6 +215,19 @@ class RecordSources:
       if hit:
         return True
     return False
+
+
+def _numbered(keys: Sequence[Any]) -> list[Any]:
+  """Equal keys get one number. A key that cannot be hashed (a placement with a
+  list for its shape or dtype, refused later by name) is its own class."""
+  numbers: dict[Any, int] = {}
+  out: list[Any] = []
+  for i, key in enumerate(keys):
+    try:
+      out.append(numbers.setdefault(key, len(numbers)))
+    except TypeError:
+      out.append(("unhashable", i))
+  return out
 
 
 def _signature(anatomy: _structure.StateParts,

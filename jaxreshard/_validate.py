@@ -34,6 +34,7 @@ __all__ = [
     "check_archive",
     "check_buffer_dtype",
     "check_storage_dtype",
+    "ClockClasses",
     "clock_mismatch",
     "source_facts",
 ]
@@ -346,6 +347,34 @@ def scalar_bits(x: Any) -> tuple[Any, ...]:
   """What must agree for two clock scalars to be the same: dtype, shape, bytes."""
   a = plain(x)
   return (str(getattr(x, "dtype", a.dtype)), a.dtype.str, a.shape, a.tobytes())
+
+
+class ClockClasses:
+  """Numbers the optimizer clocks of one source set, archive by archive.
+
+  This is the one rule for whether two archives are of one step of one
+  optimizer, whatever holds them (records in memory, a checkpoint's index):
+  their states have one structure, with every params subtree in the same place
+  (:func:`skeleton_key`), and bit-identical clock scalars (:func:`scalar_bits`).
+  Archives share a class exactly when they agree on both.
+  """
+
+  def __init__(self):
+    self._classes: dict[tuple[Any, ...], int] = {}
+    self._memo: dict[Any, int] = {}
+
+  def of(self, src: Any, archive: int, memo: Any = None) -> int:
+    """The class of ``src``'s archive ``archive`` (read with ``src.skeleton``/``src.scalars``).
+
+    ``memo`` (default: the archive) names what the class depends on, when
+    archives share it (a checkpoint's archives of one layout and one clock).
+    """
+    m = archive if memo is None else memo
+    c = self._memo.get(m)
+    if c is None:
+      key = (src.skeleton(archive), tuple(scalar_bits(x) for x in src.scalars(archive)))
+      c = self._memo[m] = self._classes.setdefault(key, len(self._classes))
+    return c
 
 
 def skeleton_key(anatomy: _structure.StateParts) -> tuple[Any, ...]:
