@@ -495,7 +495,7 @@ class Checkpoint:
     g = self.groups[gi]
     p = self._param_index[gi].get(pid)
     if p is None:
-      raise PlacementError(f"param {pid!r}: source archive {sources[0]} does not list it")
+      raise _validate.not_listed(pid, sources[0], self)
     e = self.params[p]
     a0 = sources[0]
     _validate.check_storage_dtype(e.dtype, f"param {pid!r}: archive {a0}")
