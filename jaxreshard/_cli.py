@@ -364,6 +364,7 @@ def inspect_info(ckpt: _checkpoint.Checkpoint) -> dict:
       stored_bytes=sum(e["stored_bytes"] for e in params.values()),
       clocks=_clock(ckpt.metadata_record(0)),
       clocks_agree=len({ckpt.clock_class(i) for i in range(len(ckpt))}) == 1,
+      source=None if ckpt.source is None else ckpt.source.to_json(),
   )
 
 
@@ -403,7 +404,9 @@ def inspect(
   of each history buffer, "bytes", "stored_bytes"}, "bytes", "stored_bytes",
   "clocks": a list of {"path", "dtype", "shape", "value", "bits": hex,
   "truncated": true when the scalar is an array of more than 16 elements, whose
-  first 16 (flat) alone are in "value" and "bits"}, "clocks_agree"}.
+  first 16 (flat) alone are in "value" and "bits"}, "clocks_agree", "source": null,
+  or for the output of a reshard {"checkpoint": the identity of the checkpoint it
+  was resharded from, "world_size", "layout": the target layout's sha256}}.
   """
   ckpt = _checkpoint.open_checkpoint(str(checkpoint))
   for i in range(len(ckpt)):  # every archive is present and belongs to this checkpoint
@@ -439,6 +442,9 @@ def inspect(
       value = f"{str(value)[:-1]}, ...] ({n} elements of shape {tuple(c['shape'])})"
     clocks.add_row(_cell(c["path"]), c["dtype"], _cell(value))
   out.print(clocks)
+  if info["source"] is not None:
+    out.print(f"resharded from checkpoint {info['source']['checkpoint']} to world size"
+              f" {info['source']['world_size']}")
   out.print(f"{len(info['params'])} params, {_size(info['bytes'])} of optimizer state"
             f" ({_size(info['stored_bytes'])} stored with padding)")
 

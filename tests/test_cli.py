@@ -642,6 +642,9 @@ def test_reshard_outputs_name_their_source_checkpoint(ckpt, resharded, parts, tm
     assert src["checkpoint"] == source_id and src["world_size"] == 6
     layouts.add(src["layout"])
   assert len(layouts) == 1  # every rank of one target shares its layout
+  assert _json_out(_run("inspect", parts[2], "--json"))["source"] == _index(parts[2])["source"]
+  assert f"resharded from checkpoint {source_id} to world size 6" in _run("inspect", parts[2]).stdout
+  assert _json_out(_run("inspect", root / "ckpt8", "--json"))["source"] is None
   # A merge names the parts' source too, under an identity of its own.
   assert _run("merge", tmp_path / "m", *parts).exit_code == 0
   merged = _index(tmp_path / "m")
