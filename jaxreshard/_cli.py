@@ -266,7 +266,8 @@ def progress_bar(console: Any) -> Any:
 def demo(
     steps: int = typer.Option(3, min=1, help="AdamW steps to train before sharding."),
     save: Optional[Path] = typer.Option(
-        None, "--save", parser=_path, help="Keep the 8-rank checkpoint here, to try the other commands on."),
+        None, "--save", parser=_path,
+        help="Keep the 8-rank checkpoint here, to try the other commands on."),
     as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
   """Train a small flax MLP, shard its AdamW state over 8 ranks, reshard to 6, prove it exact.
@@ -602,7 +603,8 @@ def _print_reads(p: _read_plan.ReadPlan) -> None:
 @app.command(cls=_Command)
 @_guard
 def verify(
-    checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT", help="The original checkpoint."),
+    checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT",
+                                      help="The original checkpoint."),
     out: Path = typer.Argument(..., parser=_path, metavar="OUT",
                                help="The checkpoint that should hold the same state."),
     as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
@@ -683,7 +685,8 @@ def clean(
 @app.command(cls=_Command)
 @_guard
 def merge(
-    out: Path = typer.Argument(..., parser=_path, metavar="OUT", help="The merged checkpoint (must not exist)."),
+    out: Path = typer.Argument(..., parser=_path, metavar="OUT",
+                               help="The merged checkpoint (must not exist)."),
     parts: list[Path] = typer.Argument(..., parser=_path, metavar="PART",
                                        help="Partial checkpoints (reshard --rank outputs)."),
     as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),

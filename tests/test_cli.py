@@ -643,7 +643,8 @@ def test_reshard_outputs_name_their_source_checkpoint(ckpt, resharded, parts, tm
     layouts.add(src["layout"])
   assert len(layouts) == 1  # every rank of one target shares its layout
   assert _json_out(_run("inspect", parts[2], "--json"))["source"] == _index(parts[2])["source"]
-  assert f"resharded from checkpoint {source_id} to world size 6" in _run("inspect", parts[2]).stdout
+  text = _run("inspect", parts[2]).stdout
+  assert f"resharded from checkpoint {source_id} to world size 6" in text
   assert _json_out(_run("inspect", root / "ckpt8", "--json"))["source"] is None
   # A merge names the parts' source too, under an identity of its own.
   assert _run("merge", tmp_path / "m", *parts).exit_code == 0
@@ -677,7 +678,8 @@ def test_merge_refuses_parts_of_two_saves_of_the_same_state(ckpt, parts, tmp_pat
 
 @pytest.mark.parametrize("change, needle", [
     (lambda p: p.update(head=np.zeros((10,), np.float32)),
-     r"has param 'head' of shape \(10,\), dtype float32 but .*part0 of shape \(9,\), dtype float32"),
+     r"has param 'head' of shape \(10,\), dtype float32 but .*part0 of shape \(9,\),"
+     r" dtype float32"),
     (lambda p: p.update(tail=np.zeros((3,), np.float32)), r"holds other parameters than .*part0"),
 ])
 def test_merge_refuses_parts_whose_layouts_disagree(ckpt, parts, tmp_path, monkeypatch, change,
@@ -733,7 +735,8 @@ def test_merge_refuses_a_part_that_does_not_say_its_source(parts, tmp_path, edit
     (lambda d: d["source"].update(world_size=True), "expected int, got bool"),
     (lambda d: d["source"].update(world_size=2**40), "world_size 1099511627776 must be between"),
     (lambda d: d["source"].update(world_size=5), "world_size 5, but group 0 has world_size 6"),
-    (lambda d: d["source"].update(layout="x" * 10**6), r"invalid layout 'xxx.*\(1000002 characters\)"),
+    (lambda d: d["source"].update(layout="x" * 10**6),
+     r"invalid layout 'xxx.*\(1000002 characters\)"),
     (lambda d: d["source"].update(extra=1), "expected checkpoint, world_size and layout"),
     (lambda d: d.update(source=[1]), "source: expected dict, got list"),
     (lambda d: d.pop("source"), "unexpected index keys"),
