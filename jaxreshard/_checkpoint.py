@@ -22,7 +22,12 @@ The index carries everything planning needs, once for the whole checkpoint:
   or a history buffer's ``[param, dtype, slots]``;
 * ``clocks``: distinct optimizer clocks (the scalar leaves, exact bits);
 * ``archives``: ``[name, layout, clock]`` of each archive;
-* ``checkpoint``: an identity shared by every archive of one save.
+* ``checkpoint``: an identity shared by every archive of one save;
+* ``source``: null, or for the output of a reshard (whole or some ranks) the
+  checkpoint it was resharded from: that checkpoint's identity, the target
+  world size and the target's layout (a sha256 of every param's id, shape,
+  dtype, trainability and history buffer dtypes), which every part of one
+  reshard shares, so that parts of two saves are never merged.
 
 A rank's buffers of one dtype lie in *packing order* (parameters sorted by id,
 then the optimizer subtrees in order), so an archive's offsets follow from its
@@ -39,6 +44,7 @@ archive read must carry the index's checkpoint identity.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -57,8 +63,8 @@ from jaxreshard._placement import ParamPlacement
 from jaxreshard._record import RECORD_VERSION
 from jaxreshard._record import ShardRecord
 
-__all__ = ["Checkpoint", "FORMAT_VERSION", "LeafInfo", "ReadStats", "open_checkpoint",
-           "write_checkpoint"]
+__all__ = ["Checkpoint", "FORMAT_VERSION", "LeafInfo", "ReadStats", "Source", "SourcedRecords",
+           "open_checkpoint", "target_layout", "write_checkpoint"]
 
 FORMAT = "jaxreshard-checkpoint"
 # The version of the on-disk checkpoint layout (index, archives, buffer files); the
@@ -85,8 +91,56 @@ MAX_ID_CHARS = 4096
 STAGING_BYTES = 8 << 20
 
 _INDEX_KEYS = {"format", "format_version", "checkpoint", "record_version", "params", "groups",
-               "layouts", "clocks", "archives"}
+               "layouts", "clocks", "archives", "source"}
+_SOURCE_KEYS = {"checkpoint", "world_size", "layout"}
 _ID = re.compile(r"[0-9a-f]{32}\Z")
+_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where a resharded checkpoint came from (the index's ``source``).
+
+  Attributes:
+    checkpoint: the identity of the checkpoint it was resharded from.
+    world_size: the target world size.
+    layout: ``target_layout`` of its archives (None until the first archive
+      of a save is seen; every archive must then have it).
+  """
+
+  checkpoint: str
+  world_size: int
+  layout: Optional[str] = None
+
+  def to_json(self) -> dict:
+    return {"checkpoint": self.checkpoint, "world_size": self.world_size, "layout": self.layout}
+
+
+class SourcedRecords:
+  """Records to save, with the ``Source`` the saved index names (``write_checkpoint``)."""
+
+  def __init__(self, records: Iterable[ShardRecord], source: Source):
+    self.records = records
+    self.source = source
+
+  def __iter__(self):
+    return iter(self.records)
+
+
+def target_layout(placements: Iterable[ParamPlacement], anatomy: _structure.StateParts) -> str:
+  """The layout an archive shares with every rank of its target: a sha256 in hex.
+
+  It covers the world size and every param's id, logical shape, storage
+  dtype, trainability and history (per optimizer subtree: a buffer's dtype,
+  masked or absent), never the rank, the slots or the clock.
+  """
+  entries = []
+  for p in sorted(placements, key=lambda p: p.param):
+    hist = [None if h is None else "masked" if h is _structure.MASKED else np.dtype(h.dtype).name
+            for h in anatomy.history(p.param)]
+    entries.append([p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable),
+                    int(p.world_size), hist])
+  return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclasses.dataclass
@@ -275,6 +329,29 @@ class Checkpoint:
     self.groups = [self._group(e, f"{where}, group {i}")
                    for i, e in enumerate(fmt.expect(index["groups"], list, where))]
     self._membership()
+    self.source = self._source(index["source"], f"{where}, source")
+
+  def _source(self, e: Any, where: str) -> Optional[Source]:
+    """The checkpoint a reshard read (None for a save of its own); its world size is
+    every group's."""
+    if e is None:
+      return None
+    fmt.expect(e, dict, where)
+    if set(e) != _SOURCE_KEYS:
+      raise ArchiveError(f"{where}: expected checkpoint, world_size and layout, got keys"
+                         f" {fmt.short(sorted(e))}")
+    if not (isinstance(e["checkpoint"], str) and _ID.match(e["checkpoint"])):
+      raise ArchiveError(f"{where}: invalid checkpoint identity {fmt.short(e['checkpoint'])}")
+    world = fmt.expect(e["world_size"], int, where)
+    if not 1 <= world <= MAX_WORLD_SIZE:
+      raise ArchiveError(f"{where}: world_size {world} must be between 1 and {MAX_WORLD_SIZE}")
+    if not (isinstance(e["layout"], str) and _SHA256.match(e["layout"])):
+      raise ArchiveError(f"{where}: invalid layout {fmt.short(e['layout'])} (a sha256 in hex)")
+    for gi, g in enumerate(self.groups):
+      if g.world_size != world:
+        raise ArchiveError(f"{where}: world_size {world}, but group {gi} has world_size"
+                           f" {g.world_size}")
+    return Source(e["checkpoint"], world, e["layout"])
 
   def _param_names(self, params: Sequence[int]) -> str:
     names = [self.params[p].param for p in params[:3]]
@@ -514,7 +591,7 @@ class Checkpoint:
     g = self.groups[gi]
     p = self._param_index[gi].get(pid)
     if p is None:
-      raise PlacementError(f"param {pid!r}: source archive {sources[0]} does not list it")
+      raise _validate.not_listed(pid, sources[0], self)
     e = self.params[p]
     a0 = sources[0]
     _validate.check_storage_dtype(e.dtype, f"param {pid!r}: archive {a0}")
@@ -731,8 +808,9 @@ def _packed(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
 class IndexBuilder:
   """Collects each archive's entry of the index as records are written."""
 
-  def __init__(self, checkpoint_id: Optional[str] = None):
+  def __init__(self, checkpoint_id: Optional[str] = None, source: Optional[Source] = None):
     self.id = checkpoint_id or uuid.uuid4().hex
+    self.source = source
     self._layouts: dict[str, int] = {}
     self._layout_of_signature: dict[tuple, int] = {}
     self._clocks: dict[str, int] = {}
@@ -753,6 +831,8 @@ class IndexBuilder:
       anatomy, placements = _validate.check_archive(index, record)
     except PlacementError:
       raise
+    if self.source is not None:
+      self._check_source(index, placements, anatomy)
     roles = _structure.roles_of(record)
     leaves, treedef = jax.tree_util.tree_flatten(record.state)
     # Ranks of one layout share its structure: encode it once.
@@ -785,6 +865,22 @@ class IndexBuilder:
         {pid: anatomy.history(pid) for pid in anatomy.param_set()}):
       parts.setdefault(np.dtype(buf.dtype), []).append(np.asarray(buf).reshape(-1))
     return {d: _packed(p, d) for d, p in parts.items()}
+
+  def _check_source(self, index: int, placements: dict[str, ParamPlacement],
+                    anatomy: _structure.StateParts) -> None:
+    """Every archive of a reshard's output has its target's world size and layout."""
+    src = self.source
+    for p in placements.values():
+      if p.world_size != src.world_size:
+        raise PlacementError(f"param {p.param!r}: archive {index} has world_size"
+                             f" {p.world_size}, not {src.world_size} of its target")
+    layout = target_layout(placements.values(), anatomy)
+    if src.layout is None:
+      self.source = dataclasses.replace(src, layout=layout)
+    elif layout != src.layout:
+      raise PlacementError(
+          f"archive {index} has another layout (params, shapes, dtypes or history buffers)"
+          f" than {'archive 0' if index else 'its target'}; the ranks of one target share one")
 
   def _layout(self, index: int, record: Any, roles: Sequence[Any]) -> int:
     """The layout entry of a record's state structure (added when new)."""
@@ -822,7 +918,8 @@ class IndexBuilder:
       raise PlacementError("no archives supplied")
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": self.id,
             "record_version": RECORD_VERSION, "params": self.params, "groups": self.groups(),
-            "layouts": self.layouts, "clocks": self.clocks, "archives": self.archives}
+            "layouts": self.layouts, "clocks": self.clocks, "archives": self.archives,
+            "source": None if self.source is None else self.source.to_json()}
 
 
 def write_archive(directory: str, index: int, record: Any, builder: IndexBuilder,
@@ -856,11 +953,13 @@ def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
   """Writes every record into an existing empty ``directory``; returns the count.
 
   Records are written one at a time as the iterable yields them;
-  ``progress(archive, nbytes)`` is called after each. Not atomic by itself:
-  ``save_records`` and the orbax handler supply the atomic commit.
+  ``progress(archive, nbytes)`` is called after each. ``SourcedRecords``
+  give the index their ``Source``. Not atomic by itself: ``save_records``
+  and the orbax handler supply the atomic commit.
   """
   directory = os.fspath(directory)
-  builder = IndexBuilder()
+  builder = IndexBuilder(
+      source=records.source if isinstance(records, SourcedRecords) else None)
   count = 0
   for index, record in enumerate(records):
     nbytes = write_archive(directory, index, record, builder, chunk_bytes)

@@ -8,6 +8,7 @@ one line on stderr, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -26,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 import jaxreshard as jr
-from jaxreshard import _archive_io, _checkpoint, _digest, _read_plan, _restore
+from jaxreshard import _archive_io, _checkpoint, _digest, _merge, _read_plan, _restore
 
 __all__ = ["app", "main"]
 
@@ -68,13 +69,39 @@ class _Command(typer.core.TyperCommand):
 
 
 class _Group(typer.core.TyperGroup):
-  """The root command, with the same help conventions as its subcommands."""
+  """The root command, with the same help conventions as its subcommands.
+
+  A usage error (a missing argument, an unknown option, a value of the wrong
+  type), of the root or of a subcommand, is one line on stderr and exit code 2,
+  like every other error.
+  """
 
   def get_params(self, ctx: Any) -> list:
     return _plain_flags(super().get_params(ctx))
 
   def collect_usage_pieces(self, ctx: Any) -> list[str]:
     return _usage(self, ctx) + [self.subcommand_metavar]
+
+  def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+    with _one_line_usage_errors():
+      return super().parse_args(ctx, args)
+
+  def invoke(self, ctx: Any) -> Any:
+    with _one_line_usage_errors():  # resolving the subcommand and parsing its arguments
+      return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _one_line_usage_errors() -> Iterator[None]:
+  try:
+    yield
+  except typer._click.exceptions.NoArgsIsHelpError:  # pylint: disable=protected-access
+    raise  # no arguments at all: the help, as asked for by no_args_is_help
+  except typer._click.exceptions.UsageError as e:  # pylint: disable=protected-access
+    hint = f" ({e.ctx.command_path} --help shows the usage)" if e.ctx is not None else ""
+    text = " ".join(e.format_message().split())
+    print(f"jaxreshard: error: {safe(text)}{hint}", file=sys.stderr)
+    raise typer.Exit(EXIT_ERROR) from None
 
 
 app = typer.Typer(
@@ -167,42 +194,10 @@ def _guard(fn: Callable) -> Callable:
   return wrapper
 
 
-def _archive_ranks(ckpt: _checkpoint.Checkpoint) -> tuple[set[int], dict[int, int]]:
-  """The world sizes of a checkpoint's groups, and the one rank each archive holds.
-
-  Raises:
-    PlacementError: an archive holding different ranks of different groups
-      (not the output of a reshard, so not a part to merge).
-  """
-  worlds: set[int] = set()
-  rank_of: dict[int, int] = {}
-  for g in ckpt.groups:
-    worlds.add(g.world_size)
-    for a, r in g.ranks:
-      if rank_of.setdefault(a, r) != r:
-        raise jr.PlacementError(f"{safe(ckpt.directory)}: archive {a} holds rank {rank_of[a]}"
-                                f" of one group and rank {r} of another")
-  return worlds, rank_of
-
-
-def _partial(path: Path, ckpt: _checkpoint.Checkpoint) -> None:
-  """Refuses a checkpoint holding only some ranks of its one world size, plainly."""
-  try:
-    worlds, rank_of = _archive_ranks(ckpt)
-  except jr.PlacementError:
-    return  # not a reshard's output: complete_groups says what is wrong
-  held = sorted(set(rank_of.values()))
-  if (len(worlds) == 1 and len(held) == len(rank_of) == len(ckpt)
-      and held != list(range(next(iter(worlds))))):
-    raise jr.PlacementError(
-        f"{safe(path)} is a partial checkpoint: ranks {held[:64]} of {next(iter(worlds))};"
-        " combine the parts with `jaxreshard merge OUT PART...` first")
-
-
 def _stream(path: Path) -> Iterator[Any]:
   """The checkpoint's records, read one archive at a time (verify holds one at once)."""
   ckpt = _checkpoint.open_checkpoint(str(path))
-  _partial(path, ckpt)
+  _merge.refuse_partial(path, ckpt)
   try:
     ckpt.complete_groups()
   except jr.PlacementError as e:
@@ -212,6 +207,13 @@ def _stream(path: Path) -> Iterator[Any]:
     ckpt.check_archive(i)
   for i in range(len(ckpt)):
     yield ckpt.record(i)
+
+
+def _path(text: str) -> Path:
+  """A path argument; an empty one names nothing (``Path("")`` would be ``.``)."""
+  if not text:
+    raise typer.BadParameter("an empty path names no checkpoint")
+  return Path(text)
 
 
 _JSON_HELP = "Print machine-readable JSON only (on stdout; errors stay on stderr)."
@@ -264,7 +266,8 @@ def progress_bar(console: Any) -> Any:
 def demo(
     steps: int = typer.Option(3, min=1, help="AdamW steps to train before sharding."),
     save: Optional[Path] = typer.Option(
-        None, "--save", help="Keep the 8-rank checkpoint here, to try the other commands on."),
+        None, "--save", parser=_path,
+        help="Keep the 8-rank checkpoint here, to try the other commands on."),
     as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
   """Train a small flax MLP, shard its AdamW state over 8 ranks, reshard to 6, prove it exact.
@@ -362,33 +365,18 @@ def inspect_info(ckpt: _checkpoint.Checkpoint) -> dict:
       stored_bytes=sum(e["stored_bytes"] for e in params.values()),
       clocks=_clock(ckpt.metadata_record(0)),
       clocks_agree=len({ckpt.clock_class(i) for i in range(len(ckpt))}) == 1,
+      source=None if ckpt.source is None else ckpt.source.to_json(),
   )
 
 
-def _value(a: np.ndarray) -> Any:
-  """A clock scalar for reading: a float as the shortest decimal of its own dtype.
-
-  float32 0.9 is ``0.9``, not the float64 ``0.8999999761581421`` it widens to;
-  parsing the decimal back at that dtype gives the same bits. JSON has no NaN
-  or infinity: those are strings.
-  """
-  if not jax.dtypes.issubdtype(a.dtype, np.floating):
-    return a.item() if a.size == 1 else a.tolist()
-
-  def one(x: Any) -> Any:
-    v = float(str(x))  # numpy's str of a float is its shortest round-trip decimal
-    return v if np.isfinite(v) else str(v)
-
-  values = [one(x) for x in a.reshape(-1)]
-  return values[0] if a.size == 1 else np.array(values, object).reshape(a.shape).tolist()
-
-
 def _clock(record: Any) -> list[dict]:
+  """Each clock scalar of an archive; an array of many elements by its first ones."""
   out = []
   for path, a in _digest.clock_scalars(record):
-    v = _value(a)
-    out.append(dict(path=path, dtype=a.dtype.name, shape=list(a.shape), value=v,
-                    bits=_digest.raw_bits(a).tobytes().hex()))
+    value, cut = _digest.clock_value(a)
+    shown = a.reshape(-1)[:_digest.CLOCK_ELEMENTS_SHOWN] if cut else a
+    out.append(dict(path=path, dtype=a.dtype.name, shape=list(a.shape), value=value,
+                    bits=_digest.raw_bits(shown).tobytes().hex(), truncated=cut))
   return out
 
 
@@ -406,7 +394,7 @@ def _buffers_text(dtypes: list[str]) -> str:
 @app.command(cls=_Command)
 @_guard
 def inspect(
-    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT",
+    checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT",
                                       help="A checkpoint directory written by save_records."),
     as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
@@ -415,8 +403,11 @@ def inspect(
   With --json: {"archives", "world_sizes", "params": a list of {"param",
   "shape", "dtype", "trainable", "world_sizes", "ranks", "buffers": the dtype
   of each history buffer, "bytes", "stored_bytes"}, "bytes", "stored_bytes",
-  "clocks": a list of {"path", "dtype", "shape", "value", "bits": hex},
-  "clocks_agree"}.
+  "clocks": a list of {"path", "dtype", "shape", "value", "bits": hex,
+  "truncated": true when the scalar is an array of more than 16 elements, whose
+  first 16 (flat) alone are in "value" and "bits"}, "clocks_agree", "source": null,
+  or for the output of a reshard {"checkpoint": the identity of the checkpoint it
+  was resharded from, "world_size", "layout": the target layout's sha256}}.
   """
   ckpt = _checkpoint.open_checkpoint(str(checkpoint))
   for i in range(len(ckpt)):  # every archive is present and belongs to this checkpoint
@@ -446,8 +437,15 @@ def inspect(
                                        " ([red]archives disagree[/])"),
                   [("scalar", "left"), ("dtype", "left"), ("value", "left")])
   for c in info["clocks"]:
-    clocks.add_row(_cell(c["path"]), c["dtype"], _cell(c["value"]))
+    value = c["value"]
+    if c["truncated"]:
+      n = int(np.prod(c["shape"], dtype=np.int64))
+      value = f"{str(value)[:-1]}, ...] ({n} elements of shape {tuple(c['shape'])})"
+    clocks.add_row(_cell(c["path"]), c["dtype"], _cell(value))
   out.print(clocks)
+  if info["source"] is not None:
+    out.print(f"resharded from checkpoint {info['source']['checkpoint']} to world size"
+              f" {info['source']['world_size']}")
   out.print(f"{len(info['params'])} params, {_size(info['bytes'])} of optimizer state"
             f" ({_size(info['stored_bytes'])} stored with padding)")
 
@@ -458,9 +456,9 @@ def inspect(
 @app.command(cls=_Command)
 @_guard
 def reshard(
-    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT",
+    checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT",
                                       help="The source checkpoint directory."),
-    out: Path = typer.Argument(..., metavar="OUT",
+    out: Path = typer.Argument(..., parser=_path, metavar="OUT",
                                help="The new checkpoint directory (must not exist)."),
     world_size: int = typer.Option(..., "--world-size", "-w", help="The target world size M."),
     rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Write only this target rank."),
@@ -499,6 +497,7 @@ def reshard(
   if os.path.lexists(out):
     raise jr.ArchiveExistsError(
         f"{safe(out)} already exists; jaxreshard never overwrites a checkpoint")
+  _refuse_inside(out, [checkpoint])
   total = first.bytes_read if rank is not None else _read_plan.total_bytes(ckpt)
   restore = lambda r: _restore.restore_ranks(str(checkpoint), [r], world_size=world_size,
                                              checkpoint=ckpt)[0]
@@ -513,13 +512,29 @@ def reshard(
         yield restore(p.rank)
         bar.advance(task, p.bytes_read)  # after save_records has taken this rank
 
-    jr.save_records(str(out), targets())
+    # The output names its source, so that parts of two saves never merge.
+    jr.save_records(str(out), _checkpoint.SourcedRecords(
+        targets(), _checkpoint.Source(ckpt.id, world_size)))
   if as_json:
     _json(dict(dry_run=False, out=os.path.abspath(out), world_size=world_size, ranks=list(ranks),
                bytes_read=total, seconds=round(time.perf_counter() - t0, 3)))
     return
   _out().print(_cell(f"wrote {len(ranks)} of {world_size} target ranks to {out}"
                      f" ({_size(total)} moved, {time.perf_counter() - t0:.1f} s)"))
+
+
+def _refuse_inside(out: Path, inputs: list[Path]) -> None:
+  """Refuses an output path at or below a checkpoint the command reads.
+
+  Paths are compared after resolving links, so another spelling of the same
+  directory is caught too.
+  """
+  target = os.path.realpath(out)
+  for path in inputs:
+    where = os.path.realpath(path)
+    if os.path.commonpath([target, where]) == where:
+      raise jr.ArchiveError(f"{safe(out)} is inside {safe(path)}, a checkpoint this command"
+                            " reads; write the new checkpoint outside it")
 
 
 def _print_plans(plans: Iterator[_read_plan.ReadPlan], n_archives: int, n_ranks: int,
@@ -588,19 +603,29 @@ def _print_reads(p: _read_plan.ReadPlan) -> None:
 @app.command(cls=_Command)
 @_guard
 def verify(
-    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT", help="The original checkpoint."),
-    out: Path = typer.Argument(..., metavar="OUT",
+    checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT",
+                                      help="The original checkpoint."),
+    out: Path = typer.Argument(..., parser=_path, metavar="OUT",
                                help="The checkpoint that should hold the same state."),
     as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
   """Prove OUT holds exactly CHECKPOINT's optimizer state, whatever the two layouts.
 
-  Exit code 0 identical, 1 different, 2 error. With --json: {"identical",
+  Exit code 0 identical, 1 different, 2 error (also for a checkpoint that is
+  not one valid state: nonzero padding, archives of different steps). With --json: {"identical",
   "differences": a list of lines, "digest": CHECKPOINT's, "out_digest": OUT's,
   "params", "buffers", "elements", "clock_scalars"} (counts of CHECKPOINT).
   """
   a = _digest.digest_records(_stream(checkpoint))
   b = _digest.digest_records(_stream(out))
+  for path, d in ((checkpoint, a), (out, b)):
+    # A checkpoint with nonzero padding or archives that disagree is not one
+    # state: an error, never an answer (even compared with itself).
+    if d.problems:
+      more = len(d.problems) - 1
+      raise jr.ArchiveError(f"{path} is not a valid checkpoint: {d.problems[0]}"
+                            + (f" (and {more} more problem{'s' if more > 1 else ''})"
+                               if more else ""))
   diffs = _digest.compare_digests(a, b, names=(str(checkpoint), str(out)))
   console = _out()
   buffers = sum(len(p.buffers) for p in a.params.values())
@@ -629,7 +654,7 @@ def verify(
 @app.command(cls=_Command)
 @_guard
 def clean(
-    checkpoint: Path = typer.Argument(..., metavar="CHECKPOINT",
+    checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT",
                                       help="The checkpoint path saves were writing to."),
     everything: bool = typer.Option(
         False, "--all", help="Also remove temporary directories of other hosts or of live"
@@ -657,96 +682,33 @@ def clean(
 # -------------------------------------------------------------------------- merge
 
 
-def _merge_plan(parts: list[Path]) -> list[tuple[_checkpoint.Checkpoint, int]]:
-  """(part, archive) of every rank, in rank order, once every part is checked.
-
-  Parts must hold disjoint ranks of one world size that together are all of
-  them, the same parameters, and the same optimizer clock (structure and
-  every scalar's bits).
-  """
-  opened = []
-  for path in parts:
-    ckpt = _checkpoint.open_checkpoint(str(path))
-    for i in range(len(ckpt)):  # present, and belonging to this part
-      ckpt.archive_meta(i)
-      ckpt.check_archive(i)
-    worlds, rank_of = _archive_ranks(ckpt)
-    if len(worlds) != 1:
-      raise jr.PlacementError(f"{safe(path)} holds world sizes {sorted(worlds)}; merge combines"
-                              " parts of one world size")
-    opened.append((path, ckpt, next(iter(worlds)), rank_of))
-  first_path, first, world, _ = opened[0]
-  params0 = sorted(e.param for e in first.params)
-  clock0 = _clock_key(first)
-  owner: dict[int, tuple[Path, _checkpoint.Checkpoint, int]] = {}
-  for path, ckpt, w, rank_of in opened:
-    if w != world:
-      raise jr.PlacementError(f"{safe(path)} has world size {w} but {safe(first_path)} has"
-                              f" {world}; merge combines parts of one world size")
-    if sorted(e.param for e in ckpt.params) != params0:
-      raise jr.PlacementError(f"{safe(path)} holds other parameters than {safe(first_path)};"
-                              " not parts of one checkpoint")
-    for a in range(len(ckpt)):
-      mismatch = _clock_mismatch(clock0, _clock_key(ckpt, a))
-      if mismatch:
-        raise jr.PlacementError(f"{safe(path)} {mismatch} but {safe(first_path)} has"
-                                f" {_clock_mismatch(_clock_key(ckpt, a), clock0, value=True)};"
-                                " parts of different steps are never merged")
-    for a, r in sorted(rank_of.items()):
-      if r in owner:
-        raise jr.PlacementError(f"rank {r} of {world} is in both {safe(owner[r][0])} and"
-                                f" {safe(path)}; parts must hold disjoint ranks")
-      owner[r] = (path, ckpt, a)
-  missing = sorted(set(range(world)) - set(owner))
-  if missing:
-    raise jr.PlacementError(f"ranks {missing[:64]} of {world} are in none of the parts; merge"
-                            " needs every rank")
-  return [(ckpt, a) for _, ckpt, a in (owner[r] for r in range(world))]
-
-
-def _clock_key(ckpt: _checkpoint.Checkpoint, archive: int = 0) -> tuple[Any, list]:
-  """An archive's optimizer structure and clock scalars: (path, dtype, shape, bits)."""
-  scalars = [(path, a.dtype.name, a.shape, _digest.raw_bits(a).tobytes(), _value(a))
-             for path, a in _digest.clock_scalars(ckpt.metadata_record(archive))]
-  return ckpt.skeleton(archive), scalars
-
-
-def _clock_mismatch(a: tuple, b: tuple, value: bool = False) -> str:
-  """Words where clock ``b`` differs from ``a`` (its value; ``b``'s own with ``value``)."""
-  if a[0] != b[0]:
-    return "another optimizer state structure" if value else "has another optimizer state structure"
-  for x, y in zip(a[1], b[1]):
-    if x[:4] != y[:4]:
-      return f"{y[0]} = {y[4]!r}" if value else f"has {y[0]} = {y[4]!r}"
-  return ""
-
-
 @app.command(cls=_Command)
 @_guard
 def merge(
-    out: Path = typer.Argument(..., metavar="OUT", help="The merged checkpoint (must not exist)."),
-    parts: list[Path] = typer.Argument(..., metavar="PART",
+    out: Path = typer.Argument(..., parser=_path, metavar="OUT",
+                               help="The merged checkpoint (must not exist)."),
+    parts: list[Path] = typer.Argument(..., parser=_path, metavar="PART",
                                        help="Partial checkpoints (reshard --rank outputs)."),
     as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
   """Combine partial checkpoints of one world size (one per rank or host) into one.
 
-  Every part is checked first: one world size, disjoint ranks that together
-  are all of them, the same clocks. Archives are then copied in rank order,
-  one at a time, into a new checkpoint with its own identity. With --json:
-  {"out", "world_size", "parts", "archives"}.
+  Every part is checked first: resharded from one checkpoint (the same save,
+  not only the same step), one world size and target layout (every param's
+  shape and dtype), disjoint ranks that together are all of them, the same
+  clocks. Archives are then copied in rank order, one at a time, into a new
+  checkpoint with its own identity. With --json: {"out", "world_size",
+  "parts", "archives"}.
   """
-  if os.path.lexists(out):
-    raise jr.ArchiveExistsError(
-        f"{safe(out)} already exists; jaxreshard never overwrites a checkpoint")
-  order = _merge_plan(parts)
-  jr.save_records(str(out), (ckpt.record(a) for ckpt, a in order))
+  _refuse_inside(out, parts)
+  plan = _merge.merge_parts(str(out), [str(p) for p in parts])
+  n = plan.world_size
   if as_json:
-    _json(dict(out=os.path.abspath(out), world_size=len(order), parts=len(parts),
-               archives=len(order)))
+    _json(dict(out=os.path.abspath(out), world_size=n, parts=len(parts), archives=n))
     return
   _out().print(_cell(f"merged {len(parts)} part{'s' if len(parts) != 1 else ''} into {out}:"
-                     f" ranks 0..{len(order) - 1} of {len(order)}"))
+                     f" ranks 0..{n - 1} of {n}, resharded from checkpoint"
+                     f" {plan.source.checkpoint}"))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -72,6 +72,9 @@ def _escape(name: str) -> str:
   return name
 
 
+escape = _escape
+
+
 _ESCAPED = re.compile("%(25|2F)")
 
 

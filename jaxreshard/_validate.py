@@ -33,6 +33,7 @@ __all__ = [
     "Sources",
     "check_archive",
     "check_buffer_dtype",
+    "not_listed",
     "check_storage_dtype",
     "ClockClasses",
     "clock_mismatch",
@@ -169,6 +170,49 @@ class SourceGroup:
     return self.facts.buffer_dtypes
 
 
+# A spelling with more than this many ``/`` is only tried as one key and as
+# separate keys, not in every grouping (2^k of them).
+_MAX_GROUPED_SEPARATORS = 10
+
+
+def _spellings(pid: str) -> Iterable[str]:
+  """The ids ``pid`` may have been meant as, read as a key path written unescaped.
+
+  ``pid`` is unescaped in full, then split at every ``/`` and its pieces
+  grouped into keys in each way (``dense/b`` is the keys ``dense``, ``b`` or
+  the one key ``dense/b``: the ids ``dense/b`` and ``dense%2Fb``).
+  """
+  pieces = "/".join(_structure.split_id(pid)).split("/")
+  gaps = len(pieces) - 1
+  masks = (range(2**gaps) if gaps <= _MAX_GROUPED_SEPARATORS else (0, 2**gaps - 1))
+  for mask in masks:  # bit j set: gap j separates two keys
+    keys, key = [], pieces[0]
+    for j, piece in enumerate(pieces[1:]):
+      if mask >> j & 1:
+        keys.append(key)
+        key = piece
+      else:
+        key = f"{key}/{piece}"
+    keys.append(key)
+    candidate = "/".join(_structure.escape(k) for k in keys)
+    if candidate != pid:
+      yield candidate
+
+
+def not_listed(pid: str, archive: int, src: Sources) -> PlacementError:
+  """The refusal of a source archive that does not list ``pid``.
+
+  When the archive lists the same key path spelled with its escaping (a
+  ``/`` inside a key is ``%2F``, a ``%`` is ``%25``), the refusal says which.
+  """
+  hint = ""
+  for candidate in _spellings(pid):
+    if src.placement(archive, candidate) is not None:
+      hint = f"; did you mean {candidate!r}? (a / inside a key is written %2F, a % is %25)"
+      break
+  return PlacementError(f"param {pid!r}: source archive {archive} does not list it{hint}")
+
+
 def _is_buffer(h: Any) -> bool:
   return h is not None and h is not _structure.MASKED
 
@@ -190,7 +234,7 @@ def source_facts(pid: str, sources: tuple[int, ...], src: Sources) -> SourceFact
   for s in sources:
     p = src.placement(s, pid)
     if p is None:
-      raise PlacementError(f"param {pid!r}: source archive {s} does not list it")
+      raise not_listed(pid, s, src)
     entries.append((s, p))
   first_index, first = entries[0]
   for s, p in entries:
@@ -250,7 +294,7 @@ def uniform_facts(pid: str, sources: tuple[int, ...], src: Any) -> SourceFacts:
   a0 = sources[0]
   p = src.placement(a0, pid)
   if p is None:
-    raise PlacementError(f"param {pid!r}: source archive {a0} does not list it")
+    raise not_listed(pid, a0, src)
   check_storage_dtype(p.dtype, f"param {pid!r}: archive {a0}")
   source = FlatShard.checked(p.shape, 0, p.world_size)
   hist = src.history(a0, pid)

@@ -163,9 +163,15 @@ def test_verify_names_the_differing_buffer_and_bad_padding(ckpt):
 
   padded = [_replace(r, "head", 0, pad) if i == 5 else r for i, r in enumerate(six)]
   jr.save_records(root / "badpad", padded)
-  result = _run("verify", root / "ckpt8", root / "badpad")
-  assert result.exit_code == EXIT_DIFFERENT
-  assert "param 'head' buffer 0" in result.stdout and "padding is not zero" in result.stdout
+  # Nonzero padding makes a checkpoint invalid, not different: exit 2, one
+  # line naming it, on either side and compared with itself.
+  for args in ((root / "ckpt8", root / "badpad"), (root / "badpad", root / "ckpt8"),
+               (root / "badpad", root / "badpad"), (root / "badpad", root / "badpad", "--json")):
+    result = _run("verify", *args)
+    line = _one_line_error(result)
+    assert "badpad is not a valid checkpoint" in line, line
+    assert "param 'head' buffer 0" in line and "padding is not zero" in line, line
+    assert result.stdout == "" and "differs" not in result.output
 
 
 def test_errors_are_one_line(ckpt, resharded, tmp_path):
@@ -615,3 +621,249 @@ def test_reads_without_dry_run_is_refused_and_writes_nothing(ckpt, tmp_path):
   root, _ = ckpt
   line = _one_line_error(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "--reads"))
   assert "--dry-run" in line and not (tmp_path / "o").exists()
+
+
+def _index(path):
+  return json.loads((path / "jaxreshard.json").read_text())
+
+
+def _leftovers(parent, name):
+  return [e for e in os.listdir(parent) if e == name or e.startswith(f".{name}.tmp-")]
+
+
+def test_reshard_outputs_name_their_source_checkpoint(ckpt, resharded, parts, tmp_path):
+  root, _ = ckpt
+  source_id = _index(root / "ckpt8")["checkpoint"]
+  assert _index(root / "ckpt8")["source"] is None  # a save of its own
+  layouts = set()
+  for path in [resharded] + parts:
+    src = _index(path)["source"]
+    assert sorted(src) == ["checkpoint", "layout", "world_size"]
+    assert src["checkpoint"] == source_id and src["world_size"] == 6
+    layouts.add(src["layout"])
+  assert len(layouts) == 1  # every rank of one target shares its layout
+  assert _json_out(_run("inspect", parts[2], "--json"))["source"] == _index(parts[2])["source"]
+  text = _run("inspect", parts[2]).stdout
+  assert f"resharded from checkpoint {source_id} to world size 6" in text
+  assert _json_out(_run("inspect", root / "ckpt8", "--json"))["source"] is None
+  # A merge names the parts' source too, under an identity of its own.
+  assert _run("merge", tmp_path / "m", *parts).exit_code == 0
+  merged = _index(tmp_path / "m")
+  assert merged["source"] == _index(parts[0])["source"]
+  assert merged["checkpoint"] not in (source_id, _index(parts[0])["checkpoint"])
+
+
+def test_merge_refuses_parts_of_two_saves_of_the_same_state(ckpt, parts, tmp_path):
+  # Same model, same step, same bits: only the save differs. Mixing its parts
+  # would make a checkpoint no save ever held; it is refused, and nothing is left.
+  root, src = ckpt
+  jr.save_records(tmp_path / "again", src)
+  assert _run("reshard", tmp_path / "again", tmp_path / "other5", "-w", 6, "-r", 5).exit_code == 0
+  first_id, other_id = (_index(p)["checkpoint"] for p in (root / "ckpt8", tmp_path / "again"))
+  assert first_id != other_id
+  out = tmp_path / "out"
+  for extra in ((), ("--json",)):
+    result = _run("merge", out, *parts[:5], tmp_path / "other5", *extra)
+    line = _one_line_error(result)
+    assert re.search(rf"other5 was resharded from checkpoint {other_id} but .*part0 from"
+                     rf" checkpoint {first_id}; parts of two different saves are never merged",
+                     line), line
+    assert result.stdout == ""
+    assert _leftovers(tmp_path, "out") == []
+  # In any order, and whichever part comes first.
+  line = _one_line_error(_run("merge", out, tmp_path / "other5", *parts[:5]))
+  assert other_id in line and first_id in line, line
+  assert _leftovers(tmp_path, "out") == []
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda p: p.update(head=np.zeros((10,), np.float32)),
+     r"has param 'head' of shape \(10,\), dtype float32 but .*part0 of shape \(9,\),"
+     r" dtype float32"),
+    (lambda p: p.update(tail=np.zeros((3,), np.float32)), r"holds other parameters than .*part0"),
+])
+def test_merge_refuses_parts_whose_layouts_disagree(ckpt, parts, tmp_path, monkeypatch, change,
+                                                     needle):
+  # Another model at the same step, with the same clock: its rank 5 is no part
+  # of this target.
+  root, _ = ckpt
+  params = jax.tree.map(lambda x: x, PARAMS)
+  change(params)
+  monkeypatch.setitem(globals(), "PARAMS", params)
+  jr.save_records(tmp_path / "model2", _records(8))
+  assert _run("reshard", tmp_path / "model2", tmp_path / "p5", "-w", 6, "-r", 5).exit_code == 0
+  line = _one_line_error(_run("merge", tmp_path / "out", *parts[:5], tmp_path / "p5"))
+  assert re.search(needle + "; parts of different target layouts are never merged", line), line
+  assert _leftovers(tmp_path, "out") == []
+
+
+def test_merge_refuses_parts_whose_dtypes_disagree(tmp_path):
+  opt = optax.adam(1e-3)
+  for name, dtype in (("f32", np.float32), ("bf16", jax.numpy.bfloat16)):
+    params = {"w": np.arange(5).astype(dtype), "v": np.ones(3, np.float32)}
+    jr.save_records(tmp_path / name, jr.shard_state(opt, params, opt.init(params), world_size=2))
+    for r in range(2):
+      assert _run("reshard", tmp_path / name, tmp_path / f"{name}.{r}", "-w", 3, "-r", r
+                  ).exit_code == 0
+  assert _run("reshard", tmp_path / "f32", tmp_path / "f32.2", "-w", 3, "-r", 2).exit_code == 0
+  line = _one_line_error(_run("merge", tmp_path / "out", tmp_path / "f32.0", tmp_path / "bf16.1",
+                              tmp_path / "f32.2"))
+  assert re.search(r"bf16\.1 has param 'w' of shape \(5,\), dtype bfloat16 but .*f32\.0 of"
+                   r" shape \(5,\), dtype float32; parts of different target layouts", line), line
+  assert _leftovers(tmp_path, "out") == []
+  assert _run("merge", tmp_path / "out", *(tmp_path / f"f32.{r}" for r in range(3))
+              ).exit_code == 0
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d.update(source=None), "names no checkpoint it was resharded from"),
+    (lambda d: d["source"].update(layout="0" * 64),
+     "archive 0 does not have the target layout its index declares"),
+])
+def test_merge_refuses_a_part_that_does_not_say_its_source(parts, tmp_path, edit, needle):
+  part = tmp_path / "p5"
+  shutil.copytree(parts[5], part)
+  _edit_index(part, edit)
+  line = _one_line_error(_run("merge", tmp_path / "out", *parts[:5], part))
+  assert needle in line, line
+  assert _leftovers(tmp_path, "out") == []
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda d: d["source"].update(checkpoint="../../x"), "source: invalid checkpoint identity"),
+    (lambda d: d["source"].update(checkpoint=7), "source: invalid checkpoint identity"),
+    (lambda d: d["source"].update(world_size=True), "expected int, got bool"),
+    (lambda d: d["source"].update(world_size=2**40), "world_size 1099511627776 must be between"),
+    (lambda d: d["source"].update(world_size=5), "world_size 5, but group 0 has world_size 6"),
+    (lambda d: d["source"].update(layout="x" * 10**6),
+     r"invalid layout 'xxx.*\(1000002 characters\)"),
+    (lambda d: d["source"].update(extra=1), "expected checkpoint, world_size and layout"),
+    (lambda d: d.update(source=[1]), "source: expected dict, got list"),
+    (lambda d: d.pop("source"), "unexpected index keys"),
+])
+def test_a_hostile_source_is_refused_by_every_command(parts, tmp_path, edit, needle):
+  bad = tmp_path / "bad"
+  shutil.copytree(parts[5], bad)
+  _edit_index(bad, edit)
+  for args in (("inspect", bad), ("inspect", bad, "--json"), ("merge", tmp_path / "o", bad),
+               ("reshard", bad, tmp_path / "o", "-w", 1)):
+    line = _one_line_error(_run(*args))
+    assert re.search(needle, line), (args, line)
+    assert len(line) < 600, line
+  assert sorted(os.listdir(tmp_path)) == ["bad"]
+
+
+def test_inspect_summarises_huge_clock_arrays_in_bounded_memory(tmp_path):
+  # 16 clock leaves of 65,536 elements each (a million in all): inspect shows
+  # the first elements of each, in output and memory that do not grow with them.
+  import tracemalloc
+
+  params = {"w": np.ones(6, np.float32)}
+  opt = optax.chain(*[optax.scale_by_adam() for _ in range(16)])
+
+  def with_counts(base):
+    return tuple(s._replace(count=((np.arange(65536) * (i + base)) % 251).astype(np.uint8))
+                 for i, s in enumerate(opt.init(params)))
+
+  jr.save_records(tmp_path / "c", jr.shard_state(opt, params, with_counts(1), world_size=2))
+  index_bytes = (tmp_path / "c" / "jaxreshard.json").stat().st_size
+  for extra in ((), ("--json",)):
+    tracemalloc.start()
+    try:
+      result = _run("inspect", tmp_path / "c", *extra)
+      peak = tracemalloc.get_traced_memory()[1]
+    finally:
+      tracemalloc.stop()
+    assert result.exit_code == 0, result.output
+    assert len(result.stdout) < 20_000, len(result.stdout)
+    assert peak < 8 * index_bytes, (peak, index_bytes)
+  clocks = json.loads(result.stdout)["clocks"]
+  assert len(clocks) == 16
+  for i, c in enumerate(clocks):
+    first = ((np.arange(16) * (i + 1)) % 251).astype(np.uint8)
+    assert c["truncated"] and c["shape"] == [65536] and c["dtype"] == "uint8"
+    assert c["value"] == first.tolist() and c["bits"] == first.tobytes().hex()
+  text = _run("inspect", tmp_path / "c").stdout
+  assert "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, ...] (65536 elements of shape" \
+         " (65536,))" in text, text
+  # Small scalars are whole and not marked.
+  small = json.loads(_run("inspect", _save_adam(tmp_path / "small"), "--json").stdout)["clocks"]
+  assert [c["truncated"] for c in small] == [False]
+  # verify names a differing huge clock in a bounded line.
+  jr.save_records(tmp_path / "d", jr.shard_state(opt, params, with_counts(2), world_size=3))
+  result = _run("verify", tmp_path / "c", tmp_path / "d")
+  assert result.exit_code == EXIT_DIFFERENT
+  assert "scalar [0].count: uint8(65536,) 0x" in result.stdout
+  assert max(len(l) for l in result.stdout.splitlines()) < 400
+
+
+def _save_adam(path, world_size=2):
+  params = {"w": np.arange(5, dtype=np.float32)}
+  opt = optax.adam(1e-3)
+  jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=world_size))
+  return path
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("reshard", "CK", "O"), r"Missing option '--world-size' / '-w'\. \(jaxreshard reshard --help"),
+    (("reshard", "CK", "O", "--json"), r"Missing option '--world-size'"),
+    (("reshard", "CK", "O", "-w", "six", "--json"), r"Invalid value for '--world-size' / '-w'"),
+    (("inspect", "--json"), r"Missing argument 'CHECKPOINT'"),
+    (("inspect", "CK", "--jsn"), r"No such option: --jsn"),
+    (("verify", "CK"), r"Missing argument 'OUT'"),
+    (("merge", "O", "--json"), r"Missing argument 'PART\.\.\.'|Missing argument 'PART'"),
+    (("demo", "--steps", "0", "--json"), r"Invalid value for '--steps'"),
+    (("bogus", "--json"), r"No such command 'bogus'\. \(jaxreshard --help shows the usage\)"),
+    (("--bogus",), r"No such option: --bogus"),
+])
+def test_usage_errors_are_one_line(tmp_path, args, needle):
+  _save_adam(tmp_path / "ck")
+  args = [str(tmp_path / "ck") if a == "CK" else str(tmp_path / "o") if a in ("O",) else a
+          for a in args]
+  result = _run(*args)
+  line = _one_line_error(result)
+  assert re.search(needle, line), line
+  assert result.stdout == ""
+  assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_usage_errors_are_one_line_in_a_subprocess(tmp_path):
+  bad = subprocess.run([sys.executable, "-m", "jaxreshard", "reshard", str(tmp_path / "x"),
+                        str(tmp_path / "y"), "--json"], capture_output=True, text=True,
+                       timeout=120)
+  assert bad.returncode == EXIT_ERROR and bad.stdout == ""
+  assert bad.stderr.splitlines() == [
+      "jaxreshard: error: Missing option '--world-size' / '-w'. (jaxreshard reshard --help"
+      " shows the usage)"]
+
+
+def test_reshard_refuses_an_out_inside_its_checkpoint(tmp_path):
+  ck = _save_adam(tmp_path / "ck")
+  before = sorted(p.relative_to(ck) for p in ck.rglob("*"))
+  os.symlink(ck, tmp_path / "alias")
+  for out in (ck / "resharded", ck / "archive_00000" / "x", tmp_path / "alias" / "r"):
+    for extra in ((), ("-r", "1"), ("--json",)):
+      line = _one_line_error(_run("reshard", ck, out, "-w", 3, *extra))
+      assert "is inside" in line and "a checkpoint this command reads" in line, line
+  assert sorted(p.relative_to(ck) for p in ck.rglob("*")) == before
+  # A part inside a part is refused by merge the same way.
+  assert _run("reshard", ck, tmp_path / "p0", "-w", 2, "-r", 0).exit_code == 0
+  assert _run("reshard", ck, tmp_path / "p1", "-w", 2, "-r", 1).exit_code == 0
+  line = _one_line_error(_run("merge", tmp_path / "p0" / "m", tmp_path / "p0", tmp_path / "p1"))
+  assert "is inside" in line, line
+  # A sibling whose name starts with the checkpoint's is outside it.
+  assert _run("reshard", ck, tmp_path / "ck2", "-w", 3).exit_code == 0
+
+
+def test_an_empty_path_is_refused(tmp_path, monkeypatch):
+  # Path("") is ".": clean "" would clean the working directory's saves.
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "w").mkdir()
+  monkeypatch.chdir(tmp_path / "w")
+  stale = tmp_path / ".w.tmp-0123456789abcdef0123456789abcdef-999999999-nohost"
+  stale.mkdir()
+  for args in (("clean", ""), ("clean", "", "--json"), ("clean", "", "--all"), ("inspect", ""),
+               ("reshard", "", "o", "-w", 2), ("merge", "", "x"), ("verify", "x", "")):
+    line = _one_line_error(_run(*args))
+    assert "an empty path names no checkpoint" in line, line
+  assert stale.exists() and os.listdir(tmp_path / "w") == []

@@ -358,3 +358,31 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name(call, needles):
   with pytest.raises(jr.ReshardError) as info:
     call(records, params, state)
   assert all(n in str(info.value) for n in needles), str(info.value)
+
+
+def test_a_migration_naming_a_key_path_unescaped_hears_the_id(tmp_path):
+  # Ids escape "/" inside a key as %2F: the key "dense/b" is the id dense%2Fb.
+  from jaxreshard import _checkpoint, _restore
+
+  params = {"dense/b": jnp.ones(6), "x": {"y": jnp.ones(4), "50%": jnp.ones(3)}}
+  opt = optax.adam(1e-3)
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  assert sorted(p.param for p in records[0].placements) == ["dense%2Fb", "x/50%25", "x/y"]
+  jr.save_records(tmp_path / "c", records)
+  ckpt = _checkpoint.open_checkpoint(tmp_path / "c")
+  cases = [("dense/b", (6,), "'dense%2Fb'"), ("x%2Fy", (4,), "'x/y'"), ("x/50%", (3,), "'x/50%25'")]
+  for pid, shape, meant in cases:
+    migration = jr.Migration(pid, shape, 0, 3, (0, 1))
+    # In memory (one uniform group), sources in another order (checked one by
+    # one), and from disk: the same words.
+    for call in (lambda: jr.reshard(records, [migration]),
+                 lambda: jr.reshard(records, [dataclasses.replace(migration, sources=(1, 0))]),
+                 lambda: _restore.restore_plan(ckpt, [migration])):
+      with pytest.raises(jr.PlacementError) as info:
+        call()
+      text = str(info.value)
+      assert text.startswith(f"param {pid!r}: source archive ") and "does not list it" in text
+      assert f"did you mean {meant}?" in text, text
+  with pytest.raises(jr.PlacementError) as info:
+    jr.reshard(records, [jr.Migration("nothing/here", (6,), 0, 3, (0, 1))])
+  assert str(info.value) == "param 'nothing/here': source archive 0 does not list it"
