@@ -32,7 +32,8 @@ import numpy as np
 from jaxreshard import _bitview
 from jaxreshard._errors import ArchiveError
 
-__all__ = ["Dir", "ShardFile", "chunk_elements", "file_size", "write_array", "zarr_metadata"]
+__all__ = ["Dir", "OutDir", "ShardFile", "chunk_elements", "file_size", "json_bytes", "write_array",
+           "write_json", "zarr_metadata"]
 
 CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -98,38 +99,133 @@ def _crc(data: Any) -> int:
   return google_crc32c.value(data)
 
 
-def write_array(directory: str, name: str, data: np.ndarray, chunk: int) -> list[int]:
+class OutDir:
+  """A directory being written, held by its descriptor: every name is created below it.
+
+  The directory is opened once (``O_DIRECTORY | O_NOFOLLOW``); files and
+  subdirectories are created relative to that descriptor (``openat``,
+  ``mkdirat``, never following a symbolic link), so a rename or replacement of
+  its path while it is written cannot redirect a single byte. With ``durable``
+  every file is fsync'ed once written, and :meth:`sync` fsyncs the directory
+  itself (its entries), which the writer calls once a directory is complete.
+  """
+
+  def __init__(self, fd: int, path: str, durable: bool = True):
+    self.fd, self.path, self.durable = fd, path, durable
+
+  @classmethod
+  def open(cls, path: str, durable: bool = True) -> "OutDir":
+    """Holds the existing directory ``path``."""
+    try:
+      fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, path) from None
+    return cls(fd, path, durable)
+
+  def close(self) -> None:
+    if self.fd >= 0:
+      os.close(self.fd)
+      self.fd = -1
+
+  def __enter__(self) -> "OutDir":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def mkdir(self, name: str) -> "OutDir":
+    """Creates the subdirectory ``name`` and holds it."""
+    path = os.path.join(self.path, name)
+    try:
+      os.mkdir(name, 0o777, dir_fd=self.fd)
+      fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   dir_fd=self.fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, path) from None
+    return OutDir(fd, path, self.durable)
+
+  def create(self, name: str) -> int:
+    """A new file ``name`` (never an existing one or a link), open for writing."""
+    try:
+      return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=self.fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
+
+  def finish(self, fd: int, name: str) -> None:
+    """Makes a written file durable (when the directory is) and closes it."""
+    try:
+      if self.durable:
+        os.fsync(fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
+    finally:
+      os.close(fd)
+
+  def write_bytes(self, name: str, data: bytes) -> None:
+    """Writes ``data`` as the new file ``name``; errors name the file."""
+    fd = self.create(name)
+    try:
+      _writev(fd, [data])
+    except OSError as e:  # a full disk reports itself without the file's name
+      os.close(fd)
+      raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
+    self.finish(fd, name)
+
+  def write_json(self, name: str, obj: Any) -> None:
+    """Writes ``obj`` as compact JSON into the new file ``name``."""
+    self.write_bytes(name, json_bytes(obj))
+
+  def sync(self) -> None:
+    """Fsyncs the directory's own entries (when durable)."""
+    if self.durable:
+      try:
+        os.fsync(self.fd)
+      except OSError as e:
+        raise OSError(e.errno, e.strerror, self.path) from None
+
+
+def json_bytes(obj: Any) -> bytes:
+  """``obj`` as the compact JSON bytes jaxreshard writes."""
+  # json.dumps, not json.dump: only the former uses the C encoder.
+  return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def write_array(directory: "OutDir | str", name: str, data: np.ndarray, chunk: int) -> list[int]:
   """Writes ``data`` (1-D, non-empty) as the zarr array ``directory/name``.
+
+  ``directory`` is a held :class:`OutDir` (or a path, held for this call); the
+  array's files and subdirectories are fsync'ed when it is durable.
 
   Returns:
     The crc32c of every chunk, for the archive's metadata.
   """
+  if not isinstance(directory, OutDir):
+    with OutDir.open(directory) as held:
+      return write_array(held, name, data, chunk)
   data = np.ascontiguousarray(data).reshape(-1)
   size, itemsize = data.size, data.dtype.itemsize
-  path = os.path.join(directory, name)
-  os.mkdir(path)
-  write_json(os.path.join(path, META_FILE), zarr_metadata(size, data.dtype, chunk))
-  os.mkdir(os.path.join(path, SHARD_KEY[0]))
-  raw = memoryview(data.view(np.uint8))
-  fd = os.open(os.path.join(path, *SHARD_KEY), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-               0o644)
-  try:
-    return _write_chunks(fd, raw, size, itemsize, chunk)
-  except OSError as e:  # a full disk or a quota: say which file
-    raise OSError(e.errno, e.strerror, os.path.join(path, *SHARD_KEY)) from None
-  finally:
-    os.close(fd)
+  with directory.mkdir(name) as adir:
+    adir.write_json(META_FILE, zarr_metadata(size, data.dtype, chunk))
+    with adir.mkdir(SHARD_KEY[0]) as cdir:
+      raw = memoryview(data.view(np.uint8))
+      fd = cdir.create(SHARD_KEY[1])
+      try:
+        crcs = _write_chunks(fd, raw, size, itemsize, chunk)
+      except OSError as e:  # a full disk or a quota: say which file
+        os.close(fd)
+        raise OSError(e.errno, e.strerror, os.path.join(cdir.path, SHARD_KEY[1])) from None
+      cdir.finish(fd, SHARD_KEY[1])
+      cdir.sync()
+    adir.sync()
+  return crcs
 
 
 def write_json(path: str, obj: Any) -> None:
-  """Writes ``obj`` as compact JSON into a new file; errors name the file."""
-  # json.dumps, not json.dump: only the former uses the C encoder.
-  text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
-  try:
-    with open(path, "x") as f:
-      f.write(text)
-  except OSError as e:  # a full disk reports itself without the file's name
-    raise OSError(e.errno, e.strerror, path) from None
+  """Writes ``obj`` as compact JSON into the new file ``path`` (fsync'ed); errors name the file."""
+  with OutDir.open(os.path.dirname(path) or ".") as held:
+    held.write_json(os.path.basename(path), obj)
+    held.sync()
 
 
 def _write_chunks(fd: int, raw: memoryview, size: int, itemsize: int, chunk: int) -> list[int]:
