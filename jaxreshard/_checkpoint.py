@@ -821,6 +821,7 @@ def write_archive(directory: "_shardfile.OutDir | str", index: int, record: Any,
     with _shardfile.OutDir.open(os.fspath(directory), durable) as held:
       nbytes = write_archive(held, index, record, builder, chunk_bytes)
       held.sync()
+      held.drain()
       return nbytes
   buffers = builder.add(index, record)
   with directory.mkdir(f"archive_{index:05d}") as adir:
@@ -849,7 +850,7 @@ def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
   ``directory`` is a held :class:`_shardfile.OutDir` or a path. Records are
   written one at a time as the iterable yields them; ``progress(archive,
   nbytes)`` is called after each. Every file and directory is fsync'ed (when
-  ``directory`` is durable), ``directory`` itself last. Not atomic by itself:
+  ``directory`` is durable) before it returns. Not atomic by itself:
   ``save_records`` and the orbax handler supply the atomic commit.
   """
   if not isinstance(directory, _shardfile.OutDir):
@@ -862,4 +863,5 @@ def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
       progress(index, nbytes)
   directory.write_json(INDEX_FILE, builder.index())
   directory.sync()
+  directory.drain()
   return builder

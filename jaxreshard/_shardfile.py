@@ -20,11 +20,13 @@ crc32c the archive's metadata recorded for it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
 import stat
-from typing import Any, Sequence
+import threading
+from typing import Any, Optional, Sequence
 
 import google_crc32c
 import numpy as np
@@ -99,6 +101,65 @@ def _crc(data: Any) -> int:
   return google_crc32c.value(data)
 
 
+class _Syncer:
+  """Fsyncs handed-over descriptors on a few threads, then closes them.
+
+  Files are fsync'ed while the writer goes on writing the next ones, and
+  concurrent fsyncs share the file system's journal commits, so a checkpoint
+  of many small files costs a few commits instead of one per file. At most
+  ``limit`` descriptors wait at a time. :meth:`drain` waits for every fsync
+  and raises the first failure, naming its file.
+  """
+
+  def __init__(self, threads: int = 8, limit: int = 64):
+    self._pool = concurrent.futures.ThreadPoolExecutor(threads, "jaxreshard-fsync")
+    self._slots = threading.BoundedSemaphore(limit)
+    self._pending: list[concurrent.futures.Future] = []
+
+  def submit(self, fd: int, path: str) -> None:
+    self._slots.acquire()
+    try:
+      self._pending.append(self._pool.submit(self._sync, fd, path))
+    except BaseException:
+      os.close(fd)
+      self._slots.release()
+      raise
+    if len(self._pending) > 1024:  # keep the list short: collect what finished
+      done = [f for f in self._pending if f.done()]
+      self._pending = [f for f in self._pending if not f.done()]
+      for f in done:
+        f.result()
+
+  def _sync(self, fd: int, path: str) -> None:
+    try:
+      os.fsync(fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, path) from None
+    finally:
+      os.close(fd)
+      self._slots.release()
+
+  def drain(self) -> None:
+    """Waits for every fsync handed over; raises the first that failed."""
+    pending, self._pending = self._pending, []
+    error = None
+    for f in pending:
+      try:
+        f.result()
+      except OSError as e:
+        error = error or e
+    if error is not None:
+      raise error
+
+  def shutdown(self) -> None:
+    """Waits for every fsync (failures ignored: the caller is failing already)."""
+    try:
+      self.drain()
+    except OSError:
+      pass
+    self._pool.shutdown(wait=True)
+
+
 class OutDir:
   """A directory being written, held by its descriptor: every name is created below it.
 
@@ -107,11 +168,16 @@ class OutDir:
   ``mkdirat``, never following a symbolic link), so a rename or replacement of
   its path while it is written cannot redirect a single byte. With ``durable``
   every file is fsync'ed once written, and :meth:`sync` fsyncs the directory
-  itself (its entries), which the writer calls once a directory is complete.
+  itself (its entries), which the writer calls once a directory is complete;
+  the fsyncs run in the background, and :meth:`drain` on the directory that was
+  opened (the root of what is written) waits for all of them.
   """
 
-  def __init__(self, fd: int, path: str, durable: bool = True):
+  def __init__(self, fd: int, path: str, durable: bool = True,
+               syncer: Optional[_Syncer] = None):
     self.fd, self.path, self.durable = fd, path, durable
+    self._own_syncer = durable and syncer is None
+    self._syncer = (_Syncer() if self._own_syncer else syncer) if durable else None
 
   @classmethod
   def open(cls, path: str, durable: bool = True) -> "OutDir":
@@ -122,10 +188,23 @@ class OutDir:
       raise OSError(e.errno, e.strerror, path) from None
     return cls(fd, path, durable)
 
+  def drain(self) -> None:
+    """Waits until every file and directory handed over below this one is fsync'ed.
+
+    Raises:
+      OSError: an fsync failed (``filename`` is its file).
+    """
+    if self._syncer is not None:
+      self._syncer.drain()
+
   def close(self) -> None:
+    """Closes the directory; the one that was opened first waits for its fsyncs."""
     if self.fd >= 0:
       os.close(self.fd)
       self.fd = -1
+    if self._own_syncer:
+      self._syncer.shutdown()
+      self._own_syncer = False
 
   def __enter__(self) -> "OutDir":
     return self
@@ -142,7 +221,7 @@ class OutDir:
                    dir_fd=self.fd)
     except OSError as e:
       raise OSError(e.errno, e.strerror, path) from None
-    return OutDir(fd, path, self.durable)
+    return OutDir(fd, path, self.durable, self._syncer)
 
   def create(self, name: str) -> int:
     """A new file ``name`` (never an existing one or a link), open for writing."""
@@ -153,14 +232,11 @@ class OutDir:
       raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
 
   def finish(self, fd: int, name: str) -> None:
-    """Makes a written file durable (when the directory is) and closes it."""
-    try:
-      if self.durable:
-        os.fsync(fd)
-    except OSError as e:
-      raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
-    finally:
+    """Hands a written file over to be fsync'ed and closed (closes it when not durable)."""
+    if self._syncer is None:
       os.close(fd)
+    else:
+      self._syncer.submit(fd, os.path.join(self.path, name))
 
   def write_bytes(self, name: str, data: bytes) -> None:
     """Writes ``data`` as the new file ``name``; errors name the file."""
@@ -177,12 +253,9 @@ class OutDir:
     self.write_bytes(name, json_bytes(obj))
 
   def sync(self) -> None:
-    """Fsyncs the directory's own entries (when durable)."""
-    if self.durable:
-      try:
-        os.fsync(self.fd)
-      except OSError as e:
-        raise OSError(e.errno, e.strerror, self.path) from None
+    """Hands the directory's own entries over to be fsync'ed (when durable)."""
+    if self._syncer is not None:
+      self._syncer.submit(os.dup(self.fd), self.path)
 
 
 def json_bytes(obj: Any) -> bytes:
@@ -222,10 +295,12 @@ def write_array(directory: "OutDir | str", name: str, data: np.ndarray, chunk: i
 
 
 def write_json(path: str, obj: Any) -> None:
-  """Writes ``obj`` as compact JSON into the new file ``path`` (fsync'ed); errors name the file."""
+  """Writes ``obj`` as compact JSON into the new file ``path`` (fsync'ed, and its
+  directory); errors name the file."""
   with OutDir.open(os.path.dirname(path) or ".") as held:
     held.write_json(os.path.basename(path), obj)
     held.sync()
+    held.drain()
 
 
 def _write_chunks(fd: int, raw: memoryview, size: int, itemsize: int, chunk: int) -> list[int]:
