@@ -46,6 +46,9 @@ def main(argv=None) -> int:
                       " benchmarks/RESULTS.md for a full run, nothing for --quick")
   parser.add_argument("--param-counts", default=None, metavar="N,N,...",
                       help="override the compile benchmark's parameter counts, e.g. 10,10000")
+  parser.add_argument("--durable-dir", default=None, metavar="DIR",
+                      help="directory (disk) the durable benchmark saves and runs dd in;"
+                      " default: the system's temporary directory")
   parser.add_argument("--rewrite", action="store_true",
                       help="rewrite --out's markdown and plot from its .json (no measuring),"
                       " e.g. after editing the README's analysis")
@@ -53,6 +56,8 @@ def main(argv=None) -> int:
   opts = Options.smoke() if args.quick else Options.full()
   if args.param_counts:
     opts = dataclasses.replace(opts, param_counts=tuple(int(n) for n in args.param_counts.split(",")))
+  if args.durable_dir:
+    opts = dataclasses.replace(opts, durable_dir=os.path.abspath(args.durable_dir))
   out = args.out if args.out is not None else (None if args.quick else
                                                os.path.join(_HERE, "RESULTS.md"))
   log = sys.stderr if args.json else sys.stdout

@@ -33,6 +33,10 @@ class Options:
     plan_worlds: (source, target) world sizes of the planning measurement.
     plan_size: history elements of the planning checkpoint.
     save_states: (parameters, history elements) of each save measurement.
+    durable_states: (parameters, history elements) of each durable-save measurement.
+    durable_rounds: interleaved rounds per side of the durable-save benchmark (median).
+    durable_dir: directory (disk) the durable-save benchmark writes in; '' for the
+      system's temporary directory.
     seed: workload seed.
   """
 
@@ -53,6 +57,9 @@ class Options:
   plan_worlds: tuple[int, int] = (4096, 3072)
   plan_size: int = 8 * _M
   save_states: tuple[tuple[int, int], ...] = ((200, 2 * _M), (148, 2_200_000))
+  durable_states: tuple[tuple[int, int], ...] = ((200, 2 * _M), (200, 32 * _M))
+  durable_rounds: int = 5
+  durable_dir: str = ""
   seed: int = 0
 
   @classmethod
@@ -77,5 +84,7 @@ class Options:
         plan_worlds=(64, 48),
         plan_size=_M // 16,
         save_states=((8, _M // 16),),
+        durable_states=((8, _M // 16),),
+        durable_rounds=1,
         device_param_counts=(4, 16),
     )

@@ -922,25 +922,36 @@ class IndexBuilder:
             "source": None if self.source is None else self.source.to_json()}
 
 
-def write_archive(directory: str, index: int, record: Any, builder: IndexBuilder,
-                  chunk_bytes: int) -> int:
+def write_archive(directory: "_shardfile.OutDir | str", index: int, record: Any,
+                  builder: IndexBuilder, chunk_bytes: int, *, durable: bool = True) -> int:
   """Writes one archive directory and registers it with ``builder``.
+
+  ``directory`` is a held :class:`_shardfile.OutDir` (whose own entries the
+  caller fsyncs once it is complete) or a path (held, and fsync'ed, for this
+  call, unless ``durable`` is False). Every file of the archive, and its
+  directories, are fsync'ed when the directory is durable.
 
   Returns the bytes of its history buffers (the data, not the checksums).
   """
+  if not isinstance(directory, _shardfile.OutDir):
+    with _shardfile.OutDir.open(os.fspath(directory), durable) as held:
+      nbytes = write_archive(held, index, record, builder, chunk_bytes)
+      held.sync()
+      held.drain()
+      return nbytes
   buffers = builder.add(index, record)
-  adir = os.path.join(directory, f"archive_{index:05d}")
-  os.mkdir(adir)
-  meta_buffers = {}
-  for dtype, data in sorted(buffers.items(), key=lambda kv: kv[0].name):
-    if not data.size:
-      continue
-    chunk = _shardfile.chunk_elements(data.size, dtype.itemsize, chunk_bytes)
-    crcs = _shardfile.write_array(adir, dtype.name, data, chunk)
-    meta_buffers[dtype.name] = {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}
-  dump(os.path.join(adir, ARCHIVE_FILE), {
-      "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": builder.id,
-      "archive": f"archive_{index:05d}", "buffers": meta_buffers})
+  with directory.mkdir(f"archive_{index:05d}") as adir:
+    meta_buffers = {}
+    for dtype, data in sorted(buffers.items(), key=lambda kv: kv[0].name):
+      if not data.size:
+        continue
+      chunk = _shardfile.chunk_elements(data.size, dtype.itemsize, chunk_bytes)
+      crcs = _shardfile.write_array(adir, dtype.name, data, chunk)
+      meta_buffers[dtype.name] = {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}
+    adir.write_json(ARCHIVE_FILE, {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": builder.id,
+        "archive": f"archive_{index:05d}", "buffers": meta_buffers})
+    adir.sync()
   return sum(int(data.nbytes) for data in buffers.values())
 
 
@@ -949,22 +960,26 @@ dump = _shardfile.write_json
 
 def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
                      chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                     progress: Optional[Callable[[int, int], None]] = None) -> int:
-  """Writes every record into an existing empty ``directory``; returns the count.
+                     progress: Optional[Callable[[int, int], None]] = None) -> IndexBuilder:
+  """Writes every record into an existing empty ``directory``; returns what it wrote.
 
-  Records are written one at a time as the iterable yields them;
-  ``progress(archive, nbytes)`` is called after each. ``SourcedRecords``
-  give the index their ``Source``. Not atomic by itself: ``save_records``
-  and the orbax handler supply the atomic commit.
+  ``directory`` is a held :class:`_shardfile.OutDir` or a path. Records are
+  written one at a time as the iterable yields them; ``progress(archive,
+  nbytes)`` is called after each. ``SourcedRecords`` give the index their
+  ``Source``. Every file and directory is fsync'ed (when ``directory`` is
+  durable) before it returns. Not atomic by itself: ``save_records`` and the
+  orbax handler supply the atomic commit.
   """
-  directory = os.fspath(directory)
+  if not isinstance(directory, _shardfile.OutDir):
+    with _shardfile.OutDir.open(os.fspath(directory)) as held:
+      return write_checkpoint(held, records, chunk_bytes=chunk_bytes, progress=progress)
   builder = IndexBuilder(
       source=records.source if isinstance(records, SourcedRecords) else None)
-  count = 0
   for index, record in enumerate(records):
     nbytes = write_archive(directory, index, record, builder, chunk_bytes)
-    count += 1
     if progress is not None:
       progress(index, nbytes)
-  dump(os.path.join(directory, INDEX_FILE), builder.index())
-  return count
+  directory.write_json(INDEX_FILE, builder.index())
+  directory.sync()
+  directory.drain()
+  return builder

@@ -657,11 +657,17 @@ def clean(
     checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT",
                                       help="The checkpoint path saves were writing to."),
     everything: bool = typer.Option(
-        False, "--all", help="Also remove temporary directories of other hosts or of live"
-        " processes (only when no save to CHECKPOINT is running anywhere)."),
+        False, "--all", help="Also remove other hosts' temporary directories whose lock is"
+        " free here (a network file system may keep a lock to the host that took it). A"
+        " directory whose writer holds its lock is never removed."),
     as_json: bool = typer.Option(False, "--json", help=_JSON_HELP),
 ):
   """Remove the temporary directories that killed saves to CHECKPOINT left behind.
+
+  A save holds a lock (flock) on its temporary directory until it commits; only
+  directories whose lock is free are removed, whatever process id or host their
+  name carries. A directory that can be removed only in part is an error (exit 2)
+  naming what is left.
 
   With --json: {"checkpoint", "removed": paths, "kept": paths}.
   """
@@ -672,8 +678,13 @@ def clean(
     _json(dict(checkpoint=final, removed=[p for p, _ in found if p in removed],
                kept=[p for p, _ in found if p not in removed]))
     return
-  for path, _ in found:
-    verb = "removed" if path in removed else "kept (its writer may still run; --all removes it)"
+  for path, gone in found:
+    if path in removed:
+      verb = "removed"
+    elif gone and not everything:
+      verb = "kept (another host's; its lock is free here, --all removes it)"
+    else:
+      verb = "kept (its writer holds its lock)"
     print(f"{verb}: {safe(path)}")
   print(f"{len(removed)} of {len(found)} temporary director{'y' if len(found) == 1 else 'ies'}"
         f" of {safe(final)} removed")

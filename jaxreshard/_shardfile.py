@@ -20,11 +20,13 @@ crc32c the archive's metadata recorded for it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
 import stat
-from typing import Any, Sequence
+import threading
+from typing import Any, Optional, Sequence
 
 import google_crc32c
 import numpy as np
@@ -32,7 +34,8 @@ import numpy as np
 from jaxreshard import _bitview
 from jaxreshard._errors import ArchiveError
 
-__all__ = ["Dir", "ShardFile", "chunk_elements", "file_size", "write_array", "zarr_metadata"]
+__all__ = ["Dir", "OutDir", "ShardFile", "chunk_elements", "file_size", "json_bytes", "write_array",
+           "write_json", "zarr_metadata"]
 
 CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -98,38 +101,206 @@ def _crc(data: Any) -> int:
   return google_crc32c.value(data)
 
 
-def write_array(directory: str, name: str, data: np.ndarray, chunk: int) -> list[int]:
+class _Syncer:
+  """Fsyncs handed-over descriptors on a few threads, then closes them.
+
+  Files are fsync'ed while the writer goes on writing the next ones, and
+  concurrent fsyncs share the file system's journal commits, so a checkpoint
+  of many small files costs a few commits instead of one per file. At most
+  ``limit`` descriptors wait at a time. :meth:`drain` waits for every fsync
+  and raises the first failure, naming its file.
+  """
+
+  def __init__(self, threads: int = 8, limit: int = 64):
+    self._pool = concurrent.futures.ThreadPoolExecutor(threads, "jaxreshard-fsync")
+    self._slots = threading.BoundedSemaphore(limit)
+    self._pending: list[concurrent.futures.Future] = []
+
+  def submit(self, fd: int, path: str) -> None:
+    self._slots.acquire()
+    try:
+      self._pending.append(self._pool.submit(self._sync, fd, path))
+    except BaseException:
+      os.close(fd)
+      self._slots.release()
+      raise
+    if len(self._pending) > 1024:  # keep the list short: collect what finished
+      done = [f for f in self._pending if f.done()]
+      self._pending = [f for f in self._pending if not f.done()]
+      for f in done:
+        f.result()
+
+  def _sync(self, fd: int, path: str) -> None:
+    try:
+      os.fsync(fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, path) from None
+    finally:
+      os.close(fd)
+      self._slots.release()
+
+  def drain(self) -> None:
+    """Waits for every fsync handed over; raises the first that failed."""
+    pending, self._pending = self._pending, []
+    error = None
+    for f in pending:
+      try:
+        f.result()
+      except OSError as e:
+        error = error or e
+    if error is not None:
+      raise error
+
+  def shutdown(self) -> None:
+    """Waits for every fsync (failures ignored: the caller is failing already)."""
+    try:
+      self.drain()
+    except OSError:
+      pass
+    self._pool.shutdown(wait=True)
+
+
+class OutDir:
+  """A directory being written, held by its descriptor: every name is created below it.
+
+  The directory is opened once (``O_DIRECTORY | O_NOFOLLOW``); files and
+  subdirectories are created relative to that descriptor (``openat``,
+  ``mkdirat``, never following a symbolic link), so a rename or replacement of
+  its path while it is written cannot redirect a single byte. With ``durable``
+  every file is fsync'ed once written, and :meth:`sync` fsyncs the directory
+  itself (its entries), which the writer calls once a directory is complete;
+  the fsyncs run in the background, and :meth:`drain` on the directory that was
+  opened (the root of what is written) waits for all of them.
+  """
+
+  def __init__(self, fd: int, path: str, durable: bool = True,
+               syncer: Optional[_Syncer] = None):
+    self.fd, self.path, self.durable = fd, path, durable
+    self._own_syncer = durable and syncer is None
+    self._syncer = (_Syncer() if self._own_syncer else syncer) if durable else None
+
+  @classmethod
+  def open(cls, path: str, durable: bool = True) -> "OutDir":
+    """Holds the existing directory ``path``."""
+    try:
+      fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, path) from None
+    return cls(fd, path, durable)
+
+  def drain(self) -> None:
+    """Waits until every file and directory handed over below this one is fsync'ed.
+
+    Raises:
+      OSError: an fsync failed (``filename`` is its file).
+    """
+    if self._syncer is not None:
+      self._syncer.drain()
+
+  def close(self) -> None:
+    """Closes the directory; the one that was opened first waits for its fsyncs."""
+    if self.fd >= 0:
+      os.close(self.fd)
+      self.fd = -1
+    if self._own_syncer:
+      self._syncer.shutdown()
+      self._own_syncer = False
+
+  def __enter__(self) -> "OutDir":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def mkdir(self, name: str) -> "OutDir":
+    """Creates the subdirectory ``name`` and holds it."""
+    path = os.path.join(self.path, name)
+    try:
+      os.mkdir(name, 0o777, dir_fd=self.fd)
+      fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   dir_fd=self.fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, path) from None
+    return OutDir(fd, path, self.durable, self._syncer)
+
+  def create(self, name: str) -> int:
+    """A new file ``name`` (never an existing one or a link), open for writing."""
+    try:
+      return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=self.fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
+
+  def finish(self, fd: int, name: str) -> None:
+    """Hands a written file over to be fsync'ed and closed (closes it when not durable)."""
+    if self._syncer is None:
+      os.close(fd)
+    else:
+      self._syncer.submit(fd, os.path.join(self.path, name))
+
+  def write_bytes(self, name: str, data: bytes) -> None:
+    """Writes ``data`` as the new file ``name``; errors name the file."""
+    fd = self.create(name)
+    try:
+      _writev(fd, [data])
+    except OSError as e:  # a full disk reports itself without the file's name
+      os.close(fd)
+      raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
+    self.finish(fd, name)
+
+  def write_json(self, name: str, obj: Any) -> None:
+    """Writes ``obj`` as compact JSON into the new file ``name``."""
+    self.write_bytes(name, json_bytes(obj))
+
+  def sync(self) -> None:
+    """Hands the directory's own entries over to be fsync'ed (when durable)."""
+    if self._syncer is not None:
+      self._syncer.submit(os.dup(self.fd), self.path)
+
+
+def json_bytes(obj: Any) -> bytes:
+  """``obj`` as the compact JSON bytes jaxreshard writes."""
+  # json.dumps, not json.dump: only the former uses the C encoder.
+  return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def write_array(directory: "OutDir | str", name: str, data: np.ndarray, chunk: int) -> list[int]:
   """Writes ``data`` (1-D, non-empty) as the zarr array ``directory/name``.
+
+  ``directory`` is a held :class:`OutDir` (or a path, held for this call); the
+  array's files and subdirectories are fsync'ed when it is durable.
 
   Returns:
     The crc32c of every chunk, for the archive's metadata.
   """
+  if not isinstance(directory, OutDir):
+    with OutDir.open(directory) as held:
+      return write_array(held, name, data, chunk)
   data = np.ascontiguousarray(data).reshape(-1)
   size, itemsize = data.size, data.dtype.itemsize
-  path = os.path.join(directory, name)
-  os.mkdir(path)
-  write_json(os.path.join(path, META_FILE), zarr_metadata(size, data.dtype, chunk))
-  os.mkdir(os.path.join(path, SHARD_KEY[0]))
-  raw = memoryview(data.view(np.uint8))
-  fd = os.open(os.path.join(path, *SHARD_KEY), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-               0o644)
-  try:
-    return _write_chunks(fd, raw, size, itemsize, chunk)
-  except OSError as e:  # a full disk or a quota: say which file
-    raise OSError(e.errno, e.strerror, os.path.join(path, *SHARD_KEY)) from None
-  finally:
-    os.close(fd)
+  with directory.mkdir(name) as adir:
+    adir.write_json(META_FILE, zarr_metadata(size, data.dtype, chunk))
+    with adir.mkdir(SHARD_KEY[0]) as cdir:
+      raw = memoryview(data.view(np.uint8))
+      fd = cdir.create(SHARD_KEY[1])
+      try:
+        crcs = _write_chunks(fd, raw, size, itemsize, chunk)
+      except OSError as e:  # a full disk or a quota: say which file
+        os.close(fd)
+        raise OSError(e.errno, e.strerror, os.path.join(cdir.path, SHARD_KEY[1])) from None
+      cdir.finish(fd, SHARD_KEY[1])
+      cdir.sync()
+    adir.sync()
+  return crcs
 
 
 def write_json(path: str, obj: Any) -> None:
-  """Writes ``obj`` as compact JSON into a new file; errors name the file."""
-  # json.dumps, not json.dump: only the former uses the C encoder.
-  text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
-  try:
-    with open(path, "x") as f:
-      f.write(text)
-  except OSError as e:  # a full disk reports itself without the file's name
-    raise OSError(e.errno, e.strerror, path) from None
+  """Writes ``obj`` as compact JSON into the new file ``path`` (fsync'ed, and its
+  directory); errors name the file."""
+  with OutDir.open(os.path.dirname(path) or ".") as held:
+    held.write_json(os.path.basename(path), obj)
+    held.sync()
+    held.drain()
 
 
 def _write_chunks(fd: int, raw: memoryview, size: int, itemsize: int, chunk: int) -> list[int]:

@@ -107,6 +107,8 @@ def test_a_killed_save_is_cleaned_by_the_next_save(tmp_path):
 
 
 def test_clean_command_removes_what_a_dead_writer_left(tmp_path):
+  # Liveness is the writer's lock: `live` carries this process's id but nobody
+  # holds its lock, so it is stale too (test_save_liveness holds locks).
   from typer.testing import CliRunner
   from jaxreshard._cli import app
 
@@ -114,15 +116,14 @@ def test_clean_command_removes_what_a_dead_writer_left(tmp_path):
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
   stale = tmp_path / f".ckpt.tmp-{'a' * 32}-{dead.pid}-{_archive_io._host()}"
-  live = tmp_path / f".ckpt.tmp-{'b' * 32}-{os.getpid()}-{_archive_io._host()}"
   other = tmp_path / f".ckpt.tmp-{'c' * 32}-1-some.other.host"
   unrelated = tmp_path / f".ckpt2.tmp-{'d' * 32}-{dead.pid}-{_archive_io._host()}"
-  for d in (stale, live, other, unrelated):
+  for d in (stale, other, unrelated):
     (d / "archive_00000").mkdir(parents=True)
   result = CliRunner().invoke(app, ["clean", str(out)])
   assert result.exit_code == 0, result.output
-  assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, unrelated.name])
-  assert f"removed: {stale}" in result.stdout and "1 of 3 temporary directories" in result.stdout
+  assert sorted(os.listdir(tmp_path)) == sorted([other.name, unrelated.name])
+  assert f"removed: {stale}" in result.stdout and "1 of 2 temporary directories" in result.stdout
   result = CliRunner().invoke(app, ["clean", str(out), "--all"])
   assert result.exit_code == 0 and os.listdir(tmp_path) == [unrelated.name]
 
@@ -131,11 +132,13 @@ def test_the_commit_never_replaces_what_appeared_meanwhile(tmp_path):
   # An empty directory made at the destination while the save ran: a plain
   # rename would silently replace it; the commit refuses.
   final = str(tmp_path / "ckpt")
-  tmp = _archive_io.new_temp_dir(final)
+  held = _archive_io.new_temp_dir(final)
+  tmp = held.path
   os.mkdir(final)
   with pytest.raises(jr.ArchiveExistsError, match="appeared while it was being written"):
-    _archive_io.commit_dir(tmp, final)
+    held.commit(final)
   assert os.listdir(final) == [] and os.path.isdir(tmp)
+  held.close()
 
 
 def test_a_parent_that_is_a_file_is_named_as_such(tmp_path):
