@@ -159,3 +159,43 @@ def test_a_failed_write_commits_nothing(tmp_path, monkeypatch):
   for got, want in zip(jr.load_records(path), jr.shard_state(opt, params, state, 4), strict=True):
     assert_records_equal(got, want)
   assert jax.tree.structure(jr.restore_sharded(path, mesh).state) == jax.tree.structure(state)
+
+
+def test_a_save_that_will_be_refused_is_refused_before_orbax_makes_a_directory(tmp_path):
+  """Every refusal comes from making the ``ReshardSave``: no step, no temporary directory."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from tests import _mp_util as U
+
+  opt, params, state, _ = U.example(seed=5)
+  mesh = device_mesh((4,), ("fsdp",))
+  src = jr.shard_to_mesh(opt, params, state, mesh)
+  other = optax.sgd(0.1, momentum=0.9)  # a state of another optimizer
+  grown = dict(params, tiny=jnp.zeros(7, np.float32))  # params that disagree with the state
+  two = adam_records(2)
+  # Rank 1 with every history buffer one element short of its flat layout.
+  short = jr.ShardRecord(two[1].version, two[1].placements, jax.tree.map(
+      lambda x: x[:-1] if np.ndim(x) == 1 and np.size(x) > 1 else x, two[1].state), two[1].roles)
+  bad = {
+      "another optimizer's state": lambda: jr.ReshardSave(
+          state=other.init(params), optimizer=opt, params=params, mesh=mesh),
+      "params of other shapes": lambda: jr.ReshardSave(
+          state=src.state, optimizer=opt, params=grown, mesh=mesh),
+      "a state not on the mesh": lambda: jr.ReshardSave(
+          state=state, optimizer=opt, params=params, mesh=mesh),
+      "a record that does not fit its layout": lambda: jr.ReshardSave([two[0], short]),
+      "not a record": lambda: jr.ReshardSave([two[0], {"mu": 1}]),
+      "no records": lambda: jr.ReshardSave(iter(())),
+  }
+  run = tmp_path / "run"
+  with ocp.CheckpointManager(run) as manager:
+    manager.save(1, args=jr.ReshardSave(two))
+    manager.wait_until_finished()
+    for step, (name, make) in enumerate(bad.items(), start=2):
+      with pytest.raises(jr.ReshardError):
+        manager.save(step, args=make())
+      manager.wait_until_finished()
+      assert sorted(os.listdir(run)) == ["1"], name
+    assert manager.all_steps() == [1]
