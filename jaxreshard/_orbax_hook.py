@@ -323,7 +323,12 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     _checkpoint.dump(os.path.join(key, _checkpoint.INDEX_FILE), index)
 
   def restore(self, directory: epath.Path, args: Optional["ReshardRestore"] = None) -> Any:
-    """Every archive, one target rank's archive, or the state laid out on a mesh."""
+    """Every archive, one target rank's archive, or the state laid out on a mesh.
+
+    Raises:
+      ArchiveError: the item directory is a symbolic link (see ``_item_directory``).
+    """
+    directory = _item_directory(directory)
     args = args if args is not None else ReshardRestore()
     if args.mesh is not None:
       extra = {} if args.target is None else {"target": args.target}
@@ -334,7 +339,21 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def metadata(self, directory: epath.Path) -> Any:
     """Every archive's placements, clocks and lazy buffers (no array data read)."""
-    return _archive_io.open_checkpoint(directory)
+    return _archive_io.open_checkpoint(_item_directory(directory))
+
+
+def _item_directory(directory: Any) -> str:
+  """The item directory orbax gives the handler, refused when it is a symbolic link.
+
+  Orbax names the item directory inside its step directory; what is found
+  there is part of the checkpoint, which is untrusted: a link would make the
+  restore read another checkpoint (or anything) in its place.
+  """
+  path = os.fspath(directory)
+  if os.path.islink(path):
+    raise ArchiveError(f"{path}: the checkpoint item is a symbolic link (to"
+                       f" {os.readlink(path)!r}); a checkpoint's item directory is never one")
+  return path
 
 
 def _run_sync(coro) -> None:

@@ -199,3 +199,24 @@ def test_a_save_that_will_be_refused_is_refused_before_orbax_makes_a_directory(t
       manager.wait_until_finished()
       assert sorted(os.listdir(run)) == ["1"], name
     assert manager.all_steps() == [1]
+
+
+def test_an_item_directory_that_is_a_symlink_is_refused(tmp_path):
+  """A step whose jaxreshard item is a link to a valid checkpoint elsewhere: never read."""
+  elsewhere = tmp_path / "elsewhere"
+  jr.save_records(elsewhere, adam_records(3, seed=1))
+  run = tmp_path / "run"
+  with ocp.CheckpointManager(run) as manager:
+    manager.save(1, args=jr.ReshardSave(adam_records(2)))
+    manager.wait_until_finished()
+  item = run / "1" / "default"
+  os.rename(item, tmp_path / "moved")
+  os.symlink(elsewhere, item)
+  with ocp.CheckpointManager(run) as manager:
+    assert manager.all_steps() == [1]
+    for args in (jr.ReshardRestore(), jr.ReshardRestore(world_size=2, rank=0),
+                 jr.ReshardRestore(mesh=device_mesh((2,), ("fsdp",)))):
+      with pytest.raises(jr.ArchiveError, match=f"{item}.*symbolic link"):
+        manager.restore(1, args=args)
+    with pytest.raises(jr.ArchiveError, match="symbolic link"):
+      manager.item_metadata(1)
