@@ -31,11 +31,15 @@ dies without telling is waited for until the handler's ``timeout_secs``
 would. Without a ``jax.distributed`` client (one process) there is nothing
 to wait for.
 
-Two saves racing on one step directory of a ``CheckpointManager``: orbax
-creates and renames that directory, and the loser may get orbax's own
-``FileExistsError`` from creating it; a collision inside the jaxreshard item
-(an archive directory that another save already made) is an
-``ArchiveExistsError``.
+Two saves racing on one directory: orbax names the temporary directory
+after the final one, so both saves use the same, and creating it removes
+one found there. A collision inside it (an archive directory the other save
+already made) is an ``ArchiveExistsError``; a save whose directory the other
+removed is an ``ArchiveError``. ``save_sharded`` also turns orbax's own
+``FileExistsError`` (from creating the temporary directory) into an
+``ArchiveExistsError``; a ``CheckpointManager``'s ``save`` cannot be
+reached there, so two managers racing on one step may still see orbax's
+``FileExistsError`` (orbax supports one manager per directory).
 
 Who writes what:
 
@@ -283,6 +287,11 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
         except FileExistsError as e:
           raise ArchiveExistsError(
               f"{e.filename} already exists: another save is writing {directory}") from None
+        except FileNotFoundError:
+          if os.path.isdir(directory):
+            raise
+          raise ArchiveError(f"{directory} was removed while this save wrote it: another save"
+                             " of the same checkpoint made it anew") from None
         plan.reporter.step(nbytes, archive=index)
     except BaseException as e:
       _tell_peers(plan.checkpoint_id, e)

@@ -220,3 +220,38 @@ def test_an_item_directory_that_is_a_symlink_is_refused(tmp_path):
         manager.restore(1, args=args)
     with pytest.raises(jr.ArchiveError, match="symbolic link"):
       manager.item_metadata(1)
+
+
+@pytest.mark.parametrize("meanwhile", ["made_archive", "removed_directory"])
+def test_the_loser_of_two_saves_into_one_directory_gets_a_reshard_error(tmp_path, monkeypatch,
+                                                                         meanwhile):
+  """Another save of the same step got into orbax's temporary item directory first.
+
+  Orbax names the temporary directory after the final one, so two saves of
+  one step share it. Right before this save's first archive, the other save
+  has made that archive's directory (or has made the item directory anew,
+  removing this save's): the loser's error is an ``ArchiveExistsError`` (an
+  ``ArchiveError``), never a bare ``FileExistsError`` or ``FileNotFoundError``.
+  """
+  import shutil
+  from jaxreshard import _checkpoint
+
+  write = _checkpoint.write_archive
+
+  def other_save_first(directory, index, *rest):
+    if index == 0:
+      if meanwhile == "made_archive":
+        os.mkdir(os.path.join(directory, "archive_00000"))
+      else:
+        shutil.rmtree(directory)
+    return write(directory, index, *rest)
+
+  monkeypatch.setattr(_checkpoint, "write_archive", other_save_first)
+  expected = (jr.ArchiveExistsError, "archive_00000 already exists: another save is writing")
+  if meanwhile == "removed_directory":
+    expected = (jr.ArchiveError, "was removed while this save wrote it")
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, args=jr.ReshardSave(adam_records(3)))
+    with pytest.raises(expected[0], match=expected[1]):
+      manager.wait_until_finished()
+    assert manager.all_steps() == []
