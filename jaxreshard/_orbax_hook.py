@@ -135,7 +135,15 @@ def check(args: "ReshardSave") -> _Checked:
   shapes = _shapes_of(args)
   views = _mesh.records_from_mesh(args.optimizer, args.state, shapes, args.mesh, args.axis,
                                   ranks=_mesh.writer_ranks(args.mesh, args.axis))
-  _multihost.global_index(args.optimizer, args.state, shapes, args.mesh, args.axis, "0" * 32)
+  # The clock's device scalars as zeros of their dtype and shape (what storing
+  # one depends on): checking never waits for the step that computes them.
+  roles = _mesh.roles_of(args.optimizer, args.state, shapes)
+  leaves, treedef = jax.tree_util.tree_flatten(args.state)
+  leaves = [np.zeros(x.shape, x.dtype) if role is None and isinstance(x, jax.Array)
+            and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+            for x, role in zip(leaves, roles)]
+  _multihost.global_index(args.optimizer, jax.tree_util.tree_unflatten(treedef, leaves), shapes,
+                          args.mesh, args.axis, "0" * 32)
   return _Checked(shapes, views)
 
 
@@ -386,7 +394,10 @@ class ReshardSave(ocp.args.CheckpointArgs):
 
   Making one checks everything a save of it would refuse (see the module
   doc), so a bad save raises here, before orbax creates its temporary
-  directory. Records given as an iterator are read into a tuple.
+  directory. Records given as an iterator are read into a tuple. The check
+  copies nothing and never waits for the device, but it walks the whole
+  layout (for a state, every local shard of every history leaf): a training
+  loop that saves now and then makes one only when ``manager.should_save(step)``.
 
   Attributes:
     records: the archives, any iterable.
