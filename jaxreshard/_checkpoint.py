@@ -833,6 +833,14 @@ class IndexBuilder:
       raise
     if self.source is not None:
       self._check_source(index, placements, anatomy)
+    for p in placements.values():  # what a reader refuses is never written
+      slots = FlatShard(p.shape, p.rank, p.world_size).slots
+      for m, h in enumerate(anatomy.history(p.param)):
+        if hasattr(h, "shape") and tuple(h.shape) != (slots,):
+          raise ShapeError(
+              f"param {p.param!r}: archive {index}, history buffer {m} has shape"
+              f" {tuple(h.shape)}, not ({slots},) of its flat layout (shape {p.shape},"
+              f" world_size {p.world_size})")
     roles = _structure.roles_of(record)
     leaves, treedef = jax.tree_util.tree_flatten(record.state)
     # Ranks of one layout share its structure: encode it once.

@@ -188,14 +188,16 @@ def save_sharded(
     mesh: the mesh of ``state``.
     axis: the mesh axis of the flat shards.
     chunk_bytes: bytes per stored chunk, the granularity of partial reads.
-    timeout_s: how long a process waits for the others to finish writing.
+    timeout_s: how long a process waits for the others to finish writing (a
+      process whose write fails tells the others at once, and they raise).
     progress: called with a :class:`jaxreshard.Progress` after each archive
       this process writes (from orbax's writer thread; the save returns after
       the last); each is also logged at DEBUG, the save at INFO, to the
       ``"jaxreshard"`` logger.
 
   Raises:
-    ArchiveExistsError: ``directory`` already exists (raised on every process).
+    ArchiveExistsError: ``directory`` already exists (raised on every process),
+      or another save of it is in progress.
     FileNotFoundError: its parent directory does not exist.
     ReshardError: a state that does not match ``shapes`` (raised before
       anything is written); ``ArchiveError`` when the checkpoint was not
@@ -229,14 +231,18 @@ def save_sharded(
                                  axis=axis, chunk_bytes=chunk_bytes)
   # Refusals of the state, host copies and the index, before any directory exists.
   reporter = _orbax_hook.prepare(args, progress=progress, where=final).reporter
-  checkpointer = ocp.AsyncCheckpointer(_orbax_hook.ReshardCheckpointHandler(),
-                                       timeout_secs=max(1, int(timeout_s)))
+  timeout = max(1, int(timeout_s))
+  checkpointer = ocp.AsyncCheckpointer(
+      _orbax_hook.ReshardCheckpointHandler(timeout_secs=timeout), timeout_secs=timeout)
   try:
     checkpointer.save(final, args=args)
     checkpointer.wait_until_finished()
     reporter.finish()
   except ReshardError:
     raise
+  except FileExistsError as e:  # another save of ``directory`` made orbax's directories first
+    raise ArchiveExistsError(
+        f"save_sharded: {final} was not committed: another save is writing it ({e})") from e
   except Exception as e:  # orbax's and the runtime's error types
     raise ArchiveError(
         f"save_sharded: {final} was not committed ({type(e).__name__}: {e})") from e
@@ -245,18 +251,6 @@ def save_sharded(
       checkpointer.close()
     except Exception:  # pylint: disable=broad-exception-caught
       pass  # the error, if any, was raised above
-
-
-def mesh_archives(optimizer: optax.GradientTransformation, state: optax.OptState,
-                  shapes: Mapping[str, Any], mesh: Mesh,
-                  axis: str) -> dict[int, ShardRecord]:
-  """Host copies of the archives this process writes (see ``_mesh.writer_ranks``).
-
-  The copies are taken now, so the caller may then mutate or donate ``state``.
-  """
-  ranks = _mesh.writer_ranks(mesh, axis)
-  records = _mesh.records_from_mesh(optimizer, state, shapes, mesh, axis, ranks=ranks)
-  return {r: host_record(rec) for r, rec in records.items()}
 
 
 def host_record(record: ShardRecord) -> ShardRecord:

@@ -21,7 +21,7 @@ Tasks:
              ``StandardRestore``) and dump it to ``<out>/p<i>_manager.npz``.
   fail:      a manager saves step 1, then step 2 with process ``args.fail``
              unable to write its archives (a file size limit, as a full disk);
-             reports what each process saw.
+             reports what each process saw and how long its step 2 took.
   restore_target: ``restore_sharded(args.path, target=...)`` of
              ``_target_util.big_example``'s checkpoint, rows sharded over a
              mesh of 4 devices of which process 0 has one (so it holds one
@@ -33,6 +33,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 import jax
 
@@ -219,12 +220,15 @@ def fail(opt, params, state, shapes) -> dict:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
   result = {"steps_before": manager.all_steps()}
+  start = time.monotonic()
   try:
     manager.save(2, args=args())
     manager.wait_until_finished()
     result["error"] = None
   except Exception as e:  # pylint: disable=broad-exception-caught
     result["error"] = f"{type(e).__name__}: {e}"[:500]
+    result["error_type"] = type(e).__name__
+  result["seconds"] = time.monotonic() - start
   # The job is broken now: report and leave without the shutdown barrier.
   write_result({"task": "fail", "process": ME, **result})
   os._exit(0)

@@ -7,7 +7,8 @@ asynchronous: ``save`` returns while the archive writes are held back, and the
 device state is deleted before they run). Then,
 concurrently: a 3 processes x 2 devices job and a 1 process x 5 devices job
 restore both (the manager's with ``ReshardRestore(mesh=...)``); a 2-process
-job whose process 1 raises inside its archive write of step 2. Each restoring
+job whose process 1 raises inside its archive write of step 2 (and whose
+primary must hear of it within seconds). Each restoring
 process reports the bytes it read and dumps every addressable shard; this
 process checks them bit for bit against the single-process core.
 """
@@ -41,11 +42,12 @@ def job(tmp_path_factory):
                             "resave": os.path.join(root, "step_1_on_3")}),
       "r5": U.ProcessGroup(1, 5, "restore", os.path.join(root, "r5"),
                            {"path": step1, "run": run}),
-      # Process 1 raises inside its archive write of step 2; the primary then
-      # waits for it at orbax's barrier until the 10 s timeout.
+      # Process 1 raises inside its archive write of step 2; the primary hears
+      # of it at once, long before orbax's barrier timeout (longer than the
+      # group may run).
       "fail": U.ProcessGroup(2, 4, "fail", os.path.join(root, "fail"),
                              {"run": os.path.join(root, "fail_run"), "fail": 1,
-                              "timeout_s": 10}),
+                              "timeout_s": 600}),
   }
   try:
     for g in groups.values():
@@ -200,8 +202,14 @@ def test_each_process_reads_only_what_its_ranks_need(job):
 def test_failed_write_commits_nothing_and_previous_step_restores(job, reference):
   results = job["results"]["fail"]
   assert [r["steps_before"] for r in results] == [[1], [1]]
-  # Every process learned that step 2 failed (the primary by orbax's timeout).
+  # Every process learned that step 2 failed: process 1 from its own write, the
+  # primary from process 1 within seconds, naming it and its error (a file too
+  # large for the size limit), not from orbax's 600 s barrier timeout.
   assert all(r["error"] for r in results), results
+  assert results[0]["error_type"] == "ArchiveError", results
+  assert "process 1 did not write its archives" in results[0]["error"], results
+  assert "File too large" in results[0]["error"], results
+  assert results[0]["seconds"] < 30, results
   run = os.path.join(job["root"], "fail_run")
   assert not os.path.exists(os.path.join(run, "2")), "step 2 was committed"
   for d in glob.glob(os.path.join(run, "2.orbax-checkpoint-tmp*", "default")):

@@ -159,3 +159,99 @@ def test_a_failed_write_commits_nothing(tmp_path, monkeypatch):
   for got, want in zip(jr.load_records(path), jr.shard_state(opt, params, state, 4), strict=True):
     assert_records_equal(got, want)
   assert jax.tree.structure(jr.restore_sharded(path, mesh).state) == jax.tree.structure(state)
+
+
+def test_a_save_that_will_be_refused_is_refused_before_orbax_makes_a_directory(tmp_path):
+  """Every refusal comes from making the ``ReshardSave``: no step, no temporary directory."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+  from tests import _mp_util as U
+
+  opt, params, state, _ = U.example(seed=5)
+  mesh = device_mesh((4,), ("fsdp",))
+  src = jr.shard_to_mesh(opt, params, state, mesh)
+  other = optax.sgd(0.1, momentum=0.9)  # a state of another optimizer
+  grown = dict(params, tiny=jnp.zeros(7, np.float32))  # params that disagree with the state
+  two = adam_records(2)
+  # Rank 1 with every history buffer one element short of its flat layout.
+  short = jr.ShardRecord(two[1].version, two[1].placements, jax.tree.map(
+      lambda x: x[:-1] if np.ndim(x) == 1 and np.size(x) > 1 else x, two[1].state), two[1].roles)
+  bad = {
+      "another optimizer's state": lambda: jr.ReshardSave(
+          state=other.init(params), optimizer=opt, params=params, mesh=mesh),
+      "params of other shapes": lambda: jr.ReshardSave(
+          state=src.state, optimizer=opt, params=grown, mesh=mesh),
+      "a state not on the mesh": lambda: jr.ReshardSave(
+          state=state, optimizer=opt, params=params, mesh=mesh),
+      "a record that does not fit its layout": lambda: jr.ReshardSave([two[0], short]),
+      "not a record": lambda: jr.ReshardSave([two[0], {"mu": 1}]),
+      "no records": lambda: jr.ReshardSave(iter(())),
+  }
+  run = tmp_path / "run"
+  with ocp.CheckpointManager(run) as manager:
+    manager.save(1, args=jr.ReshardSave(two))
+    manager.wait_until_finished()
+    for step, (name, make) in enumerate(bad.items(), start=2):
+      with pytest.raises(jr.ReshardError):
+        manager.save(step, args=make())
+      manager.wait_until_finished()
+      assert sorted(os.listdir(run)) == ["1"], name
+    assert manager.all_steps() == [1]
+
+
+def test_an_item_directory_that_is_a_symlink_is_refused(tmp_path):
+  """A step whose jaxreshard item is a link to a valid checkpoint elsewhere: never read."""
+  elsewhere = tmp_path / "elsewhere"
+  jr.save_records(elsewhere, adam_records(3, seed=1))
+  run = tmp_path / "run"
+  with ocp.CheckpointManager(run) as manager:
+    manager.save(1, args=jr.ReshardSave(adam_records(2)))
+    manager.wait_until_finished()
+  item = run / "1" / "default"
+  os.rename(item, tmp_path / "moved")
+  os.symlink(elsewhere, item)
+  with ocp.CheckpointManager(run) as manager:
+    assert manager.all_steps() == [1]
+    for args in (jr.ReshardRestore(), jr.ReshardRestore(world_size=2, rank=0),
+                 jr.ReshardRestore(mesh=device_mesh((2,), ("fsdp",)))):
+      with pytest.raises(jr.ArchiveError, match=f"{item}.*symbolic link"):
+        manager.restore(1, args=args)
+    with pytest.raises(jr.ArchiveError, match="symbolic link"):
+      manager.item_metadata(1)
+
+
+@pytest.mark.parametrize("meanwhile", ["made_archive", "removed_directory"])
+def test_the_loser_of_two_saves_into_one_directory_gets_a_reshard_error(tmp_path, monkeypatch,
+                                                                         meanwhile):
+  """Another save of the same step got into orbax's temporary item directory first.
+
+  Orbax names the temporary directory after the final one, so two saves of
+  one step share it. Right before this save's first archive, the other save
+  has made that archive's directory (or has made the item directory anew,
+  removing this save's): the loser's error is an ``ArchiveExistsError`` (an
+  ``ArchiveError``), never a bare ``FileExistsError`` or ``FileNotFoundError``.
+  """
+  import shutil
+  from jaxreshard import _checkpoint
+
+  write = _checkpoint.write_archive
+
+  def other_save_first(directory, index, *rest):
+    if index == 0:
+      if meanwhile == "made_archive":
+        os.mkdir(os.path.join(directory, "archive_00000"))
+      else:
+        shutil.rmtree(directory)
+    return write(directory, index, *rest)
+
+  monkeypatch.setattr(_checkpoint, "write_archive", other_save_first)
+  expected = (jr.ArchiveExistsError, "archive_00000 already exists: another save is writing")
+  if meanwhile == "removed_directory":
+    expected = (jr.ArchiveError, "was removed while this save wrote it")
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, args=jr.ReshardSave(adam_records(3)))
+    with pytest.raises(expected[0], match=expected[1]):
+      manager.wait_until_finished()
+    assert manager.all_steps() == []

@@ -7,12 +7,9 @@ a tiny tmpfs; a killed save is a real process killed mid-write.
 
 import errno
 import os
-import pathlib
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import jax
@@ -157,25 +154,36 @@ def test_a_path_argument_that_is_not_a_path_is_refused_by_name(bad):
       fn()
 
 
-def test_an_unreadable_file_is_a_permission_error_not_corruption():
-  # Root reads everything, so as root the reader runs as nobody; every
-  # directory on the way must then be open to nobody (pytest's are not).
-  tmp_path = pathlib.Path(tempfile.mkdtemp())
-  os.chmod(tmp_path, 0o755)
-  try:
-    _unreadable_file(tmp_path)
-  finally:
-    shutil.rmtree(tmp_path, ignore_errors=True)
-
-
-def _unreadable_file(tmp_path):
+def test_an_unreadable_file_is_a_permission_error_not_corruption(tmp_path):
   jr.save_records(tmp_path / "ckpt", adam_records(2))
   target = tmp_path / "ckpt" / "archive_00001" / "archive.json"
   os.chmod(target, 0)
+  # Root reads everything, so as root the reader gives up the two capabilities
+  # that bypass file modes (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH) and keeps its
+  # uid: the checkout, its virtual environment and the checkpoint stay readable
+  # to it as their owner wherever they sit, even in a private (0700) directory,
+  # while the file of mode 0 does not.
   code = f"""
-      import os, jaxreshard as jr
-      if os.getuid() == 0:
-        os.setgid(65534); os.setuid(65534)   # root reads everything: read as nobody
+      import ctypes, os, jaxreshard as jr
+      if os.geteuid() == 0:
+        class Header(ctypes.Structure):
+          _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+        class Data(ctypes.Structure):
+          _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                      ("inheritable", ctypes.c_uint32)]
+        libc = ctypes.CDLL(None, use_errno=True)
+        header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+        assert libc.capget(ctypes.byref(header), data) == 0, ctypes.get_errno()
+        dac = (1 << 1) | (1 << 2)  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        data[0].effective &= ~dac
+        data[0].permitted &= ~dac
+        data[0].inheritable &= ~dac
+        assert libc.capset(ctypes.byref(header), data) == 0, ctypes.get_errno()
+        try:
+          open({str(target)!r}, "rb")
+          raise SystemExit("the capabilities were not dropped: root still reads mode 0")
+        except PermissionError:
+          pass
       try:
         jr.load_records({str(tmp_path / 'ckpt')!r})
       except PermissionError as e:
