@@ -266,3 +266,17 @@ def test_clock_scalars_keep_dtype_and_bits_on_every_mesh_path(tmp_path, name, pa
   # The other clock scalar, an ordinary float32, is still a replicated jax array.
   assert isinstance(out.hyperparams["momentum"], jax.Array)
   assert int(bits(out.hyperparams["momentum"])) == 0x3F666666
+
+
+def test_a_typed_prng_key_in_the_clock_goes_onto_the_mesh(tmp_path):
+  import optax
+
+  opt = optax.noisy_sgd(0.1)
+  params = {"w": jnp.arange(10.0, dtype=jnp.float32)}
+  state = opt.init(params)
+  jr.save_records(tmp_path / "c", jr.shard_state(opt, params, state, world_size=3))
+  out = jr.restore_sharded(tmp_path / "c", device_mesh((8,), ("fsdp",))).state
+  key = out[0].rng_key
+  assert key.dtype == state[0].rng_key.dtype and key.sharding.spec == PartitionSpec()
+  assert np.array_equal(np.asarray(jax.random.key_data(key)),
+                        np.asarray(jax.random.key_data(state[0].rng_key)))

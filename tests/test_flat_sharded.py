@@ -343,6 +343,18 @@ def test_mask_and_label_functions_see_the_params_shapes(name, mesh_kind):
   _check_exact(name, MASK_FUNCTIONS[name], mesh_kind)
 
 
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_reducing_optimizers_with_mask_functions_agree_to_rounding(name):
+  # lamb's and lars' trust ratios reduce over a whole param (rounding); their
+  # masks decide per param exactly as unwrapped (a wrong mask is far off).
+  factory = {
+      "lamb": lambda: optax.lamb(1e-2, weight_decay=0.5, mask=MATRICES),
+      "lars": lambda: optax.lars(1e-2, weight_decay=0.5, weight_decay_mask=MATRICES,
+                                 trust_ratio_mask=MATRICES),
+  }[name]
+  _check_close(factory, "explicit2x4", rtol=1e-5)
+
+
 def test_mask_functions_under_jit_decay_what_they_decay_unwrapped():
   mesh = _mesh("auto8")
   inner = optax.adamw(1.0, weight_decay=0.5, mask=MATRICES)
