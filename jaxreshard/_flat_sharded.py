@@ -382,10 +382,10 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
     if params is not None:
       _check_like(params, "params", grads)
     check_built_for(grads)
-    logical = _logical_masks.logical_shapes(_described(grads))
+    described = _described(grads)
     flat_grads = flatten(grads, shapes)
     flat_params = None if params is None else flatten(params, shapes)
-    with logical:
+    with _logical_masks.logical_shapes(described):
       state_roles = roles(flat_grads, state)
     for leaf, pid in zip(jax.tree_util.tree_leaves(state), state_roles):
       if pid is None:
@@ -396,7 +396,7 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
             f"param {pid!r}: history buffer of shape {tuple(np.shape(leaf))} is not the"
             f" ({layout.world} * slots,) = {want} of its shape {shapes[pid]} over mesh axis"
             f" {axis!r}; was the state built for another mesh or other params?")
-    with on_mesh(grads, state, params), _logical_masks.logical_shapes(_described(grads)):
+    with on_mesh(grads, state, params), _logical_masks.logical_shapes(described):
       state = layout.for_update(state, state_roles, shapes)
       flat_updates, state = logical_opt.update(flat_grads, state, flat_params, **extra_args)
       updates = jax.tree_util.tree_unflatten(
