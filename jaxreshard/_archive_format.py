@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxreshard import _clock
 from jaxreshard._errors import ArchiveError, ArchiveExistsError, ReshardError
 
 __all__ = [
@@ -190,7 +191,7 @@ def decode_scalar(d: Any, where: str) -> Any:
     raise ArchiveError(f"{where}: scalar bytes are not base64") from None
   a = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
   weak = expect(d["weak"], bool, where)
-  if jax.dtypes.canonicalize_dtype(a.dtype) != a.dtype:
+  if _clock.stays_on_host(a):
     # A 64-bit scalar while x64 is off (weak or not): jax would cut it to 32
     # bits, so it stays a numpy scalar with every bit.
     return a

@@ -18,8 +18,8 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from jaxreshard import _mesh, _reshard, _structure
-from jaxreshard._errors import ShapeError
+from jaxreshard import _logical_masks, _mesh, _reshard, _structure
+from jaxreshard._errors import PlacementError, ShapeError
 from jaxreshard._geometry import FlatShard
 
 __all__ = ["flat_sharded"]
@@ -135,6 +135,71 @@ def _index_dtype(size: int, pid: str) -> Any:
   return jnp.int64
 
 
+# How many param ids or paths a refusal lists before it stops.
+_MAX_LISTED = 8
+
+
+def _described(tree: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """param id -> (shape, dtype) of a params-shaped tree."""
+  ids, leaves, _ = _structure.param_ids(tree)
+  return {pid: (tuple(np.shape(x)), getattr(x, "dtype", None)) for pid, x in zip(ids, leaves)}
+
+
+def _tree_difference(got: list[str], got_def: Any, want: list[str], want_def: Any,
+                     got_what: str, want_what: str) -> str:
+  """Which param ids one tree has and the other lacks, or how their containers differ."""
+  got_set, want_set = set(got), set(want)
+  extra = [p for p in got if p not in want_set]
+  missing = [p for p in want if p not in got_set]
+  parts = []
+  if extra:
+    parts.append(f"{got_what} have params {extra[:_MAX_LISTED]} that {want_what} do not")
+  if missing:
+    parts.append(f"{got_what} lack params {missing[:_MAX_LISTED]}")
+  if not parts:
+    parts.append(f"the same param ids in other containers: {got_what} {str(got_def)[:200]}"
+                 f" vs {want_what} {str(want_def)[:200]}")
+  return "; ".join(parts)
+
+
+def _check_like(tree: Any, what: str, grads: Any) -> None:
+  """``tree`` (the params) has the grads' tree structure and shapes."""
+  ids, leaves, treedef = _structure.param_ids(tree)
+  g_ids, g_leaves, g_def = _structure.param_ids(grads)
+  if treedef != g_def:
+    raise PlacementError(
+        "flat_sharded: the grads' tree is not the params': "
+        + _tree_difference(g_ids, g_def, ids, treedef, "grads", what))
+  for pid, x, g in zip(ids, leaves, g_leaves):
+    if tuple(np.shape(x)) != tuple(np.shape(g)):
+      raise ShapeError(f"param {pid!r}: grads of shape {tuple(np.shape(g))} but {what} of"
+                       f" shape {tuple(np.shape(x))}")
+
+
+def _state_difference(expected: Any, state: Any) -> str:
+  """The first leaf paths by which ``state`` differs from the ``expected`` state."""
+  def masked(x):
+    return isinstance(x, optax.MaskedNode)
+
+  want = [jax.tree_util.keystr(p) for p, _ in
+          jax.tree_util.tree_flatten_with_path(expected, is_leaf=masked)[0]]
+  got = [jax.tree_util.keystr(p) for p, _ in
+         jax.tree_util.tree_flatten_with_path(state, is_leaf=masked)[0]]
+  want_set, got_set = set(want), set(got)
+  extra = [p for p in got if p not in want_set][:_MAX_LISTED]
+  missing = [p for p in want if p not in got_set][:_MAX_LISTED]
+  parts = []
+  if extra:
+    parts.append(f"the state has leaves {extra} that a state for these grads does not")
+  if missing:
+    parts.append(f"it lacks leaves {missing}")
+  if not parts:
+    parts.append("its leaves are in other containers: state"
+                 f" {str(jax.tree_util.tree_structure(state))[:200]} vs a state for these"
+                 f" grads {str(jax.tree_util.tree_structure(expected))[:200]}")
+  return "; ".join(parts)
+
+
 def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
                  axis: str = "fsdp") -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer so its state stays flat-sharded over a mesh axis (ZeRO-1/2).
@@ -180,10 +245,23 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
   transformation maps zero grads, params and history to a zero update (every
   optax scaling, clipping and weight decay; not ``add_noise``).
 
-  Limitation: ``optimizer`` sees 1-D params, so a mask or label *function* that
-  depends on shapes or ``ndim`` (e.g. "decay only matrices") must be given as
-  a pytree computed from the real params. ``init`` refuses it when it changes
-  the state's structure, but cannot detect a mask that only affects updates.
+  Mask and label functions (``optax.masked``, ``multi_transform``'s labels,
+  the ``mask`` of ``adamw``/``lamb``/``add_decayed_weights``, ``lars``' masks,
+  a ``static_args`` mask of ``inject_hyperparams``, at any depth of chains and
+  ``MultiSteps``) are called with ``jax.ShapeDtypeStruct`` stand-ins of the
+  params in their own shapes and dtypes, not with the flat arrays, so "decay
+  only matrices" decays exactly what it decays unwrapped (optax requires masks
+  to be static: functions of the tree, shapes and dtypes). One called on a part
+  of the params tree is refused by name. A function hidden where closures
+  cannot be followed (an attribute of a custom transformation class) still sees
+  flat params: ``init`` refuses it when it changes the state's structure.
+
+  Checks at ``update``: grads must have the tree structure and shapes of the
+  params ``init`` built the state for (when this wrapper's ``init`` built it;
+  one restored from a checkpoint is checked by its flat sizes), and of
+  ``params`` when given; the state's tree must be that of a state for the
+  grads' tree. A grad of another shape with the same flat size ((3, 2) for
+  (2, 3)) would otherwise train silently on the wrong elements.
 
   Args:
     optimizer: an optax ``GradientTransformation`` (or anything with ``init``
@@ -202,6 +280,12 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
       depends on the params' shapes.
     DtypeError: (at ``init``) a param dtype other than float32, float16 or
       bfloat16.
+    PlacementError: (at ``update``) grads or params of another tree structure
+      than at ``init`` or than each other, or a state of another structure,
+      naming the param ids or state paths; a mask or label function called on
+      part of the params tree.
+    ShapeError: (at ``update``) grads of another shape than the params of
+      ``init`` or than ``params``, naming the param and both shapes.
 
   Examples:
     >>> import jax, jax.numpy as jnp, optax, jaxreshard as jr
@@ -218,6 +302,10 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
   """
   layout = _Layout(mesh, axis)
   roles_cache: dict[Any, tuple] = {}
+  # ``optimizer`` with its mask and label functions seeing the params' own shapes.
+  logical_opt = _logical_masks.with_logical_callables(optimizer)
+  # params tree structure -> the shapes ``init`` saw for it (each distinct one).
+  built_for: dict[Any, list[dict[str, tuple[int, ...]]]] = {}
 
   def on_mesh(*trees: Any) -> Any:
     # Outside jit, operations on arrays typed with explicit axes (and arrays created
@@ -229,8 +317,38 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
   def roles(flat_params: Any, state: Any) -> tuple:
     key = (jax.tree_util.tree_structure(flat_params), jax.tree_util.tree_structure(state))
     if key not in roles_cache:
-      roles_cache[key] = _structure.history_roles(optimizer, flat_params, state)
+      try:
+        roles_cache[key] = _structure.history_roles(logical_opt, flat_params, state)
+      except (ValueError, TypeError) as e:  # the state does not mirror this tree
+        try:
+          expected = jax.eval_shape(logical_opt.init, flat_params)
+        except Exception:  # pylint: disable=broad-exception-caught
+          expected = None
+        where = (_state_difference(expected, state) if expected is not None else
+                 f"{type(e).__name__}: {str(e)[:300]}")
+        raise PlacementError(
+            f"flat_sharded: the state was not built for grads with param ids"
+            f" {_structure.param_ids(flat_params)[0][:_MAX_LISTED]}: {where}") from None
     return roles_cache[key]
+
+  def check_built_for(grads: Any) -> None:
+    ids, leaves, treedef = _structure.param_ids(grads)
+    shapes = {pid: tuple(np.shape(x)) for pid, x in zip(ids, leaves)}
+    if not built_for:
+      return  # a state this wrapper did not build: checked by its flat sizes
+    if treedef not in built_for:
+      want_def, records = list(built_for.items())[-1]
+      raise PlacementError(
+          "flat_sharded: the grads' tree is not the params tree the state was built for"
+          " (at init): " + _tree_difference(ids, treedef, list(records[-1]), want_def,
+                                           "grads", "those params"))
+    records = built_for[treedef]
+    if shapes not in records:
+      want = records[-1]
+      pid = next(p for p in ids if shapes[p] != want[p])
+      raise ShapeError(
+          f"param {pid!r}: grads of shape {shapes[pid]} but the state was built (at init) for"
+          f" params of shape {want[pid]}; a state trains only the params it was built for")
 
   def flatten(tree: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -245,9 +363,12 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
     # params would hide factored statistics (1-D params are never factored).
     logical = jax.eval_shape(optimizer.init, params)
     _, _, shapes, _ = _reshard.coordinate_roles(optimizer, params, logical)
-    with on_mesh(params):
+    records = built_for.setdefault(jax.tree_util.tree_structure(params), [])
+    if shapes not in records:
+      records.append(dict(shapes))
+    with on_mesh(params), _logical_masks.logical_shapes(_described(params)):
       flat_params = flatten(params, shapes)
-      state = optimizer.init(flat_params)
+      state = logical_opt.init(flat_params)
       if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(logical):
         raise ShapeError(
             f"params {sorted(shapes)[:3]}: the optimizer's state is structured differently"
@@ -258,9 +379,14 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
   def update(grads: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
     ids, leaves, _ = _structure.param_ids(grads)
     shapes = {pid: tuple(np.shape(g)) for pid, g in zip(ids, leaves)}
+    if params is not None:
+      _check_like(params, "params", grads)
+    check_built_for(grads)
+    described = _described(grads)
     flat_grads = flatten(grads, shapes)
     flat_params = None if params is None else flatten(params, shapes)
-    state_roles = roles(flat_grads, state)
+    with _logical_masks.logical_shapes(described):
+      state_roles = roles(flat_grads, state)
     for leaf, pid in zip(jax.tree_util.tree_leaves(state), state_roles):
       if pid is None:
         continue
@@ -270,9 +396,9 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
             f"param {pid!r}: history buffer of shape {tuple(np.shape(leaf))} is not the"
             f" ({layout.world} * slots,) = {want} of its shape {shapes[pid]} over mesh axis"
             f" {axis!r}; was the state built for another mesh or other params?")
-    with on_mesh(grads, state, params):
+    with on_mesh(grads, state, params), _logical_masks.logical_shapes(described):
       state = layout.for_update(state, state_roles, shapes)
-      flat_updates, state = optimizer.update(flat_grads, state, flat_params, **extra_args)
+      flat_updates, state = logical_opt.update(flat_grads, state, flat_params, **extra_args)
       updates = jax.tree_util.tree_unflatten(
           jax.tree_util.tree_structure(grads),
           [layout.unflat(u, g, shapes[pid])

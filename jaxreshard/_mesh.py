@@ -19,7 +19,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxreshard import _bitview, _reshard, _structure, _validate
+from jaxreshard import _bitview, _clock, _reshard, _structure, _validate
 from jaxreshard._errors import PlacementError, ShapeError
 from jaxreshard._geometry import FlatShard, normalize_shape
 from jaxreshard._placement import ParamPlacement
@@ -134,7 +134,9 @@ def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = 
 
   Returns:
     The optax state with global history arrays of shape ``(M * slots,)``
-    sharded over ``axis`` and replicated scalars.
+    sharded over ``axis`` and replicated scalars; a scalar that is a Python
+    number or of a dtype jax cannot hold (64-bit while x64 is off) is kept as
+    it is (``_clock.stays_on_host``), never cut to 32 bits.
 
   Raises:
     PlacementError: a rank of this process without a record, records of
@@ -161,6 +163,11 @@ def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = 
   new_leaves = []
   for i, role in enumerate(roles):
     per_rank = {r: leaves[i] for r, leaves in leaves_of.items()}
+    if role is None and _clock.stays_on_host(per_rank[next(iter(per_rank))]):
+      # A Python number, or a 64-bit value jax would cut to 32 bits while x64
+      # is off: handed back as it is, as ``restore`` does.
+      new_leaves.append(per_rank[next(iter(per_rank))])
+      continue
     if role is None:
       shape, sharding = tuple(np.shape(per_rank[next(iter(per_rank))])), replicated
     else:
@@ -174,7 +181,7 @@ def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = 
     arrays = []
     for device in sharding.addressable_devices_indices_map(shape):
       arrays.append(jax.device_put(per_rank[rank_of[device]], device))
-    dtype = np.dtype(per_rank[next(iter(per_rank))].dtype)
+    dtype = per_rank[next(iter(per_rank))].dtype  # not np.dtype: typed PRNG keys have none
     new_leaves.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype))
   return jax.tree_util.tree_unflatten(treedef, new_leaves)
 

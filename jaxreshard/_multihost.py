@@ -104,7 +104,9 @@ def restore_sharded(directory: os.PathLike | str, mesh: Mesh, axis: str = "fsdp"
   Returns:
     A :class:`MeshState`: ``state`` is the optax state whose history leaves are
     global ``(M * slots,)`` arrays sharded over ``axis`` (replicated over the
-    other axes) and whose scalars are replicated; ``placements`` maps each
+    other axes) and whose scalars are replicated (a Python number, or a 64-bit
+    scalar while x64 is off, comes back as it is, as ``restore`` gives it: jax
+    would cut it to 32 bits); ``placements`` maps each
     local target rank to its placements. Every local shard is bit-identical
     to ``reshard(load_records(directory), plan(..., M, rank))``.
 

@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import optax
 
-from jaxreshard import _pipeline, _reshard, _structure
+from jaxreshard import _clock, _pipeline, _reshard, _structure
 from jaxreshard._checkpoint import STAGING_BYTES, Checkpoint, ReadStats, open_checkpoint
 from jaxreshard._errors import DtypeError, PlacementError, ReshardError, ShapeError
 from jaxreshard._mesh import MeshState
@@ -156,10 +156,19 @@ class _Spec:
   boxes: tuple[Box, ...]  # distinct boxes of this process's devices, in first-seen order
 
 
-def _scalar_dtype(x: Any) -> np.dtype:
-  if isinstance(x, (bool, int, float, complex)):
-    return np.dtype(jax.numpy.asarray(x).dtype)
-  return np.dtype(x.dtype)
+def _scalar_dtypes(x: Any) -> tuple[np.dtype, ...]:
+  """The target dtypes a clock scalar may be described by; the first is its own.
+
+  A value handed back as it is (``_clock.stays_on_host``) has no jax array to
+  match, so the dtype jax gives it (what ``jax.eval_shape`` of the state says:
+  float32 for a float64 while x64 is off) describes it as well as its own.
+  """
+  if _clock.is_python_number(x):
+    return (_clock.python_dtype(x), np.dtype(type(x)))
+  own = np.dtype(x.dtype)
+  if _clock.stays_on_host(x):
+    return (own, np.dtype(jax.dtypes.canonicalize_dtype(own)))
+  return (own,)
 
 
 def _check_leaf(path: str, leaf: Any, t: Any, groups) -> Any:
@@ -170,7 +179,8 @@ def _check_leaf(path: str, leaf: Any, t: Any, groups) -> Any:
     shape, dtype = tuple(g.target.shape), np.dtype(g.facts.buffer_dtypes[leaf.mirror])
   else:
     what = f"leaf {path} (clock scalar)"
-    shape, dtype = tuple(np.shape(leaf)), _scalar_dtype(leaf)
+    dtypes = _scalar_dtypes(leaf)
+    shape, dtype = tuple(np.shape(leaf)), dtypes[0]
   sharding = getattr(t, "sharding", None)
   if not (hasattr(t, "shape") and hasattr(t, "dtype")):
     return PlacementError(f"{what}: the target leaf is a {type(t).__name__}, not a"
@@ -178,7 +188,7 @@ def _check_leaf(path: str, leaf: Any, t: Any, groups) -> Any:
   if tuple(t.shape) != shape:
     return ShapeError(f"{what}: the target has shape {tuple(t.shape)} but the checkpoint"
                       f" holds {shape}")
-  if np.dtype(t.dtype) != dtype:
+  if np.dtype(t.dtype) != dtype and (isinstance(leaf, _Hist) or np.dtype(t.dtype) not in dtypes):
     return DtypeError(f"{what}: the target has dtype {np.dtype(t.dtype).name} but the"
                       f" checkpoint holds {dtype.name}; buffers are restored in their saved"
                       " dtype, never converted")
@@ -328,13 +338,11 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
 def _place(leaf: Any, spec: _Spec, data: Any) -> Any:
   """One leaf as a global array laid out by its target sharding."""
   if not isinstance(leaf, _Hist):
-    if isinstance(data, (bool, int, float, complex)):
-      return data  # a Python number of the state stays one: it has no placement
+    if _clock.stays_on_host(data):
+      # A Python number (it has no placement), or a 64-bit value jax would cut
+      # to 32 bits while x64 is off: handed back as it is, as ``restore`` does.
+      return data
     value = np.asarray(data)
-    if jax.dtypes.canonicalize_dtype(value.dtype) != value.dtype:
-      # A 64-bit scalar while x64 is off: jax would cut it to 32 bits, so it
-      # stays a numpy value with every bit.
-      return value
     return jax.make_array_from_callback(
         spec.shape, spec.sharding, lambda index: np.asarray(value[index]), dtype=spec.dtype)
 

@@ -189,3 +189,94 @@ def test_second_restore_compiles_nothing(ex, tmp_path):
   before = jr.kernel_cache_info().traces
   jr.restore_sharded(path, mesh)
   assert jr.kernel_cache_info().traces == before
+
+
+# --- clock scalars: restore's rule on every mesh path ----------------------------
+
+# (name, value) of a clock leaf whose dtype jax cannot hold while x64 is off, or a
+# Python number. Bits are written out here, never computed by jaxreshard.
+_NAN_PAYLOAD = np.frombuffer(bytes.fromhex("0100000000f8ff7f"), np.float64)[0]
+CLOCK_LEAVES = {
+    "float64_negative_zero": np.float64(-0.0),
+    "float64_nan_payload": _NAN_PAYLOAD,
+    "int64_past_int32": np.int64(2**40 + 3),
+    "python_float": 0.1,
+    "python_int": 7,
+    "python_int_past_int32": 2**40 + 3,
+}
+
+
+def _leaf_kind(x):
+  """What must survive a restore: Python type and value, or dtype and bits."""
+  if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
+    return (type(x).__name__, x.hex() if isinstance(x, float) else x)
+  return (type(x).__module__.split(".")[0], np.asarray(x).dtype.name, np.asarray(x).tobytes())
+
+
+def _clock_example(leaf):
+  import optax
+
+  opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+  params = {"w": jnp.arange(10.0, dtype=jnp.float32)}
+  state = opt.init(params)
+  # The count and a hyper-parameter both carry the leaf under test.
+  state = state._replace(count=leaf, hyperparams={**state.hyperparams, "learning_rate": leaf})
+  return opt, params, state
+
+
+@pytest.mark.parametrize("path", ["restore_sharded", "target", "checkpoint_manager"])
+@pytest.mark.parametrize("name", sorted(CLOCK_LEAVES))
+def test_clock_scalars_keep_dtype_and_bits_on_every_mesh_path(tmp_path, name, path):
+  import orbax.checkpoint as ocp
+  from jax.sharding import NamedSharding
+
+  assert not jax.config.jax_enable_x64  # the suite's default: where jax would cut them
+  leaf = CLOCK_LEAVES[name]
+  want = _leaf_kind(leaf)
+  if not isinstance(leaf, (int, float)) or isinstance(leaf, np.generic):
+    want = ("numpy",) + want[1:]  # a numpy scalar comes back as a numpy value
+  opt, params, state = _clock_example(leaf)
+  mesh = device_mesh((8,), ("fsdp",))
+  ckpt = tmp_path / "ckpt"
+  jr.save_records(ckpt, jr.shard_state(opt, params, state, world_size=3))
+  host = jr.restore(ckpt, world_size=8, rank=0).state
+  assert _leaf_kind(host.count) == want  # restore's rule, the reference
+  if path == "restore_sharded":
+    out = jr.restore_sharded(ckpt, mesh).state
+  elif path == "target":
+    everywhere = NamedSharding(mesh, PartitionSpec())
+    # The target as jax.eval_shape describes the state (64-bit cut to 32 bits).
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(
+            np.asarray(x).dtype), sharding=everywhere), state)
+    out = jr.restore_sharded(ckpt, mesh, target=abstract).state
+  else:
+    run = tmp_path / "run"
+    src = jr.shard_to_mesh(opt, params, state, mesh)
+    with ocp.CheckpointManager(run) as manager:
+      manager.save(1, args=ocp.args.Composite(opt_state=jr.ReshardSave(
+          state=src.state, optimizer=opt, params=params, mesh=mesh)))
+    assert _leaf_kind(jr.restore(run / "1" / "opt_state", world_size=8, rank=0).state.count) == want
+    with ocp.CheckpointManager(run) as manager:
+      out = manager.restore(1, args=ocp.args.Composite(
+          opt_state=jr.ReshardRestore(mesh=device_mesh((5,), ("fsdp",), jax.devices()[:5]))))
+    out = out["opt_state"]
+  assert _leaf_kind(out.count) == want
+  assert _leaf_kind(out.hyperparams["learning_rate"]) == want
+  # The other clock scalar, an ordinary float32, is still a replicated jax array.
+  assert isinstance(out.hyperparams["momentum"], jax.Array)
+  assert int(bits(out.hyperparams["momentum"])) == 0x3F666666
+
+
+def test_a_typed_prng_key_in_the_clock_goes_onto_the_mesh(tmp_path):
+  import optax
+
+  opt = optax.noisy_sgd(0.1)
+  params = {"w": jnp.arange(10.0, dtype=jnp.float32)}
+  state = opt.init(params)
+  jr.save_records(tmp_path / "c", jr.shard_state(opt, params, state, world_size=3))
+  out = jr.restore_sharded(tmp_path / "c", device_mesh((8,), ("fsdp",))).state
+  key = out[0].rng_key
+  assert key.dtype == state[0].rng_key.dtype and key.sharding.spec == PartitionSpec()
+  assert np.array_equal(np.asarray(jax.random.key_data(key)),
+                        np.asarray(jax.random.key_data(state[0].rng_key)))

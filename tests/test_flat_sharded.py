@@ -66,6 +66,24 @@ DIVIDING = {
         {"train": optax.adamw(1e-2), "frozen": optax.set_to_zero()}, LABELS),
     "multi_steps_adam": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
 }
+# Mask and label *functions* that depend on shapes: they see the params' own
+# shapes, so "decay only matrices" decays the same params as unwrapped.
+MATRICES = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
+MASK_FUNCTIONS = {
+    "adamw_mask_fn": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=MATRICES),
+    "masked_fn_lion": lambda: optax.masked(optax.lion(1e-3, weight_decay=0.1), MATRICES),
+    "multi_transform_label_fn": lambda: optax.multi_transform(
+        {"matrix": optax.adamw(1e-2, weight_decay=0.1), "vector": optax.sgd(1e-2, momentum=0.9)},
+        lambda p: jax.tree.map(lambda x: "matrix" if x.ndim > 1 else "vector", p)),
+    "nested_chain_mask_fns": lambda: optax.chain(
+        optax.masked(optax.chain(optax.trace(0.9), optax.add_decayed_weights(0.1, MATRICES)),
+                     lambda p: jax.tree.map(lambda x: x.size > 1, p)),
+        optax.scale(-1e-2)),
+    "inject_static_mask": lambda: optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+        learning_rate=1e-2, weight_decay=0.1, mask=MATRICES),
+    "multi_steps_mask_fn": lambda: optax.MultiSteps(
+        optax.adamw(1e-2, weight_decay=0.1, mask=MATRICES), every_k_schedule=2),
+}
 # Whole-parameter or whole-tree reductions: equal to float rounding.
 REDUCING = {
     "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
@@ -317,11 +335,113 @@ def test_non_coordinate_optimizer_is_refused_at_init_like_shard_state():
   assert str(got.value) == str(expected.value)
 
 
-def test_shape_dependent_mask_function_is_refused():
+@pytest.mark.parametrize("mesh_kind", ["explicit2x4", "auto5"])
+@pytest.mark.parametrize("name", sorted(MASK_FUNCTIONS))
+def test_mask_and_label_functions_see_the_params_shapes(name, mesh_kind):
+  # Bit for bit with the unwrapped optimizer over several steps: the function
+  # decides for each param as it does on the params themselves.
+  _check_exact(name, MASK_FUNCTIONS[name], mesh_kind)
+
+
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_reducing_optimizers_with_mask_functions_agree_to_rounding(name):
+  # lamb's and lars' trust ratios reduce over a whole param (rounding); their
+  # masks decide per param exactly as unwrapped (a wrong mask is far off).
+  factory = {
+      "lamb": lambda: optax.lamb(1e-2, weight_decay=0.5, mask=MATRICES),
+      "lars": lambda: optax.lars(1e-2, weight_decay=0.5, weight_decay_mask=MATRICES,
+                                 trust_ratio_mask=MATRICES),
+  }[name]
+  _check_close(factory, "explicit2x4", rtol=1e-5)
+
+
+def test_mask_functions_under_jit_decay_what_they_decay_unwrapped():
+  mesh = _mesh("auto8")
+  inner = optax.adamw(1.0, weight_decay=0.5, mask=MATRICES)
+  wrapped = jr.flat_sharded(inner, mesh)
+  params = {"k": jnp.ones((3, 4), jnp.float32), "b": jnp.ones((4,), jnp.float32)}
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = standard(jax.jit(wrapped.update), zeros, standard(jax.jit(wrapped.init), params),
+                        params)
+  # Zero grads: adam's step is 0, so the update is -lr * decay * param where decayed.
+  assert bits(updates["k"]).ravel().tolist() == [0xBF000000] * 12  # -0.5
+  assert bits(updates["b"]).ravel().tolist() == [0x80000000] * 4  # -0.0: not decayed
+
+
+class _HiddenMask:
+  """A transformation whose mask function is an attribute no closure reaches."""
+
+  def __init__(self, mask):
+    self.mask = mask
+
+  def init(self, params):
+    return optax.masked(optax.adam(1e-2), self.mask(params)).init(params)
+
+  def update(self, updates, state, params=None):
+    return optax.masked(optax.adam(1e-2), self.mask(updates)).update(updates, state, params)
+
+
+def test_a_hidden_shape_dependent_mask_function_is_refused():
   mesh = _mesh("explicit8")
-  inner = optax.masked(optax.adam(1e-2), lambda p: jax.tree.map(lambda x: x.ndim > 1, p))
   with pytest.raises(jr.ShapeError, match="mask or label function"):
-    standard(jr.flat_sharded(inner, mesh).init, random_params(SHAPES))
+    standard(jr.flat_sharded(_HiddenMask(MATRICES), mesh).init, random_params(SHAPES))
+
+
+def test_a_mask_function_on_part_of_the_params_is_refused_by_name():
+  # Called on a tree that is not the params' (a part of it, keyed from its
+  # root), a mask function cannot be given the params' shapes: refused, named.
+  from jaxreshard import _logical_masks
+
+  def decay_matrices(p):
+    return jax.tree.map(lambda x: x.ndim > 1, p)
+
+  wrapped = _logical_masks.with_logical_callables(optax.masked(optax.adam(1e-2), decay_matrices))
+  flat = {"dense": {"kernel": jnp.zeros((40,)), "bias": jnp.zeros((8,))}}
+  logical = {"dense/kernel": ((5, 8), jnp.float32), "dense/bias": ((8,), jnp.float32)}
+  with _logical_masks.logical_shapes(logical):
+    state = wrapped.init(flat)  # the whole tree: the kernel is a matrix, decayed
+    assert jax.tree.map(lambda x: x.shape, state.inner_state[0].mu) == {
+        "dense": {"kernel": (40,), "bias": optax.MaskedNode()}}
+    with pytest.raises(jr.PlacementError, match=r"mask function .*decay_matrices.*\['bias'\]"):
+      wrapped.init(flat["dense"])
+
+
+@pytest.mark.parametrize("built,got", [((6,), (5,)), ((2, 3), (3, 2)), ((17,), (23,))])
+@pytest.mark.parametrize("jit", [False, True])
+def test_grads_of_another_shape_than_the_state_was_built_for_are_refused(built, got, jit):
+  # Same flat size over 8 ranks each time: only the record of init can tell.
+  wrapped = jr.flat_sharded(optax.adam(1e-2), _mesh("explicit8"))
+  state = wrapped.init({"w": jnp.ones(built, jnp.float32), "b": jnp.ones((3,), jnp.float32)})
+  update = jax.jit(wrapped.update) if jit else wrapped.update
+  grads = {"w": jnp.ones(got, jnp.float32), "b": jnp.ones((3,), jnp.float32)}
+  with pytest.raises(jr.ShapeError, match=rf"param 'w': grads of shape \({got[0]},.*but the"
+                                          rf" state was built .* shape \({built[0]},"):
+    update(grads, state)
+  with pytest.raises(jr.ShapeError, match=rf"param 'w': grads of shape \({got[0]},.*but"
+                                          rf" params of shape \({built[0]},"):
+    update(grads, state, {"w": jnp.ones(built, jnp.float32), "b": jnp.ones((3,), jnp.float32)})
+
+
+def test_grads_or_params_of_another_tree_are_refused_naming_the_params():
+  wrapped = jr.flat_sharded(optax.adam(1e-2), _mesh("explicit8"))
+  params = {"k": jnp.ones((3, 4), jnp.float32), "b": jnp.ones((4,), jnp.float32)}
+  state = wrapped.init(params)
+  cases = [
+      ({"k": params["k"]}, None, r"grads lack params \['b'\]"),
+      ({**params, "c": jnp.ones(2)}, None, r"grads have params \['c'\]"),
+      ({"k": params["k"], "c": params["b"]}, None, r"\['c'\].*lack params \['b'\]"),
+      ([params["b"], params["k"]], None, r"grads have params \['0', '1'\]"),
+      (params, {"k": params["k"]}, r"not the params'.*grads have params \['b'\]"),
+  ]
+  for grads, p, match in cases:
+    with pytest.raises(jr.PlacementError, match=match):
+      wrapped.update(grads, state, p)
+  # A wrapper that did not build the state (as after a restore) reads the
+  # state's own tree: the path where it differs is named.
+  fresh = jr.flat_sharded(optax.adam(1e-2), _mesh("explicit8"))
+  with pytest.raises(jr.PlacementError, match=r"\[0\]\.mu\['b'\]"):
+    fresh.update({"k": params["k"], "c": params["b"]}, state)
+  assert isinstance(jr.PlacementError("x"), jr.ReshardError)
 
 
 def test_state_of_another_mesh_is_refused_at_update():
