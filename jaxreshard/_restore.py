@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from jaxreshard import _copyplan, _pipeline, _reshard, _validate
-from jaxreshard._checkpoint import STAGING_BYTES, Checkpoint, open_checkpoint
+from jaxreshard._checkpoint import STAGING_BYTES, Checkpoint, allocate, open_checkpoint
 from jaxreshard._errors import PlacementError
 from jaxreshard._placement import Migration
 from jaxreshard._record import ShardRecord
@@ -158,13 +158,16 @@ def disk_fetch(ckpt: Checkpoint) -> _pipeline.Fetch:
     # One scratch buffer for every read of this target rank, reused (warm pages).
     scratch = np.empty(STAGING_BYTES, np.uint8)
     out = {}
+    trailing: set = set()  # all-padding source ranks whose padding is checked too
     for dtype, r in runs.items():
-      buf = np.zeros(layout.sizes[dtype], dtype)
+      buf = allocate(layout.sizes[dtype], dtype, f"target rank of {ckpt.directory}")
       for sid in np.unique(r.source).tolist():
         sel = r.source == sid
         archive, d = keys[sid]
-        ckpt.read_runs(archive, d, r.src[sel], r.dst[sel], r.length[sel], buf, scratch)
+        ckpt.read_runs(archive, d, r.src[sel], r.dst[sel], r.length[sel], buf, scratch,
+                       trailing=trailing)
       out[dtype] = buf
+    ckpt.check_padding(trailing, scratch)
     return out
 
   return fetch

@@ -121,12 +121,20 @@ def write_array(directory: str, name: str, data: np.ndarray, chunk: int) -> list
     os.close(fd)
 
 
-def write_json(path: str, obj: Any) -> None:
-  """Writes ``obj`` as compact JSON into a new file; errors name the file."""
-  # json.dumps, not json.dump: only the former uses the C encoder.
-  text = json.dumps(obj, separators=(",", ":"), allow_nan=False)
+def write_json(path: str, obj: Any, *, signed: bool = False) -> None:
+  """Writes ``obj`` as compact JSON into a new file; errors name the file.
+
+  ``signed``: the file carries a checksum of its bytes (``_archive_format.signed_json``).
+  """
+  if signed:
+    from jaxreshard._archive_format import signed_json  # pylint: disable=g-import-not-at-top
+
+    text = signed_json(obj)
+  else:
+    # json.dumps, not json.dump: only the former uses the C encoder.
+    text = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
   try:
-    with open(path, "x") as f:
+    with open(path, "xb") as f:
       f.write(text)
   except OSError as e:  # a full disk reports itself without the file's name
     raise OSError(e.errno, e.strerror, path) from None
@@ -257,8 +265,8 @@ class Dir:
       raise ArchiveError(f"{os.path.join(self.path, name)} is not a regular file")
     return fd, st
 
-  def read_json(self, name: str, max_bytes: int) -> Any:
-    """A small JSON file, refused beyond ``max_bytes``; strict parsing."""
+  def read_bytes(self, name: str, max_bytes: int) -> bytes:
+    """A small file's bytes, refused beyond ``max_bytes``."""
     fd, st = self.file(name)
     path = os.path.join(self.path, name)
     try:
@@ -270,6 +278,12 @@ class Dir:
       os.close(fd)
     if len(data) > st.st_size:
       raise ArchiveError(f"{path} grew while it was read")
+    return data
+
+  def read_json(self, name: str, max_bytes: int) -> Any:
+    """A small JSON file, refused beyond ``max_bytes``; strict parsing."""
+    data = self.read_bytes(name, max_bytes)
+    path = os.path.join(self.path, name)
     try:
       text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -307,14 +321,17 @@ class ShardFile:
             f" {chunk} as jaxreshard writes it (codecs, key encoding and chunking must match)")
       with d.dir(SHARD_KEY[0]) as c:
         self.fd, st = c.file(SHARD_KEY[1])
-    expected = file_size(size, self.dtype.itemsize, chunk)
-    if st.st_size != expected:
+    try:  # a refused file is closed here: its caller never holds it
+      expected = file_size(size, self.dtype.itemsize, chunk)
+      if st.st_size != expected:
+        raise ArchiveError(
+            f"{self.path}/c/0 has {st.st_size} bytes but its metadata ({self.dtype.name}[{size}],"
+            f" chunks of {chunk}) needs {expected}; the file is truncated or not from this"
+            " checkpoint")
+      self._check_index()
+    except BaseException:
       self.close()
-      raise ArchiveError(
-          f"{self.path}/c/0 has {st.st_size} bytes but its metadata ({self.dtype.name}[{size}],"
-          f" chunks of {chunk}) needs {expected}; the file is truncated or not from this"
-          " checkpoint")
-    self._check_index()
+      raise
 
   def close(self) -> None:
     if getattr(self, "fd", -1) >= 0:

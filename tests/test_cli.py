@@ -17,6 +17,7 @@ import jaxreshard as jr
 from jaxreshard import _read_plan
 from jaxreshard._cli import EXIT_DIFFERENT, EXIT_ERROR, app, progress_bar
 
+from tests._archive_util import read_json, write_signed_json
 from tests._core_util import assert_records_equal, replace_history as _replace
 
 PARAMS = {"enc": {"kernel": np.zeros((7, 11), np.float32), "bias": np.zeros((5,), np.float32)},
@@ -164,8 +165,10 @@ def test_verify_names_the_differing_buffer_and_bad_padding(ckpt):
   padded = [_replace(r, "head", 0, pad) if i == 5 else r for i, r in enumerate(six)]
   jr.save_records(root / "badpad", padded)
   result = _run("verify", root / "ckpt8", root / "badpad")
-  assert result.exit_code == EXIT_DIFFERENT
-  assert "param 'head' buffer 0" in result.stdout and "padding is not zero" in result.stdout
+  # Non-zero padding contradicts the layout: reading the checkpoint is refused (an
+  # error), it is not a difference between two readable states.
+  assert result.exit_code == EXIT_ERROR, result.output
+  assert "param 'head'" in result.stderr and "padding is not zero" in result.stderr
 
 
 def test_errors_are_one_line(ckpt, resharded, tmp_path):
@@ -247,9 +250,9 @@ def _first_namedtuple(tree):
 
 def _edit_index(path, fn):
   index = path / "jaxreshard.json"
-  data = json.loads(index.read_text())
+  data = read_json(index)
   fn(data)
-  index.write_text(json.dumps(data))
+  write_signed_json(index, data)
 
 
 def test_names_and_paths_are_printed_literally_and_escaped(tmp_path):
