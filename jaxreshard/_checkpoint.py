@@ -5,7 +5,7 @@ Layout::
   CHECKPOINT/
     jaxreshard.json          # the index, written last: the whole layout (signed)
     archive_00000/           # one source rank's archive
-      archive.json           # checkpoint id, and per dtype: elements, chunk, chunk crc32c's (signed)
+      archive.json           # (signed) checkpoint id; per dtype: elements, chunk, crc32c's
       float32/               # every float32 history buffer of the rank, back to back
         zarr.json            #   (zarr v3, one shard, a crc32c per chunk: see _shardfile)
         c/0
@@ -905,10 +905,14 @@ def path_arg(directory: Any, what: str = "directory") -> str:
 def open_checkpoint(directory: os.PathLike | str) -> Checkpoint:
   """Reads and checks a checkpoint's index; reads no archive.
 
+  The checkpoint directory is opened once: every later read of this object
+  opens its files below that descriptor, which is closed by ``close()`` (or
+  ``with``) or when the object is garbage collected.
+
   Raises:
     FileNotFoundError: ``directory`` does not exist.
-    ArchiveError: it is not a jaxreshard checkpoint of this format version, or
-      its index is malformed.
+    ArchiveError: it is not a jaxreshard checkpoint of this format version, its
+      index fails its checksum, or its index is malformed.
   """
   return Checkpoint(directory)
 

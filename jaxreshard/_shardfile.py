@@ -221,6 +221,8 @@ class Dir:
 
   def _open(self, name: str, flags: int, what: str) -> int:
     path = os.path.join(self.path, name)
+    if self.fd < 0:
+      raise ArchiveError(f"{path}: the checkpoint was closed; open it again to read it")
     try:
       return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
     except FileNotFoundError:

@@ -314,7 +314,8 @@ def test_buffer_files_of_another_checkpoint(tmp_path):
   # The first chunk read fails: chunk 0 for a whole read; a restore may first read
   # the padding of a param whose elements all lie on an earlier rank.
   for fn in _both(tmp_path / "a"):
-    _refused(fn, jr.ArchiveError, re.escape(str(target / "c" / "0")), "chunk [0-9]+ fails its crc32c")
+    _refused(fn, jr.ArchiveError, re.escape(str(target / "c" / "0")),
+             "chunk [0-9]+ fails its crc32c")
 
 
 def test_swapped_buffer_directories_of_one_checkpoint(ckpt, tmp_path):

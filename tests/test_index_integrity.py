@@ -341,6 +341,8 @@ def test_every_file_is_opened_below_the_one_root_descriptor(tmp_path):
   ckpt.close()
   with pytest.raises(OSError):
     os.fstat(root_fd)
+  with pytest.raises(jr.ArchiveError, match="the checkpoint was closed"):
+    ckpt.record(0)
 
 
 # --- memory --------------------------------------------------------------------------
