@@ -43,9 +43,10 @@ sizes in the metadata are checked against the bytes on disk before anything
 is allocated, and every archive read must carry the index's checkpoint
 identity. Data that contradicts the layout is refused on every read: the
 padding slots of a rank's buffer (past the elements its flat shard owns) must
-hold zero bits, checked wherever a read touches them and on the tail of every
-buffer a read copies from (``Checkpoint.read_runs``), and on every buffer of
-an archive read whole (``Checkpoint.record``).
+hold zero bits, checked on every buffer of an archive read whole
+(``Checkpoint.record``) and, for reads of runs, on the tail of every buffer a
+read copies from (``Checkpoint.read_runs``) and on the all-padding ranks the
+caller names (``Checkpoint.check_padding``).
 """
 
 from __future__ import annotations
@@ -689,10 +690,11 @@ class Checkpoint:
 
   def check_padding(self, trailing: set, scratch: np.ndarray,
                     stats: Optional[ReadStats] = None) -> None:
-    """Reads the padding ``read_runs`` collected in ``trailing`` and checks it is zero bits.
+    """Reads the padding of the buffers in ``trailing`` and checks it is zero bits.
 
     ``trailing`` holds ``(archive, dtype, (param, mirror))``: buffers of
-    all-padding ranks after a rank that a read copied a param's last elements from.
+    all-padding ranks, which no run copies from (``read_runs`` collects them, or
+    ``_restore.all_padding_sources``).
     """
     by_file: dict[tuple[int, np.dtype], list] = {}
     for archive, dtype, key in trailing:
@@ -706,7 +708,8 @@ class Checkpoint:
       if not ks:
         continue
       empty = np.zeros(0, np.int64)
-      self.read_runs(archive, dtype, empty, empty, empty, None, scratch, stats, _checks=ks)
+      self._read(archive, dtype, pads, np.asarray(ks, np.int64), empty, empty, empty, None,
+                 scratch, stats)
 
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardfile.ShardFile:
     meta = self.archive_meta(archive)
@@ -738,8 +741,7 @@ class Checkpoint:
 
   def read_runs(self, archive: int, dtype: np.dtype, src: np.ndarray, dst: np.ndarray,
                 length: np.ndarray, out: np.ndarray, scratch: np.ndarray,
-                stats: Optional[ReadStats] = None, trailing: Optional[set] = None,
-                _checks: Optional[list] = None) -> None:
+                stats: Optional[ReadStats] = None, trailing: Optional[set] = None) -> None:
     """Copies runs of one packed buffer into ``out``, reading only their chunks.
 
     The padding of every history buffer the runs copy from is read as well
@@ -752,16 +754,18 @@ class Checkpoint:
     param's last elements from, for :meth:`check_padding`.
     """
     pads = self._pad_table(archive, dtype)
-    if _checks is None:
-      touched = np.unique(np.searchsorted(pads.starts, src, side="right") - 1)
-      touched = touched[touched >= 0]
-      if trailing is not None:
-        for k in touched.tolist():
-          for a in pads.trailing[k]:
-            trailing.add((a, np.dtype(dtype), pads.keys[k]))
-      checks = touched[pads.owned[touched] < pads.stops[touched]]
-    else:
-      checks = np.asarray(_checks, np.int64)
+    touched = np.unique(np.searchsorted(pads.starts, src, side="right") - 1)
+    touched = touched[touched >= 0]
+    if trailing is not None:
+      for k in touched.tolist():
+        for a in pads.trailing[k]:
+          trailing.add((a, np.dtype(dtype), pads.keys[k]))
+    checks = touched[pads.owned[touched] < pads.stops[touched]]
+    self._read(archive, dtype, pads, checks, src, dst, length, out, scratch, stats)
+
+  def _read(self, archive: int, dtype: np.dtype, pads: _Pads, checks: np.ndarray, src, dst,
+            length, out, scratch: np.ndarray, stats: Optional[ReadStats]) -> None:
+    """Copies the runs and checks the padding of buffers ``checks`` (indices into ``pads``)."""
     zero = (pads.owned[checks], pads.stops[checks] - pads.owned[checks])
 
     def refuse(i: int, pos: int) -> ArchiveError:
