@@ -13,12 +13,23 @@ has a node per leaf, and arrays parse faster than objects)::
   ["d", [["s", "mu"], ["i", 0]], [children]] (dict: str or int keys)
   ["f", [...keys...], [children]]             (flax FrozenDict, keys as for dict)
   ["n", "optax._src.transform", "ScaleByAdamState", ["count", "mu", "nu"], [children]]
+
+Every JSON file jaxreshard writes in a checkpoint (the index and each
+``archive.json``; not zarr's ``zarr.json``) is *signed*: its compact, ASCII
+JSON body with a sha256 of that body as the first member::
+
+  {"checksum":"sha256:<64 lowercase hex digits>",<the body after its opening brace>
+
+The sha256 covers the body's exact bytes (``{`` and everything after the
+checksum member's comma), and a reader checks it on the raw bytes before it
+parses anything or uses any value (:func:`verified_json`).
 """
 
 from __future__ import annotations
 
 import base64
 import collections
+import hashlib
 import json
 import keyword
 import math
@@ -43,6 +54,8 @@ __all__ = [
     "encode_scalar",
     "check_name",
     "np_dtype",
+    "signed_json",
+    "verified_json",
 ]
 
 # Names that become file names inside a checkpoint; anything else is refused.
@@ -96,6 +109,61 @@ def loads(text: str, where: str) -> Any:
     return json.loads(text, parse_constant=no_constants, object_pairs_hook=no_duplicates)
   except (ValueError, RecursionError) as e:
     raise ArchiveError(f"{where} is not valid JSON: {e}") from None
+
+
+# A signed file starts with exactly these bytes, 64 lowercase hex digits, ``",``.
+SIGNED_PREFIX = b'{"checksum":"sha256:'
+_SIGNED_HEAD = len(SIGNED_PREFIX) + 64 + 2
+_HEX = re.compile(rb"[0-9a-f]{64}\Z")
+
+
+def signed_json(obj: dict) -> bytes:
+  """The bytes of a signed JSON file holding ``obj`` (a non-empty dict).
+
+  The body is ``obj`` as compact ASCII JSON; the file is that body with
+  ``"checksum":"sha256:<sha256 of the body>"`` inserted as its first member.
+  """
+  if not isinstance(obj, dict) or not obj or "checksum" in obj:
+    raise ValueError("a signed JSON file holds a non-empty dict without a 'checksum' key")
+  # json.dumps, not json.dump: only the former uses the C encoder.
+  body = json.dumps(obj, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+  return SIGNED_PREFIX + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:]
+
+
+def is_signed(raw: bytes) -> bool:
+  """Whether ``raw`` starts the way a signed JSON file does (its checksum unchecked)."""
+  return raw.startswith(SIGNED_PREFIX)
+
+
+def verified_json(raw: bytes, where: str) -> Any:
+  """The value of a signed JSON file, after its checksum matched its raw bytes.
+
+  Raises:
+    ArchiveError: naming ``where``: the file has no checksum where a signed
+      file has it, the checksum does not match the bytes (the file was changed
+      or damaged after it was written), or the checked body is not strict JSON
+      of a dict.
+  """
+  head = raw[:_SIGNED_HEAD]
+  if (not raw.startswith(SIGNED_PREFIX) or len(raw) < _SIGNED_HEAD + 1
+      or not _HEX.match(head[len(SIGNED_PREFIX):-2]) or head[-2:] != b'",'):
+    raise ArchiveError(f"{where} has no checksum: a file jaxreshard writes in a checkpoint starts"
+                       ' with {"checksum":"sha256:<64 hex digits>",')
+  body = b"{" + raw[_SIGNED_HEAD:]
+  recorded = head[len(SIGNED_PREFIX):-2].decode("ascii")
+  actual = hashlib.sha256(body).hexdigest()
+  if actual != recorded:
+    raise ArchiveError(f"{where} fails its checksum (sha256 {actual[:16]}... of its bytes, but it"
+                       f" records {recorded[:16]}...): the file was changed or damaged after it"
+                       " was written")
+  try:
+    text = body.decode("ascii")
+  except UnicodeDecodeError:
+    raise ArchiveError(f"{where} is not ASCII JSON") from None
+  value = loads(text, where)
+  if not isinstance(value, dict) or "checksum" in value:
+    raise ArchiveError(f"{where}: its checked body is not a JSON object without a checksum member")
+  return value
 
 
 def expect(value: Any, kind: type, where: str) -> Any:

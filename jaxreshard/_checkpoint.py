@@ -1,11 +1,11 @@
-"""A checkpoint on disk: its index, its archives and their buffers (format version 2).
+"""A checkpoint on disk: its index, its archives and their buffers (format version 3).
 
 Layout::
 
   CHECKPOINT/
-    jaxreshard.json          # the index, written last: the whole layout
+    jaxreshard.json          # the index, written last: the whole layout (signed)
     archive_00000/           # one source rank's archive
-      archive.json           # checkpoint id, and per dtype: elements, chunk, chunk crc32c's
+      archive.json           # (signed) checkpoint id; per dtype: elements, chunk, crc32c's
       float32/               # every float32 history buffer of the rank, back to back
         zarr.json            #   (zarr v3, one shard, a crc32c per chunk: see _shardfile)
         c/0
@@ -29,16 +29,29 @@ The index carries everything planning needs, once for the whole checkpoint:
   dtype, trainability and history buffer dtypes), which every part of one
   reshard shares, so that parts of two saves are never merged.
 
+The index and every ``archive.json`` are signed JSON: the first member is
+``"checksum":"sha256:..."``, the sha256 of the file's JSON body, checked on
+the raw bytes before anything in the file is parsed or used
+(``_archive_format.verified_json``). A file without it (format version 2 and
+earlier) is refused.
+
 A rank's buffers of one dtype lie in *packing order* (parameters sorted by id,
 then the optimizer subtrees in order), so an archive's offsets follow from its
 layout alone; planning a target rank reads the index and then only the
 archives that overlap it. Files grow with ranks x dtypes, not with buffers.
 
-Everything read here is untrusted: JSON sizes are bounded, every field is
-type-checked, names are checked before they become paths, files are opened
-without following links (``_shardfile.Dir``), sizes in the metadata are
-checked against the bytes on disk before anything is allocated, and every
-archive read must carry the index's checkpoint identity.
+Everything read here is untrusted: JSON sizes are bounded, checksums are
+checked before parsing, every field is type-checked, names are checked before
+they become paths, every file is opened below the one descriptor of the root
+held for the checkpoint's life, without following links (``_shardfile.Dir``),
+sizes in the metadata are checked against the bytes on disk before anything
+is allocated, and every archive read must carry the index's checkpoint
+identity. Data that contradicts the layout is refused on every read: the
+padding slots of a rank's buffer (past the elements its flat shard owns) must
+hold zero bits, checked on every buffer of an archive read whole
+(``Checkpoint.record``) and, for reads of runs, on the tail of every buffer a
+read copies from (``Checkpoint.read_runs``) and on the all-padding ranks the
+caller names (``Checkpoint.check_padding``).
 """
 
 from __future__ import annotations
@@ -50,6 +63,7 @@ import os
 import re
 import threading
 import uuid
+import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import jax
@@ -69,7 +83,7 @@ __all__ = ["Checkpoint", "FORMAT_VERSION", "LeafInfo", "ReadStats", "Source", "S
 FORMAT = "jaxreshard-checkpoint"
 # The version of the on-disk checkpoint layout (index, archives, buffer files); the
 # records inside carry their own ``RECORD_VERSION``.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 INDEX_FILE = "jaxreshard.json"
 ARCHIVE_FILE = "archive.json"
 # Restores read whole chunks: smaller chunks round partial reads less, at 4
@@ -228,6 +242,25 @@ _TWICE = object()
 
 
 @dataclasses.dataclass(frozen=True)
+class _Pads:
+  """The history buffers in one archive's packed buffer of one dtype, and their padding.
+
+  Buffer ``k`` lies at ``[starts[k], stops[k])`` of the packed buffer; its
+  elements from ``owned[k]`` on are padding (past what the rank's flat shard
+  owns), which must hold zero bits. ``trailing[k]`` are the archives of the
+  all-padding ranks after this one when this rank holds its param's last element.
+  """
+
+  starts: np.ndarray
+  owned: np.ndarray
+  stops: np.ndarray
+  keys: list  # (param, mirror) of each buffer
+  shards: list  # each buffer's FlatShard, or None where the index gives it none
+  trailing: list
+  index: dict  # (param, mirror) -> k
+
+
+@dataclasses.dataclass(frozen=True)
 class Group:
   """Parameters split the same way over the same archives."""
 
@@ -254,15 +287,24 @@ class Checkpoint:
 
   def __init__(self, directory: Any):
     self.directory = path_arg(directory)
-    with _shardfile.Dir.root(self.directory) as root:
-      if not root.exists(INDEX_FILE):
+    # The root is opened once; every file below it is opened relative to this
+    # descriptor, which lives as long as the object (or until ``close``).
+    self._root = _shardfile.Dir.root(self.directory)
+    self._closer = weakref.finalize(self, self._root.close)
+    try:
+      if not self._root.exists(INDEX_FILE):
         raise ArchiveError(
             f"{os.fspath(directory)} is not a jaxreshard checkpoint (no {INDEX_FILE}; a save"
             " that did not finish leaves none)")
+      where = f"{self.directory}/{INDEX_FILE}"
+      raw = self._root.read_bytes(INDEX_FILE, MAX_INDEX_BYTES)
       from jaxreshard._pipeline import no_gc  # pylint: disable=g-import-not-at-top
 
       with no_gc():  # parsing makes many small objects and no cycles
-        self._parse(root.read_json(INDEX_FILE, MAX_INDEX_BYTES))
+        self._parse(_signed(raw, where, FORMAT))
+    except BaseException:
+      self.close()
+      raise
     self._lock = threading.Lock()
     self._archive_meta: dict[int, dict] = {}
     self._facts = _sources.FactsCache()
@@ -275,6 +317,17 @@ class Checkpoint:
     self._group_by_sources: dict[int, tuple[tuple, int]] = {}
     self._clock_classes = _validate.ClockClasses()
     self._by_archive: dict[int, dict[str, Any]] = {}
+    self._pads: dict[tuple[int, np.dtype], _Pads] = {}
+
+  def close(self) -> None:
+    """Closes the root's descriptor; reading archives afterwards is refused."""
+    self._closer()
+
+  def __enter__(self) -> "Checkpoint":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   # --- the index ---------------------------------------------------------------
 
@@ -626,8 +679,9 @@ class Checkpoint:
     name = self.names[archive]
     where = f"archive {archive} ({self.directory}/{name})"
     try:
-      with _shardfile.Dir.root(self.directory) as root, root.dir(name) as adir:
-        meta = fmt.expect(adir.read_json(ARCHIVE_FILE, MAX_ARCHIVE_BYTES), dict, where)
+      with self._root.dir(name) as adir:
+        raw = adir.read_bytes(ARCHIVE_FILE, MAX_ARCHIVE_BYTES)
+        meta = _signed(raw, f"{adir.path}/{ARCHIVE_FILE}", f"{FORMAT} archive")
     except ArchiveError as e:
       raise ArchiveError(f"archive {archive}: {e}") from None
     if meta.get("format") != FORMAT or set(meta) != {"format", "format_version", "checkpoint",
@@ -663,10 +717,100 @@ class Checkpoint:
       self._archive_meta[archive] = meta
     return meta
 
+  # --- padding: data that contradicts the layout ---------------------------------
+
+  def _pad_table(self, archive: int, dtype: np.dtype) -> _Pads:
+    """Where the padding of an archive's packed buffer of ``dtype`` lies (made once)."""
+    key = (archive, np.dtype(dtype))
+    with self._lock:
+      pads = self._pads.get(key)
+    if pads is not None:
+      return pads
+    entries = sorted((o, n, k) for k, (d, o, n) in self.layout(archive).offsets.items()
+                     if d == key[1])
+    starts, owned, stops, keys, shards, trailing = [], [], [], [], [], []
+    for o, n, (pid, m) in entries:
+      g, after = None, ()
+      p = self.placement(archive, pid)
+      if p is not None:
+        try:
+          g = FlatShard.checked(p.shape, p.rank, p.world_size)
+        except PlacementError:
+          g = None  # refused by validation, never read
+      if g is not None and g.slots == n:
+        own = g.owned
+        if g.owned and g.stop == g.count and g.rank + 1 < g.world_size:
+          after = self._ranks_after(archive, pid, g.rank)
+      else:
+        g, own = None, n  # a buffer the index does not lay out is refused before reads
+      starts.append(o)
+      owned.append(o + own)
+      stops.append(o + n)
+      keys.append((pid, m))
+      shards.append(g)
+      trailing.append(after)
+    pads = _Pads(np.asarray(starts, np.int64), np.asarray(owned, np.int64),
+                 np.asarray(stops, np.int64), keys, shards, trailing,
+                 {k: i for i, k in enumerate(keys)})
+    with self._lock:
+      self._pads[key] = pads
+    return pads
+
+  def _ranks_after(self, archive: int, pid: str, rank: int) -> tuple[int, ...]:
+    """The archives holding ranks after ``rank`` of ``pid``'s group in ``archive``."""
+    out = set()
+    for gi, r in self.member[archive]:
+      if pid in self._param_index[gi] and r == rank:
+        out.update(a for a, ra in self.groups[gi].ranks if ra > rank)
+    return tuple(sorted(out))
+
+  def _padding_error(self, archive: int, pads: _Pads, k: int, local: int) -> ArchiveError:
+    pid, m = pads.keys[k]
+    g = pads.shards[k]
+    return ArchiveError(
+        f"param {pid!r}: history buffer {m} of archive {archive}"
+        f" ({self.directory}/{self.names[archive]}): padding is not zero (nonzero bits at local"
+        f" index {local}); the index gives rank {g.rank} of shape {g.shape} over world_size"
+        f" {g.world_size} {g.owned} owned elements of its {g.slots} slots, so the data"
+        " contradicts the layout")
+
+  def check_padding_of(self, archive: int, dtype: np.dtype, packed: np.ndarray) -> None:
+    """Every padding slot of an archive's whole packed buffer of ``dtype`` is zero bits."""
+    pads = self._pad_table(archive, dtype)
+    view = _bitview.bits(packed)
+    for k in np.flatnonzero(pads.owned < pads.stops).tolist():
+      nz = np.flatnonzero(view[pads.owned[k]:pads.stops[k]])
+      if nz.size:
+        raise self._padding_error(archive, pads, k,
+                                  int(pads.owned[k] - pads.starts[k]) + int(nz[0]))
+
+  def check_padding(self, trailing: set, scratch: np.ndarray,
+                    stats: Optional[ReadStats] = None) -> None:
+    """Reads the padding of the buffers in ``trailing`` and checks it is zero bits.
+
+    ``trailing`` holds ``(archive, dtype, (param, mirror))``: buffers of
+    all-padding ranks, which no run copies from (``read_runs`` collects them, or
+    ``_restore.all_padding_sources``).
+    """
+    by_file: dict[tuple[int, np.dtype], list] = {}
+    for archive, dtype, key in trailing:
+      by_file.setdefault((archive, dtype), []).append(key)
+    for (archive, dtype), keys in sorted(by_file.items(), key=lambda kv: (kv[0][0],
+                                                                          kv[0][1].name)):
+      self.check_archive(archive)
+      pads = self._pad_table(archive, dtype)
+      ks = sorted(pads.index[key] for key in keys if key in pads.index)
+      ks = [k for k in ks if pads.owned[k] < pads.stops[k]]
+      if not ks:
+        continue
+      empty = np.zeros(0, np.int64)
+      self._read(archive, dtype, pads, np.asarray(ks, np.int64), empty, empty, empty, None,
+                 scratch, stats)
+
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardfile.ShardFile:
     meta = self.archive_meta(archive)
     b = meta["buffers"][np.dtype(dtype).name]
-    with _shardfile.Dir.root(self.directory) as root, root.dir(self.names[archive]) as adir:
+    with self._root.dir(self.names[archive]) as adir:
       return _shardfile.ShardFile(adir, np.dtype(dtype).name, b["elements"], dtype, b["chunk"],
                                   b["crc32c"], label=f"archive {archive}")
 
@@ -677,7 +821,8 @@ class Checkpoint:
       return np.empty(0, dtype)
     f = self.open_buffer(archive, dtype)  # metadata, size and index checked first
     try:
-      out = np.empty(n, dtype)
+      out = allocate(n, dtype, f"archive {archive} ({self.directory}/{self.names[archive]})",
+                     zeros=False)
       f.read_all(out)
     finally:
       f.close()
@@ -692,17 +837,42 @@ class Checkpoint:
 
   def read_runs(self, archive: int, dtype: np.dtype, src: np.ndarray, dst: np.ndarray,
                 length: np.ndarray, out: np.ndarray, scratch: np.ndarray,
-                stats: Optional[ReadStats] = None) -> None:
+                stats: Optional[ReadStats] = None, trailing: Optional[set] = None) -> None:
     """Copies runs of one packed buffer into ``out``, reading only their chunks.
 
+    The padding of every history buffer the runs copy from is read as well
+    (usually inside a chunk read anyway) and must be zero bits: data where the
+    layout says padding contradicts the layout, and is refused.
+
     ``scratch`` (uint8) holds the chunk spans read; it grows to one chunk if smaller.
-    ``stats``, when given, counts the chunk spans read.
+    ``stats``, when given, counts the chunk spans read. ``trailing``, when
+    given, collects the all-padding ranks after each rank the runs copy a
+    param's last elements from, for :meth:`check_padding`.
     """
+    pads = self._pad_table(archive, dtype)
+    touched = np.unique(np.searchsorted(pads.starts, src, side="right") - 1)
+    touched = touched[touched >= 0]
+    if trailing is not None:
+      for k in touched.tolist():
+        for a in pads.trailing[k]:
+          trailing.add((a, np.dtype(dtype), pads.keys[k]))
+    checks = touched[pads.owned[touched] < pads.stops[touched]]
+    self._read(archive, dtype, pads, checks, src, dst, length, out, scratch, stats)
+
+  def _read(self, archive: int, dtype: np.dtype, pads: _Pads, checks: np.ndarray, src, dst,
+            length, out, scratch: np.ndarray, stats: Optional[ReadStats]) -> None:
+    """Copies the runs and checks the padding of buffers ``checks`` (indices into ``pads``)."""
+    zero = (pads.owned[checks], pads.stops[checks] - pads.owned[checks])
+
+    def refuse(i: int, pos: int) -> ArchiveError:
+      k = int(checks[i])
+      return self._padding_error(archive, pads, k, pos - int(pads.starts[k]))
+
     f = self.open_buffer(archive, dtype)
     try:
       if len(scratch) < f.stride:
         scratch = np.empty(f.stride, np.uint8)
-      _read_runs(f, src, dst, length, out, scratch, stats)
+      _read_runs(f, src, dst, length, out, scratch, stats, zero=zero, refuse=refuse)
     finally:
       f.close()
 
@@ -717,16 +887,60 @@ class Checkpoint:
     """One whole archive, read from disk."""
     layout = self.layout(archive)
     packed = {d: self.read_buffer(archive, d) for d in layout.sizes}
+    for d, data in packed.items():
+      self.check_padding_of(archive, d, data)
     buffers = {key: packed[d][o:o + n] for key, (d, o, n) in layout.offsets.items()}
     state = layout.state(self.scalars(archive), buffers)
     return ShardRecord(version=self.record_version, placements=tuple(self.placements(archive)),
                        state=state, roles=layout.roles)
 
 
+def _signed(raw: bytes, where: str, what: str) -> dict:
+  """A signed JSON file's value (a dict), its checksum checked before anything is parsed.
+
+  A file without a checksum is refused; it is parsed only to say why (another
+  kind of file, or a format version that had no checksum), never to be used.
+  """
+  if fmt.is_signed(raw):
+    return fmt.verified_json(raw, where)
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError:
+    raise ArchiveError(f"{where} is not UTF-8 JSON") from None
+  value = fmt.loads(text, where)
+  if not isinstance(value, dict) or value.get("format") != FORMAT:
+    raise ArchiveError(f"{where} does not describe a {what}")
+  version = value.get("format_version")
+  if version == 1:
+    raise ArchiveError(
+        f"{where}: checkpoint format version 1 is not supported; this jaxreshard reads version"
+        f" {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that wrote it: load it"
+        " there and save it again)")
+  if version == 2:
+    raise ArchiveError(
+        f"{where}: checkpoint format version 2 is not supported; this jaxreshard reads version"
+        f" {FORMAT_VERSION}: version 2 has no checksum over its index and archive metadata, so"
+        " an edited or damaged value could not be told apart (load it with the jaxreshard that"
+        " wrote it and save it again)")
+  return fmt.verified_json(raw, where)  # refuses it: no checksum
+
+
 def _read_runs(f: _shardfile.ShardFile, src, dst, length, out, scratch,
-               stats: Optional[ReadStats] = None) -> None:
+               stats: Optional[ReadStats] = None, zero=None, refuse=None) -> None:
+  """Copies runs ``src -> dst`` of ``f`` into ``out``, reading each chunk span once.
+
+  ``zero``: ``(starts, lengths)`` of ranges of ``f`` that must be zero bits,
+  read with the same spans; ``refuse(i, position)`` makes the error for range ``i``.
+  """
+  n_copy = len(src)
+  if zero is not None and len(zero[0]):
+    src = np.concatenate([src, zero[0]])
+    length = np.concatenate([length, zero[1]])
+    dst = np.concatenate([dst, np.zeros(len(zero[0]), np.int64)])
   if f.size and (int((src + length).max(initial=0)) > f.size or int(src.min(initial=0)) < 0):
     raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
+  if not len(src):
+    return
   c = f.chunk
   first, last = src // c, (src + length - 1) // c
   pieces = last - first + 1
@@ -737,7 +951,7 @@ def _read_runs(f: _shardfile.ShardFile, src, dst, length, out, scratch,
   to = dst[run] + (lo - src[run])
   order = np.argsort(chunk, kind="stable")
   per_span = max(1, len(scratch) // f.stride)
-  view = _bitview.bits(out)
+  view = _bitview.bits(out) if n_copy else None
   data, span_first, span_n = None, -1, 0
   needed = np.unique(chunk)
   pos = 0
@@ -757,7 +971,24 @@ def _read_runs(f: _shardfile.ShardFile, src, dst, length, out, scratch,
         stats.bytes += n * f.stride
     row = data[ch - span_first]
     a, b, t = int(lo[j]) - ch * c, int(hi[j]) - ch * c, int(to[j])
-    view[t:t + b - a] = row[a:b]
+    r = int(run[j])
+    if r < n_copy:
+      view[t:t + b - a] = row[a:b]
+    else:
+      nz = np.flatnonzero(row[a:b])
+      if nz.size:
+        raise refuse(r - n_copy, ch * c + a + int(nz[0]))
+
+
+def allocate(n: int, dtype: np.dtype, what: str, *, zeros: bool = True) -> np.ndarray:
+  """A fresh ``(n,)`` buffer for a read; more than the process can get is a ReshardError."""
+  dtype = np.dtype(dtype)
+  try:
+    return np.zeros(n, dtype) if zeros else np.empty(n, dtype)
+  except MemoryError:
+    raise ReshardError(
+        f"{what}: a buffer of {n} {dtype.name} elements ({n * dtype.itemsize} bytes) needs more"
+        " memory than this process can get") from None
 
 
 def path_arg(directory: Any, what: str = "directory") -> str:
@@ -774,10 +1005,14 @@ def path_arg(directory: Any, what: str = "directory") -> str:
 def open_checkpoint(directory: os.PathLike | str) -> Checkpoint:
   """Reads and checks a checkpoint's index; reads no archive.
 
+  The checkpoint directory is opened once: every later read of this object
+  opens its files below that descriptor, which is closed by ``close()`` (or
+  ``with``) or when the object is garbage collected.
+
   Raises:
     FileNotFoundError: ``directory`` does not exist.
-    ArchiveError: it is not a jaxreshard checkpoint of this format version, or
-      its index is malformed.
+    ArchiveError: it is not a jaxreshard checkpoint of this format version, its
+      index fails its checksum, or its index is malformed.
   """
   return Checkpoint(directory)
 
@@ -956,14 +1191,20 @@ def write_archive(directory: "_shardfile.OutDir | str", index: int, record: Any,
       chunk = _shardfile.chunk_elements(data.size, dtype.itemsize, chunk_bytes)
       crcs = _shardfile.write_array(adir, dtype.name, data, chunk)
       meta_buffers[dtype.name] = {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}
-    adir.write_json(ARCHIVE_FILE, {
+    adir.write_bytes(ARCHIVE_FILE, fmt.signed_json({
         "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": builder.id,
-        "archive": f"archive_{index:05d}", "buffers": meta_buffers})
+        "archive": f"archive_{index:05d}", "buffers": meta_buffers}))
     adir.sync()
   return sum(int(data.nbytes) for data in buffers.values())
 
 
-dump = _shardfile.write_json
+def dump(path: str, obj: dict) -> None:
+  """Writes the index or an ``archive.json`` into the new file ``path``: signed JSON
+  (see ``_archive_format``), fsync'ed with its directory."""
+  with _shardfile.OutDir.open(os.path.dirname(path) or ".") as held:
+    held.write_bytes(os.path.basename(path), fmt.signed_json(obj))
+    held.sync()
+    held.drain()
 
 
 def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
@@ -987,7 +1228,7 @@ def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
     nbytes = write_archive(directory, index, record, builder, chunk_bytes)
     if progress is not None:
       progress(index, nbytes)
-  directory.write_json(INDEX_FILE, builder.index())
+  directory.write_bytes(INDEX_FILE, fmt.signed_json(builder.index()))
   directory.sync()
   directory.drain()
   return builder

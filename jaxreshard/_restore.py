@@ -14,7 +14,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from jaxreshard import _copyplan, _pipeline, _reshard, _validate
-from jaxreshard._checkpoint import STAGING_BYTES, Checkpoint, open_checkpoint
+from jaxreshard._checkpoint import STAGING_BYTES, Checkpoint, allocate, open_checkpoint
 from jaxreshard._errors import PlacementError
 from jaxreshard._placement import Migration
 from jaxreshard._record import ShardRecord
@@ -119,7 +119,7 @@ def restore_reported(what: str, directory: Any, ranks: Sequence[int], *, world_s
                         total_bytes=sum(sizes), unit="rank")
     out = []
     for rank, groups, nbytes in zip(ranks, validated, sizes):
-      out.append(_pipeline.build(ckpt, groups, disk_fetch(ckpt)))
+      out.append(_pipeline.build(ckpt, groups, disk_fetch(ckpt, groups)))
       reporter.step(nbytes, rank=rank)
   reporter.finish()
   return out
@@ -127,7 +127,8 @@ def restore_reported(what: str, directory: Any, ranks: Sequence[int], *, world_s
 
 def restore_plan(ckpt: Checkpoint, migrations: Sequence[Migration]) -> ShardRecord:
   """One target rank from explicit migrations over a checkpoint's archives."""
-  return _pipeline.build(ckpt, _validated(ckpt, migrations), disk_fetch(ckpt))
+  groups = _validated(ckpt, migrations)
+  return _pipeline.build(ckpt, groups, disk_fetch(ckpt, groups))
 
 
 def _validated(ckpt: Checkpoint,
@@ -145,8 +146,38 @@ def copied_bytes(groups: Sequence[_validate.SourceGroup]) -> int:
              for g in groups)
 
 
-def disk_fetch(ckpt: Checkpoint) -> _pipeline.Fetch:
-  """Runs over packed buffers on disk: chunk spans read, checked and copied."""
+def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
+  """``(archive, dtype, (param, mirror))`` of the all-padding source buffers a target
+  rank checks: those of source ranks whose slots, in the global flat order, fall in
+  the target rank's own slots (the last target rank's also take everything after).
+
+  Together the target ranks of a layout check every all-padding source rank, each
+  rank mostly checking archives it reads anyway.
+  """
+  out = set()
+  for g in groups:
+    ss, count = g.source.slots, g.source.count
+    if not ss:
+      continue
+    t = g.target
+    lo = t.rank * t.slots
+    hi = (t.rank + 1) * t.slots if t.rank + 1 < t.world_size else ss * g.source.world_size
+    first = max(-(-count // ss), lo // ss)  # the first all-padding rank in the range
+    last = min(g.source.world_size, -(-hi // ss))
+    for k in range(first, last):
+      for m, dtype in _copyplan.history_buffers(g):
+        out.add((g.by_rank[k], np.dtype(dtype), (g.param, m)))
+  return out
+
+
+def disk_fetch(ckpt: Checkpoint,
+               groups: Sequence[_validate.SourceGroup] = ()) -> _pipeline.Fetch:
+  """Runs over packed buffers on disk: chunk spans read, checked and copied.
+
+  The padding of every source buffer the runs copy from must be zero bits, and
+  so must the all-padding source buffers that ``groups``' target rank checks
+  (``all_padding_sources``): data that contradicts the layout is refused.
+  """
 
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
     # Every involved archive's metadata and file sizes first: nothing is
@@ -159,12 +190,13 @@ def disk_fetch(ckpt: Checkpoint) -> _pipeline.Fetch:
     scratch = np.empty(STAGING_BYTES, np.uint8)
     out = {}
     for dtype, r in runs.items():
-      buf = np.zeros(layout.sizes[dtype], dtype)
+      buf = allocate(layout.sizes[dtype], dtype, f"target rank of {ckpt.directory}")
       for sid in np.unique(r.source).tolist():
         sel = r.source == sid
         archive, d = keys[sid]
         ckpt.read_runs(archive, d, r.src[sel], r.dst[sel], r.length[sel], buf, scratch)
       out[dtype] = buf
+    ckpt.check_padding(all_padding_sources(groups), scratch)
     return out
 
   return fetch

@@ -35,7 +35,7 @@ from jaxreshard import _bitview
 from jaxreshard._errors import ArchiveError
 
 __all__ = ["Dir", "OutDir", "ShardFile", "chunk_elements", "file_size", "json_bytes", "write_array",
-           "write_json", "zarr_metadata"]
+           "zarr_metadata"]
 
 CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -294,15 +294,6 @@ def write_array(directory: "OutDir | str", name: str, data: np.ndarray, chunk: i
   return crcs
 
 
-def write_json(path: str, obj: Any) -> None:
-  """Writes ``obj`` as compact JSON into the new file ``path`` (fsync'ed, and its
-  directory); errors name the file."""
-  with OutDir.open(os.path.dirname(path) or ".") as held:
-    held.write_json(os.path.basename(path), obj)
-    held.sync()
-    held.drain()
-
-
 def _write_chunks(fd: int, raw: memoryview, size: int, itemsize: int, chunk: int) -> list[int]:
   """Writes every chunk, its crc32c and the shard index; returns the chunks' crc32c."""
   cb = chunk * itemsize
@@ -384,6 +375,8 @@ class Dir:
 
   def _open(self, name: str, flags: int, what: str) -> int:
     path = os.path.join(self.path, name)
+    if self.fd < 0:
+      raise ArchiveError(f"{path}: the checkpoint was closed; open it again to read it")
     try:
       return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
     except FileNotFoundError:
@@ -428,8 +421,8 @@ class Dir:
       raise ArchiveError(f"{os.path.join(self.path, name)} is not a regular file")
     return fd, st
 
-  def read_json(self, name: str, max_bytes: int) -> Any:
-    """A small JSON file, refused beyond ``max_bytes``; strict parsing."""
+  def read_bytes(self, name: str, max_bytes: int) -> bytes:
+    """A small file's bytes, refused beyond ``max_bytes``."""
     fd, st = self.file(name)
     path = os.path.join(self.path, name)
     try:
@@ -441,6 +434,12 @@ class Dir:
       os.close(fd)
     if len(data) > st.st_size:
       raise ArchiveError(f"{path} grew while it was read")
+    return data
+
+  def read_json(self, name: str, max_bytes: int) -> Any:
+    """A small JSON file, refused beyond ``max_bytes``; strict parsing."""
+    data = self.read_bytes(name, max_bytes)
+    path = os.path.join(self.path, name)
     try:
       text = data.decode("utf-8")
     except UnicodeDecodeError:
@@ -478,14 +477,17 @@ class ShardFile:
             f" {chunk} as jaxreshard writes it (codecs, key encoding and chunking must match)")
       with d.dir(SHARD_KEY[0]) as c:
         self.fd, st = c.file(SHARD_KEY[1])
-    expected = file_size(size, self.dtype.itemsize, chunk)
-    if st.st_size != expected:
+    try:  # a refused file is closed here: its caller never holds it
+      expected = file_size(size, self.dtype.itemsize, chunk)
+      if st.st_size != expected:
+        raise ArchiveError(
+            f"{self.path}/c/0 has {st.st_size} bytes but its metadata ({self.dtype.name}[{size}],"
+            f" chunks of {chunk}) needs {expected}; the file is truncated or not from this"
+            " checkpoint")
+      self._check_index()
+    except BaseException:
       self.close()
-      raise ArchiveError(
-          f"{self.path}/c/0 has {st.st_size} bytes but its metadata ({self.dtype.name}[{size}],"
-          f" chunks of {chunk}) needs {expected}; the file is truncated or not from this"
-          " checkpoint")
-    self._check_index()
+      raise
 
   def close(self) -> None:
     if getattr(self, "fd", -1) >= 0:

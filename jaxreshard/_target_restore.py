@@ -24,7 +24,8 @@ import numpy as np
 import optax
 
 from jaxreshard import _clock, _pipeline, _reshard, _structure
-from jaxreshard._checkpoint import STAGING_BYTES, Checkpoint, ReadStats, open_checkpoint
+from jaxreshard._checkpoint import (STAGING_BYTES, Checkpoint, ReadStats, allocate,
+                                   open_checkpoint)
 from jaxreshard._errors import DtypeError, PlacementError, ReshardError, ShapeError
 from jaxreshard._mesh import MeshState
 from jaxreshard._placement import ParamPlacement
@@ -306,7 +307,7 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
     ckpt.check_archive(archive)
     ckpt.archive_meta(archive)
     ckpt.open_buffer(archive, d).close()
-  out = {d: np.zeros(n, d) for d, n in sizes.items()}
+  out = {d: allocate(n, d, f"restore_sharded of {ckpt.directory}") for d, n in sizes.items()}
   scratch = np.empty(STAGING_BYTES, np.uint8)
   per_archive: dict[int, int] = {}  # bytes copied out of each archive, in reading order
   tables = []
@@ -316,10 +317,12 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
     per_archive[archive] = per_archive.get(archive, 0) + int(lens.sum()) * d.itemsize
   reporter = Reporter("restore_sharded", progress, where=ckpt.directory, total=len(per_archive),
                       total_bytes=sum(per_archive.values()))
+  trailing: set = set()  # all-padding source ranks whose padding is checked too
   for i, (archive, d, src, dst, lens) in enumerate(tables):
-    ckpt.read_runs(archive, d, src, dst, lens, out[d], scratch, stats)
+    ckpt.read_runs(archive, d, src, dst, lens, out[d], scratch, stats, trailing=trailing)
     if i + 1 == len(tables) or tables[i + 1][0] != archive:
       reporter.step(per_archive[archive], archive=archive)
+  ckpt.check_padding(trailing, scratch, stats)
   reporter.finish()
 
   host = []

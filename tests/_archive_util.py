@@ -1,9 +1,36 @@
-"""Helpers of the archive tests: file hashes, bytes on disk, where a buffer's file lies."""
+"""Helpers of the archive tests: file hashes, bytes on disk, where a buffer's file lies,
+and the signed JSON of a checkpoint's index and ``archive.json`` (read and re-signed
+here independently of the library, so that a test's edit reaches the rule it tests)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+
+_PREFIX = b'{"checksum":"sha256:'
+
+
+def write_signed_json(path, obj: dict) -> None:
+  """Writes ``obj`` as a signed JSON file: its compact ASCII body, with the sha256 of
+  that body as the first member ``"checksum":"sha256:<hex>"``."""
+  body = json.dumps(obj, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+  assert body.startswith(b"{") and body != b"{}" and "checksum" not in obj
+  data = _PREFIX + hashlib.sha256(body).hexdigest().encode("ascii") + b'",' + body[1:]
+  with open(path, "wb") as f:
+    f.write(data)
+
+
+def read_json(path) -> dict:
+  """A JSON file's value; a signed one's checksum must match and is left out."""
+  with open(path, "rb") as f:
+    data = f.read()
+  value = json.loads(data)
+  if data.startswith(_PREFIX):
+    head = len(_PREFIX) + 64 + 2
+    assert data[head - 2:head] == b'",', path
+    assert "sha256:" + hashlib.sha256(b"{" + data[head:]).hexdigest() == value.pop("checksum"), path
+  return value
 
 
 def file_hashes(directory: str) -> dict[str, str]:

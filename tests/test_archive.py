@@ -54,7 +54,7 @@ def test_layout_on_disk(tmp_path):
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["archive_00000", "archive_00001",
                                                     "jaxreshard.json"]
   index = json.loads((tmp_path / "ckpt" / "jaxreshard.json").read_text())
-  assert index["format"] == "jaxreshard-checkpoint" and index["format_version"] == 2
+  assert index["format"] == "jaxreshard-checkpoint" and index["format_version"] == 3
   # Both ranks share one layout, one clock and one group: the index does not
   # grow with the ranks beyond their [archive, rank] pairs.
   assert index["archives"] == [["archive_00000", 0, 0], ["archive_00001", 0, 0]]
