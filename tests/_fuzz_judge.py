@@ -14,14 +14,14 @@ import shutil
 import stat
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from hypothesis import note as _hypothesis_note
 from hypothesis.errors import InvalidArgument
 
 import jaxreshard as jr
 from tests._fuzz_harness import (
-    CHUNK_BYTES, INDEX, MAX_ERROR_CHARS, STRICT, Finding, Hang, Op, Outcome, _entries,
+    CHUNK_BYTES, INDEX, MAX_ERROR_CHARS, STRICT, Finding, Hang, JsonEdit, Op, Outcome, _entries,
     _is_regular_or_dir, _key, _keys, _read_canaries, _shard_regions, _unblock_fifos, cli,
     is_signed, pristine, run_bounded, signature, unsigned_json)
 
@@ -486,16 +486,29 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
 
 # --- known bugs, tolerated by the fuzz tests (see the regression tests) ---------------
 
-# (regex on the finding's text, regression test) of each known, pinned bug; empty:
-# the judge tolerates nothing.
-_KNOWN: list[tuple[str, str]] = []
+def _edits_archive_list(ops: list[Op]) -> bool:
+  return any(isinstance(op, JsonEdit) and op.file == INDEX and op.path[:1] == ("archives",)
+             for op in ops)
 
 
-def _known(f: Finding) -> Optional[str]:
+# (regex on the finding's text, which edits it follows, regression test) of each known,
+# pinned reader bug.
+_KNOWN: list[tuple[str, Callable[[list[Op]], bool], str]] = [
+    (r"^\[load_records: index misread or data contradicting", _edits_archive_list,
+     "test_archive_list_order_is_checked_against_the_archives"),
+]
+# The field sweep's cases that meet a known bug (field name -> why), marked xfail.
+KNOWN_REASONS = {
+    "archives.order": "known: the index's archive list order is not checked against the"
+                      " archives (test_archive_list_order_is_checked_against_the_archives)",
+}
+
+
+def _known(f: Finding, ops: list[Op]) -> Optional[str]:
   if STRICT:
     return None
-  for pattern, test in _KNOWN:
-    if re.search(pattern, str(f)):
+  for pattern, pred, test in _KNOWN:
+    if re.search(pattern, str(f)) and pred(ops):
       return test
   return None
 
@@ -514,7 +527,8 @@ def _log_case(status: str) -> None:
       f.write(f"{time.time():.1f} {test} {status}\n")
 
 
-def fuzz_case(ops: list[Op], targets: list[tuple[int, int]]) -> None:
+def fuzz_case(ops: list[Op], targets: list[tuple[int, int]],
+              tolerate_known: bool = True) -> None:
   """Copies the pristine checkpoint, applies ``ops`` and judges every reader."""
   pr = pristine()
   work = tempfile.mkdtemp(prefix="fz", dir=pr.root)
@@ -534,7 +548,7 @@ def fuzz_case(ops: list[Op], targets: list[tuple[int, int]]) -> None:
     try:
       check_checkpoint(ckpt, work, ops, targets)
     except Finding as f:
-      test = _known(f)
+      test = _known(f, ops) if tolerate_known else None
       status = f"known {test}" if test else f"FAIL {f.signature}"
       if test is None:
         raise

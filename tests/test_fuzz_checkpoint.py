@@ -120,9 +120,9 @@ Profiles (settings are applied per test, other tests are untouched):
 
 Every reader bug the fuzzer found has a minimized regression test at the end of
 this module. A bug found later can be tolerated while it is fixed: an entry in
-``_fuzz_judge._KNOWN`` (the finding's text, its regression test, marked
-``xfail(strict=True)``), removed with the mark when the fix lands;
-``JAXRESHARD_FUZZ_STRICT=1`` reports known findings too. The list is empty.
+``_fuzz_judge._KNOWN`` (a regex on the finding's text, the edits it follows, and
+its regression test, marked ``xfail(strict=True)``), removed with the mark when
+the fix lands; ``JAXRESHARD_FUZZ_STRICT=1`` reports known findings too.
 """
 
 from __future__ import annotations
@@ -163,40 +163,42 @@ def _case_count():
     print(f"\nfuzz: {len(judge.CASES)} cases judged\n" + "\n".join(lines))
 
 
-@_settings(35)
+@_settings(25)
 @given(op=json_edits(), target=TARGETS)
 def test_fuzz_json_metadata(op, target):
   fuzz_case([op], [target])
 
 
-@_settings(20)
+@_settings(15)
 @given(op=field_edits(), target=TARGETS)
 def test_fuzz_index_fields(op, target):
   fuzz_case([op], [target])
 
 
-@pytest.mark.parametrize("name", FIELD_NAMES)
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=judge.KNOWN_REASONS[n]))
+    if n in judge.KNOWN_REASONS else n for n in FIELD_NAMES])
 def test_every_field_edit(name):
   """One re-signed edit of every field by name (plain edits: test_fuzz_*)."""
   op = first_field_edit(name, resign=True)
   if op is None:
     pytest.skip(f"the original checkpoint has no {name!r}")
-  fuzz_case([op], [(2, 3)])
+  fuzz_case([op], [(2, 3)], tolerate_known=False)
 
 
-@_settings(25)
+@_settings(18)
 @given(op=byte_edits(), target=TARGETS)
 def test_fuzz_bytes(op, target):
   fuzz_case([op], [target])
 
 
-@_settings(25)
+@_settings(18)
 @given(op=fs_edits(), target=TARGETS)
 def test_fuzz_file_system(op, target):
   fuzz_case([op], [target])
 
 
-@_settings(12)
+@_settings(10)
 @given(ops=st.lists(ANY_EDIT, min_size=2, max_size=3), target=TARGETS)
 def test_fuzz_combined(ops, target):
   fuzz_case(ops, [target])
@@ -390,3 +392,17 @@ def test_renamed_clock_key_keeps_its_value(fuzz_ckpt):
     assert list(hp) == ["b1", "b2", "eps", "EPS_ROOT", "learning_rate"]
     assert hp["EPS_ROOT"].dtype == np.float64 and float(hp["EPS_ROOT"]) == 1e-300
     assert _uint(hp["b1"]).tobytes() == _uint(np.float32(0.9)).tobytes()
+
+
+@pytest.mark.xfail(strict=True, reason="the index's archive list order is not checked against"
+                   " the archives' own names: a swap loads one rank's shards as another's")
+def test_archive_list_order_is_checked_against_the_archives(fuzz_ckpt):
+  # Found by test_every_field_edit[archives.order]: JsonEdit('jaxreshard.json', ('archives', 0),
+  # 'swap', 1, resign=True). archive_00001/archive.json names itself archive_00001, the
+  # index (re-signed) lists it first; load_records returned rank 1's history as rank 0's.
+  def swap(d):
+    d["archives"][0], d["archives"][1] = d["archives"][1], d["archives"][0]
+
+  _edit_index(fuzz_ckpt, swap)
+  for e in _refusals(fuzz_ckpt):
+    assert isinstance(e, jr.ReshardError), repr(e)
