@@ -199,7 +199,11 @@ def pristine() -> Pristine:
     jr.save_records(os.path.join(root, "other"), records, chunk_bytes=CHUNK_BYTES)
     jr.save_records(os.path.join(root, "xored"), fuzz_records(seed=7), chunk_bytes=CHUNK_BYTES)
     entries = _entries(path)
-    jsons = {e: json.load(open(os.path.join(path, e))) for e in entries if e.endswith(".json")}
+    jsons = {}
+    for e in entries:
+      if e.endswith(".json"):
+        with open(os.path.join(path, e), "rb") as f:
+          jsons[e] = json.loads(f.read())
     loaded = jr.load_records(path)
     assert _keys(loaded) == _keys(records)
     _PRISTINE = Pristine(root, path, os.path.join(root, "other"), os.path.join(root, "xored"),
@@ -230,7 +234,7 @@ def signature(raw: bytes) -> Optional[bool]:
   return hashlib.sha256(b"{" + raw[m.end():]).hexdigest() == m.group(1).decode()
 
 
-def is_signed(pr: "Pristine", entry: str) -> bool:
+def is_signed(pr: Pristine, entry: str) -> bool:
   """Whether the original checkpoint signs this JSON file."""
   return entry.endswith(".json") and signature(pr.raw(entry)) is True
 

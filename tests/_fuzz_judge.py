@@ -21,9 +21,29 @@ from hypothesis.errors import InvalidArgument
 
 import jaxreshard as jr
 from tests._fuzz_harness import (
-    CHUNK_BYTES, INDEX, MAX_ERROR_CHARS, STRICT, Finding, Hang, JsonEdit, Op, Outcome, _entries,
-    _is_regular_or_dir, _key, _keys, _read_canaries, _shard_regions, _unblock_fifos, cli,
-    is_signed, pristine, run_bounded, signature, unsigned_json)
+  CHUNK_BYTES,
+  INDEX,
+  MAX_ERROR_CHARS,
+  STRICT,
+  Finding,
+  Hang,
+  JsonEdit,
+  Op,
+  Outcome,
+  _entries,
+  _is_regular_or_dir,
+  _key,
+  _keys,
+  _read_canaries,
+  _shard_regions,
+  _unblock_fifos,
+  cli,
+  is_signed,
+  pristine,
+  run_bounded,
+  signature,
+  unsigned_json,
+)
 
 
 def note(text: str) -> None:
@@ -48,7 +68,8 @@ class Damage:
   some chunks (all but chunk bytes of a shard file of the right size).
   ``edited``: JSON files (regular) whose bytes differ and that are as authentic as
   the original: validly re-signed, or of a file the original does not sign.
-  ``extra``: entries the original does not have.
+  ``extra``: entries the original does not have, and regular files with the
+  original bytes but another link count (a hard link, to a copy outside or inside).
   """
 
   broken: set[str]
@@ -64,7 +85,7 @@ class Damage:
 
 def damage(ckpt: str) -> Damage:
   pr = pristine()
-  broken, restore_broken, edited = set(), set(), set()
+  broken, restore_broken, edited, linked = set(), set(), set(), set()
   for e in pr.entries:  # sorted: a directory comes before what it holds
     p, q = os.path.join(ckpt, e), os.path.join(pr.path, e)
     if os.path.dirname(e) in broken:  # never look through a link (a canary) or a non-dir
@@ -86,6 +107,8 @@ def damage(ckpt: str) -> Damage:
       broken.add(e)
       restore_broken.add(e)
       continue
+    if os.lstat(p).st_nlink != 1:
+      linked.add(e)
     with open(p, "rb") as f:
       a = f.read()
     b = pr.raw(e)
@@ -102,7 +125,7 @@ def damage(ckpt: str) -> Damage:
     index_at = max(_shard_regions(pr, e)["chunk crc32c"]) + 1
     if len(a) != len(b) or a[index_at:] != b[index_at:]:
       restore_broken.add(e)
-  extra = set(_entries(ckpt)) - set(pr.entries)
+  extra = set(_entries(ckpt)) - set(pr.entries) | linked
   return Damage(broken, restore_broken, edited, extra)
 
 

@@ -22,8 +22,17 @@ import hypothesis.strategies as st
 import numpy as np
 
 from tests._fuzz_harness import (
-    ARCHIVES, INDEX, Bytes, Extra, JsonEdit, Raw, Replace, Transplant, _shard_regions, pristine)
-
+  ARCHIVES,
+  INDEX,
+  Bytes,
+  Extra,
+  JsonEdit,
+  Raw,
+  Replace,
+  Transplant,
+  _shard_regions,
+  pristine,
+)
 
 HUGE_INTS = [2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**62, 2**62 + 1, 2**63 - 1, 2**63, 2**64,
              10**30, -2**63, -2**31, -10**30]
@@ -218,7 +227,8 @@ def field_edits_of(name: str) -> list[tuple[str, tuple, str, Any]]:
 
   idx = pr.jsons[INDEX]
   ident = idx["checkpoint"]
-  other_ident = json.loads(open(os.path.join(pr.other, INDEX), "rb").read())["checkpoint"]
+  with open(os.path.join(pr.other, INDEX), "rb") as f:
+    other_ident = json.loads(f.read())["checkpoint"]
   if name == "format":
     put(INDEX, ("format",), ["jaxreshard-checkpoint2", "", "zarr", None, ["jaxreshard-checkpoint"]])
   elif name == "format_version":
@@ -386,7 +396,7 @@ def byte_edits(draw):
                                          | st.sampled_from([b"\n", b" ", b"\x00" * 4096])))
   offset = draw(st.integers(0, size - 1))
   data = draw(st.binary(min_size=1, max_size=24))
-  original = open(os.path.join(pr.path, file), "rb").read()
+  original = pr.raw(file)
   if original[offset:offset + len(data)] == data:  # overwriting with the same bytes
     data = bytes([data[0] ^ 1]) + data[1:]
   return Bytes(file, "overwrite", offset, data)

@@ -103,20 +103,22 @@ The judge looks at the resulting files, not at how they were damaged.
 
 Profiles (settings are applied per test, other tests are untouched):
 
-* default, in the normal suite: derandomized examples (CI is deterministic) plus
-  one edit of every field by name, about 35 s of CPU;
-* long, on demand, random and as many examples as you like. The full run (10,000
-  cases in all; the per-test count is ``JAXRESHARD_FUZZ_EXAMPLES``, split over the
-  5 fuzz tests) prints the number of cases judged, by test and outcome::
+* default, in the normal suite: 86 derandomized examples (CI is deterministic)
+  plus one re-signed edit of every field by name, about 30 s of CPU;
+* long, on demand, random and as many examples as you like:
+  ``JAXRESHARD_FUZZ_EXAMPLES`` examples for each of the 5 fuzz tests (default
+  2000). The full run, 10,000 cases in all, which prints the number of cases judged
+  (by test and outcome) at the end::
 
     JAXRESHARD_FUZZ=long JAXRESHARD_FUZZ_EXAMPLES=2000 JAXRESHARD_FUZZ_LOG=/tmp/fuzz.log \\
         nice -n 10 .venv/bin/python -m pytest -q -s -p no:cacheprovider \\
-        tests/test_fuzz_checkpoint.py -k fuzz_ --hypothesis-show-statistics
+        tests/test_fuzz_checkpoint.py --hypothesis-show-statistics -k \\
+        "json_metadata or index_fields or fuzz_bytes or file_system or fuzz_combined"
 
-  or one test: ``tests/test_fuzz_checkpoint.py::test_fuzz_index_fields``
-  (``JAXRESHARD_FUZZ_LOG=FILE`` appends one line per case: time, test, outcome,
-  so that a run cut short by a timeout still says how far it got; at the end of
-  the module the count of cases judged is printed, with ``-s``).
+  or one test: ``tests/test_fuzz_checkpoint.py::test_fuzz_index_fields``.
+  ``JAXRESHARD_FUZZ_LOG=FILE`` appends one line per case (time, test, outcome), so
+  that a run cut short by a timeout still says how far it got:
+  ``wc -l FILE``, or ``awk '{print $2, $3}' FILE | sort | uniq -c``.
 
 Every reader bug the fuzzer found has a minimized regression test at the end of
 this module. A bug found later can be tolerated while it is fixed: an entry in
@@ -128,6 +130,7 @@ the fix lands; ``JAXRESHARD_FUZZ_STRICT=1`` reports known findings too.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import shutil
@@ -143,12 +146,30 @@ from hypothesis import given
 import jaxreshard as jr
 from tests import _fuzz_judge as judge
 from tests._fuzz_harness import (
-    INDEX, MAX_ERROR_CHARS, _settings, _uint, cli, is_signed, pristine, run_bounded,
-    write_json)
+  INDEX,
+  MAX_ERROR_CHARS,
+  JsonEdit,
+  _settings,
+  _uint,
+  cli,
+  is_signed,
+  pristine,
+  run_bounded,
+  signature,
+  signed_bytes,
+  write_json,
+)
 from tests._fuzz_judge import _BARE_TYPE, fuzz_case
 from tests._fuzz_strategies import (
-    ANY_EDIT, FIELD_NAMES, TARGETS, byte_edits, field_edits, first_field_edit, fs_edits,
-    json_edits)
+  ANY_EDIT,
+  FIELD_NAMES,
+  TARGETS,
+  byte_edits,
+  field_edits,
+  first_field_edit,
+  fs_edits,
+  json_edits,
+)
 
 # --- the fuzz tests -------------------------------------------------------------
 
@@ -207,6 +228,28 @@ def test_fuzz_combined(ops, target):
 def test_pristine_checkpoint_passes_the_harness():
   """The judge itself: an untouched copy is the original everywhere."""
   fuzz_case([], [(0, 1), (2, 3), (4, 5)])
+
+
+def test_harness_signs_like_the_scheme(tmp_path):
+  """The harness's signing: a re-signed edit carries a valid checksum, a plain one does not,
+  and a file without a checksum member is never signed (its edits are judged as authentic)."""
+  body = b'{"format":"x","n":[1,2]}'
+  signed = signed_bytes(body)
+  assert signed == (b'{"checksum":"sha256:' + hashlib.sha256(body).hexdigest().encode()
+                    + b'","format":"x","n":[1,2]}')
+  assert signature(signed) is True and signature(body) is None
+  assert signature(signed.replace(b"[1,2]", b"[1,3]")) is False
+  for resign, want in ((True, True), (False, False)):
+    p = tmp_path / f"signed{resign}.json"
+    p.write_bytes(signed)
+    JsonEdit(p.name, ("n", 1), "set", 3, resign).apply(str(tmp_path), str(tmp_path))
+    assert signature(p.read_bytes()) is want and json.loads(p.read_bytes())["n"] == [1, 3]
+  JsonEdit(p.name, ("checksum",), "set", "sha256:" + "0" * 64, True).apply(str(tmp_path), "")
+  assert signature(p.read_bytes()) is False  # an edit of the checksum itself stays plain
+  p = tmp_path / "plain.json"
+  p.write_bytes(body)
+  JsonEdit(p.name, ("n", 1), "set", 3, True).apply(str(tmp_path), str(tmp_path))
+  assert p.read_bytes() == b'{"format":"x","n":[1,3]}'
 
 
 # --- regression tests of what the fuzzer found ----------------------------------
@@ -289,7 +332,7 @@ def test_python_int_clock_scalar_beyond_int64(fuzz_ckpt):
   # 'set', 10**30) on a {"py": "int"} scalar (the first, made a Python int here).
   _edit_index(fuzz_ckpt, lambda d: d["clocks"][0].__setitem__(0, {"py": "int", "v": 10**30}))
   for args in (("inspect", fuzz_ckpt), ("verify", pristine().path, fuzz_ckpt)):
-    code, out, err = cli(*args)
+    code, _, err = cli(*args)
     assert not isinstance(code, BaseException), f"{args[0]}: {code!r}"
     assert code in (0, 1, 2), (args[0], code)
     if code == 2:
