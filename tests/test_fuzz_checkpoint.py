@@ -65,7 +65,12 @@ The judge's rules (``tests/_fuzz_judge.py``), strict: no "misread" is tolerated.
     that contradicts the layout (non-zero elements where the layout says padding,
     elements a shape edit leaves out, buffers of other sizes) are findings: they
     must be refused;
-  - every reader agrees bit for bit with the reference, or refuses.
+  - every reader agrees bit for bit with the reference, or refuses;
+  - where ``load_records(R)`` refuses although the index alone opens
+    (``open_checkpoint``), the data contradicts the index: ``load_records``,
+    ``digest`` and ``verify`` must refuse; ``restore``, ``restore_ranks`` and
+    ``reshard``, which read only the byte ranges a target needs, may succeed, but
+    then agree with each other bit for bit.
 * Refusing. A reader must refuse where the reference refuses, and where it needs
   a broken entry (missing, of another kind, a link, a shard file holding other
   bytes, a signed JSON file its checksum does not cover; ``restore`` reads only
