@@ -246,7 +246,11 @@ def field_edits_of(name: str) -> list[tuple[str, tuple, str, Any]]:
       out.append((file, ("checksum",), "delete", None))
   elif name.startswith("params."):
     ids = [p[0] for p in idx["params"]]
-    order = sorted(range(len(ids)), key=lambda i: "/" not in ids[i])  # dense/kernel first
+    # dense/kernel first; for shapes "" first: (5,) -> (4,) leaves rank 2's only element
+    # in what the layout then calls padding (the slot count stays 2).
+    order = sorted(range(len(ids)), key=lambda i: "/" not in ids[i])
+    if name == "params.shape":
+      order = list(range(len(ids)))
     for i in order:
       pid, shape, dtype, trainable = idx["params"][i]
       if name == "params.id":
