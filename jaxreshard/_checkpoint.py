@@ -368,6 +368,10 @@ class Checkpoint:
       if not (isinstance(e, list) and len(e) == 3):
         raise ArchiveError(f"{aw}: expected [name, layout, clock]")
       name = fmt.check_name(e[0], fmt.ARCHIVE_NAME, aw)
+      # The i-th archive is the i-th record: its directory is named by i, so
+      # reordering the list cannot relabel whose data is whose.
+      if name != f"archive_{i:05d}":
+        raise ArchiveError(f"{aw}: named {fmt.short(name)}, but archive {i} is archive_{i:05d}")
       layout, clock = fmt.expect(e[1], int, aw), fmt.expect(e[2], int, aw)
       if not (0 <= layout < len(self.layouts) and 0 <= clock < len(self.clocks)):
         raise ArchiveError(f"{aw}: layout {layout} or clock {clock} does not exist")
@@ -468,6 +472,9 @@ class Checkpoint:
       if not 0 <= r < world:
         raise ArchiveError(f"{where}: archive {a} ({self.names[a]}) has rank {r}, outside"
                            f" world_size {world} of params {self._param_names(params)}")
+      if ranks and a <= ranks[-1][0]:
+        raise ArchiveError(f"{where}: [archive, rank] pairs must list archives in increasing"
+                           f" order; archive {a} follows archive {ranks[-1][0]}")
       ranks.append((a, r))
     return Group(world, params, tuple(ranks))
 

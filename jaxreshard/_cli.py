@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-import jax
 import numpy as np
 import typer
 from rich import filesize

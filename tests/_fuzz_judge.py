@@ -27,7 +27,6 @@ from tests._fuzz_harness import (
   STRICT,
   Finding,
   Hang,
-  JsonEdit,
   Op,
   Outcome,
   _entries,
@@ -526,33 +525,13 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
 
 # --- known bugs, tolerated by the fuzz tests (see the regression tests) ---------------
 
-def _edits_a_shape(ops: list[Op]) -> bool:
-  return any(isinstance(op, JsonEdit) and op.file == INDEX and op.path[:1] == ("params",)
-             for op in ops)
-
-
-def _edits_archive_ranks(ops: list[Op]) -> bool:
-  """An edit of which archive holds which rank: the archive list or a group's ranks."""
-  return any(isinstance(op, JsonEdit) and op.file == INDEX
-             and (op.path[:1] == ("archives",) or op.path[2:3] == ("ranks",)) for op in ops)
-
-
+# None today; a finding pinned by a regression test while its fix is pending goes
+# here, with its test marked xfail(strict=True).
 # (regex on the finding's text, which edits it follows, regression test) of each known,
 # pinned reader bug.
-_KNOWN: list[tuple[str, Callable[[list[Op]], bool], str]] = [
-    (r"^\[load_records: index misread or data contradicting", _edits_archive_ranks,
-     "test_archive_list_order_is_checked_against_the_archives"
-     " test_group_ranks_order_is_checked"),
-    (r"^\[load_records: data contradicting the layout accepted\]", _edits_a_shape,
-     "test_shape_edit_that_leaves_data_in_padding_is_refused"),
-]
+_KNOWN: list[tuple[str, Callable[[list[Op]], bool], str]] = []
 # The field sweep's cases that meet a known bug (field name -> why), marked xfail.
-KNOWN_REASONS = {
-    "params.shape": "known: a shape edit that leaves real elements where the layout says"
-                    " padding is accepted (test_shape_edit_that_leaves_data_in_padding_is_refused)",
-    "archives.order": "known: the index's archive list order is not checked against the"
-                      " archives (test_archive_list_order_is_checked_against_the_archives)",
-}
+KNOWN_REASONS: dict[str, str] = {}
 
 
 def _known(f: Finding, ops: list[Op]) -> Optional[str]:
