@@ -472,7 +472,7 @@ class Checkpoint:
       if not 0 <= r < world:
         raise ArchiveError(f"{where}: archive {a} ({self.names[a]}) has rank {r}, outside"
                            f" world_size {world} of params {self._param_names(params)}")
-      if ranks and a <= ranks[-1][0]:
+      if ranks and a < ranks[-1][0]:
         raise ArchiveError(f"{where}: [archive, rank] pairs must list archives in increasing"
                            f" order; archive {a} follows archive {ranks[-1][0]}")
       ranks.append((a, r))
@@ -778,7 +778,7 @@ class Checkpoint:
         f"param {pid!r}: history buffer {m} of archive {archive}"
         f" ({self.directory}/{self.names[archive]}): padding is not zero (nonzero bits at local"
         f" index {local}); the index gives rank {g.rank} of shape {g.shape} over world_size"
-        f" {g.world_size} {g.owned} owned elements of its {g.slots} slots, so the data"
+        f" {g.world_size}, which owns {g.owned} of its {g.slots} slots, so the data"
         " contradicts the layout")
 
   def check_padding_of(self, archive: int, dtype: np.dtype, packed: np.ndarray) -> None:
@@ -1185,10 +1185,15 @@ def write_archive(directory: "_shardfile.OutDir | str", index: int, record: Any,
   """
   if not isinstance(directory, _shardfile.OutDir):
     with _shardfile.OutDir.open(os.fspath(directory), durable) as held:
-      nbytes = write_archive(held, index, record, builder, chunk_bytes)
+      nbytes = _write_archive_into(held, index, record, builder, chunk_bytes)
       held.sync()
       held.drain()
       return nbytes
+  return _write_archive_into(directory, index, record, builder, chunk_bytes)
+
+
+def _write_archive_into(directory: _shardfile.OutDir, index: int, record: Any,
+                        builder: IndexBuilder, chunk_bytes: int) -> int:
   buffers = builder.add(index, record)
   with directory.mkdir(f"archive_{index:05d}") as adir:
     meta_buffers = {}

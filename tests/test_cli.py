@@ -170,8 +170,8 @@ def test_verify_names_the_differing_buffer_and_bad_padding(ckpt):
                (root / "badpad", root / "badpad"), (root / "badpad", root / "badpad", "--json")):
     result = _run("verify", *args)
     line = _one_line_error(result)
-    assert "badpad is not a valid checkpoint" in line, line
-    assert "param 'head' buffer 0" in line and "padding is not zero" in line, line
+    assert "badpad" in line, line
+    assert "param 'head'" in line and "buffer 0" in line and "padding is not zero" in line, line
     assert result.stdout == "" and "differs" not in result.output
 
 

@@ -53,7 +53,7 @@ def _one_group_per_param(n):
     state = (base.state[0]._replace(mu={pid: np.full(2, a, np.float32) for pid in pids},
                                     nu={pid: np.full(2, -a, np.float32) for pid in pids}),
              base.state[1])
-    placements = tuple(jr.ParamPlacement(ids[i], (10,), perms[i][a], W, jnp.float32, True)
+    placements = tuple(jr.ParamPlacement(ids[i], (2 * W,), perms[i][a], W, jnp.float32, True)
                        for i in range(n))
     records.append(jr.ShardRecord(1, placements, state, tuple([None] + pids + pids)))
   return records
