@@ -257,6 +257,9 @@ def decode_scalar(d: Any, where: str) -> Any:
     raw = base64.b64decode(data, validate=True)
   except ValueError:
     raise ArchiveError(f"{where}: scalar bytes are not base64") from None
+  if len(raw) != nbytes:  # base64 padding can shorten what the text's length allows
+    raise ArchiveError(f"{where}: scalar of shape {shape} and dtype {dtype.name} needs"
+                       f" {nbytes} bytes, not {len(raw)}")
   a = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
   weak = expect(d["weak"], bool, where)
   if _clock.stays_on_host(a):

@@ -336,6 +336,20 @@ def test_tree_dict_with_str_and_int_keys_is_refused(fuzz_ckpt):
   _one_error_line(code, err)
 
 
+def test_clock_scalar_bytes_shorter_than_its_dtype_is_an_archive_error(fuzz_ckpt):
+  # Found by test_fuzz_index_fields (long profile): JsonEdit('jaxreshard.json',
+  # ('clocks', 0, 1, 'bytes'), 'set', 'ZmZmPwA=', resign=True). Eight base64 characters
+  # with one '=' are 5 bytes, where the length check allowed 4 to 6: a raw ValueError.
+  def edit(d):
+    scalar = next(x for x in d["clocks"][0] if isinstance(x, dict) and "bytes" in x
+                  and np.dtype(x["dtype"]).itemsize == 4 and x["shape"] == [])
+    scalar["shape"], scalar["bytes"] = [1], "ZmZmPwA="  # 5 bytes for 4
+
+  _edit_index(fuzz_ckpt, edit)
+  for e in _refusals(fuzz_ckpt):
+    assert isinstance(e, jr.ArchiveError), repr(e)
+
+
 def test_python_int_clock_scalar_beyond_int64(fuzz_ckpt):
   # Found by test_fuzz_json_metadata: JsonEdit('jaxreshard.json', ('clocks', 0, 0, 'v'),
   # 'set', 10**30) on a {"py": "int"} scalar (the first, made a Python int here).
