@@ -368,10 +368,6 @@ class Checkpoint:
       if not (isinstance(e, list) and len(e) == 3):
         raise ArchiveError(f"{aw}: expected [name, layout, clock]")
       name = fmt.check_name(e[0], fmt.ARCHIVE_NAME, aw)
-      # The i-th archive is the i-th record: its directory is named by i, so
-      # reordering the list cannot relabel whose data is whose.
-      if name != f"archive_{i:05d}":
-        raise ArchiveError(f"{aw}: named {fmt.short(name)}, but archive {i} is archive_{i:05d}")
       layout, clock = fmt.expect(e[1], int, aw), fmt.expect(e[2], int, aw)
       if not (0 <= layout < len(self.layouts) and 0 <= clock < len(self.clocks)):
         raise ArchiveError(f"{aw}: layout {layout} or clock {clock} does not exist")
@@ -383,6 +379,13 @@ class Checkpoint:
       self.archive_clock.append(clock)
     if len(set(self.names)) != len(self.names):
       raise ArchiveError(f"{where}: the archive list has repeats")
+    # Archives are listed in the order of their names (the i-th record is written
+    # as archive_i), so reordering the list cannot relabel whose data is whose.
+    numbers = [int(n[len("archive_"):]) for n in self.names]
+    for i in range(1, len(numbers)):
+      if numbers[i] <= numbers[i - 1]:
+        raise ArchiveError(f"{where}, archive {i}: {self.names[i]} is listed after"
+                           f" {self.names[i - 1]}; archives are listed in the order of their names")
     self.groups = [self._group(e, f"{where}, group {i}")
                    for i, e in enumerate(fmt.expect(index["groups"], list, where))]
     self._membership()
