@@ -109,7 +109,9 @@ def test_a_save_racing_clean_all_commits_every_archive_or_raises(tmp_path):
   finally:
     stop.set()
     thread.join()
-  assert removed == []
+  # A clean may win a brand-new directory before its writer locks it; the writer
+  # then starts over in another, so what was removed is never what was committed.
+  assert str(out) not in removed
   loaded = jr.load_records(out)
   assert len(loaded) == world
   for x, y in zip(loaded, records):
