@@ -145,17 +145,22 @@ def _described(tree: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
   return {pid: (tuple(np.shape(x)), getattr(x, "dtype", None)) for pid, x in zip(ids, leaves)}
 
 
+def _extra_and_missing(got: list[str], want: list[str]) -> tuple[list[str], list[str]]:
+  """The first names ``got`` has and ``want`` lacks, and those it lacks."""
+  got_set, want_set = set(got), set(want)
+  return ([p for p in got if p not in want_set][:_MAX_LISTED],
+          [p for p in want if p not in got_set][:_MAX_LISTED])
+
+
 def _tree_difference(got: list[str], got_def: Any, want: list[str], want_def: Any,
                      got_what: str, want_what: str) -> str:
   """Which param ids one tree has and the other lacks, or how their containers differ."""
-  got_set, want_set = set(got), set(want)
-  extra = [p for p in got if p not in want_set]
-  missing = [p for p in want if p not in got_set]
+  extra, missing = _extra_and_missing(got, want)
   parts = []
   if extra:
-    parts.append(f"{got_what} have params {extra[:_MAX_LISTED]} that {want_what} do not")
+    parts.append(f"{got_what} have params {extra} that {want_what} do not")
   if missing:
-    parts.append(f"{got_what} lack params {missing[:_MAX_LISTED]}")
+    parts.append(f"{got_what} lack params {missing}")
   if not parts:
     parts.append(f"the same param ids in other containers: {got_what} {str(got_def)[:200]}"
                  f" vs {want_what} {str(want_def)[:200]}")
@@ -185,9 +190,7 @@ def _state_difference(expected: Any, state: Any) -> str:
           jax.tree_util.tree_flatten_with_path(expected, is_leaf=masked)[0]]
   got = [jax.tree_util.keystr(p) for p, _ in
          jax.tree_util.tree_flatten_with_path(state, is_leaf=masked)[0]]
-  want_set, got_set = set(want), set(got)
-  extra = [p for p in got if p not in want_set][:_MAX_LISTED]
-  missing = [p for p in want if p not in got_set][:_MAX_LISTED]
+  extra, missing = _extra_and_missing(got, want)
   parts = []
   if extra:
     parts.append(f"the state has leaves {extra} that a state for these grads does not")
