@@ -64,6 +64,8 @@ def write_index_checkpoint(path: str, n_params: int, history: int, world: int,
   j_of = within % slots[p_of]
   origin = m_of * int(sizes_sorted.sum()) + base[p_of] + j_of
   os.makedirs(path)
+  _checkpoint.dump(os.path.join(path, "jaxreshard.json"), index)
+  describes = jr.open_checkpoint(path).describes  # what each archive.json records of the index
   for r in range(world):
     local = r * slots[p_of] + j_of
     valid = local < sizes_sorted[p_of]
@@ -76,8 +78,8 @@ def write_index_checkpoint(path: str, n_params: int, history: int, world: int,
     _checkpoint.dump(os.path.join(adir, "archive.json"), {
         "format": _checkpoint.FORMAT, "format_version": _checkpoint.FORMAT_VERSION,
         "checkpoint": index["checkpoint"], "archive": f"archive_{r:05d}",
+        "describes": describes(r),
         "buffers": {"float32": {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}}})
-  _checkpoint.dump(os.path.join(path, "jaxreshard.json"), index)
   return sizes, {"ids": ids, "flat": flat, "count": count_of}
 
 

@@ -5,7 +5,9 @@ Layout::
   CHECKPOINT/
     jaxreshard.json          # the index, written last: the whole layout (signed)
     archive_00000/           # one source rank's archive
-      archive.json           # (signed) checkpoint id; per dtype: elements, chunk, crc32c's
+      archive.json           # (signed) checkpoint id; digests of what the index says of
+                             # it (layout, clock, params at each rank); per dtype:
+                             # elements, chunk, crc32c's
       float32/               # every float32 history buffer of the rank, back to back
         zarr.json            #   (zarr v3, one shard, a crc32c per chunk: see _shardfile)
         c/0
@@ -109,6 +111,29 @@ _INDEX_KEYS = {"format", "format_version", "checkpoint", "record_version", "para
 _SOURCE_KEYS = {"checkpoint", "world_size", "layout"}
 _ID = re.compile(r"[0-9a-f]{32}\Z")
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
+_TERM_MOD = 1 << 128
+
+
+def _json_digest(obj: Any) -> str:
+  """The sha256 (hex) of ``obj``'s canonical JSON (compact, keys sorted, ASCII)."""
+  return hashlib.sha256(json.dumps(obj, separators=(",", ":"), sort_keys=True)
+                        .encode("ascii")).hexdigest()
+
+
+def _param_term(entry: Any) -> int:
+  """A param entry's (``[id, shape, dtype, trainable]``) term in a placement digest."""
+  raw = json.dumps(entry, separators=(",", ":")).encode("ascii")
+  return int.from_bytes(hashlib.sha256(raw).digest()[:16], "little")
+
+
+def _placements_digest(buckets: dict[tuple[int, int], int]) -> str:
+  """What an archive holds, as ``(world_size, rank) -> sum of its param terms``.
+
+  A sum per (world_size, rank) does not depend on how params are split into
+  groups, so the writer (param by param) and the reader (group by group) make
+  the same digest, and the reader's cost is one term per group, not per param.
+  """
+  return _json_digest(sorted([w, r, f"{t % _TERM_MOD:032x}"] for (w, r), t in buckets.items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,6 +380,7 @@ class Checkpoint:
           f" (only version {RECORD_VERSION} exists)")
     self.params = [self._param(e, f"{where}, param {i}")
                    for i, e in enumerate(fmt.expect(index["params"], list, where))]
+    self._param_terms = [_param_term(e) for e in index["params"]]
     archives = fmt.expect(index["archives"], list, where)
     if not archives:
       raise ArchiveError(f"{where}: the archive list is empty")
@@ -362,6 +388,9 @@ class Checkpoint:
                     for i, e in enumerate(fmt.expect(index["layouts"], list, where))]
     self.clocks = [self._clock(e, f"{where}, clock {i}")
                    for i, e in enumerate(fmt.expect(index["clocks"], list, where))]
+    # What each archive.json says the index holds for it (checked on every read).
+    self._layout_digests = [_json_digest(e) for e in index["layouts"]]
+    self._clock_digests = [_json_digest(e) for e in index["clocks"]]
     self.names, self.archive_layout, self.archive_clock = [], [], []
     for i, e in enumerate(archives):
       aw = f"{where}, archive {i}"
@@ -488,6 +517,8 @@ class Checkpoint:
       for a, r in g.ranks:
         self.member[a].append((gi, r))
     self._param_index = [{self.params[p].param: p for p in g.params} for g in self.groups]
+    self._group_terms = [sum(self._param_terms[p] for p in g.params) % _TERM_MOD
+                         for g in self.groups]
     for gi, index in enumerate(self._param_index):
       if len(index) != len(self.groups[gi].params):
         raise ArchiveError(f"{self.directory}/{INDEX_FILE}: group {gi} lists a param twice")
@@ -695,7 +726,7 @@ class Checkpoint:
     except ArchiveError as e:
       raise ArchiveError(f"archive {archive}: {e}") from None
     if meta.get("format") != FORMAT or set(meta) != {"format", "format_version", "checkpoint",
-                                                     "archive", "buffers"}:
+                                                     "archive", "describes", "buffers"}:
       raise ArchiveError(f"{where}: {ARCHIVE_FILE} does not describe a {FORMAT} archive")
     if meta["format_version"] != FORMAT_VERSION:
       raise ArchiveError(f"{where}: archive format version {fmt.short(meta['format_version'])} is not"
@@ -706,6 +737,7 @@ class Checkpoint:
           f" checkpoint {self.id!r}; archives of two different saves are never combined")
     if meta["archive"] != name:
       raise ArchiveError(f"{where}: {ARCHIVE_FILE} names archive {str(meta['archive'])[:40]!r}")
+    self._check_describes(archive, meta["describes"], where)
     layout = self.layout(archive)
     buffers = fmt.expect(meta["buffers"], dict, where)
     expected = {d.name: n for d, n in layout.sizes.items() if n}
@@ -726,6 +758,31 @@ class Checkpoint:
     with self._lock:
       self._archive_meta[archive] = meta
     return meta
+
+  def describes(self, archive: int) -> dict[str, str]:
+    """Digests of what the index says of ``archive``: its layout, its clock and its
+    params' ``(id, shape, dtype, trainable)`` at each (world size, rank)."""
+    buckets: dict[tuple[int, int], int] = {}
+    for gi, r in self.member[archive]:
+      key = (self.groups[gi].world_size, r)
+      buckets[key] = buckets.get(key, 0) + self._group_terms[gi]
+    return {"layout": self._layout_digests[self.archive_layout[archive]],
+            "clock": self._clock_digests[self.archive_clock[archive]],
+            "placements": _placements_digest(buckets)}
+
+  def _check_describes(self, archive: int, got: Any, where: str) -> None:
+    """An archive's data belongs to the index's layout, clock and ranks for it: its
+    signed ``archive.json`` records their digests when it is written."""
+    want = self.describes(archive)
+    if not isinstance(got, dict) or set(got) != set(want):
+      raise ArchiveError(f"{where}: {ARCHIVE_FILE} has no valid 'describes' entry")
+    for key, words in (("placements", "which params it holds at which rank"),
+                       ("layout", "its state layout"), ("clock", "its optimizer clock")):
+      if got[key] != want[key]:
+        raise ArchiveError(
+            f"{where}: the index does not describe this archive as it was written"
+            f" (the index and its {ARCHIVE_FILE} disagree on {words}); the index was edited or"
+            " belongs to other archives")
 
   # --- padding: data that contradicts the layout ---------------------------------
 
@@ -1065,6 +1122,9 @@ class IndexBuilder:
     self._params: dict[tuple, int] = {}
     self.params: list[list] = []
     self._members: dict[int, list[tuple[int, int, int]]] = {}  # param entry -> (archive, rank, W)
+    self._terms: list[int] = []  # param entry -> its term in a placement digest
+    self._layout_digests: list[str] = []
+    self.describes: dict[int, dict[str, str]] = {}  # archive -> what archive.json records
 
   def add(self, index: int, record: Any, *, pack: bool = True) -> dict[np.dtype, np.ndarray]:
     """Registers archive ``index``; returns its packed buffers (per dtype).
@@ -1104,13 +1164,20 @@ class IndexBuilder:
     while len(self.archives) <= index:
       self.archives.append(None)
     self.archives[index] = [f"archive_{index:05d}", layout, clock]
+    buckets: dict[tuple[int, int], int] = {}
     for p in placements.values():
       FlatShard(p.shape, p.rank, p.world_size)  # a placement the format can describe
       key = (p.param, p.shape, p.dtype, bool(p.trainable))
       e = self._params.setdefault(key, len(self._params))
       if e == len(self.params):
         self.params.append([p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable)])
+        self._terms.append(_param_term(self.params[e]))
       self._members.setdefault(e, []).append((index, p.rank, p.world_size))
+      bucket = (p.world_size, p.rank)
+      buckets[bucket] = buckets.get(bucket, 0) + self._terms[e]
+    self.describes[index] = {"layout": self._layout_digests[layout],
+                             "clock": hashlib.sha256(clock_key.encode("ascii")).hexdigest(),
+                             "placements": _placements_digest(buckets)}
     if not pack:
       return {}
     parts: dict[np.dtype, list[np.ndarray]] = {}
@@ -1153,6 +1220,7 @@ class IndexBuilder:
     layout = self._layouts.setdefault(key, len(self._layouts))
     if layout == len(self.layouts):
       self.layouts.append({"tree": tree, "leaves": entries})
+      self._layout_digests.append(_json_digest(self.layouts[-1]))
     return layout
 
   def groups(self) -> list[dict]:
@@ -1208,7 +1276,8 @@ def _write_archive_into(directory: _shardfile.OutDir, index: int, record: Any,
       meta_buffers[dtype.name] = {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}
     adir.write_bytes(ARCHIVE_FILE, fmt.signed_json({
         "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": builder.id,
-        "archive": f"archive_{index:05d}", "buffers": meta_buffers}))
+        "archive": f"archive_{index:05d}", "describes": builder.describes[index],
+        "buffers": meta_buffers}))
     adir.sync()
   return sum(int(data.nbytes) for data in buffers.values())
 

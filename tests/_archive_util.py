@@ -60,3 +60,43 @@ def buffer_file(directory: str, archive: int = 0) -> str:
 def shard_file(directory: str, archive: int = 0, dtype: str = "float32") -> str:
   """The shard file (``c/0``) of one archive's packed buffer of ``dtype``."""
   return os.path.join(directory, f"archive_{archive:05d}", dtype, "c", "0")
+
+
+def _canonical(obj) -> bytes:
+  return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode("ascii")
+
+
+def describes(index: dict) -> list[dict]:
+  """What each archive.json must record of the index, computed from the format's own
+  words: the sha256 of the canonical JSON (compact, keys sorted) of the archive's
+  layout entry and of its clock entry, and of its placements: per (world_size,
+  rank) it holds, the sum mod 2**128 of a term per param (the first 16 bytes,
+  little-endian, of the sha256 of the compact JSON of ``[id, shape, dtype,
+  trainable]``), as sorted ``[world_size, rank, "<32 hex digits>"]`` entries."""
+  buckets = [{} for _ in index["archives"]]
+  for g in index["groups"]:
+    for a, r in g["ranks"]:
+      for p in g["params"]:
+        term = int.from_bytes(hashlib.sha256(json.dumps(
+            index["params"][p], separators=(",", ":")).encode("ascii")).digest()[:16], "little")
+        key = (g["world_size"], r)
+        buckets[a][key] = buckets[a].get(key, 0) + term
+  out = []
+  for (_, layout, clock), b in zip(index["archives"], buckets):
+    placements = sorted([w, r, f"{t % (1 << 128):032x}"] for (w, r), t in b.items())
+    out.append({k: hashlib.sha256(_canonical(v)).hexdigest() for k, v in (
+        ("layout", index["layouts"][layout]), ("clock", index["clocks"][clock]),
+        ("placements", placements))})
+  return out
+
+
+def write_consistent_index(root, index: dict) -> None:
+  """Writes ``index`` as the checkpoint's (signed) index and re-signs every
+  archive.json to agree with it: an edit made consistently across the files,
+  which reaches the checks behind the signatures and digests."""
+  write_signed_json(os.path.join(root, "jaxreshard.json"), index)
+  for (name, _, _), d in zip(index["archives"], describes(index)):
+    path = os.path.join(root, name, "archive.json")
+    meta = read_json(path)
+    meta["describes"] = d
+    write_signed_json(path, meta)

@@ -151,7 +151,8 @@ INDEX_FIELD_NAMES = [
 ]
 ARCHIVE_FIELD_NAMES = [
     "archive.format", "archive.format_version", "archive.checkpoint", "archive.archive",
-    "archive.checksum", "archive.buffers.dtype", "archive.buffers.elements",
+    "archive.checksum", "archive.describes.layout", "archive.describes.clock",
+    "archive.describes.placements", "archive.buffers.dtype", "archive.buffers.elements",
     "archive.buffers.chunk", "archive.buffers.crc32c",
 ]
 FIELD_NAMES = INDEX_FIELD_NAMES + ARCHIVE_FIELD_NAMES
@@ -335,6 +336,13 @@ def field_edits_of(name: str) -> list[tuple[str, tuple, str, Any]]:
         put(file, (field,), [other_ident, ident.upper(), "", None])
       elif field == "archive":
         put(file, ("archive",), [a for a in ARCHIVES if a != arc] + ["", "../" + arc, None])
+      elif field.startswith("describes."):
+        key = field.split(".")[1]
+        v = doc["describes"][key]
+        others = [pr.jsons[f"{a}/archive.json"]["describes"][key] for a in ARCHIVES if a != arc]
+        put(file, ("describes", key), [x for x in others if x != v] + [
+            v[:-1] + ("0" if v[-1] != "0" else "1"), v.upper(), "", None])
+        out.append((file, ("describes", key), "delete", None))
       elif field == "buffers.dtype":
         bufs = doc["buffers"]
         for dt in bufs:

@@ -27,7 +27,8 @@ import pytest
 import jaxreshard as jr
 from jaxreshard import _shardfile
 from jaxreshard._checkpoint import open_checkpoint
-from tests._archive_util import file_hashes, read_json, shard_file, write_signed_json
+from tests._archive_util import (file_hashes, read_json, shard_file, write_consistent_index,
+                                 write_signed_json)
 from tests._core_util import adam_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,6 +78,13 @@ def _edit_json(path, fn):
 
 def _index(ckpt):
   return ckpt / "jaxreshard.json"
+
+
+def _edit_index_consistently(ckpt, fn):
+  """An index edit that every archive.json is re-signed to agree with."""
+  data = _read_json(_index(ckpt))
+  fn(data)
+  write_consistent_index(ckpt, data)
 
 
 def _archive_json(ckpt, archive):
@@ -495,13 +503,13 @@ def test_sparse_file_matching_metadata_that_disagrees_with_the_layout(ckpt, read
 
 @pytest.mark.parametrize("reader", sorted(READERS))
 def test_huge_shape_in_the_index_only_is_refused_not_allocated(ckpt, reader):
-  _edit_json(_index(ckpt), _huge_layout)
+  _edit_index_consistently(ckpt, _huge_layout)
   _quick_refusal(lambda: READERS[reader](ckpt), jr.ArchiveError, "archive_0000",
                  "but its layout needs", str(2 * (HUGE // 4) + 6))
 
 
 def test_huge_shape_in_the_index_at_metadata_level(ckpt):
-  _edit_json(_index(ckpt), _huge_layout)
+  _edit_index_consistently(ckpt, _huge_layout)
   c = open_checkpoint(ckpt)
   assert c.complete_groups()  # shapes alone are no fault
   _quick_refusal(lambda: c.archive_meta(0), jr.ArchiveError, "archive_00000",
@@ -513,7 +521,7 @@ def test_huge_shape_in_the_index_at_metadata_level(ckpt):
 ])
 def test_huge_shape_in_consistent_metadata_is_refused_not_allocated(ckpt, reader):
   # Index, archive.json and zarr.json agree on a [2**40] kernel; only the files disagree.
-  _edit_json(_index(ckpt), _huge_layout)
+  _edit_index_consistently(ckpt, _huge_layout)
   _claim_huge(ckpt, {a: 2 * (HUGE // 4) + 6 for a in range(4)})
   _quick_refusal(lambda: READERS[reader](ckpt), jr.ArchiveError, "c/0 has 340 bytes",
                  "truncated or not from this checkpoint")
@@ -643,7 +651,7 @@ def test_namedtuple_of_a_foreign_module_is_never_looked_up(ckpt):
     assert node[0] == "n" and node[2] == "ScaleByAdamState"
     node[1], node[2] = "os", "system"
 
-  _edit_json(_index(ckpt), foreign)
+  _edit_index_consistently(ckpt, foreign)
   records = jr.load_records(ckpt)
   cls = type(records[0].state[0])
   assert cls.__name__ == "system" and cls.__module__ != "os" and issubclass(cls, tuple)

@@ -17,7 +17,7 @@ import jaxreshard as jr
 from jaxreshard import _read_plan
 from jaxreshard._cli import EXIT_DIFFERENT, EXIT_ERROR, app, progress_bar
 
-from tests._archive_util import read_json, write_signed_json
+from tests._archive_util import read_json, write_consistent_index, write_signed_json
 from tests._core_util import assert_records_equal, replace_history as _replace
 
 PARAMS = {"enc": {"kernel": np.zeros((7, 11), np.float32), "bias": np.zeros((5,), np.float32)},
@@ -253,10 +253,10 @@ def _first_namedtuple(tree):
 
 
 def _edit_index(path, fn):
-  index = path / "jaxreshard.json"
-  data = read_json(index)
+  """An index edit, re-signed, with every archive.json re-signed to agree with it."""
+  data = read_json(path / "jaxreshard.json")
   fn(data)
-  write_signed_json(index, data)
+  write_consistent_index(path, data)
 
 
 def test_names_and_paths_are_printed_literally_and_escaped(tmp_path):

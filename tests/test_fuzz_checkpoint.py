@@ -150,6 +150,7 @@ from hypothesis import given
 
 import jaxreshard as jr
 from tests import _fuzz_judge as judge
+from tests._archive_util import read_json, write_consistent_index
 from tests._fuzz_harness import (
   INDEX,
   MAX_ERROR_CHARS,
@@ -281,7 +282,9 @@ def _edit_json(ckpt, file, fn):
 
 
 def _edit_index(ckpt, fn):
+  """An index edit, re-signed, with every archive.json re-signed to agree with it."""
   _edit_json(ckpt, INDEX, fn)
+  write_consistent_index(ckpt, read_json(os.path.join(ckpt, INDEX)))
 
 
 def _refusals(ckpt, one_rank=True):

@@ -24,7 +24,8 @@ from typer.testing import CliRunner
 import jaxreshard as jr
 from jaxreshard import _archive_format, _shardfile
 from jaxreshard._cli import EXIT_ERROR, app
-from tests._archive_util import read_json, shard_file, write_signed_json
+from tests._archive_util import (describes, read_json, shard_file, write_consistent_index,
+                                 write_signed_json)
 from tests._core_util import (adam_records, assert_records_equal, device_mesh, replace_history,
                                standard)
 
@@ -37,6 +38,13 @@ def _index(path):
 
 def _archive_json(path, archive):
   return os.path.join(path, f"archive_{archive:05d}", "archive.json")
+
+
+def _edit_consistently(root, fn):
+  """An index edit that every archive.json is re-signed to agree with."""
+  data = read_json(_index(root))
+  fn(data)
+  write_consistent_index(root, data)
 
 
 def _edit_signed(path, fn):
@@ -117,12 +125,46 @@ def test_a_flipped_clock_value_is_refused_by_the_checksum(tmp_path):
   for name, fn in _readers(path).items():
     msg = _message(fn, jr.ArchiveError)
     assert f"{path / 'jaxreshard.json'} fails its checksum" in msg, (name, msg)
-  # The same edit re-signed reaches the reader: count 2 becomes 10, which is
-  # exactly what the checksum keeps out.
+  # The same edit re-signed passes the checksum but not the archives: each
+  # archive.json records a digest of its clock.
   data = json.loads(open(_index(path), "rb").read())
   del data["checksum"]
   write_signed_json(_index(path), data)
-  assert int(jr.load_records(path)[0].state[0].count) == 10
+  for name, fn in _readers(path).items():
+    if name == "open_checkpoint":
+      continue  # reads the index alone; an archive is checked when it is read
+    msg = _message(fn, jr.ArchiveError)
+    assert "disagree on its optimizer clock" in msg, (name, msg)
+
+
+def test_each_archive_json_records_the_documented_digests_of_its_index_entry(tmp_path):
+  path = tmp_path / "c"
+  _save(path, 4)
+  index = read_json(_index(path))
+  want = describes(index)  # the format's rule, computed independently of the library
+  assert len({d["placements"] for d in want}) == 4  # one per rank
+  for a in range(4):
+    assert read_json(_archive_json(path, a))["describes"] == want[a]
+
+
+def test_a_re_signed_rank_swap_is_refused_on_every_read_path(tmp_path):
+  # The index says archive 0 holds rank 1 and archive 1 rank 0, re-signed: every
+  # check of the index alone passes, and each archive's data would land on the
+  # other rank; the archives' own signed record of their ranks refuses it.
+  path = tmp_path / "c"
+  _save(path, 2)
+
+  def swap(d):
+    (group,) = d["groups"]
+    assert group["ranks"] == [[0, 0], [1, 1]]
+    group["ranks"] = [[0, 1], [1, 0]]
+
+  _edit_signed(_index(path), swap)
+  outcomes = _every_read_path(path, 2, tmp_path, target_shape=(3, 4))
+  silent = [name for name, msg in outcomes.items() if msg is None]
+  assert not silent, f"{silent} returned the ranks swapped"
+  for name, msg in outcomes.items():
+    assert "disagree on which params it holds at which rank" in msg, (name, msg)
 
 
 def test_a_one_character_shape_edit_is_refused_by_the_checksum(tmp_path):
@@ -202,7 +244,7 @@ def _target(shape):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=every), abstract)
 
 
-def _every_read_path(path, world, tmp_path):
+def _every_read_path(path, world, tmp_path, target_shape=(3, 3)):
   """Every way into a checkpoint on disk; each must refuse (names -> error message)."""
   mesh = device_mesh((8,), ("fsdp",))
   out = {}
@@ -215,7 +257,7 @@ def _every_read_path(path, world, tmp_path):
       "restore_ranks": lambda: jr.restore_ranks(path, range(world), world_size=world),
       "restore_ranks (other world)": lambda: jr.restore_ranks(path, range(3), world_size=3),
       "restore_sharded": lambda: jr.restore_sharded(path, mesh, "fsdp"),
-      "restore_sharded target": lambda: jr.restore_sharded(path, mesh, target=_target((3, 3))),
+      "restore_sharded target": lambda: jr.restore_sharded(path, mesh, target=_target(target_shape)),
       "digest": lambda: jr.digest(path),
   }
   for name, fn in paths.items():
@@ -242,7 +284,7 @@ def test_a_re_signed_shape_edit_that_hides_real_elements_is_refused_everywhere(t
     assert entry[1] == [3, 4]
     entry[1] = [3, 3]
 
-  _edit_signed(_index(path), edit)
+  _edit_consistently(path, edit)
   outcomes = _every_read_path(path, world, tmp_path)
   silent = [name for name, msg in outcomes.items() if msg is None]
   assert not silent, f"{silent} returned a state that drops real elements"
@@ -365,7 +407,7 @@ def _huge_checkpoint(path):
       if isinstance(leaf, list):
         leaf[2] = HUGE
 
-  _edit_signed(_index(path), index)
+  _edit_consistently(path, index)
   n = HUGE // CHUNK
   zero_crc = google_crc32c.value(bytes(CHUNK * 4))
   _edit_signed(_archive_json(path, 0), lambda d: d["buffers"]["float32"].update(
