@@ -24,7 +24,7 @@ import google_crc32c
 import numpy as np
 
 import jaxreshard as jr
-from jaxreshard import _checkpoint
+from jaxreshard._src.checkpoint import reader as _checkpoint
 from benchmarks import _disk, _workload
 from benchmarks._measure import Result
 from benchmarks._options import Options

@@ -27,7 +27,8 @@ def write_index_checkpoint(path: str, n_params: int, history: int, world: int,
   differing only in their rank), and each archive's float32 buffer holds that
   rank's slices of mu and nu in packing order (params by id, mu before nu).
   """
-  from jaxreshard import _checkpoint, _shardfile  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.checkpoint import reader as _checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.checkpoint import shardfile as _shardfile
 
   sizes = _workload.param_sizes(history // 2, n_params, seed)
   rec0 = _workload.adam_records(8 * n_params, n_params, 1, seed, as_numpy=True)[0]
@@ -85,7 +86,7 @@ def write_index_checkpoint(path: str, n_params: int, history: int, world: int,
 
 def planning_rows(opts: Options) -> list[dict]:
   """Open a large checkpoint's index and plan (then restore) one target rank."""
-  from jaxreshard import _read_plan  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.checkpoint import read_plan as _read_plan  # pylint: disable=g-import-not-at-top
 
   src, dst = opts.plan_worlds
   with tempfile.TemporaryDirectory(prefix="jr-bench-plan-") as tmp:

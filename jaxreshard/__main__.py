@@ -1,6 +1,6 @@
 """``python -m jaxreshard``: the same command line as the ``jaxreshard`` script."""
 
-from jaxreshard._cli import main
+from jaxreshard._src.cli.commands import main
 
 if __name__ == "__main__":
   main()

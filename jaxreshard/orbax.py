@@ -20,6 +20,6 @@ Examples:
   (2, True)
 """
 
-from jaxreshard._orbax_hook import ReshardCheckpointHandler, ReshardRestore, ReshardSave
+from jaxreshard._src.orbax.handler import ReshardCheckpointHandler, ReshardRestore, ReshardSave
 
 __all__ = ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]

@@ -208,7 +208,7 @@ def random_example(opt: Any, specs: dict, seed: int = 0, *,
   else keep their initial value. Leaves are filled in tree order from one
   generator, so the same seed gives the same bits in every process.
   """
-  from jaxreshard import _structure  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.core import structure as _structure  # pylint: disable=g-import-not-at-top
 
   params = nest({pid: jnp.zeros(s, d) for pid, (s, d) in specs.items()})
   state = standard(opt.init, params)  # inject_hyperparams' init mixes dtypes

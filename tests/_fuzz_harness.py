@@ -31,8 +31,9 @@ import optax
 from hypothesis import HealthCheck, Phase, settings
 
 import jaxreshard as jr
-from jaxreshard import _cli, _read_plan
-from jaxreshard._checkpoint import open_checkpoint
+from jaxreshard._src.cli import commands as _cli
+from jaxreshard._src.checkpoint import read_plan as _read_plan
+from jaxreshard._src.checkpoint.reader import open_checkpoint
 
 # --- profiles -------------------------------------------------------------------
 

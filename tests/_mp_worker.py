@@ -54,7 +54,7 @@ from jax.sharding import Mesh  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
 import jaxreshard as jr  # noqa: E402
-from jaxreshard._mesh import mesh_ranks  # noqa: E402
+from jaxreshard._src.distributed.mesh import mesh_ranks  # noqa: E402
 from tests import _mp_util as U  # noqa: E402
 from tests._core_util import bits, rchar  # noqa: E402
 
@@ -91,7 +91,7 @@ def manager_save(opt, state, spec, m) -> dict:
   The archive writes wait for a gate this thread opens only after ``save``
   returned: a ``save`` that waited for its writes would never return.
   """
-  from jaxreshard import _checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.checkpoint import reader as _checkpoint  # pylint: disable=g-import-not-at-top
 
   params = replicated_params(m)
   gate, write = threading.Event(), _checkpoint.write_archive
@@ -170,7 +170,7 @@ def restore_replicated(opt) -> dict:
   np.savez(os.path.join(OUT, f"p{ME}_rep.npz"), **dump)
   spec = {p.param: p for p in out.placements[min(out.placements)]}
   jr.save_sharded(ARGS["resave"], opt, out.state, spec, m, "fsdp", timeout_s=60)
-  from jaxreshard import _mesh  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.distributed import mesh as _mesh  # pylint: disable=g-import-not-at-top
   return {"ranks": sorted(out.placements), "written": _mesh.writer_ranks(m, "fsdp"),
           "rank_of": {d.id: r for r, ds in mesh_ranks(m, "fsdp").items() for d in ds}}
 
@@ -238,7 +238,8 @@ def restore_target(opt, params, state, shapes) -> dict:
   del opt, params, state, shapes  # this task restores its own example
   from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
 
-  from jaxreshard import _checkpoint, _target_restore  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.checkpoint import reader as _checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.distributed import target_restore as _target_restore
   from tests import _target_util as T  # pylint: disable=g-import-not-at-top
 
   opt, params, state = T.big_example()

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import jaxreshard as jr
-from jaxreshard import _checkpoint
+from jaxreshard._src.checkpoint import reader as _checkpoint
 
 from tests._core_util import bits
 

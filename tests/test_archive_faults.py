@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 import jaxreshard as jr
-from jaxreshard import _shardfile
-from jaxreshard._checkpoint import open_checkpoint
+from jaxreshard._src.checkpoint import shardfile as _shardfile
+from jaxreshard._src.checkpoint.reader import open_checkpoint
 from tests._archive_util import (file_hashes, read_json, shard_file, write_consistent_index,
                                  write_signed_json)
 from tests._core_util import adam_records

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import jaxreshard as jr
 import shutil
 
-from jaxreshard import _restore
+from jaxreshard._src.checkpoint import restore as _restore
 from tests._archive_util import dir_bytes, file_hashes
 from tests._core_util import (
     STORAGE_SHAPES, adam_records, assert_records_equal, random_params, random_state, rchar,

@@ -14,8 +14,8 @@ import pytest
 from typer.testing import CliRunner
 
 import jaxreshard as jr
-from jaxreshard import _read_plan
-from jaxreshard._cli import EXIT_DIFFERENT, EXIT_ERROR, app, progress_bar
+from jaxreshard._src.checkpoint import read_plan as _read_plan
+from jaxreshard._src.cli.commands import EXIT_DIFFERENT, EXIT_ERROR, app, progress_bar
 
 from tests._archive_util import read_json, write_consistent_index, write_signed_json
 from tests._core_util import assert_records_equal, replace_history as _replace
@@ -403,7 +403,7 @@ def test_piped_output_never_cuts_a_value(multi):
 def test_terminal_output_folds_and_never_cuts(multi, monkeypatch):
   from rich.console import Console
 
-  from jaxreshard import _cli
+  from jaxreshard._src.cli import commands as _cli
 
   monkeypatch.setattr(_cli, "_out", lambda: Console(force_terminal=True, width=50,
                                                     highlight=False, no_color=True))

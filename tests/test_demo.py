@@ -6,8 +6,8 @@ import pytest
 from typer.testing import CliRunner
 
 import jaxreshard as jr
-from jaxreshard._cli import app
-from jaxreshard._demo import run_demo
+from jaxreshard._src.cli.commands import app
+from jaxreshard._src.cli.demo import run_demo
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def test_demo_json_is_the_summary_only(tmp_path, monkeypatch):
 def test_demo_table_folds_on_a_narrow_terminal(monkeypatch):
   from rich.console import Console
 
-  from jaxreshard import _cli
+  from jaxreshard._src.cli import commands as _cli
 
   monkeypatch.setattr(_cli, "_out", lambda: Console(force_terminal=True, width=40,
                                                     highlight=False, no_color=True))

@@ -21,7 +21,7 @@ import pytest
 
 from hypothesis import HealthCheck, given, settings
 
-from jaxreshard import _device_exec as dx
+from jaxreshard._src.exec import device as dx
 from tests._core_util import (
     BF16, F16, F32, F64, assert_bits_equal, bits, count_xla_compiles, random_bits_array,
 )

@@ -87,7 +87,7 @@ def test_bf16_padded_output_from_2d_source_is_bit_exact():
   """
   x = jnp.asarray(np.array([0x7FA8, 0x807E, 0x0068, 0x3F80] * 500, np.uint16)
                   .view(jnp.bfloat16).reshape(4, 500))
-  from jaxreshard import _device_exec
+  from jaxreshard._src.exec import device as _device_exec
   flat = _device_exec.pack([x])
   out = _device_exec.gather([flat], np.array([0]), np.array([500]), np.array([0]),
                             np.array([1000]), 1002)
@@ -97,7 +97,7 @@ def test_bf16_padded_output_from_2d_source_is_bit_exact():
 
 
 def test_records_from_mesh_equal_core_records(ex):
-  from jaxreshard import _mesh
+  from jaxreshard._src.distributed import mesh as _mesh
   opt, params, state, _ = ex
   mesh = device_mesh((2, 4), ("data", "fsdp"))
   out = jr.shard_to_mesh(opt, params, state, mesh, "fsdp", trainable=U.trainable())

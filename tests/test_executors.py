@@ -14,7 +14,8 @@ import optax
 import pytest
 
 import jaxreshard as jr
-from jaxreshard import _copyplan, _sources
+from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.engine import sources as _sources
 from tests._core_util import (
     BF16, F16, F32, assert_bits_equal, assert_records_equal, assert_trees_bit_equal,
     count_xla_compiles, oracle_shard, special_values,
@@ -131,7 +132,7 @@ def test_a_target_rank_reads_only_overlapping_source_buffers(count, src, dst):
 
 
 def jr_validate(sources, records, dst, rank):
-  from jaxreshard import _pipeline
+  from jaxreshard._src.engine import pipeline as _pipeline
   return _pipeline.validate(sources, jr.plan(records, world_size=dst, rank=rank))
 
 

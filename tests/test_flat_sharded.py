@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import jaxreshard as jr
-from jaxreshard import _structure
+from jaxreshard._src.core import structure as _structure
 from tests._core_util import (
     LABELS, MASK, SCHEDULE, assert_bits_equal, assert_trees_bit_equal, bits, random_grads,
     random_params, standard,
@@ -390,7 +390,7 @@ def test_a_hidden_shape_dependent_mask_function_is_refused():
 def test_a_mask_function_on_part_of_the_params_is_refused_by_name():
   # Called on a tree that is not the params' (a part of it, keyed from its
   # root), a mask function cannot be given the params' shapes: refused, named.
-  from jaxreshard import _logical_masks
+  from jaxreshard._src.distributed import logical_masks as _logical_masks
 
   def decay_matrices(p):
     return jax.tree.map(lambda x: x.ndim > 1, p)
@@ -460,7 +460,7 @@ def test_unknown_axis_is_refused():
 def test_padding_index_of_a_huge_history_needs_64_bit_indices():
   # A flat history of 2**31 elements or more cannot be counted with int32: it
   # is refused by name without x64 (allocating one here would take 8 GiB).
-  from jaxreshard import _flat_sharded
+  from jaxreshard._src.distributed import flat_sharded as _flat_sharded
 
   assert _flat_sharded._index_dtype(2**31 - 1, "w") == jnp.int32
   with pytest.raises(jr.ShapeError, match="'embed'.*64-bit indices"):

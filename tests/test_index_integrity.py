@@ -22,8 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from typer.testing import CliRunner
 
 import jaxreshard as jr
-from jaxreshard import _archive_format, _shardfile
-from jaxreshard._cli import EXIT_ERROR, app
+from jaxreshard._src.checkpoint import encoding as _archive_format
+from jaxreshard._src.checkpoint import shardfile as _shardfile
+from jaxreshard._src.cli.commands import EXIT_ERROR, app
 from tests._archive_util import (describes, read_json, shard_file, write_consistent_index,
                                  write_signed_json)
 from tests._core_util import (adam_records, assert_records_equal, device_mesh, replace_history,
@@ -440,7 +441,7 @@ def test_a_buffer_beyond_the_process_memory_is_a_reshard_error(tmp_path):
   code = f"""
       import os, resource
       import jaxreshard as jr
-      from jaxreshard._cli import app
+      from jaxreshard._src.cli.commands import app
       from typer.testing import CliRunner
       vm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmSize"))
       limit = vm * 1024 + (2 << 30)  # what is mapped now, plus 2 GiB: less than 8 GiB

@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxreshard as jr
-from jaxreshard._geometry import FlatShard
+from jaxreshard._src.core.geometry import FlatShard
 from tests import _mp_util as U
 from tests._core_util import assert_records_equal, bits
 

@@ -114,7 +114,8 @@ def test_the_orbax_handler_refuses_it(tmp_path):
 
 
 def test_inspect_says_the_archives_disagree(mixed):
-  from jaxreshard import _checkpoint, _cli  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.checkpoint import reader as _checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.cli import commands as _cli
   assert _cli.inspect_info(_checkpoint.open_checkpoint(mixed))["clocks_agree"] is False
 
 

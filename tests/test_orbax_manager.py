@@ -69,7 +69,7 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
   """
   import threading
   import jax
-  from jaxreshard import _checkpoint
+  from jaxreshard._src.checkpoint import reader as _checkpoint
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec
   from tests import _mp_util as U
@@ -135,7 +135,7 @@ def test_save_and_restore_arguments_are_checked():
 
 def test_a_failed_write_commits_nothing(tmp_path, monkeypatch):
   import jax
-  from jaxreshard import _checkpoint
+  from jaxreshard._src.checkpoint import reader as _checkpoint
   from tests import _mp_util as U
 
   opt, params, state, _ = U.example(seed=4)
@@ -234,7 +234,7 @@ def test_the_loser_of_two_saves_into_one_directory_gets_a_reshard_error(tmp_path
   ``ArchiveError``), never a bare ``FileExistsError`` or ``FileNotFoundError``.
   """
   import shutil
-  from jaxreshard import _checkpoint
+  from jaxreshard._src.checkpoint import reader as _checkpoint
 
   write = _checkpoint.write_archive
 

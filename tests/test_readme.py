@@ -86,7 +86,7 @@ def _transcript():
 def test_readme_cli_output_is_what_the_commands_print(tmp_path, monkeypatch):
   from typer.testing import CliRunner
 
-  from jaxreshard._cli import app
+  from jaxreshard._src.cli.commands import app
 
   steps = _transcript()
   assert [argv[:2] for argv in (a for a, _ in steps)] == [

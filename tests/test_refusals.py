@@ -362,7 +362,8 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name(call, needles):
 
 def test_a_migration_naming_a_key_path_unescaped_hears_the_id(tmp_path):
   # Ids escape "/" inside a key as %2F: the key "dense/b" is the id dense%2Fb.
-  from jaxreshard import _checkpoint, _restore
+  from jaxreshard._src.checkpoint import reader as _checkpoint
+  from jaxreshard._src.checkpoint import restore as _restore
 
   params = {"dense/b": jnp.ones(6), "x": {"y": jnp.ones(4), "50%": jnp.ones(3)}}
   opt = optax.adam(1e-3)

@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 import jaxreshard as jr
-from jaxreshard import _checkpoint, _target_restore
+from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.distributed import target_restore as _target_restore
 from tests import _target_util as T
 from tests._core_util import nest, rchar
 

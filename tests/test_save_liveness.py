@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxreshard as jr
-from jaxreshard import _archive_io
+from jaxreshard._src.checkpoint import store as _archive_io
 from tests._core_util import adam_records, assert_records_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,7 +134,7 @@ def _hold_lock(directory) -> subprocess.Popen:
 
 def test_liveness_is_the_lock_not_the_pid_or_host(tmp_path):
   from typer.testing import CliRunner
-  from jaxreshard._cli import app
+  from jaxreshard._src.cli.commands import app
 
   out = tmp_path / "ckpt"
   dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -20,7 +20,7 @@ import pytest
 from flax.core import FrozenDict
 
 import jaxreshard as jr
-from jaxreshard import _archive_io
+from jaxreshard._src.checkpoint import store as _archive_io
 from tests._core_util import adam_records, assert_records_equal, bits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,7 +107,7 @@ def test_clean_command_removes_what_a_dead_writer_left(tmp_path):
   # Liveness is the writer's lock: `live` carries this process's id but nobody
   # holds its lock, so it is stale too (test_save_liveness holds locks).
   from typer.testing import CliRunner
-  from jaxreshard._cli import app
+  from jaxreshard._src.cli.commands import app
 
   out = tmp_path / "ckpt"
   dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -1,0 +1,426 @@
+"""A sharding-independent digest of a checkpoint's optimizer state.
+
+Two checkpoints hold the same optimizer state, whatever their layouts, when
+every logical buffer (flat, unpadded) has the same bits, every clock scalar has
+the same bits, and the state has the same structure. The digest hashes exactly
+that: each history buffer's owned elements are fed, rank by rank in rank order,
+into one ``hashlib`` hash per (param, buffer index), so the padding and the
+world size never reach the hash. The padding is checked separately (it must be
+exactly zero bits; ``-0.0`` is not zero padding).
+
+Records may arrive one at a time (a generator reading one rank at a time):
+slices that arrive before their turn wait in a small reorder buffer, so a
+checkpoint streamed in rank order is hashed without holding more than one
+record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from typing import Any, Iterable, Iterator, Mapping, Optional, Union
+
+import jax
+import numpy as np
+
+from jaxreshard._src.exec import bitview as _bitview
+from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.core.record import ShardRecord
+
+__all__ = [
+    "BufferDigest",
+    "Digest",
+    "ParamDigest",
+    "clock_scalars",
+    "clock_text",
+    "clock_value",
+    "compare_digests",
+    "digest",
+    "digest_records",
+    "raw_bits",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferDigest:
+  """One logical history buffer: dtype, element count and sha256 of its bits."""
+
+  dtype: str
+  count: int
+  sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamDigest:
+  """One parameter: logical metadata, which mirrors hold it, its buffers."""
+
+  shape: tuple[int, ...]
+  dtype: str
+  trainable: bool
+  history: tuple[str, ...]  # per optimizer mirror: "buffer", "masked" or "absent"
+  buffers: tuple[BufferDigest, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Digest:
+  """What a checkpoint holds, independent of how it is sharded.
+
+  Attributes:
+    structure: the optimizer state's tree structure with every
+      param-mirroring subtree replaced by a marker, plus the mirrors' paths.
+    scalars: ``(path, dtype, hex of the bits)`` of every clock scalar.
+    params: param id -> ``ParamDigest``.
+    problems: nonzero padding, incomplete or inconsistent archives; a
+      checkpoint with problems is never "identical" to anything.
+  """
+
+  structure: str
+  scalars: tuple[tuple[str, str, str], ...]
+  params: Mapping[str, ParamDigest]
+  problems: tuple[str, ...]
+
+  def hexdigest(self) -> str:
+    """One sha256 over everything above but the problems."""
+    h = hashlib.sha256(self.structure.encode())
+    h.update(repr(self.scalars).encode())
+    for pid in sorted(self.params):
+      h.update(repr((pid, self.params[pid])).encode())
+    return h.hexdigest()
+
+
+raw_bits = _bitview.bits
+
+
+def _history_word(entry: Any) -> str:
+  if entry is None:
+    return "absent"
+  if entry is _structure.MASKED:
+    return "masked"
+  return "buffer"
+
+
+class _Stream:
+  """One (param, buffer) hash fed in rank order through a reorder buffer."""
+
+  def __init__(self, dtype: np.dtype):
+    self.hash = hashlib.sha256()
+    self.dtype = dtype
+    self.next_rank = 0
+    self.count = 0  # elements hashed so far
+    self.waiting: dict[int, np.ndarray] = {}
+
+  def feed(self, rank: int, bits: np.ndarray) -> None:
+    # Early slices are copied so that waiting never pins a whole record.
+    self.waiting[rank] = bits if rank == self.next_rank else bits.copy()
+    while self.next_rank in self.waiting:
+      chunk = self.waiting.pop(self.next_rank)
+      self.hash.update(chunk.tobytes())
+      self.count += chunk.size
+      self.next_rank += 1
+
+
+def digest_records(records: Iterable[ShardRecord]) -> Digest:
+  """Digests a complete set of archives, streaming them one at a time.
+
+  Args:
+    records: every rank's archive of one checkpoint, in any order (rank order
+      keeps the reorder buffer empty); a generator is read once.
+
+  Returns:
+    A ``Digest``; ``digest.problems`` lists nonzero padding and archives that
+    do not form one complete, consistent checkpoint.
+
+  Raises:
+    PlacementError: an archive that cannot be taken apart at all.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax, jaxreshard as jr
+    >>> params = {"w": jnp.arange(5.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> state = opt.init(params)
+    >>> a = digest_records(jr.shard_state(opt, params, state, world_size=2))
+    >>> b = digest_records(jr.shard_state(opt, params, state, world_size=3))
+    >>> a == b
+    True
+  """
+  acc = _Accumulator()
+  for index, record in enumerate(records):
+    anatomy = _anatomy(index, record)
+    acc.add_structure(index, anatomy, record)
+    for p in record.placements:
+      acc.add_placement(index, p, anatomy.history(p.param))
+  return acc.digest()
+
+
+class _Accumulator:
+  """What ``digest_records`` has seen so far, one archive at a time."""
+
+  def __init__(self):
+    self.structure: Optional[str] = None
+    self.scalars: Optional[tuple] = None
+    self.meta: dict[str, tuple] = {}  # pid -> (shape, dtype, trainable, world_size, history)
+    self.seen_ranks: dict[str, set[int]] = {}
+    self.streams: dict[tuple[str, int], _Stream] = {}
+    self.problems: list[str] = []
+
+  def add_structure(self, index: int, anatomy: _structure.StateParts, record: ShardRecord) -> None:
+    """The state's structure and clock scalars must be those of archive 0."""
+    structure = repr((str(anatomy.skeleton),
+                      [jax.tree_util.keystr(m.prefix) for m in anatomy.mirrors]))
+    scalars = _scalars(record)
+    if self.structure is None:
+      self.structure, self.scalars = structure, scalars
+    elif structure != self.structure:
+      self.problems.append(f"archive {index}: optimizer state structure differs from archive 0")
+    elif scalars != self.scalars:
+      self.problems.append(f"archive {index}: optimizer clock scalars differ from archive 0")
+
+  def add_placement(self, index: int, p: Any, hist: tuple[Any, ...]) -> None:
+    """One parameter's rank: its metadata agrees, the rank is new, its buffers stream in."""
+    pid = p.param
+    words = tuple(_history_word(h) for h in hist)
+    key = (tuple(p.shape), np.dtype(p.dtype).name, bool(p.trainable), p.world_size, words)
+    if self.meta.setdefault(pid, key) != key:
+      self.problems.append(
+          f"param {pid!r}: archive {index} disagrees with another archive on its shape,"
+          f" dtype, trainability, world size or history")
+      return
+    if p.rank in self.seen_ranks.setdefault(pid, set()):
+      self.problems.append(f"param {pid!r}: rank {p.rank} appears in more than one archive")
+      return
+    self.seen_ranks[pid].add(p.rank)
+    g = FlatShard(p.shape, p.rank, p.world_size)
+    buffers = [h for h in hist if h is not None and h is not _structure.MASKED]
+    for m, buf in enumerate(buffers):
+      self.add_buffer(f"param {pid!r} buffer {m} (archive {index}, rank {p.rank})",
+                      (pid, m), g, buf)
+
+  def add_buffer(self, where: str, key: tuple[str, int], g: FlatShard, buf: Any) -> None:
+    """A buffer's owned elements join its stream; its padding must be zero bits."""
+    if tuple(np.shape(buf)) != (g.slots,):
+      self.problems.append(f"{where}: shape {tuple(np.shape(buf))} is not ({g.slots},)")
+      return
+    bits = raw_bits(buf)
+    pad = np.flatnonzero(bits[g.owned:])
+    if pad.size:
+      self.problems.append(
+          f"{where}: padding is not zero ({pad.size} nonzero, first at local"
+          f" index {g.owned + int(pad[0])})")
+    dtype = np.asarray(buf).dtype
+    stream = self.streams.setdefault(key, _Stream(dtype))
+    if stream.dtype != dtype:
+      self.problems.append(f"{where}: dtype {dtype.name} differs from another rank's"
+                           f" {stream.dtype.name}")
+      return
+    stream.feed(g.rank, bits[:g.owned])
+
+  def digest(self) -> Digest:
+    """The digest of everything seen; ranks never seen are problems."""
+    params = {}
+    for pid, (shape, dtype, trainable, world, words) in sorted(self.meta.items()):
+      missing = sorted(set(range(world)) - self.seen_ranks.get(pid, set()))
+      if missing:
+        self.problems.append(f"param {pid!r}: ranks {missing} of world size {world} are missing")
+      buffers = []
+      for m in range(words.count("buffer")):
+        s = self.streams.get((pid, m))
+        if s is not None:
+          buffers.append(BufferDigest(s.dtype.name, s.count, s.hash.hexdigest()))
+      params[pid] = ParamDigest(shape, dtype, trainable, words, tuple(buffers))
+    if self.structure is None:
+      self.problems.append("no archives")
+    return Digest(self.structure or "", self.scalars or (), params, tuple(self.problems))
+
+
+def digest(records_or_directory: Union[Iterable[ShardRecord], os.PathLike, str]) -> Digest:
+  """A fingerprint of an optimizer state that does not depend on how it is sharded.
+
+  Two sets of archives have equal digests (``==``, or the same ``hexdigest()``)
+  exactly when they hold the same optimizer state: the same structure, every
+  clock scalar with the same bits, every parameter with the same shape, dtype,
+  trainability and history buffers, each buffer's elements with the same bits
+  in the same order, whatever the world sizes. Padding never enters the hash;
+  nonzero padding and incomplete sets of archives are listed in
+  ``Digest.problems``.
+
+  Args:
+    records_or_directory: every archive of one state (any iterable of
+      ``ShardRecord``; a generator is read once, one record at a time), or a
+      checkpoint directory written by ``save_records`` or ``save_sharded``
+      (read one archive at a time).
+
+  Returns:
+    A ``Digest``: ``hexdigest()`` (one sha256), ``params`` (param id ->
+    shape, dtype, trainability and a sha256 per history buffer), ``scalars``
+    (path, dtype and bits of every clock scalar) and ``problems``.
+
+  Raises:
+    FileNotFoundError: the directory does not exist.
+    ReshardError: an archive that cannot be taken apart, or a directory that
+      is not a readable jaxreshard checkpoint.
+
+  Examples:
+    >>> import os, tempfile, jax.numpy as jnp, optax, jaxreshard as jr
+    >>> params = {"w": jnp.arange(5.0)}
+    >>> opt = optax.sgd(0.1, momentum=0.9)
+    >>> state = opt.update(params, opt.init(params))[1]
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> jr.save_records(path, jr.shard_state(opt, params, state, world_size=2))
+    >>> a = jr.digest(path)
+    >>> b = jr.digest(jr.shard_state(opt, params, state, world_size=3))
+    >>> a.hexdigest() == b.hexdigest(), jr.compare_digests(a, b)
+    (True, [])
+    >>> later = opt.update(params, state)[1]
+    >>> jr.compare_digests(a, jr.digest(jr.shard_state(opt, params, later, world_size=3)))
+    ["param 'w' buffer 0: bits differ (float32[5] ... != float32[5] ...)"]
+  """
+  if isinstance(records_or_directory, (str, os.PathLike)):
+    return digest_records(_stream(records_or_directory))
+  return digest_records(records_or_directory)
+
+
+def _stream(directory: Union[os.PathLike, str]) -> Iterator[ShardRecord]:
+  """A checkpoint's records, one archive at a time, every archive's metadata checked first."""
+  ckpt = _checkpoint.open_checkpoint(directory)
+  for i in range(len(ckpt)):
+    ckpt.check_archive(i)
+  for i in range(len(ckpt)):
+    yield ckpt.record(i)
+
+
+def _anatomy(index: int, record: Any) -> _structure.StateParts:
+  if not isinstance(record, ShardRecord):
+    raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
+  try:
+    return _structure.anatomy(record.state, _structure.roles_of(record))
+  except _structure.StatePartsError as e:
+    raise PlacementError(f"archive {index}: {e}") from None
+
+
+def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
+  """``(key path, value)`` of every clock scalar of a record, in state order.
+
+  Paths are ``_structure.clock_paths``', the name every message uses; a typed
+  PRNG key's value is its key data.
+  """
+  return [(path, _validate.plain(x)) for path, x in _clock_leaves(record)]
+
+
+def _clock_leaves(record: ShardRecord) -> list[tuple[str, Any]]:
+  """``(key path, leaf)`` of every clock scalar, the leaves as the state holds them."""
+  try:
+    anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
+  except _structure.StatePartsError as e:
+    raise PlacementError(f"an archive that cannot be taken apart: {e}") from None
+  paths = _structure.clock_paths(
+      anatomy.skeleton,
+      [not isinstance(x, _structure.ParamsSubtreeSlot) for x in anatomy.skeleton_leaves])
+  return [(path, x) for path, (_, x) in zip(paths, anatomy.scalars)]
+
+
+# A clock leaf is shown by its first elements only: an index may hold arrays of
+# tens of thousands of elements as optimizer scalars, and no screen, message
+# or JSON document is made better by all of them.
+CLOCK_ELEMENTS_SHOWN = 16
+
+
+def clock_value(a: np.ndarray) -> tuple[Any, bool]:
+  """A clock scalar for reading, and whether it is cut to its first elements.
+
+  A float is the shortest decimal of its own dtype: float32 0.9 is ``0.9``,
+  not the float64 ``0.8999999761581421`` it widens to; parsing the decimal
+  back at that dtype gives the same bits. JSON has no NaN or infinity: those
+  are strings. An array of more than ``CLOCK_ELEMENTS_SHOWN`` elements gives
+  its first ones, flat; work and memory never grow with its size.
+  """
+  cut = a.size > CLOCK_ELEMENTS_SHOWN
+  if cut:
+    a = a.reshape(-1)[:CLOCK_ELEMENTS_SHOWN]
+  if not jax.dtypes.issubdtype(a.dtype, np.floating):
+    return (a.item() if a.ndim == 0 else a.tolist()), cut
+
+  def one(x: Any) -> Any:
+    v = float(str(x))  # numpy's str of a float is its shortest round-trip decimal
+    return v if np.isfinite(v) else str(v)
+
+  values = [one(x) for x in a.reshape(-1)]
+  if a.ndim == 0:
+    return values[0], cut
+  return np.array(values, object).reshape(a.shape).tolist(), cut
+
+
+def clock_text(a: np.ndarray) -> str:
+  """A clock scalar in a message or a table cell: its value, cut when long."""
+  value, cut = clock_value(a)
+  if not cut:
+    return repr(value)
+  return f"{repr(value)[:-1]}, ...] ({a.size} elements of shape {tuple(a.shape)})"
+
+
+def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
+  # A typed PRNG key is its key data, under its own dtype's name (key<fry>).
+  out = []
+  for path, x in _clock_leaves(record):
+    a = _validate.plain(x)
+    dtype = x.dtype if hasattr(x, "dtype") else a.dtype
+    out.append((path, f"{dtype}{a.shape}", raw_bits(a).tobytes().hex()))
+  return tuple(out)
+
+
+def compare_digests(a: Digest, b: Digest, *,
+                    names: tuple[str, str] = ("a", "b")) -> list[str]:
+  """Every difference between two digests, one line each; empty when identical.
+
+  Each line names the parameter and buffer index (or the scalar path) that
+  differs. Problems of either digest (nonzero padding, missing ranks) are
+  differences too.
+
+  Args:
+    a: a :func:`digest`.
+    b: another.
+    names: what the lines call ``a`` and ``b``.
+
+  Returns:
+    The differences, sorted by kind then by scalar path or param id; ``[]``
+    exactly when the two states are identical and neither has problems.
+
+  Examples: see :func:`digest`.
+  """
+  out = [f"{names[0]}: {p}" for p in a.problems] + [f"{names[1]}: {p}" for p in b.problems]
+  if a.structure != b.structure:
+    out.append("optimizer state structure differs")
+  sa, sb = dict((p, v) for p, *v in a.scalars), dict((p, v) for p, *v in b.scalars)
+  for path in sorted(set(sa) | set(sb)):
+    if sa.get(path) != sb.get(path):
+      out.append(f"scalar {path}: {_scalar_text(sa.get(path))} != {_scalar_text(sb.get(path))}")
+  for pid in sorted(set(a.params) | set(b.params)):
+    pa, pb = a.params.get(pid), b.params.get(pid)
+    if pa is None or pb is None:
+      out.append(f"param {pid!r}: only in {names[0] if pb is None else names[1]}")
+      continue
+    for field in ("shape", "dtype", "trainable", "history"):
+      if getattr(pa, field) != getattr(pb, field):
+        out.append(f"param {pid!r}: {field} {getattr(pa, field)} != {getattr(pb, field)}")
+    if len(pa.buffers) != len(pb.buffers):
+      out.append(f"param {pid!r}: {len(pa.buffers)} buffers != {len(pb.buffers)}")
+    for m, (ba, bb) in enumerate(zip(pa.buffers, pb.buffers)):
+      if ba != bb:
+        what = "bits" if (ba.dtype, ba.count) == (bb.dtype, bb.count) else "dtype or size"
+        out.append(f"param {pid!r} buffer {m}: {what} differ"
+                   f" ({ba.dtype}[{ba.count}] {ba.sha256[:12]} != {bb.dtype}[{bb.count}]"
+                   f" {bb.sha256[:12]})")
+  return out
+
+
+def _scalar_text(v: Optional[list]) -> str:
+  if v is None:
+    return "missing"
+  hexbits = v[1]
+  if len(hexbits) > 4 * CLOCK_ELEMENTS_SHOWN:  # a long array: its first bytes and its size
+    hexbits = f"{hexbits[:4 * CLOCK_ELEMENTS_SHOWN]}... ({len(v[1]) // 2} bytes)"
+  return f"{v[0]} 0x{hexbits}"

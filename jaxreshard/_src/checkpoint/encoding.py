@@ -1,0 +1,445 @@
+"""The JSON half of an archive on disk: metadata, scalars and the state's tree.
+
+A checkpoint is untrusted data. Everything here turns JSON into
+Python values without executing anything from it: no pickle, no eval, names
+checked against strict patterns before they become paths, NamedTuple classes
+re-created only from an allowlist, sizes checked before anything is allocated
+(the buffer files themselves are checked in ``_shardfile``).
+
+A state's tree is encoded node by node, as JSON arrays (a large state's tree
+has a node per leaf, and arrays parse faster than objects)::
+
+  null (None) | 3 (leaf number 3) | ["l" | "t", [children]] (list, tuple)
+  ["d", [["s", "mu"], ["i", 0]], [children]] (dict: str or int keys)
+  ["f", [...keys...], [children]]             (flax FrozenDict, keys as for dict)
+  ["n", "optax._src.transform", "ScaleByAdamState", ["count", "mu", "nu"], [children]]
+
+Every JSON file jaxreshard writes in a checkpoint (the index and each
+``archive.json``; not zarr's ``zarr.json``) is *signed*: its compact, ASCII
+JSON body with a sha256 of that body as the first member::
+
+  {"checksum":"sha256:<64 lowercase hex digits>",<the body after its opening brace>
+
+The sha256 covers the body's exact bytes (``{`` and everything after the
+checksum member's comma), and a reader checks it on the raw bytes before it
+parses anything or uses any value (:func:`verified_json`).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import hashlib
+import json
+import keyword
+import math
+import re
+import sys
+import threading
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
+
+__all__ = [
+    "ArchiveError",
+    "ArchiveExistsError",
+    "decode_tree",
+    "encode_tree",
+    "decode_scalar",
+    "encode_scalar",
+    "check_name",
+    "np_dtype",
+    "signed_json",
+    "verified_json",
+]
+
+# Names that become file names inside a checkpoint; anything else is refused.
+ARCHIVE_NAME = re.compile(r"archive_[0-9]{5,9}\Z")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}\Z")
+_MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,9}\Z")
+
+# NamedTuple classes are looked up only in these (already imported) packages.
+ALLOWED_PACKAGES = ("optax",)
+
+_DTYPES = {
+    name: jnp.dtype(name)
+    for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                 "uint64", "float16", "bfloat16", "float32", "float64")
+}
+MAX_SCALAR_BYTES = 1 << 16  # clock scalars are tiny; refuse anything that is not
+MAX_TREE_DEPTH = 200
+
+
+def check_name(name: Any, pattern: re.Pattern, where: str) -> str:
+  """Refuses any metadata name that could leave the checkpoint directory."""
+  if not isinstance(name, str) or not pattern.match(name):
+    raise ArchiveError(f"{where}: name {short(name)} is not a valid name inside a checkpoint")
+  return name
+
+
+def np_dtype(name: Any, where: str) -> np.dtype:
+  """A dtype from its name, only from a fixed list."""
+  if not isinstance(name, str) or name not in _DTYPES:
+    raise ArchiveError(f"{where}: dtype {short(name)} is not one jaxreshard stores")
+  return np.dtype(_DTYPES[name])
+
+
+def loads(text: str, where: str) -> Any:
+  """Strict JSON: no NaN/Infinity constants, no duplicate keys."""
+
+  def no_constants(c):
+    raise ValueError(f"constant {c} is not allowed")
+
+  def no_duplicates(pairs):
+    out = dict(pairs)
+    if len(out) != len(pairs):
+      seen = set()
+      for k, _ in pairs:
+        if k in seen:
+          raise ValueError(f"duplicate key {k!r}")
+        seen.add(k)
+    return out
+
+  try:
+    return json.loads(text, parse_constant=no_constants, object_pairs_hook=no_duplicates)
+  except (ValueError, RecursionError) as e:
+    raise ArchiveError(f"{where} is not valid JSON: {e}") from None
+
+
+# A signed file starts with exactly these bytes, 64 lowercase hex digits, ``",``.
+SIGNED_PREFIX = b'{"checksum":"sha256:'
+_SIGNED_HEAD = len(SIGNED_PREFIX) + 64 + 2
+_HEX = re.compile(rb"[0-9a-f]{64}\Z")
+
+
+def signed_json(obj: dict) -> bytes:
+  """The bytes of a signed JSON file holding ``obj`` (a non-empty dict).
+
+  The body is ``obj`` as compact ASCII JSON; the file is that body with
+  ``"checksum":"sha256:<sha256 of the body>"`` inserted as its first member.
+  """
+  if not isinstance(obj, dict) or not obj or "checksum" in obj:
+    raise ValueError("a signed JSON file holds a non-empty dict without a 'checksum' key")
+  # json.dumps, not json.dump: only the former uses the C encoder.
+  body = json.dumps(obj, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+  return SIGNED_PREFIX + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:]
+
+
+def is_signed(raw: bytes) -> bool:
+  """Whether ``raw`` starts the way a signed JSON file does (its checksum unchecked)."""
+  return raw.startswith(SIGNED_PREFIX)
+
+
+def verified_json(raw: bytes, where: str) -> Any:
+  """The value of a signed JSON file, after its checksum matched its raw bytes.
+
+  Raises:
+    ArchiveError: naming ``where``: the file has no checksum where a signed
+      file has it, the checksum does not match the bytes (the file was changed
+      or damaged after it was written), or the checked body is not strict JSON
+      of a dict.
+  """
+  head = raw[:_SIGNED_HEAD]
+  if (not raw.startswith(SIGNED_PREFIX) or len(raw) < _SIGNED_HEAD + 1
+      or not _HEX.match(head[len(SIGNED_PREFIX):-2]) or head[-2:] != b'",'):
+    raise ArchiveError(f"{where} has no checksum: a file jaxreshard writes in a checkpoint starts"
+                       ' with {"checksum":"sha256:<64 hex digits>",')
+  body = b"{" + raw[_SIGNED_HEAD:]
+  recorded = head[len(SIGNED_PREFIX):-2].decode("ascii")
+  actual = hashlib.sha256(body).hexdigest()
+  if actual != recorded:
+    raise ArchiveError(f"{where} fails its checksum (sha256 {actual[:16]}... of its bytes, but it"
+                       f" records {recorded[:16]}...): the file was changed or damaged after it"
+                       " was written")
+  try:
+    text = body.decode("ascii")
+  except UnicodeDecodeError:
+    raise ArchiveError(f"{where} is not ASCII JSON") from None
+  value = loads(text, where)
+  if not isinstance(value, dict) or "checksum" in value:
+    raise ArchiveError(f"{where}: its checked body is not a JSON object without a checksum member")
+  return value
+
+
+def expect(value: Any, kind: type, where: str) -> Any:
+  if kind is int:
+    ok = isinstance(value, int) and not isinstance(value, bool)
+  else:
+    ok = isinstance(value, kind)
+  if not ok:
+    raise ArchiveError(f"{where}: expected {kind.__name__}, got {type(value).__name__}")
+  return value
+
+
+def shape_of(value: Any, where: str) -> tuple[int, ...]:
+  dims = tuple(expect(d, int, where) for d in expect(value, list, where))
+  if any(d < 0 for d in dims) or math.prod(dims) > 2**62:
+    raise ArchiveError(f"{where}: shape {dims} is not a valid array shape")
+  return dims
+
+
+# --- scalars (the optimizer clock) --------------------------------------------
+
+
+# Typed PRNG key implementations a checkpoint may name (``noisy_sgd``'s key).
+_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+
+
+def _is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def encode_scalar(x: Any, where: str) -> dict:
+  if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
+    kind = type(x).__name__
+    return {"py": kind, "v": x.hex() if kind == "float" else x}
+  if _is_key(x):  # a typed PRNG key: its implementation and its key data
+    impl = str(jax.random.key_impl(x))
+    if impl not in _KEY_IMPLS:
+      raise ReshardError(f"{where}: cannot store a PRNG key of implementation {impl!r}")
+    return {"key": impl, **encode_scalar(jax.random.key_data(x), where)}
+  a = np.asarray(x)
+  if a.dtype.name not in _DTYPES or a.nbytes > MAX_SCALAR_BYTES:
+    raise ReshardError(f"{where}: cannot store a {a.dtype} leaf of shape {a.shape} as a scalar")
+  return {
+      "dtype": a.dtype.name,
+      "shape": list(a.shape),
+      "weak": bool(getattr(x, "weak_type", False)),
+      "bytes": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii"),
+  }
+
+
+def short(value: Any, limit: int = 80) -> str:
+  """``repr(value)``, cut to ``limit`` characters: untrusted fields never make long messages."""
+  text = repr(value)
+  return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def decode_scalar(d: Any, where: str) -> Any:
+  expect(d, dict, where)
+  if "py" in d:
+    kind, v = d.get("py"), d.get("v")
+    if kind == "bool" and isinstance(v, bool):
+      return v
+    if kind == "int" and isinstance(v, int) and not isinstance(v, bool) and (
+        -2**63 <= v < 2**63):
+      return v
+    if kind == "float" and isinstance(v, str) and len(v) < 64:
+      try:
+        return float.fromhex(v)
+      except (ValueError, OverflowError):
+        pass
+    raise ArchiveError(f"{where}: invalid Python scalar {short(d)}")
+  if "key" in d:
+    impl = d["key"]
+    if impl not in _KEY_IMPLS:
+      raise ArchiveError(f"{where}: PRNG key implementation {short(impl)} is not one jax has")
+    data = decode_scalar({k: v for k, v in d.items() if k != "key"}, where)
+    try:
+      return jax.random.wrap_key_data(jnp.asarray(data), impl=impl)
+    except (TypeError, ValueError) as e:
+      raise ArchiveError(f"{where}: invalid {impl} key data: {e}") from None
+  if set(d) != {"dtype", "shape", "weak", "bytes"}:
+    raise ArchiveError(f"{where}: scalar keys {sorted(d)} are not a scalar")
+  dtype = np_dtype(d["dtype"], where)
+  shape = shape_of(d["shape"], where)
+  nbytes = math.prod(shape) * dtype.itemsize
+  data = expect(d["bytes"], str, where)
+  if nbytes > MAX_SCALAR_BYTES or len(data) != 4 * ((nbytes + 2) // 3):
+    raise ArchiveError(f"{where}: scalar of shape {shape} does not match its {len(data)} bytes")
+  try:
+    raw = base64.b64decode(data, validate=True)
+  except ValueError:
+    raise ArchiveError(f"{where}: scalar bytes are not base64") from None
+  if len(raw) != nbytes:  # base64 padding can shorten what the text's length allows
+    raise ArchiveError(f"{where}: scalar of shape {shape} and dtype {dtype.name} needs"
+                       f" {nbytes} bytes, not {len(raw)}")
+  a = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+  weak = expect(d["weak"], bool, where)
+  if _clock.stays_on_host(a):
+    # A 64-bit scalar while x64 is off (weak or not): jax would cut it to 32
+    # bits, so it stays a numpy scalar with every bit.
+    return a
+  if weak and a.ndim == 0:
+    # A weak-typed scalar (from a Python number) is rebuilt as one; only when
+    # the round trip is exact, otherwise the strong scalar is the safe answer.
+    rebuilt = jnp.asarray(a.item())
+    if rebuilt.dtype == a.dtype and np.asarray(rebuilt).tobytes() == a.tobytes():
+      return rebuilt
+  return jnp.asarray(a)
+
+
+# --- the state's tree structure -----------------------------------------------
+
+
+_LEAF = jax.tree_util.tree_structure(0)
+
+
+def _is_namedtuple(x: Any) -> bool:
+  return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _is_frozen_dict(node: Any) -> bool:
+  # Only flax's own class, and only when flax is loaded (nothing is imported here).
+  core = sys.modules.get("flax.core.frozen_dict")
+  return core is not None and type(node) is getattr(core, "FrozenDict", None)
+
+
+def _frozen_dict_class(where: str) -> type:
+  try:
+    from flax.core.frozen_dict import FrozenDict  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ArchiveError(f"{where}: the state holds a flax FrozenDict; loading it needs flax"
+                       " installed") from None
+  return FrozenDict
+
+
+def encode_tree(state: Any) -> tuple[dict, list[Any]]:
+  """Encodes ``state``'s structure; returns (tree, leaves in jax.tree.leaves order).
+
+  Raises:
+    ReshardError: a node type the on-disk format cannot re-create.
+  """
+  leaves: list[Any] = []
+  classes: dict[tuple, type] = {}
+
+  def enc(node, path):
+    if node is None:
+      return None
+    if _is_namedtuple(node):
+      cls = type(node)
+      classes[(cls.__module__, cls.__name__, tuple(cls._fields))] = cls
+      return ["n", cls.__module__, cls.__name__, list(cls._fields),
+              [enc(c, path + (f,)) for f, c in zip(cls._fields, node)]]
+    if type(node) in (tuple, list):
+      return ["t" if type(node) is tuple else "l",
+              [enc(c, path + (i,)) for i, c in enumerate(node)]]
+    frozen = _is_frozen_dict(node)
+    if type(node) is dict or frozen:
+      keys = list(node)
+      if not (all(type(k) is str for k in keys) or all(type(k) is int for k in keys)):
+        raise ReshardError(
+            f"state node at {path}: dict keys must be all str or all int to be stored")
+      keys = sorted(keys)  # jax flattens dicts in sorted key order
+      return ["f" if frozen else "d", [["s" if type(k) is str else "i", k] for k in keys],
+              [enc(node[k], path + (k,)) for k in keys]]
+    if jax.tree_util.tree_structure(node) == _LEAF:
+      leaves.append(node)
+      return len(leaves) - 1
+    raise ReshardError(
+        f"state node at {path} is a {type(node).__module__}.{type(node).__qualname__}, a"
+        " pytree node type jaxreshard cannot store (NamedTuple, dict, flax's FrozenDict, list,"
+        " tuple and None can be)")
+
+  tree = enc(state, ())
+  # The encoding must give back exactly this structure, or saving is pointless
+  # (with the original classes: one loaded elsewhere may be a plain namedtuple).
+  rebuilt = decode_tree(tree, list(range(len(leaves))), "state", classes)
+  if (jax.tree_util.tree_structure(rebuilt) != jax.tree_util.tree_structure(state)
+      or jax.tree.leaves(rebuilt) != list(range(len(leaves)))):
+    raise ReshardError("the state's tree structure cannot be stored exactly")
+  return tree, leaves
+
+
+_FALLBACK_LOCK = threading.Lock()
+_FALLBACK_CLASSES: dict[tuple[str, tuple[str, ...]], type] = {}
+
+
+def namedtuple_class(module: Any, name: Any, fields: Any, where: str) -> type:
+  """The NamedTuple class to re-create, found without running any checkpoint code.
+
+  An allowlisted class (found by attribute lookup in an already-imported optax
+  module, a NamedTuple with exactly these fields) when there is one; otherwise
+  a plain ``collections.namedtuple`` of the same name and fields, one class per
+  (name, fields) so that archives loaded separately still share a structure.
+  """
+  check_name(name, _IDENTIFIER, where)
+  if not isinstance(fields, list) or not all(isinstance(f, str) and _IDENTIFIER.match(f)
+                                             and not keyword.iskeyword(f) for f in fields):
+    raise ArchiveError(f"{where}: NamedTuple {short(name)} has invalid field names {short(fields)}")
+  fields = tuple(fields)
+  if len(set(fields)) != len(fields) or keyword.iskeyword(name):
+    raise ArchiveError(f"{where}: NamedTuple {short(name)} has invalid field names {short(list(fields))}")
+  if isinstance(module, str) and _MODULE.match(module) and module.split(".")[0] in ALLOWED_PACKAGES:
+    mod = sys.modules.get(module)  # never imports: only modules already loaded
+    cls = getattr(mod, name, None) if mod is not None else None
+    if (isinstance(cls, type) and issubclass(cls, tuple)
+        and tuple(getattr(cls, "_fields", ())) == fields and hasattr(cls, "_make")):
+      return cls
+  with _FALLBACK_LOCK:
+    key = (name, fields)
+    cls = _FALLBACK_CLASSES.get(key)
+    if cls is None:
+      try:
+        cls = _FALLBACK_CLASSES[key] = collections.namedtuple(name, fields)
+      except ValueError as e:
+        raise ArchiveError(f"{where}: cannot re-create NamedTuple {short(name)}: {e}") from None
+    return cls
+
+
+def decode_tree(tree: Any, leaves: Sequence[Any], where: str,
+                classes: Optional[dict] = None) -> Any:
+  """Rebuilds a pytree from ``encode_tree``'s JSON and its leaves (each used once).
+
+  ``classes`` (the encoder's own, never a checkpoint's) maps (module, name,
+  fields) to the NamedTuple class to use instead of the allowlist lookup.
+  """
+  used = [False] * len(leaves)
+
+  n_leaves = len(leaves)
+
+  def dec(node, depth):
+    if depth > MAX_TREE_DEPTH:
+      raise ArchiveError(f"{where}: the state tree is nested deeper than {MAX_TREE_DEPTH}")
+    t = type(node)
+    if t is int:  # a leaf: the common node, checked first
+      if not 0 <= node < n_leaves or used[node]:
+        raise ArchiveError(f"{where}: leaf index {short(node)} is out of range or used twice")
+      used[node] = True
+      return leaves[node]
+    if node is None:
+      return None
+    if t is not list or not node or type(node[-1]) is not list:
+      raise ArchiveError(f"{where}: invalid tree node {str(node)[:200]!r}")
+    kind, children = node[0], node[-1]
+    if kind in ("l", "t") and len(node) == 2:
+      out = [dec(c, depth + 1) for c in children]
+      return out if kind == "l" else tuple(out)
+    if kind in ("d", "f") and len(node) == 3 and type(node[1]) is list:
+      keys = node[1]
+      if len(keys) != len(children):
+        raise ArchiveError(f"{where}: a dict node has {len(keys)} keys and {len(children)} children")
+      out = {}
+      for k, c in zip(keys, children):
+        if not (type(k) is list and len(k) == 2 and
+                ((k[0] == "s" and type(k[1]) is str) or (k[0] == "i" and type(k[1]) is int))):
+          raise ArchiveError(f"{where}: invalid dict key {short(k)}")
+        if out and type(k[1]) is not type(next(iter(out))):
+          raise ArchiveError(f"{where}: a dict node mixes str and int keys")
+        if k[1] in out:
+          raise ArchiveError(f"{where}: dict key {short(k[1])} appears twice")
+        out[k[1]] = dec(c, depth + 1)
+      return out if kind == "d" else _frozen_dict_class(where)(out)
+    if kind == "n" and len(node) == 5:
+      _, module, name, fields = node[:4]
+      if not (type(module) is str and type(name) is str and type(fields) is list
+              and all(type(f) is str for f in fields)):
+        raise ArchiveError(f"{where}: invalid NamedTuple node {str(node[:4])[:200]!r}")
+      cls = ((classes or {}).get((module, name, tuple(fields)))
+             or namedtuple_class(module, name, fields, where))
+      out = [dec(c, depth + 1) for c in children]
+      if len(out) != len(cls._fields):
+        raise ArchiveError(f"{where}: NamedTuple {cls.__name__} has {len(out)} children")
+      return cls(*out)
+    raise ArchiveError(f"{where}: invalid tree node {str(node)[:200]!r}")
+
+  out = dec(tree, 0)
+  if not all(used):
+    raise ArchiveError(f"{where}: {used.count(False)} stored leaves are not in the tree")
+  return out

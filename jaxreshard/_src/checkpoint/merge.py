@@ -1,0 +1,214 @@
+"""Partial checkpoints (some ranks of one reshard's target) and their merge.
+
+A reshard run once per target rank (or per host) writes one partial
+checkpoint each. Every part's index names its source (``_checkpoint.Source``):
+the checkpoint it was resharded from, the target world size and the target's
+layout. Parts merge into one checkpoint only when they are parts of one
+reshard: one source checkpoint, one world size, one layout, one optimizer
+clock, and disjoint ranks that together are all of them. Anything else is
+refused before a byte is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Iterator, Sequence
+
+from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.checkpoint import digest as _digest
+from jaxreshard._src.checkpoint.store import save_records
+from jaxreshard._src.checkpoint.reader import Checkpoint, Source
+from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementError
+
+__all__ = ["MergePlan", "archive_ranks", "merge_parts", "merge_plan", "refuse_partial"]
+
+
+def archive_ranks(ckpt: Checkpoint) -> tuple[set[int], dict[int, int]]:
+  """The world sizes of a checkpoint's groups, and the one rank each archive holds.
+
+  Raises:
+    PlacementError: an archive holding different ranks of different groups
+      (not the output of a reshard, so not a part to merge).
+  """
+  worlds: set[int] = set()
+  rank_of: dict[int, int] = {}
+  for g in ckpt.groups:
+    worlds.add(g.world_size)
+    for a, r in g.ranks:
+      if rank_of.setdefault(a, r) != r:
+        raise PlacementError(f"{ckpt.directory}: archive {a} holds rank {rank_of[a]}"
+                             f" of one group and rank {r} of another")
+  return worlds, rank_of
+
+
+def refuse_partial(path: Any, ckpt: Checkpoint) -> None:
+  """Refuses a checkpoint holding only some ranks of its one world size, plainly."""
+  try:
+    worlds, rank_of = archive_ranks(ckpt)
+  except PlacementError:
+    return  # not a reshard's output: complete_groups says what is wrong
+  held = sorted(set(rank_of.values()))
+  if (len(worlds) == 1 and len(held) == len(rank_of) == len(ckpt)
+      and held != list(range(next(iter(worlds))))):
+    raise PlacementError(
+        f"{path} is a partial checkpoint: ranks {held[:64]} of {next(iter(worlds))};"
+        " combine the parts with `jaxreshard merge OUT PART...` first")
+
+
+@dataclasses.dataclass(frozen=True)
+class MergePlan:
+  """Every rank's (part, archive), in rank order, and the source the parts share."""
+
+  order: tuple[tuple[Checkpoint, int], ...]
+  source: Source
+
+  @property
+  def world_size(self) -> int:
+    return len(self.order)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+  path: Any
+  ckpt: Checkpoint
+  world: int
+  rank_of: dict[int, int]
+  source: Source
+
+
+def _open_part(path: Any) -> _Part:
+  """A part checked on its own: archives present, one world size, a source it matches."""
+  ckpt = _checkpoint.open_checkpoint(path)
+  for i in range(len(ckpt)):  # present, and belonging to this part
+    ckpt.archive_meta(i)
+    ckpt.check_archive(i)
+  worlds, rank_of = archive_ranks(ckpt)
+  if len(worlds) != 1:
+    raise PlacementError(f"{path} holds world sizes {sorted(worlds)}; merge combines"
+                         " parts of one world size")
+  if ckpt.source is None:
+    raise PlacementError(
+        f"{path} names no checkpoint it was resharded from (not an output of"
+        " `jaxreshard reshard`); merge combines parts of one reshard")
+  for a in range(len(ckpt)):
+    layout = _checkpoint.target_layout(ckpt.placements(a), ckpt.layout(a).anatomy)
+    if layout != ckpt.source.layout:
+      raise ArchiveError(f"{path}: archive {a} does not have the target layout its"
+                         " index declares")
+  return _Part(path, ckpt, next(iter(worlds)), rank_of, ckpt.source)
+
+
+def _params(ckpt: Checkpoint) -> dict[str, tuple]:
+  return {e.param: (e.shape, e.dtype.name, e.trainable) for e in ckpt.params}
+
+
+def _layout_mismatch(part: _Part, first: _Part) -> str:
+  """Words naming where ``part``'s target layout differs from ``first``'s ('' if nowhere)."""
+  if part.source.layout == first.source.layout:
+    return ""
+  mine, theirs = _params(part.ckpt), _params(first.ckpt)
+  if sorted(mine) != sorted(theirs):
+    return f"{part.path} holds other parameters than {first.path}"
+  for pid in sorted(mine):
+    if mine[pid] != theirs[pid]:
+      (shape, dtype, train), (shape0, dtype0, train0) = mine[pid], theirs[pid]
+      what = lambda s, d, t: f"shape {s}, dtype {d}{'' if t else ', frozen'}"
+      return (f"{part.path} has param {repr(pid)} of"
+              f" {what(shape, dtype, train)} but {first.path} of"
+              f" {what(shape0, dtype0, train0)}")
+  return (f"{part.path} has other history buffers (optimizer state dtypes) than"
+          f" {first.path}")
+
+
+def _clock_key(ckpt: Checkpoint, archive: int = 0) -> tuple[Any, list]:
+  """An archive's optimizer structure and clock scalars: (path, dtype, shape, bits, text)."""
+  scalars = [(path, a.dtype.name, a.shape, _digest.raw_bits(a).tobytes(), _digest.clock_text(a))
+             for path, a in _digest.clock_scalars(ckpt.metadata_record(archive))]
+  return ckpt.skeleton(archive), scalars
+
+
+def _clock_mismatch(a: tuple, b: tuple, value: bool = False) -> str:
+  """Words where clock ``b`` differs from ``a`` (its value; ``b``'s own with ``value``)."""
+  if a[0] != b[0]:
+    return "another optimizer state structure" if value else "has another optimizer state structure"
+  for x, y in zip(a[1], b[1]):
+    if x[:4] != y[:4]:
+      return f"{y[0]} = {y[4]}" if value else f"has {y[0]} = {y[4]}"
+  return ""
+
+
+def merge_plan(parts: Sequence[Any]) -> MergePlan:
+  """Checks that ``parts`` are every rank of one reshard; their archives in rank order.
+
+  Parts must name one source checkpoint, hold one world size and one target
+  layout (every param's id, shape, dtype, trainability and history buffer
+  dtypes), have the same optimizer clock (structure and every scalar's bits),
+  and hold disjoint ranks that together are all of them.
+
+  Raises:
+    PlacementError: parts that are not every rank of one reshard, named with
+      what differs (for two saves: both checkpoint identities).
+    ArchiveError: a part that is not a valid checkpoint.
+  """
+  if not parts:
+    raise PlacementError("merge needs at least one part")
+  opened = [_open_part(p) for p in parts]
+  first = opened[0]
+  clock0 = _clock_key(first.ckpt)
+  owner: dict[int, tuple[_Part, int]] = {}
+  for part in opened:
+    if part.world != first.world:
+      raise PlacementError(f"{part.path} has world size {part.world} but"
+                           f" {first.path} has {first.world}; merge combines parts of"
+                           " one world size")
+    mismatch = _layout_mismatch(part, first)
+    if mismatch:
+      raise PlacementError(f"{mismatch}; parts of different target layouts are never merged")
+    for a in range(len(part.ckpt)):
+      theirs = _clock_key(part.ckpt, a)
+      mismatch = _clock_mismatch(clock0, theirs)
+      if mismatch:
+        raise PlacementError(f"{part.path} {mismatch} but {first.path} has"
+                             f" {_clock_mismatch(theirs, clock0, value=True)};"
+                             " parts of different steps are never merged")
+    if part.source.checkpoint != first.source.checkpoint:
+      raise PlacementError(
+          f"{part.path} was resharded from checkpoint {part.source.checkpoint} but"
+          f" {first.path} from checkpoint {first.source.checkpoint}; parts of two"
+          " different saves are never merged")
+    for a, r in sorted(part.rank_of.items()):
+      if r in owner:
+        raise PlacementError(f"rank {r} of {first.world} is in both {owner[r][0].path}"
+                             f" and {part.path}; parts must hold disjoint ranks")
+      owner[r] = (part, a)
+  missing = sorted(set(range(first.world)) - set(owner))
+  if missing:
+    raise PlacementError(f"ranks {missing[:64]} of {first.world} are in none of the parts;"
+                         " merge needs every rank")
+  order = tuple((owner[r][0].ckpt, owner[r][1]) for r in range(first.world))
+  return MergePlan(order, first.source)
+
+
+def merge_parts(out: Any, parts: Sequence[Any]) -> MergePlan:
+  """Writes the parts of one reshard (``merge_plan``) as one checkpoint at ``out``.
+
+  Archives are copied in rank order, one at a time, into a new checkpoint with
+  its own identity, naming the parts' source. Nothing is written unless every
+  part is checked; a failed write leaves nothing at ``out``.
+
+  Raises:
+    ArchiveExistsError: ``out`` exists.
+    PlacementError, ArchiveError: see ``merge_plan``.
+  """
+  if os.path.lexists(os.fspath(out)):
+    raise ArchiveExistsError(
+        f"{out} already exists; jaxreshard never overwrites a checkpoint")
+  plan = merge_plan(parts)
+
+  def records() -> Iterator[Any]:
+    for ckpt, a in plan.order:
+      yield ckpt.record(a)
+
+  save_records(out, _checkpoint.SourcedRecords(records(), plan.source))
+  return plan

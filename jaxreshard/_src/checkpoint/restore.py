@@ -1,0 +1,205 @@
+"""Restore target ranks straight from a checkpoint, reading only what they need.
+
+The pipeline is the one ``reshard`` runs; the checkpoint answers validation
+from its index (no archive is read to plan), and the fetch step reads, for
+each source archive that overlaps the target, only the chunks of its packed
+buffers that the planned runs touch, straight into the target's buffers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.engine import pipeline as _pipeline
+from jaxreshard._src.engine import reshard as _reshard
+from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.checkpoint.reader import STAGING_BYTES, Checkpoint, allocate, open_checkpoint
+from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.core.placement import Migration
+from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.progress import ProgressCallback, Reporter, check_callback
+
+__all__ = ["disk_fetch", "restore", "restore_ranks"]
+
+
+def restore(directory: os.PathLike | str, *, world_size: int, rank: int,
+            progress: Optional[ProgressCallback] = None) -> ShardRecord:
+  """One target rank's archive, built from a checkpoint on disk.
+
+  Reads the checkpoint's index (the whole layout: placements, clocks), then
+  only the archives that overlap the target rank, and inside those only the
+  chunks covering the overlapping ranges, straight into the target's buffers.
+
+  Args:
+    directory: a checkpoint written by ``save_records``.
+    world_size: the target world size (every parameter).
+    rank: the target rank.
+    progress: called with a :class:`jaxreshard.Progress` once the rank is
+      built; it is also logged at DEBUG, the restore at INFO, to the
+      ``"jaxreshard"`` logger.
+
+  Returns:
+    The same record as ``reshard(load_records(directory), plan(..., world_size=world_size,
+    rank=rank))``.
+
+  Raises:
+    FileNotFoundError: ``directory`` does not exist.
+    ReshardError: every refusal of ``reshard`` (``PlacementError``,
+      ``ShapeError``) and every archive fault of ``load_records``.
+
+  Examples:
+    >>> import tempfile, os, jax.numpy as jnp, optax, jaxreshard as jr
+    >>> params = {"w": jnp.arange(10.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=4))
+    >>> target = restore(path, world_size=3, rank=1)
+    >>> target.placements[0].rank, target.state[0].mu["w"].shape
+    (1, (4,))
+  """
+  return restore_reported("restore", directory, [rank], world_size=world_size,
+                          progress=progress)[0]
+
+
+def restore_ranks(
+    directory: os.PathLike | str,
+    ranks: Sequence[int],
+    *,
+    world_size: int,
+    checkpoint: Optional[Checkpoint] = None,
+    progress: Optional[ProgressCallback] = None,
+) -> list[ShardRecord]:
+  """Several target ranks of one layout; the index is read and checked once.
+
+  Args:
+    directory: a checkpoint written by ``save_records``.
+    ranks: target ranks to build, in the order returned.
+    world_size: the target world size of every parameter.
+    checkpoint: ``open_checkpoint(directory)``, when the caller already has it
+      (its validated groups and archive metadata are reused).
+    progress: called with a :class:`jaxreshard.Progress` after each target
+      rank is built; each rank is also logged at DEBUG, the call at INFO, to
+      the ``"jaxreshard"`` logger.
+
+  Returns:
+    One ``ShardRecord`` per entry of ``ranks``.
+
+  Raises:
+    FileNotFoundError, ReshardError: as ``restore``; every target rank is
+      validated before any archive is read.
+
+  Examples:
+    >>> import tempfile, os, jax.numpy as jnp, optax, jaxreshard as jr
+    >>> params = {"w": jnp.arange(10.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=4))
+    >>> seen = []
+    >>> targets = jr.restore_ranks(path, [0, 1, 2], world_size=3, progress=seen.append)
+    >>> [(p.rank, p.done_bytes, p.total_bytes) for p in seen]   # mu and nu, float32
+    [(0, 32, 80), (1, 64, 80), (2, 80, 80)]
+  """
+  return restore_reported("restore_ranks", directory, ranks, world_size=world_size,
+                          checkpoint=checkpoint, progress=progress)
+
+
+def restore_reported(what: str, directory: Any, ranks: Sequence[int], *, world_size: int,
+                     checkpoint: Optional[Checkpoint] = None,
+                     progress: Optional[ProgressCallback] = None) -> list[ShardRecord]:
+  """``restore_ranks``, reporting as the public call ``what``."""
+  check_callback(progress)
+  ckpt = checkpoint if checkpoint is not None else open_checkpoint(directory)
+  with _pipeline.no_gc():  # no reference cycles are made; see no_gc
+    plans = [_reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=r)
+             for r in ranks]
+    validated = [_validated(ckpt, migrations) for migrations in plans]
+    sizes = [copied_bytes(groups) for groups in validated]
+    reporter = Reporter(what, progress, where=ckpt.directory, total=len(validated),
+                        total_bytes=sum(sizes), unit="rank")
+    out = []
+    for rank, groups, nbytes in zip(ranks, validated, sizes):
+      out.append(_pipeline.build(ckpt, groups, disk_fetch(ckpt, groups)))
+      reporter.step(nbytes, rank=rank)
+  reporter.finish()
+  return out
+
+
+def restore_plan(ckpt: Checkpoint, migrations: Sequence[Migration]) -> ShardRecord:
+  """One target rank from explicit migrations over a checkpoint's archives."""
+  groups = _validated(ckpt, migrations)
+  return _pipeline.build(ckpt, groups, disk_fetch(ckpt, groups))
+
+
+def _validated(ckpt: Checkpoint,
+               migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
+  groups = _pipeline.validate(ckpt, migrations)
+  if not groups:
+    raise PlacementError("no migrations: a target rank needs at least one parameter")
+  return groups
+
+
+def copied_bytes(groups: Sequence[_validate.SourceGroup]) -> int:
+  """The history bytes a target rank copies from its sources: owned elements, no padding."""
+  return sum((g.target.stop - g.target.start)
+             * sum(np.dtype(d).itemsize for _, d in _copyplan.history_buffers(g))
+             for g in groups)
+
+
+def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
+  """``(archive, dtype, (param, mirror))`` of the all-padding source buffers a target
+  rank checks: those of source ranks whose slots, in the global flat order, fall in
+  the target rank's own slots (the last target rank's also take everything after).
+
+  Together the target ranks of a layout check every all-padding source rank, each
+  rank mostly checking archives it reads anyway.
+  """
+  out = set()
+  for g in groups:
+    ss, count = g.source.slots, g.source.count
+    if not ss:
+      continue
+    t = g.target
+    lo = t.rank * t.slots
+    hi = (t.rank + 1) * t.slots if t.rank + 1 < t.world_size else ss * g.source.world_size
+    first = max(-(-count // ss), lo // ss)  # the first all-padding rank in the range
+    last = min(g.source.world_size, -(-hi // ss))
+    for k in range(first, last):
+      for m, dtype in _copyplan.history_buffers(g):
+        out.add((g.by_rank[k], np.dtype(dtype), (g.param, m)))
+  return out
+
+
+def disk_fetch(ckpt: Checkpoint,
+               groups: Sequence[_validate.SourceGroup] = ()) -> _pipeline.Fetch:
+  """Runs over packed buffers on disk: chunk spans read, checked and copied.
+
+  The padding of every source buffer the runs copy from must be zero bits, and
+  so must the all-padding source buffers that ``groups``' target rank checks
+  (``all_padding_sources``): data that contradicts the layout is refused.
+  """
+
+  def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
+    # Every involved archive's metadata and file sizes first: nothing is
+    # allocated for a checkpoint whose files cannot hold what it claims.
+    for archive, d in sorted(set(keys)):
+      ckpt.check_archive(archive)
+      ckpt.archive_meta(archive)
+      ckpt.open_buffer(archive, d).close()
+    # One scratch buffer for every read of this target rank, reused (warm pages).
+    scratch = np.empty(STAGING_BYTES, np.uint8)
+    out = {}
+    for dtype, r in runs.items():
+      buf = allocate(layout.sizes[dtype], dtype, f"target rank of {ckpt.directory}")
+      for sid in np.unique(r.source).tolist():
+        sel = r.source == sid
+        archive, d = keys[sid]
+        ckpt.read_runs(archive, d, r.src[sel], r.dst[sel], r.length[sel], buf, scratch)
+      out[dtype] = buf
+    ckpt.check_padding(all_padding_sources(groups), scratch)
+    return out
+
+  return fetch

@@ -1,0 +1,575 @@
+"""One flat buffer on disk: a zarr v3 array of one shard, a crc32c on every chunk.
+
+The file format is zarr v3's ``sharding_indexed`` codec, exactly as tensorstore
+and orbax read it (``zarr.json`` plus the shard ``c/0``): the buffer is cut
+into chunks of ``chunk`` elements (the last one zero-padded), each stored as
+its little-endian bytes followed by their crc32c; after them comes the shard
+index (per chunk: byte offset and length, uint64 little-endian) and its own
+crc32c. jaxreshard writes and reads these bytes itself: with one ``writev`` /
+``preadv`` per span of chunks straight from and into the caller's buffers,
+and a hardware crc32c, it runs at the speed of the page cache, which
+tensorstore's general read path does not (see ``benchmarks/README.md``).
+
+Reading trusts nothing: files are opened below a directory descriptor of the
+checkpoint without following symbolic links and must be regular files, the
+metadata must be exactly what this module writes, the file must have exactly
+the size that metadata implies, the index must be the one this module
+writes, and every chunk read is checked against its own crc32c and against the
+crc32c the archive's metadata recorded for it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import json
+import os
+import stat
+import threading
+from typing import Any, Optional, Sequence
+
+import google_crc32c
+import numpy as np
+
+from jaxreshard._src.exec import bitview as _bitview
+from jaxreshard._src.errors import ArchiveError
+
+__all__ = ["Dir", "OutDir", "ShardFile", "chunk_elements", "file_size", "json_bytes", "write_array",
+           "zarr_metadata"]
+
+CRC_BYTES = 4
+INDEX_ENTRY_BYTES = 16
+META_FILE = "zarr.json"
+SHARD_KEY = ("c", "0")
+MAX_META_BYTES = 1 << 16
+_IOV_MAX = 512  # iovecs per system call, well below Linux's 1024
+
+_ZARR_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
+                "float64": "float64"}
+
+
+def chunk_elements(size: int, itemsize: int, chunk_bytes: int) -> int:
+  """Elements per chunk for a buffer of ``size`` elements."""
+  return max(1, min(size, chunk_bytes // itemsize))
+
+
+def n_chunks(size: int, chunk: int) -> int:
+  return -(-size // chunk)
+
+
+def file_size(size: int, itemsize: int, chunk: int) -> int:
+  """Exact bytes of the shard file of a buffer of ``size`` elements."""
+  n = n_chunks(size, chunk)
+  return n * (chunk * itemsize + CRC_BYTES) + n * INDEX_ENTRY_BYTES + CRC_BYTES
+
+
+def zarr_metadata(size: int, dtype: np.dtype, chunk: int) -> dict:
+  """The ``zarr.json`` of a buffer: one shard holding every chunk."""
+  le = {"name": "bytes", "configuration": {"endian": "little"}}
+  return {
+      "zarr_format": 3,
+      "node_type": "array",
+      "shape": [size],
+      "data_type": _ZARR_DTYPES[np.dtype(dtype).name],
+      "chunk_grid": {"name": "regular", "configuration": {
+          "chunk_shape": [n_chunks(size, chunk) * chunk]}},
+      "chunk_key_encoding": {"name": "default"},
+      "fill_value": 0.0,
+      "codecs": [{"name": "sharding_indexed", "configuration": {
+          "chunk_shape": [chunk],
+          "codecs": [le, {"name": "crc32c"}],
+          "index_codecs": [le, {"name": "crc32c"}],
+          "index_location": "end",
+      }}],
+  }
+
+
+def _normalized(meta: Any) -> Any:
+  """``index_location: end`` is zarr's default; tensorstore leaves it out."""
+  try:
+    conf = meta["codecs"][0]["configuration"]
+    if isinstance(conf, dict):
+      conf.setdefault("index_location", "end")
+  except (KeyError, IndexError, TypeError):
+    pass
+  return meta
+
+
+def _crc(data: Any) -> int:
+  if not isinstance(data, (bytes, np.ndarray)):
+    data = np.frombuffer(data, np.uint8)  # the C implementation takes arrays, not memoryviews
+  return google_crc32c.value(data)
+
+
+class _Syncer:
+  """Fsyncs handed-over descriptors on a few threads, then closes them.
+
+  Files are fsync'ed while the writer goes on writing the next ones, and
+  concurrent fsyncs share the file system's journal commits, so a checkpoint
+  of many small files costs a few commits instead of one per file. At most
+  ``limit`` descriptors wait at a time. :meth:`drain` waits for every fsync
+  and raises the first failure, naming its file.
+  """
+
+  def __init__(self, threads: int = 8, limit: int = 64):
+    self._pool = concurrent.futures.ThreadPoolExecutor(threads, "jaxreshard-fsync")
+    self._slots = threading.BoundedSemaphore(limit)
+    self._pending: list[concurrent.futures.Future] = []
+
+  def submit(self, fd: int, path: str) -> None:
+    self._slots.acquire()
+    try:
+      self._pending.append(self._pool.submit(self._sync, fd, path))
+    except BaseException:
+      os.close(fd)
+      self._slots.release()
+      raise
+    if len(self._pending) > 1024:  # keep the list short: collect what finished
+      done = [f for f in self._pending if f.done()]
+      self._pending = [f for f in self._pending if not f.done()]
+      for f in done:
+        f.result()
+
+  def _sync(self, fd: int, path: str) -> None:
+    try:
+      os.fsync(fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, path) from None
+    finally:
+      os.close(fd)
+      self._slots.release()
+
+  def drain(self) -> None:
+    """Waits for every fsync handed over; raises the first that failed."""
+    pending, self._pending = self._pending, []
+    error = None
+    for f in pending:
+      try:
+        f.result()
+      except OSError as e:
+        error = error or e
+    if error is not None:
+      raise error
+
+  def shutdown(self) -> None:
+    """Waits for every fsync (failures ignored: the caller is failing already)."""
+    try:
+      self.drain()
+    except OSError:
+      pass
+    self._pool.shutdown(wait=True)
+
+
+class OutDir:
+  """A directory being written, held by its descriptor: every name is created below it.
+
+  The directory is opened once (``O_DIRECTORY | O_NOFOLLOW``); files and
+  subdirectories are created relative to that descriptor (``openat``,
+  ``mkdirat``, never following a symbolic link), so a rename or replacement of
+  its path while it is written cannot redirect a single byte. With ``durable``
+  every file is fsync'ed once written, and :meth:`sync` fsyncs the directory
+  itself (its entries), which the writer calls once a directory is complete;
+  the fsyncs run in the background, and :meth:`drain` on the directory that was
+  opened (the root of what is written) waits for all of them.
+  """
+
+  def __init__(self, fd: int, path: str, durable: bool = True,
+               syncer: Optional[_Syncer] = None):
+    self.fd, self.path, self.durable = fd, path, durable
+    self._own_syncer = durable and syncer is None
+    self._syncer = (_Syncer() if self._own_syncer else syncer) if durable else None
+
+  @classmethod
+  def open(cls, path: str, durable: bool = True) -> "OutDir":
+    """Holds the existing directory ``path``."""
+    try:
+      fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, path) from None
+    return cls(fd, path, durable)
+
+  def drain(self) -> None:
+    """Waits until every file and directory handed over below this one is fsync'ed.
+
+    Raises:
+      OSError: an fsync failed (``filename`` is its file).
+    """
+    if self._syncer is not None:
+      self._syncer.drain()
+
+  def close(self) -> None:
+    """Closes the directory; the one that was opened first waits for its fsyncs."""
+    if self.fd >= 0:
+      os.close(self.fd)
+      self.fd = -1
+    if self._own_syncer:
+      self._syncer.shutdown()
+      self._own_syncer = False
+
+  def __enter__(self) -> "OutDir":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def mkdir(self, name: str) -> "OutDir":
+    """Creates the subdirectory ``name`` and holds it."""
+    path = os.path.join(self.path, name)
+    try:
+      os.mkdir(name, 0o777, dir_fd=self.fd)
+      fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   dir_fd=self.fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, path) from None
+    return OutDir(fd, path, self.durable, self._syncer)
+
+  def create(self, name: str) -> int:
+    """A new file ``name`` (never an existing one or a link), open for writing."""
+    try:
+      return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644, dir_fd=self.fd)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
+
+  def finish(self, fd: int, name: str) -> None:
+    """Hands a written file over to be fsync'ed and closed (closes it when not durable)."""
+    if self._syncer is None:
+      os.close(fd)
+    else:
+      self._syncer.submit(fd, os.path.join(self.path, name))
+
+  def write_bytes(self, name: str, data: bytes) -> None:
+    """Writes ``data`` as the new file ``name``; errors name the file."""
+    fd = self.create(name)
+    try:
+      _writev(fd, [data])
+    except OSError as e:  # a full disk reports itself without the file's name
+      os.close(fd)
+      raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
+    self.finish(fd, name)
+
+  def write_json(self, name: str, obj: Any) -> None:
+    """Writes ``obj`` as compact JSON into the new file ``name``."""
+    self.write_bytes(name, json_bytes(obj))
+
+  def sync(self) -> None:
+    """Hands the directory's own entries over to be fsync'ed (when durable)."""
+    if self._syncer is not None:
+      self._syncer.submit(os.dup(self.fd), self.path)
+
+
+def json_bytes(obj: Any) -> bytes:
+  """``obj`` as the compact JSON bytes jaxreshard writes."""
+  # json.dumps, not json.dump: only the former uses the C encoder.
+  return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+def write_array(directory: "OutDir | str", name: str, data: np.ndarray, chunk: int) -> list[int]:
+  """Writes ``data`` (1-D, non-empty) as the zarr array ``directory/name``.
+
+  ``directory`` is a held :class:`OutDir` (or a path, held for this call); the
+  array's files and subdirectories are fsync'ed when it is durable.
+
+  Returns:
+    The crc32c of every chunk, for the archive's metadata.
+  """
+  if not isinstance(directory, OutDir):
+    with OutDir.open(directory) as held:
+      return write_array(held, name, data, chunk)
+  data = np.ascontiguousarray(data).reshape(-1)
+  size, itemsize = data.size, data.dtype.itemsize
+  with directory.mkdir(name) as adir:
+    adir.write_json(META_FILE, zarr_metadata(size, data.dtype, chunk))
+    with adir.mkdir(SHARD_KEY[0]) as cdir:
+      raw = memoryview(data.view(np.uint8))
+      fd = cdir.create(SHARD_KEY[1])
+      try:
+        crcs = _write_chunks(fd, raw, size, itemsize, chunk)
+      except OSError as e:  # a full disk or a quota: say which file
+        os.close(fd)
+        raise OSError(e.errno, e.strerror, os.path.join(cdir.path, SHARD_KEY[1])) from None
+      cdir.finish(fd, SHARD_KEY[1])
+      cdir.sync()
+    adir.sync()
+  return crcs
+
+
+def _write_chunks(fd: int, raw: memoryview, size: int, itemsize: int, chunk: int) -> list[int]:
+  """Writes every chunk, its crc32c and the shard index; returns the chunks' crc32c."""
+  cb = chunk * itemsize
+  n = n_chunks(size, chunk)
+  tail = bytes(n * cb - size * itemsize)  # zero padding of the last chunk
+  crcs, iov = [], []
+  index = np.empty((n, 2), "<u8")
+  for i in range(n):
+    part = raw[i * cb:(i + 1) * cb]
+    crc = _crc(part)
+    if i == n - 1 and tail:
+      crc = google_crc32c.extend(crc, tail)
+      iov += [part, tail]
+    else:
+      iov.append(part)
+    crcs.append(crc)
+    iov.append(crc.to_bytes(4, "little"))
+    index[i] = (i * (cb + CRC_BYTES), cb + CRC_BYTES)
+    if len(iov) >= _IOV_MAX:
+      _writev(fd, iov)
+      iov = []
+  index_bytes = index.tobytes()
+  iov += [index_bytes, _crc(index_bytes).to_bytes(4, "little")]
+  _writev(fd, iov)
+  return crcs
+
+
+def _writev(fd: int, iov: list) -> None:
+  total = sum(len(b) for b in iov)
+  done = os.writev(fd, iov)
+  while done < total:  # a short write: finish the rest
+    rest, skip = [], done
+    for b in iov:
+      b = memoryview(b)
+      if skip >= len(b):
+        skip -= len(b)
+        continue
+      rest.append(b[skip:])
+      skip = 0
+    iov, total = rest, total - done
+    done = os.writev(fd, iov)
+
+
+# --- reading ------------------------------------------------------------------
+
+
+class Dir:
+  """A directory of the checkpoint, open as a descriptor; names never leave it.
+
+  Every open goes through ``openat`` with ``O_NOFOLLOW``: a symbolic link
+  anywhere below the checkpoint root is refused, and so is anything that is
+  not a directory (for :meth:`dir`) or a regular file (for :meth:`file`).
+  """
+
+  def __init__(self, fd: int, path: str):
+    self.fd, self.path = fd, path
+
+  @classmethod
+  def root(cls, path: str) -> "Dir":
+    """Opens the checkpoint directory itself (a user's path may be a link)."""
+    try:
+      fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+      raise FileNotFoundError(f"checkpoint directory {path} does not exist") from None
+    except NotADirectoryError:
+      raise ArchiveError(f"{path} is not a directory, so not a jaxreshard checkpoint") from None
+    return cls(fd, path)
+
+  def close(self) -> None:
+    if self.fd >= 0:
+      os.close(self.fd)
+      self.fd = -1
+
+  def __enter__(self) -> "Dir":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _open(self, name: str, flags: int, what: str) -> int:
+    path = os.path.join(self.path, name)
+    if self.fd < 0:
+      raise ArchiveError(f"{path}: the checkpoint was closed; open it again to read it")
+    try:
+      return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+    except FileNotFoundError:
+      raise ArchiveError(f"{path} is missing") from None
+    except NotADirectoryError:
+      if self._is_link(name):  # O_DIRECTORY on a link fails with ENOTDIR, not ELOOP
+        raise ArchiveError(f"{path} is a symbolic link; every {what} of a checkpoint must"
+                           " lie inside it as a regular entry") from None
+      raise ArchiveError(f"{path} is not a directory") from None
+    except OSError as e:
+      if e.errno == errno.ELOOP:
+        raise ArchiveError(f"{path} is a symbolic link; every {what} of a checkpoint must"
+                           " lie inside it as a regular entry") from None
+      if e.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket or a device
+        raise ArchiveError(f"{path} is not a regular file") from None
+      raise OSError(e.errno, e.strerror, path) from None
+
+  def _is_link(self, name: str) -> bool:
+    try:
+      return stat.S_ISLNK(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
+    except OSError:
+      return False
+
+  def dir(self, name: str) -> "Dir":
+    return Dir(self._open(name, os.O_RDONLY | os.O_DIRECTORY, "directory"),
+               os.path.join(self.path, name))
+
+  def exists(self, name: str) -> bool:
+    try:
+      os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+      return True
+    except FileNotFoundError:
+      return False
+
+  def file(self, name: str) -> tuple[int, os.stat_result]:
+    """Opens a regular file for reading; returns the descriptor and its stat."""
+    # O_NONBLOCK: opening a FIFO must not wait for a writer.
+    fd = self._open(name, os.O_RDONLY | os.O_NONBLOCK, "file")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      os.close(fd)
+      raise ArchiveError(f"{os.path.join(self.path, name)} is not a regular file")
+    return fd, st
+
+  def read_bytes(self, name: str, max_bytes: int) -> bytes:
+    """A small file's bytes, refused beyond ``max_bytes``."""
+    fd, st = self.file(name)
+    path = os.path.join(self.path, name)
+    try:
+      if st.st_size > max_bytes:
+        raise ArchiveError(f"{path} has {st.st_size} bytes, more than its metadata can have"
+                           f" ({max_bytes})")
+      data = os.pread(fd, min(st.st_size, max_bytes) + 1, 0)
+    finally:
+      os.close(fd)
+    if len(data) > st.st_size:
+      raise ArchiveError(f"{path} grew while it was read")
+    return data
+
+  def read_json(self, name: str, max_bytes: int) -> Any:
+    """A small JSON file, refused beyond ``max_bytes``; strict parsing."""
+    data = self.read_bytes(name, max_bytes)
+    path = os.path.join(self.path, name)
+    try:
+      text = data.decode("utf-8")
+    except UnicodeDecodeError:
+      raise ArchiveError(f"{path} is not UTF-8 JSON") from None
+    from jaxreshard._src.checkpoint.encoding import loads  # pylint: disable=g-import-not-at-top
+
+    return loads(text, path)
+
+
+class ShardFile:
+  """An open buffer file, checked against the metadata that describes it.
+
+  Attributes:
+    size: elements; dtype; chunk: elements per chunk; crcs: the crc32c of
+    every chunk as the archive's metadata recorded them.
+  """
+
+  def __init__(self, parent: Dir, name: str, size: int, dtype: np.dtype, chunk: int,
+               crcs: Sequence[int], label: str = ""):
+    self.size, self.dtype, self.chunk = size, np.dtype(dtype), chunk
+    self.crcs = list(crcs)
+    # Messages name what the file is (``label``, e.g. "archive 3") and its path.
+    self.path = (f"{label} " if label else "") + os.path.join(parent.path, name)
+    self.n = n_chunks(size, chunk)
+    self.chunk_bytes = chunk * self.dtype.itemsize
+    self.stride = self.chunk_bytes + CRC_BYTES
+    if len(self.crcs) != self.n:
+      raise ArchiveError(f"{self.path}: the archive records {len(self.crcs)} chunk checksums"
+                         f" for {self.n} chunks")
+    with parent.dir(name) as d:
+      meta = _normalized(d.read_json(META_FILE, MAX_META_BYTES))
+      if meta != zarr_metadata(size, self.dtype, chunk):
+        raise ArchiveError(
+            f"{self.path}/{META_FILE} does not describe {self.dtype.name}[{size}] in chunks of"
+            f" {chunk} as jaxreshard writes it (codecs, key encoding and chunking must match)")
+      with d.dir(SHARD_KEY[0]) as c:
+        self.fd, st = c.file(SHARD_KEY[1])
+    try:  # a refused file is closed here: its caller never holds it
+      expected = file_size(size, self.dtype.itemsize, chunk)
+      if st.st_size != expected:
+        raise ArchiveError(
+            f"{self.path}/c/0 has {st.st_size} bytes but its metadata ({self.dtype.name}[{size}],"
+            f" chunks of {chunk}) needs {expected}; the file is truncated or not from this"
+            " checkpoint")
+      self._check_index()
+    except BaseException:
+      self.close()
+      raise
+
+  def close(self) -> None:
+    if getattr(self, "fd", -1) >= 0:
+      os.close(self.fd)
+      self.fd = -1
+
+  def _pread(self, n: int, offset: int) -> bytes:
+    try:
+      data = os.pread(self.fd, n, offset)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, self.path) from None
+    if len(data) != n:
+      raise ArchiveError(f"{self.path}/c/0 ended early (truncated while read)")
+    return data
+
+  def _check_index(self) -> None:
+    nbytes = self.n * INDEX_ENTRY_BYTES
+    raw = self._pread(nbytes + CRC_BYTES, self.n * self.stride)
+    if _crc(raw[:nbytes]) != int.from_bytes(raw[nbytes:], "little"):
+      raise ArchiveError(f"{self.path}/c/0: the shard index fails its crc32c (corrupted)")
+    index = np.frombuffer(raw[:nbytes], "<u8").reshape(self.n, 2)
+    expected = np.stack([np.arange(self.n, dtype=np.uint64) * self.stride,
+                         np.full(self.n, self.stride, np.uint64)], axis=1)
+    if not np.array_equal(index, expected):
+      raise ArchiveError(f"{self.path}/c/0: the shard index does not lay chunks out as"
+                         " jaxreshard writes them")
+
+  def _verify(self, first: int, views: Sequence[memoryview], crcs: Sequence[bytes]) -> None:
+    for k, (data, stored) in enumerate(zip(views, crcs)):
+      i = first + k
+      actual = _crc(data)
+      if actual != int.from_bytes(stored, "little") or actual != self.crcs[i]:
+        raise ArchiveError(
+            f"{self.path}/c/0: chunk {i} fails its crc32c check (the file is corrupted or"
+            " not the one this archive's metadata describes)")
+
+  def read_chunks(self, first: int, count: int, into: np.ndarray) -> np.ndarray:
+    """Reads chunks ``[first, first + count)`` into ``into`` (uint8, reused scratch).
+
+    Returns:
+      A ``(count, chunk)`` unsigned-integer view of the chunks' elements, every
+      chunk checked against its crc32c first.
+    """
+    span = memoryview(into)[:count * self.stride]
+    try:
+      got = os.preadv(self.fd, [span], first * self.stride)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, self.path) from None
+    if got != len(span):
+      raise ArchiveError(f"{self.path}/c/0 ended early (truncated while read)")
+    rows = into[:count * self.stride].reshape(count, self.stride)
+    self._verify(first, [memoryview(r[:self.chunk_bytes]) for r in rows],
+                 [bytes(r[self.chunk_bytes:]) for r in rows])
+    return rows[:, :self.chunk_bytes].view(_bitview.UINT[self.dtype.itemsize])
+
+  def read_all(self, out: np.ndarray) -> None:
+    """Reads the whole buffer straight into ``out`` (``size`` elements, this dtype)."""
+    raw = memoryview(out.reshape(-1).view(np.uint8))
+    tail = bytearray(self.n * self.chunk_bytes - self.size * self.dtype.itemsize)
+    crcs = [bytearray(CRC_BYTES) for _ in range(self.n)]
+    for lo in range(0, self.n, _IOV_MAX // 3):
+      hi = min(self.n, lo + _IOV_MAX // 3)
+      iov, views = [], []
+      for i in range(lo, hi):
+        part = raw[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]
+        iov.append(part)
+        if i == self.n - 1 and tail:
+          iov.append(tail)
+        iov.append(crcs[i])
+        views.append(part)
+      want = sum(len(b) for b in iov)
+      try:
+        got = os.preadv(self.fd, iov, lo * self.stride)
+      except OSError as e:
+        raise OSError(e.errno, e.strerror, self.path) from None
+      if got != want:
+        raise ArchiveError(f"{self.path}/c/0 ended early (truncated while read)")
+      for k, i in enumerate(range(lo, hi)):
+        actual = _crc(views[k])
+        if i == self.n - 1 and tail:
+          actual = google_crc32c.extend(actual, bytes(tail))
+        if actual != int.from_bytes(crcs[i], "little") or actual != self.crcs[i]:
+          raise ArchiveError(
+              f"{self.path}/c/0: chunk {i} fails its crc32c check (the file is corrupted or"
+              " not the one this archive's metadata describes)")

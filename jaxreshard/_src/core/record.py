@@ -1,0 +1,64 @@
+"""``ShardRecord``: one rank's self-describing optimizer archive."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+
+from jaxreshard._src.core.placement import ParamPlacement
+
+__all__ = ["ShardRecord", "RECORD_VERSION"]
+
+# The version of a ShardRecord's in-memory layout (``ShardRecord.version``), not of
+# the files on disk: that is ``_checkpoint.FORMAT_VERSION``.
+RECORD_VERSION = 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ShardRecord:
+  """One rank's archive: placements, optax state and the role of each leaf.
+
+  Attributes:
+    version: record format version; only ``1`` exists.
+    placements: one entry per parameter this archive knows, sorted by param.
+    state: the rank's optax state, structured as ``optimizer.init(local_params)``
+      where every params leaf is replaced by its ``(slots,)`` shard.
+    roles: for each leaf of ``state`` (``jax.tree.leaves`` order), the param id
+      whose history buffer it is, or ``None`` for a scalar of the optimizer
+      clock. Found with ``optax.tree_map_params`` when the record is made, so
+      nothing downstream needs the optimizer. ``None`` (a record built by
+      hand) means: infer it (0-d leaves are scalars, others are histories of
+      the listed parameter whose key path ends the leaf's path).
+
+  A record is a pytree whose only children are the arrays of ``state``.
+  """
+
+  version: int = dataclasses.field(metadata=dict(static=True))
+  placements: tuple[ParamPlacement, ...] = dataclasses.field(metadata=dict(static=True))
+  state: Any
+  roles: Optional[tuple[Optional[str], ...]] = dataclasses.field(
+      default=None, metadata=dict(static=True)
+  )
+
+  def __post_init__(self):
+    object.__setattr__(self, "placements", tuple(self.placements))
+    if self.roles is not None:
+      object.__setattr__(self, "roles", tuple(self.roles))
+
+  def placement(self, param: str) -> Optional[ParamPlacement]:
+    """The entry for ``param``, or None when this archive does not list it."""
+    index = self.__dict__.get("_placement_index")
+    if index is None:  # placements are frozen: index them once, not per lookup
+      index = {}
+      for p in self.placements:
+        index.setdefault(getattr(p, "param", None), p)
+      object.__setattr__(self, "_placement_index", index)
+    return index.get(param)
+
+  @property
+  def params(self) -> tuple[str, ...]:
+    """Param ids this archive lists, in placement order."""
+    return tuple(p.param for p in self.placements)

@@ -1,0 +1,473 @@
+"""Every refusal of a migration, checked before any byte is copied.
+
+The checks read *sources*: anything that answers, per archive index, which
+placement it lists for a parameter, the parameter's history (per optimizer
+subtree: a buffer with ``.shape``/``.dtype``, ``MASKED`` or None) and the class
+of its optimizer clock. Archives in memory and checkpoints on disk both
+answer them (``_sources``, ``_checkpoint``), so every path refuses the same
+inputs with the same words.
+
+The source side of a group (shapes, ranks, dtypes, histories, clock) does not
+depend on the target; it is checked once per (param, sources) and cached by
+the sources object. Only the target geometry is checked per call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Optional, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
+from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.core.placement import SUPPORTED_DTYPES, Migration, ParamPlacement
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+
+__all__ = [
+    "SourceFacts",
+    "SourceGroup",
+    "Sources",
+    "check_archive",
+    "check_buffer_dtype",
+    "not_listed",
+    "check_storage_dtype",
+    "ClockClasses",
+    "clock_mismatch",
+    "source_facts",
+]
+
+_SUPPORTED = frozenset(np.dtype(jnp.dtype(n)) for n in SUPPORTED_DTYPES)
+
+
+def check_storage_dtype(dtype: Any, where: str) -> None:
+  if not (isinstance(dtype, np.dtype) and dtype in _SUPPORTED):
+    raise DtypeError(
+        f"{where}: storage dtype {dtype} is not one of {', '.join(SUPPORTED_DTYPES)}")
+
+
+def check_buffer_dtype(dtype: Any, where: str) -> None:
+  """History buffers must be floating: integer, bool and quantized state is refused."""
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    raise ShapeError(f"{where}: history buffer dtype {dtype!r} is not a dtype") from None
+  if dtype in _SUPPORTED:
+    return
+  if dtype.name == "float64" and jax.config.jax_enable_x64:
+    return
+  hint = " (enable jax_enable_x64 to keep float64 exact)" if dtype.name == "float64" else ""
+  raise ShapeError(
+      f"{where}: history buffer dtype {dtype.name} is not a floating dtype jaxreshard copies"
+      f" ({', '.join(SUPPORTED_DTYPES)}){hint}")
+
+
+def _params_of(record: ShardRecord, limit: int = 3) -> str:
+  """``params 'a', 'b', ... (N in all)``: names a whole archive's parameters briefly."""
+  ids = [getattr(p, "param", p) for p in record.placements]
+  if not ids:
+    return "no params listed"
+  shown = ", ".join(repr(i) for i in ids[:limit])
+  more = f", ... ({len(ids)} in all)" if len(ids) > limit else ""
+  return f"param {shown}" if len(ids) == 1 else f"params {shown}{more}"
+
+
+def check_is_record(record: Any, where: str) -> None:
+  if not isinstance(record, ShardRecord):
+    raise PlacementError(f"{where}: expected a ShardRecord, got {type(record).__name__}")
+
+
+def check_archive(index: int, record: Any) -> tuple[_structure.StateParts, dict[str, ParamPlacement]]:
+  """One archive on its own: its type, version, placements and histories.
+
+  Returns:
+    Its anatomy and its placements by param id.
+  """
+  check_is_record(record, f"archive {index}")
+  if record.version != RECORD_VERSION:
+    raise PlacementError(
+        f"{_params_of(record)}: archive {index} has record version {record.version!r},"
+        f" which is not supported (only version {RECORD_VERSION} exists)")
+  placements: dict[str, ParamPlacement] = {}
+  for p in record.placements:
+    if not isinstance(p, ParamPlacement):
+      raise PlacementError(f"archive {index}: placement {p!r} is not a ParamPlacement")
+    if p.param in placements:
+      raise PlacementError(f"param {p.param!r}: archive {index} lists it twice")
+    placements[p.param] = p
+  try:
+    anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
+  except _structure.StatePartsError as e:
+    raise PlacementError(f"archive {index}: {e}") from None
+  for pid in sorted(anatomy.param_set() - set(placements)):
+    raise PlacementError(
+        f"param {pid!r}: archive {index} holds a history for it but does not list it"
+        " in its placements")
+  return anatomy, placements
+
+
+class Sources(Protocol):
+  """What validation reads of a list of source archives."""
+
+  def __len__(self) -> int: ...
+  def placement(self, archive: int, pid: str) -> Optional[ParamPlacement]: ...
+  def history(self, archive: int, pid: str) -> tuple[Any, ...]: ...
+  def clock_class(self, archive: int) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFacts:
+  """The validated source side of one parameter's group; no target yet."""
+
+  param: str
+  shape: tuple[int, ...]
+  source: FlatShard  # rank 0 of the source layout (slots, count)
+  by_rank: tuple[int, ...]  # archive index holding each original rank
+  dtype: np.dtype
+  trainable: bool
+  history: tuple[Any, ...]  # per mirror: MASKED, None (absent) or True (a buffer)
+  buffer_dtypes: tuple[Optional[np.dtype], ...]  # per mirror: the buffer's dtype
+  clock: int  # clock class shared by every source
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceGroup:
+  """A validated migration: the target geometry and its sources' facts."""
+
+  migration: Migration
+  target: FlatShard
+  facts: SourceFacts
+
+  @property
+  def param(self) -> str:
+    return self.facts.param
+
+  @property
+  def source(self) -> FlatShard:
+    return self.facts.source
+
+  @property
+  def by_rank(self) -> tuple[int, ...]:
+    return self.facts.by_rank
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self.facts.dtype
+
+  @property
+  def trainable(self) -> bool:
+    return self.facts.trainable
+
+  @property
+  def history(self) -> tuple[Any, ...]:
+    return self.facts.history
+
+  @property
+  def buffer_dtypes(self) -> tuple[Optional[np.dtype], ...]:
+    return self.facts.buffer_dtypes
+
+
+# A spelling with more than this many ``/`` is only tried as one key and as
+# separate keys, not in every grouping (2^k of them).
+_MAX_GROUPED_SEPARATORS = 10
+
+
+def _spellings(pid: str) -> Iterable[str]:
+  """The ids ``pid`` may have been meant as, read as a key path written unescaped.
+
+  ``pid`` is unescaped in full, then split at every ``/`` and its pieces
+  grouped into keys in each way (``dense/b`` is the keys ``dense``, ``b`` or
+  the one key ``dense/b``: the ids ``dense/b`` and ``dense%2Fb``).
+  """
+  pieces = "/".join(_structure.split_id(pid)).split("/")
+  gaps = len(pieces) - 1
+  masks = (range(2**gaps) if gaps <= _MAX_GROUPED_SEPARATORS else (0, 2**gaps - 1))
+  for mask in masks:  # bit j set: gap j separates two keys
+    keys, key = [], pieces[0]
+    for j, piece in enumerate(pieces[1:]):
+      if mask >> j & 1:
+        keys.append(key)
+        key = piece
+      else:
+        key = f"{key}/{piece}"
+    keys.append(key)
+    candidate = "/".join(_structure.escape(k) for k in keys)
+    if candidate != pid:
+      yield candidate
+
+
+def not_listed(pid: str, archive: int, src: Sources) -> PlacementError:
+  """The refusal of a source archive that does not list ``pid``.
+
+  When the archive lists the same key path spelled with its escaping (a
+  ``/`` inside a key is ``%2F``, a ``%`` is ``%25``), the refusal says which.
+  """
+  hint = ""
+  for candidate in _spellings(pid):
+    if src.placement(archive, candidate) is not None:
+      hint = f"; did you mean {candidate!r}? (a / inside a key is written %2F, a % is %25)"
+      break
+  return PlacementError(f"param {pid!r}: source archive {archive} does not list it{hint}")
+
+
+def _is_buffer(h: Any) -> bool:
+  return h is not None and h is not _structure.MASKED
+
+
+def _pattern(hist: Sequence[Any]) -> tuple[Any, ...]:
+  return tuple(True if _is_buffer(h) else h for h in hist)
+
+
+def source_facts(pid: str, sources: tuple[int, ...], src: Sources) -> SourceFacts:
+  """Checks one parameter's source group, one rule at a time, naming the culprit.
+
+  Raises:
+    PlacementError: a source that does not list the parameter, disagreeing
+      shapes, world sizes, dtypes, trainability or histories, an incomplete
+      group, a repeated rank, or different optimizer clocks.
+    ShapeError: a history buffer of the wrong shape or precision.
+  """
+  entries: list[tuple[int, ParamPlacement]] = []
+  for s in sources:
+    p = src.placement(s, pid)
+    if p is None:
+      raise not_listed(pid, s, src)
+    entries.append((s, p))
+  first_index, first = entries[0]
+  for s, p in entries:
+    if p.shape != first.shape:
+      raise PlacementError(
+          f"param {pid!r}: archive {s} has logical shape {p.shape} but archive"
+          f" {first_index} has {first.shape}")
+  for s, p in entries:
+    try:
+      FlatShard(p.shape, p.rank, p.world_size)
+    except PlacementError as e:
+      raise PlacementError(f"param {pid!r}: archive {s}: {e}") from None
+  world = first.world_size
+  by_rank: dict[int, int] = {}
+  for s, p in entries:
+    if p.world_size != world:
+      raise PlacementError(
+          f"param {pid!r}: archive {s} has world_size {p.world_size} but archive"
+          f" {first_index} has {world}; these archives are not one group")
+    if p.rank in by_rank:
+      raise PlacementError(
+          f"param {pid!r}: archives {by_rank[p.rank]} and {s} both hold rank {p.rank}"
+          f" of world_size {world}")
+    by_rank[p.rank] = s
+  if len(by_rank) != world:
+    missing = sorted(set(range(world)) - set(by_rank))
+    raise PlacementError(
+        f"param {pid!r}: {len(by_rank)} source archives for world_size {world};"
+        f" ranks {missing} are missing (archives {list(sources)})")
+  for s, p in entries:
+    check_storage_dtype(p.dtype, f"param {pid!r}: archive {s}")
+    if p.dtype != first.dtype:
+      raise DtypeError(
+          f"param {pid!r}: archive {s} stores it as {p.dtype} but archive"
+          f" {first_index} as {first.dtype}")
+    if bool(p.trainable) != bool(first.trainable):
+      raise PlacementError(
+          f"param {pid!r}: archive {s} has trainable={p.trainable} but archive"
+          f" {first_index} has trainable={first.trainable}")
+  source = FlatShard(first.shape, 0, world)
+  buffer_dtypes = _check_histories(pid, entries, src, source)
+  clock = _check_clocks(pid, [s for s, _ in entries], src)
+  return SourceFacts(
+      param=pid, shape=first.shape, source=source,
+      by_rank=tuple(by_rank[r] for r in range(world)), dtype=first.dtype,
+      trainable=bool(first.trainable), history=_pattern(src.history(first_index, pid)),
+      buffer_dtypes=buffer_dtypes, clock=clock)
+
+
+def uniform_facts(pid: str, sources: tuple[int, ...], src: Any) -> SourceFacts:
+  """The facts of a group whose archives are interchangeable (see ``_sources``).
+
+  Archive ``r`` of ``sources`` holds rank ``r``; every archive has the same
+  placements, buffer shapes and dtypes, structure and clock, so the checks of
+  :func:`source_facts` reduce to those of one archive.
+  """
+  a0 = sources[0]
+  p = src.placement(a0, pid)
+  if p is None:
+    raise not_listed(pid, a0, src)
+  check_storage_dtype(p.dtype, f"param {pid!r}: archive {a0}")
+  source = FlatShard.checked(p.shape, 0, p.world_size)
+  hist = src.history(a0, pid)
+  dtypes = []
+  for m, h in enumerate(hist):
+    if not _is_buffer(h):
+      dtypes.append(None)
+      continue
+    where = f"param {pid!r}: archive {a0}, history buffer {m}"
+    if tuple(np.shape(h)) != (source.slots,):
+      raise ShapeError(
+          f"{where} has shape {tuple(np.shape(h))}, not ({source.slots},) of its flat"
+          f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
+          " optimizer state (factored or matrix statistics) cannot be resharded")
+    check_buffer_dtype(h.dtype, where)
+    dtypes.append(np.dtype(h.dtype))
+  return SourceFacts(param=pid, shape=p.shape, source=source, by_rank=sources, dtype=p.dtype,
+                     trainable=bool(p.trainable), history=_pattern(hist),
+                     buffer_dtypes=tuple(dtypes), clock=src.clock_class(a0))
+
+
+def _check_histories(pid, entries, src: Sources, source: FlatShard) -> tuple[Any, ...]:
+  first_index = entries[0][0]
+  first_hist = src.history(first_index, pid)
+  n_first = sum(map(_is_buffer, first_hist))
+  pattern = _pattern(first_hist)
+  for s, _ in entries:
+    hist = src.history(s, pid)
+    n = sum(map(_is_buffer, hist))
+    if n != n_first:
+      raise PlacementError(
+          f"param {pid!r}: archive {s} holds {n} history buffers but archive"
+          f" {first_index} holds {n_first}")
+    if _pattern(hist) != pattern:
+      raise PlacementError(
+          f"param {pid!r}: its history is present in some optimizer subtrees of"
+          f" archive {s} and absent from them in archive {first_index}")
+  dtypes = []
+  for m, h0 in enumerate(first_hist):
+    if not _is_buffer(h0):
+      dtypes.append(None)
+      continue
+    dtype0 = np.dtype(h0.dtype)
+    for s, _ in entries:
+      buf = src.history(s, pid)[m]
+      where = f"param {pid!r}: archive {s}, history buffer {m}"
+      if tuple(np.shape(buf)) != (source.slots,):
+        raise ShapeError(
+            f"{where} has shape {tuple(np.shape(buf))}, not ({source.slots},) of its flat"
+            f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
+            " optimizer state (factored or matrix statistics) cannot be resharded")
+      check_buffer_dtype(buf.dtype, where)
+      if np.dtype(buf.dtype) != dtype0:
+        raise ShapeError(
+            f"{where} has dtype {np.dtype(buf.dtype).name} but archive {first_index}"
+            f" has {dtype0.name}")
+    dtypes.append(dtype0)
+  return tuple(dtypes)
+
+
+def _check_clocks(pid: str, archives: Sequence[int], src: Any) -> int:
+  ref = archives[0]
+  clock = src.clock_class(ref)
+  for s in archives[1:]:
+    if src.clock_class(s) != clock:
+      raise PlacementError(clock_mismatch(src, s, ref, pid))
+  return clock
+
+
+def clock_mismatch(src: Any, a: int, b: int, pid: Optional[str] = None) -> str:
+  """Words the refusal of archives ``a`` and ``b``, whose optimizer clocks differ."""
+  name = f"param {pid!r}: " if pid is not None else ""
+  sa, sb = src.skeleton(a), src.skeleton(b)
+  if sa != sb:
+    return (f"{name}archive {a} has optimizer state structure {sa[0]} but archive"
+            f" {b} has {sb[0]}; these archives are not one checkpoint")
+  paths = _structure.clock_paths(sa[0], [slot is None for slot in sa[1]])
+  for path, x, y in zip(paths, src.scalars(a), src.scalars(b)):
+    if scalar_bits(x) != scalar_bits(y):
+      return (f"{name}archive {a} has clock scalar {path} = {plain(x)!r} but archive {b} has"
+              f" {plain(y)!r}; these archives are not one checkpoint")
+  return f"{name}archives {a} and {b} have different optimizer clocks; not one checkpoint"
+
+
+def plain(x: Any) -> Any:
+  """A clock leaf as numpy; typed PRNG keys (``noisy_sgd``) as their key data."""
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return np.asarray(jax.random.key_data(x))
+  return np.asarray(x)
+
+
+def scalar_bits(x: Any) -> tuple[Any, ...]:
+  """What must agree for two clock scalars to be the same: dtype, shape, bytes."""
+  a = plain(x)
+  return (str(getattr(x, "dtype", a.dtype)), a.dtype.str, a.shape, a.tobytes())
+
+
+class ClockClasses:
+  """Numbers the optimizer clocks of one source set, archive by archive.
+
+  This is the one rule for whether two archives are of one step of one
+  optimizer, whatever holds them (records in memory, a checkpoint's index):
+  their states have one structure, with every params subtree in the same place
+  (:func:`skeleton_key`), and bit-identical clock scalars (:func:`scalar_bits`).
+  Archives share a class exactly when they agree on both.
+  """
+
+  def __init__(self):
+    self._classes: dict[tuple[Any, ...], int] = {}
+    self._memo: dict[Any, int] = {}
+
+  def of(self, src: Any, archive: int, memo: Any = None) -> int:
+    """The class of ``src``'s archive ``archive`` (read with ``src.skeleton``/``src.scalars``).
+
+    ``memo`` (default: the archive) names what the class depends on, when
+    archives share it (a checkpoint's archives of one layout and one clock).
+    """
+    m = archive if memo is None else memo
+    c = self._memo.get(m)
+    if c is None:
+      key = (src.skeleton(archive), tuple(scalar_bits(x) for x in src.scalars(archive)))
+      c = self._memo[m] = self._classes.setdefault(key, len(self._classes))
+    return c
+
+
+def skeleton_key(anatomy: _structure.StateParts) -> tuple[Any, ...]:
+  """The optimizer state's structure, with where each mirror subtree sits."""
+  return (anatomy.skeleton, tuple(x.index if isinstance(x, _structure.ParamsSubtreeSlot) else None
+                                  for x in anatomy.skeleton_leaves))
+
+
+def check_target(migration: Migration) -> FlatShard:
+  """A migration's target geometry, or the refusal naming its parameter."""
+  try:
+    return FlatShard(migration.shape, migration.rank, migration.world_size)
+  except PlacementError as e:
+    raise PlacementError(f"param {migration.param!r}: invalid target placement: {e}") from None
+
+
+def rank_sources(pid: str, world: int, pairs: Iterable[tuple[int, int]]) -> tuple[int, ...]:
+  """The archive holding each rank ``0..world-1`` of ``pid``: a complete group.
+
+  Args:
+    pid: the parameter, for the refusal.
+    world: the group's world size.
+    pairs: ``(archive, rank)`` of every archive listing the parameter.
+
+  Raises:
+    PlacementError: a rank held twice, a rank outside ``world``, or a rank missing.
+  """
+  by_rank: dict[int, int] = {}
+  for archive, rank in pairs:
+    if rank in by_rank:
+      raise PlacementError(
+          f"param {pid!r}: archives {by_rank[rank]} and {archive} both hold rank {rank}")
+    by_rank[rank] = archive
+  if len(by_rank) != world or any(not 0 <= r < world for r in by_rank):
+    missing = (sorted(set(range(world)) - set(by_rank)) if world <= len(by_rank) + 64
+               else "(too many to list)")
+    raise PlacementError(
+        f"param {pid!r}: archives {sorted(by_rank.values())[:16]} hold ranks"
+        f" {sorted(by_rank)[:16]} of world_size {world}; missing ranks {missing}")
+  return tuple(by_rank[r] for r in range(world))
+
+
+def check_source_indices(pid: str, sources: tuple[Any, ...], n_archives: int) -> None:
+  if not sources:
+    raise PlacementError(f"param {pid!r}: the migration names no source archives")
+  for s in sources:
+    if isinstance(s, (bool, np.bool_)):
+      raise PlacementError(f"param {pid!r}: source archive index {s!r} is a bool, not an index")
+    if not isinstance(s, (int, np.integer)) or not 0 <= s < n_archives:
+      raise PlacementError(
+          f"param {pid!r}: source archive index {s!r} is out of range"
+          f" (0..{n_archives - 1})")

@@ -1,0 +1,416 @@
+"""An optax wrapper that keeps the state flat-sharded on a mesh (ZeRO stage 1/2).
+
+The wrapped optimizer runs on flat params: each leaf flattened row-major,
+zero-padded to ``M * slots`` and sharded over the mesh axis, so every device
+holds and updates only its own ``(slots,)`` slice of every history buffer. The
+state is therefore always in the layout of :func:`jaxreshard.restore_sharded`
+and :func:`jaxreshard.save_sharded`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxreshard._src.distributed import logical_masks as _logical_masks
+from jaxreshard._src.distributed import mesh as _mesh
+from jaxreshard._src.engine import reshard as _reshard
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.errors import PlacementError, ShapeError
+from jaxreshard._src.core.geometry import FlatShard
+
+__all__ = ["flat_sharded"]
+
+
+def _is_concrete(x: Any) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+class _Layout:
+  """Where arrays go on ``mesh``: flat shards over ``axis``, everything else replicated."""
+
+  def __init__(self, mesh: Mesh, axis: str):
+    self.world = _mesh.axis_size(mesh, axis)
+    self.axis = axis
+    # Explicit axes change shardings only through ``reshard`` (the sharding is part
+    # of the type); Auto axes take ``with_sharding_constraint`` as a constraint.
+    self.explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
+    self.sharded = NamedSharding(mesh, PartitionSpec(axis))
+    self.replicated = NamedSharding(mesh, PartitionSpec())
+
+  def put(self, x: Any, sharding: Any) -> jax.Array:
+    if _is_concrete(x):  # outside jit: a transfer, from any devices or the host
+      return jax.device_put(x, sharding)
+    if self.explicit:
+      return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+  def flat(self, x: Any, shape: tuple[int, ...]) -> jax.Array:
+    """``x`` (any sharding) flattened, zero-padded to ``M * slots``, sharded over the axis."""
+    g = FlatShard(shape, 0, self.world)
+    # Pinned replicated as a whole flat array, each device's shard is a 1-D slice of
+    # it: left free, the partitioner slices the param's own rows instead, and XLA
+    # fuses (and contracts multiply-adds in) the update differently from optax's.
+    x = jnp.reshape(self.put(x, self.replicated), (g.count,))
+    if _whole(g):
+      return x
+    x = self.put(jnp.pad(x, (0, self.world * g.slots - g.count)), self.replicated)
+    return self.put(x, self.sharded)
+
+  def for_update(self, state: Any, roles: tuple, shapes: dict[str, tuple[int, ...]]) -> Any:
+    """``state`` as the update computes it: the histories of small params whole."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    out = []
+    for leaf, pid in zip(leaves, roles):
+      g = None if pid is None else FlatShard(shapes[pid], 0, self.world)
+      out.append(leaf if g is None or not _whole(g) else self.put(leaf, self.replicated)[:g.count])
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  def unflat(self, u: jax.Array, like: Any, shape: tuple[int, ...]) -> jax.Array:
+    """A flat update back in its parameter's shape, laid out like ``like`` where known."""
+    count = FlatShard(shape, 0, self.world).count
+    if self.explicit:
+      u = self.put(u, self.replicated)  # the ZeRO all-gather of the updates
+    u = jnp.reshape(u[:count], shape)
+    if _is_concrete(like) and isinstance(like, jax.Array):
+      return jax.device_put(u, like.sharding)
+    if not _is_concrete(like) and self.explicit:
+      target = jax.typeof(like).sharding
+      if not target.mesh.empty:
+        return jax.sharding.reshard(u, target)
+    return u  # under Auto axes, the partitioner lays it out for its consumer
+
+  def settle(self, state: Any, roles: tuple, counts: dict[str, int]) -> Any:
+    """``state`` laid out on the mesh, with the padding of every history set to zero."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    out = []
+    for leaf, pid in zip(leaves, roles):
+      if pid is None:
+        out.append(self.put(leaf, self.replicated))
+        continue
+      g = FlatShard((counts[pid],), 0, self.world)
+      if np.shape(leaf) == (g.count,) and _whole(g):  # computed whole: back to the layout
+        leaf = jnp.pad(self.put(leaf, self.replicated), (0, self.world * g.slots - g.count))
+      leaf = self.put(leaf, self.sharded)
+      index = jax.lax.broadcasted_iota(
+          _index_dtype(np.shape(leaf)[0], pid), np.shape(leaf), 0,
+          out_sharding=self.sharded if self.explicit else None)
+      # Padding is zero by definition of the layout; a select keeps every owned
+      # element's bits, and in an elementwise chain no owned element reads padding.
+      out.append(jax.lax.select(index < counts[pid], leaf, jax.lax.full_like(leaf, 0)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+class _FlatSharded(optax.GradientTransformationExtraArgs):
+  """``flat_sharded``'s transformation; ``flat_sharded_inner`` is the optimizer it wraps.
+
+  Functions that ask an optimizer which state leaves are histories (saving,
+  ``shard_state``) accept it in place of the optimizer it wraps.
+  """
+
+
+def _whole(g: FlatShard) -> bool:
+  """Whether a param's update is computed on its whole unpadded flat array.
+
+  A param of at most M elements (one slot per rank) is: as one-element shards
+  XLA would compile its update differently from the unwrapped optimizer's (a
+  division by a broadcast scalar stays a division for one element and becomes
+  a multiplication by the reciprocal for more), so it is computed, like there,
+  on exactly its own elements, on every device; it is tiny, so that is free.
+  """
+  return g.slots == 1
+
+
+def _index_dtype(size: int, pid: str) -> Any:
+  """The integer type that counts to ``size``: int32, or int64 where jax has it."""
+  if size < 2**31:
+    return jnp.int32
+  if not jax.config.jax_enable_x64:
+    raise ShapeError(
+        f"param {pid!r}: a flat history of {size} elements needs 64-bit indices for its"
+        " padding; enable jax_enable_x64")
+  return jnp.int64
+
+
+# How many param ids or paths a refusal lists before it stops.
+_MAX_LISTED = 8
+
+
+def _described(tree: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+  """param id -> (shape, dtype) of a params-shaped tree."""
+  ids, leaves, _ = _structure.param_ids(tree)
+  return {pid: (tuple(np.shape(x)), getattr(x, "dtype", None)) for pid, x in zip(ids, leaves)}
+
+
+def _extra_and_missing(got: list[str], want: list[str]) -> tuple[list[str], list[str]]:
+  """The first names ``got`` has and ``want`` lacks, and those it lacks."""
+  got_set, want_set = set(got), set(want)
+  return ([p for p in got if p not in want_set][:_MAX_LISTED],
+          [p for p in want if p not in got_set][:_MAX_LISTED])
+
+
+def _tree_difference(got: list[str], got_def: Any, want: list[str], want_def: Any,
+                     got_what: str, want_what: str) -> str:
+  """Which param ids one tree has and the other lacks, or how their containers differ."""
+  extra, missing = _extra_and_missing(got, want)
+  parts = []
+  if extra:
+    parts.append(f"{got_what} have params {extra} that {want_what} do not")
+  if missing:
+    parts.append(f"{got_what} lack params {missing}")
+  if not parts:
+    parts.append(f"the same param ids in other containers: {got_what} {str(got_def)[:200]}"
+                 f" vs {want_what} {str(want_def)[:200]}")
+  return "; ".join(parts)
+
+
+def _check_like(tree: Any, what: str, grads: Any) -> None:
+  """``tree`` (the params) has the grads' tree structure and shapes."""
+  ids, leaves, treedef = _structure.param_ids(tree)
+  g_ids, g_leaves, g_def = _structure.param_ids(grads)
+  if treedef != g_def:
+    raise PlacementError(
+        "flat_sharded: the grads' tree is not the params': "
+        + _tree_difference(g_ids, g_def, ids, treedef, "grads", what))
+  for pid, x, g in zip(ids, leaves, g_leaves):
+    if tuple(np.shape(x)) != tuple(np.shape(g)):
+      raise ShapeError(f"param {pid!r}: grads of shape {tuple(np.shape(g))} but {what} of"
+                       f" shape {tuple(np.shape(x))}")
+
+
+def _state_difference(expected: Any, state: Any) -> str:
+  """The first leaf paths by which ``state`` differs from the ``expected`` state."""
+  def masked(x):
+    return isinstance(x, optax.MaskedNode)
+
+  want = [jax.tree_util.keystr(p) for p, _ in
+          jax.tree_util.tree_flatten_with_path(expected, is_leaf=masked)[0]]
+  got = [jax.tree_util.keystr(p) for p, _ in
+         jax.tree_util.tree_flatten_with_path(state, is_leaf=masked)[0]]
+  extra, missing = _extra_and_missing(got, want)
+  parts = []
+  if extra:
+    parts.append(f"the state has leaves {extra} that a state for these grads does not")
+  if missing:
+    parts.append(f"it lacks leaves {missing}")
+  if not parts:
+    parts.append("its leaves are in other containers: state"
+                 f" {str(jax.tree_util.tree_structure(state))[:200]} vs a state for these"
+                 f" grads {str(jax.tree_util.tree_structure(expected))[:200]}")
+  return "; ".join(parts)
+
+
+def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
+                 axis: str = "fsdp") -> optax.GradientTransformationExtraArgs:
+  """Wraps an optax optimizer so its state stays flat-sharded over a mesh axis (ZeRO-1/2).
+
+  ``init`` returns ``optimizer``'s state with every history buffer (``mu``,
+  ``nu``, ``trace``, ``acc_grads``, ...) as a global ``(M * slots,)`` array
+  sharded over ``axis`` and replicated over the other mesh axes, ``M =
+  mesh.shape[axis]``, holding the parameter's row-major flattening followed by
+  zeros; scalars (counts, injected hyper-parameters) are replicated. That is
+  exactly the layout :func:`jaxreshard.restore_sharded` returns and
+  :func:`jaxreshard.save_sharded` takes (and :func:`jaxreshard.shard_to_mesh`
+  builds). ``update`` takes and returns param-shaped pytrees in any sharding
+  and works inside ``jax.jit``: it flattens and pads grads and params, runs
+  ``optimizer.update`` on them sharded over ``axis`` (each device computes its
+  own slots), and reshapes the updates back, laid out like the grads where
+  their sharding is known (outside ``jit``, or under explicit mesh axes).
+
+  Meshes with explicit axes (``jax.make_mesh``'s default) and with ``Auto``
+  axes (``jax.sharding.Mesh``) are both supported.
+
+  Exactness: when every transformation of ``optimizer`` is elementwise in the
+  params, grads and histories (adam, adamw, adagrad, sgd with momentum, lion,
+  ``inject_hyperparams``, ``masked``, ``multi_transform``, ``MultiSteps``, ...)
+  each element goes through the same operations on the same values as in the
+  unwrapped optimizer, and run op by op the updates and states are the same
+  bits. A param of at most M elements (one slot per rank) is updated on its own
+  unpadded elements, replicated: XLA's CPU compiler turns a division by a
+  broadcast scalar (adam's bias correction) into a multiplication by the
+  reciprocal for arrays longer than one element, so a one-element shard of a
+  longer param would otherwise round differently. Inside ``jax.jit`` the
+  compiler also contracts multiply-adds into FMAs depending on how it fused
+  the program (jitted optax differs from itself run op by op in the same way),
+  so jitted updates agree to the last bit's rounding. A reduction over a whole
+  parameter or tree (``clip_by_global_norm``, lamb's trust ratio) adds the same
+  values, padding zeros included, in another order, and agrees to float
+  rounding.
+
+  Padding: after every ``init`` and ``update`` the padding slots of every
+  history are exactly zero (they are reset, so a non-zero initial value such as
+  adagrad's ``initial_accumulator_value`` does not leak into them); grads and
+  params are padded with zeros, so weight decay adds nothing there. Reductions
+  also see the padding of the intermediate updates, which is zero whenever each
+  transformation maps zero grads, params and history to a zero update (every
+  optax scaling, clipping and weight decay; not ``add_noise``).
+
+  Mask and label functions (``optax.masked``, ``multi_transform``'s labels,
+  the ``mask`` of ``adamw``/``lamb``/``add_decayed_weights``, ``lars``' masks,
+  a ``static_args`` mask of ``inject_hyperparams``, at any depth of chains and
+  ``MultiSteps``) are called with ``jax.ShapeDtypeStruct`` stand-ins of the
+  params in their own shapes and dtypes, not with the flat arrays, so "decay
+  only matrices" decays exactly what it decays unwrapped (optax requires masks
+  to be static: functions of the tree, shapes and dtypes). One called on a part
+  of the params tree is refused by name. A function hidden where closures
+  cannot be followed (an attribute of a custom transformation class) still sees
+  flat params: ``init`` refuses it when it changes the state's structure.
+
+  Checks at ``update``: grads must have the tree structure and shapes of the
+  params ``init`` built the state for (when this wrapper's ``init`` built it;
+  one restored from a checkpoint is checked by its flat sizes), and of
+  ``params`` when given; the state's tree must be that of a state for the
+  grads' tree. A grad of another shape with the same flat size ((3, 2) for
+  (2, 3)) would otherwise train silently on the wrong elements.
+
+  Args:
+    optimizer: an optax ``GradientTransformation`` (or anything with ``init``
+      and ``update``, e.g. ``optax.MultiSteps``) with coordinate-wise state.
+    mesh: the device mesh.
+    axis: the mesh axis to shard the optimizer state over.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; extra ``update`` arguments
+    are passed to ``optimizer`` unchanged.
+
+  Raises:
+    PlacementError: ``axis`` is not an axis of ``mesh``.
+    ShapeError: (at ``init``) non-coordinate optimizer state, as
+      :func:`jaxreshard.shard_state` refuses it, or a state whose structure
+      depends on the params' shapes.
+    DtypeError: (at ``init``) a param dtype other than float32, float16 or
+      bfloat16.
+    PlacementError: (at ``update``) grads or params of another tree structure
+      than at ``init`` or than each other, or a state of another structure,
+      naming the param ids or state paths; a mask or label function called on
+      part of the params tree.
+    ShapeError: (at ``update``) grads of another shape than the params of
+      ``init`` or than ``params``, naming the param and both shapes.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, optax, jaxreshard as jr
+    >>> mesh = jax.make_mesh((jax.device_count(),), ("fsdp",))
+    >>> opt = jr.flat_sharded(optax.sgd(0.5, momentum=0.9), mesh, axis="fsdp")
+    >>> params = {"w": jnp.ones((2, 3))}
+    >>> state = opt.init(params)
+    >>> trace = state[0].trace["w"]
+    >>> trace.sharding.spec, trace.shape[0] % jax.device_count()
+    (P('fsdp',), 0)
+    >>> updates, state = jax.jit(opt.update)({"w": jnp.ones((2, 3))}, state, params)
+    >>> updates["w"].shape, float(updates["w"][1, 2])
+    ((2, 3), -0.5)
+  """
+  layout = _Layout(mesh, axis)
+  roles_cache: dict[Any, tuple] = {}
+  # ``optimizer`` with its mask and label functions seeing the params' own shapes.
+  logical_opt = _logical_masks.with_logical_callables(optimizer)
+  # params tree structure -> the shapes ``init`` saw for it (each distinct one).
+  built_for: dict[Any, list[dict[str, tuple[int, ...]]]] = {}
+
+  def on_mesh(*trees: Any) -> Any:
+    # Outside jit, operations on arrays typed with explicit axes (and arrays created
+    # next to them) need the mesh in context; inside jit, the types carry it.
+    if layout.explicit and all(_is_concrete(x) for x in jax.tree_util.tree_leaves(trees)):
+      return jax.set_mesh(mesh)
+    return contextlib.nullcontext()
+
+  def roles(flat_params: Any, state: Any) -> tuple:
+    key = (jax.tree_util.tree_structure(flat_params), jax.tree_util.tree_structure(state))
+    if key not in roles_cache:
+      try:
+        roles_cache[key] = _structure.history_roles(logical_opt, flat_params, state)
+      except (ValueError, TypeError) as e:  # the state does not mirror this tree
+        try:
+          expected = jax.eval_shape(logical_opt.init, flat_params)
+        except Exception:  # pylint: disable=broad-exception-caught
+          expected = None
+        where = (_state_difference(expected, state) if expected is not None else
+                 f"{type(e).__name__}: {str(e)[:300]}")
+        raise PlacementError(
+            f"flat_sharded: the state was not built for grads with param ids"
+            f" {_structure.param_ids(flat_params)[0][:_MAX_LISTED]}: {where}") from None
+    return roles_cache[key]
+
+  def check_built_for(grads: Any) -> None:
+    ids, leaves, treedef = _structure.param_ids(grads)
+    shapes = {pid: tuple(np.shape(x)) for pid, x in zip(ids, leaves)}
+    if not built_for:
+      return  # a state this wrapper did not build: checked by its flat sizes
+    if treedef not in built_for:
+      want_def, records = list(built_for.items())[-1]
+      raise PlacementError(
+          "flat_sharded: the grads' tree is not the params tree the state was built for"
+          " (at init): " + _tree_difference(ids, treedef, list(records[-1]), want_def,
+                                           "grads", "those params"))
+    records = built_for[treedef]
+    if shapes not in records:
+      want = records[-1]
+      pid = next(p for p in ids if shapes[p] != want[p])
+      raise ShapeError(
+          f"param {pid!r}: grads of shape {shapes[pid]} but the state was built (at init) for"
+          f" params of shape {want[pid]}; a state trains only the params it was built for")
+
+  def flatten(tree: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.tree_unflatten(
+        treedef, [layout.flat(x, shapes[_structure.path_id(p)]) for p, x in with_path])
+
+  def counts_of(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+    return {pid: FlatShard(s, 0, layout.world).count for pid, s in shapes.items()}
+
+  def init(params: Any) -> Any:
+    # The coordinate rule is checked on the state of the real params: flat
+    # params would hide factored statistics (1-D params are never factored).
+    logical = jax.eval_shape(optimizer.init, params)
+    _, _, shapes, _ = _reshard.coordinate_roles(optimizer, params, logical)
+    records = built_for.setdefault(jax.tree_util.tree_structure(params), [])
+    if shapes not in records:
+      records.append(dict(shapes))
+    with on_mesh(params), _logical_masks.logical_shapes(_described(params)):
+      flat_params = flatten(params, shapes)
+      state = logical_opt.init(flat_params)
+      if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(logical):
+        raise ShapeError(
+            f"params {sorted(shapes)[:3]}: the optimizer's state is structured differently"
+            " for flat params than for the params themselves (a mask or label function that"
+            " depends on shapes?); pass such masks and labels as pytrees")
+      return layout.settle(state, roles(flat_params, state), counts_of(shapes))
+
+  def update(grads: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+    ids, leaves, _ = _structure.param_ids(grads)
+    shapes = {pid: tuple(np.shape(g)) for pid, g in zip(ids, leaves)}
+    if params is not None:
+      _check_like(params, "params", grads)
+    check_built_for(grads)
+    described = _described(grads)
+    flat_grads = flatten(grads, shapes)
+    flat_params = None if params is None else flatten(params, shapes)
+    with _logical_masks.logical_shapes(described):
+      state_roles = roles(flat_grads, state)
+    for leaf, pid in zip(jax.tree_util.tree_leaves(state), state_roles):
+      if pid is None:
+        continue
+      want = (layout.world * FlatShard(shapes[pid], 0, layout.world).slots,)
+      if tuple(np.shape(leaf)) != want:
+        raise ShapeError(
+            f"param {pid!r}: history buffer of shape {tuple(np.shape(leaf))} is not the"
+            f" ({layout.world} * slots,) = {want} of its shape {shapes[pid]} over mesh axis"
+            f" {axis!r}; was the state built for another mesh or other params?")
+    with on_mesh(grads, state, params), _logical_masks.logical_shapes(described):
+      state = layout.for_update(state, state_roles, shapes)
+      flat_updates, state = logical_opt.update(flat_grads, state, flat_params, **extra_args)
+      updates = jax.tree_util.tree_unflatten(
+          jax.tree_util.tree_structure(grads),
+          [layout.unflat(u, g, shapes[pid])
+           for pid, u, g in zip(ids, jax.tree_util.tree_leaves(flat_updates), leaves)])
+      return updates, layout.settle(state, state_roles, counts_of(shapes))
+
+  out = _FlatSharded(init, update)
+  out.flat_sharded_inner = optimizer
+  return out

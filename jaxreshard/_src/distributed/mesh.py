@@ -1,0 +1,417 @@
+"""Flat-shard records <-> global ``jax.Array``s laid out on a device mesh.
+
+On a mesh whose axis ``axis`` has ``M`` devices, the flat-shard layout of a
+parameter over ``M`` ranks *is* a 1-D global array of shape ``(M * slots,)``
+sharded over ``axis``: the device at coordinate ``r`` along ``axis`` holds rank
+``r``'s ``(slots,)`` buffer, and devices that differ only along the other mesh
+axes hold copies. Clock scalars are replicated everywhere. This module moves
+between that global form, per-rank :class:`ShardRecord`s and the full optax
+state, touching only the devices this process can address.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+
+import jax
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxreshard._src.exec import bitview as _bitview
+from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.engine import reshard as _reshard
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.errors import PlacementError, ShapeError
+from jaxreshard._src.core.geometry import FlatShard, normalize_shape
+from jaxreshard._src.core.placement import ParamPlacement
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+
+__all__ = [
+    "MeshState",
+    "gather_from_mesh",
+    "mesh_ranks",
+    "records_from_mesh",
+    "records_to_mesh",
+    "shard_to_mesh",
+]
+
+
+
+class MeshState(NamedTuple):
+  """An optax state laid out on a mesh, and the placements of its ranks.
+
+  Attributes:
+    state: the optax state; every history leaf is a global ``(M * slots,)``
+      array sharded over the mesh axis, every scalar a replicated array.
+    placements: target rank -> that rank's placements (sorted by param), for
+      the ranks this process addresses. ``{p.param: p for p in
+      placements[r]}`` is a ``shapes`` mapping for :func:`save_sharded`.
+  """
+
+  state: Any
+  placements: Mapping[int, tuple[ParamPlacement, ...]]
+
+
+def axis_size(mesh: Mesh, axis: str) -> int:
+  if axis not in mesh.axis_names:
+    raise PlacementError(f"mesh axis {axis!r} is not one of the mesh's axes {mesh.axis_names}")
+  return int(mesh.shape[axis])
+
+
+def mesh_ranks(mesh: Mesh, axis: str = "fsdp") -> dict[int, list[Any]]:
+  """This process's addressable devices, grouped by their rank along ``axis``.
+
+  Args:
+    mesh: the device mesh.
+    axis: the mesh axis the flat shards are split over.
+
+  Returns:
+    ``rank -> devices`` (mesh order) for every rank that has at least one
+    device in this process; the first device of each list is where that rank
+    is built.
+
+  Examples:
+    >>> import jax, numpy as np
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(1, -1), ("data", "fsdp"))
+    >>> ranks = mesh_ranks(mesh, "fsdp")
+    >>> sorted(ranks) == list(range(jax.device_count())), ranks[0] == [jax.devices()[0]]
+    (True, True)
+  """
+  axis_size(mesh, axis)
+  a = mesh.axis_names.index(axis)
+  me = jax.process_index()
+  out: dict[int, list[Any]] = {}
+  for index, device in np.ndenumerate(mesh.devices):
+    if device.process_index == me:
+      out.setdefault(int(index[a]), []).append(device)
+  return dict(sorted(out.items()))
+
+
+def writer_ranks(mesh: Mesh, axis: str = "fsdp") -> list[int]:
+  """Ranks whose archive this process writes: those whose first device is local.
+
+  Every rank has exactly one writer across all processes, so no process writes
+  another's files even when the other mesh axes replicate ranks across hosts.
+  """
+  axis_size(mesh, axis)
+  a = mesh.axis_names.index(axis)
+  first: dict[int, Any] = {}
+  for index, device in np.ndenumerate(mesh.devices):
+    first.setdefault(int(index[a]), device)
+  me = jax.process_index()
+  return sorted(r for r, d in first.items() if d.process_index == me)
+
+
+def _check_layout(records: Mapping[int, ShardRecord]) -> tuple[Any, tuple]:
+  treedef, roles = None, None
+  for rank, rec in records.items():
+    _validate.check_is_record(rec, f"rank {rank}")
+    leaves, td = jax.tree_util.tree_flatten(rec.state)
+    try:
+      r = _structure.roles_of(rec)
+    except _structure.StatePartsError as e:
+      raise PlacementError(f"rank {rank}: {e}") from None
+    if treedef is None:
+      treedef, roles = td, r
+    elif td != treedef or r != roles:
+      raise PlacementError(
+          f"rank {rank}: its state is structured differently from the other ranks';"
+          " these records are not one layout"
+      )
+  return treedef, roles
+
+
+def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = "fsdp") -> Any:
+  """Global state from the records of this process's ranks (see :func:`mesh_ranks`).
+
+  Each rank's buffers are placed on every local device of that rank (built on
+  the first, copied device-to-device to the others) and assembled with
+  ``jax.make_array_from_single_device_arrays``.
+
+  Args:
+    records: rank -> that rank's record, for every rank in ``mesh_ranks``.
+    mesh: the device mesh.
+    axis: the mesh axis of the flat shards; its size is the world size.
+
+  Returns:
+    The optax state with global history arrays of shape ``(M * slots,)``
+    sharded over ``axis`` and replicated scalars; a scalar that is a Python
+    number or of a dtype jax cannot hold (64-bit while x64 is off) is kept as
+    it is (``_clock.stays_on_host``), never cut to 32 bits.
+
+  Raises:
+    PlacementError: a rank of this process without a record, records of
+      different layouts, or a record that is not rank ``r`` of ``M``.
+  """
+  world = axis_size(mesh, axis)
+  local = mesh_ranks(mesh, axis)
+  missing = sorted(set(local) - set(records))
+  if missing:
+    raise PlacementError(f"ranks {missing} of this process have no record")
+  records = {r: records[r] for r in local}
+  treedef, roles = _check_layout(records)
+  for r, rec in records.items():
+    for p in rec.placements:
+      if (p.rank, p.world_size) != (r, world):
+        raise PlacementError(
+            f"param {p.param!r}: the record for rank {r} holds rank {p.rank} of"
+            f" world_size {p.world_size}, not rank {r} of the mesh axis's {world}"
+        )
+  leaves_of = {r: jax.tree_util.tree_leaves(rec.state) for r, rec in records.items()}
+  sharded = NamedSharding(mesh, PartitionSpec(axis))
+  replicated = NamedSharding(mesh, PartitionSpec())
+  rank_of = {d: r for r, ds in local.items() for d in ds}
+  new_leaves = []
+  for i, role in enumerate(roles):
+    per_rank = {r: leaves[i] for r, leaves in leaves_of.items()}
+    if role is None and _clock.stays_on_host(per_rank[next(iter(per_rank))]):
+      # A Python number, or a 64-bit value jax would cut to 32 bits while x64
+      # is off: handed back as it is, as ``restore`` does.
+      new_leaves.append(per_rank[next(iter(per_rank))])
+      continue
+    if role is None:
+      shape, sharding = tuple(np.shape(per_rank[next(iter(per_rank))])), replicated
+    else:
+      slots = {r: int(np.size(x)) for r, x in per_rank.items()}
+      if len(set(slots.values())) > 1 or any(np.ndim(x) != 1 for x in per_rank.values()):
+        raise ShapeError(
+            f"param {role!r}: history buffers of ranks {sorted(slots)} have shapes"
+            f" {[np.shape(x) for x in per_rank.values()]}, not one (slots,)"
+        )
+      shape, sharding = (world * next(iter(slots.values())),), sharded
+    arrays = []
+    for device in sharding.addressable_devices_indices_map(shape):
+      arrays.append(jax.device_put(per_rank[rank_of[device]], device))
+    dtype = per_rank[next(iter(per_rank))].dtype  # not np.dtype: typed PRNG keys have none
+    new_leaves.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype))
+  return jax.tree_util.tree_unflatten(treedef, new_leaves)
+
+
+def _shard_on(leaf: Any, rank: int, slots: int, pid: str, axis: str) -> jax.Array:
+  for shard in getattr(leaf, "addressable_shards", ()):
+    start = (shard.index[0].start or 0) if shard.index else 0
+    if start == rank * slots and shard.data.shape == (slots,):
+      return shard.data
+  raise PlacementError(
+      f"param {pid!r}: no device of this process holds rank {rank}'s ({slots},) shard;"
+      f" the buffer must be a global array sharded over mesh axis {axis!r}, not"
+      f" {getattr(leaf, 'sharding', type(leaf).__name__)}")
+
+
+def _placeholder_params(shapes: Mapping[str, Any]) -> Any:
+  ids = sorted(shapes)
+  return _structure.nested(ids, {pid: pid for pid in ids})
+
+
+def shape_of(value: Any, pid: str) -> tuple[int, ...]:
+  return normalize_shape(getattr(value, "shape", value), what=f"param {pid!r}: shape")
+
+
+def placements_for(
+    shapes: Mapping[str, Any], roles: Sequence[Optional[str]], leaves: Sequence[Any],
+    world_size: int,
+) -> Callable[[int], tuple[ParamPlacement, ...]]:
+  """A function of rank giving placements; dtype/trainable from ``shapes`` values.
+
+  A ``shapes`` value is a shape, or anything with ``.shape`` (a
+  ``ParamPlacement``, an array, a ``jax.ShapeDtypeStruct``); its ``.dtype``
+  and ``.trainable`` are used when present. Otherwise the storage dtype is
+  that of the parameter's first history buffer (float32 without history).
+  """
+  first_dtype: dict[str, Any] = {}
+  for role, leaf in zip(roles, leaves):
+    if role is not None:
+      first_dtype.setdefault(role, np.dtype(leaf.dtype))
+  base = []
+  for pid in sorted(shapes):
+    v = shapes[pid]
+    dtype = np.dtype(getattr(v, "dtype", first_dtype.get(pid, np.float32)))
+    base.append((pid, shape_of(v, pid), dtype, bool(getattr(v, "trainable", True))))
+
+  def of(rank: int) -> tuple[ParamPlacement, ...]:
+    return tuple(ParamPlacement(pid, s, rank, world_size, d, t) for pid, s, d, t in base)
+
+  return of
+
+
+def roles_of(optimizer: Any, state: Any, shapes: Mapping[str, Any]) -> tuple[Optional[str], ...]:
+  """Per-leaf roles of a state of ``optimizer`` over params with ids ``shapes``."""
+  try:
+    roles = _structure.history_roles(optimizer, _placeholder_params(shapes), state)
+  except (ValueError, TypeError) as e:
+    raise PlacementError(
+        f"the optimizer's state does not mirror params with ids {sorted(shapes)}: {e}"
+    ) from None
+  unknown = sorted({r for r in roles if r is not None} - set(shapes))
+  if unknown:
+    raise PlacementError(f"params {unknown}: histories in the state but not in `shapes`")
+  return roles
+
+
+def records_from_mesh(
+    optimizer: Any, state: Any, shapes: Mapping[str, Any], mesh: Mesh, axis: str = "fsdp",
+    ranks: Optional[Sequence[int]] = None,
+) -> dict[int, ShardRecord]:
+  """The records of this process's ranks, read from a global state's local shards.
+
+  Args:
+    optimizer: the optax transformation whose state this is (says which
+      leaves are histories).
+    state: the global state (as returned by :func:`shard_to_mesh` or
+      :func:`restore_sharded`).
+    shapes: param id -> logical shape, or a placement / array with ``.shape``.
+    mesh: the device mesh.
+    axis: the mesh axis of the flat shards.
+    ranks: which ranks (default: every rank with a local device).
+
+  Returns:
+    rank -> ``ShardRecord`` holding that rank's local device buffers.
+  """
+  world = axis_size(mesh, axis)
+  roles = roles_of(optimizer, state, shapes)
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  of = placements_for(shapes, roles, leaves, world)
+  ranks = sorted(mesh_ranks(mesh, axis) if ranks is None else ranks)
+  out = {}
+  for rank in ranks:
+    rank_leaves = []
+    for leaf, role in zip(leaves, roles):
+      if role is None:
+        rank_leaves.append(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
+        continue
+      g = FlatShard(shape_of(shapes[role], role), rank, world)
+      if tuple(np.shape(leaf)) != (world * g.slots,):
+        raise ShapeError(
+            f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
+            f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
+        )
+      rank_leaves.append(_shard_on(leaf, rank, g.slots, role, axis))
+    out[rank] = ShardRecord(
+        version=RECORD_VERSION, placements=of(rank),
+        state=jax.tree_util.tree_unflatten(treedef, rank_leaves), roles=roles)
+  return out
+
+
+def shard_to_mesh(
+    optimizer: optax.GradientTransformation, params: optax.Params, state: optax.OptState,
+    mesh: Mesh, axis: str = "fsdp", *,
+    trainable: Optional[Mapping[str, bool]] = None,
+) -> MeshState:
+  """Lays a full (unsharded) optax state out on a mesh, flat-sharded over ``axis``.
+
+  Every process passes the same full state; each builds only the ranks of its
+  own devices, exactly as ``shard_state(..., world_size=M)`` would.
+
+  Args:
+    optimizer: the optax transformation that built ``state``.
+    params: the full params pytree (ids are key paths joined with ``/``).
+    state: the full optax state.
+    mesh: the device mesh.
+    axis: the mesh axis to split over; its size ``M`` is the world size.
+    trainable: optional ``param id -> bool``.
+
+  Returns:
+    A :class:`MeshState`: global ``(M * slots,)`` history arrays sharded over
+    ``axis``, replicated scalars, and the placements of the local ranks.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    >>> params = {"w": jnp.arange(5.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> sharded = shard_to_mesh(opt, params, opt.init(params), mesh)
+    >>> mu = sharded.state[0].mu["w"]
+    >>> mu.sharding.spec, mu.shape[0] % jax.device_count()
+    (P('fsdp',), 0)
+    >>> sharded.placements[0][0].world_size == jax.device_count()
+    True
+  """
+  world = axis_size(mesh, axis)
+  whole = _reshard.shard_state(optimizer, params, state, 1, trainable=trainable)
+  local = mesh_ranks(mesh, axis)
+  records = {}
+  for rank, devices in local.items():
+    with jax.default_device(devices[0]):  # the kernels run where the rank lives
+      records[rank] = _reshard.reshard(whole, _reshard.plan(whole, world_size=world, rank=rank))
+  return MeshState(records_to_mesh(records, mesh, axis),
+                   {r: rec.placements for r, rec in records.items()})
+
+
+def _gather_bits(leaf: Any) -> np.ndarray:
+  """The whole of a (possibly multi-process) global array, as host numpy, exactly."""
+  if not isinstance(leaf, jax.Array):
+    return np.asarray(leaf)
+  if leaf.is_fully_addressable:
+    # From the device buffers themselves: ``np.asarray`` of a partially
+    # replicated array may go through a computation that quiets NaN payloads.
+    out = np.zeros(leaf.shape, leaf.dtype)
+    for shard in leaf.addressable_shards:
+      out[shard.index] = np.asarray(shard.data)
+    return out
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  dtype = np.dtype(leaf.dtype)
+  uint = _bitview.UINT[dtype.itemsize]
+  # Gather unsigned bits so no float path can touch NaN payloads or -0.0.
+  as_bits = jax.jit(lambda x: lax.bitcast_convert_type(x, uint))(leaf)
+  return np.asarray(multihost_utils.process_allgather(as_bits, tiled=True)).view(dtype)
+
+
+def gather_from_mesh(
+    optimizer: optax.GradientTransformation, state: optax.OptState, shapes: Mapping[str, Any],
+    mesh: Mesh, axis: str = "fsdp",
+) -> optax.OptState:
+  """The full (unsharded) optax state of a global flat-sharded state, on every process.
+
+  The inverse of :func:`shard_to_mesh`. In a multi-process run every process
+  calls it (it all-gathers) and every process gets the whole state.
+
+  Args:
+    optimizer: the optax transformation whose state this is.
+    state: the global state.
+    shapes: param id -> logical shape (or anything with ``.shape``).
+    mesh: the device mesh.
+    axis: the mesh axis of the flat shards.
+
+  Returns:
+    The optax state with every history buffer in its parameter's logical shape,
+    bit-identical to ``unshard_state`` of the equivalent records.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    >>> params = {"w": jnp.arange(5.0)}
+    >>> opt = optax.sgd(0.1, momentum=0.9)
+    >>> sharded = shard_to_mesh(opt, params, opt.init(params), mesh)
+    >>> gather_from_mesh(opt, sharded.state, {"w": (5,)}, mesh)[0].trace["w"].shape
+    (5,)
+  """
+  world = axis_size(mesh, axis)
+  roles = roles_of(optimizer, state, shapes)
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  of = placements_for(shapes, roles, leaves, world)
+  host = [
+      _gather_bits(leaf) if role is not None else
+      (leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
+      for leaf, role in zip(leaves, roles)
+  ]
+  records = []
+  for rank in range(world):
+    rank_leaves = []
+    for leaf, role in zip(host, roles):
+      if role is None:
+        rank_leaves.append(leaf)
+        continue
+      g = FlatShard(shape_of(shapes[role], role), rank, world)
+      if leaf.shape != (world * g.slots,):
+        raise ShapeError(
+            f"param {role!r}: global history buffer of shape {leaf.shape} is not"
+            f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
+        )
+      rank_leaves.append(leaf[rank * g.slots:(rank + 1) * g.slots])
+    records.append(ShardRecord(RECORD_VERSION, of(rank),
+                               jax.tree_util.tree_unflatten(treedef, rank_leaves), roles))
+  return _reshard.unshard_state(records)

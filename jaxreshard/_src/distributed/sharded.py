@@ -1,0 +1,200 @@
+"""Multi-host restore of flat-sharded optax state on a JAX mesh, and what a
+multi-host save needs to know of the mesh (its host records and global index).
+
+Every process calls the same function (SPMD). On restore each process builds
+only the target ranks of its own devices, reading only the source archives and
+chunks they overlap. The save itself (``save_sharded``) is an orbax save of the
+``ReshardCheckpointHandler`` and lives with it (``_src/orbax``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from jaxreshard._src.distributed import mesh as _mesh
+from jaxreshard._src.checkpoint import restore as _restore
+from jaxreshard._src.distributed import target_restore as _target_restore
+from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.errors import ShapeError
+from jaxreshard._src.distributed.mesh import MeshState
+from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.progress import ProgressCallback, check_callback
+
+__all__ = ["global_index", "host_record", "restore_sharded", "reshard_to_mesh"]
+
+
+
+def reshard_to_mesh(records: Sequence[ShardRecord], mesh: Mesh, axis: str = "fsdp") -> MeshState:
+  """In-memory source archives -> global state on ``mesh``, resharded to its axis size.
+
+  Each process builds only the target ranks of its own devices, each with the
+  core's kernels on the first device of that rank.
+
+  Args:
+    records: every source archive (a list of ``ShardRecord``, any world sizes).
+    mesh: the target mesh.
+    axis: the mesh axis of the flat shards; its size is the target world size.
+
+  Returns:
+    A :class:`MeshState` bit-identical, rank by rank, to ``reshard(records,
+    plan(records, M, r))``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
+    >>> params = {"w": jnp.arange(10.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> records = jr.shard_state(opt, params, opt.init(params), world_size=3)
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    >>> out = reshard_to_mesh(records, mesh)
+    >>> out.placements[0][0].world_size == jax.device_count()
+    True
+  """
+  from jaxreshard._src.engine import reshard as _reshard  # pylint: disable=g-import-not-at-top
+
+  records = list(records)
+  world = _mesh.axis_size(mesh, axis)
+  built = {}
+  for rank, devices in _mesh.mesh_ranks(mesh, axis).items():
+    with jax.default_device(devices[0]):
+      built[rank] = _reshard.reshard(records, _reshard.plan(records, world_size=world, rank=rank))
+  return MeshState(_mesh.records_to_mesh(built, mesh, axis),
+                   {r: rec.placements for r, rec in built.items()})
+
+
+def restore_sharded(directory: os.PathLike | str, mesh: Mesh, axis: str = "fsdp", *,
+                    target: Optional[optax.OptState] = None,
+                    progress: Optional[ProgressCallback] = None) -> MeshState:
+  """Restores a checkpoint onto a mesh, each process reading only what its devices need.
+
+  Call it in every process with the same arguments. With ``M`` the size of
+  ``axis``, each process builds the target ranks of its addressable devices
+  (their coordinates along ``axis``): it reads every archive's small metadata,
+  then only the chunks of the source buffers that overlap those ranks, and
+  runs the gather kernels on the device of each rank.
+
+  With ``target``, the state comes back in logical form instead: every history
+  leaf in its parameter's shape, every leaf laid out as ``target`` says, and
+  each process reads only the chunks holding the elements its own devices
+  hold (each device's index box of a leaf, as row-major flat ranges, mapped
+  to the source flat shards; devices holding the same box share one read).
+
+  Args:
+    directory: a checkpoint written by ``save_records`` or :func:`save_sharded`
+      (any source world size).
+    mesh: the target mesh (e.g. ``jax.make_mesh((M,), ("fsdp",))``).
+    axis: the mesh axis the flat shards are split over.
+    target: None (the flat layout above), or an abstract optax state: the
+      tree ``optimizer.init(params)`` builds, each leaf a
+      ``jax.ShapeDtypeStruct`` (or array) with ``.sharding`` set, any
+      sharding per leaf, over any mesh. ``mesh`` and ``axis`` are then not
+      used: the target's shardings say where everything goes.
+    progress: called with a :class:`jaxreshard.Progress` after each target
+      rank this process builds (with ``target``: after each source archive it
+      reads); each is also logged at DEBUG, the call at INFO, to the
+      ``"jaxreshard"`` logger.
+
+  Returns:
+    A :class:`MeshState`: ``state`` is the optax state whose history leaves are
+    global ``(M * slots,)`` arrays sharded over ``axis`` (replicated over the
+    other axes) and whose scalars are replicated (a Python number, or a 64-bit
+    scalar while x64 is off, comes back as it is, as ``restore`` gives it: jax
+    would cut it to 32 bits); ``placements`` maps each
+    local target rank to its placements. Every local shard is bit-identical
+    to ``reshard(load_records(directory), plan(..., M, rank))``.
+
+    With ``target``: ``state`` is the full optax state, bit-identical to the
+    state that was saved, each leaf a global array with the target leaf's
+    shape, dtype and sharding (a 64-bit scalar while x64 is off stays a numpy
+    value, a Python number stays one); ``placements`` is ``{0: ...}``, every
+    parameter as the one rank of world_size 1 (logical shape, storage dtype,
+    trainability), since a logical state has no flat ranks.
+
+  Raises:
+    FileNotFoundError: ``directory`` does not exist.
+    ReshardError: every refusal of ``restore``. With ``target``, a target
+      that disagrees with the checkpoint, naming the leaf's key path:
+      ``PlacementError`` (tree structure, a missing or extra leaf, a missing
+      or unusable sharding), ``ShapeError`` (a leaf's shape), ``DtypeError``
+      (a leaf's dtype).
+
+  Examples:
+    >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
+    >>> params = {"w": jnp.arange(10.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=4))
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    >>> state, placements = restore_sharded(path, mesh)
+    >>> state[0].mu["w"].sharding.spec
+    P('fsdp',)
+    >>> abstract = jax.eval_shape(opt.init, params)
+    >>> everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    >>> abstract = jax.tree.map(
+    ...     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere), abstract)
+    >>> state, _ = restore_sharded(path, mesh, target=abstract)
+    >>> state[0].mu["w"].shape, state[0].count.sharding == everywhere
+    ((10,), True)
+  """
+  check_callback(progress)
+  if target is not None:
+    return _target_restore.restore_to_target(directory, target, progress=progress)
+  world = _mesh.axis_size(mesh, axis)
+  ranks = list(_mesh.mesh_ranks(mesh, axis))
+  records = _restore.restore_reported("restore_sharded", directory, ranks, world_size=world,
+                                      progress=progress)
+  built = dict(zip(ranks, records))
+  return MeshState(_mesh.records_to_mesh(built, mesh, axis),
+                   {r: rec.placements for r, rec in built.items()})
+
+
+def host_record(record: ShardRecord) -> ShardRecord:
+  """The record with every ``jax.Array`` leaf copied to a host numpy array.
+
+  Device-to-host transfers of all leaves start before the first is awaited.
+  A replicated array is read from one of its device buffers, bit for bit.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(record.state)
+  single = [x.addressable_data(0) if isinstance(x, jax.Array) and x.is_fully_replicated
+            and len(x.sharding.device_set) > 1 else x for x in leaves]
+  for x in single:
+    if isinstance(x, jax.Array):
+      x.copy_to_host_async()
+  host = [np.array(x) if isinstance(x, jax.Array) else x for x in single]
+  return ShardRecord(record.version, record.placements,
+                     jax.tree_util.tree_unflatten(treedef, host), record.roles)
+
+
+def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> dict:
+  """The index of every rank, from the state's layout alone (no other process's data).
+
+  Every rank of a global flat-sharded state has the same tree, the same
+  ``(slots,)`` buffers and the same (replicated) clock; only placements'
+  ranks differ, so the primary describes all ``M`` archives itself.
+  """
+  world = _mesh.axis_size(mesh, axis)
+  roles = _mesh.roles_of(optimizer, state, shapes)
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  of = _mesh.placements_for(shapes, roles, leaves, world)
+  abstract = []
+  for leaf, role in zip(leaves, roles):
+    if role is None:
+      abstract.append(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
+    else:
+      slots = FlatShard(_mesh.shape_of(shapes[role], role), 0, world).slots
+      if tuple(np.shape(leaf)) != (world * slots,):
+        raise ShapeError(
+            f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
+            f" ({world} * {slots},) of its shape over mesh axis {axis!r}")
+      abstract.append(jax.ShapeDtypeStruct((slots,), leaf.dtype))
+  builder = _checkpoint.IndexBuilder(checkpoint_id)
+  tree_state = jax.tree_util.tree_unflatten(treedef, abstract)
+  for rank in range(world):
+    builder.add(rank, ShardRecord(RECORD_VERSION, of(rank), tree_state, roles), pack=False)
+  return builder.index()

@@ -1,0 +1,358 @@
+"""Restore a checkpoint into any target sharding, in logical (param-shaped) form.
+
+The target is an abstract optax state: the tree ``optimizer.init(params)``
+builds, each leaf a ``jax.ShapeDtypeStruct`` (or array) whose ``.sharding``
+says where its pieces live. For each history leaf and each of this process's
+devices, the sharding gives the device's index box of the parameter's logical
+shape. The box's row-major flat element ranges are the runs a restore needs;
+each run is split where the source flat shards (``ceil(count / W)`` elements
+per source rank) begin and end, which names the source archive and the offset
+inside its packed buffer. Every (archive, dtype) is then read once, through the
+checkpoint reader, only in the chunks those runs touch (each chunk checked
+against its crc32c), into one host buffer per dtype; each device's piece is a
+view of it. Devices holding the same box (replicas) share one read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import numpy as np
+import optax
+
+from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.engine import pipeline as _pipeline
+from jaxreshard._src.engine import reshard as _reshard
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.checkpoint.reader import (STAGING_BYTES, Checkpoint, ReadStats, allocate,
+                                   open_checkpoint)
+from jaxreshard._src.errors import DtypeError, PlacementError, ReshardError, ShapeError
+from jaxreshard._src.distributed.mesh import MeshState
+from jaxreshard._src.core.placement import ParamPlacement
+from jaxreshard._src.progress import ProgressCallback, Reporter
+
+__all__ = ["box_runs", "restore_to_target"]
+
+# How many leaf paths a structure refusal lists before it stops.
+_MAX_LISTED = 8
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hist:
+  """Stands for history buffer ``mirror`` of validated group ``group``."""
+
+  group: int
+  mirror: int
+
+
+def restore_to_target(directory: Any, target: Any, *,
+                      stats: Optional[ReadStats] = None,
+                      progress: Optional[ProgressCallback] = None) -> MeshState:
+  """The checkpoint's full optax state, laid out as ``target``'s shardings say.
+
+  Args:
+    directory: a checkpoint written by ``save_records`` or ``save_sharded``.
+    target: the abstract state (see ``restore_sharded``).
+    stats: a counter of the chunk bytes this process reads, when given.
+    progress: told after each source archive read (see ``restore_sharded``).
+
+  Returns:
+    ``MeshState(state, {0: placements})``: see ``restore_sharded``.
+  """
+  ckpt = open_checkpoint(directory)
+  with _pipeline.no_gc():
+    # The logical layout is the flat layout of one rank: validating it runs
+    # every refusal a restore makes (groups, clocks, histories, dtypes).
+    migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=1, rank=0)
+    groups = _pipeline.validate(ckpt, migrations)
+  if not groups:
+    raise PlacementError("the checkpoint holds no parameters")
+  template = ckpt.template(groups[0].by_rank[0])
+  histories = {g.param: [_Hist(gi, m) if present is True else present
+                         for m, present in enumerate(g.history)]
+               for gi, g in enumerate(groups)}
+  expected = _structure.build_state(template, histories)
+  paths, leaves, treedef = _check_structure(expected, target, groups)
+  specs = [_check_leaf(p, e, t, groups) for p, e, t in zip(paths, leaves,
+                                                          jax.tree.leaves(target))]
+  errors = [s for s in specs if isinstance(s, Exception)]
+  if errors:
+    # The most specific class every refusal belongs to (DtypeError is both others).
+    kind = next((c for c in (DtypeError, ShapeError, PlacementError)
+                 if all(isinstance(e, c) for e in errors)), ReshardError)
+    raise kind("the target does not match the checkpoint: "
+               + "; ".join(str(e) for e in errors[:_MAX_LISTED])
+               + (f"; and {len(errors) - _MAX_LISTED} more" if len(errors) > _MAX_LISTED else ""))
+
+  host = _read(ckpt, groups, leaves, specs, stats, progress)
+  out = []
+  for leaf, spec, data in zip(leaves, specs, host):
+    out.append(_place(leaf, spec, data))
+  placements = tuple(ParamPlacement(g.param, g.target.shape, 0, 1, g.dtype, g.trainable)
+                     for g in groups)
+  return MeshState(jax.tree_util.tree_unflatten(treedef, out), {0: placements})
+
+
+# --- checking the target -------------------------------------------------------
+
+
+def _is_masked(x: Any) -> bool:
+  return isinstance(x, optax.MaskedNode)
+
+
+def _describe(leaf: Any, groups) -> str:
+  if isinstance(leaf, _Hist):
+    return f"history buffer {leaf.mirror} of param {groups[leaf.group].param!r}"
+  if _is_masked(leaf):
+    return "a masked position (optax.MaskedNode)"
+  return "a clock scalar"
+
+
+def _check_structure(expected: Any, target: Any, groups) -> tuple[list[str], list[Any], Any]:
+  """The expected leaves with their key paths; a target of another tree is refused.
+
+  Masked positions count as leaves here, so a target that leaves out a
+  parameter the optimizer masks is refused as well.
+  """
+  exp = jax.tree_util.tree_flatten_with_path(expected, is_leaf=_is_masked)[0]
+  tgt = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_masked)[0]
+  exp_paths = [jax.tree_util.keystr(p) for p, _ in exp]
+  tgt_paths = [jax.tree_util.keystr(p) for p, _ in tgt]
+  if exp_paths != tgt_paths:
+    exp_set, tgt_set = set(exp_paths), set(tgt_paths)
+    missing = [(p, x) for p, (_, x) in zip(exp_paths, exp) if p not in tgt_set]
+    extra = [p for p in tgt_paths if p not in exp_set]
+    parts = []
+    if missing:
+      parts.append("missing " + ", ".join(f"leaf {p} ({_describe(x, groups)})"
+                                          for p, x in missing[:_MAX_LISTED]))
+    if extra:
+      parts.append("extra " + ", ".join(f"leaf {p}" for p in extra[:_MAX_LISTED])
+                   + " (not in the checkpoint)")
+    if not parts:
+      parts.append(f"leaves in another order: first difference at leaf"
+                   f" {next(a for a, b in zip(tgt_paths, exp_paths) if a != b)}")
+    raise PlacementError("the target's tree does not match the checkpoint's state: "
+                         + "; ".join(parts))
+  leaves, treedef = jax.tree_util.tree_flatten(expected)
+  target_def = jax.tree_util.tree_structure(target)
+  if target_def != treedef:
+    raise PlacementError(
+        "the target's tree has the checkpoint's leaf paths but other node types:"
+        f" target {str(target_def)[:300]} vs checkpoint {str(treedef)[:300]}")
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
+  return paths, leaves, treedef
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+  """A checked target leaf: logical shape, dtype, sharding, this process's boxes."""
+
+  path: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  sharding: Any
+  boxes: tuple[Box, ...]  # distinct boxes of this process's devices, in first-seen order
+
+
+def _scalar_dtypes(x: Any) -> tuple[np.dtype, ...]:
+  """The target dtypes a clock scalar may be described by; the first is its own.
+
+  A value handed back as it is (``_clock.stays_on_host``) has no jax array to
+  match, so the dtype jax gives it (what ``jax.eval_shape`` of the state says:
+  float32 for a float64 while x64 is off) describes it as well as its own.
+  """
+  if _clock.is_python_number(x):
+    return (_clock.python_dtype(x), np.dtype(type(x)))
+  own = np.dtype(x.dtype)
+  if _clock.stays_on_host(x):
+    return (own, np.dtype(jax.dtypes.canonicalize_dtype(own)))
+  return (own,)
+
+
+def _check_leaf(path: str, leaf: Any, t: Any, groups) -> Any:
+  """The leaf's spec, or the error (returned, so every bad leaf is reported at once)."""
+  if isinstance(leaf, _Hist):
+    g = groups[leaf.group]
+    what = f"leaf {path} (param {g.param!r})"
+    shape, dtype = tuple(g.target.shape), np.dtype(g.facts.buffer_dtypes[leaf.mirror])
+  else:
+    what = f"leaf {path} (clock scalar)"
+    dtypes = _scalar_dtypes(leaf)
+    shape, dtype = tuple(np.shape(leaf)), dtypes[0]
+  sharding = getattr(t, "sharding", None)
+  if not (hasattr(t, "shape") and hasattr(t, "dtype")):
+    return PlacementError(f"{what}: the target leaf is a {type(t).__name__}, not a"
+                          " jax.ShapeDtypeStruct with a sharding")
+  if tuple(t.shape) != shape:
+    return ShapeError(f"{what}: the target has shape {tuple(t.shape)} but the checkpoint"
+                      f" holds {shape}")
+  if np.dtype(t.dtype) != dtype and (isinstance(leaf, _Hist) or np.dtype(t.dtype) not in dtypes):
+    return DtypeError(f"{what}: the target has dtype {np.dtype(t.dtype).name} but the"
+                      f" checkpoint holds {dtype.name}; buffers are restored in their saved"
+                      " dtype, never converted")
+  if not isinstance(sharding, jax.sharding.Sharding):
+    return PlacementError(f"{what}: the target leaf has no sharding (got"
+                          f" {type(sharding).__name__}); attach one, e.g. a NamedSharding")
+  try:
+    index_map = sharding.addressable_devices_indices_map(shape)
+  except Exception as e:  # jax's own refusal of the sharding for this shape
+    return PlacementError(f"{what}: its sharding cannot lay out shape {shape}:"
+                          f" {type(e).__name__}: {e}")
+  boxes: dict[Box, None] = {}
+  for index in index_map.values():
+    try:
+      boxes.setdefault(_box(index, shape))
+    except ValueError as e:
+      return PlacementError(f"{what}: {e}")
+  return _Spec(path, shape, dtype, sharding, tuple(boxes))
+
+
+def _box(index: Any, shape: tuple[int, ...]) -> Box:
+  """A device's index (a tuple of slices) as ``(start, stop)`` per dimension."""
+  index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
+  out = []
+  for s, n in zip(index, shape):
+    if not isinstance(s, slice):
+      raise ValueError(f"device index {index} is not a tuple of slices")
+    lo, hi, step = s.indices(n)
+    if step != 1:
+      raise ValueError(f"device index {index} has a stride; only contiguous boxes exist")
+    out.append((lo, max(lo, hi)))
+  return tuple(out)
+
+
+# --- planning and reading --------------------------------------------------------
+
+
+def box_runs(shape: tuple[int, ...], box: Box) -> tuple[np.ndarray, np.ndarray]:
+  """The row-major flat element ranges of ``box`` inside an array of ``shape``.
+
+  Returns:
+    ``(starts, length)``: the start of each run, in row-major order of the
+    box, and the length every run shares. A box with no elements has no runs.
+
+  Examples:
+    >>> starts, length = box_runs((4, 6), ((1, 3), (2, 4)))
+    >>> starts.tolist(), length
+    ([8, 14], 2)
+  """
+  if any(hi <= lo for lo, hi in box):
+    return np.zeros(0, np.int64), 0
+  n = len(shape)
+  if n == 0:
+    return np.zeros(1, np.int64), 1
+  # Trailing dimensions the box covers whole join the run of the last partial one.
+  k = n - 1
+  while k > 0 and box[k] == (0, shape[k]):
+    k -= 1
+  strides = [math.prod(shape[i + 1:]) for i in range(n)]
+  length = (box[k][1] - box[k][0]) * strides[k]
+  starts = np.array([box[k][0] * strides[k]], np.int64)
+  for i in range(k - 1, -1, -1):
+    lo, hi = box[i]
+    starts = (np.arange(lo, hi, dtype=np.int64)[:, None] * strides[i] + starts[None, :]).ravel()
+  return starts, length
+
+
+def _split(starts: np.ndarray, length: int, dst: np.ndarray, ss: int):
+  """Runs of the logical flat buffer cut at source-rank boundaries (``ss`` slots each).
+
+  Returns parallel arrays: source rank, offset inside that rank's buffer,
+  destination, length.
+  """
+  ss = max(ss, 1)
+  r0, r1 = starts // ss, (starts + length - 1) // ss
+  pieces = r1 - r0 + 1
+  run = np.repeat(np.arange(len(starts)), pieces)
+  rank = r0[run] + (np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces))
+  lo = np.maximum(starts[run], rank * ss)
+  hi = np.minimum(starts[run] + length, (rank + 1) * ss)
+  return rank, lo - rank * ss, dst[run] + (lo - starts[run]), hi - lo
+
+
+def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]:
+  """Host data of every leaf: ``{box: array}`` for histories, the value for scalars."""
+  sizes: dict[np.dtype, int] = {}
+  where: list[dict[Box, int]] = []
+  runs: dict[tuple[int, np.dtype], list[tuple[np.ndarray, ...]]] = {}
+  for leaf, spec in zip(leaves, specs):
+    if not isinstance(leaf, _Hist):
+      where.append({})
+      continue
+    g = groups[leaf.group]
+    at = {}
+    for box in spec.boxes:
+      n = math.prod(hi - lo for lo, hi in box)
+      at[box] = offset = sizes.get(spec.dtype, 0)
+      sizes[spec.dtype] = offset + n
+      starts, length = box_runs(spec.shape, box)
+      if not len(starts):
+        continue
+      dst = offset + np.arange(len(starts), dtype=np.int64) * length
+      rank, src, dst, lens = _split(starts, length, dst, g.source.slots)
+      for r in np.unique(rank).tolist():
+        sel = rank == r
+        archive = g.by_rank[r]
+        (key_archive, d), base = ckpt.locate(archive, g, leaf.mirror, spec.dtype)
+        runs.setdefault((key_archive, np.dtype(d)), []).append(
+            (src[sel] + base, dst[sel], lens[sel]))
+    where.append(at)
+
+  # Every involved archive and file checked against its metadata before anything
+  # is allocated: a checkpoint whose files cannot hold what it claims reads nothing.
+  for archive, d in sorted(runs, key=lambda k: (k[0], k[1].name)):
+    ckpt.check_archive(archive)
+    ckpt.archive_meta(archive)
+    ckpt.open_buffer(archive, d).close()
+  out = {d: allocate(n, d, f"restore_sharded of {ckpt.directory}") for d, n in sizes.items()}
+  scratch = np.empty(STAGING_BYTES, np.uint8)
+  per_archive: dict[int, int] = {}  # bytes copied out of each archive, in reading order
+  tables = []
+  for (archive, d), parts in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
+    src, dst, lens = (np.concatenate(x) for x in zip(*parts))
+    tables.append((archive, d, src, dst, lens))
+    per_archive[archive] = per_archive.get(archive, 0) + int(lens.sum()) * d.itemsize
+  reporter = Reporter("restore_sharded", progress, where=ckpt.directory, total=len(per_archive),
+                      total_bytes=sum(per_archive.values()))
+  trailing: set = set()  # all-padding source ranks whose padding is checked too
+  for i, (archive, d, src, dst, lens) in enumerate(tables):
+    ckpt.read_runs(archive, d, src, dst, lens, out[d], scratch, stats, trailing=trailing)
+    if i + 1 == len(tables) or tables[i + 1][0] != archive:
+      reporter.step(per_archive[archive], archive=archive)
+  ckpt.check_padding(trailing, scratch, stats)
+  reporter.finish()
+
+  host = []
+  for leaf, spec, at in zip(leaves, specs, where):
+    if not isinstance(leaf, _Hist):
+      host.append(leaf)
+      continue
+    pieces = {}
+    for box, offset in at.items():
+      extent = tuple(hi - lo for lo, hi in box)
+      pieces[box] = out[spec.dtype][offset:offset + math.prod(extent)].reshape(extent)
+    host.append(pieces)
+  return host
+
+
+def _place(leaf: Any, spec: _Spec, data: Any) -> Any:
+  """One leaf as a global array laid out by its target sharding."""
+  if not isinstance(leaf, _Hist):
+    if _clock.stays_on_host(data):
+      # A Python number (it has no placement), or a 64-bit value jax would cut
+      # to 32 bits while x64 is off: handed back as it is, as ``restore`` does.
+      return data
+    value = np.asarray(data)
+    return jax.make_array_from_callback(
+        spec.shape, spec.sharding, lambda index: np.asarray(value[index]), dtype=spec.dtype)
+
+  def piece(index: Any) -> np.ndarray:
+    return data[_box(index, spec.shape)]
+
+  return jax.make_array_from_callback(spec.shape, spec.sharding, piece, dtype=spec.dtype)

@@ -1,0 +1,218 @@
+"""The one pipeline every path runs: validate -> plan -> fetch -> execute -> record.
+
+``reshard`` and ``reshard_ranks`` (archives in memory), ``restore`` and
+``load_records`` (a checkpoint on disk), the CLI and the multi-host restore all
+call :func:`validate` and :func:`build`; they differ only in their *sources*
+(which answer validation's questions and say where each history buffer lives)
+and their *fetch* step (how the planned runs become target buffers: numpy
+copies from memory, jitted gathers on a device, reads from files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.exec import host as _host_exec
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.core.placement import Migration, ParamPlacement
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+
+__all__ = ["EXECUTORS", "build", "memory_fetch", "validate"]
+
+EXECUTORS = ("auto", "host", "device")
+
+# fetch(runs, sources, layout) -> {dtype: flat target buffer}
+Fetch = Callable[[dict, list, _copyplan.TargetLayout], dict]
+
+
+def validate(src: Any, migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
+  """Every refusal of one target rank's migrations; the groups, sorted by param.
+
+  The source side of each group comes from ``src``'s cache after the first
+  call, so a call costs time in the number of migrations only.
+  """
+  if isinstance(migrations, (str, bytes)) or not isinstance(migrations, Sequence):
+    raise PlacementError(
+        f"migrations must be a list of Migration, got {type(migrations).__name__}")
+  with no_gc():
+    return _validate_all(src, migrations)
+
+
+def _validate_all(src: Any, migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
+  seen: dict[str, Migration] = {}
+  for m in migrations:
+    if not isinstance(m, Migration):
+      raise PlacementError(f"expected a Migration, got {type(m).__name__}")
+    if m.param in seen:
+      raise PlacementError(
+          f"param {m.param!r}: two migrations target it (from archives"
+          f" {list(seen[m.param].sources)} and {list(m.sources)}); pass one per parameter")
+    seen[m.param] = m
+  groups = []
+  for m in migrations:
+    facts = src.facts(m.param, m.sources)
+    if m.shape == facts.shape and type(m.shape) is tuple:
+      # The shape is the sources' own, already checked: only the rank and world.
+      try:
+        target = FlatShard.of_checked_shape(facts.shape, facts.source.count, m.rank,
+                                            m.world_size)
+      except PlacementError as e:
+        raise PlacementError(f"param {m.param!r}: invalid target placement: {e}") from None
+    else:
+      target = _validate.check_target(m)
+      raise PlacementError(
+          f"param {m.param!r}: archive {facts.by_rank[0]} has logical shape {facts.shape}"
+          f" but the target has {target.shape}")
+    groups.append(_validate.SourceGroup(m, target, facts))
+  groups.sort(key=lambda g: g.param)
+  clocks = {g.facts.clock: g for g in groups}
+  if len(clocks) > 1:
+    a, b = list(clocks.values())[:2]
+    raise PlacementError(_validate.clock_mismatch(src, b.by_rank[0], a.by_rank[0], b.param))
+  return groups
+
+
+def memory_fetch(src: Any, executor: str = "auto") -> Fetch:
+  """Runs over in-memory source buffers: numpy on the host, jitted gathers on a device.
+
+  ``executor="auto"`` runs on the device when a source already lives on a
+  GPU/TPU and on the host otherwise; "host" and "device" force one.
+  """
+  if executor not in EXECUTORS:
+    raise PlacementError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}")
+
+  def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
+    if executor == "device" or (executor == "auto" and src.on_accelerator(keys)):
+      return _device_fetch(src, runs, keys, layout)
+    views = [src.host_view(k) for k in keys]
+    return {d: _host_exec.execute(views, r, layout.sizes[d], d) for d, r in runs.items()}
+
+  return fetch
+
+
+def _device_fetch(src: Any, runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
+  """Gathers on the device from each source archive's packed buffer of a dtype.
+
+  Packing an archive's buffers (one program per archive layout) makes every
+  source of a group one array of one size, so the gathers compile a handful
+  of programs per dtype whatever the number of parameters.
+  """
+  from jaxreshard._src.exec import device as _device_exec  # pylint: disable=g-import-not-at-top
+
+  out = {}
+  for dtype, r in runs.items():
+    archives = sorted({keys[s][0] for s in r.source.tolist()})
+    packed, offsets = {}, {}
+    for a in archives:
+      order = [(pid, m, buf) for pid, m, buf in src.packing(a) if np.dtype(buf.dtype) == dtype]
+      offsets[a] = {}
+      pos = 0
+      for pid, m, buf in order:
+        offsets[a][(pid, m)] = pos
+        pos += int(np.size(buf))
+      packed[a] = _device_exec.pack([jax.numpy.asarray(buf) for _, _, buf in order])
+    arrays = _on_one_device([packed[a] for a in archives])
+    index = {a: i for i, a in enumerate(archives)}
+    source = np.asarray([index[keys[s][0]] for s in r.source.tolist()], np.int64)
+    base = np.asarray([offsets[keys[s][0]][keys[s][1:]] for s in r.source.tolist()], np.int64)
+    out[dtype] = _device_exec.gather(arrays, source, r.src + base, r.dst, r.length,
+                                     layout.sizes[dtype])
+  return out
+
+
+def _on_one_device(arrays: list[Any]) -> list[Any]:
+  """Sources on several devices (each rank's archive on its own) feed one gather on
+  the default device; sources on one device stay there."""
+  devices = {d for x in arrays for d in x.devices()}
+  if len(devices) <= 1:
+    return arrays
+  target = jax.config.jax_default_device
+  if target is None or isinstance(target, str):
+    target = jax.devices(target)[0]
+  return [jax.device_put(x, target) for x in arrays]
+
+
+@contextlib.contextmanager
+def no_gc():
+  """Pauses Python's cyclic garbage collector inside the block.
+
+  Planning allocates one small tuple per run and buffer and creates no
+  reference cycles; with a large model's state alive, every collection the
+  allocations trigger walks all of it, which cost more than the planning itself.
+  """
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if enabled:
+      gc.enable()
+
+
+def build(src: Any, groups: Sequence[_validate.SourceGroup], fetch: Fetch, *,
+          logical: bool = False) -> ShardRecord:
+  """Plans, fetches and assembles one target rank's record from validated groups."""
+  with no_gc():
+    return _build(src, groups, fetch, logical=logical)
+
+
+def _build(src, groups, fetch, *, logical):
+  # Every target rank of one plan has the same packed layout (slots do not depend
+  # on the rank): the sources object keeps it, keyed by the validated groups.
+  key = (logical, tuple((id(g.facts), g.target.slots) for g in groups))
+  layout = src.target_layouts.get(key)
+  if layout is None:
+    layout = src.target_layouts[key] = _copyplan.target_layout(groups, logical=logical)
+  runs, keys = _copyplan.plan_runs(groups, layout, src.locate)
+  buffers = fetch(runs, keys, layout)
+  built: dict[tuple[int, int], Any] = {}
+  for dtype, slots in layout.slots.items():
+    for slot, leaf in zip(slots, _leaves(buffers[dtype], slots)):
+      g = groups[slot.group]
+      built[(slot.group, slot.mirror)] = leaf.reshape(g.target.shape) if logical else leaf
+  return record(src, groups, built)
+
+
+def _leaves(buffer: Any, slots: Sequence[_copyplan.BufferSlot]) -> list[Any]:
+  """The history buffers inside one packed buffer: numpy views, or device slices."""
+  if isinstance(buffer, np.ndarray):
+    return [buffer[s.offset:s.offset + s.size] for s in slots]
+  from jaxreshard._src.exec import device as _device_exec  # pylint: disable=g-import-not-at-top
+
+  return _device_exec.split(buffer, [s.size for s in slots])
+
+
+def record(src: Any, groups: Sequence[_validate.SourceGroup],
+           built: dict[tuple[int, int], Any]) -> ShardRecord:
+  """The target record: the template archive's clock, the built history buffers."""
+  template = src.template(groups[0].by_rank[0] if groups else 0)
+  n_mirrors = len(template.mirrors)
+  histories: dict[str, list[Any]] = {}
+  role_of: dict[int, str] = {}
+  for gi, g in enumerate(groups):
+    per_mirror = []
+    for m in range(n_mirrors):
+      if g.history[m] is True:
+        leaf = built[(gi, m)]
+        role_of[id(leaf)] = g.param
+        per_mirror.append(leaf)
+      else:
+        per_mirror.append(g.history[m])
+    histories[g.param] = per_mirror
+  state = _structure.build_state(template, histories)
+  # A leaf is a history buffer exactly when it is one of the buffers just built.
+  roles = tuple(role_of.get(id(x)) for x in jax.tree.leaves(state))
+  placements = tuple(
+      ParamPlacement(g.param, g.target.shape, g.target.rank, g.target.world_size,
+                     g.dtype, g.trainable)
+      for g in groups)
+  return ShardRecord(version=RECORD_VERSION, placements=placements, state=state, roles=roles)

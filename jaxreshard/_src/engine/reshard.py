@@ -1,0 +1,307 @@
+"""The public pure functions: shard_state, unshard_state, plan, reshard."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxreshard._src.engine import pipeline as _pipeline
+from jaxreshard._src.engine import sources as _sources
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
+from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.core.placement import Migration, ParamPlacement
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+
+__all__ = ["coordinate_roles", "shard_state", "unshard_state", "plan", "reshard", "reshard_ranks"]
+
+
+def shard_state(
+    optimizer: optax.GradientTransformation,
+    params: optax.Params,
+    state: optax.OptState,
+    world_size: int,
+    *,
+    trainable: Optional[Mapping[str, bool]] = None,
+) -> list[ShardRecord]:
+  """Splits a full optax state into per-rank flat-shard archives.
+
+  Args:
+    optimizer: the optax ``GradientTransformation`` that built ``state``; used
+      only to learn which leaves mirror the params (``optax.tree_map_params``).
+    params: the full params pytree (any pytree of float32/float16/bfloat16
+      arrays; ids are key paths joined with ``/``).
+    state: ``optimizer.init(params)`` or any later state of that optimizer.
+    world_size: number of data-parallel ranks.
+    trainable: optional ``param id -> bool``; parameters not named are trainable.
+
+  Returns:
+    ``world_size`` records in rank order. Record ``r`` holds rank ``r``'s
+    ``(slots,)`` slice of every history buffer, zero-padded, with the scalars
+    of ``state`` unchanged.
+
+  Raises:
+    PlacementError: an invalid world size, colliding ids, unknown ``trainable`` keys.
+    ShapeError: a history buffer that is not shaped like its parameter
+      (non-coordinate state such as Adafactor's factored statistics) or not floating.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.arange(5.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> records = shard_state(opt, params, opt.init(params), world_size=2)
+    >>> [r.state[0].mu["w"].shape for r in records]
+    [(3,), (3,)]
+  """
+  FlatShard((), 0, world_size)  # validates world_size
+  ids, leaves, shapes, roles = coordinate_roles(optimizer, params, state)
+  trainable = dict(trainable or {})
+  unknown = sorted(set(trainable) - set(ids))
+  if unknown:
+    raise PlacementError(f"params {unknown}: named in `trainable` but not in params")
+  state_leaves, state_def = jax.tree_util.tree_flatten(state)
+
+  # The full state is the one archive of a world of size 1; every rank is resharded from it.
+  placements = tuple(sorted(
+      (ParamPlacement(pid, shapes[pid], 0, 1, np.dtype(x.dtype), bool(trainable.get(pid, True)))
+       for pid, x in zip(ids, leaves)),
+      key=lambda p: p.param))
+  whole = _whole_record(state_leaves, state_def, roles, placements)
+  return reshard_ranks([whole], [plan([whole], world_size=world_size, rank=r)
+                                 for r in range(world_size)])
+
+
+def coordinate_roles(
+    optimizer: Any, params: Any, state: Any,
+) -> tuple[list[str], list[Any], dict[str, tuple[int, ...]], tuple[Optional[str], ...]]:
+  """Checks that ``state`` can be sharded flat; returns (ids, leaves, shapes, roles).
+
+  A state can be sharded flat when every param id is unique, every param has a
+  supported storage dtype, and every history buffer (``_structure.history_roles``) is
+  floating and shaped exactly like its parameter: coordinate-wise state.
+  ``params`` and ``state`` may hold arrays or ``jax.ShapeDtypeStruct``s.
+
+  Raises:
+    PlacementError: colliding ids, or a state optax cannot describe.
+    DtypeError: a parameter dtype other than float32/float16/bfloat16.
+    ShapeError: non-coordinate state (factored or matrix statistics), or a
+      history buffer that is not floating.
+  """
+  _check_arguments(optimizer, params)
+  ids, leaves, _ = _structure.param_ids(params)
+  if len(set(ids)) != len(ids):
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    raise PlacementError(f"params {dup}: two parameters have the same key path id")
+  shapes = {pid: tuple(np.shape(x)) for pid, x in zip(ids, leaves)}
+  for pid, x in zip(ids, leaves):
+    _validate.check_storage_dtype(np.dtype(x.dtype), f"param {pid!r}")
+
+  try:
+    roles = _structure.history_roles(optimizer, params, state)
+  except (ValueError, TypeError, IndexError, KeyError) as e:
+    if isinstance(e, PlacementError):
+      raise
+    # optax.tree_map_params cannot pair a subtree with the params when its
+    # leaves are not one per parameter (SM3's per-axis lists, for example).
+    raise ShapeError(
+        f"params {ids[:3]}{'...' if len(ids) > 3 else ''}: the optimizer state does not"
+        " mirror the params leaf for leaf (optax.tree_map_params failed:"
+        f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); non-coordinate"
+        " optimizer state (factored or matrix statistics) cannot be sharded flat"
+    ) from e
+  with_path = jax.tree_util.tree_flatten_with_path(state)[0]
+  if len(with_path) != len(roles):
+    raise PlacementError("the optimizer's own description of its state does not match `state`")
+  for (path, leaf), pid in zip(with_path, roles):
+    if pid is None:
+      continue
+    where = f"param {pid!r}: history buffer at {jax.tree_util.keystr(path)}"
+    if tuple(np.shape(leaf)) != shapes[pid]:
+      raise ShapeError(
+          f"{where} has shape {tuple(np.shape(leaf))}, not the parameter's {shapes[pid]};"
+          " non-coordinate optimizer state (factored or matrix statistics) cannot be"
+          " sharded flat"
+      )
+    _validate.check_buffer_dtype(leaf.dtype, where)
+  return ids, leaves, shapes, roles
+
+
+def _check_arguments(optimizer: Any, params: Any) -> None:
+  """Refuses arguments of the wrong kind by name, before anything uses them."""
+  if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+    raise PlacementError(
+        "optimizer must be an optax GradientTransformation (with init and update), got"
+        f" {type(optimizer).__name__}; the arguments are (optimizer, params, state)")
+  leaves = jax.tree_util.tree_leaves(params)
+  if not leaves:
+    raise PlacementError(f"params ({type(params).__name__}) holds no arrays")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not hasattr(leaf, "shape"):
+      raise PlacementError(
+          f"params{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array;"
+          " params must be the model's parameter pytree")
+    if not jnp.issubdtype(dtype, jnp.floating):
+      raise DtypeError(
+          f"param {_structure.path_id(path)!r} has dtype {np.dtype(dtype).name}: params must be"
+          " the model's float parameters (were params and state swapped? the arguments are"
+          " (optimizer, params, state))")
+
+
+def _whole_record(leaves, treedef, roles, placements) -> ShardRecord:
+  """The full state as the one archive of a world of size 1 (flat history buffers)."""
+  on_device = any(isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices())
+                  for x, pid in zip(leaves, roles) if pid is not None)
+  flat = [x if pid is None else (x.reshape(-1) if on_device else np.asarray(x).reshape(-1))
+          for x, pid in zip(leaves, roles)]
+  return ShardRecord(version=RECORD_VERSION, placements=placements,
+                     state=jax.tree_util.tree_unflatten(treedef, flat), roles=roles)
+
+
+def plan(records: Sequence[ShardRecord], *, world_size: int, rank: int) -> list[Migration]:
+  """Explicit migrations of every parameter the archives list to one target rank.
+
+  For each parameter, the sources are the archives that list it, checked for
+  completeness (one archive per original rank). ``reshard`` itself never
+  infers anything; this is the convenience that writes its input. The
+  grouping is computed once per list of records: planning rank after rank
+  costs time in the number of parameters only.
+
+  Args:
+    records: the source archives.
+    world_size: the target world size.
+    rank: the target rank.
+
+  Returns:
+    One ``Migration`` per parameter, sorted by param id.
+
+  Raises:
+    PlacementError: no archives, an invalid target, or a parameter whose
+      archives do not form exactly one complete group.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.arange(5.0)}
+    >>> opt = optax.sgd(0.1, momentum=0.9)
+    >>> records = shard_state(opt, params, opt.init(params), world_size=4)
+    >>> plan(records, world_size=3, rank=2)
+    [Migration(param='w', shape=(5,), rank=2, world_size=3, sources=(0, 1, 2, 3))]
+  """
+  return plan_groups(_sources.record_sources(records).complete_groups(),
+                     world_size=world_size, rank=rank)
+
+
+def plan_groups(groups, *, world_size: int, rank: int) -> list[Migration]:
+  """Migrations of complete groups ``(param, shape, sources)`` to one target rank."""
+  # The target rank and world size; each parameter's own geometry is checked
+  # when its migration is validated.
+  FlatShard((), rank, world_size)
+  with _pipeline.no_gc():
+    return [Migration(pid, shape, rank, world_size, sources) for pid, shape, sources in groups]
+
+
+def reshard(records: Sequence[ShardRecord], migrations: Sequence[Migration], *,
+            executor: str = "auto") -> ShardRecord:
+  """Builds one target rank's archive from source archives and explicit migrations.
+
+  Sources in host memory (numpy arrays, arrays of the CPU backend) are copied
+  with numpy into one buffer per dtype, and the target's history buffers are
+  views of it: nothing is compiled. Sources on a GPU/TPU are gathered there
+  by jitted kernels whose number does not grow with the parameters.
+
+  Args:
+    records: the source archives; migrations refer to them by index.
+    migrations: one per target parameter, each naming the target placement and
+      the source archives that hold that parameter's complete history.
+    executor: "auto" (where the bytes are), "host" or "device" (forced).
+
+  Returns:
+    A version-1 ``ShardRecord``: placements sorted by param, every history
+    buffer the target rank's ``(new_slots,)`` slice of the original flat buffer
+    (bit for bit, zero-padded, original dtype), scalars unchanged.
+
+  Raises:
+    PlacementError: ownership, grouping, metadata or optimizer-clock errors.
+    ShapeError: buffer shapes or precision that cannot be resharded.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.arange(5.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> records = shard_state(opt, params, opt.init(params), world_size=4)
+    >>> target = reshard(records, plan(records, world_size=3, rank=2))
+    >>> target.placements[0].rank, target.state[0].mu["w"].shape
+    (2, (2,))
+  """
+  return reshard_ranks(records, [migrations], executor=executor)[0]
+
+
+def reshard_ranks(records: Sequence[ShardRecord], plans: Sequence[Sequence[Migration]], *,
+                  executor: str = "auto") -> list[ShardRecord]:
+  """Builds several target ranks in one pass, validating the sources once.
+
+  Args:
+    records: the source archives.
+    plans: one migration list per target rank (e.g. ``plan`` of each rank).
+    executor: as in :func:`reshard`.
+
+  Returns:
+    One ``ShardRecord`` per migration list, in order; each equal to
+    ``reshard(records, migrations)``.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.arange(5.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> records = shard_state(opt, params, opt.init(params), world_size=4)
+    >>> targets = reshard_ranks(records, [plan(records, world_size=3, rank=r) for r in range(3)])
+    >>> [t.state[0].mu["w"].shape for t in targets]
+    [(2,), (2,), (2,)]
+  """
+  with _pipeline.no_gc():  # no reference cycles are made; see no_gc
+    return _reshard_ranks(records, plans, executor)
+
+
+def _reshard_ranks(records, plans, executor) -> list[ShardRecord]:
+  src = _sources.record_sources(records)
+  if isinstance(plans, (str, bytes)) or not isinstance(plans, Sequence):
+    raise PlacementError(f"plans must be a list of migration lists, got {type(plans).__name__}")
+  validated = []
+  for migrations in plans:
+    groups = _pipeline.validate(src, migrations)
+    if not groups:
+      raise PlacementError("no migrations: a target rank needs at least one parameter")
+    validated.append(groups)
+  fetch = _pipeline.memory_fetch(src, executor)
+  return [_pipeline.build(src, groups, fetch) for groups in validated]
+
+
+def unshard_state(records: Sequence[ShardRecord]) -> optax.OptState:
+  """Rebuilds the full (unsharded) optax state from a complete set of archives.
+
+  Args:
+    records: archives that together hold every rank of every parameter.
+
+  Returns:
+    The optax state structured as the original, with every history buffer in
+    its parameter's logical shape and the scalars unchanged.
+
+  Examples:
+    >>> import jax.numpy as jnp, optax
+    >>> params = {"w": jnp.arange(5.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> records = shard_state(opt, params, opt.init(params), world_size=3)
+    >>> unshard_state(records)[0].mu["w"].shape
+    (5,)
+  """
+  src = _sources.record_sources(records)
+  groups = _pipeline.validate(src, plan(records, world_size=1, rank=0))
+  state = _pipeline.build(src, groups, _pipeline.memory_fetch(src), logical=True).state
+  # A full state goes back into training: its buffers are jax arrays (numpy
+  # arrays would pull optax's math into numpy's own arithmetic).
+  return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, state)

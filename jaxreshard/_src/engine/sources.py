@@ -1,0 +1,304 @@
+"""Source archives in memory, validated once and remembered while they live.
+
+A :class:`RecordSources` holds what the pipeline learns about one list of
+``ShardRecord``s: each archive's anatomy and placements, its clock class, and
+the validated source side of every (param, sources) group. Resharding rank
+after rank over the same records asks :func:`record_sources` for them again;
+it answers from :data:`CACHE`, which is keyed by the records' identities and
+drops an entry as soon as one of its records is garbage collected, so it never
+keeps records alive. Records are frozen; the containers inside their states
+must not be mutated in place after a record was resharded (build a new
+record instead), as with any jax pytree.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Iterable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.exec import host as _host_exec
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.core.placement import ParamPlacement
+from jaxreshard._src.core.record import ShardRecord
+
+__all__ = ["RecordSources", "SourceCache", "CACHE", "record_sources", "complete_groups"]
+
+
+class FactsCache:
+  """Validated groups of one source set, by (param, sources).
+
+  Lookups by the identity of the sources tuple first: ``plan`` hands every
+  target rank the same tuple objects, so a hit costs nothing in the number of
+  source ranks. Equal tuples of another identity are found by value.
+  """
+
+  def __init__(self):
+    self._by_id: dict[tuple[str, int], tuple[tuple, _validate.SourceFacts]] = {}
+    self._by_value: dict[tuple[str, tuple], _validate.SourceFacts] = {}
+    self._checked_indices: dict[int, tuple] = {}
+
+  def facts(self, pid: str, sources: tuple, src: Any) -> _validate.SourceFacts:
+    hit = self._by_id.get((pid, id(sources)))
+    if hit is not None and hit[0] is sources:
+      return hit[1]
+    if self._checked_indices.get(id(sources)) is not sources:
+      _validate.check_source_indices(pid, sources, len(src))
+      self._checked_indices[id(sources)] = sources
+    key = (pid, tuple(int(s) for s in sources))
+    facts = self._by_value.get(key)
+    if facts is None:
+      facts = self._by_value[key] = _validate.source_facts(pid, key[1], src)
+    self._by_id[(pid, id(sources))] = (sources, facts)
+    return facts
+
+
+def complete_groups(
+    placements: Sequence[Any], n: int,
+) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+  """For every param the archives list: (param, shape, archive of each original rank).
+
+  Args:
+    placements: ``archive -> iterable of ParamPlacement``.
+    n: number of archives.
+
+  Raises:
+    PlacementError: a parameter whose archives are not exactly one complete group.
+  """
+  groups: dict[str, list[tuple[int, ParamPlacement]]] = {}
+  for i in range(n):
+    for p in placements(i):
+      groups.setdefault(p.param, []).append((i, p))
+  out = []
+  for pid in sorted(groups):
+    entries = groups[pid]
+    first_index, first = entries[0]
+    for i, p in entries:
+      if p.world_size != first.world_size or p.shape != first.shape:
+        raise PlacementError(
+            f"param {pid!r}: archive {i} has shape {p.shape} over world_size"
+            f" {p.world_size} but archive {first_index} has {first.shape} over"
+            f" {first.world_size}; pass explicit migrations to pick one group")
+    sources = _validate.rank_sources(pid, first.world_size, ((i, p.rank) for i, p in entries))
+    out.append((pid, first.shape, sources))
+  return out
+
+
+class RecordSources:
+  """Validated facts about one list of in-memory source archives."""
+
+  def __init__(self, records: Sequence[ShardRecord]):
+    # The records themselves are not kept (so that a cache entry never keeps
+    # them alive): their anatomies hold everything later calls read.
+    if not records:
+      raise PlacementError("no archives supplied")
+    checked = [_validate.check_archive(i, r) for i, r in enumerate(records)]
+    self.anatomies = [a for a, _ in checked]
+    self._placements = [p for _, p in checked]
+    # What makes archives interchangeable but for their rank and their bytes:
+    # the state's structure, each buffer's shape and dtype, the placements.
+    self._signatures = [_signature(a, p) for a, p in zip(self.anatomies, self._placements)]
+    # The layout keys numbered, so that comparing two archives' costs O(1), not
+    # time in their parameters (each ``_is_uniform`` compares every archive of a group).
+    self._layout_ids = _numbered([sig[0] for sig in self._signatures])
+    self._uniform: dict[int, tuple[tuple, bool]] = {}
+    self._uniform_facts: dict[str, _validate.SourceFacts] = {}
+    self._host_views: dict[tuple[int, str, int], np.ndarray] = {}
+    self._accelerator: dict[tuple[int, str, int], bool] = {}
+    self._clocks = _validate.ClockClasses()
+    self._cache = FactsCache()
+    # Packed target layouts by the validated groups they were made from (ids of
+    # facts this object keeps alive).
+    self.target_layouts: dict = {}
+    self._groups: Optional[list] = None
+    self._lock = threading.Lock()
+
+  def __len__(self) -> int:
+    return len(self.anatomies)
+
+  def placement(self, archive: int, pid: str) -> Optional[ParamPlacement]:
+    return self._placements[archive].get(pid)
+
+  def history(self, archive: int, pid: str) -> tuple[Any, ...]:
+    return self.anatomies[archive].history(pid)
+
+  def template(self, archive: int) -> _structure.StateParts:
+    return self.anatomies[archive]
+
+  def skeleton(self, archive: int) -> tuple[Any, ...]:
+    return _validate.skeleton_key(self.anatomies[archive])
+
+  def scalars(self, archive: int) -> list[Any]:
+    return [x for _, x in self.anatomies[archive].scalars]
+
+  def clock_class(self, archive: int) -> int:
+    """Archives with one structure and bit-identical clock scalars share a class."""
+    return self._clocks.of(self, archive)
+
+  def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts:
+    with self._lock:
+      if self._is_uniform(sources):
+        facts = self._uniform_facts.get(pid)
+        if facts is None or facts.by_rank is not sources:
+          facts = self._uniform_facts[pid] = _validate.uniform_facts(pid, sources, self)
+        return facts
+      return self._cache.facts(pid, sources, self)
+
+  def _is_uniform(self, sources: tuple) -> bool:
+    """Archive ``r`` of ``sources`` holds rank ``r`` of every parameter, and all of
+    them share one structure, buffer shapes, placements and clock: one archive's
+    facts are every archive's."""
+    hit = self._uniform.get(id(sources))
+    if hit is not None and hit[0] is sources:
+      return hit[1]
+    ok = (isinstance(sources, tuple) and len(sources) > 0
+          and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < len(self)
+                  for s in sources))
+    if ok:
+      first = self._signatures[sources[0]]
+      layout = self._layout_ids[sources[0]]
+      ok = (first[1] is not None and first[2] == len(sources)
+            and all(self._layout_ids[s] == layout and self._signatures[s][1] == r
+                    and self.clock_class(s) == self.clock_class(sources[0])
+                    for r, s in enumerate(sources)))
+    self._uniform[id(sources)] = (sources, ok)
+    return ok
+
+  def complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    with self._lock:
+      if self._groups is None:
+        self._groups = self._uniform_groups() or complete_groups(
+            lambda i: self._placements[i].values(), len(self))
+      return self._groups
+
+  def _uniform_groups(self) -> Optional[list]:
+    """Every archive one rank of one layout: one group, found in time O(archives)."""
+    ranks = [sig[1] for sig in self._signatures]
+    if any(r is None for r in ranks) or sorted(ranks) != list(range(len(self))):
+      return None
+    sources = tuple(sorted(range(len(self)), key=ranks.__getitem__))
+    if not self._is_uniform(sources):
+      return None
+    return [(pid, p.shape, sources) for pid, p in sorted(self._placements[sources[0]].items())]
+
+  def locate(self, archive: int, group: Any, mirror: int, dtype: np.dtype) -> tuple[Any, int]:
+    """A history buffer in memory is a source of its own, read from element 0."""
+    return (archive, group.param, mirror), 0
+
+  def packing(self, archive: int) -> list[tuple[str, int, Any]]:
+    """``(param, mirror, buffer)`` of the archive's history buffers in packing order."""
+    a = self.anatomies[archive]
+    return _copyplan.packing_order({pid: a.history(pid) for pid in a.param_set()})
+
+  def buffer(self, key: tuple[int, str, int]) -> Any:
+    archive, pid, mirror = key
+    return self.anatomies[archive].history(pid)[mirror]
+
+  def host_view(self, key: tuple[int, str, int]) -> np.ndarray:
+    """A buffer's bytes as a flat unsigned numpy view, made once per source set."""
+    view = self._host_views.get(key)
+    if view is None:
+      view = self._host_views[key] = _host_exec.bits(_host_exec.host_view(self.buffer(key)))
+    return view
+
+  def on_accelerator(self, keys: Sequence[tuple[int, str, int]]) -> bool:
+    """Whether any of these buffers lives on a GPU/TPU (each looked at once)."""
+    for key in keys:
+      hit = self._accelerator.get(key)
+      if hit is None:
+        x = self.buffer(key)
+        hit = self._accelerator[key] = isinstance(x, jax.Array) and any(
+            d.platform != "cpu" for d in x.devices())
+      if hit:
+        return True
+    return False
+
+
+def _numbered(keys: Sequence[Any]) -> list[Any]:
+  """Equal keys get one number. A key that cannot be hashed (a placement with a
+  list for its shape or dtype, refused later by name) is its own class."""
+  numbers: dict[Any, int] = {}
+  out: list[Any] = []
+  for i, key in enumerate(keys):
+    try:
+      out.append(numbers.setdefault(key, len(numbers)))
+    except TypeError:
+      out.append(("unhashable", i))
+  return out
+
+
+def _signature(anatomy: _structure.StateParts,
+               placements: dict) -> tuple[Any, Optional[int], Optional[int]]:
+  """(layout key, the archive's one rank or None, its one world size or None).
+
+  Anatomies of one tree structure share their skeleton and mirror structures
+  (``_structure.PLANS``), so comparing those is cheap.
+  """
+  buffers = tuple((getattr(x, "shape", None), getattr(x, "dtype", None))
+                  for m in anatomy.mirrors for x in m.entries.values())
+  structure = (anatomy.skeleton, tuple(m.treedef for m in anatomy.mirrors),
+               tuple(m.order for m in anatomy.mirrors))
+  entries = tuple((p.param, p.shape, p.world_size, p.dtype, bool(p.trainable))
+                  for p in placements.values())
+  ranks = {p.rank for p in placements.values()}
+  worlds = {p.world_size for p in placements.values()}
+  return ((structure, buffers, entries), ranks.pop() if len(ranks) == 1 else None,
+          worlds.pop() if len(worlds) == 1 else None)
+
+
+class SourceCache:
+  """``RecordSources`` by the identities of their records, dropped when one dies."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._entries: dict[tuple[int, ...], tuple[tuple, RecordSources]] = {}
+
+  def get(self, records: Sequence[Any]) -> RecordSources:
+    key = tuple(map(id, records))
+    with self._lock:
+      hit = self._entries.get(key)
+    if hit is not None and all(ref() is r for ref, r in zip(hit[0], records)):
+      return hit[1]
+    from jaxreshard._src.engine.pipeline import no_gc  # pylint: disable=g-import-not-at-top
+
+    with no_gc():
+      sources = RecordSources(records)
+    refs = tuple(weakref.ref(r) for r in records)
+    with self._lock:
+      self._entries[key] = (refs, sources)
+    for r in records:
+      weakref.finalize(r, self._drop, key)
+    return sources
+
+  def _drop(self, key: tuple[int, ...]) -> None:
+    with self._lock:
+      self._entries.pop(key, None)
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+  def clear(self) -> None:
+    with self._lock:
+      self._entries.clear()
+
+
+CACHE = SourceCache()
+
+
+def record_sources(records: Sequence[Any]) -> RecordSources:
+  """The validated sources of ``records`` (from :data:`CACHE` when they were seen)."""
+  if isinstance(records, (ShardRecord, str, bytes)) or not isinstance(records, Iterable):
+    raise PlacementError(
+        f"records must be a list of ShardRecord, got {type(records).__name__}")
+  records = list(records)
+  if not records:
+    raise PlacementError("no archives supplied")
+  if not all(isinstance(r, ShardRecord) for r in records):
+    return RecordSources(records)  # refuses the stranger with the archive's index
+  return CACHE.get(records)

@@ -1,0 +1,92 @@
+"""The host executor: target buffers assembled with numpy copies, no compilation.
+
+Sources in host memory (numpy arrays, bytes read from disk, arrays of the CPU
+backend, which numpy views without a copy) are copied run by run into one
+fresh buffer per (target rank, dtype). Copies move unsigned-integer views of
+the bytes, so no value is ever interpreted: NaN payloads, -0.0, subnormals and
+bfloat16 all arrive bit for bit. Padding is the zeros of the fresh buffer.
+
+A fresh buffer pays a page fault per page on first touch; two threads copying
+disjoint halves of the runs (numpy releases the GIL while it copies) hide
+much of it, so large targets are split between ``THREADS`` workers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+
+from jaxreshard._src.exec import bitview as _bitview
+from jaxreshard._src.core.copyplan import Runs
+
+__all__ = ["bits", "execute", "host_view"]
+
+THREADS = 2
+# Below this many bytes a second thread costs more than it saves.
+_PARALLEL_BYTES = 4 << 20
+
+_POOL_LOCK = threading.Lock()
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+bits = _bitview.bits
+
+
+def host_view(x: Any) -> np.ndarray:
+  """``x`` as a flat numpy array; arrays of the CPU backend are viewed, not copied."""
+  return np.asarray(x).reshape(-1)
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+  with _POOL_LOCK:
+    if not _POOL:
+      _POOL.append(concurrent.futures.ThreadPoolExecutor(
+          THREADS - 1, thread_name_prefix="jaxreshard-copy"))
+    return _POOL[0]
+
+
+def _copy(out: np.ndarray, sources: Sequence[np.ndarray], runs: Runs, lo: int, hi: int) -> None:
+  for s, a, b, n in zip(runs.source[lo:hi].tolist(), runs.src[lo:hi].tolist(),
+                        runs.dst[lo:hi].tolist(), runs.length[lo:hi].tolist()):
+    out[b:b + n] = sources[s][a:a + n]
+
+
+def execute(sources: Sequence[np.ndarray], runs: Runs, size: int, dtype: np.dtype) -> np.ndarray:
+  """A fresh ``(size,)`` array of ``dtype``: the runs copied in, zeros elsewhere.
+
+  Args:
+    sources: flat arrays of ``dtype``, or unsigned-integer views of their bytes
+      (only bytes move).
+    runs: run tables indexing ``sources``; runs never overlap in the output.
+    size: elements of the target buffer.
+    dtype: its dtype.
+  """
+  dtype = np.dtype(dtype)
+  out = np.zeros(size, dtype)
+  if not len(runs):
+    return out
+  view = bits(out)
+  src = [s if s.dtype.kind == "u" else bits(s) for s in sources]
+  n = len(runs)
+  if size * dtype.itemsize < _PARALLEL_BYTES or n < 2 and runs.elements * dtype.itemsize < 2 * _PARALLEL_BYTES:
+    _copy(view, src, runs, 0, n)
+    return out
+  if n == 1:  # one long run: split it in two
+    runs = _halves(runs)
+    n = 2
+  cut = int(np.searchsorted(np.cumsum(runs.length), runs.elements // 2)) + 1
+  cut = min(max(cut, 1), n - 1)
+  other = _pool().submit(_copy, view, src, runs, cut, n)
+  _copy(view, src, runs, 0, cut)
+  other.result()
+  return out
+
+
+def _halves(runs: Runs) -> Runs:
+  half = int(runs.length[0]) // 2
+  rest = int(runs.length[0]) - half
+  return Runs(np.repeat(runs.source, 2), np.array([runs.src[0], runs.src[0] + half]),
+              np.array([runs.dst[0], runs.dst[0] + half]), np.array([half, rest]))

@@ -1,0 +1,124 @@
+"""Multi-host save of flat-sharded optax state on a JAX mesh.
+
+Each process writes only the archives of the ranks it owns and the primary
+process writes the index; the save is an orbax save of the
+``ReshardCheckpointHandler``, so orbax's barriers and its commit (a temporary
+directory renamed into place by the primary once every process finished) make
+it atomic across hosts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Optional
+
+import optax
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh
+
+from jaxreshard._src.checkpoint import store as _archive_io
+from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
+from jaxreshard._src.orbax import handler as _orbax_hook
+from jaxreshard._src.progress import ProgressCallback, check_callback
+
+__all__ = ["save_sharded"]
+
+# How long a process waits for the others to finish writing, by default.
+DEFAULT_TIMEOUT_S = 300
+
+
+def save_sharded(
+    directory: os.PathLike | str,
+    optimizer: optax.GradientTransformation,
+    state: optax.OptState,
+    shapes: Mapping[str, Any],
+    mesh: Mesh,
+    axis: str = "fsdp",
+    *,
+    chunk_bytes: int = _archive_io.DEFAULT_CHUNK_BYTES,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    progress: Optional[ProgressCallback] = None,
+) -> None:
+  """Saves a global flat-sharded state as one checkpoint of ``M`` archives, from every process.
+
+  Call it in every process with the same arguments. It is an orbax
+  ``AsyncCheckpointer`` save of :class:`ReshardSave` to ``directory``, waited
+  for: each process writes the archives of the ranks whose first device (in
+  mesh order) it owns, from host copies of its own device buffers; the primary
+  process writes the index; orbax commits (renames its temporary directory to
+  ``directory``) on the primary only after every process finished writing. A
+  failed or killed process leaves no ``directory``.
+
+  Args:
+    directory: the checkpoint directory to create; it must not exist and must
+      be on storage every process sees.
+    optimizer: the optax transformation whose state this is (it says which
+      leaves are histories).
+    state: the global state (history leaves ``(M * slots,)`` sharded over
+      ``axis``), e.g. from :func:`restore_sharded` or :func:`shard_to_mesh`.
+    shapes: param id -> logical shape, or anything with ``.shape`` (and then
+      its ``.dtype`` / ``.trainable``): ``{p.param: p for p in
+      placements[r]}`` of a :class:`MeshState` keeps dtypes and trainability.
+    mesh: the mesh of ``state``.
+    axis: the mesh axis of the flat shards.
+    chunk_bytes: bytes per stored chunk, the granularity of partial reads.
+    timeout_s: how long a process waits for the others to finish writing (a
+      process whose write fails tells the others at once, and they raise).
+    progress: called with a :class:`jaxreshard.Progress` after each archive
+      this process writes (from orbax's writer thread; the save returns after
+      the last); each is also logged at DEBUG, the save at INFO, to the
+      ``"jaxreshard"`` logger.
+
+  Raises:
+    ArchiveExistsError: ``directory`` already exists (raised on every process),
+      or another save of it is in progress.
+    FileNotFoundError: its parent directory does not exist.
+    ReshardError: a state that does not match ``shapes`` (raised before
+      anything is written); ``ArchiveError`` when the checkpoint was not
+      committed (a process failed, or did not finish within ``timeout_s``).
+
+  Examples:
+    >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
+    >>> params = {"w": jnp.arange(10.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+    >>> sharded = jr.shard_to_mesh(opt, params, opt.init(params), mesh)
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> save_sharded(path, opt, sharded.state, {"w": (10,)}, mesh)
+    >>> len(jr.load_records(path)) == jax.device_count()
+    True
+  """
+  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+    raise ReshardError(f"chunk_bytes {chunk_bytes!r} must be a positive integer")
+  check_callback(progress)
+  final = os.path.abspath(os.fspath(directory))
+  # Every process looks before any of them can commit (a commit needs all of
+  # them), so all of them agree on this refusal.
+  if os.path.lexists(final):
+    raise ArchiveExistsError(f"{final} already exists; jaxreshard never overwrites a checkpoint")
+  if not os.path.isdir(os.path.dirname(final)):
+    raise FileNotFoundError(f"parent directory {os.path.dirname(final)} of {final} does not exist")
+  args = _orbax_hook.ReshardSave(optimizer=optimizer, state=state, shapes=shapes, mesh=mesh,
+                                 axis=axis, chunk_bytes=chunk_bytes)
+  # Refusals of the state, host copies and the index, before any directory exists.
+  reporter = _orbax_hook.prepare(args, progress=progress, where=final).reporter
+  timeout = max(1, int(timeout_s))
+  checkpointer = ocp.AsyncCheckpointer(
+      _orbax_hook.ReshardCheckpointHandler(timeout_secs=timeout), timeout_secs=timeout)
+  try:
+    checkpointer.save(final, args=args)
+    checkpointer.wait_until_finished()
+    reporter.finish()
+  except ReshardError:
+    raise
+  except FileExistsError as e:  # another save of ``directory`` made orbax's directories first
+    raise ArchiveExistsError(
+        f"save_sharded: {final} was not committed: another save is writing it ({e})") from e
+  except Exception as e:  # orbax's and the runtime's error types
+    raise ArchiveError(
+        f"save_sharded: {final} was not committed ({type(e).__name__}: {e})") from e
+  finally:
+    try:
+      checkpointer.close()
+    except Exception:  # pylint: disable=broad-exception-caught
+      pass  # the error, if any, was raised above
