@@ -363,7 +363,7 @@ def test_arguments_of_the_wrong_kind_are_refused_by_name(call, needles):
 def test_a_migration_naming_a_key_path_unescaped_hears_the_id(tmp_path):
   # Ids escape "/" inside a key as %2F: the key "dense/b" is the id dense%2Fb.
   from jaxreshard._src.checkpoint import reader as _checkpoint
-  from jaxreshard._src.checkpoint import restore as _restore
+  from jaxreshard._src.engine import pipeline as _pipeline
 
   params = {"dense/b": jnp.ones(6), "x": {"y": jnp.ones(4), "50%": jnp.ones(3)}}
   opt = optax.adam(1e-3)
@@ -378,7 +378,7 @@ def test_a_migration_naming_a_key_path_unescaped_hears_the_id(tmp_path):
     # one), and from disk: the same words.
     for call in (lambda: jr.reshard(records, [migration]),
                  lambda: jr.reshard(records, [dataclasses.replace(migration, sources=(1, 0))]),
-                 lambda: _restore.restore_plan(ckpt, [migration])):
+                 lambda: _pipeline.validate(ckpt, [migration])):
       with pytest.raises(jr.PlacementError) as info:
         call()
       text = str(info.value)

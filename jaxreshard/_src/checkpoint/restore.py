@@ -128,12 +128,6 @@ def restore_reported(what: str, directory: Any, ranks: Sequence[int], *, world_s
   return out
 
 
-def restore_plan(ckpt: Checkpoint, migrations: Sequence[Migration]) -> ShardRecord:
-  """One target rank from explicit migrations over a checkpoint's archives."""
-  groups = _validated(ckpt, migrations)
-  return _pipeline.build(ckpt, groups, disk_fetch(ckpt, groups))
-
-
 def _validated(ckpt: Checkpoint,
                migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
   groups = _pipeline.validate(ckpt, migrations)

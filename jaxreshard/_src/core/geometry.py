@@ -54,6 +54,17 @@ def normalize_shape(shape: Sequence[int], *, what: str = "shape") -> tuple[int, 
   return dims
 
 
+def _check_rank(rank: int, world: int) -> None:
+  """A rank of a world size jaxreshard supports."""
+  if world < 1:
+    raise PlacementError(f"world_size {world} must be at least 1")
+  if world > MAX_WORLD_SIZE:
+    raise PlacementError(
+        f"world_size {world} is more than the {MAX_WORLD_SIZE} ranks jaxreshard supports")
+  if not 0 <= rank < world:
+    raise PlacementError(f"rank {rank} is outside world_size {world} (0..{world - 1})")
+
+
 @dataclasses.dataclass(frozen=True)
 class FlatShard:
   """The slice of a flattened parameter that one rank of a layout owns.
@@ -82,13 +93,7 @@ class FlatShard:
   def __post_init__(self):
     object.__setattr__(self, "shape", normalize_shape(self.shape))
     rank, world = _int(self.rank, "rank"), _int(self.world_size, "world_size")
-    if world < 1:
-      raise PlacementError(f"world_size {world} must be at least 1")
-    if world > MAX_WORLD_SIZE:
-      raise PlacementError(
-          f"world_size {world} is more than the {MAX_WORLD_SIZE} ranks jaxreshard supports")
-    if not 0 <= rank < world:
-      raise PlacementError(f"rank {rank} is outside world_size {world} (0..{world - 1})")
+    _check_rank(rank, world)
     object.__setattr__(self, "rank", rank)
     object.__setattr__(self, "world_size", world)
     # Derived once: planning reads these for every source of every buffer.
@@ -103,11 +108,7 @@ class FlatShard:
     and world size are checked here. Planning builds one per target parameter."""
     if type(rank) is not int or type(world_size) is not int:
       return cls(shape, rank, world_size)
-    if world_size < 1:
-      raise PlacementError(f"world_size {world_size} must be at least 1")
-    if not 0 <= rank < world_size:
-      raise PlacementError(
-          f"rank {rank} is outside world_size {world_size} (0..{world_size - 1})")
+    _check_rank(rank, world_size)
     g = object.__new__(cls)
     d = g.__dict__
     d["shape"], d["rank"], d["world_size"] = shape, rank, world_size
