@@ -403,10 +403,10 @@ def test_piped_output_never_cuts_a_value(multi):
 def test_terminal_output_folds_and_never_cuts(multi, monkeypatch):
   from rich.console import Console
 
-  from jaxreshard._src.cli import commands as _cli
+  from jaxreshard._src.cli import render as _render
 
-  monkeypatch.setattr(_cli, "_out", lambda: Console(force_terminal=True, width=50,
-                                                    highlight=False, no_color=True))
+  monkeypatch.setattr(_render, "console", lambda: Console(force_terminal=True, width=50,
+                                                          highlight=False, no_color=True))
   data = json.loads(_run("inspect", multi, "--json").stdout)
   text = _run("inspect", multi).stdout
   assert "…" not in text, text

@@ -60,10 +60,10 @@ def test_demo_json_is_the_summary_only(tmp_path, monkeypatch):
 def test_demo_table_folds_on_a_narrow_terminal(monkeypatch):
   from rich.console import Console
 
-  from jaxreshard._src.cli import commands as _cli
+  from jaxreshard._src.cli import render as _render
 
-  monkeypatch.setattr(_cli, "_out", lambda: Console(force_terminal=True, width=40,
-                                                    highlight=False, no_color=True))
+  monkeypatch.setattr(_render, "console", lambda: Console(force_terminal=True, width=40,
+                                                          highlight=False, no_color=True))
   result = CliRunner().invoke(app, ["demo", "--steps", "1"])
   assert result.exit_code == 0, result.output
   assert "…" not in result.stdout, result.stdout

@@ -36,6 +36,7 @@ __all__ = [
     "BufferDigest",
     "Digest",
     "ParamDigest",
+    "checkpoint_records",
     "clock_scalars",
     "clock_text",
     "clock_value",
@@ -163,6 +164,7 @@ class _Accumulator:
   def __init__(self):
     self.structure: Optional[str] = None
     self.scalars: Optional[tuple] = None
+    self.clock: Optional[tuple] = None  # archive 0's ``_validate.clock_key``
     self.meta: dict[str, tuple] = {}  # pid -> (shape, dtype, trainable, world_size, history)
     self.seen_ranks: dict[str, set[int]] = {}
     self.streams: dict[tuple[str, int], _Stream] = {}
@@ -172,12 +174,12 @@ class _Accumulator:
     """The state's structure and clock scalars must be those of archive 0."""
     structure = repr((str(anatomy.skeleton),
                       [jax.tree_util.keystr(m.prefix) for m in anatomy.mirrors]))
-    scalars = _scalars(record)
+    clock = _validate.clock_key(structure, [x for _, x in _clock_leaves(record)])
     if self.structure is None:
-      self.structure, self.scalars = structure, scalars
+      self.structure, self.scalars, self.clock = structure, _scalars(record), clock
     elif structure != self.structure:
       self.problems.append(f"archive {index}: optimizer state structure differs from archive 0")
-    elif scalars != self.scalars:
+    elif _validate.clock_difference(self.clock, clock) is not None:
       self.problems.append(f"archive {index}: optimizer clock scalars differ from archive 0")
 
   def add_placement(self, index: int, p: Any, hist: tuple[Any, ...]) -> None:
@@ -285,8 +287,11 @@ def digest(records_or_directory: Union[Iterable[ShardRecord], os.PathLike, str])
 
 
 def _stream(directory: Union[os.PathLike, str]) -> Iterator[ShardRecord]:
+  return checkpoint_records(_checkpoint.open_checkpoint(directory))
+
+
+def checkpoint_records(ckpt: _checkpoint.Checkpoint) -> Iterator[ShardRecord]:
   """A checkpoint's records, one archive at a time, every archive's metadata checked first."""
-  ckpt = _checkpoint.open_checkpoint(directory)
   for i in range(len(ckpt)):
     ckpt.check_archive(i)
   for i in range(len(ckpt)):

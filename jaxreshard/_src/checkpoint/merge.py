@@ -17,6 +17,7 @@ from typing import Any, Iterator, Sequence
 
 from jaxreshard._src.checkpoint import reader as _checkpoint
 from jaxreshard._src.checkpoint import digest as _digest
+from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.checkpoint.store import save_records
 from jaxreshard._src.checkpoint.reader import Checkpoint, Source
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementError
@@ -121,21 +122,24 @@ def _layout_mismatch(part: _Part, first: _Part) -> str:
           f" {first.path}")
 
 
-def _clock_key(ckpt: Checkpoint, archive: int = 0) -> tuple[Any, list]:
-  """An archive's optimizer structure and clock scalars: (path, dtype, shape, bits, text)."""
-  scalars = [(path, a.dtype.name, a.shape, _digest.raw_bits(a).tobytes(), _digest.clock_text(a))
-             for path, a in _digest.clock_scalars(ckpt.metadata_record(archive))]
-  return ckpt.skeleton(archive), scalars
+def _clock_key(ckpt: Checkpoint, archive: int = 0) -> tuple[Any, ...]:
+  """An archive's ``_validate.clock_key``: its optimizer structure and clock scalars."""
+  return _validate.clock_key(ckpt.skeleton(archive), ckpt.scalars(archive))
 
 
-def _clock_mismatch(a: tuple, b: tuple, value: bool = False) -> str:
-  """Words where clock ``b`` differs from ``a`` (its value; ``b``'s own with ``value``)."""
-  if a[0] != b[0]:
-    return "another optimizer state structure" if value else "has another optimizer state structure"
-  for x, y in zip(a[1], b[1]):
-    if x[:4] != y[:4]:
-      return f"{y[0]} = {y[4]}" if value else f"has {y[0]} = {y[4]}"
-  return ""
+def _clock_mismatch(part: _Part, archive: int, first: _Part) -> str:
+  """Words the refusal of ``part``'s archive whose clock differs from ``first``'s ('' if not)."""
+  where = _validate.clock_difference(_clock_key(first.ckpt), _clock_key(part.ckpt, archive))
+  if where is None:
+    return ""
+  if where == _validate.STRUCTURE:
+    return (f"{part.path} has another optimizer state structure but {first.path} has another"
+            " optimizer state structure; parts of different steps are never merged")
+  mine = _digest.clock_scalars(part.ckpt.metadata_record(archive))[where]
+  theirs = _digest.clock_scalars(first.ckpt.metadata_record(0))[where]
+  return (f"{part.path} has {mine[0]} = {_digest.clock_text(mine[1])} but {first.path} has"
+          f" {theirs[0]} = {_digest.clock_text(theirs[1])}; parts of different steps are never"
+          " merged")
 
 
 def merge_plan(parts: Sequence[Any]) -> MergePlan:
@@ -155,7 +159,6 @@ def merge_plan(parts: Sequence[Any]) -> MergePlan:
     raise PlacementError("merge needs at least one part")
   opened = [_open_part(p) for p in parts]
   first = opened[0]
-  clock0 = _clock_key(first.ckpt)
   owner: dict[int, tuple[_Part, int]] = {}
   for part in opened:
     if part.world != first.world:
@@ -166,12 +169,9 @@ def merge_plan(parts: Sequence[Any]) -> MergePlan:
     if mismatch:
       raise PlacementError(f"{mismatch}; parts of different target layouts are never merged")
     for a in range(len(part.ckpt)):
-      theirs = _clock_key(part.ckpt, a)
-      mismatch = _clock_mismatch(clock0, theirs)
+      mismatch = _clock_mismatch(part, a, first)
       if mismatch:
-        raise PlacementError(f"{part.path} {mismatch} but {first.path} has"
-                             f" {_clock_mismatch(theirs, clock0, value=True)};"
-                             " parts of different steps are never merged")
+        raise PlacementError(mismatch)
     if part.source.checkpoint != first.source.checkpoint:
       raise PlacementError(
           f"{part.path} was resharded from checkpoint {part.source.checkpoint} but"

@@ -36,6 +36,9 @@ __all__ = [
     "not_listed",
     "check_storage_dtype",
     "ClockClasses",
+    "STRUCTURE",
+    "clock_difference",
+    "clock_key",
     "clock_mismatch",
     "source_facts",
 ]
@@ -368,15 +371,34 @@ def clock_mismatch(src: Any, a: int, b: int, pid: Optional[str] = None) -> str:
   """Words the refusal of archives ``a`` and ``b``, whose optimizer clocks differ."""
   name = f"param {pid!r}: " if pid is not None else ""
   sa, sb = src.skeleton(a), src.skeleton(b)
-  if sa != sb:
+  xa, xb = src.scalars(a), src.scalars(b)
+  where = clock_difference(clock_key(sa, xa), clock_key(sb, xb))
+  if where == STRUCTURE:
     return (f"{name}archive {a} has optimizer state structure {sa[0]} but archive"
             f" {b} has {sb[0]}; these archives are not one checkpoint")
-  paths = _structure.clock_paths(sa[0], [slot is None for slot in sa[1]])
-  for path, x, y in zip(paths, src.scalars(a), src.scalars(b)):
-    if scalar_bits(x) != scalar_bits(y):
-      return (f"{name}archive {a} has clock scalar {path} = {plain(x)!r} but archive {b} has"
-              f" {plain(y)!r}; these archives are not one checkpoint")
+  if where is not None and where < min(len(xa), len(xb)):
+    path = _structure.clock_paths(sa[0], [slot is None for slot in sa[1]])[where]
+    return (f"{name}archive {a} has clock scalar {path} = {plain(xa[where])!r} but archive"
+            f" {b} has {plain(xb[where])!r}; these archives are not one checkpoint")
   return f"{name}archives {a} and {b} have different optimizer clocks; not one checkpoint"
+
+
+STRUCTURE = -1  # what ``clock_difference`` answers when the state structures differ
+
+
+def clock_key(skeleton: Any, scalars: Sequence[Any]) -> tuple[Any, ...]:
+  """What must agree for two archives to be of one step: structure, every clock leaf's bits."""
+  return (skeleton, tuple(scalar_bits(x) for x in scalars))
+
+
+def clock_difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> Optional[int]:
+  """The one comparison of two :func:`clock_key`: ``None``, ``STRUCTURE`` or a scalar's index."""
+  if a[0] != b[0]:
+    return STRUCTURE
+  for i, (x, y) in enumerate(zip(a[1], b[1])):
+    if x != y:
+      return i
+  return None if len(a[1]) == len(b[1]) else min(len(a[1]), len(b[1]))
 
 
 def plain(x: Any) -> Any:
@@ -416,7 +438,7 @@ class ClockClasses:
     m = archive if memo is None else memo
     c = self._memo.get(m)
     if c is None:
-      key = (src.skeleton(archive), tuple(scalar_bits(x) for x in src.scalars(archive)))
+      key = clock_key(src.skeleton(archive), src.scalars(archive))
       c = self._memo[m] = self._classes.setdefault(key, len(self._classes))
     return c
 

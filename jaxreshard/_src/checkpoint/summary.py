@@ -1,0 +1,116 @@
+"""What a checkpoint holds, as the facts ``jaxreshard inspect`` and ``verify`` report.
+
+Everything here reads a checkpoint's index (or a digest): parameters with
+their logical and stored bytes, the optimizer clock, whether the archives
+agree on it, and the refusal of a partial checkpoint where a whole one is
+needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+from jaxreshard._src.checkpoint import digest as _digest
+from jaxreshard._src.checkpoint import merge as _merge
+from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.errors import ArchiveError, PlacementError
+
+__all__ = ["clock_facts", "complete_records", "digest_counts", "inspect_info", "refuse_problems"]
+
+
+def _param_entries(ckpt: _checkpoint.Checkpoint) -> dict[str, dict]:
+  """Each parameter's facts, its bytes logical and stored (with padding) over every group."""
+  params: dict[str, dict] = {}
+  for g in ckpt.groups:
+    if not g.ranks:
+      continue
+    archive0 = g.ranks[0][0]
+    for p in g.params:
+      e = ckpt.params[p]
+      dtypes = [h.dtype for h in ckpt.history(archive0, e.param)
+                if isinstance(h, _checkpoint.LeafInfo)]
+      itemsize = sum(d.itemsize for d in dtypes)
+      entry = params.setdefault(e.param, dict(
+          param=e.param, shape=list(e.shape), dtype=np.dtype(e.dtype).name,
+          trainable=bool(e.trainable), world_sizes=[], ranks=[],
+          buffers=[d.name for d in dtypes],
+          bytes=int(np.prod(e.shape, dtype=np.int64)) * itemsize, stored_bytes=0))
+      if g.world_size not in entry["world_sizes"]:
+        entry["world_sizes"].append(g.world_size)
+      entry["ranks"].extend(r for _, r in g.ranks)
+      entry["stored_bytes"] += (FlatShard(e.shape, 0, g.world_size).slots * itemsize
+                                * len(g.ranks))
+  for e in params.values():
+    e["ranks"].sort()
+  return params
+
+
+def inspect_info(ckpt: _checkpoint.Checkpoint) -> dict:
+  """The machine-readable description ``inspect --json`` prints (index only)."""
+  params = _param_entries(ckpt)
+  return dict(
+      archives=len(ckpt),
+      world_sizes=sorted({w for e in params.values() for w in e["world_sizes"]}),
+      params=[params[k] for k in sorted(params)],
+      bytes=sum(e["bytes"] for e in params.values()),
+      stored_bytes=sum(e["stored_bytes"] for e in params.values()),
+      clocks=clock_facts(ckpt.metadata_record(0)),
+      clocks_agree=len({ckpt.clock_class(i) for i in range(len(ckpt))}) == 1,
+      source=None if ckpt.source is None else ckpt.source.to_json(),
+  )
+
+
+def clock_facts(record: Any) -> list[dict]:
+  """Each clock scalar of an archive; an array of many elements by its first ones."""
+  out = []
+  for path, a in _digest.clock_scalars(record):
+    value, cut = _digest.clock_value(a)
+    shown = a.reshape(-1)[:_digest.CLOCK_ELEMENTS_SHOWN] if cut else a
+    out.append(dict(path=path, dtype=a.dtype.name, shape=list(a.shape), value=value,
+                    bits=_digest.raw_bits(shown).tobytes().hex(), truncated=cut))
+  return out
+
+
+def complete_records(path: Any, needs: str) -> Iterator[ShardRecord]:
+  """The records of a whole checkpoint, read one archive at a time (one held at once).
+
+  Args:
+    path: the checkpoint directory.
+    needs: what needs it whole, for the refusal (``verify``).
+
+  Raises:
+    PlacementError: a partial checkpoint (some ranks of a reshard), or archives
+      that do not form complete groups.
+  """
+  ckpt = _checkpoint.open_checkpoint(str(path))
+  _merge.refuse_partial(path, ckpt)
+  try:
+    ckpt.complete_groups()
+  except PlacementError as e:
+    raise PlacementError(f"{path} is not a complete checkpoint, which {needs} needs: {e}"
+                         ) from None
+  yield from _digest.checkpoint_records(ckpt)
+
+
+def digest_counts(d: _digest.Digest) -> tuple[int, int]:
+  """The number of history buffers of a digest's state, and of their elements."""
+  buffers = sum(len(p.buffers) for p in d.params.values())
+  elements = sum(x.count for p in d.params.values() for x in p.buffers)
+  return buffers, elements
+
+
+def refuse_problems(path: Any, d: _digest.Digest) -> None:
+  """Refuses a checkpoint whose digest has problems: nonzero padding, archives that disagree.
+
+  Such a checkpoint is not one state: an error, never an answer (even compared
+  with itself).
+  """
+  if d.problems:
+    more = len(d.problems) - 1
+    raise ArchiveError(f"{path} is not a valid checkpoint: {d.problems[0]}"
+                       + (f" (and {more} more problem{'s' if more > 1 else ''})"
+                          if more else ""))
