@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxreshard._src.core import structure as _structure
 
-__all__ = ["BufferSlot", "Runs", "TargetLayout", "plan_runs", "target_layout"]
+__all__ = ["BufferSlot", "Runs", "TargetLayout", "cut_runs", "plan_runs", "target_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,31 +106,53 @@ def overlaps(groups: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
   t_start = np.fromiter((g.target.start for g in groups), np.int64, n)
   t_stop = np.fromiter((g.target.stop for g in groups), np.int64, n)
   ss = np.fromiter((max(g.source.slots, 1) for g in groups), np.int64, n)
-  nonempty = t_stop > t_start
-  r0 = np.where(nonempty, t_start // ss, 0)
-  r1 = np.where(nonempty, (t_stop - 1) // ss, -1)
-  counts = r1 - r0 + 1
-  gi = np.repeat(np.arange(n, dtype=np.int64), counts)
-  first = np.cumsum(counts) - counts
-  k = r0[gi] + (np.arange(len(gi), dtype=np.int64) - first[gi])
-  lo = np.maximum(t_start[gi], k * ss[gi])
-  hi = np.minimum(t_stop[gi], (k + 1) * ss[gi])
-  keep = hi > lo
-  gi, k, lo, hi = gi[keep], k[keep], lo[keep], hi[keep]
-  return gi, k, lo - k * ss[gi], lo - t_start[gi], hi - lo
+  gi, k, offset, skip, length = cut_runs(t_start, np.maximum(t_stop - t_start, 0), ss)
+  return gi, k, offset, skip, length
+
+
+def cut_runs(start: np.ndarray, length: np.ndarray,
+             block: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """Runs ``[start, start + length)`` cut at every multiple of ``block`` (slot boundaries).
+
+  A run that crosses block boundaries becomes one piece per block it touches,
+  in order; a run of length 0 becomes none.
+
+  Args:
+    start: int64 first element of each run.
+    length: int64 elements of each run (>= 0).
+    block: the block size (> 0), one for all runs or one per run.
+
+  Returns:
+    Parallel int64 arrays, one entry per piece: the run it comes from, its
+    block, its first element inside that block, its first element inside the
+    run, its length.
+  """
+  start = np.asarray(start, np.int64).reshape(-1)
+  length = np.asarray(length, np.int64).reshape(-1)
+  block = np.broadcast_to(np.asarray(block, np.int64), start.shape)
+  nonempty = length > 0
+  first = np.where(nonempty, start // block, 0)
+  last = np.where(nonempty, (start + length - 1) // block, -1)
+  pieces = last - first + 1
+  run = np.repeat(np.arange(start.size, dtype=np.int64), pieces)
+  k = first[run] + (np.arange(run.size, dtype=np.int64) - (np.cumsum(pieces) - pieces)[run])
+  b = block[run]
+  lo = np.maximum(start[run], k * b)
+  hi = np.minimum(start[run] + length[run], (k + 1) * b)
+  return run, k, lo - k * b, lo - start[run], hi - lo
 
 
 def plan_runs(
     groups: Sequence[Any],
     layout: TargetLayout,
-    locate: Callable[[int, Any, int, np.dtype], tuple[Any, int]],
+    locate: Callable[[int, Any, int], tuple[Any, int]],
 ) -> tuple[dict[np.dtype, Runs], list[Any]]:
   """The runs that fill ``layout``'s buffers from the groups' sources.
 
   Args:
     groups: validated groups, in the order ``layout`` was made from.
     layout: the target's packed buffers.
-    locate: ``(archive, group, mirror, dtype) -> (source key, base offset)``:
+    locate: ``(archive, group, mirror) -> (source key, base offset)``:
       where that archive keeps that history buffer. Equal keys are one source.
 
   Returns:
@@ -152,7 +174,7 @@ def plan_runs(
       group = groups[g]
       archive = group.by_rank[rank]
       for s in by_group[g]:
-        key, base = locate(archive, group, s.mirror, dtype)
+        key, base = locate(archive, group, s.mirror)
         sid = keys.get(key)
         if sid is None:
           sid = keys[key] = len(sources)

@@ -10,8 +10,6 @@ copies from memory, jitted gathers on a device, reads from files).
 
 from __future__ import annotations
 
-import contextlib
-import gc
 from typing import Any, Callable, Sequence
 
 import jax
@@ -25,8 +23,10 @@ from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import Migration, ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.engine.gcpause import no_gc
+from jaxreshard._src.engine.sources import MemorySources, Sources
 
-__all__ = ["EXECUTORS", "build", "memory_fetch", "validate"]
+__all__ = ["EXECUTORS", "build", "memory_fetch", "no_gc", "validate"]
 
 EXECUTORS = ("auto", "host", "device")
 
@@ -34,7 +34,7 @@ EXECUTORS = ("auto", "host", "device")
 Fetch = Callable[[dict, list, _copyplan.TargetLayout], dict]
 
 
-def validate(src: Any, migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
+def validate(src: Sources, migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
   """Every refusal of one target rank's migrations; the groups, sorted by param.
 
   The source side of each group comes from ``src``'s cache after the first
@@ -47,7 +47,7 @@ def validate(src: Any, migrations: Sequence[Migration]) -> list[_validate.Source
     return _validate_all(src, migrations)
 
 
-def _validate_all(src: Any, migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
+def _validate_all(src: Sources, migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
   seen: dict[str, Migration] = {}
   for m in migrations:
     if not isinstance(m, Migration):
@@ -81,7 +81,7 @@ def _validate_all(src: Any, migrations: Sequence[Migration]) -> list[_validate.S
   return groups
 
 
-def memory_fetch(src: Any, executor: str = "auto") -> Fetch:
+def memory_fetch(src: MemorySources, executor: str = "auto") -> Fetch:
   """Runs over in-memory source buffers: numpy on the host, jitted gathers on a device.
 
   ``executor="auto"`` runs on the device when a source already lives on a
@@ -99,7 +99,8 @@ def memory_fetch(src: Any, executor: str = "auto") -> Fetch:
   return fetch
 
 
-def _device_fetch(src: Any, runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
+def _device_fetch(src: MemorySources, runs: dict, keys: list,
+                  layout: _copyplan.TargetLayout) -> dict:
   """Gathers on the device from each source archive's packed buffer of a dtype.
 
   Packing an archive's buffers (one program per archive layout) makes every
@@ -141,34 +142,19 @@ def _on_one_device(arrays: list[Any]) -> list[Any]:
   return [jax.device_put(x, target) for x in arrays]
 
 
-@contextlib.contextmanager
-def no_gc():
-  """Pauses Python's cyclic garbage collector inside the block.
-
-  Planning allocates one small tuple per run and buffer and creates no
-  reference cycles; with a large model's state alive, every collection the
-  allocations trigger walks all of it, which cost more than the planning itself.
-  """
-  enabled = gc.isenabled()
-  gc.disable()
-  try:
-    yield
-  finally:
-    if enabled:
-      gc.enable()
-
-
-def build(src: Any, groups: Sequence[_validate.SourceGroup], fetch: Fetch, *,
+def build(src: Sources, groups: Sequence[_validate.SourceGroup], fetch: Fetch, *,
           logical: bool = False) -> ShardRecord:
   """Plans, fetches and assembles one target rank's record from validated groups."""
   with no_gc():
     return _build(src, groups, fetch, logical=logical)
 
 
-def _build(src, groups, fetch, *, logical):
+def _build(src: Sources, groups: Sequence[_validate.SourceGroup], fetch: Fetch, *,
+           logical: bool) -> ShardRecord:
   # Every target rank of one plan has the same packed layout (slots do not depend
-  # on the rank): the sources object keeps it, keyed by the validated groups.
-  key = (logical, tuple((id(g.facts), g.target.slots) for g in groups))
+  # on the rank): the sources object keeps it, keyed by every value it is made of.
+  key = (logical, tuple((g.target.count if logical else g.target.slots, g.facts.history,
+                         g.facts.buffer_dtypes) for g in groups))
   layout = src.target_layouts.get(key)
   if layout is None:
     layout = src.target_layouts[key] = _copyplan.target_layout(groups, logical=logical)
@@ -191,7 +177,7 @@ def _leaves(buffer: Any, slots: Sequence[_copyplan.BufferSlot]) -> list[Any]:
   return _device_exec.split(buffer, [s.size for s in slots])
 
 
-def record(src: Any, groups: Sequence[_validate.SourceGroup],
+def record(src: Sources, groups: Sequence[_validate.SourceGroup],
            built: dict[tuple[int, int], Any]) -> ShardRecord:
   """The target record: the template archive's clock, the built history buffers."""
   template = src.template(groups[0].by_rank[0] if groups else 0)

@@ -11,6 +11,7 @@ import optax
 
 from jaxreshard._src.engine import pipeline as _pipeline
 from jaxreshard._src.engine import sources as _sources
+from jaxreshard._src.engine.gcpause import no_gc
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
@@ -201,7 +202,7 @@ def plan_groups(groups, *, world_size: int, rank: int) -> list[Migration]:
   # The target rank and world size; each parameter's own geometry is checked
   # when its migration is validated.
   FlatShard((), rank, world_size)
-  with _pipeline.no_gc():
+  with no_gc():
     return [Migration(pid, shape, rank, world_size, sources) for pid, shape, sources in groups]
 
 
@@ -263,7 +264,7 @@ def reshard_ranks(records: Sequence[ShardRecord], plans: Sequence[Sequence[Migra
     >>> [t.state[0].mu["w"].shape for t in targets]
     [(2,), (2,), (2,)]
   """
-  with _pipeline.no_gc():  # no reference cycles are made; see no_gc
+  with no_gc():  # no reference cycles are made; see no_gc
     return _reshard_ranks(records, plans, executor)
 
 

@@ -13,9 +13,10 @@ record instead), as with any jax pytree.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 import jax
 import numpy as np
@@ -27,36 +28,85 @@ from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.engine.gcpause import no_gc
 
-__all__ = ["RecordSources", "SourceCache", "CACHE", "record_sources", "complete_groups"]
+__all__ = ["Sources", "MemorySources", "FactsCache", "RecordSources", "SourceCache", "CACHE",
+           "record_sources", "complete_groups"]
+
+
+@runtime_checkable
+class Sources(_validate.Sources, Protocol):
+  """What the pipeline reads of a list of source archives, wherever they live.
+
+  Validation's questions (``_validate.Sources``), the clock's (``skeleton``,
+  ``scalars``), the groups of ``plan``, the record template, and where each
+  history buffer lies (``locate``). Records in memory (:class:`RecordSources`)
+  and a checkpoint on disk (``Checkpoint``) both answer them.
+  """
+
+  # Packed target layouts, by the values they were made from (see ``pipeline``).
+  target_layouts: dict
+
+  def skeleton(self, archive: int) -> tuple[Any, ...]: ...
+  def scalars(self, archive: int) -> list[Any]: ...
+  def template(self, archive: int) -> _structure.StateParts: ...
+  def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts: ...
+  def complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]: ...
+  def locate(self, archive: int, group: Any, mirror: int) -> tuple[Any, int]: ...
+
+
+@runtime_checkable
+class MemorySources(Sources, Protocol):
+  """Sources whose history buffers are arrays in memory, read by ``memory_fetch``."""
+
+  def packing(self, archive: int) -> list[tuple[str, int, Any]]: ...
+  def buffer(self, key: Any) -> Any: ...
+  def host_view(self, key: Any) -> np.ndarray: ...
+  def on_accelerator(self, keys: Sequence[Any]) -> bool: ...
+
+
+def sources_key(sources: tuple) -> Optional[tuple]:
+  """A value key of a migration's source tuple: its entries and their types (so that
+  ``(True, 1)`` is not taken for ``(1, 1)``); None for entries that cannot be hashed."""
+  key = (sources, tuple(map(type, sources)))
+  try:
+    hash(key)
+  except TypeError:
+    return None
+  return key
 
 
 class FactsCache:
-  """Validated groups of one source set, by (param, sources).
+  """Validated groups of one source set, by value; owned by the source object.
 
-  Lookups by the identity of the sources tuple first: ``plan`` hands every
-  target rank the same tuple objects, so a hit costs nothing in the number of
-  source ranks. Equal tuples of another identity are found by value.
+  A source object makes one in its ``__init__``: the facts live exactly as long
+  as the sources they describe. Keys are values, never identities: a migration's
+  ``(param, sources)``, and under it the facts shared by every equal tuple.
   """
 
   def __init__(self):
-    self._by_id: dict[tuple[str, int], tuple[tuple, _validate.SourceFacts]] = {}
-    self._by_value: dict[tuple[str, tuple], _validate.SourceFacts] = {}
-    self._checked_indices: dict[int, tuple] = {}
+    self._by_key: dict[tuple, _validate.SourceFacts] = {}
+    self._memo: dict[tuple, Any] = {}
 
   def facts(self, pid: str, sources: tuple, src: Any) -> _validate.SourceFacts:
-    hit = self._by_id.get((pid, id(sources)))
-    if hit is not None and hit[0] is sources:
-      return hit[1]
-    if self._checked_indices.get(id(sources)) is not sources:
-      _validate.check_source_indices(pid, sources, len(src))
-      self._checked_indices[id(sources)] = sources
-    key = (pid, tuple(int(s) for s in sources))
-    facts = self._by_value.get(key)
-    if facts is None:
-      facts = self._by_value[key] = _validate.source_facts(pid, key[1], src)
-    self._by_id[(pid, id(sources))] = (sources, facts)
+    """The facts of ``(pid, sources)``, validated once per value."""
+    key = sources_key(sources)
+    facts = None if key is None else self._by_key.get((pid, key))
+    if facts is not None:
+      return facts
+    _validate.check_source_indices(pid, sources, len(src))
+    value = tuple(int(s) for s in sources)
+    facts = self.memo(("facts", pid, value), lambda: _validate.source_facts(pid, value, src))
+    if key is not None:
+      self._by_key[(pid, key)] = facts
     return facts
+
+  def memo(self, key: tuple, make: Any) -> Any:
+    """The value remembered under ``key``, made by ``make()`` on first use."""
+    value = self._memo.get(key)
+    if value is None:
+      value = self._memo[key] = make()
+    return value
 
 
 def complete_groups(
@@ -107,16 +157,15 @@ class RecordSources:
     # The layout keys numbered, so that comparing two archives' costs O(1), not
     # time in their parameters (each ``_is_uniform`` compares every archive of a group).
     self._layout_ids = _numbered([sig[0] for sig in self._signatures])
-    self._uniform: dict[int, tuple[tuple, bool]] = {}
-    self._uniform_facts: dict[str, _validate.SourceFacts] = {}
+    # Whether a source tuple is uniform, by ``sources_key``.
+    self._uniform: dict[tuple, bool] = {}
     self._host_views: dict[tuple[int, str, int], np.ndarray] = {}
     self._accelerator: dict[tuple[int, str, int], bool] = {}
     self._clocks = _validate.ClockClasses()
+    # Every validated group of these sources, for as long as they live.
     self._cache = FactsCache()
-    # Packed target layouts by the validated groups they were made from (ids of
-    # facts this object keeps alive).
+    # Packed target layouts by the values they were made from (see ``pipeline``).
     self.target_layouts: dict = {}
-    self._groups: Optional[list] = None
     self._lock = threading.Lock()
 
   def __len__(self) -> int:
@@ -144,19 +193,20 @@ class RecordSources:
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts:
     with self._lock:
       if self._is_uniform(sources):
-        facts = self._uniform_facts.get(pid)
-        if facts is None or facts.by_rank is not sources:
-          facts = self._uniform_facts[pid] = _validate.uniform_facts(pid, sources, self)
-        return facts
+        return self._cache.memo(("uniform", pid, sources),
+                                lambda: _validate.uniform_facts(pid, sources, self))
       return self._cache.facts(pid, sources, self)
 
   def _is_uniform(self, sources: tuple) -> bool:
     """Archive ``r`` of ``sources`` holds rank ``r`` of every parameter, and all of
     them share one structure, buffer shapes, placements and clock: one archive's
     facts are every archive's."""
-    hit = self._uniform.get(id(sources))
-    if hit is not None and hit[0] is sources:
-      return hit[1]
+    key = sources_key(sources) if isinstance(sources, tuple) else None
+    if key is None:
+      return False
+    hit = self._uniform.get(key)
+    if hit is not None:
+      return hit
     ok = (isinstance(sources, tuple) and len(sources) > 0
           and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < len(self)
                   for s in sources))
@@ -167,15 +217,17 @@ class RecordSources:
             and all(self._layout_ids[s] == layout and self._signatures[s][1] == r
                     and self.clock_class(s) == self.clock_class(sources[0])
                     for r, s in enumerate(sources)))
-    self._uniform[id(sources)] = (sources, ok)
+    self._uniform[key] = ok
     return ok
 
   def complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     with self._lock:
-      if self._groups is None:
-        self._groups = self._uniform_groups() or complete_groups(
-            lambda i: self._placements[i].values(), len(self))
-      return self._groups
+      return self._complete_groups
+
+  @functools.cached_property
+  def _complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    return self._uniform_groups() or complete_groups(
+        lambda i: self._placements[i].values(), len(self))
 
   def _uniform_groups(self) -> Optional[list]:
     """Every archive one rank of one layout: one group, found in time O(archives)."""
@@ -187,7 +239,7 @@ class RecordSources:
       return None
     return [(pid, p.shape, sources) for pid, p in sorted(self._placements[sources[0]].items())]
 
-  def locate(self, archive: int, group: Any, mirror: int, dtype: np.dtype) -> tuple[Any, int]:
+  def locate(self, archive: int, group: Any, mirror: int) -> tuple[Any, int]:
     """A history buffer in memory is a source of its own, read from element 0."""
     return (archive, group.param, mirror), 0
 
@@ -265,8 +317,6 @@ class SourceCache:
       hit = self._entries.get(key)
     if hit is not None and all(ref() is r for ref, r in zip(hit[0], records)):
       return hit[1]
-    from jaxreshard._src.engine.pipeline import no_gc  # pylint: disable=g-import-not-at-top
-
     with no_gc():
       sources = RecordSources(records)
     refs = tuple(weakref.ref(r) for r in records)

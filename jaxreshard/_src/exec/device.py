@@ -41,14 +41,14 @@ unsigned integers.
 
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Sequence
 
-import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
+
+from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.exec import kernels as _kernels
+from jaxreshard._src.exec.kernels import DeviceCacheInfo, clear_device_cache, device_cache_info
 
 __all__ = ["pack", "gather", "split", "device_cache_info", "clear_device_cache", "DeviceCacheInfo"]
 
@@ -62,136 +62,6 @@ _MAX_ELEMENTS_PER_CALL = 2**24
 # Smallest buckets: tiny tables and copies all share one program.
 _MIN_RUNS_BUCKET = 16
 _MIN_ELEMENTS_BUCKET = 256
-
-# The kernels only move bits, so XLA's optimizations buy nothing at run time,
-# and on XLA:CPU compilation dominates a cold run: backend optimization level 0
-# and the classic (non-"fusion emitter") CPU codegen compile several times
-# faster and stay bit exact with the byte-pair bfloat16 path. Other backends
-# compile with their defaults.
-_CPU_COMPILER_OPTIONS = {
-    "xla_backend_optimization_level": 0,
-    "xla_cpu_use_fusion_emitters": False,
-}
-
-_UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-class DeviceCacheInfo(NamedTuple):
-  programs: int  # distinct compiled programs held in the cache
-  traces: int  # times any program was traced (== compiled) since the cache was cleared
-
-
-class _Cache:
-
-  def __init__(self):
-    self.lock = threading.Lock()
-    self.programs: dict[Any, Callable[..., Any]] = {}
-    self.traces = 0
-
-
-_CACHE = _Cache()
-
-
-def device_cache_info() -> DeviceCacheInfo:
-  """Programs held and traces done by the device executor (for tests and benchmarks).
-
-  Examples:
-    >>> info = device_cache_info()
-    >>> info.programs >= 0 and info.traces >= 0
-    True
-  """
-  with _CACHE.lock:
-    return DeviceCacheInfo(len(_CACHE.programs), _CACHE.traces)
-
-
-def clear_device_cache() -> None:
-  """Drops every compiled program (the next call compiles afresh)."""
-  with _CACHE.lock:
-    _CACHE.programs.clear()
-    _CACHE.traces = 0
-
-
-def _count_trace() -> None:
-  with _CACHE.lock:
-    _CACHE.traces += 1
-
-
-def _program(key: Any, make: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
-  """The cached program for ``key``, made by ``make()`` on first use.
-
-  Every key holds the shapes, dtypes, weak types, device and x64 mode of the
-  arguments, so each cached jitted function is traced and compiled once.
-  """
-  with _CACHE.lock:
-    fn = _CACHE.programs.get(key)
-    if fn is None:
-      fn = _CACHE.programs[key] = make()
-  return fn
-
-
-def _compiler_options(device: Any) -> dict[str, Any]:
-  return dict(_CPU_COMPILER_OPTIONS) if device.platform == "cpu" else {}
-
-
-def _bits_dtype(dtype: Any) -> Any:
-  dtype = np.dtype(dtype)
-  return jnp.uint8 if dtype.name == "bfloat16" else _UINT_OF_WIDTH[dtype.itemsize]
-
-
-def _bits_tail(dtype: Any) -> tuple[int, ...]:
-  return (2,) if np.dtype(dtype).name == "bfloat16" else ()
-
-
-def _to_bits(x: jax.Array) -> jax.Array:
-  """A flat unsigned view of ``x``: ``(n,)``, or ``(n, 2)`` bytes for bfloat16."""
-  bits = lax.bitcast_convert_type(x, _bits_dtype(x.dtype))
-  return bits.reshape((-1,) + _bits_tail(x.dtype))
-
-
-def _from_bits(bits: jax.Array, dtype: Any) -> jax.Array:
-  """The 1-D ``dtype`` array whose bits are ``bits`` (as made by ``_to_bits``)."""
-  return lax.bitcast_convert_type(bits, dtype).reshape(-1)
-
-
-def _bucket(n: int, smallest: int) -> int:
-  """The smallest power of two ``>= max(n, smallest)``."""
-  n = max(int(n), int(smallest), 1)
-  return 1 << (n - 1).bit_length()
-
-
-def _x64() -> bool:
-  return bool(jax.config.jax_enable_x64)
-
-
-def _device_of(arrays: Sequence[Any], what: str) -> Any:
-  """The one device that holds every array of ``arrays``."""
-  devices = set()
-  for x in arrays:
-    if not isinstance(x, jax.Array):
-      raise TypeError(f"{what}: expected jax.Array, got {type(x).__name__}")
-    devices |= set(x.devices())
-  if len(devices) != 1:
-    raise ValueError(f"{what}: the arrays must live on one device, got {sorted(map(str, devices))}")
-  return devices.pop()
-
-
-def _dtype_of(arrays: Sequence[jax.Array], what: str) -> np.dtype:
-  dtypes = {np.dtype(x.dtype) for x in arrays}
-  if len(dtypes) != 1:
-    names = sorted(d.name for d in dtypes)
-    raise ValueError(f"{what}: the arrays must share one dtype, got {names}")
-  dtype = dtypes.pop()
-  if dtype.itemsize not in _UINT_OF_WIDTH:
-    raise ValueError(f"{what}: unsupported dtype {dtype.name}")
-  return dtype
-
-
-def _weak(x: jax.Array) -> bool:
-  return bool(getattr(x, "weak_type", False))
-
-
-# ---------------------------------------------------------------------------
-# pack
 
 
 def pack(leaves: Sequence[jax.Array]) -> jax.Array:
@@ -219,32 +89,12 @@ def pack(leaves: Sequence[jax.Array]) -> jax.Array:
   leaves = list(leaves)
   if not leaves:
     raise ValueError("pack: no leaves (the dtype of an empty pack is unknown)")
-  device = _device_of(leaves, "pack")
-  dtype = _dtype_of(leaves, "pack")
-  specs = tuple((tuple(x.shape), _weak(x)) for x in leaves)
-  key = ("pack", dtype.name, specs, device, _x64())
-  fn = _program(key, lambda: _make_pack(dtype, specs, device))
+  device = _kernels.device_of(leaves, "pack")
+  dtype = _kernels.dtype_of(leaves, "pack")
+  specs = tuple((tuple(x.shape), _kernels.weak(x)) for x in leaves)
+  key = ("pack", dtype.name, specs, device, _kernels.x64())
+  fn = _kernels.program(key, lambda: _kernels.make_pack(dtype, specs, device))
   return fn(leaves)
-
-
-def _make_pack(dtype: np.dtype, specs, device: Any) -> Callable[..., Any]:
-
-  def kernel(leaves):
-    _count_trace()
-    chex.assert_equal(len(leaves), len(specs))
-    parts = []
-    for x, (shape, _) in zip(leaves, specs):
-      chex.assert_shape(x, shape)
-      chex.assert_type(x, dtype)
-      parts.append(_to_bits(x))
-    flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-    return _from_bits(flat, dtype)
-
-  return jax.jit(kernel, compiler_options=_compiler_options(device))
-
-
-# ---------------------------------------------------------------------------
-# split
 
 
 def split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
@@ -271,8 +121,8 @@ def split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
     [[0.0, 1.0], [], [2.0, 3.0, 4.0]]
   """
   sizes = tuple(int(n) for n in sizes)
-  device = _device_of([flat], "split")
-  dtype = _dtype_of([flat], "split")
+  device = _kernels.device_of([flat], "split")
+  dtype = _kernels.dtype_of([flat], "split")
   if flat.ndim != 1:
     raise ValueError(f"split: flat must be 1-D, got shape {tuple(flat.shape)}")
   if any(n < 0 for n in sizes):
@@ -281,29 +131,10 @@ def split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
     raise ValueError(f"split: sizes sum to {sum(sizes)} > flat size {flat.shape[0]}")
   if not sizes:
     return []
-  key = ("split", dtype.name, int(flat.shape[0]), _weak(flat), sizes, device, _x64())
-  fn = _program(key, lambda: _make_split(dtype, int(flat.shape[0]), sizes, device))
+  n = int(flat.shape[0])
+  key = ("split", dtype.name, n, _kernels.weak(flat), sizes, device, _kernels.x64())
+  fn = _kernels.program(key, lambda: _kernels.make_split(dtype, n, sizes, device))
   return list(fn(flat))
-
-
-def _make_split(dtype: np.dtype, n: int, sizes: tuple[int, ...], device: Any) -> Callable[..., Any]:
-
-  def kernel(flat):
-    _count_trace()
-    chex.assert_shape(flat, (n,))
-    chex.assert_type(flat, dtype)
-    bits = _to_bits(flat)
-    pieces, start = [], 0
-    for size in sizes:
-      pieces.append(_from_bits(lax.slice_in_dim(bits, start, start + size), dtype))
-      start += size
-    return pieces
-
-  return jax.jit(kernel, compiler_options=_compiler_options(device))
-
-
-# ---------------------------------------------------------------------------
-# gather
 
 
 def gather(
@@ -351,8 +182,8 @@ def gather(
   sources = list(sources)
   if not sources:
     raise ValueError("gather: no sources (the dtype of the output is unknown)")
-  device = _device_of(sources, "gather")
-  dtype = _dtype_of(sources, "gather")
+  device = _kernels.device_of(sources, "gather")
+  dtype = _kernels.dtype_of(sources, "gather")
   for k, x in enumerate(sources):
     if x.ndim != 1:
       raise ValueError(f"gather: source {k} must be 1-D, got shape {tuple(x.shape)}")
@@ -363,9 +194,9 @@ def gather(
   runs = _checked_runs(src_sizes, size, src_index, src_start, dst_start, length)
 
   index_dtype = _index_dtype(max([size] + src_sizes))
-  x64 = _x64()
-  zeros = _program(("zeros", dtype.name, size, device, x64),
-                   lambda: _make_zeros(dtype, size, device))
+  x64 = _kernels.x64()
+  zeros = _kernels.program(("zeros", dtype.name, size, device, x64),
+                           lambda: _kernels.make_zeros(dtype, size, device))
   out = zeros()
   if size == 0:
     return out
@@ -379,10 +210,10 @@ def gather(
     s, d, n = _cut_long_runs(src_start[mine], dst_start[mine], length[mine])
     for lo, hi in _call_ranges(n):
       runs_bucket, elements = _buckets(hi - lo, int(n[lo:hi].sum()), size)
-      key = ("gather", dtype.name, src_sizes[k], _weak(source), size, runs_bucket, elements,
-             np.dtype(index_dtype).name, device, x64)
-      fn = _program(key, lambda: _make_gather(dtype, src_sizes[k], size, runs_bucket, elements,
-                                              index_dtype, device))
+      key = ("gather", dtype.name, src_sizes[k], _kernels.weak(source), size, runs_bucket,
+             elements, np.dtype(index_dtype).name, device, x64)
+      fn = _kernels.program(key, lambda: _kernels.make_gather(
+          dtype, src_sizes[k], size, runs_bucket, elements, index_dtype, device))
       out = fn(out, source, _padded(s[lo:hi], runs_bucket, index_dtype),
                _padded(d[lo:hi], runs_bucket, index_dtype),
                _padded(n[lo:hi], runs_bucket, np.int32))
@@ -393,7 +224,7 @@ def _index_dtype(largest: int) -> Any:
   """``int32`` offsets up to ``2**31 - 1`` elements, ``int64`` (needs x64) beyond."""
   if largest <= _INT32_MAX:
     return np.int32
-  if not _x64():
+  if not _kernels.x64():
     raise ValueError(
         f"gather: a buffer of {largest} elements needs int64 offsets (past int32's "
         f"{_INT32_MAX}); enable jax_enable_x64 to build it on the device")
@@ -436,11 +267,9 @@ def _cut_long_runs(src_start, dst_start, length):
   cap = _MAX_ELEMENTS_PER_CALL
   if not (length > cap).any():
     return src_start, dst_start, length
-  pieces = -(-length // cap)
-  run = np.repeat(np.arange(length.size), pieces)
-  first = np.cumsum(pieces) - pieces
-  offset = (np.arange(run.size) - first[run]) * cap
-  return src_start[run] + offset, dst_start[run] + offset, np.minimum(cap, length[run] - offset)
+  # Each run cut at multiples of the cap counted from its own first element.
+  run, _, _, skip, pieces = _copyplan.cut_runs(np.zeros_like(length), length, cap)
+  return src_start[run] + skip, dst_start[run] + skip, pieces
 
 
 def _call_ranges(length):
@@ -467,62 +296,13 @@ def _buckets(runs: int, elements: int, size: int) -> tuple[int, int]:
   return runs_bucket, elements_bucket
 
 
+def _bucket(n: int, smallest: int) -> int:
+  """The smallest power of two ``>= max(n, smallest)``."""
+  n = max(int(n), int(smallest), 1)
+  return 1 << (n - 1).bit_length()
+
+
 def _padded(table: np.ndarray, n: int, dtype: Any) -> np.ndarray:
   out = np.zeros(n, dtype)
   out[:table.size] = table
   return out
-
-
-def _take(table: jax.Array, index: jax.Array) -> jax.Array:
-  """``table[index]`` along axis 0; indices are never negative (no wrapping),
-  and the ones past the end (padding, masked later) are clipped."""
-  return table.at[index].get(mode="clip", wrap_negative_indices=False)
-
-
-def _make_zeros(dtype: np.dtype, size: int, device: Any) -> Callable[..., Any]:
-
-  def kernel():
-    _count_trace()
-    return _from_bits(jnp.zeros((size,) + _bits_tail(dtype), _bits_dtype(dtype)), dtype)
-
-  return jax.jit(kernel, out_shardings=jax.sharding.SingleDeviceSharding(device),
-                 compiler_options=_compiler_options(device))
-
-
-def _make_gather(dtype: np.dtype, src_size: int, size: int, runs: int, elements: int,
-                 index_dtype: Any, device: Any) -> Callable[..., Any]:
-  """The program that copies up to ``runs`` runs, ``elements`` elements in all,
-  from one source into the donated output."""
-
-  def kernel(out, source, src_start, dst_start, length):
-    _count_trace()
-    chex.assert_shape(out, (size,))
-    chex.assert_shape(source, (src_size,))
-    chex.assert_type([out, source], dtype)
-    chex.assert_shape([src_start, dst_start, length], (runs,))
-    chex.assert_type([src_start, dst_start], index_dtype)
-    chex.assert_type(length, jnp.int32)
-    # Element j of this call belongs to run #{runs whose exclusive end is
-    # <= j}: a prefix sum of marks scattered at the run ends (ends past the
-    # call's elements are dropped). A zero-length run ends where the next one
-    # starts, so it is skipped; positions past the last end are padding.
-    ends = jnp.cumsum(length, dtype=jnp.int32)
-    marks = jnp.zeros((elements,), jnp.int32).at[ends].add(
-        1, mode="drop", wrap_negative_indices=False)
-    run = jnp.minimum(jnp.cumsum(marks, dtype=jnp.int32), runs - 1)
-    # Element j of run r reads source j + (src_start[r] - start_r) and writes
-    # output j + (dst_start[r] - start_r), start_r being r's first element.
-    first = (ends - length).astype(index_dtype)
-    j = jnp.arange(elements, dtype=index_dtype)
-    src = j + _take(src_start - first, run)
-    # Padding positions are sent one past the output's end, where the scatter
-    # drops them.
-    dst = jnp.where(j < ends[-1].astype(index_dtype), j + _take(dst_start - first, run),
-                    jnp.asarray(size, index_dtype))
-    out_bits, src_bits = _to_bits(out), _to_bits(source)
-    values = _take(src_bits, src)
-    chex.assert_shape(values, (elements,) + _bits_tail(dtype))
-    out_bits = out_bits.at[dst].set(values, mode="drop", wrap_negative_indices=False)
-    return _from_bits(out_bits, dtype)
-
-  return jax.jit(kernel, donate_argnums=0, compiler_options=_compiler_options(device))
