@@ -243,22 +243,22 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   async def async_save(self, directory: epath.Path, args: ReshardSave):
     """Takes host copies now; returns the future that writes them (see the module doc)."""
-    plan = self._take_prepared(args)
+    prepared = self._take_prepared(args)
     key = os.fspath(directory)
-    if not plan.reporter.where:  # a manager's save: its logs name the item directory
-      plan.reporter.where = key
-    if plan.index is not None:
+    if not prepared.reporter.where:  # a manager's save: its logs name the item directory
+      prepared.reporter.where = key
+    if prepared.index is not None:
       with self._lock:
-        self._pending[key] = (plan.checkpoint_id, plan.index)
+        self._pending[key] = (prepared.checkpoint_id, prepared.index)
     return [ocp.future.CommitFutureAwaitingContractedSignals(
-        self._write(key, plan), name="jaxreshard_save")]
+        self._write(key, prepared), name="jaxreshard_save")]
 
-  async def _write(self, directory: str, plan: SavePlan) -> None:
+  async def _write(self, directory: str, prepared: SavePlan) -> None:
     """Writes this process's archives, tells the others, and waits for theirs."""
-    chunk_bytes = plan.chunk_bytes if plan.chunk_bytes is not None else self._chunk_bytes
-    builder = _checkpoint.IndexBuilder(plan.checkpoint_id)
+    chunk_bytes = prepared.chunk_bytes if prepared.chunk_bytes is not None else self._chunk_bytes
+    builder = _checkpoint.IndexBuilder(prepared.checkpoint_id)
     try:
-      for index, record in plan.archives:
+      for index, record in prepared.archives:
         try:
           nbytes = _checkpoint.write_archive(directory, index, record, builder, chunk_bytes)
         except FileExistsError as e:
@@ -269,12 +269,12 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
             raise
           raise ArchiveError(f"{directory} was removed while this save wrote it: another save"
                              " of the same checkpoint made it anew") from None
-        plan.reporter.step(nbytes, archive=index)
+        prepared.reporter.step(nbytes, archive=index)
     except BaseException as e:
-      _tell_peers(plan.checkpoint_id, e)
+      _tell_peers(prepared.checkpoint_id, e)
       raise
-    _tell_peers(plan.checkpoint_id, None)
-    _await_peers(plan.checkpoint_id, directory, self._timeout_s)
+    _tell_peers(prepared.checkpoint_id, None)
+    _await_peers(prepared.checkpoint_id, directory, self._timeout_s)
 
   def save(self, directory: epath.Path, args: ReshardSave) -> None:
     """The synchronous save: ``async_save`` and its futures, waited for."""
