@@ -160,7 +160,7 @@ class ReshardSave(ocp.args.CheckpointArgs):
     super().__setattr__(name, value)
     self.__dict__.pop("_checked", None)
 
-  def checked(self) -> Checked:
+  def _checks(self) -> Checked:
     """What checking these arguments found: kept from their making, or found again after a change.
 
     Raises:

@@ -109,7 +109,7 @@ def prepare_save(args: ReshardSave, primary_host: Optional[int] = 0, *,
   same in every process. Its reporter tells ``progress`` (and the logger) of
   each archive written.
   """
-  checked = args.checked()
+  checked = args._checks()
   primary = _is_primary(primary_host)
   what = "save_sharded" if args.state is not None else "ReshardSave"
   checkpoint_id = _shared_checkpoint_id(primary_host)
@@ -230,14 +230,14 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     """
     prepared = prepare_save(args, self._primary_host, progress=progress, where=where)
     with self._lock:
-      self._prepared[id(args)] = (args, args.checked(), prepared)
+      self._prepared[id(args)] = (args, args._checks(), prepared)
     return prepared
 
   def _take_prepared(self, args: ReshardSave) -> SavePlan:
     """The save ``prepare_save`` took for ``args``, or a new one; either way a second is new."""
     with self._lock:
       found = self._prepared.pop(id(args), None)
-    if found is not None and found[0] is args and found[1] is args.checked():
+    if found is not None and found[0] is args and found[1] is args._checks():
       return found[2]
     return prepare_save(args, self._primary_host)
 
