@@ -119,6 +119,24 @@ def param_ids(params: Any) -> tuple[list[str], list[Any], Any]:
   return [path_id(p) for p, _ in with_path], [x for _, x in with_path], treedef
 
 
+class WrappedOptimizer(optax.GradientTransformationExtraArgs):
+  """An optax transformation whose state is the state of the optimizer it wraps, ``inner``.
+
+  Functions that ask an optimizer which state leaves are histories (saving,
+  ``shard_state``) ask ``inner`` in its place.
+  """
+
+  def __new__(cls, init: Any, update: Any, inner: Any = None):
+    self = super().__new__(cls, init, update)
+    self._inner = inner
+    return self
+
+  @property
+  def inner(self) -> Any:
+    """The optimizer this one wraps."""
+    return self._inner
+
+
 @dataclasses.dataclass(frozen=True)
 class _Hist:
   pid: str
@@ -133,8 +151,9 @@ def history_roles(optimizer: Any, params: Any, state: Any) -> tuple[Optional[str
   Uses :func:`optax.tree_map_params`, which re-runs ``optimizer.init`` on a
   placeholder to find every subtree that mirrors the params.
   """
-  # flat_sharded's wrapper describes its state through the optimizer it wraps.
-  optimizer = getattr(optimizer, "flat_sharded_inner", optimizer)
+  # A wrapper (flat_sharded's) describes its state through the optimizer it wraps.
+  if isinstance(optimizer, WrappedOptimizer):
+    optimizer = optimizer.inner
   ids, _, treedef = param_ids(params)
   id_tree = jax.tree_util.tree_unflatten(treedef, ids)
 

@@ -107,8 +107,8 @@ class _Layout:
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
-class _FlatSharded(optax.GradientTransformationExtraArgs):
-  """``flat_sharded``'s transformation; ``flat_sharded_inner`` is the optimizer it wraps.
+class _FlatSharded(_structure.WrappedOptimizer):
+  """``flat_sharded``'s transformation; ``inner`` is the optimizer it wraps.
 
   Functions that ask an optimizer which state leaves are histories (saving,
   ``shard_state``) accept it in place of the optimizer it wraps.
@@ -204,6 +204,74 @@ def _state_difference(expected: Any, state: Any) -> str:
                  f" {str(jax.tree_util.tree_structure(state))[:200]} vs a state for these"
                  f" grads {str(jax.tree_util.tree_structure(expected))[:200]}")
   return "; ".join(parts)
+
+
+def _history_roles(cache: dict[Any, tuple], logical_opt: Any, flat_params: Any,
+                   state: Any) -> tuple:
+  """Per leaf of ``state``: the param id of a history or None, kept in ``cache`` by structure.
+
+  Raises:
+    PlacementError: ``state`` was not built for ``flat_params``' tree, naming how.
+  """
+  key = (jax.tree_util.tree_structure(flat_params), jax.tree_util.tree_structure(state))
+  if key not in cache:
+    try:
+      cache[key] = _structure.history_roles(logical_opt, flat_params, state)
+    except (ValueError, TypeError) as e:  # the state does not mirror this tree
+      try:
+        expected = jax.eval_shape(logical_opt.init, flat_params)
+      except Exception:  # pylint: disable=broad-exception-caught
+        expected = None
+      where = (_state_difference(expected, state) if expected is not None else
+               f"{type(e).__name__}: {str(e)[:300]}")
+      raise PlacementError(
+          f"flat_sharded: the state was not built for grads with param ids"
+          f" {_structure.param_ids(flat_params)[0][:_MAX_LISTED]}: {where}") from None
+  return cache[key]
+
+
+def _check_built_for(built_for: dict[Any, list[dict[str, tuple[int, ...]]]], grads: Any) -> None:
+  """``grads`` has the tree and shapes of params ``init`` built a state for, when it built one.
+
+  Raises:
+    PlacementError: another tree, naming the param ids one has and the other lacks.
+    ShapeError: another shape, naming the param and both shapes.
+  """
+  ids, leaves, treedef = _structure.param_ids(grads)
+  shapes = {pid: tuple(np.shape(x)) for pid, x in zip(ids, leaves)}
+  if not built_for:
+    return  # a state this wrapper did not build: checked by its flat sizes
+  if treedef not in built_for:
+    want_def, records = list(built_for.items())[-1]
+    raise PlacementError(
+        "flat_sharded: the grads' tree is not the params tree the state was built for"
+        " (at init): " + _tree_difference(ids, treedef, list(records[-1]), want_def,
+                                         "grads", "those params"))
+  records = built_for[treedef]
+  if shapes not in records:
+    want = records[-1]
+    pid = next(p for p in ids if shapes[p] != want[p])
+    raise ShapeError(
+        f"param {pid!r}: grads of shape {shapes[pid]} but the state was built (at init) for"
+        f" params of shape {want[pid]}; a state trains only the params it was built for")
+
+
+def _check_history_shapes(layout: _Layout, state: Any, roles: tuple,
+                          shapes: dict[str, tuple[int, ...]]) -> None:
+  """Every history leaf of ``state`` is ``(M * slots,)`` of its param's shape over the axis.
+
+  Raises:
+    ShapeError: one is not, naming its param and both shapes.
+  """
+  for leaf, pid in zip(jax.tree_util.tree_leaves(state), roles):
+    if pid is None:
+      continue
+    want = (layout.world * FlatShard(shapes[pid], 0, layout.world).slots,)
+    if tuple(np.shape(leaf)) != want:
+      raise ShapeError(
+          f"param {pid!r}: history buffer of shape {tuple(np.shape(leaf))} is not the"
+          f" ({layout.world} * slots,) = {want} of its shape {shapes[pid]} over mesh axis"
+          f" {layout.axis!r}; was the state built for another mesh or other params?")
 
 
 def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
@@ -321,40 +389,7 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
     return contextlib.nullcontext()
 
   def roles(flat_params: Any, state: Any) -> tuple:
-    key = (jax.tree_util.tree_structure(flat_params), jax.tree_util.tree_structure(state))
-    if key not in roles_cache:
-      try:
-        roles_cache[key] = _structure.history_roles(logical_opt, flat_params, state)
-      except (ValueError, TypeError) as e:  # the state does not mirror this tree
-        try:
-          expected = jax.eval_shape(logical_opt.init, flat_params)
-        except Exception:  # pylint: disable=broad-exception-caught
-          expected = None
-        where = (_state_difference(expected, state) if expected is not None else
-                 f"{type(e).__name__}: {str(e)[:300]}")
-        raise PlacementError(
-            f"flat_sharded: the state was not built for grads with param ids"
-            f" {_structure.param_ids(flat_params)[0][:_MAX_LISTED]}: {where}") from None
-    return roles_cache[key]
-
-  def check_built_for(grads: Any) -> None:
-    ids, leaves, treedef = _structure.param_ids(grads)
-    shapes = {pid: tuple(np.shape(x)) for pid, x in zip(ids, leaves)}
-    if not built_for:
-      return  # a state this wrapper did not build: checked by its flat sizes
-    if treedef not in built_for:
-      want_def, records = list(built_for.items())[-1]
-      raise PlacementError(
-          "flat_sharded: the grads' tree is not the params tree the state was built for"
-          " (at init): " + _tree_difference(ids, treedef, list(records[-1]), want_def,
-                                           "grads", "those params"))
-    records = built_for[treedef]
-    if shapes not in records:
-      want = records[-1]
-      pid = next(p for p in ids if shapes[p] != want[p])
-      raise ShapeError(
-          f"param {pid!r}: grads of shape {shapes[pid]} but the state was built (at init) for"
-          f" params of shape {want[pid]}; a state trains only the params it was built for")
+    return _history_roles(roles_cache, logical_opt, flat_params, state)
 
   def flatten(tree: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -387,21 +422,13 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
     shapes = {pid: tuple(np.shape(g)) for pid, g in zip(ids, leaves)}
     if params is not None:
       _check_like(params, "params", grads)
-    check_built_for(grads)
+    _check_built_for(built_for, grads)
     described = _described(grads)
     flat_grads = flatten(grads, shapes)
     flat_params = None if params is None else flatten(params, shapes)
     with _logical_masks.logical_shapes(described):
       state_roles = roles(flat_grads, state)
-    for leaf, pid in zip(jax.tree_util.tree_leaves(state), state_roles):
-      if pid is None:
-        continue
-      want = (layout.world * FlatShard(shapes[pid], 0, layout.world).slots,)
-      if tuple(np.shape(leaf)) != want:
-        raise ShapeError(
-            f"param {pid!r}: history buffer of shape {tuple(np.shape(leaf))} is not the"
-            f" ({layout.world} * slots,) = {want} of its shape {shapes[pid]} over mesh axis"
-            f" {axis!r}; was the state built for another mesh or other params?")
+    _check_history_shapes(layout, state, state_roles, shapes)
     with on_mesh(grads, state, params), _logical_masks.logical_shapes(described):
       state = layout.for_update(state, state_roles, shapes)
       flat_updates, state = logical_opt.update(flat_grads, state, flat_params, **extra_args)
@@ -411,6 +438,4 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
            for pid, u, g in zip(ids, jax.tree_util.tree_leaves(flat_updates), leaves)])
       return updates, layout.settle(state, state_roles, counts_of(shapes))
 
-  out = _FlatSharded(init, update)
-  out.flat_sharded_inner = optimizer
-  return out
+  return _FlatSharded(init, update, optimizer)

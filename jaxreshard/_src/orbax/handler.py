@@ -58,7 +58,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -67,20 +67,18 @@ from etils import epath
 
 from jaxreshard._src.checkpoint import store as _archive_io
 from jaxreshard._src.checkpoint import reader as _checkpoint
-from jaxreshard._src.distributed import mesh as _mesh
 from jaxreshard._src.distributed import sharded as _multihost
 from jaxreshard._src.checkpoint import restore as _restore
-from jaxreshard._src.core import structure as _structure
-from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementError, ReshardError
-from jaxreshard._src.core.placement import ParamPlacement
+from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
 from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
 __all__ = ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class SavePlan:
   """What one process writes for one save, with every byte already on the host."""
 
   checkpoint_id: str  # the same in every process of the save
@@ -88,14 +86,6 @@ class _Plan:
   index: Optional[dict]  # the primary's; None elsewhere
   chunk_bytes: Optional[int]
   reporter: Reporter  # told of each archive written
-
-
-@dataclasses.dataclass(frozen=True)
-class _Checked:
-  """What checking a ``ReshardSave`` found, kept for its save."""
-
-  shapes: Optional[Mapping[str, Any]]  # state: param id -> shape or placement
-  views: Optional[dict[int, ShardRecord]]  # state: this process's archives, device buffers
 
 
 def _is_primary(primary_host: Optional[int]) -> bool:
@@ -111,61 +101,15 @@ def _shared_checkpoint_id(primary_host: Optional[int]) -> str:
   return bytes(raw.astype(np.uint8).tolist()).hex()
 
 
-def _shapes_of(args: "ReshardSave") -> Mapping[str, Any]:
-  if args.shapes is not None:
-    return args.shapes
-  ids, leaves, _ = _structure.param_ids(args.params)
-  trainable = dict(args.trainable or {})
-  unknown = sorted(set(trainable) - set(ids))
-  if unknown:
-    raise PlacementError(f"params {unknown}: named in `trainable` but not in params")
-  return {pid: ParamPlacement(pid, tuple(np.shape(x)), 0, 1, np.dtype(x.dtype),
-                              trainable.get(pid, True)) for pid, x in zip(ids, leaves)}
-
-
-def check(args: "ReshardSave") -> _Checked:
-  """Every refusal of a save of ``args``, in every process, with nothing copied or written.
-
-  Records: each record as an archive of the index. A state: its structure
-  against the optimizer and the params, each history buffer against its
-  parameter's shape over the mesh axis, this process's shards of its own
-  ranks, and the index of every rank (made with a placeholder identity).
-  """
-  if args.state is None:
-    builder = _checkpoint.IndexBuilder()
-    for i, record in enumerate(args.records):
-      builder.add(i, record, pack=False)
-    builder.index()
-    return _Checked(None, None)
-  shapes = _shapes_of(args)
-  views = _mesh.records_from_mesh(args.optimizer, args.state, shapes, args.mesh, args.axis,
-                                  ranks=_mesh.writer_ranks(args.mesh, args.axis))
-  # The clock's device scalars as zeros of their dtype and shape (what storing
-  # one depends on): checking never waits for the step that computes them.
-  roles = _mesh.roles_of(args.optimizer, args.state, shapes)
-  leaves, treedef = jax.tree_util.tree_flatten(args.state)
-  leaves = [np.zeros(x.shape, x.dtype) if role is None and isinstance(x, jax.Array)
-            and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-            for x, role in zip(leaves, roles)]
-  _multihost.global_index(args.optimizer, jax.tree_util.tree_unflatten(treedef, leaves), shapes,
-                          args.mesh, args.axis, "0" * 32)
-  return _Checked(shapes, views)
-
-
-def prepare(args: "ReshardSave", primary_host: Optional[int] = 0, *,
-            progress: Optional[ProgressCallback] = None, where: Any = "") -> _Plan:
+def prepare_save(args: ReshardSave, primary_host: Optional[int] = 0, *,
+                 progress: Optional[ProgressCallback] = None, where: Any = "") -> SavePlan:
   """Everything a save needs from the caller's buffers, taken now (see the module doc).
 
-  The plan is kept on ``args`` until the handler's ``async_save`` takes it,
-  so a caller may prepare first to take the host copies before orbax creates
-  any directory. Each save gets its own plan and checkpoint identity, the
-  same in every process. Its reporter tells ``progress`` (and the logger)
-  of each archive written.
+  Each call is a new save: its own host copies and checkpoint identity, the
+  same in every process. Its reporter tells ``progress`` (and the logger) of
+  each archive written.
   """
-  plan = args.__dict__.get("_plan")
-  if plan is not None:
-    return plan
-  checked = args.__dict__.get("_checked") or check(args)
+  checked = args._checks()
   primary = _is_primary(primary_host)
   what = "save_sharded" if args.state is not None else "ReshardSave"
   checkpoint_id = _shared_checkpoint_id(primary_host)
@@ -189,9 +133,7 @@ def prepare(args: "ReshardSave", primary_host: Optional[int] = 0, *,
     raise
   reporter = Reporter(what, progress, where=where, total=len(archives),
                       total_bytes=sum(_archive_io.history_bytes(r) for _, r in archives))
-  plan = _Plan(checkpoint_id, archives, index, args.chunk_bytes, reporter)
-  object.__setattr__(args, "_plan", plan)
-  return plan
+  return SavePlan(checkpoint_id, archives, index, args.chunk_bytes, reporter)
 
 
 _PEERS_KEY = "jaxreshard/save"
@@ -275,26 +217,48 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     self._lock = threading.Lock()
     # Item directory -> (save identity, the index its finalize writes) (primary only).
     self._pending: dict[str, tuple[str, dict]] = {}
+    # id(args) -> (args, what checking them found, their prepared save): the
+    # saves ``prepare_save`` took ahead of ``async_save``, each taken by the next.
+    self._prepared: dict[int, tuple[ReshardSave, Any, SavePlan]] = {}
 
-  async def async_save(self, directory: epath.Path, args: "ReshardSave"):
+  def prepare_save(self, args: ReshardSave, *, progress: Optional[ProgressCallback] = None,
+                   where: Any = "") -> SavePlan:
+    """Takes the host copies of the next save of ``args`` now, before orbax makes a directory.
+
+    The next ``async_save`` of the same ``args`` (unchanged since) writes
+    this prepared save instead of taking new copies.
+    """
+    prepared = prepare_save(args, self._primary_host, progress=progress, where=where)
+    with self._lock:
+      self._prepared[id(args)] = (args, args._checks(), prepared)
+    return prepared
+
+  def _take_prepared(self, args: ReshardSave) -> SavePlan:
+    """The save ``prepare_save`` took for ``args``, or a new one; either way a second is new."""
+    with self._lock:
+      found = self._prepared.pop(id(args), None)
+    if found is not None and found[0] is args and found[1] is args._checks():
+      return found[2]
+    return prepare_save(args, self._primary_host)
+
+  async def async_save(self, directory: epath.Path, args: ReshardSave):
     """Takes host copies now; returns the future that writes them (see the module doc)."""
-    plan = prepare(args, self._primary_host)
-    args.__dict__.pop("_plan", None)  # a second save of these args is a new save
+    prepared = self._take_prepared(args)
     key = os.fspath(directory)
-    if not plan.reporter.where:  # a manager's save: its logs name the item directory
-      plan.reporter.where = key
-    if plan.index is not None:
+    if not prepared.reporter.where:  # a manager's save: its logs name the item directory
+      prepared.reporter.where = key
+    if prepared.index is not None:
       with self._lock:
-        self._pending[key] = (plan.checkpoint_id, plan.index)
+        self._pending[key] = (prepared.checkpoint_id, prepared.index)
     return [ocp.future.CommitFutureAwaitingContractedSignals(
-        self._write(key, plan), name="jaxreshard_save")]
+        self._write(key, prepared), name="jaxreshard_save")]
 
-  async def _write(self, directory: str, plan: _Plan) -> None:
+  async def _write(self, directory: str, prepared: SavePlan) -> None:
     """Writes this process's archives, tells the others, and waits for theirs."""
-    chunk_bytes = plan.chunk_bytes if plan.chunk_bytes is not None else self._chunk_bytes
-    builder = _checkpoint.IndexBuilder(plan.checkpoint_id)
+    chunk_bytes = prepared.chunk_bytes if prepared.chunk_bytes is not None else self._chunk_bytes
+    builder = _checkpoint.IndexBuilder(prepared.checkpoint_id)
     try:
-      for index, record in plan.archives:
+      for index, record in prepared.archives:
         try:
           nbytes = _checkpoint.write_archive(directory, index, record, builder, chunk_bytes)
         except FileExistsError as e:
@@ -305,14 +269,14 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
             raise
           raise ArchiveError(f"{directory} was removed while this save wrote it: another save"
                              " of the same checkpoint made it anew") from None
-        plan.reporter.step(nbytes, archive=index)
+        prepared.reporter.step(nbytes, archive=index)
     except BaseException as e:
-      _tell_peers(plan.checkpoint_id, e)
+      _tell_peers(prepared.checkpoint_id, e)
       raise
-    _tell_peers(plan.checkpoint_id, None)
-    _await_peers(plan.checkpoint_id, directory, self._timeout_s)
+    _tell_peers(prepared.checkpoint_id, None)
+    _await_peers(prepared.checkpoint_id, directory, self._timeout_s)
 
-  def save(self, directory: epath.Path, args: "ReshardSave") -> None:
+  def save(self, directory: epath.Path, args: ReshardSave) -> None:
     """The synchronous save: ``async_save`` and its futures, waited for."""
 
     async def run():
@@ -344,7 +308,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
       raise ArchiveError(f"{key}: archives {missing[:8]} were not written; nothing is committed")
     _checkpoint.dump(os.path.join(key, _checkpoint.INDEX_FILE), index)
 
-  def restore(self, directory: epath.Path, args: Optional["ReshardRestore"] = None) -> Any:
+  def restore(self, directory: epath.Path, args: Optional[ReshardRestore] = None) -> Any:
     """Every archive, one target rank's archive, or the state laid out on a mesh.
 
     Raises:
@@ -384,125 +348,6 @@ def _run_sync(coro) -> None:
   asyncio_utils.run_sync(coro)
 
 
-@ocp.args.register_with_handler(ReshardCheckpointHandler, for_save=True)
-@dataclasses.dataclass
-class ReshardSave(ocp.args.CheckpointArgs):
-  """Save archives as one orbax checkpoint item: given records, or a state on a mesh.
-
-  Either ``records`` (every rank's archive, the same in every process; the
-  primary writes them) or the training loop's sharded state: ``state``,
-  ``optimizer``, ``mesh``, ``axis`` and the params' ids and shapes, as
-  ``shapes`` (``param id -> shape or placement``, as :func:`save_sharded`
-  takes) or ``params`` (the params pytree, or its ``jax.ShapeDtypeStruct``s;
-  ``trainable`` optionally marks frozen ones). Each process then writes the
-  archives of its own ranks.
-
-  Making one checks everything a save of it would refuse (see the module
-  doc), so a bad save raises here, before orbax creates its temporary
-  directory. Records given as an iterator are read into a tuple. The check
-  copies nothing and never waits for the device, but it walks the whole
-  layout (for a state, every local shard of every history leaf): a training
-  loop that saves now and then makes one only when ``manager.should_save(step)``.
-
-  Attributes:
-    records: the archives, any iterable.
-    chunk_bytes: bytes per stored chunk (the granularity of partial reads);
-      None keeps the handler's default.
-    state: the optax state, history leaves ``(M * slots,)`` sharded over ``axis``.
-    optimizer: the optax transformation of ``state``.
-    shapes: param id -> logical shape, or anything with ``.shape`` (and then
-      its ``.dtype`` / ``.trainable``).
-    params: instead of ``shapes``: the params pytree (ids are its key paths,
-      storage dtypes its leaves' dtypes).
-    trainable: with ``params``: optional ``param id -> bool``.
-    mesh: the mesh of ``state``.
-    axis: the mesh axis of the flat shards.
-
-  Examples:
-    >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, jaxreshard as jr
-    >>> params = {"w": jnp.arange(8.0)}
-    >>> opt = optax.adam(1e-3)
-    >>> records = jr.shard_state(opt, params, opt.init(params), world_size=4)
-    >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as manager:
-    ...   _ = manager.save(100, args=ReshardSave(records))
-    ...   manager.wait_until_finished()
-    ...   target = manager.restore(100, args=ReshardRestore(world_size=3, rank=0))
-    >>> target.state[0].mu["w"].shape
-    (3,)
-  """
-
-  records: Optional[Iterable[ShardRecord]] = None
-  chunk_bytes: Optional[int] = None
-  _: dataclasses.KW_ONLY
-  state: Any = None
-  optimizer: Any = None
-  shapes: Optional[Mapping[str, Any]] = None
-  params: Any = None
-  trainable: Optional[Mapping[str, bool]] = None
-  mesh: Optional[jax.sharding.Mesh] = None
-  axis: str = "fsdp"
-
-  def __post_init__(self):
-    cb = self.chunk_bytes
-    if cb is not None and (isinstance(cb, bool) or not isinstance(cb, int) or cb < 1):
-      raise ReshardError(f"chunk_bytes {cb!r} must be a positive integer")
-    if (self.records is None) == (self.state is None):
-      raise PlacementError("ReshardSave takes records, or a state (with optimizer, mesh and"
-                           " shapes or params), not both and not neither")
-    if self.state is not None:
-      missing = [n for n in ("optimizer", "mesh") if getattr(self, n) is None]
-      if (self.shapes is None) == (self.params is None):
-        missing.append("exactly one of shapes and params")
-      if missing:
-        raise PlacementError(f"ReshardSave(state=...) also needs {', '.join(missing)}")
-      if self.trainable is not None and self.params is None:
-        raise PlacementError("ReshardSave: trainable goes with params; with shapes, give each"
-                             " value a .trainable")
-    else:
-      self.records = tuple(self.records)  # an iterator is read once, here
-    # Every refusal of the save, now: before orbax creates any directory.
-    self.__dict__["_checked"] = check(self)
-
-  def __setattr__(self, name: str, value: Any) -> None:
-    # A changed field is checked again when the save prepares.
-    super().__setattr__(name, value)
-    self.__dict__.pop("_checked", None)
-    self.__dict__.pop("_plan", None)
-
-
-@ocp.args.register_with_handler(ReshardCheckpointHandler, for_restore=True)
-@dataclasses.dataclass(kw_only=True)
-class ReshardRestore(ocp.args.CheckpointArgs):
-  """What to restore: a state on a mesh, one target rank, or every archive.
-
-  * ``mesh`` (and ``axis``): the optax state laid out on ``mesh``, every
-    history leaf a global ``(M * slots,)`` array sharded over ``axis`` (M its
-    size), ready for the training step: ``restore_sharded(...).state``. Every
-    process restores only its own ranks. ``target`` (an abstract state whose
-    shardings say the layout) is passed on to ``restore_sharded``.
-  * ``world_size`` and ``rank``: that target rank's ``ShardRecord``.
-  * nothing: every archive, as saved (``load_records``).
-
-  Every field is keyword-only.
-
-  Attributes:
-    world_size: the target world size (with ``rank``).
-    rank: the target rank to build.
-    mesh: the target mesh.
-    axis: the mesh axis of the flat shards.
-    target: optional abstract target for ``restore_sharded(..., target=)``.
-  """
-
-  world_size: Optional[int] = None
-  rank: Optional[int] = None
-  mesh: Optional[jax.sharding.Mesh] = None
-  axis: str = "fsdp"
-  target: Any = None
-
-  def __post_init__(self):
-    if self.mesh is not None and (self.rank is not None or self.world_size is not None):
-      raise PlacementError("ReshardRestore takes a mesh, or world_size and rank, not both")
-    if self.target is not None and self.mesh is None:
-      raise PlacementError("ReshardRestore(target=...) needs the mesh as well")
-    if (self.rank is None) != (self.world_size is None):
-      raise PlacementError("ReshardRestore(world_size=...) needs rank as well, and the reverse")
+# The arguments name this handler, so an orbax manager picks it from them alone.
+ocp.args.register_with_handler(ReshardCheckpointHandler, for_save=True)(ReshardSave)
+ocp.args.register_with_handler(ReshardCheckpointHandler, for_restore=True)(ReshardRestore)

@@ -100,11 +100,11 @@ def save_sharded(
     raise FileNotFoundError(f"parent directory {os.path.dirname(final)} of {final} does not exist")
   args = _orbax_hook.ReshardSave(optimizer=optimizer, state=state, shapes=shapes, mesh=mesh,
                                  axis=axis, chunk_bytes=chunk_bytes)
-  # Refusals of the state, host copies and the index, before any directory exists.
-  reporter = _orbax_hook.prepare(args, progress=progress, where=final).reporter
   timeout = max(1, int(timeout_s))
-  checkpointer = ocp.AsyncCheckpointer(
-      _orbax_hook.ReshardCheckpointHandler(timeout_secs=timeout), timeout_secs=timeout)
+  handler = _orbax_hook.ReshardCheckpointHandler(timeout_secs=timeout)
+  # Refusals of the state, host copies and the index, before any directory exists.
+  reporter = handler.prepare_save(args, progress=progress, where=final).reporter
+  checkpointer = ocp.AsyncCheckpointer(handler, timeout_secs=timeout)
   try:
     checkpointer.save(final, args=args)
     checkpointer.wait_until_finished()

@@ -1,0 +1,209 @@
+"""The arguments of a jaxreshard orbax item: ``ReshardSave`` and ``ReshardRestore``.
+
+``ReshardSave`` checks, when it is made, everything a save of it would refuse
+(``check``), so the refusal comes before orbax creates any temporary
+directory. Both are registered with ``ReshardCheckpointHandler`` where that
+handler is defined (``jaxreshard._src.orbax.handler``), so an orbax manager
+picks the handler from the arguments alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping, Optional
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core.placement import ParamPlacement
+from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.distributed import mesh as _mesh
+from jaxreshard._src.distributed import sharded as _multihost
+from jaxreshard._src.errors import PlacementError, ReshardError
+
+__all__ = ["ReshardRestore", "ReshardSave", "check"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checked:
+  """What checking a ``ReshardSave`` found, kept for its save."""
+
+  shapes: Optional[Mapping[str, Any]]  # state: param id -> shape or placement
+  views: Optional[dict[int, ShardRecord]]  # state: this process's archives, device buffers
+
+
+
+def _shapes_of(args: "ReshardSave") -> Mapping[str, Any]:
+  if args.shapes is not None:
+    return args.shapes
+  ids, leaves, _ = _structure.param_ids(args.params)
+  trainable = dict(args.trainable or {})
+  unknown = sorted(set(trainable) - set(ids))
+  if unknown:
+    raise PlacementError(f"params {unknown}: named in `trainable` but not in params")
+  return {pid: ParamPlacement(pid, tuple(np.shape(x)), 0, 1, np.dtype(x.dtype),
+                              trainable.get(pid, True)) for pid, x in zip(ids, leaves)}
+
+
+def check(args: "ReshardSave") -> Checked:
+  """Every refusal of a save of ``args``, in every process, with nothing copied or written.
+
+  Records: each record as an archive of the index. A state: its structure
+  against the optimizer and the params, each history buffer against its
+  parameter's shape over the mesh axis, this process's shards of its own
+  ranks, and the index of every rank (made with a placeholder identity).
+  """
+  if args.state is None:
+    builder = _checkpoint.IndexBuilder()
+    for i, record in enumerate(args.records):
+      builder.add(i, record, pack=False)
+    builder.index()
+    return Checked(None, None)
+  shapes = _shapes_of(args)
+  views = _mesh.records_from_mesh(args.optimizer, args.state, shapes, args.mesh, args.axis,
+                                  ranks=_mesh.writer_ranks(args.mesh, args.axis))
+  # The clock's device scalars as zeros of their dtype and shape (what storing
+  # one depends on): checking never waits for the step that computes them.
+  roles = _mesh.roles_of(args.optimizer, args.state, shapes)
+  leaves, treedef = jax.tree_util.tree_flatten(args.state)
+  leaves = [np.zeros(x.shape, x.dtype) if role is None and isinstance(x, jax.Array)
+            and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+            for x, role in zip(leaves, roles)]
+  _multihost.global_index(args.optimizer, jax.tree_util.tree_unflatten(treedef, leaves), shapes,
+                          args.mesh, args.axis, "0" * 32)
+  return Checked(shapes, views)
+
+
+@dataclasses.dataclass
+class ReshardSave(ocp.args.CheckpointArgs):
+  """Save archives as one orbax checkpoint item: given records, or a state on a mesh.
+
+  Either ``records`` (every rank's archive, the same in every process; the
+  primary writes them) or the training loop's sharded state: ``state``,
+  ``optimizer``, ``mesh``, ``axis`` and the params' ids and shapes, as
+  ``shapes`` (``param id -> shape or placement``, as :func:`save_sharded`
+  takes) or ``params`` (the params pytree, or its ``jax.ShapeDtypeStruct``s;
+  ``trainable`` optionally marks frozen ones). Each process then writes the
+  archives of its own ranks.
+
+  Making one checks everything a save of it would refuse (see the module
+  doc), so a bad save raises here, before orbax creates its temporary
+  directory. Records given as an iterator are read into a tuple. The check
+  copies nothing and never waits for the device, but it walks the whole
+  layout (for a state, every local shard of every history leaf): a training
+  loop that saves now and then makes one only when ``manager.should_save(step)``.
+
+  Attributes:
+    records: the archives, any iterable.
+    chunk_bytes: bytes per stored chunk (the granularity of partial reads);
+      None keeps the handler's default.
+    state: the optax state, history leaves ``(M * slots,)`` sharded over ``axis``.
+    optimizer: the optax transformation of ``state``.
+    shapes: param id -> logical shape, or anything with ``.shape`` (and then
+      its ``.dtype`` / ``.trainable``).
+    params: instead of ``shapes``: the params pytree (ids are its key paths,
+      storage dtypes its leaves' dtypes).
+    trainable: with ``params``: optional ``param id -> bool``.
+    mesh: the mesh of ``state``.
+    axis: the mesh axis of the flat shards.
+
+  Examples:
+    >>> import tempfile, jax.numpy as jnp, optax, orbax.checkpoint as ocp, jaxreshard as jr
+    >>> params = {"w": jnp.arange(8.0)}
+    >>> opt = optax.adam(1e-3)
+    >>> records = jr.shard_state(opt, params, opt.init(params), world_size=4)
+    >>> with ocp.CheckpointManager(tempfile.mkdtemp()) as manager:
+    ...   _ = manager.save(100, args=ReshardSave(records))
+    ...   manager.wait_until_finished()
+    ...   target = manager.restore(100, args=ReshardRestore(world_size=3, rank=0))
+    >>> target.state[0].mu["w"].shape
+    (3,)
+  """
+
+  records: Optional[Iterable[ShardRecord]] = None
+  chunk_bytes: Optional[int] = None
+  _: dataclasses.KW_ONLY
+  state: Any = None
+  optimizer: Any = None
+  shapes: Optional[Mapping[str, Any]] = None
+  params: Any = None
+  trainable: Optional[Mapping[str, bool]] = None
+  mesh: Optional[jax.sharding.Mesh] = None
+  axis: str = "fsdp"
+
+  def __post_init__(self):
+    cb = self.chunk_bytes
+    if cb is not None and (isinstance(cb, bool) or not isinstance(cb, int) or cb < 1):
+      raise ReshardError(f"chunk_bytes {cb!r} must be a positive integer")
+    if (self.records is None) == (self.state is None):
+      raise PlacementError("ReshardSave takes records, or a state (with optimizer, mesh and"
+                           " shapes or params), not both and not neither")
+    if self.state is not None:
+      missing = [n for n in ("optimizer", "mesh") if getattr(self, n) is None]
+      if (self.shapes is None) == (self.params is None):
+        missing.append("exactly one of shapes and params")
+      if missing:
+        raise PlacementError(f"ReshardSave(state=...) also needs {', '.join(missing)}")
+      if self.trainable is not None and self.params is None:
+        raise PlacementError("ReshardSave: trainable goes with params; with shapes, give each"
+                             " value a .trainable")
+    else:
+      self.records = tuple(self.records)  # an iterator is read once, here
+    # Every refusal of the save, now: before orbax creates any directory.
+    self.__dict__["_checked"] = check(self)
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    # A changed field is checked again when the save prepares.
+    super().__setattr__(name, value)
+    self.__dict__.pop("_checked", None)
+
+  def _checks(self) -> Checked:
+    """What checking these arguments found: kept from their making, or found again after a change.
+
+    Raises:
+      ReshardError: a save of these arguments would be refused.
+    """
+    found = self.__dict__.get("_checked")
+    if found is None:
+      found = self.__dict__["_checked"] = check(self)
+    return found
+
+
+@dataclasses.dataclass(kw_only=True)
+class ReshardRestore(ocp.args.CheckpointArgs):
+  """What to restore: a state on a mesh, one target rank, or every archive.
+
+  * ``mesh`` (and ``axis``): the optax state laid out on ``mesh``, every
+    history leaf a global ``(M * slots,)`` array sharded over ``axis`` (M its
+    size), ready for the training step: ``restore_sharded(...).state``. Every
+    process restores only its own ranks. ``target`` (an abstract state whose
+    shardings say the layout) is passed on to ``restore_sharded``.
+  * ``world_size`` and ``rank``: that target rank's ``ShardRecord``.
+  * nothing: every archive, as saved (``load_records``).
+
+  Every field is keyword-only.
+
+  Attributes:
+    world_size: the target world size (with ``rank``).
+    rank: the target rank to build.
+    mesh: the target mesh.
+    axis: the mesh axis of the flat shards.
+    target: optional abstract target for ``restore_sharded(..., target=)``.
+  """
+
+  world_size: Optional[int] = None
+  rank: Optional[int] = None
+  mesh: Optional[jax.sharding.Mesh] = None
+  axis: str = "fsdp"
+  target: Any = None
+
+  def __post_init__(self):
+    if self.mesh is not None and (self.rank is not None or self.world_size is not None):
+      raise PlacementError("ReshardRestore takes a mesh, or world_size and rank, not both")
+    if self.target is not None and self.mesh is None:
+      raise PlacementError("ReshardRestore(target=...) needs the mesh as well")
+    if (self.rank is None) != (self.world_size is None):
+      raise PlacementError("ReshardRestore(world_size=...) needs rank as well, and the reverse")
