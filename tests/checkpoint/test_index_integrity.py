@@ -30,7 +30,7 @@ from tests._archive_util import (describes, read_json, shard_file, write_consist
 from tests._core_util import (adam_records, assert_records_equal, device_mesh, replace_history,
                                standard)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _index(path):

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CALL = re.compile(r"^\d+\s+(?P<call>[a-z0-9_]+)\((?P<args>.*)$")
 _FD = re.compile(r"^\d+<(?P<path>[^>]*)>")

@@ -73,7 +73,7 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec
   from tests import _mp_util as U
-  from tests.test_distributed import _check_against
+  from tests.distributed.test_distributed import _check_against
 
   opt, params, state, _ = U.example(seed=3)
   mesh = device_mesh((2, 4), ("data", "fsdp"))

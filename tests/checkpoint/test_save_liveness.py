@@ -22,7 +22,7 @@ import jaxreshard as jr
 from jaxreshard._src.checkpoint import store as _archive_io
 from tests._core_util import adam_records, assert_records_equal
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
 
 

@@ -23,7 +23,7 @@ import jaxreshard as jr
 from jaxreshard._src.checkpoint import store as _archive_io
 from tests._core_util import adam_records, assert_records_equal, bits
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _python(code: str, *, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
