@@ -24,6 +24,7 @@ import jaxreshard as jr
 from tests import _target_util as T
 from tests._core_util import (assert_records_equal, device_mesh, nest, random_params,
                               random_state)
+from tests._shapes import DRAWN_SHAPES
 
 
 def _records(opt, specs, world, seed):
@@ -129,7 +130,7 @@ MENU = {
     "adamw_masked": lambda: optax.adamw(1e-3, weight_decay=0.1,
                                         mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
 }
-SHAPES = [(), (1,), (5,), (7,), (2, 3), (3, 4), (0,)]
+SHAPES = DRAWN_SHAPES
 DTYPES = [jnp.float32, jnp.bfloat16]
 
 

@@ -19,10 +19,10 @@ from tests._core_util import (
     BF16, F16, F32, assert_bits_equal, assert_records_equal, assert_trees_bit_equal, bits,
     nest, oracle_shard, random_bits_array, special_values,
 )
+from tests._shapes import ORACLE_SHAPES
 
 SHAPES = st.one_of(
-    st.sampled_from([(), (1,), (1, 1), (0,), (3, 0), (2,), (3,), (5,), (7,), (13,), (17,),
-                     (31,), (2, 3), (3, 5), (4, 1, 3), (2, 3, 4)]),
+    st.sampled_from(ORACLE_SHAPES),
     st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple),
 )
 DTYPES = st.sampled_from([F32, F16, BF16])
