@@ -85,7 +85,7 @@ The judge's rules (``tests/fuzz/_fuzz_judge.py``), strict: no "misread" is toler
 * Errors: only a ``jr.ReshardError`` (``ArchiveError``, ``PlacementError``, ...
   included). A bare ``ValueError``, ``KeyError``, ``TypeError``,
   ``OverflowError``, ``MemoryError``, ``RecursionError`` and *any* ``OSError`` are
-  failures. The SPEC allows a ``FileNotFoundError`` naming the path only for a
+  failures. A ``FileNotFoundError`` naming the path is right only for a
   checkpoint directory that does not exist; no mutation here removes the root, so
   no ``OSError`` is ever right.
 * A link to a copy outside the checkpoint is a canary (its access time is reset):
