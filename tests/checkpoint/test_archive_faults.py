@@ -894,6 +894,7 @@ _KILLED_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_killed_save_leaves_nothing_loadable_and_a_rerun_succeeds(tmp_path):
   out = str(tmp_path / "out")
   proc = subprocess.Popen(

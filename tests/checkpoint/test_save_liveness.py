@@ -26,6 +26,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
 
 
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
   """``python -m jaxreshard ARGS`` in a process of its own."""
   return subprocess.run([sys.executable, "-m", "jaxreshard", *args], capture_output=True,

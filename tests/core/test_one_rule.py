@@ -74,6 +74,7 @@ def test_restore_and_restore_ranks_refuse_what_memory_refuses(mixed, world):
   assert str(e.value) == str(expected)
 
 
+@pytest.mark.slow
 def test_the_cli_reshard_refuses_it_and_writes_nothing(mixed, tmp_path):
   out = tmp_path / "out"
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -171,6 +172,7 @@ def _checkpoints(draw):
   return [records[i] for i in order]
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(records=_checkpoints(), world=st.integers(1, 5), data=st.data())

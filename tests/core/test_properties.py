@@ -12,6 +12,7 @@ import ml_dtypes
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 import jaxreshard as jr
@@ -77,6 +78,7 @@ def _all_ranks(records, world):
   return [jr.reshard(records, jr.plan(records, world_size=world, rank=r)) for r in range(world)]
 
 
+@pytest.mark.slow
 @settings(max_examples=40, **SETTINGS)
 @given(specs=st.lists(st.tuples(SHAPES, DTYPES), min_size=1, max_size=3),
        w1=WORLDS, w2=WORLDS, seed=st.integers(0, 2**32 - 1))
@@ -98,6 +100,7 @@ def test_reshard_matches_oracle_and_round_trips(specs, w1, w2, seed):
     assert_records_equal(returned, original)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, **SETTINGS)
 @given(specs=st.lists(st.tuples(SHAPES, DTYPES), min_size=1, max_size=3),
        w1=WORLDS, w2=WORLDS, rank_frac=st.floats(0, 1, exclude_max=True),

@@ -85,6 +85,10 @@ REDUCING = {
 }
 
 
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
+
+
 def _mesh(kind):
   devices = jax.devices()
   if kind == "explicit8":

@@ -30,6 +30,10 @@ SCRIPT = os.path.join(ROOT, "examples", "restart.py")
 STEPS, KILL = 5, 3
 
 
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
+
+
 def _example():
   spec = importlib.util.spec_from_file_location("restart_example", SCRIPT)
   module = importlib.util.module_from_spec(spec)

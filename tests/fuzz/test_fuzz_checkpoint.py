@@ -157,6 +157,10 @@ from tests.fuzz._fuzz_strategies import (
   json_edits,
 )
 
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
+
+
 # --- the fuzz tests -------------------------------------------------------------
 
 
