@@ -24,6 +24,7 @@ import optax
 from jax.sharding import Mesh
 
 import jaxreshard as jr
+from tests._shapes import SMALL_SHAPES, STORAGE_SHAPES
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "data", "fsdp_flat_shards.npz")
 
@@ -238,16 +239,7 @@ def replace_history(record: Any, pid: str, m: int, fn) -> Any:
                         jax.tree_util.tree_unflatten(treedef, leaves), record.roles)
 
 
-# A small model of the optimizer tests: 35 elements (divisible by neither 8
-# nor 6), 7 (fewer elements than 8 ranks: the last rank is all padding), a scalar and
-# a size-1 param; ``LABELS`` freezes two of them.
-SMALL_SHAPES = {
-    "dense/kernel": (5, 7),
-    "dense/bias": (7,),
-    "emb": (13, 3),
-    "scale": (),
-    "tiny": (1,),
-}
+# ``LABELS`` freezes two of ``SMALL_SHAPES``.
 LABELS = nest({"dense/kernel": "train", "dense/bias": "train", "emb": "frozen",
                "scale": "train", "tiny": "frozen"})
 MASK = jax.tree.map(lambda label: label == "train", LABELS)
@@ -280,18 +272,6 @@ OPTIMIZERS = {
 def small_params(dtype: Any = jnp.float32, seed: int = 0) -> Any:
   """Params of ``SMALL_SHAPES`` in ``dtype`` (``random_params``)."""
   return random_params({pid: (s, dtype) for pid, s in SMALL_SHAPES.items()}, seed)
-
-
-# Small, odd sizes: nothing divides evenly, one parameter is a scalar, one is
-# empty, one is bf16 and one f16 (storage dtypes), so padding and every dtype occur.
-STORAGE_SHAPES = {
-    "dense/kernel": ((5, 7), jnp.float32),
-    "dense/bias": ((7,), jnp.float32),
-    "emb": ((13, 3), jnp.bfloat16),
-    "half": ((9,), jnp.float16),
-    "scale": ((), jnp.float32),
-    "empty": ((0,), jnp.float32),
-}
 
 
 def random_state(opt: Any, prm: Any, seed: int = 1) -> Any:

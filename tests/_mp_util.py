@@ -27,23 +27,13 @@ import numpy as np
 import optax
 
 from tests._core_util import nest, random_example
+from tests._shapes import MP_SPECS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "_mp_worker.py")
 
-# param id -> (shape, storage dtype). Uneven sizes on purpose: 8 -> 6 and 8 -> 5
-# split them unevenly, "tiny" leaves trailing ranks all padding, "empty" has
-# no elements, "scalar" is 0-d. Big enough that array bytes dominate metadata.
-SPECS = {
-    "dense/kernel": ((256, 301), np.float32),
-    "dense/bias": ((130,), np.float32),
-    "embed/table": ((61, 67), jnp.bfloat16),
-    "head/w": ((33, 17), np.float16),
-    "tiny": ((3,), np.float32),
-    "scalar": ((), np.float32),
-    "empty": ((0, 4), np.float32),
-}
+SPECS = MP_SPECS
 FROZEN = ("head/w",)
 
 

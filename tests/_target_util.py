@@ -12,26 +12,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from tests._core_util import bits, nest, random_example
+from tests._shapes import TARGET_SPECS
 
-# param id -> (shape, dtype). Dimensions divide by 2, 4 and 8 where a test
-# shards them; the flat shards of an uneven source world size (3, 5) cut rows
-# in the middle.
-SPECS = {
-    "dense/kernel": ((16, 24), np.float32),
-    "dense/bias": ((24,), np.float32),
-    "embed/table": ((8, 12), jnp.bfloat16),
-    "head/w": ((4, 8), np.float16),
-    "scalar": ((), np.float32),
-    "one": ((1,), np.float32),
-    "empty": ((0, 4), np.float32),
-    "frozen/w": ((4, 6), np.float32),
-}
+SPECS = TARGET_SPECS
 FROZEN = ("frozen/w",)
 
 

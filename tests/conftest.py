@@ -12,4 +12,4 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 # Helper modules are imported by tests, not collected: _mp_worker.py is a
 # jax.distributed worker script that runs on import.
-collect_ignore_glob = ["_*.py"]
+collect_ignore_glob = ["_*.py", "*/_*.py"]

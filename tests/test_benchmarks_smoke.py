@@ -14,6 +14,10 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
   out = tmp_path_factory.mktemp("bench") / "RESULTS.md"

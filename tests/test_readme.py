@@ -14,9 +14,14 @@ import re
 
 import jax
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+
+
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
 
 
 def _python_blocks():

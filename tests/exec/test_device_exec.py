@@ -120,6 +120,7 @@ def _check_random_gather(dtype, n_sources, seed, max_runs):
   assert_bits_equal(out, oracle(host, *run_tables, OUT_SIZE, dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @settings(**SETTINGS)
 @given(n_sources=st.integers(1, 3), seed=st.integers(0, 2**32 - 1),
@@ -129,6 +130,7 @@ def test_gather_matches_oracle_bit_for_bit(dtype, n_sources, seed, max_runs):
     _check_random_gather(dtype, n_sources, seed, max_runs)
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dtype=st.sampled_from([F32, BF16]), n_sources=st.integers(1, 3),
        seed=st.integers(0, 2**32 - 1))
@@ -138,6 +140,7 @@ def test_gather_cut_into_many_calls_matches_oracle(dtype, n_sources, seed):
     _check_random_gather(dtype, n_sources, seed, 40)
 
 
+@pytest.mark.slow
 def test_special_values_survive_every_dtype():
   for dtype in DTYPES:
     with dtype_context(dtype):
@@ -147,6 +150,7 @@ def test_special_values_survive_every_dtype():
       assert_bits_equal(out, np.concatenate([special[n - 3:], special[:n - 3]]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=lambda d: d.name)
 def test_program_count_does_not_grow_with_run_count(dtype):
   size = 4096

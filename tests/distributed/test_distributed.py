@@ -224,6 +224,7 @@ def _clock_example(leaf):
   return opt, params, state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", ["restore_sharded", "target", "checkpoint_manager"])
 @pytest.mark.parametrize("name", sorted(CLOCK_LEAVES))
 def test_clock_scalars_keep_dtype_and_bits_on_every_mesh_path(tmp_path, name, path):

@@ -21,7 +21,7 @@ from typing import Any
 import hypothesis.strategies as st
 import numpy as np
 
-from tests._fuzz_harness import (
+from tests.fuzz._fuzz_harness import (
   ARCHIVES,
   INDEX,
   Bytes,

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CALL = re.compile(r"^\d+\s+(?P<call>[a-z0-9_]+)\((?P<args>.*)$")
 _FD = re.compile(r"^\d+<(?P<path>[^>]*)>")
@@ -29,7 +29,8 @@ def _strace_works() -> bool:
                         capture_output=True).returncode == 0
 
 
-pytestmark = pytest.mark.skipif(not _strace_works(), reason="strace is absent or may not trace")
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not _strace_works(), reason="strace is absent or may not trace")]
 
 
 def _traced_save(tmp_path, durable: bool) -> tuple[str, list[tuple[str, str, str]]]:

@@ -1,8 +1,8 @@
 """The checkpoint fuzz harness: the checkpoint, its mutations, bounded calls, signing.
 
-Used by ``tests/test_fuzz_checkpoint.py`` (whose docstring says what is fuzzed and
-how the judge, ``tests/_fuzz_judge.py``, decides) and by the strategies in
-``tests/_fuzz_strategies.py``.
+Used by ``tests/fuzz/test_fuzz_checkpoint.py`` (whose docstring says what is fuzzed and
+how the judge, ``tests/fuzz/_fuzz_judge.py``, decides) and by the strategies in
+``tests/fuzz/_fuzz_strategies.py``.
 """
 
 from __future__ import annotations

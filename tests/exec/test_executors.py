@@ -36,6 +36,7 @@ def _adam_records(n_params, world, seed=0):
   return jr.shard_state(opt, params, state, world), state
 
 
+@pytest.mark.slow
 def test_host_path_compiles_nothing():
   records, state = _adam_records(60, 8)
   with count_xla_compiles() as compiles:
@@ -78,6 +79,7 @@ def test_device_executor_equals_host_executor_bit_for_bit(dtype):
     assert_bits_equal(host.state[0].trace["w"], oracle_shard(full, 7, rank))
 
 
+@pytest.mark.slow
 def test_device_program_count_does_not_grow_with_parameters():
   counts = {}
   for n in (10, 100, 400):
@@ -92,6 +94,7 @@ def test_device_program_count_does_not_grow_with_parameters():
   assert counts[400] - counts[10] <= 3, counts
 
 
+@pytest.mark.slow
 def test_second_device_reshard_of_the_same_layout_compiles_nothing():
   records, _ = _adam_records(30, 8)
   later, _ = _adam_records(30, 8, seed=1)  # a restart from a later checkpoint

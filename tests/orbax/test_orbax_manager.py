@@ -60,6 +60,7 @@ def test_handler_refusals_reach_the_caller(tmp_path):
       manager.restore(1, args=jr.ReshardRestore(world_size=3, rank=3))
 
 
+@pytest.mark.slow
 def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatch):
   """A (2 x 4) mesh state saved beside params, restored onto 6 ranks; all exact.
 
@@ -73,7 +74,7 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec
   from tests import _mp_util as U
-  from tests.test_distributed import _check_against
+  from tests.distributed.test_distributed import _check_against
 
   opt, params, state, _ = U.example(seed=3)
   mesh = device_mesh((2, 4), ("data", "fsdp"))

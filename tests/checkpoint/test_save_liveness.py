@@ -22,8 +22,12 @@ import jaxreshard as jr
 from jaxreshard._src.checkpoint import store as _archive_io
 from tests._core_util import adam_records, assert_records_equal
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+
+
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -28,15 +28,9 @@ from tests._core_util import (
     LABELS, MASK, SCHEDULE, assert_bits_equal, assert_trees_bit_equal, bits, random_grads,
     random_params, standard,
 )
+from tests._shapes import SMALL_MIXED_SHAPES
 
-# ``SMALL_SHAPES`` with a bf16 param among them.
-SHAPES = {
-    "dense/kernel": ((5, 7), jnp.float32),
-    "dense/bias": ((7,), jnp.float32),
-    "emb": ((13, 3), jnp.bfloat16),
-    "scale": ((), jnp.float32),
-    "tiny": ((1,), jnp.float32),
-}
+SHAPES = SMALL_MIXED_SHAPES
 
 # Elementwise chains of multiplies, adds, signs and selects: bit for bit.
 EXACT = {
@@ -89,6 +83,10 @@ REDUCING = {
     "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
     "lamb": lambda: optax.lamb(1e-2, weight_decay=0.1),
 }
+
+
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
 
 
 def _mesh(kind):

@@ -139,6 +139,7 @@ def test_clock_structure_and_missing_ranks(layouts):
                                                                 jr.digest(other))
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(shapes=st.lists(st.sampled_from([(), (1,), (0,), (7,), (3, 5), (17,), (2, 2, 3)]),
                        min_size=1, max_size=3),

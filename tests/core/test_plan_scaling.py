@@ -21,6 +21,10 @@ import jaxreshard as jr
 W = 8
 
 
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
+
+
 class _Id(str):
   """A param id whose comparisons are function calls, so that the count sees them.
 

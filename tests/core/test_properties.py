@@ -12,6 +12,7 @@ import ml_dtypes
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 import jaxreshard as jr
@@ -19,10 +20,10 @@ from tests._core_util import (
     BF16, F16, F32, assert_bits_equal, assert_records_equal, assert_trees_bit_equal, bits,
     nest, oracle_shard, random_bits_array, special_values,
 )
+from tests._shapes import ORACLE_SHAPES
 
 SHAPES = st.one_of(
-    st.sampled_from([(), (1,), (1, 1), (0,), (3, 0), (2,), (3,), (5,), (7,), (13,), (17,),
-                     (31,), (2, 3), (3, 5), (4, 1, 3), (2, 3, 4)]),
+    st.sampled_from(ORACLE_SHAPES),
     st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple),
 )
 DTYPES = st.sampled_from([F32, F16, BF16])
@@ -77,6 +78,7 @@ def _all_ranks(records, world):
   return [jr.reshard(records, jr.plan(records, world_size=world, rank=r)) for r in range(world)]
 
 
+@pytest.mark.slow
 @settings(max_examples=40, **SETTINGS)
 @given(specs=st.lists(st.tuples(SHAPES, DTYPES), min_size=1, max_size=3),
        w1=WORLDS, w2=WORLDS, seed=st.integers(0, 2**32 - 1))
@@ -98,6 +100,7 @@ def test_reshard_matches_oracle_and_round_trips(specs, w1, w2, seed):
     assert_records_equal(returned, original)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, **SETTINGS)
 @given(specs=st.lists(st.tuples(SHAPES, DTYPES), min_size=1, max_size=3),
        w1=WORLDS, w2=WORLDS, rank_frac=st.floats(0, 1, exclude_max=True),

@@ -64,6 +64,7 @@ def _migrate_and_check(opt, params, state, trainable=None):
   return records, targets
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_optimizer_round_trip_8_6_8(name):
   opt = OPTIMIZERS[name]()
@@ -74,6 +75,7 @@ def test_optimizer_round_trip_8_6_8(name):
   _migrate_and_check(opt, params, state)
 
 
+@pytest.mark.slow
 def test_adamw_mu_dtype_bfloat16_keeps_buffer_dtypes():
   opt = OPTIMIZERS["adamw_mu_bf16"]()
   params, state = _train(opt, small_params())
@@ -84,6 +86,7 @@ def test_adamw_mu_dtype_bfloat16_keeps_buffer_dtypes():
   assert adam.mu["dense"]["kernel"].shape == (-(-35 // 6),)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_params(dtype):
   opt = optax.adam(1e-2)
@@ -108,6 +111,7 @@ def test_frozen_params_have_no_history_and_stay_frozen(name):
     assert masked, "frozen params must keep their MaskedNode (no history)"
 
 
+@pytest.mark.slow
 def test_multi_steps_accumulator_and_clock_carried():
   opt = OPTIMIZERS["multi_steps"]()
   params, state = _train(opt, small_params(), steps=3)  # odd: a half-accumulated gradient
@@ -117,6 +121,7 @@ def test_multi_steps_accumulator_and_clock_carried():
   assert "emb" in targets[3].roles  # acc_grads is a history
 
 
+@pytest.mark.slow
 def test_adafactor_is_refused_with_a_shape_error():
   opt = optax.adafactor(1e-2, min_dim_size_to_factor=2)
   params, state = _train(opt, small_params(), steps=1)
@@ -124,6 +129,7 @@ def test_adafactor_is_refused_with_a_shape_error():
     jr.shard_state(opt, params, state, 8)
 
 
+@pytest.mark.slow
 def test_explicit_groups_merge_two_archive_groups_with_different_world_sizes():
   """Explicit migrations of another layout: tensor-parallel 'attn' over 4 ranks and 'experts' over 3,
   merged by one reshard call, each into its own target world size (2 and 5)."""
@@ -194,6 +200,7 @@ def test_explicit_groups_refuse_a_migration_mixing_the_groups():
     jr.plan(group_a + group_b, world_size=4, rank=0)  # plan never guesses a group
 
 
+@pytest.mark.slow
 def test_prng_key_in_the_optimizer_clock_is_carried_and_compared():
   # noisy_sgd keeps a typed PRNG key in its state: a clock leaf numpy cannot
   # read directly (this crashed with a TypeError before keys were compared by

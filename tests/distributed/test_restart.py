@@ -25,9 +25,13 @@ import pytest
 
 from tests import _mp_util as U
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "restart.py")
 STEPS, KILL = 5, 3
+
+
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
 
 
 def _example():

@@ -1,6 +1,6 @@
 """The judge of the checkpoint fuzz harness: what every reader must do with a mutated copy.
 
-Its rules are stated in ``tests/test_fuzz_checkpoint.py``'s docstring; ``check_checkpoint``
+Its rules are stated in ``tests/fuzz/test_fuzz_checkpoint.py``'s docstring; ``check_checkpoint``
 applies them and raises ``Finding``.
 """
 
@@ -20,7 +20,7 @@ from hypothesis import note as _hypothesis_note
 from hypothesis.errors import InvalidArgument
 
 import jaxreshard as jr
-from tests._fuzz_harness import (
+from tests.fuzz._fuzz_harness import (
   CHUNK_BYTES,
   INDEX,
   MAX_ERROR_CHARS,

@@ -18,6 +18,7 @@ from tests._core_util import (
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_every_optimizer_round_trips_exactly(tmp_path, name):
   opt = OPTIMIZERS[name]()

@@ -23,7 +23,7 @@ import jaxreshard as jr
 from jaxreshard._src.checkpoint import store as _archive_io
 from tests._core_util import adam_records, assert_records_equal, bits
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _python(code: str, *, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
@@ -32,6 +32,7 @@ def _python(code: str, *, timeout: float = 120, **kwargs) -> subprocess.Complete
                         text=True, timeout=timeout, env=env, **kwargs)
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_an_os_error_naming_the_checkpoint_and_leaves_nothing(tmp_path):
   # A file size limit makes the writer's writes fail the way a full disk does.
   out = tmp_path / "ckpt"
@@ -70,6 +71,7 @@ def test_a_full_tmpfs_is_enospc_and_leaves_nothing(tmp_path):
     subprocess.run(["umount", str(mnt)], check=True)
 
 
+@pytest.mark.slow
 def test_a_killed_save_is_cleaned_by_the_next_save(tmp_path):
   out = tmp_path / "ckpt"
   # A save killed between its archives: the generator blocks until killed.
@@ -154,6 +156,7 @@ def test_a_path_argument_that_is_not_a_path_is_refused_by_name(bad):
       fn()
 
 
+@pytest.mark.slow
 def test_an_unreadable_file_is_a_permission_error_not_corruption(tmp_path):
   jr.save_records(tmp_path / "ckpt", adam_records(2))
   target = tmp_path / "ckpt" / "archive_00001" / "archive.json"

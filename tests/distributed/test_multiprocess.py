@@ -28,6 +28,10 @@ from tests import _mp_util as U
 from tests._core_util import assert_records_equal, bits
 
 
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
   """Runs every process group of this module once; yields what they produced."""

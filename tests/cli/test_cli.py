@@ -207,6 +207,7 @@ def test_failed_reshard_leaves_no_output(ckpt, tmp_path):
   assert result.exit_code == 0 and len(jr.load_records(tmp_path / "out")) == 6
 
 
+@pytest.mark.slow
 def test_subprocess_python_m(ckpt, resharded):
   root, _ = ckpt
   ok = subprocess.run([sys.executable, "-m", "jaxreshard", "verify", str(root / "ckpt8"),
@@ -389,6 +390,7 @@ def _whole(text, data):
     assert whole in text, whole
 
 
+@pytest.mark.slow
 def test_piped_output_never_cuts_a_value(multi):
   data = json.loads(_run("inspect", multi, "--json").stdout)
   assert any(len(c["path"]) > 60 for c in data["clocks"])
@@ -754,6 +756,7 @@ def test_a_hostile_source_is_refused_by_every_command(parts, tmp_path, edit, nee
   assert sorted(os.listdir(tmp_path)) == ["bad"]
 
 
+@pytest.mark.slow
 def test_inspect_summarises_huge_clock_arrays_in_bounded_memory(tmp_path):
   # 16 clock leaves of 65,536 elements each (a million in all): inspect shows
   # the first elements of each, in output and memory that do not grow with them.
@@ -828,6 +831,7 @@ def test_usage_errors_are_one_line(tmp_path, args, needle):
   assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
+@pytest.mark.slow
 def test_usage_errors_are_one_line_in_a_subprocess(tmp_path):
   bad = subprocess.run([sys.executable, "-m", "jaxreshard", "reshard", str(tmp_path / "x"),
                         str(tmp_path / "y"), "--json"], capture_output=True, text=True,

@@ -45,6 +45,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axis_types", ["explicit", "auto"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_restore_into_target_sharding(saved, layout, axis_types):
@@ -88,6 +89,7 @@ def test_different_sharding_per_leaf(saved):
   assert count.sharding == SingleDeviceSharding(jax.devices()[6])
 
 
+@pytest.mark.slow
 def test_target_from_arrays_and_then_an_update(saved):
   """Arrays work as targets, and the result is an ordinary state for a jitted update."""
   opt, params, state, path = saved
@@ -272,6 +274,7 @@ def test_replicas_share_one_read(tmp_path):
 # --- two processes: each reads only what its own devices hold ----------------------
 
 
+@pytest.mark.slow
 def test_each_process_reads_only_its_devices_share(tmp_path):
   from tests import _mp_util as U  # pylint: disable=g-import-not-at-top
 

@@ -31,7 +31,7 @@ from tests._archive_util import (file_hashes, read_json, shard_file, write_consi
                                  write_signed_json)
 from tests._core_util import adam_records
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A refusal takes milliseconds; a reader that needs longer than this hangs.
 PATIENCE_S = 20.0
 # Refusing a metadata bomb allocates nothing near the sizes it claims: metadata
@@ -894,6 +894,7 @@ _KILLED_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_killed_save_leaves_nothing_loadable_and_a_rerun_succeeds(tmp_path):
   out = str(tmp_path / "out")
   proc = subprocess.Popen(

@@ -24,6 +24,7 @@ import jaxreshard as jr
 from tests import _target_util as T
 from tests._core_util import (assert_records_equal, device_mesh, nest, random_params,
                               random_state)
+from tests._shapes import DRAWN_SHAPES
 
 
 def _records(opt, specs, world, seed):
@@ -73,6 +74,7 @@ def test_restore_and_restore_ranks_refuse_what_memory_refuses(mixed, world):
   assert str(e.value) == str(expected)
 
 
+@pytest.mark.slow
 def test_the_cli_reshard_refuses_it_and_writes_nothing(mixed, tmp_path):
   out = tmp_path / "out"
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -129,7 +131,7 @@ MENU = {
     "adamw_masked": lambda: optax.adamw(1e-3, weight_decay=0.1,
                                         mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
 }
-SHAPES = [(), (1,), (5,), (7,), (2, 3), (3, 4), (0,)]
+SHAPES = DRAWN_SHAPES
 DTYPES = [jnp.float32, jnp.bfloat16]
 
 
@@ -170,6 +172,7 @@ def _checkpoints(draw):
   return [records[i] for i in order]
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(records=_checkpoints(), world=st.integers(1, 5), data=st.data())

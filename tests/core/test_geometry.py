@@ -1,4 +1,9 @@
-"""FlatShard geometry against SPEC.md "Flat shard geometry" (hand-computed values)."""
+"""FlatShard geometry against hand-computed values.
+
+A param of ``count`` elements over ``W`` ranks has ``slots = ceil(count / W)`` elements
+per rank; rank ``r`` owns ``[min(r * slots, count), min((r + 1) * slots, count))`` of the
+flattened param and pads the rest of its slots with zeros.
+"""
 
 import numpy as np
 import pytest
@@ -10,7 +15,7 @@ from tests._core_util import oracle_shard, oracle_slots
 @pytest.mark.parametrize(
     "shape, rank, world, count, slots, start, stop",
     [
-        ((3, 4), 1, 5, 12, 3, 3, 6),  # the API.md example
+        ((3, 4), 1, 5, 12, 3, 3, 6),  # 12 elements over 5 ranks: 3 slots each
         ((), 0, 1, 1, 1, 0, 1),  # scalar: count 1
         ((), 0, 3, 1, 1, 0, 1),
         ((), 2, 3, 1, 1, 1, 1),  # scalar over 3 ranks: ranks 1, 2 are all padding
@@ -34,7 +39,7 @@ def test_flat_shard_values(shape, rank, world, count, slots, start, stop):
 
 
 def test_trailing_all_padding_ranks_cover_exactly_once():
-  # count 5, W 4 (SPEC's example) and count 1, W 7: ranks partition [0, count).
+  # count 5, W 4 and count 1, W 7: ranks partition [0, count).
   for shape, world in [((5,), 4), ((), 7), ((13, 1), 12), ((3,), 16)]:
     gs = [jr.FlatShard(shape, r, world) for r in range(world)]
     owned = [i for g in gs for i in range(g.start, g.stop)]

@@ -10,6 +10,10 @@ from jaxreshard._src.cli.commands import app
 from jaxreshard._src.cli.demo import run_demo
 
 
+# Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def summary():
   return run_demo()

@@ -1,4 +1,15 @@
-"""One test per refusal of SPEC.md "What is refused" (1..14).
+"""One test per refusal of a reshard, numbered as the tests are (1..14).
+
+1 no archives; 2 a record version other than 1; 3 a param listed twice, or a history
+of an unlisted param; 4 two migrations for one param; 5 an invalid target geometry;
+6 an empty source list, or a source index out of range; 7 a source that does not list
+the param; 8 a shape that differs from the target's or between sources; 9 a group that
+is incomplete or over-complete, repeats a source index, disagrees on its world size or
+names a rank outside its world; 10 storage dtypes that disagree or are unsupported, or
+trainability that disagrees; 11 a history absent in one source or present in other
+subtrees; 12 a clock scalar or state structure that differs; 13 a different number of
+buffers; 14 a buffer whose shape is not the slots, whose dtype differs across sources
+or is not floating, or a factored state.
 
 Each asserts the specific class, that the message names the parameter and the
 archive index involved, and that the refused call changed none of its inputs.

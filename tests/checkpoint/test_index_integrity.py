@@ -30,7 +30,7 @@ from tests._archive_util import (describes, read_json, shard_file, write_consist
 from tests._core_util import (adam_records, assert_records_equal, device_mesh, replace_history,
                                standard)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _index(path):
@@ -94,6 +94,7 @@ def _save(path, world, shape=(3, 4)):
 # --- the checksum ------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_signed_bytes_are_the_documented_scheme(tmp_path):
   # What the library writes is byte for byte what the independent helper writes.
   _save(tmp_path / "c", 4)
@@ -188,6 +189,7 @@ def test_an_edited_archive_json_is_refused_by_the_checksum(tmp_path):
     assert "archive_00001/archive.json fails its checksum" in msg, (name, msg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["index", "archive.json"])
 def test_every_flipped_bit_of_the_metadata_is_refused(tmp_path, which):
   path = tmp_path / "c"
@@ -295,6 +297,7 @@ def test_a_re_signed_shape_edit_that_hides_real_elements_is_refused_everywhere(t
     assert "contradicts the layout" in msg, (name, msg)
 
 
+@pytest.mark.slow
 def test_non_zero_padding_is_refused_where_a_read_touches_it(tmp_path):
   # w (3, 3) over 2 ranks: 5 slots each, rank 1 owns 4 and one padding slot.
   params, state = _state((3, 3))
@@ -339,6 +342,7 @@ def _open_fds():
   return len(os.listdir("/proc/self/fd"))
 
 
+@pytest.mark.slow
 def test_refused_reads_leak_no_descriptor(tmp_path):
   path = tmp_path / "c"
   _save(path, 2)
@@ -434,6 +438,7 @@ def _huge_checkpoint(path):
   assert os.stat(shard).st_blocks * 512 < 64 << 20  # sparse: it occupies almost nothing
 
 
+@pytest.mark.slow
 def test_a_buffer_beyond_the_process_memory_is_a_reshard_error(tmp_path):
   path = tmp_path / "huge"
   _huge_checkpoint(path)
