@@ -434,7 +434,14 @@ class Replace(Op):
     elif self.by == "symlink_out":  # a canary: the very content, outside, atime reset
       canary = os.path.join(work, "canary", self.entry.replace("/", "_"))
       os.makedirs(os.path.dirname(canary), exist_ok=True)
-      (shutil.copytree if os.path.isdir(kept) else shutil.copy2)(kept, canary)
+      try:
+        (shutil.copytree if os.path.isdir(kept) else shutil.copy2)(kept, canary)
+      except BaseException:
+        # Content that cannot be copied (an earlier op made a FIFO in it): no canary,
+        # and none half-made whose fresh atimes would read as "followed a link".
+        shutil.rmtree(canary, ignore_errors=True)
+        shutil.move(kept, p)
+        raise
       _reset_atimes(canary)
       os.symlink(canary, p)
     elif self.by == "symlink_in":
