@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import re
 from typing import Any, Iterable, Optional, Sequence
 
@@ -14,7 +13,9 @@ import numpy as np
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
-from jaxreshard._src.errors import ArchiveError, ReshardError
+from jaxreshard._src.errors import ArchiveError, PlacementError
+from jaxreshard._src.core.geometry import MAX_WORLD_SIZE
+from jaxreshard._src.core.record import RECORD_VERSION
 from jaxreshard._src.core.record import ShardRecord
 
 FORMAT = "jaxreshard-checkpoint"
@@ -186,25 +187,6 @@ _TWICE = object()
 
 
 @dataclasses.dataclass(frozen=True)
-class _Pads:
-  """The history buffers in one archive's packed buffer of one dtype, and their padding.
-
-  Buffer ``k`` lies at ``[starts[k], stops[k])`` of the packed buffer; its
-  elements from ``owned[k]`` on are padding (past what the rank's flat shard
-  owns), which must hold zero bits. ``trailing[k]`` are the archives of the
-  all-padding ranks after this one when this rank holds its param's last element.
-  """
-
-  starts: np.ndarray
-  owned: np.ndarray
-  stops: np.ndarray
-  keys: list  # (param, mirror) of each buffer
-  shards: list  # each buffer's FlatShard, or None where the index gives it none
-  trailing: list
-  index: dict  # (param, mirror) -> k
-
-
-@dataclasses.dataclass(frozen=True)
 class Group:
   """Parameters split the same way over the same archives."""
 
@@ -221,52 +203,234 @@ class ParamEntry:
   trainable: bool
 
 
-def _signed(raw: bytes, where: str, what: str) -> dict:
-  """A signed JSON file's value (a dict), its checksum checked before anything is parsed.
+@dataclasses.dataclass(frozen=True)
+class Index:
+  """A checkpoint's index, parsed and checked once (``parse_index``).
 
-  A file without a checksum is refused; it is parsed only to say why (another
-  kind of file, or a format version that had no checksum), never to be used.
+  Attributes:
+    id: the checkpoint's identity, shared by every archive of one save.
+    record_version: the version of the records the archives hold.
+    params: the distinct param entries.
+    layouts: the distinct state layouts.
+    clocks: the distinct optimizer clocks (decoded scalars).
+    names, archive_layout, archive_clock: each archive's name, layout and clock.
+    groups: params split the same way over the same archives.
+    member: per archive, its ``(group, rank)`` pairs.
+    param_index: per group, ``param id -> param entry``.
+    group_terms: per group, the sum of its params' placement-digest terms.
+    layout_digests, clock_digests: the digest of each layout and clock entry.
+    source: the checkpoint a reshard read, or None.
   """
-  if fmt.is_signed(raw):
-    return fmt.verified_json(raw, where)
-  try:
-    text = raw.decode("utf-8")
-  except UnicodeDecodeError:
-    raise ArchiveError(f"{where} is not UTF-8 JSON") from None
-  value = fmt.loads(text, where)
-  if not isinstance(value, dict) or value.get("format") != FORMAT:
-    raise ArchiveError(f"{where} does not describe a {what}")
-  version = value.get("format_version")
-  if version == 1:
+
+  id: str
+  record_version: int
+  params: tuple[ParamEntry, ...]
+  layouts: tuple[Layout, ...]
+  clocks: tuple[list, ...]
+  names: tuple[str, ...]
+  archive_layout: tuple[int, ...]
+  archive_clock: tuple[int, ...]
+  groups: tuple[Group, ...]
+  member: tuple[tuple[tuple[int, int], ...], ...]
+  param_index: tuple[dict, ...]
+  group_terms: tuple[int, ...]
+  layout_digests: tuple[str, ...]
+  clock_digests: tuple[str, ...]
+  source: Optional[Source]
+
+  def describes(self, archive: int) -> dict[str, str]:
+    """Digests of what the index says of ``archive``: its layout, its clock and its
+    params' ``(id, shape, dtype, trainable)`` at each (world size, rank)."""
+    buckets: dict[tuple[int, int], int] = {}
+    for gi, r in self.member[archive]:
+      key = (self.groups[gi].world_size, r)
+      buckets[key] = buckets.get(key, 0) + self.group_terms[gi]
+    return {"layout": self.layout_digests[self.archive_layout[archive]],
+            "clock": self.clock_digests[self.archive_clock[archive]],
+            "placements": _placements_digest(buckets)}
+
+
+def parse_index(index: Any, where: str) -> Index:
+  """The index's JSON value, every field checked; ``where`` names the file in refusals."""
+  checkpoint_id, record_version = _parse_header(index, where)
+  params = tuple(_parse_param(e, f"{where}, param {i}")
+                 for i, e in enumerate(fmt.expect(index["params"], list, where)))
+  param_terms = [_param_term(e) for e in index["params"]]
+  archives = fmt.expect(index["archives"], list, where)
+  if not archives:
+    raise ArchiveError(f"{where}: the archive list is empty")
+  layouts = tuple(_parse_layout(e, f"{where}, layout {i}")
+                  for i, e in enumerate(fmt.expect(index["layouts"], list, where)))
+  clocks = tuple(_parse_clock(e, f"{where}, clock {i}", len(params))
+                 for i, e in enumerate(fmt.expect(index["clocks"], list, where)))
+  # What each archive.json says the index holds for it (checked on every read).
+  layout_digests = tuple(_json_digest(e) for e in index["layouts"])
+  clock_digests = tuple(_json_digest(e) for e in index["clocks"])
+  names, archive_layout, archive_clock = _parse_archives(archives, layouts, clocks, where)
+  groups = tuple(_parse_group(e, f"{where}, group {i}", params, names)
+                 for i, e in enumerate(fmt.expect(index["groups"], list, where)))
+  member: list[list[tuple[int, int]]] = [[] for _ in names]
+  for gi, g in enumerate(groups):
+    for a, r in g.ranks:
+      member[a].append((gi, r))
+  param_index = tuple({params[p].param: p for p in g.params} for g in groups)
+  group_terms = tuple(sum(param_terms[p] for p in g.params) % _TERM_MOD for g in groups)
+  for gi, pindex in enumerate(param_index):
+    if len(pindex) != len(groups[gi].params):
+      raise ArchiveError(f"{where}: group {gi} lists a param twice")
+  source = _parse_source(index["source"], f"{where}, source", groups)
+  return Index(checkpoint_id, record_version, params, layouts, clocks, names, archive_layout,
+               archive_clock, groups, tuple(tuple(m) for m in member), param_index,
+               group_terms, layout_digests, clock_digests, source)
+
+
+def _parse_header(index: Any, where: str) -> tuple[str, int]:
+  """The format, its version, the keys, the checkpoint identity and the record version."""
+  if not isinstance(index, dict) or index.get("format") != FORMAT:
+    raise ArchiveError(f"{where} does not describe a {FORMAT}")
+  version = index.get("format_version")
+  if version != FORMAT_VERSION:
     raise ArchiveError(
-        f"{where}: checkpoint format version 1 is not supported; this jaxreshard reads version"
-        f" {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that wrote it: load it"
-        " there and save it again)")
-  if version == 2:
-    raise ArchiveError(
-        f"{where}: checkpoint format version 2 is not supported; this jaxreshard reads version"
-        f" {FORMAT_VERSION}: version 2 has no checksum over its index and archive metadata, so"
-        " an edited or damaged value could not be told apart (load it with the jaxreshard that"
-        " wrote it and save it again)")
-  return fmt.verified_json(raw, where)  # refuses it: no checksum
-
-def allocate(n: int, dtype: np.dtype, what: str, *, zeros: bool = True) -> np.ndarray:
-  """A fresh ``(n,)`` buffer for a read; more than the process can get is a ReshardError."""
-  dtype = np.dtype(dtype)
-  try:
-    return np.zeros(n, dtype) if zeros else np.empty(n, dtype)
-  except MemoryError:
-    raise ReshardError(
-        f"{what}: a buffer of {n} {dtype.name} elements ({n * dtype.itemsize} bytes) needs more"
-        " memory than this process can get") from None
+        f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
+        f" reads version {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that"
+        " wrote it: load it there and save it again)" if version == 1 else
+        f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
+        f" reads version {FORMAT_VERSION}")
+  if set(index) != _INDEX_KEYS:
+    raise ArchiveError(f"{where}: unexpected index keys {sorted(index)}")
+  checkpoint_id = index["checkpoint"]
+  if not isinstance(checkpoint_id, str) or not _ID.match(checkpoint_id):
+    raise ArchiveError(f"{where}: invalid checkpoint identity {str(checkpoint_id)[:80]!r}")
+  record_version = fmt.expect(index["record_version"], int, where)
+  if record_version != RECORD_VERSION:
+    raise PlacementError(
+        f"{where}: record version {record_version!r} is not supported"
+        f" (only version {RECORD_VERSION} exists)")
+  return checkpoint_id, record_version
 
 
-def path_arg(directory: Any, what: str = "directory") -> str:
-  """``directory`` as an absolute path; anything that is not a path is refused by name."""
-  if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)):
-    raise ReshardError(f"{what} must be a path (str or os.PathLike), got"
-                       f" {type(directory).__name__}")
-  path = os.fspath(directory)
-  if not isinstance(path, str) or not path or "\0" in path:
-    raise ReshardError(f"{what} {path!r} is not a usable path")
-  return os.path.abspath(path)
+def _parse_archives(archives: list, layouts: Sequence[Layout], clocks: Sequence[list],
+                    where: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+  """Each archive's ``[name, layout, clock]``, listed in the order of their names."""
+  names, archive_layout, archive_clock = [], [], []
+  for i, e in enumerate(archives):
+    aw = f"{where}, archive {i}"
+    if not (isinstance(e, list) and len(e) == 3):
+      raise ArchiveError(f"{aw}: expected [name, layout, clock]")
+    name = fmt.check_name(e[0], fmt.ARCHIVE_NAME, aw)
+    layout, clock = fmt.expect(e[1], int, aw), fmt.expect(e[2], int, aw)
+    if not (0 <= layout < len(layouts) and 0 <= clock < len(clocks)):
+      raise ArchiveError(f"{aw}: layout {layout} or clock {clock} does not exist")
+    if layouts[layout].n_scalars != len(clocks[clock]):
+      raise ArchiveError(f"{aw}: its clock has {len(clocks[clock])} scalars but its"
+                         f" layout {layouts[layout].n_scalars}")
+    names.append(name)
+    archive_layout.append(layout)
+    archive_clock.append(clock)
+  if len(set(names)) != len(names):
+    raise ArchiveError(f"{where}: the archive list has repeats")
+  # Archives are listed in the order of their names (the i-th record is written
+  # as archive_i), so reordering the list cannot relabel whose data is whose.
+  numbers = [int(n[len("archive_"):]) for n in names]
+  for i in range(1, len(numbers)):
+    if numbers[i] <= numbers[i - 1]:
+      raise ArchiveError(f"{where}, archive {i}: {names[i]} is listed after"
+                         f" {names[i - 1]}; archives are listed in the order of their names")
+  return tuple(names), tuple(archive_layout), tuple(archive_clock)
+
+
+def _parse_source(e: Any, where: str, groups: Sequence[Group]) -> Optional[Source]:
+  """The checkpoint a reshard read (None for a save of its own); its world size is
+  every group's."""
+  if e is None:
+    return None
+  fmt.expect(e, dict, where)
+  if set(e) != _SOURCE_KEYS:
+    raise ArchiveError(f"{where}: expected checkpoint, world_size and layout, got keys"
+                       f" {fmt.short(sorted(e))}")
+  if not (isinstance(e["checkpoint"], str) and _ID.match(e["checkpoint"])):
+    raise ArchiveError(f"{where}: invalid checkpoint identity {fmt.short(e['checkpoint'])}")
+  world = fmt.expect(e["world_size"], int, where)
+  if not 1 <= world <= MAX_WORLD_SIZE:
+    raise ArchiveError(f"{where}: world_size {world} must be between 1 and {MAX_WORLD_SIZE}")
+  if not (isinstance(e["layout"], str) and _SHA256.match(e["layout"])):
+    raise ArchiveError(f"{where}: invalid layout {fmt.short(e['layout'])} (a sha256 in hex)")
+  for gi, g in enumerate(groups):
+    if g.world_size != world:
+      raise ArchiveError(f"{where}: world_size {world}, but group {gi} has world_size"
+                         f" {g.world_size}")
+  return Source(e["checkpoint"], world, e["layout"])
+
+
+def _param_names(params: Sequence[ParamEntry], group_params: Sequence[int]) -> str:
+  names = [params[p].param for p in group_params[:3]]
+  return f"{names}{'...' if len(group_params) > 3 else ''}"
+
+
+def _parse_param(e: Any, where: str) -> ParamEntry:
+  if not (isinstance(e, list) and len(e) == 4):
+    raise ArchiveError(f"{where}: expected [id, shape, dtype, trainable]")
+  if isinstance(e[0], str) and len(e[0]) > MAX_ID_CHARS:
+    raise ArchiveError(f"{where}: a param id of {len(e[0])} characters (at most"
+                       f" {MAX_ID_CHARS})")
+  return ParamEntry(fmt.expect(e[0], str, where), fmt.shape_of(e[1], where),
+                    fmt.np_dtype(e[2], where), fmt.expect(e[3], bool, where))
+
+
+def _parse_layout(e: Any, where: str) -> Layout:
+  fmt.expect(e, dict, where)
+  if set(e) != {"tree", "leaves"}:
+    raise ArchiveError(f"{where}: expected tree and leaves")
+  leaves, n_scalars = [], 0
+  for i, x in enumerate(fmt.expect(e["leaves"], list, where)):
+    lw = f"{where}, leaf {i}"
+    if isinstance(x, dict) and set(x) == {"s"}:
+      if x["s"] != n_scalars:
+        raise ArchiveError(f"{lw}: clock scalars must be numbered in order")
+      leaves.append(_ScalarSlot(n_scalars))
+      n_scalars += 1
+    elif isinstance(x, list) and len(x) == 3:
+      slots = fmt.expect(x[2], int, lw)
+      if not 0 <= slots <= 2**62:
+        raise ArchiveError(f"{lw}: {slots} slots is not a buffer size")
+      leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), fmt.np_dtype(x[1], lw)))
+    else:
+      raise ArchiveError(f"{lw}: invalid leaf {str(x)[:80]!r}")
+  return Layout(e["tree"], leaves, where)
+
+
+def _parse_clock(e: Any, where: str, n_params: int) -> list[Any]:
+  scalars = fmt.expect(e, list, where)
+  limit = MAX_CLOCK_SCALARS_BASE + MAX_CLOCK_SCALARS_PER_PARAM * n_params
+  if len(scalars) > limit:
+    raise ArchiveError(f"{where}: {len(scalars)} optimizer scalars for {n_params}"
+                       f" params, more than an optimizer has (at most {limit})")
+  return [fmt.decode_scalar(x, f"{where}, scalar {k}") for k, x in enumerate(scalars)]
+
+
+def _parse_group(e: Any, where: str, params: Sequence[ParamEntry],
+                 names: Sequence[str]) -> Group:
+  fmt.expect(e, dict, where)
+  if set(e) != {"world_size", "params", "ranks"}:
+    raise ArchiveError(f"{where}: expected world_size, params and ranks")
+  world = fmt.expect(e["world_size"], int, where)
+  if not 1 <= world <= MAX_WORLD_SIZE:
+    raise ArchiveError(f"{where}: world_size {world} must be between 1 and {MAX_WORLD_SIZE}")
+  group_params = tuple(fmt.expect(p, int, where) for p in fmt.expect(e["params"], list, where))
+  if any(not 0 <= p < len(params) for p in group_params):
+    raise ArchiveError(f"{where}: a param index is out of range")
+  ranks = []
+  for pair in fmt.expect(e["ranks"], list, where):
+    if not (isinstance(pair, list) and len(pair) == 2):
+      raise ArchiveError(f"{where}: expected [archive, rank] pairs")
+    a, r = fmt.expect(pair[0], int, where), fmt.expect(pair[1], int, where)
+    if not 0 <= a < len(names):
+      raise ArchiveError(f"{where}: archive {a} does not exist")
+    if not 0 <= r < world:
+      raise ArchiveError(f"{where}: archive {a} ({names[a]}) has rank {r}, outside"
+                         f" world_size {world} of params {_param_names(params, group_params)}")
+    if ranks and a < ranks[-1][0]:
+      raise ArchiveError(f"{where}: [archive, rank] pairs must list archives in increasing"
+                         f" order; archive {a} follows archive {ranks[-1][0]}")
+    ranks.append((a, r))
+  return Group(world, group_params, tuple(ranks))

@@ -99,11 +99,8 @@ class IndexBuilder:
     for p in placements.values():  # what a reader refuses is never written
       slots = FlatShard(p.shape, p.rank, p.world_size).slots
       for m, h in enumerate(anatomy.history(p.param)):
-        if hasattr(h, "shape") and tuple(h.shape) != (slots,):
-          raise ShapeError(
-              f"param {p.param!r}: archive {index}, history buffer {m} has shape"
-              f" {tuple(h.shape)}, not ({slots},) of its flat layout (shape {p.shape},"
-              f" world_size {p.world_size})")
+        if hasattr(h, "shape"):
+          _validate.check_flat_history(p, index, m, tuple(h.shape), slots)
     roles = _structure.roles_of(record)
     leaves, treedef = jax.tree_util.tree_flatten(record.state)
     # Ranks of one layout share its structure: encode it once.
