@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
-from jaxreshard._src.checkpoint import shardfile as _shardfile
+from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint.index import (ARCHIVE_FILE, FORMAT, FORMAT_VERSION,
                                               MAX_ARCHIVE_BYTES, Index, Layout, ReadStats)
 from jaxreshard._src.exec import bitview as _bitview
@@ -104,7 +104,7 @@ class ArchiveReader:
 
   Args:
     directory: the checkpoint's path (for messages).
-    root: the checkpoint's root descriptor (``_shardfile.Dir``).
+    root: the checkpoint's root descriptor (``_shardread.Dir``).
     index: the parsed index.
     placement: a weak reference to ``placement(archive, pid)`` of the checkpoint (a
       strong one would keep the checkpoint, and its root descriptor, alive in a cycle).
@@ -218,11 +218,11 @@ class ArchiveReader:
     self._read(archive, dtype, pads, np.asarray(ks, np.int64), empty, empty, empty, None,
                scratch, stats)
 
-  def open_buffer(self, archive: int, dtype: np.dtype) -> _shardfile.ShardFile:
+  def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
     meta = self.archive_meta(archive)
     b = meta["buffers"][np.dtype(dtype).name]
     with self._root.dir(self.index.names[archive]) as adir:
-      return _shardfile.ShardFile(adir, np.dtype(dtype).name, b["elements"], dtype, b["chunk"],
+      return _shardread.ShardFile(adir, np.dtype(dtype).name, b["elements"], dtype, b["chunk"],
                                   b["crc32c"], label=f"archive {archive}")
 
   def read_buffer(self, archive: int, dtype: np.dtype) -> np.ndarray:
@@ -351,7 +351,7 @@ def _ranks_after(index: Index, archive: int, pid: str, rank: int) -> tuple[int, 
   return tuple(sorted(out))
 
 
-def _read_runs(f: _shardfile.ShardFile, src, dst, length, out, scratch,
+def _read_runs(f: _shardread.ShardFile, src, dst, length, out, scratch,
                stats: Optional[ReadStats] = None, zero=None, refuse=None) -> None:
   """Copies runs ``src -> dst`` of ``f`` into ``out``, reading each chunk span once.
 

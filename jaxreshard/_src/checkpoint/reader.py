@@ -45,7 +45,7 @@ archives that overlap it. Files grow with ranks x dtypes, not with buffers.
 Everything read here is untrusted: JSON sizes are bounded, checksums are
 checked before parsing, every field is type-checked, names are checked before
 they become paths, every file is opened below the one descriptor of the root
-held for the checkpoint's life, without following links (``_shardfile.Dir``),
+held for the checkpoint's life, without following links (``_shardread.Dir``),
 sizes in the metadata are checked against the bytes on disk before anything
 is allocated, and every archive read must carry the index's checkpoint
 identity. Data that contradicts the layout is refused on every read: the
@@ -68,7 +68,7 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import index as _index
-from jaxreshard._src.checkpoint import shardfile as _shardfile
+from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.engine import sources as _sources
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
@@ -123,7 +123,7 @@ class Checkpoint:
     self.directory = path_arg(directory)
     # The root is opened once; every file below it is opened relative to this
     # descriptor, which lives as long as the object (or until ``close``).
-    self._root = _shardfile.Dir.root(self.directory)
+    self._root = _shardread.Dir.root(self.directory)
     self._closer = weakref.finalize(self, self._root.close)
     try:
       if not self._root.exists(INDEX_FILE):
@@ -274,9 +274,8 @@ class Checkpoint:
                     stats: Optional[ReadStats] = None) -> None:
     """Reads the padding of the buffers in ``trailing`` and checks it is zero bits.
 
-    ``trailing`` holds ``(archive, dtype, (param, mirror))``: buffers of
-    all-padding ranks, which no run copies from (``read_runs`` collects them, or
-    ``_restore.all_padding_sources``).
+    ``trailing`` holds ``(archive, dtype, (param, mirror))``: buffers of all-padding
+    ranks, which no run copies from (``read_runs`` or ``_restore.all_padding_sources``).
     """
     by_file: dict[tuple[int, np.dtype], list] = {}
     for archive, dtype, key in trailing:
@@ -286,7 +285,7 @@ class Checkpoint:
       self.check_archive(archive)
       self._archives.check_padding(archive, dtype, keys, scratch, stats)
 
-  def open_buffer(self, archive: int, dtype: np.dtype) -> _shardfile.ShardFile:
+  def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
     return self._archives.open_buffer(archive, dtype)
 
   def check_files(self, archive: int) -> None:
