@@ -187,8 +187,8 @@ class ArchiveReader:
     g = pads.shards[k]
     return ArchiveError(
         f"param {pid!r}: history buffer {m} of archive {archive}"
-        f" ({self.directory}/{self.index.names[archive]}): padding is not zero (nonzero bits at local"
-        f" index {local}); the index gives rank {g.rank} of shape {g.shape} over world_size"
+        f" ({self.directory}/{self.index.names[archive]}): padding is not zero (nonzero bits at"
+        f" local index {local}); the index gives rank {g.rank} of shape {g.shape} over world_size"
         f" {g.world_size}, which owns {g.owned} of its {g.slots} slots, so the data"
         " contradicts the layout")
 
@@ -203,7 +203,7 @@ class ArchiveReader:
                                   int(pads.owned[k] - pads.starts[k]) + int(nz[0]))
 
   def check_padding(self, archive: int, dtype: np.dtype, keys: list, scratch: np.ndarray,
-                  stats: Optional[ReadStats] = None) -> None:
+                    stats: Optional[ReadStats] = None) -> None:
     """Reads the padding of buffers ``keys`` and checks it is zero bits.
 
     ``keys`` are ``(param, mirror)`` of buffers of ``archive``'s packed buffer of
