@@ -45,7 +45,7 @@ archives that overlap it. Files grow with ranks x dtypes, not with buffers.
 Everything read here is untrusted: JSON sizes are bounded, checksums are
 checked before parsing, every field is type-checked, names are checked before
 they become paths, every file is opened below the one descriptor of the root
-held for the checkpoint's life, without following links (``_shardfile.Dir``),
+held for the checkpoint's life, without following links (``_shardread.Dir``),
 sizes in the metadata are checked against the bytes on disk before anything
 is allocated, and every archive read must carry the index's checkpoint
 identity. Data that contradicts the layout is refused on every read: the
@@ -59,252 +59,56 @@ caller names (``Checkpoint.check_padding``).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
-import re
 import threading
-import uuid
 import weakref
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Optional
 
-import jax
 import numpy as np
 
-from jaxreshard._src.checkpoint import encoding as fmt
-from jaxreshard._src.exec import bitview as _bitview
-from jaxreshard._src.core import copyplan as _copyplan
-from jaxreshard._src.checkpoint import shardfile as _shardfile
+from jaxreshard._src.checkpoint import archives as _archives
+from jaxreshard._src.checkpoint import index as _index
+from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.engine import sources as _sources
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
-from jaxreshard._src.errors import ArchiveError, PlacementError, ReshardError, ShapeError
-from jaxreshard._src.core.geometry import MAX_WORLD_SIZE, FlatShard
+from jaxreshard._src.errors import ArchiveError, PlacementError
+from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import ParamPlacement
-from jaxreshard._src.core.record import RECORD_VERSION
 from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.checkpoint.archives import (  # noqa: F401  (re-exported)
+    allocate, path_arg)
+from jaxreshard._src.checkpoint.index import (  # noqa: F401  (re-exported)
+    ARCHIVE_FILE, DEFAULT_CHUNK_BYTES, FORMAT, FORMAT_VERSION, INDEX_FILE, MAX_INDEX_BYTES,
+    STAGING_BYTES,    _TWICE, LeafInfo, Layout, ReadStats, Source, SourcedRecords)
+from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
+    IndexBuilder, dump, target_layout, write_archive, write_checkpoint)
 
 __all__ = ["Checkpoint", "FORMAT_VERSION", "LeafInfo", "ReadStats", "Source", "SourcedRecords",
            "open_checkpoint", "target_layout", "write_checkpoint"]
 
-FORMAT = "jaxreshard-checkpoint"
-# The version of the on-disk checkpoint layout (index, archives, buffer files); the
-# records inside carry their own ``RECORD_VERSION``.
-FORMAT_VERSION = 3
-INDEX_FILE = "jaxreshard.json"
-ARCHIVE_FILE = "archive.json"
-# Restores read whole chunks: smaller chunks round partial reads less, at 4
-# bytes of checksum each.
-DEFAULT_CHUNK_BYTES = 256 << 10
-# Metadata grows with parameters and ranks; these bounds are far above any
-# real model's (a 10,000-parameter Adam state over 4,096 ranks has a ~3 MB
-# index) and refuse a metadata bomb before it is parsed.
-MAX_INDEX_BYTES = 64 << 20
-MAX_ARCHIVE_BYTES = 64 << 20
-# Optimizer scalars (counters, hyper-parameters) come a few per transformation,
-# at most a few per parameter (a count per masked or labelled subtree): more
-# than this is not an optimizer's state, and would only cost time to print.
-MAX_CLOCK_SCALARS_BASE = 1024
-MAX_CLOCK_SCALARS_PER_PARAM = 8
-# Param ids are key paths; no model's run to this length.
-MAX_ID_CHARS = 4096
-# Reads of chunk spans go through a reused scratch buffer of this size.
-STAGING_BYTES = 8 << 20
-
-_INDEX_KEYS = {"format", "format_version", "checkpoint", "record_version", "params", "groups",
-               "layouts", "clocks", "archives", "source"}
-_SOURCE_KEYS = {"checkpoint", "world_size", "layout"}
-_ID = re.compile(r"[0-9a-f]{32}\Z")
-_SHA256 = re.compile(r"[0-9a-f]{64}\Z")
-_TERM_MOD = 1 << 128
-
-
-def _json_digest(obj: Any) -> str:
-  """The sha256 (hex) of ``obj``'s canonical JSON (compact, keys sorted, ASCII)."""
-  return hashlib.sha256(json.dumps(obj, separators=(",", ":"), sort_keys=True)
-                        .encode("ascii")).hexdigest()
-
-
-def _param_term(entry: Any) -> int:
-  """A param entry's (``[id, shape, dtype, trainable]``) term in a placement digest."""
-  raw = json.dumps(entry, separators=(",", ":")).encode("ascii")
-  return int.from_bytes(hashlib.sha256(raw).digest()[:16], "little")
-
-
-def _placements_digest(buckets: dict[tuple[int, int], int]) -> str:
-  """What an archive holds, as ``(world_size, rank) -> sum of its param terms``.
-
-  A sum per (world_size, rank) does not depend on how params are split into
-  groups, so the writer (param by param) and the reader (group by group) make
-  the same digest, and the reader's cost is one term per group, not per param.
-  """
-  return _json_digest(sorted([w, r, f"{t % _TERM_MOD:032x}"] for (w, r), t in buckets.items()))
-
-
-@dataclasses.dataclass(frozen=True)
-class Source:
-  """Where a resharded checkpoint came from (the index's ``source``).
-
-  Attributes:
-    checkpoint: the identity of the checkpoint it was resharded from.
-    world_size: the target world size.
-    layout: ``target_layout`` of its archives (None until the first archive
-      of a save is seen; every archive must then have it).
-  """
-
-  checkpoint: str
-  world_size: int
-  layout: Optional[str] = None
-
-  def to_json(self) -> dict:
-    return {"checkpoint": self.checkpoint, "world_size": self.world_size, "layout": self.layout}
-
-
-class SourcedRecords:
-  """Records to save, with the ``Source`` the saved index names (``write_checkpoint``)."""
-
-  def __init__(self, records: Iterable[ShardRecord], source: Source):
-    self.records = records
-    self.source = source
-
-  def __iter__(self):
-    return iter(self.records)
-
-
-def target_layout(placements: Iterable[ParamPlacement], anatomy: _structure.StateParts) -> str:
-  """The layout an archive shares with every rank of its target: a sha256 in hex.
-
-  It covers the world size and every param's id, logical shape, storage
-  dtype, trainability and history (per optimizer subtree: a buffer's dtype,
-  masked or absent), never the rank, the slots or the clock.
-  """
-  entries = []
-  for p in sorted(placements, key=lambda p: p.param):
-    hist = [None if h is None else "masked" if h is _structure.MASKED else np.dtype(h.dtype).name
-            for h in anatomy.history(p.param)]
-    entries.append([p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable),
-                    int(p.world_size), hist])
-  return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
-
 
 @dataclasses.dataclass
-class ReadStats:
-  """What ``Checkpoint.read_runs`` read from buffer files: a counter the caller owns.
+class _Caches:
+  """What a ``Checkpoint`` learns as the pipeline asks it, kept for its life.
 
   Attributes:
-    reads: read calls (one per span of consecutive chunks).
-    chunks: chunks read, each with its crc32c.
-    bytes: bytes read from the shard files (chunk data and checksums).
+    facts: facts of params outside uniform groups.
+    group_facts: facts of params of uniform groups, by (group, param).
+    uniform: whether each group is uniform (``_is_uniform``).
+    complete: ``complete_groups``' answer.
+    group_of: each param's (archive of each rank, group), from ``complete_groups``.
+    clock_classes: the clock class of each (layout, clock).
+    by_archive: ``param id -> (group, rank, param entry)`` of archives in several groups.
   """
 
-  reads: int = 0
-  chunks: int = 0
-  bytes: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class LeafInfo:
-  """A history buffer of a layout: shape ``(slots,)`` and dtype, no data."""
-
-  param: str
-  shape: tuple[int]
-  dtype: np.dtype
-
-  @property
-  def size(self) -> int:
-    return self.shape[0]
-
-
-@dataclasses.dataclass(frozen=True)
-class _ScalarSlot:
-  index: int
-
-
-class Layout:
-  """One state layout of the index: tree, roles, history buffers, packing offsets."""
-
-  def __init__(self, tree: Any, leaves: list[Any], where: str):
-    self.tree = tree
-    self.where = where
-    self.leaves = leaves  # LeafInfo or _ScalarSlot, in tree-leaf order
-    self.roles = tuple(x.param if isinstance(x, LeafInfo) else None for x in leaves)
-    self.n_scalars = sum(isinstance(x, _ScalarSlot) for x in leaves)
-    placeholder = fmt.decode_tree(tree, leaves, where)
-    try:
-      self.anatomy = _structure.anatomy(placeholder, self.roles)
-    except _structure.StatePartsError as e:
-      raise ArchiveError(f"{where}: {e}") from None
-    self.offsets: dict[tuple[str, int], tuple[np.dtype, int, int]] = {}
-    self.sizes: dict[np.dtype, int] = {}
-    for pid, m, info in _copyplan.packing_order(
-        {p: self.anatomy.history(p) for p in self.anatomy.param_set()}):
-      start = self.sizes.get(info.dtype, 0)
-      self.offsets[(pid, m)] = (info.dtype, start, info.size)
-      self.sizes[info.dtype] = start + info.size
-    self._templates: dict[int, _structure.StateParts] = {}
-    # (param, mirror) of each history leaf, by the leaf's identity.
-    self._keys = {id(info): (pid, mi) for mi, mirror in enumerate(self.anatomy.mirrors)
-                  for pid, info in mirror.entries.items() if isinstance(info, LeafInfo)}
-
-  def state(self, scalars: Sequence[Any], buffers: dict[tuple[str, int], Any]) -> Any:
-    """The archive's state: clock scalars and history buffers put in the tree."""
-    leaves = [scalars[x.index] if isinstance(x, _ScalarSlot) else buffers[self._keys[id(x)]]
-              for x in self.leaves]
-    return fmt.decode_tree(self.tree, leaves, self.where)
-
-  def infos(self) -> dict[tuple[str, int], LeafInfo]:
-    """Every history buffer of the layout, by (param, mirror)."""
-    return {key: info for info in self.leaves if isinstance(info, LeafInfo)
-            for key in (self._keys[id(info)],)}
-
-  def template(self, clock_id: int, scalars: Sequence[Any]) -> _structure.StateParts:
-    """The anatomy of an archive with this layout and clock (for building targets)."""
-    t = self._templates.get(clock_id)
-    if t is None:
-      leaves = [scalars[x.index] if isinstance(x, _ScalarSlot) else x for x in self.leaves]
-      t = self._templates[clock_id] = _structure.anatomy(
-          fmt.decode_tree(self.tree, leaves, self.where), self.roles)
-    return t
-
-
-# An archive's entry for a parameter that two of its groups list.
-_TWICE = object()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pads:
-  """The history buffers in one archive's packed buffer of one dtype, and their padding.
-
-  Buffer ``k`` lies at ``[starts[k], stops[k])`` of the packed buffer; its
-  elements from ``owned[k]`` on are padding (past what the rank's flat shard
-  owns), which must hold zero bits. ``trailing[k]`` are the archives of the
-  all-padding ranks after this one when this rank holds its param's last element.
-  """
-
-  starts: np.ndarray
-  owned: np.ndarray
-  stops: np.ndarray
-  keys: list  # (param, mirror) of each buffer
-  shards: list  # each buffer's FlatShard, or None where the index gives it none
-  trailing: list
-  index: dict  # (param, mirror) -> k
-
-
-@dataclasses.dataclass(frozen=True)
-class Group:
-  """Parameters split the same way over the same archives."""
-
-  world_size: int
-  params: tuple[int, ...]  # indices into Checkpoint.params
-  ranks: tuple[tuple[int, int], ...]  # (archive, rank) pairs
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamEntry:
-  param: str
-  shape: tuple[int, ...]
-  dtype: np.dtype
-  trainable: bool
+  facts: Any = dataclasses.field(default_factory=_sources.FactsCache)
+  group_facts: dict = dataclasses.field(default_factory=dict)
+  uniform: dict = dataclasses.field(default_factory=dict)
+  complete: Optional[list] = None
+  group_of: dict = dataclasses.field(default_factory=dict)
+  clock_classes: Any = dataclasses.field(default_factory=_validate.ClockClasses)
+  by_archive: dict = dataclasses.field(default_factory=dict)
 
 
 class Checkpoint:
@@ -319,7 +123,7 @@ class Checkpoint:
     self.directory = path_arg(directory)
     # The root is opened once; every file below it is opened relative to this
     # descriptor, which lives as long as the object (or until ``close``).
-    self._root = _shardfile.Dir.root(self.directory)
+    self._root = _shardread.Dir.root(self.directory)
     self._closer = weakref.finalize(self, self._root.close)
     try:
       if not self._root.exists(INDEX_FILE):
@@ -331,23 +135,22 @@ class Checkpoint:
       from jaxreshard._src.engine.pipeline import no_gc  # pylint: disable=g-import-not-at-top
 
       with no_gc():  # parsing makes many small objects and no cycles
-        self._parse(_signed(raw, where, FORMAT))
+        self.index = _index.parse_index(_archives.signed_value(raw, where, FORMAT), where)
     except BaseException:
       self.close()
       raise
+    i = self.index
+    self.id, self.record_version, self.source, self.params, self.groups, self.layouts = (
+        i.id, i.record_version, i.source, i.params, i.groups, i.layouts)
+    self.clocks = i.clocks
+    self.names, self.member, self.archive_layout, self.archive_clock = (
+        i.names, i.member, i.archive_layout, i.archive_clock)
     self._lock = threading.Lock()
-    self._archive_meta: dict[int, dict] = {}
-    self._facts = _sources.FactsCache()
-    # Packed target layouts by the validated groups they were made from (ids of
-    # facts this object keeps alive).
+    self._cache = _Caches()
+    self._archives = _archives.ArchiveReader(
+        self.directory, self._root, i, weakref.WeakMethod(self.placement))
+    # Packed target layouts by the validated groups they were made from (the pipeline's).
     self.target_layouts: dict = {}
-    self._group_facts: dict[tuple[int, str], _validate.SourceFacts] = {}
-    self._uniform: dict[int, bool] = {}
-    self._complete: Optional[list] = None
-    self._group_by_sources: dict[int, tuple[tuple, int]] = {}
-    self._clock_classes = _validate.ClockClasses()
-    self._by_archive: dict[int, dict[str, Any]] = {}
-    self._pads: dict[tuple[int, np.dtype], _Pads] = {}
 
   def close(self) -> None:
     """Closes the root's descriptor; reading archives afterwards is refused."""
@@ -359,177 +162,6 @@ class Checkpoint:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  # --- the index ---------------------------------------------------------------
-
-  def _parse(self, index: Any) -> None:
-    where = f"{self.directory}/{INDEX_FILE}"
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-      raise ArchiveError(f"{where} does not describe a {FORMAT}")
-    version = index.get("format_version")
-    if version != FORMAT_VERSION:
-      raise ArchiveError(
-          f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
-          f" reads version {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard"
-          " that wrote it: load it there and save it again)" if version == 1 else
-          f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
-          f" reads version {FORMAT_VERSION}")
-    if set(index) != _INDEX_KEYS:
-      raise ArchiveError(f"{where}: unexpected index keys {sorted(index)}")
-    self.id = index["checkpoint"]
-    if not isinstance(self.id, str) or not _ID.match(self.id):
-      raise ArchiveError(f"{where}: invalid checkpoint identity {str(self.id)[:80]!r}")
-    self.record_version = fmt.expect(index["record_version"], int, where)
-    if self.record_version != RECORD_VERSION:
-      raise PlacementError(
-          f"{where}: record version {self.record_version!r} is not supported"
-          f" (only version {RECORD_VERSION} exists)")
-    self.params = [self._param(e, f"{where}, param {i}")
-                   for i, e in enumerate(fmt.expect(index["params"], list, where))]
-    self._param_terms = [_param_term(e) for e in index["params"]]
-    archives = fmt.expect(index["archives"], list, where)
-    if not archives:
-      raise ArchiveError(f"{where}: the archive list is empty")
-    self.layouts = [self._layout(e, f"{where}, layout {i}")
-                    for i, e in enumerate(fmt.expect(index["layouts"], list, where))]
-    self.clocks = [self._clock(e, f"{where}, clock {i}")
-                   for i, e in enumerate(fmt.expect(index["clocks"], list, where))]
-    # What each archive.json says the index holds for it (checked on every read).
-    self._layout_digests = [_json_digest(e) for e in index["layouts"]]
-    self._clock_digests = [_json_digest(e) for e in index["clocks"]]
-    self.names, self.archive_layout, self.archive_clock = [], [], []
-    for i, e in enumerate(archives):
-      aw = f"{where}, archive {i}"
-      if not (isinstance(e, list) and len(e) == 3):
-        raise ArchiveError(f"{aw}: expected [name, layout, clock]")
-      name = fmt.check_name(e[0], fmt.ARCHIVE_NAME, aw)
-      layout, clock = fmt.expect(e[1], int, aw), fmt.expect(e[2], int, aw)
-      if not (0 <= layout < len(self.layouts) and 0 <= clock < len(self.clocks)):
-        raise ArchiveError(f"{aw}: layout {layout} or clock {clock} does not exist")
-      if self.layouts[layout].n_scalars != len(self.clocks[clock]):
-        raise ArchiveError(f"{aw}: its clock has {len(self.clocks[clock])} scalars but its"
-                           f" layout {self.layouts[layout].n_scalars}")
-      self.names.append(name)
-      self.archive_layout.append(layout)
-      self.archive_clock.append(clock)
-    if len(set(self.names)) != len(self.names):
-      raise ArchiveError(f"{where}: the archive list has repeats")
-    # Archives are listed in the order of their names (the i-th record is written
-    # as archive_i), so reordering the list cannot relabel whose data is whose.
-    numbers = [int(n[len("archive_"):]) for n in self.names]
-    for i in range(1, len(numbers)):
-      if numbers[i] <= numbers[i - 1]:
-        raise ArchiveError(f"{where}, archive {i}: {self.names[i]} is listed after"
-                           f" {self.names[i - 1]}; archives are listed in the order of their names")
-    self.groups = [self._group(e, f"{where}, group {i}")
-                   for i, e in enumerate(fmt.expect(index["groups"], list, where))]
-    self._membership()
-    self.source = self._source(index["source"], f"{where}, source")
-
-  def _source(self, e: Any, where: str) -> Optional[Source]:
-    """The checkpoint a reshard read (None for a save of its own); its world size is
-    every group's."""
-    if e is None:
-      return None
-    fmt.expect(e, dict, where)
-    if set(e) != _SOURCE_KEYS:
-      raise ArchiveError(f"{where}: expected checkpoint, world_size and layout, got keys"
-                         f" {fmt.short(sorted(e))}")
-    if not (isinstance(e["checkpoint"], str) and _ID.match(e["checkpoint"])):
-      raise ArchiveError(f"{where}: invalid checkpoint identity {fmt.short(e['checkpoint'])}")
-    world = fmt.expect(e["world_size"], int, where)
-    if not 1 <= world <= MAX_WORLD_SIZE:
-      raise ArchiveError(f"{where}: world_size {world} must be between 1 and {MAX_WORLD_SIZE}")
-    if not (isinstance(e["layout"], str) and _SHA256.match(e["layout"])):
-      raise ArchiveError(f"{where}: invalid layout {fmt.short(e['layout'])} (a sha256 in hex)")
-    for gi, g in enumerate(self.groups):
-      if g.world_size != world:
-        raise ArchiveError(f"{where}: world_size {world}, but group {gi} has world_size"
-                           f" {g.world_size}")
-    return Source(e["checkpoint"], world, e["layout"])
-
-  def _param_names(self, params: Sequence[int]) -> str:
-    names = [self.params[p].param for p in params[:3]]
-    return f"{names}{'...' if len(params) > 3 else ''}"
-
-  def _param(self, e: Any, where: str) -> ParamEntry:
-    if not (isinstance(e, list) and len(e) == 4):
-      raise ArchiveError(f"{where}: expected [id, shape, dtype, trainable]")
-    if isinstance(e[0], str) and len(e[0]) > MAX_ID_CHARS:
-      raise ArchiveError(f"{where}: a param id of {len(e[0])} characters (at most"
-                         f" {MAX_ID_CHARS})")
-    return ParamEntry(fmt.expect(e[0], str, where), fmt.shape_of(e[1], where),
-                      fmt.np_dtype(e[2], where), fmt.expect(e[3], bool, where))
-
-  def _layout(self, e: Any, where: str) -> Layout:
-    fmt.expect(e, dict, where)
-    if set(e) != {"tree", "leaves"}:
-      raise ArchiveError(f"{where}: expected tree and leaves")
-    leaves, n_scalars = [], 0
-    for i, x in enumerate(fmt.expect(e["leaves"], list, where)):
-      lw = f"{where}, leaf {i}"
-      if isinstance(x, dict) and set(x) == {"s"}:
-        if x["s"] != n_scalars:
-          raise ArchiveError(f"{lw}: clock scalars must be numbered in order")
-        leaves.append(_ScalarSlot(n_scalars))
-        n_scalars += 1
-      elif isinstance(x, list) and len(x) == 3:
-        slots = fmt.expect(x[2], int, lw)
-        if not 0 <= slots <= 2**62:
-          raise ArchiveError(f"{lw}: {slots} slots is not a buffer size")
-        leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), fmt.np_dtype(x[1], lw)))
-      else:
-        raise ArchiveError(f"{lw}: invalid leaf {str(x)[:80]!r}")
-    return Layout(e["tree"], leaves, where)
-
-  def _clock(self, e: Any, where: str) -> list[Any]:
-    scalars = fmt.expect(e, list, where)
-    limit = MAX_CLOCK_SCALARS_BASE + MAX_CLOCK_SCALARS_PER_PARAM * len(self.params)
-    if len(scalars) > limit:
-      raise ArchiveError(f"{where}: {len(scalars)} optimizer scalars for {len(self.params)}"
-                         f" params, more than an optimizer has (at most {limit})")
-    return [fmt.decode_scalar(x, f"{where}, scalar {k}") for k, x in enumerate(scalars)]
-
-  def _group(self, e: Any, where: str) -> Group:
-    fmt.expect(e, dict, where)
-    if set(e) != {"world_size", "params", "ranks"}:
-      raise ArchiveError(f"{where}: expected world_size, params and ranks")
-    world = fmt.expect(e["world_size"], int, where)
-    if not 1 <= world <= MAX_WORLD_SIZE:
-      raise ArchiveError(f"{where}: world_size {world} must be between 1 and {MAX_WORLD_SIZE}")
-    params = tuple(fmt.expect(p, int, where) for p in fmt.expect(e["params"], list, where))
-    if any(not 0 <= p < len(self.params) for p in params):
-      raise ArchiveError(f"{where}: a param index is out of range")
-    ranks = []
-    for pair in fmt.expect(e["ranks"], list, where):
-      if not (isinstance(pair, list) and len(pair) == 2):
-        raise ArchiveError(f"{where}: expected [archive, rank] pairs")
-      a, r = fmt.expect(pair[0], int, where), fmt.expect(pair[1], int, where)
-      if not 0 <= a < len(self.names):
-        raise ArchiveError(f"{where}: archive {a} does not exist")
-      if not 0 <= r < world:
-        raise ArchiveError(f"{where}: archive {a} ({self.names[a]}) has rank {r}, outside"
-                           f" world_size {world} of params {self._param_names(params)}")
-      if ranks and a < ranks[-1][0]:
-        raise ArchiveError(f"{where}: [archive, rank] pairs must list archives in increasing"
-                           f" order; archive {a} follows archive {ranks[-1][0]}")
-      ranks.append((a, r))
-    return Group(world, params, tuple(ranks))
-
-  def _membership(self) -> None:
-    """Which groups (and ranks) each archive holds; each param once per archive."""
-    self.member: list[list[tuple[int, int]]] = [[] for _ in self.names]
-    for gi, g in enumerate(self.groups):
-      for a, r in g.ranks:
-        self.member[a].append((gi, r))
-    self._param_index = [{self.params[p].param: p for p in g.params} for g in self.groups]
-    self._group_terms = [sum(self._param_terms[p] for p in g.params) % _TERM_MOD
-                         for g in self.groups]
-    for gi, index in enumerate(self._param_index):
-      if len(index) != len(self.groups[gi].params):
-        raise ArchiveError(f"{self.directory}/{INDEX_FILE}: group {gi} lists a param twice")
-
-  # --- the sources protocol ----------------------------------------------------
-
   def __len__(self) -> int:
     return len(self.names)
 
@@ -537,7 +169,7 @@ class Checkpoint:
     member = self.member[archive]
     if len(member) == 1:
       gi, rank = member[0]
-      p = self._param_index[gi].get(pid)
+      p = self.index.param_index[gi].get(pid)
     else:
       hit = self._archive_params(archive).get(pid)
       if hit is _TWICE:
@@ -551,28 +183,14 @@ class Checkpoint:
   def _archive_params(self, archive: int) -> dict[str, Any]:
     """``param id -> (group, rank, param entry)`` of an archive in several groups (or
     ``_TWICE``), made once: a lookup then costs O(1), not time in the groups."""
-    index = self._by_archive.get(archive)
+    index = self._cache.by_archive.get(archive)
     if index is None:
-      index = {}
-      for gi, rank in self.member[archive]:
-        for pid, p in self._param_index[gi].items():
-          index[pid] = _TWICE if pid in index else (gi, rank, p)
-      self._by_archive[archive] = index
+      index = self._cache.by_archive[archive] = archive_params(self.index, archive)
     return index
 
   def placements(self, archive: int) -> list[ParamPlacement]:
     """Every placement an archive lists, sorted by param."""
-    out = []
-    for gi, rank in self.member[archive]:
-      g = self.groups[gi]
-      for p in g.params:
-        e = self.params[p]
-        out.append(ParamPlacement(e.param, e.shape, rank, g.world_size, e.dtype, e.trainable))
-    out.sort(key=lambda p: p.param)
-    for a, b in zip(out, out[1:]):
-      if a.param == b.param:
-        raise PlacementError(f"param {a.param!r}: archive {archive} lists it twice")
-    return out
+    return placements(self.index, archive)
 
   def layout(self, archive: int) -> Layout:
     return self.layouts[self.archive_layout[archive]]
@@ -583,7 +201,7 @@ class Checkpoint:
   def clock_class(self, archive: int) -> int:
     """The rule records in memory follow (``_validate.ClockClasses``): one state structure
     and bit-identical clock scalars; archives of one layout and clock share it."""
-    return self._clock_classes.of(
+    return self._cache.clock_classes.of(
         self, archive, (self.archive_layout[archive], self.archive_clock[archive]))
 
   def skeleton(self, archive: int) -> tuple[Any, ...]:
@@ -605,264 +223,59 @@ class Checkpoint:
     """
     if self.member[archive] and all(self._is_uniform(gi) for gi, _ in self.member[archive]):
       return
-    placements = self.placements(archive)
-    anatomy = self.layout(archive).anatomy
-    for pid in sorted(anatomy.param_set() - {p.param for p in placements}):
-      raise PlacementError(f"param {pid!r}: archive {archive} holds a history for it but"
-                           " does not list it in its placements")
-    for p in placements:
-      try:
-        slots = FlatShard(p.shape, p.rank, p.world_size).slots
-      except PlacementError as e:
-        raise PlacementError(f"param {p.param!r}: archive {archive}: {e}") from None
-      for m, h in enumerate(anatomy.history(p.param)):
-        if isinstance(h, LeafInfo) and h.shape != (slots,):
-          raise ShapeError(
-              f"param {p.param!r}: archive {archive}, history buffer {m} has shape {h.shape},"
-              f" not ({slots},) of its flat layout (shape {p.shape}, world_size {p.world_size})")
+    check_archive(archive, self.placements(archive), self.layout(archive).anatomy)
 
   def complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """(param, shape, archive of each rank) of every param, from the groups alone."""
     with self._lock:
-      if self._complete is not None:
-        return self._complete
-    seen: dict[str, int] = {}
-    out = []
-    for gi, g in enumerate(self.groups):
-      by_rank = self._group_sources(gi)
-      for p in g.params:
-        e = self.params[p]
-        if e.param in seen:
-          raise PlacementError(
-              f"param {e.param!r}: groups {seen[e.param]} and {gi} of the checkpoint both hold"
-              " it; pass explicit migrations to pick one group")
-        seen[e.param] = gi
-        out.append((e.param, e.shape, by_rank))
-    out.sort(key=lambda x: x[0])
+      if self._cache.complete is not None:
+        return self._cache.complete
+    out, group_of = complete_groups(self.index)
     with self._lock:
-      self._complete = out
+      self._cache.complete, self._cache.group_of = out, group_of
     return out
 
-  def _group_sources(self, gi: int) -> tuple[int, ...]:
-    """The archive of each rank of group ``gi``, refusing an incomplete group."""
-    g = self.groups[gi]
-    name = self.params[g.params[0]].param if g.params else "?"
-    sources = _validate.rank_sources(name, g.world_size, ((a, r) for a, r in g.ranks))
-    self._group_by_sources[id(sources)] = (sources, gi)
-    return sources
-
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts:
-    hit = self._group_by_sources.get(id(sources))
-    if hit is not None and hit[0] is sources and self._is_uniform(hit[1]):
+    with self._lock:
+      hit = self._cache.group_of.get(pid)
+    if hit is not None and hit[0] == sources and self._is_uniform(hit[1]):
       key = (hit[1], pid)
       with self._lock:
-        facts = self._group_facts.get(key)
+        facts = self._cache.group_facts.get(key)
       if facts is None:
-        facts = self._uniform_facts(hit[1], pid, sources)
+        facts = uniform_facts(self, hit[1], pid, sources)
         with self._lock:
-          self._group_facts[key] = facts
+          self._cache.group_facts[key] = facts
       return facts
     with self._lock:
-      return self._facts.facts(pid, sources, self)
+      return self._cache.facts.facts(pid, sources, self)
 
   def _is_uniform(self, gi: int) -> bool:
     """Every archive of the group has one layout and clock, with the group's slots."""
-    u = self._uniform.get(gi)
+    u = self._cache.uniform.get(gi)
     if u is None:
-      g = self.groups[gi]
-      archives = [a for a, _ in g.ranks]
-      u = (len({self.archive_layout[a] for a in archives}) == 1
-           and len({self.clock_class(a) for a in archives}) == 1
-           and all(len(self.member[a]) == 1 for a in archives))
-      if u:
-        anatomy = self.layout(archives[0]).anatomy
-        for p in g.params:
-          e = self.params[p]
-          slots = FlatShard.checked(e.shape, 0, g.world_size).slots
-          for h in anatomy.history(e.param):
-            if isinstance(h, LeafInfo) and h.shape != (slots,):
-              u = False
-        u = u and anatomy.param_set() <= set(self._param_index[gi])
-      self._uniform[gi] = u
+      u = self._cache.uniform[gi] = is_uniform(self, gi)
     return u
 
-  def _uniform_facts(self, gi: int, pid: str, sources: tuple) -> _validate.SourceFacts:
-    g = self.groups[gi]
-    p = self._param_index[gi].get(pid)
-    if p is None:
-      raise _validate.not_listed(pid, sources[0], self)
-    e = self.params[p]
-    a0 = sources[0]
-    _validate.check_storage_dtype(e.dtype, f"param {pid!r}: archive {a0}")
-    hist = self.history(a0, pid)
-    dtypes = []
-    for m, h in enumerate(hist):
-      if isinstance(h, LeafInfo):
-        _validate.check_buffer_dtype(h.dtype, f"param {pid!r}: archive {a0}, history buffer {m}")
-        dtypes.append(h.dtype)
-      else:
-        dtypes.append(None)
-    return _validate.SourceFacts(
-        param=pid, shape=e.shape, source=FlatShard.checked(e.shape, 0, g.world_size),
-        by_rank=sources,
-        dtype=e.dtype, trainable=e.trainable,
-        history=tuple(True if isinstance(h, LeafInfo) else h for h in hist),
-        buffer_dtypes=tuple(dtypes), clock=self.clock_class(a0))
-
-  def locate(self, archive: int, group: Any, mirror: int, dtype: np.dtype) -> tuple[Any, int]:
-    """A history buffer lives in its archive's packed buffer of its dtype."""
+  def locate(self, archive: int, group: Any, mirror: int,
+             dtype: Optional[np.dtype] = None) -> tuple[Any, int]:
+    """A history buffer lives in its archive's packed buffer of its dtype (the layout's)."""
+    del dtype
     d, offset, _ = self.layout(archive).offsets[(group.param, mirror)]
     return (archive, d), offset
 
-  # --- archives and their buffers ----------------------------------------------
+  # --- archives and their buffers (``_archives.ArchiveReader``) ----------------
 
   def archive_meta(self, archive: int) -> dict:
     """An archive's ``archive.json``, checked against the index (read once)."""
-    with self._lock:
-      meta = self._archive_meta.get(archive)
-    if meta is not None:
-      return meta
-    name = self.names[archive]
-    where = f"archive {archive} ({self.directory}/{name})"
-    try:
-      with self._root.dir(name) as adir:
-        raw = adir.read_bytes(ARCHIVE_FILE, MAX_ARCHIVE_BYTES)
-        meta = _signed(raw, f"{adir.path}/{ARCHIVE_FILE}", f"{FORMAT} archive")
-    except ArchiveError as e:
-      raise ArchiveError(f"archive {archive}: {e}") from None
-    if meta.get("format") != FORMAT or set(meta) != {"format", "format_version", "checkpoint",
-                                                     "archive", "describes", "buffers"}:
-      raise ArchiveError(f"{where}: {ARCHIVE_FILE} does not describe a {FORMAT} archive")
-    if meta["format_version"] != FORMAT_VERSION:
-      raise ArchiveError(f"{where}: archive format version {fmt.short(meta['format_version'])} is not"
-                         f" supported; this jaxreshard reads version {FORMAT_VERSION}")
-    if meta["checkpoint"] != self.id:
-      raise ArchiveError(
-          f"{where} belongs to checkpoint {str(meta['checkpoint'])[:40]!r}, not to this"
-          f" checkpoint {self.id!r}; archives of two different saves are never combined")
-    if meta["archive"] != name:
-      raise ArchiveError(f"{where}: {ARCHIVE_FILE} names archive {str(meta['archive'])[:40]!r}")
-    self._check_describes(archive, meta["describes"], where)
-    layout = self.layout(archive)
-    buffers = fmt.expect(meta["buffers"], dict, where)
-    expected = {d.name: n for d, n in layout.sizes.items() if n}
-    got = {}
-    for dname, b in buffers.items():
-      bw = f"{where}, buffer {dname!r}"
-      fmt.expect(b, dict, bw)
-      if set(b) != {"elements", "chunk", "crc32c"}:
-        raise ArchiveError(f"{bw}: expected elements, chunk and crc32c")
-      n, chunk = fmt.expect(b["elements"], int, bw), fmt.expect(b["chunk"], int, bw)
-      crcs = fmt.expect(b["crc32c"], list, bw)
-      if not (0 < chunk <= max(n, 1)) or not all(
-          isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in crcs):
-        raise ArchiveError(f"{bw}: invalid chunking or checksums")
-      got[dname] = n
-    if got != expected:
-      raise ArchiveError(f"{where}: holds buffers {got} but its layout needs {expected}")
-    with self._lock:
-      self._archive_meta[archive] = meta
-    return meta
-
-  def describes(self, archive: int) -> dict[str, str]:
-    """Digests of what the index says of ``archive``: its layout, its clock and its
-    params' ``(id, shape, dtype, trainable)`` at each (world size, rank)."""
-    buckets: dict[tuple[int, int], int] = {}
-    for gi, r in self.member[archive]:
-      key = (self.groups[gi].world_size, r)
-      buckets[key] = buckets.get(key, 0) + self._group_terms[gi]
-    return {"layout": self._layout_digests[self.archive_layout[archive]],
-            "clock": self._clock_digests[self.archive_clock[archive]],
-            "placements": _placements_digest(buckets)}
-
-  def _check_describes(self, archive: int, got: Any, where: str) -> None:
-    """An archive's data belongs to the index's layout, clock and ranks for it: its
-    signed ``archive.json`` records their digests when it is written."""
-    want = self.describes(archive)
-    if not isinstance(got, dict) or set(got) != set(want):
-      raise ArchiveError(f"{where}: {ARCHIVE_FILE} has no valid 'describes' entry")
-    for key, words in (("placements", "which params it holds at which rank"),
-                       ("layout", "its state layout"), ("clock", "its optimizer clock")):
-      if got[key] != want[key]:
-        raise ArchiveError(
-            f"{where}: the index does not describe this archive as it was written"
-            f" (the index and its {ARCHIVE_FILE} disagree on {words}); the index was edited or"
-            " belongs to other archives")
-
-  # --- padding: data that contradicts the layout ---------------------------------
-
-  def _pad_table(self, archive: int, dtype: np.dtype) -> _Pads:
-    """Where the padding of an archive's packed buffer of ``dtype`` lies (made once)."""
-    key = (archive, np.dtype(dtype))
-    with self._lock:
-      pads = self._pads.get(key)
-    if pads is not None:
-      return pads
-    entries = sorted((o, n, k) for k, (d, o, n) in self.layout(archive).offsets.items()
-                     if d == key[1])
-    starts, owned, stops, keys, shards, trailing = [], [], [], [], [], []
-    for o, n, (pid, m) in entries:
-      g, after = None, ()
-      p = self.placement(archive, pid)
-      if p is not None:
-        try:
-          g = FlatShard.checked(p.shape, p.rank, p.world_size)
-        except PlacementError:
-          g = None  # refused by validation, never read
-      if g is not None and g.slots == n:
-        own = g.owned
-        if g.owned and g.stop == g.count and g.rank + 1 < g.world_size:
-          after = self._ranks_after(archive, pid, g.rank)
-      else:
-        g, own = None, n  # a buffer the index does not lay out is refused before reads
-      starts.append(o)
-      owned.append(o + own)
-      stops.append(o + n)
-      keys.append((pid, m))
-      shards.append(g)
-      trailing.append(after)
-    pads = _Pads(np.asarray(starts, np.int64), np.asarray(owned, np.int64),
-                 np.asarray(stops, np.int64), keys, shards, trailing,
-                 {k: i for i, k in enumerate(keys)})
-    with self._lock:
-      self._pads[key] = pads
-    return pads
-
-  def _ranks_after(self, archive: int, pid: str, rank: int) -> tuple[int, ...]:
-    """The archives holding ranks after ``rank`` of ``pid``'s group in ``archive``."""
-    out = set()
-    for gi, r in self.member[archive]:
-      if pid in self._param_index[gi] and r == rank:
-        out.update(a for a, ra in self.groups[gi].ranks if ra > rank)
-    return tuple(sorted(out))
-
-  def _padding_error(self, archive: int, pads: _Pads, k: int, local: int) -> ArchiveError:
-    pid, m = pads.keys[k]
-    g = pads.shards[k]
-    return ArchiveError(
-        f"param {pid!r}: history buffer {m} of archive {archive}"
-        f" ({self.directory}/{self.names[archive]}): padding is not zero (nonzero bits at local"
-        f" index {local}); the index gives rank {g.rank} of shape {g.shape} over world_size"
-        f" {g.world_size}, which owns {g.owned} of its {g.slots} slots, so the data"
-        " contradicts the layout")
-
-  def check_padding_of(self, archive: int, dtype: np.dtype, packed: np.ndarray) -> None:
-    """Every padding slot of an archive's whole packed buffer of ``dtype`` is zero bits."""
-    pads = self._pad_table(archive, dtype)
-    view = _bitview.bits(packed)
-    for k in np.flatnonzero(pads.owned < pads.stops).tolist():
-      nz = np.flatnonzero(view[pads.owned[k]:pads.stops[k]])
-      if nz.size:
-        raise self._padding_error(archive, pads, k,
-                                  int(pads.owned[k] - pads.starts[k]) + int(nz[0]))
+    return self._archives.archive_meta(archive)
 
   def check_padding(self, trailing: set, scratch: np.ndarray,
                     stats: Optional[ReadStats] = None) -> None:
     """Reads the padding of the buffers in ``trailing`` and checks it is zero bits.
 
-    ``trailing`` holds ``(archive, dtype, (param, mirror))``: buffers of
-    all-padding ranks, which no run copies from (``read_runs`` collects them, or
-    ``_restore.all_padding_sources``).
+    ``trailing`` holds ``(archive, dtype, (param, mirror))``: buffers of all-padding
+    ranks, which no run copies from (``read_runs`` or ``_restore.all_padding_sources``).
     """
     by_file: dict[tuple[int, np.dtype], list] = {}
     for archive, dtype, key in trailing:
@@ -870,83 +283,20 @@ class Checkpoint:
     for (archive, dtype), keys in sorted(by_file.items(), key=lambda kv: (kv[0][0],
                                                                           kv[0][1].name)):
       self.check_archive(archive)
-      pads = self._pad_table(archive, dtype)
-      ks = sorted(pads.index[key] for key in keys if key in pads.index)
-      ks = [k for k in ks if pads.owned[k] < pads.stops[k]]
-      if not ks:
-        continue
-      empty = np.zeros(0, np.int64)
-      self._read(archive, dtype, pads, np.asarray(ks, np.int64), empty, empty, empty, None,
-                 scratch, stats)
+      self._archives.check_padding(archive, dtype, keys, scratch, stats)
 
-  def open_buffer(self, archive: int, dtype: np.dtype) -> _shardfile.ShardFile:
-    meta = self.archive_meta(archive)
-    b = meta["buffers"][np.dtype(dtype).name]
-    with self._root.dir(self.names[archive]) as adir:
-      return _shardfile.ShardFile(adir, np.dtype(dtype).name, b["elements"], dtype, b["chunk"],
-                                  b["crc32c"], label=f"archive {archive}")
-
-  def read_buffer(self, archive: int, dtype: np.dtype) -> np.ndarray:
-    """A whole packed buffer, read straight into a fresh array."""
-    n = self.layout(archive).sizes.get(dtype, 0)
-    if not n:
-      return np.empty(0, dtype)
-    f = self.open_buffer(archive, dtype)  # metadata, size and index checked first
-    try:
-      out = allocate(n, dtype, f"archive {archive} ({self.directory}/{self.names[archive]})",
-                     zeros=False)
-      f.read_all(out)
-    finally:
-      f.close()
-    return out
+  def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
+    return self._archives.open_buffer(archive, dtype)
 
   def check_files(self, archive: int) -> None:
     """Every buffer file of an archive against its metadata, before anything is allocated."""
-    self.archive_meta(archive)
-    for d, n in self.layout(archive).sizes.items():
-      if n:
-        self.open_buffer(archive, d).close()
+    self._archives.check_files(archive)
 
   def read_runs(self, archive: int, dtype: np.dtype, src: np.ndarray, dst: np.ndarray,
                 length: np.ndarray, out: np.ndarray, scratch: np.ndarray,
                 stats: Optional[ReadStats] = None, trailing: Optional[set] = None) -> None:
-    """Copies runs of one packed buffer into ``out``, reading only their chunks.
-
-    The padding of every history buffer the runs copy from is read as well
-    (usually inside a chunk read anyway) and must be zero bits: data where the
-    layout says padding contradicts the layout, and is refused.
-
-    ``scratch`` (uint8) holds the chunk spans read; it grows to one chunk if smaller.
-    ``stats``, when given, counts the chunk spans read. ``trailing``, when
-    given, collects the all-padding ranks after each rank the runs copy a
-    param's last elements from, for :meth:`check_padding`.
-    """
-    pads = self._pad_table(archive, dtype)
-    touched = np.unique(np.searchsorted(pads.starts, src, side="right") - 1)
-    touched = touched[touched >= 0]
-    if trailing is not None:
-      for k in touched.tolist():
-        for a in pads.trailing[k]:
-          trailing.add((a, np.dtype(dtype), pads.keys[k]))
-    checks = touched[pads.owned[touched] < pads.stops[touched]]
-    self._read(archive, dtype, pads, checks, src, dst, length, out, scratch, stats)
-
-  def _read(self, archive: int, dtype: np.dtype, pads: _Pads, checks: np.ndarray, src, dst,
-            length, out, scratch: np.ndarray, stats: Optional[ReadStats]) -> None:
-    """Copies the runs and checks the padding of buffers ``checks`` (indices into ``pads``)."""
-    zero = (pads.owned[checks], pads.stops[checks] - pads.owned[checks])
-
-    def refuse(i: int, pos: int) -> ArchiveError:
-      k = int(checks[i])
-      return self._padding_error(archive, pads, k, pos - int(pads.starts[k]))
-
-    f = self.open_buffer(archive, dtype)
-    try:
-      if len(scratch) < f.stride:
-        scratch = np.empty(f.stride, np.uint8)
-      _read_runs(f, src, dst, length, out, scratch, stats, zero=zero, refuse=refuse)
-    finally:
-      f.close()
+    """Copies runs of one packed buffer into ``out`` (``ArchiveReader.read_runs``)."""
+    self._archives.read_runs(archive, dtype, src, dst, length, out, scratch, stats, trailing)
 
   def metadata_record(self, archive: int) -> ShardRecord:
     """An archive's record with ``LeafInfo`` (shape and dtype, no data) as buffers."""
@@ -958,120 +308,115 @@ class Checkpoint:
   def record(self, archive: int) -> ShardRecord:
     """One whole archive, read from disk."""
     layout = self.layout(archive)
-    packed = {d: self.read_buffer(archive, d) for d in layout.sizes}
-    for d, data in packed.items():
-      self.check_padding_of(archive, d, data)
-    buffers = {key: packed[d][o:o + n] for key, (d, o, n) in layout.offsets.items()}
-    state = layout.state(self.scalars(archive), buffers)
+    buffers = self._archives.read_all(archive)
     return ShardRecord(version=self.record_version, placements=tuple(self.placements(archive)),
-                       state=state, roles=layout.roles)
+                       state=layout.state(self.scalars(archive), buffers), roles=layout.roles)
 
 
-def _signed(raw: bytes, where: str, what: str) -> dict:
-  """A signed JSON file's value (a dict), its checksum checked before anything is parsed.
-
-  A file without a checksum is refused; it is parsed only to say why (another
-  kind of file, or a format version that had no checksum), never to be used.
-  """
-  if fmt.is_signed(raw):
-    return fmt.verified_json(raw, where)
-  try:
-    text = raw.decode("utf-8")
-  except UnicodeDecodeError:
-    raise ArchiveError(f"{where} is not UTF-8 JSON") from None
-  value = fmt.loads(text, where)
-  if not isinstance(value, dict) or value.get("format") != FORMAT:
-    raise ArchiveError(f"{where} does not describe a {what}")
-  version = value.get("format_version")
-  if version == 1:
-    raise ArchiveError(
-        f"{where}: checkpoint format version 1 is not supported; this jaxreshard reads version"
-        f" {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that wrote it: load it"
-        " there and save it again)")
-  if version == 2:
-    raise ArchiveError(
-        f"{where}: checkpoint format version 2 is not supported; this jaxreshard reads version"
-        f" {FORMAT_VERSION}: version 2 has no checksum over its index and archive metadata, so"
-        " an edited or damaged value could not be told apart (load it with the jaxreshard that"
-        " wrote it and save it again)")
-  return fmt.verified_json(raw, where)  # refuses it: no checksum
+def archive_params(index: _index.Index, archive: int) -> dict[str, Any]:
+  """``param id -> (group, rank, param entry)`` of an archive (``_TWICE`` for a param
+  two of its groups list)."""
+  out: dict[str, Any] = {}
+  for gi, rank in index.member[archive]:
+    for pid, p in index.param_index[gi].items():
+      out[pid] = _TWICE if pid in out else (gi, rank, p)
+  return out
 
 
-def _read_runs(f: _shardfile.ShardFile, src, dst, length, out, scratch,
-               stats: Optional[ReadStats] = None, zero=None, refuse=None) -> None:
-  """Copies runs ``src -> dst`` of ``f`` into ``out``, reading each chunk span once.
+def placements(index: _index.Index, archive: int) -> list[ParamPlacement]:
+  """Every placement an archive lists, sorted by param."""
+  out = []
+  for gi, rank in index.member[archive]:
+    g = index.groups[gi]
+    for p in g.params:
+      e = index.params[p]
+      out.append(ParamPlacement(e.param, e.shape, rank, g.world_size, e.dtype, e.trainable))
+  out.sort(key=lambda p: p.param)
+  for a, b in zip(out, out[1:]):
+    if a.param == b.param:
+      raise PlacementError(f"param {a.param!r}: archive {archive} lists it twice")
+  return out
 
-  ``zero``: ``(starts, lengths)`` of ranges of ``f`` that must be zero bits,
-  read with the same spans; ``refuse(i, position)`` makes the error for range ``i``.
-  """
-  n_copy = len(src)
-  if zero is not None and len(zero[0]):
-    src = np.concatenate([src, zero[0]])
-    length = np.concatenate([length, zero[1]])
-    dst = np.concatenate([dst, np.zeros(len(zero[0]), np.int64)])
-  if f.size and (int((src + length).max(initial=0)) > f.size or int(src.min(initial=0)) < 0):
-    raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
-  if not len(src):
-    return
-  c = f.chunk
-  first, last = src // c, (src + length - 1) // c
-  pieces = last - first + 1
-  run = np.repeat(np.arange(len(src)), pieces)
-  chunk = first[run] + (np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces))
-  lo = np.maximum(src[run], chunk * c)
-  hi = np.minimum(src[run] + length[run], (chunk + 1) * c)
-  to = dst[run] + (lo - src[run])
-  order = np.argsort(chunk, kind="stable")
-  per_span = max(1, len(scratch) // f.stride)
-  view = _bitview.bits(out) if n_copy else None
-  data, span_first, span_n = None, -1, 0
-  needed = np.unique(chunk)
-  pos = 0
-  for j in order.tolist():
-    ch = int(chunk[j])
-    if not span_first <= ch < span_first + span_n:
-      # The next span: consecutive needed chunks from this one, as many as fit.
-      pos = int(np.searchsorted(needed, ch))
-      n = 1
-      while (pos + n < len(needed) and n < per_span and needed[pos + n] == ch + n):
-        n += 1
-      data = f.read_chunks(ch, n, scratch)
-      span_first, span_n = ch, n
-      if stats is not None:
-        stats.reads += 1
-        stats.chunks += n
-        stats.bytes += n * f.stride
-    row = data[ch - span_first]
-    a, b, t = int(lo[j]) - ch * c, int(hi[j]) - ch * c, int(to[j])
-    r = int(run[j])
-    if r < n_copy:
-      view[t:t + b - a] = row[a:b]
+
+def check_archive(archive: int, listed: list[ParamPlacement],
+                  anatomy: _structure.StateParts) -> None:
+  """An archive's histories belong to the params it lists, each of its flat layout."""
+  for pid in sorted(anatomy.param_set() - {p.param for p in listed}):
+    raise PlacementError(f"param {pid!r}: archive {archive} holds a history for it but"
+                         " does not list it in its placements")
+  for p in listed:
+    try:
+      slots = FlatShard(p.shape, p.rank, p.world_size).slots
+    except PlacementError as e:
+      raise PlacementError(f"param {p.param!r}: archive {archive}: {e}") from None
+    for m, h in enumerate(anatomy.history(p.param)):
+      if isinstance(h, LeafInfo):
+        _validate.check_flat_history(p, archive, m, h.shape, slots)
+
+
+def complete_groups(index: _index.Index) -> tuple[list, dict]:
+  """(param, shape, archive of each rank) of every param, from the groups alone, and
+  each param's ``(archive of each rank, group)``; an incomplete group is refused."""
+  seen: dict[str, int] = {}
+  out, group_of = [], {}
+  for gi, g in enumerate(index.groups):
+    name = index.params[g.params[0]].param if g.params else "?"
+    by_rank = _validate.rank_sources(name, g.world_size, ((a, r) for a, r in g.ranks))
+    for p in g.params:
+      e = index.params[p]
+      if e.param in seen:
+        raise PlacementError(
+            f"param {e.param!r}: groups {seen[e.param]} and {gi} of the checkpoint both hold"
+            " it; pass explicit migrations to pick one group")
+      seen[e.param] = gi
+      group_of[e.param] = (by_rank, gi)
+      out.append((e.param, e.shape, by_rank))
+  out.sort(key=lambda x: x[0])
+  return out, group_of
+
+
+def is_uniform(ckpt: Checkpoint, gi: int) -> bool:
+  """Every archive of group ``gi`` has one layout and clock, with the group's slots."""
+  g = ckpt.groups[gi]
+  archives = [a for a, _ in g.ranks]
+  u = (len({ckpt.archive_layout[a] for a in archives}) == 1
+       and len({ckpt.clock_class(a) for a in archives}) == 1
+       and all(len(ckpt.member[a]) == 1 for a in archives))
+  if u:
+    anatomy = ckpt.layout(archives[0]).anatomy
+    for p in g.params:
+      e = ckpt.params[p]
+      slots = FlatShard.checked(e.shape, 0, g.world_size).slots
+      for h in anatomy.history(e.param):
+        if isinstance(h, LeafInfo) and h.shape != (slots,):
+          u = False
+    u = u and anatomy.param_set() <= set(ckpt.index.param_index[gi])
+  return u
+
+
+def uniform_facts(ckpt: Checkpoint, gi: int, pid: str, sources: tuple) -> _validate.SourceFacts:
+  """The facts of ``pid`` of uniform group ``gi``, from its first archive alone."""
+  g = ckpt.groups[gi]
+  p = ckpt.index.param_index[gi].get(pid)
+  if p is None:
+    raise _validate.not_listed(pid, sources[0], ckpt)
+  e = ckpt.params[p]
+  a0 = sources[0]
+  _validate.check_storage_dtype(e.dtype, f"param {pid!r}: archive {a0}")
+  hist = ckpt.history(a0, pid)
+  dtypes = []
+  for m, h in enumerate(hist):
+    if isinstance(h, LeafInfo):
+      _validate.check_buffer_dtype(h.dtype, f"param {pid!r}: archive {a0}, history buffer {m}")
+      dtypes.append(h.dtype)
     else:
-      nz = np.flatnonzero(row[a:b])
-      if nz.size:
-        raise refuse(r - n_copy, ch * c + a + int(nz[0]))
-
-
-def allocate(n: int, dtype: np.dtype, what: str, *, zeros: bool = True) -> np.ndarray:
-  """A fresh ``(n,)`` buffer for a read; more than the process can get is a ReshardError."""
-  dtype = np.dtype(dtype)
-  try:
-    return np.zeros(n, dtype) if zeros else np.empty(n, dtype)
-  except MemoryError:
-    raise ReshardError(
-        f"{what}: a buffer of {n} {dtype.name} elements ({n * dtype.itemsize} bytes) needs more"
-        " memory than this process can get") from None
-
-
-def path_arg(directory: Any, what: str = "directory") -> str:
-  """``directory`` as an absolute path; anything that is not a path is refused by name."""
-  if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)):
-    raise ReshardError(f"{what} must be a path (str or os.PathLike), got"
-                       f" {type(directory).__name__}")
-  path = os.fspath(directory)
-  if not isinstance(path, str) or not path or "\0" in path:
-    raise ReshardError(f"{what} {path!r} is not a usable path")
-  return os.path.abspath(path)
+      dtypes.append(None)
+  return _validate.SourceFacts(
+      param=pid, shape=e.shape, source=FlatShard.checked(e.shape, 0, g.world_size),
+      by_rank=sources,
+      dtype=e.dtype, trainable=e.trainable,
+      history=tuple(True if isinstance(h, LeafInfo) else h for h in hist),
+      buffer_dtypes=tuple(dtypes), clock=ckpt.clock_class(a0))
 
 
 def open_checkpoint(directory: os.PathLike | str) -> Checkpoint:
@@ -1087,237 +432,3 @@ def open_checkpoint(directory: os.PathLike | str) -> Checkpoint:
       index fails its checksum, or its index is malformed.
   """
   return Checkpoint(directory)
-
-
-# --- writing ------------------------------------------------------------------
-
-
-def _packed(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-  """The concatenation of flat ``parts``; without a copy when they tile one buffer."""
-  if not parts:
-    return np.zeros(0, dtype)
-  base = parts[0].base
-  if (isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == dtype
-      and base.flags.c_contiguous and all(p.base is base and p.flags.c_contiguous
-                                          for p in parts)):
-    start = (parts[0].__array_interface__["data"][0] - base.__array_interface__["data"][0])
-    ptr = parts[0].__array_interface__["data"][0]
-    for p in parts:
-      if p.__array_interface__["data"][0] != ptr:
-        break
-      ptr += p.nbytes
-    else:
-      i0 = start // dtype.itemsize
-      return base[i0:i0 + sum(p.size for p in parts)]
-  return np.concatenate(parts)
-
-
-class IndexBuilder:
-  """Collects each archive's entry of the index as records are written."""
-
-  def __init__(self, checkpoint_id: Optional[str] = None, source: Optional[Source] = None):
-    self.id = checkpoint_id or uuid.uuid4().hex
-    self.source = source
-    self._layouts: dict[str, int] = {}
-    self._layout_of_signature: dict[tuple, int] = {}
-    self._clocks: dict[str, int] = {}
-    self.layouts: list[dict] = []
-    self.clocks: list[list] = []
-    self.archives: list[Optional[list]] = []
-    self._params: dict[tuple, int] = {}
-    self.params: list[list] = []
-    self._members: dict[int, list[tuple[int, int, int]]] = {}  # param entry -> (archive, rank, W)
-    self._terms: list[int] = []  # param entry -> its term in a placement digest
-    self._layout_digests: list[str] = []
-    self.describes: dict[int, dict[str, str]] = {}  # archive -> what archive.json records
-
-  def add(self, index: int, record: Any, *, pack: bool = True) -> dict[np.dtype, np.ndarray]:
-    """Registers archive ``index``; returns its packed buffers (per dtype).
-
-    With ``pack=False`` the record's buffers may be shapes alone
-    (``jax.ShapeDtypeStruct``): only the index entry is made.
-    """
-    try:
-      anatomy, placements = _validate.check_archive(index, record)
-    except PlacementError:
-      raise
-    if self.source is not None:
-      self._check_source(index, placements, anatomy)
-    for p in placements.values():  # what a reader refuses is never written
-      slots = FlatShard(p.shape, p.rank, p.world_size).slots
-      for m, h in enumerate(anatomy.history(p.param)):
-        if hasattr(h, "shape") and tuple(h.shape) != (slots,):
-          raise ShapeError(
-              f"param {p.param!r}: archive {index}, history buffer {m} has shape"
-              f" {tuple(h.shape)}, not ({slots},) of its flat layout (shape {p.shape},"
-              f" world_size {p.world_size})")
-    roles = _structure.roles_of(record)
-    leaves, treedef = jax.tree_util.tree_flatten(record.state)
-    # Ranks of one layout share its structure: encode it once.
-    signature = (treedef, roles, tuple((getattr(x, "shape", None), getattr(x, "dtype", None))
-                                       for x, r in zip(leaves, roles) if r is not None))
-    layout = self._layout_of_signature.get(signature)
-    if layout is None:
-      layout = self._layout(index, record, roles)
-      self._layout_of_signature[signature] = layout
-    scalars = [fmt.encode_scalar(leaf, f"archive {index}, leaf {i}")
-               for i, (leaf, role) in enumerate(zip(leaves, roles)) if role is None]
-    clock_key = json.dumps(scalars, separators=(",", ":"), sort_keys=True)
-    clock = self._clocks.setdefault(clock_key, len(self._clocks))
-    if clock == len(self.clocks):
-      self.clocks.append(scalars)
-    while len(self.archives) <= index:
-      self.archives.append(None)
-    self.archives[index] = [f"archive_{index:05d}", layout, clock]
-    buckets: dict[tuple[int, int], int] = {}
-    for p in placements.values():
-      FlatShard(p.shape, p.rank, p.world_size)  # a placement the format can describe
-      key = (p.param, p.shape, p.dtype, bool(p.trainable))
-      e = self._params.setdefault(key, len(self._params))
-      if e == len(self.params):
-        self.params.append([p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable)])
-        self._terms.append(_param_term(self.params[e]))
-      self._members.setdefault(e, []).append((index, p.rank, p.world_size))
-      bucket = (p.world_size, p.rank)
-      buckets[bucket] = buckets.get(bucket, 0) + self._terms[e]
-    self.describes[index] = {"layout": self._layout_digests[layout],
-                             "clock": hashlib.sha256(clock_key.encode("ascii")).hexdigest(),
-                             "placements": _placements_digest(buckets)}
-    if not pack:
-      return {}
-    parts: dict[np.dtype, list[np.ndarray]] = {}
-    for pid, m, buf in _copyplan.packing_order(
-        {pid: anatomy.history(pid) for pid in anatomy.param_set()}):
-      parts.setdefault(np.dtype(buf.dtype), []).append(np.asarray(buf).reshape(-1))
-    return {d: _packed(p, d) for d, p in parts.items()}
-
-  def _check_source(self, index: int, placements: dict[str, ParamPlacement],
-                    anatomy: _structure.StateParts) -> None:
-    """Every archive of a reshard's output has its target's world size and layout."""
-    src = self.source
-    for p in placements.values():
-      if p.world_size != src.world_size:
-        raise PlacementError(f"param {p.param!r}: archive {index} has world_size"
-                             f" {p.world_size}, not {src.world_size} of its target")
-    layout = target_layout(placements.values(), anatomy)
-    if src.layout is None:
-      self.source = dataclasses.replace(src, layout=layout)
-    elif layout != src.layout:
-      raise PlacementError(
-          f"archive {index} has another layout (params, shapes, dtypes or history buffers)"
-          f" than {'archive 0' if index else 'its target'}; the ranks of one target share one")
-
-  def _layout(self, index: int, record: Any, roles: Sequence[Any]) -> int:
-    """The layout entry of a record's state structure (added when new)."""
-    tree, leaves = fmt.encode_tree(record.state)
-    entries, n_scalars = [], 0
-    for leaf, role in zip(leaves, roles):
-      if role is None:
-        entries.append({"s": n_scalars})
-        n_scalars += 1
-        continue
-      where = f"param {role!r}: archive {index}"
-      if np.ndim(leaf) != 1:
-        raise ShapeError(f"{where}: history buffer of shape {np.shape(leaf)} is not flat")
-      dtype = fmt.np_dtype(np.dtype(leaf.dtype).name, where)
-      entries.append([role, dtype.name, int(np.size(leaf))])
-    key = json.dumps([tree, entries], separators=(",", ":"))
-    layout = self._layouts.setdefault(key, len(self._layouts))
-    if layout == len(self.layouts):
-      self.layouts.append({"tree": tree, "leaves": entries})
-      self._layout_digests.append(_json_digest(self.layouts[-1]))
-    return layout
-
-  def groups(self) -> list[dict]:
-    """Param entries split the same way, merged into one group."""
-    merged: dict[tuple, list[int]] = {}
-    for e, members in self._members.items():
-      worlds = {w for _, _, w in members}
-      for w in sorted(worlds):
-        ranks = tuple((a, r) for a, r, ww in members if ww == w)
-        merged.setdefault((w, ranks), []).append(e)
-    return [{"world_size": w, "params": sorted(es), "ranks": [list(x) for x in ranks]}
-            for (w, ranks), es in merged.items()]
-
-  def index(self) -> dict:
-    if not self.archives or any(a is None for a in self.archives):
-      raise PlacementError("no archives supplied")
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": self.id,
-            "record_version": RECORD_VERSION, "params": self.params, "groups": self.groups(),
-            "layouts": self.layouts, "clocks": self.clocks, "archives": self.archives,
-            "source": None if self.source is None else self.source.to_json()}
-
-
-def write_archive(directory: "_shardfile.OutDir | str", index: int, record: Any,
-                  builder: IndexBuilder, chunk_bytes: int, *, durable: bool = True) -> int:
-  """Writes one archive directory and registers it with ``builder``.
-
-  ``directory`` is a held :class:`_shardfile.OutDir` (whose own entries the
-  caller fsyncs once it is complete) or a path (held, and fsync'ed, for this
-  call, unless ``durable`` is False). Every file of the archive, and its
-  directories, are fsync'ed when the directory is durable.
-
-  Returns the bytes of its history buffers (the data, not the checksums).
-  """
-  if not isinstance(directory, _shardfile.OutDir):
-    with _shardfile.OutDir.open(os.fspath(directory), durable) as held:
-      nbytes = _write_archive_into(held, index, record, builder, chunk_bytes)
-      held.sync()
-      held.drain()
-      return nbytes
-  return _write_archive_into(directory, index, record, builder, chunk_bytes)
-
-
-def _write_archive_into(directory: _shardfile.OutDir, index: int, record: Any,
-                        builder: IndexBuilder, chunk_bytes: int) -> int:
-  buffers = builder.add(index, record)
-  with directory.mkdir(f"archive_{index:05d}") as adir:
-    meta_buffers = {}
-    for dtype, data in sorted(buffers.items(), key=lambda kv: kv[0].name):
-      if not data.size:
-        continue
-      chunk = _shardfile.chunk_elements(data.size, dtype.itemsize, chunk_bytes)
-      crcs = _shardfile.write_array(adir, dtype.name, data, chunk)
-      meta_buffers[dtype.name] = {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}
-    adir.write_bytes(ARCHIVE_FILE, fmt.signed_json({
-        "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": builder.id,
-        "archive": f"archive_{index:05d}", "describes": builder.describes[index],
-        "buffers": meta_buffers}))
-    adir.sync()
-  return sum(int(data.nbytes) for data in buffers.values())
-
-
-def dump(path: str, obj: dict) -> None:
-  """Writes the index or an ``archive.json`` into the new file ``path``: signed JSON
-  (see ``_archive_format``), fsync'ed with its directory."""
-  with _shardfile.OutDir.open(os.path.dirname(path) or ".") as held:
-    held.write_bytes(os.path.basename(path), fmt.signed_json(obj))
-    held.sync()
-    held.drain()
-
-
-def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
-                     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                     progress: Optional[Callable[[int, int], None]] = None) -> IndexBuilder:
-  """Writes every record into an existing empty ``directory``; returns what it wrote.
-
-  ``directory`` is a held :class:`_shardfile.OutDir` or a path. Records are
-  written one at a time as the iterable yields them; ``progress(archive,
-  nbytes)`` is called after each. ``SourcedRecords`` give the index their
-  ``Source``. Every file and directory is fsync'ed (when ``directory`` is
-  durable) before it returns. Not atomic by itself: ``save_records`` and the
-  orbax handler supply the atomic commit.
-  """
-  if not isinstance(directory, _shardfile.OutDir):
-    with _shardfile.OutDir.open(os.fspath(directory)) as held:
-      return write_checkpoint(held, records, chunk_bytes=chunk_bytes, progress=progress)
-  builder = IndexBuilder(
-      source=records.source if isinstance(records, SourcedRecords) else None)
-  for index, record in enumerate(records):
-    nbytes = write_archive(directory, index, record, builder, chunk_bytes)
-    if progress is not None:
-      progress(index, nbytes)
-  directory.write_bytes(INDEX_FILE, fmt.signed_json(builder.index()))
-  directory.sync()
-  directory.drain()
-  return builder

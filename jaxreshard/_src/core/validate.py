@@ -493,3 +493,13 @@ def check_source_indices(pid: str, sources: tuple[Any, ...], n_archives: int) ->
       raise PlacementError(
           f"param {pid!r}: source archive index {s!r} is out of range"
           f" (0..{n_archives - 1})")
+
+
+def check_flat_history(p: ParamPlacement, archive: int, m: int, shape: tuple[int, ...],
+                       slots: int) -> None:
+  """History buffer ``m`` of placement ``p`` in ``archive`` has shape ``(slots,)`` of its
+  flat layout (``slots`` of ``FlatShard(p.shape, p.rank, p.world_size)``)."""
+  if shape != (slots,):
+    raise ShapeError(
+        f"param {p.param!r}: archive {archive}, history buffer {m} has shape {shape},"
+        f" not ({slots},) of its flat layout (shape {p.shape}, world_size {p.world_size})")

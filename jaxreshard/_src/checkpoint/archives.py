@@ -1,0 +1,406 @@
+"""Reading an archive's files: its ``archive.json``, its packed buffers and their padding.
+
+Everything read here is untrusted (see ``reader``): an ``archive.json`` is
+checked against the index before it is used, buffer files against their
+metadata before anything is allocated, and the padding slots of every buffer
+a read copies from must hold zero bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from jaxreshard._src.checkpoint import encoding as fmt
+from jaxreshard._src.checkpoint import shardread as _shardread
+from jaxreshard._src.checkpoint.index import (ARCHIVE_FILE, FORMAT, FORMAT_VERSION,
+                                              MAX_ARCHIVE_BYTES, Index, Layout, ReadStats)
+from jaxreshard._src.exec import bitview as _bitview
+from jaxreshard._src.errors import ArchiveError, PlacementError, ReshardError
+from jaxreshard._src.core.geometry import FlatShard
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pads:
+  """The history buffers in one archive's packed buffer of one dtype, and their padding.
+
+  Buffer ``k`` lies at ``[starts[k], stops[k])`` of the packed buffer; its
+  elements from ``owned[k]`` on are padding (past what the rank's flat shard
+  owns), which must hold zero bits. ``trailing[k]`` are the archives of the
+  all-padding ranks after this one when this rank holds its param's last element.
+  """
+
+  starts: np.ndarray
+  owned: np.ndarray
+  stops: np.ndarray
+  keys: list  # (param, mirror) of each buffer
+  shards: list  # each buffer's FlatShard, or None where the index gives it none
+  trailing: list
+  index: dict  # (param, mirror) -> k
+
+
+
+
+def signed_value(raw: bytes, where: str, what: str) -> dict:
+  """A signed JSON file's value (a dict), its checksum checked before anything is parsed.
+
+  A file without a checksum is refused; it is parsed only to say why (another
+  kind of file, or a format version that had no checksum), never to be used.
+  """
+  if fmt.is_signed(raw):
+    return fmt.verified_json(raw, where)
+  try:
+    text = raw.decode("utf-8")
+  except UnicodeDecodeError:
+    raise ArchiveError(f"{where} is not UTF-8 JSON") from None
+  value = fmt.loads(text, where)
+  if not isinstance(value, dict) or value.get("format") != FORMAT:
+    raise ArchiveError(f"{where} does not describe a {what}")
+  version = value.get("format_version")
+  if version == 1:
+    raise ArchiveError(
+        f"{where}: checkpoint format version 1 is not supported; this jaxreshard reads version"
+        f" {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that wrote it: load it"
+        " there and save it again)")
+  if version == 2:
+    raise ArchiveError(
+        f"{where}: checkpoint format version 2 is not supported; this jaxreshard reads version"
+        f" {FORMAT_VERSION}: version 2 has no checksum over its index and archive metadata, so"
+        " an edited or damaged value could not be told apart (load it with the jaxreshard that"
+        " wrote it and save it again)")
+  return fmt.verified_json(raw, where)  # refuses it: no checksum
+
+def allocate(n: int, dtype: np.dtype, what: str, *, zeros: bool = True) -> np.ndarray:
+  """A fresh ``(n,)`` buffer for a read; more than the process can get is a ReshardError."""
+  dtype = np.dtype(dtype)
+  try:
+    return np.zeros(n, dtype) if zeros else np.empty(n, dtype)
+  except MemoryError:
+    raise ReshardError(
+        f"{what}: a buffer of {n} {dtype.name} elements ({n * dtype.itemsize} bytes) needs more"
+        " memory than this process can get") from None
+
+
+def path_arg(directory: Any, what: str = "directory") -> str:
+  """``directory`` as an absolute path; anything that is not a path is refused by name."""
+  if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)):
+    raise ReshardError(f"{what} must be a path (str or os.PathLike), got"
+                       f" {type(directory).__name__}")
+  path = os.fspath(directory)
+  if not isinstance(path, str) or not path or "\0" in path:
+    raise ReshardError(f"{what} {path!r} is not a usable path")
+  return os.path.abspath(path)
+
+
+class ArchiveReader:
+  """The archives of one opened checkpoint: their metadata, buffers and padding.
+
+  It owns what it learns of each archive (its checked ``archive.json``, where
+  the padding of each packed buffer lies) for as long as it lives.
+
+  Args:
+    directory: the checkpoint's path (for messages).
+    root: the checkpoint's root descriptor (``_shardread.Dir``).
+    index: the parsed index.
+    placement: a weak reference to ``placement(archive, pid)`` of the checkpoint (a
+      strong one would keep the checkpoint, and its root descriptor, alive in a cycle).
+  """
+
+  def __init__(self, directory: str, root: Any, index: Index, placement: Callable):
+    self.directory = directory
+    self.index = index
+    self._root = root
+    self._placement = placement
+    self._lock = threading.Lock()
+    self._archive_meta: dict[int, dict] = {}
+    self._pads: dict[tuple[int, np.dtype], _Pads] = {}
+
+  def _layout(self, archive: int) -> Layout:
+    return self.index.layouts[self.index.archive_layout[archive]]
+
+  def archive_meta(self, archive: int) -> dict:
+    """An archive's ``archive.json``, checked against the index (read once)."""
+    with self._lock:
+      meta = self._archive_meta.get(archive)
+    if meta is not None:
+      return meta
+    name = self.index.names[archive]
+    where = f"archive {archive} ({self.directory}/{name})"
+    try:
+      with self._root.dir(name) as adir:
+        raw = adir.read_bytes(ARCHIVE_FILE, MAX_ARCHIVE_BYTES)
+        meta = signed_value(raw, f"{adir.path}/{ARCHIVE_FILE}", f"{FORMAT} archive")
+    except ArchiveError as e:
+      raise ArchiveError(f"archive {archive}: {e}") from None
+    if meta.get("format") != FORMAT or set(meta) != {"format", "format_version", "checkpoint",
+                                                     "archive", "describes", "buffers"}:
+      raise ArchiveError(f"{where}: {ARCHIVE_FILE} does not describe a {FORMAT} archive")
+    if meta["format_version"] != FORMAT_VERSION:
+      raise ArchiveError(f"{where}: archive format version {fmt.short(meta['format_version'])} is not"
+                         f" supported; this jaxreshard reads version {FORMAT_VERSION}")
+    if meta["checkpoint"] != self.index.id:
+      raise ArchiveError(
+          f"{where} belongs to checkpoint {str(meta['checkpoint'])[:40]!r}, not to this"
+          f" checkpoint {self.index.id!r}; archives of two different saves are never combined")
+    if meta["archive"] != name:
+      raise ArchiveError(f"{where}: {ARCHIVE_FILE} names archive {str(meta['archive'])[:40]!r}")
+    check_describes(self.index, meta["describes"], archive, where)
+    layout = self._layout(archive)
+    buffers = fmt.expect(meta["buffers"], dict, where)
+    expected = {d.name: n for d, n in layout.sizes.items() if n}
+    got = {}
+    for dname, b in buffers.items():
+      bw = f"{where}, buffer {dname!r}"
+      fmt.expect(b, dict, bw)
+      if set(b) != {"elements", "chunk", "crc32c"}:
+        raise ArchiveError(f"{bw}: expected elements, chunk and crc32c")
+      n, chunk = fmt.expect(b["elements"], int, bw), fmt.expect(b["chunk"], int, bw)
+      crcs = fmt.expect(b["crc32c"], list, bw)
+      if not (0 < chunk <= max(n, 1)) or not all(
+          isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in crcs):
+        raise ArchiveError(f"{bw}: invalid chunking or checksums")
+      got[dname] = n
+    if got != expected:
+      raise ArchiveError(f"{where}: holds buffers {got} but its layout needs {expected}")
+    with self._lock:
+      self._archive_meta[archive] = meta
+    return meta
+
+  def _pad_table(self, archive: int, dtype: np.dtype) -> _Pads:
+    """Where the padding of an archive's packed buffer of ``dtype`` lies (made once)."""
+    key = (archive, np.dtype(dtype))
+    with self._lock:
+      pads = self._pads.get(key)
+    if pads is None:
+      pads = pad_table(self.index, self._layout(archive), self._placement(), archive,
+                       key[1])
+      with self._lock:
+        self._pads[key] = pads
+    return pads
+
+  def _padding_error(self, archive: int, pads: _Pads, k: int, local: int) -> ArchiveError:
+    pid, m = pads.keys[k]
+    g = pads.shards[k]
+    return ArchiveError(
+        f"param {pid!r}: history buffer {m} of archive {archive}"
+        f" ({self.directory}/{self.index.names[archive]}): padding is not zero (nonzero bits at"
+        f" local index {local}); the index gives rank {g.rank} of shape {g.shape} over world_size"
+        f" {g.world_size}, which owns {g.owned} of its {g.slots} slots, so the data"
+        " contradicts the layout")
+
+  def check_padding_of(self, archive: int, dtype: np.dtype, packed: np.ndarray) -> None:
+    """Every padding slot of an archive's whole packed buffer of ``dtype`` is zero bits."""
+    pads = self._pad_table(archive, dtype)
+    view = _bitview.bits(packed)
+    for k in np.flatnonzero(pads.owned < pads.stops).tolist():
+      nz = np.flatnonzero(view[pads.owned[k]:pads.stops[k]])
+      if nz.size:
+        raise self._padding_error(archive, pads, k,
+                                  int(pads.owned[k] - pads.starts[k]) + int(nz[0]))
+
+  def check_padding(self, archive: int, dtype: np.dtype, keys: list, scratch: np.ndarray,
+                    stats: Optional[ReadStats] = None) -> None:
+    """Reads the padding of buffers ``keys`` and checks it is zero bits.
+
+    ``keys`` are ``(param, mirror)`` of buffers of ``archive``'s packed buffer of
+    ``dtype`` on all-padding ranks, which no run copies from.
+    """
+    pads = self._pad_table(archive, dtype)
+    ks = sorted(pads.index[key] for key in keys if key in pads.index)
+    ks = [k for k in ks if pads.owned[k] < pads.stops[k]]
+    if not ks:
+      return
+    empty = np.zeros(0, np.int64)
+    self._read(archive, dtype, pads, np.asarray(ks, np.int64), empty, empty, empty, None,
+               scratch, stats)
+
+  def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
+    meta = self.archive_meta(archive)
+    b = meta["buffers"][np.dtype(dtype).name]
+    with self._root.dir(self.index.names[archive]) as adir:
+      return _shardread.ShardFile(adir, np.dtype(dtype).name, b["elements"], dtype, b["chunk"],
+                                  b["crc32c"], label=f"archive {archive}")
+
+  def read_buffer(self, archive: int, dtype: np.dtype) -> np.ndarray:
+    """A whole packed buffer, read straight into a fresh array."""
+    n = self._layout(archive).sizes.get(dtype, 0)
+    if not n:
+      return np.empty(0, dtype)
+    f = self.open_buffer(archive, dtype)  # metadata, size and index checked first
+    try:
+      out = allocate(n, dtype, f"archive {archive} ({self.directory}/{self.index.names[archive]})",
+                     zeros=False)
+      f.read_all(out)
+    finally:
+      f.close()
+    return out
+
+  def read_all(self, archive: int) -> dict[tuple[str, int], np.ndarray]:
+    """Every history buffer of an archive, by (param, mirror): its packed buffers read
+    whole, their padding checked."""
+    layout = self._layout(archive)
+    packed = {d: self.read_buffer(archive, d) for d in layout.sizes}
+    for d, data in packed.items():
+      self.check_padding_of(archive, d, data)
+    return {key: packed[d][o:o + n] for key, (d, o, n) in layout.offsets.items()}
+
+  def check_files(self, archive: int) -> None:
+    """Every buffer file of an archive against its metadata, before anything is allocated."""
+    self.archive_meta(archive)
+    for d, n in self._layout(archive).sizes.items():
+      if n:
+        self.open_buffer(archive, d).close()
+
+  def read_runs(self, archive: int, dtype: np.dtype, src: np.ndarray, dst: np.ndarray,
+                length: np.ndarray, out: np.ndarray, scratch: np.ndarray,
+                stats: Optional[ReadStats] = None, trailing: Optional[set] = None) -> None:
+    """Copies runs of one packed buffer into ``out``, reading only their chunks.
+
+    The padding of every history buffer the runs copy from is read as well
+    (usually inside a chunk read anyway) and must be zero bits: data where the
+    layout says padding contradicts the layout, and is refused.
+
+    ``scratch`` (uint8) holds the chunk spans read; it grows to one chunk if smaller.
+    ``stats``, when given, counts the chunk spans read. ``trailing``, when
+    given, collects the all-padding ranks after each rank the runs copy a
+    param's last elements from, for :meth:`check_padding`.
+    """
+    pads = self._pad_table(archive, dtype)
+    touched = np.unique(np.searchsorted(pads.starts, src, side="right") - 1)
+    touched = touched[touched >= 0]
+    if trailing is not None:
+      for k in touched.tolist():
+        for a in pads.trailing[k]:
+          trailing.add((a, np.dtype(dtype), pads.keys[k]))
+    checks = touched[pads.owned[touched] < pads.stops[touched]]
+    self._read(archive, dtype, pads, checks, src, dst, length, out, scratch, stats)
+
+  def _read(self, archive: int, dtype: np.dtype, pads: _Pads, checks: np.ndarray, src, dst,
+            length, out, scratch: np.ndarray, stats: Optional[ReadStats]) -> None:
+    """Copies the runs and checks the padding of buffers ``checks`` (indices into ``pads``)."""
+    zero = (pads.owned[checks], pads.stops[checks] - pads.owned[checks])
+
+    def refuse(i: int, pos: int) -> ArchiveError:
+      k = int(checks[i])
+      return self._padding_error(archive, pads, k, pos - int(pads.starts[k]))
+
+    f = self.open_buffer(archive, dtype)
+    try:
+      if len(scratch) < f.stride:
+        scratch = np.empty(f.stride, np.uint8)
+      _read_runs(f, src, dst, length, out, scratch, stats, zero=zero, refuse=refuse)
+    finally:
+      f.close()
+
+
+def check_describes(index: Index, got: Any, archive: int, where: str) -> None:
+  """An archive's data belongs to the index's layout, clock and ranks for it: its
+  signed ``archive.json`` records their digests when it is written."""
+  want = index.describes(archive)
+  if not isinstance(got, dict) or set(got) != set(want):
+    raise ArchiveError(f"{where}: {ARCHIVE_FILE} has no valid 'describes' entry")
+  for key, words in (("placements", "which params it holds at which rank"),
+                     ("layout", "its state layout"), ("clock", "its optimizer clock")):
+    if got[key] != want[key]:
+      raise ArchiveError(
+          f"{where}: the index does not describe this archive as it was written"
+          f" (the index and its {ARCHIVE_FILE} disagree on {words}); the index was edited or"
+          " belongs to other archives")
+
+
+def pad_table(index: Index, layout: Layout, placement: Callable, archive: int,
+              dtype: np.dtype) -> _Pads:
+  """Where the padding of an archive's packed buffer of ``dtype`` lies."""
+  entries = sorted((o, n, k) for k, (d, o, n) in layout.offsets.items() if d == dtype)
+  starts, owned, stops, keys, shards, trailing = [], [], [], [], [], []
+  for o, n, (pid, m) in entries:
+    g, after = None, ()
+    p = placement(archive, pid)
+    if p is not None:
+      try:
+        g = FlatShard.checked(p.shape, p.rank, p.world_size)
+      except PlacementError:
+        g = None  # refused by validation, never read
+    if g is not None and g.slots == n:
+      own = g.owned
+      if g.owned and g.stop == g.count and g.rank + 1 < g.world_size:
+        after = _ranks_after(index, archive, pid, g.rank)
+    else:
+      g, own = None, n  # a buffer the index does not lay out is refused before reads
+    starts.append(o)
+    owned.append(o + own)
+    stops.append(o + n)
+    keys.append((pid, m))
+    shards.append(g)
+    trailing.append(after)
+  return _Pads(np.asarray(starts, np.int64), np.asarray(owned, np.int64),
+               np.asarray(stops, np.int64), keys, shards, trailing,
+               {k: i for i, k in enumerate(keys)})
+
+
+def _ranks_after(index: Index, archive: int, pid: str, rank: int) -> tuple[int, ...]:
+  """The archives holding ranks after ``rank`` of ``pid``'s group in ``archive``."""
+  out = set()
+  for gi, r in index.member[archive]:
+    if pid in index.param_index[gi] and r == rank:
+      out.update(a for a, ra in index.groups[gi].ranks if ra > rank)
+  return tuple(sorted(out))
+
+
+def _read_runs(f: _shardread.ShardFile, src, dst, length, out, scratch,
+               stats: Optional[ReadStats] = None, zero=None, refuse=None) -> None:
+  """Copies runs ``src -> dst`` of ``f`` into ``out``, reading each chunk span once.
+
+  ``zero``: ``(starts, lengths)`` of ranges of ``f`` that must be zero bits,
+  read with the same spans; ``refuse(i, position)`` makes the error for range ``i``.
+  """
+  n_copy = len(src)
+  if zero is not None and len(zero[0]):
+    src = np.concatenate([src, zero[0]])
+    length = np.concatenate([length, zero[1]])
+    dst = np.concatenate([dst, np.zeros(len(zero[0]), np.int64)])
+  if f.size and (int((src + length).max(initial=0)) > f.size or int(src.min(initial=0)) < 0):
+    raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
+  if not len(src):
+    return
+  c = f.chunk
+  first, last = src // c, (src + length - 1) // c
+  pieces = last - first + 1
+  run = np.repeat(np.arange(len(src)), pieces)
+  chunk = first[run] + (np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces))
+  lo = np.maximum(src[run], chunk * c)
+  hi = np.minimum(src[run] + length[run], (chunk + 1) * c)
+  to = dst[run] + (lo - src[run])
+  order = np.argsort(chunk, kind="stable")
+  per_span = max(1, len(scratch) // f.stride)
+  view = _bitview.bits(out) if n_copy else None
+  data, span_first, span_n = None, -1, 0
+  needed = np.unique(chunk)
+  pos = 0
+  for j in order.tolist():
+    ch = int(chunk[j])
+    if not span_first <= ch < span_first + span_n:
+      # The next span: consecutive needed chunks from this one, as many as fit.
+      pos = int(np.searchsorted(needed, ch))
+      n = 1
+      while (pos + n < len(needed) and n < per_span and needed[pos + n] == ch + n):
+        n += 1
+      data = f.read_chunks(ch, n, scratch)
+      span_first, span_n = ch, n
+      if stats is not None:
+        stats.reads += 1
+        stats.chunks += n
+        stats.bytes += n * f.stride
+    row = data[ch - span_first]
+    a, b, t = int(lo[j]) - ch * c, int(hi[j]) - ch * c, int(to[j])
+    r = int(run[j])
+    if r < n_copy:
+      view[t:t + b - a] = row[a:b]
+    else:
+      nz = np.flatnonzero(row[a:b])
+      if nz.size:
+        raise refuse(r - n_copy, ch * c + a + int(nz[0]))

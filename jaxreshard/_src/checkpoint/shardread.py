@@ -1,0 +1,262 @@
+"""Reading a flat buffer on disk (``shardfile``'s format), trusting nothing.
+
+Files are opened below a directory descriptor of the checkpoint without
+following symbolic links and must be regular files, the metadata must be
+exactly what ``shardfile`` writes, the file must have exactly the size that
+metadata implies, the index must be the one ``shardfile`` writes, and every
+chunk read is checked against its own crc32c and against the crc32c the
+archive's metadata recorded for it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from typing import Any, Sequence
+
+import google_crc32c
+import numpy as np
+
+from jaxreshard._src.checkpoint.shardfile import (CRC_BYTES, INDEX_ENTRY_BYTES, MAX_META_BYTES,
+                                                  META_FILE, SHARD_KEY, _IOV_MAX, _crc, _normalized,
+                                                  file_size, n_chunks, zarr_metadata)
+from jaxreshard._src.exec import bitview as _bitview
+from jaxreshard._src.errors import ArchiveError
+
+__all__ = ["Dir", "ShardFile"]
+
+
+class Dir:
+  """A directory of the checkpoint, open as a descriptor; names never leave it.
+
+  Every open goes through ``openat`` with ``O_NOFOLLOW``: a symbolic link
+  anywhere below the checkpoint root is refused, and so is anything that is
+  not a directory (for :meth:`dir`) or a regular file (for :meth:`file`).
+  """
+
+  def __init__(self, fd: int, path: str):
+    self.fd, self.path = fd, path
+
+  @classmethod
+  def root(cls, path: str) -> "Dir":
+    """Opens the checkpoint directory itself (a user's path may be a link)."""
+    try:
+      fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+      raise FileNotFoundError(f"checkpoint directory {path} does not exist") from None
+    except NotADirectoryError:
+      raise ArchiveError(f"{path} is not a directory, so not a jaxreshard checkpoint") from None
+    return cls(fd, path)
+
+  def close(self) -> None:
+    if self.fd >= 0:
+      os.close(self.fd)
+      self.fd = -1
+
+  def __enter__(self) -> "Dir":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _open(self, name: str, flags: int, what: str) -> int:
+    path = os.path.join(self.path, name)
+    if self.fd < 0:
+      raise ArchiveError(f"{path}: the checkpoint was closed; open it again to read it")
+    try:
+      return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+    except FileNotFoundError:
+      raise ArchiveError(f"{path} is missing") from None
+    except NotADirectoryError:
+      if self._is_link(name):  # O_DIRECTORY on a link fails with ENOTDIR, not ELOOP
+        raise ArchiveError(f"{path} is a symbolic link; every {what} of a checkpoint must"
+                           " lie inside it as a regular entry") from None
+      raise ArchiveError(f"{path} is not a directory") from None
+    except OSError as e:
+      if e.errno == errno.ELOOP:
+        raise ArchiveError(f"{path} is a symbolic link; every {what} of a checkpoint must"
+                           " lie inside it as a regular entry") from None
+      if e.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket or a device
+        raise ArchiveError(f"{path} is not a regular file") from None
+      raise OSError(e.errno, e.strerror, path) from None
+
+  def _is_link(self, name: str) -> bool:
+    try:
+      return stat.S_ISLNK(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
+    except OSError:
+      return False
+
+  def dir(self, name: str) -> "Dir":
+    return Dir(self._open(name, os.O_RDONLY | os.O_DIRECTORY, "directory"),
+               os.path.join(self.path, name))
+
+  def exists(self, name: str) -> bool:
+    try:
+      os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+      return True
+    except FileNotFoundError:
+      return False
+
+  def file(self, name: str) -> tuple[int, os.stat_result]:
+    """Opens a regular file for reading; returns the descriptor and its stat."""
+    # O_NONBLOCK: opening a FIFO must not wait for a writer.
+    fd = self._open(name, os.O_RDONLY | os.O_NONBLOCK, "file")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+      os.close(fd)
+      raise ArchiveError(f"{os.path.join(self.path, name)} is not a regular file")
+    return fd, st
+
+  def read_bytes(self, name: str, max_bytes: int) -> bytes:
+    """A small file's bytes, refused beyond ``max_bytes``."""
+    fd, st = self.file(name)
+    path = os.path.join(self.path, name)
+    try:
+      if st.st_size > max_bytes:
+        raise ArchiveError(f"{path} has {st.st_size} bytes, more than its metadata can have"
+                           f" ({max_bytes})")
+      data = os.pread(fd, min(st.st_size, max_bytes) + 1, 0)
+    finally:
+      os.close(fd)
+    if len(data) > st.st_size:
+      raise ArchiveError(f"{path} grew while it was read")
+    return data
+
+  def read_json(self, name: str, max_bytes: int) -> Any:
+    """A small JSON file, refused beyond ``max_bytes``; strict parsing."""
+    data = self.read_bytes(name, max_bytes)
+    path = os.path.join(self.path, name)
+    try:
+      text = data.decode("utf-8")
+    except UnicodeDecodeError:
+      raise ArchiveError(f"{path} is not UTF-8 JSON") from None
+    from jaxreshard._src.checkpoint.encoding import loads  # pylint: disable=g-import-not-at-top
+
+    return loads(text, path)
+
+
+class ShardFile:
+  """An open buffer file, checked against the metadata that describes it.
+
+  Attributes:
+    size: elements; dtype; chunk: elements per chunk; crcs: the crc32c of
+    every chunk as the archive's metadata recorded them.
+  """
+
+  def __init__(self, parent: Dir, name: str, size: int, dtype: np.dtype, chunk: int,
+               crcs: Sequence[int], label: str = ""):
+    self.size, self.dtype, self.chunk = size, np.dtype(dtype), chunk
+    self.crcs = list(crcs)
+    # Messages name what the file is (``label``, e.g. "archive 3") and its path.
+    self.path = (f"{label} " if label else "") + os.path.join(parent.path, name)
+    self.n = n_chunks(size, chunk)
+    self.chunk_bytes = chunk * self.dtype.itemsize
+    self.stride = self.chunk_bytes + CRC_BYTES
+    if len(self.crcs) != self.n:
+      raise ArchiveError(f"{self.path}: the archive records {len(self.crcs)} chunk checksums"
+                         f" for {self.n} chunks")
+    with parent.dir(name) as d:
+      meta = _normalized(d.read_json(META_FILE, MAX_META_BYTES))
+      if meta != zarr_metadata(size, self.dtype, chunk):
+        raise ArchiveError(
+            f"{self.path}/{META_FILE} does not describe {self.dtype.name}[{size}] in chunks of"
+            f" {chunk} as jaxreshard writes it (codecs, key encoding and chunking must match)")
+      with d.dir(SHARD_KEY[0]) as c:
+        self.fd, st = c.file(SHARD_KEY[1])
+    try:  # a refused file is closed here: its caller never holds it
+      expected = file_size(size, self.dtype.itemsize, chunk)
+      if st.st_size != expected:
+        raise ArchiveError(
+            f"{self.path}/c/0 has {st.st_size} bytes but its metadata ({self.dtype.name}[{size}],"
+            f" chunks of {chunk}) needs {expected}; the file is truncated or not from this"
+            " checkpoint")
+      self._check_index()
+    except BaseException:
+      self.close()
+      raise
+
+  def close(self) -> None:
+    if getattr(self, "fd", -1) >= 0:
+      os.close(self.fd)
+      self.fd = -1
+
+  def _pread(self, n: int, offset: int) -> bytes:
+    try:
+      data = os.pread(self.fd, n, offset)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, self.path) from None
+    if len(data) != n:
+      raise ArchiveError(f"{self.path}/c/0 ended early (truncated while read)")
+    return data
+
+  def _check_index(self) -> None:
+    nbytes = self.n * INDEX_ENTRY_BYTES
+    raw = self._pread(nbytes + CRC_BYTES, self.n * self.stride)
+    if _crc(raw[:nbytes]) != int.from_bytes(raw[nbytes:], "little"):
+      raise ArchiveError(f"{self.path}/c/0: the shard index fails its crc32c (corrupted)")
+    index = np.frombuffer(raw[:nbytes], "<u8").reshape(self.n, 2)
+    expected = np.stack([np.arange(self.n, dtype=np.uint64) * self.stride,
+                         np.full(self.n, self.stride, np.uint64)], axis=1)
+    if not np.array_equal(index, expected):
+      raise ArchiveError(f"{self.path}/c/0: the shard index does not lay chunks out as"
+                         " jaxreshard writes them")
+
+  def _verify(self, first: int, views: Sequence[memoryview], crcs: Sequence[bytes]) -> None:
+    for k, (data, stored) in enumerate(zip(views, crcs)):
+      i = first + k
+      actual = _crc(data)
+      if actual != int.from_bytes(stored, "little") or actual != self.crcs[i]:
+        raise ArchiveError(
+            f"{self.path}/c/0: chunk {i} fails its crc32c check (the file is corrupted or"
+            " not the one this archive's metadata describes)")
+
+  def read_chunks(self, first: int, count: int, into: np.ndarray) -> np.ndarray:
+    """Reads chunks ``[first, first + count)`` into ``into`` (uint8, reused scratch).
+
+    Returns:
+      A ``(count, chunk)`` unsigned-integer view of the chunks' elements, every
+      chunk checked against its crc32c first.
+    """
+    span = memoryview(into)[:count * self.stride]
+    try:
+      got = os.preadv(self.fd, [span], first * self.stride)
+    except OSError as e:
+      raise OSError(e.errno, e.strerror, self.path) from None
+    if got != len(span):
+      raise ArchiveError(f"{self.path}/c/0 ended early (truncated while read)")
+    rows = into[:count * self.stride].reshape(count, self.stride)
+    self._verify(first, [memoryview(r[:self.chunk_bytes]) for r in rows],
+                 [bytes(r[self.chunk_bytes:]) for r in rows])
+    return rows[:, :self.chunk_bytes].view(_bitview.UINT[self.dtype.itemsize])
+
+  def read_all(self, out: np.ndarray) -> None:
+    """Reads the whole buffer straight into ``out`` (``size`` elements, this dtype)."""
+    raw = memoryview(out.reshape(-1).view(np.uint8))
+    tail = bytearray(self.n * self.chunk_bytes - self.size * self.dtype.itemsize)
+    crcs = [bytearray(CRC_BYTES) for _ in range(self.n)]
+    for lo in range(0, self.n, _IOV_MAX // 3):
+      hi = min(self.n, lo + _IOV_MAX // 3)
+      iov, views = [], []
+      for i in range(lo, hi):
+        part = raw[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]
+        iov.append(part)
+        if i == self.n - 1 and tail:
+          iov.append(tail)
+        iov.append(crcs[i])
+        views.append(part)
+      want = sum(len(b) for b in iov)
+      try:
+        got = os.preadv(self.fd, iov, lo * self.stride)
+      except OSError as e:
+        raise OSError(e.errno, e.strerror, self.path) from None
+      if got != want:
+        raise ArchiveError(f"{self.path}/c/0 ended early (truncated while read)")
+      for k, i in enumerate(range(lo, hi)):
+        actual = _crc(views[k])
+        if i == self.n - 1 and tail:
+          actual = google_crc32c.extend(actual, bytes(tail))
+        if actual != int.from_bytes(crcs[i], "little") or actual != self.crcs[i]:
+          raise ArchiveError(
+              f"{self.path}/c/0: chunk {i} fails its crc32c check (the file is corrupted or"
+              " not the one this archive's metadata describes)")

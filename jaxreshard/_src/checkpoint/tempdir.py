@@ -1,0 +1,390 @@
+"""Saving atomically: a hidden temporary sibling directory, its writer's lock, the commit.
+
+A checkpoint is written into ``.NAME.tmp-ID-PID-HOST`` next to its final
+path, held under ``flock`` on ``LOCK_FILE`` for the whole save, checked
+complete and renamed into place without replacing anything; directories
+nobody holds are a dead writer's and may be removed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import os
+import re
+import socket
+import stat
+import uuid
+from typing import Optional
+
+import numpy as np
+
+from jaxreshard._src.checkpoint import encoding as fmt
+from jaxreshard._src.checkpoint import shardfile as _shardfile
+from jaxreshard._src.checkpoint.index import ARCHIVE_FILE, INDEX_FILE
+from jaxreshard._src.checkpoint.writer import IndexBuilder
+from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
+
+__all__ = ["LOCK_FILE", "TempDir", "commit_dir", "new_temp_dir", "remove_temp_dirs", "temp_dirs"]
+
+
+_TEMP = re.compile(r"\.(?P<name>.+)\.tmp-[0-9a-f]{32}-(?P<pid>[0-9]+)-(?P<host>[A-Za-z0-9._-]*)\Z")
+
+LOCK_FILE = ".jaxreshard-save.lock"
+"""The file in a temporary directory that its writer holds ``flock(LOCK_EX)`` on
+for the whole save: a directory whose lock nobody holds has no writer."""
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _host() -> str:
+  return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64]
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+  return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _lock_probe(path: str) -> tuple[Optional[int], Optional[int]]:
+  """``(dir_fd, lock_fd)`` of ``path`` with its writer's lock taken, or Nones when
+  a writer holds it (or it cannot be locked, or is not a directory)."""
+  try:
+    dfd = os.open(path, _DIR_FLAGS)
+  except OSError:
+    return None, None
+  lfd = -1
+  try:
+    try:
+      lfd = os.open(LOCK_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+      # A directory without a lock: a writer that has not yet made it, or one
+      # killed before. Made here and held, a writer that comes to take it
+      # finds it taken and starts over in a new directory.
+      lfd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                    dir_fd=dfd)
+    fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError:  # held by its writer (EWOULDBLOCK), or not ours to lock
+    if lfd >= 0:
+      os.close(lfd)
+    os.close(dfd)
+    return None, None
+  return dfd, lfd
+
+
+def temp_dirs(final: str) -> list[tuple[str, bool]]:
+  """The temporary siblings saves to ``final`` left, each with whether its writer is gone.
+
+  A writer holds an exclusive ``flock`` on the directory's lock file for its
+  whole save; the writer is gone when that lock is free (taken and released
+  at once here). Neither the process id nor the host in the directory's name
+  decides it: process ids repeat across pid namespaces that share a host name.
+  """
+  parent, name = os.path.split(final)
+  out = []
+  try:
+    entries = os.listdir(parent)
+  except OSError:
+    return out
+  for entry in sorted(entries):
+    m = _TEMP.match(entry)
+    if not m or m["name"] != name:
+      continue
+    path = os.path.join(parent, entry)
+    dfd, lfd = _lock_probe(path)
+    if dfd is not None:
+      os.close(lfd)
+      os.close(dfd)
+    out.append((path, dfd is not None))
+  return out
+
+
+def _this_host(path: str) -> bool:
+  m = _TEMP.match(os.path.basename(path))
+  return bool(m) and m["host"] == _host()
+
+
+def _remove_below(dfd: int, path: str, keep: str = "") -> list[str]:
+  """Removes everything in the held directory ``dfd`` but ``keep``; returns the
+  paths that could not be removed (each with why)."""
+  left = []
+  with os.scandir(dfd) as it:
+    names = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+  for name, is_dir in names:
+    if name == keep:
+      continue
+    where = os.path.join(path, name)
+    try:
+      if is_dir:
+        sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+        try:
+          left += _remove_below(sub, where)
+        finally:
+          os.close(sub)
+        os.rmdir(name, dir_fd=dfd)
+      else:
+        os.unlink(name, dir_fd=dfd)
+    except OSError as e:
+      left.append(f"{where} ({e.strerror})")
+  return left
+
+
+def _remove_held(path: str, dfd: int) -> None:
+  """Removes the directory ``path`` held as ``dfd`` (its lock held by the caller), the
+  lock file last.
+
+  Raises:
+    ArchiveError: something in it could not be removed; names what is left.
+  """
+  left = _remove_below(dfd, path, keep=LOCK_FILE)
+  if not left:
+    try:
+      os.unlink(LOCK_FILE, dir_fd=dfd)
+      if not _same_file(os.stat(path, follow_symlinks=False), os.fstat(dfd)):
+        raise ArchiveError(f"{path} was replaced while it was removed; it is left as it is")
+      os.rmdir(path)
+    except FileNotFoundError:
+      pass  # another clean removed it first
+    except OSError as e:
+      left.append(f"{path} ({e.strerror})")
+  if left:
+    raise ArchiveError(f"{path} was removed only partly; left: {', '.join(left[:8])}"
+                       + (f" and {len(left) - 8} more" if len(left) > 8 else ""))
+
+
+def remove_temp_dirs(final: str, *, everything: bool = False) -> list[str]:
+  """Removes the temporary siblings of ``final`` whose writer is gone; returns their paths.
+
+  A directory whose lock a writer holds is never removed. Without
+  ``everything`` only directories made on this host are considered, because
+  a network file system may keep ``flock`` locks to the host that took them;
+  ``everything`` adds other hosts' (still only those whose lock is free here).
+
+  Raises:
+    ArchiveError: a directory could not be removed entirely; the message names
+      what is left (directories removed before it are gone).
+  """
+  removed = []
+  for path, gone in temp_dirs(final):
+    if not gone or not (everything or _this_host(path)):
+      continue
+    dfd, lfd = _lock_probe(path)  # taken again, and held while removing
+    if dfd is None:
+      continue  # a writer took it meanwhile
+    try:
+      try:
+        _remove_held(path, dfd)
+      except ArchiveError as e:
+        if removed:
+          raise ArchiveError(f"{e} (removed before it: {', '.join(removed)})") from None
+        raise
+    finally:
+      os.close(lfd)
+      os.close(dfd)
+    removed.append(path)
+  return removed
+
+
+class TempDir:
+  """The hidden sibling a checkpoint is written into before its rename.
+
+  Its writer holds it by descriptor (every file is created below that
+  descriptor) and holds an exclusive ``flock`` on its lock file from creation
+  to commit, which is what tells ``clean`` that it is alive. Its name carries
+  the process id and host only to be readable.
+
+  Attributes:
+    path: the directory's path.
+    out: the held directory, for the writer.
+  """
+
+  def __init__(self, path: str, out: _shardfile.OutDir, lock_fd: int):
+    self.path, self.out, self._lock = path, out, lock_fd
+    self.committed = False
+
+  @classmethod
+  def create(cls, final: str, durable: bool = True) -> "TempDir":
+    parent, base = os.path.split(final)
+    for _ in range(8):
+      path = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex}-{os.getpid()}-{_host()}")
+      os.mkdir(path)
+      made = cls._take(path, durable)
+      if made is not None:
+        return made
+      # A clean took the new directory's lock first (it found no writer's lock
+      # yet): it removes it; this save starts over in a new one.
+    raise ArchiveError(f"{final}: every temporary directory made for the save was taken by a"
+                       " concurrent clean; nothing was written")
+
+  @classmethod
+  def _take(cls, path: str, durable: bool) -> Optional["TempDir"]:
+    try:
+      dfd = os.open(path, _DIR_FLAGS)
+    except FileNotFoundError:
+      return None
+    lfd = -1
+    try:
+      lfd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                    dir_fd=dfd)
+      fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      # Taken: still the directory at its path, with this lock file in it.
+      if (os.fstat(dfd).st_nlink and os.fstat(lfd).st_nlink
+          and _same_file(os.stat(path, follow_symlinks=False), os.fstat(dfd))
+          and _same_file(os.stat(LOCK_FILE, dir_fd=dfd, follow_symlinks=False), os.fstat(lfd))):
+        return cls(path, _shardfile.OutDir(dfd, path, durable), lfd)
+    except (FileNotFoundError, BlockingIOError):
+      pass
+    except BaseException:
+      if lfd >= 0:
+        os.close(lfd)
+      os.close(dfd)
+      raise
+    if lfd >= 0:
+      os.close(lfd)
+    os.close(dfd)
+    return None
+
+  def check(self, builder: IndexBuilder, chunk_bytes: int) -> None:
+    """That the directory at :attr:`path` is still this one and holds every file written.
+
+    Raises:
+      ArchiveError: it was removed, replaced or emptied in part (by hand; a
+        clean never touches it while its lock is held).
+    """
+    missing = []
+    try:
+      here = os.stat(self.path, follow_symlinks=False)
+    except OSError:
+      here = None
+    if here is None or not _same_file(here, os.fstat(self.out.fd)):
+      missing.append(self.path)
+    else:
+      dfd = self.out.fd
+      for rel, size in _expected_files(builder, chunk_bytes):
+        try:
+          st = os.stat(rel, dir_fd=dfd, follow_symlinks=False)
+        except OSError:
+          st = None
+        if st is None or not stat.S_ISREG(st.st_mode) or (size is not None
+                                                           and st.st_size != size):
+          missing.append(os.path.join(self.path, rel))
+    if missing:
+      raise ArchiveError(
+          f"the save's temporary directory {self.path} was removed or changed while it was"
+          f" written (missing or altered: {', '.join(missing[:8])}"
+          + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+          + "); nothing is committed")
+
+  def commit(self, final: str) -> None:
+    """Renames the directory to ``final`` (never replacing anything), then fsyncs
+    ``final``'s parent (when durable) and drops the lock file."""
+    commit_dir(self.path, final)
+    self.path, self.committed = final, True
+    if self.out.durable:
+      parent = os.path.dirname(final) or "."
+      fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+      try:
+        os.fsync(fd)
+      except OSError as e:
+        raise OSError(e.errno, f"{e.strerror} (committing a checkpoint)", final) from None
+      finally:
+        os.close(fd)
+    try:
+      os.unlink(LOCK_FILE, dir_fd=self.out.fd)
+    except OSError:
+      pass  # an empty file no reader opens; the checkpoint is complete without it gone
+
+  def discard(self) -> None:
+    """Removes what was written unless it is committed (best effort: a failed save
+    leaves nothing it can remove)."""
+    if self.committed:
+      return
+    try:
+      _remove_held(self.path, self.out.fd)
+    except (OSError, ArchiveError):
+      pass
+
+  def close(self) -> None:
+    """Releases the lock and the directory."""
+    self.out.close()
+    if self._lock >= 0:
+      os.close(self._lock)
+      self._lock = -1
+
+
+def _expected_files(builder: IndexBuilder, chunk_bytes: int) -> list[tuple[str, Optional[int]]]:
+  """Every file a checkpoint written by ``builder`` holds, relative to its root, with
+  the exact size of each shard file (None: any size)."""
+  files: list[tuple[str, Optional[int]]] = [(INDEX_FILE, None)]
+  for name, layout, _ in builder.archives:
+    files.append((os.path.join(name, ARCHIVE_FILE), None))
+    sizes: dict[str, int] = {}
+    for leaf in builder.layouts[layout]["leaves"]:
+      if isinstance(leaf, list):
+        sizes[leaf[1]] = sizes.get(leaf[1], 0) + leaf[2]
+    for dtype, n in sorted(sizes.items()):
+      if not n:
+        continue
+      itemsize = np.dtype(fmt.np_dtype(dtype, name)).itemsize
+      chunk = _shardfile.chunk_elements(n, itemsize, chunk_bytes)
+      files.append((os.path.join(name, dtype, _shardfile.META_FILE), None))
+      files.append((os.path.join(name, dtype, *_shardfile.SHARD_KEY),
+                    _shardfile.file_size(n, itemsize, chunk)))
+  return files
+
+
+def new_temp_dir(final: str, *, durable: bool = True) -> TempDir:
+  """Creates, holds and locks the hidden sibling a checkpoint is written into.
+
+  First removes what earlier saves to ``final`` on this host left behind
+  (directories whose lock nobody holds).
+
+  Raises:
+    ArchiveExistsError: ``final`` exists (a checkpoint is never overwritten).
+    FileNotFoundError: its parent directory does not exist.
+    NotADirectoryError: its parent is not a directory.
+  """
+  if os.path.lexists(final):
+    raise ArchiveExistsError(f"{final} already exists; jaxreshard never overwrites a checkpoint")
+  parent = os.path.dirname(final)
+  if not os.path.exists(parent):
+    raise FileNotFoundError(f"parent directory {parent} of {final} does not exist")
+  if not os.path.isdir(parent):
+    raise NotADirectoryError(f"{parent} is not a directory, so {final} cannot be made in it")
+  try:
+    remove_temp_dirs(final)
+  except ArchiveError:
+    pass  # what an earlier save left and cannot be removed does not stop this one
+  return TempDir.create(final, durable)
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def commit_dir(tmp: str, final: str) -> None:
+  """Renames ``tmp`` to ``final``, never replacing anything at ``final``.
+
+  Where the kernel offers it (Linux ``renameat2`` with ``RENAME_NOREPLACE``)
+  the check and the rename are one atomic step; elsewhere the check comes
+  just before the rename.
+
+  Raises:
+    ArchiveExistsError: something appeared at ``final`` while it was written.
+  """
+  try:
+    renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+  except (AttributeError, OSError):
+    renameat2 = None
+  if renameat2 is not None:
+    if renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final),
+                 _RENAME_NOREPLACE) == 0:
+      return
+    err = ctypes.get_errno()
+    if err == errno.EEXIST or err == errno.ENOTEMPTY:
+      raise ArchiveExistsError(f"{final} appeared while it was being written")
+    if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):  # unsupported: fall back
+      raise OSError(err, os.strerror(err), final)
+  if os.path.lexists(final):
+    raise ArchiveExistsError(f"{final} appeared while it was being written")
+  os.rename(tmp, final)

@@ -1,0 +1,273 @@
+"""Writing checkpoints: archives, their buffers and the index (see ``reader``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import uuid
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jaxreshard._src.checkpoint import encoding as fmt
+from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.checkpoint import shardfile as _shardfile
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.errors import PlacementError, ShapeError
+from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.core.placement import ParamPlacement
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.checkpoint.index import (
+    ARCHIVE_FILE, DEFAULT_CHUNK_BYTES, FORMAT, FORMAT_VERSION, INDEX_FILE, Source, SourcedRecords,
+    _json_digest, _param_term, _placements_digest)
+
+
+def target_layout(placements: Iterable[ParamPlacement], anatomy: _structure.StateParts) -> str:
+  """The layout an archive shares with every rank of its target: a sha256 in hex.
+
+  It covers the world size and every param's id, logical shape, storage
+  dtype, trainability and history (per optimizer subtree: a buffer's dtype,
+  masked or absent), never the rank, the slots or the clock.
+  """
+  entries = []
+  for p in sorted(placements, key=lambda p: p.param):
+    hist = [None if h is None else "masked" if h is _structure.MASKED else np.dtype(h.dtype).name
+            for h in anatomy.history(p.param)]
+    entries.append([p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable),
+                    int(p.world_size), hist])
+  return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
+
+
+# --- writing ------------------------------------------------------------------
+
+
+def _packed(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+  """The concatenation of flat ``parts``; without a copy when they tile one buffer."""
+  if not parts:
+    return np.zeros(0, dtype)
+  base = parts[0].base
+  if (isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == dtype
+      and base.flags.c_contiguous and all(p.base is base and p.flags.c_contiguous
+                                          for p in parts)):
+    start = (parts[0].__array_interface__["data"][0] - base.__array_interface__["data"][0])
+    ptr = parts[0].__array_interface__["data"][0]
+    for p in parts:
+      if p.__array_interface__["data"][0] != ptr:
+        break
+      ptr += p.nbytes
+    else:
+      i0 = start // dtype.itemsize
+      return base[i0:i0 + sum(p.size for p in parts)]
+  return np.concatenate(parts)
+
+
+class IndexBuilder:
+  """Collects each archive's entry of the index as records are written."""
+
+  def __init__(self, checkpoint_id: Optional[str] = None, source: Optional[Source] = None):
+    self.id = checkpoint_id or uuid.uuid4().hex
+    self.source = source
+    self._layouts: dict[str, int] = {}
+    self._layout_of_signature: dict[tuple, int] = {}
+    self._clocks: dict[str, int] = {}
+    self.layouts: list[dict] = []
+    self.clocks: list[list] = []
+    self.archives: list[Optional[list]] = []
+    self._params: dict[tuple, int] = {}
+    self.params: list[list] = []
+    self._members: dict[int, list[tuple[int, int, int]]] = {}  # param entry -> (archive, rank, W)
+    self._terms: list[int] = []  # param entry -> its term in a placement digest
+    self._layout_digests: list[str] = []
+    self.describes: dict[int, dict[str, str]] = {}  # archive -> what archive.json records
+
+  def add(self, index: int, record: Any, *, pack: bool = True) -> dict[np.dtype, np.ndarray]:
+    """Registers archive ``index``; returns its packed buffers (per dtype).
+
+    With ``pack=False`` the record's buffers may be shapes alone
+    (``jax.ShapeDtypeStruct``): only the index entry is made.
+    """
+    try:
+      anatomy, placements = _validate.check_archive(index, record)
+    except PlacementError:
+      raise
+    if self.source is not None:
+      self._check_source(index, placements, anatomy)
+    for p in placements.values():  # what a reader refuses is never written
+      slots = FlatShard(p.shape, p.rank, p.world_size).slots
+      for m, h in enumerate(anatomy.history(p.param)):
+        if hasattr(h, "shape"):
+          _validate.check_flat_history(p, index, m, tuple(h.shape), slots)
+    roles = _structure.roles_of(record)
+    leaves, treedef = jax.tree_util.tree_flatten(record.state)
+    # Ranks of one layout share its structure: encode it once.
+    signature = (treedef, roles, tuple((getattr(x, "shape", None), getattr(x, "dtype", None))
+                                       for x, r in zip(leaves, roles) if r is not None))
+    layout = self._layout_of_signature.get(signature)
+    if layout is None:
+      layout = self._layout(index, record, roles)
+      self._layout_of_signature[signature] = layout
+    scalars = [fmt.encode_scalar(leaf, f"archive {index}, leaf {i}")
+               for i, (leaf, role) in enumerate(zip(leaves, roles)) if role is None]
+    clock_key = json.dumps(scalars, separators=(",", ":"), sort_keys=True)
+    clock = self._clocks.setdefault(clock_key, len(self._clocks))
+    if clock == len(self.clocks):
+      self.clocks.append(scalars)
+    while len(self.archives) <= index:
+      self.archives.append(None)
+    self.archives[index] = [f"archive_{index:05d}", layout, clock]
+    buckets: dict[tuple[int, int], int] = {}
+    for p in placements.values():
+      FlatShard(p.shape, p.rank, p.world_size)  # a placement the format can describe
+      key = (p.param, p.shape, p.dtype, bool(p.trainable))
+      e = self._params.setdefault(key, len(self._params))
+      if e == len(self.params):
+        self.params.append([p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable)])
+        self._terms.append(_param_term(self.params[e]))
+      self._members.setdefault(e, []).append((index, p.rank, p.world_size))
+      bucket = (p.world_size, p.rank)
+      buckets[bucket] = buckets.get(bucket, 0) + self._terms[e]
+    self.describes[index] = {"layout": self._layout_digests[layout],
+                             "clock": hashlib.sha256(clock_key.encode("ascii")).hexdigest(),
+                             "placements": _placements_digest(buckets)}
+    if not pack:
+      return {}
+    parts: dict[np.dtype, list[np.ndarray]] = {}
+    for pid, m, buf in _copyplan.packing_order(
+        {pid: anatomy.history(pid) for pid in anatomy.param_set()}):
+      parts.setdefault(np.dtype(buf.dtype), []).append(np.asarray(buf).reshape(-1))
+    return {d: _packed(p, d) for d, p in parts.items()}
+
+  def _check_source(self, index: int, placements: dict[str, ParamPlacement],
+                    anatomy: _structure.StateParts) -> None:
+    """Every archive of a reshard's output has its target's world size and layout."""
+    src = self.source
+    for p in placements.values():
+      if p.world_size != src.world_size:
+        raise PlacementError(f"param {p.param!r}: archive {index} has world_size"
+                             f" {p.world_size}, not {src.world_size} of its target")
+    layout = target_layout(placements.values(), anatomy)
+    if src.layout is None:
+      self.source = dataclasses.replace(src, layout=layout)
+    elif layout != src.layout:
+      raise PlacementError(
+          f"archive {index} has another layout (params, shapes, dtypes or history buffers)"
+          f" than {'archive 0' if index else 'its target'}; the ranks of one target share one")
+
+  def _layout(self, index: int, record: Any, roles: Sequence[Any]) -> int:
+    """The layout entry of a record's state structure (added when new)."""
+    tree, leaves = fmt.encode_tree(record.state)
+    entries, n_scalars = [], 0
+    for leaf, role in zip(leaves, roles):
+      if role is None:
+        entries.append({"s": n_scalars})
+        n_scalars += 1
+        continue
+      where = f"param {role!r}: archive {index}"
+      if np.ndim(leaf) != 1:
+        raise ShapeError(f"{where}: history buffer of shape {np.shape(leaf)} is not flat")
+      dtype = fmt.np_dtype(np.dtype(leaf.dtype).name, where)
+      entries.append([role, dtype.name, int(np.size(leaf))])
+    key = json.dumps([tree, entries], separators=(",", ":"))
+    layout = self._layouts.setdefault(key, len(self._layouts))
+    if layout == len(self.layouts):
+      self.layouts.append({"tree": tree, "leaves": entries})
+      self._layout_digests.append(_json_digest(self.layouts[-1]))
+    return layout
+
+  def groups(self) -> list[dict]:
+    """Param entries split the same way, merged into one group."""
+    merged: dict[tuple, list[int]] = {}
+    for e, members in self._members.items():
+      worlds = {w for _, _, w in members}
+      for w in sorted(worlds):
+        ranks = tuple((a, r) for a, r, ww in members if ww == w)
+        merged.setdefault((w, ranks), []).append(e)
+    return [{"world_size": w, "params": sorted(es), "ranks": [list(x) for x in ranks]}
+            for (w, ranks), es in merged.items()]
+
+  def index(self) -> dict:
+    if not self.archives or any(a is None for a in self.archives):
+      raise PlacementError("no archives supplied")
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": self.id,
+            "record_version": RECORD_VERSION, "params": self.params, "groups": self.groups(),
+            "layouts": self.layouts, "clocks": self.clocks, "archives": self.archives,
+            "source": None if self.source is None else self.source.to_json()}
+
+
+def write_archive(directory: "_shardfile.OutDir | str", index: int, record: Any,
+                  builder: IndexBuilder, chunk_bytes: int, *, durable: bool = True) -> int:
+  """Writes one archive directory and registers it with ``builder``.
+
+  ``directory`` is a held :class:`_shardfile.OutDir` (whose own entries the
+  caller fsyncs once it is complete) or a path (held, and fsync'ed, for this
+  call, unless ``durable`` is False). Every file of the archive, and its
+  directories, are fsync'ed when the directory is durable.
+
+  Returns the bytes of its history buffers (the data, not the checksums).
+  """
+  if not isinstance(directory, _shardfile.OutDir):
+    with _shardfile.OutDir.open(os.fspath(directory), durable) as held:
+      nbytes = _write_archive_into(held, index, record, builder, chunk_bytes)
+      held.sync()
+      held.drain()
+      return nbytes
+  return _write_archive_into(directory, index, record, builder, chunk_bytes)
+
+
+def _write_archive_into(directory: _shardfile.OutDir, index: int, record: Any,
+                        builder: IndexBuilder, chunk_bytes: int) -> int:
+  buffers = builder.add(index, record)
+  with directory.mkdir(f"archive_{index:05d}") as adir:
+    meta_buffers = {}
+    for dtype, data in sorted(buffers.items(), key=lambda kv: kv[0].name):
+      if not data.size:
+        continue
+      chunk = _shardfile.chunk_elements(data.size, dtype.itemsize, chunk_bytes)
+      crcs = _shardfile.write_array(adir, dtype.name, data, chunk)
+      meta_buffers[dtype.name] = {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}
+    adir.write_bytes(ARCHIVE_FILE, fmt.signed_json({
+        "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": builder.id,
+        "archive": f"archive_{index:05d}", "describes": builder.describes[index],
+        "buffers": meta_buffers}))
+    adir.sync()
+  return sum(int(data.nbytes) for data in buffers.values())
+
+
+def dump(path: str, obj: dict) -> None:
+  """Writes the index or an ``archive.json`` into the new file ``path``: signed JSON
+  (see ``_archive_format``), fsync'ed with its directory."""
+  with _shardfile.OutDir.open(os.path.dirname(path) or ".") as held:
+    held.write_bytes(os.path.basename(path), fmt.signed_json(obj))
+    held.sync()
+    held.drain()
+
+
+def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
+                     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                     progress: Optional[Callable[[int, int], None]] = None) -> IndexBuilder:
+  """Writes every record into an existing empty ``directory``; returns what it wrote.
+
+  ``directory`` is a held :class:`_shardfile.OutDir` or a path. Records are
+  written one at a time as the iterable yields them; ``progress(archive,
+  nbytes)`` is called after each. ``SourcedRecords`` give the index their
+  ``Source``. Every file and directory is fsync'ed (when ``directory`` is
+  durable) before it returns. Not atomic by itself: ``save_records`` and the
+  orbax handler supply the atomic commit.
+  """
+  if not isinstance(directory, _shardfile.OutDir):
+    with _shardfile.OutDir.open(os.fspath(directory)) as held:
+      return write_checkpoint(held, records, chunk_bytes=chunk_bytes, progress=progress)
+  builder = IndexBuilder(
+      source=records.source if isinstance(records, SourcedRecords) else None)
+  for index, record in enumerate(records):
+    nbytes = write_archive(directory, index, record, builder, chunk_bytes)
+    if progress is not None:
+      progress(index, nbytes)
+  directory.write_bytes(INDEX_FILE, fmt.signed_json(builder.index()))
+  directory.sync()
+  directory.drain()
+  return builder
