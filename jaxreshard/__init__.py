@@ -14,7 +14,7 @@ Long calls (saves, loads, restores) take ``progress=`` (a callable receiving a
 archive or rank, INFO per call; the library installs no handler.
 """
 
-from jaxreshard import orbax
+from jaxreshard import orbax as orbax  # the submodule, as a public name
 from jaxreshard._src.checkpoint.store import load_records, open_checkpoint, save_records
 from jaxreshard._src.checkpoint.reader import FORMAT_VERSION as CHECKPOINT_FORMAT_VERSION
 from jaxreshard._src.exec.device import clear_device_cache as clear_kernel_cache

@@ -17,7 +17,7 @@ import jaxreshard as jr
 from jaxreshard._src.checkpoint import read_plan as _read_plan
 from jaxreshard._src.cli.commands import EXIT_DIFFERENT, EXIT_ERROR, app, progress_bar
 
-from tests._archive_util import read_json, write_consistent_index, write_signed_json
+from tests._archive_util import read_json, write_consistent_index
 from tests._core_util import assert_records_equal, replace_history as _replace
 
 PARAMS = {"enc": {"kernel": np.zeros((7, 11), np.float32), "bias": np.zeros((5,), np.float32)},

@@ -27,7 +27,7 @@ import numpy as np
 from jaxreshard._src.exec import bitview as _bitview
 from jaxreshard._src.checkpoint import reader as _checkpoint
 from jaxreshard._src.core import structure as _structure
-from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import ShardRecord
@@ -164,7 +164,7 @@ class _Accumulator:
   def __init__(self):
     self.structure: Optional[str] = None
     self.scalars: Optional[tuple] = None
-    self.clock: Optional[tuple] = None  # archive 0's ``_validate.clock_key``
+    self.clock: Optional[tuple] = None  # archive 0's ``_clock.clock_key``
     self.meta: dict[str, tuple] = {}  # pid -> (shape, dtype, trainable, world_size, history)
     self.seen_ranks: dict[str, set[int]] = {}
     self.streams: dict[tuple[str, int], _Stream] = {}
@@ -174,12 +174,12 @@ class _Accumulator:
     """The state's structure and clock scalars must be those of archive 0."""
     structure = repr((str(anatomy.skeleton),
                       [jax.tree_util.keystr(m.prefix) for m in anatomy.mirrors]))
-    clock = _validate.clock_key(structure, [x for _, x in _clock_leaves(record)])
+    clock = _clock.clock_key(structure, [x for _, x in _clock_leaves(record)])
     if self.structure is None:
       self.structure, self.scalars, self.clock = structure, _scalars(record), clock
     elif structure != self.structure:
       self.problems.append(f"archive {index}: optimizer state structure differs from archive 0")
-    elif _validate.clock_difference(self.clock, clock) is not None:
+    elif _clock.clock_difference(self.clock, clock) is not None:
       self.problems.append(f"archive {index}: optimizer clock scalars differ from archive 0")
 
   def add_placement(self, index: int, p: Any, hist: tuple[Any, ...]) -> None:
@@ -313,7 +313,7 @@ def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
   Paths are ``_structure.clock_paths``', the name every message uses; a typed
   PRNG key's value is its key data.
   """
-  return [(path, _validate.plain(x)) for path, x in _clock_leaves(record)]
+  return [(path, _clock.plain(x)) for path, x in _clock_leaves(record)]
 
 
 def _clock_leaves(record: ShardRecord) -> list[tuple[str, Any]]:
@@ -371,7 +371,7 @@ def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
   # A typed PRNG key is its key data, under its own dtype's name (key<fry>).
   out = []
   for path, x in _clock_leaves(record):
-    a = _validate.plain(x)
+    a = _clock.plain(x)
     dtype = x.dtype if hasattr(x, "dtype") else a.dtype
     out.append((path, f"{dtype}{a.shape}", raw_bits(a).tobytes().hex()))
   return tuple(out)

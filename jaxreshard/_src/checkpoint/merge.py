@@ -17,7 +17,7 @@ from typing import Any, Iterator, Sequence
 
 from jaxreshard._src.checkpoint import reader as _checkpoint
 from jaxreshard._src.checkpoint import digest as _digest
-from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.checkpoint.store import save_records
 from jaxreshard._src.checkpoint.reader import Checkpoint, Source
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementError
@@ -123,16 +123,16 @@ def _layout_mismatch(part: _Part, first: _Part) -> str:
 
 
 def _clock_key(ckpt: Checkpoint, archive: int = 0) -> tuple[Any, ...]:
-  """An archive's ``_validate.clock_key``: its optimizer structure and clock scalars."""
-  return _validate.clock_key(ckpt.skeleton(archive), ckpt.scalars(archive))
+  """An archive's ``_clock.clock_key``: its optimizer structure and clock scalars."""
+  return _clock.clock_key(ckpt.skeleton(archive), ckpt.scalars(archive))
 
 
 def _clock_mismatch(part: _Part, archive: int, first: _Part) -> str:
   """Words the refusal of ``part``'s archive whose clock differs from ``first``'s ('' if not)."""
-  where = _validate.clock_difference(_clock_key(first.ckpt), _clock_key(part.ckpt, archive))
+  where = _clock.clock_difference(_clock_key(first.ckpt), _clock_key(part.ckpt, archive))
   if where is None:
     return ""
-  if where == _validate.STRUCTURE:
+  if where == _clock.STRUCTURE:
     return (f"{part.path} has another optimizer state structure but {first.path} has another"
             " optimizer state structure; parts of different steps are never merged")
   mine = _digest.clock_scalars(part.ckpt.metadata_record(archive))[where]

@@ -71,6 +71,7 @@ from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.engine import sources as _sources
 from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.errors import ArchiveError, PlacementError
 from jaxreshard._src.core.geometry import FlatShard
@@ -107,7 +108,7 @@ class _Caches:
   uniform: dict = dataclasses.field(default_factory=dict)
   complete: Optional[list] = None
   group_of: dict = dataclasses.field(default_factory=dict)
-  clock_classes: Any = dataclasses.field(default_factory=_validate.ClockClasses)
+  clock_classes: Any = dataclasses.field(default_factory=_clock.ClockClasses)
   by_archive: dict = dataclasses.field(default_factory=dict)
 
 
@@ -199,7 +200,7 @@ class Checkpoint:
     return self.layout(archive).anatomy.history(pid)
 
   def clock_class(self, archive: int) -> int:
-    """The rule records in memory follow (``_validate.ClockClasses``): one state structure
+    """The rule records in memory follow (``_clock.ClockClasses``): one state structure
     and bit-identical clock scalars; archives of one layout and clock share it."""
     return self._cache.clock_classes.of(
         self, archive, (self.archive_layout[archive], self.archive_clock[archive]))

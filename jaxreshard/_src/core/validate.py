@@ -21,6 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxreshard._src.core.clock import (STRUCTURE, ClockClasses, clock_difference, clock_key,
+                                         clock_mismatch)
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
 from jaxreshard._src.core.geometry import FlatShard
@@ -365,82 +367,6 @@ def _check_clocks(pid: str, archives: Sequence[int], src: Any) -> int:
     if src.clock_class(s) != clock:
       raise PlacementError(clock_mismatch(src, s, ref, pid))
   return clock
-
-
-def clock_mismatch(src: Any, a: int, b: int, pid: Optional[str] = None) -> str:
-  """Words the refusal of archives ``a`` and ``b``, whose optimizer clocks differ."""
-  name = f"param {pid!r}: " if pid is not None else ""
-  sa, sb = src.skeleton(a), src.skeleton(b)
-  xa, xb = src.scalars(a), src.scalars(b)
-  where = clock_difference(clock_key(sa, xa), clock_key(sb, xb))
-  if where == STRUCTURE:
-    return (f"{name}archive {a} has optimizer state structure {sa[0]} but archive"
-            f" {b} has {sb[0]}; these archives are not one checkpoint")
-  if where is not None and where < min(len(xa), len(xb)):
-    path = _structure.clock_paths(sa[0], [slot is None for slot in sa[1]])[where]
-    return (f"{name}archive {a} has clock scalar {path} = {plain(xa[where])!r} but archive"
-            f" {b} has {plain(xb[where])!r}; these archives are not one checkpoint")
-  return f"{name}archives {a} and {b} have different optimizer clocks; not one checkpoint"
-
-
-STRUCTURE = -1  # what ``clock_difference`` answers when the state structures differ
-
-
-def clock_key(skeleton: Any, scalars: Sequence[Any]) -> tuple[Any, ...]:
-  """What must agree for two archives to be of one step: structure, every clock leaf's bits."""
-  return (skeleton, tuple(scalar_bits(x) for x in scalars))
-
-
-def clock_difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> Optional[int]:
-  """The one comparison of two :func:`clock_key`: ``None``, ``STRUCTURE`` or a scalar's index."""
-  if a[0] != b[0]:
-    return STRUCTURE
-  for i, (x, y) in enumerate(zip(a[1], b[1])):
-    if x != y:
-      return i
-  return None if len(a[1]) == len(b[1]) else min(len(a[1]), len(b[1]))
-
-
-def plain(x: Any) -> Any:
-  """A clock leaf as numpy; typed PRNG keys (``noisy_sgd``) as their key data."""
-  dtype = getattr(x, "dtype", None)
-  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    return np.asarray(jax.random.key_data(x))
-  return np.asarray(x)
-
-
-def scalar_bits(x: Any) -> tuple[Any, ...]:
-  """What must agree for two clock scalars to be the same: dtype, shape, bytes."""
-  a = plain(x)
-  return (str(getattr(x, "dtype", a.dtype)), a.dtype.str, a.shape, a.tobytes())
-
-
-class ClockClasses:
-  """Numbers the optimizer clocks of one source set, archive by archive.
-
-  This is the one rule for whether two archives are of one step of one
-  optimizer, whatever holds them (records in memory, a checkpoint's index):
-  their states have one structure, with every params subtree in the same place
-  (:func:`skeleton_key`), and bit-identical clock scalars (:func:`scalar_bits`).
-  Archives share a class exactly when they agree on both.
-  """
-
-  def __init__(self):
-    self._classes: dict[tuple[Any, ...], int] = {}
-    self._memo: dict[Any, int] = {}
-
-  def of(self, src: Any, archive: int, memo: Any = None) -> int:
-    """The class of ``src``'s archive ``archive`` (read with ``src.skeleton``/``src.scalars``).
-
-    ``memo`` (default: the archive) names what the class depends on, when
-    archives share it (a checkpoint's archives of one layout and one clock).
-    """
-    m = archive if memo is None else memo
-    c = self._memo.get(m)
-    if c is None:
-      key = clock_key(src.skeleton(archive), src.scalars(archive))
-      c = self._memo[m] = self._classes.setdefault(key, len(self._classes))
-    return c
 
 
 def skeleton_key(anatomy: _structure.StateParts) -> tuple[Any, ...]:

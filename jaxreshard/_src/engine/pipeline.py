@@ -18,6 +18,7 @@ import numpy as np
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.exec import host as _host_exec
 from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.core.geometry import FlatShard
@@ -77,7 +78,7 @@ def _validate_all(src: Sources, migrations: Sequence[Migration]) -> list[_valida
   clocks = {g.facts.clock: g for g in groups}
   if len(clocks) > 1:
     a, b = list(clocks.values())[:2]
-    raise PlacementError(_validate.clock_mismatch(src, b.by_rank[0], a.by_rank[0], b.param))
+    raise PlacementError(_clock.clock_mismatch(src, b.by_rank[0], a.by_rank[0], b.param))
   return groups
 
 

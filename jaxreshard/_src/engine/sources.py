@@ -24,6 +24,7 @@ import numpy as np
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.exec import host as _host_exec
 from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.core.placement import ParamPlacement
@@ -161,7 +162,7 @@ class RecordSources:
     self._uniform: dict[tuple, bool] = {}
     self._host_views: dict[tuple[int, str, int], np.ndarray] = {}
     self._accelerator: dict[tuple[int, str, int], bool] = {}
-    self._clocks = _validate.ClockClasses()
+    self._clocks = _clock.ClockClasses()
     # Every validated group of these sources, for as long as they live.
     self._cache = FactsCache()
     # Packed target layouts by the values they were made from (see ``pipeline``).
