@@ -32,34 +32,58 @@ def _readme_section(header: str) -> str:
   if start < 0:
     return ""
   end = text.find("\n## ", start + len(header))
-  return text[start:end if end >= 0 else None]
+  return text[start : end if end >= 0 else None]
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
   parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, one repeat")
   parser.add_argument("--json", action="store_true", help="print every result as JSON on stdout")
-  parser.add_argument("--only", action="append", choices=BENCHMARKS, metavar="NAME",
-                      help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}")
-  parser.add_argument("--out", default=None,
-                      help="RESULTS.md to write (a throughput.png goes next to it); default"
-                      " benchmarks/RESULTS.md for a full run, nothing for --quick")
-  parser.add_argument("--param-counts", default=None, metavar="N,N,...",
-                      help="override the compile benchmark's parameter counts, e.g. 10,10000")
-  parser.add_argument("--durable-dir", default=None, metavar="DIR",
-                      help="directory (disk) the durable benchmark saves and runs dd in;"
-                      " default: the system's temporary directory")
-  parser.add_argument("--rewrite", action="store_true",
-                      help="rewrite --out's markdown and plot from its .json (no measuring),"
-                      " e.g. after editing the README's analysis")
+  parser.add_argument(
+    "--only",
+    action="append",
+    choices=BENCHMARKS,
+    metavar="NAME",
+    help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}",
+  )
+  parser.add_argument(
+    "--out",
+    default=None,
+    help="RESULTS.md to write (a throughput.png goes next to it); default"
+    " benchmarks/RESULTS.md for a full run, nothing for --quick",
+  )
+  parser.add_argument(
+    "--param-counts",
+    default=None,
+    metavar="N,N,...",
+    help="override the compile benchmark's parameter counts, e.g. 10,10000",
+  )
+  parser.add_argument(
+    "--durable-dir",
+    default=None,
+    metavar="DIR",
+    help="directory (disk) the durable benchmark saves and runs dd in;"
+    " default: the system's temporary directory",
+  )
+  parser.add_argument(
+    "--rewrite",
+    action="store_true",
+    help="rewrite --out's markdown and plot from its .json (no measuring),"
+    " e.g. after editing the README's analysis",
+  )
   args = parser.parse_args(argv)
   opts = Options.smoke() if args.quick else Options.full()
   if args.param_counts:
-    opts = dataclasses.replace(opts, param_counts=tuple(int(n) for n in args.param_counts.split(",")))
+    opts = dataclasses.replace(
+      opts, param_counts=tuple(int(n) for n in args.param_counts.split(","))
+    )
   if args.durable_dir:
     opts = dataclasses.replace(opts, durable_dir=os.path.abspath(args.durable_dir))
-  out = args.out if args.out is not None else (None if args.quick else
-                                               os.path.join(_HERE, "RESULTS.md"))
+  out = (
+    args.out
+    if args.out is not None
+    else (None if args.quick else os.path.join(_HERE, "RESULTS.md"))
+  )
   log = sys.stderr if args.json else sys.stdout
   if args.rewrite:
     with open(os.path.splitext(out)[0] + ".json") as f:
@@ -68,9 +92,13 @@ def main(argv=None) -> int:
     return 0
   started = datetime.datetime.now(datetime.timezone.utc)
   argv_used = sys.argv[1:] if argv is None else list(argv)
-  doc = {"started": started.strftime("%Y-%m-%d %H:%M UTC"), "quick": opts.quick,
-         "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in argv_used),
-         "machine": machine(), "results": []}
+  doc = {
+    "started": started.strftime("%Y-%m-%d %H:%M UTC"),
+    "quick": opts.quick,
+    "command": "python -m benchmarks " + " ".join(shlex.quote(a) for a in argv_used),
+    "machine": machine(),
+    "results": [],
+  }
   t_all = time.perf_counter()
   for name in args.only or BENCHMARKS:
     module = importlib.import_module(f"benchmarks.bench_{name}")
@@ -79,11 +107,19 @@ def main(argv=None) -> int:
     try:
       result = module.run(opts).to_json()
     except Exception:  # noqa: BLE001 - one failing benchmark must not hide the others
-      result = {"name": name, "title": "failed", "goal": module.GOAL, "met": None, "rows": [],
-                "notes": "", "error": traceback.format_exc()}
+      result = {
+        "name": name,
+        "title": "failed",
+        "goal": module.GOAL,
+        "met": None,
+        "rows": [],
+        "notes": "",
+        "error": traceback.format_exc(),
+      }
     result["elapsed_s"] = round(time.perf_counter() - t0, 1)
-    print(f"[benchmarks] {name}: {result['elapsed_s']} s, met={result['met']}", file=log,
-          flush=True)
+    print(
+      f"[benchmarks] {name}: {result['elapsed_s']} s, met={result['met']}", file=log, flush=True
+    )
     doc["results"].append(result)
     if out:  # partial results survive a run that is stopped later
       os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -10,8 +10,14 @@ import numpy as np
 import jaxreshard as jr
 from benchmarks import _workload
 
-__all__ = ["write_jaxreshard", "write_orbax_plain", "history_tree", "flat_tree", "dir_bytes",
-           "rmtree"]
+__all__ = [
+  "write_jaxreshard",
+  "write_orbax_plain",
+  "history_tree",
+  "flat_tree",
+  "dir_bytes",
+  "rmtree",
+]
 
 
 def write_jaxreshard(path: str, history: int, n_params: int, world: int, seed: int) -> list:
@@ -38,6 +44,7 @@ def flat_tree(tree: dict) -> dict:
 def write_orbax_plain(path: str, tree: dict) -> None:
   """Saves a pytree of numpy arrays with orbax's standard checkpointer."""
   import orbax.checkpoint as ocp
+
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(os.path.abspath(path), tree)
 
@@ -46,12 +53,14 @@ def restore_orbax_plain(path: str) -> dict:
   """Restores a ``write_orbax_plain`` checkpoint as numpy arrays."""
   import jax
   import orbax.checkpoint as ocp
+
   path = os.path.abspath(path)
   ckptr = ocp.PyTreeCheckpointer()
   meta = ckptr.metadata(path)
   tree = meta.item_metadata if hasattr(meta, "item_metadata") else meta
-  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree.tree
-                      if hasattr(tree, "tree") else tree)
+  args = jax.tree.map(
+    lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree.tree if hasattr(tree, "tree") else tree
+  )
   return ckptr.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
 
 

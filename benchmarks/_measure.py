@@ -10,7 +10,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Timing", "Result", "measure", "gbps", "rchar", "machine", "run_child", "block"]
 
@@ -48,7 +49,7 @@ class Result:
   name: str
   title: str
   goal: str
-  met: Optional[bool]
+  met: bool | None
   rows: tuple[dict, ...]
   notes: str = ""
 
@@ -59,6 +60,7 @@ class Result:
 def block(x: Any) -> Any:
   """Waits for every jax array in ``x`` (dispatch is asynchronous)."""
   import jax
+
   return jax.block_until_ready(x)
 
 
@@ -95,10 +97,16 @@ def machine() -> dict:
   """What the figures were measured on, read from the running machine."""
   import jax
   import numpy as np
-  info = {"python": platform.python_version(), "platform": platform.platform(),
-          "cpus": os.cpu_count(), "jax": jax.__version__, "numpy": np.__version__,
-          "backend": jax.default_backend(),
-          "devices": ", ".join(sorted({d.device_kind for d in jax.devices()}))}
+
+  info = {
+    "python": platform.python_version(),
+    "platform": platform.platform(),
+    "cpus": os.cpu_count(),
+    "jax": jax.__version__,
+    "numpy": np.__version__,
+    "backend": jax.default_backend(),
+    "devices": ", ".join(sorted({d.device_kind for d in jax.devices()})),
+  }
   try:
     with open("/proc/cpuinfo") as f:
       names = [l.split(":", 1)[1].strip() for l in f if l.startswith("model name")]
@@ -123,8 +131,9 @@ def machine() -> dict:
   return info
 
 
-def run_child(module: str, func: str, kwargs: dict, *, devices: int = 0,
-              timeout: float = 900) -> dict:
+def run_child(
+  module: str, func: str, kwargs: dict, *, devices: int = 0, timeout: float = 900
+) -> dict:
   """Runs ``benchmarks.<module>.<func>(**kwargs)`` in a fresh python, returns its JSON.
 
   A fresh process is how peak memory is isolated and how simulated devices
@@ -135,14 +144,24 @@ def run_child(module: str, func: str, kwargs: dict, *, devices: int = 0,
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  code = ("import json, sys\n"
-          f"from benchmarks import {module} as m\n"
-          f"out = m.{func}(**json.loads(sys.argv[1]))\n"
-          "print('@@RESULT@@' + json.dumps(out))\n")
-  proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], env=env, cwd=root,
-                        capture_output=True, text=True, timeout=timeout)
+  code = (
+    "import json, sys\n"
+    f"from benchmarks import {module} as m\n"
+    f"out = m.{func}(**json.loads(sys.argv[1]))\n"
+    "print('@@RESULT@@' + json.dumps(out))\n"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code, json.dumps(kwargs)],
+    env=env,
+    cwd=root,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
   for line in proc.stdout.splitlines():
     if line.startswith("@@RESULT@@"):
-      return json.loads(line[len("@@RESULT@@"):])
-  raise RuntimeError(f"benchmarks.{module}.{func} failed (rc {proc.returncode}):\n"
-                     f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+      return json.loads(line[len("@@RESULT@@") :])
+  raise RuntimeError(
+    f"benchmarks.{module}.{func} failed (rc {proc.returncode}):\n"
+    f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+  )

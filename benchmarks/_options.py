@@ -63,28 +63,28 @@ class Options:
   seed: int = 0
 
   @classmethod
-  def full(cls) -> "Options":
+  def full(cls) -> Options:
     """The real run (< 15 minutes on a 2-core CPU machine)."""
     return cls()
 
   @classmethod
-  def smoke(cls) -> "Options":
+  def smoke(cls) -> Options:
     """The ``--quick`` run: every code path, tiny sizes."""
     return cls(
-        quick=True,
-        sizes=(_M // 16, _M // 4),
-        n_params=8,
-        repeats=1,
-        param_counts=(4, 16),
-        compile_size=_M // 4,
-        disk_size=_M // 4,
-        scale_worlds=((8, 6), (32, 24)),
-        scale_size=_M // 4,
-        plan_params=50,
-        plan_worlds=(64, 48),
-        plan_size=_M // 16,
-        save_states=((8, _M // 16),),
-        durable_states=((8, _M // 16),),
-        durable_rounds=1,
-        device_param_counts=(4, 16),
+      quick=True,
+      sizes=(_M // 16, _M // 4),
+      n_params=8,
+      repeats=1,
+      param_counts=(4, 16),
+      compile_size=_M // 4,
+      disk_size=_M // 4,
+      scale_worlds=((8, 6), (32, 24)),
+      scale_size=_M // 4,
+      plan_params=50,
+      plan_worlds=(64, 48),
+      plan_size=_M // 16,
+      save_states=((8, _M // 16),),
+      durable_states=((8, _M // 16),),
+      durable_rounds=1,
+      device_param_counts=(4, 16),
     )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["markdown", "plot_throughput"]
 
@@ -32,10 +32,16 @@ def _table(rows: Sequence[dict]) -> list[str]:
 def markdown(doc: dict, analysis: str = "") -> str:
   """RESULTS.md text for one run's ``doc`` (``machine``, ``command``, ``results``)."""
   m = doc["machine"]
-  out = ["# jaxreshard benchmark results", "",
-         f"Measured {doc['started']} in {doc['elapsed_s']:.0f} s"
-         + (" (**--quick: figures mean nothing**)" if doc["quick"] else "") + ".", "",
-         "## Machine", ""]
+  out = [
+    "# jaxreshard benchmark results",
+    "",
+    f"Measured {doc['started']} in {doc['elapsed_s']:.0f} s"
+    + (" (**--quick: figures mean nothing**)" if doc["quick"] else "")
+    + ".",
+    "",
+    "## Machine",
+    "",
+  ]
   out += [f"- {k}: {v}" for k, v in m.items()]
   out += ["", "## Command", "", "```", doc["command"], "```", ""]
   out += ["## Goals", "", "| benchmark | goal | verdict |", "|---|---|---|"]
@@ -45,8 +51,12 @@ def markdown(doc: dict, analysis: str = "") -> str:
   if analysis:
     out += [analysis.strip(), ""]
   for r in doc["results"]:
-    out += [f"## {r['name']}: {r['title']}", "", f"Goal: {r['goal']} — {_VERDICT[r['met']]}."
-            f" Took {r.get('elapsed_s', 0):.0f} s.", ""]
+    out += [
+      f"## {r['name']}: {r['title']}",
+      "",
+      f"Goal: {r['goal']} — {_VERDICT[r['met']]}. Took {r.get('elapsed_s', 0):.0f} s.",
+      "",
+    ]
     if r.get("error"):
       out += ["```", r["error"], "```", ""]
     out += _table(r["rows"]) + ["", r["notes"], ""]
@@ -56,16 +66,19 @@ def markdown(doc: dict, analysis: str = "") -> str:
 def plot_throughput(memory_rows: Sequence[dict], path: str, title: str) -> str:
   """PNG of GB/s vs size for jaxreshard and each baseline; returns ``path``."""
   import matplotlib
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   mib = [r["mib"] for r in memory_rows]
   fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
   gbps = lambda key: [2 * r["mib"] * 2**20 / r[key] / 1e9 for r in memory_rows]
-  series = [("reshard_s", "jaxreshard.reshard, rank after rank", "o-"),
-            ("reshard_ranks_s", "jaxreshard.reshard_ranks (one call)", "d-"),
-            ("memcpy_s", "numpy copyto (pre-touched)", "s--"),
-            ("fresh_copy_s", "numpy copy into a fresh array", "^--")]
+  series = [
+    ("reshard_s", "jaxreshard.reshard, rank after rank", "o-"),
+    ("reshard_ranks_s", "jaxreshard.reshard_ranks (one call)", "d-"),
+    ("memcpy_s", "numpy copyto (pre-touched)", "s--"),
+    ("fresh_copy_s", "numpy copy into a fresh array", "^--"),
+  ]
   for key, label, style in series:
     ax.plot(mib, gbps(key), style, label=label)
   ax.set_xscale("log", base=2)

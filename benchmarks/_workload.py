@@ -35,8 +35,9 @@ def param_ids(n: int) -> list[str]:
   return [f"layer_{i:0{width}d}/w" for i in range(n)]
 
 
-def adam_records(history: int, n_params: int, world_size: int, seed: int = 0,
-                 *, as_numpy: bool = False) -> list[jr.ShardRecord]:
+def adam_records(
+  history: int, n_params: int, world_size: int, seed: int = 0, *, as_numpy: bool = False
+) -> list[jr.ShardRecord]:
   """``world_size`` Adam archives whose ``mu`` + ``nu`` hold ``history`` elements.
 
   Args:
@@ -64,20 +65,37 @@ def adam_records(history: int, n_params: int, world_size: int, seed: int = 0,
       placements.append(jr.ParamPlacement(pid, (n,), rank, world_size, np.dtype(np.float32), True))
       for name in bufs:
         shard = np.zeros((g.slots,), np.float32)
-        shard[:g.stop - g.start] = flat[name][lo + g.start:lo + g.stop]
+        shard[: g.stop - g.start] = flat[name][lo + g.start : lo + g.stop]
         bufs[name][pid] = shard if as_numpy else jnp.asarray(shard)
-    local = nest({pid: jax.ShapeDtypeStruct((FlatShardSlots := len(bufs["mu"][pid]),), np.float32)
-                   for pid in ids})
+    local = nest(
+      {
+        pid: jax.ShapeDtypeStruct((FlatShardSlots := len(bufs["mu"][pid]),), np.float32)
+        for pid in ids
+      }
+    )
     del FlatShardSlots
     template = jax.eval_shape(opt.init, local)
     adam = template[0]
-    state = (adam._replace(count=np.zeros((), np.int32) if as_numpy else jnp.zeros((), jnp.int32),
-                           mu=nest(bufs["mu"]), nu=nest(bufs["nu"])), template[1])
-    roles = tuple(None if np.ndim(leaf) == 0 else _leaf_id(path)
-                  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0])
-    records.append(jr.ShardRecord(version=jr.RECORD_VERSION,
-                                  placements=tuple(sorted(placements, key=lambda p: p.param)),
-                                  state=state, roles=roles))
+    state = (
+      adam._replace(
+        count=np.zeros((), np.int32) if as_numpy else jnp.zeros((), jnp.int32),
+        mu=nest(bufs["mu"]),
+        nu=nest(bufs["nu"]),
+      ),
+      template[1],
+    )
+    roles = tuple(
+      None if np.ndim(leaf) == 0 else _leaf_id(path)
+      for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+    )
+    records.append(
+      jr.ShardRecord(
+        version=jr.RECORD_VERSION,
+        placements=tuple(sorted(placements, key=lambda p: p.param)),
+        state=state,
+        roles=roles,
+      )
+    )
   # Transfers to the CPU backend are asynchronous: finish them here, not inside
   # the first measured call.
   return jax.block_until_ready(records)
@@ -98,5 +116,9 @@ def _leaf_id(path) -> str:
 
 def history_bytes(records) -> int:
   """Bytes of every history buffer in ``records``."""
-  return sum(int(np.asarray(x).nbytes) if not hasattr(x, "nbytes") else int(x.nbytes)
-             for r in records for x, role in zip(jax.tree.leaves(r.state), r.roles) if role)
+  return sum(
+    int(np.asarray(x).nbytes) if not hasattr(x, "nbytes") else int(x.nbytes)
+    for r in records
+    for x, role in zip(jax.tree.leaves(r.state), r.roles)
+    if role
+  )

@@ -33,8 +33,11 @@ def _env(cache: str = "") -> dict:
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   if cache:
-    env.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.update(
+      JAX_COMPILATION_CACHE_DIR=cache,
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
   return env
 
 
@@ -61,33 +64,39 @@ def run(opts: Options) -> Result:
     del records
     nbytes = _disk.dir_bytes(src)
     import_s = _time([sys.executable, "-c", "import jaxreshard, orbax.checkpoint"], _env())
-    orbax = min(_time([sys.executable, "-c", _ORBAX_COPY.format(root=root), plain,
-                       os.path.join(tmp, f"copy{i}")], _env()) for i in range(opts.repeats))
+    orbax = min(
+      _time(
+        [sys.executable, "-c", _ORBAX_COPY.format(root=root), plain, os.path.join(tmp, f"copy{i}")],
+        _env(),
+      )
+      for i in range(opts.repeats)
+    )
     # The first CLI run starts from an empty persistent cache: it compiles everything,
     # exactly like a run without the cache, and fills it for the second.
     cache = os.path.join(tmp, "jax-cache")
     cli = _time(_cli(src, os.path.join(tmp, "out"), opts.dst_world), _env(cache))
     cached = _time(_cli(src, os.path.join(tmp, "cached"), opts.dst_world), _env(cache))
   row = {
-      "checkpoint_mib": round(nbytes / 2**20, 1),
-      "source_ranks": opts.src_world,
-      "target_ranks": opts.dst_world,
-      "cli_s": round(cli, 3),
-      "orbax_load_save_s": round(orbax, 3),
-      "cli_over_orbax": round(cli / orbax, 2),
-      "cli_with_compile_cache_s": round(cached, 3),
-      "cached_over_orbax": round(cached / orbax, 2),
-      "python_import_s": round(import_s, 3),
+    "checkpoint_mib": round(nbytes / 2**20, 1),
+    "source_ranks": opts.src_world,
+    "target_ranks": opts.dst_world,
+    "cli_s": round(cli, 3),
+    "orbax_load_save_s": round(orbax, 3),
+    "cli_over_orbax": round(cli / orbax, 2),
+    "cli_with_compile_cache_s": round(cached, 3),
+    "cached_over_orbax": round(cached / orbax, 2),
+    "python_import_s": round(import_s, 3),
   }
   met = None if opts.quick else row["cli_over_orbax"] <= 0.7
   notes = (
-      f"Adam, {opts.n_params} parameters, {opts.disk_size} history elements over"
-      f" {opts.src_world} ranks, resharded to {opts.dst_world} by `python -m jaxreshard reshard`"
-      " (every target rank, written as a new checkpoint) vs a python process that restores"
-      " the same history buffers (a plain orbax checkpoint) as numpy arrays and saves them"
-      " again with orbax (best of"
-      f" {opts.repeats} fresh processes); page cache warm. `cli_s`: one fresh CLI process"
-      " (compiles every kernel; JAX_COMPILATION_CACHE_DIR set but empty);"
-      " `cli_with_compile_cache_s`: a second CLI process, that cache now filled;"
-      " `python_import_s`: starting python and importing jaxreshard + orbax.")
+    f"Adam, {opts.n_params} parameters, {opts.disk_size} history elements over"
+    f" {opts.src_world} ranks, resharded to {opts.dst_world} by `python -m jaxreshard reshard`"
+    " (every target rank, written as a new checkpoint) vs a python process that restores"
+    " the same history buffers (a plain orbax checkpoint) as numpy arrays and saves them"
+    " again with orbax (best of"
+    f" {opts.repeats} fresh processes); page cache warm. `cli_s`: one fresh CLI process"
+    " (compiles every kernel; JAX_COMPILATION_CACHE_DIR set but empty);"
+    " `cli_with_compile_cache_s`: a second CLI process, that cache now filled;"
+    " `python_import_s`: starting python and importing jaxreshard + orbax."
+  )
   return Result(NAME, "CLI reshard vs orbax load + save", GOAL, met, (row,), notes)

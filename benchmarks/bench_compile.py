@@ -5,15 +5,16 @@ from __future__ import annotations
 import gc
 import time
 
-
 import jaxreshard as jr
 from benchmarks import _workload
 from benchmarks._measure import Result, block, measure
 from benchmarks._options import Options
 
 NAME = "compile"
-GOAL = ("10,000 parameters, one target rank: cold < 2 s on the host path; on the device"
-        " executor the number of compiled programs does not grow with the parameter count")
+GOAL = (
+  "10,000 parameters, one target rank: cold < 2 s on the host path; on the device"
+  " executor the number of compiled programs does not grow with the parameter count"
+)
 
 
 def host_row(n_params: int, opts: Options) -> dict:
@@ -23,14 +24,22 @@ def host_row(n_params: int, opts: Options) -> dict:
   t0 = time.perf_counter()
   block(jr.reshard(records, jr.plan(records, world_size=opts.dst_world, rank=1)))
   cold = time.perf_counter() - t0
-  warm = measure(lambda: block(jr.reshard(
-      records, jr.plan(records, world_size=opts.dst_world, rank=1))), opts.repeats)
+  warm = measure(
+    lambda: block(jr.reshard(records, jr.plan(records, world_size=opts.dst_world, rank=1))),
+    opts.repeats,
+  )
   programs = jr.kernel_cache_info().programs - before.programs
-  del records
+  records = None  # freed; the lambdas above are not called again
   gc.collect()
-  return {"executor": "host", "params": n_params, "history_elements": opts.compile_size,
-          "cold_s": round(cold, 4), "warm_s": round(warm.best, 5),
-          "cold_over_warm": round(cold / warm.best, 2), "programs": programs}
+  return {
+    "executor": "host",
+    "params": n_params,
+    "history_elements": opts.compile_size,
+    "cold_s": round(cold, 4),
+    "warm_s": round(warm.best, 5),
+    "cold_over_warm": round(cold / warm.best, 2),
+    "programs": programs,
+  }
 
 
 def device_row(n_params: int, opts: Options) -> dict:
@@ -44,12 +53,18 @@ def device_row(n_params: int, opts: Options) -> dict:
   info = jr.kernel_cache_info()
   warm = measure(lambda: block(jr.reshard(records, plan, executor="device")), opts.repeats)
   retraces = jr.kernel_cache_info().traces - info.traces
-  del records
+  records = None  # freed; the lambdas above are not called again
   gc.collect()
-  return {"executor": "device (forced, CPU backend)", "params": n_params,
-          "history_elements": opts.compile_size // 8, "cold_s": round(cold, 3),
-          "warm_s": round(warm.best, 4), "cold_over_warm": round(cold / warm.best, 1),
-          "programs": info.programs, "warm_retraces": retraces}
+  return {
+    "executor": "device (forced, CPU backend)",
+    "params": n_params,
+    "history_elements": opts.compile_size // 8,
+    "cold_s": round(cold, 3),
+    "warm_s": round(warm.best, 4),
+    "cold_over_warm": round(cold / warm.best, 1),
+    "programs": info.programs,
+    "warm_retraces": retraces,
+  }
 
 
 def run(opts: Options) -> Result:
@@ -62,20 +77,25 @@ def run(opts: Options) -> Result:
     host = [r for r in rows if r["executor"] == "host"]
     device = [r for r in rows if r["executor"] != "host"]
     biggest = max(host, key=lambda r: r["params"])
-    met = (biggest["params"] >= 10_000 and biggest["cold_s"] < 2
-           and all(r["programs"] == 0 for r in host)
-           and max(r["programs"] for r in device) - min(r["programs"] for r in device) <= 2)
+    met = (
+      biggest["params"] >= 10_000
+      and biggest["cold_s"] < 2
+      and all(r["programs"] == 0 for r in host)
+      and max(r["programs"] for r in device) - min(r["programs"] for r in device) <= 2
+    )
   notes = (
-      f"Adam, {opts.compile_size} history elements split over a growing number of"
-      f" lognormal-sized parameters, {opts.src_world} -> {opts.dst_world}, target rank 1."
-      " Host rows: sources are jax arrays of the CPU backend; `cold_s` is `plan` + `reshard`"
-      " on records never seen before in the process (validation included), `warm_s` the"
-      " best of the next calls; `programs` counts device-executor programs compiled (the"
-      " host path compiles none). Device rows: the same with `executor=\"device\"`, which"
-      f" packs each source archive's buffers and gathers with run tables as runtime"
-      f" arguments ({opts.compile_size // 8} history elements: XLA:CPU runs the gathers"
-      " slowly); `programs` after a cleared cache, `warm_retraces` must be 0. Verdict: cold"
-      " < 2 s at 10,000 parameters on the host, and device programs within 2 of each other"
-      " across parameter counts.")
-  return Result(NAME, "cold vs warm and compiled programs vs parameter count", GOAL, met,
-                tuple(rows), notes)
+    f"Adam, {opts.compile_size} history elements split over a growing number of"
+    f" lognormal-sized parameters, {opts.src_world} -> {opts.dst_world}, target rank 1."
+    " Host rows: sources are jax arrays of the CPU backend; `cold_s` is `plan` + `reshard`"
+    " on records never seen before in the process (validation included), `warm_s` the"
+    " best of the next calls; `programs` counts device-executor programs compiled (the"
+    ' host path compiles none). Device rows: the same with `executor="device"`, which'
+    f" packs each source archive's buffers and gathers with run tables as runtime"
+    f" arguments ({opts.compile_size // 8} history elements: XLA:CPU runs the gathers"
+    " slowly); `programs` after a cleared cache, `warm_retraces` must be 0. Verdict: cold"
+    " < 2 s at 10,000 parameters on the host, and device programs within 2 of each other"
+    " across parameter counts."
+  )
+  return Result(
+    NAME, "cold vs warm and compiled programs vs parameter count", GOAL, met, tuple(rows), notes
+  )

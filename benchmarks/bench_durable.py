@@ -24,14 +24,16 @@ import google_crc32c
 import numpy as np
 
 import jaxreshard as jr
-from jaxreshard._src.checkpoint import reader as _checkpoint
 from benchmarks import _disk, _workload
 from benchmarks._measure import Result
 from benchmarks._options import Options
+from jaxreshard._src.checkpoint import reader as _checkpoint
 
 NAME = "durable"
-GOAL = ("durable save over 8 ranks (200 parameters) <= 0.5x orbax StandardCheckpointer's save"
-        " of the same state, and >= 0.7x the bandwidth of dd conv=fsync of the same bytes")
+GOAL = (
+  "durable save over 8 ranks (200 parameters) <= 0.5x orbax StandardCheckpointer's save"
+  " of the same state, and >= 0.7x the bandwidth of dd conv=fsync of the same bytes"
+)
 
 
 def _loadavg() -> str:
@@ -44,9 +46,20 @@ def _loadavg() -> str:
 
 def _dd(path: str, nbytes: int) -> float:
   """Seconds ``dd conv=fsync`` reports for writing ``nbytes`` zeros to ``path``."""
-  proc = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=1M", f"count={nbytes}",
-                         "iflag=count_bytes", "conv=fsync"], capture_output=True, text=True,
-                        check=True)
+  proc = subprocess.run(
+    [
+      "dd",
+      "if=/dev/zero",
+      f"of={path}",
+      "bs=1M",
+      f"count={nbytes}",
+      "iflag=count_bytes",
+      "conv=fsync",
+    ],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
   m = re.search(r"copied, ([0-9.eE+-]+) s", proc.stderr)
   os.unlink(path)
   return float(m[1])
@@ -66,12 +79,17 @@ def measure(n_params: int, history: int, world: int, rounds: int, tmp: str) -> d
   """One row: ``rounds`` interleaved durable saves of each side, medians and ranges."""
   records = _workload.adam_records(history, n_params, world, 0, as_numpy=True)
   full = jr.unshard_state(records)
-  tree = {"mu": _disk.flat_tree(full[0].mu), "nu": _disk.flat_tree(full[0].nu),
-          "count": np.asarray(full[0].count)}
+  tree = {
+    "mu": _disk.flat_tree(full[0].mu),
+    "nu": _disk.flat_tree(full[0].nu),
+    "count": np.asarray(full[0].count),
+  }
   nbytes = _workload.history_bytes(records)
-  buffers = [np.asarray(x).reshape(-1).view(np.uint8) for r in records
-             for x in (*_disk.flat_tree(r.state[0].mu).values(),
-                       *_disk.flat_tree(r.state[0].nu).values())]
+  buffers = [
+    np.asarray(x).reshape(-1).view(np.uint8)
+    for r in records
+    for x in (*_disk.flat_tree(r.state[0].mu).values(), *_disk.flat_tree(r.state[0].nu).values())
+  ]
   load_before = _loadavg()
   jr_s, ob_s, dd_s, scratch_s, crc_s, build_s = [], [], [], [], [], []
   for i in range(max(1, rounds)):
@@ -79,8 +97,9 @@ def measure(n_params: int, history: int, world: int, rounds: int, tmp: str) -> d
     ob_s.append(_timed(lambda: _disk.write_orbax_plain(os.path.join(tmp, f"ob{i}"), tree)))
     dd_s.append(_dd(os.path.join(tmp, f"dd{i}"), nbytes))
     # The profile: the same save without any fsync (write + crc32c), and crc32c alone.
-    scratch_s.append(_timed(lambda: jr.save_records(os.path.join(tmp, f"nd{i}"), records,
-                                                    durable=False)))
+    scratch_s.append(
+      _timed(lambda: jr.save_records(os.path.join(tmp, f"nd{i}"), records, durable=False))
+    )
     crc_s.append(_timed(lambda: [google_crc32c.value(b) for b in buffers]))
     # The index entries and packed buffers alone (checks and packing, no I/O).
     builder = _checkpoint.IndexBuilder()
@@ -89,50 +108,58 @@ def measure(n_params: int, history: int, world: int, rounds: int, tmp: str) -> d
       shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
   med = statistics.median
   return {
-      "params": n_params,
-      "mib": round(nbytes / 2**20, 2),
-      "ranks": world,
-      "rounds": len(jr_s),
-      "jaxreshard_s": round(med(jr_s), 4),
-      "jaxreshard_range_s": _spread(jr_s),
-      "orbax_s": round(med(ob_s), 4),
-      "orbax_range_s": _spread(ob_s),
-      "dd_fsync_s": round(med(dd_s), 4),
-      "dd_range_s": _spread(dd_s),
-      "save_over_orbax": round(med(jr_s) / med(ob_s), 3),
-      "bandwidth_over_dd": round(med(dd_s) / med(jr_s), 3),
-      "jaxreshard_mb_s": round(nbytes / med(jr_s) / 1e6, 1),
-      "dd_mb_s": round(nbytes / med(dd_s) / 1e6, 1),
-      "profile_write_crc_s": round(med(scratch_s), 4),
-      "profile_crc_s": round(med(crc_s), 4),
-      "profile_index_pack_s": round(med(build_s), 4),
-      "profile_fsync_s": round(med(jr_s) - med(scratch_s), 4),
-      "load_before_after": f"{load_before} / {_loadavg()}",
+    "params": n_params,
+    "mib": round(nbytes / 2**20, 2),
+    "ranks": world,
+    "rounds": len(jr_s),
+    "jaxreshard_s": round(med(jr_s), 4),
+    "jaxreshard_range_s": _spread(jr_s),
+    "orbax_s": round(med(ob_s), 4),
+    "orbax_range_s": _spread(ob_s),
+    "dd_fsync_s": round(med(dd_s), 4),
+    "dd_range_s": _spread(dd_s),
+    "save_over_orbax": round(med(jr_s) / med(ob_s), 3),
+    "bandwidth_over_dd": round(med(dd_s) / med(jr_s), 3),
+    "jaxreshard_mb_s": round(nbytes / med(jr_s) / 1e6, 1),
+    "dd_mb_s": round(nbytes / med(dd_s) / 1e6, 1),
+    "profile_write_crc_s": round(med(scratch_s), 4),
+    "profile_crc_s": round(med(crc_s), 4),
+    "profile_index_pack_s": round(med(build_s), 4),
+    "profile_fsync_s": round(med(jr_s) - med(scratch_s), 4),
+    "load_before_after": f"{load_before} / {_loadavg()}",
   }
 
 
 def run(opts: Options) -> Result:
   where = opts.durable_dir or None
   with tempfile.TemporaryDirectory(prefix="jr-bench-durable-", dir=where) as tmp:
-    rows = tuple(measure(n, h, opts.src_world, opts.durable_rounds, tmp)
-                 for n, h in opts.durable_states)
-  met = None if opts.quick else all(
-      r["save_over_orbax"] <= 0.5 and r["bandwidth_over_dd"] >= 0.7 for r in rows
-      if r["params"] == opts.n_params)
+    rows = tuple(
+      measure(n, h, opts.src_world, opts.durable_rounds, tmp) for n, h in opts.durable_states
+    )
+  met = (
+    None
+    if opts.quick
+    else all(
+      r["save_over_orbax"] <= 0.5 and r["bandwidth_over_dd"] >= 0.7
+      for r in rows
+      if r["params"] == opts.n_params
+    )
+  )
   notes = (
-      "Adam, float32, lognormal parameter sizes, the `save` benchmark's state. jaxreshard:"
-      f" `save_records` of {opts.src_world} archives, durable (every file and directory"
-      " fsync'ed, rename, parent fsync'ed). orbax: `StandardCheckpointer` of the same state"
-      " unsharded; tensorstore fsyncs its data files, manifests and directories, while"
-      " orbax's own metadata files and the parent after its rename are not fsync'ed (seen"
-      " with strace), so orbax does slightly less. dd: `dd if=/dev/zero bs=1M"
-      " iflag=count_bytes count=<the history bytes> conv=fsync`, its own reported time."
-      f" {opts.durable_rounds} interleaved rounds per side, each into a new directory in the"
-      " same temporary directory; medians, ranges min..max. Bandwidth counts the history"
-      " bytes (jaxreshard also writes a crc32c per chunk and small metadata). Profile:"
-      " `profile_write_crc_s` is the same save with `durable=False` (writes + crc32c +"
-      " metadata), `profile_crc_s` crc32c alone over the history buffers,"
-      " `profile_index_pack_s` the index entries and packed buffers alone (the archive"
-      " checks and the copy into one buffer per rank and dtype, no I/O),"
-      " `profile_fsync_s` = durable median - `durable=False` median.")
+    "Adam, float32, lognormal parameter sizes, the `save` benchmark's state. jaxreshard:"
+    f" `save_records` of {opts.src_world} archives, durable (every file and directory"
+    " fsync'ed, rename, parent fsync'ed). orbax: `StandardCheckpointer` of the same state"
+    " unsharded; tensorstore fsyncs its data files, manifests and directories, while"
+    " orbax's own metadata files and the parent after its rename are not fsync'ed (seen"
+    " with strace), so orbax does slightly less. dd: `dd if=/dev/zero bs=1M"
+    " iflag=count_bytes count=<the history bytes> conv=fsync`, its own reported time."
+    f" {opts.durable_rounds} interleaved rounds per side, each into a new directory in the"
+    " same temporary directory; medians, ranges min..max. Bandwidth counts the history"
+    " bytes (jaxreshard also writes a crc32c per chunk and small metadata). Profile:"
+    " `profile_write_crc_s` is the same save with `durable=False` (writes + crc32c +"
+    " metadata), `profile_crc_s` crc32c alone over the history buffers,"
+    " `profile_index_pack_s` the index entries and packed buffers alone (the archive"
+    " checks and the copy into one buffer per rank and dtype, no I/O),"
+    " `profile_fsync_s` = durable median - `durable=False` median."
+  )
   return Result(NAME, "durable save vs orbax save and dd conv=fsync", GOAL, met, rows, notes)

@@ -14,11 +14,14 @@ from benchmarks._measure import Result
 from benchmarks._options import Options
 
 NAME = "plan"
-GOAL = "planning one target rank of a 10,000-parameter model saved over 4,096 ranks, from disk, < 1 s"
+GOAL = (
+  "planning one target rank of a 10,000-parameter model saved over 4,096 ranks, from disk, < 1 s"
+)
 
 
-def write_index_checkpoint(path: str, n_params: int, history: int, world: int,
-                           seed: int) -> tuple[list[int], dict]:
+def write_index_checkpoint(
+  path: str, n_params: int, history: int, world: int, seed: int
+) -> tuple[list[int], dict]:
   """An Adam checkpoint of ``world`` ranks written straight in the on-disk format.
 
   Building ``world`` x ``n_params`` record objects in memory only to save them
@@ -38,13 +41,20 @@ def write_index_checkpoint(path: str, n_params: int, history: int, world: int,
   slots = -(-sizes_sorted // world)
   # Rank 0's record at this world size, with abstract buffers, describes every archive.
   import jax  # pylint: disable=g-import-not-at-top
+
   shape_of = dict(zip(ids, slots.tolist()))
   count_of = dict(zip(ids, sizes_sorted.tolist()))
   state = jax.tree_util.tree_map_with_path(
-      lambda p, x: x if np.ndim(x) == 0 else jax.ShapeDtypeStruct(
-          (shape_of["/".join(str(k.key) for k in p[-2:])],), np.float32), rec0.state)
-  placements = tuple(jr.ParamPlacement(pid, (count_of[pid],), 0, world, np.float32, True)
-                     for pid in ids)
+    lambda p, x: (
+      x
+      if np.ndim(x) == 0
+      else jax.ShapeDtypeStruct((shape_of["/".join(str(k.key) for k in p[-2:])],), np.float32)
+    ),
+    rec0.state,
+  )
+  placements = tuple(
+    jr.ParamPlacement(pid, (count_of[pid],), 0, world, np.float32, True) for pid in ids
+  )
   builder = _checkpoint.IndexBuilder()
   builder.add(0, jr.ShardRecord(1, placements, state, rec0.roles), pack=False)
   index = builder.index()
@@ -76,11 +86,17 @@ def write_index_checkpoint(path: str, n_params: int, history: int, world: int,
     os.mkdir(adir)
     chunk = _shardfile.chunk_elements(data.size, 4, 1 << 20)
     crcs = _shardfile.write_array(adir, "float32", data, chunk)
-    _checkpoint.dump(os.path.join(adir, "archive.json"), {
-        "format": _checkpoint.FORMAT, "format_version": _checkpoint.FORMAT_VERSION,
-        "checkpoint": index["checkpoint"], "archive": f"archive_{r:05d}",
+    _checkpoint.dump(
+      os.path.join(adir, "archive.json"),
+      {
+        "format": _checkpoint.FORMAT,
+        "format_version": _checkpoint.FORMAT_VERSION,
+        "checkpoint": index["checkpoint"],
+        "archive": f"archive_{r:05d}",
         "describes": describes(r),
-        "buffers": {"float32": {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}}})
+        "buffers": {"float32": {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}},
+      },
+    )
   return sizes, {"ids": ids, "flat": flat, "count": count_of}
 
 
@@ -109,27 +125,36 @@ def planning_rows(opts: Options) -> list[dict]:
     counts = np.asarray([truth["count"][i] for i in ids])
     base = int(np.concatenate([[0], np.cumsum(counts)])[ids.index(pid)])
     want = np.zeros(g.slots, np.float32)
-    want[:g.owned] = truth["flat"]["mu"][base + g.start:base + g.stop]
+    want[: g.owned] = truth["flat"]["mu"][base + g.start : base + g.stop]
     layer, w = pid.split("/")
     got = np.asarray(target.state[0].mu[layer][w])
     exact = got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
     index_mib = os.path.getsize(os.path.join(path, "jaxreshard.json")) / 2**20
-  return [{"what": f"plan one target rank from disk, {opts.plan_params} params, {src} -> {dst}",
-           "setup_s": round(setup, 1), "index_mib": round(index_mib, 2),
-           "plan_s": round(planning, 3), "archives_read": len(plan.per_archive),
-           "restore_s": round(restore_s, 3), "exact": exact}]
+  return [
+    {
+      "what": f"plan one target rank from disk, {opts.plan_params} params, {src} -> {dst}",
+      "setup_s": round(setup, 1),
+      "index_mib": round(index_mib, 2),
+      "plan_s": round(planning, 3),
+      "archives_read": len(plan.per_archive),
+      "restore_s": round(restore_s, 3),
+      "exact": exact,
+    }
+  ]
 
 
 def run(opts: Options) -> Result:
   rows = planning_rows(opts)
   met = None if opts.quick else rows[0]["plan_s"] < 1 and rows[0]["exact"]
   notes = (
-      f"An Adam checkpoint of {opts.plan_params} lognormal-sized parameters"
-      f" ({opts.plan_size} history elements) over {opts.plan_worlds[0]} archives, written"
-      " straight in the on-disk format (`write_index_checkpoint`). `plan_s`:"
-      " `open_checkpoint` (read and check the index) + the read plan of one target rank of"
-      f" {opts.plan_worlds[1]}, from the index alone; `archives_read`: archives that plan"
-      " reads; `restore_s`: the whole restore of that rank in the same process; `exact`:"
-      " one parameter's bits against the flat source.")
-  return Result(NAME, "planning one target rank from a large checkpoint", GOAL, met,
-                tuple(rows), notes)
+    f"An Adam checkpoint of {opts.plan_params} lognormal-sized parameters"
+    f" ({opts.plan_size} history elements) over {opts.plan_worlds[0]} archives, written"
+    " straight in the on-disk format (`write_index_checkpoint`). `plan_s`:"
+    " `open_checkpoint` (read and check the index) + the read plan of one target rank of"
+    f" {opts.plan_worlds[1]}, from the index alone; `archives_read`: archives that plan"
+    " reads; `restore_s`: the whole restore of that rank in the same process; `exact`:"
+    " one parameter's bits against the flat source."
+  )
+  return Result(
+    NAME, "planning one target rank from a large checkpoint", GOAL, met, tuple(rows), notes
+  )

@@ -16,13 +16,16 @@ from benchmarks._measure import Result, run_child
 from benchmarks._options import Options
 
 NAME = "restore"
-GOAL = (">= 0.5x a raw read() of the same number of bytes, and >= 3x orbax's"
-        " restore-with-new-sharding per rank of the same state")
+GOAL = (
+  ">= 0.5x a raw read() of the same number of bytes, and >= 3x orbax's"
+  " restore-with-new-sharding per rank of the same state"
+)
 
 
 def _timed(fn, repeats):
   """(best seconds, bytes read during the best run, last result)."""
   from benchmarks._measure import block, rchar
+
   best, read, out = float("inf"), 0, None
   for _ in range(max(1, repeats)):
     out = None
@@ -47,16 +50,18 @@ def _raw_read(path: str, nbytes: int) -> np.ndarray:
   return out
 
 
-def child(history: int, n_params: int, src: int, dst: int, seed: int, repeats: int,
-          workdir: str) -> list[dict]:
+def child(
+  history: int, n_params: int, src: int, dst: int, seed: int, repeats: int, workdir: str
+) -> list[dict]:
   """Writes the three checkpoints, times every restore; runs with ``src`` devices."""
   import jax
   import orbax.checkpoint as ocp
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
 
   import jaxreshard as jr
   from benchmarks import _disk, _workload
-  from benchmarks._measure import block, rchar
+  from benchmarks._measure import block
 
   assert len(jax.devices()) >= src, jax.devices()
   jr_path = os.path.join(workdir, "jr")
@@ -65,24 +70,43 @@ def child(history: int, n_params: int, src: int, dst: int, seed: int, repeats: i
   mesh_src = Mesh(np.array(jax.devices()[:src]), ("x",))
   mesh_dst = Mesh(np.array(jax.devices()[:dst]), ("x",))
   plain = _disk.history_tree(records)
-  glob = {name: {pid: jax.device_put(np.concatenate([plain[r][name][pid] for r in sorted(plain)]),
-                                     NamedSharding(mesh_src, P("x")))
-                 for pid in plain["r00000"][name]} for name in ("mu", "nu")}
+  glob = {
+    name: {
+      pid: jax.device_put(
+        np.concatenate([plain[r][name][pid] for r in sorted(plain)]),
+        NamedSharding(mesh_src, P("x")),
+      )
+      for pid in plain["r00000"][name]
+    }
+    for name in ("mu", "nu")
+  }
   del records, plain
   glob_path = os.path.abspath(os.path.join(workdir, "global"))
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(glob_path, glob)
   counts = {pid: int(x.shape[0]) for pid, x in glob["mu"].items()}
   del glob
-  sizes = dict(zip([f"layer_{i:0{len(str(n_params - 1))}d}.w" for i in range(n_params)],
-                   _workload.param_sizes(history // 2, n_params, seed)))
-  restore_args = {name: {pid: ocp.ArrayRestoreArgs(
-      sharding=NamedSharding(mesh_dst, P("x")),
-      global_shape=(dst * jr.FlatShard((sizes[pid],), 0, dst).slots,), strict=False)
-      for pid in counts} for name in ("mu", "nu")}
+  sizes = dict(
+    zip(
+      [f"layer_{i:0{len(str(n_params - 1))}d}.w" for i in range(n_params)],
+      _workload.param_sizes(history // 2, n_params, seed),
+    )
+  )
+  restore_args = {
+    name: {
+      pid: ocp.ArrayRestoreArgs(
+        sharding=NamedSharding(mesh_dst, P("x")),
+        global_shape=(dst * jr.FlatShard((sizes[pid],), 0, dst).slots,),
+        strict=False,
+      )
+      for pid in counts
+    }
+    for name in ("mu", "nu")
+  }
   ckptr = ocp.PyTreeCheckpointer()
   restore_global = lambda: ckptr.restore(
-      glob_path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+    glob_path, args=ocp.args.PyTreeRestore(restore_args=restore_args)
+  )
 
   rows = []
   rank = 0
@@ -95,8 +119,9 @@ def child(history: int, n_params: int, src: int, dst: int, seed: int, repeats: i
   plain_path = os.path.join(workdir, "plain")
   _disk.write_orbax_plain(plain_path, _disk.history_tree([target]))
   plain_s, plain_read, _ = _timed(lambda: _disk.restore_orbax_plain(plain_path), repeats)
-  all_s, all_read, targets = _timed(lambda: [jr.restore(jr_path, world_size=dst, rank=r) for r in range(dst)],
-                                    repeats)
+  all_s, all_read, targets = _timed(
+    lambda: [jr.restore(jr_path, world_size=dst, rank=r) for r in range(dst)], repeats
+  )
   all_bytes = _workload.history_bytes(targets)
   _timed(restore_global, 1)
   glob_s, glob_read, restored = _timed(restore_global, repeats)
@@ -104,23 +129,56 @@ def child(history: int, n_params: int, src: int, dst: int, seed: int, repeats: i
   pid = sorted(counts)[0]
   layer, w = pid.split(".")
   shard = np.asarray(restored["mu"][pid].addressable_shards[rank].data)
-  exact = bool(np.array_equal(shard.view(np.uint32),
-                              np.asarray(target.state[0].mu[layer][w]).view(np.uint32)))
+  exact = bool(
+    np.array_equal(shard.view(np.uint32), np.asarray(target.state[0].mu[layer][w]).view(np.uint32))
+  )
   del restored, targets
-  rows.append({"what": f"jaxreshard restore, rank {rank} of {dst}", "mib": one_bytes / 2**20,
-               "seconds": one_s, "cold_seconds": cold, "mib_read": one_read / 2**20})
-  rows.append({"what": "raw read() of the same number of bytes (fresh buffer)",
-               "mib": one_bytes / 2**20, "seconds": raw_s, "cold_seconds": None,
-               "mib_read": raw_read / 2**20})
-  rows.append({"what": "orbax restore of that rank's bytes as plain numpy arrays",
-               "mib": one_bytes / 2**20, "seconds": plain_s, "cold_seconds": None,
-               "mib_read": plain_read / 2**20})
-  rows.append({"what": f"jaxreshard restore, all {dst} ranks (one process)",
-               "mib": all_bytes / 2**20, "seconds": all_s, "cold_seconds": None,
-               "mib_read": all_read / 2**20})
-  rows.append({"what": f"orbax global arrays saved on {src} devices, restored onto {dst}",
-               "mib": all_bytes / 2**20, "seconds": glob_s, "cold_seconds": None,
-               "mib_read": glob_read / 2**20, "bit_exact_vs_jaxreshard": exact})
+  rows.append(
+    {
+      "what": f"jaxreshard restore, rank {rank} of {dst}",
+      "mib": one_bytes / 2**20,
+      "seconds": one_s,
+      "cold_seconds": cold,
+      "mib_read": one_read / 2**20,
+    }
+  )
+  rows.append(
+    {
+      "what": "raw read() of the same number of bytes (fresh buffer)",
+      "mib": one_bytes / 2**20,
+      "seconds": raw_s,
+      "cold_seconds": None,
+      "mib_read": raw_read / 2**20,
+    }
+  )
+  rows.append(
+    {
+      "what": "orbax restore of that rank's bytes as plain numpy arrays",
+      "mib": one_bytes / 2**20,
+      "seconds": plain_s,
+      "cold_seconds": None,
+      "mib_read": plain_read / 2**20,
+    }
+  )
+  rows.append(
+    {
+      "what": f"jaxreshard restore, all {dst} ranks (one process)",
+      "mib": all_bytes / 2**20,
+      "seconds": all_s,
+      "cold_seconds": None,
+      "mib_read": all_read / 2**20,
+    }
+  )
+  rows.append(
+    {
+      "what": f"orbax global arrays saved on {src} devices, restored onto {dst}",
+      "mib": all_bytes / 2**20,
+      "seconds": glob_s,
+      "cold_seconds": None,
+      "mib_read": glob_read / 2**20,
+      "bit_exact_vs_jaxreshard": exact,
+    }
+  )
   for r in rows:
     r["gb_per_s"] = r["mib"] * 2**20 / r["seconds"] / 1e9
     for k, v in list(r.items()):
@@ -131,28 +189,40 @@ def child(history: int, n_params: int, src: int, dst: int, seed: int, repeats: i
 
 def run(opts: Options) -> Result:
   with tempfile.TemporaryDirectory(prefix="jr-bench-restore-") as tmp:
-    rows = run_child("bench_restore", "child", dict(
-        history=opts.disk_size, n_params=opts.n_params, src=opts.src_world, dst=opts.dst_world,
-        seed=opts.seed, repeats=opts.repeats, workdir=tmp), devices=opts.src_world)
+    rows = run_child(
+      "bench_restore",
+      "child",
+      dict(
+        history=opts.disk_size,
+        n_params=opts.n_params,
+        src=opts.src_world,
+        dst=opts.dst_world,
+        seed=opts.seed,
+        repeats=opts.repeats,
+        workdir=tmp,
+      ),
+      devices=opts.src_world,
+    )
   jr_one, raw, _, jr_all, orbax_global = rows
   per_rank_orbax = orbax_global["seconds"] / opts.dst_world
   for r in rows:
-    r["vs_orbax_global"] = round(orbax_global["seconds"] * r["mib"] / orbax_global["mib"]
-                                 / r["seconds"], 3)
+    r["vs_orbax_global"] = round(
+      orbax_global["seconds"] * r["mib"] / orbax_global["mib"] / r["seconds"], 3
+    )
     r["vs_raw_read"] = round(raw["seconds"] * r["mib"] / raw["mib"] / r["seconds"], 3)
-  met = None if opts.quick else (jr_one["vs_raw_read"] >= 0.5
-                                 and jr_one["vs_orbax_global"] >= 3)
+  met = None if opts.quick else (jr_one["vs_raw_read"] >= 0.5 and jr_one["vs_orbax_global"] >= 3)
   notes = (
-      f"Adam, {opts.n_params} parameters, {opts.disk_size} history elements saved over"
-      f" {opts.src_world} ranks, restored for {opts.dst_world}; {opts.src_world} simulated CPU"
-      " devices in a child process. Files are read from the page cache (just written; no"
-      " root to drop caches), so this measures the read path, not the disk."
-      " `seconds`: best of warm runs; `cold_seconds`: the first restore in the process."
-      " `mib_read`: /proc/self/io rchar delta during the best run."
-      " `vs_orbax_global`: this row's bytes per second over orbax's global restore"
-      " (>1: faster than orbax). Orbax restores every target rank at once onto"
-      f" {opts.dst_world} devices; per rank that is {per_rank_orbax:.3f} s."
-      " `vs_raw_read`: this row's bytes per second over a plain readinto of the same number"
-      " of bytes from the checkpoint's files into a fresh buffer. Verdict: the one-rank"
-      " restore against the raw read and against orbax per rank.")
+    f"Adam, {opts.n_params} parameters, {opts.disk_size} history elements saved over"
+    f" {opts.src_world} ranks, restored for {opts.dst_world}; {opts.src_world} simulated CPU"
+    " devices in a child process. Files are read from the page cache (just written; no"
+    " root to drop caches), so this measures the read path, not the disk."
+    " `seconds`: best of warm runs; `cold_seconds`: the first restore in the process."
+    " `mib_read`: /proc/self/io rchar delta during the best run."
+    " `vs_orbax_global`: this row's bytes per second over orbax's global restore"
+    " (>1: faster than orbax). Orbax restores every target rank at once onto"
+    f" {opts.dst_world} devices; per rank that is {per_rank_orbax:.3f} s."
+    " `vs_raw_read`: this row's bytes per second over a plain readinto of the same number"
+    " of bytes from the checkpoint's files into a fresh buffer. Verdict: the one-rank"
+    " restore against the raw read and against orbax per rank."
+  )
   return Result(NAME, "restore from disk vs orbax", GOAL, met, tuple(rows), notes)

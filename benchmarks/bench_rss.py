@@ -66,37 +66,46 @@ def child(path: str, rank: int, world_size: int) -> dict:
   reset = _reset_peak()
   target = block(jr.restore(path, world_size=world_size, rank=rank))
   warm_peak = _peak_kib() * 1024 - base_warm if reset else None
-  held = proc.memory_info().rss - base_warm
-  return {"rank_bytes": nbytes, "import_rss": base, "cold_peak": cold_peak,
-          "warm_peak": warm_peak, "held_after": held,
-          "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+  held = proc.memory_info().rss - base_warm  # while `target` is still alive
+  del target
+  return {
+    "rank_bytes": nbytes,
+    "import_rss": base,
+    "cold_peak": cold_peak,
+    "warm_peak": warm_peak,
+    "held_after": held,
+    "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+  }
 
 
 def run(opts: Options) -> Result:
   from benchmarks import _disk
+
   with tempfile.TemporaryDirectory(prefix="jr-bench-rss-") as tmp:
     path = os.path.join(tmp, "ckpt")
     _disk.write_jaxreshard(path, opts.disk_size, opts.n_params, opts.src_world, opts.seed)
     got = run_child("bench_rss", "child", dict(path=path, world_size=opts.dst_world, rank=0))
   mib = lambda b: None if b is None else round(b / 2**20, 1)
   row = {
-      "rank_mib": mib(got["rank_bytes"]),
-      "import_rss_mib": mib(got["import_rss"]),
-      "cold_peak_mib": mib(got["cold_peak"]),
-      "cold_over_rank": round(got["cold_peak"] / got["rank_bytes"], 2),
-      "warm_peak_mib": mib(got["warm_peak"]),
-      "warm_over_rank": (None if got["warm_peak"] is None
-                         else round(got["warm_peak"] / got["rank_bytes"], 2)),
-      "held_after_mib": mib(got["held_after"]),
+    "rank_mib": mib(got["rank_bytes"]),
+    "import_rss_mib": mib(got["import_rss"]),
+    "cold_peak_mib": mib(got["cold_peak"]),
+    "cold_over_rank": round(got["cold_peak"] / got["rank_bytes"], 2),
+    "warm_peak_mib": mib(got["warm_peak"]),
+    "warm_over_rank": (
+      None if got["warm_peak"] is None else round(got["warm_peak"] / got["rank_bytes"], 2)
+    ),
+    "held_after_mib": mib(got["held_after"]),
   }
   ratio = row["warm_over_rank"] if row["warm_over_rank"] is not None else row["cold_over_rank"]
   met = None if opts.quick else ratio <= 1.5
   notes = (
-      f"Adam, {opts.n_params} parameters, {opts.disk_size} history elements over"
-      f" {opts.src_world} ranks; target rank 0 of {opts.dst_world} restored in a fresh process."
-      " `cold_peak`: peak RSS during the first restore above the RSS right after imports"
-      " (includes compiling the kernels: XLA's compiler memory); `warm_peak`: peak during a"
-      " second restore of the same rank above the RSS before it (peak reset via"
-      " /proc/self/clear_refs). Verdict on the warm peak (the data path); the cold one is"
-      " reported for what a one-shot restore really costs.")
+    f"Adam, {opts.n_params} parameters, {opts.disk_size} history elements over"
+    f" {opts.src_world} ranks; target rank 0 of {opts.dst_world} restored in a fresh process."
+    " `cold_peak`: peak RSS during the first restore above the RSS right after imports"
+    " (includes compiling the kernels: XLA's compiler memory); `warm_peak`: peak during a"
+    " second restore of the same rank above the RSS before it (peak reset via"
+    " /proc/self/clear_refs). Verdict on the warm peak (the data path); the cold one is"
+    " reported for what a one-shot restore really costs."
+  )
   return Result(NAME, "peak RSS of one-rank restore vs the rank's bytes", GOAL, met, (row,), notes)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import time
 
-
 import jaxreshard as jr
 from benchmarks import _workload
 from benchmarks._measure import Result, block, measure
@@ -18,8 +17,7 @@ GOAL = "time per byte at 512 -> 384 and 4,096 -> 3,072 within 1.5x of 8 -> 6"
 def world_row(src: int, dst: int, opts: Options) -> dict:
   """Every target rank of a ``src``-rank state, in one ``reshard_ranks`` call."""
   t0 = time.perf_counter()
-  records = _workload.adam_records(opts.scale_size, opts.n_params, src, opts.seed,
-                                   as_numpy=True)
+  records = _workload.adam_records(opts.scale_size, opts.n_params, src, opts.seed, as_numpy=True)
   setup = time.perf_counter() - t0
   plans = [jr.plan(records, world_size=dst, rank=r) for r in range(dst)]
   t0 = time.perf_counter()
@@ -29,13 +27,19 @@ def world_row(src: int, dst: int, opts: Options) -> dict:
   del targets
   gc.collect()
   warm = measure(lambda: block(jr.reshard_ranks(records, plans)), max(1, opts.repeats - 1))
-  del records, plans
+  records = plans = None  # freed; the lambda above is not called again
   gc.collect()
-  return {"what": f"{src} -> {dst}", "source_ranks": src, "target_ranks": dst,
-          "mib_built": round(nbytes / 2**20, 2), "setup_s": round(setup, 2),
-          "cold_s": round(cold, 3), "warm_s": round(warm.best, 4),
-          "ns_per_byte": round(1e9 * warm.best / nbytes, 3),
-          "us_per_target_param": round(1e6 * warm.best / (dst * opts.n_params), 2)}
+  return {
+    "what": f"{src} -> {dst}",
+    "source_ranks": src,
+    "target_ranks": dst,
+    "mib_built": round(nbytes / 2**20, 2),
+    "setup_s": round(setup, 2),
+    "cold_s": round(cold, 3),
+    "warm_s": round(warm.best, 4),
+    "ns_per_byte": round(1e9 * warm.best / nbytes, 3),
+    "us_per_target_param": round(1e6 * warm.best / (dst * opts.n_params), 2),
+  }
 
 
 def run(opts: Options) -> Result:
@@ -45,10 +49,11 @@ def run(opts: Options) -> Result:
     r["vs_first"] = round(r["ns_per_byte"] / base, 2)
   met = None if opts.quick else max(r["vs_first"] for r in rows) <= 1.5
   notes = (
-      f"Resharding rows: Adam, {opts.n_params} parameters, {opts.scale_size} history"
-      " elements in total, every target rank in one `reshard_ranks` call (host executor;"
-      " all sources in one process as simulated ranks). `ns_per_byte`: warm time / bytes"
-      " built; `vs_first`: relative to 8 -> 6; `us_per_target_param`: warm time per"
-      " (target rank, parameter) pair, the unit of the per-rank work (a record of"
-      " `n_params` leaves per target rank).")
+    f"Resharding rows: Adam, {opts.n_params} parameters, {opts.scale_size} history"
+    " elements in total, every target rank in one `reshard_ranks` call (host executor;"
+    " all sources in one process as simulated ranks). `ns_per_byte`: warm time / bytes"
+    " built; `vs_first`: relative to 8 -> 6; `us_per_target_param`: warm time per"
+    " (target rank, parameter) pair, the unit of the per-rank work (a record of"
+    " `n_params` leaves per target rank)."
+  )
   return Result(NAME, "time per byte vs world size", GOAL, met, tuple(rows), notes)

@@ -32,7 +32,8 @@ import json
 import os
 import signal
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -48,7 +49,6 @@ FEATURES, HIDDEN, BATCH = 8, 37, 16  # 37 hidden units: no world size divides th
 
 
 class MLP(nn.Module):
-
   @nn.compact
   def __call__(self, x):
     x = nn.tanh(nn.Dense(HIDDEN)(x))
@@ -66,8 +66,14 @@ def inner_optimizer() -> optax.GradientTransformation:
   return optax.adamw(3e-3, weight_decay=1e-2)
 
 
-def run(mesh: jax.sharding.Mesh, ckpt: str, steps: int, *, save_every: int = 1,
-        kill_after: Optional[int] = None) -> dict:
+def run(
+  mesh: jax.sharding.Mesh,
+  ckpt: str,
+  steps: int,
+  *,
+  save_every: int = 1,
+  kill_after: int | None = None,
+) -> dict:
   """Trains up to ``steps``, resuming from ``ckpt``'s latest step; returns what it saw."""
   model, inner = MLP(), inner_optimizer()
   optimizer = jr.flat_sharded(inner, mesh, axis="fsdp")
@@ -92,19 +98,28 @@ def run(mesh: jax.sharding.Mesh, ckpt: str, steps: int, *, save_every: int = 1,
       start, state = 0, optimizer.init(params)
     else:
       abstract = jax.tree.map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params)
-      restored = manager.restore(start, args=ocp.args.Composite(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), params
+      )
+      restored = manager.restore(
+        start,
+        args=ocp.args.Composite(
           params=ocp.args.StandardRestore(abstract),
-          opt_state=jr.ReshardRestore(mesh=mesh, axis="fsdp")))
+          opt_state=jr.ReshardRestore(mesh=mesh, axis="fsdp"),
+        ),
+      )
       params, state = restored.params, restored.opt_state
     for step in range(start, steps):
       x, y = jax.device_put(jax.tree.map(np.asarray, batch(step)), replicated)
       params, state, loss = train_step(params, state, x, y)
       losses[step] = float(loss)
       if (step + 1) % save_every == 0 or step + 1 == steps:
-        manager.save(step + 1, args=ocp.args.Composite(
+        manager.save(
+          step + 1,
+          args=ocp.args.Composite(
             params=ocp.args.StandardSave(params),
-            opt_state=jr.ReshardSave(state=state, optimizer=inner, params=params, mesh=mesh)))
+            opt_state=jr.ReshardSave(state=state, optimizer=inner, params=params, mesh=mesh),
+          ),
+        )
       if step + 1 == kill_after:
         manager.wait_until_finished()
         return {"start": start, "losses": losses, "killed": True}
@@ -126,15 +141,20 @@ def loss_bits(losses: dict) -> dict:
   return {str(k): np.float32(v).view(np.uint32).item() for k, v in sorted(losses.items())}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--ckpt", required=True, help="the CheckpointManager directory")
   p.add_argument("--steps", type=int, default=6, help="train until this step")
   p.add_argument("--save-every", type=int, default=1)
-  p.add_argument("--kill-after", type=int, default=None,
-                 help="SIGKILL the job right after this step's checkpoint is committed")
-  p.add_argument("--devices", type=int, default=None,
-                 help="use only this many devices (default: all)")
+  p.add_argument(
+    "--kill-after",
+    type=int,
+    default=None,
+    help="SIGKILL the job right after this step's checkpoint is committed",
+  )
+  p.add_argument(
+    "--devices", type=int, default=None, help="use only this many devices (default: all)"
+  )
   p.add_argument("--coordinator", default=None, help="host:port of process 0 (multi-process)")
   p.add_argument("--num-processes", type=int, default=1)
   p.add_argument("--process-id", type=int, default=0)
@@ -143,18 +163,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
   if args.num_processes > 1:
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-  devices = jax.devices()[:args.devices] if args.devices else jax.devices()
+  devices = jax.devices()[: args.devices] if args.devices else jax.devices()
   mesh = jax.make_mesh((len(devices),), ("fsdp",), devices=devices)
-  seen = run(mesh, args.ckpt, args.steps, save_every=args.save_every,
-             kill_after=args.kill_after)
+  seen = run(mesh, args.ckpt, args.steps, save_every=args.save_every, kill_after=args.kill_after)
   where = f"{jax.process_count()} process(es) x {jax.local_device_count()} devices"
   for step, loss in sorted(seen["losses"].items()):
     print(f"step {step + 1}: loss {loss:.6f}  ({where}, fsdp={len(devices)})", flush=True)
   if args.out and jax.process_index() == 0:
     with open(args.out, "w") as f:
-      json.dump({"start": seen["start"], "losses": loss_bits(seen["losses"]),
-                 "params": seen.get("params"), "devices": len(devices),
-                 "processes": jax.process_count()}, f)
+      json.dump(
+        {
+          "start": seen["start"],
+          "losses": loss_bits(seen["losses"]),
+          "params": seen.get("params"),
+          "devices": len(devices),
+          "processes": jax.process_count(),
+        },
+        f,
+      )
   if seen.get("killed"):
     print(f"killed after step {args.kill_after} (its checkpoint is committed)", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)

@@ -28,7 +28,7 @@ def read_json(path) -> dict:
   value = json.loads(data)
   if data.startswith(_PREFIX):
     head = len(_PREFIX) + 64 + 2
-    assert data[head - 2:head] == b'",', path
+    assert data[head - 2 : head] == b'",', path
     assert "sha256:" + hashlib.sha256(b"{" + data[head:]).hexdigest() == value.pop("checksum"), path
   return value
 
@@ -77,16 +77,27 @@ def describes(index: dict) -> list[dict]:
   for g in index["groups"]:
     for a, r in g["ranks"]:
       for p in g["params"]:
-        term = int.from_bytes(hashlib.sha256(json.dumps(
-            index["params"][p], separators=(",", ":")).encode("ascii")).digest()[:16], "little")
+        term = int.from_bytes(
+          hashlib.sha256(
+            json.dumps(index["params"][p], separators=(",", ":")).encode("ascii")
+          ).digest()[:16],
+          "little",
+        )
         key = (g["world_size"], r)
         buckets[a][key] = buckets[a].get(key, 0) + term
   out = []
   for (_, layout, clock), b in zip(index["archives"], buckets):
     placements = sorted([w, r, f"{t % (1 << 128):032x}"] for (w, r), t in b.items())
-    out.append({k: hashlib.sha256(_canonical(v)).hexdigest() for k, v in (
-        ("layout", index["layouts"][layout]), ("clock", index["clocks"][clock]),
-        ("placements", placements))})
+    out.append(
+      {
+        k: hashlib.sha256(_canonical(v)).hexdigest()
+        for k, v in (
+          ("layout", index["layouts"][layout]),
+          ("clock", index["clocks"][clock]),
+          ("placements", placements),
+        )
+      }
+    )
   return out
 
 

@@ -48,7 +48,7 @@ def oracle_shard(full: Any, world_size: int, rank: int) -> np.ndarray:
   slots = oracle_slots(flat.size, world_size)
   padded = np.zeros(world_size * slots, dtype=a.dtype)
   padded[: flat.size] = flat
-  return padded[rank * slots:(rank + 1) * slots]
+  return padded[rank * slots : (rank + 1) * slots]
 
 
 def assert_bits_equal(actual: Any, expected: Any, what: str = "") -> None:
@@ -102,8 +102,8 @@ def random_bits_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
 
 
 SPECIAL_F32 = np.array(
-    [np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-45, -1e-45, 1.1754942e-38, 3.4e38],
-    dtype=np.float32,
+  [np.nan, -np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-45, -1e-45, 1.1754942e-38, 3.4e38],
+  dtype=np.float32,
 )
 
 
@@ -114,10 +114,10 @@ def special_values(dtype) -> np.ndarray:
     nan_payloads = np.array([0x7FC00001, 0xFFC00123, 0x7F800001, 0x7FBFFFFF], np.uint32)
     return np.concatenate([SPECIAL_F32, nan_payloads.view(np.float32)])
   u = np.array(
-      [0x7E01, 0xFE55, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0000, 0x0001, 0x8001, 0x007F]
-      if dt == ml_dtypes.bfloat16 else
-      [0x7E01, 0xFE55, 0x7C01, 0x7C00, 0xFC00, 0x8000, 0x0000, 0x0001, 0x8001, 0x03FF],
-      np.uint16,
+    [0x7E01, 0xFE55, 0x7F81, 0x7F80, 0xFF80, 0x8000, 0x0000, 0x0001, 0x8001, 0x007F]
+    if dt == ml_dtypes.bfloat16
+    else [0x7E01, 0xFE55, 0x7C01, 0x7C00, 0xFC00, 0x8000, 0x0000, 0x0001, 0x8001, 0x03FF],
+    np.uint16,
   )
   return u.view(dt)
 
@@ -188,19 +188,25 @@ def standard(fn, *args):
 def random_params(shapes: dict, seed: int = 0) -> Any:
   """Nested params of ``{id: (shape, dtype)}``: standard normal values, drawn in float32."""
   rng = np.random.default_rng(seed)
-  return nest({pid: jnp.asarray(rng.standard_normal(s).astype(np.float32), d)
-               for pid, (s, d) in shapes.items()})
+  return nest(
+    {
+      pid: jnp.asarray(rng.standard_normal(s).astype(np.float32), d)
+      for pid, (s, d) in shapes.items()
+    }
+  )
 
 
 def random_grads(params: Any, step: int) -> Any:
   """Standard normal gradients of ``params``' shapes and dtypes, one stream per step."""
   rng = np.random.default_rng(100 + step)
   return jax.tree.map(
-      lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32), p.dtype), params)
+    lambda p: jnp.asarray(rng.standard_normal(p.shape).astype(np.float32), p.dtype), params
+  )
 
 
-def random_example(opt: Any, specs: dict, seed: int = 0, *,
-                   random_float_scalars: bool = True) -> tuple[Any, Any]:
+def random_example(
+  opt: Any, specs: dict, seed: int = 0, *, random_float_scalars: bool = True
+) -> tuple[Any, Any]:
   """(params, state) for ``{id: (shape, dtype)}``: zero params and ``opt.init``'s state
   with every history buffer filled with random bits.
 
@@ -235,37 +241,48 @@ def replace_history(record: Any, pid: str, m: int, fn) -> Any:
   leaves, treedef = jax.tree_util.tree_flatten(record.state)
   hits = [i for i, role in enumerate(record.roles) if role == pid]
   leaves[hits[m]] = fn(np.asarray(leaves[hits[m]]).copy())
-  return jr.ShardRecord(record.version, record.placements,
-                        jax.tree_util.tree_unflatten(treedef, leaves), record.roles)
+  return jr.ShardRecord(
+    record.version, record.placements, jax.tree_util.tree_unflatten(treedef, leaves), record.roles
+  )
 
 
 # ``LABELS`` freezes two of ``SMALL_SHAPES``.
-LABELS = nest({"dense/kernel": "train", "dense/bias": "train", "emb": "frozen",
-               "scale": "train", "tiny": "frozen"})
+LABELS = nest(
+  {
+    "dense/kernel": "train",
+    "dense/bias": "train",
+    "emb": "frozen",
+    "scale": "train",
+    "tiny": "frozen",
+  }
+)
 MASK = jax.tree.map(lambda label: label == "train", LABELS)
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=10)
 
 # Real optax optimizers (and combinators) whose histories are per-param flat
 # buffers, written for ``SMALL_SHAPES`` (the masks and labels name its params).
 OPTIMIZERS = {
-    "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "adamw_mu_bf16": lambda: optax.adamw(1e-2, mu_dtype=jnp.bfloat16),
-    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
-    "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
-    "lion": lambda: optax.lion(1e-3),
-    "amsgrad": lambda: optax.amsgrad(1e-2),
-    "rmsprop": lambda: optax.rmsprop(1e-2, momentum=0.9, centered=True),
-    "adagrad": lambda: optax.adagrad(1e-2),
-    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
-        learning_rate=SCHEDULE, weight_decay=0.01),
-    "chain_clip_schedule": lambda: optax.chain(
-        optax.clip_by_global_norm(1.0), optax.clip(0.5), optax.adamw(SCHEDULE)),
-    "masked": lambda: optax.masked(optax.adam(1e-2), MASK),
-    "multi_transform": lambda: optax.multi_transform(
-        {"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, LABELS),
-    "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
-    "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3),
+  "adam": lambda: optax.adam(1e-2),
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+  "adamw_mu_bf16": lambda: optax.adamw(1e-2, mu_dtype=jnp.bfloat16),
+  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+  "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+  "lion": lambda: optax.lion(1e-3),
+  "amsgrad": lambda: optax.amsgrad(1e-2),
+  "rmsprop": lambda: optax.rmsprop(1e-2, momentum=0.9, centered=True),
+  "adagrad": lambda: optax.adagrad(1e-2),
+  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.adamw)(
+    learning_rate=SCHEDULE, weight_decay=0.01
+  ),
+  "chain_clip_schedule": lambda: optax.chain(
+    optax.clip_by_global_norm(1.0), optax.clip(0.5), optax.adamw(SCHEDULE)
+  ),
+  "masked": lambda: optax.masked(optax.adam(1e-2), MASK),
+  "multi_transform": lambda: optax.multi_transform(
+    {"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, LABELS
+  ),
+  "multi_steps": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+  "apply_if_finite": lambda: optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3),
 }
 
 
@@ -293,8 +310,8 @@ def random_state(opt: Any, prm: Any, seed: int = 1) -> Any:
     state = jax.tree.map(fill, opt.init(prm))
   # A clock that is not the initial one: the count is part of what must survive.
   return jax.tree.map(
-      lambda x: jnp.asarray(1234, x.dtype) if np.ndim(x) == 0 and x.dtype == jnp.int32 else x,
-      state)
+    lambda x: jnp.asarray(1234, x.dtype) if np.ndim(x) == 0 and x.dtype == jnp.int32 else x, state
+  )
 
 
 def adam_records(world: int, shapes=None, seed: int = 0) -> list:

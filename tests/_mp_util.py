@@ -20,7 +20,8 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -41,11 +42,10 @@ def optimizer() -> Any:
   """Adam (bf16 first moment) on trainable params, nothing on frozen ones, clipped."""
   labels = nest({pid: "frozen" if pid in FROZEN else "train" for pid in SPECS})
   return optax.chain(
-      optax.clip_by_global_norm(1.0),
-      optax.multi_transform(
-          {"train": optax.adam(1e-3, mu_dtype=jnp.bfloat16), "frozen": optax.set_to_zero()},
-          labels,
-      ),
+    optax.clip_by_global_norm(1.0),
+    optax.multi_transform(
+      {"train": optax.adam(1e-3, mu_dtype=jnp.bfloat16), "frozen": optax.set_to_zero()}, labels
+    ),
   )
 
 
@@ -65,8 +65,9 @@ def example_params(seed: int = 0) -> Any:
   parameter: orbax refuses to save arrays with zero size.
   """
   rng = np.random.default_rng(seed + 1000)
-  return nest({pid: rng.standard_normal(s).astype(d) for pid, (s, d) in SPECS.items()
-               if math.prod(s)})
+  return nest(
+    {pid: rng.standard_normal(s).astype(d) for pid, (s, d) in SPECS.items() if math.prod(s)}
+  )
 
 
 def trainable() -> dict:
@@ -93,8 +94,16 @@ class ProcessGroup:
       ``python *argv`` (a script of its own) instead of the worker task.
   """
 
-  def __init__(self, n: int, devices: int, task: str, out: str, args: dict,
-               timeout: float = 150.0, argv: Optional[Any] = None):
+  def __init__(
+    self,
+    n: int,
+    devices: int,
+    task: str,
+    out: str,
+    args: dict,
+    timeout: float = 150.0,
+    argv: Any | None = None,
+  ):
     self.n, self.devices, self.task, self.out, self.args = n, devices, task, out, args
     # ``argv(i, coordinator)``: run that command line instead of the worker.
     self.argv = argv
@@ -102,43 +111,49 @@ class ProcessGroup:
     self.procs: list[subprocess.Popen] = []
     self.logs: list[str] = []
 
-  def __enter__(self) -> "ProcessGroup":
+  def __enter__(self) -> ProcessGroup:
     os.makedirs(self.out, exist_ok=True)
     port = free_port()
     for i in range(self.n):
       env = dict(os.environ)
       env.update(
-          XLA_FLAGS=f"--xla_force_host_platform_device_count={self.devices}",
-          JAX_PLATFORMS="cpu",
-          PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
-          MP_COORDINATOR=f"127.0.0.1:{port}",
-          MP_NUM_PROCESSES=str(self.n),
-          MP_PROCESS_ID=str(i),
-          MP_TASK=self.task,
-          MP_OUT=self.out,
-          MP_ARGS=json.dumps(self.args),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={self.devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""),
+        MP_COORDINATOR=f"127.0.0.1:{port}",
+        MP_NUM_PROCESSES=str(self.n),
+        MP_PROCESS_ID=str(i),
+        MP_TASK=self.task,
+        MP_OUT=self.out,
+        MP_ARGS=json.dumps(self.args),
       )
       log = os.path.join(self.out, f"p{i}.log")
       self.logs.append(log)
-      cmd = ([sys.executable, WORKER] if self.argv is None
-             else [sys.executable, *self.argv(i, f"127.0.0.1:{port}")])
+      cmd = (
+        [sys.executable, WORKER]
+        if self.argv is None
+        else [sys.executable, *self.argv(i, f"127.0.0.1:{port}")]
+      )
       with open(log, "wb") as f:
-        self.procs.append(subprocess.Popen(
-            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True))
+        self.procs.append(
+          subprocess.Popen(
+            cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True
+          )
+        )
     self.started = time.monotonic()
     return self
 
   def __exit__(self, *exc) -> None:
     self.kill()
 
-  def kill(self, i: Optional[int] = None) -> None:
+  def kill(self, i: int | None = None) -> None:
     """SIGKILLs process ``i`` (default: every process still running)."""
     for j, p in enumerate(self.procs):
       if (i is None or i == j) and p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait(10)
 
-  def wait(self, only: Optional[Sequence[int]] = None) -> list[int]:
+  def wait(self, only: Sequence[int] | None = None) -> list[int]:
     """Waits for the processes (all, or ``only``); returns exit codes; kills all on timeout."""
     which = range(self.n) if only is None else only
     for j in which:
@@ -147,7 +162,7 @@ class ProcessGroup:
         self.procs[j].wait(max(left, 0.1))
       except subprocess.TimeoutExpired:
         self.kill()
-        raise AssertionError(f"process group {self.task!r} timed out:\n{self.tail()}")
+        raise AssertionError(f"process group {self.task!r} timed out:\n{self.tail()}") from None
     return [self.procs[j].returncode for j in which]
 
   def check(self) -> list[dict]:

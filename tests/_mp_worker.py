@@ -39,19 +39,18 @@ import jax
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.distributed.initialize(
-    coordinator_address=os.environ["MP_COORDINATOR"],
-    num_processes=int(os.environ["MP_NUM_PROCESSES"]),
-    process_id=int(os.environ["MP_PROCESS_ID"]),
-    initialization_timeout=60,
-    heartbeat_timeout_seconds=10,
-    shutdown_timeout_seconds=20,
+  coordinator_address=os.environ["MP_COORDINATOR"],
+  num_processes=int(os.environ["MP_NUM_PROCESSES"]),
+  process_id=int(os.environ["MP_PROCESS_ID"]),
+  initialization_timeout=60,
+  heartbeat_timeout_seconds=10,
+  shutdown_timeout_seconds=20,
 )
 
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-
 import orbax.checkpoint as ocp  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
 
 import jaxreshard as jr  # noqa: E402
 from jaxreshard._src.distributed.mesh import mesh_ranks  # noqa: E402
@@ -71,8 +70,15 @@ def save(opt, params, state, shapes) -> dict:
   m = mesh()
   sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
   spec = {p.param: p for p in next(iter(sharded.placements.values()))}
-  jr.save_sharded(ARGS["path"], opt, sharded.state, spec, m, timeout_s=60,
-                  chunk_bytes=ARGS.get("chunk_bytes", 1 << 20))
+  jr.save_sharded(
+    ARGS["path"],
+    opt,
+    sharded.state,
+    spec,
+    m,
+    timeout_s=60,
+    chunk_bytes=ARGS.get("chunk_bytes", 1 << 20),
+  )
   result = {"ranks": sorted(sharded.placements)}
   if ARGS.get("run"):
     result.update(manager_save(opt, sharded.state, spec, m))
@@ -104,12 +110,19 @@ def manager_save(opt, state, spec, m) -> dict:
   _checkpoint.write_archive = gated
   try:
     with ocp.CheckpointManager(ARGS["run"], item_names=("params", "opt_state")) as manager:
-      manager.save(1, args=ocp.args.Composite(
+      manager.save(
+        1,
+        args=ocp.args.Composite(
           params=ocp.args.StandardSave(params),
-          opt_state=jr.ReshardSave(state=state, optimizer=opt, shapes=spec, mesh=m,
-                                   axis="fsdp", chunk_bytes=4096)))
-      result = {"in_progress_after_save": manager.is_saving_in_progress(),
-                "committed_after_save": os.path.exists(os.path.join(ARGS["run"], "1"))}
+          opt_state=jr.ReshardSave(
+            state=state, optimizer=opt, shapes=spec, mesh=m, axis="fsdp", chunk_bytes=4096
+          ),
+        ),
+      )
+      result = {
+        "in_progress_after_save": manager.is_saving_in_progress(),
+        "committed_after_save": os.path.exists(os.path.join(ARGS["run"], "1")),
+      }
       # save returned with host copies taken: the device buffers may go now.
       for leaf in jax.tree.leaves(state):
         leaf.delete()
@@ -144,19 +157,29 @@ def restore(opt, params, state, shapes) -> dict:
   spec = {p.param: p for p in out.placements[min(out.placements)]}
   gathered = jr.gather_from_mesh(opt, out.state, spec, m)
   same = all(
-      np.array_equal(bits(a), bits(b))
-      for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(state)))
+    np.array_equal(bits(a), bits(b))
+    for a, b in zip(jax.tree.leaves(gathered), jax.tree.leaves(state))
+  )
   same = same and jax.tree.structure(gathered) == jax.tree.structure(state)
   result = {}
   if ARGS.get("replicated"):
     result["replicated"] = restore_replicated(opt)
   if ARGS.get("run"):
     result["manager"] = manager_restore(m)
-  return {**result, "ranks": sorted(out.placements), "rank_of": rank_of, "bytes_read": read,
-          "gather_equals_original": bool(same),
-          "placements": {str(r): [[p.param, list(p.shape), p.rank, p.world_size,
-                                   np.dtype(p.dtype).name, p.trainable] for p in ps]
-                         for r, ps in out.placements.items()}}
+  return {
+    **result,
+    "ranks": sorted(out.placements),
+    "rank_of": rank_of,
+    "bytes_read": read,
+    "gather_equals_original": bool(same),
+    "placements": {
+      str(r): [
+        [p.param, list(p.shape), p.rank, p.world_size, np.dtype(p.dtype).name, p.trainable]
+        for p in ps
+      ]
+      for r, ps in out.placements.items()
+    },
+  }
 
 
 def restore_replicated(opt) -> dict:
@@ -171,20 +194,30 @@ def restore_replicated(opt) -> dict:
   spec = {p.param: p for p in out.placements[min(out.placements)]}
   jr.save_sharded(ARGS["resave"], opt, out.state, spec, m, "fsdp", timeout_s=60)
   from jaxreshard._src.distributed import mesh as _mesh  # pylint: disable=g-import-not-at-top
-  return {"ranks": sorted(out.placements), "written": _mesh.writer_ranks(m, "fsdp"),
-          "rank_of": {d.id: r for r, ds in mesh_ranks(m, "fsdp").items() for d in ds}}
+
+  return {
+    "ranks": sorted(out.placements),
+    "written": _mesh.writer_ranks(m, "fsdp"),
+    "rank_of": {d.id: r for r, ds in mesh_ranks(m, "fsdp").items() for d in ds},
+  }
 
 
 def manager_restore(m: Mesh) -> dict:
   """Step 1 of the manager onto this job's mesh: the optax state and the params."""
   want = U.example_params(seed=ARGS.get("seed", 0))
   abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
-          m, jax.sharding.PartitionSpec())), want)
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec())
+    ),
+    want,
+  )
   with ocp.CheckpointManager(ARGS["run"], item_names=("params", "opt_state")) as manager:
-    out = manager.restore(1, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract),
-        opt_state=jr.ReshardRestore(mesh=m, axis="fsdp")))
+    out = manager.restore(
+      1,
+      args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract), opt_state=jr.ReshardRestore(mesh=m, axis="fsdp")
+      ),
+    )
   dump = {}
   for i, leaf in enumerate(jax.tree.leaves(out.opt_state)):
     assert leaf.sharding.mesh.shape == m.shape, leaf.sharding
@@ -192,10 +225,13 @@ def manager_restore(m: Mesh) -> dict:
       dump[f"{i}:{shard.device.id}"] = bits(shard.data)
   np.savez(os.path.join(OUT, f"p{ME}_manager.npz"), **dump)
   params_equal = all(
-      np.array_equal(bits(a.addressable_data(0)), bits(b))
-      for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(want), strict=True))
-  return {"params_equal": bool(params_equal),
-          "structure_equal": jax.tree.structure(out.params) == jax.tree.structure(want)}
+    np.array_equal(bits(a.addressable_data(0)), bits(b))
+    for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(want), strict=True)
+  )
+  return {
+    "params_equal": bool(params_equal),
+    "structure_equal": jax.tree.structure(out.params) == jax.tree.structure(want),
+  }
 
 
 def fail(opt, params, state, shapes) -> dict:
@@ -211,7 +247,8 @@ def fail(opt, params, state, shapes) -> dict:
   sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
   spec = {p.param: p for p in next(iter(sharded.placements.values()))}
   options = ocp.CheckpointManagerOptions(
-      async_options=ocp.AsyncOptions(timeout_secs=ARGS.get("timeout_s", 30)))
+    async_options=ocp.AsyncOptions(timeout_secs=ARGS.get("timeout_s", 30))
+  )
   manager = ocp.CheckpointManager(ARGS["run"], options=options)
   args = lambda: jr.ReshardSave(state=sharded.state, optimizer=opt, shapes=spec, mesh=m)
   manager.save(1, args=args())
@@ -247,9 +284,9 @@ def restore_target(opt, params, state, shapes) -> dict:
   mine = [d for d in devices if d.process_index == ME]
   theirs = [d for d in devices if d.process_index != ME]
   meshes = {
-      # Process 0 holds one device of four; process 1 the other three.
-      "one_of_4": Mesh(np.array(devices[:1] + devices[4:7]), ("x",)),
-      "half": Mesh(np.array(devices).reshape(2, 4), ("a", "b")),
+    # Process 0 holds one device of four; process 1 the other three.
+    "one_of_4": Mesh(np.array(devices[:1] + devices[4:7]), ("x",)),
+    "half": Mesh(np.array(devices).reshape(2, 4), ("a", "b")),
   }
   specs = {"one_of_4": PartitionSpec("x"), "half": PartitionSpec(("a", "b"))}
   out = {"local_devices": [d.id for d in mine], "other_devices": [d.id for d in theirs]}
@@ -259,9 +296,13 @@ def restore_target(opt, params, state, shapes) -> dict:
     before = rchar()
     restored = _target_restore.restore_to_target(ARGS["path"], target, stats=stats)
     jax.block_until_ready(restored.state)
-    out[name] = {"bytes_read": stats.bytes, "chunks": stats.chunks, "rchar": rchar() - before,
-                 "mismatches": T.shard_mismatches(restored.state, state, target),
-                 "devices_in_mesh": sum(d.process_index == ME for d in m.devices.flat)}
+    out[name] = {
+      "bytes_read": stats.bytes,
+      "chunks": stats.chunks,
+      "rchar": rchar() - before,
+      "mismatches": T.shard_mismatches(restored.state, state, target),
+      "devices_in_mesh": sum(d.process_index == ME for d in m.devices.flat),
+    }
   return out
 
 

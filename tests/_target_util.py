@@ -9,12 +9,14 @@ payloads, -0.0, subnormals included).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from tests._core_util import bits, nest, random_example
 from tests._shapes import TARGET_SPECS
@@ -27,12 +29,14 @@ def optimizer(pids=tuple(SPECS)) -> Any:
   """The example optimizer for params with ids ``pids``."""
   labels = nest({pid: "frozen" if pid in FROZEN else "train" for pid in pids})
   return optax.chain(
-      optax.clip_by_global_norm(1.0),
-      optax.multi_transform(
-          {"train": optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=0.1),
-           "frozen": optax.set_to_zero()},
-          labels,
-      ),
+    optax.clip_by_global_norm(1.0),
+    optax.multi_transform(
+      {
+        "train": optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=0.1),
+        "frozen": optax.set_to_zero(),
+      },
+      labels,
+    ),
   )
 
 
@@ -71,13 +75,16 @@ def abstract(opt: Any, params: Any, sharding: Callable[[tuple, Any], Any]) -> An
   with jax.numpy_dtype_promotion("standard"):  # inject_hyperparams' init mixes dtypes
     shapes = jax.eval_shape(opt.init, params)
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(path, x)), shapes)
+    lambda path, x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(path, x)), shapes
+  )
 
 
 def spec_or_replicated(mesh: Any, spec: P) -> Callable[[tuple, Any], Any]:
   """``spec`` on every leaf it fits, replicated on ``mesh`` elsewhere (scalars, odd sizes)."""
+
   def f(path, x):
     return NamedSharding(mesh, spec if fits(spec, x.shape, mesh) else P())
+
   return f
 
 

@@ -14,7 +14,6 @@ import pytest
 
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import reader as _checkpoint
-
 from tests._core_util import bits
 
 PARAMS = {"dense": {"kernel": jnp.arange(12.0).reshape(3, 4) - 5.0, "bias": jnp.ones((5,))}}
@@ -82,8 +81,7 @@ def test_top_level_names():
   assert jr.orbax.ReshardSave is jr.ReshardSave
   assert jr.orbax.ReshardRestore is jr.ReshardRestore
   assert jr.orbax.ReshardCheckpointHandler is jr.ReshardCheckpointHandler
-  assert sorted(jr.orbax.__all__) == ["ReshardCheckpointHandler", "ReshardRestore",
-                                      "ReshardSave"]
+  assert sorted(jr.orbax.__all__) == ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
 
 
 def test_versions_say_what_they_version(tmp_path):
@@ -103,10 +101,26 @@ def test_package_is_typed():
   assert 'jaxreshard = ["py.typed"]' in pyproject
 
 
-@pytest.mark.parametrize("fn", [
-    jr.shard_state, jr.unshard_state, jr.flat_sharded, jr.save_sharded, jr.restore_sharded,
-    jr.shard_to_mesh, jr.gather_from_mesh, jr.save_records, jr.load_records, jr.restore,
-    jr.restore_ranks, jr.plan, jr.reshard, jr.reshard_ranks, jr.digest])
+@pytest.mark.parametrize(
+  "fn",
+  [
+    jr.shard_state,
+    jr.unshard_state,
+    jr.flat_sharded,
+    jr.save_sharded,
+    jr.restore_sharded,
+    jr.shard_to_mesh,
+    jr.gather_from_mesh,
+    jr.save_records,
+    jr.load_records,
+    jr.restore,
+    jr.restore_ranks,
+    jr.plan,
+    jr.reshard,
+    jr.reshard_ranks,
+    jr.digest,
+  ],
+)
 def test_public_signatures_say_their_types(fn):
   hints = inspect.signature(fn, eval_str=True)
   for name, p in hints.parameters.items():
@@ -144,10 +158,12 @@ def test_public_code_raises_reshard_errors_not_builtins():
 
 def test_refusals_of_arguments_are_reshard_errors(tmp_path):
   records = _records(2)
-  for call in (lambda: jr.save_records(b"bytes-path", records),
-               lambda: jr.save_records(tmp_path / "x", records, chunk_bytes=0),
-               lambda: jr.load_records(3),
-               lambda: jr.restore(tmp_path / "x", world_size=2, rank=0, progress=object())):
+  for call in (
+    lambda: jr.save_records(b"bytes-path", records),
+    lambda: jr.save_records(tmp_path / "x", records, chunk_bytes=0),
+    lambda: jr.load_records(3),
+    lambda: jr.restore(tmp_path / "x", world_size=2, rank=0, progress=object()),
+  ):
     with pytest.raises(jr.ReshardError):
       call()
   assert os.listdir(tmp_path) == []

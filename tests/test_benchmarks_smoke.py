@@ -24,14 +24,21 @@ def quick_run(tmp_path_factory):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # the suite sets simulated devices itself where needed
   env.pop("PYTHONPATH", None)  # as documented: run from the repository root, nothing else
-  proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--json", "--out", str(out)],
-                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+    [sys.executable, "-m", "benchmarks", "--quick", "--json", "--out", str(out)],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   return json.loads(proc.stdout), out
 
 
 def test_every_benchmark_emits_rows(quick_run):
   from benchmarks import BENCHMARKS
+
   doc, _ = quick_run
   assert doc["quick"] is True
   assert [r["name"] for r in doc["results"]] == list(BENCHMARKS)
@@ -56,16 +63,21 @@ def test_workload_matches_shard_state():
   import jax
   import jax.numpy as jnp
   import optax
+
   import jaxreshard as jr
   from benchmarks import _workload
+
   n = 5
   sizes = _workload.param_sizes(1000, n)
-  params = _workload.nest({pid: jnp.zeros((s,), jnp.float32)
-                          for pid, s in zip(_workload.param_ids(n), sizes)})
+  params = _workload.nest(
+    {pid: jnp.zeros((s,), jnp.float32) for pid, s in zip(_workload.param_ids(n), sizes)}
+  )
   opt = optax.adam(1e-3)
   ref = jr.shard_state(opt, params, opt.init(params), 8)
   got = _workload.adam_records(2000, n, 8)
   for a, b in zip(got, ref):
     assert a.placements == b.placements and a.roles == b.roles
     assert jax.tree.structure(a.state) == jax.tree.structure(b.state)
-    assert [x.shape for x in jax.tree.leaves(a.state)] == [x.shape for x in jax.tree.leaves(b.state)]
+    assert [x.shape for x in jax.tree.leaves(a.state)] == [
+      x.shape for x in jax.tree.leaves(b.state)
+    ]

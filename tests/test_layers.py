@@ -16,8 +16,17 @@ import pathlib
 
 import pytest
 
-LAYERS = ["errors", "progress", "core", "exec", "engine", "checkpoint", "distributed", "orbax",
-          "cli"]
+LAYERS = [
+  "errors",
+  "progress",
+  "core",
+  "exec",
+  "engine",
+  "checkpoint",
+  "distributed",
+  "orbax",
+  "cli",
+]
 SRC = pathlib.Path(__file__).resolve().parents[1] / "jaxreshard" / "_src"
 
 
@@ -36,8 +45,11 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
       elif node.module == "jaxreshard":
         out.extend((node.lineno, "jaxreshard.<public>") for _ in node.names)
     elif isinstance(node, ast.Import):
-      out.extend((node.lineno, a.name) for a in node.names
-                 if a.name == "jaxreshard" or a.name.startswith("jaxreshard."))
+      out.extend(
+        (node.lineno, a.name)
+        for a in node.names
+        if a.name == "jaxreshard" or a.name.startswith("jaxreshard.")
+      )
   return out
 
 
@@ -47,7 +59,8 @@ def _files():
 
 def test_every_layer_exists():
   assert {p.relative_to(SRC).parts[0].removesuffix(".py") for p in _files()} - {"__init__"} == set(
-      LAYERS)
+    LAYERS
+  )
 
 
 @pytest.mark.parametrize("path", _files(), ids=lambda p: str(p.relative_to(SRC)))
@@ -60,7 +73,8 @@ def test_imports_point_down(path):
     if rel[0] == "cli" and not module.startswith("jaxreshard._src."):
       continue
     assert module.startswith("jaxreshard._src."), (
-        f"{path}:{line} imports {module}: inside _src, import the module itself, not the"
-        " public package")
+      f"{path}:{line} imports {module}: inside _src, import the module itself, not the"
+      " public package"
+    )
     theirs = LAYERS.index(_layer(module))
     assert theirs <= own, f"{path}:{line} imports {module}, a layer above its own ({rel[0]})"

@@ -10,12 +10,12 @@ import optax
 import pytest
 
 import jaxreshard as jr
-
 from tests._core_util import bits
 
-PARAMS = {"dense": {"kernel": jnp.arange(39.0).reshape(3, 13) - 7.0,
-                    "bias": jnp.linspace(-1.0, 1.0, 5)},
-          "scale": jnp.float32(0.5)}
+PARAMS = {
+  "dense": {"kernel": jnp.arange(39.0).reshape(3, 13) - 7.0, "bias": jnp.linspace(-1.0, 1.0, 5)},
+  "scale": jnp.float32(0.5),
+}
 COUNT = 39 + 5 + 1
 OPT = optax.adamw(1e-2, mu_dtype=jnp.bfloat16)  # histories of two dtypes: 2 + 4 bytes each
 PER_ELEMENT = 2 + 4
@@ -40,8 +40,9 @@ def records():
 
 def _stored_bytes(records):
   """Bytes of every flat history buffer (padding included): what a save stores."""
-  return sum(x.nbytes for r in records for x in map(np.asarray, jax.tree.leaves(r.state))
-             if x.ndim == 1)
+  return sum(
+    x.nbytes for r in records for x in map(np.asarray, jax.tree.leaves(r.state)) if x.ndim == 1
+  )
 
 
 def _same_bits(a, b):
@@ -89,11 +90,9 @@ def test_restore_ranks_reports_each_rank_and_the_logical_bytes(records, tmp_path
   jr.save_records(tmp_path / "ckpt", records)
   events = []
   ranks = list(range(world_size))
-  got = jr.restore_ranks(tmp_path / "ckpt", ranks, world_size=world_size,
-                         progress=events.append)
+  got = jr.restore_ranks(tmp_path / "ckpt", ranks, world_size=world_size, progress=events.append)
   # Every source element is copied once, padding never: the state's logical bytes.
-  assert _check_events(events, "restore_ranks", world_size, COUNT * PER_ELEMENT,
-                       "rank") == ranks
+  assert _check_events(events, "restore_ranks", world_size, COUNT * PER_ELEMENT, "rank") == ranks
   want = [jr.reshard(records, jr.plan(records, world_size=world_size, rank=r)) for r in ranks]
   _same_bits(got, want)
 
@@ -111,13 +110,14 @@ def test_restore_reports_its_one_rank(records, tmp_path):
 def test_mesh_save_and_restore_report_progress(records, tmp_path):
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:6]), ("fsdp",))
   restored = []
-  state, placements = jr.restore_sharded(_saved(records, tmp_path), mesh,
-                                         progress=restored.append)
+  state, placements = jr.restore_sharded(_saved(records, tmp_path), mesh, progress=restored.append)
   assert _check_events(restored, "restore_sharded", 6, COUNT * PER_ELEMENT, "rank") == list(
-      range(6))
+    range(6)
+  )
   saved = []
-  jr.save_sharded(tmp_path / "six", OPT, state, {p.param: p for p in placements[0]}, mesh,
-                  progress=saved.append)
+  jr.save_sharded(
+    tmp_path / "six", OPT, state, {p.param: p for p in placements[0]}, mesh, progress=saved.append
+  )
   six = jr.load_records(tmp_path / "six")
   assert _check_events(saved, "save_sharded", 6, _stored_bytes(six), "archive") == list(range(6))
   _same_bits(six, [jr.reshard(records, jr.plan(records, world_size=6, rank=r)) for r in range(6)])
@@ -127,12 +127,15 @@ def test_restore_to_a_target_reports_each_archive_read(records, tmp_path):
   path = _saved(records, tmp_path)
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
   everywhere = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere),
-                          jax.eval_shape(OPT.init, PARAMS))
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere),
+    jax.eval_shape(OPT.init, PARAMS),
+  )
   events = []
   state, _ = jr.restore_sharded(path, mesh, target=abstract, progress=events.append)
   assert _check_events(events, "restore_sharded", 5, COUNT * PER_ELEMENT, "archive") == list(
-      range(5))
+    range(5)
+  )
   for x, y in zip(jax.tree.leaves(state), jax.tree.leaves(_state())):
     np.testing.assert_array_equal(bits(np.asarray(x)), bits(y))
 
@@ -163,8 +166,9 @@ def test_logging_per_archive_at_debug_and_per_call_at_info(records, tmp_path, ca
   assert len(debug) == 5 + 1 and all(m.startswith("save_records ") for m in debug[:5])
   assert "archive 4 done (5 of 5)" in debug[4] and "rank 1 done (1 of 1)" in debug[5]
   assert len(info) == 2
-  assert info[0].startswith(f"save_records {os.fspath(tmp_path / 'ckpt')}: 5 archives,"
-                            f" {_stored_bytes(records)} bytes")
+  assert info[0].startswith(
+    f"save_records {os.fspath(tmp_path / 'ckpt')}: 5 archives, {_stored_bytes(records)} bytes"
+  )
   assert info[1].startswith("restore ") and ": 1 rank," in info[1]
 
 
@@ -173,8 +177,10 @@ def test_a_progress_that_is_not_callable_is_refused_before_any_work(records, tmp
     jr.save_records(tmp_path / "ckpt", records, progress="bar")
   assert not os.path.lexists(tmp_path / "ckpt") and os.listdir(tmp_path) == []
   jr.save_records(tmp_path / "ckpt", records)
-  for call in (lambda: jr.load_records(tmp_path / "ckpt", progress=1),
-               lambda: jr.restore(tmp_path / "ckpt", world_size=2, rank=0, progress=1)):
+  for call in (
+    lambda: jr.load_records(tmp_path / "ckpt", progress=1),
+    lambda: jr.restore(tmp_path / "ckpt", world_size=2, rank=0, progress=1),
+  ):
     with pytest.raises(jr.ReshardError, match="progress must be a callable"):
       call()
 
@@ -183,6 +189,7 @@ def test_a_callback_that_raises_stops_the_save_and_leaves_nothing(records, tmp_p
   def stop(event):
     if event.done == 3:
       raise KeyboardInterrupt
+
   with pytest.raises(KeyboardInterrupt):
     jr.save_records(tmp_path / "ckpt", records, progress=stop)
   assert os.listdir(tmp_path) == []

@@ -95,8 +95,12 @@ def test_readme_cli_output_is_what_the_commands_print(tmp_path, monkeypatch):
 
   steps = _transcript()
   assert [argv[:2] for argv in (a for a, _ in steps)] == [
-      ["jaxreshard", "demo"], ["jaxreshard", "inspect"], ["jaxreshard", "reshard"],
-      ["jaxreshard", "reshard"], ["jaxreshard", "verify"]]
+    ["jaxreshard", "demo"],
+    ["jaxreshard", "inspect"],
+    ["jaxreshard", "reshard"],
+    ["jaxreshard", "reshard"],
+    ["jaxreshard", "verify"],
+  ]
   assert "--dry-run" in steps[2][0]
   monkeypatch.chdir(tmp_path)
   for argv, shown in steps:
@@ -128,7 +132,7 @@ def _arithmetic() -> str:
   w2 = jax.random.normal(k3, (37, 5), jnp.float32)
   loss = lambda a, b: jnp.mean((jax.nn.gelu(x @ a) @ b) ** 2)
   g1, g2 = jax.jit(jax.grad(loss, argnums=(0, 1)))(w1, w2)
-  m = jax.jit(lambda g: (0.1 * g) / (1.0 - 0.9 ** 3) / (jnp.sqrt(g * g) + 1e-8))(g1)
+  m = jax.jit(lambda g: (0.1 * g) / (1.0 - 0.9**3) / (jnp.sqrt(g * g) + 1e-8))(g1)
   h = hashlib.sha256()
   for a in (g1, g2, m):
     h.update(np.asarray(a).view(np.uint32).tobytes())

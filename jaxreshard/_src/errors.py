@@ -28,8 +28,14 @@ reached only with validated runs) and parser errors converted on the spot
 
 from __future__ import annotations
 
-__all__ = ["ReshardError", "PlacementError", "ShapeError", "DtypeError", "ArchiveError",
-           "ArchiveExistsError"]
+__all__ = [
+  "ReshardError",
+  "PlacementError",
+  "ShapeError",
+  "DtypeError",
+  "ArchiveError",
+  "ArchiveExistsError",
+]
 
 
 class ReshardError(ValueError):

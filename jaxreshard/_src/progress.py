@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from jaxreshard._src.errors import ReshardError
 
@@ -60,14 +60,14 @@ class Progress:
 
   what: str
   done: int
-  total: Optional[int]
+  total: int | None
   done_bytes: int
-  total_bytes: Optional[int]
-  archive: Optional[int] = None
-  rank: Optional[int] = None
+  total_bytes: int | None
+  archive: int | None = None
+  rank: int | None = None
 
   @property
-  def fraction(self) -> Optional[float]:
+  def fraction(self) -> float | None:
     """``done_bytes / total_bytes`` (1.0 for a call of no bytes), or None when unknown."""
     if self.total_bytes is None:
       return None
@@ -77,18 +77,28 @@ class Progress:
 ProgressCallback = Callable[[Progress], None]
 
 
-def check_callback(progress: Optional[ProgressCallback]) -> None:
+def check_callback(progress: ProgressCallback | None) -> None:
   """Refuses a ``progress`` argument that cannot be called, before any work."""
   if progress is not None and not callable(progress):
-    raise ReshardError(f"progress must be a callable taking a jaxreshard.Progress, or None;"
-                       f" got {type(progress).__name__}")
+    raise ReshardError(
+      f"progress must be a callable taking a jaxreshard.Progress, or None;"
+      f" got {type(progress).__name__}"
+    )
 
 
 class Reporter:
   """Counts one call's archives or ranks and bytes; tells the callback and the logger."""
 
-  def __init__(self, what: str, progress: Optional[ProgressCallback], *, where: object,
-               total: Optional[int], total_bytes: Optional[int], unit: str = "archive"):
+  def __init__(
+    self,
+    what: str,
+    progress: ProgressCallback | None,
+    *,
+    where: object,
+    total: int | None,
+    total_bytes: int | None,
+    unit: str = "archive",
+  ):
     check_callback(progress)
     self.what = what
     self.progress = progress
@@ -100,22 +110,37 @@ class Reporter:
     self.done_bytes = 0
     self._t0 = time.perf_counter()
 
-  def step(self, nbytes: int, *, archive: Optional[int] = None,
-           rank: Optional[int] = None) -> None:
+  def step(self, nbytes: int, *, archive: int | None = None, rank: int | None = None) -> None:
     """One archive or rank finished, of ``nbytes`` bytes."""
     self.done += 1
     self.done_bytes += int(nbytes)
     if logger.isEnabledFor(logging.DEBUG):
       of = "" if self.total is None else f" of {self.total}"
-      logger.debug("%s %s: %s %s done (%d%s), %d bytes, %d bytes so far", self.what,
-                   self.where, self.unit, archive if rank is None else rank, self.done, of,
-                   int(nbytes), self.done_bytes)
+      logger.debug(
+        "%s %s: %s %s done (%d%s), %d bytes, %d bytes so far",
+        self.what,
+        self.where,
+        self.unit,
+        archive if rank is None else rank,
+        self.done,
+        of,
+        int(nbytes),
+        self.done_bytes,
+      )
     if self.progress is not None:
-      self.progress(Progress(self.what, self.done, self.total, self.done_bytes,
-                             self.total_bytes, archive, rank))
+      self.progress(
+        Progress(self.what, self.done, self.total, self.done_bytes, self.total_bytes, archive, rank)
+      )
 
   def finish(self) -> None:
     """The call succeeded: one INFO line."""
-    logger.info("%s %s: %d %s%s, %d bytes, in %.3f s", self.what, self.where, self.done,
-                self.unit, "" if self.done == 1 else "s", self.done_bytes,
-                time.perf_counter() - self._t0)
+    logger.info(
+      "%s %s: %d %s%s, %d bytes, in %.3f s",
+      self.what,
+      self.where,
+      self.done,
+      self.unit,
+      "" if self.done == 1 else "s",
+      self.done_bytes,
+      time.perf_counter() - self._t0,
+    )

@@ -13,8 +13,14 @@ import pytest
 
 import jaxreshard as jr
 from tests._core_util import (
-    OPTIMIZERS, STORAGE_SHAPES, adam_records, assert_records_equal, assert_trees_bit_equal,
-    random_params, random_state, small_params,
+  OPTIMIZERS,
+  STORAGE_SHAPES,
+  adam_records,
+  assert_records_equal,
+  assert_trees_bit_equal,
+  random_params,
+  random_state,
+  small_params,
 )
 
 
@@ -31,8 +37,10 @@ def test_every_optimizer_round_trips_exactly(tmp_path, name):
   for a, b in zip(loaded, records, strict=True):
     assert_records_equal(a, b)  # structure (NamedTuple classes, MaskedNode), roles, bits
   # A loaded checkpoint is as good as the records: the core reshards it identically.
-  assert_records_equal(jr.reshard(loaded, jr.plan(loaded, world_size=2, rank=1)),
-                       jr.reshard(records, jr.plan(records, world_size=2, rank=1)))
+  assert_records_equal(
+    jr.reshard(loaded, jr.plan(loaded, world_size=2, rank=1)),
+    jr.reshard(records, jr.plan(records, world_size=2, rank=1)),
+  )
 
 
 def test_random_bits_every_storage_dtype(tmp_path):
@@ -45,15 +53,19 @@ def test_random_bits_every_storage_dtype(tmp_path):
 
 
 def _files(directory):
-  return sorted(os.path.relpath(os.path.join(r, f), directory)
-                for r, _, fs in os.walk(directory) for f in fs)
+  return sorted(
+    os.path.relpath(os.path.join(r, f), directory) for r, _, fs in os.walk(directory) for f in fs
+  )
 
 
 def test_layout_on_disk(tmp_path):
   records = adam_records(2)
   jr.save_records(tmp_path / "ckpt", records, chunk_bytes=16)
-  assert sorted(os.listdir(tmp_path / "ckpt")) == ["archive_00000", "archive_00001",
-                                                    "jaxreshard.json"]
+  assert sorted(os.listdir(tmp_path / "ckpt")) == [
+    "archive_00000",
+    "archive_00001",
+    "jaxreshard.json",
+  ]
   index = json.loads((tmp_path / "ckpt" / "jaxreshard.json").read_text())
   assert index["format"] == "jaxreshard-checkpoint" and index["format_version"] == 3
   # Both ranks share one layout, one clock and one group: the index does not
@@ -63,12 +75,14 @@ def test_layout_on_disk(tmp_path):
   (group,) = index["groups"]
   assert group["world_size"] == 2 and group["ranks"] == [[0, 0], [1, 1]]
   assert sorted(index["params"][i][0] for i in group["params"]) == sorted(
-      p.param for p in records[0].placements)
+    p.param for p in records[0].placements
+  )
   # Files grow with ranks x dtypes: per archive its metadata and, per dtype,
   # zarr.json and one shard file.
   dtypes = ["bfloat16", "float16", "float32"]
   assert _files(tmp_path / "ckpt" / "archive_00001") == ["archive.json"] + [
-      f"{d}/{f}" for d in dtypes for f in ("c/0", "zarr.json")]
+    f"{d}/{f}" for d in dtypes for f in ("c/0", "zarr.json")
+  ]
   meta = json.loads((tmp_path / "ckpt" / "archive_00001" / "archive.json").read_text())
   assert meta["checkpoint"] == index["checkpoint"] and sorted(meta["buffers"]) == dtypes
   assert not glob.glob(str(tmp_path / ".ckpt.tmp-*"))  # the temporary sibling is gone
@@ -88,8 +102,12 @@ def test_plain_tensorstore_reads_a_saved_buffer(tmp_path):
       leaf = nest_get(sub, pid)
       if leaf is not None and np.asarray(leaf).dtype == np.float32:
         expected.append(np.asarray(leaf))
-  store = ts.open({"driver": "zarr3", "kvstore": {
-      "driver": "file", "path": str(tmp_path / "ckpt" / "archive_00001" / "float32")}}).result()
+  store = ts.open(
+    {
+      "driver": "zarr3",
+      "kvstore": {"driver": "file", "path": str(tmp_path / "ckpt" / "archive_00001" / "float32")},
+    }
+  ).result()
   got = store.read().result()
   want = np.concatenate(expected)
   assert got.dtype == np.float32 and got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
@@ -109,7 +127,7 @@ def test_records_are_streamed_one_at_a_time(tmp_path):
   seen = []
 
   def gen():
-    for i, rec in enumerate(records):
+    for _i, rec in enumerate(records):
       # Every earlier record is already on disk when the next one is asked for.
       tmp = glob.glob(str(tmp_path / ".ckpt.tmp-*"))
       assert len(tmp) == 1
@@ -128,8 +146,12 @@ class UserState(collections.namedtuple("UserState", ["count", "trace"])):
 
 def test_unknown_namedtuple_becomes_a_plain_namedtuple(tmp_path):
   prm = {"w": jnp.arange(5.0)}
-  rec = jr.ShardRecord(1, (jr.ParamPlacement("w", (5,), 0, 1),),
-                       UserState(jnp.asarray(3), {"w": jnp.arange(5.0)}), (None, "w"))
+  rec = jr.ShardRecord(
+    1,
+    (jr.ParamPlacement("w", (5,), 0, 1),),
+    UserState(jnp.asarray(3), {"w": jnp.arange(5.0)}),
+    (None, "w"),
+  )
   jr.save_records(tmp_path / "ckpt", [rec])
   (back,) = jr.load_records(tmp_path / "ckpt")
   assert type(back.state) is not UserState  # never found by importing from the checkpoint
@@ -149,8 +171,11 @@ def test_optax_classes_come_back_as_themselves(tmp_path):
 
 
 def test_hand_built_record_without_roles(tmp_path):
-  rec = jr.ShardRecord(1, (jr.ParamPlacement("w", (3,), 0, 1),),
-                       {"count": jnp.asarray(7), "mu": {"w": jnp.asarray([1.0, -0.0, 2.0])}})
+  rec = jr.ShardRecord(
+    1,
+    (jr.ParamPlacement("w", (3,), 0, 1),),
+    {"count": jnp.asarray(7), "mu": {"w": jnp.asarray([1.0, -0.0, 2.0])}},
+  )
   jr.save_records(tmp_path / "ckpt", [rec])
   (back,) = jr.load_records(tmp_path / "ckpt")
   assert back.roles == (None, "w")
@@ -191,8 +216,7 @@ def test_float64_clock_scalars_keep_dtype_and_bits_with_x64_on_and_off(tmp_path)
   third = np.float64(1 / 3)
   with jax.enable_x64(True):
     state = opt.init(prm)
-    state = state._replace(hyperparams={**state.hyperparams,
-                                        "learning_rate": jnp.asarray(third)})
+    state = state._replace(hyperparams={**state.hyperparams, "learning_rate": jnp.asarray(third)})
     records = jr.shard_state(opt, prm, state, 4)
     target = jr.reshard(records, jr.plan(records, world_size=3, rank=1))
     assert np.asarray(target.state.hyperparams["learning_rate"]).tobytes() == third.tobytes()
@@ -206,10 +230,13 @@ def test_float64_clock_scalars_keep_dtype_and_bits_with_x64_on_and_off(tmp_path)
 
 def test_keys_with_slashes_percent_and_empty_keys_keep_their_structure(tmp_path):
   """Param ids are injective: haiku's '/' in keys, '%', and '' never collide or re-nest."""
-  prm = {"mlp/~/linear_0": {"w": np.arange(6.0, dtype=np.float32), "b": np.ones(3, np.float32)},
-         "mlp": {"~": {"linear_0": {"w": np.arange(7.0, dtype=np.float32)}}},
-         "": np.arange(5.0, dtype=np.float32), "a%2Fb": np.ones(4, np.float32),
-         "a/b": np.zeros(2, np.float32)}
+  prm = {
+    "mlp/~/linear_0": {"w": np.arange(6.0, dtype=np.float32), "b": np.ones(3, np.float32)},
+    "mlp": {"~": {"linear_0": {"w": np.arange(7.0, dtype=np.float32)}}},
+    "": np.arange(5.0, dtype=np.float32),
+    "a%2Fb": np.ones(4, np.float32),
+    "a/b": np.zeros(2, np.float32),
+  }
   opt = optax.adam(1e-3)
   state = random_state(opt, prm)
   records = jr.shard_state(opt, prm, state, 3)
@@ -236,8 +263,9 @@ def test_typed_prng_key_in_the_state_round_trips(tmp_path):
   records = jr.shard_state(opt, params, state, world_size=2)
   jr.save_records(tmp_path / "c", records)
   for rec in jr.load_records(tmp_path / "c") + [jr.restore(tmp_path / "c", world_size=3, rank=2)]:
-    (key,) = [x for x in jax.tree.leaves(rec.state)
-              if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+    (key,) = [
+      x for x in jax.tree.leaves(rec.state) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    ]
     assert key.dtype == state[0].rng_key.dtype
     assert np.array_equal(jax.random.key_data(key), jax.random.key_data(state[0].rng_key))
   assert jr.compare_digests(jr.digest(records), jr.digest(tmp_path / "c")) == []

@@ -27,8 +27,13 @@ import pytest
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint.reader import open_checkpoint
-from tests._archive_util import (file_hashes, read_json, shard_file, write_consistent_index,
-                                 write_signed_json)
+from tests._archive_util import (
+  file_hashes,
+  read_json,
+  shard_file,
+  write_consistent_index,
+  write_signed_json,
+)
 from tests._core_util import adam_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -197,8 +202,7 @@ def _xor_buffers(records):
         a = np.asarray(leaf)
         leaf = (a.view(f"u{a.dtype.itemsize}") ^ 1).view(a.dtype)
       changed.append(leaf)
-    out.append(jr.ShardRecord(r.version, r.placements, jax.tree.unflatten(tree, changed),
-                              r.roles))
+    out.append(jr.ShardRecord(r.version, r.placements, jax.tree.unflatten(tree, changed), r.roles))
   return out
 
 
@@ -236,9 +240,16 @@ def test_missing_rank_archive(ckpt):
     _refused(fn, jr.ArchiveError, re.escape(str(ckpt / "archive_00002")) + " is missing")
 
 
-@pytest.mark.parametrize("entry", ["archive_00002/archive.json", "archive_00002/float32",
-                                   "archive_00002/float32/zarr.json", "archive_00002/float32/c",
-                                   "archive_00002/float32/c/0"])
+@pytest.mark.parametrize(
+  "entry",
+  [
+    "archive_00002/archive.json",
+    "archive_00002/float32",
+    "archive_00002/float32/zarr.json",
+    "archive_00002/float32/c",
+    "archive_00002/float32/c/0",
+  ],
+)
 def test_missing_file_of_an_archive(ckpt, entry):
   path = ckpt / entry
   if path.is_dir():
@@ -262,8 +273,11 @@ def test_archive_dropped_from_the_index_is_an_incomplete_group(ckpt):
       g["ranks"] = [[a - 1 if a > 2 else a, r] for a, r in g["ranks"] if a != 2]
 
   _edit_json(_index(ckpt), drop)
-  _refused(lambda: jr.restore(ckpt, world_size=3, rank=0), jr.PlacementError,
-           r"world_size 4; missing ranks \[2\]")
+  _refused(
+    lambda: jr.restore(ckpt, world_size=3, rank=0),
+    jr.PlacementError,
+    r"world_size 4; missing ranks \[2\]",
+  )
 
 
 # --- archives that do not belong to this checkpoint ---------------------------
@@ -271,16 +285,27 @@ def test_archive_dropped_from_the_index_is_an_incomplete_group(ckpt):
 
 def test_archive_of_a_later_step_is_refused(tmp_path):
   jr.save_records(tmp_path / "a", adam_records(4, seed=1), chunk_bytes=8)
-  later = [jr.ShardRecord(r.version, r.placements,
-                          (r.state[0]._replace(count=r.state[0].count + 1),) + r.state[1:],
-                          r.roles) for r in adam_records(4, seed=1)]
+  later = [
+    jr.ShardRecord(
+      r.version,
+      r.placements,
+      (r.state[0]._replace(count=r.state[0].count + 1),) + r.state[1:],
+      r.roles,
+    )
+    for r in adam_records(4, seed=1)
+  ]
   jr.save_records(tmp_path / "b", later, chunk_bytes=8)
   ids = [_read_json(tmp_path / x / "jaxreshard.json")["checkpoint"] for x in "ab"]
   shutil.rmtree(tmp_path / "a" / "archive_00003")
   shutil.copytree(tmp_path / "b" / "archive_00003", tmp_path / "a" / "archive_00003")
   for fn in _both(tmp_path / "a"):
-    _refused(fn, jr.ArchiveError, "archive_00003", f"belongs to checkpoint '{ids[1]}'",
-             f"not to this checkpoint '{ids[0]}'")
+    _refused(
+      fn,
+      jr.ArchiveError,
+      "archive_00003",
+      f"belongs to checkpoint '{ids[1]}'",
+      f"not to this checkpoint '{ids[0]}'",
+    )
 
 
 def test_archives_with_different_clocks_are_not_one_checkpoint(ckpt):
@@ -290,8 +315,7 @@ def test_archives_with_different_clocks_are_not_one_checkpoint(ckpt):
     d["archives"][3][2] = 1
 
   _edit_json(_index(ckpt), later_clock)
-  _refused(lambda: _restore_all(ckpt), jr.PlacementError, "1235", "1234",
-           "not one checkpoint")
+  _refused(lambda: _restore_all(ckpt), jr.PlacementError, "1235", "1234", "not one checkpoint")
 
 
 def test_archive_of_another_save_of_the_same_records(tmp_path):
@@ -301,13 +325,19 @@ def test_archive_of_another_save_of_the_same_records(tmp_path):
   ids = [_read_json(tmp_path / x / "jaxreshard.json")["checkpoint"] for x in "ab"]
   assert ids[0] != ids[1]
   # Bit-identical data: only the checkpoint identity tells the two saves apart.
-  assert (file_hashes(tmp_path / "a" / "archive_00002" / "float32")
-          == file_hashes(tmp_path / "b" / "archive_00002" / "float32"))
+  assert file_hashes(tmp_path / "a" / "archive_00002" / "float32") == file_hashes(
+    tmp_path / "b" / "archive_00002" / "float32"
+  )
   shutil.rmtree(tmp_path / "a" / "archive_00002")
   shutil.copytree(tmp_path / "b" / "archive_00002", tmp_path / "a" / "archive_00002")
   for fn in _both(tmp_path / "a"):
-    _refused(fn, jr.ArchiveError, re.escape(str(tmp_path / "a" / "archive_00002")),
-             f"belongs to checkpoint '{ids[1]}'", f"not to this checkpoint '{ids[0]}'")
+    _refused(
+      fn,
+      jr.ArchiveError,
+      re.escape(str(tmp_path / "a" / "archive_00002")),
+      f"belongs to checkpoint '{ids[1]}'",
+      f"not to this checkpoint '{ids[0]}'",
+    )
 
 
 def test_buffer_files_of_another_checkpoint(tmp_path):
@@ -322,8 +352,9 @@ def test_buffer_files_of_another_checkpoint(tmp_path):
   # The first chunk read fails: chunk 0 for a whole read; a restore may first read
   # the padding of a param whose elements all lie on an earlier rank.
   for fn in _both(tmp_path / "a"):
-    _refused(fn, jr.ArchiveError, re.escape(str(target / "c" / "0")),
-             "chunk [0-9]+ fails its crc32c")
+    _refused(
+      fn, jr.ArchiveError, re.escape(str(target / "c" / "0")), "chunk [0-9]+ fails its crc32c"
+    )
 
 
 def test_swapped_buffer_directories_of_one_checkpoint(ckpt, tmp_path):
@@ -348,27 +379,46 @@ def test_swapped_archives_of_one_checkpoint(ckpt, tmp_path):
 
 
 def test_index_of_format_version_1(ckpt):
-  _write_json(_index(ckpt), {"format": "jaxreshard-checkpoint", "format_version": 1,
-                             "archives": [f"archive_{i:05d}" for i in range(4)]})
+  _write_json(
+    _index(ckpt),
+    {
+      "format": "jaxreshard-checkpoint",
+      "format_version": 1,
+      "archives": [f"archive_{i:05d}" for i in range(4)],
+    },
+  )
   for fn in _both(ckpt) + [lambda: open_checkpoint(ckpt)]:
-    _refused(fn, jr.ArchiveError, re.escape(str(_index(ckpt))), "version 1 is not supported",
-             "reads version 3")
+    _refused(
+      fn,
+      jr.ArchiveError,
+      re.escape(str(_index(ckpt))),
+      "version 1 is not supported",
+      "reads version 3",
+    )
 
 
 @pytest.mark.parametrize("version", [4, 2, 0, "3", None])
 def test_index_of_an_unsupported_version(ckpt, version):
   _edit_json(_index(ckpt), lambda d: d.update(format_version=version))
   for fn in _both(ckpt):
-    _refused(fn, jr.ArchiveError, f"format version {re.escape(repr(version))} is not supported",
-             "reads version 3")
+    _refused(
+      fn,
+      jr.ArchiveError,
+      f"format version {re.escape(repr(version))} is not supported",
+      "reads version 3",
+    )
 
 
 @pytest.mark.parametrize("version", [1, 2, 4, "3"])
 def test_archive_of_an_unsupported_version(ckpt, version):
   _edit_json(_archive_json(ckpt, 1), lambda d: d.update(format_version=version))
   for fn in _both(ckpt):
-    _refused(fn, jr.ArchiveError, "archive_00001",
-             f"archive format version {re.escape(repr(version))} is not supported")
+    _refused(
+      fn,
+      jr.ArchiveError,
+      "archive_00001",
+      f"archive format version {re.escape(repr(version))} is not supported",
+    )
 
 
 def test_record_of_another_version(ckpt):
@@ -380,19 +430,22 @@ def test_record_of_another_version(ckpt):
 # --- garbage metadata ---------------------------------------------------------
 
 _METADATA = {
-    "index": lambda c: _index(c),
-    "archive.json": lambda c: _archive_json(c, 1),
-    "zarr.json": lambda c: _zarr_json(c, 1),
+  "index": lambda c: _index(c),
+  "archive.json": lambda c: _archive_json(c, 1),
+  "zarr.json": lambda c: _zarr_json(c, 1),
 }
 
 
-@pytest.mark.parametrize("content, message", [
+@pytest.mark.parametrize(
+  "content, message",
+  [
     (b'{"format": NaN}', "not valid JSON"),
     (b"{not json", "not valid JSON"),
     (b'{"format": 1, "format": 2}', "duplicate key 'format'"),
     (b"\xff\xfe", "not UTF-8"),
     (b"[" * 100000 + b"]" * 100000, "not valid JSON|more than its metadata can have"),
-])
+  ],
+)
 @pytest.mark.parametrize("which", sorted(_METADATA))
 def test_garbage_metadata(ckpt, which, content, message):
   path = _METADATA[which](ckpt)
@@ -412,18 +465,24 @@ def test_metadata_file_too_large_is_refused_unread(ckpt, which):
     path.unlink()
 
 
-@pytest.mark.parametrize("edit, message", [
+@pytest.mark.parametrize(
+  "edit, message",
+  [
     (lambda d: d.update(extra=1), "unexpected index keys"),
     (lambda d: d.pop("clocks"), "unexpected index keys"),
     (lambda d: d.update(checkpoint="../../etc"), "invalid checkpoint identity"),
     (lambda d: d.update(checkpoint=7), "invalid checkpoint identity"),
     (lambda d: d.update(archives=[]), "the archive list is empty"),
-    (lambda d: d["archives"].__setitem__(1, ["archive_00001", 0]),
-     r"expected \[name, layout, clock\]"),
+    (
+      lambda d: d["archives"].__setitem__(1, ["archive_00001", 0]),
+      r"expected \[name, layout, clock\]",
+    ),
     (lambda d: d["archives"][1].__setitem__(1, 5), "layout 5 or clock 0 does not exist"),
     (lambda d: d["archives"][1].__setitem__(2, -1), "layout 0 or clock -1 does not exist"),
-    (lambda d: d["archives"].__setitem__(1, list(d["archives"][0])),
-     "the archive list has repeats"),
+    (
+      lambda d: d["archives"].__setitem__(1, list(d["archives"][0])),
+      "the archive list has repeats",
+    ),
     (lambda d: d["groups"][0]["params"].append(99), "a param index is out of range"),
     (lambda d: d["groups"][0]["params"].append(0), "group 0 lists a param twice"),
     (lambda d: d["groups"][0]["ranks"].append([7, 0]), "archive 7 does not exist"),
@@ -432,23 +491,30 @@ def test_metadata_file_too_large_is_refused_unread(ckpt, which):
     (lambda d: d["layouts"][0]["leaves"][1].__setitem__(2, -1), "-1 slots is not a buffer size"),
     (lambda d: d["layouts"][0]["leaves"][1].__setitem__(2, 2**63), "slots is not a buffer size"),
     (lambda d: d["clocks"].__setitem__(0, []), "its clock has 0 scalars but its layout 1"),
-    (lambda d: d["clocks"].__setitem__(0, [{"py": "int", "v": 0}] * (1 << 16 | 1)),
-     "more than an optimizer has"),
-])
+    (
+      lambda d: d["clocks"].__setitem__(0, [{"py": "int", "v": 0}] * (1 << 16 | 1)),
+      "more than an optimizer has",
+    ),
+  ],
+)
 def test_malformed_index(ckpt, edit, message):
   _edit_json(_index(ckpt), edit)
   for fn in _both(ckpt) + [lambda: open_checkpoint(ckpt)]:
     _refused(fn, jr.ArchiveError, message)
 
 
-@pytest.mark.parametrize("edit, message", [
+@pytest.mark.parametrize(
+  "edit, message",
+  [
     (lambda d: d.update(extra=1), "does not describe a jaxreshard-checkpoint archive"),
     (lambda d: d.pop("buffers"), "does not describe a jaxreshard-checkpoint archive"),
     (lambda d: d.update(format="zarr"), "does not describe a jaxreshard-checkpoint archive"),
     (lambda d: d.update(archive="archive_00002"), "names archive 'archive_00002'"),
     (lambda d: d["buffers"].pop("float16"), "holds buffers .* but its layout needs"),
-    (lambda d: d["buffers"]["float32"].update(elements=25),
-     "holds buffers .* but its layout needs"),
+    (
+      lambda d: d["buffers"]["float32"].update(elements=25),
+      "holds buffers .* but its layout needs",
+    ),
     (lambda d: d["buffers"]["float32"].update(elements=-24), "invalid chunking or checksums"),
     (lambda d: d["buffers"]["float32"].update(chunk=0), "invalid chunking or checksums"),
     (lambda d: d["buffers"]["float32"].update(chunk=25), "invalid chunking or checksums"),
@@ -456,10 +522,13 @@ def test_malformed_index(ckpt, edit, message):
     (lambda d: d["buffers"]["float32"]["crc32c"].__setitem__(0, True), "invalid chunking"),
     (lambda d: d["buffers"]["float32"]["crc32c"].pop(), "records 11 chunk checksums for 12"),
     (lambda d: d["buffers"]["float32"].update(chunk=3), "records 12 chunk checksums for 8"),
-    (lambda d: d["buffers"]["float32"].update(chunk=3, crc32c=[0] * 8),
-     r"does not describe float32\[24\] in chunks of 3"),
+    (
+      lambda d: d["buffers"]["float32"].update(chunk=3, crc32c=[0] * 8),
+      r"does not describe float32\[24\] in chunks of 3",
+    ),
     (lambda d: d["buffers"]["float32"].pop("crc32c"), "expected elements, chunk and crc32c"),
-])
+  ],
+)
 def test_malformed_archive_metadata(ckpt, edit, message):
   _edit_json(_archive_json(ckpt, 1), edit)
   for fn in _both(ckpt):
@@ -472,6 +541,7 @@ def test_malformed_archive_metadata(ckpt, edit, message):
 def _claim_huge(ckpt, elements_by_archive):
   """archive.json and zarr.json of float32 describe ``elements`` in one chunk."""
   for a, n in elements_by_archive.items():
+
     def huge(d, n=n):
       d["buffers"]["float32"].update(elements=n, chunk=n, crc32c=[0])
 
@@ -495,8 +565,14 @@ def test_sparse_file_matching_metadata_that_disagrees_with_the_layout(ckpt, read
   path = shard_file(ckpt, 2)
   os.truncate(path, _shardfile.file_size(HUGE, 4, HUGE))
   try:
-    _quick_refusal(lambda: READERS[reader](ckpt), jr.ArchiveError, "archive_00002",
-                   "'float32': 1099511627776", "but its layout needs", "'float32': 24")
+    _quick_refusal(
+      lambda: READERS[reader](ckpt),
+      jr.ArchiveError,
+      "archive_00002",
+      "'float32': 1099511627776",
+      "but its layout needs",
+      "'float32': 24",
+    )
   finally:
     os.unlink(path)
 
@@ -504,27 +580,35 @@ def test_sparse_file_matching_metadata_that_disagrees_with_the_layout(ckpt, read
 @pytest.mark.parametrize("reader", sorted(READERS))
 def test_huge_shape_in_the_index_only_is_refused_not_allocated(ckpt, reader):
   _edit_index_consistently(ckpt, _huge_layout)
-  _quick_refusal(lambda: READERS[reader](ckpt), jr.ArchiveError, "archive_0000",
-                 "but its layout needs", str(2 * (HUGE // 4) + 6))
+  _quick_refusal(
+    lambda: READERS[reader](ckpt),
+    jr.ArchiveError,
+    "archive_0000",
+    "but its layout needs",
+    str(2 * (HUGE // 4) + 6),
+  )
 
 
 def test_huge_shape_in_the_index_at_metadata_level(ckpt):
   _edit_index_consistently(ckpt, _huge_layout)
   c = open_checkpoint(ckpt)
   assert c.complete_groups()  # shapes alone are no fault
-  _quick_refusal(lambda: c.archive_meta(0), jr.ArchiveError, "archive_00000",
-                 "but its layout needs")
+  _quick_refusal(
+    lambda: c.archive_meta(0), jr.ArchiveError, "archive_00000", "but its layout needs"
+  )
 
 
-@pytest.mark.parametrize("reader", [
-    "load_records", "restore",
-])
+@pytest.mark.parametrize("reader", ["load_records", "restore"])
 def test_huge_shape_in_consistent_metadata_is_refused_not_allocated(ckpt, reader):
   # Index, archive.json and zarr.json agree on a [2**40] kernel; only the files disagree.
   _edit_index_consistently(ckpt, _huge_layout)
   _claim_huge(ckpt, {a: 2 * (HUGE // 4) + 6 for a in range(4)})
-  _quick_refusal(lambda: READERS[reader](ckpt), jr.ArchiveError, "c/0 has 340 bytes",
-                 "truncated or not from this checkpoint")
+  _quick_refusal(
+    lambda: READERS[reader](ckpt),
+    jr.ArchiveError,
+    "c/0 has 340 bytes",
+    "truncated or not from this checkpoint",
+  )
 
 
 @pytest.mark.parametrize("shape", [[2**62, 4], [-1], [2**31, 2**31, 2**31]])
@@ -536,8 +620,10 @@ def test_impossible_shape_in_the_index(ckpt, shape):
 
 def _metadata_readers(ckpt):
   """The two readers, and the index alone with its groups checked."""
-  return {"open_checkpoint": lambda: open_checkpoint(ckpt).complete_groups(),
-          **{k: lambda f=f: f(ckpt) for k, f in READERS.items()}}
+  return {
+    "open_checkpoint": lambda: open_checkpoint(ckpt).complete_groups(),
+    **{k: lambda f=f: f(ckpt) for k, f in READERS.items()},
+  }
 
 
 def _huge_world_size(d):
@@ -568,52 +654,57 @@ def test_huge_geometry_in_the_index_finishes_quickly(ckpt, reader, edit):
   assert peak < MAX_TRACED_BYTES, f"{peak} bytes allocated for a metadata bomb"
 
 
-@pytest.mark.parametrize("reader", [
-    "load_records",
-    "restore", "open_checkpoint",
-])
+@pytest.mark.parametrize("reader", ["load_records", "restore", "open_checkpoint"])
 def test_huge_world_size_in_a_group(ckpt, reader):
   _edit_json(_index(ckpt), _huge_world_size)
-  _quick_refusal(_metadata_readers(ckpt)[reader], jr.ReshardError,
-                 "world_size 1000000000000")
+  _quick_refusal(_metadata_readers(ckpt)[reader], jr.ReshardError, "world_size 1000000000000")
 
 
-@pytest.mark.parametrize("reader", [
-    "load_records",
-    "restore", "open_checkpoint",
-])
+@pytest.mark.parametrize("reader", ["load_records", "restore", "open_checkpoint"])
 def test_huge_rank_in_a_group(ckpt, reader):
   _edit_json(_index(ckpt), _huge_rank)
   _quick_refusal(_metadata_readers(ckpt)[reader], jr.ReshardError, "1000000000000")
 
 
-@pytest.mark.parametrize("reader", [
-    "load_records",
-    "restore",
-])
+@pytest.mark.parametrize("reader", ["load_records", "restore"])
 def test_huge_shape_that_disagrees_with_the_layout(ckpt, reader):
   _edit_json(_index(ckpt), _huge_param_shape)
-  _quick_refusal(lambda: READERS[reader](ckpt), jr.ShapeError, "param 'dense/kernel'",
-                 r"has shape \(9,\), not \(274877906944,\)")
+  _quick_refusal(
+    lambda: READERS[reader](ckpt),
+    jr.ShapeError,
+    "param 'dense/kernel'",
+    r"has shape \(9,\), not \(274877906944,\)",
+  )
 
 
 # --- dtypes, scalars, names ---------------------------------------------------
 
 
-@pytest.mark.parametrize("edit, message", [
+@pytest.mark.parametrize(
+  "edit, message",
+  [
     (lambda d: _param(d, "dense/bias").__setitem__(2, "object"), "dtype 'object' is not one"),
-    (lambda d: d["layouts"][0]["leaves"][1].__setitem__(1, "complex64"),
-     "dtype 'complex64' is not one"),
-    (lambda d: d["layouts"][0]["leaves"][1].__setitem__(1, "../../etc"),
-     "dtype '../../etc' is not one"),
-    (lambda d: d["clocks"][0].__setitem__(0, {"py": "float", "v": "nonsense"}),
-     "invalid Python scalar"),
-    (lambda d: d["clocks"][0].__setitem__(0, {"py": "eval", "v": "__import__('os')"}),
-     "invalid Python scalar"),
+    (
+      lambda d: d["layouts"][0]["leaves"][1].__setitem__(1, "complex64"),
+      "dtype 'complex64' is not one",
+    ),
+    (
+      lambda d: d["layouts"][0]["leaves"][1].__setitem__(1, "../../etc"),
+      "dtype '../../etc' is not one",
+    ),
+    (
+      lambda d: d["clocks"][0].__setitem__(0, {"py": "float", "v": "nonsense"}),
+      "invalid Python scalar",
+    ),
+    (
+      lambda d: d["clocks"][0].__setitem__(0, {"py": "eval", "v": "__import__('os')"}),
+      "invalid Python scalar",
+    ),
     (lambda d: d["clocks"][0][0].update(dtype="object"), "dtype 'object' is not one"),
     (lambda d: d["clocks"][0][0].update(pickle="x"), "are not a scalar"),
     (lambda d: d["clocks"][0][0].update(bytes="!!!!!!!!"), "scalar bytes are not base64"),
-])
+  ],
+)
 def test_unknown_dtype_and_bad_scalars(ckpt, edit, message):
   _edit_json(_index(ckpt), edit)
   for fn in _both(ckpt):
@@ -627,8 +718,10 @@ def test_scalar_bytes_must_match_their_shape(ckpt, shape):
     _quick_refusal(fn, jr.ArchiveError, "does not match|not a valid array shape")
 
 
-@pytest.mark.parametrize("name", ["../../etc", "/etc/passwd", "archive_00001/../../x", "a1",
-                                  "archive_00001/", ".", "archive_1"])
+@pytest.mark.parametrize(
+  "name",
+  ["../../etc", "/etc/passwd", "archive_00001/../../x", "a1", "archive_00001/", ".", "archive_1"],
+)
 def test_path_traversal_archive_name(ckpt, name):
   _edit_json(_index(ckpt), lambda d: d["archives"][0].__setitem__(0, name))
   for fn in _both(ckpt):
@@ -660,9 +753,15 @@ def test_namedtuple_of_a_foreign_module_is_never_looked_up(ckpt):
 
 # --- links, FIFOs and hostile array metadata ----------------------------------
 
-_ENTRIES = ["jaxreshard.json", "archive_00002", "archive_00002/archive.json",
-            "archive_00002/float32", "archive_00002/float32/zarr.json",
-            "archive_00002/float32/c", "archive_00002/float32/c/0"]
+_ENTRIES = [
+  "jaxreshard.json",
+  "archive_00002",
+  "archive_00002/archive.json",
+  "archive_00002/float32",
+  "archive_00002/float32/zarr.json",
+  "archive_00002/float32/c",
+  "archive_00002/float32/c/0",
+]
 
 
 def _link_out(ckpt, tmp_path, entry):
@@ -717,9 +816,15 @@ def test_hard_link_to_a_file_of_the_checkpoint_is_checked_like_a_copy(ckpt):
     _refused(fn, jr.ArchiveError, re.escape(path), "chunk 0 fails its crc32c")
 
 
-@pytest.mark.parametrize("entry", ["jaxreshard.json", "archive_00002/archive.json",
-                                   "archive_00002/float32/zarr.json",
-                                   "archive_00002/float32/c/0"])
+@pytest.mark.parametrize(
+  "entry",
+  [
+    "jaxreshard.json",
+    "archive_00002/archive.json",
+    "archive_00002/float32/zarr.json",
+    "archive_00002/float32/c/0",
+  ],
+)
 def test_fifo_in_place_of_a_file(ckpt, entry):
   path = ckpt / entry
   path.unlink()
@@ -751,11 +856,15 @@ def _sharding(meta):
   return meta["codecs"][0]["configuration"]
 
 
-@pytest.mark.parametrize("edit", [
+@pytest.mark.parametrize(
+  "edit",
+  [
     lambda m: m.update(chunk_key_encoding={"name": "v2", "configuration": {"separator": "."}}),
     lambda m: m.update(chunk_key_encoding={"name": "default", "configuration": {"separator": "."}}),
-    lambda m: m.update(codecs=[{"name": "bytes", "configuration": {"endian": "little"}}],
-                       chunk_grid={"name": "regular", "configuration": {"chunk_shape": [2]}}),
+    lambda m: m.update(
+      codecs=[{"name": "bytes", "configuration": {"endian": "little"}}],
+      chunk_grid={"name": "regular", "configuration": {"chunk_shape": [2]}},
+    ),
     lambda m: m.update(codecs=[{"name": "bytes", "configuration": {"endian": "little"}}]),
     lambda m: m["codecs"].append({"name": "gzip", "configuration": {"level": 1}}),
     lambda m: _sharding(m).update(chunk_shape=[4]),
@@ -769,17 +878,35 @@ def _sharding(meta):
     lambda m: m.update(shape=[12]),
     lambda m: m.update(fill_value="NaN"),
     lambda m: m.update(zarr_format=2),
-], ids=["v2-keys", "dot-keys", "plain-bytes", "plain-bytes-one-chunk", "gzip", "inner-chunk",
-        "index-start", "big-endian", "no-chunk-crc", "no-index-crc", "outer-chunk", "float64",
-        "int32", "shape", "fill", "zarr2"])
+  ],
+  ids=[
+    "v2-keys",
+    "dot-keys",
+    "plain-bytes",
+    "plain-bytes-one-chunk",
+    "gzip",
+    "inner-chunk",
+    "index-start",
+    "big-endian",
+    "no-chunk-crc",
+    "no-index-crc",
+    "outer-chunk",
+    "float64",
+    "int32",
+    "shape",
+    "fill",
+    "zarr2",
+  ],
+)
 def test_hostile_zarr_json_with_the_shard_file_untouched(ckpt, edit):
   path = _zarr_json(ckpt, 2)
   before = _read_json(path)
   _edit_json(path, edit)
   assert _read_json(path) != before
   for fn in _both(ckpt):
-    _refused(fn, jr.ArchiveError, re.escape(str(path)),
-             r"does not describe float32\[24\] in chunks of 2")
+    _refused(
+      fn, jr.ArchiveError, re.escape(str(path)), r"does not describe float32\[24\] in chunks of 2"
+    )
 
 
 def test_zarr_json_without_the_default_index_location_is_accepted(ckpt, pristine):
@@ -797,8 +924,14 @@ def test_shard_file_of_the_wrong_size(ckpt, delta):
   size = os.path.getsize(path)
   os.truncate(path, size + delta)
   for fn in _both(ckpt):
-    _refused(fn, jr.ArchiveError, re.escape(path), f"has {size + delta} bytes",
-             f"needs {size}", "truncated or not from this checkpoint")
+    _refused(
+      fn,
+      jr.ArchiveError,
+      re.escape(path),
+      f"has {size + delta} bytes",
+      f"needs {size}",
+      "truncated or not from this checkpoint",
+    )
 
 
 def _where(ckpt, part):
@@ -808,23 +941,32 @@ def _where(ckpt, part):
     return path, 4 * 2 + 4 + 3 * 2, "chunk 1 fails its crc32c check"
   n, stride, index_at = _shard_geometry(ckpt, 0)
   return (shard_file(ckpt, 0),) + {
-      "chunk data": (stride + 5, "chunk 1 fails its crc32c check"),
-      "chunk crc32c": (stride - 2, "chunk 0 fails its crc32c check"),
-      "last chunk": ((n - 1) * stride, f"chunk {n - 1} fails its crc32c check"),
-      "index offset": (index_at + 16 * 3 + 1, "the shard index fails its crc32c"),
-      "index length": (index_at + 16 * 5 + 8, "the shard index fails its crc32c"),
-      "index crc32c": (index_at + 16 * n + 3, "the shard index fails its crc32c"),
+    "chunk data": (stride + 5, "chunk 1 fails its crc32c check"),
+    "chunk crc32c": (stride - 2, "chunk 0 fails its crc32c check"),
+    "last chunk": ((n - 1) * stride, f"chunk {n - 1} fails its crc32c check"),
+    "index offset": (index_at + 16 * 3 + 1, "the shard index fails its crc32c"),
+    "index length": (index_at + 16 * 5 + 8, "the shard index fails its crc32c"),
+    "index crc32c": (index_at + 16 * n + 3, "the shard index fails its crc32c"),
   }[part]
 
 
 @pytest.mark.parametrize("reader", sorted(READERS))
-@pytest.mark.parametrize("part", ["chunk data", "chunk crc32c", "last chunk", "padding",
-                                  "index offset", "index length", "index crc32c"])
+@pytest.mark.parametrize(
+  "part",
+  [
+    "chunk data",
+    "chunk crc32c",
+    "last chunk",
+    "padding",
+    "index offset",
+    "index length",
+    "index crc32c",
+  ],
+)
 def test_flipped_bit_in_a_shard_file(ckpt, part, reader):
   path, offset, message = _where(ckpt, part)
   _flip_bit(path, offset)
-  _refused(lambda: READERS[reader](ckpt), jr.ArchiveError, re.escape(path), message,
-           "corrupted")
+  _refused(lambda: READERS[reader](ckpt), jr.ArchiveError, re.escape(path), message, "corrupted")
 
 
 def _write_with_crc32c(path, offset, data):
@@ -840,8 +982,13 @@ def test_chunk_rewritten_with_its_own_crc32c_fails_the_archive_checksums(ckpt, r
   _, stride, _ = _shard_geometry(ckpt, 0)
   path = shard_file(ckpt, 0)
   _write_with_crc32c(path, stride, bytes(stride - 4))  # zeros
-  _refused(lambda: READERS[reader](ckpt), jr.ArchiveError, re.escape(path),
-           "chunk 1 fails its crc32c check", "not the one this archive's metadata describes")
+  _refused(
+    lambda: READERS[reader](ckpt),
+    jr.ArchiveError,
+    re.escape(path),
+    "chunk 1 fails its crc32c check",
+    "not the one this archive's metadata describes",
+  )
 
 
 @pytest.mark.parametrize("reader", sorted(READERS))
@@ -854,8 +1001,12 @@ def test_forged_shard_index_with_a_valid_crc32c(ckpt, reader):
     index = np.frombuffer(f.read(16 * n), "<u8").reshape(n, 2).copy()
   index[[0, 1]] = index[[1, 0]]
   _write_with_crc32c(path, index_at, index.tobytes())
-  _refused(lambda: READERS[reader](ckpt), jr.ArchiveError, re.escape(path),
-           "the shard index does not lay chunks out as jaxreshard writes them")
+  _refused(
+    lambda: READERS[reader](ckpt),
+    jr.ArchiveError,
+    re.escape(path),
+    "the shard index does not lay chunks out as jaxreshard writes them",
+  )
 
 
 # --- saving -------------------------------------------------------------------
@@ -898,9 +1049,11 @@ _KILLED_SAVE = textwrap.dedent("""
 def test_killed_save_leaves_nothing_loadable_and_a_rerun_succeeds(tmp_path):
   out = str(tmp_path / "out")
   proc = subprocess.Popen(
-      [sys.executable, "-c", _KILLED_SAVE.format(root=ROOT, out=out)],
-      stdout=subprocess.PIPE, cwd=ROOT,
-      env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    [sys.executable, "-c", _KILLED_SAVE.format(root=ROOT, out=out)],
+    stdout=subprocess.PIPE,
+    cwd=ROOT,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
   try:
     assert proc.stdout.readline().strip() == b"two written"
   finally:

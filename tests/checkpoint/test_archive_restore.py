@@ -1,30 +1,45 @@
 """restore / restore_ranks: the core's answer, reading only the bytes a rank needs."""
 
+import shutil
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import jax.numpy as jnp
 
 import jaxreshard as jr
-import shutil
-
 from jaxreshard._src.checkpoint import restore as _restore
 from tests._archive_util import dir_bytes, file_hashes
 from tests._core_util import (
-    STORAGE_SHAPES, adam_records, assert_records_equal, random_params, random_state, rchar,
+  STORAGE_SHAPES,
+  adam_records,
+  assert_records_equal,
+  random_params,
+  random_state,
+  rchar,
 )
 
 
 @pytest.mark.parametrize("src,dst", [(5, 7), (8, 3), (4, 1), (3, 16)])
 def test_restore_equals_reshard_of_loaded_records(tmp_path, src, dst):
-  opt = optax.chain(optax.masked(optax.adamw(1e-3, mu_dtype=jnp.bfloat16),
-                                 {"dense": {"kernel": True, "bias": False}, "emb": True,
-                                  "half": False, "scale": True, "empty": True}),
-                    optax.scale_by_schedule(lambda c: c))
+  opt = optax.chain(
+    optax.masked(
+      optax.adamw(1e-3, mu_dtype=jnp.bfloat16),
+      {
+        "dense": {"kernel": True, "bias": False},
+        "emb": True,
+        "half": False,
+        "scale": True,
+        "empty": True,
+      },
+    ),
+    optax.scale_by_schedule(lambda c: c),
+  )
   prm = random_params(STORAGE_SHAPES)
-  records = jr.shard_state(opt, prm, random_state(opt, prm), src,
-                           trainable={"dense/bias": False, "half": False})
+  records = jr.shard_state(
+    opt, prm, random_state(opt, prm), src, trainable={"dense/bias": False, "half": False}
+  )
   jr.save_records(tmp_path / "ckpt", records, chunk_bytes=8)
   before = file_hashes(tmp_path / "ckpt")
   targets = _restore.restore_ranks(tmp_path / "ckpt", range(dst), world_size=dst)
@@ -37,8 +52,11 @@ def test_restore_equals_reshard_of_loaded_records(tmp_path, src, dst):
 def test_restore_round_trip_through_disk(tmp_path):
   records = adam_records(6)
   jr.save_records(tmp_path / "a", records, chunk_bytes=12)
-  jr.save_records(tmp_path / "b", (jr.restore(tmp_path / "a", world_size=4, rank=r) for r in range(4)),
-                  chunk_bytes=20)
+  jr.save_records(
+    tmp_path / "b",
+    (jr.restore(tmp_path / "a", world_size=4, rank=r) for r in range(4)),
+    chunk_bytes=20,
+  )
   back = _restore.restore_ranks(tmp_path / "b", range(6), world_size=6)
   for a, b in zip(back, records, strict=True):
     assert_records_equal(a, b)
@@ -61,8 +79,11 @@ def test_16_to_12_reads_only_the_overlapping_ranges(tmp_path):
   read = rchar() - start
   assert_records_equal(target, jr.reshard(records, jr.plan(records, world_size=12, rank=1)))
   total = dir_bytes(tmp_path / "ckpt")
-  own = sum(np.asarray(x).nbytes for x, r in zip(
-      jax.tree.leaves(target.state), target.roles) if r is not None)
+  own = sum(
+    np.asarray(x).nbytes
+    for x, r in zip(jax.tree.leaves(target.state), target.roles)
+    if r is not None
+  )
   two_sources = 2 * total // 16
   print(f"16->12 rank 1: read {read} B, checkpoint {total} B, the rank's own {own} B")
   assert read < 1.2 * own  # the rank's bytes plus chunk rounding and metadata

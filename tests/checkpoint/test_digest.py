@@ -11,21 +11,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxreshard as jr
-
 from tests._core_util import BF16, F16, F32, bits, random_bits_array, replace_history
 
 PARAMS = {
-    "dense": {"kernel": jnp.arange(39.0, dtype=jnp.float32).reshape(3, 13) - 7.0,
-              "bias": jnp.linspace(-1.0, 1.0, 5, dtype=jnp.float32)},
-    "emb": jnp.ones((7,), jnp.bfloat16),
-    "scale": jnp.float32(0.5),
+  "dense": {
+    "kernel": jnp.arange(39.0, dtype=jnp.float32).reshape(3, 13) - 7.0,
+    "bias": jnp.linspace(-1.0, 1.0, 5, dtype=jnp.float32),
+  },
+  "emb": jnp.ones((7,), jnp.bfloat16),
+  "scale": jnp.float32(0.5),
 }
 FROZEN = {"dense": {"kernel": True, "bias": True}, "emb": False, "scale": True}
 
 
 def _state():
-  opt = optax.chain(optax.masked(optax.adamw(1e-2, mu_dtype=jnp.bfloat16), FROZEN),
-                    optax.scale_by_schedule(optax.linear_schedule(1.0, 0.1, 10)))
+  opt = optax.chain(
+    optax.masked(optax.adamw(1e-2, mu_dtype=jnp.bfloat16), FROZEN),
+    optax.scale_by_schedule(optax.linear_schedule(1.0, 0.1, 10)),
+  )
   # Trained-looking histories (strict dtype promotion rules out a real bf16-mu
   # update here): random values with a NaN and a -0.0 among them; clocks at 2.
   rng = np.random.default_rng(0)
@@ -51,6 +54,7 @@ def _flip_low_bit(index):
   def fn(a):
     a.view(f"u{a.dtype.itemsize}")[index] ^= 1
     return a
+
   return fn
 
 
@@ -59,6 +63,7 @@ def _set_bits(value):
     u = a.view(f"u{a.dtype.itemsize}")
     u[0] = value
     return a
+
   return fn
 
 
@@ -81,21 +86,28 @@ def test_equal_after_reshard(layouts):
   assert jr.compare_digests(jr.digest(src), jr.digest(dst)) == []
 
 
-@pytest.mark.parametrize("pid,m,value", [
+@pytest.mark.parametrize(
+  "pid,m,value",
+  [
     ("dense/kernel", 1, None),  # one flipped low bit of a float32 buffer
     ("dense/bias", 1, 0x7FC00001),  # a NaN with a different payload bit
     ("scale", 0, 0x8000),  # -0.0 instead of +0.0 (bf16 mu)
-])
+  ],
+)
 def test_one_bit_changes_digest_and_is_named(layouts, pid, m, value):
   src = list(layouts[6])
   rank = 0
   if value is None:
     fn = _flip_low_bit(3)
   elif pid == "dense/bias":
-    src = [replace_history(r, pid, m, _set_bits(0x7FC00000)) if i == 0 else r for i, r in enumerate(src)]
+    src = [
+      replace_history(r, pid, m, _set_bits(0x7FC00000)) if i == 0 else r for i, r in enumerate(src)
+    ]
     fn = _set_bits(value)
   else:
-    src = [replace_history(r, pid, m, _set_bits(0x0000)) if i == 0 else r for i, r in enumerate(src)]
+    src = [
+      replace_history(r, pid, m, _set_bits(0x0000)) if i == 0 else r for i, r in enumerate(src)
+    ]
     fn = _set_bits(value)
   changed = [replace_history(r, pid, m, fn) if i == rank else r for i, r in enumerate(src)]
   before = np.asarray(jax.tree.leaves(src[rank].state)[0])
@@ -133,24 +145,31 @@ def test_clock_structure_and_missing_ranks(layouts):
   assert any("clock" in p for p in jr.digest(src[:4] + later[4:]).problems)
   missing = jr.digest(src[:3] + src[4:])
   assert any("ranks [3] of world size 8 are missing" in p for p in missing.problems)
-  other = jr.shard_state(optax.sgd(0.1, momentum=0.9), PARAMS,
-                         optax.sgd(0.1, momentum=0.9).init(PARAMS), 8)
-  assert "optimizer state structure differs" in jr.compare_digests(jr.digest(src),
-                                                                jr.digest(other))
+  other = jr.shard_state(
+    optax.sgd(0.1, momentum=0.9), PARAMS, optax.sgd(0.1, momentum=0.9).init(PARAMS), 8
+  )
+  assert "optimizer state structure differs" in jr.compare_digests(jr.digest(src), jr.digest(other))
 
 
 @pytest.mark.slow
 @settings(max_examples=20, deadline=None)
-@given(shapes=st.lists(st.sampled_from([(), (1,), (0,), (7,), (3, 5), (17,), (2, 2, 3)]),
-                       min_size=1, max_size=3),
-       dtype=st.sampled_from([F32, F16, BF16]), w1=st.integers(1, 9), w2=st.integers(1, 9),
-       seed=st.integers(0, 2**16))
+@given(
+  shapes=st.lists(
+    st.sampled_from([(), (1,), (0,), (7,), (3, 5), (17,), (2, 2, 3)]), min_size=1, max_size=3
+  ),
+  dtype=st.sampled_from([F32, F16, BF16]),
+  w1=st.integers(1, 9),
+  w2=st.integers(1, 9),
+  seed=st.integers(0, 2**16),
+)
 def test_digest_property_any_two_layouts(shapes, dtype, w1, w2, seed):
   rng = np.random.default_rng(seed)
   params = {f"p{i}": jnp.asarray(random_bits_array(rng, s, dtype)) for i, s in enumerate(shapes)}
   opt = optax.sgd(0.1, momentum=0.9)
-  state = jax.tree.map(lambda x: jnp.asarray(random_bits_array(rng, x.shape, x.dtype))
-                       if x.ndim else x, opt.init(params))
+  state = jax.tree.map(
+    lambda x: jnp.asarray(random_bits_array(rng, x.shape, x.dtype)) if x.ndim else x,
+    opt.init(params),
+  )
   a = jr.digest(jr.shard_state(opt, params, state, w1))
   b = jr.digest(jr.shard_state(opt, params, state, w2))
   assert jr.compare_digests(a, b) == [] and a.hexdigest() == b.hexdigest()
@@ -160,8 +179,9 @@ def test_digest_property_any_two_layouts(shapes, dtype, w1, w2, seed):
     pid = nonempty[rng.integers(len(nonempty))]
     flat = np.asarray(state[0].trace[pid]).reshape(-1).copy()
     u = flat.view(f"u{flat.dtype.itemsize}")
-    u[rng.integers(flat.size)] ^= np.asarray(1 << int(rng.integers(8 * flat.dtype.itemsize)),
-                                             u.dtype)
+    u[rng.integers(flat.size)] ^= np.asarray(
+      1 << int(rng.integers(8 * flat.dtype.itemsize)), u.dtype
+    )
     trace = dict(state[0].trace, **{pid: jnp.asarray(flat.reshape(shapes[int(pid[1:])]))})
     changed = (state[0]._replace(trace=trace),) + tuple(state[1:])
     diffs = jr.compare_digests(a, jr.digest(jr.shard_state(opt, params, changed, w2)))

@@ -18,17 +18,28 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from typer.testing import CliRunner
 
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import encoding as _archive_format
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.cli.commands import EXIT_ERROR, app
-from tests._archive_util import (describes, read_json, shard_file, write_consistent_index,
-                                 write_signed_json)
-from tests._core_util import (adam_records, assert_records_equal, device_mesh, replace_history,
-                               standard)
+from tests._archive_util import (
+  describes,
+  read_json,
+  shard_file,
+  write_consistent_index,
+  write_signed_json,
+)
+from tests._core_util import (
+  adam_records,
+  assert_records_equal,
+  device_mesh,
+  replace_history,
+  standard,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -112,10 +123,10 @@ def test_signed_bytes_are_the_documented_scheme(tmp_path):
 
 def _readers(path):
   return {
-      "open_checkpoint": lambda: jr.open_checkpoint(path),
-      "load_records": lambda: jr.load_records(path),
-      "restore": lambda: jr.restore(path, world_size=1, rank=0),
-      "digest": lambda: jr.digest(path),
+    "open_checkpoint": lambda: jr.open_checkpoint(path),
+    "load_records": lambda: jr.load_records(path),
+    "restore": lambda: jr.restore(path, world_size=1, rank=0),
+    "digest": lambda: jr.digest(path),
   }
 
 
@@ -252,16 +263,16 @@ def _every_read_path(path, world, tmp_path, target_shape=(3, 3)):
   mesh = device_mesh((8,), ("fsdp",))
   out = {}
   paths = {
-      "load_records": lambda: jr.load_records(path),
-      "reshard from disk": lambda: jr.reshard(jr.load_records(path),
-                                              jr.plan(jr.load_records(path), world_size=1,
-                                                      rank=0)),
-      "restore (one rank)": lambda: jr.restore(path, world_size=1, rank=0),
-      "restore_ranks": lambda: jr.restore_ranks(path, range(world), world_size=world),
-      "restore_ranks (other world)": lambda: jr.restore_ranks(path, range(3), world_size=3),
-      "restore_sharded": lambda: jr.restore_sharded(path, mesh, "fsdp"),
-      "restore_sharded target": lambda: jr.restore_sharded(path, mesh, target=_target(target_shape)),
-      "digest": lambda: jr.digest(path),
+    "load_records": lambda: jr.load_records(path),
+    "reshard from disk": lambda: jr.reshard(
+      jr.load_records(path), jr.plan(jr.load_records(path), world_size=1, rank=0)
+    ),
+    "restore (one rank)": lambda: jr.restore(path, world_size=1, rank=0),
+    "restore_ranks": lambda: jr.restore_ranks(path, range(world), world_size=world),
+    "restore_ranks (other world)": lambda: jr.restore_ranks(path, range(3), world_size=3),
+    "restore_sharded": lambda: jr.restore_sharded(path, mesh, "fsdp"),
+    "restore_sharded target": lambda: jr.restore_sharded(path, mesh, target=_target(target_shape)),
+    "digest": lambda: jr.digest(path),
   }
   for name, fn in paths.items():
     try:
@@ -317,8 +328,9 @@ def test_non_zero_padding_is_refused_where_a_read_touches_it(tmp_path):
   msg = _message(lambda: jr.restore(bad, world_size=3, rank=2), jr.ArchiveError)
   assert "padding is not zero" in msg and "rank 1 of shape (3, 3)" in msg, msg
   # A target rank that reads nothing next to the padding gets the same bits as before.
-  assert_records_equal(jr.restore(bad, world_size=3, rank=0),
-                       jr.restore(good, world_size=3, rank=0))
+  assert_records_equal(
+    jr.restore(bad, world_size=3, rank=0), jr.restore(good, world_size=3, rank=0)
+  )
   # Non-zero padding: verify is an error, not "different".
   result = CliRunner().invoke(app, ["verify", str(good), str(bad)])
   assert result.exit_code == EXIT_ERROR and "padding is not zero" in result.stderr
@@ -415,8 +427,10 @@ def _huge_checkpoint(path):
   _edit_consistently(path, index)
   n = HUGE // CHUNK
   zero_crc = google_crc32c.value(bytes(CHUNK * 4))
-  _edit_signed(_archive_json(path, 0), lambda d: d["buffers"]["float32"].update(
-      elements=HUGE, chunk=CHUNK, crc32c=[zero_crc] * n))
+  _edit_signed(
+    _archive_json(path, 0),
+    lambda d: d["buffers"]["float32"].update(elements=HUGE, chunk=CHUNK, crc32c=[zero_crc] * n),
+  )
   adir = os.path.join(path, "archive_00000", "float32")
   with open(os.path.join(adir, "zarr.json"), "w") as f:
     json.dump(_shardfile.zarr_metadata(HUGE, np.dtype("float32"), CHUNK), f)
@@ -429,10 +443,10 @@ def _huge_checkpoint(path):
     crc = zero_crc.to_bytes(4, "little")
     for i in range(n):
       os.pwrite(fd, crc, i * stride + CHUNK * 4)
-    index_bytes = np.stack([np.arange(n, dtype="<u8") * stride,
-                            np.full(n, stride, "<u8")], axis=1).tobytes()
-    os.pwrite(fd, index_bytes + google_crc32c.value(index_bytes).to_bytes(4, "little"),
-              n * stride)
+    index_bytes = np.stack(
+      [np.arange(n, dtype="<u8") * stride, np.full(n, stride, "<u8")], axis=1
+    ).tobytes()
+    os.pwrite(fd, index_bytes + google_crc32c.value(index_bytes).to_bytes(4, "little"), n * stride)
   finally:
     os.close(fd)
   assert os.stat(shard).st_blocks * 512 < 64 << 20  # sparse: it occupies almost nothing
@@ -466,8 +480,13 @@ def test_a_buffer_beyond_the_process_memory_is_a_reshard_error(tmp_path):
       print("cli", result.exit_code, len(result.output), result.stderr.strip()[:300])
       """
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                        text=True, timeout=300, env=env)
+  proc = subprocess.run(
+    [sys.executable, "-c", textwrap.dedent(code)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=env,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   lines = proc.stdout.splitlines()
   for name in ("load_records", "restore", "restore_ranks"):

@@ -25,12 +25,18 @@ _FD = re.compile(r"^\d+<(?P<path>[^>]*)>")
 def _strace_works() -> bool:
   if shutil.which("strace") is None:
     return False
-  return subprocess.run(["strace", "-f", "-qq", "-e", "trace=none", "true"],
-                        capture_output=True).returncode == 0
+  return (
+    subprocess.run(
+      ["strace", "-f", "-qq", "-e", "trace=none", "true"], capture_output=True
+    ).returncode
+    == 0
+  )
 
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not _strace_works(), reason="strace is absent or may not trace")]
+pytestmark = [
+  pytest.mark.slow,
+  pytest.mark.skipif(not _strace_works(), reason="strace is absent or may not trace"),
+]
 
 
 def _traced_save(tmp_path, durable: bool) -> tuple[str, list[tuple[str, str, str]]]:
@@ -49,9 +55,24 @@ def _traced_save(tmp_path, durable: bool) -> tuple[str, list[tuple[str, str, str
       """)
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
-      ["strace", "-f", "-y", "-qq", "-o", log, "-e",
-       "trace=write,writev,pwrite64,pwritev,fsync,fdatasync,rename,renameat,renameat2",
-       sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    [
+      "strace",
+      "-f",
+      "-y",
+      "-qq",
+      "-o",
+      log,
+      "-e",
+      "trace=write,writev,pwrite64,pwritev,fsync,fdatasync,rename,renameat,renameat2",
+      sys.executable,
+      "-c",
+      code,
+    ],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
   assert proc.returncode == 0, proc.stderr[-3000:]
   calls = []
   with open(log) as f:
@@ -79,28 +100,30 @@ def _tree(root: str) -> list[str]:
 
 def test_every_file_and_directory_is_fsynced_before_the_rename_and_the_parent_after(tmp_path):
   out, calls = _traced_save(tmp_path, durable=True)
-  (rename_at,) = [i for i, (call, _, args) in enumerate(calls)
-                  if call.startswith("rename") and f'"{out}"' in args]
+  (rename_at,) = [
+    i for i, (call, _, args) in enumerate(calls) if call.startswith("rename") and f'"{out}"' in args
+  ]
   tmp = re.search(r'"([^"]*\.ckpt\.tmp-[^"]*)"', calls[rename_at][2])[1]
-  before, after = calls[:rename_at], calls[rename_at + 1:]
+  before, after = calls[:rename_at], calls[rename_at + 1 :]
   synced = {path: i for i, (call, path, _) in enumerate(before) if call in ("fsync", "fdatasync")}
-  last_write = {path: i for i, (call, path, _) in enumerate(before) if call.startswith(("write",
-                                                                                        "pwrite"))}
+  last_write = {
+    path: i for i, (call, path, _) in enumerate(before) if call.startswith(("write", "pwrite"))
+  }
   entries = _tree(out)
   assert len(entries) > 10
   for entry in entries:
-    at_tmp = tmp + entry[len(out):]
+    at_tmp = tmp + entry[len(out) :]
     assert at_tmp in synced, f"{entry} was not fsync'ed before the rename"
     if os.path.isfile(entry):
       assert at_tmp in last_write, f"{entry}: no write seen"
       assert last_write[at_tmp] < synced[at_tmp], f"{entry} was written after its fsync"
   parent = os.path.dirname(out)
   assert any(call in ("fsync", "fdatasync") and path == parent for call, path, _ in after), (
-      "the parent directory was not fsync'ed after the rename")
+    "the parent directory was not fsync'ed after the rename"
+  )
 
 
 def test_durable_false_makes_no_fsync(tmp_path):
   out, calls = _traced_save(tmp_path, durable=False)
   assert os.path.isdir(out)
-  assert not [c for c in calls if c[0] in ("fsync", "fdatasync") and c[1].startswith(
-      str(tmp_path))]
+  assert not [c for c in calls if c[0] in ("fsync", "fdatasync") and c[1].startswith(str(tmp_path))]

@@ -32,8 +32,13 @@ pytestmark = pytest.mark.slow
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
   """``python -m jaxreshard ARGS`` in a process of its own."""
-  return subprocess.run([sys.executable, "-m", "jaxreshard", *args], capture_output=True,
-                        text=True, timeout=300, env=ENV)
+  return subprocess.run(
+    [sys.executable, "-m", "jaxreshard", *args],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=ENV,
+  )
 
 
 class _PausedSave:
@@ -124,20 +129,30 @@ def test_a_save_racing_clean_all_commits_every_archive_or_raises(tmp_path):
 
 def _hold_lock(directory) -> subprocess.Popen:
   """A live process holding ``directory``'s writer lock, as a writer does."""
-  proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      textwrap.dedent(f"""
       import fcntl, os, sys
       fd = os.open({os.path.join(str(directory), _archive_io.LOCK_FILE)!r},
                    os.O_RDWR | os.O_CREAT, 0o644)
       fcntl.flock(fd, fcntl.LOCK_EX)
       print("locked", flush=True)
       sys.stdin.read()
-      """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+      """),
+    ],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+  )
   assert proc.stdout.readline().strip() == "locked"
   return proc
 
 
 def test_liveness_is_the_lock_not_the_pid_or_host(tmp_path):
   from typer.testing import CliRunner
+
   from jaxreshard._src.cli.commands import app
 
   out = tmp_path / "ckpt"
@@ -161,7 +176,8 @@ def test_liveness_is_the_lock_not_the_pid_or_host(tmp_path):
     assert f"removed: {stale}" in result.stdout and f"removed: {unlocked}" in result.stdout
     assert f"kept (its writer holds its lock): {locked}" in result.stdout
     assert f"kept (another host's; its lock is free here, --all removes it): {other}" in (
-        result.stdout)
+      result.stdout
+    )
     assert "2 of 4 temporary directories" in result.stdout
     result = CliRunner().invoke(app, ["clean", str(out), "--all"])
     assert result.exit_code == 0, result.output

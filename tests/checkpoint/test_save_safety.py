@@ -28,8 +28,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _python(code: str, *, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
   env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                        text=True, timeout=timeout, env=env, **kwargs)
+  return subprocess.run(
+    [sys.executable, "-c", textwrap.dedent(code)],
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    env=env,
+    **kwargs,
+  )
 
 
 @pytest.mark.slow
@@ -57,8 +63,9 @@ def test_a_full_disk_is_an_os_error_naming_the_checkpoint_and_leaves_nothing(tmp
 def test_a_full_tmpfs_is_enospc_and_leaves_nothing(tmp_path):
   mnt = tmp_path / "small"
   mnt.mkdir()
-  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                    capture_output=True).returncode:
+  if subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True
+  ).returncode:
     pytest.skip("this process may not mount a tmpfs (needs root); the RLIMIT_FSIZE case covers it")
   try:
     records = adam_records(3, {"w": ((200_000,), jnp.float32)})
@@ -66,7 +73,9 @@ def test_a_full_tmpfs_is_enospc_and_leaves_nothing(tmp_path):
       jr.save_records(mnt / "ckpt", records)
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(mnt / "ckpt")
     assert os.listdir(mnt) == []
-    jr.save_records(mnt / "ckpt", adam_records(3, {"w": ((10,), jnp.float32)}))  # room again: it saves
+    jr.save_records(
+      mnt / "ckpt", adam_records(3, {"w": ((10,), jnp.float32)})
+    )  # room again: it saves
   finally:
     subprocess.run(["umount", str(mnt)], check=True)
 
@@ -75,7 +84,11 @@ def test_a_full_tmpfs_is_enospc_and_leaves_nothing(tmp_path):
 def test_a_killed_save_is_cleaned_by_the_next_save(tmp_path):
   out = tmp_path / "ckpt"
   # A save killed between its archives: the generator blocks until killed.
-  proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+  proc = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      textwrap.dedent(f"""
       import sys, time
       import jax.numpy as jnp, optax, jaxreshard as jr
       params = {{"w": jnp.arange(100.0)}}
@@ -87,7 +100,12 @@ def test_a_killed_save_is_cleaned_by_the_next_save(tmp_path):
         time.sleep(600)
         yield from records[1:]
       jr.save_records({str(out)!r}, slow())
-      """)], stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=ROOT))
+      """),
+    ],
+    stdout=subprocess.PIPE,
+    text=True,
+    env=dict(os.environ, PYTHONPATH=ROOT),
+  )
   try:
     assert proc.stdout.readline().strip() == "written"
     (leftover,) = os.listdir(tmp_path)
@@ -109,6 +127,7 @@ def test_clean_command_removes_what_a_dead_writer_left(tmp_path):
   # Liveness is the writer's lock: `live` carries this process's id but nobody
   # holds its lock, so it is stale too (test_save_liveness holds locks).
   from typer.testing import CliRunner
+
   from jaxreshard._src.cli.commands import app
 
   out = tmp_path / "ckpt"
@@ -150,8 +169,12 @@ def test_a_parent_that_is_a_file_is_named_as_such(tmp_path):
 
 @pytest.mark.parametrize("bad", [None, 3, b"/tmp/x", ""])
 def test_a_path_argument_that_is_not_a_path_is_refused_by_name(bad):
-  for fn in (lambda: jr.save_records(bad, adam_records(2)), lambda: jr.load_records(bad),
-             lambda: jr.restore(bad, world_size=2, rank=0), lambda: jr.open_checkpoint(bad)):
+  for fn in (
+    lambda: jr.save_records(bad, adam_records(2)),
+    lambda: jr.load_records(bad),
+    lambda: jr.restore(bad, world_size=2, rank=0),
+    lambda: jr.open_checkpoint(bad),
+  ):
     with pytest.raises(jr.ReshardError, match="directory"):
       fn()
 
@@ -188,7 +211,7 @@ def test_an_unreadable_file_is_a_permission_error_not_corruption(tmp_path):
         except PermissionError:
           pass
       try:
-        jr.load_records({str(tmp_path / 'ckpt')!r})
+        jr.load_records({str(tmp_path / "ckpt")!r})
       except PermissionError as e:
         print("permission", e.filename)
       except Exception as e:
@@ -212,8 +235,9 @@ def test_frozen_dict_state_nodes_round_trip_through_every_path(tmp_path):
     assert_records_equal(x, y)
   for full in (jr.unshard_state(records), jr.unshard_state(loaded)):
     assert jax.tree_util.tree_structure(full) == jax.tree_util.tree_structure(state)
-    assert all(np.array_equal(bits(a), bits(b)) for a, b in
-               zip(jax.tree.leaves(full), jax.tree.leaves(state)))
+    assert all(
+      np.array_equal(bits(a), bits(b))
+      for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(state))
+    )
   target = jr.restore(tmp_path / "ckpt", world_size=2, rank=1)
   assert type(target.state[0].mu) is FrozenDict
-

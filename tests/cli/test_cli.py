@@ -16,12 +16,14 @@ from typer.testing import CliRunner
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import read_plan as _read_plan
 from jaxreshard._src.cli.commands import EXIT_DIFFERENT, EXIT_ERROR, app, progress_bar
-
 from tests._archive_util import read_json, write_consistent_index
-from tests._core_util import assert_records_equal, replace_history as _replace
+from tests._core_util import assert_records_equal
+from tests._core_util import replace_history as _replace
 
-PARAMS = {"enc": {"kernel": np.zeros((7, 11), np.float32), "bias": np.zeros((5,), np.float32)},
-          "head": np.zeros((9,), np.float32)}
+PARAMS = {
+  "enc": {"kernel": np.zeros((7, 11), np.float32), "bias": np.zeros((5,), np.float32)},
+  "head": np.zeros((9,), np.float32),
+}
 
 
 def _records(world_size):
@@ -74,8 +76,16 @@ def test_inspect_table_and_json(ckpt):
   root, src = ckpt
   result = _run("inspect", root / "ckpt8")
   assert result.exit_code == 0, result.output
-  for text in ("enc/kernel", "enc/bias", "head", "(7, 11)", "8 archives", "world size 8",
-               "learning_rate", "count"):
+  for text in (
+    "enc/kernel",
+    "enc/bias",
+    "head",
+    "(7, 11)",
+    "8 archives",
+    "world size 8",
+    "learning_rate",
+    "count",
+  ):
     assert text in result.stdout, text
   data = json.loads(_run("inspect", root / "ckpt8", "--json").stdout)
   assert data["archives"] == 8 and data["world_sizes"] == [8] and data["clocks_agree"]
@@ -94,12 +104,25 @@ def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
   assert result.exit_code == 0 and detail.exit_code == 0, result.output + detail.output
   assert not (root / "never").exists() and "nothing written" in result.stdout
   summary = result.stdout.splitlines()
-  assert summary[0].split() == ["target", "rank", "archives", "read", "bytes", "moved",
-                                "target", "bytes", "peak", "memory"]
+  assert summary[0].split() == [
+    "target",
+    "rank",
+    "archives",
+    "read",
+    "bytes",
+    "moved",
+    "target",
+    "bytes",
+    "peak",
+    "memory",
+  ]
   assert len(summary) == 1 + 6 + 1
   # With --reads, every read is one line under its rank's line.
-  read_lines = [l.split() for l in detail.stdout.splitlines() if re.match(r"    \S", l)
-                and not l.split()[0] == "param"]
+  read_lines = [
+    l.split()
+    for l in detail.stdout.splitlines()
+    if re.match(r"    \S", l) and not l.split()[0] == "param"
+  ]
   index = jr.open_checkpoint(root / "ckpt8")
   for rank in range(6):
     p = _read_plan.read_plan(index, world_size=6, rank=rank)
@@ -116,11 +139,22 @@ def test_dry_run_plans_every_rank_and_writes_nothing(ckpt):
     row = summary[1 + rank].split()
     assert row[:4] == [str(rank), str(len(p.per_archive)), "of", "8"], row
     assert row[4:6] == [str(p.bytes_read), "B"], row
-    mine = [[r.param, str(r.archive), str(r.source_rank), f"[{r.lo},", f"{r.hi})",
-             str(r.source_offset), str(r.bytes)] for r in p.reads]
+    mine = [
+      [
+        r.param,
+        str(r.archive),
+        str(r.source_rank),
+        f"[{r.lo},",
+        f"{r.hi})",
+        str(r.source_offset),
+        str(r.bytes),
+      ]
+      for r in p.reads
+    ]
     assert all(m in read_lines for m in mine)
   assert len(read_lines) == sum(
-      len(_read_plan.read_plan(index, world_size=6, rank=r).reads) for r in range(6))
+    len(_read_plan.read_plan(index, world_size=6, rank=r).reads) for r in range(6)
+  )
   assert summary[-1].startswith("dry run: 6 target ranks, ")
 
 
@@ -166,8 +200,12 @@ def test_verify_names_the_differing_buffer_and_bad_padding(ckpt):
   jr.save_records(root / "badpad", padded)
   # Nonzero padding makes a checkpoint invalid, not different: exit 2, one
   # line naming it, on either side and compared with itself.
-  for args in ((root / "ckpt8", root / "badpad"), (root / "badpad", root / "ckpt8"),
-               (root / "badpad", root / "badpad"), (root / "badpad", root / "badpad", "--json")):
+  for args in (
+    (root / "ckpt8", root / "badpad"),
+    (root / "badpad", root / "ckpt8"),
+    (root / "badpad", root / "badpad"),
+    (root / "badpad", root / "badpad", "--json"),
+  ):
     result = _run("verify", *args)
     line = _one_line_error(result)
     assert "badpad" in line, line
@@ -181,7 +219,8 @@ def test_errors_are_one_line(ckpt, resharded, tmp_path):
   assert "not a jaxreshard checkpoint" in _one_line_error(_run("verify", tmp_path, resharded))
   assert "already exists" in _one_line_error(_run("reshard", root / "ckpt8", resharded, "-w", 6))
   assert "outside world_size 6" in _one_line_error(
-      _run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "-r", 6))
+    _run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "-r", 6)
+  )
   assert "world_size 0" in _one_line_error(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 0))
   mixed = tmp_path / "mixed"
   shutil.copytree(root / "ckpt8", mixed)
@@ -210,16 +249,33 @@ def test_failed_reshard_leaves_no_output(ckpt, tmp_path):
 @pytest.mark.slow
 def test_subprocess_python_m(ckpt, resharded):
   root, _ = ckpt
-  ok = subprocess.run([sys.executable, "-m", "jaxreshard", "verify", str(root / "ckpt8"),
-                       str(resharded)], capture_output=True, text=True, timeout=120)
+  ok = subprocess.run(
+    [sys.executable, "-m", "jaxreshard", "verify", str(root / "ckpt8"), str(resharded)],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert ok.returncode == 0, ok.stderr
   assert ok.stdout.startswith("identical: 3 params")
-  bad = subprocess.run([sys.executable, "-m", "jaxreshard", "reshard", str(root / "nope"),
-                        str(root / "x"), "--world-size", "3"],
-                       capture_output=True, text=True, timeout=120)
+  bad = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxreshard",
+      "reshard",
+      str(root / "nope"),
+      str(root / "x"),
+      "--world-size",
+      "3",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert bad.returncode == EXIT_ERROR and bad.stdout == ""
   assert bad.stderr.strip().splitlines() == [
-      f"jaxreshard: error: checkpoint directory {root / 'nope'} does not exist"]
+    f"jaxreshard: error: checkpoint directory {root / 'nope'} does not exist"
+  ]
   assert _run("--version").stdout == f"jaxreshard {jr.__version__}\n"
 
 
@@ -246,7 +302,7 @@ def test_progress_bar_shows_bytes_and_eta_on_terminals():
 def _first_namedtuple(tree):
   if isinstance(tree, list) and tree and tree[0] == "n":
     return tree
-  for child in (tree[-1] if isinstance(tree, list) and tree else []):
+  for child in tree[-1] if isinstance(tree, list) and tree else []:
     found = _first_namedtuple(child)
     if found is not None:
       return found
@@ -263,15 +319,21 @@ def _edit_index(path, fn):
 def test_names_and_paths_are_printed_literally_and_escaped(tmp_path):
   # Rich markup and terminal escapes in param names and paths are data, never
   # markup or control sequences.
-  params = {"\x1b[2J": np.ones(4, np.float32), "[bold]y": np.ones(2, np.float32),
-            "[/x]": np.ones(3, np.float32)}
+  params = {
+    "\x1b[2J": np.ones(4, np.float32),
+    "[bold]y": np.ones(2, np.float32),
+    "[/x]": np.ones(3, np.float32),
+  }
   opt = optax.adam(1e-3)
   (tmp_path / "[").mkdir()
   path = tmp_path / "[/p] \x1b[31m"
   jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=2))
-  for args in (("inspect", path), ("reshard", path, tmp_path / "[/o]", "-w", 3, "--dry-run",
-                                   "--reads"), ("reshard", path, tmp_path / "[/o]", "-w", 3),
-               ("verify", path, tmp_path / "[/o]")):
+  for args in (
+    ("inspect", path),
+    ("reshard", path, tmp_path / "[/o]", "-w", 3, "--dry-run", "--reads"),
+    ("reshard", path, tmp_path / "[/o]", "-w", 3),
+    ("verify", path, tmp_path / "[/o]"),
+  ):
     result = _run(*args)
     assert result.exit_code == 0, result.output
     assert "\x1b" not in result.stdout, result.stdout
@@ -283,28 +345,40 @@ def test_names_and_paths_are_printed_literally_and_escaped(tmp_path):
   assert "\x1b" not in missing and "gone \\x1b[2J" in missing
 
 
-@pytest.mark.parametrize("edit, needle", [
+@pytest.mark.parametrize(
+  "edit, needle",
+  [
     # a NamedTuple node whose module is a list (unhashable)
-    (lambda d: _first_namedtuple(d["layouts"][0]["tree"]).__setitem__(1, ["optax"]),
-     "invalid NamedTuple"),
+    (
+      lambda d: _first_namedtuple(d["layouts"][0]["tree"]).__setitem__(1, ["optax"]),
+      "invalid NamedTuple",
+    ),
     (lambda d: d["groups"][0].update(world_size=10**12), "between 1 and 1048576"),
     (lambda d: d["groups"][0].update(world_size=0), "world_size 0 must be"),
     (lambda d: d["groups"][0].update(world_size=True), "expected int, got bool"),
     (lambda d: d["params"][0].__setitem__(1, [10**30]), "shape"),
-    (lambda d: d["groups"][0]["ranks"].__setitem__(1, d["groups"][0]["ranks"][0]), "twice|both hold rank 0"),
+    (
+      lambda d: d["groups"][0]["ranks"].__setitem__(1, d["groups"][0]["ranks"][0]),
+      "twice|both hold rank 0",
+    ),
     (lambda d: d["groups"][0]["ranks"][1].__setitem__(1, -1), "has rank -1"),
     (lambda d: d.update(record_version=2), "record version 2 is not supported"),
     (lambda d: d["clocks"][0].extend(d["clocks"][0][-1:] * 1100), "more than an optimizer has"),
     (lambda d: d["params"][0].__setitem__(0, "x" * 5000), "param id of 5000 characters"),
-])
+  ],
+)
 def test_hostile_index_is_one_line_exit_2_in_every_command(ckpt, tmp_path, edit, needle):
   root, _ = ckpt
   bad = tmp_path / "bad"
   shutil.copytree(root / "ckpt8", bad)
   _edit_index(bad, edit)
-  for args in (("inspect", bad), ("verify", root / "ckpt8", bad), ("verify", bad, root / "ckpt8"),
-               ("reshard", bad, tmp_path / "o", "-w", 3, "--dry-run"),
-               ("reshard", bad, tmp_path / "o", "-w", 3)):
+  for args in (
+    ("inspect", bad),
+    ("verify", root / "ckpt8", bad),
+    ("verify", bad, root / "ckpt8"),
+    ("reshard", bad, tmp_path / "o", "-w", 3, "--dry-run"),
+    ("reshard", bad, tmp_path / "o", "-w", 3),
+  ):
     assert re.search(needle, _one_line_error(_run(*args))), args
   assert sorted(os.listdir(tmp_path)) == ["bad"]
 
@@ -315,10 +389,15 @@ def test_a_mistyped_world_size_is_refused_at_once(ckpt):
     line = _one_line_error(_run("reshard", root / "ckpt8", root / "never", "-w", m, "--dry-run"))
     assert f"world_size {m} is more than the 1048576 ranks" in line
   # The largest allowed world size plans lazily: one rank is one line, at once.
-  result = _run("reshard", root / "ckpt8", root / "never", "-w", 2**20, "-r", 2**20 - 1,
-                "--dry-run")
+  result = _run(
+    "reshard", root / "ckpt8", root / "never", "-w", 2**20, "-r", 2**20 - 1, "--dry-run"
+  )
   assert result.exit_code == 0 and result.stdout.splitlines()[1].split()[:4] == [
-      str(2**20 - 1), "0", "of", "8"]
+    str(2**20 - 1),
+    "0",
+    "of",
+    "8",
+  ]
 
 
 def test_verify_exits_2_not_1_on_bad_input(ckpt, tmp_path):
@@ -337,8 +416,7 @@ def test_verify_exits_2_not_1_on_bad_input(ckpt, tmp_path):
 # --- help -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("command", [[], ["demo"], ["inspect"], ["reshard"], ["verify"],
-                                     ["clean"]])
+@pytest.mark.parametrize("command", [[], ["demo"], ["inspect"], ["reshard"], ["verify"], ["clean"]])
 def test_help_shows_metavars_and_flags_without_a_value_type(command):
   result = _run(*command, "--help")
   assert result.exit_code == 0, result.output
@@ -347,8 +425,12 @@ def test_help_shows_metavars_and_flags_without_a_value_type(command):
   if command:
     assert "--json" in text, text
   usage = next(l for l in text.splitlines() if "Usage:" in l)
-  expected = {"inspect": "CHECKPOINT", "reshard": "CHECKPOINT OUT", "verify": "CHECKPOINT OUT",
-              "clean": "CHECKPOINT"}.get(command[0] if command else "")
+  expected = {
+    "inspect": "CHECKPOINT",
+    "reshard": "CHECKPOINT OUT",
+    "verify": "CHECKPOINT OUT",
+    "clean": "CHECKPOINT",
+  }.get(command[0] if command else "")
   if expected:
     assert usage.split("[OPTIONS]")[1].split() == expected.split(), usage
   assert "{" not in usage, usage
@@ -368,15 +450,29 @@ def test_world_size_short_flag_is_w(ckpt, tmp_path):
 @pytest.fixture(scope="module")
 def multi(tmp_path_factory):
   """A state with long clock paths and a frozen (stateless) parameter."""
-  params = {"enc": {"kernel": np.ones((7, 11), np.float32)},
-            "frozen_emb": np.ones((9,), np.float32)}
+  params = {
+    "enc": {"kernel": np.ones((7, 11), np.float32)},
+    "frozen_emb": np.ones((9,), np.float32),
+  }
   labels = {"enc": {"kernel": "train"}, "frozen_emb": "frozen"}
   opt = optax.multi_transform(
-      {"train": optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
-       "frozen": optax.set_to_zero()}, labels)
+    {
+      "train": optax.inject_hyperparams(optax.adam)(learning_rate=1e-3),
+      "frozen": optax.set_to_zero(),
+    },
+    labels,
+  )
   path = tmp_path_factory.mktemp("multi") / "ckpt"
-  jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=4,
-                                       trainable={"enc/kernel": True, "frozen_emb": False}))
+  jr.save_records(
+    path,
+    jr.shard_state(
+      opt,
+      params,
+      opt.init(params),
+      world_size=4,
+      trainable={"enc/kernel": True, "frozen_emb": False},
+    ),
+  )
   return path
 
 
@@ -396,8 +492,13 @@ def test_piped_output_never_cuts_a_value(multi):
   assert any(len(c["path"]) > 60 for c in data["clocks"])
   _whole(_run("inspect", multi).stdout, data)
   env = dict(os.environ, COLUMNS="80")
-  piped = subprocess.run([sys.executable, "-m", "jaxreshard", "inspect", str(multi)],
-                         capture_output=True, text=True, timeout=120, env=env)
+  piped = subprocess.run(
+    [sys.executable, "-m", "jaxreshard", "inspect", str(multi)],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    env=env,
+  )
   assert piped.returncode == 0, piped.stderr
   _whole(piped.stdout, data)
 
@@ -407,8 +508,11 @@ def test_terminal_output_folds_and_never_cuts(multi, monkeypatch):
 
   from jaxreshard._src.cli import render as _render
 
-  monkeypatch.setattr(_render, "console", lambda: Console(force_terminal=True, width=50,
-                                                          highlight=False, no_color=True))
+  monkeypatch.setattr(
+    _render,
+    "console",
+    lambda: Console(force_terminal=True, width=50, highlight=False, no_color=True),
+  )
   data = json.loads(_run("inspect", multi, "--json").stdout)
   text = _run("inspect", multi).stdout
   assert "…" not in text, text
@@ -449,8 +553,7 @@ def test_reshard_json_dry_run_plans_reads_and_written(ckpt, tmp_path):
   root, src = ckpt
   index = jr.open_checkpoint(root / "ckpt8")
   plans = [_read_plan.read_plan(index, world_size=6, rank=r) for r in range(6)]
-  data = _json_out(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "--dry-run",
-                        "--json"))
+  data = _json_out(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "--dry-run", "--json"))
   assert data["dry_run"] and data["world_size"] == 6 and data["archives"] == 8
   assert [r["rank"] for r in data["ranks"]] == list(range(6))
   assert all("reads" not in r for r in data["ranks"])
@@ -458,12 +561,24 @@ def test_reshard_json_dry_run_plans_reads_and_written(ckpt, tmp_path):
     assert got["archives_read"] == list(p.per_archive) and got["bytes_read"] == p.bytes_read
     assert (got["target_bytes"], got["peak_bytes"]) == (p.target_bytes, p.peak_bytes)
   assert data["bytes_read"] == sum(p.bytes_read for p in plans)
-  detail = _json_out(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "-r", 4,
-                          "--dry-run", "--reads", "--json"))
+  detail = _json_out(
+    _run(
+      "reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "-r", 4, "--dry-run", "--reads", "--json"
+    )
+  )
   assert [r["rank"] for r in detail["ranks"]] == [4]
   assert detail["ranks"][0]["reads"] == [
-      dict(param=r.param, archive=r.archive, source_rank=r.source_rank, lo=r.lo, hi=r.hi,
-           source_offset=r.source_offset, bytes=r.bytes) for r in plans[4].reads]
+    dict(
+      param=r.param,
+      archive=r.archive,
+      source_rank=r.source_rank,
+      lo=r.lo,
+      hi=r.hi,
+      source_offset=r.source_offset,
+      bytes=r.bytes,
+    )
+    for r in plans[4].reads
+  ]
   assert not (tmp_path / "o").exists()
   wrote = _json_out(_run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "--json"))
   assert not wrote["dry_run"] and wrote["ranks"] == list(range(6))
@@ -492,8 +607,9 @@ def test_verify_json_identical_and_different(ckpt, resharded, tmp_path):
   assert not diff["identical"] and diff["digest"] != diff["out_digest"]
   assert len(diff["differences"]) == 1 and "param 'head' buffer 0" in diff["differences"][0]
   assert "does not hold" in result.stderr
-  assert "does not exist" in _one_line_error(_run("verify", root / "ckpt8", tmp_path / "x",
-                                                  "--json"))
+  assert "does not exist" in _one_line_error(
+    _run("verify", root / "ckpt8", tmp_path / "x", "--json")
+  )
 
 
 def test_clean_json(tmp_path):
@@ -506,6 +622,7 @@ def test_clean_json(tmp_path):
 
 def _with_count(records, count):
   """The same archives at another step: every integer clock scalar set to ``count``."""
+
   def step(x):
     a = np.asarray(x)
     return np.asarray(count, a.dtype) if a.ndim == 0 and a.dtype.kind == "i" else x
@@ -526,8 +643,11 @@ def parts(ckpt):
 
 
 def _bits(records):
-  return [np.asarray(x).reshape(-1).view(f"u{np.asarray(x).dtype.itemsize}")
-          for r in records for x in jax.tree.leaves(r.state)]
+  return [
+    np.asarray(x).reshape(-1).view(f"u{np.asarray(x).dtype.itemsize}")
+    for r in records
+    for x in jax.tree.leaves(r.state)
+  ]
 
 
 def test_merge_per_rank_outputs_equals_one_shot_reshard(ckpt, resharded, parts, tmp_path):
@@ -542,11 +662,12 @@ def test_merge_per_rank_outputs_equals_one_shot_reshard(ckpt, resharded, parts, 
   assert [r.placements for r in merged] == [r.placements for r in one_shot]
   assert [r.roles for r in merged] == [r.roles for r in one_shot]
   a, b = _bits(merged), _bits(one_shot)
-  assert len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y)
-                                  for x, y in zip(a, b))
+  assert len(a) == len(b) and all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b))
   # The merged checkpoint has its own identity.
-  ids = {json.loads((p / "jaxreshard.json").read_text()).get("checkpoint")
-         for p in (tmp_path / "merged", parts[0])}
+  ids = {
+    json.loads((p / "jaxreshard.json").read_text()).get("checkpoint")
+    for p in (tmp_path / "merged", parts[0])
+  }
   assert len(ids) == 2
   data = _json_out(_run("merge", tmp_path / "again", *parts, "--json"))
   assert data == dict(out=str(tmp_path / "again"), world_size=6, parts=6, archives=6)
@@ -559,11 +680,14 @@ def test_merge_refusals_are_one_line_and_leave_no_out(ckpt, parts, tmp_path):
   assert _run("reshard", root / "ckpt8", tmp_path / "w3", "-w", 3, "-r", 2).exit_code == 0
   out = tmp_path / "out"
   cases = [
-      (parts + [parts[2]], r"rank 2 of 6 is in both .*part2 and .*part2"),
-      (parts[:2] + parts[4:], r"ranks \[2, 3\] of 6 are in none of the parts"),
-      (parts[:5] + [tmp_path / "w3"], r"world size 3 but .*part0 has 6"),
-      (parts[:5] + [tmp_path / "late5"], r"late5 has \.count = 4 but .*part0 has \.count = 3;"
-                                         r" parts of different steps"),
+    (parts + [parts[2]], r"rank 2 of 6 is in both .*part2 and .*part2"),
+    (parts[:2] + parts[4:], r"ranks \[2, 3\] of 6 are in none of the parts"),
+    (parts[:5] + [tmp_path / "w3"], r"world size 3 but .*part0 has 6"),
+    (
+      parts[:5] + [tmp_path / "late5"],
+      r"late5 has \.count = 4 but .*part0 has \.count = 3;"
+      r" parts of different steps",
+    ),
   ]
   for args, needle in cases:
     line = _one_line_error(_run("merge", out, *args))
@@ -582,24 +706,29 @@ def test_verify_of_a_part_says_partial_and_suggests_merge(ckpt, parts):
 def test_mixed_steps_refusal_names_the_scalar_path_inspect_shows(tmp_path):
   opt = optax.adam(1e-3)
   params = {"w": np.ones((10,), np.float32)}
-  at3, at4 = (_with_count(jr.shard_state(opt, params, opt.init(params), world_size=4), c)
-              for c in (3, 4))
+  at3, at4 = (
+    _with_count(jr.shard_state(opt, params, opt.init(params), world_size=4), c) for c in (3, 4)
+  )
   jr.save_records(tmp_path / "mixed", at3[:3] + at4[3:])
   paths = [c["path"] for c in _json_out(_run("inspect", tmp_path / "mixed", "--json"))["clocks"]]
   assert paths == ["[0].count"]
   line = _one_line_error(_run("reshard", tmp_path / "mixed", tmp_path / "o", "-w", 3))
   assert "archive 3 has clock scalar [0].count = " in line, line
   assert "not one checkpoint" in line, line
-  with pytest.raises(jr.PlacementError,
-                     match=r"has clock scalar \[0\]\.count = .*4.* but archive 0 has"):
+  with pytest.raises(
+    jr.PlacementError, match=r"has clock scalar \[0\]\.count = .*4.* but archive 0 has"
+  ):
     jr.reshard(at3[:3] + at4[3:], jr.plan(at3[:3] + at4[3:], world_size=3, rank=0))
 
 
-@pytest.mark.parametrize("count", [
-    lambda: jax.numpy.asarray(2**40),             # weak-typed int64 (a Python int under x64)
+@pytest.mark.parametrize(
+  "count",
+  [
+    lambda: jax.numpy.asarray(2**40),  # weak-typed int64 (a Python int under x64)
     lambda: np.uint64(2**64 - 1),
     lambda: jax.numpy.asarray(10**18, jax.numpy.int64),
-])
+  ],
+)
 def test_64_bit_clock_scalars_saved_with_x64_read_without_it(tmp_path, count):
   # Read where x64 is off, a 64-bit scalar keeps every bit (a numpy scalar):
   # inspect and verify print it, never an overflow.
@@ -668,9 +797,11 @@ def test_merge_refuses_parts_of_two_saves_of_the_same_state(ckpt, parts, tmp_pat
   for extra in ((), ("--json",)):
     result = _run("merge", out, *parts[:5], tmp_path / "other5", *extra)
     line = _one_line_error(result)
-    assert re.search(rf"other5 was resharded from checkpoint {other_id} but .*part0 from"
-                     rf" checkpoint {first_id}; parts of two different saves are never merged",
-                     line), line
+    assert re.search(
+      rf"other5 was resharded from checkpoint {other_id} but .*part0 from"
+      rf" checkpoint {first_id}; parts of two different saves are never merged",
+      line,
+    ), line
     assert result.stdout == ""
     assert _leftovers(tmp_path, "out") == []
   # In any order, and whichever part comes first.
@@ -679,14 +810,20 @@ def test_merge_refuses_parts_of_two_saves_of_the_same_state(ckpt, parts, tmp_pat
   assert _leftovers(tmp_path, "out") == []
 
 
-@pytest.mark.parametrize("change, needle", [
-    (lambda p: p.update(head=np.zeros((10,), np.float32)),
-     r"has param 'head' of shape \(10,\), dtype float32 but .*part0 of shape \(9,\),"
-     r" dtype float32"),
+@pytest.mark.parametrize(
+  "change, needle",
+  [
+    (
+      lambda p: p.update(head=np.zeros((10,), np.float32)),
+      r"has param 'head' of shape \(10,\), dtype float32 but .*part0 of shape \(9,\),"
+      r" dtype float32",
+    ),
     (lambda p: p.update(tail=np.zeros((3,), np.float32)), r"holds other parameters than .*part0"),
-])
-def test_merge_refuses_parts_whose_layouts_disagree(ckpt, parts, tmp_path, monkeypatch, change,
-                                                     needle):
+  ],
+)
+def test_merge_refuses_parts_whose_layouts_disagree(
+  ckpt, parts, tmp_path, monkeypatch, change, needle
+):
   # Another model at the same step, with the same clock: its rank 5 is no part
   # of this target.
   root, _ = ckpt
@@ -706,23 +843,32 @@ def test_merge_refuses_parts_whose_dtypes_disagree(tmp_path):
     params = {"w": np.arange(5).astype(dtype), "v": np.ones(3, np.float32)}
     jr.save_records(tmp_path / name, jr.shard_state(opt, params, opt.init(params), world_size=2))
     for r in range(2):
-      assert _run("reshard", tmp_path / name, tmp_path / f"{name}.{r}", "-w", 3, "-r", r
-                  ).exit_code == 0
+      assert (
+        _run("reshard", tmp_path / name, tmp_path / f"{name}.{r}", "-w", 3, "-r", r).exit_code == 0
+      )
   assert _run("reshard", tmp_path / "f32", tmp_path / "f32.2", "-w", 3, "-r", 2).exit_code == 0
-  line = _one_line_error(_run("merge", tmp_path / "out", tmp_path / "f32.0", tmp_path / "bf16.1",
-                              tmp_path / "f32.2"))
-  assert re.search(r"bf16\.1 has param 'w' of shape \(5,\), dtype bfloat16 but .*f32\.0 of"
-                   r" shape \(5,\), dtype float32; parts of different target layouts", line), line
+  line = _one_line_error(
+    _run("merge", tmp_path / "out", tmp_path / "f32.0", tmp_path / "bf16.1", tmp_path / "f32.2")
+  )
+  assert re.search(
+    r"bf16\.1 has param 'w' of shape \(5,\), dtype bfloat16 but .*f32\.0 of"
+    r" shape \(5,\), dtype float32; parts of different target layouts",
+    line,
+  ), line
   assert _leftovers(tmp_path, "out") == []
-  assert _run("merge", tmp_path / "out", *(tmp_path / f"f32.{r}" for r in range(3))
-              ).exit_code == 0
+  assert _run("merge", tmp_path / "out", *(tmp_path / f"f32.{r}" for r in range(3))).exit_code == 0
 
 
-@pytest.mark.parametrize("edit, needle", [
+@pytest.mark.parametrize(
+  "edit, needle",
+  [
     (lambda d: d.update(source=None), "names no checkpoint it was resharded from"),
-    (lambda d: d["source"].update(layout="0" * 64),
-     "archive 0 does not have the target layout its index declares"),
-])
+    (
+      lambda d: d["source"].update(layout="0" * 64),
+      "archive 0 does not have the target layout its index declares",
+    ),
+  ],
+)
 def test_merge_refuses_a_part_that_does_not_say_its_source(parts, tmp_path, edit, needle):
   part = tmp_path / "p5"
   shutil.copytree(parts[5], part)
@@ -732,24 +878,33 @@ def test_merge_refuses_a_part_that_does_not_say_its_source(parts, tmp_path, edit
   assert _leftovers(tmp_path, "out") == []
 
 
-@pytest.mark.parametrize("edit, needle", [
+@pytest.mark.parametrize(
+  "edit, needle",
+  [
     (lambda d: d["source"].update(checkpoint="../../x"), "source: invalid checkpoint identity"),
     (lambda d: d["source"].update(checkpoint=7), "source: invalid checkpoint identity"),
     (lambda d: d["source"].update(world_size=True), "expected int, got bool"),
     (lambda d: d["source"].update(world_size=2**40), "world_size 1099511627776 must be between"),
     (lambda d: d["source"].update(world_size=5), "world_size 5, but group 0 has world_size 6"),
-    (lambda d: d["source"].update(layout="x" * 10**6),
-     r"invalid layout 'xxx.*\(1000002 characters\)"),
+    (
+      lambda d: d["source"].update(layout="x" * 10**6),
+      r"invalid layout 'xxx.*\(1000002 characters\)",
+    ),
     (lambda d: d["source"].update(extra=1), "expected checkpoint, world_size and layout"),
     (lambda d: d.update(source=[1]), "source: expected dict, got list"),
     (lambda d: d.pop("source"), "unexpected index keys"),
-])
+  ],
+)
 def test_a_hostile_source_is_refused_by_every_command(parts, tmp_path, edit, needle):
   bad = tmp_path / "bad"
   shutil.copytree(parts[5], bad)
   _edit_index(bad, edit)
-  for args in (("inspect", bad), ("inspect", bad, "--json"), ("merge", tmp_path / "o", bad),
-               ("reshard", bad, tmp_path / "o", "-w", 1)):
+  for args in (
+    ("inspect", bad),
+    ("inspect", bad, "--json"),
+    ("merge", tmp_path / "o", bad),
+    ("reshard", bad, tmp_path / "o", "-w", 1),
+  ):
     line = _one_line_error(_run(*args))
     assert re.search(needle, line), (args, line)
     assert len(line) < 600, line
@@ -766,8 +921,10 @@ def test_inspect_summarises_huge_clock_arrays_in_bounded_memory(tmp_path):
   opt = optax.chain(*[optax.scale_by_adam() for _ in range(16)])
 
   def with_counts(base):
-    return tuple(s._replace(count=((np.arange(65536) * (i + base)) % 251).astype(np.uint8))
-                 for i, s in enumerate(opt.init(params)))
+    return tuple(
+      s._replace(count=((np.arange(65536) * (i + base)) % 251).astype(np.uint8))
+      for i, s in enumerate(opt.init(params))
+    )
 
   jr.save_records(tmp_path / "c", jr.shard_state(opt, params, with_counts(1), world_size=2))
   index_bytes = (tmp_path / "c" / "jaxreshard.json").stat().st_size
@@ -788,8 +945,10 @@ def test_inspect_summarises_huge_clock_arrays_in_bounded_memory(tmp_path):
     assert c["truncated"] and c["shape"] == [65536] and c["dtype"] == "uint8"
     assert c["value"] == first.tolist() and c["bits"] == first.tobytes().hex()
   text = _run("inspect", tmp_path / "c").stdout
-  assert "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, ...] (65536 elements of shape" \
-         " (65536,))" in text, text
+  assert (
+    "[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, ...] (65536 elements of shape"
+    " (65536,))" in text
+  ), text
   # Small scalars are whole and not marked.
   small = json.loads(_run("inspect", _save_adam(tmp_path / "small"), "--json").stdout)["clocks"]
   assert [c["truncated"] for c in small] == [False]
@@ -808,7 +967,9 @@ def _save_adam(path, world_size=2):
   return path
 
 
-@pytest.mark.parametrize("args, needle", [
+@pytest.mark.parametrize(
+  "args, needle",
+  [
     (("reshard", "CK", "O"), r"Missing option '--world-size' / '-w'\. \(jaxreshard reshard --help"),
     (("reshard", "CK", "O", "--json"), r"Missing option '--world-size'"),
     (("reshard", "CK", "O", "-w", "six", "--json"), r"Invalid value for '--world-size' / '-w'"),
@@ -819,11 +980,13 @@ def _save_adam(path, world_size=2):
     (("demo", "--steps", "0", "--json"), r"Invalid value for '--steps'"),
     (("bogus", "--json"), r"No such command 'bogus'\. \(jaxreshard --help shows the usage\)"),
     (("--bogus",), r"No such option: --bogus"),
-])
+  ],
+)
 def test_usage_errors_are_one_line(tmp_path, args, needle):
   _save_adam(tmp_path / "ck")
-  args = [str(tmp_path / "ck") if a == "CK" else str(tmp_path / "o") if a in ("O",) else a
-          for a in args]
+  args = [
+    str(tmp_path / "ck") if a == "CK" else str(tmp_path / "o") if a in ("O",) else a for a in args
+  ]
   result = _run(*args)
   line = _one_line_error(result)
   assert re.search(needle, line), line
@@ -833,13 +996,25 @@ def test_usage_errors_are_one_line(tmp_path, args, needle):
 
 @pytest.mark.slow
 def test_usage_errors_are_one_line_in_a_subprocess(tmp_path):
-  bad = subprocess.run([sys.executable, "-m", "jaxreshard", "reshard", str(tmp_path / "x"),
-                        str(tmp_path / "y"), "--json"], capture_output=True, text=True,
-                       timeout=120)
+  bad = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "jaxreshard",
+      "reshard",
+      str(tmp_path / "x"),
+      str(tmp_path / "y"),
+      "--json",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert bad.returncode == EXIT_ERROR and bad.stdout == ""
   assert bad.stderr.splitlines() == [
-      "jaxreshard: error: Missing option '--world-size' / '-w'. (jaxreshard reshard --help"
-      " shows the usage)"]
+    "jaxreshard: error: Missing option '--world-size' / '-w'. (jaxreshard reshard --help"
+    " shows the usage)"
+  ]
 
 
 def test_reshard_refuses_an_out_inside_its_checkpoint(tmp_path):
@@ -867,8 +1042,15 @@ def test_an_empty_path_is_refused(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path / "w")
   stale = tmp_path / ".w.tmp-0123456789abcdef0123456789abcdef-999999999-nohost"
   stale.mkdir()
-  for args in (("clean", ""), ("clean", "", "--json"), ("clean", "", "--all"), ("inspect", ""),
-               ("reshard", "", "o", "-w", 2), ("merge", "", "x"), ("verify", "x", "")):
+  for args in (
+    ("clean", ""),
+    ("clean", "", "--json"),
+    ("clean", "", "--all"),
+    ("inspect", ""),
+    ("reshard", "", "o", "-w", 2),
+    ("merge", "", "x"),
+    ("verify", "x", ""),
+  ):
     line = _one_line_error(_run(*args))
     assert "an empty path names no checkpoint" in line, line
   assert stale.exists() and os.listdir(tmp_path / "w") == []

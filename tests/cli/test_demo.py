@@ -9,7 +9,6 @@ import jaxreshard as jr
 from jaxreshard._src.cli.commands import app
 from jaxreshard._src.cli.demo import run_demo
 
-
 # Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
 pytestmark = pytest.mark.slow
 
@@ -26,7 +25,13 @@ def test_run_demo_is_exact(summary):
   rows = {r.param: r for r in summary.rows}
   assert sorted(rows) == ["hidden/bias", "hidden/kernel", "out/bias", "out/kernel"]
   k = rows["hidden/kernel"]
-  assert (k.shape, k.slots_source, k.slots_target, k.buffers, k.bytes) == ((13, 37), 61, 81, 2, 3848)
+  assert (k.shape, k.slots_source, k.slots_target, k.buffers, k.bytes) == (
+    (13, 37),
+    61,
+    81,
+    2,
+    3848,
+  )
   # 5 elements over 8 ranks: ranks 5..7 hold only padding.
   assert (rows["out/bias"].slots_source, rows["out/bias"].slots_target) == (1, 1)
   assert all(r.exact and r.buffers == 2 for r in summary.rows)
@@ -49,16 +54,24 @@ def test_demo_command(summary, tmp_path):
 
 
 def test_demo_json_is_the_summary_only(tmp_path, monkeypatch):
-  result = CliRunner().invoke(app, ["demo", "--steps", "1", "--json", "--save",
-                                    str(tmp_path / "c")])
+  result = CliRunner().invoke(
+    app, ["demo", "--steps", "1", "--json", "--save", str(tmp_path / "c")]
+  )
   assert result.exit_code == 0, result.output
   data = json.loads(result.stdout)  # nothing but the JSON on stdout
   assert data["exact"] and data["steps"] == 1 and all(data["checks"].values())
   assert (data["source_world_size"], data["target_world_size"]) == (8, 6)
   assert data["saved"] == str(tmp_path / "c")
   kernel = next(p for p in data["params"] if p["param"] == "hidden/kernel")
-  assert kernel == dict(param="hidden/kernel", shape=[13, 37], slots_source=61, slots_target=81,
-                        buffers=2, bytes=3848, exact=True)
+  assert kernel == dict(
+    param="hidden/kernel",
+    shape=[13, 37],
+    slots_source=61,
+    slots_target=81,
+    buffers=2,
+    bytes=3848,
+    exact=True,
+  )
 
 
 def test_demo_table_folds_on_a_narrow_terminal(monkeypatch):
@@ -66,8 +79,11 @@ def test_demo_table_folds_on_a_narrow_terminal(monkeypatch):
 
   from jaxreshard._src.cli import render as _render
 
-  monkeypatch.setattr(_render, "console", lambda: Console(force_terminal=True, width=40,
-                                                          highlight=False, no_color=True))
+  monkeypatch.setattr(
+    _render,
+    "console",
+    lambda: Console(force_terminal=True, width=40, highlight=False, no_color=True),
+  )
   result = CliRunner().invoke(app, ["demo", "--steps", "1"])
   assert result.exit_code == 0, result.output
   assert "…" not in result.stdout, result.stdout

@@ -21,7 +21,7 @@ from tests._core_util import FIXTURE, assert_bits_equal
 WORLDS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fixture():
   with np.load(FIXTURE) as z:
     data = {k: z[k] for k in z.files}
@@ -43,7 +43,7 @@ def _full_params():
 OPT = optax.sgd(0.1, momentum=0.9)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _records(world):
   params = _full_params()
   state = OPT.init(params)
@@ -78,8 +78,9 @@ def test_shard_state_equals_fsdp_shards(world):
     trace = rec.state[0].trace
     for kind in ("f32", "bf16"):
       for c in cases:
-        assert_bits_equal(trace[kind][c], _expected(c, kind, world, rank),
-                          f"{kind} {c} w{world} r{rank}")
+        assert_bits_equal(
+          trace[kind][c], _expected(c, kind, world, rank), f"{kind} {c} w{world} r{rank}"
+        )
         p = rec.placement(f"{kind}/{c}")
         assert (p.rank, p.world_size) == (rank, world)
 
@@ -100,5 +101,6 @@ def test_reshard_between_fixture_world_sizes_equals_fsdp(src):
       trace = target.state[0].trace
       for kind in ("f32", "bf16"):
         for c in cases:
-          assert_bits_equal(trace[kind][c], _expected(c, kind, dst, rank),
-                            f"{kind} {c} w{src}->w{dst} r{rank}")
+          assert_bits_equal(
+            trace[kind][c], _expected(c, kind, dst, rank), f"{kind} {c} w{src}->w{dst} r{rank}"
+          )

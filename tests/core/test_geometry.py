@@ -5,6 +5,8 @@ per rank; rank ``r`` owns ``[min(r * slots, count), min((r + 1) * slots, count))
 flattened param and pads the rest of its slots with zeros.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,23 +15,23 @@ from tests._core_util import oracle_shard, oracle_slots
 
 
 @pytest.mark.parametrize(
-    "shape, rank, world, count, slots, start, stop",
-    [
-        ((3, 4), 1, 5, 12, 3, 3, 6),  # 12 elements over 5 ranks: 3 slots each
-        ((), 0, 1, 1, 1, 0, 1),  # scalar: count 1
-        ((), 0, 3, 1, 1, 0, 1),
-        ((), 2, 3, 1, 1, 1, 1),  # scalar over 3 ranks: ranks 1, 2 are all padding
-        ((1,), 0, 1, 1, 1, 0, 1),
-        ((1,), 5, 8, 1, 1, 1, 1),
-        ((0,), 0, 4, 0, 0, 0, 0),  # zero-size: no slots at all
-        ((3, 0, 2), 2, 3, 0, 0, 0, 0),
-        ((5,), 0, 4, 5, 2, 0, 2),
-        ((5,), 2, 4, 5, 2, 4, 5),  # owns [4, 5) plus one pad
-        ((5,), 3, 4, 5, 2, 5, 5),  # trailing rank: all padding
-        ((7,), 5, 6, 7, 2, 7, 7),  # ranks 4 and 5 of 6 own nothing
-        ((17,), 16, 17, 17, 1, 16, 17),
-        ((2, 3, 4), 2, 5, 24, 5, 10, 15),
-    ],
+  "shape, rank, world, count, slots, start, stop",
+  [
+    ((3, 4), 1, 5, 12, 3, 3, 6),  # 12 elements over 5 ranks: 3 slots each
+    ((), 0, 1, 1, 1, 0, 1),  # scalar: count 1
+    ((), 0, 3, 1, 1, 0, 1),
+    ((), 2, 3, 1, 1, 1, 1),  # scalar over 3 ranks: ranks 1, 2 are all padding
+    ((1,), 0, 1, 1, 1, 0, 1),
+    ((1,), 5, 8, 1, 1, 1, 1),
+    ((0,), 0, 4, 0, 0, 0, 0),  # zero-size: no slots at all
+    ((3, 0, 2), 2, 3, 0, 0, 0, 0),
+    ((5,), 0, 4, 5, 2, 0, 2),
+    ((5,), 2, 4, 5, 2, 4, 5),  # owns [4, 5) plus one pad
+    ((5,), 3, 4, 5, 2, 5, 5),  # trailing rank: all padding
+    ((7,), 5, 6, 7, 2, 7, 7),  # ranks 4 and 5 of 6 own nothing
+    ((17,), 16, 17, 17, 1, 16, 17),
+    ((2, 3, 4), 2, 5, 24, 5, 10, 15),
+  ],
 )
 def test_flat_shard_values(shape, rank, world, count, slots, start, stop):
   g = jr.FlatShard(shape=shape, rank=rank, world_size=world)
@@ -57,8 +59,8 @@ def test_geometry_matches_numpy_oracle(count, world):
     shard = oracle_shard(full, world, r)
     assert g.slots == oracle_slots(count, world) == shard.size
     # The owned range holds exactly the non-padding values (all are >= 1).
-    np.testing.assert_array_equal(shard[: g.owned], full[g.start:g.stop])
-    assert not shard[g.owned:].any()
+    np.testing.assert_array_equal(shard[: g.owned], full[g.start : g.stop])
+    assert not shard[g.owned :].any()
 
 
 def test_numpy_integer_inputs_are_normalized():
@@ -68,26 +70,26 @@ def test_numpy_integer_inputs_are_normalized():
 
 
 @pytest.mark.parametrize(
-    "shape, rank, world, needle",
-    [
-        ((4,), 0, 0, "world_size 0"),
-        ((4,), 0, -3, "world_size -3"),
-        ((4,), -1, 4, "rank -1"),
-        ((4,), 4, 4, "rank 4"),
-        ((4,), 9, 4, "rank 9"),
-        ((), 1, 1, "rank 1"),
-        ((3, -1), 0, 2, "negative"),
-        ((-5,), 0, 1, "negative"),
-        ((2**40, 2**40), 0, 1, "64-bit"),  # 2**80 elements overflow an int64 index
-        ((2**63,), 0, 1, "64-bit"),
-        ((2.5,), 0, 1, "integers"),
-        ((4,), 0.0, 1, "rank must be an integer"),
-        ((4,), True, 2, "rank must be an integer, not the bool True"),
-        ((4,), 0, True, "world_size must be an integer, not the bool"),
-        ((4,), 0, None, "world_size must be an integer, not NoneType"),
-        ((True, 2), 0, 1, "bool"),
-        ((4,), 0, 2**20 + 1, "more than the 1048576 ranks"),
-    ],
+  "shape, rank, world, needle",
+  [
+    ((4,), 0, 0, "world_size 0"),
+    ((4,), 0, -3, "world_size -3"),
+    ((4,), -1, 4, "rank -1"),
+    ((4,), 4, 4, "rank 4"),
+    ((4,), 9, 4, "rank 9"),
+    ((), 1, 1, "rank 1"),
+    ((3, -1), 0, 2, "negative"),
+    ((-5,), 0, 1, "negative"),
+    ((2**40, 2**40), 0, 1, "64-bit"),  # 2**80 elements overflow an int64 index
+    ((2**63,), 0, 1, "64-bit"),
+    ((2.5,), 0, 1, "integers"),
+    ((4,), 0.0, 1, "rank must be an integer"),
+    ((4,), True, 2, "rank must be an integer, not the bool True"),
+    ((4,), 0, True, "world_size must be an integer, not the bool"),
+    ((4,), 0, None, "world_size must be an integer, not NoneType"),
+    ((True, 2), 0, 1, "bool"),
+    ((4,), 0, 2**20 + 1, "more than the 1048576 ranks"),
+  ],
 )
 def test_invalid_geometry_is_a_placement_error(shape, rank, world, needle):
   with pytest.raises(jr.PlacementError, match=needle):
@@ -104,6 +106,6 @@ def test_placement_error_is_a_reshard_error_and_value_error():
 
 def test_flat_shard_is_frozen_and_hashable():
   g = jr.FlatShard((5,), 1, 4)
-  with pytest.raises(Exception):
+  with pytest.raises(dataclasses.FrozenInstanceError):
     g.rank = 2  # type: ignore[misc]
   assert len({g, jr.FlatShard((5,), 1, 4)}) == 1

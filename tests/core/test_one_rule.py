@@ -22,8 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
 from tests import _target_util as T
-from tests._core_util import (assert_records_equal, device_mesh, nest, random_params,
-                              random_state)
+from tests._core_util import assert_records_equal, device_mesh, nest, random_params, random_state
 from tests._shapes import DRAWN_SHAPES
 
 
@@ -37,8 +36,9 @@ def _adam_and_chain_records(world_a=2, world_b=3):
   """``a`` under adam, ``b`` under chain(trace, scale_by_adam): one step count (1234)
   each, the two params' histories in differently structured states."""
   ra = _records(optax.adam(1e-3), {"a": ((10,), jnp.float32)}, world_a, 0)
-  rb = _records(optax.chain(optax.trace(0.9), optax.scale_by_adam()),
-                {"b": ((7,), jnp.float32)}, world_b, 5)
+  rb = _records(
+    optax.chain(optax.trace(0.9), optax.scale_by_adam()), {"b": ((7,), jnp.float32)}, world_b, 5
+  )
   assert int(ra[0].state[0].count) == int(rb[0].state[1].count) == 1234
   return ra + rb
 
@@ -77,12 +77,21 @@ def test_restore_and_restore_ranks_refuse_what_memory_refuses(mixed, world):
 @pytest.mark.slow
 def test_the_cli_reshard_refuses_it_and_writes_nothing(mixed, tmp_path):
   out = tmp_path / "out"
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join(
       [os.path.dirname(os.path.dirname(os.path.abspath(jr.__file__)))]
-      + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-  run = subprocess.run([sys.executable, "-m", "jaxreshard", "reshard", str(mixed), str(out),
-                        "--world-size", "3"], capture_output=True, text=True, env=env, check=False,
-                       timeout=300)
+      + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    ),
+  )
+  run = subprocess.run(
+    [sys.executable, "-m", "jaxreshard", "reshard", str(mixed), str(out), "--world-size", "3"],
+    capture_output=True,
+    text=True,
+    env=env,
+    check=False,
+    timeout=300,
+  )
   assert run.returncode == 2, (run.returncode, run.stdout, run.stderr)
   assert "optimizer state structure" in run.stderr, run.stderr
   assert not out.exists()
@@ -118,6 +127,7 @@ def test_the_orbax_handler_refuses_it(tmp_path):
 def test_inspect_says_the_archives_disagree(mixed):
   from jaxreshard._src.checkpoint import reader as _checkpoint  # pylint: disable=g-import-not-at-top
   from jaxreshard._src.cli import commands as _cli
+
   assert _cli.inspect_info(_checkpoint.open_checkpoint(mixed))["clocks_agree"] is False
 
 
@@ -125,11 +135,12 @@ def test_inspect_says_the_archives_disagree(mixed):
 
 
 MENU = {
-    "adam": lambda: optax.adam(1e-3),
-    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
-    "trace_adam": lambda: optax.chain(optax.trace(0.9), optax.scale_by_adam()),
-    "adamw_masked": lambda: optax.adamw(1e-3, weight_decay=0.1,
-                                        mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+  "adam": lambda: optax.adam(1e-3),
+  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+  "trace_adam": lambda: optax.chain(optax.trace(0.9), optax.scale_by_adam()),
+  "adamw_masked": lambda: optax.adamw(
+    1e-3, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+  ),
 }
 SHAPES = DRAWN_SHAPES
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -137,12 +148,19 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 
 def _set_counts(records, count):
   """Every int32 clock scalar of every record set to ``count``."""
+
   def one(r):
     leaves, treedef = jax.tree_util.tree_flatten(r.state)
-    leaves = [jnp.asarray(count, jnp.int32) if role is None and np.ndim(x) == 0
-              and np.dtype(x.dtype) == np.int32 else x for x, role in zip(leaves, r.roles)]
-    return jr.ShardRecord(r.version, r.placements, jax.tree_util.tree_unflatten(treedef, leaves),
-                          r.roles)
+    leaves = [
+      jnp.asarray(count, jnp.int32)
+      if role is None and np.ndim(x) == 0 and np.dtype(x.dtype) == np.int32
+      else x
+      for x, role in zip(leaves, r.roles)
+    ]
+    return jr.ShardRecord(
+      r.version, r.placements, jax.tree_util.tree_unflatten(treedef, leaves), r.roles
+    )
+
   return [one(r) for r in records]
 
 
@@ -173,11 +191,17 @@ def _checkpoints(draw):
 
 
 @pytest.mark.slow
-@settings(max_examples=40, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+  max_examples=40,
+  deadline=None,
+  derandomize=True,
+  database=None,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(records=_checkpoints(), world=st.integers(1, 5), data=st.data())
-def test_random_mixed_checkpoints_restore_as_memory_reshards(tmp_path_factory, records, world,
-                                                             data):
+def test_random_mixed_checkpoints_restore_as_memory_reshards(
+  tmp_path_factory, records, world, data
+):
   rank = data.draw(st.integers(0, world - 1))
   path = tmp_path_factory.mktemp("prop") / "ckpt"
   jr.save_records(path, records)

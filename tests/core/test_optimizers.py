@@ -16,8 +16,14 @@ import pytest
 
 import jaxreshard as jr
 from tests._core_util import (
-    OPTIMIZERS, assert_records_equal, assert_trees_bit_equal, bits, oracle_shard, random_grads,
-    small_params, standard,
+  OPTIMIZERS,
+  assert_records_equal,
+  assert_trees_bit_equal,
+  bits,
+  oracle_shard,
+  random_grads,
+  small_params,
+  standard,
 )
 
 
@@ -104,10 +110,18 @@ def test_frozen_params_have_no_history_and_stay_frozen(name):
   records, targets = _migrate_and_check(opt, params, state, trainable=trainable)
   for t in targets:
     assert {p.param: p.trainable for p in t.placements} == {
-        "dense/bias": True, "dense/kernel": True, "emb": False, "scale": True, "tiny": False}
+      "dense/bias": True,
+      "dense/kernel": True,
+      "emb": False,
+      "scale": True,
+      "tiny": False,
+    }
     assert "emb" not in t.roles and "tiny" not in t.roles
-    masked = [x for x in jax.tree.leaves(t.state, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
-              if isinstance(x, optax.MaskedNode)]
+    masked = [
+      x
+      for x in jax.tree.leaves(t.state, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+      if isinstance(x, optax.MaskedNode)
+    ]
     assert masked, "frozen params must keep their MaskedNode (no history)"
 
 
@@ -135,10 +149,18 @@ def test_explicit_groups_merge_two_archive_groups_with_different_world_sizes():
   merged by one reshard call, each into its own target world size (2 and 5)."""
   opt = optax.adam(1e-2)
   rng = np.random.default_rng(7)
-  pa = {"attn": {"q": jnp.asarray(rng.standard_normal((6, 5)), jnp.float32),
-                 "o": jnp.asarray(rng.standard_normal((7,)), jnp.float32)}}
-  pb = {"experts": {"e0": jnp.asarray(rng.standard_normal((9,)), jnp.float32),
-                    "e1": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)}}
+  pa = {
+    "attn": {
+      "q": jnp.asarray(rng.standard_normal((6, 5)), jnp.float32),
+      "o": jnp.asarray(rng.standard_normal((7,)), jnp.float32),
+    }
+  }
+  pb = {
+    "experts": {
+      "e0": jnp.asarray(rng.standard_normal((9,)), jnp.float32),
+      "e1": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32),
+    }
+  }
   pa, sa = _train(opt, pa)  # same optimizer, same number of steps: one clock
   pb, sb = _train(opt, pb)
   group_a = jr.shard_state(opt, pa, sa, 4)
@@ -146,8 +168,12 @@ def test_explicit_groups_merge_two_archive_groups_with_different_world_sizes():
   archives = group_a[::-1] + group_b  # A's ranks in reverse order: sources are unordered
   a_src, b_src = (0, 1, 2, 3), (4, 5, 6)
   shapes = {"attn/q": (6, 5), "attn/o": (7,), "experts/e0": (9,), "experts/e1": (4, 3)}
-  full = {"attn/q": (sa, "attn", "q"), "attn/o": (sa, "attn", "o"),
-          "experts/e0": (sb, "experts", "e0"), "experts/e1": (sb, "experts", "e1")}
+  full = {
+    "attn/q": (sa, "attn", "q"),
+    "attn/o": (sa, "attn", "o"),
+    "experts/e0": (sb, "experts", "e0"),
+    "experts/e1": (sb, "experts", "e1"),
+  }
 
   def migrations(rank):
     out = [jr.Migration(p, shapes[p], rank, 5, b_src) for p in ("experts/e0", "experts/e1")]
@@ -159,14 +185,16 @@ def test_explicit_groups_merge_two_archive_groups_with_different_world_sizes():
   for rank, rec in enumerate(merged):
     expect = {"experts/e0": 5, "experts/e1": 5} | ({"attn/o": 2, "attn/q": 2} if rank < 2 else {})
     assert [(p.param, p.world_size, p.rank) for p in rec.placements] == [
-        (pid, w, rank) for pid, w in sorted(expect.items())]
+      (pid, w, rank) for pid, w in sorted(expect.items())
+    ]
     adam = rec.state[0]
     for pid in expect:
       state, outer, inner = full[pid]
       for name in ("mu", "nu"):
         np.testing.assert_array_equal(
-            bits(getattr(adam, name)[outer][inner]),
-            bits(oracle_shard(getattr(state[0], name)[outer][inner], expect[pid], rank)))
+          bits(getattr(adam, name)[outer][inner]),
+          bits(oracle_shard(getattr(state[0], name)[outer][inner], expect[pid], rank)),
+        )
     # Nested dicts from the ids, the clock carried.
     assert set(adam.mu) == ({"attn", "experts"} if rank < 2 else {"experts"})
     assert set(adam.mu["experts"]) == {"e0", "e1"}
@@ -174,17 +202,23 @@ def test_explicit_groups_merge_two_archive_groups_with_different_world_sizes():
 
   # The merged layout unshards to the union of both full states, which is usable.
   merged_full = jr.unshard_state(merged)
-  union = (sa[0]._replace(mu={**sa[0].mu, **sb[0].mu}, nu={**sa[0].nu, **sb[0].nu}),
-           sa[1])
+  union = (sa[0]._replace(mu={**sa[0].mu, **sb[0].mu}, nu={**sa[0].nu, **sb[0].nu}), sa[1])
   assert_trees_bit_equal(merged_full, union)
   params = {**pa, **pb}
   standard(opt.update, random_grads(params, 5), merged_full, params)
 
   # And back: each group from the merged records to its original layout.
-  back_a = [jr.reshard(merged, [jr.Migration(p, shapes[p], r, 4, (0, 1))
-                                for p in ("attn/o", "attn/q")]) for r in range(4)]
-  back_b = [jr.reshard(merged, [jr.Migration(p, shapes[p], r, 3, (4, 2, 0, 3, 1))
-                                for p in ("experts/e0", "experts/e1")]) for r in range(3)]
+  back_a = [
+    jr.reshard(merged, [jr.Migration(p, shapes[p], r, 4, (0, 1)) for p in ("attn/o", "attn/q")])
+    for r in range(4)
+  ]
+  back_b = [
+    jr.reshard(
+      merged,
+      [jr.Migration(p, shapes[p], r, 3, (4, 2, 0, 3, 1)) for p in ("experts/e0", "experts/e1")],
+    )
+    for r in range(3)
+  ]
   for a, b in zip(back_a + back_b, group_a + group_b, strict=True):
     assert_records_equal(a, b)
 

@@ -54,11 +54,16 @@ def _one_group_per_param(n):
   records = []
   for a in range(W):
     ids = [_Id(pid) for pid in pids]
-    state = (base.state[0]._replace(mu={pid: np.full(2, a, np.float32) for pid in pids},
-                                    nu={pid: np.full(2, -a, np.float32) for pid in pids}),
-             base.state[1])
-    placements = tuple(jr.ParamPlacement(ids[i], (2 * W,), perms[i][a], W, jnp.float32, True)
-                       for i in range(n))
+    state = (
+      base.state[0]._replace(
+        mu={pid: np.full(2, a, np.float32) for pid in pids},
+        nu={pid: np.full(2, -a, np.float32) for pid in pids},
+      ),
+      base.state[1],
+    )
+    placements = tuple(
+      jr.ParamPlacement(ids[i], (2 * W,), perms[i][a], W, jnp.float32, True) for i in range(n)
+    )
     records.append(jr.ShardRecord(1, placements, state, tuple([None] + pids + pids)))
   return records
 
@@ -119,7 +124,11 @@ def test_placements_that_cannot_be_hashed_are_refused_by_name():
   params = {"w": jnp.zeros((4,), jnp.float32)}
   records = jr.shard_state(opt, params, opt.init(params), world_size=2)
   for field, value, error in (("shape", [4.5], jr.PlacementError), ("dtype", [1], jr.DtypeError)):
-    bad = [jr.ShardRecord(r.version, (dataclasses.replace(r.placements[0], **{field: value}),),
-                          r.state, r.roles) for r in records]
+    bad = [
+      jr.ShardRecord(
+        r.version, (dataclasses.replace(r.placements[0], **{field: value}),), r.state, r.roles
+      )
+      for r in records
+    ]
     with pytest.raises(error, match="param 'w': archive 0"):
       jr.reshard(bad, [jr.Migration("w", (4,), 0, 1, (0, 1))])

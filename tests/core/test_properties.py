@@ -8,8 +8,8 @@ import math
 
 import hypothesis.strategies as st
 import jax
-import ml_dtypes
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -17,14 +17,22 @@ from hypothesis import HealthCheck, given, settings
 
 import jaxreshard as jr
 from tests._core_util import (
-    BF16, F16, F32, assert_bits_equal, assert_records_equal, assert_trees_bit_equal, bits,
-    nest, oracle_shard, random_bits_array, special_values,
+  BF16,
+  F16,
+  F32,
+  assert_bits_equal,
+  assert_records_equal,
+  assert_trees_bit_equal,
+  bits,
+  nest,
+  oracle_shard,
+  random_bits_array,
+  special_values,
 )
 from tests._shapes import ORACLE_SHAPES
 
 SHAPES = st.one_of(
-    st.sampled_from(ORACLE_SHAPES),
-    st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple),
+  st.sampled_from(ORACLE_SHAPES), st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 )
 DTYPES = st.sampled_from([F32, F16, BF16])
 WORLDS = st.integers(1, 17)
@@ -42,13 +50,23 @@ def _state(specs, seed):
   rng = np.random.default_rng(seed)
   ids = _ids(len(specs))
   params = nest({pid: jnp.zeros(shape, dtype) for pid, (shape, dtype) in zip(ids, specs)})
-  mu = nest({pid: jnp.asarray(random_bits_array(rng, shape, dtype))
-              for pid, (shape, dtype) in zip(ids, specs)})
-  nu = nest({pid: jnp.asarray(random_bits_array(rng, shape, dtype))
-              for pid, (shape, dtype) in zip(ids, specs)})
+  mu = nest(
+    {
+      pid: jnp.asarray(random_bits_array(rng, shape, dtype))
+      for pid, (shape, dtype) in zip(ids, specs)
+    }
+  )
+  nu = nest(
+    {
+      pid: jnp.asarray(random_bits_array(rng, shape, dtype))
+      for pid, (shape, dtype) in zip(ids, specs)
+    }
+  )
   adam, rest = OPT.init(params)
-  state = (adam._replace(count=jnp.asarray(rng.integers(0, 2**31 - 1), jnp.int32), mu=mu, nu=nu),
-           rest)
+  state = (
+    adam._replace(count=jnp.asarray(rng.integers(0, 2**31 - 1), jnp.int32), mu=mu, nu=nu),
+    rest,
+  )
   return params, state, dict(zip(ids, specs))
 
 
@@ -70,7 +88,7 @@ def _check_layout(records, full_state, world):
     for key, buf in local.items():
       g = jr.FlatShard(np.shape(full[key]), rank, world)
       assert_bits_equal(buf, oracle_shard(full[key], world, rank), f"{key} r{rank}/{world}")
-      assert not bits(buf)[g.owned:].any(), "padding must be exactly zero"
+      assert not bits(buf)[g.owned :].any(), "padding must be exactly zero"
     assert_bits_equal(rec.state[0].count, full_state[0].count, "count")
 
 
@@ -80,8 +98,12 @@ def _all_ranks(records, world):
 
 @pytest.mark.slow
 @settings(max_examples=40, **SETTINGS)
-@given(specs=st.lists(st.tuples(SHAPES, DTYPES), min_size=1, max_size=3),
-       w1=WORLDS, w2=WORLDS, seed=st.integers(0, 2**32 - 1))
+@given(
+  specs=st.lists(st.tuples(SHAPES, DTYPES), min_size=1, max_size=3),
+  w1=WORLDS,
+  w2=WORLDS,
+  seed=st.integers(0, 2**32 - 1),
+)
 def test_reshard_matches_oracle_and_round_trips(specs, w1, w2, seed):
   params, state, _ = _state(specs, seed)
   records = jr.shard_state(OPT, params, state, w1)
@@ -102,9 +124,13 @@ def test_reshard_matches_oracle_and_round_trips(specs, w1, w2, seed):
 
 @pytest.mark.slow
 @settings(max_examples=30, **SETTINGS)
-@given(specs=st.lists(st.tuples(SHAPES, DTYPES), min_size=1, max_size=3),
-       w1=WORLDS, w2=WORLDS, rank_frac=st.floats(0, 1, exclude_max=True),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+  specs=st.lists(st.tuples(SHAPES, DTYPES), min_size=1, max_size=3),
+  w1=WORLDS,
+  w2=WORLDS,
+  rank_frac=st.floats(0, 1, exclude_max=True),
+  seed=st.integers(0, 2**32 - 1),
+)
 def test_unshard_of_any_layout_is_the_full_state(specs, w1, w2, rank_frac, seed):
   params, state, _ = _state(specs, seed)
   records = jr.shard_state(OPT, params, state, w1)

@@ -43,12 +43,18 @@ def _records(opt=OPT, world=W, seed=0, count=3):
 
 def _refused(records, migrations, cls, *needles):
   """reshard refuses with ``cls``, names every needle, and leaves inputs alone."""
-  before = snapshot(records), list(migrations), [snapshot(r.state) for r in records
-                                                   if isinstance(r, jr.ShardRecord)]
+  before = (
+    snapshot(records),
+    list(migrations),
+    [snapshot(r.state) for r in records if isinstance(r, jr.ShardRecord)],
+  )
   with pytest.raises(cls) as info:
     jr.reshard(records, migrations)
-  after = snapshot(records), list(migrations), [snapshot(r.state) for r in records
-                                                  if isinstance(r, jr.ShardRecord)]
+  after = (
+    snapshot(records),
+    list(migrations),
+    [snapshot(r.state) for r in records if isinstance(r, jr.ShardRecord)],
+  )
   assert before[1] == after[1]
   assert before[0][0] == after[0][0] and before[0][1] == after[0][1]
   assert before[2] == after[2]
@@ -60,8 +66,9 @@ def _refused(records, migrations, cls, *needles):
 
 
 def _with_placement(rec, pid, **changes):
-  placements = tuple(dataclasses.replace(p, **changes) if p.param == pid else p
-                     for p in rec.placements)
+  placements = tuple(
+    dataclasses.replace(p, **changes) if p.param == pid else p for p in rec.placements
+  )
   return dataclasses.replace(rec, placements=placements)
 
 
@@ -103,28 +110,29 @@ def test_02_version_not_1():
 def test_03a_param_listed_twice():
   records = _records()
   records[2] = dataclasses.replace(
-      records[2], placements=records[2].placements + (records[2].placements[0],))
+    records[2], placements=records[2].placements + (records[2].placements[0],)
+  )
   _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 2", "twice")
 
 
 def test_03b_history_for_unlisted_param():
   records = _records()
   records[3] = dataclasses.replace(
-      records[3], placements=tuple(p for p in records[3].placements if p.param != "b/c"))
+    records[3], placements=tuple(p for p in records[3].placements if p.param != "b/c")
+  )
   migrations = [m for m in _plan(_records()) if m.param == "a"]
-  _refused(records, migrations, jr.PlacementError, "param 'b/c'", "archive 3",
-           "does not list")
+  _refused(records, migrations, jr.PlacementError, "param 'b/c'", "archive 3", "does not list")
 
 
 def test_04_two_migrations_for_one_param():
   records = _records()
   m = _plan(records)
-  _refused(records, m + [m[0]], jr.PlacementError, "param 'a'", "two migrations",
-           "archive")
+  _refused(records, m + [m[0]], jr.PlacementError, "param 'a'", "two migrations", "archive")
 
 
-@pytest.mark.parametrize("rank, world, shape", [(6, 6, (5,)), (0, 0, (5,)), (-1, 6, (5,)),
-                                                (0, 6, (-5,))])
+@pytest.mark.parametrize(
+  "rank, world, shape", [(6, 6, (5,)), (0, 0, (5,)), (-1, 6, (5,)), (0, 6, (-5,))]
+)
 def test_05_invalid_target_geometry(rank, world, shape):
   records = _records()
   bad = jr.Migration("a", shape, rank, world, (0, 1, 2, 3))
@@ -133,64 +141,107 @@ def test_05_invalid_target_geometry(rank, world, shape):
 
 def test_06a_empty_source_list():
   records = _records()
-  _refused(records, [jr.Migration("a", (5,), 0, 6, ())], jr.PlacementError, "param 'a'",
-           "no source archives")
+  _refused(
+    records,
+    [jr.Migration("a", (5,), 0, 6, ())],
+    jr.PlacementError,
+    "param 'a'",
+    "no source archives",
+  )
 
 
 @pytest.mark.parametrize("bad", [4, -1, 99])
 def test_06b_source_index_out_of_range(bad):
   records = _records()
-  _refused(records, [jr.Migration("a", (5,), 0, 6, (0, 1, 2, bad))], jr.PlacementError,
-           "param 'a'", f"archive index {bad}", "out of range")
+  _refused(
+    records,
+    [jr.Migration("a", (5,), 0, 6, (0, 1, 2, bad))],
+    jr.PlacementError,
+    "param 'a'",
+    f"archive index {bad}",
+    "out of range",
+  )
 
 
 def test_07_source_does_not_list_param():
   # Two groups: archives 0..3 hold 'a' and 'b/c'; archive 4 holds only 'x'.
   records = _records()
-  other = jr.shard_state(optax.adam(1e-2), {"x": jnp.zeros((3,))},
-                         optax.adam(1e-2).init({"x": jnp.zeros((3,))}), 1)
+  other = jr.shard_state(
+    optax.adam(1e-2), {"x": jnp.zeros((3,))}, optax.adam(1e-2).init({"x": jnp.zeros((3,))}), 1
+  )
   records = records + other
-  _refused(records, [jr.Migration("a", (5,), 0, 6, (0, 1, 2, 4))], jr.PlacementError,
-           "param 'a'", "archive 4", "does not list")
+  _refused(
+    records,
+    [jr.Migration("a", (5,), 0, 6, (0, 1, 2, 4))],
+    jr.PlacementError,
+    "param 'a'",
+    "archive 4",
+    "does not list",
+  )
 
 
 def test_08a_shape_differs_from_target():
   records = _records()
-  _refused(records, [jr.Migration("a", (6,), 0, 6, (0, 1, 2, 3))], jr.PlacementError,
-           "param 'a'", "archive 0", "(5,)", "(6,)")
+  _refused(
+    records,
+    [jr.Migration("a", (6,), 0, 6, (0, 1, 2, 3))],
+    jr.PlacementError,
+    "param 'a'",
+    "archive 0",
+    "(5,)",
+    "(6,)",
+  )
 
 
 def test_08b_shape_differs_between_sources():
   records = _records()
   records[2] = _with_placement(records[2], "a", shape=(2, 3))
-  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 2",
-           "(2, 3)", "(5,)")
+  _refused(
+    records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 2", "(2, 3)", "(5,)"
+  )
 
 
 def test_09a_incomplete_group():
   records = _records()
-  _refused(records, [jr.Migration("a", (5,), 0, 6, (0, 1, 3))], jr.PlacementError,
-           "param 'a'", "world_size 4", "[2]")
+  _refused(
+    records,
+    [jr.Migration("a", (5,), 0, 6, (0, 1, 3))],
+    jr.PlacementError,
+    "param 'a'",
+    "world_size 4",
+    "[2]",
+  )
 
 
 def test_09b_over_complete_group_from_two_checkpoints():
   # Rank 2 supplied twice (a second copy of the same checkpoint) -> repeated rank.
   records = _records() + _records()
-  _refused(records, [jr.Migration("a", (5,), 0, 6, (0, 1, 2, 3, 6))], jr.PlacementError,
-           "param 'a'", "archives 2 and 6", "rank 2")
+  _refused(
+    records,
+    [jr.Migration("a", (5,), 0, 6, (0, 1, 2, 3, 6))],
+    jr.PlacementError,
+    "param 'a'",
+    "archives 2 and 6",
+    "rank 2",
+  )
 
 
 def test_09c_repeated_source_index():
   records = _records()
-  _refused(records, [jr.Migration("a", (5,), 0, 6, (0, 1, 2, 2, 3))], jr.PlacementError,
-           "param 'a'", "archives 2 and 2", "rank 2")
+  _refused(
+    records,
+    [jr.Migration("a", (5,), 0, 6, (0, 1, 2, 2, 3))],
+    jr.PlacementError,
+    "param 'a'",
+    "archives 2 and 2",
+    "rank 2",
+  )
 
 
 def test_09d_world_size_disagrees():
   records = _records()
   records[1] = _with_placement(records[1], "a", world_size=5)
-  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 1",
-           "world_size 5")
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 1", "world_size 5")
 
 
 def test_09e_rank_outside_its_world():
@@ -215,8 +266,7 @@ def test_10b_unsupported_storage_dtype(dtype):
 def test_10c_trainability_disagrees():
   records = _records()
   records[1] = _with_placement(records[1], "b/c", trainable=False)
-  _refused(records, _plan(_records()), jr.PlacementError, "param 'b/c'", "archive 1",
-           "trainable")
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'b/c'", "archive 1", "trainable")
 
 
 def test_11a_history_absent_in_one_source():
@@ -230,26 +280,34 @@ def test_11a_history_absent_in_one_source():
 def test_11b_history_present_in_other_subtrees():
   # Same number of buffers, different subtrees: mu here, nu there.
   records = _records()
-  records = [dataclasses.replace(_with_mu(r, "a", optax.MaskedNode(),
-                                          which="nu" if i < 2 else "mu"), roles=None)
-             for i, r in enumerate(records)]
-  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 2",
-           "absent")
+  records = [
+    dataclasses.replace(
+      _with_mu(r, "a", optax.MaskedNode(), which="nu" if i < 2 else "mu"), roles=None
+    )
+    for i, r in enumerate(records)
+  ]
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 2", "absent")
 
 
 def test_12a_clock_scalar_differs():
   records = _records()
   records[3] = _records(count=4)[3]
-  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 3",
-           "scalar", "not one checkpoint")
+  _refused(
+    records,
+    _plan(_records()),
+    jr.PlacementError,
+    "param 'a'",
+    "archive 3",
+    "scalar",
+    "not one checkpoint",
+  )
 
 
 def test_12b_state_structure_differs():
   # adamw's state has one more (empty) transform than adam's: same histories.
   records = _records()
   records[1] = _records(opt=optax.adamw(1e-2))[1]
-  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 1",
-           "structure")
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 1", "structure")
 
 
 def test_12c_merged_groups_with_different_clocks():
@@ -269,29 +327,37 @@ def test_13_different_number_of_buffers():
   # Rank 1 saved by an optimizer with three histories per param (adam + trace).
   records = _records()
   records[1] = _records(opt=optax.chain(optax.adam(1e-2), optax.trace(0.9)))[1]
-  _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 1",
-           "3 history buffers", "2")
+  _refused(
+    records,
+    _plan(_records()),
+    jr.PlacementError,
+    "param 'a'",
+    "archive 1",
+    "3 history buffers",
+    "2",
+  )
 
 
 def test_14a_buffer_shape_not_slots():
   records = _records()
   records[2] = _with_mu(records[2], "a", jnp.zeros((3,), jnp.float32))  # slots are 2
-  _refused(records, _plan(_records()), jr.ShapeError, "param 'a'", "archive 2", "(3,)",
-           "(2,)")
+  _refused(records, _plan(_records()), jr.ShapeError, "param 'a'", "archive 2", "(3,)", "(2,)")
 
 
 def test_14b_buffer_dtype_differs_across_sources():
   records = _records()
   records[3] = _with_mu(records[3], "a", jnp.zeros((2,), jnp.float16))
-  _refused(records, _plan(_records()), jr.ShapeError, "param 'a'", "archive 3", "float16",
-           "float32")
+  _refused(
+    records, _plan(_records()), jr.ShapeError, "param 'a'", "archive 3", "float16", "float32"
+  )
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.uint8])
 def test_14c_buffer_not_floating(dtype):
   records = [_with_mu(r, "b/c", jnp.zeros((2,), dtype)) for r in _records()]
-  _refused(records, _plan(_records()), jr.ShapeError, "param 'b/c'", "archive 0",
-           np.dtype(dtype).name)
+  _refused(
+    records, _plan(_records()), jr.ShapeError, "param 'b/c'", "archive 0", np.dtype(dtype).name
+  )
 
 
 def test_14d_factored_state_is_refused():
@@ -341,20 +407,33 @@ def _params_and_state():
   return params, OPT.init(params)
 
 
-@pytest.mark.parametrize("call, needles", [
+@pytest.mark.parametrize(
+  "call, needles",
+  [
     (lambda r, p, s: jr.plan(r, world_size=True, rank=0), ("world_size", "bool")),
     (lambda r, p, s: jr.plan(r, world_size=3, rank=False), ("rank", "bool")),
     (lambda r, p, s: jr.plan(r, world_size=None, rank=0), ("world_size", "NoneType")),
     (lambda r, p, s: jr.plan(r, world_size="3", rank=0), ("world_size", "str")),
-    (lambda r, p, s: jr.reshard(r, [dataclasses.replace(m, rank=True) for m in
-                                    jr.plan(r, world_size=3, rank=1)]), ("rank", "bool")),
-    (lambda r, p, s: jr.reshard(r, [dataclasses.replace(m, sources=(0, True, 2, 3)) for m in
-                                    jr.plan(r, world_size=3, rank=1)]), ("index True", "bool")),
+    (
+      lambda r, p, s: jr.reshard(
+        r, [dataclasses.replace(m, rank=True) for m in jr.plan(r, world_size=3, rank=1)]
+      ),
+      ("rank", "bool"),
+    ),
+    (
+      lambda r, p, s: jr.reshard(
+        r,
+        [dataclasses.replace(m, sources=(0, True, 2, 3)) for m in jr.plan(r, world_size=3, rank=1)],
+      ),
+      ("index True", "bool"),
+    ),
     (lambda r, p, s: jr.reshard(r, []), ("no migrations",)),
     (lambda r, p, s: jr.reshard(r, None), ("migrations", "NoneType")),
     (lambda r, p, s: jr.reshard(None, jr.plan(r, world_size=2, rank=0)), ("records", "NoneType")),
-    (lambda r, p, s: jr.reshard(r[0], jr.plan(r, world_size=2, rank=0)),
-     ("records", "ShardRecord")),
+    (
+      lambda r, p, s: jr.reshard(r[0], jr.plan(r, world_size=2, rank=0)),
+      ("records", "ShardRecord"),
+    ),
     (lambda r, p, s: jr.reshard_ranks(r, 3), ("plans", "int")),
     (lambda r, p, s: jr.unshard_state(None), ("records", "NoneType")),
     (lambda r, p, s: jr.shard_state(OPT, p, s, world_size=True), ("world_size", "bool")),
@@ -362,7 +441,8 @@ def _params_and_state():
     (lambda r, p, s: jr.shard_state(None, p, s, world_size=2), ("optimizer", "NoneType")),
     (lambda r, p, s: jr.shard_state(OPT, s, p, world_size=2), ("swapped",)),
     (lambda r, p, s: jr.shard_state(OPT, None, s, world_size=2), ("params", "no arrays")),
-])
+  ],
+)
 def test_arguments_of_the_wrong_kind_are_refused_by_name(call, needles):
   params, state = _params_and_state()
   records = jr.shard_state(OPT, params, state, world_size=W)
@@ -387,9 +467,11 @@ def test_a_migration_naming_a_key_path_unescaped_hears_the_id(tmp_path):
     migration = jr.Migration(pid, shape, 0, 3, (0, 1))
     # In memory (one uniform group), sources in another order (checked one by
     # one), and from disk: the same words.
-    for call in (lambda: jr.reshard(records, [migration]),
-                 lambda: jr.reshard(records, [dataclasses.replace(migration, sources=(1, 0))]),
-                 lambda: _pipeline.validate(ckpt, [migration])):
+    for call in (
+      lambda: jr.reshard(records, [migration]),
+      lambda: jr.reshard(records, [dataclasses.replace(migration, sources=(1, 0))]),
+      lambda: _pipeline.validate(ckpt, [migration]),
+    ):
       with pytest.raises(jr.PlacementError) as info:
         call()
       text = str(info.value)

@@ -15,7 +15,11 @@ from jax.sharding import PartitionSpec
 import jaxreshard as jr
 from tests import _mp_util as U
 from tests._core_util import (
-    assert_records_equal, assert_trees_bit_equal, bits, device_mesh, oracle_shard,
+  assert_records_equal,
+  assert_trees_bit_equal,
+  bits,
+  device_mesh,
+  oracle_shard,
 )
 
 
@@ -29,8 +33,9 @@ def _check_against(state, mesh, axis, expected):
   roles = expected[0].roles
   a = mesh.axis_names.index(axis)
   rank_of = {d: int(i[a]) for i, d in np.ndenumerate(mesh.devices)}
-  for leaf, role, *per_rank in zip(jax.tree.leaves(state), roles,
-                                   *[jax.tree.leaves(r.state) for r in expected]):
+  for leaf, role, *per_rank in zip(
+    jax.tree.leaves(state), roles, *[jax.tree.leaves(r.state) for r in expected]
+  ):
     if role is None:
       assert leaf.sharding.spec == PartitionSpec()
       for shard in leaf.addressable_shards:
@@ -49,11 +54,14 @@ def _check_against(state, mesh, axis, expected):
   return True
 
 
-@pytest.mark.parametrize("shape,names,axis", [
+@pytest.mark.parametrize(
+  "shape,names,axis",
+  [
     ((8,), ("fsdp",), "fsdp"),
-    ((2, 3), ("data", "fsdp"), "fsdp"),   # 3 ranks, each replicated on 2 devices
+    ((2, 3), ("data", "fsdp"), "fsdp"),  # 3 ranks, each replicated on 2 devices
     ((5, 1), ("fsdp", "model"), "fsdp"),  # 5: uneven split, trailing padding
-])
+  ],
+)
 def test_shard_to_mesh_equals_shard_state(ex, shape, names, axis):
   opt, params, state, shapes = ex
   mesh = device_mesh(shape, names)
@@ -85,12 +93,15 @@ def test_bf16_padded_output_from_2d_source_is_bit_exact():
 
   XLA:CPU once rewrote the bitcast into bfloat16 through float32 here.
   """
-  x = jnp.asarray(np.array([0x7FA8, 0x807E, 0x0068, 0x3F80] * 500, np.uint16)
-                  .view(jnp.bfloat16).reshape(4, 500))
+  x = jnp.asarray(
+    np.array([0x7FA8, 0x807E, 0x0068, 0x3F80] * 500, np.uint16).view(jnp.bfloat16).reshape(4, 500)
+  )
   from jaxreshard._src.exec import device as _device_exec
+
   flat = _device_exec.pack([x])
-  out = _device_exec.gather([flat], np.array([0]), np.array([500]), np.array([0]),
-                            np.array([1000]), 1002)
+  out = _device_exec.gather(
+    [flat], np.array([0]), np.array([500]), np.array([0]), np.array([1000]), 1002
+  )
   expected = np.zeros(1002, np.uint16)
   expected[:1000] = bits(x).reshape(-1)[500:1500]
   assert np.array_equal(bits(out), expected)
@@ -98,6 +109,7 @@ def test_bf16_padded_output_from_2d_source_is_bit_exact():
 
 def test_records_from_mesh_equal_core_records(ex):
   from jaxreshard._src.distributed import mesh as _mesh
+
   opt, params, state, _ = ex
   mesh = device_mesh((2, 4), ("data", "fsdp"))
   out = jr.shard_to_mesh(opt, params, state, mesh, "fsdp", trainable=U.trainable())
@@ -115,7 +127,9 @@ def test_reshard_to_mesh_equals_core(ex, source, target):
   records = jr.shard_state(opt, params, state, source, trainable=U.trainable())
   mesh = device_mesh((target,), ("fsdp",))
   out = jr.reshard_to_mesh(records, mesh)
-  expected = [jr.reshard(records, jr.plan(records, world_size=target, rank=r)) for r in range(target)]
+  expected = [
+    jr.reshard(records, jr.plan(records, world_size=target, rank=r)) for r in range(target)
+  ]
   _check_against(out.state, mesh, "fsdp", expected)
   assert out.placements == {r: expected[r].placements for r in range(target)}
 
@@ -137,7 +151,9 @@ def test_save_sharded_then_restore_sharded(ex, tmp_path):
     mesh = device_mesh(shape, names)
     world = mesh.shape["fsdp"]
     out = jr.restore_sharded(path, mesh, "fsdp")
-    expected = [jr.reshard(records, jr.plan(records, world_size=world, rank=r)) for r in range(world)]
+    expected = [
+      jr.reshard(records, jr.plan(records, world_size=world, rank=r)) for r in range(world)
+    ]
     _check_against(out.state, mesh, "fsdp", expected)
     assert out.placements == {r: expected[r].placements for r in range(world)}
   # Full state back, from the restored 5-way layout.
@@ -173,7 +189,8 @@ def test_refusals(ex, tmp_path):
     jr.restore_sharded(os.path.join(tmp_path, "missing"), mesh)
   # A history buffer replicated instead of sharded over the axis.
   replicated = jax.tree.map(
-      lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, PartitionSpec())), out.state)
+    lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, PartitionSpec())), out.state
+  )
   with pytest.raises(jr.PlacementError, match="sharded over mesh axis 'fsdp'"):
     jr.save_sharded(path, opt, replicated, shapes, mesh)
   assert not os.path.exists(path)
@@ -197,12 +214,12 @@ def test_second_restore_compiles_nothing(ex, tmp_path):
 # Python number. Bits are written out here, never computed by jaxreshard.
 _NAN_PAYLOAD = np.frombuffer(bytes.fromhex("0100000000f8ff7f"), np.float64)[0]
 CLOCK_LEAVES = {
-    "float64_negative_zero": np.float64(-0.0),
-    "float64_nan_payload": _NAN_PAYLOAD,
-    "int64_past_int32": np.int64(2**40 + 3),
-    "python_float": 0.1,
-    "python_int": 7,
-    "python_int_past_int32": 2**40 + 3,
+  "float64_negative_zero": np.float64(-0.0),
+  "float64_nan_payload": _NAN_PAYLOAD,
+  "int64_past_int32": np.int64(2**40 + 3),
+  "python_float": 0.1,
+  "python_int": 7,
+  "python_int_past_int32": 2**40 + 3,
 }
 
 
@@ -248,19 +265,30 @@ def test_clock_scalars_keep_dtype_and_bits_on_every_mesh_path(tmp_path, name, pa
     everywhere = NamedSharding(mesh, PartitionSpec())
     # The target as jax.eval_shape describes the state (64-bit cut to 32 bits).
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.canonicalize_dtype(
-            np.asarray(x).dtype), sharding=everywhere), state)
+      lambda x: jax.ShapeDtypeStruct(
+        np.shape(x), jax.dtypes.canonicalize_dtype(np.asarray(x).dtype), sharding=everywhere
+      ),
+      state,
+    )
     out = jr.restore_sharded(ckpt, mesh, target=abstract).state
   else:
     run = tmp_path / "run"
     src = jr.shard_to_mesh(opt, params, state, mesh)
     with ocp.CheckpointManager(run) as manager:
-      manager.save(1, args=ocp.args.Composite(opt_state=jr.ReshardSave(
-          state=src.state, optimizer=opt, params=params, mesh=mesh)))
+      manager.save(
+        1,
+        args=ocp.args.Composite(
+          opt_state=jr.ReshardSave(state=src.state, optimizer=opt, params=params, mesh=mesh)
+        ),
+      )
     assert _leaf_kind(jr.restore(run / "1" / "opt_state", world_size=8, rank=0).state.count) == want
     with ocp.CheckpointManager(run) as manager:
-      out = manager.restore(1, args=ocp.args.Composite(
-          opt_state=jr.ReshardRestore(mesh=device_mesh((5,), ("fsdp",), jax.devices()[:5]))))
+      out = manager.restore(
+        1,
+        args=ocp.args.Composite(
+          opt_state=jr.ReshardRestore(mesh=device_mesh((5,), ("fsdp",), jax.devices()[:5]))
+        ),
+      )
     out = out["opt_state"]
   assert _leaf_kind(out.count) == want
   assert _leaf_kind(out.hyperparams["learning_rate"]) == want
@@ -279,5 +307,6 @@ def test_a_typed_prng_key_in_the_clock_goes_onto_the_mesh(tmp_path):
   out = jr.restore_sharded(tmp_path / "c", device_mesh((8,), ("fsdp",))).state
   key = out[0].rng_key
   assert key.dtype == state[0].rng_key.dtype and key.sharding.spec == PartitionSpec()
-  assert np.array_equal(np.asarray(jax.random.key_data(key)),
-                        np.asarray(jax.random.key_data(state[0].rng_key)))
+  assert np.array_equal(
+    np.asarray(jax.random.key_data(key)), np.asarray(jax.random.key_data(state[0].rng_key))
+  )

@@ -20,13 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
 from jaxreshard._src.core import structure as _structure
 from tests._core_util import (
-    LABELS, MASK, SCHEDULE, assert_bits_equal, assert_trees_bit_equal, bits, random_grads,
-    random_params, standard,
+  LABELS,
+  MASK,
+  SCHEDULE,
+  assert_bits_equal,
+  assert_trees_bit_equal,
+  bits,
+  random_grads,
+  random_params,
+  standard,
 )
 from tests._shapes import SMALL_MIXED_SHAPES
 
@@ -34,54 +42,64 @@ SHAPES = SMALL_MIXED_SHAPES
 
 # Elementwise chains of multiplies, adds, signs and selects: bit for bit.
 EXACT = {
-    "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
-    "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
-    "lion": lambda: optax.lion(1e-3, weight_decay=0.1),
-    "inject_hyperparams": lambda: optax.inject_hyperparams(optax.sgd)(
-        learning_rate=SCHEDULE, momentum=0.9),
-    "masked": lambda: optax.masked(optax.lion(1e-3, weight_decay=0.1), MASK),
-    "multi_transform": lambda: optax.multi_transform(
-        {"train": optax.sgd(1e-2, momentum=0.9), "frozen": optax.set_to_zero()}, LABELS),
-    "multi_steps": lambda: optax.MultiSteps(optax.sgd(1e-2, momentum=0.9), every_k_schedule=2),
+  "sgd_momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+  "sgd_nesterov": lambda: optax.sgd(1e-2, momentum=0.9, nesterov=True),
+  "lion": lambda: optax.lion(1e-3, weight_decay=0.1),
+  "inject_hyperparams": lambda: optax.inject_hyperparams(optax.sgd)(
+    learning_rate=SCHEDULE, momentum=0.9
+  ),
+  "masked": lambda: optax.masked(optax.lion(1e-3, weight_decay=0.1), MASK),
+  "multi_transform": lambda: optax.multi_transform(
+    {"train": optax.sgd(1e-2, momentum=0.9), "frozen": optax.set_to_zero()}, LABELS
+  ),
+  "multi_steps": lambda: optax.MultiSteps(optax.sgd(1e-2, momentum=0.9), every_k_schedule=2),
 }
 # Elementwise chains that divide by a broadcast scalar (adam's bias correction),
 # which XLA's CPU compiler turns into a multiplication by the reciprocal for
 # arrays longer than one element: bit for bit too, because a param of at most
 # M elements is updated on its own elements, as the unwrapped optimizer does.
 DIVIDING = {
-    "adam": lambda: optax.adam(1e-2),
-    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
-    "adamw_mu_bf16": lambda: optax.adamw(1e-2, mu_dtype=jnp.bfloat16),
-    "adagrad": lambda: optax.adagrad(1e-2, initial_accumulator_value=0.1),
-    "inject_hyperparams_adamw": lambda: optax.inject_hyperparams(optax.adamw)(
-        learning_rate=SCHEDULE, weight_decay=0.01),
-    "masked_adam": lambda: optax.masked(optax.adam(1e-2), MASK),
-    "multi_transform_adamw": lambda: optax.multi_transform(
-        {"train": optax.adamw(1e-2), "frozen": optax.set_to_zero()}, LABELS),
-    "multi_steps_adam": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
+  "adam": lambda: optax.adam(1e-2),
+  "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+  "adamw_mu_bf16": lambda: optax.adamw(1e-2, mu_dtype=jnp.bfloat16),
+  "adagrad": lambda: optax.adagrad(1e-2, initial_accumulator_value=0.1),
+  "inject_hyperparams_adamw": lambda: optax.inject_hyperparams(optax.adamw)(
+    learning_rate=SCHEDULE, weight_decay=0.01
+  ),
+  "masked_adam": lambda: optax.masked(optax.adam(1e-2), MASK),
+  "multi_transform_adamw": lambda: optax.multi_transform(
+    {"train": optax.adamw(1e-2), "frozen": optax.set_to_zero()}, LABELS
+  ),
+  "multi_steps_adam": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
 }
 # Mask and label *functions* that depend on shapes: they see the params' own
 # shapes, so "decay only matrices" decays the same params as unwrapped.
 MATRICES = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
 MASK_FUNCTIONS = {
-    "adamw_mask_fn": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=MATRICES),
-    "masked_fn_lion": lambda: optax.masked(optax.lion(1e-3, weight_decay=0.1), MATRICES),
-    "multi_transform_label_fn": lambda: optax.multi_transform(
-        {"matrix": optax.adamw(1e-2, weight_decay=0.1), "vector": optax.sgd(1e-2, momentum=0.9)},
-        lambda p: jax.tree.map(lambda x: "matrix" if x.ndim > 1 else "vector", p)),
-    "nested_chain_mask_fns": lambda: optax.chain(
-        optax.masked(optax.chain(optax.trace(0.9), optax.add_decayed_weights(0.1, MATRICES)),
-                     lambda p: jax.tree.map(lambda x: x.size > 1, p)),
-        optax.scale(-1e-2)),
-    "inject_static_mask": lambda: optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
-        learning_rate=1e-2, weight_decay=0.1, mask=MATRICES),
-    "multi_steps_mask_fn": lambda: optax.MultiSteps(
-        optax.adamw(1e-2, weight_decay=0.1, mask=MATRICES), every_k_schedule=2),
+  "adamw_mask_fn": lambda: optax.adamw(1e-2, weight_decay=0.1, mask=MATRICES),
+  "masked_fn_lion": lambda: optax.masked(optax.lion(1e-3, weight_decay=0.1), MATRICES),
+  "multi_transform_label_fn": lambda: optax.multi_transform(
+    {"matrix": optax.adamw(1e-2, weight_decay=0.1), "vector": optax.sgd(1e-2, momentum=0.9)},
+    lambda p: jax.tree.map(lambda x: "matrix" if x.ndim > 1 else "vector", p),
+  ),
+  "nested_chain_mask_fns": lambda: optax.chain(
+    optax.masked(
+      optax.chain(optax.trace(0.9), optax.add_decayed_weights(0.1, MATRICES)),
+      lambda p: jax.tree.map(lambda x: x.size > 1, p),
+    ),
+    optax.scale(-1e-2),
+  ),
+  "inject_static_mask": lambda: optax.inject_hyperparams(optax.adamw, static_args=("mask",))(
+    learning_rate=1e-2, weight_decay=0.1, mask=MATRICES
+  ),
+  "multi_steps_mask_fn": lambda: optax.MultiSteps(
+    optax.adamw(1e-2, weight_decay=0.1, mask=MATRICES), every_k_schedule=2
+  ),
 }
 # Whole-parameter or whole-tree reductions: equal to float rounding.
 REDUCING = {
-    "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
-    "lamb": lambda: optax.lamb(1e-2, weight_decay=0.1),
+  "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+  "lamb": lambda: optax.lamb(1e-2, weight_decay=0.1),
 }
 
 
@@ -164,7 +182,7 @@ def _check_layout(inner, state, params, mesh, axis="fsdp"):
     assert leaf.sharding.is_equivalent_to(sharded, 1), (pid, leaf.sharding)
     for shard in leaf.addressable_shards:
       assert shard.data.shape == (g.slots,)
-    assert not np.any(bits(leaf)[g.count:]), f"param {pid!r}: padding is not zero"
+    assert not np.any(bits(leaf)[g.count :]), f"param {pid!r}: padding is not zero"
   assert n_hist > 0
   return n_hist
 
@@ -225,9 +243,11 @@ def test_jitted_optax_differs_from_itself_op_by_op():
   params = random_params(SHAPES)
   jitted = _run(inner, inner, params, jit=True)[0]
   op_by_op = _run(inner, inner, params)[0]
-  differ = sum(int(np.sum(bits(a) != bits(b)))
-               for (a_tree, _), (b_tree, _) in zip(jitted, op_by_op)
-               for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree)))
+  differ = sum(
+    int(np.sum(bits(a) != bits(b)))
+    for (a_tree, _), (b_tree, _) in zip(jitted, op_by_op)
+    for a, b in zip(jax.tree.leaves(a_tree), jax.tree.leaves(b_tree))
+  )
   if differ == 0:
     pytest.skip("this XLA build fuses without changing bits; nothing to show")
   for (a, _), (b, _) in zip(jitted, op_by_op):
@@ -235,7 +255,9 @@ def test_jitted_optax_differs_from_itself_op_by_op():
 
 
 @pytest.mark.parametrize("mesh_kind", ["explicit8", "auto2x4", "explicit5"])
-@pytest.mark.parametrize("name", ["adam", "adagrad", "multi_transform_adamw", "inject_hyperparams_adamw"])
+@pytest.mark.parametrize(
+  "name", ["adam", "adagrad", "multi_transform_adamw", "inject_hyperparams_adamw"]
+)
 def test_init_equals_shard_to_mesh(name, mesh_kind):
   mesh = _mesh(mesh_kind)
   inner = DIVIDING[name]()
@@ -259,12 +281,14 @@ def test_save_sharded_restore_sharded_round_trip(mesh_kind, tmp_path):
   restored, placements = jr.restore_sharded(tmp_path / "ckpt", mesh, axis="fsdp")
   assert_trees_bit_equal(restored, state)
   assert {p.param: p.dtype for p in placements[0]} == {
-      pid: np.dtype(x.dtype) for pid, x in shapes.items()}
+    pid: np.dtype(x.dtype) for pid, x in shapes.items()
+  }
   # The restored state trains on exactly as the saved one.
   update = jax.jit(wrapped.update)
   grads = random_grads(params, 7)
-  assert_trees_bit_equal(standard(update, grads, restored, params),
-                         standard(update, grads, state, params))
+  assert_trees_bit_equal(
+    standard(update, grads, restored, params), standard(update, grads, state, params)
+  )
 
 
 def test_init_and_update_inside_jit_and_eagerly_agree():
@@ -292,8 +316,10 @@ def test_grads_sharded_over_another_axis(axis_types):
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=axis_types)
   rng = np.random.default_rng(3)
   # Leading dimensions divisible by the "data" axis, sizes by no M.
-  params = {"w": jnp.asarray(rng.standard_normal((6, 5)), jnp.float32),
-            "v": jnp.asarray(rng.standard_normal((2,)), jnp.float32)}
+  params = {
+    "w": jnp.asarray(rng.standard_normal((6, 5)), jnp.float32),
+    "v": jnp.asarray(rng.standard_normal((2,)), jnp.float32),
+  }
   by_data = NamedSharding(mesh, P("data"))
   inner = optax.adamw(1e-2, weight_decay=0.1)
   wrapped = jr.flat_sharded(inner, mesh)
@@ -303,7 +329,9 @@ def test_grads_sharded_over_another_axis(axis_types):
   for step in range(2):
     grads = jax.device_put(random_grads(params, step), by_data)
     updates, state = standard(jax.jit(wrapped.update), grads, state, p_sharded)
-    u_ref, ref_state = standard(jax.jit(inner.update), random_grads(params, step), ref_state, params)
+    u_ref, ref_state = standard(
+      jax.jit(inner.update), random_grads(params, step), ref_state, params
+    )
     _assert_close(updates, u_ref, rtol=1e-5)
     if axis_types[0] == AxisType.Explicit:  # the updates' type is the grads' type
       for u in jax.tree.leaves(updates):
@@ -346,9 +374,10 @@ def test_reducing_optimizers_with_mask_functions_agree_to_rounding(name):
   # lamb's and lars' trust ratios reduce over a whole param (rounding); their
   # masks decide per param exactly as unwrapped (a wrong mask is far off).
   factory = {
-      "lamb": lambda: optax.lamb(1e-2, weight_decay=0.5, mask=MATRICES),
-      "lars": lambda: optax.lars(1e-2, weight_decay=0.5, weight_decay_mask=MATRICES,
-                                 trust_ratio_mask=MATRICES),
+    "lamb": lambda: optax.lamb(1e-2, weight_decay=0.5, mask=MATRICES),
+    "lars": lambda: optax.lars(
+      1e-2, weight_decay=0.5, weight_decay_mask=MATRICES, trust_ratio_mask=MATRICES
+    ),
   }[name]
   _check_close(factory, "explicit2x4", rtol=1e-5)
 
@@ -359,8 +388,9 @@ def test_mask_functions_under_jit_decay_what_they_decay_unwrapped():
   wrapped = jr.flat_sharded(inner, mesh)
   params = {"k": jnp.ones((3, 4), jnp.float32), "b": jnp.ones((4,), jnp.float32)}
   zeros = jax.tree.map(jnp.zeros_like, params)
-  updates, _ = standard(jax.jit(wrapped.update), zeros, standard(jax.jit(wrapped.init), params),
-                        params)
+  updates, _ = standard(
+    jax.jit(wrapped.update), zeros, standard(jax.jit(wrapped.init), params), params
+  )
   # Zero grads: adam's step is 0, so the update is -lr * decay * param where decayed.
   assert bits(updates["k"]).ravel().tolist() == [0xBF000000] * 12  # -0.5
   assert bits(updates["b"]).ravel().tolist() == [0x80000000] * 4  # -0.0: not decayed
@@ -399,7 +429,8 @@ def test_a_mask_function_on_part_of_the_params_is_refused_by_name():
   with _logical_masks.logical_shapes(logical):
     state = wrapped.init(flat)  # the whole tree: the kernel is a matrix, decayed
     assert jax.tree.map(lambda x: x.shape, state.inner_state[0].mu) == {
-        "dense": {"kernel": (40,), "bias": optax.MaskedNode()}}
+      "dense": {"kernel": (40,), "bias": optax.MaskedNode()}
+    }
     with pytest.raises(jr.PlacementError, match=r"mask function .*decay_matrices.*\['bias'\]"):
       wrapped.init(flat["dense"])
 
@@ -412,11 +443,17 @@ def test_grads_of_another_shape_than_the_state_was_built_for_are_refused(built, 
   state = wrapped.init({"w": jnp.ones(built, jnp.float32), "b": jnp.ones((3,), jnp.float32)})
   update = jax.jit(wrapped.update) if jit else wrapped.update
   grads = {"w": jnp.ones(got, jnp.float32), "b": jnp.ones((3,), jnp.float32)}
-  with pytest.raises(jr.ShapeError, match=rf"param 'w': grads of shape \({got[0]},.*but the"
-                                          rf" state was built .* shape \({built[0]},"):
+  with pytest.raises(
+    jr.ShapeError,
+    match=rf"param 'w': grads of shape \({got[0]},.*but the"
+    rf" state was built .* shape \({built[0]},",
+  ):
     update(grads, state)
-  with pytest.raises(jr.ShapeError, match=rf"param 'w': grads of shape \({got[0]},.*but"
-                                          rf" params of shape \({built[0]},"):
+  with pytest.raises(
+    jr.ShapeError,
+    match=rf"param 'w': grads of shape \({got[0]},.*but"
+    rf" params of shape \({built[0]},",
+  ):
     update(grads, state, {"w": jnp.ones(built, jnp.float32), "b": jnp.ones((3,), jnp.float32)})
 
 
@@ -425,11 +462,11 @@ def test_grads_or_params_of_another_tree_are_refused_naming_the_params():
   params = {"k": jnp.ones((3, 4), jnp.float32), "b": jnp.ones((4,), jnp.float32)}
   state = wrapped.init(params)
   cases = [
-      ({"k": params["k"]}, None, r"grads lack params \['b'\]"),
-      ({**params, "c": jnp.ones(2)}, None, r"grads have params \['c'\]"),
-      ({"k": params["k"], "c": params["b"]}, None, r"\['c'\].*lack params \['b'\]"),
-      ([params["b"], params["k"]], None, r"grads have params \['0', '1'\]"),
-      (params, {"k": params["k"]}, r"not the params'.*grads have params \['b'\]"),
+    ({"k": params["k"]}, None, r"grads lack params \['b'\]"),
+    ({**params, "c": jnp.ones(2)}, None, r"grads have params \['c'\]"),
+    ({"k": params["k"], "c": params["b"]}, None, r"\['c'\].*lack params \['b'\]"),
+    ([params["b"], params["k"]], None, r"grads have params \['0', '1'\]"),
+    (params, {"k": params["k"]}, r"not the params'.*grads have params \['b'\]"),
   ]
   for grads, p, match in cases:
     with pytest.raises(jr.PlacementError, match=match):

@@ -27,7 +27,6 @@ from jaxreshard._src.core.geometry import FlatShard
 from tests import _mp_util as U
 from tests._core_util import assert_records_equal, bits
 
-
 # Every test here is slow: `pytest -m "not slow"` skips them, plain `pytest` runs them.
 pytestmark = pytest.mark.slow
 
@@ -37,21 +36,34 @@ def job(tmp_path_factory):
   """Runs every process group of this module once; yields what they produced."""
   root = str(tmp_path_factory.mktemp("mp"))
   step1, run = os.path.join(root, "step_1"), os.path.join(root, "run")
-  with U.ProcessGroup(2, 4, "save", os.path.join(root, "save"),
-                      {"path": step1, "chunk_bytes": 4096, "run": run}) as g:
+  with U.ProcessGroup(
+    2, 4, "save", os.path.join(root, "save"), {"path": step1, "chunk_bytes": 4096, "run": run}
+  ) as g:
     saved = g.check()
   groups = {
-      "r6": U.ProcessGroup(3, 2, "restore", os.path.join(root, "r6"),
-                           {"path": step1, "replicated": [2, 3], "run": run,
-                            "resave": os.path.join(root, "step_1_on_3")}),
-      "r5": U.ProcessGroup(1, 5, "restore", os.path.join(root, "r5"),
-                           {"path": step1, "run": run}),
-      # Process 1 raises inside its archive write of step 2; the primary hears
-      # of it at once, long before orbax's barrier timeout (longer than the
-      # group may run).
-      "fail": U.ProcessGroup(2, 4, "fail", os.path.join(root, "fail"),
-                             {"run": os.path.join(root, "fail_run"), "fail": 1,
-                              "timeout_s": 600}),
+    "r6": U.ProcessGroup(
+      3,
+      2,
+      "restore",
+      os.path.join(root, "r6"),
+      {
+        "path": step1,
+        "replicated": [2, 3],
+        "run": run,
+        "resave": os.path.join(root, "step_1_on_3"),
+      },
+    ),
+    "r5": U.ProcessGroup(1, 5, "restore", os.path.join(root, "r5"), {"path": step1, "run": run}),
+    # Process 1 raises inside its archive write of step 2; the primary hears
+    # of it at once, long before orbax's barrier timeout (longer than the
+    # group may run).
+    "fail": U.ProcessGroup(
+      2,
+      4,
+      "fail",
+      os.path.join(root, "fail"),
+      {"run": os.path.join(root, "fail_run"), "fail": 1, "timeout_s": 600},
+    ),
   }
   try:
     for g in groups.values():
@@ -60,8 +72,14 @@ def job(tmp_path_factory):
   finally:
     for g in groups.values():
       g.kill()
-  yield dict(root=root, step1=step1, run=run, saved=saved, results=results,
-             out={k: g.out for k, g in groups.items()})
+  yield dict(
+    root=root,
+    step1=step1,
+    run=run,
+    saved=saved,
+    results=results,
+    out={k: g.out for k, g in groups.items()},
+  )
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +127,10 @@ def test_restart_on_other_layout_is_bit_identical(job, reference, name, procs, w
       assert np.array_equal(manager[key], dump[key]), (name, key)
     assert res["manager"] == {"params_equal": True, "structure_equal": True}
     for r, ps in res["placements"].items():
-      want = [[p.param, list(p.shape), p.rank, p.world_size, np.dtype(p.dtype).name, p.trainable]
-              for p in expected[int(r)].placements]
+      want = [
+        [p.param, list(p.shape), p.rank, p.world_size, np.dtype(p.dtype).name, p.trainable]
+        for p in expected[int(r)].placements
+      ]
       assert ps == want
     assert res["gather_equals_original"]
   assert covered == set(range(world))
@@ -177,8 +197,9 @@ def _read_plan(step, ranks, world):
           if (name, dtype) not in opened:
             opened.add((name, dtype))
             n_chunks = -(-meta["buffers"][dtype]["elements"] // chunk)
-            bound += (n_chunks * 16 + 4 + os.path.getsize(os.path.join(step, name, dtype,
-                                                                       "zarr.json")))
+            bound += (
+              n_chunks * 16 + 4 + os.path.getsize(os.path.join(step, name, dtype, "zarr.json"))
+            )
             if name not in {n for n, _ in opened if n == name and _ != dtype}:
               bound += os.path.getsize(meta_path)
   return exact, bound
@@ -195,8 +216,16 @@ def test_each_process_reads_only_what_its_ranks_need(job):
   report = []
   for res in job["results"]["r6"]:
     exact, bound = _read_plan(step1, res["ranks"], 6)
-    report.append(dict(process=res["process"], ranks=res["ranks"], read=res["bytes_read"],
-                       exact=exact, chunk_bound=bound, checkpoint=total))
+    report.append(
+      dict(
+        process=res["process"],
+        ranks=res["ranks"],
+        read=res["bytes_read"],
+        exact=exact,
+        chunk_bound=bound,
+        checkpoint=total,
+      )
+    )
     # rchar also counts a few small reads of the runtime; 16 KiB is their slack.
     assert exact <= res["bytes_read"] <= bound + 16 * 1024, report[-1]
     assert res["bytes_read"] < 0.5 * total, report[-1]

@@ -66,8 +66,9 @@ def uninterrupted(example, tmp_path_factory):
 
 
 @pytest.mark.parametrize("resume_on", [8, 5, 3, 2])
-def test_a_run_resumed_on_another_mesh_continues_bit_for_bit(example, uninterrupted, tmp_path,
-                                                             resume_on):
+def test_a_run_resumed_on_another_mesh_continues_bit_for_bit(
+  example, uninterrupted, tmp_path, resume_on
+):
   ref_losses, ref_params = uninterrupted
   ckpt = str(tmp_path / "run")
   first = example.run(_mesh(8), ckpt, STEPS, kill_after=KILL)
@@ -83,14 +84,16 @@ def test_resumed_state_is_what_was_saved(example, tmp_path):
   # The optimizer state restored onto 5 devices is the saved one, resharded:
   # its history leaves are global (5 * slots,) arrays sharded over fsdp.
   import orbax.checkpoint as ocp
+
   import jaxreshard as jr
 
   ckpt = str(tmp_path / "run")
   example.run(_mesh(8), ckpt, STEPS, kill_after=KILL)
   mesh5 = _mesh(5)
   with ocp.CheckpointManager(ckpt, item_names=("params", "opt_state")) as manager:
-    state = manager.restore(KILL, args=ocp.args.Composite(
-        opt_state=jr.ReshardRestore(mesh=mesh5, axis="fsdp"))).opt_state
+    state = manager.restore(
+      KILL, args=ocp.args.Composite(opt_state=jr.ReshardRestore(mesh=mesh5, axis="fsdp"))
+    ).opt_state
   mu = state[0].mu["Dense_0"]["kernel"]
   assert mu.shape == (5 * jr.FlatShard((example.FEATURES, example.HIDDEN), 0, 5).slots,)
   assert mu.sharding.spec == jax.sharding.PartitionSpec("fsdp")
@@ -101,11 +104,20 @@ def _script_job(n, devices, ckpt, out, extra=()):
   def argv(i, coordinator):
     cmd = [SCRIPT, "--ckpt", ckpt, "--steps", str(STEPS), *extra]
     if n > 1:
-      cmd += ["--coordinator", coordinator, "--num-processes", str(n), "--process-id", str(i),
-              "--out", os.path.join(out, "result.json")]
+      cmd += [
+        "--coordinator",
+        coordinator,
+        "--num-processes",
+        str(n),
+        "--process-id",
+        str(i),
+        "--out",
+        os.path.join(out, "result.json"),
+      ]
     else:
       cmd += ["--out", os.path.join(out, "result.json")]
     return cmd
+
   return U.ProcessGroup(n, devices, "restart", out, {}, timeout=240, argv=argv)
 
 

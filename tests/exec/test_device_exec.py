@@ -18,12 +18,18 @@ import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from hypothesis import HealthCheck, given, settings
 
 from jaxreshard._src.exec import device as dx
 from tests._core_util import (
-    BF16, F16, F32, F64, assert_bits_equal, bits, count_xla_compiles, random_bits_array,
+  BF16,
+  F16,
+  F32,
+  F64,
+  assert_bits_equal,
+  bits,
+  count_xla_compiles,
+  random_bits_array,
 )
 
 DTYPES = [F32, F16, BF16, F64]
@@ -32,13 +38,32 @@ SETTINGS = dict(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 # Quiet NaN, NaN with a payload and the sign set, two signalling NaNs, +inf,
 # -inf, -0.0, the smallest positive and the largest negative subnormal, +0.0.
 SPECIAL_BITS = {
-    "float16": [0x7E00, 0xFE55, 0x7C01, 0x7DFF, 0x7C00, 0xFC00, 0x8000, 0x0001, 0x83FF, 0],
-    "bfloat16": [0x7FC0, 0xFFC1, 0x7F81, 0x7FBF, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x807F, 0],
-    "float32": [0x7FC00000, 0xFFC00123, 0x7F800001, 0x7FBFFFFF, 0x7F800000, 0xFF800000,
-                0x80000000, 0x00000001, 0x807FFFFF, 0],
-    "float64": [0x7FF8000000000000, 0xFFF8000000000123, 0x7FF0000000000001,
-                0x7FF7FFFFFFFFFFFF, 0x7FF0000000000000, 0xFFF0000000000000,
-                0x8000000000000000, 0x0000000000000001, 0x800FFFFFFFFFFFFF, 0],
+  "float16": [0x7E00, 0xFE55, 0x7C01, 0x7DFF, 0x7C00, 0xFC00, 0x8000, 0x0001, 0x83FF, 0],
+  "bfloat16": [0x7FC0, 0xFFC1, 0x7F81, 0x7FBF, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x807F, 0],
+  "float32": [
+    0x7FC00000,
+    0xFFC00123,
+    0x7F800001,
+    0x7FBFFFFF,
+    0x7F800000,
+    0xFF800000,
+    0x80000000,
+    0x00000001,
+    0x807FFFFF,
+    0,
+  ],
+  "float64": [
+    0x7FF8000000000000,
+    0xFFF8000000000123,
+    0x7FF0000000000001,
+    0x7FF7FFFFFFFFFFFF,
+    0x7FF0000000000000,
+    0xFFF0000000000000,
+    0x8000000000000000,
+    0x0000000000000001,
+    0x800FFFFFFFFFFFFF,
+    0,
+  ],
 }
 
 
@@ -54,7 +79,7 @@ def random_bits(rng: np.random.Generator, n: int, dtype) -> np.ndarray:
 def oracle(sources, src_index, src_start, dst_start, length, size, dtype) -> np.ndarray:
   out = np.zeros(size, dtype)
   for k, s, d, n in zip(src_index, src_start, dst_start, length):
-    out[d:d + n] = sources[k][s:s + n]
+    out[d : d + n] = sources[k][s : s + n]
   return out
 
 
@@ -66,7 +91,9 @@ def random_runs(rng, src_sizes, size, max_runs):
   """Non-overlapping output runs (a random subset of a random cut of the
   output), each read from a random source that is long enough, plus a few
   zero-length runs, in random order."""
-  cuts = np.unique(np.concatenate([[0, size], rng.integers(0, size + 1, rng.integers(0, max_runs))]))
+  cuts = np.unique(
+    np.concatenate([[0, size], rng.integers(0, size + 1, rng.integers(0, max_runs))])
+  )
   rows = []
   for a, b in zip(cuts[:-1], cuts[1:]):
     n = min(int(b - a), max(src_sizes))
@@ -123,8 +150,11 @@ def _check_random_gather(dtype, n_sources, seed, max_runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @settings(**SETTINGS)
-@given(n_sources=st.integers(1, 3), seed=st.integers(0, 2**32 - 1),
-       max_runs=st.sampled_from([1, 4, 12, 40]))
+@given(
+  n_sources=st.integers(1, 3),
+  seed=st.integers(0, 2**32 - 1),
+  max_runs=st.sampled_from([1, 4, 12, 40]),
+)
 def test_gather_matches_oracle_bit_for_bit(dtype, n_sources, seed, max_runs):
   with dtype_context(dtype):
     _check_random_gather(dtype, n_sources, seed, max_runs)
@@ -132,8 +162,9 @@ def test_gather_matches_oracle_bit_for_bit(dtype, n_sources, seed, max_runs):
 
 @pytest.mark.slow
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(dtype=st.sampled_from([F32, BF16]), n_sources=st.integers(1, 3),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+  dtype=st.sampled_from([F32, BF16]), n_sources=st.integers(1, 3), seed=st.integers(0, 2**32 - 1)
+)
 def test_gather_cut_into_many_calls_matches_oracle(dtype, n_sources, seed):
   # Tiny caps: long runs are cut and the runs spread over many kernel calls.
   with patched(_MAX_RUNS_PER_CALL=3, _MAX_ELEMENTS_PER_CALL=7):
@@ -147,7 +178,7 @@ def test_special_values_survive_every_dtype():
       special = np.array(SPECIAL_BITS[np.dtype(dtype).name], f"u{dtype.itemsize}").view(dtype)
       n = special.size
       out = dx.gather([jnp.asarray(special)], *tables([0, 0], [n - 3, 0], [0, 3], [3, n - 3]), n)
-      assert_bits_equal(out, np.concatenate([special[n - 3:], special[:n - 3]]))
+      assert_bits_equal(out, np.concatenate([special[n - 3 :], special[: n - 3]]))
 
 
 @pytest.mark.slow

@@ -17,12 +17,16 @@ import jaxreshard as jr
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.engine import sources as _sources
 from tests._core_util import (
-    BF16, F16, F32, assert_bits_equal, assert_records_equal, assert_trees_bit_equal,
-    count_xla_compiles, oracle_shard, special_values,
+  BF16,
+  F16,
+  F32,
+  assert_bits_equal,
+  assert_records_equal,
+  assert_trees_bit_equal,
+  count_xla_compiles,
+  oracle_shard,
+  special_values,
 )
-
-
-
 
 
 def _adam_records(n_params, world, seed=0):
@@ -66,8 +70,10 @@ def test_device_executor_equals_host_executor_bit_for_bit(dtype):
   sv = special_values(dtype)
   full = np.resize(sv, 37)
   params = {"w": np.zeros((37,), dtype), "s": np.zeros((), dtype), "v": np.zeros((5,), dtype)}
-  state = (optax.TraceState(trace={"w": full, "s": sv[:1].reshape(()), "v": sv[2:7]}),
-           optax.EmptyState())
+  state = (
+    optax.TraceState(trace={"w": full, "s": sv[:1].reshape(()), "v": sv[2:7]}),
+    optax.EmptyState(),
+  )
   records = jr.shard_state(opt, params, state, 5)
   on_device = [dataclasses.replace(r, state=jax.device_put(r.state)) for r in records]
   for rank in range(7):
@@ -113,8 +119,9 @@ def _overlapping_source_ranks(count, src, dst, rank):
   return [r for r in range(src) if max(lo, r * s) < min(hi, (r + 1) * s, count)]
 
 
-@pytest.mark.parametrize("count, src, dst", [(48, 8, 6), (1000, 8, 6), (37, 5, 7),
-                                             (1000, 16, 3), (5, 4, 2), (5, 2, 4)])
+@pytest.mark.parametrize(
+  "count, src, dst", [(48, 8, 6), (1000, 8, 6), (37, 5, 7), (1000, 16, 3), (5, 4, 2), (5, 2, 4)]
+)
 def test_a_target_rank_reads_only_overlapping_source_buffers(count, src, dst):
   opt = optax.sgd(0.1, momentum=0.9)
   params = {"w": np.zeros((count,), np.float32)}
@@ -136,6 +143,7 @@ def test_a_target_rank_reads_only_overlapping_source_buffers(count, src, dst):
 
 def jr_validate(sources, records, dst, rank):
   from jaxreshard._src.engine import pipeline as _pipeline
+
   return _pipeline.validate(sources, jr.plan(records, world_size=dst, rank=rank))
 
 
@@ -144,13 +152,16 @@ def test_sources_committed_to_different_devices():
   # executor gathers them on one device, the host executor reads them all.
   assert jax.device_count() >= 4
   records, state = _adam_records(6, 4)
-  placed = [dataclasses.replace(r, state=jax.device_put(r.state, jax.devices()[i]))
-            for i, r in enumerate(records)]
+  placed = [
+    dataclasses.replace(r, state=jax.device_put(r.state, jax.devices()[i]))
+    for i, r in enumerate(records)
+  ]
   for executor in ("host", "device"):
     for rank in range(3):
       target = jr.reshard(placed, jr.plan(placed, world_size=3, rank=rank), executor=executor)
-      assert_bits_equal(target.state[0].mu["layer0003"],
-                        oracle_shard(state[0].mu["layer0003"], 3, rank))
+      assert_bits_equal(
+        target.state[0].mu["layer0003"], oracle_shard(state[0].mu["layer0003"], 3, rank)
+      )
   assert_trees_bit_equal(jr.unshard_state(placed), state)
 
 

@@ -22,7 +22,8 @@ import tempfile
 import threading
 import time
 import tracemalloc
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +32,9 @@ import optax
 from hypothesis import HealthCheck, Phase, settings
 
 import jaxreshard as jr
-from jaxreshard._src.cli import commands as _cli
 from jaxreshard._src.checkpoint import read_plan as _read_plan
 from jaxreshard._src.checkpoint.reader import open_checkpoint
+from jaxreshard._src.cli import commands as _cli
 
 # --- profiles -------------------------------------------------------------------
 
@@ -49,15 +50,28 @@ MAX_ERROR_CHARS = 2000
 
 
 def _settings(short_examples: int) -> settings:
-  common = dict(deadline=None,  # the watchdog bounds each call; a deadline cannot stop a hang
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture],
-                print_blob=True)
+  common = dict(
+    deadline=None,  # the watchdog bounds each call; a deadline cannot stop a hang
+    suppress_health_check=[
+      HealthCheck.too_slow,
+      HealthCheck.data_too_large,
+      HealthCheck.function_scoped_fixture,
+    ],
+    print_blob=True,
+  )
   if LONG:
-    return settings(max_examples=int(os.environ.get("JAXRESHARD_FUZZ_EXAMPLES", "2000")),
-                    derandomize=False, **common)
-  return settings(max_examples=short_examples, derandomize=True, database=None,
-                  phases=[Phase.generate, Phase.shrink], **common)
+    return settings(
+      max_examples=int(os.environ.get("JAXRESHARD_FUZZ_EXAMPLES", "2000")),
+      derandomize=False,
+      **common,
+    )
+  return settings(
+    max_examples=short_examples,
+    derandomize=True,
+    database=None,
+    phases=[Phase.generate, Phase.shrink],
+    **common,
+  )
 
 
 # --- the checkpoint -------------------------------------------------------------
@@ -70,9 +84,12 @@ DTYPES = ["bfloat16", "float32"]
 
 
 def _params():
-  return {"": jnp.zeros((5,), jnp.float32), "a/b": jnp.zeros((7,), jnp.bfloat16),
-          "dense": {"kernel": jnp.zeros((4, 3), jnp.float32)},
-          "scale": jnp.zeros((), jnp.float32)}
+  return {
+    "": jnp.zeros((5,), jnp.float32),
+    "a/b": jnp.zeros((7,), jnp.bfloat16),
+    "dense": {"kernel": jnp.zeros((4, 3), jnp.float32)},
+    "scale": jnp.zeros((), jnp.float32),
+  }
 
 
 def fuzz_records(world: int = WORLD, seed: int = 0, count: int = 1234) -> list:
@@ -88,15 +105,17 @@ def fuzz_records(world: int = WORLD, seed: int = 0, count: int = 1234) -> list:
     if a.ndim == 0:
       return x
     u = np.dtype(f"u{a.dtype.itemsize}")
-    return jnp.asarray(rng.integers(0, 2**(8 * u.itemsize), a.shape, dtype=np.uint64)
-                       .astype(u).view(a.dtype))
+    return jnp.asarray(
+      rng.integers(0, 2 ** (8 * u.itemsize), a.shape, dtype=np.uint64).astype(u).view(a.dtype)
+    )
 
   state = jax.tree.map(fill, state)
   hp = dict(state.hyperparams)
   hp["eps_root"] = np.asarray(1e-300, np.float64)  # float64 bits, whatever x64 says
   hp["learning_rate"] = jnp.asarray(1e-3)  # weak-typed
   inner = (state.inner_state[0]._replace(count=jnp.asarray(count, jnp.int32)),) + tuple(
-      state.inner_state[1:])
+    state.inner_state[1:]
+  )
   state = state._replace(count=jnp.asarray(count, jnp.int32), hyperparams=hp, inner_state=inner)
   return jr.shard_state(opt, params, state, world)
 
@@ -122,18 +141,36 @@ def _key(record: Any) -> tuple:
   for x in leaves:
     weak = bool(getattr(x, "weak_type", False))
     a = np.asarray(x)
-    data.append((a.dtype.str, a.shape, weak, type(x).__name__ if np.ndim(x) == 0 else "",
-                 _uint(a).tobytes() if a.dtype != object else repr(a)))
-  return (record.version, record.placements, record.roles, str(tree), _shape_of_tree(record.state),
-          tuple(data))
+    data.append(
+      (
+        a.dtype.str,
+        a.shape,
+        weak,
+        type(x).__name__ if np.ndim(x) == 0 else "",
+        _uint(a).tobytes() if a.dtype != object else repr(a),
+      )
+    )
+  return (
+    record.version,
+    record.placements,
+    record.roles,
+    str(tree),
+    _shape_of_tree(record.state),
+    tuple(data),
+  )
 
 
 def _shape_of_tree(node: Any) -> Any:
   """The tree's nodes with their classes, field names and keys (a treedef shows fewer)."""
   if isinstance(node, tuple) and hasattr(type(node), "_fields"):
     cls = type(node)
-    return ("n", cls.__module__, cls.__qualname__, tuple(cls._fields),
-            tuple(_shape_of_tree(c) for c in node))
+    return (
+      "n",
+      cls.__module__,
+      cls.__qualname__,
+      tuple(cls._fields),
+      tuple(_shape_of_tree(c) for c in node),
+    )
   if type(node) in (list, tuple):
     return (type(node).__name__, tuple(_shape_of_tree(c) for c in node))
   if type(node) is dict:
@@ -175,18 +212,26 @@ class Pristine:
     """The entries ``restore(rank, world)`` must read: the index, involved archives' files."""
     if (rank, world) not in self.needed:
       plan = _read_plan.read_plan(open_checkpoint(self.path), world_size=world, rank=rank)
-      dtype = {p.param: np.dtype(p.dtype).name for p in self.records[0][1]}  # key: (version, placements, ...)
+      dtype = {
+        p.param: np.dtype(p.dtype).name for p in self.records[0][1]
+      }  # key: (version, placements, ...)
       out = {INDEX}
       for r in plan.reads:
         if r.bytes:
           a, d = ARCHIVES[r.archive], dtype[r.param]
-          out |= {a, f"{a}/archive.json", f"{a}/{d}", f"{a}/{d}/zarr.json", f"{a}/{d}/c",
-                  f"{a}/{d}/c/0"}
+          out |= {
+            a,
+            f"{a}/archive.json",
+            f"{a}/{d}",
+            f"{a}/{d}/zarr.json",
+            f"{a}/{d}/c",
+            f"{a}/{d}/c/0",
+          }
       self.needed[(rank, world)] = out
     return self.needed[(rank, world)]
 
 
-_PRISTINE: Optional[Pristine] = None
+_PRISTINE: Pristine | None = None
 
 
 def pristine() -> Pristine:
@@ -207,9 +252,18 @@ def pristine() -> Pristine:
           jsons[e] = json.loads(f.read())
     loaded = jr.load_records(path)
     assert _keys(loaded) == _keys(records)
-    _PRISTINE = Pristine(root, path, os.path.join(root, "other"), os.path.join(root, "xored"),
-                         entries, jsons, _keys(loaded), loaded)
+    _PRISTINE = Pristine(
+      root,
+      path,
+      os.path.join(root, "other"),
+      os.path.join(root, "xored"),
+      entries,
+      jsons,
+      _keys(loaded),
+      loaded,
+    )
   return _PRISTINE
+
 
 # --- signed JSON ----------------------------------------------------------------
 #
@@ -227,12 +281,12 @@ def signed_bytes(body: bytes) -> bytes:
   return b'{"checksum":"sha256:' + hashlib.sha256(body).hexdigest().encode() + b'",' + body[1:]
 
 
-def signature(raw: bytes) -> Optional[bool]:
+def signature(raw: bytes) -> bool | None:
   """None: ``raw`` carries no signature; True: a valid one; False: one that does not match."""
   m = _SIGNED.match(raw)
   if not m:
     return None
-  return hashlib.sha256(b"{" + raw[m.end():]).hexdigest() == m.group(1).decode()
+  return hashlib.sha256(b"{" + raw[m.end() :]).hexdigest() == m.group(1).decode()
 
 
 def is_signed(pr: Pristine, entry: str) -> bool:
@@ -322,8 +376,9 @@ class JsonEdit(Op):
   resign: bool = False
 
   def __repr__(self):
-    return (f"JsonEdit({self.file!r}, {self.path!r}, {self.action!r}, {_short(self.value)}"
-            + (", resign=True)" if self.resign else ")"))
+    return f"JsonEdit({self.file!r}, {self.path!r}, {self.action!r}, {_short(self.value)}" + (
+      ", resign=True)" if self.resign else ")"
+    )
 
   def apply(self, ckpt, work):
     p = os.path.join(ckpt, self.file)
@@ -353,8 +408,13 @@ class JsonEdit(Op):
       elif self.action == "swap":  # two elements of a list
         other = self.value % len(parent)
         parent[last], parent[other] = parent[other], parent[last]
-    if (self.resign and checksum is not None and isinstance(data, dict)
-        and data.get("checksum") == checksum and len(data) > 1):
+    if (
+      self.resign
+      and checksum is not None
+      and isinstance(data, dict)
+      and data.get("checksum") == checksum
+      and len(data) > 1
+    ):
       del data["checksum"]
       out = signed_bytes(_dumps(data).encode())
     else:
@@ -409,8 +469,9 @@ class Replace(Op):
   sibling: str = ""
 
   def __repr__(self):
-    return f"Replace({self.entry!r}, {self.by!r}" + (f", {self.sibling!r})" if self.sibling
-                                                      else ")")
+    return f"Replace({self.entry!r}, {self.by!r}" + (
+      f", {self.sibling!r})" if self.sibling else ")"
+    )
 
   def apply(self, ckpt, work):
     p = os.path.join(ckpt, self.entry)
@@ -513,7 +574,7 @@ class Transplant(Op):
     if self.source in ("other", "xored"):
       src = os.path.join(getattr(pr, self.source), self.entry)
     else:
-      src = os.path.join(ckpt, self.source + self.entry[len(ARCHIVES[0]):])
+      src = os.path.join(ckpt, self.source + self.entry[len(ARCHIVES[0]) :])
     if not _plain_tree(src) or not _plain_tree(p):
       return
     kept = os.path.join(work, "transplant")
@@ -537,13 +598,15 @@ def _plain_tree(path: str) -> bool:
   """Only regular files and directories at and below ``path`` (safe to copy)."""
   if not _is_regular_or_dir(path):
     return False
-  return not os.path.isdir(path) or all(_is_regular_or_dir(os.path.join(path, e))
-                                        for e in _entries(path))
+  return not os.path.isdir(path) or all(
+    _is_regular_or_dir(os.path.join(path, e)) for e in _entries(path)
+  )
 
 
 def _reset_atimes(path: str) -> None:
-  for p in [path] + ([os.path.join(path, e) for e in _entries(path)] if os.path.isdir(path)
-                     else []):
+  for p in [path] + (
+    [os.path.join(path, e) for e in _entries(path)] if os.path.isdir(path) else []
+  ):
     st_ = os.lstat(p)
     if stat.S_ISREG(st_.st_mode):
       os.utime(p, (0, st_.st_mtime), follow_symlinks=False)
@@ -593,7 +656,7 @@ class Hang(Finding):
 @dataclasses.dataclass
 class Outcome:
   value: Any = None
-  error: Optional[BaseException] = None
+  error: BaseException | None = None
   peak: int = 0
   seconds: float = 0.0
   tb: str = ""
@@ -667,8 +730,9 @@ def run_bounded(fn: Callable[[], Any], what: str, root: str) -> Outcome:
     tracemalloc.stop()
   out.seconds = time.monotonic() - start
   if out.peak > MAX_TRACED_BYTES:
-    raise Finding(f"{what}: memory", f"{what}: allocated {out.peak} bytes (more than"
-                  f" {MAX_TRACED_BYTES})")
+    raise Finding(
+      f"{what}: memory", f"{what}: allocated {out.peak} bytes (more than {MAX_TRACED_BYTES})"
+    )
   return out
 
 
@@ -684,4 +748,3 @@ def cli(*args: Any) -> tuple[Any, str, str]:
     except BaseException as ex:  # noqa: BLE001 - a real console script would print a traceback
       code = ex
   return code, o.getvalue(), e.getvalue()
-

@@ -14,7 +14,8 @@ import shutil
 import stat
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from hypothesis import note as _hypothesis_note
 from hypothesis.errors import InvalidArgument
@@ -238,11 +239,15 @@ def canonical_index(d: Any) -> str:
   layouts or clocks aside.
   """
   try:
-    out = {k: v for k, v in d.items()
-           if k not in ("checksum", "checkpoint", "layouts", "clocks", "archives")}
+    out = {
+      k: v
+      for k, v in d.items()
+      if k not in ("checksum", "checkpoint", "layouts", "clocks", "archives")
+    }
     out["archives"] = [
-        [name, _resolve(d["layouts"][li]["tree"], d["layouts"][li]["leaves"], d["clocks"][ci])]
-        for name, li, ci in d["archives"]]
+      [name, _resolve(d["layouts"][li]["tree"], d["layouts"][li]["leaves"], d["clocks"][ci])]
+      for name, li, ci in d["archives"]
+    ]
   except (LookupError, TypeError, ValueError, AttributeError):
     return json.dumps(d, sort_keys=True)  # not resolvable: compared as written
   return json.dumps(out, sort_keys=True, separators=(",", ":"))
@@ -283,59 +288,76 @@ def _check_writer_agrees(ref: Reference, work: str) -> None:
   """
   problems = jr.digest(ref.load.value).problems
   if problems:
-    raise Finding("load_records: data contradicting the layout accepted",
-                  f"load_records accepted an edited index that the data contradicts: {problems}")
+    raise Finding(
+      "load_records: data contradicting the layout accepted",
+      f"load_records accepted an edited index that the data contradicts: {problems}",
+    )
   resaved = os.path.join(work, "resaved")
   try:
     jr.save_records(resaved, ref.load.value, chunk_bytes=CHUNK_BYTES)
   except jr.ReshardError as e:
-    raise Finding("load_records: accepted records the writer refuses",
-                  f"load_records accepted an edited index whose records cannot be saved: {e}")
+    raise Finding(
+      "load_records: accepted records the writer refuses",
+      f"load_records accepted an edited index whose records cannot be saved: {e}",
+    ) from e
   want, got = canonical_files(ref.path), canonical_files(resaved)
   if want != got:
     diff = sorted(e for e in set(want) | set(got) if want.get(e) != got.get(e))
     first = diff[0]
-    raise Finding("load_records: index misread or data contradicting the layout accepted",
-                  f"load_records accepted an edited index, but saving its records gives other"
-                  f" files: {diff}\nchecked {str(want.get(first))[:2500]}\nresaved"
-                  f" {str(got.get(first))[:2500]}")
+    raise Finding(
+      "load_records: index misread or data contradicting the layout accepted",
+      f"load_records accepted an edited index, but saving its records gives other"
+      f" files: {diff}\nchecked {str(want.get(first))[:2500]}\nresaved"
+      f" {str(got.get(first))[:2500]}",
+    )
 
 
 # --- the checks ----------------------------------------------------------------------
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")
-_BARE_TYPE = re.compile(r"^jaxreshard: error: ([A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Warning)"
-                        r"|KeyboardInterrupt|StopIteration):")
+_BARE_TYPE = re.compile(
+  r"^jaxreshard: error: ([A-Za-z_][A-Za-z0-9_.]*(Error|Exception|Warning)"
+  r"|KeyboardInterrupt|StopIteration):"
+)
 
 
 def _check_error(call: str, e: BaseException, tb: str) -> None:
   if isinstance(e, (Hang, Finding)):
     raise e
   if not isinstance(e, jr.ReshardError):
-    raise Finding(f"{call}: {type(e).__name__}",
-                  f"{call} raised {type(e).__name__}: {str(e)[:300]}\n{tb[-2000:]}")
+    raise Finding(
+      f"{call}: {type(e).__name__}",
+      f"{call} raised {type(e).__name__}: {str(e)[:300]}\n{tb[-2000:]}",
+    )
   if len(str(e)) > MAX_ERROR_CHARS:
-    raise Finding(f"{call}: overlong error line",
-                  f"{call}: a {len(str(e))}-character message: {str(e)[:200]!r}...")
+    raise Finding(
+      f"{call}: overlong error line",
+      f"{call}: a {len(str(e))}-character message: {str(e)[:200]!r}...",
+    )
 
 
 def _check_cli(call: str, code: Any, out: str, err: str, allowed: tuple) -> None:
   if isinstance(code, BaseException):
-    raise Finding(f"{call}: traceback {type(code).__name__}",
-                  f"{call} escaped with {type(code).__name__}: {str(code)[:300]}")
+    raise Finding(
+      f"{call}: traceback {type(code).__name__}",
+      f"{call} escaped with {type(code).__name__}: {str(code)[:300]}",
+    )
   if code not in allowed:
     raise Finding(f"{call}: exit {code}", f"{call} exited {code}; stderr {err[-500:]!r}")
   for name, text in (("stdout", out), ("stderr", err)):
     if _CONTROL.search(text):
-      raise Finding(f"{call}: control characters",
-                    f"{call} wrote control characters to {name}: {text[-300:]!r}")
+      raise Finding(
+        f"{call}: control characters", f"{call} wrote control characters to {name}: {text[-300:]!r}"
+      )
   if code == 2:
     lines = err.strip("\n").split("\n")
     if len(lines) != 1 or not lines[0].startswith("jaxreshard: error: "):
       raise Finding(f"{call}: not one error line", f"{call}: stderr {err[-500:]!r}")
     if len(lines[0]) > MAX_ERROR_CHARS:
-      raise Finding(f"{call}: overlong error line",
-                    f"{call}: a {len(lines[0])}-character error line: {lines[0][:200]!r}...")
+      raise Finding(
+        f"{call}: overlong error line",
+        f"{call}: a {len(lines[0])}-character error line: {lines[0][:200]!r}...",
+      )
     m = _BARE_TYPE.match(lines[0])
     if m:
       raise Finding(f"{call}: bare {m.group(1)}", f"{call}: {lines[0][:300]}")
@@ -361,7 +383,7 @@ def _file_state(root: str) -> dict:
 
 def _table(text: str) -> str:
   """inspect's output after its title (which names, and wraps, the checkpoint's path)."""
-  return text[text.find("\u250f"):]
+  return text[text.find("\u250f") :]
 
 
 def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[int, int]]) -> None:
@@ -382,22 +404,30 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
     (a broken or extra entry, an edited file other than the index) could explain it."""
     _check_error(call, out.error, out.tb)
     if want_ok and not lenient:
-      raise Finding(f"{call}: refuses what the reference accepts",
-                    f"{call} refused ({out.error}) though {why} accepts the checkpoint")
+      raise Finding(
+        f"{call}: refuses what the reference accepts",
+        f"{call} refused ({out.error}) though {why} accepts the checkpoint",
+      )
 
   # load_records -----------------------------------------------------------------
   load = run_bounded(lambda: jr.load_records(ckpt), "load_records", ckpt)
   if load.ok:
     if needs(set(pr.entries), dmg.broken):
-      raise Finding("load_records: accepted a broken needed entry",
-                    f"load_records succeeded although {sorted(dmg.broken)} changed")
+      raise Finding(
+        "load_records: accepted a broken needed entry",
+        f"load_records succeeded although {sorted(dmg.broken)} changed",
+      )
     if not ref.load.ok:
-      raise Finding("load_records: accepts what the reference refuses",
-                    f"load_records succeeded, the index alone is refused: {ref.load.error}")
+      raise Finding(
+        "load_records: accepts what the reference refuses",
+        f"load_records succeeded, the index alone is refused: {ref.load.error}",
+      )
     if _keys(load.value) != _keys(ref.load.value):
-      raise Finding("load_records: silently different result",
-                    "load_records returned other records than the "
-                    + ("original" if ref.path == pr.path else "edited index says"))
+      raise Finding(
+        "load_records: silently different result",
+        "load_records returned other records than the "
+        + ("original" if ref.path == pr.path else "edited index says"),
+      )
   else:
     refusal("load_records", load, ref.load.ok, "load_records of the index alone")
 
@@ -412,36 +442,49 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
       refusal("restore", r, want.ok, f"reshard(load_records(ck), plan(...)) [{what}]")
       continue
     if needs(pr.needed_by_restore(rank, world), dmg.restore_broken):
-      raise Finding("restore: accepted a broken needed entry",
-                    f"{what} succeeded although {sorted(dmg.restore_broken)} changed")
+      raise Finding(
+        "restore: accepted a broken needed entry",
+        f"{what} succeeded although {sorted(dmg.restore_broken)} changed",
+      )
     if not want.ok:
       if ref.data_refused:  # it may not read the data load_records refuses
         continue
-      raise Finding("restore: accepts what reshard(load_records) refuses",
-                    f"{what} succeeded but the in-memory rules refuse: {want.error}")
+      raise Finding(
+        "restore: accepts what reshard(load_records) refuses",
+        f"{what} succeeded but the in-memory rules refuse: {want.error}",
+      )
     if _key(r.value) != want.value:
-      raise Finding("restore: silently different result",
-                    f"{what} differs from reshard(load_records(ck), plan(...))")
+      raise Finding(
+        "restore: silently different result",
+        f"{what} differs from reshard(load_records(ck), plan(...))",
+      )
 
   both = [ref.target(r, 2) for r in range(2)]
   if ref.data_refused:  # partial readers that succeed must at least agree with restore
-    both = [Outcome(value=_key(restored[(r, 2)].value)) if restored[(r, 2)].ok else x
-            for r, x in zip(range(2), both)]
+    both = [
+      Outcome(value=_key(restored[(r, 2)].value)) if restored[(r, 2)].ok else x
+      for r, x in zip(range(2), both)
+    ]
   needed2 = pr.needed_by_restore(0, 2) | pr.needed_by_restore(1, 2)
   rr = run_bounded(lambda: jr.restore_ranks(ckpt, [0, 1], world_size=2), "restore_ranks", ckpt)
   if not rr.ok:
     refusal("restore_ranks", rr, all(x.ok for x in both), "reshard(load_records(ck), plan(...))")
   else:
     if needs(needed2, dmg.restore_broken):
-      raise Finding("restore_ranks: accepted a broken needed entry",
-                    f"restore_ranks succeeded although {sorted(dmg.restore_broken)} changed")
+      raise Finding(
+        "restore_ranks: accepted a broken needed entry",
+        f"restore_ranks succeeded although {sorted(dmg.restore_broken)} changed",
+      )
     if not all(x.ok for x in both):
-      raise Finding("restore_ranks: accepts what reshard(load_records) refuses",
-                    f"restore_ranks succeeded but the in-memory rules refuse:"
-                    f" {[str(x.error) for x in both]}")
+      raise Finding(
+        "restore_ranks: accepts what reshard(load_records) refuses",
+        f"restore_ranks succeeded but the in-memory rules refuse: {[str(x.error) for x in both]}",
+      )
     if _keys(rr.value) != [x.value for x in both]:
-      raise Finding("restore_ranks: silently different result",
-                    "restore_ranks differs from reshard(load_records(ck), plan(...))")
+      raise Finding(
+        "restore_ranks: silently different result",
+        "restore_ranks differs from reshard(load_records(ck), plan(...))",
+      )
 
   # digest --------------------------------------------------------------------------
   dg = run_bounded(lambda: jr.digest(ckpt), "digest", ckpt)
@@ -450,17 +493,24 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
     refusal("digest", dg, want_dg.ok, "digest(load_records(ck))")
   elif not dg.value.problems:  # a digest with problems is never identical to anything
     if needs(set(pr.entries), dmg.broken):
-      raise Finding("digest: accepted a broken needed entry",
-                    f"digest found no problem although {sorted(dmg.broken)} changed")
+      raise Finding(
+        "digest: accepted a broken needed entry",
+        f"digest found no problem although {sorted(dmg.broken)} changed",
+      )
     if not want_dg.ok:
-      raise Finding("digest: accepts what load_records refuses",
-                    f"digest found no problem, load_records refuses: {want_dg.error}")
+      raise Finding(
+        "digest: accepts what load_records refuses",
+        f"digest found no problem, load_records refuses: {want_dg.error}",
+      )
     if dg.value != want_dg.value:
-      raise Finding("digest: silently different result",
-                    "digest(ck) differs from digest(load_records(ck))")
+      raise Finding(
+        "digest: silently different result", "digest(ck) differs from digest(load_records(ck))"
+      )
   elif want_dg.ok and not want_dg.value.problems and not lenient:
-    raise Finding("digest: problems the reference does not have",
-                  f"digest(ck) reports {dg.value.problems} but digest(load_records(ck)) none")
+    raise Finding(
+      "digest: problems the reference does not have",
+      f"digest(ck) reports {dg.value.problems} but digest(load_records(ck)) none",
+    )
 
   # CLI: inspect ---------------------------------------------------------------------
   code, out, err = run_bounded(lambda: cli("inspect", ckpt), "inspect", ckpt).value
@@ -470,8 +520,10 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
     if INDEX in dmg.broken:
       raise Finding("inspect: accepted a broken index", f"inspect printed:\n{out[-1500:]}")
     if want_code != 0 or _table(out) != _table(want_out):
-      raise Finding("inspect: different output",
-                    f"inspect printed something else than for the reference:\n{out[-1500:]}")
+      raise Finding(
+        "inspect: different output",
+        f"inspect printed something else than for the reference:\n{out[-1500:]}",
+      )
   elif want_code == 0 and not lenient:
     raise Finding("inspect: refuses what the reference accepts", err.strip()[:300])
 
@@ -481,19 +533,24 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
   loads = ref.load.ok and not needs(set(pr.entries), dmg.broken)
   if code != 2:
     if not loads:
-      raise Finding("verify: accepts what load_records refuses",
-                    f"verify exited {code} though load_records must refuse")
+      raise Finding(
+        "verify: accepts what load_records refuses",
+        f"verify exited {code} though load_records must refuse",
+      )
     want = 0 if not ref.changed else ref.cli("verify", pr.path, None)[0]
     if code != want:
-      raise Finding("verify: disagrees with load_records",
-                    f"verify exited {code} (wanted {want}); {err.strip()[:300]}")
+      raise Finding(
+        "verify: disagrees with load_records",
+        f"verify exited {code} (wanted {want}); {err.strip()[:300]}",
+      )
   elif loads and not lenient:
     raise Finding("verify: refuses what the reference accepts", err.strip()[:300])
 
   # CLI: reshard MUT OUT --world-size 2 ---------------------------------------------
   dest = os.path.join(work, "resharded")
-  code, out, err = run_bounded(lambda: cli("reshard", ckpt, dest, "--world-size", 2),
-                               "reshard", ckpt).value
+  code, out, err = run_bounded(
+    lambda: cli("reshard", ckpt, dest, "--world-size", 2), "reshard", ckpt
+  ).value
   _check_cli("reshard", code, out, err, (0, 2))
   if code == 2:
     if os.path.lexists(dest):
@@ -502,18 +559,23 @@ def check_checkpoint(ckpt: str, work: str, ops: list[Op], targets: list[tuple[in
       raise Finding("reshard: refuses what the reference accepts", err.strip()[:300])
   else:
     if needs(needed2, dmg.restore_broken):
-      raise Finding("reshard: accepted a broken needed entry",
-                    f"reshard succeeded although {sorted(dmg.restore_broken)} changed")
+      raise Finding(
+        "reshard: accepted a broken needed entry",
+        f"reshard succeeded although {sorted(dmg.restore_broken)} changed",
+      )
     if not all(x.ok for x in both):
-      raise Finding("reshard: accepts what reshard(load_records) refuses",
-                    f"reshard succeeded though the in-memory rules refuse:"
-                    f" {[str(x.error) for x in both]}")
+      raise Finding(
+        "reshard: accepts what reshard(load_records) refuses",
+        f"reshard succeeded though the in-memory rules refuse: {[str(x.error) for x in both]}",
+      )
     written = run_bounded(lambda: jr.load_records(dest), "load_records(resharded)", dest)
     if not written.ok:
       raise Finding("reshard: wrote an unreadable checkpoint", str(written.error))
     if _keys(written.value) != [x.value for x in both]:
-      raise Finding("reshard: silently different result",
-                    "reshard wrote other records than reshard(load_records(ck), plan(...))")
+      raise Finding(
+        "reshard: silently different result",
+        "reshard wrote other records than reshard(load_records(ck), plan(...))",
+      )
 
   # No reader reads outside the checkpoint or changes it.
   read = _read_canaries(work)
@@ -534,7 +596,7 @@ _KNOWN: list[tuple[str, Callable[[list[Op]], bool], str]] = []
 KNOWN_REASONS: dict[str, str] = {}
 
 
-def _known(f: Finding, ops: list[Op]) -> Optional[str]:
+def _known(f: Finding, ops: list[Op]) -> str | None:
   if STRICT:
     return None
   for pattern, pred, test in _KNOWN:
@@ -557,8 +619,7 @@ def _log_case(status: str) -> None:
       f.write(f"{time.time():.1f} {test} {status}\n")
 
 
-def fuzz_case(ops: list[Op], targets: list[tuple[int, int]],
-              tolerate_known: bool = True) -> None:
+def fuzz_case(ops: list[Op], targets: list[tuple[int, int]], tolerate_known: bool = True) -> None:
   """Copies the pristine checkpoint, applies ``ops`` and judges every reader."""
   pr = pristine()
   work = tempfile.mkdtemp(prefix="fz", dir=pr.root)
@@ -588,4 +649,3 @@ def fuzz_case(ops: list[Op], targets: list[tuple[int, int]],
   finally:
     _unblock_fifos(work)
     shutil.rmtree(work, ignore_errors=True)
-

@@ -186,9 +186,15 @@ def test_fuzz_index_fields(op, target):
   fuzz_case([op], [target])
 
 
-@pytest.mark.parametrize("name", [
+@pytest.mark.parametrize(
+  "name",
+  [
     pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=judge.KNOWN_REASONS[n]))
-    if n in judge.KNOWN_REASONS else n for n in FIELD_NAMES])
+    if n in judge.KNOWN_REASONS
+    else n
+    for n in FIELD_NAMES
+  ],
+)
 def test_every_field_edit(name):
   """One re-signed edit of every field by name (plain edits: test_fuzz_*)."""
   op = first_field_edit(name, resign=True)
@@ -225,8 +231,11 @@ def test_harness_signs_like_the_scheme(tmp_path):
   and a file without a checksum member is never signed (its edits are judged as authentic)."""
   body = b'{"format":"x","n":[1,2]}'
   signed = signed_bytes(body)
-  assert signed == (b'{"checksum":"sha256:' + hashlib.sha256(body).hexdigest().encode()
-                    + b'","format":"x","n":[1,2]}')
+  assert signed == (
+    b'{"checksum":"sha256:'
+    + hashlib.sha256(body).hexdigest().encode()
+    + b'","format":"x","n":[1,2]}'
+  )
   assert signature(signed) is True and signature(body) is None
   assert signature(signed.replace(b"[1,2]", b"[1,3]")) is False
   for resign, want in ((True, True), (False, False)):

@@ -80,8 +80,12 @@ def _one_error_line(code, err):
   assert not _BARE_TYPE.match(lines[0]), lines[0]
 
 
-_SOCKET_ENTRIES = [INDEX, "archive_00000/archive.json", "archive_00000/float32/zarr.json",
-                   "archive_00000/float32/c/0"]
+_SOCKET_ENTRIES = [
+  INDEX,
+  "archive_00000/archive.json",
+  "archive_00000/float32/zarr.json",
+  "archive_00000/float32/c/0",
+]
 
 
 @pytest.mark.parametrize("entry", _SOCKET_ENTRIES)
@@ -117,8 +121,14 @@ def test_clock_scalar_bytes_shorter_than_its_dtype_is_an_archive_error(fuzz_ckpt
   # ('clocks', 0, 1, 'bytes'), 'set', 'ZmZmPwA=', resign=True). Eight base64 characters
   # with one '=' are 5 bytes, where the length check allowed 4 to 6: a raw ValueError.
   def edit(d):
-    scalar = next(x for x in d["clocks"][0] if isinstance(x, dict) and "bytes" in x
-                  and np.dtype(x["dtype"]).itemsize == 4 and x["shape"] == [])
+    scalar = next(
+      x
+      for x in d["clocks"][0]
+      if isinstance(x, dict)
+      and "bytes" in x
+      and np.dtype(x["dtype"]).itemsize == 4
+      and x["shape"] == []
+    )
     scalar["shape"], scalar["bytes"] = [1], "ZmZmPwA="  # 5 bytes for 4
 
   _edit_index(fuzz_ckpt, edit)
@@ -166,8 +176,7 @@ def test_inspect_prints_param_ids_with_rich_markup_literally(tmp_path):
 def test_python_float_clock_scalar_that_overflows(fuzz_ckpt):
   # Found by probing the {"py": "float"} scalar form (now a nudge of every clock scalar):
   # JsonEdit('jaxreshard.json', ('clocks', 0, 1), 'set', {'py': 'float', 'v': '0x1p+9999'}).
-  _edit_index(fuzz_ckpt, lambda d: d["clocks"][0].__setitem__(
-      1, {"py": "float", "v": "0x1p+9999"}))
+  _edit_index(fuzz_ckpt, lambda d: d["clocks"][0].__setitem__(1, {"py": "float", "v": "0x1p+9999"}))
   for e in _refusals(fuzz_ckpt):
     assert isinstance(e, jr.ArchiveError), repr(e)
   code, _, err = cli("inspect", fuzz_ckpt)
@@ -184,10 +193,11 @@ def test_error_messages_quote_metadata_truncated(fuzz_ckpt, file):
     assert "is not supported" in str(e) and len(str(e)) < MAX_ERROR_CHARS, len(str(e))
 
 
-@pytest.mark.parametrize("slot, value", [(1, []), (2, ["x"]), (3, [["count"], "hyperparams",
-                                                                   "hyperparams_states",
-                                                                   "inner_state"])],
-                         ids=["module", "name", "fields"])
+@pytest.mark.parametrize(
+  "slot, value",
+  [(1, []), (2, ["x"]), (3, [["count"], "hyperparams", "hyperparams_states", "inner_state"])],
+  ids=["module", "name", "fields"],
+)
 def test_unhashable_namedtuple_module_name_or_fields(fuzz_ckpt, slot, value):
   # Found by test_fuzz_json_metadata (long profile):
   # JsonEdit('jaxreshard.json', ('layouts', 0, 'tree', 1), 'set', []).
@@ -275,5 +285,7 @@ def test_an_op_that_cannot_apply_leaves_no_half_made_canary():
   # Found by test_fuzz_combined (a harness fault, not a reader's): moving an archive
   # that holds a FIFO outside failed half-way, and the half copy's fresh atimes read
   # as "followed a link outside the checkpoint". The judge sees the archive in place.
-  fuzz_case([Replace("archive_00001/archive.json", "fifo"),
-             Replace("archive_00001", "symlink_out")], [(0, 1)])
+  fuzz_case(
+    [Replace("archive_00001/archive.json", "fifo"), Replace("archive_00001", "symlink_out")],
+    [(0, 1)],
+  )

@@ -43,11 +43,16 @@ def test_manager_keeps_steps_and_restores_the_latest_on_a_new_world_size(tmp_pat
 def test_one_item_of_a_composite_checkpoint(tmp_path):
   records = adam_records(5)
   with ocp.CheckpointManager(tmp_path / "run", item_names=("opt", "meta")) as manager:
-    manager.save(7, args=ocp.args.Composite(
-        opt=jr.ReshardSave(records), meta=ocp.args.JsonSave({"lr": 0.1})))
+    manager.save(
+      7, args=ocp.args.Composite(opt=jr.ReshardSave(records), meta=ocp.args.JsonSave({"lr": 0.1}))
+    )
     manager.wait_until_finished()
-    out = manager.restore(7, args=ocp.args.Composite(
-        opt=jr.ReshardRestore(world_size=2, rank=1), meta=ocp.args.JsonRestore()))
+    out = manager.restore(
+      7,
+      args=ocp.args.Composite(
+        opt=jr.ReshardRestore(world_size=2, rank=1), meta=ocp.args.JsonRestore()
+      ),
+    )
   assert out.meta == {"lr": 0.1}
   assert_records_equal(out.opt, jr.reshard(records, jr.plan(records, world_size=2, rank=1)))
 
@@ -69,10 +74,12 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
   state is deleted before they run.
   """
   import threading
+
   import jax
-  from jaxreshard._src.checkpoint import reader as _checkpoint
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec
+
+  from jaxreshard._src.checkpoint import reader as _checkpoint
   from tests import _mp_util as U
   from tests.distributed.test_distributed import _check_against
 
@@ -82,17 +89,20 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
   weights = jax.device_put(U.example_params(3), NamedSharding(mesh, PartitionSpec()))
   # The reference as host copies first: the mesh state shares its scalars' buffers
   # with ``state``, and those are deleted below.
-  records = jax.tree.map(np.array, jr.shard_state(opt, params, state, 4,
-                                                  trainable=U.trainable()))
+  records = jax.tree.map(np.array, jr.shard_state(opt, params, state, 4, trainable=U.trainable()))
   structure = jax.tree.structure(state)
   gate, write = threading.Event(), _checkpoint.write_archive
-  monkeypatch.setattr(_checkpoint, "write_archive",
-                      lambda *a: write(*a) if gate.wait(60) else None)
+  monkeypatch.setattr(_checkpoint, "write_archive", lambda *a: write(*a) if gate.wait(60) else None)
   with ocp.CheckpointManager(tmp_path / "run", item_names=("params", "opt_state")) as manager:
-    manager.save(5, args=ocp.args.Composite(
+    manager.save(
+      5,
+      args=ocp.args.Composite(
         params=ocp.args.StandardSave(weights),
-        opt_state=jr.ReshardSave(state=src.state, optimizer=opt, params=params, mesh=mesh,
-                                 trainable=U.trainable())))
+        opt_state=jr.ReshardSave(
+          state=src.state, optimizer=opt, params=params, mesh=mesh, trainable=U.trainable()
+        ),
+      ),
+    )
     assert manager.is_saving_in_progress() and not (tmp_path / "run" / "5").exists()
     # Host copies were taken before save returned: the device state may go.
     for leaf in jax.tree.leaves(src.state):
@@ -100,17 +110,24 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
     gate.set()
     manager.wait_until_finished()
     assert manager.all_steps() == [5]
-  for got, want in zip(jr.load_records(tmp_path / "run" / "5" / "opt_state"), records,
-                       strict=True):
+  for got, want in zip(jr.load_records(tmp_path / "run" / "5" / "opt_state"), records, strict=True):
     assert_records_equal(got, want)  # placements from params: dtypes, trainability
 
   target = device_mesh((6,), ("fsdp",))
-  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=NamedSharding(target, PartitionSpec())), U.example_params(3))
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(target, PartitionSpec())
+    ),
+    U.example_params(3),
+  )
   with ocp.CheckpointManager(tmp_path / "run", item_names=("params", "opt_state")) as manager:
-    out = manager.restore(5, args=ocp.args.Composite(
+    out = manager.restore(
+      5,
+      args=ocp.args.Composite(
         params=ocp.args.StandardRestore(abstract),
-        opt_state=jr.ReshardRestore(mesh=target, axis="fsdp")))
+        opt_state=jr.ReshardRestore(mesh=target, axis="fsdp"),
+      ),
+    )
   expected = [jr.reshard(records, jr.plan(records, world_size=6, rank=r)) for r in range(6)]
   assert _check_against(out.opt_state, target, "fsdp", expected)
   assert jax.tree.structure(out.opt_state) == structure
@@ -121,21 +138,30 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
 def test_save_and_restore_arguments_are_checked():
   records = adam_records(2)
   mesh = device_mesh((2,), ("fsdp",))
-  for bad in (dict(), dict(records=records, state={}), dict(state={}, mesh=mesh),
-              dict(state={}, optimizer=object(), mesh=mesh, shapes={}, params={}),
-              dict(state={}, optimizer=object(), mesh=mesh, shapes={}, trainable={})):
+  for bad in (
+    dict(),
+    dict(records=records, state={}),
+    dict(state={}, mesh=mesh),
+    dict(state={}, optimizer=object(), mesh=mesh, shapes={}, params={}),
+    dict(state={}, optimizer=object(), mesh=mesh, shapes={}, trainable={}),
+  ):
     with pytest.raises(jr.PlacementError):
       jr.ReshardSave(**bad)
   with pytest.raises(jr.ReshardError):
     jr.ReshardSave(records, chunk_bytes=0)
-  for bad in (dict(rank=1), dict(world_size=2), dict(mesh=mesh, world_size=2, rank=0),
-              dict(target={})):
+  for bad in (
+    dict(rank=1),
+    dict(world_size=2),
+    dict(mesh=mesh, world_size=2, rank=0),
+    dict(target={}),
+  ):
     with pytest.raises(jr.PlacementError):
       jr.ReshardRestore(**bad)
 
 
 def test_a_failed_write_commits_nothing(tmp_path, monkeypatch):
   import jax
+
   from jaxreshard._src.checkpoint import reader as _checkpoint
   from tests import _mp_util as U
 
@@ -168,6 +194,7 @@ def test_a_save_that_will_be_refused_is_refused_before_orbax_makes_a_directory(t
   import jax.numpy as jnp
   import numpy as np
   import optax
+
   from tests import _mp_util as U
 
   opt, params, state, _ = U.example(seed=5)
@@ -177,18 +204,25 @@ def test_a_save_that_will_be_refused_is_refused_before_orbax_makes_a_directory(t
   grown = dict(params, tiny=jnp.zeros(7, np.float32))  # params that disagree with the state
   two = adam_records(2)
   # Rank 1 with every history buffer one element short of its flat layout.
-  short = jr.ShardRecord(two[1].version, two[1].placements, jax.tree.map(
-      lambda x: x[:-1] if np.ndim(x) == 1 and np.size(x) > 1 else x, two[1].state), two[1].roles)
+  short = jr.ShardRecord(
+    two[1].version,
+    two[1].placements,
+    jax.tree.map(lambda x: x[:-1] if np.ndim(x) == 1 and np.size(x) > 1 else x, two[1].state),
+    two[1].roles,
+  )
   bad = {
-      "another optimizer's state": lambda: jr.ReshardSave(
-          state=other.init(params), optimizer=opt, params=params, mesh=mesh),
-      "params of other shapes": lambda: jr.ReshardSave(
-          state=src.state, optimizer=opt, params=grown, mesh=mesh),
-      "a state not on the mesh": lambda: jr.ReshardSave(
-          state=state, optimizer=opt, params=params, mesh=mesh),
-      "a record that does not fit its layout": lambda: jr.ReshardSave([two[0], short]),
-      "not a record": lambda: jr.ReshardSave([two[0], {"mu": 1}]),
-      "no records": lambda: jr.ReshardSave(iter(())),
+    "another optimizer's state": lambda: jr.ReshardSave(
+      state=other.init(params), optimizer=opt, params=params, mesh=mesh
+    ),
+    "params of other shapes": lambda: jr.ReshardSave(
+      state=src.state, optimizer=opt, params=grown, mesh=mesh
+    ),
+    "a state not on the mesh": lambda: jr.ReshardSave(
+      state=state, optimizer=opt, params=params, mesh=mesh
+    ),
+    "a record that does not fit its layout": lambda: jr.ReshardSave([two[0], short]),
+    "not a record": lambda: jr.ReshardSave([two[0], {"mu": 1}]),
+    "no records": lambda: jr.ReshardSave(iter(())),
   }
   run = tmp_path / "run"
   with ocp.CheckpointManager(run) as manager:
@@ -215,8 +249,11 @@ def test_an_item_directory_that_is_a_symlink_is_refused(tmp_path):
   os.symlink(elsewhere, item)
   with ocp.CheckpointManager(run) as manager:
     assert manager.all_steps() == [1]
-    for args in (jr.ReshardRestore(), jr.ReshardRestore(world_size=2, rank=0),
-                 jr.ReshardRestore(mesh=device_mesh((2,), ("fsdp",)))):
+    for args in (
+      jr.ReshardRestore(),
+      jr.ReshardRestore(world_size=2, rank=0),
+      jr.ReshardRestore(mesh=device_mesh((2,), ("fsdp",))),
+    ):
       with pytest.raises(jr.ArchiveError, match=f"{item}.*symbolic link"):
         manager.restore(1, args=args)
     with pytest.raises(jr.ArchiveError, match="symbolic link"):
@@ -224,8 +261,9 @@ def test_an_item_directory_that_is_a_symlink_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("meanwhile", ["made_archive", "removed_directory"])
-def test_the_loser_of_two_saves_into_one_directory_gets_a_reshard_error(tmp_path, monkeypatch,
-                                                                         meanwhile):
+def test_the_loser_of_two_saves_into_one_directory_gets_a_reshard_error(
+  tmp_path, monkeypatch, meanwhile
+):
   """Another save of the same step got into orbax's temporary item directory first.
 
   Orbax names the temporary directory after the final one, so two saves of
@@ -235,6 +273,7 @@ def test_the_loser_of_two_saves_into_one_directory_gets_a_reshard_error(tmp_path
   ``ArchiveError``), never a bare ``FileExistsError`` or ``FileNotFoundError``.
   """
   import shutil
+
   from jaxreshard._src.checkpoint import reader as _checkpoint
 
   write = _checkpoint.write_archive

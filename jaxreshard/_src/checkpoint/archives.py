@@ -11,17 +11,25 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import shardread as _shardread
-from jaxreshard._src.checkpoint.index import (ARCHIVE_FILE, FORMAT, FORMAT_VERSION,
-                                              MAX_ARCHIVE_BYTES, Index, Layout, ReadStats)
-from jaxreshard._src.exec import bitview as _bitview
-from jaxreshard._src.errors import ArchiveError, PlacementError, ReshardError
+from jaxreshard._src.checkpoint.index import (
+  ARCHIVE_FILE,
+  FORMAT,
+  FORMAT_VERSION,
+  MAX_ARCHIVE_BYTES,
+  Index,
+  Layout,
+)
+from jaxreshard._src.checkpoint.shardread import ReadStats
 from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.errors import ArchiveError, PlacementError, ReshardError
+from jaxreshard._src.exec import bitview as _bitview
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +51,6 @@ class _Pads:
   index: dict  # (param, mirror) -> k
 
 
-
-
 def signed_value(raw: bytes, where: str, what: str) -> dict:
   """A signed JSON file's value (a dict), its checksum checked before anything is parsed.
 
@@ -63,16 +69,19 @@ def signed_value(raw: bytes, where: str, what: str) -> dict:
   version = value.get("format_version")
   if version == 1:
     raise ArchiveError(
-        f"{where}: checkpoint format version 1 is not supported; this jaxreshard reads version"
-        f" {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that wrote it: load it"
-        " there and save it again)")
+      f"{where}: checkpoint format version 1 is not supported; this jaxreshard reads version"
+      f" {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that wrote it: load it"
+      " there and save it again)"
+    )
   if version == 2:
     raise ArchiveError(
-        f"{where}: checkpoint format version 2 is not supported; this jaxreshard reads version"
-        f" {FORMAT_VERSION}: version 2 has no checksum over its index and archive metadata, so"
-        " an edited or damaged value could not be told apart (load it with the jaxreshard that"
-        " wrote it and save it again)")
+      f"{where}: checkpoint format version 2 is not supported; this jaxreshard reads version"
+      f" {FORMAT_VERSION}: version 2 has no checksum over its index and archive metadata, so"
+      " an edited or damaged value could not be told apart (load it with the jaxreshard that"
+      " wrote it and save it again)"
+    )
   return fmt.verified_json(raw, where)  # refuses it: no checksum
+
 
 def allocate(n: int, dtype: np.dtype, what: str, *, zeros: bool = True) -> np.ndarray:
   """A fresh ``(n,)`` buffer for a read; more than the process can get is a ReshardError."""
@@ -81,19 +90,26 @@ def allocate(n: int, dtype: np.dtype, what: str, *, zeros: bool = True) -> np.nd
     return np.zeros(n, dtype) if zeros else np.empty(n, dtype)
   except MemoryError:
     raise ReshardError(
-        f"{what}: a buffer of {n} {dtype.name} elements ({n * dtype.itemsize} bytes) needs more"
-        " memory than this process can get") from None
+      f"{what}: a buffer of {n} {dtype.name} elements ({n * dtype.itemsize} bytes) needs more"
+      " memory than this process can get"
+    ) from None
 
 
 def path_arg(directory: Any, what: str = "directory") -> str:
   """``directory`` as an absolute path; anything that is not a path is refused by name."""
   if isinstance(directory, bytes) or not isinstance(directory, (str, os.PathLike)):
-    raise ReshardError(f"{what} must be a path (str or os.PathLike), got"
-                       f" {type(directory).__name__}")
+    raise ReshardError(
+      f"{what} must be a path (str or os.PathLike), got {type(directory).__name__}"
+    )
   path = os.fspath(directory)
   if not isinstance(path, str) or not path or "\0" in path:
     raise ReshardError(f"{what} {path!r} is not a usable path")
   return os.path.abspath(path)
+
+
+_ARCHIVE_KEYS = frozenset(
+  {"format", "format_version", "checkpoint", "archive", "describes", "buffers"}
+)
 
 
 class ArchiveReader:
@@ -136,36 +152,7 @@ class ArchiveReader:
         meta = signed_value(raw, f"{adir.path}/{ARCHIVE_FILE}", f"{FORMAT} archive")
     except ArchiveError as e:
       raise ArchiveError(f"archive {archive}: {e}") from None
-    if meta.get("format") != FORMAT or set(meta) != {"format", "format_version", "checkpoint",
-                                                     "archive", "describes", "buffers"}:
-      raise ArchiveError(f"{where}: {ARCHIVE_FILE} does not describe a {FORMAT} archive")
-    if meta["format_version"] != FORMAT_VERSION:
-      raise ArchiveError(f"{where}: archive format version {fmt.short(meta['format_version'])} is not"
-                         f" supported; this jaxreshard reads version {FORMAT_VERSION}")
-    if meta["checkpoint"] != self.index.id:
-      raise ArchiveError(
-          f"{where} belongs to checkpoint {str(meta['checkpoint'])[:40]!r}, not to this"
-          f" checkpoint {self.index.id!r}; archives of two different saves are never combined")
-    if meta["archive"] != name:
-      raise ArchiveError(f"{where}: {ARCHIVE_FILE} names archive {str(meta['archive'])[:40]!r}")
-    check_describes(self.index, meta["describes"], archive, where)
-    layout = self._layout(archive)
-    buffers = fmt.expect(meta["buffers"], dict, where)
-    expected = {d.name: n for d, n in layout.sizes.items() if n}
-    got = {}
-    for dname, b in buffers.items():
-      bw = f"{where}, buffer {dname!r}"
-      fmt.expect(b, dict, bw)
-      if set(b) != {"elements", "chunk", "crc32c"}:
-        raise ArchiveError(f"{bw}: expected elements, chunk and crc32c")
-      n, chunk = fmt.expect(b["elements"], int, bw), fmt.expect(b["chunk"], int, bw)
-      crcs = fmt.expect(b["crc32c"], list, bw)
-      if not (0 < chunk <= max(n, 1)) or not all(
-          isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in crcs):
-        raise ArchiveError(f"{bw}: invalid chunking or checksums")
-      got[dname] = n
-    if got != expected:
-      raise ArchiveError(f"{where}: holds buffers {got} but its layout needs {expected}")
+    check_archive_meta(self.index, archive, meta, where)
     with self._lock:
       self._archive_meta[archive] = meta
     return meta
@@ -176,34 +163,33 @@ class ArchiveReader:
     with self._lock:
       pads = self._pads.get(key)
     if pads is None:
-      pads = pad_table(self.index, self._layout(archive), self._placement(), archive,
-                       key[1])
+      pads = pad_table(self.index, self._layout(archive), self._placement(), archive, key[1])
       with self._lock:
         self._pads[key] = pads
     return pads
 
   def _padding_error(self, archive: int, pads: _Pads, k: int, local: int) -> ArchiveError:
-    pid, m = pads.keys[k]
-    g = pads.shards[k]
-    return ArchiveError(
-        f"param {pid!r}: history buffer {m} of archive {archive}"
-        f" ({self.directory}/{self.index.names[archive]}): padding is not zero (nonzero bits at"
-        f" local index {local}); the index gives rank {g.rank} of shape {g.shape} over world_size"
-        f" {g.world_size}, which owns {g.owned} of its {g.slots} slots, so the data"
-        " contradicts the layout")
+    return padding_error(f"{self.directory}/{self.index.names[archive]}", archive, pads, k, local)
 
   def check_padding_of(self, archive: int, dtype: np.dtype, packed: np.ndarray) -> None:
     """Every padding slot of an archive's whole packed buffer of ``dtype`` is zero bits."""
     pads = self._pad_table(archive, dtype)
     view = _bitview.bits(packed)
     for k in np.flatnonzero(pads.owned < pads.stops).tolist():
-      nz = np.flatnonzero(view[pads.owned[k]:pads.stops[k]])
+      nz = np.flatnonzero(view[pads.owned[k] : pads.stops[k]])
       if nz.size:
-        raise self._padding_error(archive, pads, k,
-                                  int(pads.owned[k] - pads.starts[k]) + int(nz[0]))
+        raise self._padding_error(
+          archive, pads, k, int(pads.owned[k] - pads.starts[k]) + int(nz[0])
+        )
 
-  def check_padding(self, archive: int, dtype: np.dtype, keys: list, scratch: np.ndarray,
-                    stats: Optional[ReadStats] = None) -> None:
+  def check_padding(
+    self,
+    archive: int,
+    dtype: np.dtype,
+    keys: list,
+    scratch: np.ndarray,
+    stats: ReadStats | None = None,
+  ) -> None:
     """Reads the padding of buffers ``keys`` and checks it is zero bits.
 
     ``keys`` are ``(param, mirror)`` of buffers of ``archive``'s packed buffer of
@@ -215,15 +201,23 @@ class ArchiveReader:
     if not ks:
       return
     empty = np.zeros(0, np.int64)
-    self._read(archive, dtype, pads, np.asarray(ks, np.int64), empty, empty, empty, None,
-               scratch, stats)
+    self._read(
+      archive, dtype, pads, np.asarray(ks, np.int64), empty, empty, empty, None, scratch, stats
+    )
 
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
     meta = self.archive_meta(archive)
     b = meta["buffers"][np.dtype(dtype).name]
     with self._root.dir(self.index.names[archive]) as adir:
-      return _shardread.ShardFile(adir, np.dtype(dtype).name, b["elements"], dtype, b["chunk"],
-                                  b["crc32c"], label=f"archive {archive}")
+      return _shardread.ShardFile(
+        adir,
+        np.dtype(dtype).name,
+        b["elements"],
+        dtype,
+        b["chunk"],
+        b["crc32c"],
+        label=f"archive {archive}",
+      )
 
   def read_buffer(self, archive: int, dtype: np.dtype) -> np.ndarray:
     """A whole packed buffer, read straight into a fresh array."""
@@ -232,8 +226,9 @@ class ArchiveReader:
       return np.empty(0, dtype)
     f = self.open_buffer(archive, dtype)  # metadata, size and index checked first
     try:
-      out = allocate(n, dtype, f"archive {archive} ({self.directory}/{self.index.names[archive]})",
-                     zeros=False)
+      out = allocate(
+        n, dtype, f"archive {archive} ({self.directory}/{self.index.names[archive]})", zeros=False
+      )
       f.read_all(out)
     finally:
       f.close()
@@ -246,7 +241,7 @@ class ArchiveReader:
     packed = {d: self.read_buffer(archive, d) for d in layout.sizes}
     for d, data in packed.items():
       self.check_padding_of(archive, d, data)
-    return {key: packed[d][o:o + n] for key, (d, o, n) in layout.offsets.items()}
+    return {key: packed[d][o : o + n] for key, (d, o, n) in layout.offsets.items()}
 
   def check_files(self, archive: int) -> None:
     """Every buffer file of an archive against its metadata, before anything is allocated."""
@@ -255,9 +250,18 @@ class ArchiveReader:
       if n:
         self.open_buffer(archive, d).close()
 
-  def read_runs(self, archive: int, dtype: np.dtype, src: np.ndarray, dst: np.ndarray,
-                length: np.ndarray, out: np.ndarray, scratch: np.ndarray,
-                stats: Optional[ReadStats] = None, trailing: Optional[set] = None) -> None:
+  def read_runs(
+    self,
+    archive: int,
+    dtype: np.dtype,
+    src: np.ndarray,
+    dst: np.ndarray,
+    length: np.ndarray,
+    out: np.ndarray,
+    scratch: np.ndarray,
+    stats: ReadStats | None = None,
+    trailing: set | None = None,
+  ) -> None:
     """Copies runs of one packed buffer into ``out``, reading only their chunks.
 
     The padding of every history buffer the runs copy from is read as well
@@ -279,8 +283,19 @@ class ArchiveReader:
     checks = touched[pads.owned[touched] < pads.stops[touched]]
     self._read(archive, dtype, pads, checks, src, dst, length, out, scratch, stats)
 
-  def _read(self, archive: int, dtype: np.dtype, pads: _Pads, checks: np.ndarray, src, dst,
-            length, out, scratch: np.ndarray, stats: Optional[ReadStats]) -> None:
+  def _read(
+    self,
+    archive: int,
+    dtype: np.dtype,
+    pads: _Pads,
+    checks: np.ndarray,
+    src,
+    dst,
+    length,
+    out,
+    scratch: np.ndarray,
+    stats: ReadStats | None,
+  ) -> None:
     """Copies the runs and checks the padding of buffers ``checks`` (indices into ``pads``)."""
     zero = (pads.owned[checks], pads.stops[checks] - pads.owned[checks])
 
@@ -297,23 +312,78 @@ class ArchiveReader:
       f.close()
 
 
+def padding_error(path: str, archive: int, pads: _Pads, k: int, local: int) -> ArchiveError:
+  """Nonzero bits at ``local`` in the padding of buffer ``k`` of ``pads``."""
+  pid, m = pads.keys[k]
+  g = pads.shards[k]
+  return ArchiveError(
+    f"param {pid!r}: history buffer {m} of archive {archive}"
+    f" ({path}): padding is not zero (nonzero bits at"
+    f" local index {local}); the index gives rank {g.rank} of shape {g.shape} over world_size"
+    f" {g.world_size}, which owns {g.owned} of its {g.slots} slots, so the data"
+    " contradicts the layout"
+  )
+
+
+def check_archive_meta(index: Index, archive: int, meta: dict, where: str) -> None:
+  """An archive's ``archive.json`` belongs to this checkpoint and matches its index."""
+  if meta.get("format") != FORMAT or set(meta) != _ARCHIVE_KEYS:
+    raise ArchiveError(f"{where}: {ARCHIVE_FILE} does not describe a {FORMAT} archive")
+  if meta["format_version"] != FORMAT_VERSION:
+    raise ArchiveError(
+      f"{where}: archive format version {fmt.short(meta['format_version'])} is not"
+      f" supported; this jaxreshard reads version {FORMAT_VERSION}"
+    )
+  if meta["checkpoint"] != index.id:
+    raise ArchiveError(
+      f"{where} belongs to checkpoint {str(meta['checkpoint'])[:40]!r}, not to this"
+      f" checkpoint {index.id!r}; archives of two different saves are never combined"
+    )
+  if meta["archive"] != index.names[archive]:
+    raise ArchiveError(f"{where}: {ARCHIVE_FILE} names archive {str(meta['archive'])[:40]!r}")
+  check_describes(index, meta["describes"], archive, where)
+  layout = index.layouts[index.archive_layout[archive]]
+  buffers = fmt.expect(meta["buffers"], dict, where)
+  expected = {d.name: n for d, n in layout.sizes.items() if n}
+  got = {}
+  for dname, b in buffers.items():
+    bw = f"{where}, buffer {dname!r}"
+    fmt.expect(b, dict, bw)
+    if set(b) != {"elements", "chunk", "crc32c"}:
+      raise ArchiveError(f"{bw}: expected elements, chunk and crc32c")
+    n, chunk = fmt.expect(b["elements"], int, bw), fmt.expect(b["chunk"], int, bw)
+    crcs = fmt.expect(b["crc32c"], list, bw)
+    if not (0 < chunk <= max(n, 1)) or not all(
+      isinstance(c, int) and not isinstance(c, bool) and 0 <= c < 2**32 for c in crcs
+    ):
+      raise ArchiveError(f"{bw}: invalid chunking or checksums")
+    got[dname] = n
+  if got != expected:
+    raise ArchiveError(f"{where}: holds buffers {got} but its layout needs {expected}")
+
+
 def check_describes(index: Index, got: Any, archive: int, where: str) -> None:
   """An archive's data belongs to the index's layout, clock and ranks for it: its
   signed ``archive.json`` records their digests when it is written."""
   want = index.describes(archive)
   if not isinstance(got, dict) or set(got) != set(want):
     raise ArchiveError(f"{where}: {ARCHIVE_FILE} has no valid 'describes' entry")
-  for key, words in (("placements", "which params it holds at which rank"),
-                     ("layout", "its state layout"), ("clock", "its optimizer clock")):
+  for key, words in (
+    ("placements", "which params it holds at which rank"),
+    ("layout", "its state layout"),
+    ("clock", "its optimizer clock"),
+  ):
     if got[key] != want[key]:
       raise ArchiveError(
-          f"{where}: the index does not describe this archive as it was written"
-          f" (the index and its {ARCHIVE_FILE} disagree on {words}); the index was edited or"
-          " belongs to other archives")
+        f"{where}: the index does not describe this archive as it was written"
+        f" (the index and its {ARCHIVE_FILE} disagree on {words}); the index was edited or"
+        " belongs to other archives"
+      )
 
 
-def pad_table(index: Index, layout: Layout, placement: Callable, archive: int,
-              dtype: np.dtype) -> _Pads:
+def pad_table(
+  index: Index, layout: Layout, placement: Callable, archive: int, dtype: np.dtype
+) -> _Pads:
   """Where the padding of an archive's packed buffer of ``dtype`` lies."""
   entries = sorted((o, n, k) for k, (d, o, n) in layout.offsets.items() if d == dtype)
   starts, owned, stops, keys, shards, trailing = [], [], [], [], [], []
@@ -337,9 +407,15 @@ def pad_table(index: Index, layout: Layout, placement: Callable, archive: int,
     keys.append((pid, m))
     shards.append(g)
     trailing.append(after)
-  return _Pads(np.asarray(starts, np.int64), np.asarray(owned, np.int64),
-               np.asarray(stops, np.int64), keys, shards, trailing,
-               {k: i for i, k in enumerate(keys)})
+  return _Pads(
+    np.asarray(starts, np.int64),
+    np.asarray(owned, np.int64),
+    np.asarray(stops, np.int64),
+    keys,
+    shards,
+    trailing,
+    {k: i for i, k in enumerate(keys)},
+  )
 
 
 def _ranks_after(index: Index, archive: int, pid: str, rank: int) -> tuple[int, ...]:
@@ -351,8 +427,17 @@ def _ranks_after(index: Index, archive: int, pid: str, rank: int) -> tuple[int, 
   return tuple(sorted(out))
 
 
-def _read_runs(f: _shardread.ShardFile, src, dst, length, out, scratch,
-               stats: Optional[ReadStats] = None, zero=None, refuse=None) -> None:
+def _read_runs(
+  f: _shardread.ShardFile,
+  src,
+  dst,
+  length,
+  out,
+  scratch,
+  stats: ReadStats | None = None,
+  zero=None,
+  refuse=None,
+) -> None:
   """Copies runs ``src -> dst`` of ``f`` into ``out``, reading each chunk span once.
 
   ``zero``: ``(starts, lengths)`` of ranges of ``f`` that must be zero bits,
@@ -387,7 +472,7 @@ def _read_runs(f: _shardread.ShardFile, src, dst, length, out, scratch,
       # The next span: consecutive needed chunks from this one, as many as fit.
       pos = int(np.searchsorted(needed, ch))
       n = 1
-      while (pos + n < len(needed) and n < per_span and needed[pos + n] == ch + n):
+      while pos + n < len(needed) and n < per_span and needed[pos + n] == ch + n:
         n += 1
       data = f.read_chunks(ch, n, scratch)
       span_first, span_n = ch, n
@@ -399,7 +484,7 @@ def _read_runs(f: _shardread.ShardFile, src, dst, length, out, scratch,
     a, b, t = int(lo[j]) - ch * c, int(hi[j]) - ch * c, int(to[j])
     r = int(run[j])
     if r < n_copy:
-      view[t:t + b - a] = row[a:b]
+      view[t : t + b - a] = row[a:b]
     else:
       nz = np.flatnonzero(row[a:b])
       if nz.size:

@@ -19,31 +19,32 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
-from typing import Any, Iterable, Iterator, Mapping, Optional, Union
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxreshard._src.exec import bitview as _bitview
 from jaxreshard._src.checkpoint import reader as _checkpoint
-from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import clock as _clock
-from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.exec import bitview as _bitview
 
 __all__ = [
-    "BufferDigest",
-    "Digest",
-    "ParamDigest",
-    "checkpoint_records",
-    "clock_scalars",
-    "clock_text",
-    "clock_value",
-    "compare_digests",
-    "digest",
-    "digest_records",
-    "raw_bits",
+  "BufferDigest",
+  "Digest",
+  "ParamDigest",
+  "checkpoint_records",
+  "clock_scalars",
+  "clock_text",
+  "clock_value",
+  "compare_digests",
+  "digest",
+  "digest_records",
+  "raw_bits",
 ]
 
 
@@ -151,10 +152,10 @@ def digest_records(records: Iterable[ShardRecord]) -> Digest:
   """
   acc = _Accumulator()
   for index, record in enumerate(records):
-    anatomy = _anatomy(index, record)
-    acc.add_structure(index, anatomy, record)
+    state_parts = _state_parts(index, record)
+    acc.add_structure(index, state_parts, record)
     for p in record.placements:
-      acc.add_placement(index, p, anatomy.history(p.param))
+      acc.add_placement(index, p, state_parts.history(p.param))
   return acc.digest()
 
 
@@ -162,18 +163,21 @@ class _Accumulator:
   """What ``digest_records`` has seen so far, one archive at a time."""
 
   def __init__(self):
-    self.structure: Optional[str] = None
-    self.scalars: Optional[tuple] = None
-    self.clock: Optional[tuple] = None  # archive 0's ``_clock.clock_key``
+    self.structure: str | None = None
+    self.scalars: tuple | None = None
+    self.clock: tuple | None = None  # archive 0's ``_clock.clock_key``
     self.meta: dict[str, tuple] = {}  # pid -> (shape, dtype, trainable, world_size, history)
     self.seen_ranks: dict[str, set[int]] = {}
     self.streams: dict[tuple[str, int], _Stream] = {}
     self.problems: list[str] = []
 
-  def add_structure(self, index: int, anatomy: _structure.StateParts, record: ShardRecord) -> None:
+  def add_structure(
+    self, index: int, state_parts: _structure.StateParts, record: ShardRecord
+  ) -> None:
     """The state's structure and clock scalars must be those of archive 0."""
-    structure = repr((str(anatomy.skeleton),
-                      [jax.tree_util.keystr(m.prefix) for m in anatomy.mirrors]))
+    structure = repr(
+      (str(state_parts.skeleton), [jax.tree_util.keystr(m.prefix) for m in state_parts.subtrees])
+    )
     clock = _clock.clock_key(structure, [x for _, x in _clock_leaves(record)])
     if self.structure is None:
       self.structure, self.scalars, self.clock = structure, _scalars(record), clock
@@ -189,8 +193,9 @@ class _Accumulator:
     key = (tuple(p.shape), np.dtype(p.dtype).name, bool(p.trainable), p.world_size, words)
     if self.meta.setdefault(pid, key) != key:
       self.problems.append(
-          f"param {pid!r}: archive {index} disagrees with another archive on its shape,"
-          f" dtype, trainability, world size or history")
+        f"param {pid!r}: archive {index} disagrees with another archive on its shape,"
+        f" dtype, trainability, world size or history"
+      )
       return
     if p.rank in self.seen_ranks.setdefault(pid, set()):
       self.problems.append(f"param {pid!r}: rank {p.rank} appears in more than one archive")
@@ -199,8 +204,9 @@ class _Accumulator:
     g = FlatShard(p.shape, p.rank, p.world_size)
     buffers = [h for h in hist if h is not None and h is not _structure.MASKED]
     for m, buf in enumerate(buffers):
-      self.add_buffer(f"param {pid!r} buffer {m} (archive {index}, rank {p.rank})",
-                      (pid, m), g, buf)
+      self.add_buffer(
+        f"param {pid!r} buffer {m} (archive {index}, rank {p.rank})", (pid, m), g, buf
+      )
 
   def add_buffer(self, where: str, key: tuple[str, int], g: FlatShard, buf: Any) -> None:
     """A buffer's owned elements join its stream; its padding must be zero bits."""
@@ -208,18 +214,20 @@ class _Accumulator:
       self.problems.append(f"{where}: shape {tuple(np.shape(buf))} is not ({g.slots},)")
       return
     bits = raw_bits(buf)
-    pad = np.flatnonzero(bits[g.owned:])
+    pad = np.flatnonzero(bits[g.owned :])
     if pad.size:
       self.problems.append(
-          f"{where}: padding is not zero ({pad.size} nonzero, first at local"
-          f" index {g.owned + int(pad[0])})")
+        f"{where}: padding is not zero ({pad.size} nonzero, first at local"
+        f" index {g.owned + int(pad[0])})"
+      )
     dtype = np.asarray(buf).dtype
     stream = self.streams.setdefault(key, _Stream(dtype))
     if stream.dtype != dtype:
-      self.problems.append(f"{where}: dtype {dtype.name} differs from another rank's"
-                           f" {stream.dtype.name}")
+      self.problems.append(
+        f"{where}: dtype {dtype.name} differs from another rank's {stream.dtype.name}"
+      )
       return
-    stream.feed(g.rank, bits[:g.owned])
+    stream.feed(g.rank, bits[: g.owned])
 
   def digest(self) -> Digest:
     """The digest of everything seen; ranks never seen are problems."""
@@ -239,7 +247,7 @@ class _Accumulator:
     return Digest(self.structure or "", self.scalars or (), params, tuple(self.problems))
 
 
-def digest(records_or_directory: Union[Iterable[ShardRecord], os.PathLike, str]) -> Digest:
+def digest(records_or_directory: Iterable[ShardRecord] | os.PathLike | str) -> Digest:
   """A fingerprint of an optimizer state that does not depend on how it is sharded.
 
   Two sets of archives have equal digests (``==``, or the same ``hexdigest()``)
@@ -286,7 +294,7 @@ def digest(records_or_directory: Union[Iterable[ShardRecord], os.PathLike, str])
   return digest_records(records_or_directory)
 
 
-def _stream(directory: Union[os.PathLike, str]) -> Iterator[ShardRecord]:
+def _stream(directory: os.PathLike | str) -> Iterator[ShardRecord]:
   return checkpoint_records(_checkpoint.open_checkpoint(directory))
 
 
@@ -298,11 +306,11 @@ def checkpoint_records(ckpt: _checkpoint.Checkpoint) -> Iterator[ShardRecord]:
     yield ckpt.record(i)
 
 
-def _anatomy(index: int, record: Any) -> _structure.StateParts:
+def _state_parts(index: int, record: Any) -> _structure.StateParts:
   if not isinstance(record, ShardRecord):
     raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
   try:
-    return _structure.anatomy(record.state, _structure.roles_of(record))
+    return _structure.state_parts(record.state, _structure.roles_of(record))
   except _structure.StatePartsError as e:
     raise PlacementError(f"archive {index}: {e}") from None
 
@@ -319,13 +327,14 @@ def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
 def _clock_leaves(record: ShardRecord) -> list[tuple[str, Any]]:
   """``(key path, leaf)`` of every clock scalar, the leaves as the state holds them."""
   try:
-    anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
+    state_parts = _structure.state_parts(record.state, _structure.roles_of(record))
   except _structure.StatePartsError as e:
     raise PlacementError(f"an archive that cannot be taken apart: {e}") from None
   paths = _structure.clock_paths(
-      anatomy.skeleton,
-      [not isinstance(x, _structure.ParamsSubtreeSlot) for x in anatomy.skeleton_leaves])
-  return [(path, x) for path, (_, x) in zip(paths, anatomy.scalars)]
+    state_parts.skeleton,
+    [not isinstance(x, _structure.ParamsSubtreeSlot) for x in state_parts.skeleton_leaves],
+  )
+  return [(path, x) for path, (_, x) in zip(paths, state_parts.scalars)]
 
 
 # A clock leaf is shown by its first elements only: an index may hold arrays of
@@ -377,8 +386,7 @@ def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
   return tuple(out)
 
 
-def compare_digests(a: Digest, b: Digest, *,
-                    names: tuple[str, str] = ("a", "b")) -> list[str]:
+def compare_digests(a: Digest, b: Digest, *, names: tuple[str, str] = ("a", "b")) -> list[str]:
   """Every difference between two digests, one line each; empty when identical.
 
   Each line names the parameter and buffer index (or the scalar path) that
@@ -416,16 +424,18 @@ def compare_digests(a: Digest, b: Digest, *,
     for m, (ba, bb) in enumerate(zip(pa.buffers, pb.buffers)):
       if ba != bb:
         what = "bits" if (ba.dtype, ba.count) == (bb.dtype, bb.count) else "dtype or size"
-        out.append(f"param {pid!r} buffer {m}: {what} differ"
-                   f" ({ba.dtype}[{ba.count}] {ba.sha256[:12]} != {bb.dtype}[{bb.count}]"
-                   f" {bb.sha256[:12]})")
+        out.append(
+          f"param {pid!r} buffer {m}: {what} differ"
+          f" ({ba.dtype}[{ba.count}] {ba.sha256[:12]} != {bb.dtype}[{bb.count}]"
+          f" {bb.sha256[:12]})"
+        )
   return out
 
 
-def _scalar_text(v: Optional[list]) -> str:
+def _scalar_text(v: list | None) -> str:
   if v is None:
     return "missing"
   hexbits = v[1]
   if len(hexbits) > 4 * CLOCK_ELEMENTS_SHOWN:  # a long array: its first bytes and its size
-    hexbits = f"{hexbits[:4 * CLOCK_ELEMENTS_SHOWN]}... ({len(v[1]) // 2} bytes)"
+    hexbits = f"{hexbits[: 4 * CLOCK_ELEMENTS_SHOWN]}... ({len(v[1]) // 2} bytes)"
   return f"{v[0]} 0x{hexbits}"

@@ -36,7 +36,8 @@ import math
 import re
 import sys
 import threading
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,16 +47,16 @@ from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
 
 __all__ = [
-    "ArchiveError",
-    "ArchiveExistsError",
-    "decode_tree",
-    "encode_tree",
-    "decode_scalar",
-    "encode_scalar",
-    "check_name",
-    "np_dtype",
-    "signed_json",
-    "verified_json",
+  "ArchiveError",
+  "ArchiveExistsError",
+  "decode_tree",
+  "encode_tree",
+  "decode_scalar",
+  "encode_scalar",
+  "check_name",
+  "np_dtype",
+  "signed_json",
+  "verified_json",
 ]
 
 # Names that become file names inside a checkpoint; anything else is refused.
@@ -67,9 +68,22 @@ _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,9}\Z")
 ALLOWED_PACKAGES = ("optax",)
 
 _DTYPES = {
-    name: jnp.dtype(name)
-    for name in ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-                 "uint64", "float16", "bfloat16", "float32", "float64")
+  name: jnp.dtype(name)
+  for name in (
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+  )
 }
 MAX_SCALAR_BYTES = 1 << 16  # clock scalars are tiny; refuse anything that is not
 MAX_TREE_DEPTH = 200
@@ -145,17 +159,25 @@ def verified_json(raw: bytes, where: str) -> Any:
       of a dict.
   """
   head = raw[:_SIGNED_HEAD]
-  if (not raw.startswith(SIGNED_PREFIX) or len(raw) < _SIGNED_HEAD + 1
-      or not _HEX.match(head[len(SIGNED_PREFIX):-2]) or head[-2:] != b'",'):
-    raise ArchiveError(f"{where} has no checksum: a file jaxreshard writes in a checkpoint starts"
-                       ' with {"checksum":"sha256:<64 hex digits>",')
+  if (
+    not raw.startswith(SIGNED_PREFIX)
+    or len(raw) < _SIGNED_HEAD + 1
+    or not _HEX.match(head[len(SIGNED_PREFIX) : -2])
+    or head[-2:] != b'",'
+  ):
+    raise ArchiveError(
+      f"{where} has no checksum: a file jaxreshard writes in a checkpoint starts"
+      ' with {"checksum":"sha256:<64 hex digits>",'
+    )
   body = b"{" + raw[_SIGNED_HEAD:]
-  recorded = head[len(SIGNED_PREFIX):-2].decode("ascii")
+  recorded = head[len(SIGNED_PREFIX) : -2].decode("ascii")
   actual = hashlib.sha256(body).hexdigest()
   if actual != recorded:
-    raise ArchiveError(f"{where} fails its checksum (sha256 {actual[:16]}... of its bytes, but it"
-                       f" records {recorded[:16]}...): the file was changed or damaged after it"
-                       " was written")
+    raise ArchiveError(
+      f"{where} fails its checksum (sha256 {actual[:16]}... of its bytes, but it"
+      f" records {recorded[:16]}...): the file was changed or damaged after it"
+      " was written"
+    )
   try:
     text = body.decode("ascii")
   except UnicodeDecodeError:
@@ -208,10 +230,10 @@ def encode_scalar(x: Any, where: str) -> dict:
   if a.dtype.name not in _DTYPES or a.nbytes > MAX_SCALAR_BYTES:
     raise ReshardError(f"{where}: cannot store a {a.dtype} leaf of shape {a.shape} as a scalar")
   return {
-      "dtype": a.dtype.name,
-      "shape": list(a.shape),
-      "weak": bool(getattr(x, "weak_type", False)),
-      "bytes": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii"),
+    "dtype": a.dtype.name,
+    "shape": list(a.shape),
+    "weak": bool(getattr(x, "weak_type", False)),
+    "bytes": base64.b64encode(np.ascontiguousarray(a).tobytes()).decode("ascii"),
   }
 
 
@@ -227,8 +249,7 @@ def decode_scalar(d: Any, where: str) -> Any:
     kind, v = d.get("py"), d.get("v")
     if kind == "bool" and isinstance(v, bool):
       return v
-    if kind == "int" and isinstance(v, int) and not isinstance(v, bool) and (
-        -2**63 <= v < 2**63):
+    if kind == "int" and isinstance(v, int) and not isinstance(v, bool) and (-(2**63) <= v < 2**63):
       return v
     if kind == "float" and isinstance(v, str) and len(v) < 64:
       try:
@@ -258,8 +279,10 @@ def decode_scalar(d: Any, where: str) -> Any:
   except ValueError:
     raise ArchiveError(f"{where}: scalar bytes are not base64") from None
   if len(raw) != nbytes:  # base64 padding can shorten what the text's length allows
-    raise ArchiveError(f"{where}: scalar of shape {shape} and dtype {dtype.name} needs"
-                       f" {nbytes} bytes, not {len(raw)}")
+    raise ArchiveError(
+      f"{where}: scalar of shape {shape} and dtype {dtype.name} needs"
+      f" {nbytes} bytes, not {len(raw)}"
+    )
   a = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
   weak = expect(d["weak"], bool, where)
   if _clock.stays_on_host(a):
@@ -295,8 +318,9 @@ def _frozen_dict_class(where: str) -> type:
   try:
     from flax.core.frozen_dict import FrozenDict  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ArchiveError(f"{where}: the state holds a flax FrozenDict; loading it needs flax"
-                       " installed") from None
+    raise ArchiveError(
+      f"{where}: the state holds a flax FrozenDict; loading it needs flax installed"
+    ) from None
   return FrozenDict
 
 
@@ -315,34 +339,47 @@ def encode_tree(state: Any) -> tuple[dict, list[Any]]:
     if _is_namedtuple(node):
       cls = type(node)
       classes[(cls.__module__, cls.__name__, tuple(cls._fields))] = cls
-      return ["n", cls.__module__, cls.__name__, list(cls._fields),
-              [enc(c, path + (f,)) for f, c in zip(cls._fields, node)]]
+      return [
+        "n",
+        cls.__module__,
+        cls.__name__,
+        list(cls._fields),
+        [enc(c, path + (f,)) for f, c in zip(cls._fields, node)],
+      ]
     if type(node) in (tuple, list):
-      return ["t" if type(node) is tuple else "l",
-              [enc(c, path + (i,)) for i, c in enumerate(node)]]
+      return [
+        "t" if type(node) is tuple else "l",
+        [enc(c, path + (i,)) for i, c in enumerate(node)],
+      ]
     frozen = _is_frozen_dict(node)
     if type(node) is dict or frozen:
       keys = list(node)
       if not (all(type(k) is str for k in keys) or all(type(k) is int for k in keys)):
         raise ReshardError(
-            f"state node at {path}: dict keys must be all str or all int to be stored")
+          f"state node at {path}: dict keys must be all str or all int to be stored"
+        )
       keys = sorted(keys)  # jax flattens dicts in sorted key order
-      return ["f" if frozen else "d", [["s" if type(k) is str else "i", k] for k in keys],
-              [enc(node[k], path + (k,)) for k in keys]]
+      return [
+        "f" if frozen else "d",
+        [["s" if type(k) is str else "i", k] for k in keys],
+        [enc(node[k], path + (k,)) for k in keys],
+      ]
     if jax.tree_util.tree_structure(node) == _LEAF:
       leaves.append(node)
       return len(leaves) - 1
     raise ReshardError(
-        f"state node at {path} is a {type(node).__module__}.{type(node).__qualname__}, a"
-        " pytree node type jaxreshard cannot store (NamedTuple, dict, flax's FrozenDict, list,"
-        " tuple and None can be)")
+      f"state node at {path} is a {type(node).__module__}.{type(node).__qualname__}, a"
+      " pytree node type jaxreshard cannot store (NamedTuple, dict, flax's FrozenDict, list,"
+      " tuple and None can be)"
+    )
 
   tree = enc(state, ())
   # The encoding must give back exactly this structure, or saving is pointless
   # (with the original classes: one loaded elsewhere may be a plain namedtuple).
   rebuilt = decode_tree(tree, list(range(len(leaves))), "state", classes)
-  if (jax.tree_util.tree_structure(rebuilt) != jax.tree_util.tree_structure(state)
-      or jax.tree.leaves(rebuilt) != list(range(len(leaves)))):
+  if jax.tree_util.tree_structure(rebuilt) != jax.tree_util.tree_structure(
+    state
+  ) or jax.tree.leaves(rebuilt) != list(range(len(leaves))):
     raise ReshardError("the state's tree structure cannot be stored exactly")
   return tree, leaves
 
@@ -360,17 +397,24 @@ def namedtuple_class(module: Any, name: Any, fields: Any, where: str) -> type:
   (name, fields) so that archives loaded separately still share a structure.
   """
   check_name(name, _IDENTIFIER, where)
-  if not isinstance(fields, list) or not all(isinstance(f, str) and _IDENTIFIER.match(f)
-                                             and not keyword.iskeyword(f) for f in fields):
+  if not isinstance(fields, list) or not all(
+    isinstance(f, str) and _IDENTIFIER.match(f) and not keyword.iskeyword(f) for f in fields
+  ):
     raise ArchiveError(f"{where}: NamedTuple {short(name)} has invalid field names {short(fields)}")
   fields = tuple(fields)
   if len(set(fields)) != len(fields) or keyword.iskeyword(name):
-    raise ArchiveError(f"{where}: NamedTuple {short(name)} has invalid field names {short(list(fields))}")
+    raise ArchiveError(
+      f"{where}: NamedTuple {short(name)} has invalid field names {short(list(fields))}"
+    )
   if isinstance(module, str) and _MODULE.match(module) and module.split(".")[0] in ALLOWED_PACKAGES:
     mod = sys.modules.get(module)  # never imports: only modules already loaded
     cls = getattr(mod, name, None) if mod is not None else None
-    if (isinstance(cls, type) and issubclass(cls, tuple)
-        and tuple(getattr(cls, "_fields", ())) == fields and hasattr(cls, "_make")):
+    if (
+      isinstance(cls, type)
+      and issubclass(cls, tuple)
+      and tuple(getattr(cls, "_fields", ())) == fields
+      and hasattr(cls, "_make")
+    ):
       return cls
   with _FALLBACK_LOCK:
     key = (name, fields)
@@ -383,8 +427,7 @@ def namedtuple_class(module: Any, name: Any, fields: Any, where: str) -> type:
     return cls
 
 
-def decode_tree(tree: Any, leaves: Sequence[Any], where: str,
-                classes: Optional[dict] = None) -> Any:
+def decode_tree(tree: Any, leaves: Sequence[Any], where: str, classes: dict | None = None) -> Any:
   """Rebuilds a pytree from ``encode_tree``'s JSON and its leaves (each used once).
 
   ``classes`` (the encoder's own, never a checkpoint's) maps (module, name,
@@ -414,11 +457,16 @@ def decode_tree(tree: Any, leaves: Sequence[Any], where: str,
     if kind in ("d", "f") and len(node) == 3 and type(node[1]) is list:
       keys = node[1]
       if len(keys) != len(children):
-        raise ArchiveError(f"{where}: a dict node has {len(keys)} keys and {len(children)} children")
+        raise ArchiveError(
+          f"{where}: a dict node has {len(keys)} keys and {len(children)} children"
+        )
       out = {}
       for k, c in zip(keys, children):
-        if not (type(k) is list and len(k) == 2 and
-                ((k[0] == "s" and type(k[1]) is str) or (k[0] == "i" and type(k[1]) is int))):
+        if not (
+          type(k) is list
+          and len(k) == 2
+          and ((k[0] == "s" and type(k[1]) is str) or (k[0] == "i" and type(k[1]) is int))
+        ):
           raise ArchiveError(f"{where}: invalid dict key {short(k)}")
         if out and type(k[1]) is not type(next(iter(out))):
           raise ArchiveError(f"{where}: a dict node mixes str and int keys")
@@ -428,11 +476,16 @@ def decode_tree(tree: Any, leaves: Sequence[Any], where: str,
       return out if kind == "d" else _frozen_dict_class(where)(out)
     if kind == "n" and len(node) == 5:
       _, module, name, fields = node[:4]
-      if not (type(module) is str and type(name) is str and type(fields) is list
-              and all(type(f) is str for f in fields)):
+      if not (
+        type(module) is str
+        and type(name) is str
+        and type(fields) is list
+        and all(type(f) is str for f in fields)
+      ):
         raise ArchiveError(f"{where}: invalid NamedTuple node {str(node[:4])[:200]!r}")
-      cls = ((classes or {}).get((module, name, tuple(fields)))
-             or namedtuple_class(module, name, fields, where))
+      cls = (classes or {}).get((module, name, tuple(fields))) or namedtuple_class(
+        module, name, fields, where
+      )
       out = [dec(c, depth + 1) for c in children]
       if len(out) != len(cls._fields):
         raise ArchiveError(f"{where}: NamedTuple {cls.__name__} has {len(out)} children")

@@ -6,17 +6,17 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
-from jaxreshard._src.errors import ArchiveError, PlacementError
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE
-from jaxreshard._src.core.record import RECORD_VERSION
-from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.errors import ArchiveError, PlacementError
 
 FORMAT = "jaxreshard-checkpoint"
 # The version of the on-disk checkpoint layout (index, archives, buffer files); the
@@ -42,8 +42,18 @@ MAX_ID_CHARS = 4096
 # Reads of chunk spans go through a reused scratch buffer of this size.
 STAGING_BYTES = 8 << 20
 
-_INDEX_KEYS = {"format", "format_version", "checkpoint", "record_version", "params", "groups",
-               "layouts", "clocks", "archives", "source"}
+_INDEX_KEYS = {
+  "format",
+  "format_version",
+  "checkpoint",
+  "record_version",
+  "params",
+  "groups",
+  "layouts",
+  "clocks",
+  "archives",
+  "source",
+}
 _SOURCE_KEYS = {"checkpoint", "world_size", "layout"}
 _ID = re.compile(r"[0-9a-f]{32}\Z")
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
@@ -52,8 +62,9 @@ _TERM_MOD = 1 << 128
 
 def _json_digest(obj: Any) -> str:
   """The sha256 (hex) of ``obj``'s canonical JSON (compact, keys sorted, ASCII)."""
-  return hashlib.sha256(json.dumps(obj, separators=(",", ":"), sort_keys=True)
-                        .encode("ascii")).hexdigest()
+  return hashlib.sha256(
+    json.dumps(obj, separators=(",", ":"), sort_keys=True).encode("ascii")
+  ).hexdigest()
 
 
 def _param_term(entry: Any) -> int:
@@ -85,7 +96,7 @@ class Source:
 
   checkpoint: str
   world_size: int
-  layout: Optional[str] = None
+  layout: str | None = None
 
   def to_json(self) -> dict:
     return {"checkpoint": self.checkpoint, "world_size": self.world_size, "layout": self.layout}
@@ -100,21 +111,6 @@ class SourcedRecords:
 
   def __iter__(self):
     return iter(self.records)
-
-
-@dataclasses.dataclass
-class ReadStats:
-  """What ``Checkpoint.read_runs`` read from buffer files: a counter the caller owns.
-
-  Attributes:
-    reads: read calls (one per span of consecutive chunks).
-    chunks: chunks read, each with its crc32c.
-    bytes: bytes read from the shard files (chunk data and checksums).
-  """
-
-  reads: int = 0
-  chunks: int = 0
-  bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,39 +142,51 @@ class Layout:
     self.n_scalars = sum(isinstance(x, _ScalarSlot) for x in leaves)
     placeholder = fmt.decode_tree(tree, leaves, where)
     try:
-      self.anatomy = _structure.anatomy(placeholder, self.roles)
+      self.state_parts = _structure.state_parts(placeholder, self.roles)
     except _structure.StatePartsError as e:
       raise ArchiveError(f"{where}: {e}") from None
     self.offsets: dict[tuple[str, int], tuple[np.dtype, int, int]] = {}
     self.sizes: dict[np.dtype, int] = {}
     for pid, m, info in _copyplan.packing_order(
-        {p: self.anatomy.history(p) for p in self.anatomy.param_set()}):
+      {p: self.state_parts.history(p) for p in self.state_parts.param_set()}
+    ):
       start = self.sizes.get(info.dtype, 0)
       self.offsets[(pid, m)] = (info.dtype, start, info.size)
       self.sizes[info.dtype] = start + info.size
     self._templates: dict[int, _structure.StateParts] = {}
     # (param, mirror) of each history leaf, by the leaf's identity.
-    self._keys = {id(info): (pid, mi) for mi, mirror in enumerate(self.anatomy.mirrors)
-                  for pid, info in mirror.entries.items() if isinstance(info, LeafInfo)}
+    self._keys = {
+      id(info): (pid, mi)
+      for mi, subtree in enumerate(self.state_parts.subtrees)
+      for pid, info in subtree.entries.items()
+      if isinstance(info, LeafInfo)
+    }
 
   def state(self, scalars: Sequence[Any], buffers: dict[tuple[str, int], Any]) -> Any:
     """The archive's state: clock scalars and history buffers put in the tree."""
-    leaves = [scalars[x.index] if isinstance(x, _ScalarSlot) else buffers[self._keys[id(x)]]
-              for x in self.leaves]
+    leaves = [
+      scalars[x.index] if isinstance(x, _ScalarSlot) else buffers[self._keys[id(x)]]
+      for x in self.leaves
+    ]
     return fmt.decode_tree(self.tree, leaves, self.where)
 
   def infos(self) -> dict[tuple[str, int], LeafInfo]:
     """Every history buffer of the layout, by (param, mirror)."""
-    return {key: info for info in self.leaves if isinstance(info, LeafInfo)
-            for key in (self._keys[id(info)],)}
+    return {
+      key: info
+      for info in self.leaves
+      if isinstance(info, LeafInfo)
+      for key in (self._keys[id(info)],)
+    }
 
   def template(self, clock_id: int, scalars: Sequence[Any]) -> _structure.StateParts:
-    """The anatomy of an archive with this layout and clock (for building targets)."""
+    """The state parts of an archive with this layout and clock (for building targets)."""
     t = self._templates.get(clock_id)
     if t is None:
       leaves = [scalars[x.index] if isinstance(x, _ScalarSlot) else x for x in self.leaves]
-      t = self._templates[clock_id] = _structure.anatomy(
-          fmt.decode_tree(self.tree, leaves, self.where), self.roles)
+      t = self._templates[clock_id] = _structure.state_parts(
+        fmt.decode_tree(self.tree, leaves, self.where), self.roles
+      )
     return t
 
 
@@ -236,7 +244,7 @@ class Index:
   group_terms: tuple[int, ...]
   layout_digests: tuple[str, ...]
   clock_digests: tuple[str, ...]
-  source: Optional[Source]
+  source: Source | None
 
   def describes(self, archive: int) -> dict[str, str]:
     """Digests of what the index says of ``archive``: its layout, its clock and its
@@ -245,30 +253,40 @@ class Index:
     for gi, r in self.member[archive]:
       key = (self.groups[gi].world_size, r)
       buckets[key] = buckets.get(key, 0) + self.group_terms[gi]
-    return {"layout": self.layout_digests[self.archive_layout[archive]],
-            "clock": self.clock_digests[self.archive_clock[archive]],
-            "placements": _placements_digest(buckets)}
+    return {
+      "layout": self.layout_digests[self.archive_layout[archive]],
+      "clock": self.clock_digests[self.archive_clock[archive]],
+      "placements": _placements_digest(buckets),
+    }
 
 
 def parse_index(index: Any, where: str) -> Index:
   """The index's JSON value, every field checked; ``where`` names the file in refusals."""
   checkpoint_id, record_version = _parse_header(index, where)
-  params = tuple(_parse_param(e, f"{where}, param {i}")
-                 for i, e in enumerate(fmt.expect(index["params"], list, where)))
+  params = tuple(
+    _parse_param(e, f"{where}, param {i}")
+    for i, e in enumerate(fmt.expect(index["params"], list, where))
+  )
   param_terms = [_param_term(e) for e in index["params"]]
   archives = fmt.expect(index["archives"], list, where)
   if not archives:
     raise ArchiveError(f"{where}: the archive list is empty")
-  layouts = tuple(_parse_layout(e, f"{where}, layout {i}")
-                  for i, e in enumerate(fmt.expect(index["layouts"], list, where)))
-  clocks = tuple(_parse_clock(e, f"{where}, clock {i}", len(params))
-                 for i, e in enumerate(fmt.expect(index["clocks"], list, where)))
+  layouts = tuple(
+    _parse_layout(e, f"{where}, layout {i}")
+    for i, e in enumerate(fmt.expect(index["layouts"], list, where))
+  )
+  clocks = tuple(
+    _parse_clock(e, f"{where}, clock {i}", len(params))
+    for i, e in enumerate(fmt.expect(index["clocks"], list, where))
+  )
   # What each archive.json says the index holds for it (checked on every read).
   layout_digests = tuple(_json_digest(e) for e in index["layouts"])
   clock_digests = tuple(_json_digest(e) for e in index["clocks"])
   names, archive_layout, archive_clock = _parse_archives(archives, layouts, clocks, where)
-  groups = tuple(_parse_group(e, f"{where}, group {i}", params, names)
-                 for i, e in enumerate(fmt.expect(index["groups"], list, where)))
+  groups = tuple(
+    _parse_group(e, f"{where}, group {i}", params, names)
+    for i, e in enumerate(fmt.expect(index["groups"], list, where))
+  )
   member: list[list[tuple[int, int]]] = [[] for _ in names]
   for gi, g in enumerate(groups):
     for a, r in g.ranks:
@@ -279,9 +297,23 @@ def parse_index(index: Any, where: str) -> Index:
     if len(pindex) != len(groups[gi].params):
       raise ArchiveError(f"{where}: group {gi} lists a param twice")
   source = _parse_source(index["source"], f"{where}, source", groups)
-  return Index(checkpoint_id, record_version, params, layouts, clocks, names, archive_layout,
-               archive_clock, groups, tuple(tuple(m) for m in member), param_index,
-               group_terms, layout_digests, clock_digests, source)
+  return Index(
+    checkpoint_id,
+    record_version,
+    params,
+    layouts,
+    clocks,
+    names,
+    archive_layout,
+    archive_clock,
+    groups,
+    tuple(tuple(m) for m in member),
+    param_index,
+    group_terms,
+    layout_digests,
+    clock_digests,
+    source,
+  )
 
 
 def _parse_header(index: Any, where: str) -> tuple[str, int]:
@@ -291,11 +323,13 @@ def _parse_header(index: Any, where: str) -> tuple[str, int]:
   version = index.get("format_version")
   if version != FORMAT_VERSION:
     raise ArchiveError(
-        f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
-        f" reads version {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that"
-        " wrote it: load it there and save it again)" if version == 1 else
-        f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
-        f" reads version {FORMAT_VERSION}")
+      f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
+      f" reads version {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that"
+      " wrote it: load it there and save it again)"
+      if version == 1
+      else f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
+      f" reads version {FORMAT_VERSION}"
+    )
   if set(index) != _INDEX_KEYS:
     raise ArchiveError(f"{where}: unexpected index keys {sorted(index)}")
   checkpoint_id = index["checkpoint"]
@@ -304,13 +338,15 @@ def _parse_header(index: Any, where: str) -> tuple[str, int]:
   record_version = fmt.expect(index["record_version"], int, where)
   if record_version != RECORD_VERSION:
     raise PlacementError(
-        f"{where}: record version {record_version!r} is not supported"
-        f" (only version {RECORD_VERSION} exists)")
+      f"{where}: record version {record_version!r} is not supported"
+      f" (only version {RECORD_VERSION} exists)"
+    )
   return checkpoint_id, record_version
 
 
-def _parse_archives(archives: list, layouts: Sequence[Layout], clocks: Sequence[list],
-                    where: str) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+def _parse_archives(
+  archives: list, layouts: Sequence[Layout], clocks: Sequence[list], where: str
+) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
   """Each archive's ``[name, layout, clock]``, listed in the order of their names."""
   names, archive_layout, archive_clock = [], [], []
   for i, e in enumerate(archives):
@@ -322,8 +358,10 @@ def _parse_archives(archives: list, layouts: Sequence[Layout], clocks: Sequence[
     if not (0 <= layout < len(layouts) and 0 <= clock < len(clocks)):
       raise ArchiveError(f"{aw}: layout {layout} or clock {clock} does not exist")
     if layouts[layout].n_scalars != len(clocks[clock]):
-      raise ArchiveError(f"{aw}: its clock has {len(clocks[clock])} scalars but its"
-                         f" layout {layouts[layout].n_scalars}")
+      raise ArchiveError(
+        f"{aw}: its clock has {len(clocks[clock])} scalars but its"
+        f" layout {layouts[layout].n_scalars}"
+      )
     names.append(name)
     archive_layout.append(layout)
     archive_clock.append(clock)
@@ -331,23 +369,26 @@ def _parse_archives(archives: list, layouts: Sequence[Layout], clocks: Sequence[
     raise ArchiveError(f"{where}: the archive list has repeats")
   # Archives are listed in the order of their names (the i-th record is written
   # as archive_i), so reordering the list cannot relabel whose data is whose.
-  numbers = [int(n[len("archive_"):]) for n in names]
+  numbers = [int(n[len("archive_") :]) for n in names]
   for i in range(1, len(numbers)):
     if numbers[i] <= numbers[i - 1]:
-      raise ArchiveError(f"{where}, archive {i}: {names[i]} is listed after"
-                         f" {names[i - 1]}; archives are listed in the order of their names")
+      raise ArchiveError(
+        f"{where}, archive {i}: {names[i]} is listed after"
+        f" {names[i - 1]}; archives are listed in the order of their names"
+      )
   return tuple(names), tuple(archive_layout), tuple(archive_clock)
 
 
-def _parse_source(e: Any, where: str, groups: Sequence[Group]) -> Optional[Source]:
+def _parse_source(e: Any, where: str, groups: Sequence[Group]) -> Source | None:
   """The checkpoint a reshard read (None for a save of its own); its world size is
   every group's."""
   if e is None:
     return None
   fmt.expect(e, dict, where)
   if set(e) != _SOURCE_KEYS:
-    raise ArchiveError(f"{where}: expected checkpoint, world_size and layout, got keys"
-                       f" {fmt.short(sorted(e))}")
+    raise ArchiveError(
+      f"{where}: expected checkpoint, world_size and layout, got keys {fmt.short(sorted(e))}"
+    )
   if not (isinstance(e["checkpoint"], str) and _ID.match(e["checkpoint"])):
     raise ArchiveError(f"{where}: invalid checkpoint identity {fmt.short(e['checkpoint'])}")
   world = fmt.expect(e["world_size"], int, where)
@@ -357,8 +398,9 @@ def _parse_source(e: Any, where: str, groups: Sequence[Group]) -> Optional[Sourc
     raise ArchiveError(f"{where}: invalid layout {fmt.short(e['layout'])} (a sha256 in hex)")
   for gi, g in enumerate(groups):
     if g.world_size != world:
-      raise ArchiveError(f"{where}: world_size {world}, but group {gi} has world_size"
-                         f" {g.world_size}")
+      raise ArchiveError(
+        f"{where}: world_size {world}, but group {gi} has world_size {g.world_size}"
+      )
   return Source(e["checkpoint"], world, e["layout"])
 
 
@@ -371,10 +413,13 @@ def _parse_param(e: Any, where: str) -> ParamEntry:
   if not (isinstance(e, list) and len(e) == 4):
     raise ArchiveError(f"{where}: expected [id, shape, dtype, trainable]")
   if isinstance(e[0], str) and len(e[0]) > MAX_ID_CHARS:
-    raise ArchiveError(f"{where}: a param id of {len(e[0])} characters (at most"
-                       f" {MAX_ID_CHARS})")
-  return ParamEntry(fmt.expect(e[0], str, where), fmt.shape_of(e[1], where),
-                    fmt.np_dtype(e[2], where), fmt.expect(e[3], bool, where))
+    raise ArchiveError(f"{where}: a param id of {len(e[0])} characters (at most {MAX_ID_CHARS})")
+  return ParamEntry(
+    fmt.expect(e[0], str, where),
+    fmt.shape_of(e[1], where),
+    fmt.np_dtype(e[2], where),
+    fmt.expect(e[3], bool, where),
+  )
 
 
 def _parse_layout(e: Any, where: str) -> Layout:
@@ -403,13 +448,14 @@ def _parse_clock(e: Any, where: str, n_params: int) -> list[Any]:
   scalars = fmt.expect(e, list, where)
   limit = MAX_CLOCK_SCALARS_BASE + MAX_CLOCK_SCALARS_PER_PARAM * n_params
   if len(scalars) > limit:
-    raise ArchiveError(f"{where}: {len(scalars)} optimizer scalars for {n_params}"
-                       f" params, more than an optimizer has (at most {limit})")
+    raise ArchiveError(
+      f"{where}: {len(scalars)} optimizer scalars for {n_params}"
+      f" params, more than an optimizer has (at most {limit})"
+    )
   return [fmt.decode_scalar(x, f"{where}, scalar {k}") for k, x in enumerate(scalars)]
 
 
-def _parse_group(e: Any, where: str, params: Sequence[ParamEntry],
-                 names: Sequence[str]) -> Group:
+def _parse_group(e: Any, where: str, params: Sequence[ParamEntry], names: Sequence[str]) -> Group:
   fmt.expect(e, dict, where)
   if set(e) != {"world_size", "params", "ranks"}:
     raise ArchiveError(f"{where}: expected world_size, params and ranks")
@@ -427,10 +473,14 @@ def _parse_group(e: Any, where: str, params: Sequence[ParamEntry],
     if not 0 <= a < len(names):
       raise ArchiveError(f"{where}: archive {a} does not exist")
     if not 0 <= r < world:
-      raise ArchiveError(f"{where}: archive {a} ({names[a]}) has rank {r}, outside"
-                         f" world_size {world} of params {_param_names(params, group_params)}")
+      raise ArchiveError(
+        f"{where}: archive {a} ({names[a]}) has rank {r}, outside"
+        f" world_size {world} of params {_param_names(params, group_params)}"
+      )
     if ranks and a < ranks[-1][0]:
-      raise ArchiveError(f"{where}: [archive, rank] pairs must list archives in increasing"
-                         f" order; archive {a} follows archive {ranks[-1][0]}")
+      raise ArchiveError(
+        f"{where}: [archive, rank] pairs must list archives in increasing"
+        f" order; archive {a} follows archive {ranks[-1][0]}"
+      )
     ranks.append((a, r))
   return Group(world, group_params, tuple(ranks))

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
-from jaxreshard._src.checkpoint import reader as _checkpoint
 from jaxreshard._src.checkpoint import digest as _digest
-from jaxreshard._src.core import clock as _clock
-from jaxreshard._src.checkpoint.store import save_records
+from jaxreshard._src.checkpoint import reader as _checkpoint
 from jaxreshard._src.checkpoint.reader import Checkpoint, Source
+from jaxreshard._src.checkpoint.store import save_records
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementError
 
 __all__ = ["MergePlan", "archive_ranks", "merge_parts", "merge_plan", "refuse_partial"]
@@ -38,8 +39,10 @@ def archive_ranks(ckpt: Checkpoint) -> tuple[set[int], dict[int, int]]:
     worlds.add(g.world_size)
     for a, r in g.ranks:
       if rank_of.setdefault(a, r) != r:
-        raise PlacementError(f"{ckpt.directory}: archive {a} holds rank {rank_of[a]}"
-                             f" of one group and rank {r} of another")
+        raise PlacementError(
+          f"{ckpt.directory}: archive {a} holds rank {rank_of[a]}"
+          f" of one group and rank {r} of another"
+        )
   return worlds, rank_of
 
 
@@ -50,11 +53,15 @@ def refuse_partial(path: Any, ckpt: Checkpoint) -> None:
   except PlacementError:
     return  # not a reshard's output: complete_groups says what is wrong
   held = sorted(set(rank_of.values()))
-  if (len(worlds) == 1 and len(held) == len(rank_of) == len(ckpt)
-      and held != list(range(next(iter(worlds))))):
+  if (
+    len(worlds) == 1
+    and len(held) == len(rank_of) == len(ckpt)
+    and held != list(range(next(iter(worlds))))
+  ):
     raise PlacementError(
-        f"{path} is a partial checkpoint: ranks {held[:64]} of {next(iter(worlds))};"
-        " combine the parts with `jaxreshard merge OUT PART...` first")
+      f"{path} is a partial checkpoint: ranks {held[:64]} of {next(iter(worlds))};"
+      " combine the parts with `jaxreshard merge OUT PART...` first"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,17 +93,18 @@ def _open_part(path: Any) -> _Part:
     ckpt.check_archive(i)
   worlds, rank_of = archive_ranks(ckpt)
   if len(worlds) != 1:
-    raise PlacementError(f"{path} holds world sizes {sorted(worlds)}; merge combines"
-                         " parts of one world size")
+    raise PlacementError(
+      f"{path} holds world sizes {sorted(worlds)}; merge combines parts of one world size"
+    )
   if ckpt.source is None:
     raise PlacementError(
-        f"{path} names no checkpoint it was resharded from (not an output of"
-        " `jaxreshard reshard`); merge combines parts of one reshard")
+      f"{path} names no checkpoint it was resharded from (not an output of"
+      " `jaxreshard reshard`); merge combines parts of one reshard"
+    )
   for a in range(len(ckpt)):
-    layout = _checkpoint.target_layout(ckpt.placements(a), ckpt.layout(a).anatomy)
+    layout = _checkpoint.target_layout(ckpt.placements(a), ckpt.layout(a).state_parts)
     if layout != ckpt.source.layout:
-      raise ArchiveError(f"{path}: archive {a} does not have the target layout its"
-                         " index declares")
+      raise ArchiveError(f"{path}: archive {a} does not have the target layout its index declares")
   return _Part(path, ckpt, next(iter(worlds)), rank_of, ckpt.source)
 
 
@@ -115,11 +123,12 @@ def _layout_mismatch(part: _Part, first: _Part) -> str:
     if mine[pid] != theirs[pid]:
       (shape, dtype, train), (shape0, dtype0, train0) = mine[pid], theirs[pid]
       what = lambda s, d, t: f"shape {s}, dtype {d}{'' if t else ', frozen'}"
-      return (f"{part.path} has param {repr(pid)} of"
-              f" {what(shape, dtype, train)} but {first.path} of"
-              f" {what(shape0, dtype0, train0)}")
-  return (f"{part.path} has other history buffers (optimizer state dtypes) than"
-          f" {first.path}")
+      return (
+        f"{part.path} has param {repr(pid)} of"
+        f" {what(shape, dtype, train)} but {first.path} of"
+        f" {what(shape0, dtype0, train0)}"
+      )
+  return f"{part.path} has other history buffers (optimizer state dtypes) than {first.path}"
 
 
 def _clock_key(ckpt: Checkpoint, archive: int = 0) -> tuple[Any, ...]:
@@ -133,13 +142,17 @@ def _clock_mismatch(part: _Part, archive: int, first: _Part) -> str:
   if where is None:
     return ""
   if where == _clock.STRUCTURE:
-    return (f"{part.path} has another optimizer state structure but {first.path} has another"
-            " optimizer state structure; parts of different steps are never merged")
+    return (
+      f"{part.path} has another optimizer state structure but {first.path} has another"
+      " optimizer state structure; parts of different steps are never merged"
+    )
   mine = _digest.clock_scalars(part.ckpt.metadata_record(archive))[where]
   theirs = _digest.clock_scalars(first.ckpt.metadata_record(0))[where]
-  return (f"{part.path} has {mine[0]} = {_digest.clock_text(mine[1])} but {first.path} has"
-          f" {theirs[0]} = {_digest.clock_text(theirs[1])}; parts of different steps are never"
-          " merged")
+  return (
+    f"{part.path} has {mine[0]} = {_digest.clock_text(mine[1])} but {first.path} has"
+    f" {theirs[0]} = {_digest.clock_text(theirs[1])}; parts of different steps are never"
+    " merged"
+  )
 
 
 def merge_plan(parts: Sequence[Any]) -> MergePlan:
@@ -162,9 +175,11 @@ def merge_plan(parts: Sequence[Any]) -> MergePlan:
   owner: dict[int, tuple[_Part, int]] = {}
   for part in opened:
     if part.world != first.world:
-      raise PlacementError(f"{part.path} has world size {part.world} but"
-                           f" {first.path} has {first.world}; merge combines parts of"
-                           " one world size")
+      raise PlacementError(
+        f"{part.path} has world size {part.world} but"
+        f" {first.path} has {first.world}; merge combines parts of"
+        " one world size"
+      )
     mismatch = _layout_mismatch(part, first)
     if mismatch:
       raise PlacementError(f"{mismatch}; parts of different target layouts are never merged")
@@ -174,18 +189,22 @@ def merge_plan(parts: Sequence[Any]) -> MergePlan:
         raise PlacementError(mismatch)
     if part.source.checkpoint != first.source.checkpoint:
       raise PlacementError(
-          f"{part.path} was resharded from checkpoint {part.source.checkpoint} but"
-          f" {first.path} from checkpoint {first.source.checkpoint}; parts of two"
-          " different saves are never merged")
+        f"{part.path} was resharded from checkpoint {part.source.checkpoint} but"
+        f" {first.path} from checkpoint {first.source.checkpoint}; parts of two"
+        " different saves are never merged"
+      )
     for a, r in sorted(part.rank_of.items()):
       if r in owner:
-        raise PlacementError(f"rank {r} of {first.world} is in both {owner[r][0].path}"
-                             f" and {part.path}; parts must hold disjoint ranks")
+        raise PlacementError(
+          f"rank {r} of {first.world} is in both {owner[r][0].path}"
+          f" and {part.path}; parts must hold disjoint ranks"
+        )
       owner[r] = (part, a)
   missing = sorted(set(range(first.world)) - set(owner))
   if missing:
-    raise PlacementError(f"ranks {missing[:64]} of {first.world} are in none of the parts;"
-                         " merge needs every rank")
+    raise PlacementError(
+      f"ranks {missing[:64]} of {first.world} are in none of the parts; merge needs every rank"
+    )
   order = tuple((owner[r][0].ckpt, owner[r][1]) for r in range(first.world))
   return MergePlan(order, first.source)
 
@@ -202,8 +221,7 @@ def merge_parts(out: Any, parts: Sequence[Any]) -> MergePlan:
     PlacementError, ArchiveError: see ``merge_plan``.
   """
   if os.path.lexists(os.fspath(out)):
-    raise ArchiveExistsError(
-        f"{out} already exists; jaxreshard never overwrites a checkpoint")
+    raise ArchiveExistsError(f"{out} already exists; jaxreshard never overwrites a checkpoint")
   plan = merge_plan(parts)
 
   def records() -> Iterator[Any]:

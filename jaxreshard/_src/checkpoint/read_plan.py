@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-
+from jaxreshard._src.checkpoint.reader import Checkpoint
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.engine import pipeline as _pipeline
 from jaxreshard._src.engine import reshard as _reshard
-from jaxreshard._src.checkpoint.reader import Checkpoint
 
 __all__ = ["Read", "ReadPlan", "read_plan", "total_bytes"]
 
@@ -96,7 +95,6 @@ def total_bytes(ckpt: Checkpoint) -> int:
   """The history bytes every target rank together reads: each element once, padding never."""
   total = 0
   for pid, shape, sources in ckpt.complete_groups():
-    itemsize = sum(h.dtype.itemsize for h in ckpt.history(sources[0], pid)
-                   if hasattr(h, "dtype"))
+    itemsize = sum(h.dtype.itemsize for h in ckpt.history(sources[0], pid) if hasattr(h, "dtype"))
     total += math.prod(shape) * itemsize
   return total

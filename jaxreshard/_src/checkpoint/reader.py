@@ -62,31 +62,56 @@ import dataclasses
 import os
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import shardread as _shardread
-from jaxreshard._src.engine import sources as _sources
-from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.checkpoint.archives import allocate, path_arg  # noqa: F401  (re-exported)
+from jaxreshard._src.checkpoint.index import (  # noqa: F401  (re-exported)
+  _TWICE,
+  ARCHIVE_FILE,
+  DEFAULT_CHUNK_BYTES,
+  FORMAT,
+  FORMAT_VERSION,
+  INDEX_FILE,
+  MAX_INDEX_BYTES,
+  STAGING_BYTES,
+  Layout,
+  LeafInfo,
+  Source,
+  SourcedRecords,
+)
+from jaxreshard._src.checkpoint.shardread import ReadStats  # noqa: F401  (re-exported)
+from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
+  IndexBuilder,
+  dump,
+  target_layout,
+  write_archive,
+  write_checkpoint,
+)
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
-from jaxreshard._src.errors import ArchiveError, PlacementError
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import ShardRecord
-from jaxreshard._src.checkpoint.archives import (  # noqa: F401  (re-exported)
-    allocate, path_arg)
-from jaxreshard._src.checkpoint.index import (  # noqa: F401  (re-exported)
-    ARCHIVE_FILE, DEFAULT_CHUNK_BYTES, FORMAT, FORMAT_VERSION, INDEX_FILE, MAX_INDEX_BYTES,
-    STAGING_BYTES,    _TWICE, LeafInfo, Layout, ReadStats, Source, SourcedRecords)
-from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
-    IndexBuilder, dump, target_layout, write_archive, write_checkpoint)
+from jaxreshard._src.engine import sources as _sources
+from jaxreshard._src.errors import ArchiveError, PlacementError
 
-__all__ = ["Checkpoint", "FORMAT_VERSION", "LeafInfo", "ReadStats", "Source", "SourcedRecords",
-           "open_checkpoint", "target_layout", "write_checkpoint"]
+__all__ = [
+  "Checkpoint",
+  "FORMAT_VERSION",
+  "LeafInfo",
+  "ReadStats",
+  "Source",
+  "SourcedRecords",
+  "open_checkpoint",
+  "target_layout",
+  "write_checkpoint",
+]
 
 
 @dataclasses.dataclass
@@ -106,7 +131,7 @@ class _Caches:
   facts: Any = dataclasses.field(default_factory=_sources.FactsCache)
   group_facts: dict = dataclasses.field(default_factory=dict)
   uniform: dict = dataclasses.field(default_factory=dict)
-  complete: Optional[list] = None
+  complete: list | None = None
   group_of: dict = dataclasses.field(default_factory=dict)
   clock_classes: Any = dataclasses.field(default_factory=_clock.ClockClasses)
   by_archive: dict = dataclasses.field(default_factory=dict)
@@ -129,8 +154,9 @@ class Checkpoint:
     try:
       if not self._root.exists(INDEX_FILE):
         raise ArchiveError(
-            f"{os.fspath(directory)} is not a jaxreshard checkpoint (no {INDEX_FILE}; a save"
-            " that did not finish leaves none)")
+          f"{os.fspath(directory)} is not a jaxreshard checkpoint (no {INDEX_FILE}; a save"
+          " that did not finish leaves none)"
+        )
       where = f"{self.directory}/{INDEX_FILE}"
       raw = self._root.read_bytes(INDEX_FILE, MAX_INDEX_BYTES)
       from jaxreshard._src.engine.pipeline import no_gc  # pylint: disable=g-import-not-at-top
@@ -141,23 +167,22 @@ class Checkpoint:
       self.close()
       raise
     i = self.index
-    self.id, self.record_version, self.source, self.params, self.groups, self.layouts = (
-        i.id, i.record_version, i.source, i.params, i.groups, i.layouts)
-    self.clocks = i.clocks
-    self.names, self.member, self.archive_layout, self.archive_clock = (
-        i.names, i.member, i.archive_layout, i.archive_clock)
+    self.id, self.record_version, self.source = i.id, i.record_version, i.source
+    self.params, self.groups, self.layouts, self.clocks = i.params, i.groups, i.layouts, i.clocks
+    self.names, self.member = i.names, i.member
+    self.archive_layout, self.archive_clock = i.archive_layout, i.archive_clock
     self._lock = threading.Lock()
     self._cache = _Caches()
-    self._archives = _archives.ArchiveReader(
-        self.directory, self._root, i, weakref.WeakMethod(self.placement))
-    # Packed target layouts by the validated groups they were made from (the pipeline's).
-    self.target_layouts: dict = {}
+    # The archives' files and bytes: metadata, buffers, runs, padding.
+    self.archives = _archives.ArchiveReader(
+      self.directory, self._root, i, weakref.WeakMethod(self.placement)
+    )
 
   def close(self) -> None:
     """Closes the root's descriptor; reading archives afterwards is refused."""
     self._closer()
 
-  def __enter__(self) -> "Checkpoint":
+  def __enter__(self) -> Checkpoint:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -166,7 +191,7 @@ class Checkpoint:
   def __len__(self) -> int:
     return len(self.names)
 
-  def placement(self, archive: int, pid: str) -> Optional[ParamPlacement]:
+  def placement(self, archive: int, pid: str) -> ParamPlacement | None:
     member = self.member[archive]
     if len(member) == 1:
       gi, rank = member[0]
@@ -197,16 +222,17 @@ class Checkpoint:
     return self.layouts[self.archive_layout[archive]]
 
   def history(self, archive: int, pid: str) -> tuple[Any, ...]:
-    return self.layout(archive).anatomy.history(pid)
+    return self.layout(archive).state_parts.history(pid)
 
   def clock_class(self, archive: int) -> int:
     """The rule records in memory follow (``_clock.ClockClasses``): one state structure
     and bit-identical clock scalars; archives of one layout and clock share it."""
     return self._cache.clock_classes.of(
-        self, archive, (self.archive_layout[archive], self.archive_clock[archive]))
+      self, archive, (self.archive_layout[archive], self.archive_clock[archive])
+    )
 
   def skeleton(self, archive: int) -> tuple[Any, ...]:
-    return _validate.skeleton_key(self.layout(archive).anatomy)
+    return _validate.skeleton_key(self.layout(archive).state_parts)
 
   def scalars(self, archive: int) -> list[Any]:
     return self.clocks[self.archive_clock[archive]]
@@ -224,7 +250,7 @@ class Checkpoint:
     """
     if self.member[archive] and all(self._is_uniform(gi) for gi, _ in self.member[archive]):
       return
-    check_archive(archive, self.placements(archive), self.layout(archive).anatomy)
+    check_archive(archive, self.placements(archive), self.layout(archive).state_parts)
 
   def complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """(param, shape, archive of each rank) of every param, from the groups alone."""
@@ -258,21 +284,23 @@ class Checkpoint:
       u = self._cache.uniform[gi] = is_uniform(self, gi)
     return u
 
-  def locate(self, archive: int, group: Any, mirror: int,
-             dtype: Optional[np.dtype] = None) -> tuple[Any, int]:
+  def locate(
+    self, archive: int, group: Any, subtree: int, dtype: np.dtype | None = None
+  ) -> tuple[Any, int]:
     """A history buffer lives in its archive's packed buffer of its dtype (the layout's)."""
     del dtype
-    d, offset, _ = self.layout(archive).offsets[(group.param, mirror)]
+    d, offset, _ = self.layout(archive).offsets[(group.param, subtree)]
     return (archive, d), offset
 
   # --- archives and their buffers (``_archives.ArchiveReader``) ----------------
 
   def archive_meta(self, archive: int) -> dict:
     """An archive's ``archive.json``, checked against the index (read once)."""
-    return self._archives.archive_meta(archive)
+    return self.archives.archive_meta(archive)
 
-  def check_padding(self, trailing: set, scratch: np.ndarray,
-                    stats: Optional[ReadStats] = None) -> None:
+  def check_padding(
+    self, trailing: set, scratch: np.ndarray, stats: ReadStats | None = None
+  ) -> None:
     """Reads the padding of the buffers in ``trailing`` and checks it is zero bits.
 
     ``trailing`` holds ``(archive, dtype, (param, mirror))``: buffers of all-padding
@@ -281,37 +309,32 @@ class Checkpoint:
     by_file: dict[tuple[int, np.dtype], list] = {}
     for archive, dtype, key in trailing:
       by_file.setdefault((archive, dtype), []).append(key)
-    for (archive, dtype), keys in sorted(by_file.items(), key=lambda kv: (kv[0][0],
-                                                                          kv[0][1].name)):
+    for (archive, dtype), keys in sorted(by_file.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
       self.check_archive(archive)
-      self._archives.check_padding(archive, dtype, keys, scratch, stats)
+      self.archives.check_padding(archive, dtype, keys, scratch, stats)
 
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
-    return self._archives.open_buffer(archive, dtype)
+    return self.archives.open_buffer(archive, dtype)
 
   def check_files(self, archive: int) -> None:
     """Every buffer file of an archive against its metadata, before anything is allocated."""
-    self._archives.check_files(archive)
-
-  def read_runs(self, archive: int, dtype: np.dtype, src: np.ndarray, dst: np.ndarray,
-                length: np.ndarray, out: np.ndarray, scratch: np.ndarray,
-                stats: Optional[ReadStats] = None, trailing: Optional[set] = None) -> None:
-    """Copies runs of one packed buffer into ``out`` (``ArchiveReader.read_runs``)."""
-    self._archives.read_runs(archive, dtype, src, dst, length, out, scratch, stats, trailing)
+    self.archives.check_files(archive)
 
   def metadata_record(self, archive: int) -> ShardRecord:
     """An archive's record with ``LeafInfo`` (shape and dtype, no data) as buffers."""
-    layout = self.layout(archive)
-    return ShardRecord(version=self.record_version, placements=tuple(self.placements(archive)),
-                       state=layout.state(self.scalars(archive), layout.infos()),
-                       roles=layout.roles)
+    return self.record(archive, self.layout(archive).infos())
 
-  def record(self, archive: int) -> ShardRecord:
-    """One whole archive, read from disk."""
+  def record(self, archive: int, buffers: dict | None = None) -> ShardRecord:
+    """One whole archive, read from disk (or with ``buffers`` in place of its bytes)."""
     layout = self.layout(archive)
-    buffers = self._archives.read_all(archive)
-    return ShardRecord(version=self.record_version, placements=tuple(self.placements(archive)),
-                       state=layout.state(self.scalars(archive), buffers), roles=layout.roles)
+    if buffers is None:
+      buffers = self.archives.read_all(archive)
+    return ShardRecord(
+      version=self.record_version,
+      placements=tuple(self.placements(archive)),
+      state=layout.state(self.scalars(archive), buffers),
+      roles=layout.roles,
+    )
 
 
 def archive_params(index: _index.Index, archive: int) -> dict[str, Any]:
@@ -339,18 +362,21 @@ def placements(index: _index.Index, archive: int) -> list[ParamPlacement]:
   return out
 
 
-def check_archive(archive: int, listed: list[ParamPlacement],
-                  anatomy: _structure.StateParts) -> None:
+def check_archive(
+  archive: int, listed: list[ParamPlacement], state_parts: _structure.StateParts
+) -> None:
   """An archive's histories belong to the params it lists, each of its flat layout."""
-  for pid in sorted(anatomy.param_set() - {p.param for p in listed}):
-    raise PlacementError(f"param {pid!r}: archive {archive} holds a history for it but"
-                         " does not list it in its placements")
+  for pid in sorted(state_parts.param_set() - {p.param for p in listed}):
+    raise PlacementError(
+      f"param {pid!r}: archive {archive} holds a history for it but"
+      " does not list it in its placements"
+    )
   for p in listed:
     try:
       slots = FlatShard(p.shape, p.rank, p.world_size).slots
     except PlacementError as e:
       raise PlacementError(f"param {p.param!r}: archive {archive}: {e}") from None
-    for m, h in enumerate(anatomy.history(p.param)):
+    for m, h in enumerate(state_parts.history(p.param)):
       if isinstance(h, LeafInfo):
         _validate.check_flat_history(p, archive, m, h.shape, slots)
 
@@ -367,8 +393,9 @@ def complete_groups(index: _index.Index) -> tuple[list, dict]:
       e = index.params[p]
       if e.param in seen:
         raise PlacementError(
-            f"param {e.param!r}: groups {seen[e.param]} and {gi} of the checkpoint both hold"
-            " it; pass explicit migrations to pick one group")
+          f"param {e.param!r}: groups {seen[e.param]} and {gi} of the checkpoint both hold"
+          " it; pass explicit migrations to pick one group"
+        )
       seen[e.param] = gi
       group_of[e.param] = (by_rank, gi)
       out.append((e.param, e.shape, by_rank))
@@ -380,18 +407,20 @@ def is_uniform(ckpt: Checkpoint, gi: int) -> bool:
   """Every archive of group ``gi`` has one layout and clock, with the group's slots."""
   g = ckpt.groups[gi]
   archives = [a for a, _ in g.ranks]
-  u = (len({ckpt.archive_layout[a] for a in archives}) == 1
-       and len({ckpt.clock_class(a) for a in archives}) == 1
-       and all(len(ckpt.member[a]) == 1 for a in archives))
+  u = (
+    len({ckpt.archive_layout[a] for a in archives}) == 1
+    and len({ckpt.clock_class(a) for a in archives}) == 1
+    and all(len(ckpt.member[a]) == 1 for a in archives)
+  )
   if u:
-    anatomy = ckpt.layout(archives[0]).anatomy
+    state_parts = ckpt.layout(archives[0]).state_parts
     for p in g.params:
       e = ckpt.params[p]
       slots = FlatShard.checked(e.shape, 0, g.world_size).slots
-      for h in anatomy.history(e.param):
+      for h in state_parts.history(e.param):
         if isinstance(h, LeafInfo) and h.shape != (slots,):
           u = False
-    u = u and anatomy.param_set() <= set(ckpt.index.param_index[gi])
+    u = u and state_parts.param_set() <= set(ckpt.index.param_index[gi])
   return u
 
 
@@ -413,11 +442,16 @@ def uniform_facts(ckpt: Checkpoint, gi: int, pid: str, sources: tuple) -> _valid
     else:
       dtypes.append(None)
   return _validate.SourceFacts(
-      param=pid, shape=e.shape, source=FlatShard.checked(e.shape, 0, g.world_size),
-      by_rank=sources,
-      dtype=e.dtype, trainable=e.trainable,
-      history=tuple(True if isinstance(h, LeafInfo) else h for h in hist),
-      buffer_dtypes=tuple(dtypes), clock=ckpt.clock_class(a0))
+    param=pid,
+    shape=e.shape,
+    source=FlatShard.checked(e.shape, 0, g.world_size),
+    by_rank=sources,
+    dtype=e.dtype,
+    trainable=e.trainable,
+    history=tuple(True if isinstance(h, LeafInfo) else h for h in hist),
+    buffer_dtypes=tuple(dtypes),
+    clock=ckpt.clock_class(a0),
+  )
 
 
 def open_checkpoint(directory: os.PathLike | str) -> Checkpoint:

@@ -9,25 +9,31 @@ buffers that the planned runs touch, straight into the target's buffers.
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from jaxreshard._src.core import copyplan as _copyplan
-from jaxreshard._src.engine import pipeline as _pipeline
-from jaxreshard._src.engine import reshard as _reshard
-from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.checkpoint.reader import STAGING_BYTES, Checkpoint, allocate, open_checkpoint
-from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.placement import Migration
 from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.engine import pipeline as _pipeline
+from jaxreshard._src.engine import reshard as _reshard
+from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.progress import ProgressCallback, Reporter, check_callback
 
 __all__ = ["disk_fetch", "restore", "restore_ranks"]
 
 
-def restore(directory: os.PathLike | str, *, world_size: int, rank: int,
-            progress: Optional[ProgressCallback] = None) -> ShardRecord:
+def restore(
+  directory: os.PathLike | str,
+  *,
+  world_size: int,
+  rank: int,
+  progress: ProgressCallback | None = None,
+) -> ShardRecord:
   """One target rank's archive, built from a checkpoint on disk.
 
   Reads the checkpoint's index (the whole layout: placements, clocks), then
@@ -61,17 +67,16 @@ def restore(directory: os.PathLike | str, *, world_size: int, rank: int,
     >>> target.placements[0].rank, target.state[0].mu["w"].shape
     (1, (4,))
   """
-  return restore_reported("restore", directory, [rank], world_size=world_size,
-                          progress=progress)[0]
+  return restore_reported("restore", directory, [rank], world_size=world_size, progress=progress)[0]
 
 
 def restore_ranks(
-    directory: os.PathLike | str,
-    ranks: Sequence[int],
-    *,
-    world_size: int,
-    checkpoint: Optional[Checkpoint] = None,
-    progress: Optional[ProgressCallback] = None,
+  directory: os.PathLike | str,
+  ranks: Sequence[int],
+  *,
+  world_size: int,
+  checkpoint: Checkpoint | None = None,
+  progress: ProgressCallback | None = None,
 ) -> list[ShardRecord]:
   """Several target ranks of one layout; the index is read and checked once.
 
@@ -103,23 +108,42 @@ def restore_ranks(
     >>> [(p.rank, p.done_bytes, p.total_bytes) for p in seen]   # mu and nu, float32
     [(0, 32, 80), (1, 64, 80), (2, 80, 80)]
   """
-  return restore_reported("restore_ranks", directory, ranks, world_size=world_size,
-                          checkpoint=checkpoint, progress=progress)
+  return restore_reported(
+    "restore_ranks",
+    directory,
+    ranks,
+    world_size=world_size,
+    checkpoint=checkpoint,
+    progress=progress,
+  )
 
 
-def restore_reported(what: str, directory: Any, ranks: Sequence[int], *, world_size: int,
-                     checkpoint: Optional[Checkpoint] = None,
-                     progress: Optional[ProgressCallback] = None) -> list[ShardRecord]:
+def restore_reported(
+  what: str,
+  directory: Any,
+  ranks: Sequence[int],
+  *,
+  world_size: int,
+  checkpoint: Checkpoint | None = None,
+  progress: ProgressCallback | None = None,
+) -> list[ShardRecord]:
   """``restore_ranks``, reporting as the public call ``what``."""
   check_callback(progress)
   ckpt = checkpoint if checkpoint is not None else open_checkpoint(directory)
   with _pipeline.no_gc():  # no reference cycles are made; see no_gc
-    plans = [_reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=r)
-             for r in ranks]
+    plans = [
+      _reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=r) for r in ranks
+    ]
     validated = [_validated(ckpt, migrations) for migrations in plans]
     sizes = [copied_bytes(groups) for groups in validated]
-    reporter = Reporter(what, progress, where=ckpt.directory, total=len(validated),
-                        total_bytes=sum(sizes), unit="rank")
+    reporter = Reporter(
+      what,
+      progress,
+      where=ckpt.directory,
+      total=len(validated),
+      total_bytes=sum(sizes),
+      unit="rank",
+    )
     out = []
     for rank, groups, nbytes in zip(ranks, validated, sizes):
       out.append(_pipeline.build(ckpt, groups, disk_fetch(ckpt, groups)))
@@ -128,8 +152,7 @@ def restore_reported(what: str, directory: Any, ranks: Sequence[int], *, world_s
   return out
 
 
-def _validated(ckpt: Checkpoint,
-               migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
+def _validated(ckpt: Checkpoint, migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
   groups = _pipeline.validate(ckpt, migrations)
   if not groups:
     raise PlacementError("no migrations: a target rank needs at least one parameter")
@@ -138,9 +161,11 @@ def _validated(ckpt: Checkpoint,
 
 def copied_bytes(groups: Sequence[_validate.SourceGroup]) -> int:
   """The history bytes a target rank copies from its sources: owned elements, no padding."""
-  return sum((g.target.stop - g.target.start)
-             * sum(np.dtype(d).itemsize for _, d in _copyplan.history_buffers(g))
-             for g in groups)
+  return sum(
+    (g.target.stop - g.target.start)
+    * sum(np.dtype(d).itemsize for _, d in _copyplan.history_buffers(g))
+    for g in groups
+  )
 
 
 def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
@@ -167,8 +192,7 @@ def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
   return out
 
 
-def disk_fetch(ckpt: Checkpoint,
-               groups: Sequence[_validate.SourceGroup] = ()) -> _pipeline.Fetch:
+def disk_fetch(ckpt: Checkpoint, groups: Sequence[_validate.SourceGroup] = ()) -> _pipeline.Fetch:
   """Runs over packed buffers on disk: chunk spans read, checked and copied.
 
   The padding of every source buffer the runs copy from must be zero bits, and
@@ -191,7 +215,7 @@ def disk_fetch(ckpt: Checkpoint,
       for sid in np.unique(r.source).tolist():
         sel = r.source == sid
         archive, d = keys[sid]
-        ckpt.read_runs(archive, d, r.src[sel], r.dst[sel], r.length[sel], buf, scratch)
+        ckpt.archives.read_runs(archive, d, r.src[sel], r.dst[sel], r.length[sel], buf, scratch)
       out[dtype] = buf
     ckpt.check_padding(all_padding_sources(groups), scratch)
     return out

@@ -26,14 +26,12 @@ import concurrent.futures
 import json
 import os
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import google_crc32c
 import numpy as np
 
-
-__all__ = ["OutDir", "chunk_elements", "file_size", "json_bytes", "write_array",
-           "zarr_metadata"]
+__all__ = ["OutDir", "chunk_elements", "file_size", "json_bytes", "write_array", "zarr_metadata"]
 
 CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -42,8 +40,12 @@ SHARD_KEY = ("c", "0")
 MAX_META_BYTES = 1 << 16
 _IOV_MAX = 512  # iovecs per system call, well below Linux's 1024
 
-_ZARR_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16",
-                "float64": "float64"}
+_ZARR_DTYPES = {
+  "float32": "float32",
+  "float16": "float16",
+  "bfloat16": "bfloat16",
+  "float64": "float64",
+}
 
 
 def chunk_elements(size: int, itemsize: int, chunk_bytes: int) -> int:
@@ -65,20 +67,27 @@ def zarr_metadata(size: int, dtype: np.dtype, chunk: int) -> dict:
   """The ``zarr.json`` of a buffer: one shard holding every chunk."""
   le = {"name": "bytes", "configuration": {"endian": "little"}}
   return {
-      "zarr_format": 3,
-      "node_type": "array",
-      "shape": [size],
-      "data_type": _ZARR_DTYPES[np.dtype(dtype).name],
-      "chunk_grid": {"name": "regular", "configuration": {
-          "chunk_shape": [n_chunks(size, chunk) * chunk]}},
-      "chunk_key_encoding": {"name": "default"},
-      "fill_value": 0.0,
-      "codecs": [{"name": "sharding_indexed", "configuration": {
+    "zarr_format": 3,
+    "node_type": "array",
+    "shape": [size],
+    "data_type": _ZARR_DTYPES[np.dtype(dtype).name],
+    "chunk_grid": {
+      "name": "regular",
+      "configuration": {"chunk_shape": [n_chunks(size, chunk) * chunk]},
+    },
+    "chunk_key_encoding": {"name": "default"},
+    "fill_value": 0.0,
+    "codecs": [
+      {
+        "name": "sharding_indexed",
+        "configuration": {
           "chunk_shape": [chunk],
           "codecs": [le, {"name": "crc32c"}],
           "index_codecs": [le, {"name": "crc32c"}],
           "index_location": "end",
-      }}],
+        },
+      }
+    ],
   }
 
 
@@ -171,14 +180,13 @@ class OutDir:
   opened (the root of what is written) waits for all of them.
   """
 
-  def __init__(self, fd: int, path: str, durable: bool = True,
-               syncer: Optional[_Syncer] = None):
+  def __init__(self, fd: int, path: str, durable: bool = True, syncer: _Syncer | None = None):
     self.fd, self.path, self.durable = fd, path, durable
     self._own_syncer = durable and syncer is None
     self._syncer = (_Syncer() if self._own_syncer else syncer) if durable else None
 
   @classmethod
-  def open(cls, path: str, durable: bool = True) -> "OutDir":
+  def open(cls, path: str, durable: bool = True) -> OutDir:
     """Holds the existing directory ``path``."""
     try:
       fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -204,19 +212,20 @@ class OutDir:
       self._syncer.shutdown()
       self._own_syncer = False
 
-  def __enter__(self) -> "OutDir":
+  def __enter__(self) -> OutDir:
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def mkdir(self, name: str) -> "OutDir":
+  def mkdir(self, name: str) -> OutDir:
     """Creates the subdirectory ``name`` and holds it."""
     path = os.path.join(self.path, name)
     try:
       os.mkdir(name, 0o777, dir_fd=self.fd)
-      fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                   dir_fd=self.fd)
+      fd = os.open(
+        name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd
+      )
     except OSError as e:
       raise OSError(e.errno, e.strerror, path) from None
     return OutDir(fd, path, self.durable, self._syncer)
@@ -224,8 +233,12 @@ class OutDir:
   def create(self, name: str) -> int:
     """A new file ``name`` (never an existing one or a link), open for writing."""
     try:
-      return os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o644, dir_fd=self.fd)
+      return os.open(
+        name,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+        0o644,
+        dir_fd=self.fd,
+      )
     except OSError as e:
       raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
 
@@ -262,7 +275,7 @@ def json_bytes(obj: Any) -> bytes:
   return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
-def write_array(directory: "OutDir | str", name: str, data: np.ndarray, chunk: int) -> list[int]:
+def write_array(directory: OutDir | str, name: str, data: np.ndarray, chunk: int) -> list[int]:
   """Writes ``data`` (1-D, non-empty) as the zarr array ``directory/name``.
 
   ``directory`` is a held :class:`OutDir` (or a path, held for this call); the
@@ -300,7 +313,7 @@ def _write_chunks(fd: int, raw: memoryview, size: int, itemsize: int, chunk: int
   crcs, iov = [], []
   index = np.empty((n, 2), "<u8")
   for i in range(n):
-    part = raw[i * cb:(i + 1) * cb]
+    part = raw[i * cb : (i + 1) * cb]
     crc = _crc(part)
     if i == n - 1 and tail:
       crc = google_crc32c.extend(crc, tail)

@@ -10,21 +10,49 @@ archive's metadata recorded for it.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import stat
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import google_crc32c
 import numpy as np
 
-from jaxreshard._src.checkpoint.shardfile import (CRC_BYTES, INDEX_ENTRY_BYTES, MAX_META_BYTES,
-                                                  META_FILE, SHARD_KEY, _IOV_MAX, _crc, _normalized,
-                                                  file_size, n_chunks, zarr_metadata)
-from jaxreshard._src.exec import bitview as _bitview
+from jaxreshard._src.checkpoint.shardfile import (
+  _IOV_MAX,
+  CRC_BYTES,
+  INDEX_ENTRY_BYTES,
+  MAX_META_BYTES,
+  META_FILE,
+  SHARD_KEY,
+  _crc,
+  _normalized,
+  file_size,
+  n_chunks,
+  zarr_metadata,
+)
 from jaxreshard._src.errors import ArchiveError
+from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = ["Dir", "ShardFile"]
+
+@dataclasses.dataclass
+class ReadStats:
+  """What ``ArchiveReader.read_runs`` read from buffer files: a counter the caller owns.
+
+  Attributes:
+    reads: read calls (one per span of consecutive chunks).
+    chunks: chunks read, each with its crc32c.
+    bytes: bytes read from the shard files (chunk data and checksums).
+  """
+
+  reads: int = 0
+  chunks: int = 0
+  bytes: int = 0
+
+
+__all__ = ["Dir", "ReadStats", "ShardFile"]
 
 
 class Dir:
@@ -39,7 +67,7 @@ class Dir:
     self.fd, self.path = fd, path
 
   @classmethod
-  def root(cls, path: str) -> "Dir":
+  def root(cls, path: str) -> Dir:
     """Opens the checkpoint directory itself (a user's path may be a link)."""
     try:
       fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -54,7 +82,7 @@ class Dir:
       os.close(self.fd)
       self.fd = -1
 
-  def __enter__(self) -> "Dir":
+  def __enter__(self) -> Dir:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -70,13 +98,17 @@ class Dir:
       raise ArchiveError(f"{path} is missing") from None
     except NotADirectoryError:
       if self._is_link(name):  # O_DIRECTORY on a link fails with ENOTDIR, not ELOOP
-        raise ArchiveError(f"{path} is a symbolic link; every {what} of a checkpoint must"
-                           " lie inside it as a regular entry") from None
+        raise ArchiveError(
+          f"{path} is a symbolic link; every {what} of a checkpoint must"
+          " lie inside it as a regular entry"
+        ) from None
       raise ArchiveError(f"{path} is not a directory") from None
     except OSError as e:
       if e.errno == errno.ELOOP:
-        raise ArchiveError(f"{path} is a symbolic link; every {what} of a checkpoint must"
-                           " lie inside it as a regular entry") from None
+        raise ArchiveError(
+          f"{path} is a symbolic link; every {what} of a checkpoint must"
+          " lie inside it as a regular entry"
+        ) from None
       if e.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket or a device
         raise ArchiveError(f"{path} is not a regular file") from None
       raise OSError(e.errno, e.strerror, path) from None
@@ -87,9 +119,10 @@ class Dir:
     except OSError:
       return False
 
-  def dir(self, name: str) -> "Dir":
-    return Dir(self._open(name, os.O_RDONLY | os.O_DIRECTORY, "directory"),
-               os.path.join(self.path, name))
+  def dir(self, name: str) -> Dir:
+    return Dir(
+      self._open(name, os.O_RDONLY | os.O_DIRECTORY, "directory"), os.path.join(self.path, name)
+    )
 
   def exists(self, name: str) -> bool:
     try:
@@ -114,8 +147,9 @@ class Dir:
     path = os.path.join(self.path, name)
     try:
       if st.st_size > max_bytes:
-        raise ArchiveError(f"{path} has {st.st_size} bytes, more than its metadata can have"
-                           f" ({max_bytes})")
+        raise ArchiveError(
+          f"{path} has {st.st_size} bytes, more than its metadata can have ({max_bytes})"
+        )
       data = os.pread(fd, min(st.st_size, max_bytes) + 1, 0)
     finally:
       os.close(fd)
@@ -144,8 +178,16 @@ class ShardFile:
     every chunk as the archive's metadata recorded them.
   """
 
-  def __init__(self, parent: Dir, name: str, size: int, dtype: np.dtype, chunk: int,
-               crcs: Sequence[int], label: str = ""):
+  def __init__(
+    self,
+    parent: Dir,
+    name: str,
+    size: int,
+    dtype: np.dtype,
+    chunk: int,
+    crcs: Sequence[int],
+    label: str = "",
+  ):
     self.size, self.dtype, self.chunk = size, np.dtype(dtype), chunk
     self.crcs = list(crcs)
     # Messages name what the file is (``label``, e.g. "archive 3") and its path.
@@ -154,23 +196,26 @@ class ShardFile:
     self.chunk_bytes = chunk * self.dtype.itemsize
     self.stride = self.chunk_bytes + CRC_BYTES
     if len(self.crcs) != self.n:
-      raise ArchiveError(f"{self.path}: the archive records {len(self.crcs)} chunk checksums"
-                         f" for {self.n} chunks")
+      raise ArchiveError(
+        f"{self.path}: the archive records {len(self.crcs)} chunk checksums for {self.n} chunks"
+      )
     with parent.dir(name) as d:
       meta = _normalized(d.read_json(META_FILE, MAX_META_BYTES))
       if meta != zarr_metadata(size, self.dtype, chunk):
         raise ArchiveError(
-            f"{self.path}/{META_FILE} does not describe {self.dtype.name}[{size}] in chunks of"
-            f" {chunk} as jaxreshard writes it (codecs, key encoding and chunking must match)")
+          f"{self.path}/{META_FILE} does not describe {self.dtype.name}[{size}] in chunks of"
+          f" {chunk} as jaxreshard writes it (codecs, key encoding and chunking must match)"
+        )
       with d.dir(SHARD_KEY[0]) as c:
         self.fd, st = c.file(SHARD_KEY[1])
     try:  # a refused file is closed here: its caller never holds it
       expected = file_size(size, self.dtype.itemsize, chunk)
       if st.st_size != expected:
         raise ArchiveError(
-            f"{self.path}/c/0 has {st.st_size} bytes but its metadata ({self.dtype.name}[{size}],"
-            f" chunks of {chunk}) needs {expected}; the file is truncated or not from this"
-            " checkpoint")
+          f"{self.path}/c/0 has {st.st_size} bytes but its metadata ({self.dtype.name}[{size}],"
+          f" chunks of {chunk}) needs {expected}; the file is truncated or not from this"
+          " checkpoint"
+        )
       self._check_index()
     except BaseException:
       self.close()
@@ -196,11 +241,14 @@ class ShardFile:
     if _crc(raw[:nbytes]) != int.from_bytes(raw[nbytes:], "little"):
       raise ArchiveError(f"{self.path}/c/0: the shard index fails its crc32c (corrupted)")
     index = np.frombuffer(raw[:nbytes], "<u8").reshape(self.n, 2)
-    expected = np.stack([np.arange(self.n, dtype=np.uint64) * self.stride,
-                         np.full(self.n, self.stride, np.uint64)], axis=1)
+    expected = np.stack(
+      [np.arange(self.n, dtype=np.uint64) * self.stride, np.full(self.n, self.stride, np.uint64)],
+      axis=1,
+    )
     if not np.array_equal(index, expected):
-      raise ArchiveError(f"{self.path}/c/0: the shard index does not lay chunks out as"
-                         " jaxreshard writes them")
+      raise ArchiveError(
+        f"{self.path}/c/0: the shard index does not lay chunks out as jaxreshard writes them"
+      )
 
   def _verify(self, first: int, views: Sequence[memoryview], crcs: Sequence[bytes]) -> None:
     for k, (data, stored) in enumerate(zip(views, crcs)):
@@ -208,8 +256,9 @@ class ShardFile:
       actual = _crc(data)
       if actual != int.from_bytes(stored, "little") or actual != self.crcs[i]:
         raise ArchiveError(
-            f"{self.path}/c/0: chunk {i} fails its crc32c check (the file is corrupted or"
-            " not the one this archive's metadata describes)")
+          f"{self.path}/c/0: chunk {i} fails its crc32c check (the file is corrupted or"
+          " not the one this archive's metadata describes)"
+        )
 
   def read_chunks(self, first: int, count: int, into: np.ndarray) -> np.ndarray:
     """Reads chunks ``[first, first + count)`` into ``into`` (uint8, reused scratch).
@@ -218,17 +267,20 @@ class ShardFile:
       A ``(count, chunk)`` unsigned-integer view of the chunks' elements, every
       chunk checked against its crc32c first.
     """
-    span = memoryview(into)[:count * self.stride]
+    span = memoryview(into)[: count * self.stride]
     try:
       got = os.preadv(self.fd, [span], first * self.stride)
     except OSError as e:
       raise OSError(e.errno, e.strerror, self.path) from None
     if got != len(span):
       raise ArchiveError(f"{self.path}/c/0 ended early (truncated while read)")
-    rows = into[:count * self.stride].reshape(count, self.stride)
-    self._verify(first, [memoryview(r[:self.chunk_bytes]) for r in rows],
-                 [bytes(r[self.chunk_bytes:]) for r in rows])
-    return rows[:, :self.chunk_bytes].view(_bitview.UINT[self.dtype.itemsize])
+    rows = into[: count * self.stride].reshape(count, self.stride)
+    self._verify(
+      first,
+      [memoryview(r[: self.chunk_bytes]) for r in rows],
+      [bytes(r[self.chunk_bytes :]) for r in rows],
+    )
+    return rows[:, : self.chunk_bytes].view(_bitview.UINT[self.dtype.itemsize])
 
   def read_all(self, out: np.ndarray) -> None:
     """Reads the whole buffer straight into ``out`` (``size`` elements, this dtype)."""
@@ -239,7 +291,7 @@ class ShardFile:
       hi = min(self.n, lo + _IOV_MAX // 3)
       iov, views = [], []
       for i in range(lo, hi):
-        part = raw[i * self.chunk_bytes:(i + 1) * self.chunk_bytes]
+        part = raw[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
         iov.append(part)
         if i == self.n - 1 and tail:
           iov.append(tail)
@@ -258,5 +310,6 @@ class ShardFile:
           actual = google_crc32c.extend(actual, bytes(tail))
         if actual != int.from_bytes(crcs[i], "little") or actual != self.crcs[i]:
           raise ArchiveError(
-              f"{self.path}/c/0: chunk {i} fails its crc32c check (the file is corrupted or"
-              " not the one this archive's metadata describes)")
+            f"{self.path}/c/0: chunk {i} fails its crc32c check (the file is corrupted or"
+            " not the one this archive's metadata describes)"
+          )

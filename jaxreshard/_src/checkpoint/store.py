@@ -8,28 +8,56 @@ written into a hidden sibling directory and renamed into place only when complet
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import numpy as np
 
-from jaxreshard._src.core import structure as _structure
-from jaxreshard._src.checkpoint.reader import (DEFAULT_CHUNK_BYTES, Checkpoint, open_checkpoint,
-                                               path_arg, write_checkpoint)
+from jaxreshard._src.checkpoint.reader import (
+  DEFAULT_CHUNK_BYTES,
+  Checkpoint,
+  open_checkpoint,
+  path_arg,
+  write_checkpoint,
+)
 from jaxreshard._src.checkpoint.tempdir import (  # noqa: F401  (re-exported)
-    LOCK_FILE, TempDir, _host, commit_dir, new_temp_dir, remove_temp_dirs, temp_dirs)
-from jaxreshard._src.errors import ArchiveExistsError, ReshardError
+  LOCK_FILE,
+  TempDir,
+  _host,
+  commit_dir,
+  new_temp_dir,
+  remove_temp_dirs,
+  temp_dirs,
+)
+from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.errors import ArchiveExistsError, ReshardError
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "LOCK_FILE", "TempDir", "commit_dir", "history_bytes",
-           "load_records", "new_temp_dir", "open_checkpoint", "remove_temp_dirs", "save_records",
-           "temp_dirs", "write_checkpoint"]
+__all__ = [
+  "DEFAULT_CHUNK_BYTES",
+  "LOCK_FILE",
+  "TempDir",
+  "commit_dir",
+  "history_bytes",
+  "load_records",
+  "new_temp_dir",
+  "open_checkpoint",
+  "remove_temp_dirs",
+  "save_records",
+  "temp_dirs",
+  "write_checkpoint",
+]
 
 
-def save_records(directory: os.PathLike | str, records: Iterable[ShardRecord], *,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 progress: Optional[ProgressCallback] = None, durable: bool = True) -> None:
+def save_records(
+  directory: os.PathLike | str,
+  records: Iterable[ShardRecord],
+  *,
+  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+  progress: ProgressCallback | None = None,
+  durable: bool = True,
+) -> None:
   """Saves every rank's archive as one checkpoint directory, atomically and durably.
 
   Each archive is one buffer per dtype (all of the rank's history buffers back
@@ -85,16 +113,25 @@ def save_records(directory: os.PathLike | str, records: Iterable[ShardRecord], *
     raise ReshardError(f"chunk_bytes {chunk_bytes!r} must be a positive integer")
   final = path_arg(directory)
   if isinstance(records, Sequence):
-    reporter = Reporter("save_records", progress, where=final, total=len(records),
-                        total_bytes=sum(history_bytes(r) for r in records))
+    reporter = Reporter(
+      "save_records",
+      progress,
+      where=final,
+      total=len(records),
+      total_bytes=sum(history_bytes(r) for r in records),
+    )
   else:
     reporter = Reporter("save_records", progress, where=final, total=None, total_bytes=None)
   if not isinstance(durable, bool):
     raise ReshardError(f"durable {durable!r} must be True or False")
   tmp = new_temp_dir(final, durable=durable)
   try:
-    builder = write_checkpoint(tmp.out, records, chunk_bytes=chunk_bytes,
-                               progress=lambda i, nbytes: reporter.step(nbytes, archive=i))
+    builder = write_checkpoint(
+      tmp.out,
+      records,
+      chunk_bytes=chunk_bytes,
+      progress=lambda i, nbytes: reporter.step(nbytes, archive=i),
+    )
     tmp.check(builder, chunk_bytes)
     tmp.commit(final)
   except OSError as e:
@@ -118,8 +155,11 @@ def history_bytes(record: ShardRecord) -> int:
   try:
     roles = _structure.roles_of(record)
     leaves = jax.tree_util.tree_leaves(record.state)
-    return sum(int(np.size(x)) * np.dtype(x.dtype).itemsize
-               for x, role in zip(leaves, roles) if role is not None)
+    return sum(
+      int(np.size(x)) * np.dtype(x.dtype).itemsize
+      for x, role in zip(leaves, roles)
+      if role is not None
+    )
   except Exception:  # pylint: disable=broad-exception-caught
     return 0
 
@@ -129,8 +169,9 @@ def _archive_bytes(ckpt: Checkpoint, archive: int) -> int:
   return sum(n * np.dtype(d).itemsize for d, n in ckpt.layout(archive).sizes.items())
 
 
-def load_records(directory: os.PathLike | str, *,
-                 progress: Optional[ProgressCallback] = None) -> list[ShardRecord]:
+def load_records(
+  directory: os.PathLike | str, *, progress: ProgressCallback | None = None
+) -> list[ShardRecord]:
   """Loads every archive of a checkpoint, exactly as it was saved.
 
   Needs neither the optimizer nor the model: the state's tree structure,
@@ -167,8 +208,9 @@ def load_records(directory: os.PathLike | str, *,
   for i in range(len(ckpt)):  # every archive's metadata and file sizes before any allocation
     ckpt.check_files(i)
   sizes = [_archive_bytes(ckpt, i) for i in range(len(ckpt))]
-  reporter = Reporter("load_records", progress, where=ckpt.directory, total=len(ckpt),
-                      total_bytes=sum(sizes))
+  reporter = Reporter(
+    "load_records", progress, where=ckpt.directory, total=len(ckpt), total_bytes=sum(sizes)
+  )
   records = []
   for i in range(len(ckpt)):
     records.append(ckpt.record(i))

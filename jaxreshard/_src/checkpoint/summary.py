@@ -8,7 +8,8 @@ needed.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -31,19 +32,28 @@ def _param_entries(ckpt: _checkpoint.Checkpoint) -> dict[str, dict]:
     archive0 = g.ranks[0][0]
     for p in g.params:
       e = ckpt.params[p]
-      dtypes = [h.dtype for h in ckpt.history(archive0, e.param)
-                if isinstance(h, _checkpoint.LeafInfo)]
+      dtypes = [
+        h.dtype for h in ckpt.history(archive0, e.param) if isinstance(h, _checkpoint.LeafInfo)
+      ]
       itemsize = sum(d.itemsize for d in dtypes)
-      entry = params.setdefault(e.param, dict(
-          param=e.param, shape=list(e.shape), dtype=np.dtype(e.dtype).name,
-          trainable=bool(e.trainable), world_sizes=[], ranks=[],
+      entry = params.setdefault(
+        e.param,
+        dict(
+          param=e.param,
+          shape=list(e.shape),
+          dtype=np.dtype(e.dtype).name,
+          trainable=bool(e.trainable),
+          world_sizes=[],
+          ranks=[],
           buffers=[d.name for d in dtypes],
-          bytes=int(np.prod(e.shape, dtype=np.int64)) * itemsize, stored_bytes=0))
+          bytes=int(np.prod(e.shape, dtype=np.int64)) * itemsize,
+          stored_bytes=0,
+        ),
+      )
       if g.world_size not in entry["world_sizes"]:
         entry["world_sizes"].append(g.world_size)
       entry["ranks"].extend(r for _, r in g.ranks)
-      entry["stored_bytes"] += (FlatShard(e.shape, 0, g.world_size).slots * itemsize
-                                * len(g.ranks))
+      entry["stored_bytes"] += FlatShard(e.shape, 0, g.world_size).slots * itemsize * len(g.ranks)
   for e in params.values():
     e["ranks"].sort()
   return params
@@ -53,14 +63,14 @@ def inspect_info(ckpt: _checkpoint.Checkpoint) -> dict:
   """The machine-readable description ``inspect --json`` prints (index only)."""
   params = _param_entries(ckpt)
   return dict(
-      archives=len(ckpt),
-      world_sizes=sorted({w for e in params.values() for w in e["world_sizes"]}),
-      params=[params[k] for k in sorted(params)],
-      bytes=sum(e["bytes"] for e in params.values()),
-      stored_bytes=sum(e["stored_bytes"] for e in params.values()),
-      clocks=clock_facts(ckpt.metadata_record(0)),
-      clocks_agree=len({ckpt.clock_class(i) for i in range(len(ckpt))}) == 1,
-      source=None if ckpt.source is None else ckpt.source.to_json(),
+    archives=len(ckpt),
+    world_sizes=sorted({w for e in params.values() for w in e["world_sizes"]}),
+    params=[params[k] for k in sorted(params)],
+    bytes=sum(e["bytes"] for e in params.values()),
+    stored_bytes=sum(e["stored_bytes"] for e in params.values()),
+    clocks=clock_facts(ckpt.metadata_record(0)),
+    clocks_agree=len({ckpt.clock_class(i) for i in range(len(ckpt))}) == 1,
+    source=None if ckpt.source is None else ckpt.source.to_json(),
   )
 
 
@@ -69,9 +79,17 @@ def clock_facts(record: Any) -> list[dict]:
   out = []
   for path, a in _digest.clock_scalars(record):
     value, cut = _digest.clock_value(a)
-    shown = a.reshape(-1)[:_digest.CLOCK_ELEMENTS_SHOWN] if cut else a
-    out.append(dict(path=path, dtype=a.dtype.name, shape=list(a.shape), value=value,
-                    bits=_digest.raw_bits(shown).tobytes().hex(), truncated=cut))
+    shown = a.reshape(-1)[: _digest.CLOCK_ELEMENTS_SHOWN] if cut else a
+    out.append(
+      dict(
+        path=path,
+        dtype=a.dtype.name,
+        shape=list(a.shape),
+        value=value,
+        bits=_digest.raw_bits(shown).tobytes().hex(),
+        truncated=cut,
+      )
+    )
   return out
 
 
@@ -91,8 +109,7 @@ def complete_records(path: Any, needs: str) -> Iterator[ShardRecord]:
   try:
     ckpt.complete_groups()
   except PlacementError as e:
-    raise PlacementError(f"{path} is not a complete checkpoint, which {needs} needs: {e}"
-                         ) from None
+    raise PlacementError(f"{path} is not a complete checkpoint, which {needs} needs: {e}") from None
   yield from _digest.checkpoint_records(ckpt)
 
 
@@ -111,6 +128,7 @@ def refuse_problems(path: Any, d: _digest.Digest) -> None:
   """
   if d.problems:
     more = len(d.problems) - 1
-    raise ArchiveError(f"{path} is not a valid checkpoint: {d.problems[0]}"
-                       + (f" (and {more} more problem{'s' if more > 1 else ''})"
-                          if more else ""))
+    raise ArchiveError(
+      f"{path} is not a valid checkpoint: {d.problems[0]}"
+      + (f" (and {more} more problem{'s' if more > 1 else ''})" if more else "")
+    )

@@ -16,7 +16,6 @@ import re
 import socket
 import stat
 import uuid
-from typing import Optional
 
 import numpy as np
 
@@ -46,7 +45,7 @@ def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
   return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-def _lock_probe(path: str) -> tuple[Optional[int], Optional[int]]:
+def _lock_probe(path: str) -> tuple[int | None, int | None]:
   """``(dir_fd, lock_fd)`` of ``path`` with its writer's lock taken, or Nones when
   a writer holds it (or it cannot be locked, or is not a directory)."""
   try:
@@ -61,8 +60,9 @@ def _lock_probe(path: str) -> tuple[Optional[int], Optional[int]]:
       # A directory without a lock: a writer that has not yet made it, or one
       # killed before. Made here and held, a writer that comes to take it
       # finds it taken and starts over in a new directory.
-      lfd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                    dir_fd=dfd)
+      lfd = os.open(
+        LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
+      )
     fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except OSError:  # held by its writer (EWOULDBLOCK), or not ours to lock
     if lfd >= 0:
@@ -148,8 +148,10 @@ def _remove_held(path: str, dfd: int) -> None:
     except OSError as e:
       left.append(f"{path} ({e.strerror})")
   if left:
-    raise ArchiveError(f"{path} was removed only partly; left: {', '.join(left[:8])}"
-                       + (f" and {len(left) - 8} more" if len(left) > 8 else ""))
+    raise ArchiveError(
+      f"{path} was removed only partly; left: {', '.join(left[:8])}"
+      + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+    )
 
 
 def remove_temp_dirs(final: str, *, everything: bool = False) -> list[str]:
@@ -203,7 +205,7 @@ class TempDir:
     self.committed = False
 
   @classmethod
-  def create(cls, final: str, durable: bool = True) -> "TempDir":
+  def create(cls, final: str, durable: bool = True) -> TempDir:
     parent, base = os.path.split(final)
     for _ in range(8):
       path = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex}-{os.getpid()}-{_host()}")
@@ -213,24 +215,30 @@ class TempDir:
         return made
       # A clean took the new directory's lock first (it found no writer's lock
       # yet): it removes it; this save starts over in a new one.
-    raise ArchiveError(f"{final}: every temporary directory made for the save was taken by a"
-                       " concurrent clean; nothing was written")
+    raise ArchiveError(
+      f"{final}: every temporary directory made for the save was taken by a"
+      " concurrent clean; nothing was written"
+    )
 
   @classmethod
-  def _take(cls, path: str, durable: bool) -> Optional["TempDir"]:
+  def _take(cls, path: str, durable: bool) -> TempDir | None:
     try:
       dfd = os.open(path, _DIR_FLAGS)
     except FileNotFoundError:
       return None
     lfd = -1
     try:
-      lfd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                    dir_fd=dfd)
+      lfd = os.open(
+        LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
+      )
       fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       # Taken: still the directory at its path, with this lock file in it.
-      if (os.fstat(dfd).st_nlink and os.fstat(lfd).st_nlink
-          and _same_file(os.stat(path, follow_symlinks=False), os.fstat(dfd))
-          and _same_file(os.stat(LOCK_FILE, dir_fd=dfd, follow_symlinks=False), os.fstat(lfd))):
+      if (
+        os.fstat(dfd).st_nlink
+        and os.fstat(lfd).st_nlink
+        and _same_file(os.stat(path, follow_symlinks=False), os.fstat(dfd))
+        and _same_file(os.stat(LOCK_FILE, dir_fd=dfd, follow_symlinks=False), os.fstat(lfd))
+      ):
         return cls(path, _shardfile.OutDir(dfd, path, durable), lfd)
     except (FileNotFoundError, BlockingIOError):
       pass
@@ -265,15 +273,15 @@ class TempDir:
           st = os.stat(rel, dir_fd=dfd, follow_symlinks=False)
         except OSError:
           st = None
-        if st is None or not stat.S_ISREG(st.st_mode) or (size is not None
-                                                           and st.st_size != size):
+        if st is None or not stat.S_ISREG(st.st_mode) or (size is not None and st.st_size != size):
           missing.append(os.path.join(self.path, rel))
     if missing:
       raise ArchiveError(
-          f"the save's temporary directory {self.path} was removed or changed while it was"
-          f" written (missing or altered: {', '.join(missing[:8])}"
-          + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-          + "); nothing is committed")
+        f"the save's temporary directory {self.path} was removed or changed while it was"
+        f" written (missing or altered: {', '.join(missing[:8])}"
+        + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        + "); nothing is committed"
+      )
 
   def commit(self, final: str) -> None:
     """Renames the directory to ``final`` (never replacing anything), then fsyncs
@@ -312,10 +320,10 @@ class TempDir:
       self._lock = -1
 
 
-def _expected_files(builder: IndexBuilder, chunk_bytes: int) -> list[tuple[str, Optional[int]]]:
+def _expected_files(builder: IndexBuilder, chunk_bytes: int) -> list[tuple[str, int | None]]:
   """Every file a checkpoint written by ``builder`` holds, relative to its root, with
   the exact size of each shard file (None: any size)."""
-  files: list[tuple[str, Optional[int]]] = [(INDEX_FILE, None)]
+  files: list[tuple[str, int | None]] = [(INDEX_FILE, None)]
   for name, layout, _ in builder.archives:
     files.append((os.path.join(name, ARCHIVE_FILE), None))
     sizes: dict[str, int] = {}
@@ -328,8 +336,9 @@ def _expected_files(builder: IndexBuilder, chunk_bytes: int) -> list[tuple[str, 
       itemsize = np.dtype(fmt.np_dtype(dtype, name)).itemsize
       chunk = _shardfile.chunk_elements(n, itemsize, chunk_bytes)
       files.append((os.path.join(name, dtype, _shardfile.META_FILE), None))
-      files.append((os.path.join(name, dtype, *_shardfile.SHARD_KEY),
-                    _shardfile.file_size(n, itemsize, chunk)))
+      files.append(
+        (os.path.join(name, dtype, *_shardfile.SHARD_KEY), _shardfile.file_size(n, itemsize, chunk))
+      )
   return files
 
 
@@ -377,8 +386,9 @@ def commit_dir(tmp: str, final: str) -> None:
   except (AttributeError, OSError):
     renameat2 = None
   if renameat2 is not None:
-    if renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final),
-                 _RENAME_NOREPLACE) == 0:
+    if (
+      renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final), _RENAME_NOREPLACE) == 0
+    ):
       return
     err = ctypes.get_errno()
     if err == errno.EEXIST or err == errno.ENOTEMPTY:

@@ -7,26 +7,36 @@ import hashlib
 import json
 import os
 import uuid
-from typing import Any, Callable, Iterable, Optional, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
-from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.checkpoint import shardfile as _shardfile
+from jaxreshard._src.checkpoint.index import (
+  ARCHIVE_FILE,
+  DEFAULT_CHUNK_BYTES,
+  FORMAT,
+  FORMAT_VERSION,
+  INDEX_FILE,
+  Source,
+  SourcedRecords,
+  _json_digest,
+  _param_term,
+  _placements_digest,
+)
+from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
-from jaxreshard._src.errors import PlacementError, ShapeError
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
-from jaxreshard._src.checkpoint.index import (
-    ARCHIVE_FILE, DEFAULT_CHUNK_BYTES, FORMAT, FORMAT_VERSION, INDEX_FILE, Source, SourcedRecords,
-    _json_digest, _param_term, _placements_digest)
+from jaxreshard._src.errors import PlacementError, ShapeError
 
 
-def target_layout(placements: Iterable[ParamPlacement], anatomy: _structure.StateParts) -> str:
+def target_layout(placements: Iterable[ParamPlacement], state_parts: _structure.StateParts) -> str:
   """The layout an archive shares with every rank of its target: a sha256 in hex.
 
   It covers the world size and every param's id, logical shape, storage
@@ -35,10 +45,13 @@ def target_layout(placements: Iterable[ParamPlacement], anatomy: _structure.Stat
   """
   entries = []
   for p in sorted(placements, key=lambda p: p.param):
-    hist = [None if h is None else "masked" if h is _structure.MASKED else np.dtype(h.dtype).name
-            for h in anatomy.history(p.param)]
-    entries.append([p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable),
-                    int(p.world_size), hist])
+    hist = [
+      None if h is None else "masked" if h is _structure.MASKED else np.dtype(h.dtype).name
+      for h in state_parts.history(p.param)
+    ]
+    entries.append(
+      [p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable), int(p.world_size), hist]
+    )
   return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -50,10 +63,14 @@ def _packed(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
   if not parts:
     return np.zeros(0, dtype)
   base = parts[0].base
-  if (isinstance(base, np.ndarray) and base.ndim == 1 and base.dtype == dtype
-      and base.flags.c_contiguous and all(p.base is base and p.flags.c_contiguous
-                                          for p in parts)):
-    start = (parts[0].__array_interface__["data"][0] - base.__array_interface__["data"][0])
+  if (
+    isinstance(base, np.ndarray)
+    and base.ndim == 1
+    and base.dtype == dtype
+    and base.flags.c_contiguous
+    and all(p.base is base and p.flags.c_contiguous for p in parts)
+  ):
+    start = parts[0].__array_interface__["data"][0] - base.__array_interface__["data"][0]
     ptr = parts[0].__array_interface__["data"][0]
     for p in parts:
       if p.__array_interface__["data"][0] != ptr:
@@ -61,14 +78,14 @@ def _packed(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
       ptr += p.nbytes
     else:
       i0 = start // dtype.itemsize
-      return base[i0:i0 + sum(p.size for p in parts)]
+      return base[i0 : i0 + sum(p.size for p in parts)]
   return np.concatenate(parts)
 
 
 class IndexBuilder:
   """Collects each archive's entry of the index as records are written."""
 
-  def __init__(self, checkpoint_id: Optional[str] = None, source: Optional[Source] = None):
+  def __init__(self, checkpoint_id: str | None = None, source: Source | None = None):
     self.id = checkpoint_id or uuid.uuid4().hex
     self.source = source
     self._layouts: dict[str, int] = {}
@@ -76,7 +93,7 @@ class IndexBuilder:
     self._clocks: dict[str, int] = {}
     self.layouts: list[dict] = []
     self.clocks: list[list] = []
-    self.archives: list[Optional[list]] = []
+    self.archives: list[list | None] = []
     self._params: dict[tuple, int] = {}
     self.params: list[list] = []
     self._members: dict[int, list[tuple[int, int, int]]] = {}  # param entry -> (archive, rank, W)
@@ -91,27 +108,37 @@ class IndexBuilder:
     (``jax.ShapeDtypeStruct``): only the index entry is made.
     """
     try:
-      anatomy, placements = _validate.check_archive(index, record)
+      state_parts, placements = _validate.check_archive(index, record)
     except PlacementError:
       raise
     if self.source is not None:
-      self._check_source(index, placements, anatomy)
+      self._check_source(index, placements, state_parts)
     for p in placements.values():  # what a reader refuses is never written
       slots = FlatShard(p.shape, p.rank, p.world_size).slots
-      for m, h in enumerate(anatomy.history(p.param)):
+      for m, h in enumerate(state_parts.history(p.param)):
         if hasattr(h, "shape"):
           _validate.check_flat_history(p, index, m, tuple(h.shape), slots)
     roles = _structure.roles_of(record)
     leaves, treedef = jax.tree_util.tree_flatten(record.state)
     # Ranks of one layout share its structure: encode it once.
-    signature = (treedef, roles, tuple((getattr(x, "shape", None), getattr(x, "dtype", None))
-                                       for x, r in zip(leaves, roles) if r is not None))
+    signature = (
+      treedef,
+      roles,
+      tuple(
+        (getattr(x, "shape", None), getattr(x, "dtype", None))
+        for x, r in zip(leaves, roles)
+        if r is not None
+      ),
+    )
     layout = self._layout_of_signature.get(signature)
     if layout is None:
       layout = self._layout(index, record, roles)
       self._layout_of_signature[signature] = layout
-    scalars = [fmt.encode_scalar(leaf, f"archive {index}, leaf {i}")
-               for i, (leaf, role) in enumerate(zip(leaves, roles)) if role is None]
+    scalars = [
+      fmt.encode_scalar(leaf, f"archive {index}, leaf {i}")
+      for i, (leaf, role) in enumerate(zip(leaves, roles))
+      if role is None
+    ]
     clock_key = json.dumps(scalars, separators=(",", ":"), sort_keys=True)
     clock = self._clocks.setdefault(clock_key, len(self._clocks))
     if clock == len(self.clocks):
@@ -130,32 +157,39 @@ class IndexBuilder:
       self._members.setdefault(e, []).append((index, p.rank, p.world_size))
       bucket = (p.world_size, p.rank)
       buckets[bucket] = buckets.get(bucket, 0) + self._terms[e]
-    self.describes[index] = {"layout": self._layout_digests[layout],
-                             "clock": hashlib.sha256(clock_key.encode("ascii")).hexdigest(),
-                             "placements": _placements_digest(buckets)}
+    self.describes[index] = {
+      "layout": self._layout_digests[layout],
+      "clock": hashlib.sha256(clock_key.encode("ascii")).hexdigest(),
+      "placements": _placements_digest(buckets),
+    }
     if not pack:
       return {}
     parts: dict[np.dtype, list[np.ndarray]] = {}
-    for pid, m, buf in _copyplan.packing_order(
-        {pid: anatomy.history(pid) for pid in anatomy.param_set()}):
+    for _pid, _m, buf in _copyplan.packing_order(
+      {pid: state_parts.history(pid) for pid in state_parts.param_set()}
+    ):
       parts.setdefault(np.dtype(buf.dtype), []).append(np.asarray(buf).reshape(-1))
     return {d: _packed(p, d) for d, p in parts.items()}
 
-  def _check_source(self, index: int, placements: dict[str, ParamPlacement],
-                    anatomy: _structure.StateParts) -> None:
+  def _check_source(
+    self, index: int, placements: dict[str, ParamPlacement], state_parts: _structure.StateParts
+  ) -> None:
     """Every archive of a reshard's output has its target's world size and layout."""
     src = self.source
     for p in placements.values():
       if p.world_size != src.world_size:
-        raise PlacementError(f"param {p.param!r}: archive {index} has world_size"
-                             f" {p.world_size}, not {src.world_size} of its target")
-    layout = target_layout(placements.values(), anatomy)
+        raise PlacementError(
+          f"param {p.param!r}: archive {index} has world_size"
+          f" {p.world_size}, not {src.world_size} of its target"
+        )
+    layout = target_layout(placements.values(), state_parts)
     if src.layout is None:
       self.source = dataclasses.replace(src, layout=layout)
     elif layout != src.layout:
       raise PlacementError(
-          f"archive {index} has another layout (params, shapes, dtypes or history buffers)"
-          f" than {'archive 0' if index else 'its target'}; the ranks of one target share one")
+        f"archive {index} has another layout (params, shapes, dtypes or history buffers)"
+        f" than {'archive 0' if index else 'its target'}; the ranks of one target share one"
+      )
 
   def _layout(self, index: int, record: Any, roles: Sequence[Any]) -> int:
     """The layout entry of a record's state structure (added when new)."""
@@ -186,20 +220,37 @@ class IndexBuilder:
       for w in sorted(worlds):
         ranks = tuple((a, r) for a, r, ww in members if ww == w)
         merged.setdefault((w, ranks), []).append(e)
-    return [{"world_size": w, "params": sorted(es), "ranks": [list(x) for x in ranks]}
-            for (w, ranks), es in merged.items()]
+    return [
+      {"world_size": w, "params": sorted(es), "ranks": [list(x) for x in ranks]}
+      for (w, ranks), es in merged.items()
+    ]
 
   def index(self) -> dict:
     if not self.archives or any(a is None for a in self.archives):
       raise PlacementError("no archives supplied")
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": self.id,
-            "record_version": RECORD_VERSION, "params": self.params, "groups": self.groups(),
-            "layouts": self.layouts, "clocks": self.clocks, "archives": self.archives,
-            "source": None if self.source is None else self.source.to_json()}
+    return {
+      "format": FORMAT,
+      "format_version": FORMAT_VERSION,
+      "checkpoint": self.id,
+      "record_version": RECORD_VERSION,
+      "params": self.params,
+      "groups": self.groups(),
+      "layouts": self.layouts,
+      "clocks": self.clocks,
+      "archives": self.archives,
+      "source": None if self.source is None else self.source.to_json(),
+    }
 
 
-def write_archive(directory: "_shardfile.OutDir | str", index: int, record: Any,
-                  builder: IndexBuilder, chunk_bytes: int, *, durable: bool = True) -> int:
+def write_archive(
+  directory: _shardfile.OutDir | str,
+  index: int,
+  record: Any,
+  builder: IndexBuilder,
+  chunk_bytes: int,
+  *,
+  durable: bool = True,
+) -> int:
   """Writes one archive directory and registers it with ``builder``.
 
   ``directory`` is a held :class:`_shardfile.OutDir` (whose own entries the
@@ -218,8 +269,9 @@ def write_archive(directory: "_shardfile.OutDir | str", index: int, record: Any,
   return _write_archive_into(directory, index, record, builder, chunk_bytes)
 
 
-def _write_archive_into(directory: _shardfile.OutDir, index: int, record: Any,
-                        builder: IndexBuilder, chunk_bytes: int) -> int:
+def _write_archive_into(
+  directory: _shardfile.OutDir, index: int, record: Any, builder: IndexBuilder, chunk_bytes: int
+) -> int:
   buffers = builder.add(index, record)
   with directory.mkdir(f"archive_{index:05d}") as adir:
     meta_buffers = {}
@@ -229,10 +281,19 @@ def _write_archive_into(directory: _shardfile.OutDir, index: int, record: Any,
       chunk = _shardfile.chunk_elements(data.size, dtype.itemsize, chunk_bytes)
       crcs = _shardfile.write_array(adir, dtype.name, data, chunk)
       meta_buffers[dtype.name] = {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}
-    adir.write_bytes(ARCHIVE_FILE, fmt.signed_json({
-        "format": FORMAT, "format_version": FORMAT_VERSION, "checkpoint": builder.id,
-        "archive": f"archive_{index:05d}", "describes": builder.describes[index],
-        "buffers": meta_buffers}))
+    adir.write_bytes(
+      ARCHIVE_FILE,
+      fmt.signed_json(
+        {
+          "format": FORMAT,
+          "format_version": FORMAT_VERSION,
+          "checkpoint": builder.id,
+          "archive": f"archive_{index:05d}",
+          "describes": builder.describes[index],
+          "buffers": meta_buffers,
+        }
+      ),
+    )
     adir.sync()
   return sum(int(data.nbytes) for data in buffers.values())
 
@@ -246,9 +307,13 @@ def dump(path: str, obj: dict) -> None:
     held.drain()
 
 
-def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
-                     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                     progress: Optional[Callable[[int, int], None]] = None) -> IndexBuilder:
+def write_checkpoint(
+  directory: Any,
+  records: Iterable[ShardRecord],
+  *,
+  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+  progress: Callable[[int, int], None] | None = None,
+) -> IndexBuilder:
   """Writes every record into an existing empty ``directory``; returns what it wrote.
 
   ``directory`` is a held :class:`_shardfile.OutDir` or a path. Records are
@@ -261,8 +326,7 @@ def write_checkpoint(directory: Any, records: Iterable[ShardRecord], *,
   if not isinstance(directory, _shardfile.OutDir):
     with _shardfile.OutDir.open(os.fspath(directory)) as held:
       return write_checkpoint(held, records, chunk_bytes=chunk_bytes, progress=progress)
-  builder = IndexBuilder(
-      source=records.source if isinstance(records, SourcedRecords) else None)
+  builder = IndexBuilder(source=records.source if isinstance(records, SourcedRecords) else None)
   for index, record in enumerate(records):
     nbytes = write_archive(directory, index, record, builder, chunk_bytes)
     if progress is not None:

@@ -12,33 +12,34 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import typer
 
 import jaxreshard as jr
-from jaxreshard._src.checkpoint import store as _archive_io
-from jaxreshard._src.checkpoint import reader as _checkpoint
 from jaxreshard._src.checkpoint import digest as _digest
 from jaxreshard._src.checkpoint import merge as _merge
 from jaxreshard._src.checkpoint import read_plan as _read_plan
+from jaxreshard._src.checkpoint import reader as _checkpoint
 from jaxreshard._src.checkpoint import restore as _restore
+from jaxreshard._src.checkpoint import store as _archive_io
 from jaxreshard._src.checkpoint import summary as _summary
-from jaxreshard._src.cli import render as _render
 from jaxreshard._src.checkpoint.summary import inspect_info
+from jaxreshard._src.cli import render as _render
 from jaxreshard._src.cli.render import EXIT_DIFFERENT, EXIT_ERROR, progress_bar, safe
 
 __all__ = ["EXIT_DIFFERENT", "EXIT_ERROR", "app", "inspect_info", "main", "progress_bar", "safe"]
 
 
 app = typer.Typer(
-    name="jaxreshard",
-    cls=_render.Group,
-    help="Exact resharding of optax flat-shard (ZeRO / FSDP) optimizer state.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+  name="jaxreshard",
+  cls=_render.Group,
+  help="Exact resharding of optax flat-shard (ZeRO / FSDP) optimizer state.",
+  no_args_is_help=True,
+  add_completion=False,
+  pretty_exceptions_enable=False,
 )
 
 
@@ -57,8 +58,9 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                 help="Print the version and exit."),
+  version: bool = typer.Option(
+    False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+  ),
 ) -> None:
   """Exact resharding of optax flat-shard (ZeRO / FSDP) optimizer state."""
   del version
@@ -70,11 +72,14 @@ def _root(
 @app.command(cls=_render.Command)
 @_render.guard
 def demo(
-    steps: int = typer.Option(3, min=1, help="AdamW steps to train before sharding."),
-    save: Optional[Path] = typer.Option(
-        None, "--save", parser=_path,
-        help="Keep the 8-rank checkpoint here, to try the other commands on."),
-    as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
+  steps: int = typer.Option(3, min=1, help="AdamW steps to train before sharding."),
+  save: Path | None = typer.Option(
+    None,
+    "--save",
+    parser=_path,
+    help="Keep the 8-rank checkpoint here, to try the other commands on.",
+  ),
+  as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
   """Train a small flax MLP, shard its AdamW state over 8 ranks, reshard to 6, prove it exact.
 
@@ -90,8 +95,7 @@ def demo(
   try:
     summary = _demo.run_demo(steps, archive_dir=None if save is None else str(save), log=log)
   except ModuleNotFoundError as e:
-    raise jr.ReshardError(
-        f"the demo needs {e.name}: pip install 'jaxreshard[examples]'") from None
+    raise jr.ReshardError(f"the demo needs {e.name}: pip install 'jaxreshard[examples]'") from None
   worlds = (_demo.SOURCE_WORLD, _demo.TARGET_WORLD)
   if as_json:
     _render.print_json(_render.demo_info(summary, worlds, save))
@@ -107,9 +111,10 @@ def demo(
 @app.command(cls=_render.Command)
 @_render.guard
 def inspect(
-    checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT",
-                                      help="A checkpoint directory written by save_records."),
-    as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
+  checkpoint: Path = typer.Argument(
+    ..., parser=_path, metavar="CHECKPOINT", help="A checkpoint directory written by save_records."
+  ),
+  as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
   """Show parameters, logical shapes, world sizes, dtypes, bytes and optimizer clocks.
 
@@ -138,17 +143,21 @@ def inspect(
 @app.command(cls=_render.Command)
 @_render.guard
 def reshard(
-    checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT",
-                                      help="The source checkpoint directory."),
-    out: Path = typer.Argument(..., parser=_path, metavar="OUT",
-                               help="The new checkpoint directory (must not exist)."),
-    world_size: int = typer.Option(..., "--world-size", "-w", help="The target world size M."),
-    rank: Optional[int] = typer.Option(None, "--rank", "-r", help="Write only this target rank."),
-    dry_run: bool = typer.Option(False, "--dry-run",
-                                 help="Print what each target rank reads; write nothing."),
-    reads: bool = typer.Option(False, "--reads",
-                               help="With --dry-run: list every read, not one line per rank."),
-    as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
+  checkpoint: Path = typer.Argument(
+    ..., parser=_path, metavar="CHECKPOINT", help="The source checkpoint directory."
+  ),
+  out: Path = typer.Argument(
+    ..., parser=_path, metavar="OUT", help="The new checkpoint directory (must not exist)."
+  ),
+  world_size: int = typer.Option(..., "--world-size", "-w", help="The target world size M."),
+  rank: int | None = typer.Option(None, "--rank", "-r", help="Write only this target rank."),
+  dry_run: bool = typer.Option(
+    False, "--dry-run", help="Print what each target rank reads; write nothing."
+  ),
+  reads: bool = typer.Option(
+    False, "--reads", help="With --dry-run: list every read, not one line per rank."
+  ),
+  as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
   """Rebuild every target rank (or one) for a new world size, streaming rank by rank.
 
@@ -178,11 +187,13 @@ def reshard(
     return
   if os.path.lexists(out):
     raise jr.ArchiveExistsError(
-        f"{safe(out)} already exists; jaxreshard never overwrites a checkpoint")
+      f"{safe(out)} already exists; jaxreshard never overwrites a checkpoint"
+    )
   _refuse_inside(out, [checkpoint])
   total = first.bytes_read if rank is not None else _read_plan.total_bytes(ckpt)
-  restore = lambda r: _restore.restore_ranks(str(checkpoint), [r], world_size=world_size,
-                                             checkpoint=ckpt)[0]
+  restore = lambda r: _restore.restore_ranks(
+    str(checkpoint), [r], world_size=world_size, checkpoint=ckpt
+  )[0]
   err = _render.err_console()
   t0 = time.perf_counter()
   with progress_bar(err) as bar:
@@ -195,16 +206,27 @@ def reshard(
         bar.advance(task, p.bytes_read)  # after save_records has taken this rank
 
     # The output names its source, so that parts of two saves never merge.
-    jr.save_records(str(out), _checkpoint.SourcedRecords(
-        targets(), _checkpoint.Source(ckpt.id, world_size)))
+    jr.save_records(
+      str(out), _checkpoint.SourcedRecords(targets(), _checkpoint.Source(ckpt.id, world_size))
+    )
   if as_json:
-    _render.print_json(dict(dry_run=False, out=os.path.abspath(out), world_size=world_size,
-                            ranks=list(ranks), bytes_read=total,
-                            seconds=round(time.perf_counter() - t0, 3)))
+    _render.print_json(
+      dict(
+        dry_run=False,
+        out=os.path.abspath(out),
+        world_size=world_size,
+        ranks=list(ranks),
+        bytes_read=total,
+        seconds=round(time.perf_counter() - t0, 3),
+      )
+    )
     return
-  _render.console().print(_render.cell(
+  _render.console().print(
+    _render.cell(
       f"wrote {len(ranks)} of {world_size} target ranks to {out}"
-      f" ({_render.size(total)} moved, {time.perf_counter() - t0:.1f} s)"))
+      f" ({_render.size(total)} moved, {time.perf_counter() - t0:.1f} s)"
+    )
+  )
 
 
 def _refuse_inside(out: Path, inputs: list[Path]) -> None:
@@ -217,8 +239,10 @@ def _refuse_inside(out: Path, inputs: list[Path]) -> None:
   for path in inputs:
     where = os.path.realpath(path)
     if os.path.commonpath([target, where]) == where:
-      raise jr.ArchiveError(f"{safe(out)} is inside {safe(path)}, a checkpoint this command"
-                            " reads; write the new checkpoint outside it")
+      raise jr.ArchiveError(
+        f"{safe(out)} is inside {safe(path)}, a checkpoint this command"
+        " reads; write the new checkpoint outside it"
+      )
 
 
 # ------------------------------------------------------------------------- verify
@@ -227,11 +251,13 @@ def _refuse_inside(out: Path, inputs: list[Path]) -> None:
 @app.command(cls=_render.Command)
 @_render.guard
 def verify(
-    checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT",
-                                      help="The original checkpoint."),
-    out: Path = typer.Argument(..., parser=_path, metavar="OUT",
-                               help="The checkpoint that should hold the same state."),
-    as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
+  checkpoint: Path = typer.Argument(
+    ..., parser=_path, metavar="CHECKPOINT", help="The original checkpoint."
+  ),
+  out: Path = typer.Argument(
+    ..., parser=_path, metavar="OUT", help="The checkpoint that should hold the same state."
+  ),
+  as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
   """Prove OUT holds exactly CHECKPOINT's optimizer state, whatever the two layouts.
 
@@ -246,11 +272,19 @@ def verify(
     _summary.refuse_problems(path, d)
   diffs = _digest.compare_digests(a, b, names=(str(checkpoint), str(out)))
   buffers, elements = _summary.digest_counts(a)
-  counts = dict(params=len(a.params), buffers=buffers, elements=elements,
-                clock_scalars=len(a.scalars))
+  counts = dict(
+    params=len(a.params), buffers=buffers, elements=elements, clock_scalars=len(a.scalars)
+  )
   if as_json:
-    _render.print_json(dict(identical=not diffs, differences=diffs, digest=a.hexdigest(),
-                            out_digest=b.hexdigest(), **counts))
+    _render.print_json(
+      dict(
+        identical=not diffs,
+        differences=diffs,
+        digest=a.hexdigest(),
+        out_digest=b.hexdigest(),
+        **counts,
+      )
+    )
   _render.print_verify((checkpoint, out), diffs, counts, a.hexdigest(), as_json)
   if diffs:
     raise typer.Exit(EXIT_DIFFERENT)
@@ -262,13 +296,17 @@ def verify(
 @app.command(cls=_render.Command)
 @_render.guard
 def clean(
-    checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT",
-                                      help="The checkpoint path saves were writing to."),
-    everything: bool = typer.Option(
-        False, "--all", help="Also remove other hosts' temporary directories whose lock is"
-        " free here (a network file system may keep a lock to the host that took it). A"
-        " directory whose writer holds its lock is never removed."),
-    as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
+  checkpoint: Path = typer.Argument(
+    ..., parser=_path, metavar="CHECKPOINT", help="The checkpoint path saves were writing to."
+  ),
+  everything: bool = typer.Option(
+    False,
+    "--all",
+    help="Also remove other hosts' temporary directories whose lock is"
+    " free here (a network file system may keep a lock to the host that took it). A"
+    " directory whose writer holds its lock is never removed.",
+  ),
+  as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
   """Remove the temporary directories that killed saves to CHECKPOINT left behind.
 
@@ -283,8 +321,13 @@ def clean(
   found = _archive_io.temp_dirs(final)
   removed = set(_archive_io.remove_temp_dirs(final, everything=everything))
   if as_json:
-    _render.print_json(dict(checkpoint=final, removed=[p for p, _ in found if p in removed],
-                            kept=[p for p, _ in found if p not in removed]))
+    _render.print_json(
+      dict(
+        checkpoint=final,
+        removed=[p for p, _ in found if p in removed],
+        kept=[p for p, _ in found if p not in removed],
+      )
+    )
     return
   _render.print_clean(final, found, removed, everything)
 
@@ -295,11 +338,13 @@ def clean(
 @app.command(cls=_render.Command)
 @_render.guard
 def merge(
-    out: Path = typer.Argument(..., parser=_path, metavar="OUT",
-                               help="The merged checkpoint (must not exist)."),
-    parts: list[Path] = typer.Argument(..., parser=_path, metavar="PART",
-                                       help="Partial checkpoints (reshard --rank outputs)."),
-    as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
+  out: Path = typer.Argument(
+    ..., parser=_path, metavar="OUT", help="The merged checkpoint (must not exist)."
+  ),
+  parts: list[Path] = typer.Argument(
+    ..., parser=_path, metavar="PART", help="Partial checkpoints (reshard --rank outputs)."
+  ),
+  as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
   """Combine partial checkpoints of one world size (one per rank or host) into one.
 
@@ -316,11 +361,14 @@ def merge(
   if as_json:
     _render.print_json(dict(out=os.path.abspath(out), world_size=n, parts=len(parts), archives=n))
     return
-  _render.console().print(_render.cell(
+  _render.console().print(
+    _render.cell(
       f"merged {len(parts)} part{'s' if len(parts) != 1 else ''} into {out}:"
-      f" ranks 0..{n - 1} of {n}, resharded from checkpoint {plan.source.checkpoint}"))
+      f" ranks 0..{n - 1} of {n}, resharded from checkpoint {plan.source.checkpoint}"
+    )
+  )
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
   """The ``jaxreshard`` console script."""
   app(args=argv, prog_name="jaxreshard")

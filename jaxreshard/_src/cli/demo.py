@@ -14,7 +14,8 @@ import dataclasses
 import os
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +23,8 @@ import numpy as np
 import optax
 
 import jaxreshard as jr
-from jaxreshard._src.exec import bitview as _bitview
 from jaxreshard._src.checkpoint import digest as _digest
+from jaxreshard._src.exec import bitview as _bitview
 
 __all__ = ["DemoRow", "DemoSummary", "run_demo", "train_example"]
 
@@ -69,8 +70,13 @@ class DemoSummary:
 
   @property
   def exact(self) -> bool:
-    return (self.unshard_exact and self.round_trip_exact and self.digest_equal
-            and self.disk_exact and all(r.exact for r in self.rows))
+    return (
+      self.unshard_exact
+      and self.round_trip_exact
+      and self.digest_equal
+      and self.disk_exact
+      and all(r.exact for r in self.rows)
+    )
 
 
 def train_example(steps: int = 3, seed: int = 0) -> tuple[Any, Any, Any]:
@@ -97,7 +103,9 @@ def train_example(steps: int = 3, seed: int = 0) -> tuple[Any, Any, Any]:
 
   @jax.jit
   def step(params, state):
-    loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2))(params)
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean((model.apply({"params": p}, x) - y) ** 2))(
+      params
+    )
     updates, state = optimizer.update(grads, state, params)
     return optax.apply_updates(params, updates), state, loss
 
@@ -109,19 +117,22 @@ def train_example(steps: int = 3, seed: int = 0) -> tuple[Any, Any, Any]:
   return optimizer, params, state
 
 
-
-
 def _same(a: Any, b: Any) -> bool:
   """Same tree structure and bit-identical leaves (shapes and dtypes included)."""
   la, ta = jax.tree_util.tree_flatten(a)
   lb, tb = jax.tree_util.tree_flatten(b)
   return ta == tb and all(
-      np.asarray(x).dtype == np.asarray(y).dtype and np.shape(x) == np.shape(y)
-      and np.array_equal(_bitview.bits(x), _bitview.bits(y)) for x, y in zip(la, lb))
+    np.asarray(x).dtype == np.asarray(y).dtype
+    and np.shape(x) == np.shape(y)
+    and np.array_equal(_bitview.bits(x), _bitview.bits(y))
+    for x, y in zip(la, lb)
+  )
 
 
 def _same_record(a: jr.ShardRecord, b: jr.ShardRecord) -> bool:
-  return (a.version, a.placements, a.roles) == (b.version, b.placements, b.roles) and _same(a.state, b.state)
+  return (a.version, a.placements, a.roles) == (b.version, b.placements, b.roles) and _same(
+    a.state, b.state
+  )
 
 
 def _histories(state: Any, roles) -> dict[str, list[Any]]:
@@ -134,12 +145,14 @@ def _histories(state: Any, roles) -> dict[str, list[Any]]:
 
 
 def _reshard_all(records, world_size):
-  return [jr.reshard(records, jr.plan(records, world_size=world_size, rank=r))
-          for r in range(world_size)]
+  return [
+    jr.reshard(records, jr.plan(records, world_size=world_size, rank=r)) for r in range(world_size)
+  ]
 
 
-def run_demo(steps: int = 3, *, archive_dir: Optional[str] = None,
-             log: Callable[[str], None] = lambda _: None) -> DemoSummary:
+def run_demo(
+  steps: int = 3, *, archive_dir: str | None = None, log: Callable[[str], None] = lambda _: None
+) -> DemoSummary:
   """Runs the demo and returns what it proved (nothing is printed).
 
   Args:
@@ -165,8 +178,10 @@ def run_demo(steps: int = 3, *, archive_dir: Optional[str] = None,
   unshard_exact = _same(full, state)
   back = _reshard_all(dst, SOURCE_WORLD)
   round_trip_exact = len(back) == len(src) and all(map(_same_record, back, src))
-  log(f"checked unshard({TARGET_WORLD} ranks) == state and {SOURCE_WORLD} -> {TARGET_WORLD}"
-      f" -> {SOURCE_WORLD} == original")
+  log(
+    f"checked unshard({TARGET_WORLD} ranks) == state and {SOURCE_WORLD} -> {TARGET_WORLD}"
+    f" -> {SOURCE_WORLD} == original"
+  )
   d_src, d_dst = _digest.digest_records(src), _digest.digest_records(dst)
   digest_equal = not _digest.compare_digests(d_src, d_dst)
 
@@ -175,8 +190,9 @@ def run_demo(steps: int = 3, *, archive_dir: Optional[str] = None,
     jr.save_records(path, src)
     restored = jr.restore(path, world_size=TARGET_WORLD, rank=DISK_RANK)
     disk_exact = _same_record(restored, dst[DISK_RANK])
-  log(f"saved the {SOURCE_WORLD} archives and restored rank {DISK_RANK} of {TARGET_WORLD}"
-      " from disk")
+  log(
+    f"saved the {SOURCE_WORLD} archives and restored rank {DISK_RANK} of {TARGET_WORLD} from disk"
+  )
 
   # Per parameter: its unsharded history and its 8 -> 6 -> 8 slices are exact.
   roles = src[0].roles
@@ -185,12 +201,26 @@ def run_demo(steps: int = 3, *, archive_dir: Optional[str] = None,
   for p in src[0].placements:
     hist = original.get(p.param, [])
     exact = _same(hist, unsharded.get(p.param, [])) and all(
-        _same(_histories(a.state, a.roles).get(p.param), _histories(b.state, b.roles).get(p.param))
-        for a, b in zip(back, src))
-    rows.append(DemoRow(
-        param=p.param, shape=p.shape,
+      _same(_histories(a.state, a.roles).get(p.param), _histories(b.state, b.roles).get(p.param))
+      for a, b in zip(back, src)
+    )
+    rows.append(
+      DemoRow(
+        param=p.param,
+        shape=p.shape,
         slots_source=jr.FlatShard(p.shape, 0, SOURCE_WORLD).slots,
         slots_target=jr.FlatShard(p.shape, 0, TARGET_WORLD).slots,
-        buffers=len(hist), bytes=sum(np.asarray(h).nbytes for h in hist), exact=exact))
-  return DemoSummary(tuple(rows), unshard_exact, round_trip_exact, digest_equal, disk_exact,
-                     steps, time.perf_counter() - t0)
+        buffers=len(hist),
+        bytes=sum(np.asarray(h).nbytes for h in hist),
+        exact=exact,
+      )
+    )
+  return DemoSummary(
+    tuple(rows),
+    unshard_exact,
+    round_trip_exact,
+    digest_equal,
+    disk_exact,
+    steps,
+    time.perf_counter() - t0,
+  )

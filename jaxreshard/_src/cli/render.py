@@ -13,7 +13,8 @@ import functools
 import json
 import os
 import sys
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import typer
@@ -27,6 +28,7 @@ from jaxreshard._src.checkpoint import read_plan as _read_plan
 
 EXIT_DIFFERENT = 1
 EXIT_ERROR = 2
+
 
 def plain_flags(params: list) -> list:
   # A flag takes no value: help shows no value type for it (an empty metavar).
@@ -169,8 +171,11 @@ def guard(fn: Callable) -> Callable:
       # A bug, not an answer: exit 2 (verify's 1 means "different"), one line.
       if os.environ.get("JAXRESHARD_TRACEBACK"):
         raise
-      print(f"jaxreshard: error: internal error, please report it: {message(e)}"
-            " (JAXRESHARD_TRACEBACK=1 shows where)", file=sys.stderr)
+      print(
+        f"jaxreshard: error: internal error, please report it: {message(e)}"
+        " (JAXRESHARD_TRACEBACK=1 shows where)",
+        file=sys.stderr,
+      )
       raise typer.Exit(EXIT_ERROR) from None
 
   return wrapper
@@ -192,15 +197,16 @@ def progress_bar(console: Any) -> Any:
   from rich import progress  # only the CLI draws bars
 
   return progress.Progress(
-      progress.TextColumn("[bold]{task.description}"),
-      progress.BarColumn(),
-      progress.DownloadColumn(),
-      progress.TransferSpeedColumn(),
-      progress.TimeRemainingColumn(),
-      console=console,
-      # Pipes and logs get the one summary line, not a frozen bar.
-      disable=not console.is_terminal,
+    progress.TextColumn("[bold]{task.description}"),
+    progress.BarColumn(),
+    progress.DownloadColumn(),
+    progress.TransferSpeedColumn(),
+    progress.TimeRemainingColumn(),
+    console=console,
+    # Pipes and logs get the one summary line, not a frozen bar.
+    disable=not console.is_terminal,
   )
+
 
 def buffers_text(dtypes: list[str]) -> str:
   groups: list[list] = []
@@ -213,8 +219,9 @@ def buffers_text(dtypes: list[str]) -> str:
   return " ".join(f"{n}x{short(d)}" if n > 1 else short(d) for n, d in groups) or "none"
 
 
-def print_plans(plans: Iterator[_read_plan.ReadPlan], n_archives: int, n_ranks: int,
-                 reads: bool) -> None:
+def print_plans(
+  plans: Iterator[_read_plan.ReadPlan], n_archives: int, n_ranks: int, reads: bool
+) -> None:
   """One line per target rank (every read under it with ``reads``), then the total.
 
   Plain aligned text, printed as each plan is made: no value is ever cut.
@@ -225,21 +232,31 @@ def print_plans(plans: Iterator[_read_plan.ReadPlan], n_archives: int, n_ranks: 
   for p in plans:
     total += p.bytes_read
     peak = max(peak, p.peak_bytes)
-    row = (p.rank, f"{len(p.per_archive)} of {n_archives}", size(p.bytes_read),
-           size(p.target_bytes), size(p.peak_bytes))
+    row = (
+      p.rank,
+      f"{len(p.per_archive)} of {n_archives}",
+      size(p.bytes_read),
+      size(p.target_bytes),
+      size(p.peak_bytes),
+    )
     print("  ".join(f"{v:>13}" for v in row))
     if reads:
       print_reads(p)
-  print(f"dry run: {n_ranks} target rank{'s' if n_ranks != 1 else ''}, {size(total)} moved"
-        f" in all, peak memory ~{size(peak)} (the target rank's buffers plus one bounded"
-        " read buffer); nothing written")
+  print(
+    f"dry run: {n_ranks} target rank{'s' if n_ranks != 1 else ''}, {size(total)} moved"
+    f" in all, peak memory ~{size(peak)} (the target rank's buffers plus one bounded"
+    " read buffer); nothing written"
+  )
 
 
-def json_plans(plans: Iterator[_read_plan.ReadPlan], world_size: int, n_archives: int,
-                reads: bool) -> None:
+def json_plans(
+  plans: Iterator[_read_plan.ReadPlan], world_size: int, n_archives: int, reads: bool
+) -> None:
   """``--dry-run --json``: the same plans as one JSON object, written as each rank is planned."""
-  print(f'{{\n  "dry_run": true,\n  "world_size": {world_size},\n  "archives": {n_archives},'
-        '\n  "ranks": [')
+  print(
+    f'{{\n  "dry_run": true,\n  "world_size": {world_size},\n  "archives": {n_archives},'
+    '\n  "ranks": ['
+  )
   total = peak = 0
   pending = None  # each entry waits for the next to know whether a comma follows it
   for p in plans:
@@ -247,12 +264,26 @@ def json_plans(plans: Iterator[_read_plan.ReadPlan], world_size: int, n_archives
       print(f"    {pending},")
     total += p.bytes_read
     peak = max(peak, p.peak_bytes)
-    entry = dict(rank=p.rank, archives_read=list(p.per_archive), bytes_read=p.bytes_read,
-                 target_bytes=p.target_bytes, peak_bytes=p.peak_bytes)
+    entry = dict(
+      rank=p.rank,
+      archives_read=list(p.per_archive),
+      bytes_read=p.bytes_read,
+      target_bytes=p.target_bytes,
+      peak_bytes=p.peak_bytes,
+    )
     if reads:
-      entry["reads"] = [dict(param=r.param, archive=r.archive, source_rank=r.source_rank,
-                             lo=r.lo, hi=r.hi, source_offset=r.source_offset, bytes=r.bytes)
-                        for r in p.reads]
+      entry["reads"] = [
+        dict(
+          param=r.param,
+          archive=r.archive,
+          source_rank=r.source_rank,
+          lo=r.lo,
+          hi=r.hi,
+          source_offset=r.source_offset,
+          bytes=r.bytes,
+        )
+        for r in p.reads
+      ]
     pending = json.dumps(entry)
   if pending is not None:
     print(f"    {pending}")
@@ -262,58 +293,95 @@ def json_plans(plans: Iterator[_read_plan.ReadPlan], world_size: int, n_archives
 def print_reads(p: _read_plan.ReadPlan) -> None:
   """Each read of one target rank: whose elements, from which archive and where in it."""
   head = ("param", "archive", "source rank", "elements [lo, hi)", "source offset", "bytes")
-  rows = [(safe(r.param), r.archive, r.source_rank, f"[{r.lo}, {r.hi})", r.source_offset,
-           r.bytes)
-          for r in p.reads]
+  rows = [
+    (safe(r.param), r.archive, r.source_rank, f"[{r.lo}, {r.hi})", r.source_offset, r.bytes)
+    for r in p.reads
+  ]
   widths = [max([len(h)] + [len(str(row[i])) for row in rows]) for i, h in enumerate(head)]
-  line = lambda vals: "    " + "  ".join(
-      f"{v!s:<{w}}" if i in (0, 3) else f"{v!s:>{w}}" for i, (v, w) in enumerate(zip(vals, widths)))
+  line = lambda vals: (
+    "    "
+    + "  ".join(
+      f"{v!s:<{w}}" if i in (0, 3) else f"{v!s:>{w}}" for i, (v, w) in enumerate(zip(vals, widths))
+    )
+  )
   print(line(head).rstrip())
   for row in rows:
     print(line(row).rstrip())
 
 
-
-
 def demo_info(summary: Any, worlds: tuple[int, int], saved: Any) -> dict:
   """``demo --json``: the demo's checks and its table, one object."""
   return dict(
-      exact=summary.exact, steps=summary.steps, seconds=round(summary.seconds, 3),
-      source_world_size=worlds[0], target_world_size=worlds[1],
-      checks=dict(unshard_exact=summary.unshard_exact,
-                  round_trip_exact=summary.round_trip_exact,
-                  digest_equal=summary.digest_equal, disk_exact=summary.disk_exact),
-      params=[dict(param=r.param, shape=list(r.shape), slots_source=r.slots_source,
-                   slots_target=r.slots_target, buffers=r.buffers, bytes=r.bytes,
-                   exact=r.exact) for r in summary.rows],
-      saved=None if saved is None else os.path.abspath(saved))
+    exact=summary.exact,
+    steps=summary.steps,
+    seconds=round(summary.seconds, 3),
+    source_world_size=worlds[0],
+    target_world_size=worlds[1],
+    checks=dict(
+      unshard_exact=summary.unshard_exact,
+      round_trip_exact=summary.round_trip_exact,
+      digest_equal=summary.digest_equal,
+      disk_exact=summary.disk_exact,
+    ),
+    params=[
+      dict(
+        param=r.param,
+        shape=list(r.shape),
+        slots_source=r.slots_source,
+        slots_target=r.slots_target,
+        buffers=r.buffers,
+        bytes=r.bytes,
+        exact=r.exact,
+      )
+      for r in summary.rows
+    ],
+    saved=None if saved is None else os.path.abspath(saved),
+  )
 
 
 def print_demo(out: Console, summary: Any, worlds: tuple[int, int], disk_rank: int) -> None:
   """The demo's table of parameters, one line per check, then the verdict."""
   src, dst = worlds
-  t = table(f"AdamW state, {src} -> {dst} ranks",
-            [(col, "left" if col in ("param", "shape") else "right")
-             for col in ("param", "shape", f"slots @{src}", f"slots @{dst}", "buffers", "bytes",
-                         "exact")])
+  t = table(
+    f"AdamW state, {src} -> {dst} ranks",
+    [
+      (col, "left" if col in ("param", "shape") else "right")
+      for col in ("param", "shape", f"slots @{src}", f"slots @{dst}", "buffers", "bytes", "exact")
+    ],
+  )
   for r in summary.rows:
-    t.add_row(r.param, str(r.shape), str(r.slots_source), str(r.slots_target),
-              str(r.buffers), str(r.bytes), "yes" if r.exact else "[red]NO[/]")
+    t.add_row(
+      r.param,
+      str(r.shape),
+      str(r.slots_source),
+      str(r.slots_target),
+      str(r.buffers),
+      str(r.bytes),
+      "yes" if r.exact else "[red]NO[/]",
+    )
   out.print(t)
   checks = [
-      (summary.unshard_exact, f"unshard of the {dst} ranks is bit-identical to the trained state"),
-      (summary.round_trip_exact,
-       f"{src} -> {dst} -> {src} returns the original archives bit for bit"),
-      (summary.digest_equal, f"sharding-independent digests of {src} and"
-       f" {dst} ranks are equal, padding all zero"),
-      (summary.disk_exact, f"rank {disk_rank} of {dst} restored from"
-       f" disk is {'identical' if summary.disk_exact else 'DIFFERENT'}"),
+    (summary.unshard_exact, f"unshard of the {dst} ranks is bit-identical to the trained state"),
+    (
+      summary.round_trip_exact,
+      f"{src} -> {dst} -> {src} returns the original archives bit for bit",
+    ),
+    (
+      summary.digest_equal,
+      f"sharding-independent digests of {src} and {dst} ranks are equal, padding all zero",
+    ),
+    (
+      summary.disk_exact,
+      f"rank {disk_rank} of {dst} restored from"
+      f" disk is {'identical' if summary.disk_exact else 'DIFFERENT'}",
+    ),
   ]
   for ok, line in checks:
     out.print(f"{'[green]ok[/]' if ok else '[red]FAILED[/]'} {line}")
   if summary.exact:
-    out.print(f"[bold green]EXACT[/]: {src} -> {dst} ranks,"
-              f" every bit preserved ({summary.seconds:.1f} s)")
+    out.print(
+      f"[bold green]EXACT[/]: {src} -> {dst} ranks, every bit preserved ({summary.seconds:.1f} s)"
+    )
   else:
     out.print(f"[bold red]NOT EXACT[/] ({summary.seconds:.1f} s)")
 
@@ -321,34 +389,51 @@ def print_demo(out: Console, summary: Any, worlds: tuple[int, int], disk_rank: i
 def print_inspect(checkpoint: Any, info: dict) -> None:
   """``inspect``: the parameter table, the clock table, the source, the totals."""
   out = console()
-  t = table(cell(f"{checkpoint}: {info['archives']} archives, world size"
-                 f" {', '.join(map(str, info['world_sizes']))}"),
-            [(col, "right" if col in ("world", "bytes", "stored") else "left")
-             for col in ("param", "shape", "world", "dtype", "train", "buffers", "bytes",
-                         "stored")])
+  t = table(
+    cell(
+      f"{checkpoint}: {info['archives']} archives, world size"
+      f" {', '.join(map(str, info['world_sizes']))}"
+    ),
+    [
+      (col, "right" if col in ("world", "bytes", "stored") else "left")
+      for col in ("param", "shape", "world", "dtype", "train", "buffers", "bytes", "stored")
+    ],
+  )
   for e in info["params"]:
     ranks = e["ranks"]
     world = ", ".join(map(str, e["world_sizes"]))
     if len(ranks) != e["world_sizes"][0] or ranks != list(range(len(ranks))):
       world += f" (ranks {ranks})"
-    t.add_row(cell(e["param"]), str(tuple(e["shape"])), world, e["dtype"],
-              "yes" if e["trainable"] else "no", buffers_text(e["buffers"]),
-              size(e["bytes"]), size(e["stored_bytes"]))
+    t.add_row(
+      cell(e["param"]),
+      str(tuple(e["shape"])),
+      world,
+      e["dtype"],
+      "yes" if e["trainable"] else "no",
+      buffers_text(e["buffers"]),
+      size(e["bytes"]),
+      size(e["stored_bytes"]),
+    )
   out.print(t)
   if any(not e["buffers"] for e in info["params"]):
     out.print("buffers none: no optimizer state (frozen, or a stateless optimizer)")
   out.print(_clock_table(info))
   if info["source"] is not None:
-    out.print(f"resharded from checkpoint {info['source']['checkpoint']} to world size"
-              f" {info['source']['world_size']}")
-  out.print(f"{len(info['params'])} params, {size(info['bytes'])} of optimizer state"
-            f" ({size(info['stored_bytes'])} stored with padding)")
+    out.print(
+      f"resharded from checkpoint {info['source']['checkpoint']} to world size"
+      f" {info['source']['world_size']}"
+    )
+  out.print(
+    f"{len(info['params'])} params, {size(info['bytes'])} of optimizer state"
+    f" ({size(info['stored_bytes'])} stored with padding)"
+  )
 
 
 def _clock_table(info: dict) -> Table:
-  clocks = table("optimizer clock" + ("" if info["clocks_agree"] else
-                                      " ([red]archives disagree[/])"),
-                 [("scalar", "left"), ("dtype", "left"), ("value", "left")])
+  clocks = table(
+    "optimizer clock" + ("" if info["clocks_agree"] else " ([red]archives disagree[/])"),
+    [("scalar", "left"), ("dtype", "left"), ("value", "left")],
+  )
   for c in info["clocks"]:
     value = c["value"]
     if c["truncated"]:
@@ -358,23 +443,28 @@ def _clock_table(info: dict) -> Table:
   return clocks
 
 
-def print_verify(names: tuple[Any, Any], diffs: list[str], counts: dict, digest: str,
-                 as_json: bool) -> None:
+def print_verify(
+  names: tuple[Any, Any], diffs: list[str], counts: dict, digest: str, as_json: bool
+) -> None:
   """``verify``'s answer: the differences (and a line on stderr) or the one line of identity."""
   out = console()
   if diffs:
     for line in diffs if not as_json else ():
       out.print(cell(f"differs: {line}"))
-    print(f"jaxreshard: {safe(names[1])} does not hold {safe(names[0])}'s optimizer state"
-          f" ({len(diffs)} difference{'s' if len(diffs) != 1 else ''})", file=sys.stderr)
+    print(
+      f"jaxreshard: {safe(names[1])} does not hold {safe(names[0])}'s optimizer state"
+      f" ({len(diffs)} difference{'s' if len(diffs) != 1 else ''})",
+      file=sys.stderr,
+    )
     return
   if as_json:
     return
   scalars = counts["clock_scalars"]
   out.print(
-      f"identical: {counts['params']} params, {counts['buffers']} buffers"
-      f" ({counts['elements']} elements), {scalars} clock scalar{'s' if scalars != 1 else ''},"
-      f" padding all zero; digest {digest[:16]}")
+    f"identical: {counts['params']} params, {counts['buffers']} buffers"
+    f" ({counts['elements']} elements), {scalars} clock scalar{'s' if scalars != 1 else ''},"
+    f" padding all zero; digest {digest[:16]}"
+  )
 
 
 def print_clean(final: str, found: list, removed: set, everything: bool) -> None:
@@ -387,5 +477,7 @@ def print_clean(final: str, found: list, removed: set, everything: bool) -> None
     else:
       verb = "kept (its writer holds its lock)"
     print(f"{verb}: {safe(path)}")
-  print(f"{len(removed)} of {len(found)} temporary director{'y' if len(found) == 1 else 'ies'}"
-        f" of {safe(final)} removed")
+  print(
+    f"{len(removed)} of {len(found)} temporary director{'y' if len(found) == 1 else 'ies'}"
+    f" of {safe(final)} removed"
+  )

@@ -10,7 +10,8 @@ to 32 bits (``2**40 + 3`` to ``3``, a float64 NaN payload to another one).
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -52,19 +53,23 @@ def stays_on_host(x: Any) -> bool:
 # --- the one rule for whether two archives are of one step -----------------------
 
 
-def clock_mismatch(src: Any, a: int, b: int, pid: Optional[str] = None) -> str:
+def clock_mismatch(src: Any, a: int, b: int, pid: str | None = None) -> str:
   """Words the refusal of archives ``a`` and ``b``, whose optimizer clocks differ."""
   name = f"param {pid!r}: " if pid is not None else ""
   sa, sb = src.skeleton(a), src.skeleton(b)
   xa, xb = src.scalars(a), src.scalars(b)
   where = clock_difference(clock_key(sa, xa), clock_key(sb, xb))
   if where == STRUCTURE:
-    return (f"{name}archive {a} has optimizer state structure {sa[0]} but archive"
-            f" {b} has {sb[0]}; these archives are not one checkpoint")
+    return (
+      f"{name}archive {a} has optimizer state structure {sa[0]} but archive"
+      f" {b} has {sb[0]}; these archives are not one checkpoint"
+    )
   if where is not None and where < min(len(xa), len(xb)):
     path = _structure.clock_paths(sa[0], [slot is None for slot in sa[1]])[where]
-    return (f"{name}archive {a} has clock scalar {path} = {plain(xa[where])!r} but archive"
-            f" {b} has {plain(xb[where])!r}; these archives are not one checkpoint")
+    return (
+      f"{name}archive {a} has clock scalar {path} = {plain(xa[where])!r} but archive"
+      f" {b} has {plain(xb[where])!r}; these archives are not one checkpoint"
+    )
   return f"{name}archives {a} and {b} have different optimizer clocks; not one checkpoint"
 
 
@@ -76,7 +81,7 @@ def clock_key(skeleton: Any, scalars: Sequence[Any]) -> tuple[Any, ...]:
   return (skeleton, tuple(scalar_bits(x) for x in scalars))
 
 
-def clock_difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> Optional[int]:
+def clock_difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> int | None:
   """The one comparison of two :func:`clock_key`: ``None``, ``STRUCTURE`` or a scalar's index."""
   if a[0] != b[0]:
     return STRUCTURE

@@ -18,7 +18,9 @@ to the parameters and the overlapping source ranks, never to ``W``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +34,7 @@ class BufferSlot:
   """One history buffer inside a packed buffer: ``[offset, offset + size)``."""
 
   group: int  # index into the groups the layout was made from
-  mirror: int  # which optimizer subtree holds it
+  subtree: int  # which optimizer subtree holds it
   offset: int
   size: int
 
@@ -51,21 +53,35 @@ class TargetLayout:
 
 def history_buffers(group: Any) -> list[tuple[int, np.dtype]]:
   """``(mirror, dtype)`` of each history buffer a validated group has, in mirror order."""
-  return [(m, d) for m, (present, d) in enumerate(zip(group.history, group.buffer_dtypes))
-          if present is True]
+  return _present(group.history, group.buffer_dtypes)
+
+
+def _present(history: Sequence[Any], dtypes: Sequence[np.dtype]) -> list[tuple[int, np.dtype]]:
+  return [(m, d) for m, (present, d) in enumerate(zip(history, dtypes)) if present is True]
 
 
 def target_layout(groups: Sequence[Any], *, logical: bool = False) -> TargetLayout:
   """Packs the history buffers of ``groups`` (sorted by param id) per dtype.
 
   Each buffer has the target's ``slots`` elements, or the parameter's
-  ``count`` when ``logical`` (a whole, unsharded parameter).
+  ``count`` when ``logical`` (a whole, unsharded parameter). Every target rank
+  of one plan has the same layout, so it is made once per distinct value of
+  what it is made of (sizes, histories, dtypes) and shared; it is never mutated.
   """
+  return _packed(
+    tuple(
+      (g.target.count if logical else g.target.slots, tuple(g.history), tuple(g.buffer_dtypes))
+      for g in groups
+    )
+  )
+
+
+@functools.lru_cache(maxsize=16)
+def _packed(buffers: tuple[tuple[int, tuple, tuple], ...]) -> TargetLayout:
   slots: dict[np.dtype, list[BufferSlot]] = {}
   sizes: dict[np.dtype, int] = {}
-  for gi, g in enumerate(groups):
-    size = g.target.count if logical else g.target.slots
-    for m, dtype in history_buffers(g):
+  for gi, (size, history, dtypes) in enumerate(buffers):
+    for m, dtype in _present(history, dtypes):
       offset = sizes.get(dtype, 0)
       slots.setdefault(dtype, []).append(BufferSlot(gi, m, offset, size))
       sizes[dtype] = offset + size
@@ -110,8 +126,9 @@ def overlaps(groups: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray,
   return gi, k, offset, skip, length
 
 
-def cut_runs(start: np.ndarray, length: np.ndarray,
-             block: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def cut_runs(
+  start: np.ndarray, length: np.ndarray, block: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
   """Runs ``[start, start + length)`` cut at every multiple of ``block`` (slot boundaries).
 
   A run that crosses block boundaries becomes one piece per block it touches,
@@ -143,9 +160,7 @@ def cut_runs(start: np.ndarray, length: np.ndarray,
 
 
 def plan_runs(
-    groups: Sequence[Any],
-    layout: TargetLayout,
-    locate: Callable[[int, Any, int], tuple[Any, int]],
+  groups: Sequence[Any], layout: TargetLayout, locate: Callable[[int, Any, int], tuple[Any, int]]
 ) -> tuple[dict[np.dtype, Runs], list[Any]]:
   """The runs that fill ``layout``'s buffers from the groups' sources.
 
@@ -169,12 +184,17 @@ def plan_runs(
     # One run per (overlap, buffer of that parameter in this dtype).
     sel = np.flatnonzero(np.isin(gi, np.fromiter(by_group, np.int64, len(by_group))))
     src_ids, src_pos, dst_pos, lens = [], [], [], []
-    for g, rank, a, b, n in zip(gi[sel].tolist(), k[sel].tolist(), src_local[sel].tolist(),
-                                dst_local[sel].tolist(), length[sel].tolist()):
+    for g, rank, a, b, n in zip(
+      gi[sel].tolist(),
+      k[sel].tolist(),
+      src_local[sel].tolist(),
+      dst_local[sel].tolist(),
+      length[sel].tolist(),
+    ):
       group = groups[g]
       archive = group.by_rank[rank]
       for s in by_group[g]:
-        key, base = locate(archive, group, s.mirror)
+        key, base = locate(archive, group, s.subtree)
         sid = keys.get(key)
         if sid is None:
           sid = keys[key] = len(sources)
@@ -183,8 +203,12 @@ def plan_runs(
         src_pos.append(base + a)
         dst_pos.append(s.offset + b)
         lens.append(n)
-    out[dtype] = Runs(np.asarray(src_ids, np.int64), np.asarray(src_pos, np.int64),
-                      np.asarray(dst_pos, np.int64), np.asarray(lens, np.int64))
+    out[dtype] = Runs(
+      np.asarray(src_ids, np.int64),
+      np.asarray(src_pos, np.int64),
+      np.asarray(dst_pos, np.int64),
+      np.asarray(lens, np.int64),
+    )
   return out, sources
 
 

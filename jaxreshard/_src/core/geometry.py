@@ -11,7 +11,8 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jaxreshard._src.errors import PlacementError
 
@@ -33,7 +34,8 @@ def _int(value: Any, what: str) -> int:
     return operator.index(value)
   except TypeError:
     raise PlacementError(
-        f"{what} must be an integer, not {type(value).__name__} {value!r}") from None
+      f"{what} must be an integer, not {type(value).__name__} {value!r}"
+    ) from None
 
 
 def normalize_shape(shape: Sequence[int], *, what: str = "shape") -> tuple[int, ...]:
@@ -49,7 +51,7 @@ def normalize_shape(shape: Sequence[int], *, what: str = "shape") -> tuple[int, 
   count = math.prod(dims)
   if count > MAX_COUNT:
     raise PlacementError(
-        f"{what} {dims} has {count} elements, more than a 64-bit index can address"
+      f"{what} {dims} has {count} elements, more than a 64-bit index can address"
     )
   return dims
 
@@ -60,7 +62,8 @@ def _check_rank(rank: int, world: int) -> None:
     raise PlacementError(f"world_size {world} must be at least 1")
   if world > MAX_WORLD_SIZE:
     raise PlacementError(
-        f"world_size {world} is more than the {MAX_WORLD_SIZE} ranks jaxreshard supports")
+      f"world_size {world} is more than the {MAX_WORLD_SIZE} ranks jaxreshard supports"
+    )
   if not 0 <= rank < world:
     raise PlacementError(f"rank {rank} is outside world_size {world} (0..{world - 1})")
 
@@ -102,8 +105,9 @@ class FlatShard:
     object.__setattr__(self, "_slots", -(-count // world))
 
   @classmethod
-  def of_checked_shape(cls, shape: tuple[int, ...], count: int, rank: int,
-                       world_size: int) -> "FlatShard":
+  def of_checked_shape(
+    cls, shape: tuple[int, ...], count: int, rank: int, world_size: int
+  ) -> FlatShard:
     """A geometry whose ``shape`` (and its ``count``) was already checked; the rank
     and world size are checked here. Planning builds one per target parameter."""
     if type(rank) is not int or type(world_size) is not int:
@@ -116,7 +120,7 @@ class FlatShard:
     return g
 
   @classmethod
-  def checked(cls, shape: tuple[int, ...], rank: int, world_size: int) -> "FlatShard":
+  def checked(cls, shape: tuple[int, ...], rank: int, world_size: int) -> FlatShard:
     """``FlatShard(shape, rank, world_size)``, memoized: geometry is a pure value, and
     planning asks for the same (shape, world size) once per target rank."""
     return _flat_shard(shape, rank, world_size)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import jax
 
@@ -39,16 +39,14 @@ class ShardRecord:
   version: int = dataclasses.field(metadata=dict(static=True))
   placements: tuple[ParamPlacement, ...] = dataclasses.field(metadata=dict(static=True))
   state: Any
-  roles: Optional[tuple[Optional[str], ...]] = dataclasses.field(
-      default=None, metadata=dict(static=True)
-  )
+  roles: tuple[str | None, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   def __post_init__(self):
     object.__setattr__(self, "placements", tuple(self.placements))
     if self.roles is not None:
       object.__setattr__(self, "roles", tuple(self.roles))
 
-  def placement(self, param: str) -> Optional[ParamPlacement]:
+  def placement(self, param: str) -> ParamPlacement | None:
     """The entry for ``param``, or None when this archive does not list it."""
     index = self.__dict__.get("_placement_index")
     if index is None:  # placements are frozen: index them once, not per lookup

@@ -21,20 +21,21 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 
 __all__ = [
-    "StateParts",
-    "MASKED",
-    "anatomy",
-    "build_state",
-    "history_roles",
-    "param_ids",
-    "path_id",
+  "StateParts",
+  "MASKED",
+  "state_parts",
+  "build_state",
+  "history_roles",
+  "param_ids",
+  "path_id",
 ]
 
 KeyPath = tuple[Any, ...]
@@ -61,8 +62,11 @@ def _is_masked_node(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
-_DictKey, _GetAttrKey, _SequenceKey = (jax.tree_util.DictKey, jax.tree_util.GetAttrKey,
-                                       jax.tree_util.SequenceKey)
+_DictKey, _GetAttrKey, _SequenceKey = (
+  jax.tree_util.DictKey,
+  jax.tree_util.GetAttrKey,
+  jax.tree_util.SequenceKey,
+)
 
 
 def _escape(name: str) -> str:
@@ -145,7 +149,7 @@ class _Hist:
 _SCALAR_ROLE = object()
 
 
-def history_roles(optimizer: Any, params: Any, state: Any) -> tuple[Optional[str], ...]:
+def history_roles(optimizer: Any, params: Any, state: Any) -> tuple[str | None, ...]:
   """Per leaf of ``state``: the param id of a history buffer, or None for a scalar.
 
   Uses :func:`optax.tree_map_params`, which re-runs ``optimizer.init`` on a
@@ -165,12 +169,12 @@ def history_roles(optimizer: Any, params: Any, state: Any) -> tuple[Optional[str
   # state's structure is used here, so the caller's setting must not matter.
   with jax.numpy_dtype_promotion("standard"):
     tagged = optax.tree_map_params(
-        optimizer,
-        tag,
-        state,
-        id_tree,
-        transform_non_params=lambda v: jax.tree.map(lambda _: _SCALAR_ROLE, v),
-        is_leaf=_is_masked_node,
+      optimizer,
+      tag,
+      state,
+      id_tree,
+      transform_non_params=lambda v: jax.tree.map(lambda _: _SCALAR_ROLE, v),
+      is_leaf=_is_masked_node,
     )
   leaves = jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Hist) or x is _SCALAR_ROLE)
   return tuple(x.pid if isinstance(x, _Hist) else None for x in leaves)
@@ -192,19 +196,21 @@ class StateParts:
 
   skeleton: Any  # treedef; leaves are scalars and ParamsSubtreeSlot markers
   skeleton_leaves: tuple[Any, ...]
-  mirrors: tuple[ParamsSubtree, ...]
+  subtrees: tuple[ParamsSubtree, ...]
 
   @property
   def scalars(self) -> list[tuple[int, Any]]:
-    return [(i, x) for i, x in enumerate(self.skeleton_leaves) if not isinstance(x, ParamsSubtreeSlot)]
+    return [
+      (i, x) for i, x in enumerate(self.skeleton_leaves) if not isinstance(x, ParamsSubtreeSlot)
+    ]
 
   def history(self, pid: str) -> tuple[Any, ...]:
     """Per mirror: the buffer, MASKED, or None when the mirror lacks ``pid``."""
-    return tuple(m.entries.get(pid) for m in self.mirrors)
+    return tuple(m.entries.get(pid) for m in self.subtrees)
 
   def param_set(self) -> set[str]:
     out = set()
-    for m in self.mirrors:
+    for m in self.subtrees:
       out.update(m.entries)
     return out
 
@@ -218,19 +224,22 @@ def clock_paths(skeleton: Any, is_scalar: Sequence[bool]) -> list[str]:
   refusals of archives whose clocks differ name it (``[0].count``).
   """
   tree = jax.tree_util.tree_unflatten(skeleton, list(range(len(is_scalar))))
-  return [jax.tree_util.keystr(path) for path, i in jax.tree_util.tree_flatten_with_path(tree)[0]
-          if is_scalar[i]]
+  return [
+    jax.tree_util.keystr(path)
+    for path, i in jax.tree_util.tree_flatten_with_path(tree)[0]
+    if is_scalar[i]
+  ]
 
 
 class StatePartsError(Exception):
   """Internal: a state that cannot be taken apart; callers re-raise with context."""
 
 
-def _mirror_prefix(path: KeyPath, pid: str) -> KeyPath:
+def _subtree_prefix(path: KeyPath, pid: str) -> KeyPath:
   # An id of n segments is the last n keys of the path; the id "" is also the
   # empty path of a params tree that is a single leaf.
   k = pid.count("/") + 1
-  if k <= len(path) and path_id(path[len(path) - k:]) == pid:
+  if k <= len(path) and path_id(path[len(path) - k :]) == pid:
     return path[: len(path) - k]
   if pid == "":
     return path
@@ -239,15 +248,13 @@ def _mirror_prefix(path: KeyPath, pid: str) -> KeyPath:
 
 def _children(node: Any):
   """One level of a pytree node: [(key, child)], treedef to rebuild it."""
-  with_path, treedef = jax.tree_util.tree_flatten_with_path(
-      node, is_leaf=lambda x: x is not node
-  )
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
   return [(p[0], c) for p, c in with_path], treedef
 
 
 def _is_leaf_node(node: Any) -> bool:
   return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node)) and not (
-      node is None or _is_masked_node(node)
+    node is None or _is_masked_node(node)
   )
 
 
@@ -267,7 +274,7 @@ def _replace_subtrees(tree: Any, replacements: Mapping[KeyPath, Any]) -> tuple[A
   return rec(tree, ()), removed
 
 
-def roles_of(record: Any) -> tuple[Optional[str], ...]:
+def roles_of(record: Any) -> tuple[str | None, ...]:
   """A record's roles: as recorded, or inferred for a hand-built record.
 
   Raises:
@@ -278,7 +285,7 @@ def roles_of(record: Any) -> tuple[Optional[str], ...]:
   return infer_roles(record.state, sorted(p.param for p in record.placements))
 
 
-def infer_roles(state: Any, listed: Sequence[str]) -> tuple[Optional[str], ...]:
+def infer_roles(state: Any, listed: Sequence[str]) -> tuple[str | None, ...]:
   """Roles of a hand-built record: 0-d leaves are scalars, others histories."""
   roles = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
@@ -288,18 +295,18 @@ def infer_roles(state: Any, listed: Sequence[str]) -> tuple[Optional[str], ...]:
     match = [pid for pid in listed if _suffix_matches(path, pid)]
     if not match:
       raise StatePartsError(
-          f"the buffer at {jax.tree_util.keystr(path)} is not the history of any listed parameter"
+        f"the buffer at {jax.tree_util.keystr(path)} is not the history of any listed parameter"
       )
     roles.append(max(match, key=len))
   return tuple(roles)
 
 
 def _suffix_matches(path: KeyPath, pid: str) -> bool:
-  return any(path_id(path[len(path) - k:]) == pid for k in range(1, len(path) + 1))
+  return any(path_id(path[len(path) - k :]) == pid for k in range(1, len(path) + 1))
 
 
 class _PlanCache:
-  """Anatomies of tree *structures* (leaves as indices), by (treedef, roles).
+  """State parts of tree *structures* (leaves as indices), by (treedef, roles).
 
   Every rank of a layout has the same structure, so taking W archives apart
   walks their key paths once; each archive then only places its leaves.
@@ -315,7 +322,7 @@ class _PlanCache:
     with self.lock:
       plan = self.plans.get(key)
     if plan is None:
-      plan = _anatomy_of_paths(jax.tree_util.tree_unflatten(treedef, list(range(n))), roles)
+      plan = _state_parts_of_paths(jax.tree_util.tree_unflatten(treedef, list(range(n))), roles)
       with self.lock:
         if len(self.plans) >= self.maxsize:
           self.plans.pop(next(iter(self.plans)))
@@ -326,7 +333,7 @@ class _PlanCache:
 PLANS = _PlanCache()
 
 
-def anatomy(state: Any, roles: Sequence[Optional[str]]) -> StateParts:
+def state_parts(state: Any, roles: Sequence[str | None]) -> StateParts:
   """Takes ``state`` apart using per-leaf ``roles`` (see ``history_roles``).
 
   Raises:
@@ -334,28 +341,35 @@ def anatomy(state: Any, roles: Sequence[Optional[str]]) -> StateParts:
   """
   leaves, treedef = jax.tree_util.tree_flatten(state)
   if len(leaves) != len(roles):
-    raise StatePartsError(
-        f"the state has {len(leaves)} leaves but its roles describe {len(roles)}")
+    raise StatePartsError(f"the state has {len(leaves)} leaves but its roles describe {len(roles)}")
   plan = PLANS.get(treedef, tuple(roles), len(leaves))
-  mirrors = tuple(
-      ParamsSubtree(m.prefix, m.treedef, m.order,
-             {pid: e if e is MASKED else leaves[e] for pid, e in m.entries.items()})
-      for m in plan.mirrors)
-  return StateParts(plan.skeleton, tuple(x if isinstance(x, ParamsSubtreeSlot) else leaves[x]
-                                      for x in plan.skeleton_leaves), mirrors)
+  subtrees = tuple(
+    ParamsSubtree(
+      m.prefix,
+      m.treedef,
+      m.order,
+      {pid: e if e is MASKED else leaves[e] for pid, e in m.entries.items()},
+    )
+    for m in plan.subtrees
+  )
+  return StateParts(
+    plan.skeleton,
+    tuple(x if isinstance(x, ParamsSubtreeSlot) else leaves[x] for x in plan.skeleton_leaves),
+    subtrees,
+  )
 
 
-def _anatomy_of_paths(state: Any, roles: Sequence[Optional[str]]) -> StateParts:
-  """``anatomy`` by walking key paths (the state's leaves are their own indices)."""
+def _state_parts_of_paths(state: Any, roles: Sequence[str | None]) -> StateParts:
+  """``state_parts`` by walking key paths (the state's leaves are their own indices)."""
   with_path = jax.tree_util.tree_flatten_with_path(state)[0]
   if len(with_path) != len(roles):
     raise StatePartsError(
-        f"the state has {len(with_path)} leaves but its roles describe {len(roles)}"
+      f"the state has {len(with_path)} leaves but its roles describe {len(roles)}"
     )
   prefixes: dict[KeyPath, int] = {}
   for (path, _), pid in zip(with_path, roles):
     if pid is not None:
-      prefixes.setdefault(_mirror_prefix(path, pid), len(prefixes))
+      prefixes.setdefault(_subtree_prefix(path, pid), len(prefixes))
   # Every buffer below a mirror's prefix must carry the role its position says.
   for (path, _), pid in zip(with_path, roles):
     if pid is None:
@@ -364,10 +378,10 @@ def _anatomy_of_paths(state: Any, roles: Sequence[Optional[str]]) -> StateParts:
       if path[:k] in prefixes and path_id(path[k:]) != pid:
         raise StatePartsError(f"roles and state disagree at {jax.tree_util.keystr(path)}")
   skeleton_tree, removed = _replace_subtrees(
-      state, {p: ParamsSubtreeSlot(i) for p, i in prefixes.items()}
+    state, {p: ParamsSubtreeSlot(i) for p, i in prefixes.items()}
   )
-  mirrors = []
-  for prefix, index in prefixes.items():
+  subtrees = []
+  for prefix, _index in prefixes.items():
     sub = removed[prefix]
     sub_with_path, sub_def = jax.tree_util.tree_flatten_with_path(sub, is_leaf=_is_masked_node)
     order, entries = [], {}
@@ -377,9 +391,9 @@ def _anatomy_of_paths(state: Any, roles: Sequence[Optional[str]]) -> StateParts:
         raise StatePartsError(f"parameter {pid!r} appears twice in one optimizer subtree")
       order.append(pid)
       entries[pid] = MASKED if _is_masked_node(leaf) else leaf
-    mirrors.append(ParamsSubtree(prefix, sub_def, tuple(order), entries))
+    subtrees.append(ParamsSubtree(prefix, sub_def, tuple(order), entries))
   skel_leaves, skel_def = jax.tree_util.tree_flatten(skeleton_tree)
-  return StateParts(skel_def, tuple(skel_leaves), tuple(mirrors))
+  return StateParts(skel_def, tuple(skel_leaves), tuple(subtrees))
 
 
 def nested(pids: Sequence[str], values: Mapping[str, Any]) -> Any:
@@ -396,14 +410,12 @@ def nested(pids: Sequence[str], values: Mapping[str, Any]) -> Any:
 
 
 def build_state(
-    template: StateParts,
-    histories: Mapping[str, Sequence[Any]],
-    scalars: Optional[Sequence[Any]] = None,
+  template: StateParts, histories: Mapping[str, Sequence[Any]], scalars: Sequence[Any] | None = None
 ) -> Any:
   """Reassembles a state with ``template``'s clock and the given histories.
 
   Args:
-    template: the anatomy whose skeleton (structure and scalars) the new state
+    template: the state parts whose skeleton (structure and scalars) the new state
       takes.
     histories: param id -> per mirror of the template: a buffer, MASKED, or
       None (the parameter is absent from that mirror).
@@ -414,14 +426,16 @@ def build_state(
   rebuilt as nested dicts from the ids.
   """
   subtrees = []
-  for i, mirror in enumerate(template.mirrors):
+  for i, subtree in enumerate(template.subtrees):
     values = {}
-    for pid, per_mirror in histories.items():
-      v = per_mirror[i]
+    for pid, per_subtree in histories.items():
+      v = per_subtree[i]
       if v is not None:
         values[pid] = optax.MaskedNode() if v is MASKED else v
-    if set(values) == set(mirror.order):
-      subtrees.append(jax.tree_util.tree_unflatten(mirror.treedef, [values[p] for p in mirror.order]))
+    if set(values) == set(subtree.order):
+      subtrees.append(
+        jax.tree_util.tree_unflatten(subtree.treedef, [values[p] for p in subtree.order])
+      )
     else:
       subtrees.append(nested(sorted(values), values))
   scalar_iter = iter(scalars) if scalars is not None else None

@@ -15,34 +15,40 @@ the sources object. Only the target geometry is checked per call.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Optional, Protocol, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxreshard._src.core.clock import (STRUCTURE, ClockClasses, clock_difference, clock_key,
-                                         clock_mismatch)
 from jaxreshard._src.core import structure as _structure
-from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
+from jaxreshard._src.core.clock import (
+  STRUCTURE,
+  ClockClasses,
+  clock_difference,
+  clock_key,
+  clock_mismatch,
+)
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import SUPPORTED_DTYPES, Migration, ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
 
 __all__ = [
-    "SourceFacts",
-    "SourceGroup",
-    "Sources",
-    "check_archive",
-    "check_buffer_dtype",
-    "not_listed",
-    "check_storage_dtype",
-    "ClockClasses",
-    "STRUCTURE",
-    "clock_difference",
-    "clock_key",
-    "clock_mismatch",
-    "source_facts",
+  "SourceFacts",
+  "SourceGroup",
+  "Sources",
+  "check_archive",
+  "check_buffer_dtype",
+  "not_listed",
+  "check_storage_dtype",
+  "ClockClasses",
+  "STRUCTURE",
+  "clock_difference",
+  "clock_key",
+  "clock_mismatch",
+  "source_facts",
 ]
 
 _SUPPORTED = frozenset(np.dtype(jnp.dtype(n)) for n in SUPPORTED_DTYPES)
@@ -50,8 +56,7 @@ _SUPPORTED = frozenset(np.dtype(jnp.dtype(n)) for n in SUPPORTED_DTYPES)
 
 def check_storage_dtype(dtype: Any, where: str) -> None:
   if not (isinstance(dtype, np.dtype) and dtype in _SUPPORTED):
-    raise DtypeError(
-        f"{where}: storage dtype {dtype} is not one of {', '.join(SUPPORTED_DTYPES)}")
+    raise DtypeError(f"{where}: storage dtype {dtype} is not one of {', '.join(SUPPORTED_DTYPES)}")
 
 
 def check_buffer_dtype(dtype: Any, where: str) -> None:
@@ -66,8 +71,9 @@ def check_buffer_dtype(dtype: Any, where: str) -> None:
     return
   hint = " (enable jax_enable_x64 to keep float64 exact)" if dtype.name == "float64" else ""
   raise ShapeError(
-      f"{where}: history buffer dtype {dtype.name} is not a floating dtype jaxreshard copies"
-      f" ({', '.join(SUPPORTED_DTYPES)}){hint}")
+    f"{where}: history buffer dtype {dtype.name} is not a floating dtype jaxreshard copies"
+    f" ({', '.join(SUPPORTED_DTYPES)}){hint}"
+  )
 
 
 def _params_of(record: ShardRecord, limit: int = 3) -> str:
@@ -85,17 +91,20 @@ def check_is_record(record: Any, where: str) -> None:
     raise PlacementError(f"{where}: expected a ShardRecord, got {type(record).__name__}")
 
 
-def check_archive(index: int, record: Any) -> tuple[_structure.StateParts, dict[str, ParamPlacement]]:
+def check_archive(
+  index: int, record: Any
+) -> tuple[_structure.StateParts, dict[str, ParamPlacement]]:
   """One archive on its own: its type, version, placements and histories.
 
   Returns:
-    Its anatomy and its placements by param id.
+    Its state parts and its placements by param id.
   """
   check_is_record(record, f"archive {index}")
   if record.version != RECORD_VERSION:
     raise PlacementError(
-        f"{_params_of(record)}: archive {index} has record version {record.version!r},"
-        f" which is not supported (only version {RECORD_VERSION} exists)")
+      f"{_params_of(record)}: archive {index} has record version {record.version!r},"
+      f" which is not supported (only version {RECORD_VERSION} exists)"
+    )
   placements: dict[str, ParamPlacement] = {}
   for p in record.placements:
     if not isinstance(p, ParamPlacement):
@@ -104,21 +113,22 @@ def check_archive(index: int, record: Any) -> tuple[_structure.StateParts, dict[
       raise PlacementError(f"param {p.param!r}: archive {index} lists it twice")
     placements[p.param] = p
   try:
-    anatomy = _structure.anatomy(record.state, _structure.roles_of(record))
+    state_parts = _structure.state_parts(record.state, _structure.roles_of(record))
   except _structure.StatePartsError as e:
     raise PlacementError(f"archive {index}: {e}") from None
-  for pid in sorted(anatomy.param_set() - set(placements)):
+  for pid in sorted(state_parts.param_set() - set(placements)):
     raise PlacementError(
-        f"param {pid!r}: archive {index} holds a history for it but does not list it"
-        " in its placements")
-  return anatomy, placements
+      f"param {pid!r}: archive {index} holds a history for it but does not list it"
+      " in its placements"
+    )
+  return state_parts, placements
 
 
 class Sources(Protocol):
   """What validation reads of a list of source archives."""
 
   def __len__(self) -> int: ...
-  def placement(self, archive: int, pid: str) -> Optional[ParamPlacement]: ...
+  def placement(self, archive: int, pid: str) -> ParamPlacement | None: ...
   def history(self, archive: int, pid: str) -> tuple[Any, ...]: ...
   def clock_class(self, archive: int) -> int: ...
 
@@ -134,7 +144,7 @@ class SourceFacts:
   dtype: np.dtype
   trainable: bool
   history: tuple[Any, ...]  # per mirror: MASKED, None (absent) or True (a buffer)
-  buffer_dtypes: tuple[Optional[np.dtype], ...]  # per mirror: the buffer's dtype
+  buffer_dtypes: tuple[np.dtype | None, ...]  # per mirror: the buffer's dtype
   clock: int  # clock class shared by every source
 
 
@@ -171,7 +181,7 @@ class SourceGroup:
     return self.facts.history
 
   @property
-  def buffer_dtypes(self) -> tuple[Optional[np.dtype], ...]:
+  def buffer_dtypes(self) -> tuple[np.dtype | None, ...]:
     return self.facts.buffer_dtypes
 
 
@@ -189,7 +199,7 @@ def _spellings(pid: str) -> Iterable[str]:
   """
   pieces = "/".join(_structure.split_id(pid)).split("/")
   gaps = len(pieces) - 1
-  masks = (range(2**gaps) if gaps <= _MAX_GROUPED_SEPARATORS else (0, 2**gaps - 1))
+  masks = range(2**gaps) if gaps <= _MAX_GROUPED_SEPARATORS else (0, 2**gaps - 1)
   for mask in masks:  # bit j set: gap j separates two keys
     keys, key = [], pieces[0]
     for j, piece in enumerate(pieces[1:]):
@@ -245,8 +255,9 @@ def source_facts(pid: str, sources: tuple[int, ...], src: Sources) -> SourceFact
   for s, p in entries:
     if p.shape != first.shape:
       raise PlacementError(
-          f"param {pid!r}: archive {s} has logical shape {p.shape} but archive"
-          f" {first_index} has {first.shape}")
+        f"param {pid!r}: archive {s} has logical shape {p.shape} but archive"
+        f" {first_index} has {first.shape}"
+      )
   for s, p in entries:
     try:
       FlatShard(p.shape, p.rank, p.world_size)
@@ -257,36 +268,47 @@ def source_facts(pid: str, sources: tuple[int, ...], src: Sources) -> SourceFact
   for s, p in entries:
     if p.world_size != world:
       raise PlacementError(
-          f"param {pid!r}: archive {s} has world_size {p.world_size} but archive"
-          f" {first_index} has {world}; these archives are not one group")
+        f"param {pid!r}: archive {s} has world_size {p.world_size} but archive"
+        f" {first_index} has {world}; these archives are not one group"
+      )
     if p.rank in by_rank:
       raise PlacementError(
-          f"param {pid!r}: archives {by_rank[p.rank]} and {s} both hold rank {p.rank}"
-          f" of world_size {world}")
+        f"param {pid!r}: archives {by_rank[p.rank]} and {s} both hold rank {p.rank}"
+        f" of world_size {world}"
+      )
     by_rank[p.rank] = s
   if len(by_rank) != world:
     missing = sorted(set(range(world)) - set(by_rank))
     raise PlacementError(
-        f"param {pid!r}: {len(by_rank)} source archives for world_size {world};"
-        f" ranks {missing} are missing (archives {list(sources)})")
+      f"param {pid!r}: {len(by_rank)} source archives for world_size {world};"
+      f" ranks {missing} are missing (archives {list(sources)})"
+    )
   for s, p in entries:
     check_storage_dtype(p.dtype, f"param {pid!r}: archive {s}")
     if p.dtype != first.dtype:
       raise DtypeError(
-          f"param {pid!r}: archive {s} stores it as {p.dtype} but archive"
-          f" {first_index} as {first.dtype}")
+        f"param {pid!r}: archive {s} stores it as {p.dtype} but archive"
+        f" {first_index} as {first.dtype}"
+      )
     if bool(p.trainable) != bool(first.trainable):
       raise PlacementError(
-          f"param {pid!r}: archive {s} has trainable={p.trainable} but archive"
-          f" {first_index} has trainable={first.trainable}")
+        f"param {pid!r}: archive {s} has trainable={p.trainable} but archive"
+        f" {first_index} has trainable={first.trainable}"
+      )
   source = FlatShard(first.shape, 0, world)
   buffer_dtypes = _check_histories(pid, entries, src, source)
   clock = _check_clocks(pid, [s for s, _ in entries], src)
   return SourceFacts(
-      param=pid, shape=first.shape, source=source,
-      by_rank=tuple(by_rank[r] for r in range(world)), dtype=first.dtype,
-      trainable=bool(first.trainable), history=_pattern(src.history(first_index, pid)),
-      buffer_dtypes=buffer_dtypes, clock=clock)
+    param=pid,
+    shape=first.shape,
+    source=source,
+    by_rank=tuple(by_rank[r] for r in range(world)),
+    dtype=first.dtype,
+    trainable=bool(first.trainable),
+    history=_pattern(src.history(first_index, pid)),
+    buffer_dtypes=buffer_dtypes,
+    clock=clock,
+  )
 
 
 def uniform_facts(pid: str, sources: tuple[int, ...], src: Any) -> SourceFacts:
@@ -311,14 +333,23 @@ def uniform_facts(pid: str, sources: tuple[int, ...], src: Any) -> SourceFacts:
     where = f"param {pid!r}: archive {a0}, history buffer {m}"
     if tuple(np.shape(h)) != (source.slots,):
       raise ShapeError(
-          f"{where} has shape {tuple(np.shape(h))}, not ({source.slots},) of its flat"
-          f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
-          " optimizer state (factored or matrix statistics) cannot be resharded")
+        f"{where} has shape {tuple(np.shape(h))}, not ({source.slots},) of its flat"
+        f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
+        " optimizer state (factored or matrix statistics) cannot be resharded"
+      )
     check_buffer_dtype(h.dtype, where)
     dtypes.append(np.dtype(h.dtype))
-  return SourceFacts(param=pid, shape=p.shape, source=source, by_rank=sources, dtype=p.dtype,
-                     trainable=bool(p.trainable), history=_pattern(hist),
-                     buffer_dtypes=tuple(dtypes), clock=src.clock_class(a0))
+  return SourceFacts(
+    param=pid,
+    shape=p.shape,
+    source=source,
+    by_rank=sources,
+    dtype=p.dtype,
+    trainable=bool(p.trainable),
+    history=_pattern(hist),
+    buffer_dtypes=tuple(dtypes),
+    clock=src.clock_class(a0),
+  )
 
 
 def _check_histories(pid, entries, src: Sources, source: FlatShard) -> tuple[Any, ...]:
@@ -331,12 +362,14 @@ def _check_histories(pid, entries, src: Sources, source: FlatShard) -> tuple[Any
     n = sum(map(_is_buffer, hist))
     if n != n_first:
       raise PlacementError(
-          f"param {pid!r}: archive {s} holds {n} history buffers but archive"
-          f" {first_index} holds {n_first}")
+        f"param {pid!r}: archive {s} holds {n} history buffers but archive"
+        f" {first_index} holds {n_first}"
+      )
     if _pattern(hist) != pattern:
       raise PlacementError(
-          f"param {pid!r}: its history is present in some optimizer subtrees of"
-          f" archive {s} and absent from them in archive {first_index}")
+        f"param {pid!r}: its history is present in some optimizer subtrees of"
+        f" archive {s} and absent from them in archive {first_index}"
+      )
   dtypes = []
   for m, h0 in enumerate(first_hist):
     if not _is_buffer(h0):
@@ -348,14 +381,16 @@ def _check_histories(pid, entries, src: Sources, source: FlatShard) -> tuple[Any
       where = f"param {pid!r}: archive {s}, history buffer {m}"
       if tuple(np.shape(buf)) != (source.slots,):
         raise ShapeError(
-            f"{where} has shape {tuple(np.shape(buf))}, not ({source.slots},) of its flat"
-            f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
-            " optimizer state (factored or matrix statistics) cannot be resharded")
+          f"{where} has shape {tuple(np.shape(buf))}, not ({source.slots},) of its flat"
+          f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
+          " optimizer state (factored or matrix statistics) cannot be resharded"
+        )
       check_buffer_dtype(buf.dtype, where)
       if np.dtype(buf.dtype) != dtype0:
         raise ShapeError(
-            f"{where} has dtype {np.dtype(buf.dtype).name} but archive {first_index}"
-            f" has {dtype0.name}")
+          f"{where} has dtype {np.dtype(buf.dtype).name} but archive {first_index}"
+          f" has {dtype0.name}"
+        )
     dtypes.append(dtype0)
   return tuple(dtypes)
 
@@ -369,10 +404,15 @@ def _check_clocks(pid: str, archives: Sequence[int], src: Any) -> int:
   return clock
 
 
-def skeleton_key(anatomy: _structure.StateParts) -> tuple[Any, ...]:
+def skeleton_key(state_parts: _structure.StateParts) -> tuple[Any, ...]:
   """The optimizer state's structure, with where each mirror subtree sits."""
-  return (anatomy.skeleton, tuple(x.index if isinstance(x, _structure.ParamsSubtreeSlot) else None
-                                  for x in anatomy.skeleton_leaves))
+  return (
+    state_parts.skeleton,
+    tuple(
+      x.index if isinstance(x, _structure.ParamsSubtreeSlot) else None
+      for x in state_parts.skeleton_leaves
+    ),
+  )
 
 
 def check_target(migration: Migration) -> FlatShard:
@@ -398,14 +438,19 @@ def rank_sources(pid: str, world: int, pairs: Iterable[tuple[int, int]]) -> tupl
   for archive, rank in pairs:
     if rank in by_rank:
       raise PlacementError(
-          f"param {pid!r}: archives {by_rank[rank]} and {archive} both hold rank {rank}")
+        f"param {pid!r}: archives {by_rank[rank]} and {archive} both hold rank {rank}"
+      )
     by_rank[rank] = archive
   if len(by_rank) != world or any(not 0 <= r < world for r in by_rank):
-    missing = (sorted(set(range(world)) - set(by_rank)) if world <= len(by_rank) + 64
-               else "(too many to list)")
+    missing = (
+      sorted(set(range(world)) - set(by_rank))
+      if world <= len(by_rank) + 64
+      else "(too many to list)"
+    )
     raise PlacementError(
-        f"param {pid!r}: archives {sorted(by_rank.values())[:16]} hold ranks"
-        f" {sorted(by_rank)[:16]} of world_size {world}; missing ranks {missing}")
+      f"param {pid!r}: archives {sorted(by_rank.values())[:16]} hold ranks"
+      f" {sorted(by_rank)[:16]} of world_size {world}; missing ranks {missing}"
+    )
   return tuple(by_rank[r] for r in range(world))
 
 
@@ -417,15 +462,17 @@ def check_source_indices(pid: str, sources: tuple[Any, ...], n_archives: int) ->
       raise PlacementError(f"param {pid!r}: source archive index {s!r} is a bool, not an index")
     if not isinstance(s, (int, np.integer)) or not 0 <= s < n_archives:
       raise PlacementError(
-          f"param {pid!r}: source archive index {s!r} is out of range"
-          f" (0..{n_archives - 1})")
+        f"param {pid!r}: source archive index {s!r} is out of range (0..{n_archives - 1})"
+      )
 
 
-def check_flat_history(p: ParamPlacement, archive: int, m: int, shape: tuple[int, ...],
-                       slots: int) -> None:
+def check_flat_history(
+  p: ParamPlacement, archive: int, m: int, shape: tuple[int, ...], slots: int
+) -> None:
   """History buffer ``m`` of placement ``p`` in ``archive`` has shape ``(slots,)`` of its
   flat layout (``slots`` of ``FlatShard(p.shape, p.rank, p.world_size)``)."""
   if shape != (slots,):
     raise ShapeError(
-        f"param {p.param!r}: archive {archive}, history buffer {m} has shape {shape},"
-        f" not ({slots},) of its flat layout (shape {p.shape}, world_size {p.world_size})")
+      f"param {p.param!r}: archive {archive}, history buffer {m} has shape {shape},"
+      f" not ({slots},) of its flat layout (shape {p.shape}, world_size {p.world_size})"
+    )

@@ -18,12 +18,12 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.distributed import logical_masks as _logical_masks
 from jaxreshard._src.distributed import mesh as _mesh
 from jaxreshard._src.engine import reshard as _reshard
-from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.errors import PlacementError, ShapeError
-from jaxreshard._src.core.geometry import FlatShard
 
 __all__ = ["flat_sharded"]
 
@@ -69,7 +69,7 @@ class _Layout:
     out = []
     for leaf, pid in zip(leaves, roles):
       g = None if pid is None else FlatShard(shapes[pid], 0, self.world)
-      out.append(leaf if g is None or not _whole(g) else self.put(leaf, self.replicated)[:g.count])
+      out.append(leaf if g is None or not _whole(g) else self.put(leaf, self.replicated)[: g.count])
     return jax.tree_util.tree_unflatten(treedef, out)
 
   def unflat(self, u: jax.Array, like: Any, shape: tuple[int, ...]) -> jax.Array:
@@ -99,8 +99,11 @@ class _Layout:
         leaf = jnp.pad(self.put(leaf, self.replicated), (0, self.world * g.slots - g.count))
       leaf = self.put(leaf, self.sharded)
       index = jax.lax.broadcasted_iota(
-          _index_dtype(np.shape(leaf)[0], pid), np.shape(leaf), 0,
-          out_sharding=self.sharded if self.explicit else None)
+        _index_dtype(np.shape(leaf)[0], pid),
+        np.shape(leaf),
+        0,
+        out_sharding=self.sharded if self.explicit else None,
+      )
       # Padding is zero by definition of the layout; a select keeps every owned
       # element's bits, and in an elementwise chain no owned element reads padding.
       out.append(jax.lax.select(index < counts[pid], leaf, jax.lax.full_like(leaf, 0)))
@@ -133,8 +136,9 @@ def _index_dtype(size: int, pid: str) -> Any:
     return jnp.int32
   if not jax.config.jax_enable_x64:
     raise ShapeError(
-        f"param {pid!r}: a flat history of {size} elements needs 64-bit indices for its"
-        " padding; enable jax_enable_x64")
+      f"param {pid!r}: a flat history of {size} elements needs 64-bit indices for its"
+      " padding; enable jax_enable_x64"
+    )
   return jnp.int64
 
 
@@ -151,12 +155,15 @@ def _described(tree: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
 def _extra_and_missing(got: list[str], want: list[str]) -> tuple[list[str], list[str]]:
   """The first names ``got`` has and ``want`` lacks, and those it lacks."""
   got_set, want_set = set(got), set(want)
-  return ([p for p in got if p not in want_set][:_MAX_LISTED],
-          [p for p in want if p not in got_set][:_MAX_LISTED])
+  return (
+    [p for p in got if p not in want_set][:_MAX_LISTED],
+    [p for p in want if p not in got_set][:_MAX_LISTED],
+  )
 
 
-def _tree_difference(got: list[str], got_def: Any, want: list[str], want_def: Any,
-                     got_what: str, want_what: str) -> str:
+def _tree_difference(
+  got: list[str], got_def: Any, want: list[str], want_def: Any, got_what: str, want_what: str
+) -> str:
   """Which param ids one tree has and the other lacks, or how their containers differ."""
   extra, missing = _extra_and_missing(got, want)
   parts = []
@@ -165,8 +172,10 @@ def _tree_difference(got: list[str], got_def: Any, want: list[str], want_def: An
   if missing:
     parts.append(f"{got_what} lack params {missing}")
   if not parts:
-    parts.append(f"the same param ids in other containers: {got_what} {str(got_def)[:200]}"
-                 f" vs {want_what} {str(want_def)[:200]}")
+    parts.append(
+      f"the same param ids in other containers: {got_what} {str(got_def)[:200]}"
+      f" vs {want_what} {str(want_def)[:200]}"
+    )
   return "; ".join(parts)
 
 
@@ -176,23 +185,31 @@ def _check_like(tree: Any, what: str, grads: Any) -> None:
   g_ids, g_leaves, g_def = _structure.param_ids(grads)
   if treedef != g_def:
     raise PlacementError(
-        "flat_sharded: the grads' tree is not the params': "
-        + _tree_difference(g_ids, g_def, ids, treedef, "grads", what))
+      "flat_sharded: the grads' tree is not the params': "
+      + _tree_difference(g_ids, g_def, ids, treedef, "grads", what)
+    )
   for pid, x, g in zip(ids, leaves, g_leaves):
     if tuple(np.shape(x)) != tuple(np.shape(g)):
-      raise ShapeError(f"param {pid!r}: grads of shape {tuple(np.shape(g))} but {what} of"
-                       f" shape {tuple(np.shape(x))}")
+      raise ShapeError(
+        f"param {pid!r}: grads of shape {tuple(np.shape(g))} but {what} of"
+        f" shape {tuple(np.shape(x))}"
+      )
 
 
 def _state_difference(expected: Any, state: Any) -> str:
   """The first leaf paths by which ``state`` differs from the ``expected`` state."""
+
   def masked(x):
     return isinstance(x, optax.MaskedNode)
 
-  want = [jax.tree_util.keystr(p) for p, _ in
-          jax.tree_util.tree_flatten_with_path(expected, is_leaf=masked)[0]]
-  got = [jax.tree_util.keystr(p) for p, _ in
-         jax.tree_util.tree_flatten_with_path(state, is_leaf=masked)[0]]
+  want = [
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(expected, is_leaf=masked)[0]
+  ]
+  got = [
+    jax.tree_util.keystr(p)
+    for p, _ in jax.tree_util.tree_flatten_with_path(state, is_leaf=masked)[0]
+  ]
   extra, missing = _extra_and_missing(got, want)
   parts = []
   if extra:
@@ -200,14 +217,17 @@ def _state_difference(expected: Any, state: Any) -> str:
   if missing:
     parts.append(f"it lacks leaves {missing}")
   if not parts:
-    parts.append("its leaves are in other containers: state"
-                 f" {str(jax.tree_util.tree_structure(state))[:200]} vs a state for these"
-                 f" grads {str(jax.tree_util.tree_structure(expected))[:200]}")
+    parts.append(
+      "its leaves are in other containers: state"
+      f" {str(jax.tree_util.tree_structure(state))[:200]} vs a state for these"
+      f" grads {str(jax.tree_util.tree_structure(expected))[:200]}"
+    )
   return "; ".join(parts)
 
 
-def _history_roles(cache: dict[Any, tuple], logical_opt: Any, flat_params: Any,
-                   state: Any) -> tuple:
+def _history_roles(
+  cache: dict[Any, tuple], logical_opt: Any, flat_params: Any, state: Any
+) -> tuple:
   """Per leaf of ``state``: the param id of a history or None, kept in ``cache`` by structure.
 
   Raises:
@@ -222,11 +242,15 @@ def _history_roles(cache: dict[Any, tuple], logical_opt: Any, flat_params: Any,
         expected = jax.eval_shape(logical_opt.init, flat_params)
       except Exception:  # pylint: disable=broad-exception-caught
         expected = None
-      where = (_state_difference(expected, state) if expected is not None else
-               f"{type(e).__name__}: {str(e)[:300]}")
+      where = (
+        _state_difference(expected, state)
+        if expected is not None
+        else f"{type(e).__name__}: {str(e)[:300]}"
+      )
       raise PlacementError(
-          f"flat_sharded: the state was not built for grads with param ids"
-          f" {_structure.param_ids(flat_params)[0][:_MAX_LISTED]}: {where}") from None
+        f"flat_sharded: the state was not built for grads with param ids"
+        f" {_structure.param_ids(flat_params)[0][:_MAX_LISTED]}: {where}"
+      ) from None
   return cache[key]
 
 
@@ -244,20 +268,23 @@ def _check_built_for(built_for: dict[Any, list[dict[str, tuple[int, ...]]]], gra
   if treedef not in built_for:
     want_def, records = list(built_for.items())[-1]
     raise PlacementError(
-        "flat_sharded: the grads' tree is not the params tree the state was built for"
-        " (at init): " + _tree_difference(ids, treedef, list(records[-1]), want_def,
-                                         "grads", "those params"))
+      "flat_sharded: the grads' tree is not the params tree the state was built for"
+      " (at init): "
+      + _tree_difference(ids, treedef, list(records[-1]), want_def, "grads", "those params")
+    )
   records = built_for[treedef]
   if shapes not in records:
     want = records[-1]
     pid = next(p for p in ids if shapes[p] != want[p])
     raise ShapeError(
-        f"param {pid!r}: grads of shape {shapes[pid]} but the state was built (at init) for"
-        f" params of shape {want[pid]}; a state trains only the params it was built for")
+      f"param {pid!r}: grads of shape {shapes[pid]} but the state was built (at init) for"
+      f" params of shape {want[pid]}; a state trains only the params it was built for"
+    )
 
 
-def _check_history_shapes(layout: _Layout, state: Any, roles: tuple,
-                          shapes: dict[str, tuple[int, ...]]) -> None:
+def _check_history_shapes(
+  layout: _Layout, state: Any, roles: tuple, shapes: dict[str, tuple[int, ...]]
+) -> None:
   """Every history leaf of ``state`` is ``(M * slots,)`` of its param's shape over the axis.
 
   Raises:
@@ -269,13 +296,15 @@ def _check_history_shapes(layout: _Layout, state: Any, roles: tuple,
     want = (layout.world * FlatShard(shapes[pid], 0, layout.world).slots,)
     if tuple(np.shape(leaf)) != want:
       raise ShapeError(
-          f"param {pid!r}: history buffer of shape {tuple(np.shape(leaf))} is not the"
-          f" ({layout.world} * slots,) = {want} of its shape {shapes[pid]} over mesh axis"
-          f" {layout.axis!r}; was the state built for another mesh or other params?")
+        f"param {pid!r}: history buffer of shape {tuple(np.shape(leaf))} is not the"
+        f" ({layout.world} * slots,) = {want} of its shape {shapes[pid]} over mesh axis"
+        f" {layout.axis!r}; was the state built for another mesh or other params?"
+      )
 
 
-def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
-                 axis: str = "fsdp") -> optax.GradientTransformationExtraArgs:
+def flat_sharded(
+  optimizer: optax.GradientTransformation, mesh: Mesh, axis: str = "fsdp"
+) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer so its state stays flat-sharded over a mesh axis (ZeRO-1/2).
 
   ``init`` returns ``optimizer``'s state with every history buffer (``mu``,
@@ -394,7 +423,8 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
   def flatten(tree: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.tree_unflatten(
-        treedef, [layout.flat(x, shapes[_structure.path_id(p)]) for p, x in with_path])
+      treedef, [layout.flat(x, shapes[_structure.path_id(p)]) for p, x in with_path]
+    )
 
   def counts_of(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
     return {pid: FlatShard(s, 0, layout.world).count for pid, s in shapes.items()}
@@ -412,9 +442,10 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
       state = logical_opt.init(flat_params)
       if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(logical):
         raise ShapeError(
-            f"params {sorted(shapes)[:3]}: the optimizer's state is structured differently"
-            " for flat params than for the params themselves (a mask or label function that"
-            " depends on shapes?); pass such masks and labels as pytrees")
+          f"params {sorted(shapes)[:3]}: the optimizer's state is structured differently"
+          " for flat params than for the params themselves (a mask or label function that"
+          " depends on shapes?); pass such masks and labels as pytrees"
+        )
       return layout.settle(state, roles(flat_params, state), counts_of(shapes))
 
   def update(grads: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
@@ -433,9 +464,12 @@ def flat_sharded(optimizer: optax.GradientTransformation, mesh: Mesh,
       state = layout.for_update(state, state_roles, shapes)
       flat_updates, state = logical_opt.update(flat_grads, state, flat_params, **extra_args)
       updates = jax.tree_util.tree_unflatten(
-          jax.tree_util.tree_structure(grads),
-          [layout.unflat(u, g, shapes[pid])
-           for pid, u, g in zip(ids, jax.tree_util.tree_leaves(flat_updates), leaves)])
+        jax.tree_util.tree_structure(grads),
+        [
+          layout.unflat(u, g, shapes[pid])
+          for pid, u, g in zip(ids, jax.tree_util.tree_leaves(flat_updates), leaves)
+        ],
+      )
       return updates, layout.settle(state, state_roles, counts_of(shapes))
 
   return _FlatSharded(init, update, optimizer)

@@ -29,7 +29,8 @@ import copy
 import dataclasses
 import functools
 import types
-from typing import Any, Iterator, Mapping, Optional
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import jax
 import optax
@@ -47,8 +48,9 @@ class _Logical:
   params: Mapping[str, tuple[tuple[int, ...], Any]]
 
 
-_ACTIVE: contextvars.ContextVar[Optional[_Logical]] = contextvars.ContextVar(
-    "jaxreshard_logical_shapes", default=None)
+_ACTIVE: contextvars.ContextVar[_Logical | None] = contextvars.ContextVar(
+  "jaxreshard_logical_shapes", default=None
+)
 
 
 @contextlib.contextmanager
@@ -81,18 +83,23 @@ class LogicalCallable:
     if logical is None:
       return self.fn(tree, *args, **kwargs)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_masked_node)
-    known = [_structure.path_id(p) in logical.params for p, x in with_path
-             if not _is_masked_node(x)]
+    known = [
+      _structure.path_id(p) in logical.params for p, x in with_path if not _is_masked_node(x)
+    ]
     if not known or (not any(known) and not self.params_only):
       # No leaves, or not a params tree (a static argument for something else).
       return self.fn(tree, *args, **kwargs)
     if not all(known):
-      path = next(jax.tree_util.keystr(p) for (p, x), k in
-                  zip((e for e in with_path if not _is_masked_node(e[1])), known) if not k)
+      path = next(
+        jax.tree_util.keystr(p)
+        for (p, x), k in zip((e for e in with_path if not _is_masked_node(e[1])), known)
+        if not k
+      )
       raise PlacementError(
-          f"flat_sharded: {self.what} {self._name()} is called on a tree whose leaf {path} is"
-          " not a parameter; only functions of the whole params tree can be given the"
-          " params' shapes: pass the mask or labels as a pytree")
+        f"flat_sharded: {self.what} {self._name()} is called on a tree whose leaf {path} is"
+        " not a parameter; only functions of the whole params tree can be given the"
+        " params' shapes: pass the mask or labels as a pytree"
+      )
     leaves = []
     for p, x in with_path:
       if _is_masked_node(x):
@@ -109,6 +116,7 @@ class LogicalCallable:
 @functools.cache
 def _sites() -> dict[Any, dict[str, str]]:
   """Code of the optax functions that call mask/label functions -> {free variable: what}."""
+
   def probe(p):
     return p
 
@@ -156,12 +164,17 @@ class _Rewriter:
       return self._function(obj)
     if isinstance(obj, types.MethodType):
       func, owner = self(obj.__func__), self._object(obj.__self__)
-      return obj if func is obj.__func__ and owner is obj.__self__ else types.MethodType(func, owner)
+      return (
+        obj if func is obj.__func__ and owner is obj.__self__ else types.MethodType(func, owner)
+      )
     if isinstance(obj, functools.partial):
       func, args = self(obj.func), [self(a) for a in obj.args]
       kwargs = {k: self(v) for k, v in obj.keywords.items()}
-      if func is obj.func and all(a is b for a, b in zip(args, obj.args)) and all(
-          kwargs[k] is obj.keywords[k] for k in kwargs):
+      if (
+        func is obj.func
+        and all(a is b for a, b in zip(args, obj.args))
+        and all(kwargs[k] is obj.keywords[k] for k in kwargs)
+      ):
         return obj
       return functools.partial(func, *args, **kwargs)
     if type(obj) in (tuple, list) or _is_namedtuple(obj):
@@ -200,9 +213,10 @@ class _Rewriter:
         cells.append(cell)
         continue
       if name in site and name == "other_hps" and isinstance(value, dict):
-        new = {k: LogicalCallable(v, f"{site[name]} {k!r}", params_only=False)
-               if _wraps(v) else self(v)
-               for k, v in value.items()}
+        new = {
+          k: LogicalCallable(v, f"{site[name]} {k!r}", params_only=False) if _wraps(v) else self(v)
+          for k, v in value.items()
+        }
         new = value if all(new[k] is value[k] for k in value) else new
       elif name in site:
         new = LogicalCallable(value, site[name]) if _wraps(value) else self(value)
@@ -212,8 +226,9 @@ class _Rewriter:
       cells.append(cell if new is value else types.CellType(new))
     if not changed:
       return fn
-    out = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
-                             tuple(cells))
+    out = types.FunctionType(
+      fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells)
+    )
     out.__kwdefaults__ = fn.__kwdefaults__
     out.__dict__.update(fn.__dict__)
     out.__qualname__ = fn.__qualname__
@@ -222,6 +237,8 @@ class _Rewriter:
 
 def _wraps(value: Any) -> bool:
   """A single callable (not a pytree of flags, a class, or already wrapped)."""
-  return (callable(value) and not isinstance(value, (type, LogicalCallable))
-          and not isinstance(value, optax.GradientTransformation))
-
+  return (
+    callable(value)
+    and not isinstance(value, (type, LogicalCallable))
+    and not isinstance(value, optax.GradientTransformation)
+  )

@@ -11,7 +11,8 @@ state, touching only the devices this process can address.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -19,25 +20,24 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxreshard._src.exec import bitview as _bitview
 from jaxreshard._src.core import clock as _clock
-from jaxreshard._src.engine import reshard as _reshard
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
-from jaxreshard._src.errors import PlacementError, ShapeError
 from jaxreshard._src.core.geometry import FlatShard, normalize_shape
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.engine import reshard as _reshard
+from jaxreshard._src.errors import PlacementError, ShapeError
+from jaxreshard._src.exec import bitview as _bitview
 
 __all__ = [
-    "MeshState",
-    "gather_from_mesh",
-    "mesh_ranks",
-    "records_from_mesh",
-    "records_to_mesh",
-    "shard_to_mesh",
+  "MeshState",
+  "gather_from_mesh",
+  "mesh_ranks",
+  "records_from_mesh",
+  "records_to_mesh",
+  "shard_to_mesh",
 ]
-
 
 
 class MeshState(NamedTuple):
@@ -118,8 +118,8 @@ def _check_layout(records: Mapping[int, ShardRecord]) -> tuple[Any, tuple]:
       treedef, roles = td, r
     elif td != treedef or r != roles:
       raise PlacementError(
-          f"rank {rank}: its state is structured differently from the other ranks';"
-          " these records are not one layout"
+        f"rank {rank}: its state is structured differently from the other ranks';"
+        " these records are not one layout"
       )
   return treedef, roles
 
@@ -157,8 +157,8 @@ def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = 
     for p in rec.placements:
       if (p.rank, p.world_size) != (r, world):
         raise PlacementError(
-            f"param {p.param!r}: the record for rank {r} holds rank {p.rank} of"
-            f" world_size {p.world_size}, not rank {r} of the mesh axis's {world}"
+          f"param {p.param!r}: the record for rank {r} holds rank {p.rank} of"
+          f" world_size {p.world_size}, not rank {r} of the mesh axis's {world}"
         )
   leaves_of = {r: jax.tree_util.tree_leaves(rec.state) for r, rec in records.items()}
   sharded = NamedSharding(mesh, PartitionSpec(axis))
@@ -178,15 +178,17 @@ def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = 
       slots = {r: int(np.size(x)) for r, x in per_rank.items()}
       if len(set(slots.values())) > 1 or any(np.ndim(x) != 1 for x in per_rank.values()):
         raise ShapeError(
-            f"param {role!r}: history buffers of ranks {sorted(slots)} have shapes"
-            f" {[np.shape(x) for x in per_rank.values()]}, not one (slots,)"
+          f"param {role!r}: history buffers of ranks {sorted(slots)} have shapes"
+          f" {[np.shape(x) for x in per_rank.values()]}, not one (slots,)"
         )
       shape, sharding = (world * next(iter(slots.values())),), sharded
     arrays = []
     for device in sharding.addressable_devices_indices_map(shape):
       arrays.append(jax.device_put(per_rank[rank_of[device]], device))
     dtype = per_rank[next(iter(per_rank))].dtype  # not np.dtype: typed PRNG keys have none
-    new_leaves.append(jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype))
+    new_leaves.append(
+      jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
+    )
   return jax.tree_util.tree_unflatten(treedef, new_leaves)
 
 
@@ -196,9 +198,10 @@ def _shard_on(leaf: Any, rank: int, slots: int, pid: str, axis: str) -> jax.Arra
     if start == rank * slots and shard.data.shape == (slots,):
       return shard.data
   raise PlacementError(
-      f"param {pid!r}: no device of this process holds rank {rank}'s ({slots},) shard;"
-      f" the buffer must be a global array sharded over mesh axis {axis!r}, not"
-      f" {getattr(leaf, 'sharding', type(leaf).__name__)}")
+    f"param {pid!r}: no device of this process holds rank {rank}'s ({slots},) shard;"
+    f" the buffer must be a global array sharded over mesh axis {axis!r}, not"
+    f" {getattr(leaf, 'sharding', type(leaf).__name__)}"
+  )
 
 
 def _placeholder_params(shapes: Mapping[str, Any]) -> Any:
@@ -211,8 +214,7 @@ def shape_of(value: Any, pid: str) -> tuple[int, ...]:
 
 
 def placements_for(
-    shapes: Mapping[str, Any], roles: Sequence[Optional[str]], leaves: Sequence[Any],
-    world_size: int,
+  shapes: Mapping[str, Any], roles: Sequence[str | None], leaves: Sequence[Any], world_size: int
 ) -> Callable[[int], tuple[ParamPlacement, ...]]:
   """A function of rank giving placements; dtype/trainable from ``shapes`` values.
 
@@ -237,13 +239,13 @@ def placements_for(
   return of
 
 
-def roles_of(optimizer: Any, state: Any, shapes: Mapping[str, Any]) -> tuple[Optional[str], ...]:
+def roles_of(optimizer: Any, state: Any, shapes: Mapping[str, Any]) -> tuple[str | None, ...]:
   """Per-leaf roles of a state of ``optimizer`` over params with ids ``shapes``."""
   try:
     roles = _structure.history_roles(optimizer, _placeholder_params(shapes), state)
   except (ValueError, TypeError) as e:
     raise PlacementError(
-        f"the optimizer's state does not mirror params with ids {sorted(shapes)}: {e}"
+      f"the optimizer's state does not mirror params with ids {sorted(shapes)}: {e}"
     ) from None
   unknown = sorted({r for r in roles if r is not None} - set(shapes))
   if unknown:
@@ -252,8 +254,12 @@ def roles_of(optimizer: Any, state: Any, shapes: Mapping[str, Any]) -> tuple[Opt
 
 
 def records_from_mesh(
-    optimizer: Any, state: Any, shapes: Mapping[str, Any], mesh: Mesh, axis: str = "fsdp",
-    ranks: Optional[Sequence[int]] = None,
+  optimizer: Any,
+  state: Any,
+  shapes: Mapping[str, Any],
+  mesh: Mesh,
+  axis: str = "fsdp",
+  ranks: Sequence[int] | None = None,
 ) -> dict[int, ShardRecord]:
   """The records of this process's ranks, read from a global state's local shards.
 
@@ -285,20 +291,27 @@ def records_from_mesh(
       g = FlatShard(shape_of(shapes[role], role), rank, world)
       if tuple(np.shape(leaf)) != (world * g.slots,):
         raise ShapeError(
-            f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
-            f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
+          f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
+          f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
         )
       rank_leaves.append(_shard_on(leaf, rank, g.slots, role, axis))
     out[rank] = ShardRecord(
-        version=RECORD_VERSION, placements=of(rank),
-        state=jax.tree_util.tree_unflatten(treedef, rank_leaves), roles=roles)
+      version=RECORD_VERSION,
+      placements=of(rank),
+      state=jax.tree_util.tree_unflatten(treedef, rank_leaves),
+      roles=roles,
+    )
   return out
 
 
 def shard_to_mesh(
-    optimizer: optax.GradientTransformation, params: optax.Params, state: optax.OptState,
-    mesh: Mesh, axis: str = "fsdp", *,
-    trainable: Optional[Mapping[str, bool]] = None,
+  optimizer: optax.GradientTransformation,
+  params: optax.Params,
+  state: optax.OptState,
+  mesh: Mesh,
+  axis: str = "fsdp",
+  *,
+  trainable: Mapping[str, bool] | None = None,
 ) -> MeshState:
   """Lays a full (unsharded) optax state out on a mesh, flat-sharded over ``axis``.
 
@@ -336,8 +349,9 @@ def shard_to_mesh(
   for rank, devices in local.items():
     with jax.default_device(devices[0]):  # the kernels run where the rank lives
       records[rank] = _reshard.reshard(whole, _reshard.plan(whole, world_size=world, rank=rank))
-  return MeshState(records_to_mesh(records, mesh, axis),
-                   {r: rec.placements for r, rec in records.items()})
+  return MeshState(
+    records_to_mesh(records, mesh, axis), {r: rec.placements for r, rec in records.items()}
+  )
 
 
 def _gather_bits(leaf: Any) -> np.ndarray:
@@ -361,8 +375,11 @@ def _gather_bits(leaf: Any) -> np.ndarray:
 
 
 def gather_from_mesh(
-    optimizer: optax.GradientTransformation, state: optax.OptState, shapes: Mapping[str, Any],
-    mesh: Mesh, axis: str = "fsdp",
+  optimizer: optax.GradientTransformation,
+  state: optax.OptState,
+  shapes: Mapping[str, Any],
+  mesh: Mesh,
+  axis: str = "fsdp",
 ) -> optax.OptState:
   """The full (unsharded) optax state of a global flat-sharded state, on every process.
 
@@ -394,9 +411,10 @@ def gather_from_mesh(
   leaves, treedef = jax.tree_util.tree_flatten(state)
   of = placements_for(shapes, roles, leaves, world)
   host = [
-      _gather_bits(leaf) if role is not None else
-      (leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
-      for leaf, role in zip(leaves, roles)
+    _gather_bits(leaf)
+    if role is not None
+    else (leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
+    for leaf, role in zip(leaves, roles)
   ]
   records = []
   for rank in range(world):
@@ -408,10 +426,13 @@ def gather_from_mesh(
       g = FlatShard(shape_of(shapes[role], role), rank, world)
       if leaf.shape != (world * g.slots,):
         raise ShapeError(
-            f"param {role!r}: global history buffer of shape {leaf.shape} is not"
-            f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
+          f"param {role!r}: global history buffer of shape {leaf.shape} is not"
+          f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
         )
-      rank_leaves.append(leaf[rank * g.slots:(rank + 1) * g.slots])
-    records.append(ShardRecord(RECORD_VERSION, of(rank),
-                               jax.tree_util.tree_unflatten(treedef, rank_leaves), roles))
+      rank_leaves.append(leaf[rank * g.slots : (rank + 1) * g.slots])
+    records.append(
+      ShardRecord(
+        RECORD_VERSION, of(rank), jax.tree_util.tree_unflatten(treedef, rank_leaves), roles
+      )
+    )
   return _reshard.unshard_state(records)

@@ -10,25 +10,24 @@ chunks they overlap. The save itself (``save_sharded``) is an orbax save of the
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxreshard._src.distributed import mesh as _mesh
-from jaxreshard._src.checkpoint import restore as _restore
-from jaxreshard._src.distributed import target_restore as _target_restore
 from jaxreshard._src.checkpoint import reader as _checkpoint
-from jaxreshard._src.errors import ShapeError
-from jaxreshard._src.distributed.mesh import MeshState
+from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.distributed import mesh as _mesh
+from jaxreshard._src.distributed import target_restore as _target_restore
+from jaxreshard._src.distributed.mesh import MeshState
+from jaxreshard._src.errors import ShapeError
 from jaxreshard._src.progress import ProgressCallback, check_callback
 
 __all__ = ["global_index", "host_record", "restore_sharded", "reshard_to_mesh"]
-
 
 
 def reshard_to_mesh(records: Sequence[ShardRecord], mesh: Mesh, axis: str = "fsdp") -> MeshState:
@@ -64,13 +63,19 @@ def reshard_to_mesh(records: Sequence[ShardRecord], mesh: Mesh, axis: str = "fsd
   for rank, devices in _mesh.mesh_ranks(mesh, axis).items():
     with jax.default_device(devices[0]):
       built[rank] = _reshard.reshard(records, _reshard.plan(records, world_size=world, rank=rank))
-  return MeshState(_mesh.records_to_mesh(built, mesh, axis),
-                   {r: rec.placements for r, rec in built.items()})
+  return MeshState(
+    _mesh.records_to_mesh(built, mesh, axis), {r: rec.placements for r, rec in built.items()}
+  )
 
 
-def restore_sharded(directory: os.PathLike | str, mesh: Mesh, axis: str = "fsdp", *,
-                    target: Optional[optax.OptState] = None,
-                    progress: Optional[ProgressCallback] = None) -> MeshState:
+def restore_sharded(
+  directory: os.PathLike | str,
+  mesh: Mesh,
+  axis: str = "fsdp",
+  *,
+  target: optax.OptState | None = None,
+  progress: ProgressCallback | None = None,
+) -> MeshState:
   """Restores a checkpoint onto a mesh, each process reading only what its devices need.
 
   Call it in every process with the same arguments. With ``M`` the size of
@@ -147,11 +152,13 @@ def restore_sharded(directory: os.PathLike | str, mesh: Mesh, axis: str = "fsdp"
     return _target_restore.restore_to_target(directory, target, progress=progress)
   world = _mesh.axis_size(mesh, axis)
   ranks = list(_mesh.mesh_ranks(mesh, axis))
-  records = _restore.restore_reported("restore_sharded", directory, ranks, world_size=world,
-                                      progress=progress)
+  records = _restore.restore_reported(
+    "restore_sharded", directory, ranks, world_size=world, progress=progress
+  )
   built = dict(zip(ranks, records))
-  return MeshState(_mesh.records_to_mesh(built, mesh, axis),
-                   {r: rec.placements for r, rec in built.items()})
+  return MeshState(
+    _mesh.records_to_mesh(built, mesh, axis), {r: rec.placements for r, rec in built.items()}
+  )
 
 
 def host_record(record: ShardRecord) -> ShardRecord:
@@ -161,14 +168,19 @@ def host_record(record: ShardRecord) -> ShardRecord:
   A replicated array is read from one of its device buffers, bit for bit.
   """
   leaves, treedef = jax.tree_util.tree_flatten(record.state)
-  single = [x.addressable_data(0) if isinstance(x, jax.Array) and x.is_fully_replicated
-            and len(x.sharding.device_set) > 1 else x for x in leaves]
+  single = [
+    x.addressable_data(0)
+    if isinstance(x, jax.Array) and x.is_fully_replicated and len(x.sharding.device_set) > 1
+    else x
+    for x in leaves
+  ]
   for x in single:
     if isinstance(x, jax.Array):
       x.copy_to_host_async()
   host = [np.array(x) if isinstance(x, jax.Array) else x for x in single]
-  return ShardRecord(record.version, record.placements,
-                     jax.tree_util.tree_unflatten(treedef, host), record.roles)
+  return ShardRecord(
+    record.version, record.placements, jax.tree_util.tree_unflatten(treedef, host), record.roles
+  )
 
 
 def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> dict:
@@ -190,8 +202,9 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> di
       slots = FlatShard(_mesh.shape_of(shapes[role], role), 0, world).slots
       if tuple(np.shape(leaf)) != (world * slots,):
         raise ShapeError(
-            f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
-            f" ({world} * {slots},) of its shape over mesh axis {axis!r}")
+          f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
+          f" ({world} * {slots},) of its shape over mesh axis {axis!r}"
+        )
       abstract.append(jax.ShapeDtypeStruct((slots,), leaf.dtype))
   builder = _checkpoint.IndexBuilder(checkpoint_id)
   tree_state = jax.tree_util.tree_unflatten(treedef, abstract)

@@ -17,21 +17,26 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 
+from jaxreshard._src.checkpoint.reader import (
+  STAGING_BYTES,
+  Checkpoint,
+  ReadStats,
+  allocate,
+  open_checkpoint,
+)
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core.placement import ParamPlacement
+from jaxreshard._src.distributed.mesh import MeshState
 from jaxreshard._src.engine import pipeline as _pipeline
 from jaxreshard._src.engine import reshard as _reshard
-from jaxreshard._src.core import structure as _structure
-from jaxreshard._src.checkpoint.reader import (STAGING_BYTES, Checkpoint, ReadStats, allocate,
-                                   open_checkpoint)
 from jaxreshard._src.errors import DtypeError, PlacementError, ReshardError, ShapeError
-from jaxreshard._src.distributed.mesh import MeshState
-from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
 __all__ = ["box_runs", "restore_to_target"]
@@ -44,15 +49,19 @@ Box = tuple[tuple[int, int], ...]
 
 @dataclasses.dataclass(frozen=True)
 class _Hist:
-  """Stands for history buffer ``mirror`` of validated group ``group``."""
+  """Stands for history buffer ``subtree`` of validated group ``group``."""
 
   group: int
-  mirror: int
+  subtree: int
 
 
-def restore_to_target(directory: Any, target: Any, *,
-                      stats: Optional[ReadStats] = None,
-                      progress: Optional[ProgressCallback] = None) -> MeshState:
+def restore_to_target(
+  directory: Any,
+  target: Any,
+  *,
+  stats: ReadStats | None = None,
+  progress: ProgressCallback | None = None,
+) -> MeshState:
   """The checkpoint's full optax state, laid out as ``target``'s shardings say.
 
   Args:
@@ -73,28 +82,35 @@ def restore_to_target(directory: Any, target: Any, *,
   if not groups:
     raise PlacementError("the checkpoint holds no parameters")
   template = ckpt.template(groups[0].by_rank[0])
-  histories = {g.param: [_Hist(gi, m) if present is True else present
-                         for m, present in enumerate(g.history)]
-               for gi, g in enumerate(groups)}
+  histories = {
+    g.param: [_Hist(gi, m) if present is True else present for m, present in enumerate(g.history)]
+    for gi, g in enumerate(groups)
+  }
   expected = _structure.build_state(template, histories)
   paths, leaves, treedef = _check_structure(expected, target, groups)
-  specs = [_check_leaf(p, e, t, groups) for p, e, t in zip(paths, leaves,
-                                                          jax.tree.leaves(target))]
+  specs = [_check_leaf(p, e, t, groups) for p, e, t in zip(paths, leaves, jax.tree.leaves(target))]
   errors = [s for s in specs if isinstance(s, Exception)]
   if errors:
     # The most specific class every refusal belongs to (DtypeError is both others).
-    kind = next((c for c in (DtypeError, ShapeError, PlacementError)
-                 if all(isinstance(e, c) for e in errors)), ReshardError)
-    raise kind("the target does not match the checkpoint: "
-               + "; ".join(str(e) for e in errors[:_MAX_LISTED])
-               + (f"; and {len(errors) - _MAX_LISTED} more" if len(errors) > _MAX_LISTED else ""))
+    kind = next(
+      (
+        c for c in (DtypeError, ShapeError, PlacementError) if all(isinstance(e, c) for e in errors)
+      ),
+      ReshardError,
+    )
+    raise kind(
+      "the target does not match the checkpoint: "
+      + "; ".join(str(e) for e in errors[:_MAX_LISTED])
+      + (f"; and {len(errors) - _MAX_LISTED} more" if len(errors) > _MAX_LISTED else "")
+    )
 
   host = _read(ckpt, groups, leaves, specs, stats, progress)
   out = []
   for leaf, spec, data in zip(leaves, specs, host):
     out.append(_place(leaf, spec, data))
-  placements = tuple(ParamPlacement(g.param, g.target.shape, 0, 1, g.dtype, g.trainable)
-                     for g in groups)
+  placements = tuple(
+    ParamPlacement(g.param, g.target.shape, 0, 1, g.dtype, g.trainable) for g in groups
+  )
   return MeshState(jax.tree_util.tree_unflatten(treedef, out), {0: placements})
 
 
@@ -107,7 +123,7 @@ def _is_masked(x: Any) -> bool:
 
 def _describe(leaf: Any, groups) -> str:
   if isinstance(leaf, _Hist):
-    return f"history buffer {leaf.mirror} of param {groups[leaf.group].param!r}"
+    return f"history buffer {leaf.subtree} of param {groups[leaf.group].param!r}"
   if _is_masked(leaf):
     return "a masked position (optax.MaskedNode)"
   return "a clock scalar"
@@ -129,22 +145,29 @@ def _check_structure(expected: Any, target: Any, groups) -> tuple[list[str], lis
     extra = [p for p in tgt_paths if p not in exp_set]
     parts = []
     if missing:
-      parts.append("missing " + ", ".join(f"leaf {p} ({_describe(x, groups)})"
-                                          for p, x in missing[:_MAX_LISTED]))
+      parts.append(
+        "missing "
+        + ", ".join(f"leaf {p} ({_describe(x, groups)})" for p, x in missing[:_MAX_LISTED])
+      )
     if extra:
-      parts.append("extra " + ", ".join(f"leaf {p}" for p in extra[:_MAX_LISTED])
-                   + " (not in the checkpoint)")
+      parts.append(
+        "extra " + ", ".join(f"leaf {p}" for p in extra[:_MAX_LISTED]) + " (not in the checkpoint)"
+      )
     if not parts:
-      parts.append(f"leaves in another order: first difference at leaf"
-                   f" {next(a for a, b in zip(tgt_paths, exp_paths) if a != b)}")
-    raise PlacementError("the target's tree does not match the checkpoint's state: "
-                         + "; ".join(parts))
+      parts.append(
+        f"leaves in another order: first difference at leaf"
+        f" {next(a for a, b in zip(tgt_paths, exp_paths) if a != b)}"
+      )
+    raise PlacementError(
+      "the target's tree does not match the checkpoint's state: " + "; ".join(parts)
+    )
   leaves, treedef = jax.tree_util.tree_flatten(expected)
   target_def = jax.tree_util.tree_structure(target)
   if target_def != treedef:
     raise PlacementError(
-        "the target's tree has the checkpoint's leaf paths but other node types:"
-        f" target {str(target_def)[:300]} vs checkpoint {str(treedef)[:300]}")
+      "the target's tree has the checkpoint's leaf paths but other node types:"
+      f" target {str(target_def)[:300]} vs checkpoint {str(treedef)[:300]}"
+    )
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
   return paths, leaves, treedef
 
@@ -180,30 +203,37 @@ def _check_leaf(path: str, leaf: Any, t: Any, groups) -> Any:
   if isinstance(leaf, _Hist):
     g = groups[leaf.group]
     what = f"leaf {path} (param {g.param!r})"
-    shape, dtype = tuple(g.target.shape), np.dtype(g.facts.buffer_dtypes[leaf.mirror])
+    shape, dtype = tuple(g.target.shape), np.dtype(g.facts.buffer_dtypes[leaf.subtree])
   else:
     what = f"leaf {path} (clock scalar)"
     dtypes = _scalar_dtypes(leaf)
     shape, dtype = tuple(np.shape(leaf)), dtypes[0]
   sharding = getattr(t, "sharding", None)
   if not (hasattr(t, "shape") and hasattr(t, "dtype")):
-    return PlacementError(f"{what}: the target leaf is a {type(t).__name__}, not a"
-                          " jax.ShapeDtypeStruct with a sharding")
+    return PlacementError(
+      f"{what}: the target leaf is a {type(t).__name__}, not a jax.ShapeDtypeStruct with a sharding"
+    )
   if tuple(t.shape) != shape:
-    return ShapeError(f"{what}: the target has shape {tuple(t.shape)} but the checkpoint"
-                      f" holds {shape}")
+    return ShapeError(
+      f"{what}: the target has shape {tuple(t.shape)} but the checkpoint holds {shape}"
+    )
   if np.dtype(t.dtype) != dtype and (isinstance(leaf, _Hist) or np.dtype(t.dtype) not in dtypes):
-    return DtypeError(f"{what}: the target has dtype {np.dtype(t.dtype).name} but the"
-                      f" checkpoint holds {dtype.name}; buffers are restored in their saved"
-                      " dtype, never converted")
+    return DtypeError(
+      f"{what}: the target has dtype {np.dtype(t.dtype).name} but the"
+      f" checkpoint holds {dtype.name}; buffers are restored in their saved"
+      " dtype, never converted"
+    )
   if not isinstance(sharding, jax.sharding.Sharding):
-    return PlacementError(f"{what}: the target leaf has no sharding (got"
-                          f" {type(sharding).__name__}); attach one, e.g. a NamedSharding")
+    return PlacementError(
+      f"{what}: the target leaf has no sharding (got"
+      f" {type(sharding).__name__}); attach one, e.g. a NamedSharding"
+    )
   try:
     index_map = sharding.addressable_devices_indices_map(shape)
   except Exception as e:  # jax's own refusal of the sharding for this shape
-    return PlacementError(f"{what}: its sharding cannot lay out shape {shape}:"
-                          f" {type(e).__name__}: {e}")
+    return PlacementError(
+      f"{what}: its sharding cannot lay out shape {shape}: {type(e).__name__}: {e}"
+    )
   boxes: dict[Box, None] = {}
   for index in index_map.values():
     try:
@@ -251,7 +281,7 @@ def box_runs(shape: tuple[int, ...], box: Box) -> tuple[np.ndarray, np.ndarray]:
   k = n - 1
   while k > 0 and box[k] == (0, shape[k]):
     k -= 1
-  strides = [math.prod(shape[i + 1:]) for i in range(n)]
+  strides = [math.prod(shape[i + 1 :]) for i in range(n)]
   length = (box[k][1] - box[k][0]) * strides[k]
   starts = np.array([box[k][0] * strides[k]], np.int64)
   for i in range(k - 1, -1, -1):
@@ -299,9 +329,10 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
       for r in np.unique(rank).tolist():
         sel = rank == r
         archive = g.by_rank[r]
-        (key_archive, d), base = ckpt.locate(archive, g, leaf.mirror, spec.dtype)
+        (key_archive, d), base = ckpt.locate(archive, g, leaf.subtree, spec.dtype)
         runs.setdefault((key_archive, np.dtype(d)), []).append(
-            (src[sel] + base, dst[sel], lens[sel]))
+          (src[sel] + base, dst[sel], lens[sel])
+        )
     where.append(at)
 
   # Every involved archive and file checked against its metadata before anything
@@ -318,11 +349,16 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
     src, dst, lens = (np.concatenate(x) for x in zip(*parts))
     tables.append((archive, d, src, dst, lens))
     per_archive[archive] = per_archive.get(archive, 0) + int(lens.sum()) * d.itemsize
-  reporter = Reporter("restore_sharded", progress, where=ckpt.directory, total=len(per_archive),
-                      total_bytes=sum(per_archive.values()))
+  reporter = Reporter(
+    "restore_sharded",
+    progress,
+    where=ckpt.directory,
+    total=len(per_archive),
+    total_bytes=sum(per_archive.values()),
+  )
   trailing: set = set()  # all-padding source ranks whose padding is checked too
   for i, (archive, d, src, dst, lens) in enumerate(tables):
-    ckpt.read_runs(archive, d, src, dst, lens, out[d], scratch, stats, trailing=trailing)
+    ckpt.archives.read_runs(archive, d, src, dst, lens, out[d], scratch, stats, trailing=trailing)
     if i + 1 == len(tables) or tables[i + 1][0] != archive:
       reporter.step(per_archive[archive], archive=archive)
   ckpt.check_padding(trailing, scratch, stats)
@@ -336,7 +372,7 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
     pieces = {}
     for box, offset in at.items():
       extent = tuple(hi - lo for lo, hi in box)
-      pieces[box] = out[spec.dtype][offset:offset + math.prod(extent)].reshape(extent)
+      pieces[box] = out[spec.dtype][offset : offset + math.prod(extent)].reshape(extent)
     host.append(pieces)
   return host
 
@@ -350,7 +386,8 @@ def _place(leaf: Any, spec: _Spec, data: Any) -> Any:
       return data
     value = np.asarray(data)
     return jax.make_array_from_callback(
-        spec.shape, spec.sharding, lambda index: np.asarray(value[index]), dtype=spec.dtype)
+      spec.shape, spec.sharding, lambda index: np.asarray(value[index]), dtype=spec.dtype
+    )
 
   def piece(index: Any) -> np.ndarray:
     return data[_box(index, spec.shape)]

@@ -10,22 +10,23 @@ copies from memory, jitted gathers on a device, reads from files).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 
-from jaxreshard._src.core import copyplan as _copyplan
-from jaxreshard._src.exec import host as _host_exec
-from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
-from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import Migration, ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.engine.gcpause import no_gc
 from jaxreshard._src.engine.sources import MemorySources, Sources
+from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.exec import host as _host_exec
 
 __all__ = ["EXECUTORS", "build", "memory_fetch", "no_gc", "validate"]
 
@@ -42,8 +43,7 @@ def validate(src: Sources, migrations: Sequence[Migration]) -> list[_validate.So
   call, so a call costs time in the number of migrations only.
   """
   if isinstance(migrations, (str, bytes)) or not isinstance(migrations, Sequence):
-    raise PlacementError(
-        f"migrations must be a list of Migration, got {type(migrations).__name__}")
+    raise PlacementError(f"migrations must be a list of Migration, got {type(migrations).__name__}")
   with no_gc():
     return _validate_all(src, migrations)
 
@@ -55,8 +55,9 @@ def _validate_all(src: Sources, migrations: Sequence[Migration]) -> list[_valida
       raise PlacementError(f"expected a Migration, got {type(m).__name__}")
     if m.param in seen:
       raise PlacementError(
-          f"param {m.param!r}: two migrations target it (from archives"
-          f" {list(seen[m.param].sources)} and {list(m.sources)}); pass one per parameter")
+        f"param {m.param!r}: two migrations target it (from archives"
+        f" {list(seen[m.param].sources)} and {list(m.sources)}); pass one per parameter"
+      )
     seen[m.param] = m
   groups = []
   for m in migrations:
@@ -64,15 +65,15 @@ def _validate_all(src: Sources, migrations: Sequence[Migration]) -> list[_valida
     if m.shape == facts.shape and type(m.shape) is tuple:
       # The shape is the sources' own, already checked: only the rank and world.
       try:
-        target = FlatShard.of_checked_shape(facts.shape, facts.source.count, m.rank,
-                                            m.world_size)
+        target = FlatShard.of_checked_shape(facts.shape, facts.source.count, m.rank, m.world_size)
       except PlacementError as e:
         raise PlacementError(f"param {m.param!r}: invalid target placement: {e}") from None
     else:
       target = _validate.check_target(m)
       raise PlacementError(
-          f"param {m.param!r}: archive {facts.by_rank[0]} has logical shape {facts.shape}"
-          f" but the target has {target.shape}")
+        f"param {m.param!r}: archive {facts.by_rank[0]} has logical shape {facts.shape}"
+        f" but the target has {target.shape}"
+      )
     groups.append(_validate.SourceGroup(m, target, facts))
   groups.sort(key=lambda g: g.param)
   clocks = {g.facts.clock: g for g in groups}
@@ -100,8 +101,9 @@ def memory_fetch(src: MemorySources, executor: str = "auto") -> Fetch:
   return fetch
 
 
-def _device_fetch(src: MemorySources, runs: dict, keys: list,
-                  layout: _copyplan.TargetLayout) -> dict:
+def _device_fetch(
+  src: MemorySources, runs: dict, keys: list, layout: _copyplan.TargetLayout
+) -> dict:
   """Gathers on the device from each source archive's packed buffer of a dtype.
 
   Packing an archive's buffers (one program per archive layout) makes every
@@ -126,8 +128,9 @@ def _device_fetch(src: MemorySources, runs: dict, keys: list,
     index = {a: i for i, a in enumerate(archives)}
     source = np.asarray([index[keys[s][0]] for s in r.source.tolist()], np.int64)
     base = np.asarray([offsets[keys[s][0]][keys[s][1:]] for s in r.source.tolist()], np.int64)
-    out[dtype] = _device_exec.gather(arrays, source, r.src + base, r.dst, r.length,
-                                     layout.sizes[dtype])
+    out[dtype] = _device_exec.gather(
+      arrays, source, r.src + base, r.dst, r.length, layout.sizes[dtype]
+    )
   return out
 
 
@@ -143,63 +146,62 @@ def _on_one_device(arrays: list[Any]) -> list[Any]:
   return [jax.device_put(x, target) for x in arrays]
 
 
-def build(src: Sources, groups: Sequence[_validate.SourceGroup], fetch: Fetch, *,
-          logical: bool = False) -> ShardRecord:
+def build(
+  src: Sources, groups: Sequence[_validate.SourceGroup], fetch: Fetch, *, logical: bool = False
+) -> ShardRecord:
   """Plans, fetches and assembles one target rank's record from validated groups."""
   with no_gc():
     return _build(src, groups, fetch, logical=logical)
 
 
-def _build(src: Sources, groups: Sequence[_validate.SourceGroup], fetch: Fetch, *,
-           logical: bool) -> ShardRecord:
-  # Every target rank of one plan has the same packed layout (slots do not depend
-  # on the rank): the sources object keeps it, keyed by every value it is made of.
-  key = (logical, tuple((g.target.count if logical else g.target.slots, g.facts.history,
-                         g.facts.buffer_dtypes) for g in groups))
-  layout = src.target_layouts.get(key)
-  if layout is None:
-    layout = src.target_layouts[key] = _copyplan.target_layout(groups, logical=logical)
+def _build(
+  src: Sources, groups: Sequence[_validate.SourceGroup], fetch: Fetch, *, logical: bool
+) -> ShardRecord:
+  layout = _copyplan.target_layout(groups, logical=logical)
   runs, keys = _copyplan.plan_runs(groups, layout, src.locate)
   buffers = fetch(runs, keys, layout)
   built: dict[tuple[int, int], Any] = {}
   for dtype, slots in layout.slots.items():
     for slot, leaf in zip(slots, _leaves(buffers[dtype], slots)):
       g = groups[slot.group]
-      built[(slot.group, slot.mirror)] = leaf.reshape(g.target.shape) if logical else leaf
+      built[(slot.group, slot.subtree)] = leaf.reshape(g.target.shape) if logical else leaf
   return record(src, groups, built)
 
 
 def _leaves(buffer: Any, slots: Sequence[_copyplan.BufferSlot]) -> list[Any]:
   """The history buffers inside one packed buffer: numpy views, or device slices."""
   if isinstance(buffer, np.ndarray):
-    return [buffer[s.offset:s.offset + s.size] for s in slots]
+    return [buffer[s.offset : s.offset + s.size] for s in slots]
   from jaxreshard._src.exec import device as _device_exec  # pylint: disable=g-import-not-at-top
 
   return _device_exec.split(buffer, [s.size for s in slots])
 
 
-def record(src: Sources, groups: Sequence[_validate.SourceGroup],
-           built: dict[tuple[int, int], Any]) -> ShardRecord:
+def record(
+  src: Sources, groups: Sequence[_validate.SourceGroup], built: dict[tuple[int, int], Any]
+) -> ShardRecord:
   """The target record: the template archive's clock, the built history buffers."""
   template = src.template(groups[0].by_rank[0] if groups else 0)
-  n_mirrors = len(template.mirrors)
+  n_subtrees = len(template.subtrees)
   histories: dict[str, list[Any]] = {}
   role_of: dict[int, str] = {}
   for gi, g in enumerate(groups):
-    per_mirror = []
-    for m in range(n_mirrors):
+    per_subtree = []
+    for m in range(n_subtrees):
       if g.history[m] is True:
         leaf = built[(gi, m)]
         role_of[id(leaf)] = g.param
-        per_mirror.append(leaf)
+        per_subtree.append(leaf)
       else:
-        per_mirror.append(g.history[m])
-    histories[g.param] = per_mirror
+        per_subtree.append(g.history[m])
+    histories[g.param] = per_subtree
   state = _structure.build_state(template, histories)
   # A leaf is a history buffer exactly when it is one of the buffers just built.
   roles = tuple(role_of.get(id(x)) for x in jax.tree.leaves(state))
   placements = tuple(
-      ParamPlacement(g.param, g.target.shape, g.target.rank, g.target.world_size,
-                     g.dtype, g.trainable)
-      for g in groups)
+    ParamPlacement(
+      g.param, g.target.shape, g.target.rank, g.target.world_size, g.dtype, g.trainable
+    )
+    for g in groups
+  )
   return ShardRecord(version=RECORD_VERSION, placements=placements, state=state, roles=roles)

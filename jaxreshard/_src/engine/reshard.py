@@ -2,33 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxreshard._src.engine import pipeline as _pipeline
-from jaxreshard._src.engine import sources as _sources
-from jaxreshard._src.engine.gcpause import no_gc
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
-from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import Migration, ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.engine import pipeline as _pipeline
+from jaxreshard._src.engine import sources as _sources
+from jaxreshard._src.engine.gcpause import no_gc
+from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
 
 __all__ = ["coordinate_roles", "shard_state", "unshard_state", "plan", "reshard", "reshard_ranks"]
 
 
 def shard_state(
-    optimizer: optax.GradientTransformation,
-    params: optax.Params,
-    state: optax.OptState,
-    world_size: int,
-    *,
-    trainable: Optional[Mapping[str, bool]] = None,
+  optimizer: optax.GradientTransformation,
+  params: optax.Params,
+  state: optax.OptState,
+  world_size: int,
+  *,
+  trainable: Mapping[str, bool] | None = None,
 ) -> list[ShardRecord]:
   """Splits a full optax state into per-rank flat-shard archives.
 
@@ -68,18 +69,24 @@ def shard_state(
   state_leaves, state_def = jax.tree_util.tree_flatten(state)
 
   # The full state is the one archive of a world of size 1; every rank is resharded from it.
-  placements = tuple(sorted(
-      (ParamPlacement(pid, shapes[pid], 0, 1, np.dtype(x.dtype), bool(trainable.get(pid, True)))
-       for pid, x in zip(ids, leaves)),
-      key=lambda p: p.param))
+  placements = tuple(
+    sorted(
+      (
+        ParamPlacement(pid, shapes[pid], 0, 1, np.dtype(x.dtype), bool(trainable.get(pid, True)))
+        for pid, x in zip(ids, leaves)
+      ),
+      key=lambda p: p.param,
+    )
+  )
   whole = _whole_record(state_leaves, state_def, roles, placements)
-  return reshard_ranks([whole], [plan([whole], world_size=world_size, rank=r)
-                                 for r in range(world_size)])
+  return reshard_ranks(
+    [whole], [plan([whole], world_size=world_size, rank=r) for r in range(world_size)]
+  )
 
 
 def coordinate_roles(
-    optimizer: Any, params: Any, state: Any,
-) -> tuple[list[str], list[Any], dict[str, tuple[int, ...]], tuple[Optional[str], ...]]:
+  optimizer: Any, params: Any, state: Any
+) -> tuple[list[str], list[Any], dict[str, tuple[int, ...]], tuple[str | None, ...]]:
   """Checks that ``state`` can be sharded flat; returns (ids, leaves, shapes, roles).
 
   A state can be sharded flat when every param id is unique, every param has a
@@ -110,10 +117,10 @@ def coordinate_roles(
     # optax.tree_map_params cannot pair a subtree with the params when its
     # leaves are not one per parameter (SM3's per-axis lists, for example).
     raise ShapeError(
-        f"params {ids[:3]}{'...' if len(ids) > 3 else ''}: the optimizer state does not"
-        " mirror the params leaf for leaf (optax.tree_map_params failed:"
-        f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); non-coordinate"
-        " optimizer state (factored or matrix statistics) cannot be sharded flat"
+      f"params {ids[:3]}{'...' if len(ids) > 3 else ''}: the optimizer state does not"
+      " mirror the params leaf for leaf (optax.tree_map_params failed:"
+      f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); non-coordinate"
+      " optimizer state (factored or matrix statistics) cannot be sharded flat"
     ) from e
   with_path = jax.tree_util.tree_flatten_with_path(state)[0]
   if len(with_path) != len(roles):
@@ -124,9 +131,9 @@ def coordinate_roles(
     where = f"param {pid!r}: history buffer at {jax.tree_util.keystr(path)}"
     if tuple(np.shape(leaf)) != shapes[pid]:
       raise ShapeError(
-          f"{where} has shape {tuple(np.shape(leaf))}, not the parameter's {shapes[pid]};"
-          " non-coordinate optimizer state (factored or matrix statistics) cannot be"
-          " sharded flat"
+        f"{where} has shape {tuple(np.shape(leaf))}, not the parameter's {shapes[pid]};"
+        " non-coordinate optimizer state (factored or matrix statistics) cannot be"
+        " sharded flat"
       )
     _validate.check_buffer_dtype(leaf.dtype, where)
   return ids, leaves, shapes, roles
@@ -134,10 +141,13 @@ def coordinate_roles(
 
 def _check_arguments(optimizer: Any, params: Any) -> None:
   """Refuses arguments of the wrong kind by name, before anything uses them."""
-  if not (callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))):
+  if not (
+    callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+  ):
     raise PlacementError(
-        "optimizer must be an optax GradientTransformation (with init and update), got"
-        f" {type(optimizer).__name__}; the arguments are (optimizer, params, state)")
+      "optimizer must be an optax GradientTransformation (with init and update), got"
+      f" {type(optimizer).__name__}; the arguments are (optimizer, params, state)"
+    )
   leaves = jax.tree_util.tree_leaves(params)
   if not leaves:
     raise PlacementError(f"params ({type(params).__name__}) holds no arrays")
@@ -145,23 +155,34 @@ def _check_arguments(optimizer: Any, params: Any) -> None:
     dtype = getattr(leaf, "dtype", None)
     if dtype is None or not hasattr(leaf, "shape"):
       raise PlacementError(
-          f"params{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array;"
-          " params must be the model's parameter pytree")
+        f"params{jax.tree_util.keystr(path)} is a {type(leaf).__name__}, not an array;"
+        " params must be the model's parameter pytree"
+      )
     if not jnp.issubdtype(dtype, jnp.floating):
       raise DtypeError(
-          f"param {_structure.path_id(path)!r} has dtype {np.dtype(dtype).name}: params must be"
-          " the model's float parameters (were params and state swapped? the arguments are"
-          " (optimizer, params, state))")
+        f"param {_structure.path_id(path)!r} has dtype {np.dtype(dtype).name}: params must be"
+        " the model's float parameters (were params and state swapped? the arguments are"
+        " (optimizer, params, state))"
+      )
 
 
 def _whole_record(leaves, treedef, roles, placements) -> ShardRecord:
   """The full state as the one archive of a world of size 1 (flat history buffers)."""
-  on_device = any(isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices())
-                  for x, pid in zip(leaves, roles) if pid is not None)
-  flat = [x if pid is None else (x.reshape(-1) if on_device else np.asarray(x).reshape(-1))
-          for x, pid in zip(leaves, roles)]
-  return ShardRecord(version=RECORD_VERSION, placements=placements,
-                     state=jax.tree_util.tree_unflatten(treedef, flat), roles=roles)
+  on_device = any(
+    isinstance(x, jax.Array) and any(d.platform != "cpu" for d in x.devices())
+    for x, pid in zip(leaves, roles)
+    if pid is not None
+  )
+  flat = [
+    x if pid is None else (x.reshape(-1) if on_device else np.asarray(x).reshape(-1))
+    for x, pid in zip(leaves, roles)
+  ]
+  return ShardRecord(
+    version=RECORD_VERSION,
+    placements=placements,
+    state=jax.tree_util.tree_unflatten(treedef, flat),
+    roles=roles,
+  )
 
 
 def plan(records: Sequence[ShardRecord], *, world_size: int, rank: int) -> list[Migration]:
@@ -193,8 +214,9 @@ def plan(records: Sequence[ShardRecord], *, world_size: int, rank: int) -> list[
     >>> plan(records, world_size=3, rank=2)
     [Migration(param='w', shape=(5,), rank=2, world_size=3, sources=(0, 1, 2, 3))]
   """
-  return plan_groups(_sources.record_sources(records).complete_groups(),
-                     world_size=world_size, rank=rank)
+  return plan_groups(
+    _sources.record_sources(records).complete_groups(), world_size=world_size, rank=rank
+  )
 
 
 def plan_groups(groups, *, world_size: int, rank: int) -> list[Migration]:
@@ -206,8 +228,9 @@ def plan_groups(groups, *, world_size: int, rank: int) -> list[Migration]:
     return [Migration(pid, shape, rank, world_size, sources) for pid, shape, sources in groups]
 
 
-def reshard(records: Sequence[ShardRecord], migrations: Sequence[Migration], *,
-            executor: str = "auto") -> ShardRecord:
+def reshard(
+  records: Sequence[ShardRecord], migrations: Sequence[Migration], *, executor: str = "auto"
+) -> ShardRecord:
   """Builds one target rank's archive from source archives and explicit migrations.
 
   Sources in host memory (numpy arrays, arrays of the CPU backend) are copied
@@ -242,8 +265,9 @@ def reshard(records: Sequence[ShardRecord], migrations: Sequence[Migration], *,
   return reshard_ranks(records, [migrations], executor=executor)[0]
 
 
-def reshard_ranks(records: Sequence[ShardRecord], plans: Sequence[Sequence[Migration]], *,
-                  executor: str = "auto") -> list[ShardRecord]:
+def reshard_ranks(
+  records: Sequence[ShardRecord], plans: Sequence[Sequence[Migration]], *, executor: str = "auto"
+) -> list[ShardRecord]:
   """Builds several target ranks in one pass, validating the sources once.
 
   Args:

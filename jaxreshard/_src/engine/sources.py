@@ -1,7 +1,7 @@
 """Source archives in memory, validated once and remembered while they live.
 
 A :class:`RecordSources` holds what the pipeline learns about one list of
-``ShardRecord``s: each archive's anatomy and placements, its clock class, and
+``ShardRecord``s: each archive's state parts and placements, its clock class, and
 the validated source side of every (param, sources) group. Resharding rank
 after rank over the same records asks :func:`record_sources` for them again;
 it answers from :data:`CACHE`, which is keyed by the records' identities and
@@ -16,23 +16,32 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from typing import Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
 
-from jaxreshard._src.core import copyplan as _copyplan
-from jaxreshard._src.exec import host as _host_exec
-from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
-from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.engine.gcpause import no_gc
+from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.exec import host as _host_exec
 
-__all__ = ["Sources", "MemorySources", "FactsCache", "RecordSources", "SourceCache", "CACHE",
-           "record_sources", "complete_groups"]
+__all__ = [
+  "Sources",
+  "MemorySources",
+  "FactsCache",
+  "RecordSources",
+  "SourceCache",
+  "CACHE",
+  "record_sources",
+  "complete_groups",
+]
 
 
 @runtime_checkable
@@ -45,15 +54,12 @@ class Sources(_validate.Sources, Protocol):
   and a checkpoint on disk (``Checkpoint``) both answer them.
   """
 
-  # Packed target layouts, by the values they were made from (see ``pipeline``).
-  target_layouts: dict
-
   def skeleton(self, archive: int) -> tuple[Any, ...]: ...
   def scalars(self, archive: int) -> list[Any]: ...
   def template(self, archive: int) -> _structure.StateParts: ...
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts: ...
   def complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]: ...
-  def locate(self, archive: int, group: Any, mirror: int) -> tuple[Any, int]: ...
+  def locate(self, archive: int, group: Any, subtree: int) -> tuple[Any, int]: ...
 
 
 @runtime_checkable
@@ -66,7 +72,7 @@ class MemorySources(Sources, Protocol):
   def on_accelerator(self, keys: Sequence[Any]) -> bool: ...
 
 
-def sources_key(sources: tuple) -> Optional[tuple]:
+def sources_key(sources: tuple) -> tuple | None:
   """A value key of a migration's source tuple: its entries and their types (so that
   ``(True, 1)`` is not taken for ``(1, 1)``); None for entries that cannot be hashed."""
   key = (sources, tuple(map(type, sources)))
@@ -111,7 +117,7 @@ class FactsCache:
 
 
 def complete_groups(
-    placements: Sequence[Any], n: int,
+  placements: Sequence[Any], n: int
 ) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
   """For every param the archives list: (param, shape, archive of each original rank).
 
@@ -133,9 +139,10 @@ def complete_groups(
     for i, p in entries:
       if p.world_size != first.world_size or p.shape != first.shape:
         raise PlacementError(
-            f"param {pid!r}: archive {i} has shape {p.shape} over world_size"
-            f" {p.world_size} but archive {first_index} has {first.shape} over"
-            f" {first.world_size}; pass explicit migrations to pick one group")
+          f"param {pid!r}: archive {i} has shape {p.shape} over world_size"
+          f" {p.world_size} but archive {first_index} has {first.shape} over"
+          f" {first.world_size}; pass explicit migrations to pick one group"
+        )
     sources = _validate.rank_sources(pid, first.world_size, ((i, p.rank) for i, p in entries))
     out.append((pid, first.shape, sources))
   return out
@@ -146,15 +153,15 @@ class RecordSources:
 
   def __init__(self, records: Sequence[ShardRecord]):
     # The records themselves are not kept (so that a cache entry never keeps
-    # them alive): their anatomies hold everything later calls read.
+    # them alive): their state parts hold everything later calls read.
     if not records:
       raise PlacementError("no archives supplied")
     checked = [_validate.check_archive(i, r) for i, r in enumerate(records)]
-    self.anatomies = [a for a, _ in checked]
+    self.parts_by_archive = [a for a, _ in checked]
     self._placements = [p for _, p in checked]
     # What makes archives interchangeable but for their rank and their bytes:
     # the state's structure, each buffer's shape and dtype, the placements.
-    self._signatures = [_signature(a, p) for a, p in zip(self.anatomies, self._placements)]
+    self._signatures = [_signature(a, p) for a, p in zip(self.parts_by_archive, self._placements)]
     # The layout keys numbered, so that comparing two archives' costs O(1), not
     # time in their parameters (each ``_is_uniform`` compares every archive of a group).
     self._layout_ids = _numbered([sig[0] for sig in self._signatures])
@@ -165,27 +172,25 @@ class RecordSources:
     self._clocks = _clock.ClockClasses()
     # Every validated group of these sources, for as long as they live.
     self._cache = FactsCache()
-    # Packed target layouts by the values they were made from (see ``pipeline``).
-    self.target_layouts: dict = {}
     self._lock = threading.Lock()
 
   def __len__(self) -> int:
-    return len(self.anatomies)
+    return len(self.parts_by_archive)
 
-  def placement(self, archive: int, pid: str) -> Optional[ParamPlacement]:
+  def placement(self, archive: int, pid: str) -> ParamPlacement | None:
     return self._placements[archive].get(pid)
 
   def history(self, archive: int, pid: str) -> tuple[Any, ...]:
-    return self.anatomies[archive].history(pid)
+    return self.parts_by_archive[archive].history(pid)
 
   def template(self, archive: int) -> _structure.StateParts:
-    return self.anatomies[archive]
+    return self.parts_by_archive[archive]
 
   def skeleton(self, archive: int) -> tuple[Any, ...]:
-    return _validate.skeleton_key(self.anatomies[archive])
+    return _validate.skeleton_key(self.parts_by_archive[archive])
 
   def scalars(self, archive: int) -> list[Any]:
-    return [x for _, x in self.anatomies[archive].scalars]
+    return [x for _, x in self.parts_by_archive[archive].scalars]
 
   def clock_class(self, archive: int) -> int:
     """Archives with one structure and bit-identical clock scalars share a class."""
@@ -194,8 +199,9 @@ class RecordSources:
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts:
     with self._lock:
       if self._is_uniform(sources):
-        return self._cache.memo(("uniform", pid, sources),
-                                lambda: _validate.uniform_facts(pid, sources, self))
+        return self._cache.memo(
+          ("uniform", pid, sources), lambda: _validate.uniform_facts(pid, sources, self)
+        )
       return self._cache.facts(pid, sources, self)
 
   def _is_uniform(self, sources: tuple) -> bool:
@@ -208,16 +214,26 @@ class RecordSources:
     hit = self._uniform.get(key)
     if hit is not None:
       return hit
-    ok = (isinstance(sources, tuple) and len(sources) > 0
-          and all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < len(self)
-                  for s in sources))
+    ok = (
+      isinstance(sources, tuple)
+      and len(sources) > 0
+      and all(
+        isinstance(s, int) and not isinstance(s, bool) and 0 <= s < len(self) for s in sources
+      )
+    )
     if ok:
       first = self._signatures[sources[0]]
       layout = self._layout_ids[sources[0]]
-      ok = (first[1] is not None and first[2] == len(sources)
-            and all(self._layout_ids[s] == layout and self._signatures[s][1] == r
-                    and self.clock_class(s) == self.clock_class(sources[0])
-                    for r, s in enumerate(sources)))
+      ok = (
+        first[1] is not None
+        and first[2] == len(sources)
+        and all(
+          self._layout_ids[s] == layout
+          and self._signatures[s][1] == r
+          and self.clock_class(s) == self.clock_class(sources[0])
+          for r, s in enumerate(sources)
+        )
+      )
     self._uniform[key] = ok
     return ok
 
@@ -228,9 +244,10 @@ class RecordSources:
   @functools.cached_property
   def _complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     return self._uniform_groups() or complete_groups(
-        lambda i: self._placements[i].values(), len(self))
+      lambda i: self._placements[i].values(), len(self)
+    )
 
-  def _uniform_groups(self) -> Optional[list]:
+  def _uniform_groups(self) -> list | None:
     """Every archive one rank of one layout: one group, found in time O(archives)."""
     ranks = [sig[1] for sig in self._signatures]
     if any(r is None for r in ranks) or sorted(ranks) != list(range(len(self))):
@@ -240,18 +257,18 @@ class RecordSources:
       return None
     return [(pid, p.shape, sources) for pid, p in sorted(self._placements[sources[0]].items())]
 
-  def locate(self, archive: int, group: Any, mirror: int) -> tuple[Any, int]:
+  def locate(self, archive: int, group: Any, subtree: int) -> tuple[Any, int]:
     """A history buffer in memory is a source of its own, read from element 0."""
-    return (archive, group.param, mirror), 0
+    return (archive, group.param, subtree), 0
 
   def packing(self, archive: int) -> list[tuple[str, int, Any]]:
     """``(param, mirror, buffer)`` of the archive's history buffers in packing order."""
-    a = self.anatomies[archive]
+    a = self.parts_by_archive[archive]
     return _copyplan.packing_order({pid: a.history(pid) for pid in a.param_set()})
 
   def buffer(self, key: tuple[int, str, int]) -> Any:
-    archive, pid, mirror = key
-    return self.anatomies[archive].history(pid)[mirror]
+    archive, pid, subtree = key
+    return self.parts_by_archive[archive].history(pid)[subtree]
 
   def host_view(self, key: tuple[int, str, int]) -> np.ndarray:
     """A buffer's bytes as a flat unsigned numpy view, made once per source set."""
@@ -267,7 +284,8 @@ class RecordSources:
       if hit is None:
         x = self.buffer(key)
         hit = self._accelerator[key] = isinstance(x, jax.Array) and any(
-            d.platform != "cpu" for d in x.devices())
+          d.platform != "cpu" for d in x.devices()
+        )
       if hit:
         return True
     return False
@@ -286,23 +304,34 @@ def _numbered(keys: Sequence[Any]) -> list[Any]:
   return out
 
 
-def _signature(anatomy: _structure.StateParts,
-               placements: dict) -> tuple[Any, Optional[int], Optional[int]]:
+def _signature(
+  state_parts: _structure.StateParts, placements: dict
+) -> tuple[Any, int | None, int | None]:
   """(layout key, the archive's one rank or None, its one world size or None).
 
-  Anatomies of one tree structure share their skeleton and mirror structures
+  State parts of one tree structure share their skeleton and mirror structures
   (``_structure.PLANS``), so comparing those is cheap.
   """
-  buffers = tuple((getattr(x, "shape", None), getattr(x, "dtype", None))
-                  for m in anatomy.mirrors for x in m.entries.values())
-  structure = (anatomy.skeleton, tuple(m.treedef for m in anatomy.mirrors),
-               tuple(m.order for m in anatomy.mirrors))
-  entries = tuple((p.param, p.shape, p.world_size, p.dtype, bool(p.trainable))
-                  for p in placements.values())
+  buffers = tuple(
+    (getattr(x, "shape", None), getattr(x, "dtype", None))
+    for m in state_parts.subtrees
+    for x in m.entries.values()
+  )
+  structure = (
+    state_parts.skeleton,
+    tuple(m.treedef for m in state_parts.subtrees),
+    tuple(m.order for m in state_parts.subtrees),
+  )
+  entries = tuple(
+    (p.param, p.shape, p.world_size, p.dtype, bool(p.trainable)) for p in placements.values()
+  )
   ranks = {p.rank for p in placements.values()}
   worlds = {p.world_size for p in placements.values()}
-  return ((structure, buffers, entries), ranks.pop() if len(ranks) == 1 else None,
-          worlds.pop() if len(worlds) == 1 else None)
+  return (
+    (structure, buffers, entries),
+    ranks.pop() if len(ranks) == 1 else None,
+    worlds.pop() if len(worlds) == 1 else None,
+  )
 
 
 class SourceCache:
@@ -345,8 +374,7 @@ CACHE = SourceCache()
 def record_sources(records: Sequence[Any]) -> RecordSources:
   """The validated sources of ``records`` (from :data:`CACHE` when they were seen)."""
   if isinstance(records, (ShardRecord, str, bytes)) or not isinstance(records, Iterable):
-    raise PlacementError(
-        f"records must be a list of ShardRecord, got {type(records).__name__}")
+    raise PlacementError(f"records must be a list of ShardRecord, got {type(records).__name__}")
   records = list(records)
   if not records:
     raise PlacementError("no archives supplied")

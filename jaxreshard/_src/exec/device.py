@@ -41,7 +41,8 @@ unsigned integers.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -138,12 +139,12 @@ def split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
 
 
 def gather(
-    sources: Sequence[jax.Array],
-    src_index: np.ndarray,
-    src_start: np.ndarray,
-    dst_start: np.ndarray,
-    length: np.ndarray,
-    size: int,
+  sources: Sequence[jax.Array],
+  src_index: np.ndarray,
+  src_start: np.ndarray,
+  dst_start: np.ndarray,
+  length: np.ndarray,
+  size: int,
 ) -> jax.Array:
   """A ``(size,)`` buffer of the sources' dtype, built from runs on their device.
 
@@ -195,8 +196,9 @@ def gather(
 
   index_dtype = _index_dtype(max([size] + src_sizes))
   x64 = _kernels.x64()
-  zeros = _kernels.program(("zeros", dtype.name, size, device, x64),
-                           lambda: _kernels.make_zeros(dtype, size, device))
+  zeros = _kernels.program(
+    ("zeros", dtype.name, size, device, x64), lambda: _kernels.make_zeros(dtype, size, device)
+  )
   out = zeros()
   if size == 0:
     return out
@@ -204,19 +206,37 @@ def gather(
   order = np.argsort(src_index, kind="stable")
   bounds = np.searchsorted(src_index[order], np.arange(len(sources) + 1))
   for k, source in enumerate(sources):
-    mine = order[bounds[k]:bounds[k + 1]]
+    mine = order[bounds[k] : bounds[k + 1]]
     if not mine.size:
       continue
     s, d, n = _cut_long_runs(src_start[mine], dst_start[mine], length[mine])
     for lo, hi in _call_ranges(n):
       runs_bucket, elements = _buckets(hi - lo, int(n[lo:hi].sum()), size)
-      key = ("gather", dtype.name, src_sizes[k], _kernels.weak(source), size, runs_bucket,
-             elements, np.dtype(index_dtype).name, device, x64)
-      fn = _kernels.program(key, lambda: _kernels.make_gather(
-          dtype, src_sizes[k], size, runs_bucket, elements, index_dtype, device))
-      out = fn(out, source, _padded(s[lo:hi], runs_bucket, index_dtype),
-               _padded(d[lo:hi], runs_bucket, index_dtype),
-               _padded(n[lo:hi], runs_bucket, np.int32))
+      key = (
+        "gather",
+        dtype.name,
+        src_sizes[k],
+        _kernels.weak(source),
+        size,
+        runs_bucket,
+        elements,
+        np.dtype(index_dtype).name,
+        device,
+        x64,
+      )
+      fn = _kernels.program(
+        key,
+        lambda: _kernels.make_gather(
+          dtype, src_sizes[k], size, runs_bucket, elements, index_dtype, device
+        ),
+      )
+      out = fn(
+        out,
+        source,
+        _padded(s[lo:hi], runs_bucket, index_dtype),
+        _padded(d[lo:hi], runs_bucket, index_dtype),
+        _padded(n[lo:hi], runs_bucket, np.int32),
+      )
   return out
 
 
@@ -226,8 +246,9 @@ def _index_dtype(largest: int) -> Any:
     return np.int32
   if not _kernels.x64():
     raise ValueError(
-        f"gather: a buffer of {largest} elements needs int64 offsets (past int32's "
-        f"{_INT32_MAX}); enable jax_enable_x64 to build it on the device")
+      f"gather: a buffer of {largest} elements needs int64 offsets (past int32's "
+      f"{_INT32_MAX}); enable jax_enable_x64 to build it on the device"
+    )
   return np.int64
 
 
@@ -235,16 +256,20 @@ def _checked_runs(src_sizes, size, *tables):
   """The run tables as int64 arrays without their zero-length runs, after the
   checks that every run lies inside its source and the output and that no two
   runs overlap in the output."""
-  src_index, src_start, dst_start, length = (np.asarray(t).astype(np.int64, copy=False).reshape(-1)
-                                             for t in tables)
+  src_index, src_start, dst_start, length = (
+    np.asarray(t).astype(np.int64, copy=False).reshape(-1) for t in tables
+  )
   if not len({len(src_index), len(src_start), len(dst_start), len(length)}) == 1:
-    raise ValueError("gather: run tables of different lengths "
-                     f"{[len(src_index), len(src_start), len(dst_start), len(length)]}")
+    raise ValueError(
+      "gather: run tables of different lengths "
+      f"{[len(src_index), len(src_start), len(dst_start), len(length)]}"
+    )
   if (length < 0).any():
     raise ValueError("gather: negative run length")
   keep = length > 0
   src_index, src_start, dst_start, length = (
-      t[keep] for t in (src_index, src_start, dst_start, length))
+    t[keep] for t in (src_index, src_start, dst_start, length)
+  )
   if not length.size:
     return src_index, src_start, dst_start, length
   if (src_index < 0).any() or (src_index >= len(src_sizes)).any():
@@ -252,8 +277,10 @@ def _checked_runs(src_sizes, size, *tables):
   limits = np.asarray(src_sizes, np.int64)[src_index]
   if (src_start < 0).any() or (src_start > limits - length).any():
     bad = int(np.flatnonzero((src_start < 0) | (src_start > limits - length))[0])
-    raise ValueError(f"gather: run [{src_start[bad]}, +{length[bad]}) outside source "
-                     f"{src_index[bad]} of {limits[bad]} elements")
+    raise ValueError(
+      f"gather: run [{src_start[bad]}, +{length[bad]}) outside source "
+      f"{src_index[bad]} of {limits[bad]} elements"
+    )
   if (dst_start < 0).any() or (dst_start > size - length).any():
     raise ValueError(f"gather: a run lies outside the output of {size} elements")
   by_dst = np.argsort(dst_start, kind="stable")
@@ -279,8 +306,10 @@ def _call_ranges(length):
   ranges, lo = [], 0
   while lo < length.size:
     base = int(ends[lo - 1]) if lo else 0
-    hi = min(lo + _MAX_RUNS_PER_CALL,
-             int(np.searchsorted(ends, base + _MAX_ELEMENTS_PER_CALL, side="right")))
+    hi = min(
+      lo + _MAX_RUNS_PER_CALL,
+      int(np.searchsorted(ends, base + _MAX_ELEMENTS_PER_CALL, side="right")),
+    )
     assert hi > lo, "a run longer than one call survived _cut_long_runs"
     ranges.append((lo, hi))
     lo = hi
@@ -304,5 +333,5 @@ def _bucket(n: int, smallest: int) -> int:
 
 def _padded(table: np.ndarray, n: int, dtype: Any) -> np.ndarray:
   out = np.zeros(n, dtype)
-  out[:table.size] = table
+  out[: table.size] = table
   return out

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from jaxreshard._src.exec import bitview as _bitview
 from jaxreshard._src.core.copyplan import Runs
+from jaxreshard._src.exec import bitview as _bitview
 
 __all__ = ["bits", "execute", "host_view"]
 
@@ -43,15 +44,20 @@ def host_view(x: Any) -> np.ndarray:
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
   with _POOL_LOCK:
     if not _POOL:
-      _POOL.append(concurrent.futures.ThreadPoolExecutor(
-          THREADS - 1, thread_name_prefix="jaxreshard-copy"))
+      _POOL.append(
+        concurrent.futures.ThreadPoolExecutor(THREADS - 1, thread_name_prefix="jaxreshard-copy")
+      )
     return _POOL[0]
 
 
 def _copy(out: np.ndarray, sources: Sequence[np.ndarray], runs: Runs, lo: int, hi: int) -> None:
-  for s, a, b, n in zip(runs.source[lo:hi].tolist(), runs.src[lo:hi].tolist(),
-                        runs.dst[lo:hi].tolist(), runs.length[lo:hi].tolist()):
-    out[b:b + n] = sources[s][a:a + n]
+  for s, a, b, n in zip(
+    runs.source[lo:hi].tolist(),
+    runs.src[lo:hi].tolist(),
+    runs.dst[lo:hi].tolist(),
+    runs.length[lo:hi].tolist(),
+  ):
+    out[b : b + n] = sources[s][a : a + n]
 
 
 def execute(sources: Sequence[np.ndarray], runs: Runs, size: int, dtype: np.dtype) -> np.ndarray:
@@ -71,7 +77,11 @@ def execute(sources: Sequence[np.ndarray], runs: Runs, size: int, dtype: np.dtyp
   view = bits(out)
   src = [s if s.dtype.kind == "u" else bits(s) for s in sources]
   n = len(runs)
-  if size * dtype.itemsize < _PARALLEL_BYTES or n < 2 and runs.elements * dtype.itemsize < 2 * _PARALLEL_BYTES:
+  if (
+    size * dtype.itemsize < _PARALLEL_BYTES
+    or n < 2
+    and runs.elements * dtype.itemsize < 2 * _PARALLEL_BYTES
+  ):
     _copy(view, src, runs, 0, n)
     return out
   if n == 1:  # one long run: split it in two
@@ -88,5 +98,9 @@ def execute(sources: Sequence[np.ndarray], runs: Runs, size: int, dtype: np.dtyp
 def _halves(runs: Runs) -> Runs:
   half = int(runs.length[0]) // 2
   rest = int(runs.length[0]) - half
-  return Runs(np.repeat(runs.source, 2), np.array([runs.src[0], runs.src[0] + half]),
-              np.array([runs.dst[0], runs.dst[0] + half]), np.array([half, rest]))
+  return Runs(
+    np.repeat(runs.source, 2),
+    np.array([runs.src[0], runs.src[0] + half]),
+    np.array([runs.dst[0], runs.dst[0] + half]),
+    np.array([half, rest]),
+  )

@@ -10,7 +10,8 @@ they are bit exact on every backend (see ``device``).
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -18,18 +19,27 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["DeviceCacheInfo", "clear_device_cache", "device_cache_info", "device_of", "dtype_of",
-           "make_gather", "make_pack", "make_split", "make_zeros", "program", "weak", "x64"]
+__all__ = [
+  "DeviceCacheInfo",
+  "clear_device_cache",
+  "device_cache_info",
+  "device_of",
+  "dtype_of",
+  "make_gather",
+  "make_pack",
+  "make_split",
+  "make_zeros",
+  "program",
+  "weak",
+  "x64",
+]
 
 # The kernels only move bits, so XLA's optimizations buy nothing at run time,
 # and on XLA:CPU compilation dominates a cold run: backend optimization level 0
 # and the classic (non-"fusion emitter") CPU codegen compile several times
 # faster and stay bit exact with the byte-pair bfloat16 path. Other backends
 # compile with their defaults.
-_CPU_COMPILER_OPTIONS = {
-    "xla_backend_optimization_level": 0,
-    "xla_cpu_use_fusion_emitters": False,
-}
+_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
@@ -39,11 +49,12 @@ class DeviceCacheInfo(NamedTuple):
 
 
 class _Cache:
-
   def __init__(self):
     self.lock = threading.Lock()
     self.programs: dict[Any, Callable[..., Any]] = {}
     self.traces = 0
+
+
 _CACHE = _Cache()
 
 
@@ -183,12 +194,16 @@ def make_zeros(dtype: np.dtype, size: int, device: Any) -> Callable[..., Any]:
     _count_trace()
     return _from_bits(jnp.zeros((size,) + _bits_tail(dtype), _bits_dtype(dtype)), dtype)
 
-  return jax.jit(kernel, out_shardings=jax.sharding.SingleDeviceSharding(device),
-                 compiler_options=_compiler_options(device))
+  return jax.jit(
+    kernel,
+    out_shardings=jax.sharding.SingleDeviceSharding(device),
+    compiler_options=_compiler_options(device),
+  )
 
 
-def make_gather(dtype: np.dtype, src_size: int, size: int, runs: int, elements: int,
-                 index_dtype: Any, device: Any) -> Callable[..., Any]:
+def make_gather(
+  dtype: np.dtype, src_size: int, size: int, runs: int, elements: int, index_dtype: Any, device: Any
+) -> Callable[..., Any]:
   """The program that copies up to ``runs`` runs, ``elements`` elements in all,
   from one source into the donated output."""
 
@@ -205,8 +220,9 @@ def make_gather(dtype: np.dtype, src_size: int, size: int, runs: int, elements: 
     # call's elements are dropped). A zero-length run ends where the next one
     # starts, so it is skipped; positions past the last end are padding.
     ends = jnp.cumsum(length, dtype=jnp.int32)
-    marks = jnp.zeros((elements,), jnp.int32).at[ends].add(
-        1, mode="drop", wrap_negative_indices=False)
+    marks = (
+      jnp.zeros((elements,), jnp.int32).at[ends].add(1, mode="drop", wrap_negative_indices=False)
+    )
     run = jnp.minimum(jnp.cumsum(marks, dtype=jnp.int32), runs - 1)
     # Element j of run r reads source j + (src_start[r] - start_r) and writes
     # output j + (dst_start[r] - start_r), start_r being r's first element.
@@ -215,8 +231,11 @@ def make_gather(dtype: np.dtype, src_size: int, size: int, runs: int, elements: 
     src = j + _take(src_start - first, run)
     # Padding positions are sent one past the output's end, where the scatter
     # drops them.
-    dst = jnp.where(j < ends[-1].astype(index_dtype), j + _take(dst_start - first, run),
-                    jnp.asarray(size, index_dtype))
+    dst = jnp.where(
+      j < ends[-1].astype(index_dtype),
+      j + _take(dst_start - first, run),
+      jnp.asarray(size, index_dtype),
+    )
     out_bits, src_bits = _to_bits(out), _to_bits(source)
     values = _take(src_bits, src)
     chex.assert_shape(values, (elements,) + _bits_tail(dtype))

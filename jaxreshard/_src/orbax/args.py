@@ -10,7 +10,8 @@ picks the handler from the arguments alone.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Mapping, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -31,12 +32,11 @@ __all__ = ["ReshardRestore", "ReshardSave", "check"]
 class Checked:
   """What checking a ``ReshardSave`` found, kept for its save."""
 
-  shapes: Optional[Mapping[str, Any]]  # state: param id -> shape or placement
-  views: Optional[dict[int, ShardRecord]]  # state: this process's archives, device buffers
+  shapes: Mapping[str, Any] | None  # state: param id -> shape or placement
+  views: dict[int, ShardRecord] | None  # state: this process's archives, device buffers
 
 
-
-def _shapes_of(args: "ReshardSave") -> Mapping[str, Any]:
+def _shapes_of(args: ReshardSave) -> Mapping[str, Any]:
   if args.shapes is not None:
     return args.shapes
   ids, leaves, _ = _structure.param_ids(args.params)
@@ -44,11 +44,13 @@ def _shapes_of(args: "ReshardSave") -> Mapping[str, Any]:
   unknown = sorted(set(trainable) - set(ids))
   if unknown:
     raise PlacementError(f"params {unknown}: named in `trainable` but not in params")
-  return {pid: ParamPlacement(pid, tuple(np.shape(x)), 0, 1, np.dtype(x.dtype),
-                              trainable.get(pid, True)) for pid, x in zip(ids, leaves)}
+  return {
+    pid: ParamPlacement(pid, tuple(np.shape(x)), 0, 1, np.dtype(x.dtype), trainable.get(pid, True))
+    for pid, x in zip(ids, leaves)
+  }
 
 
-def check(args: "ReshardSave") -> Checked:
+def check(args: ReshardSave) -> Checked:
   """Every refusal of a save of ``args``, in every process, with nothing copied or written.
 
   Records: each record as an archive of the index. A state: its structure
@@ -63,17 +65,34 @@ def check(args: "ReshardSave") -> Checked:
     builder.index()
     return Checked(None, None)
   shapes = _shapes_of(args)
-  views = _mesh.records_from_mesh(args.optimizer, args.state, shapes, args.mesh, args.axis,
-                                  ranks=_mesh.writer_ranks(args.mesh, args.axis))
+  views = _mesh.records_from_mesh(
+    args.optimizer,
+    args.state,
+    shapes,
+    args.mesh,
+    args.axis,
+    ranks=_mesh.writer_ranks(args.mesh, args.axis),
+  )
   # The clock's device scalars as zeros of their dtype and shape (what storing
   # one depends on): checking never waits for the step that computes them.
   roles = _mesh.roles_of(args.optimizer, args.state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(args.state)
-  leaves = [np.zeros(x.shape, x.dtype) if role is None and isinstance(x, jax.Array)
-            and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
-            for x, role in zip(leaves, roles)]
-  _multihost.global_index(args.optimizer, jax.tree_util.tree_unflatten(treedef, leaves), shapes,
-                          args.mesh, args.axis, "0" * 32)
+  leaves = [
+    np.zeros(x.shape, x.dtype)
+    if role is None
+    and isinstance(x, jax.Array)
+    and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    else x
+    for x, role in zip(leaves, roles)
+  ]
+  _multihost.global_index(
+    args.optimizer,
+    jax.tree_util.tree_unflatten(treedef, leaves),
+    shapes,
+    args.mesh,
+    args.axis,
+    "0" * 32,
+  )
   return Checked(shapes, views)
 
 
@@ -123,15 +142,15 @@ class ReshardSave(ocp.args.CheckpointArgs):
     (3,)
   """
 
-  records: Optional[Iterable[ShardRecord]] = None
-  chunk_bytes: Optional[int] = None
+  records: Iterable[ShardRecord] | None = None
+  chunk_bytes: int | None = None
   _: dataclasses.KW_ONLY
   state: Any = None
   optimizer: Any = None
-  shapes: Optional[Mapping[str, Any]] = None
+  shapes: Mapping[str, Any] | None = None
   params: Any = None
-  trainable: Optional[Mapping[str, bool]] = None
-  mesh: Optional[jax.sharding.Mesh] = None
+  trainable: Mapping[str, bool] | None = None
+  mesh: jax.sharding.Mesh | None = None
   axis: str = "fsdp"
 
   def __post_init__(self):
@@ -139,8 +158,10 @@ class ReshardSave(ocp.args.CheckpointArgs):
     if cb is not None and (isinstance(cb, bool) or not isinstance(cb, int) or cb < 1):
       raise ReshardError(f"chunk_bytes {cb!r} must be a positive integer")
     if (self.records is None) == (self.state is None):
-      raise PlacementError("ReshardSave takes records, or a state (with optimizer, mesh and"
-                           " shapes or params), not both and not neither")
+      raise PlacementError(
+        "ReshardSave takes records, or a state (with optimizer, mesh and"
+        " shapes or params), not both and not neither"
+      )
     if self.state is not None:
       missing = [n for n in ("optimizer", "mesh") if getattr(self, n) is None]
       if (self.shapes is None) == (self.params is None):
@@ -148,8 +169,9 @@ class ReshardSave(ocp.args.CheckpointArgs):
       if missing:
         raise PlacementError(f"ReshardSave(state=...) also needs {', '.join(missing)}")
       if self.trainable is not None and self.params is None:
-        raise PlacementError("ReshardSave: trainable goes with params; with shapes, give each"
-                             " value a .trainable")
+        raise PlacementError(
+          "ReshardSave: trainable goes with params; with shapes, give each value a .trainable"
+        )
     else:
       self.records = tuple(self.records)  # an iterator is read once, here
     # Every refusal of the save, now: before orbax creates any directory.
@@ -194,9 +216,9 @@ class ReshardRestore(ocp.args.CheckpointArgs):
     target: optional abstract target for ``restore_sharded(..., target=)``.
   """
 
-  world_size: Optional[int] = None
-  rank: Optional[int] = None
-  mesh: Optional[jax.sharding.Mesh] = None
+  world_size: int | None = None
+  rank: int | None = None
+  mesh: jax.sharding.Mesh | None = None
   axis: str = "fsdp"
   target: Any = None
 

@@ -58,19 +58,19 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxreshard._src.checkpoint import store as _archive_io
 from jaxreshard._src.checkpoint import reader as _checkpoint
-from jaxreshard._src.distributed import sharded as _multihost
 from jaxreshard._src.checkpoint import restore as _restore
-from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
+from jaxreshard._src.checkpoint import store as _archive_io
 from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.distributed import sharded as _multihost
+from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
 from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
@@ -83,26 +83,30 @@ class SavePlan:
 
   checkpoint_id: str  # the same in every process of the save
   archives: tuple[tuple[int, ShardRecord], ...]  # (archive index, host record)
-  index: Optional[dict]  # the primary's; None elsewhere
-  chunk_bytes: Optional[int]
+  index: dict | None  # the primary's; None elsewhere
+  chunk_bytes: int | None
   reporter: Reporter  # told of each archive written
 
 
-def _is_primary(primary_host: Optional[int]) -> bool:
+def _is_primary(primary_host: int | None) -> bool:
   return ocp.multihost.is_primary_host(primary_host)
 
 
-def _shared_checkpoint_id(primary_host: Optional[int]) -> str:
+def _shared_checkpoint_id(primary_host: int | None) -> str:
   """One new identity for this save, the same in every process (the primary's)."""
   raw = np.frombuffer(uuid.uuid4().bytes, np.uint8).astype(np.int32)
   if jax.process_count() > 1:
-    raw = np.asarray(ocp.multihost.broadcast_one_to_all(
-        raw, is_source=_is_primary(primary_host)))
+    raw = np.asarray(ocp.multihost.broadcast_one_to_all(raw, is_source=_is_primary(primary_host)))
   return bytes(raw.astype(np.uint8).tolist()).hex()
 
 
-def prepare_save(args: ReshardSave, primary_host: Optional[int] = 0, *,
-                 progress: Optional[ProgressCallback] = None, where: Any = "") -> SavePlan:
+def prepare_save(
+  args: ReshardSave,
+  primary_host: int | None = 0,
+  *,
+  progress: ProgressCallback | None = None,
+  where: Any = "",
+) -> SavePlan:
   """Everything a save needs from the caller's buffers, taken now (see the module doc).
 
   Each call is a new save: its own host copies and checkpoint identity, the
@@ -118,8 +122,9 @@ def prepare_save(args: ReshardSave, primary_host: Optional[int] = 0, *,
     if args.state is not None:
       archives = tuple(sorted((r, _multihost.host_record(v)) for r, v in checked.views.items()))
       if primary:
-        index = _multihost.global_index(args.optimizer, args.state, checked.shapes, args.mesh,
-                                        args.axis, checkpoint_id)
+        index = _multihost.global_index(
+          args.optimizer, args.state, checked.shapes, args.mesh, args.axis, checkpoint_id
+        )
     elif primary:
       archives = tuple((i, _multihost.host_record(r)) for i, r in enumerate(args.records))
       builder = _checkpoint.IndexBuilder(checkpoint_id)
@@ -131,8 +136,13 @@ def prepare_save(args: ReshardSave, primary_host: Optional[int] = 0, *,
   except BaseException as e:
     _tell_peers(checkpoint_id, e)  # the others stop waiting for this process
     raise
-  reporter = Reporter(what, progress, where=where, total=len(archives),
-                      total_bytes=sum(_archive_io.history_bytes(r) for _, r in archives))
+  reporter = Reporter(
+    what,
+    progress,
+    where=where,
+    total=len(archives),
+    total_bytes=sum(_archive_io.history_bytes(r) for _, r in archives),
+  )
   return SavePlan(checkpoint_id, archives, index, args.chunk_bytes, reporter)
 
 
@@ -149,7 +159,7 @@ def _distributed_client() -> Any:
   return distributed.global_state.client
 
 
-def _tell_peers(checkpoint_id: str, error: Optional[BaseException]) -> None:
+def _tell_peers(checkpoint_id: str, error: BaseException | None) -> None:
   """Tells the other processes of this save that this one's archives are written, or why not."""
   client = _distributed_client()
   if client is None:
@@ -183,14 +193,18 @@ def _await_peers(checkpoint_id: str, directory: str, timeout_s: float) -> None:
     failed = sorted(p for p in others if told.get(p, "ok") != "ok")
     if failed:
       p = failed[0]
-      raise ArchiveError(f"{directory}: process {p} did not write its archives"
-                         f" ({told[p][len('failed: '):]}); nothing is committed")
+      raise ArchiveError(
+        f"{directory}: process {p} did not write its archives"
+        f" ({told[p][len('failed: ') :]}); nothing is committed"
+      )
     waiting = sorted(others - set(told))
     if not waiting:
       return
     if time.monotonic() > deadline:
-      raise ArchiveError(f"{directory}: processes {waiting} did not finish writing their archives"
-                         f" within {timeout_s:g} s; nothing is committed")
+      raise ArchiveError(
+        f"{directory}: processes {waiting} did not finish writing their archives"
+        f" within {timeout_s:g} s; nothing is committed"
+      )
     time.sleep(_POLL_S)
 
 
@@ -206,14 +220,20 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
       fails tells at once); None: orbax's default asynchronous timeout.
   """
 
-  def __init__(self, chunk_bytes: int = _archive_io.DEFAULT_CHUNK_BYTES, *,
-               multiprocessing_options: ocp.options.MultiprocessingOptions = (
-                   ocp.options.MultiprocessingOptions()),
-               timeout_secs: Optional[float] = None):
+  def __init__(
+    self,
+    chunk_bytes: int = _archive_io.DEFAULT_CHUNK_BYTES,
+    *,
+    multiprocessing_options: ocp.options.MultiprocessingOptions = (
+      ocp.options.MultiprocessingOptions()
+    ),
+    timeout_secs: float | None = None,
+  ):
     self._chunk_bytes = chunk_bytes
     self._primary_host = multiprocessing_options.primary_host
-    self._timeout_s = (ocp.options.AsyncOptions().timeout_secs if timeout_secs is None
-                       else timeout_secs)
+    self._timeout_s = (
+      ocp.options.AsyncOptions().timeout_secs if timeout_secs is None else timeout_secs
+    )
     self._lock = threading.Lock()
     # Item directory -> (save identity, the index its finalize writes) (primary only).
     self._pending: dict[str, tuple[str, dict]] = {}
@@ -221,8 +241,9 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     # saves ``prepare_save`` took ahead of ``async_save``, each taken by the next.
     self._prepared: dict[int, tuple[ReshardSave, Any, SavePlan]] = {}
 
-  def prepare_save(self, args: ReshardSave, *, progress: Optional[ProgressCallback] = None,
-                   where: Any = "") -> SavePlan:
+  def prepare_save(
+    self, args: ReshardSave, *, progress: ProgressCallback | None = None, where: Any = ""
+  ) -> SavePlan:
     """Takes the host copies of the next save of ``args`` now, before orbax makes a directory.
 
     The next ``async_save`` of the same ``args`` (unchanged since) writes
@@ -250,8 +271,11 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     if prepared.index is not None:
       with self._lock:
         self._pending[key] = (prepared.checkpoint_id, prepared.index)
-    return [ocp.future.CommitFutureAwaitingContractedSignals(
-        self._write(key, prepared), name="jaxreshard_save")]
+    return [
+      ocp.future.CommitFutureAwaitingContractedSignals(
+        self._write(key, prepared), name="jaxreshard_save"
+      )
+    ]
 
   async def _write(self, directory: str, prepared: SavePlan) -> None:
     """Writes this process's archives, tells the others, and waits for theirs."""
@@ -263,12 +287,15 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
           nbytes = _checkpoint.write_archive(directory, index, record, builder, chunk_bytes)
         except FileExistsError as e:
           raise ArchiveExistsError(
-              f"{e.filename} already exists: another save is writing {directory}") from None
+            f"{e.filename} already exists: another save is writing {directory}"
+          ) from None
         except FileNotFoundError:
           if os.path.isdir(directory):
             raise
-          raise ArchiveError(f"{directory} was removed while this save wrote it: another save"
-                             " of the same checkpoint made it anew") from None
+          raise ArchiveError(
+            f"{directory} was removed while this save wrote it: another save"
+            " of the same checkpoint made it anew"
+          ) from None
         prepared.reporter.step(nbytes, archive=index)
     except BaseException as e:
       _tell_peers(prepared.checkpoint_id, e)
@@ -302,13 +329,16 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
         client.key_value_delete(f"{_PEERS_KEY}/{checkpoint_id}/")
       except Exception:  # pylint: disable=broad-exception-caught
         pass
-    missing = [name for name, _, _ in index["archives"]
-               if not os.path.isfile(os.path.join(key, name, _checkpoint.ARCHIVE_FILE))]
+    missing = [
+      name
+      for name, _, _ in index["archives"]
+      if not os.path.isfile(os.path.join(key, name, _checkpoint.ARCHIVE_FILE))
+    ]
     if missing:
       raise ArchiveError(f"{key}: archives {missing[:8]} were not written; nothing is committed")
     _checkpoint.dump(os.path.join(key, _checkpoint.INDEX_FILE), index)
 
-  def restore(self, directory: epath.Path, args: Optional[ReshardRestore] = None) -> Any:
+  def restore(self, directory: epath.Path, args: ReshardRestore | None = None) -> Any:
     """Every archive, one target rank's archive, or the state laid out on a mesh.
 
     Raises:
@@ -337,8 +367,10 @@ def _item_directory(directory: Any) -> str:
   """
   path = os.fspath(directory)
   if os.path.islink(path):
-    raise ArchiveError(f"{path}: the checkpoint item is a symbolic link (to"
-                       f" {os.readlink(path)!r}); a checkpoint's item directory is never one")
+    raise ArchiveError(
+      f"{path}: the checkpoint item is a symbolic link (to"
+      f" {os.readlink(path)!r}); a checkpoint's item directory is never one"
+    )
   return path
 
 

@@ -10,7 +10,8 @@ it atomic across hosts.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import optax
 import orbax.checkpoint as ocp
@@ -28,16 +29,16 @@ DEFAULT_TIMEOUT_S = 300
 
 
 def save_sharded(
-    directory: os.PathLike | str,
-    optimizer: optax.GradientTransformation,
-    state: optax.OptState,
-    shapes: Mapping[str, Any],
-    mesh: Mesh,
-    axis: str = "fsdp",
-    *,
-    chunk_bytes: int = _archive_io.DEFAULT_CHUNK_BYTES,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    progress: Optional[ProgressCallback] = None,
+  directory: os.PathLike | str,
+  optimizer: optax.GradientTransformation,
+  state: optax.OptState,
+  shapes: Mapping[str, Any],
+  mesh: Mesh,
+  axis: str = "fsdp",
+  *,
+  chunk_bytes: int = _archive_io.DEFAULT_CHUNK_BYTES,
+  timeout_s: float = DEFAULT_TIMEOUT_S,
+  progress: ProgressCallback | None = None,
 ) -> None:
   """Saves a global flat-sharded state as one checkpoint of ``M`` archives, from every process.
 
@@ -98,8 +99,9 @@ def save_sharded(
     raise ArchiveExistsError(f"{final} already exists; jaxreshard never overwrites a checkpoint")
   if not os.path.isdir(os.path.dirname(final)):
     raise FileNotFoundError(f"parent directory {os.path.dirname(final)} of {final} does not exist")
-  args = _orbax_hook.ReshardSave(optimizer=optimizer, state=state, shapes=shapes, mesh=mesh,
-                                 axis=axis, chunk_bytes=chunk_bytes)
+  args = _orbax_hook.ReshardSave(
+    optimizer=optimizer, state=state, shapes=shapes, mesh=mesh, axis=axis, chunk_bytes=chunk_bytes
+  )
   timeout = max(1, int(timeout_s))
   handler = _orbax_hook.ReshardCheckpointHandler(timeout_secs=timeout)
   # Refusals of the state, host copies and the index, before any directory exists.
@@ -113,10 +115,10 @@ def save_sharded(
     raise
   except FileExistsError as e:  # another save of ``directory`` made orbax's directories first
     raise ArchiveExistsError(
-        f"save_sharded: {final} was not committed: another save is writing it ({e})") from e
+      f"save_sharded: {final} was not committed: another save is writing it ({e})"
+    ) from e
   except Exception as e:  # orbax's and the runtime's error types
-    raise ArchiveError(
-        f"save_sharded: {final} was not committed ({type(e).__name__}: {e})") from e
+    raise ArchiveError(f"save_sharded: {final} was not committed ({type(e).__name__}: {e})") from e
   finally:
     try:
       checkpointer.close()
