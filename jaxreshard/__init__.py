@@ -34,8 +34,7 @@ from jaxreshard._src.errors import (
   ReshardError,
   ShapeError,
 )
-from jaxreshard._src.exec.device import clear_device_cache as clear_kernel_cache
-from jaxreshard._src.exec.device import device_cache_info as kernel_cache_info
+from jaxreshard._src.exec.device import clear_kernel_cache, kernel_cache_info
 from jaxreshard._src.orbax.handler import ReshardCheckpointHandler, ReshardRestore, ReshardSave
 from jaxreshard._src.orbax.save import save_sharded
 from jaxreshard._src.progress import Progress

@@ -188,7 +188,7 @@ def test_program_count_does_not_grow_with_run_count(dtype):
   rng = np.random.default_rng(7)
   host = random_bits(rng, size, dtype)
   src = jnp.asarray(host)
-  dx.clear_device_cache()
+  dx.clear_kernel_cache()
   programs, layouts = [], []
   for n in (10, 100, 1000):
     # n parameters of a packed archive, laid out in another order in the output.
@@ -201,16 +201,16 @@ def test_program_count_does_not_grow_with_run_count(dtype):
     layout = tables(np.zeros(n), src_start, dst_start, length)
     out = dx.gather([src], *layout, size)
     assert_bits_equal(out, oracle([host], *layout, size, dtype))
-    programs.append(dx.device_cache_info().programs)
+    programs.append(dx.kernel_cache_info().programs)
     layouts.append(layout)
   assert programs[-1] - programs[0] <= 2, programs
   assert programs[-1] <= 4, programs  # zeros + one gather program per run bucket
-  info = dx.device_cache_info()
+  info = dx.kernel_cache_info()
   with count_xla_compiles() as compiles:
     for layout in layouts:
       out = dx.gather([src], *layout, size)
   assert_bits_equal(out, oracle([host], *layouts[-1], size, dtype))
-  assert dx.device_cache_info() == info, "a repeated layout must not trace a program"
+  assert dx.kernel_cache_info() == info, "a repeated layout must not trace a program"
   assert compiles["n"] == 0, f"{compiles['n']} XLA compilations on a repeated layout"
 
 
@@ -221,11 +221,11 @@ def test_many_outputs_of_one_layout_share_programs():
   srcs = [jnp.asarray(random_bits(rng, 300, F32)) for _ in range(2)]
   layout = random_runs(rng, (300, 300), 256, 20)
   dx.gather(srcs, *layout, 256)
-  info = dx.device_cache_info()
+  info = dx.kernel_cache_info()
   for _ in range(5):
     srcs = [jnp.asarray(random_bits(rng, 300, F32)) for _ in range(2)]
     dx.gather(srcs, *layout, 256)
-  assert dx.device_cache_info() == info
+  assert dx.kernel_cache_info() == info
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
@@ -242,10 +242,10 @@ def test_pack_split_round_trip(dtype):
     assert len(pieces) == len(host)
     for piece, x in zip(pieces, host):
       assert_bits_equal(piece, x.reshape(-1))
-    info = dx.device_cache_info()
+    info = dx.kernel_cache_info()
     again = dx.pack([jnp.asarray(x) for x in host])
     dx.split(again, sizes)
-    assert dx.device_cache_info() == info, "a repeated layout must not trace a program"
+    assert dx.kernel_cache_info() == info, "a repeated layout must not trace a program"
     # A prefix of the flat buffer; the rest is ignored.
     head = dx.split(flat, [2, 0, 4])
     assert_bits_equal(head[0], np.asarray(flat)[:2])
@@ -358,6 +358,6 @@ def test_refusals():
 
 def test_clear_device_cache():
   dx.gather([jnp.zeros(4, jnp.float32)], *tables([0], [0], [0], [4]), 4)
-  assert dx.device_cache_info().programs > 0
-  dx.clear_device_cache()
-  assert dx.device_cache_info() == (0, 0)
+  assert dx.kernel_cache_info().programs > 0
+  dx.clear_kernel_cache()
+  assert dx.kernel_cache_info() == (0, 0)

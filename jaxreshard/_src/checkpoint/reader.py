@@ -199,7 +199,7 @@ class Checkpoint:
     else:
       hit = self._archive_params(archive).get(pid)
       if hit is _TWICE:
-        raise PlacementError(f"param {pid!r}: archive {archive} lists it twice")
+        raise _validate.listed_twice(pid, archive)
       gi, rank, p = hit if hit is not None else (None, None, None)
     if p is None:
       return None
@@ -250,7 +250,7 @@ class Checkpoint:
     """
     if self.member[archive] and all(self._is_uniform(gi) for gi, _ in self.member[archive]):
       return
-    check_archive(archive, self.placements(archive), self.layout(archive).state_parts)
+    check_histories(archive, self.placements(archive), self.layout(archive).state_parts)
 
   def complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """(param, shape, archive of each rank) of every param, from the groups alone."""
@@ -358,19 +358,15 @@ def placements(index: _index.Index, archive: int) -> list[ParamPlacement]:
   out.sort(key=lambda p: p.param)
   for a, b in zip(out, out[1:]):
     if a.param == b.param:
-      raise PlacementError(f"param {a.param!r}: archive {archive} lists it twice")
+      raise _validate.listed_twice(a.param, archive)
   return out
 
 
-def check_archive(
+def check_histories(
   archive: int, listed: list[ParamPlacement], state_parts: _structure.StateParts
 ) -> None:
   """An archive's histories belong to the params it lists, each of its flat layout."""
-  for pid in sorted(state_parts.param_set() - {p.param for p in listed}):
-    raise PlacementError(
-      f"param {pid!r}: archive {archive} holds a history for it but"
-      " does not list it in its placements"
-    )
+  _validate.check_listed(archive, state_parts, {p.param for p in listed})
   for p in listed:
     try:
       slots = FlatShard(p.shape, p.rank, p.world_size).slots

@@ -114,11 +114,7 @@ def save_records(
   final = path_arg(directory)
   if isinstance(records, Sequence):
     reporter = Reporter(
-      "save_records",
-      progress,
-      where=final,
-      total=len(records),
-      total_bytes=sum(history_bytes(r) for r in records),
+      "save_records", progress, where=final, total=len(records), total_bytes=_total_bytes(records)
     )
   else:
     reporter = Reporter("save_records", progress, where=final, total=None, total_bytes=None)
@@ -150,18 +146,23 @@ def save_records(
 
 
 def history_bytes(record: ShardRecord) -> int:
-  """The bytes of a record's history buffers, as a save stores them (0 for a record
-  a save refuses: the write names what is wrong with it)."""
+  """The bytes of a record's history buffers, as a save stores them."""
+  roles = _structure.roles_of(record)
+  leaves = jax.tree_util.tree_leaves(record.state)
+  return sum(
+    int(np.size(x)) * np.dtype(x.dtype).itemsize
+    for x, role in zip(leaves, roles)
+    if role is not None
+  )
+
+
+def _total_bytes(records: Sequence[ShardRecord]) -> int | None:
+  """What a progress report counts to: None when a record cannot be measured, which
+  the write then refuses with a message naming its archive."""
   try:
-    roles = _structure.roles_of(record)
-    leaves = jax.tree_util.tree_leaves(record.state)
-    return sum(
-      int(np.size(x)) * np.dtype(x.dtype).itemsize
-      for x, role in zip(leaves, roles)
-      if role is not None
-    )
-  except Exception:  # pylint: disable=broad-exception-caught
-    return 0
+    return sum(history_bytes(r) for r in records)
+  except (ReshardError, _structure.StatePartsError, AttributeError, TypeError):
+    return None
 
 
 def _archive_bytes(ckpt: Checkpoint, archive: int) -> int:

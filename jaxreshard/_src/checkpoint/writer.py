@@ -108,7 +108,7 @@ class IndexBuilder:
     (``jax.ShapeDtypeStruct``): only the index entry is made.
     """
     try:
-      state_parts, placements = _validate.check_archive(index, record)
+      state_parts, placements = _validate.check_record(index, record)
     except PlacementError:
       raise
     if self.source is not None:

@@ -15,7 +15,7 @@ the sources object. Only the target geometry is checked per call.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -39,7 +39,9 @@ __all__ = [
   "SourceFacts",
   "SourceGroup",
   "Sources",
-  "check_archive",
+  "check_listed",
+  "check_record",
+  "listed_twice",
   "check_buffer_dtype",
   "not_listed",
   "check_storage_dtype",
@@ -91,7 +93,7 @@ def check_is_record(record: Any, where: str) -> None:
     raise PlacementError(f"{where}: expected a ShardRecord, got {type(record).__name__}")
 
 
-def check_archive(
+def check_record(
   index: int, record: Any
 ) -> tuple[_structure.StateParts, dict[str, ParamPlacement]]:
   """One archive on its own: its type, version, placements and histories.
@@ -110,18 +112,28 @@ def check_archive(
     if not isinstance(p, ParamPlacement):
       raise PlacementError(f"archive {index}: placement {p!r} is not a ParamPlacement")
     if p.param in placements:
-      raise PlacementError(f"param {p.param!r}: archive {index} lists it twice")
+      raise listed_twice(p.param, index)
     placements[p.param] = p
   try:
     state_parts = _structure.state_parts(record.state, _structure.roles_of(record))
   except _structure.StatePartsError as e:
     raise PlacementError(f"archive {index}: {e}") from None
-  for pid in sorted(state_parts.param_set() - set(placements)):
+  check_listed(index, state_parts, placements)
+  return state_parts, placements
+
+
+def listed_twice(pid: str, archive: int) -> PlacementError:
+  """An archive lists a param more than once."""
+  return PlacementError(f"param {pid!r}: archive {archive} lists it twice")
+
+
+def check_listed(archive: int, state_parts: _structure.StateParts, listed: Collection[str]) -> None:
+  """Every param an archive holds a history for is one it lists."""
+  for pid in sorted(state_parts.param_set() - set(listed)):
     raise PlacementError(
-      f"param {pid!r}: archive {index} holds a history for it but does not list it"
+      f"param {pid!r}: archive {archive} holds a history for it but does not list it"
       " in its placements"
     )
-  return state_parts, placements
 
 
 class Sources(Protocol):

@@ -156,7 +156,7 @@ class RecordSources:
     # them alive): their state parts hold everything later calls read.
     if not records:
       raise PlacementError("no archives supplied")
-    checked = [_validate.check_archive(i, r) for i, r in enumerate(records)]
+    checked = [_validate.check_record(i, r) for i, r in enumerate(records)]
     self.parts_by_archive = [a for a, _ in checked]
     self._placements = [p for _, p in checked]
     # What makes archives interchangeable but for their rank and their bytes:

@@ -49,9 +49,9 @@ import numpy as np
 
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.exec import kernels as _kernels
-from jaxreshard._src.exec.kernels import DeviceCacheInfo, clear_device_cache, device_cache_info
+from jaxreshard._src.exec.kernels import KernelCacheInfo, clear_kernel_cache, kernel_cache_info
 
-__all__ = ["pack", "gather", "split", "device_cache_info", "clear_device_cache", "DeviceCacheInfo"]
+__all__ = ["pack", "gather", "split", "kernel_cache_info", "clear_kernel_cache", "KernelCacheInfo"]
 
 # Largest offset an int32 index holds; buffers past it need int64 indices.
 _INT32_MAX = 2**31 - 1

@@ -2,7 +2,7 @@
 
 Every program is made once per key by :func:`program` and kept in one cache
 per process (a compiled program is a property of the process, not of any one
-call), which :func:`device_cache_info` describes and :func:`clear_device_cache`
+call), which :func:`kernel_cache_info` describes and :func:`clear_kernel_cache`
 empties. The kernels only move unsigned integer views of their arguments, so
 they are bit exact on every backend (see ``device``).
 """
@@ -20,9 +20,9 @@ import numpy as np
 from jax import lax
 
 __all__ = [
-  "DeviceCacheInfo",
-  "clear_device_cache",
-  "device_cache_info",
+  "KernelCacheInfo",
+  "clear_kernel_cache",
+  "kernel_cache_info",
   "device_of",
   "dtype_of",
   "make_gather",
@@ -43,7 +43,7 @@ _CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusio
 _UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
-class DeviceCacheInfo(NamedTuple):
+class KernelCacheInfo(NamedTuple):
   programs: int  # distinct compiled programs held in the cache
   traces: int  # times any program was traced (== compiled) since the cache was cleared
 
@@ -58,19 +58,19 @@ class _Cache:
 _CACHE = _Cache()
 
 
-def device_cache_info() -> DeviceCacheInfo:
+def kernel_cache_info() -> KernelCacheInfo:
   """Programs held and traces done by the device executor (for tests and benchmarks).
 
   Examples:
-    >>> info = device_cache_info()
+    >>> info = kernel_cache_info()
     >>> info.programs >= 0 and info.traces >= 0
     True
   """
   with _CACHE.lock:
-    return DeviceCacheInfo(len(_CACHE.programs), _CACHE.traces)
+    return KernelCacheInfo(len(_CACHE.programs), _CACHE.traces)
 
 
-def clear_device_cache() -> None:
+def clear_kernel_cache() -> None:
   """Drops every compiled program (the next call compiles afresh)."""
   with _CACHE.lock:
     _CACHE.programs.clear()
