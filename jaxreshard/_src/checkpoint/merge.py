@@ -222,11 +222,11 @@ def merge_parts(out: Any, parts: Sequence[Any]) -> MergePlan:
   """
   if os.path.lexists(os.fspath(out)):
     raise ArchiveExistsError(f"{out} already exists; jaxreshard never overwrites a checkpoint")
-  plan = merge_plan(parts)
+  merged = merge_plan(parts)
 
   def records() -> Iterator[Any]:
-    for ckpt, a in plan.order:
+    for ckpt, a in merged.order:
       yield ckpt.record(a)
 
-  save_records(out, _checkpoint.SourcedRecords(records(), plan.source))
-  return plan
+  save_records(out, _checkpoint.SourcedRecords(records(), merged.source))
+  return merged

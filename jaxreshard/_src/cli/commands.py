@@ -356,15 +356,15 @@ def merge(
   "parts", "archives"}.
   """
   _refuse_inside(out, parts)
-  plan = _merge.merge_parts(str(out), [str(p) for p in parts])
-  n = plan.world_size
+  merged = _merge.merge_parts(str(out), [str(p) for p in parts])
+  n = merged.world_size
   if as_json:
     _render.print_json(dict(out=os.path.abspath(out), world_size=n, parts=len(parts), archives=n))
     return
   _render.console().print(
     _render.cell(
       f"merged {len(parts)} part{'s' if len(parts) != 1 else ''} into {out}:"
-      f" ranks 0..{n - 1} of {n}, resharded from checkpoint {plan.source.checkpoint}"
+      f" ranks 0..{n - 1} of {n}, resharded from checkpoint {merged.source.checkpoint}"
     )
   )
 

@@ -305,8 +305,8 @@ def _suffix_matches(path: KeyPath, pid: str) -> bool:
   return any(path_id(path[len(path) - k :]) == pid for k in range(1, len(path) + 1))
 
 
-class _PlanCache:
-  """State parts of tree *structures* (leaves as indices), by (treedef, roles).
+class _OutlineCache:
+  """State parts of tree *structures* (leaf indices as leaves), by (treedef, roles).
 
   Every rank of a layout has the same structure, so taking W archives apart
   walks their key paths once; each archive then only places its leaves.
@@ -315,22 +315,22 @@ class _PlanCache:
   def __init__(self, maxsize: int = 64):
     self.maxsize = maxsize
     self.lock = threading.Lock()
-    self.plans: dict[Any, StateParts] = {}
+    self.outlines: dict[Any, StateParts]  # leaves: indices into the flat state = {}
 
   def get(self, treedef: Any, roles: tuple, n: int) -> StateParts:
     key = (treedef, roles)
     with self.lock:
-      plan = self.plans.get(key)
-    if plan is None:
-      plan = _state_parts_of_paths(jax.tree_util.tree_unflatten(treedef, list(range(n))), roles)
+      outline = self.outlines.get(key)
+    if outline is None:
+      outline = _state_parts_of_paths(jax.tree_util.tree_unflatten(treedef, list(range(n))), roles)
       with self.lock:
-        if len(self.plans) >= self.maxsize:
-          self.plans.pop(next(iter(self.plans)))
-        self.plans[key] = plan
-    return plan
+        if len(self.outlines) >= self.maxsize:
+          self.outlines.pop(next(iter(self.outlines)))
+        self.outlines[key] = outline
+    return outline
 
 
-PLANS = _PlanCache()
+OUTLINES = _OutlineCache()
 
 
 def state_parts(state: Any, roles: Sequence[str | None]) -> StateParts:
@@ -342,7 +342,7 @@ def state_parts(state: Any, roles: Sequence[str | None]) -> StateParts:
   leaves, treedef = jax.tree_util.tree_flatten(state)
   if len(leaves) != len(roles):
     raise StatePartsError(f"the state has {len(leaves)} leaves but its roles describe {len(roles)}")
-  plan = PLANS.get(treedef, tuple(roles), len(leaves))
+  outline = OUTLINES.get(treedef, tuple(roles), len(leaves))
   subtrees = tuple(
     ParamsSubtree(
       m.prefix,
@@ -350,11 +350,11 @@ def state_parts(state: Any, roles: Sequence[str | None]) -> StateParts:
       m.order,
       {pid: e if e is MASKED else leaves[e] for pid, e in m.entries.items()},
     )
-    for m in plan.subtrees
+    for m in outline.subtrees
   )
   return StateParts(
-    plan.skeleton,
-    tuple(x if isinstance(x, ParamsSubtreeSlot) else leaves[x] for x in plan.skeleton_leaves),
+    outline.skeleton,
+    tuple(x if isinstance(x, ParamsSubtreeSlot) else leaves[x] for x in outline.skeleton_leaves),
     subtrees,
   )
 

@@ -310,7 +310,7 @@ def _signature(
   """(layout key, the archive's one rank or None, its one world size or None).
 
   State parts of one tree structure share their skeleton and mirror structures
-  (``_structure.PLANS``), so comparing those is cheap.
+  (``_structure.OUTLINES``), so comparing those is cheap.
   """
   buffers = tuple(
     (getattr(x, "shape", None), getattr(x, "dtype", None))
