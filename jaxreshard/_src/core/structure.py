@@ -315,7 +315,7 @@ class _OutlineCache:
   def __init__(self, maxsize: int = 64):
     self.maxsize = maxsize
     self.lock = threading.Lock()
-    self.outlines: dict[Any, StateParts]  # leaves: indices into the flat state = {}
+    self.outlines: dict[Any, StateParts] = {}  # leaves: indices into the flat state
 
   def get(self, treedef: Any, roles: tuple, n: int) -> StateParts:
     key = (treedef, roles)
