@@ -107,10 +107,7 @@ class IndexBuilder:
     With ``pack=False`` the record's buffers may be shapes alone
     (``jax.ShapeDtypeStruct``): only the index entry is made.
     """
-    try:
-      state_parts, placements = _validate.check_record(index, record)
-    except PlacementError:
-      raise
+    state_parts, placements = _validate.check_record(index, record)
     if self.source is not None:
       self._check_source(index, placements, state_parts)
     for p in placements.values():  # what a reader refuses is never written

@@ -31,6 +31,7 @@ from jaxreshard._src.checkpoint.reader import (
   open_checkpoint,
 )
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.distributed.mesh import MeshState
@@ -296,14 +297,8 @@ def _split(starts: np.ndarray, length: int, dst: np.ndarray, ss: int):
   Returns parallel arrays: source rank, offset inside that rank's buffer,
   destination, length.
   """
-  ss = max(ss, 1)
-  r0, r1 = starts // ss, (starts + length - 1) // ss
-  pieces = r1 - r0 + 1
-  run = np.repeat(np.arange(len(starts)), pieces)
-  rank = r0[run] + (np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces))
-  lo = np.maximum(starts[run], rank * ss)
-  hi = np.minimum(starts[run] + length, (rank + 1) * ss)
-  return rank, lo - rank * ss, dst[run] + (lo - starts[run]), hi - lo
+  run, rank, src, skip, n = _copyplan.cut_runs(starts, np.full(len(starts), length), max(ss, 1))
+  return rank, src, dst[run] + skip, n
 
 
 def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]:
