@@ -18,7 +18,9 @@ Several processes (run once per process, same arguments but the id)::
       --coordinator 127.0.0.1:1234 --num-processes 2 --process-id 0
 
 ``--kill-after N`` stops the job the hard way (SIGKILL, no clean shutdown)
-right after step N's checkpoint is committed, as a lost host would. ``--out``
+right after step N's checkpoint is committed, as a lost host would. Only
+process 0 prints (each step once); a run directory that already holds
+``--steps`` (or a later step) is said so, and nothing is trained. ``--out``
 writes what the run saw (each step's loss and the final params, as bits) to a
 JSON file, which is how the tests compare a resumed run with an uninterrupted
 one.
@@ -104,7 +106,9 @@ def run(
         start,
         args=ocp.args.Composite(
           params=ocp.args.StandardRestore(abstract),
-          opt_state=jr.ReshardRestore(mesh=mesh, axis="fsdp"),
+          # Checked against the optimizer it feeds: another optimizer or model
+          # is refused naming the leaf, not at the first update.
+          opt_state=jr.ReshardRestore(mesh=mesh, axis="fsdp", optimizer=optimizer, params=abstract),
         ),
       )
       params, state = restored.params, restored.opt_state
@@ -141,6 +145,12 @@ def loss_bits(losses: dict) -> dict:
   return {str(k): np.float32(v).view(np.uint32).item() for k, v in sorted(losses.items())}
 
 
+def _say(message: str) -> None:
+  """Prints on process 0 only: every process sees the same steps and losses."""
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--ckpt", required=True, help="the CheckpointManager directory")
@@ -167,8 +177,13 @@ def main(argv: Sequence[str] | None = None) -> None:
   mesh = jax.make_mesh((len(devices),), ("fsdp",), devices=devices)
   seen = run(mesh, args.ckpt, args.steps, save_every=args.save_every, kill_after=args.kill_after)
   where = f"{jax.process_count()} process(es) x {jax.local_device_count()} devices"
+  if seen["start"] >= args.steps:
+    _say(
+      f"{args.ckpt} already holds step {seen['start']} (--steps {args.steps}): nothing to"
+      " train; pass a larger --steps to continue"
+    )
   for step, loss in sorted(seen["losses"].items()):
-    print(f"step {step + 1}: loss {loss:.6f}  ({where}, fsdp={len(devices)})", flush=True)
+    _say(f"step {step + 1}: loss {loss:.6f}  ({where}, fsdp={len(devices)})")
   if args.out and jax.process_index() == 0:
     with open(args.out, "w") as f:
       json.dump(
@@ -182,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         f,
       )
   if seen.get("killed"):
-    print(f"killed after step {args.kill_after} (its checkpoint is committed)", flush=True)
+    _say(f"killed after step {args.kill_after} (its checkpoint is committed)")
     os.kill(os.getpid(), signal.SIGKILL)
   if args.num_processes > 1:
     jax.distributed.shutdown()

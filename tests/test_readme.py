@@ -49,6 +49,11 @@ def test_readme_python_examples_run(tmp_path):
     os.chdir(cwd)
   # The refusal example prints the message the README shows.
   assert "param 'dense/bias': source archive index 7 is out of range (0..6)" in out.getvalue()
+  # The restore checked against another optimizer prints the refusal the README shows.
+  assert (
+    "optimizer.init(params)'s tree does not match the checkpoint's state: missing leaf [0].count"
+    in out.getvalue()
+  )
 
 
 def test_quick_start_holds_two_commands_and_ci_runs_the_second():

@@ -492,6 +492,33 @@ def test_unknown_axis_is_refused():
     jr.flat_sharded(optax.adam(1e-2), _mesh("explicit8"), axis="model")
 
 
+def test_forgetting_axis_on_a_mesh_without_fsdp_says_it_is_the_default(tmp_path):
+  """Every helper that defaults to 'fsdp' says so, names the mesh's axes, and asks for axis=."""
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  opt = optax.adam(1e-2)
+  params = {"w": jnp.zeros((5,), jnp.float32)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  jr.save_records(tmp_path / "ckpt", records)
+  message = (
+    r"mesh axis 'fsdp' is not one of the mesh's axes \('data', 'model'\); 'fsdp' is the"
+    r" default of axis=: pass axis= .*\(one of 'data', 'model'\)"
+  )
+  calls = {
+    "flat_sharded": lambda: jr.flat_sharded(opt, mesh),
+    "restore_sharded": lambda: jr.restore_sharded(tmp_path / "ckpt", mesh),
+    "shard_to_mesh": lambda: jr.shard_to_mesh(opt, params, opt.init(params), mesh),
+    "reshard_to_mesh": lambda: jr.reshard_to_mesh(records, mesh),
+  }
+  for name, call in calls.items():
+    with pytest.raises(jr.PlacementError, match=message):
+      call()
+      pytest.fail(f"{name} did not refuse")
+  # An axis passed by name is not called the default.
+  with pytest.raises(jr.PlacementError) as e:
+    jr.flat_sharded(opt, mesh, axis="dp")
+  assert "default" not in str(e.value) and "('data', 'model')" in str(e.value)
+
+
 def test_padding_index_of_a_huge_history_needs_64_bit_indices():
   # A flat history of 2**31 elements or more cannot be counted with int32: it
   # is refused by name without x64 (allocating one here would take 8 GiB).

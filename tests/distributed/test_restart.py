@@ -100,6 +100,27 @@ def test_resumed_state_is_what_was_saved(example, tmp_path):
   assert int(state[0].count) == KILL
 
 
+def test_a_run_directory_holding_the_last_step_says_so(example, tmp_path, capsys):
+  ckpt = str(tmp_path / "run")
+  example.main(["--ckpt", ckpt, "--steps", "2", "--devices", "4"])
+  out = capsys.readouterr().out
+  assert [line.split(":")[0] for line in out.splitlines()] == ["step 1", "step 2"]
+  example.main(["--ckpt", ckpt, "--steps", "2", "--devices", "4"])
+  assert capsys.readouterr().out == (
+    f"{ckpt} already holds step 2 (--steps 2): nothing to train; pass a larger --steps"
+    " to continue\n"
+  )
+
+
+def _printed(job, text):
+  """How many lines of the job's processes' output start with ``text``."""
+  count = 0
+  for log in job.logs:
+    with open(log, errors="replace") as f:
+      count += sum(line.startswith(text) for line in f)
+  return count
+
+
 def _script_job(n, devices, ckpt, out, extra=()):
   def argv(i, coordinator):
     cmd = [SCRIPT, "--ckpt", ckpt, "--steps", str(STEPS), *extra]
@@ -127,6 +148,9 @@ def test_multi_process_restart_2x4_then_3x2_and_1x5(uninterrupted, tmp_path):
   with _script_job(2, 4, ckpt, str(tmp_path / "first"), ["--kill-after", str(KILL)]) as job:
     codes = job.wait()
   assert codes == [-9, -9], job.tail()  # killed, not shut down
+  # Only process 0 prints: each step once, not once per process.
+  assert [_printed(job, f"step {k}: loss") for k in (1, 2, 3)] == [1, 1, 1], job.tail()
+  assert _printed(job, f"killed after step {KILL}") == 1, job.tail()
   with open(tmp_path / "first" / "result.json") as f:
     first = json.load(f)
   assert first["processes"] == 2 and first["devices"] == 8
@@ -136,6 +160,7 @@ def test_multi_process_restart_2x4_then_3x2_and_1x5(uninterrupted, tmp_path):
     with _script_job(n, devices, where, out) as job:
       codes = job.wait()
     assert codes == [0] * n, job.tail()
+    assert [_printed(job, f"step {k}: loss") for k in range(1, STEPS + 1)] == [0, 0, 0, 1, 1]
     with open(os.path.join(out, "result.json")) as f:
       second = json.load(f)
     assert (second["processes"], second["devices"], second["start"]) == (n, n * devices, KILL)

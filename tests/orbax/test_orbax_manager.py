@@ -65,6 +65,57 @@ def test_handler_refusals_reach_the_caller(tmp_path):
       manager.restore(1, args=jr.ReshardRestore(world_size=3, rank=3))
 
 
+def test_a_mesh_restore_is_checked_against_the_optimizer_it_feeds(tmp_path):
+  """ReshardRestore(mesh=, optimizer=, params=): the same bits as unchecked, or a refusal
+  naming the leaf, through a manager; the checked state feeds flat_sharded's update."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import optax
+
+  from tests._core_util import random_grads, random_params, random_state, standard
+
+  shapes = {"dense/kernel": ((5, 3), np.float32), "dense/bias": ((3,), np.float32)}
+  params = random_params({**shapes, "head/w": ((7,), jnp.bfloat16)})
+  opt = optax.adam(1e-3)
+  records = jr.shard_state(opt, params, random_state(opt, params), world_size=3)
+  mesh = device_mesh((4,), ("fsdp",))
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, args=jr.ReshardSave(records))
+    manager.wait_until_finished()
+    plain = manager.restore(1, args=jr.ReshardRestore(mesh=mesh))
+    checked = manager.restore(1, args=jr.ReshardRestore(mesh=mesh, optimizer=opt, params=params))
+    assert jax.tree.structure(checked) == jax.tree.structure(plain)
+    for a, b in zip(jax.tree.leaves(checked), jax.tree.leaves(plain), strict=True):
+      assert a.sharding == b.sharding
+      for sa, sb in zip(a.addressable_shards, b.addressable_shards, strict=True):
+        assert sa.device == sb.device and (bits(sa.data) == bits(sb.data)).all()
+    standard(jr.flat_sharded(opt, mesh).update, random_grads(params, 0), checked, params)
+
+    sgd = optax.sgd(0.1, momentum=0.9)
+    with pytest.raises(
+      jr.PlacementError,
+      match=r"optimizer\.init\(params\)'s tree does not match the checkpoint's state: missing"
+      r" leaf \[0\]\.count \(a clock scalar\), leaf \[0\]\.mu\['dense'\]\['bias'\] \(history"
+      r" buffer 0 of param 'dense/bias'\).*; extra leaf \[0\]\.trace\['dense'\]\['bias'\]",
+    ):
+      manager.restore(1, args=jr.ReshardRestore(mesh=mesh, optimizer=sgd, params=params))
+    renamed = {"layer": params["dense"], "head": params["head"]}
+    with pytest.raises(
+      jr.PlacementError,
+      match=r"param 'layer/bias' is in the params but not in the checkpoint; .*param"
+      r" 'dense/kernel' is in the checkpoint but not in the params",
+    ):
+      manager.restore(1, args=jr.ReshardRestore(mesh=mesh, optimizer=opt, params=renamed))
+    wider = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    with pytest.raises(
+      jr.DtypeError,
+      match=r"leaf \[0\]\.mu\['head'\]\['w'\] \(param 'head/w'\): optimizer\.init\(params\) has"
+      r" dtype float32 but the checkpoint holds bfloat16",
+    ):
+      manager.restore(1, args=jr.ReshardRestore(mesh=mesh, optimizer=opt, params=wider))
+
+
 @pytest.mark.slow
 def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatch):
   """A (2 x 4) mesh state saved beside params, restored onto 6 ranks; all exact.
@@ -154,6 +205,10 @@ def test_save_and_restore_arguments_are_checked():
     dict(world_size=2),
     dict(mesh=mesh, world_size=2, rank=0),
     dict(target={}),
+    dict(mesh=mesh, optimizer=object()),
+    dict(mesh=mesh, params={}),
+    dict(optimizer=object(), params={}),
+    dict(mesh=mesh, target={}, optimizer=object(), params={}),
   ):
     with pytest.raises(jr.PlacementError):
       jr.ReshardRestore(**bad)

@@ -67,6 +67,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.checkpoint import archives as _archives
+from jaxreshard._src.checkpoint import brief as _brief
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint.archives import allocate, path_arg  # noqa: F401  (re-exported)
@@ -190,6 +191,8 @@ class Checkpoint:
 
   def __len__(self) -> int:
     return len(self.names)
+
+  __repr__ = _brief.checkpoint_repr  # one line: directory, archives, world sizes, params, step
 
   def placement(self, archive: int, pid: str) -> ParamPlacement | None:
     member = self.member[archive]

@@ -55,9 +55,28 @@ class MeshState(NamedTuple):
   placements: Mapping[int, tuple[ParamPlacement, ...]]
 
 
+DEFAULT_AXIS = "fsdp"
+
+
 def axis_size(mesh: Mesh, axis: str) -> int:
+  """The size of mesh axis ``axis``: the flat shards' world size.
+
+  Raises:
+    PlacementError: ``axis`` is not an axis of ``mesh``, naming the mesh's
+      axes; for the default axis, saying it is the default and to pass ``axis=``.
+  """
   if axis not in mesh.axis_names:
-    raise PlacementError(f"mesh axis {axis!r} is not one of the mesh's axes {mesh.axis_names}")
+    names = ", ".join(repr(n) for n in mesh.axis_names)
+    if axis == DEFAULT_AXIS:
+      raise PlacementError(
+        f"mesh axis {axis!r} is not one of the mesh's axes ({names}); {axis!r} is the"
+        " default of axis=: pass axis= naming the mesh axis the flat shards are split"
+        f" over (one of {names})"
+      )
+    raise PlacementError(
+      f"mesh axis {axis!r} is not one of the mesh's axes ({names}); pass axis= naming"
+      " the mesh axis the flat shards are split over"
+    )
   return int(mesh.shape[axis])
 
 

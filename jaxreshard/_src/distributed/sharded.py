@@ -22,9 +22,10 @@ from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.distributed import mesh as _mesh
+from jaxreshard._src.distributed import optimizer_check as _optimizer_check
 from jaxreshard._src.distributed import target_restore as _target_restore
 from jaxreshard._src.distributed.mesh import MeshState
-from jaxreshard._src.errors import ShapeError
+from jaxreshard._src.errors import PlacementError, ShapeError
 from jaxreshard._src.progress import ProgressCallback, check_callback
 
 __all__ = ["global_index", "host_record", "restore_sharded", "reshard_to_mesh"]
@@ -74,6 +75,8 @@ def restore_sharded(
   axis: str = "fsdp",
   *,
   target: optax.OptState | None = None,
+  optimizer: optax.GradientTransformation | None = None,
+  params: optax.Params | None = None,
   progress: ProgressCallback | None = None,
 ) -> MeshState:
   """Restores a checkpoint onto a mesh, each process reading only what its devices need.
@@ -90,6 +93,14 @@ def restore_sharded(
   hold (each device's index box of a leaf, as row-major flat ranges, mapped
   to the source flat shards; devices holding the same box share one read).
 
+  With ``optimizer`` and ``params`` (the flat layout only), the checkpoint is
+  first checked against the state ``flat_sharded(optimizer, mesh, axis)``
+  will update: its params must be ``params``' ids and shapes, and its saved
+  state leaf for leaf ``jax.eval_shape(optimizer.init, params)`` (the same
+  tree, each history buffer of its parameter's shape and of the dtype the
+  optimizer gives it, each clock scalar of its dtype). A restore that passes
+  returns exactly what it returns without them.
+
   Args:
     directory: a checkpoint written by ``save_records`` or :func:`save_sharded`
       (any source world size).
@@ -100,6 +111,10 @@ def restore_sharded(
       ``jax.ShapeDtypeStruct`` (or array) with ``.sharding`` set, any
       sharding per leaf, over any mesh. ``mesh`` and ``axis`` are then not
       used: the target's shardings say where everything goes.
+    optimizer: with ``params``, the optax transformation the restored state
+      will feed (or its ``flat_sharded`` wrapper); not with ``target``.
+    params: with ``optimizer``, the params pytree the state is for (arrays or
+      ``jax.ShapeDtypeStruct``s).
     progress: called with a :class:`jaxreshard.Progress` after each target
       rank this process builds (with ``target``: after each source archive it
       reads); each is also logged at DEBUG, the call at INFO, to the
@@ -128,6 +143,11 @@ def restore_sharded(
       ``PlacementError`` (tree structure, a missing or extra leaf, a missing
       or unusable sharding), ``ShapeError`` (a leaf's shape), ``DtypeError``
       (a leaf's dtype).
+    PlacementError: with ``optimizer`` and ``params``, a checkpoint that does
+      not hold the state the optimizer builds for the params, naming each
+      param or leaf (its key path) and what differs: a param missing from
+      either side, a param's shape, the tree (another optimizer), a leaf's
+      shape, a leaf's dtype (then a ``DtypeError``, also a ``PlacementError``).
 
   Examples:
     >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
@@ -148,12 +168,23 @@ def restore_sharded(
     ((10,), True)
   """
   check_callback(progress)
+  if (optimizer is None) != (params is None):
+    raise PlacementError("restore_sharded: optimizer= and params= go together; pass both")
   if target is not None:
+    if optimizer is not None:
+      raise PlacementError(
+        "restore_sharded: target= is checked against the checkpoint itself; optimizer="
+        " and params= check the flat layout, without target="
+      )
     return _target_restore.restore_to_target(directory, target, progress=progress)
   world = _mesh.axis_size(mesh, axis)
   ranks = list(_mesh.mesh_ranks(mesh, axis))
+  ckpt = None
+  if optimizer is not None:
+    ckpt = _checkpoint.open_checkpoint(directory)
+    _optimizer_check.check_optimizer(ckpt, optimizer, params)
   records = _restore.restore_reported(
-    "restore_sharded", directory, ranks, world_size=world, progress=progress
+    "restore_sharded", directory, ranks, world_size=world, checkpoint=ckpt, progress=progress
   )
   built = dict(zip(ranks, records))
   return MeshState(

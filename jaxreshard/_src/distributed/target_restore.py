@@ -40,7 +40,14 @@ from jaxreshard._src.engine import reshard as _reshard
 from jaxreshard._src.errors import DtypeError, PlacementError, ReshardError, ShapeError
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
-__all__ = ["box_runs", "restore_to_target"]
+__all__ = [
+  "box_runs",
+  "check_leaf",
+  "check_structure",
+  "checkpoint_state",
+  "raise_collected",
+  "restore_to_target",
+]
 
 # How many leaf paths a structure refusal lists before it stops.
 _MAX_LISTED = 8
@@ -75,35 +82,10 @@ def restore_to_target(
     ``MeshState(state, {0: placements})``: see ``restore_sharded``.
   """
   ckpt = open_checkpoint(directory)
-  with _pipeline.no_gc():
-    # The logical layout is the flat layout of one rank: validating it runs
-    # every refusal a restore makes (groups, clocks, histories, dtypes).
-    migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=1, rank=0)
-    groups = _pipeline.validate(ckpt, migrations)
-  if not groups:
-    raise PlacementError("the checkpoint holds no parameters")
-  template = ckpt.template(groups[0].by_rank[0])
-  histories = {
-    g.param: [_Hist(gi, m) if present is True else present for m, present in enumerate(g.history)]
-    for gi, g in enumerate(groups)
-  }
-  expected = _structure.build_state(template, histories)
-  paths, leaves, treedef = _check_structure(expected, target, groups)
-  specs = [_check_leaf(p, e, t, groups) for p, e, t in zip(paths, leaves, jax.tree.leaves(target))]
-  errors = [s for s in specs if isinstance(s, Exception)]
-  if errors:
-    # The most specific class every refusal belongs to (DtypeError is both others).
-    kind = next(
-      (
-        c for c in (DtypeError, ShapeError, PlacementError) if all(isinstance(e, c) for e in errors)
-      ),
-      ReshardError,
-    )
-    raise kind(
-      "the target does not match the checkpoint: "
-      + "; ".join(str(e) for e in errors[:_MAX_LISTED])
-      + (f"; and {len(errors) - _MAX_LISTED} more" if len(errors) > _MAX_LISTED else "")
-    )
+  groups, expected = checkpoint_state(ckpt)
+  paths, leaves, treedef = check_structure(expected, target, groups)
+  specs = [check_leaf(p, e, t, groups) for p, e, t in zip(paths, leaves, jax.tree.leaves(target))]
+  raise_collected("the target does not match the checkpoint", specs)
 
   host = _read(ckpt, groups, leaves, specs, stats, progress)
   out = []
@@ -118,6 +100,48 @@ def restore_to_target(
 # --- checking the target -------------------------------------------------------
 
 
+def checkpoint_state(ckpt: Checkpoint) -> tuple[list[Any], Any]:
+  """The validated groups of every parameter, and the saved state's tree.
+
+  The tree is the full (logical) optax state the checkpoint holds, with a
+  ``_Hist`` in place of each history buffer and the saved clock scalars.
+  Validating the layout of one rank runs every refusal a restore makes
+  (groups, clocks, histories, dtypes).
+  """
+  with _pipeline.no_gc():
+    migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=1, rank=0)
+    groups = _pipeline.validate(ckpt, migrations)
+  if not groups:
+    raise PlacementError("the checkpoint holds no parameters")
+  template = ckpt.template(groups[0].by_rank[0])
+  histories = {
+    g.param: [_Hist(gi, m) if present is True else present for m, present in enumerate(g.history)]
+    for gi, g in enumerate(groups)
+  }
+  return groups, _structure.build_state(template, histories)
+
+
+def raise_collected(
+  what: str, checked: list[Any], kinds: tuple = (), default: type = ReshardError
+) -> None:
+  """Raises every error in ``checked`` as one, of the most specific class they share.
+
+  ``kinds`` are the classes to choose from, most specific first (default:
+  DtypeError, ShapeError, PlacementError; DtypeError is both of the others);
+  ``default`` is raised when they share none of them.
+  """
+  errors = [s for s in checked if isinstance(s, Exception)]
+  if not errors:
+    return
+  kinds = kinds or (DtypeError, ShapeError, PlacementError)
+  kind = next((c for c in kinds if all(isinstance(e, c) for e in errors)), default)
+  raise kind(
+    f"{what}: "
+    + "; ".join(str(e) for e in errors[:_MAX_LISTED])
+    + (f"; and {len(errors) - _MAX_LISTED} more" if len(errors) > _MAX_LISTED else "")
+  )
+
+
 def _is_masked(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
@@ -130,7 +154,9 @@ def _describe(leaf: Any, groups) -> str:
   return "a clock scalar"
 
 
-def _check_structure(expected: Any, target: Any, groups) -> tuple[list[str], list[Any], Any]:
+def check_structure(
+  expected: Any, target: Any, groups, whose: str = "the target's"
+) -> tuple[list[str], list[Any], Any]:
   """The expected leaves with their key paths; a target of another tree is refused.
 
   Masked positions count as leaves here, so a target that leaves out a
@@ -159,15 +185,13 @@ def _check_structure(expected: Any, target: Any, groups) -> tuple[list[str], lis
         f"leaves in another order: first difference at leaf"
         f" {next(a for a, b in zip(tgt_paths, exp_paths) if a != b)}"
       )
-    raise PlacementError(
-      "the target's tree does not match the checkpoint's state: " + "; ".join(parts)
-    )
+    raise PlacementError(f"{whose} tree does not match the checkpoint's state: " + "; ".join(parts))
   leaves, treedef = jax.tree_util.tree_flatten(expected)
   target_def = jax.tree_util.tree_structure(target)
   if target_def != treedef:
     raise PlacementError(
-      "the target's tree has the checkpoint's leaf paths but other node types:"
-      f" target {str(target_def)[:300]} vs checkpoint {str(treedef)[:300]}"
+      f"{whose} tree has the checkpoint's leaf paths but other node types:"
+      f" {whose} {str(target_def)[:300]} vs the checkpoint's {str(treedef)[:300]}"
     )
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
   return paths, leaves, treedef
@@ -199,8 +223,12 @@ def _scalar_dtypes(x: Any) -> tuple[np.dtype, ...]:
   return (own,)
 
 
-def _check_leaf(path: str, leaf: Any, t: Any, groups) -> Any:
-  """The leaf's spec, or the error (returned, so every bad leaf is reported at once)."""
+def check_leaf(path: str, leaf: Any, t: Any, groups, whose: str = "the target") -> Any:
+  """The leaf's spec, or the error (returned, so every bad leaf is reported at once).
+
+  ``whose`` names what ``t`` belongs to; ``"the target"`` also needs a sharding
+  (anything else is checked for shape and dtype only, and gives None).
+  """
   if isinstance(leaf, _Hist):
     g = groups[leaf.group]
     what = f"leaf {path} (param {g.param!r})"
@@ -216,14 +244,16 @@ def _check_leaf(path: str, leaf: Any, t: Any, groups) -> Any:
     )
   if tuple(t.shape) != shape:
     return ShapeError(
-      f"{what}: the target has shape {tuple(t.shape)} but the checkpoint holds {shape}"
+      f"{what}: {whose} has shape {tuple(t.shape)} but the checkpoint holds {shape}"
     )
   if np.dtype(t.dtype) != dtype and (isinstance(leaf, _Hist) or np.dtype(t.dtype) not in dtypes):
     return DtypeError(
-      f"{what}: the target has dtype {np.dtype(t.dtype).name} but the"
+      f"{what}: {whose} has dtype {np.dtype(t.dtype).name} but the"
       f" checkpoint holds {dtype.name}; buffers are restored in their saved"
       " dtype, never converted"
     )
+  if whose != "the target":
+    return None
   if not isinstance(sharding, jax.sharding.Sharding):
     return PlacementError(
       f"{what}: the target leaf has no sharding (got"

@@ -202,7 +202,9 @@ class ReshardRestore(ocp.args.CheckpointArgs):
     history leaf a global ``(M * slots,)`` array sharded over ``axis`` (M its
     size), ready for the training step: ``restore_sharded(...).state``. Every
     process restores only its own ranks. ``target`` (an abstract state whose
-    shardings say the layout) is passed on to ``restore_sharded``.
+    shardings say the layout) is passed on to ``restore_sharded``, and so are
+    ``optimizer`` and ``params``: the flat layout checked against the state
+    that optimizer builds for those params (see ``restore_sharded``).
   * ``world_size`` and ``rank``: that target rank's ``ShardRecord``.
   * nothing: every archive, as saved (``load_records``).
 
@@ -214,6 +216,11 @@ class ReshardRestore(ocp.args.CheckpointArgs):
     mesh: the target mesh.
     axis: the mesh axis of the flat shards.
     target: optional abstract target for ``restore_sharded(..., target=)``.
+    optimizer: with ``params`` (and a mesh, no target): the optax
+      transformation the restored state will feed; the checkpoint is checked
+      against it before anything is read.
+    params: with ``optimizer``: the params pytree (arrays or
+      ``jax.ShapeDtypeStruct``s).
   """
 
   world_size: int | None = None
@@ -221,11 +228,20 @@ class ReshardRestore(ocp.args.CheckpointArgs):
   mesh: jax.sharding.Mesh | None = None
   axis: str = "fsdp"
   target: Any = None
+  optimizer: Any = None
+  params: Any = None
 
   def __post_init__(self):
     if self.mesh is not None and (self.rank is not None or self.world_size is not None):
       raise PlacementError("ReshardRestore takes a mesh, or world_size and rank, not both")
     if self.target is not None and self.mesh is None:
       raise PlacementError("ReshardRestore(target=...) needs the mesh as well")
+    if (self.optimizer is None) != (self.params is None):
+      raise PlacementError("ReshardRestore: optimizer= and params= go together; pass both")
+    if self.optimizer is not None and (self.mesh is None or self.target is not None):
+      raise PlacementError(
+        "ReshardRestore(optimizer=..., params=...) checks the flat layout on a mesh:"
+        " it needs mesh= and takes no target= (a target is checked by itself)"
+      )
     if (self.rank is None) != (self.world_size is None):
       raise PlacementError("ReshardRestore(world_size=...) needs rank as well, and the reverse")

@@ -348,6 +348,8 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     args = args if args is not None else ReshardRestore()
     if args.mesh is not None:
       extra = {} if args.target is None else {"target": args.target}
+      if args.optimizer is not None:
+        extra.update(optimizer=args.optimizer, params=args.params)
       return _multihost.restore_sharded(directory, args.mesh, args.axis, **extra).state
     if args.rank is None:
       return _archive_io.load_records(directory)

@@ -1,0 +1,92 @@
+"""A checkpoint checked against the optimizer and params a flat restore will feed.
+
+The flat layout ``restore_sharded`` returns is the state
+``flat_sharded(optimizer, mesh, axis)`` keeps: the tree of
+``optimizer.init(params)`` (``flat_sharded`` refuses an optimizer whose state
+tree depends on the params' shapes), each history buffer its parameter's
+buffer flattened and padded. So a checkpoint feeds that optimizer exactly when
+its saved (logical) state is, leaf for leaf, ``jax.eval_shape(optimizer.init,
+params)``: the same parameter ids with the same shapes, the same tree, each
+history buffer of its parameter's shape and of the dtype the optimizer gives
+it, each clock scalar of its own dtype. Those are the rules
+``restore_sharded(target=...)`` applies to a target, without shardings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxreshard._src.checkpoint.reader import Checkpoint
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.distributed import target_restore as _target_restore
+from jaxreshard._src.errors import DtypeError, PlacementError
+
+__all__ = ["check_optimizer"]
+
+# What the leaf checks call the state they compare with the checkpoint.
+_WHOSE = "optimizer.init(params)"
+
+
+def check_optimizer(ckpt: Checkpoint, optimizer: Any, params: Any) -> None:
+  """Refuses a checkpoint whose state is not one ``optimizer`` builds for ``params``.
+
+  Args:
+    ckpt: the open checkpoint.
+    optimizer: the optax transformation the restored state will feed, or its
+      ``flat_sharded`` wrapper (which stands for the optimizer it wraps).
+    params: the params pytree (arrays or ``jax.ShapeDtypeStruct``s).
+
+  Raises:
+    PlacementError: naming each param or state leaf (its key path) that
+      differs: a param in the params but not in the checkpoint or the reverse,
+      a param of another shape, a state of another tree (another optimizer),
+      a leaf of another shape; a ``DtypeError`` (a ``PlacementError`` too)
+      when every difference is a dtype.
+  """
+  groups, expected = _target_restore.checkpoint_state(ckpt)
+  _check_params(groups, params)
+  if isinstance(optimizer, _structure.WrappedOptimizer):
+    optimizer = optimizer.inner
+  abstract = jax.eval_shape(optimizer.init, params)
+  paths, leaves, _ = _target_restore.check_structure(expected, abstract, groups, f"{_WHOSE}'s")
+  checked = [
+    _target_restore.check_leaf(p, e, t, groups, _WHOSE)
+    for p, e, t in zip(paths, leaves, jax.tree.leaves(abstract))
+  ]
+  _target_restore.raise_collected(
+    f"the checkpoint does not hold the state {_WHOSE} builds",
+    checked,
+    kinds=(DtypeError,),
+    default=PlacementError,
+  )
+
+
+def _check_params(groups: list[Any], params: Any) -> None:
+  """Every param of ``params`` is one of the checkpoint's, of the same shape, and the reverse."""
+  ids, leaves, _ = _structure.param_ids(params)
+  saved = {g.param: g for g in groups}
+  given = dict(zip(ids, leaves))
+  errors = [
+    PlacementError(f"param {pid!r} is in the params but not in the checkpoint")
+    for pid in ids
+    if pid not in saved
+  ]
+  errors += [
+    PlacementError(f"param {pid!r} is in the checkpoint but not in the params")
+    for pid in sorted(saved)
+    if pid not in given
+  ]
+  for pid in ids:
+    if pid in saved and tuple(np.shape(given[pid])) != tuple(saved[pid].target.shape):
+      errors.append(
+        PlacementError(
+          f"param {pid!r}: the params have shape {tuple(np.shape(given[pid]))} but the"
+          f" checkpoint holds {tuple(saved[pid].target.shape)}"
+        )
+      )
+  _target_restore.raise_collected(
+    "the checkpoint does not hold these params", errors, kinds=(PlacementError,)
+  )
