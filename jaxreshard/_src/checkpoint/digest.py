@@ -26,6 +26,7 @@ import jax
 import numpy as np
 
 from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.checkpoint import values as _values
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.geometry import FlatShard
@@ -43,6 +44,7 @@ __all__ = [
   "clock_value",
   "compare_digests",
   "digest",
+  "differences",
   "digest_records",
   "raw_bits",
 ]
@@ -404,37 +406,67 @@ def compare_digests(a: Digest, b: Digest, *, names: tuple[str, str] = ("a", "b")
 
   Examples: see :func:`digest`.
   """
-  out = [f"{names[0]}: {p}" for p in a.problems] + [f"{names[1]}: {p}" for p in b.problems]
+  return [text for _, _, text in differences(a, b, names=names)]
+
+
+def differences(
+  a: Digest, b: Digest, *, names: tuple[str, str] = ("a", "b")
+) -> list[tuple[str, Any, str]]:
+  """``compare_digests``' lines as ``(kind, key, line)``.
+
+  kind and key: ``problem`` (None), ``structure`` (None), ``scalar`` (its
+  path), ``param`` (its id) or ``buffer`` (``(param id, buffer index)``).
+  """
+  out: list[tuple[str, Any, str]] = [("problem", None, f"{names[0]}: {p}") for p in a.problems] + [
+    ("problem", None, f"{names[1]}: {p}") for p in b.problems
+  ]
   if a.structure != b.structure:
-    out.append("optimizer state structure differs")
+    out.append(("structure", None, "optimizer state structure differs"))
   sa, sb = dict((p, v) for p, *v in a.scalars), dict((p, v) for p, *v in b.scalars)
   for path in sorted(set(sa) | set(sb)):
     if sa.get(path) != sb.get(path):
-      out.append(f"scalar {path}: {_scalar_text(sa.get(path))} != {_scalar_text(sb.get(path))}")
+      out.append(("scalar", path, f"scalar {path}: {_scalars_text(sa.get(path), sb.get(path))}"))
   for pid in sorted(set(a.params) | set(b.params)):
     pa, pb = a.params.get(pid), b.params.get(pid)
     if pa is None or pb is None:
-      out.append(f"param {pid!r}: only in {names[0] if pb is None else names[1]}")
+      out.append(("param", pid, f"param {pid!r}: only in {names[0] if pb is None else names[1]}"))
       continue
     for field in ("shape", "dtype", "trainable", "history"):
       if getattr(pa, field) != getattr(pb, field):
-        out.append(f"param {pid!r}: {field} {getattr(pa, field)} != {getattr(pb, field)}")
+        out.append(
+          ("param", pid, f"param {pid!r}: {field} {getattr(pa, field)} != {getattr(pb, field)}")
+        )
     if len(pa.buffers) != len(pb.buffers):
-      out.append(f"param {pid!r}: {len(pa.buffers)} buffers != {len(pb.buffers)}")
+      out.append(("param", pid, f"param {pid!r}: {len(pa.buffers)} buffers != {len(pb.buffers)}"))
     for m, (ba, bb) in enumerate(zip(pa.buffers, pb.buffers)):
       if ba != bb:
         what = "bits" if (ba.dtype, ba.count) == (bb.dtype, bb.count) else "dtype or size"
         out.append(
-          f"param {pid!r} buffer {m}: {what} differ"
-          f" ({ba.dtype}[{ba.count}] {ba.sha256[:12]} != {bb.dtype}[{bb.count}]"
-          f" {bb.sha256[:12]})"
+          (
+            "buffer",
+            (pid, m),
+            f"param {pid!r} buffer {m}: {what} differ"
+            f" ({ba.dtype}[{ba.count}] {ba.sha256[:12]} != {bb.dtype}[{bb.count}]"
+            f" {bb.sha256[:12]})",
+          )
         )
   return out
+
+
+def _scalars_text(va: list | None, vb: list | None) -> str:
+  """Two clock scalars that differ, as values (``8 != 12``); as bits when they cannot be read."""
+  a, b = (None if v is None else _values.decode_scalar(*v) for v in (va, vb))
+  if a is not None and b is not None:
+    return _values.pair_text(a, b)
+  return f"{_scalar_text(va)} != {_scalar_text(vb)}"
 
 
 def _scalar_text(v: list | None) -> str:
   if v is None:
     return "missing"
+  a = _values.decode_scalar(*v)
+  if a is not None:
+    return f"{a.dtype.name} {_values.value_text(a)}"
   hexbits = v[1]
   if len(hexbits) > 4 * CLOCK_ELEMENTS_SHOWN:  # a long array: its first bytes and its size
     hexbits = f"{hexbits[: 4 * CLOCK_ELEMENTS_SHOWN]}... ({len(v[1]) // 2} bytes)"

@@ -8,6 +8,8 @@ needed.
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,11 +18,19 @@ import numpy as np
 from jaxreshard._src.checkpoint import digest as _digest
 from jaxreshard._src.checkpoint import merge as _merge
 from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.errors import ArchiveError, PlacementError
 
-__all__ = ["clock_facts", "complete_records", "digest_counts", "inspect_info", "refuse_problems"]
+__all__ = [
+  "clock_facts",
+  "complete_records",
+  "digest_counts",
+  "disk_usage",
+  "inspect_info",
+  "refuse_problems",
+]
 
 
 def _param_entries(ckpt: _checkpoint.Checkpoint) -> dict[str, dict]:
@@ -62,12 +72,15 @@ def _param_entries(ckpt: _checkpoint.Checkpoint) -> dict[str, dict]:
 def inspect_info(ckpt: _checkpoint.Checkpoint) -> dict:
   """The machine-readable description ``inspect --json`` prints (index only)."""
   params = _param_entries(ckpt)
+  disk_bytes, files = disk_usage(ckpt.directory)
   return dict(
     archives=len(ckpt),
     world_sizes=sorted({w for e in params.values() for w in e["world_sizes"]}),
     params=[params[k] for k in sorted(params)],
     bytes=sum(e["bytes"] for e in params.values()),
     stored_bytes=sum(e["stored_bytes"] for e in params.values()),
+    disk_bytes=disk_bytes,
+    files=files,
     clocks=clock_facts(ckpt.metadata_record(0)),
     clocks_agree=len({ckpt.clock_class(i) for i in range(len(ckpt))}) == 1,
     source=None if ckpt.source is None else ckpt.source.to_json(),
@@ -77,12 +90,15 @@ def inspect_info(ckpt: _checkpoint.Checkpoint) -> dict:
 def clock_facts(record: Any) -> list[dict]:
   """Each clock scalar of an archive; an array of many elements by its first ones."""
   out = []
-  for path, a in _digest.clock_scalars(record):
+  scalars = _digest.clock_scalars(record)
+  names = _clock.clock_names(record.state, [path for path, _ in scalars])
+  for (path, a), name in zip(scalars, names):
     value, cut = _digest.clock_value(a)
     shown = a.reshape(-1)[: _digest.CLOCK_ELEMENTS_SHOWN] if cut else a
     out.append(
       dict(
         path=path,
+        name=name,
         dtype=a.dtype.name,
         shape=list(a.shape),
         value=value,
@@ -91,6 +107,23 @@ def clock_facts(record: Any) -> list[dict]:
       )
     )
   return out
+
+
+def disk_usage(directory: Any) -> tuple[int, int]:
+  """The bytes and number of the files under a checkpoint directory, as the file system sizes them.
+
+  Every regular file counts at its ``st_size``: the index, each archive's
+  metadata, its buffer files with their chunks' checksums and rounding. Links
+  are not followed and count nothing.
+  """
+  total = files = 0
+  for root, _, names in os.walk(directory):
+    for name in names:
+      st = os.lstat(os.path.join(root, name))
+      if stat.S_ISREG(st.st_mode):
+        total += st.st_size
+        files += 1
+  return total, files
 
 
 def complete_records(path: Any, needs: str) -> Iterator[ShardRecord]:

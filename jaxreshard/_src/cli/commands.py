@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,9 @@ from typing import Any
 import typer
 
 import jaxreshard as jr
+from jaxreshard._src.checkpoint import compare as _compare
 from jaxreshard._src.checkpoint import digest as _digest
+from jaxreshard._src.checkpoint import locate as _locate_mod
 from jaxreshard._src.checkpoint import merge as _merge
 from jaxreshard._src.checkpoint import read_plan as _read_plan
 from jaxreshard._src.checkpoint import reader as _checkpoint
@@ -28,6 +31,7 @@ from jaxreshard._src.checkpoint import store as _archive_io
 from jaxreshard._src.checkpoint import summary as _summary
 from jaxreshard._src.checkpoint.summary import inspect_info
 from jaxreshard._src.cli import render as _render
+from jaxreshard._src.cli import report as _report
 from jaxreshard._src.cli.render import EXIT_DIFFERENT, EXIT_ERROR, progress_bar, safe
 
 __all__ = ["EXIT_DIFFERENT", "EXIT_ERROR", "app", "inspect_info", "main", "progress_bar", "safe"]
@@ -48,6 +52,35 @@ def _path(text: str) -> Path:
   if not text:
     raise typer.BadParameter("an empty path names no checkpoint")
   return Path(text)
+
+
+def _step_option() -> Any:
+  return typer.Option(
+    None,
+    "--step",
+    help="In an orbax run directory, the step to read (default: the latest"
+    " holding a jaxreshard item).",
+  )
+
+
+def _item_option() -> Any:
+  return typer.Option(
+    None, "--item", help="In an orbax step, the item to read (needed when several hold one)."
+  )
+
+
+_WHERE = (
+  "a jaxreshard checkpoint directory, or an orbax step or run directory"
+  " (a CheckpointManager's) holding a jaxreshard item"
+)
+
+
+def _locate(path: Path, step: int | None = None, item: str | None = None) -> _locate_mod.Located:
+  """The checkpoint a path names; an orbax step or item taken is said on stderr."""
+  found = _locate_mod.locate(path, step=step, item=item)
+  if found.describe():
+    print(f"jaxreshard: {safe(path)}: {safe(found.describe())}", file=sys.stderr)
+  return found
 
 
 def _version(value: bool) -> None:
@@ -111,30 +144,40 @@ def demo(
 @app.command(cls=_render.Command)
 @_render.guard
 def inspect(
-  checkpoint: Path = typer.Argument(
-    ..., parser=_path, metavar="CHECKPOINT", help="A checkpoint directory written by save_records."
-  ),
+  checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT", help=_WHERE),
+  step: int | None = _step_option(),
+  item: str | None = _item_option(),
   as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
   """Show parameters, logical shapes, world sizes, dtypes, bytes and optimizer clocks.
 
+  Bytes are the logical state, the state with its padding, and the files on
+  disk (index, archive metadata, buffer files with their checksums and chunk
+  rounding, as the file system sizes them). Each clock scalar is named by the
+  optax state classes on its key path (chain[0] ScaleByAdamState.count) beside
+  the key path itself ([0].count), which refusals use.
+
   With --json: {"archives", "world_sizes", "params": a list of {"param",
   "shape", "dtype", "trainable", "world_sizes", "ranks", "buffers": the dtype
-  of each history buffer, "bytes", "stored_bytes"}, "bytes", "stored_bytes",
-  "clocks": a list of {"path", "dtype", "shape", "value", "bits": hex,
+  of each history buffer, "bytes", "stored_bytes": with padding}, "bytes",
+  "stored_bytes", "disk_bytes", "files": the regular files under the checkpoint
+  and their bytes, "orbax": null, or {"path", "step", "steps", "item"} for an
+  orbax step or run directory, "clocks": a list of {"path", "name": with the
+  state classes, "dtype", "shape", "value", "bits": hex,
   "truncated": true when the scalar is an array of more than 16 elements, whose
   first 16 (flat) alone are in "value" and "bits"}, "clocks_agree", "source": null,
   or for the output of a reshard {"checkpoint": the identity of the checkpoint it
   was resharded from, "world_size", "layout": the target layout's sha256}}.
   """
-  ckpt = _checkpoint.open_checkpoint(str(checkpoint))
+  found = _locate(checkpoint, step, item)
+  ckpt = _checkpoint.open_checkpoint(found.path)
   for i in range(len(ckpt)):  # every archive is present and belongs to this checkpoint
     ckpt.archive_meta(i)
   info = inspect_info(ckpt)
   if as_json:
-    _render.print_json(info)
+    _render.print_json(dict(info, orbax=_report.located_info(found)))
     return
-  _render.print_inspect(checkpoint, info)
+  _report.print_inspect(checkpoint, found, info)
 
 
 # ------------------------------------------------------------------------ reshard
@@ -144,7 +187,7 @@ def inspect(
 @_render.guard
 def reshard(
   checkpoint: Path = typer.Argument(
-    ..., parser=_path, metavar="CHECKPOINT", help="The source checkpoint directory."
+    ..., parser=_path, metavar="CHECKPOINT", help=f"The source: {_WHERE}."
   ),
   out: Path = typer.Argument(
     ..., parser=_path, metavar="OUT", help="The new checkpoint directory (must not exist)."
@@ -157,6 +200,8 @@ def reshard(
   reads: bool = typer.Option(
     False, "--reads", help="With --dry-run: list every read, not one line per rank."
   ),
+  step: int | None = _step_option(),
+  item: str | None = _item_option(),
   as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
   """Rebuild every target rank (or one) for a new world size, streaming rank by rank.
@@ -170,7 +215,8 @@ def reshard(
   """
   if reads and not dry_run:
     raise jr.ReshardError("--reads lists the reads of a dry run: give it with --dry-run")
-  ckpt = _checkpoint.open_checkpoint(str(checkpoint))
+  source = _locate(checkpoint, step, item).path
+  ckpt = _checkpoint.open_checkpoint(source)
   # Refuses a bad world size or a rank outside it before any work.
   jr.FlatShard((), 0 if rank is None else rank, world_size)
   ranks = [rank] if rank is not None else range(world_size)
@@ -191,9 +237,7 @@ def reshard(
     )
   _refuse_inside(out, [checkpoint])
   total = first.bytes_read if rank is not None else _read_plan.total_bytes(ckpt)
-  restore = lambda r: _restore.restore_ranks(
-    str(checkpoint), [r], world_size=world_size, checkpoint=ckpt
-  )[0]
+  restore = lambda r: _restore.restore_ranks(source, [r], world_size=world_size, checkpoint=ckpt)[0]
   err = _render.err_console()
   t0 = time.perf_counter()
   with progress_bar(err) as bar:
@@ -252,41 +296,66 @@ def _refuse_inside(out: Path, inputs: list[Path]) -> None:
 @_render.guard
 def verify(
   checkpoint: Path = typer.Argument(
-    ..., parser=_path, metavar="CHECKPOINT", help="The original checkpoint."
+    ..., parser=_path, metavar="CHECKPOINT", help=f"The original: {_WHERE}."
   ),
   out: Path = typer.Argument(
-    ..., parser=_path, metavar="OUT", help="The checkpoint that should hold the same state."
+    ...,
+    parser=_path,
+    metavar="OUT",
+    help="The checkpoint that should hold the same state (any form CHECKPOINT may take).",
+  ),
+  step: int | None = _step_option(),
+  item: str | None = _item_option(),
+  max_diffs: int = typer.Option(
+    20, "--max-diffs", min=0, help="Show at most this many differences."
+  ),
+  rtol: float | None = typer.Option(
+    None, "--rtol", min=0.0, help="Accept history buffers within this relative tolerance."
+  ),
+  atol: float | None = typer.Option(
+    None, "--atol", min=0.0, help="Accept history buffers within this absolute tolerance."
   ),
   as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
   """Prove OUT holds exactly CHECKPOINT's optimizer state, whatever the two layouts.
 
-  Exit code 0 identical, 1 different, 2 error (also for a checkpoint that is
-  not one valid state: nonzero padding, archives of different steps). With --json: {"identical",
-  "differences": a list of lines, "digest": CHECKPOINT's, "out_digest": OUT's,
-  "params", "buffers", "elements", "clock_scalars"} (counts of CHECKPOINT).
+  A summary comes first, then at most --max-diffs differences; values read as
+  numbers (8 != 12), with their bits where the numbers would hide them
+  (nan(0x7fc00001)). A buffer that differs gives how many elements differ, the
+  first one, and the largest absolute and relative difference.
+
+  --rtol/--atol accept history buffers that differ by no more than
+  atol + rtol * |CHECKPOINT's value| in every element: jitted updates on other
+  devices or world sizes agree only to rounding. Within it, verify exits 0 and
+  still says the states are not bit-identical; clock scalars, structure,
+  shapes and dtypes are always compared exactly. --step and --item choose in
+  CHECKPOINT; OUT is taken at its latest step (or name its step directory).
+
+  Exit code 0 identical (or within the tolerance given), 1 different, 2 error
+  (also for a checkpoint that is not one valid state: nonzero padding, archives
+  of different steps). With --json: {"identical", "within_tolerance": null
+  without a tolerance, "tolerance": null or {"rtol", "atol"}, "differences": a
+  list of lines, "differing_buffers": a list of {"param", "buffer", "dtype",
+  "elements", "differing", "first_index", "first", "max_abs_diff",
+  "max_rel_diff", "outside_tolerance"}, "digest": CHECKPOINT's, "out_digest":
+  OUT's, "params", "buffers", "elements", "clock_scalars"} (counts of CHECKPOINT).
   """
-  a = _digest.digest_records(_summary.complete_records(checkpoint, "verify"))
-  b = _digest.digest_records(_summary.complete_records(out, "verify"))
+  paths = (_locate(checkpoint, step, item).path, _locate(out).path)
+  a = _digest.digest_records(_summary.complete_records(paths[0], "verify"))
+  b = _digest.digest_records(_summary.complete_records(paths[1], "verify"))
   for path, d in ((checkpoint, a), (out, b)):
     _summary.refuse_problems(path, d)
-  diffs = _digest.compare_digests(a, b, names=(str(checkpoint), str(out)))
+  c = _compare.compare_checkpoints(
+    a, b, paths, names=(str(checkpoint), str(out)), rtol=rtol, atol=atol
+  )
   buffers, elements = _summary.digest_counts(a)
   counts = dict(
     params=len(a.params), buffers=buffers, elements=elements, clock_scalars=len(a.scalars)
   )
   if as_json:
-    _render.print_json(
-      dict(
-        identical=not diffs,
-        differences=diffs,
-        digest=a.hexdigest(),
-        out_digest=b.hexdigest(),
-        **counts,
-      )
-    )
-  _render.print_verify((checkpoint, out), diffs, counts, a.hexdigest(), as_json)
-  if diffs:
+    _render.print_json(_report.verify_info(c, counts))
+  _report.print_verify((checkpoint, out), c, counts, max_diffs, as_json)
+  if not (c.identical or c.within_tolerance):
     raise typer.Exit(EXIT_DIFFERENT)
 
 

@@ -16,7 +16,6 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import typer
 from rich import filesize
 from rich.console import Console
@@ -384,87 +383,6 @@ def print_demo(out: Console, summary: Any, worlds: tuple[int, int], disk_rank: i
     )
   else:
     out.print(f"[bold red]NOT EXACT[/] ({summary.seconds:.1f} s)")
-
-
-def print_inspect(checkpoint: Any, info: dict) -> None:
-  """``inspect``: the parameter table, the clock table, the source, the totals."""
-  out = console()
-  t = table(
-    cell(
-      f"{checkpoint}: {info['archives']} archives, world size"
-      f" {', '.join(map(str, info['world_sizes']))}"
-    ),
-    [
-      (col, "right" if col in ("world", "bytes", "stored") else "left")
-      for col in ("param", "shape", "world", "dtype", "train", "buffers", "bytes", "stored")
-    ],
-  )
-  for e in info["params"]:
-    ranks = e["ranks"]
-    world = ", ".join(map(str, e["world_sizes"]))
-    if len(ranks) != e["world_sizes"][0] or ranks != list(range(len(ranks))):
-      world += f" (ranks {ranks})"
-    t.add_row(
-      cell(e["param"]),
-      str(tuple(e["shape"])),
-      world,
-      e["dtype"],
-      "yes" if e["trainable"] else "no",
-      buffers_text(e["buffers"]),
-      size(e["bytes"]),
-      size(e["stored_bytes"]),
-    )
-  out.print(t)
-  if any(not e["buffers"] for e in info["params"]):
-    out.print("buffers none: no optimizer state (frozen, or a stateless optimizer)")
-  out.print(_clock_table(info))
-  if info["source"] is not None:
-    out.print(
-      f"resharded from checkpoint {info['source']['checkpoint']} to world size"
-      f" {info['source']['world_size']}"
-    )
-  out.print(
-    f"{len(info['params'])} params, {size(info['bytes'])} of optimizer state"
-    f" ({size(info['stored_bytes'])} stored with padding)"
-  )
-
-
-def _clock_table(info: dict) -> Table:
-  clocks = table(
-    "optimizer clock" + ("" if info["clocks_agree"] else " ([red]archives disagree[/])"),
-    [("scalar", "left"), ("dtype", "left"), ("value", "left")],
-  )
-  for c in info["clocks"]:
-    value = c["value"]
-    if c["truncated"]:
-      n = int(np.prod(c["shape"], dtype=np.int64))
-      value = f"{str(value)[:-1]}, ...] ({n} elements of shape {tuple(c['shape'])})"
-    clocks.add_row(cell(c["path"]), c["dtype"], cell(value))
-  return clocks
-
-
-def print_verify(
-  names: tuple[Any, Any], diffs: list[str], counts: dict, digest: str, as_json: bool
-) -> None:
-  """``verify``'s answer: the differences (and a line on stderr) or the one line of identity."""
-  out = console()
-  if diffs:
-    for line in diffs if not as_json else ():
-      out.print(cell(f"differs: {line}"))
-    print(
-      f"jaxreshard: {safe(names[1])} does not hold {safe(names[0])}'s optimizer state"
-      f" ({len(diffs)} difference{'s' if len(diffs) != 1 else ''})",
-      file=sys.stderr,
-    )
-    return
-  if as_json:
-    return
-  scalars = counts["clock_scalars"]
-  out.print(
-    f"identical: {counts['params']} params, {counts['buffers']} buffers"
-    f" ({counts['elements']} elements), {scalars} clock scalar{'s' if scalars != 1 else ''},"
-    f" padding all zero; digest {digest[:16]}"
-  )
 
 
 def print_clean(final: str, found: list, removed: set, everything: bool) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from jaxreshard._src.core import structure as _structure
 
-__all__ = ["is_python_number", "python_dtype", "stays_on_host"]
+__all__ = ["clock_names", "is_python_number", "python_dtype", "stays_on_host"]
 
 
 def is_python_number(x: Any) -> bool:
@@ -131,3 +131,34 @@ class ClockClasses:
       key = clock_key(src.skeleton(archive), src.scalars(archive))
       c = self._memo[m] = self._classes.setdefault(key, len(self._classes))
     return c
+
+
+def clock_names(state: Any, paths: Sequence[str]) -> list[str]:
+  """Each clock scalar's name with the optax state classes on its way, for people.
+
+  ``paths`` are key paths (``[0].count``, the name every message uses) into
+  ``state``. Along each path a NamedTuple's field reads ``ScaleByAdamState.count``,
+  an element of a plain tuple (``optax.chain``'s state) ``chain[0]``, and a
+  dict key or list index as in the key path; so ``[0].count`` of an AdamW
+  state reads ``chain[0] ScaleByAdamState.count``. A path not found in the
+  state is returned unchanged.
+  """
+  by_text = {jax.tree_util.keystr(p): p for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
+  return [_name(state, by_text[p]) if p in by_text else p for p in paths]
+
+
+def _name(state: Any, path: Sequence[Any]) -> str:
+  out, node = "", state
+  for k in path:
+    if isinstance(k, jax.tree_util.GetAttrKey) and hasattr(type(node), "_fields"):
+      piece, node = f" {type(node).__name__}.{k.name}", getattr(node, k.name)
+    elif isinstance(k, jax.tree_util.SequenceKey) and type(node) is tuple:
+      piece, node = f" chain[{k.idx}]", node[k.idx]
+    else:
+      piece = jax.tree_util.keystr((k,))
+      try:
+        node = node[k.idx] if isinstance(k, jax.tree_util.SequenceKey) else node[k.key]
+      except (AttributeError, KeyError, IndexError, TypeError):
+        node = None
+    out += piece
+  return out.strip()

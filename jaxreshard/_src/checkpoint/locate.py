@@ -1,0 +1,167 @@
+"""Where a jaxreshard checkpoint is: a checkpoint directory, or an item of an orbax step.
+
+jaxreshard's orbax handler writes a whole jaxreshard checkpoint (its index,
+``jaxreshard.json``, and its archives) into the item directory orbax gives it:
+``RUN/STEP/ITEM`` for a ``CheckpointManager`` run (``ITEM`` is ``default``
+for a manager without item names). A path names a checkpoint in one of four
+ways:
+
+* the checkpoint directory itself (it holds ``jaxreshard.json``);
+* an orbax step directory: its one item holding a jaxreshard checkpoint, or
+  the one ``item`` names when there are several;
+* an orbax run directory: the step ``step`` names, or the latest step (the
+  largest number) that holds a jaxreshard item;
+* anything else is refused, in words that say what was looked for.
+
+A step directory is one whose name is a step number, ``30`` or, with orbax's
+``step_prefix``, ``step_30``; orbax's temporary directories (a save that did
+not finish) never match and are never taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+from jaxreshard._src.checkpoint.index import INDEX_FILE
+from jaxreshard._src.errors import ArchiveError
+
+__all__ = ["Located", "locate", "orbax_steps"]
+
+_STEP_NAME = re.compile(r"(?:.*_)?([0-9]+)\Z")
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+  """A jaxreshard checkpoint found from a path.
+
+  Attributes:
+    path: the checkpoint directory (the one holding ``jaxreshard.json``).
+    step: the orbax step taken, or None when the path was not a run directory.
+    steps: every step of the run holding a jaxreshard item, ascending (empty
+      when the path was not a run directory).
+    item: the orbax item's name, or None when the path was the checkpoint itself.
+  """
+
+  path: str
+  step: int | None = None
+  steps: tuple[int, ...] = ()
+  item: str | None = None
+
+  def describe(self) -> str:
+    """``step 30 (of 10, 20, 30), item 'default'``; empty for a plain checkpoint."""
+    parts = []
+    if self.step is not None:
+      parts.append(f"step {self.step} (of {', '.join(map(str, self.steps))})")
+    if self.item is not None:
+      parts.append(f"item {self.item!r}")
+    return ", ".join(parts)
+
+
+def _is_dir(path: str) -> bool:
+  return os.path.isdir(path) and not os.path.islink(path)
+
+
+def _items(step_dir: str) -> list[str]:
+  """The names of a step directory's items that hold a jaxreshard checkpoint, sorted."""
+  try:
+    names = os.listdir(step_dir)
+  except OSError:
+    return []
+  return sorted(
+    n for n in names if _is_dir(os.path.join(step_dir, n)) and _has_index(os.path.join(step_dir, n))
+  )
+
+
+def _has_index(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, INDEX_FILE))
+
+
+def orbax_steps(run_dir: os.PathLike | str) -> dict[int, str]:
+  """Each step of an orbax run directory that holds a jaxreshard item: step -> its directory."""
+  run_dir = os.fspath(run_dir)
+  steps: dict[int, str] = {}
+  try:
+    names = os.listdir(run_dir)
+  except OSError:
+    return steps
+  for name in names:
+    m = _STEP_NAME.match(name)
+    path = os.path.join(run_dir, name)
+    if m and _is_dir(path) and _items(path):
+      step = int(m.group(1))
+      if step in steps:
+        raise ArchiveError(
+          f"{run_dir}: step {step} is in two directories ({os.path.basename(steps[step])!r}"
+          f" and {name!r}); name the one to read as the path"
+        )
+      steps[step] = path
+  return dict(sorted(steps.items()))
+
+
+def _take_item(step_dir: str, item: str | None) -> str:
+  items = _items(step_dir)
+  if item is not None:
+    if item not in items:
+      raise ArchiveError(
+        f"{step_dir} has no item {item!r} holding a jaxreshard checkpoint"
+        f" (its jaxreshard items: {', '.join(map(repr, items)) or 'none'})"
+      )
+    return item
+  if len(items) > 1:
+    raise ArchiveError(
+      f"{step_dir} holds {len(items)} jaxreshard items ({', '.join(map(repr, items))});"
+      " choose one with --item NAME"
+    )
+  return items[0]
+
+
+def locate(path: os.PathLike | str, *, step: int | None = None, item: str | None = None) -> Located:
+  """The jaxreshard checkpoint a path names (see the module doc).
+
+  Args:
+    path: a checkpoint directory, an orbax step directory or an orbax run directory.
+    step: the run's step to take (default: the latest); only for a run directory.
+    item: the step's item to take (default: its one jaxreshard item).
+
+  Returns:
+    A ``Located``. A path that is not a directory is returned as it is, for
+    ``open_checkpoint`` to refuse (``does not exist``).
+
+  Raises:
+    ArchiveError: nothing found; a step or item that is not there; a step
+      directory with several jaxreshard items and no ``item``; ``step`` or
+      ``item`` given for a path they do not apply to.
+  """
+  where = os.fspath(path)
+  if not _is_dir(where) or _has_index(where):
+    if step is not None or item is not None:
+      given = "--step" if step is not None else "--item"
+      _refuse_option(where, given, "it is a jaxreshard checkpoint itself")
+    return Located(where)
+  if _items(where):  # a step directory
+    if step is not None:
+      _refuse_option(where, "--step", "it is one orbax step's directory")
+    name = _take_item(where, item)
+    return Located(os.path.join(where, name), item=name)
+  steps = orbax_steps(where)
+  if not steps:
+    raise ArchiveError(
+      f"{where} is not a jaxreshard checkpoint: it holds no {INDEX_FILE} (a save that did not"
+      " finish leaves none) and no orbax steps with a jaxreshard item"
+    )
+  if step is None:
+    step = max(steps)
+  elif step not in steps:
+    raise ArchiveError(
+      f"{where} has no step {step} with a jaxreshard item (its steps: {', '.join(map(str, steps))})"
+    )
+  name = _take_item(steps[step], item)
+  return Located(os.path.join(steps[step], name), step, tuple(steps), name)
+
+
+def _refuse_option(where: str, option: str, why: Any) -> None:
+  inside = "a run directory's steps" if option == "--step" else "an orbax step's items"
+  raise ArchiveError(f"{option} chooses among {inside}; {where} has none: {why}")

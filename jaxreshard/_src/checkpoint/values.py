@@ -1,0 +1,89 @@
+"""Values as people read them in a difference: numbers, with the bits where numbers hide them.
+
+An integer or bool is its number. A float is numpy's decimal of its own dtype
+(float32 ``0.1``, never the float64 it widens to; it reads back as the same
+bits); ``-0.0`` and
+``inf`` read as themselves. A NaN is ``nan(0x7fc00001)``: its bit pattern,
+since NaNs of different payloads are different bits. When two different
+values would still read the same, both get their bits, ``(0x...)``. Arrays
+show their first ``SHOWN`` elements, then how many there are.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxreshard._src.exec import bitview as _bitview
+
+__all__ = ["SHOWN", "decode_scalar", "pair_text", "value_text"]
+
+SHOWN = 16
+
+
+def _element(x: np.ndarray) -> str:
+  """One element (a 0-d array) as text."""
+  if jax.dtypes.issubdtype(x.dtype, np.floating):
+    if np.isnan(x):
+      return f"nan(0x{int(_bitview.bits(x)[0]):0{2 * x.dtype.itemsize}x})"
+    return str(x.astype(x.dtype)[()])  # numpy's str of a float: its shortest round-trip decimal
+  if x.dtype == np.bool_:
+    return str(bool(x))
+  if x.dtype.kind in "iu":
+    return str(int(x))
+  return str(x[()])
+
+
+def value_text(a: Any) -> str:
+  """A value as text: a scalar as one number, an array as its first elements."""
+  a = np.asarray(a)
+  if a.ndim == 0:
+    return _element(a)
+  flat = a.reshape(-1)
+  shown = [_element(flat[i : i + 1].reshape(())) for i in range(min(flat.size, SHOWN))]
+  if flat.size <= SHOWN and a.ndim == 1:
+    return f"[{', '.join(shown)}]"
+  return f"[{', '.join(shown)}{', ...' if flat.size > SHOWN else ''}] ({a.size} elements of shape {a.shape})"
+
+
+def _bits_text(a: np.ndarray) -> str:
+  raw = _bitview.bits(a).tobytes().hex()
+  if len(raw) > 4 * SHOWN:
+    return f"0x{raw[: 4 * SHOWN]}... ({len(raw) // 2} bytes)"
+  return f"0x{raw}"
+
+
+def pair_text(a: Any, b: Any) -> str:
+  """``a != b`` for two values whose bits differ; their bits too where the numbers read the same.
+
+  Values of different dtypes or shapes name them: ``int32 8 != float32 8.0``.
+  """
+  a, b = np.asarray(a), np.asarray(b)
+  ta, tb = value_text(a), value_text(b)
+  if (a.dtype, a.shape) != (b.dtype, b.shape):
+    return f"{_type(a)} {ta} != {_type(b)} {tb}"
+  if ta == tb:
+    ta, tb = f"{ta} ({_bits_text(a)})", f"{tb} ({_bits_text(b)})"
+  return f"{ta} != {tb}"
+
+
+def _type(a: np.ndarray) -> str:
+  return a.dtype.name + ("" if a.ndim == 0 else str(a.shape))
+
+
+def decode_scalar(type_text: str, hexbits: str) -> np.ndarray | None:
+  """A clock scalar back from a digest's ``("int32()", hex of its bits)``; None if unknown.
+
+  A typed PRNG key's dtype (``key<fry>``) has no plain array to give back.
+  """
+  name, sep, shape_text = type_text.partition("(")
+  if not sep:
+    return None
+  try:
+    dtype = np.dtype(jax.numpy.dtype(name))
+    shape = tuple(int(s) for s in shape_text.rstrip(")").split(",") if s.strip())
+    return np.frombuffer(bytes.fromhex(hexbits), dtype).reshape(shape)
+  except (TypeError, ValueError):
+    return None

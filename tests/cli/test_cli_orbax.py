@@ -1,0 +1,112 @@
+"""The command line given an orbax CheckpointManager run, step or item directory (real orbax)."""
+
+import json
+
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from typer.testing import CliRunner
+
+import jaxreshard as jr
+from jaxreshard._src.cli.commands import EXIT_ERROR, app
+from tests._core_util import assert_records_equal
+
+PARAMS = {"w": np.zeros((7,), np.float32), "b": np.zeros((3,), np.float32)}
+OPT = optax.adam(1e-3)
+
+
+def _records(count, world_size=4):
+  state = OPT.init(PARAMS)
+  mu = {k: np.arange(v.size, dtype=np.float32) + count for k, v in PARAMS.items()}
+  state = (state[0]._replace(count=np.int32(count), mu=mu),) + tuple(state[1:])
+  return jr.shard_state(OPT, PARAMS, state, world_size)
+
+
+def _run(*args):
+  result = CliRunner().invoke(app, [str(a) for a in args])
+  assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+  return result
+
+
+def _error(result):
+  assert result.exit_code == EXIT_ERROR, result.output
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("jaxreshard: error: "), result.stderr
+  return lines[0]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  root = tmp_path_factory.mktemp("orbax")
+  with ocp.CheckpointManager(root / "run") as manager:
+    for step in (10, 20, 30):
+      manager.save(step, args=jr.ReshardSave(_records(step)))
+    manager.wait_until_finished()
+  with ocp.CheckpointManager(root / "two", item_names=("opt", "ema")) as manager:
+    manager.save(
+      5, args=ocp.args.Composite(opt=jr.ReshardSave(_records(5)), ema=jr.ReshardSave(_records(6)))
+    )
+    manager.wait_until_finished()
+  for step in (20, 30):
+    jr.save_records(root / f"plain{step}", _records(step, world_size=3))
+  return root
+
+
+def test_inspect_takes_the_latest_step_or_the_one_named(run):
+  result = _run("inspect", run / "run", "--json")
+  assert result.exit_code == 0, result.output
+  data = json.loads(result.stdout)
+  assert data["orbax"]["step"] == 30 and data["orbax"]["steps"] == [10, 20, 30]
+  assert data["orbax"]["item"] == "default" and data["archives"] == 4
+  assert [c["value"] for c in data["clocks"]] == [30]
+  assert "step 30 (of 10, 20, 30), item 'default'" in result.stderr
+  older = json.loads(_run("inspect", run / "run", "--step", 10, "--json").stdout)
+  assert [c["value"] for c in older["clocks"]] == [10] and older["orbax"]["step"] == 10
+  # A step directory, and the item directory itself, name the same checkpoint.
+  step = json.loads(_run("inspect", run / "run" / "20", "--json").stdout)
+  assert [c["value"] for c in step["clocks"]] == [20] and step["orbax"]["step"] is None
+  item = json.loads(_run("inspect", run / "run" / "20" / "default", "--json").stdout)
+  assert item["orbax"] is None and item["clocks"] == step["clocks"]
+  text = _run("inspect", run / "run").stdout
+  assert "step 30 (of 10, 20, 30), item 'default'): 4 archives" in text
+
+
+def test_verify_and_reshard_read_orbax_steps(run, tmp_path):
+  assert _run("verify", run / "run", run / "plain30").exit_code == 0
+  assert _run("verify", run / "run", run / "plain20", "--step", 20).exit_code == 0
+  assert _run("verify", run / "run" / "20", run / "plain20").exit_code == 0
+  different = _run("verify", run / "run", run / "plain20")
+  assert different.exit_code == 1 and "scalar [0].count: 30 != 20" in different.stdout
+  out = _run("reshard", run / "run", tmp_path / "six", "-w", 6, "--step", 10)
+  assert out.exit_code == 0, out.output
+  src = _records(10)
+  want = [jr.reshard(src, jr.plan(src, world_size=6, rank=r)) for r in range(6)]
+  for a, b in zip(jr.load_records(tmp_path / "six"), want, strict=True):
+    assert_records_equal(a, b)
+
+
+def test_several_items_need_item(run):
+  line = _error(_run("inspect", run / "two"))
+  assert "2 jaxreshard items ('ema', 'opt')" in line and "--item NAME" in line, line
+  ema = json.loads(_run("inspect", run / "two", "--item", "ema", "--json").stdout)
+  assert [c["value"] for c in ema["clocks"]] == [6]
+  line = _error(_run("inspect", run / "two", "--item", "meta"))
+  assert "no item 'meta'" in line and "'ema', 'opt'" in line, line
+
+
+def test_refusals_say_what_was_looked_for(run, tmp_path):
+  (tmp_path / "empty").mkdir()
+  for command in (("inspect",), ("verify", run / "plain30"), ("reshard", "-w", 2)):
+    args = [command[0], tmp_path / "empty", *command[1:]]
+    if command[0] == "reshard":
+      args.insert(2, tmp_path / "o")
+    line = _error(_run(*args))
+    assert "is not a jaxreshard checkpoint" in line, line
+    assert "no orbax steps with a jaxreshard item" in line, line
+  line = _error(_run("inspect", run / "run", "--step", 15))
+  assert "has no step 15" in line and "10, 20, 30" in line, line
+  line = _error(_run("inspect", run / "plain30", "--step", 1))
+  assert "--step" in line and "plain30" in line, line
+  line = _error(_run("inspect", run / "run" / "20", "--step", 20))
+  assert "--step" in line, line

@@ -1,0 +1,165 @@
+"""What ``verify`` and ``inspect`` say: values as numbers, capped lists, tolerance, names, bytes."""
+
+import json
+import os
+
+import numpy as np
+import optax
+import pytest
+from typer.testing import CliRunner
+
+import jaxreshard as jr
+from jaxreshard._src.cli.commands import EXIT_DIFFERENT, app
+
+OPT = optax.adam(1e-3)
+N_PARAMS = 25
+
+
+def _params():
+  return {f"p{i:02d}": np.zeros((6,), np.float32) for i in range(N_PARAMS)}
+
+
+def _state(count=8, edit=None):
+  """Adam state with mu[k] = 1, 2, ..., 6 for every param; ``edit(mu)`` changes mu in place."""
+  params = _params()
+  state = OPT.init(params)
+  mu = {k: np.arange(1, 7, dtype=np.float32) for k in params}
+  if edit is not None:
+    edit(mu)
+  return params, (state[0]._replace(count=np.int32(count), mu=mu),) + tuple(state[1:])
+
+
+def _save(path, world_size=4, **kw):
+  params, state = _state(**kw)
+  jr.save_records(path, jr.shard_state(OPT, params, state, world_size))
+  return path
+
+
+def _run(*args):
+  result = CliRunner().invoke(app, [str(a) for a in args])
+  assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+  return result
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+  return _save(tmp_path_factory.mktemp("v") / "base")
+
+
+def test_clock_scalars_differ_as_numbers(base, tmp_path):
+  result = _run("verify", base, _save(tmp_path / "c12", world_size=3, count=12))
+  assert result.exit_code == EXIT_DIFFERENT, result.output
+  lines = result.stdout.splitlines()
+  assert lines[0] == "different: 1 difference: 1 of 1 clock scalars", lines
+  assert lines[1] == "differs: scalar [0].count: 8 != 12", lines
+
+
+def _bits(mu, key, i, pattern):
+  mu[key].view(np.uint32)[i] = pattern
+
+
+def test_nan_payloads_and_negative_zero_show_their_bits(base, tmp_path):
+  def edit(mu):
+    mu["p03"][2] = np.nan  # float32 NaN: 0x7fc00000
+    _bits(mu, "p03", 4, 0x7FC00001)  # another NaN
+    mu["p07"][0] = -0.0  # was 1.0
+
+  nan_base = _save(tmp_path / "a", edit=lambda mu: (_bits(mu, "p03", 2, 0x7FC00001), None))
+  other = _save(tmp_path / "b", world_size=5, edit=edit)
+  result = _run("verify", nan_base, other)
+  assert result.exit_code == EXIT_DIFFERENT, result.output
+  text = result.stdout
+  # p03: element 2 goes from one NaN to another, element 4 from 5.0 to a NaN.
+  assert (
+    "differs: param 'p03' buffer 0: bits differ in 2 of 6 elements, first [2]:"
+    " nan(0x7fc00001) != nan(0x7fc00000); max abs diff inf, max rel diff inf" in text
+  ), text
+  assert "param 'p07' buffer 0: bits differ in 1 of 6 elements, first [0]: 1.0 != -0.0" in text
+  assert "max abs diff 1, max rel diff 1" in text
+
+
+def test_summary_first_and_differences_capped(base, tmp_path):
+  def edit(mu):
+    for k in mu:
+      mu[k][5] = 7.0  # was 6.0, in every param
+
+  other = _save(tmp_path / "o", world_size=3, count=9, edit=edit)
+  result = _run("verify", base, other, "--max-diffs", 5)
+  assert result.exit_code == EXIT_DIFFERENT
+  lines = result.stdout.splitlines()
+  assert lines[0] == (
+    f"different: {N_PARAMS + 1} differences: 1 of 1 clock scalars,"
+    f" {N_PARAMS} of {2 * N_PARAMS} buffers ({N_PARAMS} params)"
+  ), lines[0]
+  assert lines[1:6] == ["differs: scalar [0].count: 8 != 9"] + [
+    f"differs: param 'p{i:02d}' buffer 0: bits differ in 1 of 6 elements, first [5]:"
+    " 6.0 != 7.0; max abs diff 1, max rel diff 0.167"
+    for i in range(4)
+  ]
+  assert lines[6] == f"... {N_PARAMS + 1 - 5} more not shown (--max-diffs N shows up to N)"
+  assert len(lines) == 7
+  default = _run("verify", base, other).stdout.splitlines()
+  assert len(default) == 1 + 20 + 1 and default[-1].startswith("... 6 more not shown")
+  data = json.loads(_run("verify", base, other, "--json").stdout)
+  assert len(data["differences"]) == N_PARAMS + 1  # --json lists them all
+
+
+def test_tolerance_accepts_rounding_but_says_not_bit_identical(base, tmp_path):
+  def edit(mu):
+    _bits(mu, "p01", 3, 0x40800001)  # 4.0 plus one ulp (2**-21 = 4.76837158203125e-07)
+    _bits(mu, "p02", 0, 0x3F7FFFFF)  # 1.0 minus one ulp (2**-24)
+
+  other = _save(tmp_path / "ulp", world_size=6, edit=edit)
+  result = _run("verify", base, other, "--rtol", 1e-6)
+  assert result.exit_code == 0, result.output
+  lines = result.stdout.splitlines()
+  assert lines[0] == (
+    "within tolerance (rtol=1e-06, atol=0), not bit-identical:"
+    f" 2 differences: 2 of {2 * N_PARAMS} buffers (2 params)"
+  ), lines
+  assert lines[1:] == [
+    "param 'p01' buffer 0: max abs diff 4.77e-07, max rel diff 1.19e-07 (1 of 6 elements differ)",
+    "param 'p02' buffer 0: max abs diff 5.96e-08, max rel diff 5.96e-08 (1 of 6 elements differ)",
+  ]
+  data = json.loads(_run("verify", base, other, "--atol", 1e-6, "--json").stdout)
+  assert not data["identical"] and data["within_tolerance"]
+  p01 = data["differing_buffers"][0]
+  assert p01["max_abs_diff"] == 2.0**-21 and p01["max_rel_diff"] == 2.0**-23
+  assert p01["first_index"] == 3 and p01["outside_tolerance"] == 0
+  tight = _run("verify", base, other, "--rtol", 1e-7)
+  assert tight.exit_code == EXIT_DIFFERENT, tight.output
+  assert tight.stdout.splitlines()[0].endswith("; 1 buffers outside rtol=1e-07, atol=0")
+  # A tolerance never covers the clock.
+  clock = _run("verify", base, _save(tmp_path / "c9", count=9), "--atol", 100)
+  assert clock.exit_code == EXIT_DIFFERENT and "8 != 9" in clock.stdout
+  same = _run("verify", base, base, "--rtol", 1e-3)
+  assert same.exit_code == 0 and same.stdout.startswith("identical: ")
+
+
+def test_inspect_names_state_classes_and_counts_files_on_disk(tmp_path):
+  params = {"w": np.zeros((5,), np.float32)}
+  opt = optax.chain(optax.clip(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=0.1))
+  jr.save_records(tmp_path / "c", jr.shard_state(opt, params, opt.init(params), 2))
+  data = json.loads(_run("inspect", tmp_path / "c", "--json").stdout)
+  names = {c["path"]: c["name"] for c in data["clocks"]}
+  assert names["[1].count"] == "chain[1] InjectStatefulHyperparamsState.count"
+  assert (
+    names["[1].hyperparams['learning_rate']"]
+    == "chain[1] InjectStatefulHyperparamsState.hyperparams['learning_rate']"
+  )
+  assert (
+    names["[1].inner_state[0].count"]
+    == "chain[1] InjectStatefulHyperparamsState.inner_state chain[0] ScaleByAdamState.count"
+  )
+  sizes = [
+    os.stat(os.path.join(root, f)).st_size
+    for root, _, files in os.walk(tmp_path / "c")
+    for f in files
+  ]
+  assert data["disk_bytes"] == sum(sizes) and data["files"] == len(sizes)
+  assert data["disk_bytes"] > data["stored_bytes"]
+  text = _run("inspect", tmp_path / "c").stdout
+  assert (
+    "chain[1] InjectStatefulHyperparamsState.inner_state chain[0] ScaleByAdamState.count" in text
+  )
+  assert f"in {len(sizes)} files)" in text
