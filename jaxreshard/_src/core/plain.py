@@ -22,7 +22,7 @@ import jax
 
 from jaxreshard._src.errors import PlacementError
 
-__all__ = ["plain", "like"]
+__all__ = ["plain", "like", "unwrapped"]
 
 
 def _nnx() -> Any:
@@ -48,6 +48,23 @@ def plain(tree: Any) -> Any:
     return node
 
   return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, kinds))
+
+
+def unwrapped(tree: Any) -> Any:
+  """``tree`` with every ``nnx.Variable`` its value; ``nnx.State`` nodes are kept.
+
+  The form in which ``nnx.Optimizer`` passes params and grads to its
+  transformation's ``update`` (``nnx.as_pure``), while ``init`` receives the
+  Variables themselves.
+  """
+  nnx = _nnx()
+  if nnx is None:
+    return tree
+  return jax.tree.map(
+    lambda x: x.get_value() if isinstance(x, nnx.Variable) else x,
+    tree,
+    is_leaf=lambda x: isinstance(x, nnx.Variable),
+  )
 
 
 def like(template: Any, state: Any) -> Any:
