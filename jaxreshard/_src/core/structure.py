@@ -35,6 +35,7 @@ __all__ = [
   "build_state",
   "history_roles",
   "param_ids",
+  "params_in",
   "path_id",
 ]
 
@@ -121,6 +122,32 @@ def param_ids(params: Any) -> tuple[list[str], list[Any], Any]:
   """Returns (ids, leaves, treedef) of a params pytree, in flatten order."""
   with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   return [path_id(p) for p, _ in with_path], [x for _, x in with_path], treedef
+
+
+def params_in(state: Any, ids: Sequence[str]) -> Any:
+  """The params' tree as ``state``'s first subtree with exactly these ids holds it.
+
+  Its leaves are the ids; dicts, lists, tuples and integer keys are kept as the
+  state holds them, so a state of list-structured params mirrors it. None when
+  no subtree of ``state`` (a ``MaskedNode`` counting as a leaf) has exactly
+  the ids ``ids``.
+  """
+  want = sorted(ids)
+
+  def find(node):
+    with_path, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_masked_node)
+    pids = [path_id(p) for p, _ in with_path]
+    if sorted(pids) == want:
+      return jax.tree_util.tree_unflatten(treedef, pids)
+    if len(pids) <= len(want) or _is_leaf_node(node) or _is_masked_node(node):
+      return None
+    for _, child in _children(node)[0]:
+      found = find(child)
+      if found is not None:
+        return found
+    return None
+
+  return find(state) if want else None
 
 
 class WrappedOptimizer(optax.GradientTransformationExtraArgs):

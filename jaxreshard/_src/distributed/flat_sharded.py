@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.distributed import logical_masks as _logical_masks
@@ -430,6 +431,8 @@ def flat_sharded(
     return {pid: FlatShard(s, 0, layout.world).count for pid, s in shapes.items()}
 
   def init(params: Any) -> Any:
+    # nnx.Optimizer initialises with Variables and updates with their values.
+    params = _plain.unwrapped(params)
     # The coordinate rule is checked on the state of the real params: flat
     # params would hide factored statistics (1-D params are never factored).
     logical = jax.eval_shape(optimizer.init, params)
@@ -449,6 +452,7 @@ def flat_sharded(
       return layout.settle(state, roles(flat_params, state), counts_of(shapes))
 
   def update(grads: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+    grads, params = _plain.unwrapped(grads), _plain.unwrapped(params)
     ids, leaves, _ = _structure.param_ids(grads)
     shapes = {pid: tuple(np.shape(g)) for pid, g in zip(ids, leaves)}
     if params is not None:

@@ -223,7 +223,15 @@ def _shard_on(leaf: Any, rank: int, slots: int, pid: str, axis: str) -> jax.Arra
   )
 
 
-def _placeholder_params(shapes: Mapping[str, Any]) -> Any:
+def _placeholder_params(state: Any, shapes: Mapping[str, Any]) -> Any:
+  """Params with ids ``shapes`` (leaves: their ids), in the tree the state's mirrors hold.
+
+  Nested dicts keyed by the ids' segments when no subtree of the state has
+  exactly these ids (a state with no history at all).
+  """
+  found = _structure.params_in(state, list(shapes))
+  if found is not None:
+    return found
   ids = sorted(shapes)
   return _structure.nested(ids, {pid: pid for pid in ids})
 
@@ -261,7 +269,7 @@ def placements_for(
 def roles_of(optimizer: Any, state: Any, shapes: Mapping[str, Any]) -> tuple[str | None, ...]:
   """Per-leaf roles of a state of ``optimizer`` over params with ids ``shapes``."""
   try:
-    roles = _structure.history_roles(optimizer, _placeholder_params(shapes), state)
+    roles = _structure.history_roles(optimizer, _placeholder_params(state, shapes), state)
   except (ValueError, TypeError) as e:
     raise PlacementError(
       f"the optimizer's state does not mirror params with ids {sorted(shapes)}: {e}"

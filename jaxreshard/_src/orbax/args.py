@@ -18,6 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import ShardRecord
@@ -119,12 +120,16 @@ class ReshardSave(ocp.args.CheckpointArgs):
     records: the archives, any iterable.
     chunk_bytes: bytes per stored chunk (the granularity of partial reads);
       None keeps the handler's default.
-    state: the optax state, history leaves ``(M * slots,)`` sharded over ``axis``.
+    state: the optax state, history leaves ``(M * slots,)`` sharded over ``axis``;
+      an ``nnx.Optimizer``'s ``opt_state`` is stored in plain form (its
+      ``nnx.State`` nodes as dicts, integer keys kept, its Variables as their
+      values); ``ReshardRestore(like=...)`` gives that form back.
     optimizer: the optax transformation of ``state``.
     shapes: param id -> logical shape, or anything with ``.shape`` (and then
       its ``.dtype`` / ``.trainable``).
     params: instead of ``shapes``: the params pytree (ids are its key paths,
-      storage dtypes its leaves' dtypes).
+      storage dtypes its leaves' dtypes), e.g. ``nnx.state(model, nnx.Param)``
+      (ids of its plain form: ``layers/10/kernel``).
     trainable: with ``params``: optional ``param id -> bool``.
     mesh: the mesh of ``state``.
     axis: the mesh axis of the flat shards.
@@ -178,6 +183,10 @@ class ReshardSave(ocp.args.CheckpointArgs):
     self.__dict__["_checked"] = check(self)
 
   def __setattr__(self, name: str, value: Any) -> None:
+    # The state and params are kept in the plain form the archives store (NNX
+    # State nodes as dicts, Variables as their values).
+    if name in ("state", "params"):
+      value = _plain.plain(value)
     # A changed field is checked again when the save prepares.
     super().__setattr__(name, value)
     self.__dict__.pop("_checked", None)
@@ -208,6 +217,11 @@ class ReshardRestore(ocp.args.CheckpointArgs):
   * ``world_size`` and ``rank``: that target rank's ``ShardRecord``.
   * nothing: every archive, as saved (``load_records``).
 
+  With ``mesh``, ``like`` puts the restored state's leaves into ``like``'s own
+  tree, matched by key path: an ``nnx.Optimizer``'s ``opt_state`` (made for
+  the new mesh) gets back its ``nnx.State`` nodes and Variables, ready for
+  ``nnx.update(optimizer.opt_state, nnx.state(restored))``.
+
   Every field is keyword-only.
 
   Attributes:
@@ -221,6 +235,7 @@ class ReshardRestore(ocp.args.CheckpointArgs):
       against it before anything is read.
     params: with ``optimizer``: the params pytree (arrays or
       ``jax.ShapeDtypeStruct``s).
+    like: optional tree whose structure the restored state takes (with ``mesh``).
   """
 
   world_size: int | None = None
@@ -230,8 +245,11 @@ class ReshardRestore(ocp.args.CheckpointArgs):
   target: Any = None
   optimizer: Any = None
   params: Any = None
+  like: Any = None
 
   def __post_init__(self):
+    if self.like is not None and self.mesh is None:
+      raise PlacementError("ReshardRestore(like=...) needs the mesh as well")
     if self.mesh is not None and (self.rank is not None or self.world_size is not None):
       raise PlacementError("ReshardRestore takes a mesh, or world_size and rank, not both")
     if self.target is not None and self.mesh is None:

@@ -68,6 +68,7 @@ from etils import epath
 from jaxreshard._src.checkpoint import reader as _checkpoint
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _archive_io
+from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _multihost
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
@@ -350,7 +351,8 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
       extra = {} if args.target is None else {"target": args.target}
       if args.optimizer is not None:
         extra.update(optimizer=args.optimizer, params=args.params)
-      return _multihost.restore_sharded(directory, args.mesh, args.axis, **extra).state
+      state = _multihost.restore_sharded(directory, args.mesh, args.axis, **extra).state
+      return state if args.like is None else _plain.like(args.like, state)
     if args.rank is None:
       return _archive_io.load_records(directory)
     return _restore.restore(directory, world_size=args.world_size, rank=args.rank)
