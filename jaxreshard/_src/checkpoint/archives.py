@@ -23,8 +23,8 @@ from jaxreshard._src.checkpoint.index import (
   FORMAT,
   FORMAT_VERSION,
   MAX_ARCHIVE_BYTES,
+  ArchiveLayout,
   Index,
-  Layout,
 )
 from jaxreshard._src.checkpoint.shardread import ReadStats
 from jaxreshard._src.core.geometry import FlatShard
@@ -135,7 +135,7 @@ class ArchiveReader:
     self._archive_meta: dict[int, dict] = {}
     self._pads: dict[tuple[int, np.dtype], _Pads] = {}
 
-  def _layout(self, archive: int) -> Layout:
+  def _layout(self, archive: int) -> ArchiveLayout:
     return self.index.layouts[self.index.archive_layout[archive]]
 
   def archive_meta(self, archive: int) -> dict:
@@ -382,7 +382,7 @@ def check_describes(index: Index, got: Any, archive: int, where: str) -> None:
 
 
 def pad_table(
-  index: Index, layout: Layout, placement: Callable, archive: int, dtype: np.dtype
+  index: Index, layout: ArchiveLayout, placement: Callable, archive: int, dtype: np.dtype
 ) -> _Pads:
   """Where the padding of an archive's packed buffer of ``dtype`` lies."""
   entries = sorted((o, n, k) for k, (d, o, n) in layout.offsets.items() if d == dtype)

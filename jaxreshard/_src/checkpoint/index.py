@@ -131,7 +131,7 @@ class _ScalarSlot:
   index: int
 
 
-class Layout:
+class ArchiveLayout:
   """One state layout of the index: tree, roles, history buffers, packing offsets."""
 
   def __init__(self, tree: Any, leaves: list[Any], where: str):
@@ -233,7 +233,7 @@ class Index:
   id: str
   record_version: int
   params: tuple[ParamEntry, ...]
-  layouts: tuple[Layout, ...]
+  layouts: tuple[ArchiveLayout, ...]
   clocks: tuple[list, ...]
   names: tuple[str, ...]
   archive_layout: tuple[int, ...]
@@ -345,7 +345,7 @@ def _parse_header(index: Any, where: str) -> tuple[str, int]:
 
 
 def _parse_archives(
-  archives: list, layouts: Sequence[Layout], clocks: Sequence[list], where: str
+  archives: list, layouts: Sequence[ArchiveLayout], clocks: Sequence[list], where: str
 ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
   """Each archive's ``[name, layout, clock]``, listed in the order of their names."""
   names, archive_layout, archive_clock = [], [], []
@@ -422,7 +422,7 @@ def _parse_param(e: Any, where: str) -> ParamEntry:
   )
 
 
-def _parse_layout(e: Any, where: str) -> Layout:
+def _parse_layout(e: Any, where: str) -> ArchiveLayout:
   fmt.expect(e, dict, where)
   if set(e) != {"tree", "leaves"}:
     raise ArchiveError(f"{where}: expected tree and leaves")
@@ -441,7 +441,7 @@ def _parse_layout(e: Any, where: str) -> Layout:
       leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), fmt.np_dtype(x[1], lw)))
     else:
       raise ArchiveError(f"{lw}: invalid leaf {str(x)[:80]!r}")
-  return Layout(e["tree"], leaves, where)
+  return ArchiveLayout(e["tree"], leaves, where)
 
 
 def _parse_clock(e: Any, where: str, n_params: int) -> list[Any]:

@@ -80,7 +80,7 @@ from jaxreshard._src.checkpoint.index import (  # noqa: F401  (re-exported)
   INDEX_FILE,
   MAX_INDEX_BYTES,
   STAGING_BYTES,
-  Layout,
+  ArchiveLayout,
   LeafInfo,
   Source,
   SourcedRecords,
@@ -221,7 +221,7 @@ class Checkpoint:
     """Every placement an archive lists, sorted by param."""
     return placements(self.index, archive)
 
-  def layout(self, archive: int) -> Layout:
+  def layout(self, archive: int) -> ArchiveLayout:
     return self.layouts[self.archive_layout[archive]]
 
   def history(self, archive: int, pid: str) -> tuple[Any, ...]:

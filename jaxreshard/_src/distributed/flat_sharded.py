@@ -33,7 +33,7 @@ def _is_concrete(x: Any) -> bool:
   return not isinstance(x, jax.core.Tracer)
 
 
-class _Layout:
+class _MeshLayout:
   """Where arrays go on ``mesh``: flat shards over ``axis``, everything else replicated."""
 
   def __init__(self, mesh: Mesh, axis: str):
@@ -284,7 +284,7 @@ def _check_built_for(built_for: dict[Any, list[dict[str, tuple[int, ...]]]], gra
 
 
 def _check_history_shapes(
-  layout: _Layout, state: Any, roles: tuple, shapes: dict[str, tuple[int, ...]]
+  layout: _MeshLayout, state: Any, roles: tuple, shapes: dict[str, tuple[int, ...]]
 ) -> None:
   """Every history leaf of ``state`` is ``(M * slots,)`` of its param's shape over the axis.
 
@@ -404,7 +404,7 @@ def flat_sharded(
     >>> updates["w"].shape, float(updates["w"][1, 2])
     ((2, 3), -0.5)
   """
-  layout = _Layout(mesh, axis)
+  layout = _MeshLayout(mesh, axis)
   roles_cache: dict[Any, tuple] = {}
   # ``optimizer`` with its mask and label functions seeing the params' own shapes.
   logical_opt = _logical_masks.with_logical_callables(optimizer)

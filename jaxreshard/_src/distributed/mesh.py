@@ -266,7 +266,9 @@ def placements_for(
   return of
 
 
-def roles_of(optimizer: Any, state: Any, shapes: Mapping[str, Any]) -> tuple[str | None, ...]:
+def optimizer_roles(
+  optimizer: Any, state: Any, shapes: Mapping[str, Any]
+) -> tuple[str | None, ...]:
   """Per-leaf roles of a state of ``optimizer`` over params with ids ``shapes``."""
   try:
     roles = _structure.history_roles(optimizer, _placeholder_params(state, shapes), state)
@@ -304,7 +306,7 @@ def records_from_mesh(
     rank -> ``ShardRecord`` holding that rank's local device buffers.
   """
   world = axis_size(mesh, axis)
-  roles = roles_of(optimizer, state, shapes)
+  roles = optimizer_roles(optimizer, state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(state)
   of = placements_for(shapes, roles, leaves, world)
   ranks = sorted(mesh_ranks(mesh, axis) if ranks is None else ranks)
@@ -434,7 +436,7 @@ def gather_from_mesh(
     (5,)
   """
   world = axis_size(mesh, axis)
-  roles = roles_of(optimizer, state, shapes)
+  roles = optimizer_roles(optimizer, state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(state)
   of = placements_for(shapes, roles, leaves, world)
   host = [

@@ -222,7 +222,7 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> di
   ranks differ, so the primary describes all ``M`` archives itself.
   """
   world = _mesh.axis_size(mesh, axis)
-  roles = _mesh.roles_of(optimizer, state, shapes)
+  roles = _mesh.optimizer_roles(optimizer, state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(state)
   of = _mesh.placements_for(shapes, roles, leaves, world)
   abstract = []

@@ -76,7 +76,7 @@ def check(args: ReshardSave) -> Checked:
   )
   # The clock's device scalars as zeros of their dtype and shape (what storing
   # one depends on): checking never waits for the step that computes them.
-  roles = _mesh.roles_of(args.optimizer, args.state, shapes)
+  roles = _mesh.optimizer_roles(args.optimizer, args.state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(args.state)
   leaves = [
     np.zeros(x.shape, x.dtype)
