@@ -99,6 +99,11 @@ class _MeshLayout:
       if np.shape(leaf) == (g.count,) and _whole(g):  # computed whole: back to the layout
         leaf = jnp.pad(self.put(leaf, self.replicated), (0, self.world * g.slots - g.count))
       leaf = self.put(leaf, self.sharded)
+      if counts[pid] == np.shape(leaf)[0]:
+        # No padding: a select here would be a second consumer of the new history,
+        # and XLA would recompute it in that fusion from a copy of the donated input.
+        out.append(leaf)
+        continue
       index = jax.lax.broadcasted_iota(
         _index_dtype(np.shape(leaf)[0], pid),
         np.shape(leaf),
