@@ -53,3 +53,28 @@ def test_padded_and_unpadded_step_keeps_padding_zero(kind):
   mu = np.asarray(state[1][0].mu["odd"])
   assert mu.shape == (16,) and np.all(mu[15:].view(np.uint32) == 0) and np.all(mu[:15] != 0)
   assert np.all(np.asarray(state[1][0].mu["w"]) != 0)
+
+
+def test_row_sharded_grads_are_not_gathered():
+  """Grads whose rows are split over the axis (ZeRO-2) are used in place: same bits, no gather."""
+  mesh = _mesh("explicit")
+  rep, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("fsdp"))
+  params = {
+    "w": jax.device_put(jnp.full((64, 24), 0.5), rep),
+    "b": jax.device_put(jnp.ones(24), rep),
+  }
+  grads = {"w": jnp.arange(64 * 24.0).reshape(64, 24) / 1000, "b": jnp.arange(24.0) / 100}
+  opt = jr.flat_sharded(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)), mesh)
+  with jax.numpy_dtype_promotion("standard"):
+    state = opt.init(params)
+  update = jax.jit(opt.update)
+  with jax.set_mesh(mesh), jax.numpy_dtype_promotion("standard"):
+    want = update(jax.device_put(grads, rep), state, params)
+    sharded = jax.device_put(grads, rows)
+    got = update(sharded, state, params)
+    text = update.lower(sharded, state, params).compile().as_text()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+  gathered = [line for line in text.splitlines() if " all-gather(" in line]
+  # Only the two flat updates are gathered (the ZeRO all-gather), not the grads.
+  assert len(gathered) == 2 and all("f32[64,24]" not in line for line in gathered), gathered
