@@ -6,4 +6,15 @@ smoke run). Each ``bench_*`` module measures one thing against its baseline in
 the same process and returns rows; ``__main__`` collects and writes them.
 """
 
-BENCHMARKS = ("memory", "compile", "restore", "save", "durable", "cli", "rss", "scale", "plan")
+BENCHMARKS = (
+  "memory",
+  "compile",
+  "restore",
+  "save",
+  "durable",
+  "cli",
+  "rss",
+  "scale",
+  "plan",
+  "step",
+)

@@ -37,6 +37,9 @@ class Options:
     durable_rounds: interleaved rounds per side of the durable-save benchmark (median).
     durable_dir: directory (disk) the durable-save benchmark writes in; '' for the
       system's temporary directory.
+    step_layers: layers (6 params each) of the optimizer-step benchmark.
+    step_width: width of those layers (a layer holds ``8 * width**2 + 7 * width`` elements).
+    step_rounds: interleaved timed steps per side of the optimizer-step benchmark.
     seed: workload seed.
   """
 
@@ -60,6 +63,9 @@ class Options:
   durable_states: tuple[tuple[int, int], ...] = ((200, 2 * _M), (200, 32 * _M))
   durable_rounds: int = 5
   durable_dir: str = ""
+  step_layers: int = 10
+  step_width: int = 224
+  step_rounds: int = 30
   seed: int = 0
 
   @classmethod
@@ -87,4 +93,7 @@ class Options:
       durable_states=((8, _M // 16),),
       durable_rounds=1,
       device_param_counts=(4, 16),
+      step_layers=2,
+      step_width=16,
+      step_rounds=2,
     )

@@ -13,102 +13,21 @@ import contextlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.distributed import logical_masks as _logical_masks
-from jaxreshard._src.distributed import mesh as _mesh
+from jaxreshard._src.distributed.flat_layout import MeshLayout as _MeshLayout
+from jaxreshard._src.distributed.flat_layout import index_dtype as _index_dtype  # noqa: F401
+from jaxreshard._src.distributed.flat_layout import is_concrete as _is_concrete
 from jaxreshard._src.engine import reshard as _reshard
 from jaxreshard._src.errors import PlacementError, ShapeError
 
 __all__ = ["flat_sharded"]
-
-
-def _is_concrete(x: Any) -> bool:
-  return not isinstance(x, jax.core.Tracer)
-
-
-class _MeshLayout:
-  """Where arrays go on ``mesh``: flat shards over ``axis``, everything else replicated."""
-
-  def __init__(self, mesh: Mesh, axis: str):
-    self.world = _mesh.axis_size(mesh, axis)
-    self.axis = axis
-    # Explicit axes change shardings only through ``reshard`` (the sharding is part
-    # of the type); Auto axes take ``with_sharding_constraint`` as a constraint.
-    self.explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
-    self.sharded = NamedSharding(mesh, PartitionSpec(axis))
-    self.replicated = NamedSharding(mesh, PartitionSpec())
-
-  def put(self, x: Any, sharding: Any) -> jax.Array:
-    if _is_concrete(x):  # outside jit: a transfer, from any devices or the host
-      return jax.device_put(x, sharding)
-    if self.explicit:
-      return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
-
-  def flat(self, x: Any, shape: tuple[int, ...]) -> jax.Array:
-    """``x`` (any sharding) flattened, zero-padded to ``M * slots``, sharded over the axis."""
-    g = FlatShard(shape, 0, self.world)
-    # Pinned replicated as a whole flat array, each device's shard is a 1-D slice of
-    # it: left free, the partitioner slices the param's own rows instead, and XLA
-    # fuses (and contracts multiply-adds in) the update differently from optax's.
-    x = jnp.reshape(self.put(x, self.replicated), (g.count,))
-    if _whole(g):
-      return x
-    x = self.put(jnp.pad(x, (0, self.world * g.slots - g.count)), self.replicated)
-    return self.put(x, self.sharded)
-
-  def for_update(self, state: Any, roles: tuple, shapes: dict[str, tuple[int, ...]]) -> Any:
-    """``state`` as the update computes it: the histories of small params whole."""
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-    out = []
-    for leaf, pid in zip(leaves, roles):
-      g = None if pid is None else FlatShard(shapes[pid], 0, self.world)
-      out.append(leaf if g is None or not _whole(g) else self.put(leaf, self.replicated)[: g.count])
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-  def unflat(self, u: jax.Array, like: Any, shape: tuple[int, ...]) -> jax.Array:
-    """A flat update back in its parameter's shape, laid out like ``like`` where known."""
-    count = FlatShard(shape, 0, self.world).count
-    if self.explicit:
-      u = self.put(u, self.replicated)  # the ZeRO all-gather of the updates
-    u = jnp.reshape(u[:count], shape)
-    if _is_concrete(like) and isinstance(like, jax.Array):
-      return jax.device_put(u, like.sharding)
-    if not _is_concrete(like) and self.explicit:
-      target = jax.typeof(like).sharding
-      if not target.mesh.empty:
-        return jax.sharding.reshard(u, target)
-    return u  # under Auto axes, the partitioner lays it out for its consumer
-
-  def settle(self, state: Any, roles: tuple, counts: dict[str, int]) -> Any:
-    """``state`` laid out on the mesh, with the padding of every history set to zero."""
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-    out = []
-    for leaf, pid in zip(leaves, roles):
-      if pid is None:
-        out.append(self.put(leaf, self.replicated))
-        continue
-      g = FlatShard((counts[pid],), 0, self.world)
-      if np.shape(leaf) == (g.count,) and _whole(g):  # computed whole: back to the layout
-        leaf = jnp.pad(self.put(leaf, self.replicated), (0, self.world * g.slots - g.count))
-      leaf = self.put(leaf, self.sharded)
-      index = jax.lax.broadcasted_iota(
-        _index_dtype(np.shape(leaf)[0], pid),
-        np.shape(leaf),
-        0,
-        out_sharding=self.sharded if self.explicit else None,
-      )
-      # Padding is zero by definition of the layout; a select keeps every owned
-      # element's bits, and in an elementwise chain no owned element reads padding.
-      out.append(jax.lax.select(index < counts[pid], leaf, jax.lax.full_like(leaf, 0)))
-    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 class _FlatSharded(_structure.WrappedOptimizer):
@@ -117,30 +36,6 @@ class _FlatSharded(_structure.WrappedOptimizer):
   Functions that ask an optimizer which state leaves are histories (saving,
   ``shard_state``) accept it in place of the optimizer it wraps.
   """
-
-
-def _whole(g: FlatShard) -> bool:
-  """Whether a param's update is computed on its whole unpadded flat array.
-
-  A param of at most M elements (one slot per rank) is: as one-element shards
-  XLA would compile its update differently from the unwrapped optimizer's (a
-  division by a broadcast scalar stays a division for one element and becomes
-  a multiplication by the reciprocal for more), so it is computed, like there,
-  on exactly its own elements, on every device; it is tiny, so that is free.
-  """
-  return g.slots == 1
-
-
-def _index_dtype(size: int, pid: str) -> Any:
-  """The integer type that counts to ``size``: int32, or int64 where jax has it."""
-  if size < 2**31:
-    return jnp.int32
-  if not jax.config.jax_enable_x64:
-    raise ShapeError(
-      f"param {pid!r}: a flat history of {size} elements needs 64-bit indices for its"
-      " padding; enable jax_enable_x64"
-    )
-  return jnp.int64
 
 
 # How many param ids or paths a refusal lists before it stops.
@@ -320,6 +215,9 @@ def flat_sharded(
   ``optimizer.update`` on them sharded over ``axis`` (each device computes its
   own slots), and reshapes the updates back, laid out like the grads where
   their sharding is known (outside ``jit``, or under explicit mesh axes).
+  Grads whose rows are split evenly over ``axis`` (ZeRO-2; known under
+  explicit axes or outside ``jit``), with no padding, are already the flat
+  shards and are used where they lie, not all-gathered.
 
   Meshes with explicit axes (``jax.make_mesh``'s default) and with ``Auto``
   axes (``jax.sharding.Mesh``) are both supported.

@@ -1,0 +1,150 @@
+"""Where ``flat_sharded`` puts arrays on a mesh: flat shards over one axis, the rest replicated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.distributed import mesh as _mesh
+from jaxreshard._src.errors import ShapeError
+
+__all__ = ["MeshLayout", "index_dtype", "is_concrete", "whole"]
+
+
+def is_concrete(x: Any) -> bool:
+  """Whether ``x`` is a value rather than a tracer (outside ``jit``)."""
+  return not isinstance(x, jax.core.Tracer)
+
+
+class MeshLayout:
+  """Where arrays go on ``mesh``: flat shards over ``axis``, everything else replicated."""
+
+  def __init__(self, mesh: Mesh, axis: str):
+    self.world = _mesh.axis_size(mesh, axis)
+    self.axis = axis
+    # Explicit axes change shardings only through ``reshard`` (the sharding is part
+    # of the type); Auto axes take ``with_sharding_constraint`` as a constraint.
+    self.explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
+    self.sharded = NamedSharding(mesh, PartitionSpec(axis))
+    self.replicated = NamedSharding(mesh, PartitionSpec())
+
+  def put(self, x: Any, sharding: Any) -> jax.Array:
+    if is_concrete(x):  # outside jit: a transfer, from any devices or the host
+      return jax.device_put(x, sharding)
+    if self.explicit:
+      return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+  def flat(self, x: Any, shape: tuple[int, ...]) -> jax.Array:
+    """``x`` (any sharding) flattened, zero-padded to ``M * slots``, sharded over the axis."""
+    g = FlatShard(shape, 0, self.world)
+    if self._row_sharded(x, g):
+      # Each device's rows are already its flat shard (ZeRO-2 grads): no all-gather.
+      return jnp.reshape(x, (g.count,), out_sharding=self.sharded)
+    # Pinned replicated as a whole flat array, each device's shard is a 1-D slice of
+    # it: left free, the partitioner slices the param's own rows instead, and XLA
+    # fuses (and contracts multiply-adds in) the update differently from optax's.
+    x = jnp.reshape(self.put(x, self.replicated), (g.count,))
+    if whole(g):
+      return x
+    x = self.put(jnp.pad(x, (0, self.world * g.slots - g.count)), self.replicated)
+    return self.put(x, self.sharded)
+
+  def _row_sharded(self, x: Any, g: FlatShard) -> bool:
+    """Whether ``x``'s known sharding splits its rows over the axis exactly as the flat shards.
+
+    Rows split evenly (``shape[0] % M == 0``, no padding) put rank r's rows at flat
+    elements ``[r * slots, (r + 1) * slots)``. Only explicit axes say so inside ``jit``.
+    """
+    shape = np.shape(x)
+    if not self.explicit or not shape or shape[0] % self.world or g.count != g.slots * self.world:
+      return False
+    if is_concrete(x):
+      sharding, mesh = getattr(x, "sharding", None), self.sharded.mesh
+    else:
+      sharding, mesh = jax.typeof(x).sharding, self.sharded.mesh.abstract_mesh
+    if getattr(sharding, "mesh", None) != mesh:
+      return False
+    spec = tuple(sharding.spec)
+    spec += (None,) * (len(shape) - len(spec))
+    return spec[0] in (self.axis, (self.axis,)) and all(s is None for s in spec[1:])
+
+  def for_update(self, state: Any, roles: tuple, shapes: dict[str, tuple[int, ...]]) -> Any:
+    """``state`` as the update computes it: the histories of small params whole."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    out = []
+    for leaf, pid in zip(leaves, roles):
+      g = None if pid is None else FlatShard(shapes[pid], 0, self.world)
+      out.append(leaf if g is None or not whole(g) else self.put(leaf, self.replicated)[: g.count])
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  def unflat(self, u: jax.Array, like: Any, shape: tuple[int, ...]) -> jax.Array:
+    """A flat update back in its parameter's shape, laid out like ``like`` where known."""
+    count = FlatShard(shape, 0, self.world).count
+    if self.explicit:
+      u = self.put(u, self.replicated)  # the ZeRO all-gather of the updates
+    u = jnp.reshape(u[:count], shape)
+    if is_concrete(like) and isinstance(like, jax.Array):
+      return jax.device_put(u, like.sharding)
+    if not is_concrete(like) and self.explicit:
+      target = jax.typeof(like).sharding
+      if not target.mesh.empty:
+        return jax.sharding.reshard(u, target)
+    return u  # under Auto axes, the partitioner lays it out for its consumer
+
+  def settle(self, state: Any, roles: tuple, counts: dict[str, int]) -> Any:
+    """``state`` laid out on the mesh, with the padding of every history set to zero."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    out = []
+    for leaf, pid in zip(leaves, roles):
+      if pid is None:
+        out.append(self.put(leaf, self.replicated))
+        continue
+      g = FlatShard((counts[pid],), 0, self.world)
+      if np.shape(leaf) == (g.count,) and whole(g):  # computed whole: back to the layout
+        leaf = jnp.pad(self.put(leaf, self.replicated), (0, self.world * g.slots - g.count))
+      leaf = self.put(leaf, self.sharded)
+      if counts[pid] == np.shape(leaf)[0]:
+        # No padding: a select here would be a second consumer of the new history,
+        # and XLA would recompute it in that fusion from a copy of the donated input.
+        out.append(leaf)
+        continue
+      index = jax.lax.broadcasted_iota(
+        index_dtype(np.shape(leaf)[0], pid),
+        np.shape(leaf),
+        0,
+        out_sharding=self.sharded if self.explicit else None,
+      )
+      # Padding is zero by definition of the layout; a select keeps every owned
+      # element's bits, and in an elementwise chain no owned element reads padding.
+      out.append(jax.lax.select(index < counts[pid], leaf, jax.lax.full_like(leaf, 0)))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def whole(g: FlatShard) -> bool:
+  """Whether a param's update is computed on its whole unpadded flat array.
+
+  A param of at most M elements (one slot per rank) is: as one-element shards
+  XLA would compile its update differently from the unwrapped optimizer's (a
+  division by a broadcast scalar stays a division for one element and becomes
+  a multiplication by the reciprocal for more), so it is computed, like there,
+  on exactly its own elements, on every device; it is tiny, so that is free.
+  """
+  return g.slots == 1
+
+
+def index_dtype(size: int, pid: str) -> Any:
+  """The integer type that counts to ``size``: int32, or int64 where jax has it."""
+  if size < 2**31:
+    return jnp.int32
+  if not jax.config.jax_enable_x64:
+    raise ShapeError(
+      f"param {pid!r}: a flat history of {size} elements needs 64-bit indices for its"
+      " padding; enable jax_enable_x64"
+    )
+  return jnp.int64
