@@ -76,7 +76,7 @@ def write_index_checkpoint(
   origin = m_of * int(sizes_sorted.sum()) + base[p_of] + j_of
   os.makedirs(path)
   _checkpoint.dump(os.path.join(path, "jaxreshard.json"), index)
-  describes = jr.open_checkpoint(path).describes  # what each archive.json records of the index
+  describes = jr.open_checkpoint(path).index.describes  # what each archive.json records of it
   for r in range(world):
     local = r * slots[p_of] + j_of
     valid = local < sizes_sorted[p_of]
