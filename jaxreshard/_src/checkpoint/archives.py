@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
+from jaxreshard._src.checkpoint import runread as _runread
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint.index import (
   ARCHIVE_FILE,
@@ -307,7 +308,7 @@ class ArchiveReader:
     try:
       if len(scratch) < f.stride:
         scratch = np.empty(f.stride, np.uint8)
-      _read_runs(f, src, dst, length, out, scratch, stats, zero=zero, refuse=refuse)
+      _runread.read_runs(f, src, dst, length, out, scratch, stats, zero=zero, refuse=refuse)
     finally:
       f.close()
 
@@ -425,67 +426,3 @@ def _ranks_after(index: Index, archive: int, pid: str, rank: int) -> tuple[int, 
     if pid in index.param_index[gi] and r == rank:
       out.update(a for a, ra in index.groups[gi].ranks if ra > rank)
   return tuple(sorted(out))
-
-
-def _read_runs(
-  f: _shardread.ShardFile,
-  src,
-  dst,
-  length,
-  out,
-  scratch,
-  stats: ReadStats | None = None,
-  zero=None,
-  refuse=None,
-) -> None:
-  """Copies runs ``src -> dst`` of ``f`` into ``out``, reading each chunk span once.
-
-  ``zero``: ``(starts, lengths)`` of ranges of ``f`` that must be zero bits,
-  read with the same spans; ``refuse(i, position)`` makes the error for range ``i``.
-  """
-  n_copy = len(src)
-  if zero is not None and len(zero[0]):
-    src = np.concatenate([src, zero[0]])
-    length = np.concatenate([length, zero[1]])
-    dst = np.concatenate([dst, np.zeros(len(zero[0]), np.int64)])
-  if f.size and (int((src + length).max(initial=0)) > f.size or int(src.min(initial=0)) < 0):
-    raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
-  if not len(src):
-    return
-  c = f.chunk
-  first, last = src // c, (src + length - 1) // c
-  pieces = last - first + 1
-  run = np.repeat(np.arange(len(src)), pieces)
-  chunk = first[run] + (np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces))
-  lo = np.maximum(src[run], chunk * c)
-  hi = np.minimum(src[run] + length[run], (chunk + 1) * c)
-  to = dst[run] + (lo - src[run])
-  order = np.argsort(chunk, kind="stable")
-  per_span = max(1, len(scratch) // f.stride)
-  view = _bitview.bits(out) if n_copy else None
-  data, span_first, span_n = None, -1, 0
-  needed = np.unique(chunk)
-  pos = 0
-  for j in order.tolist():
-    ch = int(chunk[j])
-    if not span_first <= ch < span_first + span_n:
-      # The next span: consecutive needed chunks from this one, as many as fit.
-      pos = int(np.searchsorted(needed, ch))
-      n = 1
-      while pos + n < len(needed) and n < per_span and needed[pos + n] == ch + n:
-        n += 1
-      data = f.read_chunks(ch, n, scratch)
-      span_first, span_n = ch, n
-      if stats is not None:
-        stats.reads += 1
-        stats.chunks += n
-        stats.bytes += n * f.stride
-    row = data[ch - span_first]
-    a, b, t = int(lo[j]) - ch * c, int(hi[j]) - ch * c, int(to[j])
-    r = int(run[j])
-    if r < n_copy:
-      view[t : t + b - a] = row[a:b]
-    else:
-      nz = np.flatnonzero(row[a:b])
-      if nz.size:
-        raise refuse(r - n_copy, ch * c + a + int(nz[0]))
