@@ -28,7 +28,6 @@ from jaxreshard._src.checkpoint.index import (
   Index,
 )
 from jaxreshard._src.checkpoint.shardread import ReadStats
-from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
 
@@ -116,7 +115,7 @@ class ArchiveReader:
     self._lock = threading.Lock()
     self._archive_meta: dict[int, dict] = {}
     self._pads: dict[tuple[int, np.dtype], _pads.Pads] = {}
-    self._pad_bases: dict[tuple[int, int, np.dtype], _pads.PadBase] = {}
+    self._bases: dict[tuple[int, np.dtype], _pads.PadBase] = {}  # by (layout, group, dtype)
 
   def _layout(self, archive: int) -> ArchiveLayout:
     return self.index.layouts[self.index.archive_layout[archive]]
@@ -143,33 +142,16 @@ class ArchiveReader:
   def _pad_table(self, archive: int, dtype: np.dtype) -> _pads.Pads:
     """Where the padding of an archive's packed buffer of ``dtype`` lies (made once)."""
     key = (archive, np.dtype(dtype))
-    with self._lock:
-      pads = self._pads.get(key)
+    pads = self._pads.get(key)  # a dict's get and set are atomic; a race makes one twice
     if pads is None:
-      member = self.index.member[archive]
-      layout = self.index.archive_layout[archive]
-      if len(member) == 1:
-        (gi, rank), base_key = member[0], (layout, member[0][0], key[1])
-        with self._lock:
-          base = self._pad_bases.get(base_key)
-        if base is None:
-          base = _pads.pad_base(self.index, self._layout(archive), gi, key[1])
-          with self._lock:
-            self._pad_bases[base_key] = base
-        pads = _pads.pads_at(base, rank)
-      else:
-        pads = _pads.pad_table(
-          self.index, self._layout(archive), self._placement(), archive, key[1]
-        )
-      with self._lock:
-        self._pads[key] = pads
+      layout = self._layout(archive)
+      pads = _pads.for_archive(self.index, layout, self._placement(), archive, key[1], self._bases)
+      self._pads[key] = pads
     return pads
 
   def _padding_error(self, archive: int, pads: _pads.Pads, k: int, local: int) -> ArchiveError:
-    p = self._placement()(archive, pads.keys[k][0])
-    g = FlatShard.checked(p.shape, p.rank, p.world_size)
-    path = f"{self.directory}/{self.index.names[archive]}"
-    return _pads.padding_error(path, archive, pads.keys[k], g, local)
+    where = f"{self.directory}/{self.index.names[archive]}"
+    return _pads.error_at(where, self._placement(), archive, pads.keys[k], local)
 
   def check_padding_of(self, archive: int, dtype: np.dtype, packed: np.ndarray) -> None:
     """Every padding slot of an archive's whole packed buffer of ``dtype`` is zero bits."""

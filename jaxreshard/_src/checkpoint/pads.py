@@ -19,7 +19,15 @@ from jaxreshard._src.checkpoint.index import ArchiveLayout, Index
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.errors import ArchiveError, PlacementError
 
-__all__ = ["Pads", "pad_base", "pad_table", "pads_at", "padding_error", "ranks_after"]
+__all__ = [
+  "Pads",
+  "for_archive",
+  "pad_base",
+  "pad_table",
+  "pads_at",
+  "padding_error",
+  "ranks_after",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +149,31 @@ def pad_table(
   )
 
 
+def for_archive(
+  index: Index,
+  layout: ArchiveLayout,
+  placement: Callable,
+  archive: int,
+  dtype: np.dtype,
+  bases: dict,
+) -> Pads:
+  """The padding of an archive's packed buffer of ``dtype``.
+
+  An archive of one group takes its group's table (``bases``, by (layout, group,
+  dtype), filled as needed; a dict's get and set are atomic under threads), at
+  its rank; an archive in several groups is laid out buffer by buffer.
+  """
+  member = index.member[archive]
+  if len(member) != 1:
+    return pad_table(index, layout, placement, archive, dtype)
+  gi, rank = member[0]
+  key = (index.archive_layout[archive], gi, dtype)
+  base = bases.get(key)
+  if base is None:
+    base = bases[key] = pad_base(index, layout, gi, dtype)
+  return pads_at(base, rank)
+
+
 def ranks_after(index: Index, archive: int, pid: str, rank: int) -> tuple[int, ...]:
   """The archives holding ranks after ``rank`` of ``pid``'s group in ``archive``."""
   out = set()
@@ -160,3 +193,9 @@ def padding_error(path: str, archive: int, key: tuple, g: FlatShard, local: int)
     f" {g.world_size}, which owns {g.owned} of its {g.slots} slots, so the data"
     " contradicts the layout"
   )
+
+
+def error_at(path: str, placement: Callable, archive: int, key: tuple, local: int) -> ArchiveError:
+  """``padding_error`` of buffer ``key`` of ``archive``, its geometry from the index."""
+  p = placement(archive, key[0])
+  return padding_error(path, archive, key, FlatShard.checked(p.shape, p.rank, p.world_size), local)
