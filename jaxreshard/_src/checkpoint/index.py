@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -225,8 +226,9 @@ class Index:
     groups: params split the same way over the same archives.
     member: per archive, its ``(group, rank)`` pairs.
     param_index: per group, ``param id -> param entry``.
-    group_terms: per group, the sum of its params' placement-digest terms.
-    layout_digests, clock_digests: the digest of each layout and clock entry.
+    group_terms: per group, the sum of its params' placement-digest terms (made when first asked).
+    layout_digests, clock_digests: the digest of each layout and clock entry (likewise).
+    raw: the index's params, layouts and clocks as read, for those digests.
     source: the checkpoint a reshard read, or None.
   """
 
@@ -241,10 +243,24 @@ class Index:
   groups: tuple[Group, ...]
   member: tuple[tuple[tuple[int, int], ...], ...]
   param_index: tuple[dict, ...]
-  group_terms: tuple[int, ...]
-  layout_digests: tuple[str, ...]
-  clock_digests: tuple[str, ...]
   source: Source | None
+  raw: dict = dataclasses.field(repr=False, compare=False)  # params, layouts, clocks as read
+
+  # The digests ``describes`` compares with an archive's ``archive.json`` are made the
+  # first time an archive is read, not when the index is opened: planning reads none.
+  @functools.cached_property
+  def group_terms(self) -> tuple[int, ...]:
+    """Per group, the sum of its params' placement-digest terms."""
+    terms = [_param_term(e) for e in self.raw["params"]]
+    return tuple(sum(terms[p] for p in g.params) % _TERM_MOD for g in self.groups)
+
+  @functools.cached_property
+  def layout_digests(self) -> tuple[str, ...]:
+    return tuple(_json_digest(e) for e in self.raw["layouts"])
+
+  @functools.cached_property
+  def clock_digests(self) -> tuple[str, ...]:
+    return tuple(_json_digest(e) for e in self.raw["clocks"])
 
   def describes(self, archive: int) -> dict[str, str]:
     """Digests of what the index says of ``archive``: its layout, its clock and its
@@ -267,7 +283,6 @@ def parse_index(index: Any, where: str) -> Index:
     _parse_param(e, f"{where}, param {i}")
     for i, e in enumerate(fmt.expect(index["params"], list, where))
   )
-  param_terms = [_param_term(e) for e in index["params"]]
   archives = fmt.expect(index["archives"], list, where)
   if not archives:
     raise ArchiveError(f"{where}: the archive list is empty")
@@ -279,9 +294,6 @@ def parse_index(index: Any, where: str) -> Index:
     _parse_clock(e, f"{where}, clock {i}", len(params))
     for i, e in enumerate(fmt.expect(index["clocks"], list, where))
   )
-  # What each archive.json says the index holds for it (checked on every read).
-  layout_digests = tuple(_json_digest(e) for e in index["layouts"])
-  clock_digests = tuple(_json_digest(e) for e in index["clocks"])
   names, archive_layout, archive_clock = _parse_archives(archives, layouts, clocks, where)
   groups = tuple(
     _parse_group(e, f"{where}, group {i}", params, names)
@@ -292,7 +304,6 @@ def parse_index(index: Any, where: str) -> Index:
     for a, r in g.ranks:
       member[a].append((gi, r))
   param_index = tuple({params[p].param: p for p in g.params} for g in groups)
-  group_terms = tuple(sum(param_terms[p] for p in g.params) % _TERM_MOD for g in groups)
   for gi, pindex in enumerate(param_index):
     if len(pindex) != len(groups[gi].params):
       raise ArchiveError(f"{where}: group {gi} lists a param twice")
@@ -309,10 +320,8 @@ def parse_index(index: Any, where: str) -> Index:
     groups,
     tuple(tuple(m) for m in member),
     param_index,
-    group_terms,
-    layout_digests,
-    clock_digests,
     source,
+    {k: index[k] for k in ("params", "layouts", "clocks")},
   )
 
 
