@@ -37,6 +37,15 @@ def needed_ranks(counts: np.ndarray, src: int, dst: int, rank: int) -> np.ndarra
   return np.flatnonzero(np.cumsum(mark)[:src] > 0)
 
 
+def element_bits(position: np.ndarray, seed: int) -> np.ndarray:
+  """The uint32 bits stored at flat ``position`` (mirror-major) of the model: a hash."""
+  x = position.astype(np.uint64) * np.uint64(0x9E3779B1) + np.uint64(seed + 1)
+  x ^= x >> np.uint64(15)
+  x *= np.uint64(0x85EBCA6B)
+  x ^= x >> np.uint64(13)
+  return (x & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
 def write_index_checkpoint(
   path: str, n_params: int, history: int, world: int, seed: int, only=None
 ) -> tuple[list[int], dict]:
@@ -81,19 +90,19 @@ def write_index_checkpoint(
   index["archives"] = [[f"archive_{a:05d}", 0, 0] for a in range(world)]
   (group,) = index["groups"]
   group["ranks"] = [[a, a] for a in range(world)]
-  rng = np.random.default_rng(seed)
-  flat = {m: rng.random(int(sizes_sorted.sum()), dtype=np.float32) for m in ("mu", "nu")}
-  both = np.concatenate([flat["mu"], flat["nu"]])
+  total = int(sizes_sorted.sum())
   base = np.concatenate([[0], np.cumsum(sizes_sorted)[:-1]])
   # Packing order: per parameter (by id) its mu slots, then its nu slots. Position
-  # q of that order is element j of mirror m of parameter p; at rank r it holds
-  # both[m * total + base[p] + r * slots[p] + j], or padding.
+  # q of that order is element j of mirror m of parameter p; at rank r it holds the
+  # element at flat position m * total + base[p] + r * slots[p] + j, or padding.
+  # Values are a function of that position (``element_bits``): the model is never
+  # held whole, so a rank can hold as many bytes as a real one.
   p_of = np.repeat(np.arange(len(ids)), 2 * slots)
   first = np.repeat(np.cumsum(2 * slots) - 2 * slots, 2 * slots)
   within = np.arange(len(p_of)) - first
   m_of = within // slots[p_of]
   j_of = within % slots[p_of]
-  origin = m_of * int(sizes_sorted.sum()) + base[p_of] + j_of
+  origin = m_of * total + base[p_of] + j_of
   os.makedirs(path)
   _checkpoint.dump(os.path.join(path, "jaxreshard.json"), index)
   describes = jr.open_checkpoint(
@@ -102,8 +111,9 @@ def write_index_checkpoint(
   for r in range(world) if only is None else only:
     local = r * slots[p_of] + j_of
     valid = local < sizes_sorted[p_of]
-    data = np.zeros(len(p_of), np.float32)
-    data[valid] = both[origin[valid] + r * slots[p_of][valid]]
+    data = np.zeros(len(p_of), np.uint32)
+    data[valid] = element_bits(origin[valid] + r * slots[p_of][valid], seed)
+    data = data.view(np.float32)
     adir = os.path.join(path, f"archive_{r:05d}")
     os.mkdir(adir)
     chunk = _shardfile.chunk_elements(data.size, 4, 1 << 20)
@@ -119,7 +129,12 @@ def write_index_checkpoint(
         "buffers": {"float32": {"elements": int(data.size), "chunk": chunk, "crc32c": crcs}},
       },
     )
-  return sizes, {"ids": ids, "flat": flat, "count": count_of, "counts": sizes_sorted}
+  return sizes, {
+    "ids": ids,
+    "count": count_of,
+    "total": total,
+    "base": dict(zip(ids, base.tolist())),
+  }
 
 
 def planning_rows(opts: Options) -> list[dict]:
@@ -151,14 +166,12 @@ def planning_rows(opts: Options) -> list[dict]:
     # Exact: a parameter's mu on the target rank is its slice of the flat buffer.
     pid = truth["ids"][len(truth["ids"]) // 2]
     g = jr.FlatShard((truth["count"][pid],), rank, dst)
-    ids = truth["ids"]
-    counts = np.asarray([truth["count"][i] for i in ids])
-    base = int(np.concatenate([[0], np.cumsum(counts)])[ids.index(pid)])
-    want = np.zeros(g.slots, np.float32)
-    want[: g.owned] = truth["flat"]["mu"][base + g.start : base + g.stop]
+    want = np.zeros(g.slots, np.uint32)
+    start = truth["base"][pid] + g.start
+    want[: g.owned] = element_bits(np.arange(start, start + g.owned), opts.seed)
     layer, w = pid.split("/")
     got = np.asarray(target.state[0].mu[layer][w])
-    exact = got.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+    exact = got.view(np.uint32).tobytes() == want.tobytes()
     index_mib = os.path.getsize(os.path.join(path, "jaxreshard.json")) / 2**20
   return [
     {
