@@ -161,11 +161,17 @@ def _validated(ckpt: Checkpoint, migrations: Sequence[Migration]) -> list[_valid
 
 def copied_bytes(groups: Sequence[_validate.SourceGroup]) -> int:
   """The history bytes a target rank copies from its sources: owned elements, no padding."""
-  return sum(
-    (g.target.stop - g.target.start)
-    * sum(np.dtype(d).itemsize for _, d in _copyplan.history_buffers(g))
-    for g in groups
-  )
+  # Groups share a handful of histories: the bytes per element are summed once for each.
+  per_element: dict[tuple, int] = {}
+  total = 0
+  for g in groups:
+    key = (g.history, g.buffer_dtypes)
+    n = per_element.get(key)
+    if n is None:
+      n = per_element[key] = sum(np.dtype(d).itemsize for _, d in _copyplan.history_buffers(g))
+    t = g.target
+    total += (t.stop - t.start) * n
+  return total
 
 
 def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
