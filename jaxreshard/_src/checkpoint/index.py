@@ -184,10 +184,14 @@ class ArchiveLayout:
     """The state parts of an archive with this layout and clock (for building targets)."""
     t = self._templates.get(clock_id)
     if t is None:
-      leaves = [scalars[x.index] if isinstance(x, _ScalarSlot) else x for x in self.leaves]
-      t = self._templates[clock_id] = _structure.state_parts(
-        fmt.decode_tree(self.tree, leaves, self.where), self.roles
+      # The layout's own parts with each clock scalar's slot replaced by its value:
+      # scalars are leaves (arrays and numbers), so the tree is the one decoding the
+      # layout with them in place would give, without decoding it again.
+      p = self.state_parts
+      skeleton_leaves = tuple(
+        scalars[x.index] if isinstance(x, _ScalarSlot) else x for x in p.skeleton_leaves
       )
+      t = self._templates[clock_id] = _structure.StateParts(p.skeleton, skeleton_leaves, p.subtrees)
     return t
 
 
