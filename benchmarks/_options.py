@@ -55,7 +55,7 @@ class Options:
   scale_size: int = 32 * _M
   plan_params: int = 10_000
   plan_worlds: tuple[int, int] = (4096, 3072)
-  plan_size: int = 4096 * 8 * _M  # 32 MiB of history per source rank; only ~13 are written
+  plan_size: int = 4096 * 2 * _M  # 8 MiB of history per source rank; only those read are written
   save_states: tuple[tuple[int, int], ...] = ((200, 2 * _M), (148, 2_200_000))
   durable_states: tuple[tuple[int, int], ...] = ((200, 2 * _M), (200, 32 * _M))
   durable_rounds: int = 5
