@@ -440,7 +440,15 @@ def _parse_layout(e: Any, where: str) -> ArchiveLayout:
   if set(e) != {"tree", "leaves"}:
     raise ArchiveError(f"{where}: expected tree and leaves")
   leaves, n_scalars = [], 0
+  dtypes: dict[str, np.dtype] = {}
   for i, x in enumerate(fmt.expect(e["leaves"], list, where)):
+    # The common leaf, a well-formed history buffer, takes the short way; anything
+    # else is checked field by field below, with its message.
+    if type(x) is list and len(x) == 3 and type(x[0]) is str and type(x[2]) is int:
+      d = dtypes.get(x[1]) if type(x[1]) is str else None
+      if d is not None and 0 <= x[2] <= 2**62:
+        leaves.append(LeafInfo(x[0], (x[2],), d))
+        continue
     lw = f"{where}, leaf {i}"
     if isinstance(x, dict) and set(x) == {"s"}:
       if x["s"] != n_scalars:
@@ -451,7 +459,9 @@ def _parse_layout(e: Any, where: str) -> ArchiveLayout:
       slots = fmt.expect(x[2], int, lw)
       if not 0 <= slots <= 2**62:
         raise ArchiveError(f"{lw}: {slots} slots is not a buffer size")
-      leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), fmt.np_dtype(x[1], lw)))
+      d = fmt.np_dtype(x[1], lw)
+      dtypes[x[1]] = d
+      leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), d))
     else:
       raise ArchiveError(f"{lw}: invalid leaf {str(x)[:80]!r}")
   return ArchiveLayout(e["tree"], leaves, where)
