@@ -31,7 +31,7 @@ class Options:
     scale_size: history size of the scale benchmark.
     plan_params: parameters of the planning-from-disk measurement.
     plan_worlds: (source, target) world sizes of the planning measurement.
-    plan_size: history elements of the planning checkpoint.
+    plan_size: history elements of the planning checkpoint (the model's, over every rank).
     save_states: (parameters, history elements) of each save measurement.
     durable_states: (parameters, history elements) of each durable-save measurement.
     durable_rounds: interleaved rounds per side of the durable-save benchmark (median).
@@ -58,7 +58,7 @@ class Options:
   scale_size: int = 32 * _M
   plan_params: int = 10_000
   plan_worlds: tuple[int, int] = (4096, 3072)
-  plan_size: int = 8 * _M
+  plan_size: int = 4096 * 2 * _M  # 8 MiB of history per source rank; only those read are written
   save_states: tuple[tuple[int, int], ...] = ((200, 2 * _M), (148, 2_200_000))
   durable_states: tuple[tuple[int, int], ...] = ((200, 2 * _M), (200, 32 * _M))
   durable_rounds: int = 5

@@ -17,9 +17,11 @@ from benchmarks._options import Options
 
 NAME = "restore"
 GOAL = (
-  ">= 0.5x a raw read() of the same number of bytes, and >= 3x orbax's"
-  " restore-with-new-sharding per rank of the same state"
+  "(g) one target rank at 8 -> 6 (200 params, page cache) >= 0.8x a raw read() of its bytes,"
+  " and >= 3x orbax's restore-with-new-sharding per rank of the same state"
 )
+VS_RAW_READ = 0.8
+VS_ORBAX = 3
 
 
 def _timed(fn, repeats):
@@ -210,14 +212,19 @@ def run(opts: Options) -> Result:
       orbax_global["seconds"] * r["mib"] / orbax_global["mib"] / r["seconds"], 3
     )
     r["vs_raw_read"] = round(raw["seconds"] * r["mib"] / raw["mib"] / r["seconds"], 3)
-  met = None if opts.quick else (jr_one["vs_raw_read"] >= 0.5 and jr_one["vs_orbax_global"] >= 3)
+  met = (
+    None
+    if opts.quick
+    else (jr_one["vs_raw_read"] >= VS_RAW_READ and jr_one["vs_orbax_global"] >= VS_ORBAX)
+  )
   notes = (
     f"Adam, {opts.n_params} parameters, {opts.disk_size} history elements saved over"
     f" {opts.src_world} ranks, restored for {opts.dst_world}; {opts.src_world} simulated CPU"
     " devices in a child process. Files are read from the page cache (just written; no"
     " root to drop caches), so this measures the read path, not the disk."
     " `seconds`: best of warm runs; `cold_seconds`: the first restore in the process."
-    " `mib_read`: /proc/self/io rchar delta during the best run."
+    " `mib_read`: /proc/self/io rchar delta during the best run (whole chunks are read, each"
+    " checked against its crc32c, so a rank reads more than it copies)."
     " `vs_orbax_global`: this row's bytes per second over orbax's global restore"
     " (>1: faster than orbax). Orbax restores every target rank at once onto"
     f" {opts.dst_world} devices; per rank that is {per_rank_orbax:.3f} s."

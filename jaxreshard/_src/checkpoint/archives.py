@@ -8,7 +8,6 @@ a read copies from must hold zero bits.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 from collections.abc import Callable
@@ -17,6 +16,8 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
+from jaxreshard._src.checkpoint import pads as _pads
+from jaxreshard._src.checkpoint import runread as _runread
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint.index import (
   ARCHIVE_FILE,
@@ -27,28 +28,8 @@ from jaxreshard._src.checkpoint.index import (
   Index,
 )
 from jaxreshard._src.checkpoint.shardread import ReadStats
-from jaxreshard._src.core.geometry import FlatShard
-from jaxreshard._src.errors import ArchiveError, PlacementError, ReshardError
+from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
-
-
-@dataclasses.dataclass(frozen=True)
-class _Pads:
-  """The history buffers in one archive's packed buffer of one dtype, and their padding.
-
-  Buffer ``k`` lies at ``[starts[k], stops[k])`` of the packed buffer; its
-  elements from ``owned[k]`` on are padding (past what the rank's flat shard
-  owns), which must hold zero bits. ``trailing[k]`` are the archives of the
-  all-padding ranks after this one when this rank holds its param's last element.
-  """
-
-  starts: np.ndarray
-  owned: np.ndarray
-  stops: np.ndarray
-  keys: list  # (param, mirror) of each buffer
-  shards: list  # each buffer's FlatShard, or None where the index gives it none
-  trailing: list
-  index: dict  # (param, mirror) -> k
 
 
 def signed_value(raw: bytes, where: str, what: str) -> dict:
@@ -133,7 +114,8 @@ class ArchiveReader:
     self._placement = placement
     self._lock = threading.Lock()
     self._archive_meta: dict[int, dict] = {}
-    self._pads: dict[tuple[int, np.dtype], _Pads] = {}
+    self._pads: dict[tuple[int, np.dtype], _pads.Pads] = {}
+    self._bases: dict[tuple[int, np.dtype], _pads.PadBase] = {}  # by (layout, group, dtype)
 
   def _layout(self, archive: int) -> ArchiveLayout:
     return self.index.layouts[self.index.archive_layout[archive]]
@@ -157,19 +139,19 @@ class ArchiveReader:
       self._archive_meta[archive] = meta
     return meta
 
-  def _pad_table(self, archive: int, dtype: np.dtype) -> _Pads:
+  def _pad_table(self, archive: int, dtype: np.dtype) -> _pads.Pads:
     """Where the padding of an archive's packed buffer of ``dtype`` lies (made once)."""
     key = (archive, np.dtype(dtype))
-    with self._lock:
-      pads = self._pads.get(key)
+    pads = self._pads.get(key)  # a dict's get and set are atomic; a race makes one twice
     if pads is None:
-      pads = pad_table(self.index, self._layout(archive), self._placement(), archive, key[1])
-      with self._lock:
-        self._pads[key] = pads
+      layout = self._layout(archive)
+      pads = _pads.for_archive(self.index, layout, self._placement(), archive, key[1], self._bases)
+      self._pads[key] = pads
     return pads
 
-  def _padding_error(self, archive: int, pads: _Pads, k: int, local: int) -> ArchiveError:
-    return padding_error(f"{self.directory}/{self.index.names[archive]}", archive, pads, k, local)
+  def _padding_error(self, archive: int, pads: _pads.Pads, k: int, local: int) -> ArchiveError:
+    where = f"{self.directory}/{self.index.names[archive]}"
+    return _pads.error_at(where, self._placement(), archive, pads.keys[k], local)
 
   def check_padding_of(self, archive: int, dtype: np.dtype, packed: np.ndarray) -> None:
     """Every padding slot of an archive's whole packed buffer of ``dtype`` is zero bits."""
@@ -277,8 +259,9 @@ class ArchiveReader:
     touched = np.unique(np.searchsorted(pads.starts, src, side="right") - 1)
     touched = touched[touched >= 0]
     if trailing is not None:
-      for k in touched.tolist():
-        for a in pads.trailing[k]:
+      for k in touched[pads.last[touched]].tolist():
+        rank = int(pads.ranks[k])
+        for a in _pads.ranks_after(self.index, archive, pads.keys[k][0], rank):
           trailing.add((a, np.dtype(dtype), pads.keys[k]))
     checks = touched[pads.owned[touched] < pads.stops[touched]]
     self._read(archive, dtype, pads, checks, src, dst, length, out, scratch, stats)
@@ -287,7 +270,7 @@ class ArchiveReader:
     self,
     archive: int,
     dtype: np.dtype,
-    pads: _Pads,
+    pads: _pads.Pads,
     checks: np.ndarray,
     src,
     dst,
@@ -307,22 +290,9 @@ class ArchiveReader:
     try:
       if len(scratch) < f.stride:
         scratch = np.empty(f.stride, np.uint8)
-      _read_runs(f, src, dst, length, out, scratch, stats, zero=zero, refuse=refuse)
+      _runread.read_runs(f, src, dst, length, out, scratch, stats, zero=zero, refuse=refuse)
     finally:
       f.close()
-
-
-def padding_error(path: str, archive: int, pads: _Pads, k: int, local: int) -> ArchiveError:
-  """Nonzero bits at ``local`` in the padding of buffer ``k`` of ``pads``."""
-  pid, m = pads.keys[k]
-  g = pads.shards[k]
-  return ArchiveError(
-    f"param {pid!r}: history buffer {m} of archive {archive}"
-    f" ({path}): padding is not zero (nonzero bits at"
-    f" local index {local}); the index gives rank {g.rank} of shape {g.shape} over world_size"
-    f" {g.world_size}, which owns {g.owned} of its {g.slots} slots, so the data"
-    " contradicts the layout"
-  )
 
 
 def check_archive_meta(index: Index, archive: int, meta: dict, where: str) -> None:
@@ -379,113 +349,3 @@ def check_describes(index: Index, got: Any, archive: int, where: str) -> None:
         f" (the index and its {ARCHIVE_FILE} disagree on {words}); the index was edited or"
         " belongs to other archives"
       )
-
-
-def pad_table(
-  index: Index, layout: ArchiveLayout, placement: Callable, archive: int, dtype: np.dtype
-) -> _Pads:
-  """Where the padding of an archive's packed buffer of ``dtype`` lies."""
-  entries = sorted((o, n, k) for k, (d, o, n) in layout.offsets.items() if d == dtype)
-  starts, owned, stops, keys, shards, trailing = [], [], [], [], [], []
-  for o, n, (pid, m) in entries:
-    g, after = None, ()
-    p = placement(archive, pid)
-    if p is not None:
-      try:
-        g = FlatShard.checked(p.shape, p.rank, p.world_size)
-      except PlacementError:
-        g = None  # refused by validation, never read
-    if g is not None and g.slots == n:
-      own = g.owned
-      if g.owned and g.stop == g.count and g.rank + 1 < g.world_size:
-        after = _ranks_after(index, archive, pid, g.rank)
-    else:
-      g, own = None, n  # a buffer the index does not lay out is refused before reads
-    starts.append(o)
-    owned.append(o + own)
-    stops.append(o + n)
-    keys.append((pid, m))
-    shards.append(g)
-    trailing.append(after)
-  return _Pads(
-    np.asarray(starts, np.int64),
-    np.asarray(owned, np.int64),
-    np.asarray(stops, np.int64),
-    keys,
-    shards,
-    trailing,
-    {k: i for i, k in enumerate(keys)},
-  )
-
-
-def _ranks_after(index: Index, archive: int, pid: str, rank: int) -> tuple[int, ...]:
-  """The archives holding ranks after ``rank`` of ``pid``'s group in ``archive``."""
-  out = set()
-  for gi, r in index.member[archive]:
-    if pid in index.param_index[gi] and r == rank:
-      out.update(a for a, ra in index.groups[gi].ranks if ra > rank)
-  return tuple(sorted(out))
-
-
-def _read_runs(
-  f: _shardread.ShardFile,
-  src,
-  dst,
-  length,
-  out,
-  scratch,
-  stats: ReadStats | None = None,
-  zero=None,
-  refuse=None,
-) -> None:
-  """Copies runs ``src -> dst`` of ``f`` into ``out``, reading each chunk span once.
-
-  ``zero``: ``(starts, lengths)`` of ranges of ``f`` that must be zero bits,
-  read with the same spans; ``refuse(i, position)`` makes the error for range ``i``.
-  """
-  n_copy = len(src)
-  if zero is not None and len(zero[0]):
-    src = np.concatenate([src, zero[0]])
-    length = np.concatenate([length, zero[1]])
-    dst = np.concatenate([dst, np.zeros(len(zero[0]), np.int64)])
-  if f.size and (int((src + length).max(initial=0)) > f.size or int(src.min(initial=0)) < 0):
-    raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
-  if not len(src):
-    return
-  c = f.chunk
-  first, last = src // c, (src + length - 1) // c
-  pieces = last - first + 1
-  run = np.repeat(np.arange(len(src)), pieces)
-  chunk = first[run] + (np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces))
-  lo = np.maximum(src[run], chunk * c)
-  hi = np.minimum(src[run] + length[run], (chunk + 1) * c)
-  to = dst[run] + (lo - src[run])
-  order = np.argsort(chunk, kind="stable")
-  per_span = max(1, len(scratch) // f.stride)
-  view = _bitview.bits(out) if n_copy else None
-  data, span_first, span_n = None, -1, 0
-  needed = np.unique(chunk)
-  pos = 0
-  for j in order.tolist():
-    ch = int(chunk[j])
-    if not span_first <= ch < span_first + span_n:
-      # The next span: consecutive needed chunks from this one, as many as fit.
-      pos = int(np.searchsorted(needed, ch))
-      n = 1
-      while pos + n < len(needed) and n < per_span and needed[pos + n] == ch + n:
-        n += 1
-      data = f.read_chunks(ch, n, scratch)
-      span_first, span_n = ch, n
-      if stats is not None:
-        stats.reads += 1
-        stats.chunks += n
-        stats.bytes += n * f.stride
-    row = data[ch - span_first]
-    a, b, t = int(lo[j]) - ch * c, int(hi[j]) - ch * c, int(to[j])
-    r = int(run[j])
-    if r < n_copy:
-      view[t : t + b - a] = row[a:b]
-    else:
-      nz = np.flatnonzero(row[a:b])
-      if nz.size:
-        raise refuse(r - n_copy, ch * c + a + int(nz[0]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import re
@@ -12,8 +13,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
-from jaxreshard._src.core import copyplan as _copyplan
-from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.checkpoint.layout import ArchiveLayout, LeafInfo, _ScalarSlot  # noqa: F401  (re-exported)
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.errors import ArchiveError, PlacementError
@@ -113,83 +113,6 @@ class SourcedRecords:
     return iter(self.records)
 
 
-@dataclasses.dataclass(frozen=True)
-class LeafInfo:
-  """A history buffer of a layout: shape ``(slots,)`` and dtype, no data."""
-
-  param: str
-  shape: tuple[int]
-  dtype: np.dtype
-
-  @property
-  def size(self) -> int:
-    return self.shape[0]
-
-
-@dataclasses.dataclass(frozen=True)
-class _ScalarSlot:
-  index: int
-
-
-class ArchiveLayout:
-  """One state layout of the index: tree, roles, history buffers, packing offsets."""
-
-  def __init__(self, tree: Any, leaves: list[Any], where: str):
-    self.tree = tree
-    self.where = where
-    self.leaves = leaves  # LeafInfo or _ScalarSlot, in tree-leaf order
-    self.roles = tuple(x.param if isinstance(x, LeafInfo) else None for x in leaves)
-    self.n_scalars = sum(isinstance(x, _ScalarSlot) for x in leaves)
-    placeholder = fmt.decode_tree(tree, leaves, where)
-    try:
-      self.state_parts = _structure.state_parts(placeholder, self.roles)
-    except _structure.StatePartsError as e:
-      raise ArchiveError(f"{where}: {e}") from None
-    self.offsets: dict[tuple[str, int], tuple[np.dtype, int, int]] = {}
-    self.sizes: dict[np.dtype, int] = {}
-    for pid, m, info in _copyplan.packing_order(
-      {p: self.state_parts.history(p) for p in self.state_parts.param_set()}
-    ):
-      start = self.sizes.get(info.dtype, 0)
-      self.offsets[(pid, m)] = (info.dtype, start, info.size)
-      self.sizes[info.dtype] = start + info.size
-    self._templates: dict[int, _structure.StateParts] = {}
-    # (param, mirror) of each history leaf, by the leaf's identity.
-    self._keys = {
-      id(info): (pid, mi)
-      for mi, subtree in enumerate(self.state_parts.subtrees)
-      for pid, info in subtree.entries.items()
-      if isinstance(info, LeafInfo)
-    }
-
-  def state(self, scalars: Sequence[Any], buffers: dict[tuple[str, int], Any]) -> Any:
-    """The archive's state: clock scalars and history buffers put in the tree."""
-    leaves = [
-      scalars[x.index] if isinstance(x, _ScalarSlot) else buffers[self._keys[id(x)]]
-      for x in self.leaves
-    ]
-    return fmt.decode_tree(self.tree, leaves, self.where)
-
-  def infos(self) -> dict[tuple[str, int], LeafInfo]:
-    """Every history buffer of the layout, by (param, mirror)."""
-    return {
-      key: info
-      for info in self.leaves
-      if isinstance(info, LeafInfo)
-      for key in (self._keys[id(info)],)
-    }
-
-  def template(self, clock_id: int, scalars: Sequence[Any]) -> _structure.StateParts:
-    """The state parts of an archive with this layout and clock (for building targets)."""
-    t = self._templates.get(clock_id)
-    if t is None:
-      leaves = [scalars[x.index] if isinstance(x, _ScalarSlot) else x for x in self.leaves]
-      t = self._templates[clock_id] = _structure.state_parts(
-        fmt.decode_tree(self.tree, leaves, self.where), self.roles
-      )
-    return t
-
-
 # An archive's entry for a parameter that two of its groups list.
 _TWICE = object()
 
@@ -225,8 +148,9 @@ class Index:
     groups: params split the same way over the same archives.
     member: per archive, its ``(group, rank)`` pairs.
     param_index: per group, ``param id -> param entry``.
-    group_terms: per group, the sum of its params' placement-digest terms.
-    layout_digests, clock_digests: the digest of each layout and clock entry.
+    group_terms: per group, the sum of its params' placement-digest terms (made when first asked).
+    layout_digests, clock_digests: the digest of each layout and clock entry (likewise).
+    raw: the index's params, layouts and clocks as read, for those digests.
     source: the checkpoint a reshard read, or None.
   """
 
@@ -241,10 +165,24 @@ class Index:
   groups: tuple[Group, ...]
   member: tuple[tuple[tuple[int, int], ...], ...]
   param_index: tuple[dict, ...]
-  group_terms: tuple[int, ...]
-  layout_digests: tuple[str, ...]
-  clock_digests: tuple[str, ...]
   source: Source | None
+  raw: dict = dataclasses.field(repr=False, compare=False)  # params, layouts, clocks as read
+
+  # The digests ``describes`` compares with an archive's ``archive.json`` are made the
+  # first time an archive is read, not when the index is opened: planning reads none.
+  @functools.cached_property
+  def group_terms(self) -> tuple[int, ...]:
+    """Per group, the sum of its params' placement-digest terms."""
+    terms = [_param_term(e) for e in self.raw["params"]]
+    return tuple(sum(terms[p] for p in g.params) % _TERM_MOD for g in self.groups)
+
+  @functools.cached_property
+  def layout_digests(self) -> tuple[str, ...]:
+    return tuple(_json_digest(e) for e in self.raw["layouts"])
+
+  @functools.cached_property
+  def clock_digests(self) -> tuple[str, ...]:
+    return tuple(_json_digest(e) for e in self.raw["clocks"])
 
   def describes(self, archive: int) -> dict[str, str]:
     """Digests of what the index says of ``archive``: its layout, its clock and its
@@ -267,7 +205,6 @@ def parse_index(index: Any, where: str) -> Index:
     _parse_param(e, f"{where}, param {i}")
     for i, e in enumerate(fmt.expect(index["params"], list, where))
   )
-  param_terms = [_param_term(e) for e in index["params"]]
   archives = fmt.expect(index["archives"], list, where)
   if not archives:
     raise ArchiveError(f"{where}: the archive list is empty")
@@ -279,9 +216,6 @@ def parse_index(index: Any, where: str) -> Index:
     _parse_clock(e, f"{where}, clock {i}", len(params))
     for i, e in enumerate(fmt.expect(index["clocks"], list, where))
   )
-  # What each archive.json says the index holds for it (checked on every read).
-  layout_digests = tuple(_json_digest(e) for e in index["layouts"])
-  clock_digests = tuple(_json_digest(e) for e in index["clocks"])
   names, archive_layout, archive_clock = _parse_archives(archives, layouts, clocks, where)
   groups = tuple(
     _parse_group(e, f"{where}, group {i}", params, names)
@@ -292,7 +226,6 @@ def parse_index(index: Any, where: str) -> Index:
     for a, r in g.ranks:
       member[a].append((gi, r))
   param_index = tuple({params[p].param: p for p in g.params} for g in groups)
-  group_terms = tuple(sum(param_terms[p] for p in g.params) % _TERM_MOD for g in groups)
   for gi, pindex in enumerate(param_index):
     if len(pindex) != len(groups[gi].params):
       raise ArchiveError(f"{where}: group {gi} lists a param twice")
@@ -309,10 +242,8 @@ def parse_index(index: Any, where: str) -> Index:
     groups,
     tuple(tuple(m) for m in member),
     param_index,
-    group_terms,
-    layout_digests,
-    clock_digests,
     source,
+    {k: index[k] for k in ("params", "layouts", "clocks")},
   )
 
 
@@ -427,7 +358,15 @@ def _parse_layout(e: Any, where: str) -> ArchiveLayout:
   if set(e) != {"tree", "leaves"}:
     raise ArchiveError(f"{where}: expected tree and leaves")
   leaves, n_scalars = [], 0
+  dtypes: dict[str, np.dtype] = {}
   for i, x in enumerate(fmt.expect(e["leaves"], list, where)):
+    # The common leaf, a well-formed history buffer, takes the short way; anything
+    # else is checked field by field below, with its message.
+    if type(x) is list and len(x) == 3 and type(x[0]) is str and type(x[2]) is int:
+      d = dtypes.get(x[1]) if type(x[1]) is str else None
+      if d is not None and 0 <= x[2] <= 2**62:
+        leaves.append(LeafInfo(x[0], (x[2],), d))
+        continue
     lw = f"{where}, leaf {i}"
     if isinstance(x, dict) and set(x) == {"s"}:
       if x["s"] != n_scalars:
@@ -438,7 +377,9 @@ def _parse_layout(e: Any, where: str) -> ArchiveLayout:
       slots = fmt.expect(x[2], int, lw)
       if not 0 <= slots <= 2**62:
         raise ArchiveError(f"{lw}: {slots} slots is not a buffer size")
-      leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), fmt.np_dtype(x[1], lw)))
+      d = fmt.np_dtype(x[1], lw)
+      dtypes[x[1]] = d
+      leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), d))
     else:
       raise ArchiveError(f"{lw}: invalid leaf {str(x)[:80]!r}")
   return ArchiveLayout(e["tree"], leaves, where)

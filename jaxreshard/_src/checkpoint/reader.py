@@ -68,6 +68,7 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import brief as _brief
+from jaxreshard._src.checkpoint import groupfacts as _groupfacts
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint.archives import allocate, path_arg  # noqa: F401  (re-exported)
@@ -121,7 +122,7 @@ class _Caches:
 
   Attributes:
     facts: facts of params outside uniform groups.
-    group_facts: facts of params of uniform groups, by (group, param).
+    group_facts: facts of the params of each uniform group, by group, then param.
     uniform: whether each group is uniform (``_is_uniform``).
     complete: ``complete_groups``' answer.
     group_of: each param's (archive of each rank, group), from ``complete_groups``.
@@ -266,17 +267,15 @@ class Checkpoint:
     return out
 
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts:
-    with self._lock:
-      hit = self._cache.group_of.get(pid)
-    if hit is not None and hit[0] == sources and self._is_uniform(hit[1]):
-      key = (hit[1], pid)
-      with self._lock:
-        facts = self._cache.group_facts.get(key)
-      if facts is None:
-        facts = uniform_facts(self, hit[1], pid, sources)
-        with self._lock:
-          self._cache.group_facts[key] = facts
-      return facts
+    hit = self._cache.group_of.get(pid)
+    if hit is not None and (hit[0] is sources or hit[0] == sources) and self._is_uniform(hit[1]):
+      # A uniform group's facts are made for all its params at once (``group_facts``);
+      # a param refused there is asked again alone, for its own refusal.
+      table = self._cache.group_facts.get(hit[1])
+      if table is None:
+        table = self._cache.group_facts[hit[1]] = _groupfacts.group_facts(self, hit[1], hit[0])
+      facts = table.get(pid)
+      return facts if facts is not None else _groupfacts.uniform_facts(self, hit[1], pid, sources)
     with self._lock:
       return self._cache.facts.facts(pid, sources, self)
 
@@ -284,7 +283,7 @@ class Checkpoint:
     """Every archive of the group has one layout and clock, with the group's slots."""
     u = self._cache.uniform.get(gi)
     if u is None:
-      u = self._cache.uniform[gi] = is_uniform(self, gi)
+      u = self._cache.uniform[gi] = _groupfacts.is_uniform(self, gi)
     return u
 
   def locate(
@@ -400,57 +399,6 @@ def complete_groups(index: _index.Index) -> tuple[list, dict]:
       out.append((e.param, e.shape, by_rank))
   out.sort(key=lambda x: x[0])
   return out, group_of
-
-
-def is_uniform(ckpt: Checkpoint, gi: int) -> bool:
-  """Every archive of group ``gi`` has one layout and clock, with the group's slots."""
-  g = ckpt.groups[gi]
-  archives = [a for a, _ in g.ranks]
-  u = (
-    len({ckpt.archive_layout[a] for a in archives}) == 1
-    and len({ckpt.clock_class(a) for a in archives}) == 1
-    and all(len(ckpt.member[a]) == 1 for a in archives)
-  )
-  if u:
-    state_parts = ckpt.layout(archives[0]).state_parts
-    for p in g.params:
-      e = ckpt.params[p]
-      slots = FlatShard.checked(e.shape, 0, g.world_size).slots
-      for h in state_parts.history(e.param):
-        if isinstance(h, LeafInfo) and h.shape != (slots,):
-          u = False
-    u = u and state_parts.param_set() <= set(ckpt.index.param_index[gi])
-  return u
-
-
-def uniform_facts(ckpt: Checkpoint, gi: int, pid: str, sources: tuple) -> _validate.SourceFacts:
-  """The facts of ``pid`` of uniform group ``gi``, from its first archive alone."""
-  g = ckpt.groups[gi]
-  p = ckpt.index.param_index[gi].get(pid)
-  if p is None:
-    raise _validate.not_listed(pid, sources[0], ckpt)
-  e = ckpt.params[p]
-  a0 = sources[0]
-  _validate.check_storage_dtype(e.dtype, f"param {pid!r}: archive {a0}")
-  hist = ckpt.history(a0, pid)
-  dtypes = []
-  for m, h in enumerate(hist):
-    if isinstance(h, LeafInfo):
-      _validate.check_buffer_dtype(h.dtype, f"param {pid!r}: archive {a0}, history buffer {m}")
-      dtypes.append(h.dtype)
-    else:
-      dtypes.append(None)
-  return _validate.SourceFacts(
-    param=pid,
-    shape=e.shape,
-    source=FlatShard.checked(e.shape, 0, g.world_size),
-    by_rank=sources,
-    dtype=e.dtype,
-    trainable=e.trainable,
-    history=tuple(True if isinstance(h, LeafInfo) else h for h in hist),
-    buffer_dtypes=tuple(dtypes),
-    clock=ckpt.clock_class(a0),
-  )
 
 
 def open_checkpoint(directory: os.PathLike | str) -> Checkpoint:

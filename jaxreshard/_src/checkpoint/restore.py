@@ -161,11 +161,17 @@ def _validated(ckpt: Checkpoint, migrations: Sequence[Migration]) -> list[_valid
 
 def copied_bytes(groups: Sequence[_validate.SourceGroup]) -> int:
   """The history bytes a target rank copies from its sources: owned elements, no padding."""
-  return sum(
-    (g.target.stop - g.target.start)
-    * sum(np.dtype(d).itemsize for _, d in _copyplan.history_buffers(g))
-    for g in groups
-  )
+  # Groups share a handful of histories: the bytes per element are summed once for each.
+  per_element: dict[tuple, int] = {}
+  total = 0
+  for g in groups:
+    key = (g.history, g.buffer_dtypes)
+    n = per_element.get(key)
+    if n is None:
+      n = per_element[key] = sum(np.dtype(d).itemsize for _, d in _copyplan.history_buffers(g))
+    t = g.target
+    total += (t.stop - t.start) * n
+  return total
 
 
 def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
@@ -176,17 +182,24 @@ def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
   Together the target ranks of a layout check every all-padding source rank, each
   rank mostly checking archives it reads anyway.
   """
+  if not groups:
+    return set()
+  # The rank ranges as arrays over the groups; only groups with such ranks are visited.
+  ss = np.fromiter((g.source.slots for g in groups), np.int64, len(groups))
+  count = np.fromiter((g.source.count for g in groups), np.int64, len(groups))
+  world = np.fromiter((g.source.world_size for g in groups), np.int64, len(groups))
+  t_rank = np.fromiter((g.target.rank for g in groups), np.int64, len(groups))
+  t_slots = np.fromiter((g.target.slots for g in groups), np.int64, len(groups))
+  t_world = np.fromiter((g.target.world_size for g in groups), np.int64, len(groups))
+  lo = t_rank * t_slots
+  hi = np.where(t_rank + 1 < t_world, (t_rank + 1) * t_slots, ss * world)
+  safe = np.maximum(ss, 1)
+  first = np.maximum(-(-count // safe), lo // safe)  # the first all-padding rank in the range
+  last = np.minimum(world, -(-hi // safe))
   out = set()
-  for g in groups:
-    ss, count = g.source.slots, g.source.count
-    if not ss:
-      continue
-    t = g.target
-    lo = t.rank * t.slots
-    hi = (t.rank + 1) * t.slots if t.rank + 1 < t.world_size else ss * g.source.world_size
-    first = max(-(-count // ss), lo // ss)  # the first all-padding rank in the range
-    last = min(g.source.world_size, -(-hi // ss))
-    for k in range(first, last):
+  for gi in np.flatnonzero((ss > 0) & (first < last)).tolist():
+    g = groups[gi]
+    for k in range(int(first[gi]), int(last[gi])):
       for m, dtype in _copyplan.history_buffers(g):
         out.add((g.by_rank[k], np.dtype(dtype), (g.param, m)))
   return out

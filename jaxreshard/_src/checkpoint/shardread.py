@@ -190,6 +190,7 @@ class ShardFile:
   ):
     self.size, self.dtype, self.chunk = size, np.dtype(dtype), chunk
     self.crcs = list(crcs)
+    self.crc_table = np.asarray(self.crcs, np.int64)  # the same, for whole-span comparisons
     # Messages name what the file is (``label``, e.g. "archive 3") and its path.
     self.path = (f"{label} " if label else "") + os.path.join(parent.path, name)
     self.n = n_chunks(size, chunk)

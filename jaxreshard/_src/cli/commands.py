@@ -237,17 +237,20 @@ def reshard(
     )
   _refuse_inside(out, [checkpoint])
   total = first.bytes_read if rank is not None else _read_plan.total_bytes(ckpt)
-  restore = lambda r: _restore.restore_ranks(source, [r], world_size=world_size, checkpoint=ckpt)[0]
   err = _render.err_console()
   t0 = time.perf_counter()
   with progress_bar(err) as bar:
     task = bar.add_task("resharding", total=total or 1)
 
     def targets() -> Iterator[Any]:
-      for p in plans:
-        bar.update(task, description=f"rank {p.rank}/{world_size}")
-        yield restore(p.rank)
-        bar.advance(task, p.bytes_read)  # after save_records has taken this rank
+      # Each rank is planned once, by its restore, which also counts the bytes it moved.
+      for r in ranks:
+        bar.update(task, description=f"rank {r}/{world_size}")
+        done: list[Any] = []
+        yield _restore.restore_ranks(
+          source, [r], world_size=world_size, checkpoint=ckpt, progress=done.append
+        )[0]
+        bar.advance(task, done[-1].done_bytes)  # after save_records has taken this rank
 
     # The output names its source, so that parts of two saves never merge.
     jr.save_records(

@@ -1,0 +1,115 @@
+"""What validation asks of a checkpoint's uniform groups, answered from the index alone.
+
+A group is uniform when every archive of it has one layout and one clock, with
+the group's slots: one archive then speaks for all, and the facts of all its
+params are made in one pass over the group (``group_facts``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxreshard._src.checkpoint.index import LeafInfo
+from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.errors import ReshardError
+
+__all__ = ["group_facts", "is_uniform", "uniform_facts"]
+
+
+def is_uniform(ckpt: Any, gi: int) -> bool:
+  """Every archive of group ``gi`` has one layout and clock, with the group's slots."""
+  g = ckpt.groups[gi]
+  archives = [a for a, _ in g.ranks]
+  u = (
+    len({ckpt.archive_layout[a] for a in archives}) == 1
+    and len({ckpt.clock_class(a) for a in archives}) == 1
+    and all(len(ckpt.member[a]) == 1 for a in archives)
+  )
+  if u:
+    state_parts = ckpt.layout(archives[0]).state_parts
+    for p in g.params:
+      e = ckpt.params[p]
+      slots = FlatShard.checked(e.shape, 0, g.world_size).slots
+      for h in state_parts.history(e.param):
+        if isinstance(h, LeafInfo) and h.shape != (slots,):
+          u = False
+    u = u and state_parts.param_set() <= set(ckpt.index.param_index[gi])
+  return u
+
+
+def uniform_facts(ckpt: Any, gi: int, pid: str, sources: tuple) -> _validate.SourceFacts:
+  """The facts of ``pid`` of uniform group ``gi``, from its first archive alone."""
+  g = ckpt.groups[gi]
+  p = ckpt.index.param_index[gi].get(pid)
+  if p is None:
+    raise _validate.not_listed(pid, sources[0], ckpt)
+  e = ckpt.params[p]
+  a0 = sources[0]
+  _validate.check_storage_dtype(e.dtype, f"param {pid!r}: archive {a0}")
+  hist = ckpt.history(a0, pid)
+  dtypes = []
+  for m, h in enumerate(hist):
+    if isinstance(h, LeafInfo):
+      _validate.check_buffer_dtype(h.dtype, f"param {pid!r}: archive {a0}, history buffer {m}")
+      dtypes.append(h.dtype)
+    else:
+      dtypes.append(None)
+  return _validate.SourceFacts(
+    param=pid,
+    shape=e.shape,
+    source=FlatShard.checked(e.shape, 0, g.world_size),
+    by_rank=sources,
+    dtype=e.dtype,
+    trainable=e.trainable,
+    history=tuple(True if isinstance(h, LeafInfo) else h for h in hist),
+    buffer_dtypes=tuple(dtypes),
+    clock=ckpt.clock_class(a0),
+  )
+
+
+def group_facts(ckpt: Any, gi: int, sources: tuple) -> dict[str, _validate.SourceFacts]:
+  """The facts of every param of uniform group ``gi`` that passes its checks; the
+  others are left out, for ``uniform_facts`` to refuse with their own message."""
+  g = ckpt.groups[gi]
+  a0 = sources[0]
+  parts = ckpt.layout(a0).state_parts
+  clock = ckpt.clock_class(a0)
+  ok: dict[Any, bool] = {}
+
+  def passes(check, dtype) -> bool:
+    hit = ok.get((check, dtype))
+    if hit is None:
+      try:
+        check(dtype, "")
+        hit = True
+      except (ReshardError, TypeError):
+        hit = False
+      ok[(check, dtype)] = hit
+    return hit
+
+  out = {}
+  for p in g.params:
+    e = ckpt.params[p]
+    hist = parts.history(e.param)
+    if not passes(_validate.check_storage_dtype, e.dtype):
+      continue
+    leaf = [isinstance(h, LeafInfo) for h in hist]
+    if not all(passes(_validate.check_buffer_dtype, h.dtype) for h, b in zip(hist, leaf) if b):
+      continue
+    try:
+      source = FlatShard.checked(e.shape, 0, g.world_size)
+    except ReshardError:
+      continue
+    out[e.param] = _validate.SourceFacts(
+      param=e.param,
+      shape=e.shape,
+      source=source,
+      by_rank=sources,
+      dtype=e.dtype,
+      trainable=e.trainable,
+      history=tuple(True if b else h for h, b in zip(hist, leaf)),
+      buffer_dtypes=tuple(h.dtype if b else None for h, b in zip(hist, leaf)),
+      clock=clock,
+    )
+  return out

@@ -1,0 +1,201 @@
+"""Where the padding of an archive's packed buffers lies, as arrays.
+
+A packed buffer holds, per (param, mirror), a ``(slots,)`` history buffer; the
+elements past what the rank's flat shard owns are padding and must hold zero
+bits. An archive of one group shares its layout and its group's geometry with
+every other archive of that group: the table of offsets, slots and counts is
+made once per (layout, group, dtype), and each archive's padding follows from
+its rank with a few array operations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxreshard._src.checkpoint.index import ArchiveLayout, Index
+from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.errors import ArchiveError, PlacementError
+
+__all__ = [
+  "Pads",
+  "for_archive",
+  "pad_base",
+  "pad_table",
+  "pads_at",
+  "padding_error",
+  "ranks_after",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pads:
+  """The history buffers in one archive's packed buffer of one dtype, and their padding.
+
+  Buffer ``k`` lies at ``[starts[k], stops[k])`` of the packed buffer; its
+  elements from ``owned[k]`` on are padding (past what the rank's flat shard
+  owns), which must hold zero bits. ``ranks[k]`` is the buffer's rank (-1 where
+  the index lays it out with no geometry: it is refused before any read), and
+  ``last[k]`` says the rank holds its param's last element while later ranks
+  exist (whose buffers are then all padding).
+  """
+
+  starts: np.ndarray
+  owned: np.ndarray
+  stops: np.ndarray
+  keys: list  # (param, mirror) of each buffer
+  index: dict  # (param, mirror) -> k
+  ranks: np.ndarray
+  last: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class PadBase:
+  """A (layout, group, dtype)'s buffers: offsets, and the slots and count of each
+  buffer's param in the group (-1 where the group does not lay it out)."""
+
+  starts: np.ndarray
+  stops: np.ndarray
+  keys: list
+  index: dict
+  slots: np.ndarray
+  count: np.ndarray
+  world_size: int
+
+
+def _entries(layout: ArchiveLayout, dtype: np.dtype) -> list:
+  return sorted((o, n, k) for k, (d, o, n) in layout.offsets.items() if d == dtype)
+
+
+def pad_base(index: Index, layout: ArchiveLayout, gi: int, dtype: np.dtype) -> PadBase:
+  """The buffers of ``dtype`` of ``layout`` in group ``gi``, for ``pads_at``."""
+  g = index.groups[gi]
+  pindex = index.param_index[gi]
+  entries = _entries(layout, dtype)
+  slots, count = [], []
+  for _, n, (pid, _) in entries:
+    s = c = -1
+    p = pindex.get(pid)
+    if p is not None:
+      try:
+        f = FlatShard.checked(index.params[p].shape, 0, g.world_size)
+      except PlacementError:
+        f = None  # refused by validation, never read
+      if f is not None and f.slots == n:
+        s, c = f.slots, f.count
+    slots.append(s)
+    count.append(c)
+  keys = [k for _, _, k in entries]
+  starts = np.asarray([o for o, _, _ in entries], np.int64)
+  return PadBase(
+    starts,
+    starts + np.asarray([n for _, n, _ in entries], np.int64),
+    keys,
+    {k: i for i, k in enumerate(keys)},
+    np.asarray(slots, np.int64),
+    np.asarray(count, np.int64),
+    g.world_size,
+  )
+
+
+def pads_at(base: PadBase, rank: int) -> Pads:
+  """The padding of the archive at ``rank`` of ``base``'s group."""
+  valid = base.slots >= 0
+  start = np.minimum(rank * base.slots, base.count)
+  stop = np.minimum((rank + 1) * base.slots, base.count)
+  own = np.where(valid, stop - start, base.stops - base.starts)
+  last = valid & (own > 0) & (stop == base.count) & (rank + 1 < base.world_size)
+  ranks = np.where(valid, rank, -1)
+  return Pads(base.starts, base.starts + own, base.stops, base.keys, base.index, ranks, last)
+
+
+def pad_table(
+  index: Index, layout: ArchiveLayout, placement: Callable, archive: int, dtype: np.dtype
+) -> Pads:
+  """Where the padding of an archive's packed buffer of ``dtype`` lies, buffer by buffer
+  (for an archive in several groups)."""
+  entries = _entries(layout, dtype)
+  starts, owned, stops, keys, ranks, last = [], [], [], [], [], []
+  for o, n, (pid, m) in entries:
+    g = None
+    p = placement(archive, pid)
+    if p is not None:
+      try:
+        g = FlatShard.checked(p.shape, p.rank, p.world_size)
+      except PlacementError:
+        g = None  # refused by validation, never read
+    if g is not None and g.slots == n:
+      own = g.owned
+      ranks.append(g.rank)
+      last.append(bool(g.owned and g.stop == g.count and g.rank + 1 < g.world_size))
+    else:
+      own = n  # a buffer the index does not lay out is refused before reads
+      ranks.append(-1)
+      last.append(False)
+    starts.append(o)
+    owned.append(o + own)
+    stops.append(o + n)
+    keys.append((pid, m))
+  return Pads(
+    np.asarray(starts, np.int64),
+    np.asarray(owned, np.int64),
+    np.asarray(stops, np.int64),
+    keys,
+    {k: i for i, k in enumerate(keys)},
+    np.asarray(ranks, np.int64),
+    np.asarray(last, bool),
+  )
+
+
+def for_archive(
+  index: Index,
+  layout: ArchiveLayout,
+  placement: Callable,
+  archive: int,
+  dtype: np.dtype,
+  bases: dict,
+) -> Pads:
+  """The padding of an archive's packed buffer of ``dtype``.
+
+  An archive of one group takes its group's table (``bases``, by (layout, group,
+  dtype), filled as needed; a dict's get and set are atomic under threads), at
+  its rank; an archive in several groups is laid out buffer by buffer.
+  """
+  member = index.member[archive]
+  if len(member) != 1:
+    return pad_table(index, layout, placement, archive, dtype)
+  gi, rank = member[0]
+  key = (index.archive_layout[archive], gi, dtype)
+  base = bases.get(key)
+  if base is None:
+    base = bases[key] = pad_base(index, layout, gi, dtype)
+  return pads_at(base, rank)
+
+
+def ranks_after(index: Index, archive: int, pid: str, rank: int) -> tuple[int, ...]:
+  """The archives holding ranks after ``rank`` of ``pid``'s group in ``archive``."""
+  out = set()
+  for gi, r in index.member[archive]:
+    if pid in index.param_index[gi] and r == rank:
+      out.update(a for a, ra in index.groups[gi].ranks if ra > rank)
+  return tuple(sorted(out))
+
+
+def padding_error(path: str, archive: int, key: tuple, g: FlatShard, local: int) -> ArchiveError:
+  """Nonzero bits at ``local`` in the padding of buffer ``key`` (param, mirror)."""
+  pid, m = key
+  return ArchiveError(
+    f"param {pid!r}: history buffer {m} of archive {archive}"
+    f" ({path}): padding is not zero (nonzero bits at"
+    f" local index {local}); the index gives rank {g.rank} of shape {g.shape} over world_size"
+    f" {g.world_size}, which owns {g.owned} of its {g.slots} slots, so the data"
+    " contradicts the layout"
+  )
+
+
+def error_at(path: str, placement: Callable, archive: int, key: tuple, local: int) -> ArchiveError:
+  """``padding_error`` of buffer ``key`` of ``archive``, its geometry from the index."""
+  p = placement(archive, key[0])
+  return padding_error(path, archive, key, FlatShard.checked(p.shape, p.rank, p.world_size), local)

@@ -1,0 +1,128 @@
+"""Reading runs of a shard file: direct into the target, each chunk whole and checked."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from jaxreshard._src.checkpoint import runread, shardfile, shardread
+from jaxreshard._src.errors import ArchiveError
+
+
+def _write(tmp_path, data, chunk):
+  crcs = shardfile.write_array(str(tmp_path), "b", data, chunk)
+  return shardread.Dir.root(str(tmp_path)), crcs
+
+
+def _open(tmp_path, data, chunk):
+  root, crcs = _write(tmp_path, data, chunk)
+  return root, shardread.ShardFile(root, "b", data.size, data.dtype, chunk, crcs)
+
+
+def _runs(rng, size, n):
+  """``n`` disjoint runs of ``[0, size)`` in random order, each with a destination."""
+  cuts = np.sort(rng.choice(np.arange(1, size), 2 * n, replace=False))
+  src, stop = cuts[0::2], cuts[1::2]
+  length = stop - src
+  perm = rng.permutation(n)
+  dst = np.concatenate([[0], np.cumsum(length[perm])[:-1]])[np.argsort(perm)]
+  return src, dst, length
+
+
+@pytest.mark.parametrize("span_bytes", [1 << 20, 100, 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_runs_match_slices_and_chunk_counts(tmp_path, monkeypatch, span_bytes, dtype):
+  monkeypatch.setattr(runread, "SPAN_BYTES", span_bytes)
+  rng = np.random.default_rng(span_bytes)
+  data = rng.integers(1, 2**15, 1000).astype(dtype)
+  root, f = _open(tmp_path, data, 7)
+  src, dst, length = _runs(rng, data.size, 40)
+  out = np.zeros(int(length.sum()), dtype)
+  stats = shardread.ReadStats()
+  runread.read_runs(f, src, dst, length, out, np.empty(64, np.uint8), stats)
+  want = np.zeros_like(out)
+  for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist()):
+    want[d : d + n] = data[s : s + n]
+  assert (
+    out.view(np.uint16 if out.itemsize == 2 else np.uint32).tolist()
+    == want.view(out.view(np.uint16 if out.itemsize == 2 else np.uint32).dtype).tolist()
+  )
+  touched = {e // 7 for s, n in zip(src.tolist(), length.tolist()) for e in range(s, s + n)}
+  assert stats.chunks == len(touched)
+  assert stats.bytes == len(touched) * (7 * data.itemsize + 4)
+  f.close()
+  root.close()
+
+
+def test_overlapping_runs_read_through_scratch(tmp_path):
+  data = np.arange(1, 101, dtype=np.float32)
+  root, f = _open(tmp_path, data, 8)
+  out = np.zeros(30, np.float32)
+  runread.read_runs(
+    f, np.array([5, 10]), np.array([0, 15]), np.array([15, 15]), out, np.empty(0, np.uint8)
+  )
+  assert out.tolist() == data[5:20].tolist() + data[10:25].tolist()
+  f.close()
+  root.close()
+
+
+@pytest.mark.parametrize("span_bytes", [1 << 20, 40])
+def test_a_corrupted_chunk_is_named_and_refused(tmp_path, monkeypatch, span_bytes):
+  monkeypatch.setattr(runread, "SPAN_BYTES", span_bytes)
+  data = np.arange(1, 101, dtype=np.float32)
+  root, crcs = _write(tmp_path, data, 8)
+  stride = 8 * 4 + 4
+  with open(os.path.join(tmp_path, "b", "c", "0"), "r+b") as fh:
+    fh.seek(5 * stride + 13)
+    fh.write(b"\x7f")
+  f = shardread.ShardFile(root, "b", 100, np.float32, 8, crcs)
+  out = np.zeros(6, np.float32)
+  # Elements 38..43 lie in chunks 4 and 5; only chunk 5 is corrupted.
+  with pytest.raises(ArchiveError, match=r"chunk 5 fails its crc32c check"):
+    runread.read_runs(f, np.array([38]), np.array([0]), np.array([6]), out, np.empty(0, np.uint8))
+  # A run that stays in chunk 4 reads fine.
+  runread.read_runs(f, np.array([33]), np.array([0]), np.array([6]), out, np.empty(0, np.uint8))
+  assert out.tolist() == data[33:39].tolist()
+  f.close()
+  root.close()
+
+
+def test_zero_ranges_are_checked_with_the_runs(tmp_path):
+  data = np.arange(1, 101, dtype=np.float32)
+  data[50:60] = 0
+  data[57] = -0.0  # a sign bit is not zero bits
+  root, f = _open(tmp_path, data, 8)
+  out = np.zeros(4, np.float32)
+  seen = []
+
+  def refuse(i, pos):
+    seen.append((i, pos))
+    return ArchiveError("padding")
+
+  runread.read_runs(
+    f,
+    np.array([2]),
+    np.array([0]),
+    np.array([4]),
+    out,
+    np.empty(0, np.uint8),
+    zero=(np.array([50]), np.array([7])),
+    refuse=refuse,
+  )
+  assert out.tolist() == data[2:6].tolist() and seen == []
+  with pytest.raises(ArchiveError, match="padding"):
+    runread.read_runs(
+      f,
+      np.array([2]),
+      np.array([0]),
+      np.array([4]),
+      out,
+      np.empty(0, np.uint8),
+      zero=(np.array([50, 52]), np.array([2, 8])),
+      refuse=refuse,
+    )
+  assert seen == [(1, 57)]
+  f.close()
+  root.close()
