@@ -7,3 +7,5 @@ the same process and returns rows; ``__main__`` collects and writes them.
 """
 
 BENCHMARKS = ("memory", "compile", "restore", "save", "durable", "cli", "rss", "scale", "plan")
+# Run by ``python -m benchmarks --device`` (on the accelerator, or XLA:CPU as a smoke test).
+DEVICE_BENCHMARKS = ("device",)

@@ -37,6 +37,7 @@ class Options:
     durable_rounds: interleaved rounds per side of the durable-save benchmark (median).
     durable_dir: directory (disk) the durable-save benchmark writes in; '' for the
       system's temporary directory.
+    device_size: history size of the device benchmark (``--device``).
     seed: workload seed.
   """
 
@@ -60,6 +61,7 @@ class Options:
   durable_states: tuple[tuple[int, int], ...] = ((200, 2 * _M), (200, 32 * _M))
   durable_rounds: int = 5
   durable_dir: str = ""
+  device_size: int = 32 * _M
   seed: int = 0
 
   @classmethod
@@ -87,4 +89,5 @@ class Options:
       durable_states=((8, _M // 16),),
       durable_rounds=1,
       device_param_counts=(4, 16),
+      device_size=_M // 16,
     )
