@@ -18,3 +18,5 @@ BENCHMARKS = (
   "plan",
   "step",
 )
+# Run by ``python -m benchmarks --device`` (on the accelerator, or XLA:CPU as a smoke test).
+DEVICE_BENCHMARKS = ("device",)

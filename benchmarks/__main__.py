@@ -1,4 +1,4 @@
-"""``python -m benchmarks [--quick] [--json] [--only NAME ...] [--out PATH]``."""
+"""``python -m benchmarks [--quick] [--device] [--json] [--only NAME ...] [--out PATH]``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import time
 import traceback
 
-from benchmarks import BENCHMARKS
+from benchmarks import BENCHMARKS, DEVICE_BENCHMARKS
 from benchmarks._measure import machine
 from benchmarks._options import Options
 from benchmarks._report import markdown, plot_throughput
@@ -38,11 +38,17 @@ def _readme_section(header: str) -> str:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
   parser.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, one repeat")
+  parser.add_argument(
+    "--device",
+    action="store_true",
+    help="device mode: the device executor and mesh restores on the default backend's"
+    " devices (an accelerator, or XLA:CPU); writes benchmarks/RESULTS-device.md",
+  )
   parser.add_argument("--json", action="store_true", help="print every result as JSON on stdout")
   parser.add_argument(
     "--only",
     action="append",
-    choices=BENCHMARKS,
+    choices=BENCHMARKS + DEVICE_BENCHMARKS,
     metavar="NAME",
     help=f"run only this benchmark (repeatable): {', '.join(BENCHMARKS)}",
   )
@@ -82,7 +88,11 @@ def main(argv=None) -> int:
   out = (
     args.out
     if args.out is not None
-    else (None if args.quick else os.path.join(_HERE, "RESULTS.md"))
+    else (
+      None
+      if args.quick
+      else os.path.join(_HERE, "RESULTS-device.md" if args.device else "RESULTS.md")
+    )
   )
   log = sys.stderr if args.json else sys.stdout
   if args.rewrite:
@@ -100,7 +110,7 @@ def main(argv=None) -> int:
     "results": [],
   }
   t_all = time.perf_counter()
-  for name in args.only or BENCHMARKS:
+  for name in args.only or (DEVICE_BENCHMARKS if args.device else BENCHMARKS):
     module = importlib.import_module(f"benchmarks.bench_{name}")
     print(f"[benchmarks] {name} ...", file=log, flush=True)
     t0 = time.perf_counter()

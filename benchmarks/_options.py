@@ -40,6 +40,7 @@ class Options:
     step_layers: layers (6 params each) of the optimizer-step benchmark.
     step_width: width of those layers (a layer holds ``8 * width**2 + 7 * width`` elements).
     step_rounds: interleaved timed steps per side of the optimizer-step benchmark.
+    device_size: history size of the device benchmark (``--device``).
     seed: workload seed.
   """
 
@@ -66,6 +67,7 @@ class Options:
   step_layers: int = 10
   step_width: int = 224
   step_rounds: int = 30
+  device_size: int = 32 * _M
   seed: int = 0
 
   @classmethod
@@ -96,4 +98,5 @@ class Options:
       step_layers=2,
       step_width=16,
       step_rounds=2,
+      device_size=_M // 16,
     )

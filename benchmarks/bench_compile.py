@@ -13,7 +13,7 @@ from benchmarks._options import Options
 NAME = "compile"
 GOAL = (
   "10,000 parameters, one target rank: cold < 2 s on the host path; on the device"
-  " executor the number of compiled programs does not grow with the parameter count"
+  " executor (XLA:CPU) cold <= 2 s at 10,000 parameters with <= 8 compiled programs"
 )
 
 
@@ -81,7 +81,9 @@ def run(opts: Options) -> Result:
       biggest["params"] >= 10_000
       and biggest["cold_s"] < 2
       and all(r["programs"] == 0 for r in host)
-      and max(r["programs"] for r in device) - min(r["programs"] for r in device) <= 2
+      and all(r["programs"] <= 8 for r in device)
+      and max(device, key=lambda r: r["params"])["params"] >= 10_000
+      and max(device, key=lambda r: r["params"])["cold_s"] <= 2
     )
   notes = (
     f"Adam, {opts.compile_size} history elements split over a growing number of"
@@ -93,8 +95,8 @@ def run(opts: Options) -> Result:
     f" packs each source archive's buffers and gathers with run tables as runtime"
     f" arguments ({opts.compile_size // 8} history elements: XLA:CPU runs the gathers"
     " slowly); `programs` after a cleared cache, `warm_retraces` must be 0. Verdict: cold"
-    " < 2 s at 10,000 parameters on the host, and device programs within 2 of each other"
-    " across parameter counts."
+    " < 2 s at 10,000 parameters on the host, and on the device executor cold <= 2 s at"
+    " 10,000 parameters with <= 8 programs (the device rows must reach 10,000 parameters)."
   )
   return Result(
     NAME, "cold vs warm and compiled programs vs parameter count", GOAL, met, tuple(rows), notes

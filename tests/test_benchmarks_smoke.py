@@ -81,3 +81,26 @@ def test_workload_matches_shard_state():
     assert [x.shape for x in jax.tree.leaves(a.state)] == [
       x.shape for x in jax.tree.leaves(b.state)
     ]
+
+
+def test_device_mode_runs_on_xla_cpu(tmp_path):
+  """``python -m benchmarks --device --quick`` completes on the CPU backend, no accelerator."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  env.pop("PYTHONPATH", None)
+  proc = subprocess.run(
+    [sys.executable, "-m", "benchmarks", "--device", "--quick", "--json"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  doc = json.loads(proc.stdout)
+  (result,) = doc["results"]
+  assert result["name"] == "device" and not result.get("error"), result.get("error")
+  executor, restore = result["rows"]
+  assert executor["programs"] <= 8, executor
+  assert restore["bit_exact_vs_orbax"] is True, restore
+  assert result["met"] is None

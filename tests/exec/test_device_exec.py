@@ -361,3 +361,20 @@ def test_clear_device_cache():
   assert dx.kernel_cache_info().programs > 0
   dx.clear_kernel_cache()
   assert dx.kernel_cache_info() == (0, 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_pack_split_keep_special_values_and_one_program_each(dtype):
+  # Signalling NaNs, -0.0 and subnormals through pack and split, 300 leaves: one
+  # pack program and one split program, whatever the leaf count.
+  with dtype_context(dtype):
+    special = np.array(SPECIAL_BITS[np.dtype(dtype).name], f"u{dtype.itemsize}").view(dtype)
+    rng = np.random.default_rng(9)
+    host = [special[rng.integers(0, special.size, int(n))] for n in rng.integers(0, 5, 300)]
+    dx.clear_kernel_cache()
+    flat = dx.pack([jnp.asarray(x) for x in host])
+    assert_bits_equal(flat, np.concatenate(host))
+    pieces = dx.split(flat, [x.size for x in host])
+    for piece, x in zip(pieces, host):
+      assert_bits_equal(piece, x)
+    assert dx.kernel_cache_info() == (2, 2)
