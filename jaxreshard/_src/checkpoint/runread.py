@@ -78,8 +78,8 @@ def read_runs(
     int((all_src + all_len).max(initial=0)) > f.size or int(all_src.min(initial=0)) < 0
   ):
     raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
-  if not len(all_src):
-    return
+  if not (n_copy or (z_len > 0).any()):
+    return  # nothing to copy or check (empty ranges read no chunk)
   order = np.argsort(all_src, kind="stable")
   disjoint = bool(np.all((all_src + all_len)[order[:-1]] <= all_src[order[1:]]))
   contiguous = n_copy == 0 or (isinstance(out, np.ndarray) and out.flags.c_contiguous)
