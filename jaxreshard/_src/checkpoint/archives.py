@@ -288,8 +288,7 @@ class ArchiveReader:
 
     f = self.open_buffer(archive, dtype)
     try:
-      if len(scratch) < f.stride:
-        scratch = np.empty(f.stride, np.uint8)
+      scratch = _runread.staging(scratch, f.stride, f)
       _runread.read_runs(f, src, dst, length, out, scratch, stats, zero=zero, refuse=refuse)
     finally:
       f.close()

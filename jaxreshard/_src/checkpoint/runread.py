@@ -23,15 +23,29 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint.shardfile import _IOV_MAX, _crc
-from jaxreshard._src.errors import ArchiveError
+from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = ["SPAN_BYTES", "read_runs", "read_runs_staged"]
+__all__ = ["SPAN_BYTES", "read_runs", "read_runs_staged", "staging"]
 
 # Bytes read per span: small enough that a span's chunks are still in cache when
 # their crc32c is computed.
 SPAN_BYTES = 1 << 20
 _COPY, _DATA, _CRC = 0, 1, 2  # a span's pieces: into the target, scratch data, checksum
+
+
+def staging(scratch: np.ndarray, nbytes: int, f: _shardread.ShardFile) -> np.ndarray:
+  """``scratch``, or a larger one of ``nbytes``: a chunk (its size is the checkpoint's
+  word) larger than the process can get is a ReshardError, never a MemoryError."""
+  if len(scratch) >= nbytes:
+    return scratch
+  try:
+    return np.empty(nbytes, np.uint8)
+  except MemoryError:
+    raise ReshardError(
+      f"{f.path}: reading a chunk of {f.chunk_bytes} bytes needs a buffer of {nbytes} bytes,"
+      " more memory than this process can get"
+    ) from None
 
 
 def _pieces(f: _shardread.ShardFile, src, length) -> tuple[np.ndarray, ...]:
@@ -78,8 +92,8 @@ def read_runs(
     int((all_src + all_len).max(initial=0)) > f.size or int(all_src.min(initial=0)) < 0
   ):
     raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
-  if not len(all_src):
-    return
+  if not (n_copy or (z_len > 0).any()):
+    return  # nothing to copy or check (empty ranges read no chunk)
   order = np.argsort(all_src, kind="stable")
   disjoint = bool(np.all((all_src + all_len)[order[:-1]] <= all_src[order[1:]]))
   contiguous = n_copy == 0 or (isinstance(out, np.ndarray) and out.flags.c_contiguous)
@@ -100,9 +114,7 @@ class _Spans:
     self.outb = None if out is None else out.reshape(-1).view(np.uint8)
     per_span = max(1, SPAN_BYTES // f.stride)
     self.per_span = per_span
-    if len(scratch) < per_span * f.stride:
-      scratch = np.empty(per_span * f.stride, np.uint8)
-    self.scratch = scratch
+    self.scratch = staging(scratch, per_span * f.stride, f)
 
   def read(self, src, dst, length, z_src, z_len, z_ids) -> None:
     f = self.f
@@ -229,8 +241,7 @@ def read_runs_staged(
   read with the same spans; ``refuse(i, position)`` makes the error for range ``i``.
   """
   n_copy = len(src)
-  if len(scratch) < f.stride:
-    scratch = np.empty(f.stride, np.uint8)
+  scratch = staging(scratch, f.stride, f)
   if zero is not None and len(zero[0]):
     src = np.concatenate([src, zero[0]])
     length = np.concatenate([length, zero[1]])

@@ -33,7 +33,7 @@ from jaxreshard._src.checkpoint.shardfile import (
   n_chunks,
   zarr_metadata,
 )
-from jaxreshard._src.errors import ArchiveError
+from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
 
 
@@ -286,7 +286,14 @@ class ShardFile:
   def read_all(self, out: np.ndarray) -> None:
     """Reads the whole buffer straight into ``out`` (``size`` elements, this dtype)."""
     raw = memoryview(out.reshape(-1).view(np.uint8))
-    tail = bytearray(self.n * self.chunk_bytes - self.size * self.dtype.itemsize)
+    n_tail = self.n * self.chunk_bytes - self.size * self.dtype.itemsize
+    try:  # the last chunk's bytes past the buffer: less than a chunk, the checkpoint's word
+      tail = bytearray(n_tail)
+    except MemoryError:
+      raise ReshardError(
+        f"{self.path}/c/0: its last chunk's {n_tail} bytes past the buffer need more memory"
+        " than this process can get"
+      ) from None
     crcs = [bytearray(CRC_BYTES) for _ in range(self.n)]
     for lo in range(0, self.n, _IOV_MAX // 3):
       hi = min(self.n, lo + _IOV_MAX // 3)
