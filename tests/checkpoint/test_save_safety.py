@@ -241,3 +241,34 @@ def test_frozen_dict_state_nodes_round_trip_through_every_path(tmp_path):
     )
   target = jr.restore(tmp_path / "ckpt", world_size=2, rank=1)
   assert type(target.state[0].mu) is FrozenDict
+
+
+@pytest.mark.parametrize("chunk_bytes", [0, -1, True, 2.0, (1 << 30) + 1, 1 << 31])
+def test_chunk_bytes_a_save_could_not_read_back_is_refused_before_writing(tmp_path, chunk_bytes):
+  """One rule on every save path: a chunk is read back in one read call (Linux caps one
+  call below 2 GiB), so chunk_bytes is a positive integer of at most 1 GiB."""
+  from jaxreshard import orbax as jro
+
+  records = adam_records(world=2)
+  path = tmp_path / "ckpt"
+  with pytest.raises(jr.ReshardError, match="chunk_bytes"):
+    jr.save_records(path, records, chunk_bytes=chunk_bytes)
+  assert not os.path.lexists(path)
+  with pytest.raises(jr.ReshardError, match="chunk_bytes"):
+    jro.ReshardSave(records=records, chunk_bytes=chunk_bytes)
+  mesh = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
+  params = {"w": jnp.arange(5.0)}
+  opt = optax.adam(1e-3)
+  state = jr.shard_to_mesh(opt, params, opt.init(params), mesh).state
+  with pytest.raises(jr.ReshardError, match="chunk_bytes"):
+    jr.save_sharded(path, opt, state, {"w": (5,)}, mesh, chunk_bytes=chunk_bytes)
+  assert not os.path.lexists(path)
+
+
+def test_the_largest_chunk_bytes_is_accepted(tmp_path):
+  records = adam_records(world=2)
+  jr.save_records(tmp_path / "ckpt", records, chunk_bytes=1 << 30)
+  loaded = jr.load_records(tmp_path / "ckpt")
+  assert len(loaded) == len(records)
+  for got, want in zip(loaded, records):
+    assert_records_equal(got, want)

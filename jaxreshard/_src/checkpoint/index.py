@@ -16,7 +16,7 @@ from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint.layout import ArchiveLayout, LeafInfo, _ScalarSlot  # noqa: F401  (re-exported)
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
-from jaxreshard._src.errors import ArchiveError, PlacementError
+from jaxreshard._src.errors import ArchiveError, PlacementError, ReshardError
 
 FORMAT = "jaxreshard-checkpoint"
 # The version of the on-disk checkpoint layout (index, archives, buffer files); the
@@ -27,6 +27,22 @@ ARCHIVE_FILE = "archive.json"
 # Restores read whole chunks: smaller chunks round partial reads less, at 4
 # bytes of checksum each.
 DEFAULT_CHUNK_BYTES = 256 << 10
+# The largest chunk a save writes: one read call reads a whole chunk, and Linux returns
+# at most 0x7ffff000 bytes per call, so a larger chunk could never be read back.
+MAX_CHUNK_BYTES = 1 << 30
+
+
+def check_chunk_bytes(value: Any) -> None:
+  """``chunk_bytes`` of a save: a positive integer of at most ``MAX_CHUNK_BYTES``."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ReshardError(f"chunk_bytes {value!r} must be a positive integer")
+  if value > MAX_CHUNK_BYTES:
+    raise ReshardError(
+      f"chunk_bytes {value} is over {MAX_CHUNK_BYTES} (1 GiB): a chunk is read back in"
+      " one read call, which the operating system caps below 2 GiB"
+    )
+
+
 # Metadata grows with parameters and ranks; these bounds are far above any
 # real model's (a 10,000-parameter Adam state over 4,096 ranks has a ~3 MB
 # index) and refuse a metadata bomb before it is parsed.

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 import jax
 import numpy as np
 
+from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint.reader import (
   DEFAULT_CHUNK_BYTES,
   Checkpoint,
@@ -109,8 +110,7 @@ def save_records(
     >>> [r.state[0].mu["w"].shape for r in load_records(path)]
     [(3,), (3,)]
   """
-  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-    raise ReshardError(f"chunk_bytes {chunk_bytes!r} must be a positive integer")
+  _index.check_chunk_bytes(chunk_bytes)
   final = path_arg(directory)
   if isinstance(records, Sequence):
     reporter = Reporter(

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import reader as _checkpoint
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
@@ -24,7 +25,7 @@ from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import mesh as _mesh
 from jaxreshard._src.distributed import sharded as _multihost
-from jaxreshard._src.errors import PlacementError, ReshardError
+from jaxreshard._src.errors import PlacementError
 
 __all__ = ["ReshardRestore", "ReshardSave", "check"]
 
@@ -159,9 +160,8 @@ class ReshardSave(ocp.args.CheckpointArgs):
   axis: str = "fsdp"
 
   def __post_init__(self):
-    cb = self.chunk_bytes
-    if cb is not None and (isinstance(cb, bool) or not isinstance(cb, int) or cb < 1):
-      raise ReshardError(f"chunk_bytes {cb!r} must be a positive integer")
+    if self.chunk_bytes is not None:
+      _index.check_chunk_bytes(self.chunk_bytes)
     if (self.records is None) == (self.state is None):
       raise PlacementError(
         "ReshardSave takes records, or a state (with optimizer, mesh and"

@@ -17,6 +17,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
+from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import store as _archive_io
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
 from jaxreshard._src.orbax import handler as _orbax_hook
@@ -89,8 +90,7 @@ def save_sharded(
     >>> len(jr.load_records(path)) == jax.device_count()
     True
   """
-  if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
-    raise ReshardError(f"chunk_bytes {chunk_bytes!r} must be a positive integer")
+  _index.check_chunk_bytes(chunk_bytes)
   check_callback(progress)
   final = os.path.abspath(os.fspath(directory))
   # Every process looks before any of them can commit (a commit needs all of
