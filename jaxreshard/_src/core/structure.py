@@ -277,9 +277,9 @@ def _children(node: Any):
 
 
 def _is_leaf_node(node: Any) -> bool:
-  return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node)) and not (
-    node is None or _is_masked_node(node)
-  )
+  # Its children stand as leaves: one level is looked at, not the whole subtree.
+  outline = jax.tree_util.tree_structure(node, is_leaf=lambda x: x is not node)
+  return jax.tree_util.treedef_is_leaf(outline) and not (node is None or _is_masked_node(node))
 
 
 def _replace_subtrees(tree: Any, replacements: Mapping[KeyPath, Any]) -> tuple[Any, dict]:
