@@ -63,11 +63,8 @@ def _is_masked_node(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
-_DictKey, _GetAttrKey, _SequenceKey = (
-  jax.tree_util.DictKey,
-  jax.tree_util.GetAttrKey,
-  jax.tree_util.SequenceKey,
-)
+_tu = jax.tree_util
+_DictKey, _GetAttrKey, _SequenceKey = _tu.DictKey, _tu.GetAttrKey, _tu.SequenceKey
 
 
 def _escape(name: str) -> str:
@@ -262,11 +259,11 @@ class StatePartsError(Exception):
   """Internal: a state that cannot be taken apart; callers re-raise with context."""
 
 
-def _subtree_prefix(path: KeyPath, pid: str) -> KeyPath:
-  # An id of n segments is the last n keys of the path; the id "" is also the
-  # empty path of a params tree that is a single leaf.
+def _subtree_prefix(path: KeyPath, pid: str, names: Sequence[str]) -> KeyPath:
+  # An id of n segments is the last n keys of the path (``names`` are their
+  # names); the id "" is also the empty path of a params tree that is a single leaf.
   k = pid.count("/") + 1
-  if k <= len(path) and path_id(path[len(path) - k :]) == pid:
+  if k <= len(path) and "/".join(names[len(path) - k :]) == pid:
     return path[: len(path) - k]
   if pid == "":
     return path
@@ -280,9 +277,9 @@ def _children(node: Any):
 
 
 def _is_leaf_node(node: Any) -> bool:
-  return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(node)) and not (
-    node is None or _is_masked_node(node)
-  )
+  # Its children stand as leaves: one level is looked at, not the whole subtree.
+  outline = jax.tree_util.tree_structure(node, is_leaf=lambda x: x is not node)
+  return jax.tree_util.treedef_is_leaf(outline) and not (node is None or _is_masked_node(node))
 
 
 def _replace_subtrees(tree: Any, replacements: Mapping[KeyPath, Any]) -> tuple[Any, dict]:
@@ -393,34 +390,59 @@ def _state_parts_of_paths(state: Any, roles: Sequence[str | None]) -> StateParts
     raise StatePartsError(
       f"the state has {len(with_path)} leaves but its roles describe {len(roles)}"
     )
+  paths = [p for p, _ in with_path]
+  # Each key of a history buffer's path named once; an id is a join of a suffix.
+  names = {i: tuple(map(_key_name, paths[i])) for i, pid in enumerate(roles) if pid is not None}
   prefixes: dict[KeyPath, int] = {}
-  for (path, _), pid in zip(with_path, roles):
-    if pid is not None:
-      prefixes.setdefault(_subtree_prefix(path, pid), len(prefixes))
+  for i, names_i in names.items():
+    prefixes.setdefault(_subtree_prefix(paths[i], roles[i], names_i), len(prefixes))
   # Every buffer below a mirror's prefix must carry the role its position says.
-  for (path, _), pid in zip(with_path, roles):
-    if pid is None:
-      continue
-    for k in range(len(path) + 1):
-      if path[:k] in prefixes and path_id(path[k:]) != pid:
+  depths = sorted({len(p) for p in prefixes})
+  for i, names_i in names.items():
+    path = paths[i]
+    for k in depths:
+      if k <= len(path) and path[:k] in prefixes and "/".join(names_i[k:]) != roles[i]:
         raise StatePartsError(f"roles and state disagree at {jax.tree_util.keystr(path)}")
   skeleton_tree, removed = _replace_subtrees(
     state, {p: ParamsSubtreeSlot(i) for p, i in prefixes.items()}
   )
+  members = _leaves_under(paths, prefixes, depths)
   subtrees = []
-  for prefix, _index in prefixes.items():
+  for prefix in prefixes:
     sub = removed[prefix]
-    sub_with_path, sub_def = jax.tree_util.tree_flatten_with_path(sub, is_leaf=_is_masked_node)
+    sub_leaves, sub_def = jax.tree_util.tree_flatten(sub, is_leaf=_is_masked_node)
+    if members is not None and sub_leaves == members[prefix]:
+      # No MaskedNode: the mirror's leaves are the state's leaves below its prefix.
+      k = len(prefix)
+      items = [(roles[i] if roles[i] is not None else path_id(paths[i][k:]), i) for i in sub_leaves]
+    else:
+      items = [
+        (path_id(path), MASKED if _is_masked_node(leaf) else leaf)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(sub, is_leaf=_is_masked_node)[0]
+      ]
     order, entries = [], {}
-    for path, leaf in sub_with_path:
-      pid = path_id(path)
+    for pid, leaf in items:
       if pid in entries:
         raise StatePartsError(f"parameter {pid!r} appears twice in one optimizer subtree")
       order.append(pid)
-      entries[pid] = MASKED if _is_masked_node(leaf) else leaf
+      entries[pid] = leaf
     subtrees.append(ParamsSubtree(prefix, sub_def, tuple(order), entries))
   skel_leaves, skel_def = jax.tree_util.tree_flatten(skeleton_tree)
   return StateParts(skel_def, tuple(skel_leaves), tuple(subtrees))
+
+
+def _leaves_under(
+  paths: Sequence[KeyPath], prefixes: Mapping[KeyPath, int], depths: Sequence[int]
+) -> dict[KeyPath, list[int]] | None:
+  """The indices of the leaves below each prefix; None when prefixes nest."""
+  out: dict[KeyPath, list[int]] = {p: [] for p in prefixes}
+  for i, path in enumerate(paths):
+    hits = [path[:k] for k in depths if k <= len(path) and path[:k] in prefixes]
+    if len(hits) > 1:
+      return None
+    if hits:
+      out[hits[0]].append(i)
+  return out
 
 
 def nested(pids: Sequence[str], values: Mapping[str, Any]) -> Any:

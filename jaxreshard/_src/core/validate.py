@@ -342,14 +342,23 @@ def uniform_facts(pid: str, sources: tuple[int, ...], src: Any) -> SourceFacts:
     if not _is_buffer(h):
       dtypes.append(None)
       continue
-    where = f"param {pid!r}: archive {a0}, history buffer {m}"
-    if tuple(np.shape(h)) != (source.slots,):
-      raise ShapeError(
-        f"{where} has shape {tuple(np.shape(h))}, not ({source.slots},) of its flat"
-        f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
-        " optimizer state (factored or matrix statistics) cannot be resharded"
-      )
-    check_buffer_dtype(h.dtype, where)
+    dtype = getattr(h, "dtype", None)
+    shape = getattr(h, "shape", None)
+    if (
+      type(shape) is not tuple
+      or shape != (source.slots,)
+      or not isinstance(dtype, np.dtype)
+      or dtype not in _SUPPORTED
+    ):
+      # The rare path: the checks again, with their words.
+      where = f"param {pid!r}: archive {a0}, history buffer {m}"
+      if tuple(np.shape(h)) != (source.slots,):
+        raise ShapeError(
+          f"{where} has shape {tuple(np.shape(h))}, not ({source.slots},) of its flat"
+          f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
+          " optimizer state (factored or matrix statistics) cannot be resharded"
+        )
+      check_buffer_dtype(h.dtype, where)
     dtypes.append(np.dtype(h.dtype))
   return SourceFacts(
     param=pid,

@@ -169,6 +169,8 @@ class RecordSources:
     self._uniform: dict[tuple, bool] = {}
     self._host_views: dict[tuple[int, str, int], np.ndarray] = {}
     self._accelerator: dict[tuple[int, str, int], bool] = {}
+    # Per archive: whether any of its buffers lives on a GPU/TPU.
+    self._archive_on_accelerator: dict[int, bool] = {}
     self._clocks = _clock.ClockClasses()
     # Every validated group of these sources, for as long as they live.
     self._cache = FactsCache()
@@ -268,17 +270,24 @@ class RecordSources:
 
   def buffer(self, key: tuple[int, str, int]) -> Any:
     archive, pid, subtree = key
-    return self.parts_by_archive[archive].history(pid)[subtree]
+    return self.parts_by_archive[archive].subtrees[subtree].entries.get(pid)
 
   def host_view(self, key: tuple[int, str, int]) -> np.ndarray:
     """A buffer's bytes as a flat unsigned numpy view, made once per source set."""
     view = self._host_views.get(key)
     if view is None:
-      view = self._host_views[key] = _host_exec.bits(_host_exec.host_view(self.buffer(key)))
+      view = self._host_views[key] = _host_exec.host_bits(self.buffer(key))
     return view
 
   def on_accelerator(self, keys: Sequence[tuple[int, str, int]]) -> bool:
-    """Whether any of these buffers lives on a GPU/TPU (each looked at once)."""
+    """Whether any of these buffers lives on a GPU/TPU (each looked at once).
+
+    An archive none of whose buffers is on an accelerator answers for all of
+    its keys at once: one look at the distinct shardings of its buffers.
+    """
+    archives = {key[0] for key in keys}
+    if not any(self._accelerator_archive(a) for a in archives):
+      return False
     for key in keys:
       hit = self._accelerator.get(key)
       if hit is None:
@@ -289,6 +298,20 @@ class RecordSources:
       if hit:
         return True
     return False
+
+  def _accelerator_archive(self, archive: int) -> bool:
+    hit = self._archive_on_accelerator.get(archive)
+    if hit is None:
+      shardings = {
+        id(x.sharding): x.sharding
+        for m in self.parts_by_archive[archive].subtrees
+        for x in m.entries.values()
+        if isinstance(x, jax.Array)
+      }
+      hit = self._archive_on_accelerator[archive] = any(
+        d.platform != "cpu" for s in shardings.values() for d in s.device_set
+      )
+    return hit
 
 
 def _numbered(keys: Sequence[Any]) -> list[Any]:
@@ -312,11 +335,11 @@ def _signature(
   State parts of one tree structure share their skeleton and mirror structures
   (``_structure.OUTLINES``), so comparing those is cheap.
   """
-  buffers = tuple(
-    (getattr(x, "shape", None), getattr(x, "dtype", None))
-    for m in state_parts.subtrees
-    for x in m.entries.values()
-  )
+  values = [x for m in state_parts.subtrees for x in m.entries.values()]
+  try:
+    buffers = tuple([(x.shape, x.dtype) for x in values])
+  except AttributeError:  # MASKED entries, or a buffer that is no array
+    buffers = tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in values)
   structure = (
     state_parts.skeleton,
     tuple(m.treedef for m in state_parts.subtrees),

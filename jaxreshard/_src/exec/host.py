@@ -23,7 +23,7 @@ import numpy as np
 from jaxreshard._src.core.copyplan import Runs
 from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = ["bits", "execute", "host_view"]
+__all__ = ["bits", "execute", "host_bits", "host_view"]
 
 THREADS = 2
 # Below this many bytes a second thread costs more than it saves.
@@ -39,6 +39,16 @@ bits = _bitview.bits
 def host_view(x: Any) -> np.ndarray:
   """``x`` as a flat numpy array; arrays of the CPU backend are viewed, not copied."""
   return np.asarray(x).reshape(-1)
+
+
+def host_bits(x: Any) -> np.ndarray:
+  """``bits(host_view(x))``: a flat, contiguous 1-D array of a width with an unsigned
+  type is viewed in one step."""
+  a = np.asarray(x)
+  uint = _bitview.UINT.get(a.dtype.itemsize)
+  if a.ndim == 1 and uint is not None and a.flags.c_contiguous:
+    return a.view(uint)
+  return bits(host_view(a))
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
