@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint.shardfile import _IOV_MAX, _crc
+from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
 
@@ -49,19 +50,14 @@ def staging(scratch: np.ndarray, nbytes: int, f: _shardread.ShardFile) -> np.nda
 
 
 def _pieces(f: _shardread.ShardFile, src, length) -> tuple[np.ndarray, ...]:
-  """Every range ``[src, src + length)`` split at chunk boundaries.
+  """Every range ``[src, src + length)`` cut at chunk boundaries (``copyplan.cut_runs``).
 
   Returns ``(range, chunk, lo, hi)`` per piece: elements ``[lo, hi)`` of range
-  ``range``, all inside chunk ``chunk``.
+  ``range``, all inside chunk ``chunk``; an empty range has no piece.
   """
-  c = f.chunk
-  first, last = src // c, (src + length - 1) // c
-  n = last - first + 1
-  run = np.repeat(np.arange(len(src)), n)
-  chunk = first[run] + (np.arange(len(run)) - np.repeat(np.cumsum(n) - n, n))
-  lo = np.maximum(src[run], chunk * c)
-  hi = np.minimum(src[run] + length[run], (chunk + 1) * c)
-  return run, chunk, lo, hi
+  run, chunk, offset, _, n = _copyplan.cut_runs(src, length, f.chunk)
+  lo = chunk * f.chunk + offset
+  return run, chunk, lo, lo + n
 
 
 def read_runs(
