@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.checkpoint import digest as _digest
-from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import values as _values
 from jaxreshard._src.core import structure as _structure
@@ -148,7 +148,7 @@ def _comparable(a: _digest.Digest, b: _digest.Digest, key: tuple[str, int]) -> b
   return (ba.dtype, ba.count) == (bb.dtype, bb.count)
 
 
-def _world(ckpt: _checkpoint.Checkpoint) -> int:
+def _world(ckpt: _reader.Checkpoint) -> int:
   return max([g.world_size for g in ckpt.groups if g.ranks] or [1])
 
 
@@ -163,7 +163,7 @@ def buffer_diffs(
   Both are restored one common target rank at a time (see the module doc).
   """
   keys = list(keys)
-  ca, cb = (_checkpoint.open_checkpoint(str(p)) for p in paths)
+  ca, cb = (_reader.open_checkpoint(str(p)) for p in paths)
   world = max(_world(ca), _world(cb))
   acc = {k: _Stats(a.params[k[0]].buffers[k[1]].count, tolerance) for k in keys}
   for rank in range(world):

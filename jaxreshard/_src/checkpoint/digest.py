@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import values as _values
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import structure as _structure
@@ -297,10 +297,10 @@ def digest(records_or_directory: Iterable[ShardRecord] | os.PathLike | str) -> D
 
 
 def _stream(directory: os.PathLike | str) -> Iterator[ShardRecord]:
-  return checkpoint_records(_checkpoint.open_checkpoint(directory))
+  return checkpoint_records(_reader.open_checkpoint(directory))
 
 
-def checkpoint_records(ckpt: _checkpoint.Checkpoint) -> Iterator[ShardRecord]:
+def checkpoint_records(ckpt: _reader.Checkpoint) -> Iterator[ShardRecord]:
   """A checkpoint's records, one archive at a time, every archive's metadata checked first."""
   for i in range(len(ckpt)):
     ckpt.check_archive(i)

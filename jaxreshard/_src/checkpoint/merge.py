@@ -1,7 +1,7 @@
 """Partial checkpoints (some ranks of one reshard's target) and their merge.
 
 A reshard run once per target rank (or per host) writes one partial
-checkpoint each. Every part's index names its source (``_checkpoint.Source``):
+checkpoint each. Every part's index names its source (``_reader.Source``):
 the checkpoint it was resharded from, the target world size and the target's
 layout. Parts merge into one checkpoint only when they are parts of one
 reshard: one source checkpoint, one world size, one layout, one optimizer
@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxreshard._src.checkpoint import digest as _digest
-from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint.reader import Checkpoint, Source
 from jaxreshard._src.checkpoint.store import save_records
 from jaxreshard._src.core import clock as _clock
@@ -87,7 +87,7 @@ class _Part:
 
 def _open_part(path: Any) -> _Part:
   """A part checked on its own: archives present, one world size, a source it matches."""
-  ckpt = _checkpoint.open_checkpoint(path)
+  ckpt = _reader.open_checkpoint(path)
   for i in range(len(ckpt)):  # present, and belonging to this part
     ckpt.archive_meta(i)
     ckpt.check_archive(i)
@@ -102,7 +102,7 @@ def _open_part(path: Any) -> _Part:
       " `jaxreshard reshard`); merge combines parts of one reshard"
     )
   for a in range(len(ckpt)):
-    layout = _checkpoint.target_layout(ckpt.placements(a), ckpt.layout(a).state_parts)
+    layout = _reader.target_layout(ckpt.placements(a), ckpt.layout(a).state_parts)
     if layout != ckpt.source.layout:
       raise ArchiveError(f"{path}: archive {a} does not have the target layout its index declares")
   return _Part(path, ckpt, next(iter(worlds)), rank_of, ckpt.source)
@@ -228,5 +228,5 @@ def merge_parts(out: Any, parts: Sequence[Any]) -> MergePlan:
     for ckpt, a in merged.order:
       yield ckpt.record(a)
 
-  save_records(out, _checkpoint.SourcedRecords(records(), merged.source))
+  save_records(out, _reader.SourcedRecords(records(), merged.source))
   return merged

@@ -1,7 +1,7 @@
 """Saving and loading whole checkpoints: every rank's archive, atomically.
 
 The on-disk format (index, archives, one buffer per rank and dtype) is
-``_checkpoint``'s; this module adds the atomic commit (``tempdir``): a checkpoint is
+``_reader``'s; this module adds the atomic commit (``tempdir``): a checkpoint is
 written into a hidden sibling directory and renamed into place only when complete.
 """
 

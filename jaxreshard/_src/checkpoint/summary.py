@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import digest as _digest
 from jaxreshard._src.checkpoint import merge as _merge
-from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import ShardRecord
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 
-def _param_entries(ckpt: _checkpoint.Checkpoint) -> dict[str, dict]:
+def _param_entries(ckpt: _reader.Checkpoint) -> dict[str, dict]:
   """Each parameter's facts, its bytes logical and stored (with padding) over every group."""
   params: dict[str, dict] = {}
   for g in ckpt.groups:
@@ -42,9 +42,7 @@ def _param_entries(ckpt: _checkpoint.Checkpoint) -> dict[str, dict]:
     archive0 = g.ranks[0][0]
     for p in g.params:
       e = ckpt.params[p]
-      dtypes = [
-        h.dtype for h in ckpt.history(archive0, e.param) if isinstance(h, _checkpoint.LeafInfo)
-      ]
+      dtypes = [h.dtype for h in ckpt.history(archive0, e.param) if isinstance(h, _reader.LeafInfo)]
       itemsize = sum(d.itemsize for d in dtypes)
       entry = params.setdefault(
         e.param,
@@ -69,7 +67,7 @@ def _param_entries(ckpt: _checkpoint.Checkpoint) -> dict[str, dict]:
   return params
 
 
-def inspect_info(ckpt: _checkpoint.Checkpoint) -> dict:
+def inspect_info(ckpt: _reader.Checkpoint) -> dict:
   """The machine-readable description ``inspect --json`` prints (index only)."""
   params = _param_entries(ckpt)
   disk_bytes, files = disk_usage(ckpt.directory)
@@ -137,7 +135,7 @@ def complete_records(path: Any, needs: str) -> Iterator[ShardRecord]:
     PlacementError: a partial checkpoint (some ranks of a reshard), or archives
       that do not form complete groups.
   """
-  ckpt = _checkpoint.open_checkpoint(str(path))
+  ckpt = _reader.open_checkpoint(str(path))
   _merge.refuse_partial(path, ckpt)
   try:
     ckpt.complete_groups()

@@ -25,9 +25,9 @@ from jaxreshard._src.checkpoint import digest as _digest
 from jaxreshard._src.checkpoint import locate as _locate_mod
 from jaxreshard._src.checkpoint import merge as _merge
 from jaxreshard._src.checkpoint import read_plan as _read_plan
-from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
-from jaxreshard._src.checkpoint import store as _archive_io
+from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.checkpoint import summary as _summary
 from jaxreshard._src.checkpoint.summary import inspect_info
 from jaxreshard._src.cli import render as _render
@@ -170,7 +170,7 @@ def inspect(
   was resharded from, "world_size", "layout": the target layout's sha256}}.
   """
   found = _locate(checkpoint, step, item)
-  ckpt = _checkpoint.open_checkpoint(found.path)
+  ckpt = _reader.open_checkpoint(found.path)
   for i in range(len(ckpt)):  # every archive is present and belongs to this checkpoint
     ckpt.archive_meta(i)
   info = inspect_info(ckpt)
@@ -216,7 +216,7 @@ def reshard(
   if reads and not dry_run:
     raise jr.ReshardError("--reads lists the reads of a dry run: give it with --dry-run")
   source = _locate(checkpoint, step, item).path
-  ckpt = _checkpoint.open_checkpoint(source)
+  ckpt = _reader.open_checkpoint(source)
   # Refuses a bad world size or a rank outside it before any work.
   jr.FlatShard((), 0 if rank is None else rank, world_size)
   ranks = [rank] if rank is not None else range(world_size)
@@ -254,7 +254,7 @@ def reshard(
 
     # The output names its source, so that parts of two saves never merge.
     jr.save_records(
-      str(out), _checkpoint.SourcedRecords(targets(), _checkpoint.Source(ckpt.id, world_size))
+      str(out), _reader.SourcedRecords(targets(), _reader.Source(ckpt.id, world_size))
     )
   if as_json:
     _render.print_json(
@@ -390,8 +390,8 @@ def clean(
   With --json: {"checkpoint", "removed": paths, "kept": paths}.
   """
   final = os.path.abspath(str(checkpoint))
-  found = _archive_io.temp_dirs(final)
-  removed = set(_archive_io.remove_temp_dirs(final, everything=everything))
+  found = _store.temp_dirs(final)
+  removed = set(_store.remove_temp_dirs(final, everything=everything))
   if as_json:
     _render.print_json(
       dict(

@@ -12,7 +12,7 @@ from jaxreshard._src.core.placement import ParamPlacement
 __all__ = ["ShardRecord", "RECORD_VERSION"]
 
 # The version of a ShardRecord's in-memory layout (``ShardRecord.version``), not of
-# the files on disk: that is ``_checkpoint.FORMAT_VERSION``.
+# the files on disk: that is ``_reader.FORMAT_VERSION``.
 RECORD_VERSION = 1
 
 

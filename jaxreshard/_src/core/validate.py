@@ -4,7 +4,7 @@ The checks read *sources*: anything that answers, per archive index, which
 placement it lists for a parameter, the parameter's history (per optimizer
 subtree: a buffer with ``.shape``/``.dtype``, ``MASKED`` or None) and the class
 of its optimizer clock. Archives in memory and checkpoints on disk both
-answer them (``_sources``, ``_checkpoint``), so every path refuses the same
+answer them (``_sources``, ``_reader``), so every path refuses the same
 inputs with the same words.
 
 The source side of a group (shapes, ranks, dtypes, histories, clock) does not

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
@@ -181,7 +181,7 @@ def restore_sharded(
   ranks = list(_mesh.mesh_ranks(mesh, axis))
   ckpt = None
   if optimizer is not None:
-    ckpt = _checkpoint.open_checkpoint(directory)
+    ckpt = _reader.open_checkpoint(directory)
     _optimizer_check.check_optimizer(ckpt, optimizer, params)
   records = _restore.restore_reported(
     "restore_sharded", directory, ranks, world_size=world, checkpoint=ckpt, progress=progress
@@ -237,7 +237,7 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> di
           f" ({world} * {slots},) of its shape over mesh axis {axis!r}"
         )
       abstract.append(jax.ShapeDtypeStruct((slots,), leaf.dtype))
-  builder = _checkpoint.IndexBuilder(checkpoint_id)
+  builder = _reader.IndexBuilder(checkpoint_id)
   tree_state = jax.tree_util.tree_unflatten(treedef, abstract)
   for rank in range(world):
     builder.add(rank, ShardRecord(RECORD_VERSION, of(rank), tree_state, roles), pack=False)

@@ -18,13 +18,13 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxreshard._src.checkpoint import index as _index
-from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import mesh as _mesh
-from jaxreshard._src.distributed import sharded as _multihost
+from jaxreshard._src.distributed import sharded as _sharded
 from jaxreshard._src.errors import PlacementError
 
 __all__ = ["ReshardRestore", "ReshardSave", "check"]
@@ -61,7 +61,7 @@ def check(args: ReshardSave) -> Checked:
   ranks, and the index of every rank (made with a placeholder identity).
   """
   if args.state is None:
-    builder = _checkpoint.IndexBuilder()
+    builder = _reader.IndexBuilder()
     for i, record in enumerate(args.records):
       builder.add(i, record, pack=False)
     builder.index()
@@ -87,7 +87,7 @@ def check(args: ReshardSave) -> Checked:
     else x
     for x, role in zip(leaves, roles)
   ]
-  _multihost.global_index(
+  _sharded.global_index(
     args.optimizer,
     jax.tree_util.tree_unflatten(treedef, leaves),
     shapes,

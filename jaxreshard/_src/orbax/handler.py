@@ -65,12 +65,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxreshard._src.checkpoint import reader as _checkpoint
+from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
-from jaxreshard._src.checkpoint import store as _archive_io
+from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core.record import ShardRecord
-from jaxreshard._src.distributed import sharded as _multihost
+from jaxreshard._src.distributed import sharded as _sharded
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
 from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
 from jaxreshard._src.progress import ProgressCallback, Reporter
@@ -121,14 +121,14 @@ def prepare_save(
   index = None
   try:
     if args.state is not None:
-      archives = tuple(sorted((r, _multihost.host_record(v)) for r, v in checked.views.items()))
+      archives = tuple(sorted((r, _sharded.host_record(v)) for r, v in checked.views.items()))
       if primary:
-        index = _multihost.global_index(
+        index = _sharded.global_index(
           args.optimizer, args.state, checked.shapes, args.mesh, args.axis, checkpoint_id
         )
     elif primary:
-      archives = tuple((i, _multihost.host_record(r)) for i, r in enumerate(args.records))
-      builder = _checkpoint.IndexBuilder(checkpoint_id)
+      archives = tuple((i, _sharded.host_record(r)) for i, r in enumerate(args.records))
+      builder = _reader.IndexBuilder(checkpoint_id)
       for i, record in archives:
         builder.add(i, record, pack=False)
       index = builder.index()
@@ -142,7 +142,7 @@ def prepare_save(
     progress,
     where=where,
     total=len(archives),
-    total_bytes=sum(_archive_io.history_bytes(r) for _, r in archives),
+    total_bytes=sum(_store.history_bytes(r) for _, r in archives),
   )
   return SavePlan(checkpoint_id, archives, index, args.chunk_bytes, reporter)
 
@@ -223,7 +223,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
 
   def __init__(
     self,
-    chunk_bytes: int = _archive_io.DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = _store.DEFAULT_CHUNK_BYTES,
     *,
     multiprocessing_options: ocp.options.MultiprocessingOptions = (
       ocp.options.MultiprocessingOptions()
@@ -281,11 +281,11 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
   async def _write(self, directory: str, prepared: SavePlan) -> None:
     """Writes this process's archives, tells the others, and waits for theirs."""
     chunk_bytes = prepared.chunk_bytes if prepared.chunk_bytes is not None else self._chunk_bytes
-    builder = _checkpoint.IndexBuilder(prepared.checkpoint_id)
+    builder = _reader.IndexBuilder(prepared.checkpoint_id)
     try:
       for index, record in prepared.archives:
         try:
-          nbytes = _checkpoint.write_archive(directory, index, record, builder, chunk_bytes)
+          nbytes = _reader.write_archive(directory, index, record, builder, chunk_bytes)
         except FileExistsError as e:
           raise ArchiveExistsError(
             f"{e.filename} already exists: another save is writing {directory}"
@@ -333,11 +333,11 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     missing = [
       name
       for name, _, _ in index["archives"]
-      if not os.path.isfile(os.path.join(key, name, _checkpoint.ARCHIVE_FILE))
+      if not os.path.isfile(os.path.join(key, name, _reader.ARCHIVE_FILE))
     ]
     if missing:
       raise ArchiveError(f"{key}: archives {missing[:8]} were not written; nothing is committed")
-    _checkpoint.dump(os.path.join(key, _checkpoint.INDEX_FILE), index)
+    _reader.dump(os.path.join(key, _reader.INDEX_FILE), index)
 
   def restore(self, directory: epath.Path, args: ReshardRestore | None = None) -> Any:
     """Every archive, one target rank's archive, or the state laid out on a mesh.
@@ -351,15 +351,15 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
       extra = {} if args.target is None else {"target": args.target}
       if args.optimizer is not None:
         extra.update(optimizer=args.optimizer, params=args.params)
-      state = _multihost.restore_sharded(directory, args.mesh, args.axis, **extra).state
+      state = _sharded.restore_sharded(directory, args.mesh, args.axis, **extra).state
       return state if args.like is None else _plain.like(args.like, state)
     if args.rank is None:
-      return _archive_io.load_records(directory)
+      return _store.load_records(directory)
     return _restore.restore(directory, world_size=args.world_size, rank=args.rank)
 
   def metadata(self, directory: epath.Path) -> Any:
     """Every archive's placements, clocks and lazy buffers (no array data read)."""
-    return _archive_io.open_checkpoint(_item_directory(directory))
+    return _store.open_checkpoint(_item_directory(directory))
 
 
 def _item_directory(directory: Any) -> str:

@@ -18,9 +18,9 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from jaxreshard._src.checkpoint import index as _index
-from jaxreshard._src.checkpoint import store as _archive_io
+from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
-from jaxreshard._src.orbax import handler as _orbax_hook
+from jaxreshard._src.orbax import handler as _handler
 from jaxreshard._src.progress import ProgressCallback, check_callback
 
 __all__ = ["save_sharded"]
@@ -37,7 +37,7 @@ def save_sharded(
   mesh: Mesh,
   axis: str = "fsdp",
   *,
-  chunk_bytes: int = _archive_io.DEFAULT_CHUNK_BYTES,
+  chunk_bytes: int = _store.DEFAULT_CHUNK_BYTES,
   timeout_s: float = DEFAULT_TIMEOUT_S,
   progress: ProgressCallback | None = None,
 ) -> None:
@@ -99,11 +99,11 @@ def save_sharded(
     raise ArchiveExistsError(f"{final} already exists; jaxreshard never overwrites a checkpoint")
   if not os.path.isdir(os.path.dirname(final)):
     raise FileNotFoundError(f"parent directory {os.path.dirname(final)} of {final} does not exist")
-  args = _orbax_hook.ReshardSave(
+  args = _handler.ReshardSave(
     optimizer=optimizer, state=state, shapes=shapes, mesh=mesh, axis=axis, chunk_bytes=chunk_bytes
   )
   timeout = max(1, int(timeout_s))
-  handler = _orbax_hook.ReshardCheckpointHandler(timeout_secs=timeout)
+  handler = _handler.ReshardCheckpointHandler(timeout_secs=timeout)
   # Refusals of the state, host copies and the index, before any directory exists.
   reporter = handler.prepare_save(args, progress=progress, where=final).reporter
   checkpointer = ocp.AsyncCheckpointer(handler, timeout_secs=timeout)
