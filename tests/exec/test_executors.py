@@ -133,7 +133,11 @@ def test_a_target_rank_reads_only_overlapping_source_buffers(count, src, dst):
     target = jr.reshard(records, jr.plan(records, world_size=dst, rank=rank))
     assert_bits_equal(target.state[0].trace["w"], oracle_shard(full, dst, rank))
     groups = jr_validate(sources, records, dst, rank)
-    runs, keys = _copyplan.plan_runs(groups, _copyplan.target_layout(groups), sources.locate)
+    runs, keys = _copyplan.plan_runs(
+      groups,
+      _copyplan.target_layout(groups),
+      lambda a, g, m, d: sources.locate_runs(groups, a, g, m, d),
+    )
     # One run per overlapping source rank, reading only inside that rank's slots.
     assert sorted(a for a, _, _ in keys) == _overlapping_source_ranks(count, src, dst, rank)
     (r,) = runs.values()

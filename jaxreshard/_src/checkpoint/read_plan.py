@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
+
 from jaxreshard._src.checkpoint.reader import Checkpoint
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.engine import pipeline as _pipeline
@@ -79,14 +81,26 @@ def _target_plan(ckpt: Checkpoint, world_size: int, rank: int) -> ReadPlan:
   groups = _pipeline.validate(ckpt, migrations)
   layout = _copyplan.target_layout(groups)
   gi, k, src_local, _, length = _copyplan.overlaps(groups)
-  itemsize = [sum(d.itemsize for _, d in _copyplan.history_buffers(g)) for g in groups]
-  reads = []
-  for g, r, local, n in zip(gi.tolist(), k.tolist(), src_local.tolist(), length.tolist()):
-    grp = groups[g]
-    if not itemsize[g]:
-      continue
-    lo = r * grp.source.slots + local
-    reads.append(Read(grp.by_rank[r], r, grp.param, lo, lo + n, local, n * itemsize[g]))
+  itemsize = np.asarray(
+    [sum(d.itemsize for _, d in _copyplan.history_buffers(f)) for f in groups.facts], np.int64
+  )
+  keep = itemsize[gi] > 0
+  gi, k, src_local, length = gi[keep], k[keep], src_local[keep], length[keep]
+  archive = groups.archives(gi, k)
+  lo = k * groups.src_slots[gi] + src_local
+  pids = groups.params
+  reads = [
+    Read(a, r, pids[g], start, start + n, local, nbytes)
+    for a, r, g, start, local, n, nbytes in zip(
+      archive.tolist(),
+      k.tolist(),
+      gi.tolist(),
+      lo.tolist(),
+      src_local.tolist(),
+      length.tolist(),
+      (length * itemsize[gi]).tolist(),
+    )
+  ]
   reads.sort(key=lambda x: (x.param, x.lo))
   return ReadPlan(rank, world_size, tuple(reads), layout.nbytes)
 

@@ -95,6 +95,7 @@ from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
   write_checkpoint,
 )
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
@@ -293,6 +294,19 @@ class Checkpoint:
     del dtype
     d, offset, _ = self.layout(archive).offsets[(group.param, subtree)]
     return (archive, d), offset
+
+  def locate_runs(
+    self, groups: Any, archive: np.ndarray, group: np.ndarray, subtree: np.ndarray, dtype: np.dtype
+  ) -> tuple[np.ndarray, np.ndarray, list[Any]]:
+    """``locate`` over arrays of runs: the source is the archive's packed buffer of
+    ``dtype``; the base, where its layout packs that history buffer."""
+    pids = groups.params
+
+    def one(a: int, g: int, m: int) -> tuple[Any, int]:
+      d, offset, _ = self.layout(a).offsets[(pids[g], m)]
+      return (a, d), offset
+
+    return _copyplan.locate_each(one, archive, group, subtree)
 
   # --- archives and their buffers (``_archives.ArchiveReader``) ----------------
 

@@ -159,19 +159,18 @@ def _validated(ckpt: Checkpoint, migrations: Sequence[Migration]) -> list[_valid
   return groups
 
 
-def copied_bytes(groups: Sequence[_validate.SourceGroup]) -> int:
+def copied_bytes(groups: Any) -> int:
   """The history bytes a target rank copies from its sources: owned elements, no padding."""
   # Groups share a handful of histories: the bytes per element are summed once for each.
   per_element: dict[tuple, int] = {}
-  total = 0
-  for g in groups:
-    key = (g.history, g.buffer_dtypes)
+  itemsize = np.empty(len(groups), np.int64)
+  for i, f in enumerate(groups.facts):
+    key = (f.history, f.buffer_dtypes)
     n = per_element.get(key)
     if n is None:
-      n = per_element[key] = sum(np.dtype(d).itemsize for _, d in _copyplan.history_buffers(g))
-    t = g.target
-    total += (t.stop - t.start) * n
-  return total
+      n = per_element[key] = sum(np.dtype(d).itemsize for _, d in _copyplan.history_buffers(f))
+    itemsize[i] = n
+  return int(((groups.stop - groups.start) * itemsize).sum())
 
 
 def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
@@ -185,12 +184,8 @@ def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
   if not groups:
     return set()
   # The rank ranges as arrays over the groups; only groups with such ranks are visited.
-  ss = np.fromiter((g.source.slots for g in groups), np.int64, len(groups))
-  count = np.fromiter((g.source.count for g in groups), np.int64, len(groups))
-  world = np.fromiter((g.source.world_size for g in groups), np.int64, len(groups))
-  t_rank = np.fromiter((g.target.rank for g in groups), np.int64, len(groups))
-  t_slots = np.fromiter((g.target.slots for g in groups), np.int64, len(groups))
-  t_world = np.fromiter((g.target.world_size for g in groups), np.int64, len(groups))
+  ss, count, world = groups.src_slots, groups.count, groups.src_world
+  t_rank, t_slots, t_world = groups.rank, groups.slots, groups.world
   lo = t_rank * t_slots
   hi = np.where(t_rank + 1 < t_world, (t_rank + 1) * t_slots, ss * world)
   safe = np.maximum(ss, 1)

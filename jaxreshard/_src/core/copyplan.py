@@ -26,7 +26,15 @@ import numpy as np
 
 from jaxreshard._src.core import structure as _structure
 
-__all__ = ["BufferSlot", "Runs", "TargetLayout", "cut_runs", "plan_runs", "target_layout"]
+__all__ = [
+  "BufferSlot",
+  "Runs",
+  "TargetLayout",
+  "cut_runs",
+  "locate_each",
+  "plan_runs",
+  "target_layout",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +53,17 @@ class TargetLayout:
 
   slots: dict[np.dtype, tuple[BufferSlot, ...]]
   sizes: dict[np.dtype, int]
+  # Per dtype the slots as columns: (group, subtree, offset, size) int64 arrays.
+  columns: dict[np.dtype, tuple[np.ndarray, ...]] = dataclasses.field(
+    default_factory=dict, compare=False
+  )
 
   @property
   def nbytes(self) -> int:
     return sum(n * d.itemsize for d, n in self.sizes.items())
+
+
+_COLUMNS = ("group", "subtree", "offset", "size")
 
 
 def history_buffers(group: Any) -> list[tuple[int, np.dtype]]:
@@ -60,32 +75,35 @@ def _present(history: Sequence[Any], dtypes: Sequence[np.dtype]) -> list[tuple[i
   return [(m, d) for m, (present, d) in enumerate(zip(history, dtypes)) if present is True]
 
 
-def target_layout(groups: Sequence[Any], *, logical: bool = False) -> TargetLayout:
-  """Packs the history buffers of ``groups`` (sorted by param id) per dtype.
+def target_layout(groups: Any, *, logical: bool = False) -> TargetLayout:
+  """Packs the history buffers of ``groups`` (a ``Groups`` table, sorted by param id) per dtype.
 
   Each buffer has the target's ``slots`` elements, or the parameter's
   ``count`` when ``logical`` (a whole, unsharded parameter). Every target rank
   of one plan has the same layout, so it is made once per distinct value of
   what it is made of (sizes, histories, dtypes) and shared; it is never mutated.
   """
-  return _packed(
-    tuple(
-      (g.target.count if logical else g.target.slots, tuple(g.history), tuple(g.buffer_dtypes))
-      for g in groups
-    )
-  )
+  sizes = groups.count if logical else groups.slots
+  return _packed(sizes.tobytes(), tuple((f.history, f.buffer_dtypes) for f in groups.facts))
 
 
 @functools.lru_cache(maxsize=16)
-def _packed(buffers: tuple[tuple[int, tuple, tuple], ...]) -> TargetLayout:
+def _packed(sizes: bytes, buffers: tuple[tuple[tuple, tuple], ...]) -> TargetLayout:
   slots: dict[np.dtype, list[BufferSlot]] = {}
-  sizes: dict[np.dtype, int] = {}
-  for gi, (size, history, dtypes) in enumerate(buffers):
+  totals: dict[np.dtype, int] = {}
+  for gi, (size, (history, dtypes)) in enumerate(
+    zip(np.frombuffer(sizes, np.int64).tolist(), buffers)
+  ):
     for m, dtype in _present(history, dtypes):
-      offset = sizes.get(dtype, 0)
+      offset = totals.get(dtype, 0)
       slots.setdefault(dtype, []).append(BufferSlot(gi, m, offset, size))
-      sizes[dtype] = offset + size
-  return TargetLayout({d: tuple(s) for d, s in slots.items()}, sizes)
+      totals[dtype] = offset + size
+  frozen = {d: tuple(s) for d, s in slots.items()}
+  columns = {
+    d: tuple(np.fromiter((getattr(x, f) for x in s), np.int64, len(s)) for f in _COLUMNS)
+    for d, s in frozen.items()
+  }
+  return TargetLayout(frozen, totals, columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,18 +130,15 @@ class Runs:
     return int(self.length.sum())
 
 
-def overlaps(groups: Sequence[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def overlaps(groups: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
   """Every (group, source rank) pair whose owned elements overlap the target's.
 
   Returns parallel arrays: group index, source rank, first element in the
   source rank's buffer, first element in the target's, length.
   """
-  n = len(groups)
-  t_start = np.fromiter((g.target.start for g in groups), np.int64, n)
-  t_stop = np.fromiter((g.target.stop for g in groups), np.int64, n)
-  ss = np.fromiter((max(g.source.slots, 1) for g in groups), np.int64, n)
-  gi, k, offset, skip, length = cut_runs(t_start, np.maximum(t_stop - t_start, 0), ss)
-  return gi, k, offset, skip, length
+  return cut_runs(
+    groups.start, np.maximum(groups.stop - groups.start, 0), np.maximum(groups.src_slots, 1)
+  )
 
 
 def cut_runs(
@@ -160,56 +175,74 @@ def cut_runs(
 
 
 def plan_runs(
-  groups: Sequence[Any], layout: TargetLayout, locate: Callable[[int, Any, int], tuple[Any, int]]
+  groups: Any, layout: TargetLayout, locate_runs: Callable
 ) -> tuple[dict[np.dtype, Runs], list[Any]]:
   """The runs that fill ``layout``'s buffers from the groups' sources.
 
+  Every (overlap, history buffer of that parameter in the dtype) pair is one
+  run; the pairs are made with numpy over the whole table.
+
   Args:
-    groups: validated groups, in the order ``layout`` was made from.
+    groups: a validated ``Groups`` table, in the order ``layout`` was made from.
     layout: the target's packed buffers.
-    locate: ``(archive, group, mirror) -> (source key, base offset)``:
-      where that archive keeps that history buffer. Equal keys are one source.
+    locate_runs: ``(archive, group, subtree, dtype) -> (source, base, keys)``
+      over int64 arrays of runs: where each archive keeps each history
+      buffer, as an index into ``keys`` (equal keys are one source) and the
+      buffer's first element there.
 
   Returns:
     Per dtype the run tables, and the list of source keys they index.
   """
   gi, k, src_local, dst_local, length = overlaps(groups)
+  archive = groups.archives(gi, k)
   keys: dict[Any, int] = {}
   sources: list[Any] = []
   out: dict[np.dtype, Runs] = {}
-  for dtype, slots in layout.slots.items():
-    by_group: dict[int, list[BufferSlot]] = {}
-    for s in slots:
-      by_group.setdefault(s.group, []).append(s)
-    # One run per (overlap, buffer of that parameter in this dtype).
-    sel = np.flatnonzero(np.isin(gi, np.fromiter(by_group, np.int64, len(by_group))))
-    src_ids, src_pos, dst_pos, lens = [], [], [], []
-    for g, rank, a, b, n in zip(
-      gi[sel].tolist(),
-      k[sel].tolist(),
-      src_local[sel].tolist(),
-      dst_local[sel].tolist(),
-      length[sel].tolist(),
-    ):
-      group = groups[g]
-      archive = group.by_rank[rank]
-      for s in by_group[g]:
-        key, base = locate(archive, group, s.subtree)
-        sid = keys.get(key)
-        if sid is None:
-          sid = keys[key] = len(sources)
-          sources.append(key)
-        src_ids.append(sid)
-        src_pos.append(base + a)
-        dst_pos.append(s.offset + b)
-        lens.append(n)
+  n = len(groups)
+  for dtype in layout.slots:
+    s_group, s_subtree, s_offset, _ = layout.columns[dtype]
+    # The slots of a dtype are in packing order, so sorted by group.
+    per_group = np.bincount(s_group, minlength=n)
+    first = np.cumsum(per_group) - per_group
+    reps = per_group[gi]
+    ov = np.repeat(np.arange(len(gi), dtype=np.int64), reps)
+    slot = first[gi][ov] + (np.arange(len(ov), dtype=np.int64) - (np.cumsum(reps) - reps)[ov])
+    src_id, base, local_keys = locate_runs(archive[ov], gi[ov], s_subtree[slot], dtype)
+    # Source keys of every dtype share one numbering.
+    remap = np.fromiter(
+      (keys.setdefault(key, len(keys)) for key in local_keys), np.int64, len(local_keys)
+    )
+    sources.extend(local_keys[i] for i in np.flatnonzero(remap >= len(sources)).tolist())
     out[dtype] = Runs(
-      np.asarray(src_ids, np.int64),
-      np.asarray(src_pos, np.int64),
-      np.asarray(dst_pos, np.int64),
-      np.asarray(lens, np.int64),
+      remap[src_id] if len(src_id) else np.zeros(0, np.int64),
+      base + src_local[ov],
+      s_offset[slot] + dst_local[ov],
+      length[ov],
     )
   return out, sources
+
+
+def locate_each(
+  locate: Callable[[int, int, int], tuple[Any, int]],
+  archive: np.ndarray,
+  group: np.ndarray,
+  subtree: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, list[Any]]:
+  """``locate_runs`` from a ``locate(archive, group, subtree) -> (key, base)`` asked
+  once per distinct (archive, group, subtree) of the runs."""
+  if not len(archive):
+    return np.zeros(0, np.int64), np.zeros(0, np.int64), []
+  triples = np.stack([archive, group, subtree], axis=1)
+  unique, inverse = np.unique(triples, axis=0, return_inverse=True)
+  keys: dict[Any, int] = {}
+  key_of = np.empty(len(unique), np.int64)
+  base_of = np.empty(len(unique), np.int64)
+  for i, (a, g, m) in enumerate(unique.tolist()):
+    key, base = locate(a, g, m)
+    key_of[i] = keys.setdefault(key, len(keys))
+    base_of[i] = base
+  inverse = inverse.reshape(-1)
+  return key_of[inverse], base_of[inverse], list(keys)
 
 
 def packing_order(histories: dict[str, Sequence[Any]]) -> list[tuple[str, int, Any]]:

@@ -56,6 +56,19 @@ class ParamPlacement:
     object.__setattr__(self, "shape", _as_tuple(self.shape))
     object.__setattr__(self, "dtype", as_dtype(self.dtype))
 
+  @classmethod
+  def checked(
+    cls, param: str, shape: tuple[int, ...], rank: int, world_size: int, dtype: Any, trainable: bool
+  ) -> ParamPlacement:
+    """A placement of values already normalised (a tuple of ints, an ``np.dtype``):
+    what ``__post_init__`` would make of them, without remaking them. Building a
+    target record makes one per parameter."""
+    p = object.__new__(cls)
+    d = p.__dict__
+    d["param"], d["shape"], d["rank"], d["world_size"] = param, shape, rank, world_size
+    d["dtype"], d["trainable"] = dtype, trainable
+    return p
+
 
 @dataclasses.dataclass(frozen=True)
 class Migration:
@@ -79,3 +92,21 @@ class Migration:
   def __post_init__(self):
     object.__setattr__(self, "shape", _as_tuple(self.shape))
     object.__setattr__(self, "sources", tuple(self.sources))
+
+  @classmethod
+  def checked(
+    cls, param: str, shape: tuple[int, ...], rank: int, world_size: int, sources: tuple[int, ...]
+  ) -> Migration:
+    """A migration of values already normalised (tuples of ints): what
+    ``__post_init__`` would make of them, without remaking them. ``plan`` makes
+    one per parameter and target rank."""
+    m = object.__new__(cls)
+    d = m.__dict__
+    d["param"], d["shape"], d["rank"], d["world_size"], d["sources"] = (
+      param,
+      shape,
+      rank,
+      world_size,
+      sources,
+    )
+    return m

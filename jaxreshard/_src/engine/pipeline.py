@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import groups as _groups
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
@@ -48,7 +49,7 @@ def validate(src: Sources, migrations: Sequence[Migration]) -> list[_validate.So
     return _validate_all(src, migrations)
 
 
-def _validate_all(src: Sources, migrations: Sequence[Migration]) -> list[_validate.SourceGroup]:
+def _validate_all(src: Sources, migrations: Sequence[Migration]) -> _groups.Groups:
   seen: dict[str, Migration] = {}
   for m in migrations:
     if not isinstance(m, Migration):
@@ -59,24 +60,26 @@ def _validate_all(src: Sources, migrations: Sequence[Migration]) -> list[_valida
         f" {list(seen[m.param].sources)} and {list(m.sources)}); pass one per parameter"
       )
     seen[m.param] = m
-  groups = []
+  geometry_checked = _groups.targets_checked(migrations)
+  facts = []
   for m in migrations:
-    facts = src.facts(m.param, m.sources)
-    if m.shape == facts.shape and type(m.shape) is tuple:
-      # The shape is the sources' own, already checked: only the rank and world.
-      try:
-        target = FlatShard.of_checked_shape(facts.shape, facts.source.count, m.rank, m.world_size)
-      except PlacementError as e:
-        raise PlacementError(f"param {m.param!r}: invalid target placement: {e}") from None
-    else:
+    f = src.facts(m.param, m.sources)
+    facts.append(f)
+    if not (m.shape == f.shape and type(m.shape) is tuple):
       target = _validate.check_target(m)
       raise PlacementError(
-        f"param {m.param!r}: archive {facts.by_rank[0]} has logical shape {facts.shape}"
+        f"param {m.param!r}: archive {f.by_rank[0]} has logical shape {f.shape}"
         f" but the target has {target.shape}"
       )
-    groups.append(_validate.SourceGroup(m, target, facts))
-  groups.sort(key=lambda g: g.param)
-  clocks = {g.facts.clock: g for g in groups}
+    if not geometry_checked:
+      # The shape is the sources' own, already checked: only the rank and world.
+      try:
+        FlatShard.of_checked_shape(f.shape, f.source.count, m.rank, m.world_size)
+      except PlacementError as e:
+        raise PlacementError(f"param {m.param!r}: invalid target placement: {e}") from None
+  order = sorted(range(len(facts)), key=lambda i: facts[i].param)
+  groups = _groups.Groups([migrations[i] for i in order], [facts[i] for i in order])
+  clocks = {f.clock: f for f in groups.facts}
   if len(clocks) > 1:
     a, b = list(clocks.values())[:2]
     raise PlacementError(_clock.clock_mismatch(src, b.by_rank[0], a.by_rank[0], b.param))
@@ -95,7 +98,7 @@ def memory_fetch(src: MemorySources, executor: str = "auto") -> Fetch:
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
     if executor == "device" or (executor == "auto" and src.on_accelerator(keys)):
       return _device_fetch(src, runs, keys, layout)
-    views = [src.host_view(k) for k in keys]
+    views = src.host_views(keys)
     return {d: _host_exec.execute(views, r, layout.sizes[d], d) for d, r in runs.items()}
 
   return fetch
@@ -154,54 +157,86 @@ def build(
     return _build(src, groups, fetch, logical=logical)
 
 
-def _build(
-  src: Sources, groups: Sequence[_validate.SourceGroup], fetch: Fetch, *, logical: bool
-) -> ShardRecord:
+def _build(src: Sources, groups: _groups.Groups, fetch: Fetch, *, logical: bool) -> ShardRecord:
   layout = _copyplan.target_layout(groups, logical=logical)
-  runs, keys = _copyplan.plan_runs(groups, layout, src.locate)
+  runs, keys = _copyplan.plan_runs(
+    groups, layout, lambda a, g, m, d: src.locate_runs(groups, a, g, m, d)
+  )
   buffers = fetch(runs, keys, layout)
-  built: dict[tuple[int, int], Any] = {}
+  built: list[list[Any]] = [list(f.history) for f in groups.facts]
   for dtype, slots in layout.slots.items():
-    for slot, leaf in zip(slots, _leaves(buffers[dtype], slots)):
-      g = groups[slot.group]
-      built[(slot.group, slot.subtree)] = leaf.reshape(g.target.shape) if logical else leaf
+    for slot, leaf in zip(slots, _leaves(buffers[dtype], layout.columns[dtype])):
+      built[slot.group][slot.subtree] = (
+        leaf.reshape(groups.facts[slot.group].shape) if logical else leaf
+      )
   return record(src, groups, built)
 
 
-def _leaves(buffer: Any, slots: Sequence[_copyplan.BufferSlot]) -> list[Any]:
+def _roles(template: _structure.StateParts, histories: dict[str, list[Any]]) -> tuple | None:
+  """The roles of ``build_state(template, histories)``'s leaves, read off the template.
+
+  When every subtree holds exactly the template's params, ``build_state``
+  puts each back in the template's structure, so the leaves are the
+  skeleton's, each subtree's in its flatten order with masked and absent
+  entries left out (a masked entry has no leaf). None otherwise.
+  """
+  subtrees = []
+  for i, subtree in enumerate(template.subtrees):
+    order = subtree.order
+    if sum(h[i] is not None for h in histories.values()) != len(order):
+      return None
+    held = [histories.get(p) for p in order]
+    if any(h is None or h[i] is None for h in held):
+      return None
+    subtrees.append([p for p, h in zip(order, held) if h[i] is not _structure.MASKED])
+  roles: list[str | None] = []
+  for leaf in template.skeleton_leaves:
+    if isinstance(leaf, _structure.ParamsSubtreeSlot):
+      roles.extend(subtrees[leaf.index])
+    else:
+      roles.append(None)
+  return tuple(roles)
+
+
+def _leaves(buffer: Any, columns: tuple[np.ndarray, ...]) -> list[Any]:
   """The history buffers inside one packed buffer: numpy views, or device slices."""
+  _, _, offset, size = columns
   if isinstance(buffer, np.ndarray):
-    return [buffer[s.offset : s.offset + s.size] for s in slots]
+    return [buffer[a:b] for a, b in zip(offset.tolist(), (offset + size).tolist())]
   from jaxreshard._src.exec import device as _device_exec  # pylint: disable=g-import-not-at-top
 
-  return _device_exec.split(buffer, [s.size for s in slots])
+  return _device_exec.split(buffer, size.tolist())
 
 
-def record(
-  src: Sources, groups: Sequence[_validate.SourceGroup], built: dict[tuple[int, int], Any]
-) -> ShardRecord:
-  """The target record: the template archive's clock, the built history buffers."""
-  template = src.template(groups[0].by_rank[0] if groups else 0)
-  n_subtrees = len(template.subtrees)
-  histories: dict[str, list[Any]] = {}
-  role_of: dict[int, str] = {}
-  for gi, g in enumerate(groups):
-    per_subtree = []
-    for m in range(n_subtrees):
-      if g.history[m] is True:
-        leaf = built[(gi, m)]
-        role_of[id(leaf)] = g.param
-        per_subtree.append(leaf)
-      else:
-        per_subtree.append(g.history[m])
-    histories[g.param] = per_subtree
+def record(src: Sources, groups: _groups.Groups, built: list[list[Any]]) -> ShardRecord:
+  """The target record: the template archive's clock, the built history buffers.
+
+  ``built`` holds per group its per-subtree entries: the built buffer where
+  the group's facts say True, else the facts' own MASKED or None.
+  """
+  facts = groups.facts
+  template = src.template(facts[0].by_rank[0] if facts else 0)
+  histories = {f.param: entries for f, entries in zip(facts, built)}
   state = _structure.build_state(template, histories)
-  # A leaf is a history buffer exactly when it is one of the buffers just built.
-  roles = tuple(role_of.get(id(x)) for x in jax.tree.leaves(state))
+  roles = _roles(template, histories)
+  if roles is None:
+    # A leaf is a history buffer exactly when it is one of the buffers just built.
+    role_of = {
+      id(leaf): f.param
+      for f, entries in zip(facts, built)
+      for present, leaf in zip(f.history, entries)
+      if present is True
+    }
+    roles = tuple([role_of.get(id(x)) for x in jax.tree.leaves(state)])
   placements = tuple(
-    ParamPlacement(
-      g.param, g.target.shape, g.target.rank, g.target.world_size, g.dtype, g.trainable
+    map(
+      ParamPlacement.checked,
+      groups.params,
+      [f.shape for f in facts],
+      groups.rank.tolist(),
+      groups.world.tolist(),
+      [f.dtype for f in facts],
+      [f.trainable for f in facts],
     )
-    for g in groups
   )
   return ShardRecord(version=RECORD_VERSION, placements=placements, state=state, roles=roles)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -225,7 +226,10 @@ def plan_groups(groups, *, world_size: int, rank: int) -> list[Migration]:
   # when its migration is validated.
   FlatShard((), rank, world_size)
   with no_gc():
-    return [Migration(pid, shape, rank, world_size, sources) for pid, shape, sources in groups]
+    rank, world_size = operator.index(rank), operator.index(world_size)
+    return [
+      Migration.checked(pid, shape, rank, world_size, sources) for pid, shape, sources in groups
+    ]
 
 
 def reshard(

@@ -60,6 +60,9 @@ class Sources(_validate.Sources, Protocol):
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts: ...
   def complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]: ...
   def locate(self, archive: int, group: Any, subtree: int) -> tuple[Any, int]: ...
+  def locate_runs(
+    self, groups: Any, archive: np.ndarray, group: np.ndarray, subtree: np.ndarray, dtype: np.dtype
+  ) -> tuple[np.ndarray, np.ndarray, list[Any]]: ...
 
 
 @runtime_checkable
@@ -69,6 +72,7 @@ class MemorySources(Sources, Protocol):
   def packing(self, archive: int) -> list[tuple[str, int, Any]]: ...
   def buffer(self, key: Any) -> Any: ...
   def host_view(self, key: Any) -> np.ndarray: ...
+  def host_views(self, keys: Sequence[Any]) -> list[np.ndarray]: ...
   def on_accelerator(self, keys: Sequence[Any]) -> bool: ...
 
 
@@ -91,13 +95,37 @@ class FactsCache:
   ``(param, sources)``, and under it the facts shared by every equal tuple.
   """
 
+  # Source tuples whose value key is remembered by identity, at most this many.
+  MAX_TUPLES = 4096
+
   def __init__(self):
     self._by_key: dict[tuple, _validate.SourceFacts] = {}
     self._memo: dict[tuple, Any] = {}
+    self._keys: dict[int, tuple[tuple, int | None]] = {}
+    self._numbers: dict[tuple, int] = {}
+
+  def key(self, sources: tuple) -> int | None:
+    """A number per value of ``sources_key(sources)``, found once per tuple object.
+
+    A plan's migrations of one group share one tuple of W archive indices;
+    hashing it once per (target rank, param) pair would cost time in W per
+    pair, so later keys hold its number, not the tuple. The tuple is kept
+    with its number, so its ``id`` is not reused while the entry lives; the
+    table of tuples is emptied when it reaches ``MAX_TUPLES``.
+    """
+    hit = self._keys.get(id(sources))
+    if hit is not None and hit[0] is sources:
+      return hit[1]
+    value = sources_key(sources)
+    number = None if value is None else self._numbers.setdefault(value, len(self._numbers))
+    if len(self._keys) >= self.MAX_TUPLES:
+      self._keys.clear()
+    self._keys[id(sources)] = (sources, number)
+    return number
 
   def facts(self, pid: str, sources: tuple, src: Any) -> _validate.SourceFacts:
     """The facts of ``(pid, sources)``, validated once per value."""
-    key = sources_key(sources)
+    key = self.key(sources)
     facts = None if key is None else self._by_key.get((pid, key))
     if facts is not None:
       return facts
@@ -174,6 +202,10 @@ class RecordSources:
     self._clocks = _clock.ClockClasses()
     # Every validated group of these sources, for as long as they live.
     self._cache = FactsCache()
+    # The facts of each source tuple's value by param, and by tuple object
+    # (kept with its table, so that its ``id`` is not reused meanwhile).
+    self._by_number: dict[int, dict[str, _validate.SourceFacts]] = {}
+    self._known: dict[int, tuple[tuple, dict[str, _validate.SourceFacts]]] = {}
     self._lock = threading.Lock()
 
   def __len__(self) -> int:
@@ -199,18 +231,36 @@ class RecordSources:
     return self._clocks.of(self, archive)
 
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts:
+    # Facts already made for this tuple object's value, without taking the lock:
+    # the tables are only ever added to.
+    hit = self._known.get(id(sources))
+    if hit is not None and hit[0] is sources:
+      facts = hit[1].get(pid)
+      if facts is not None:
+        return facts
     with self._lock:
       if self._is_uniform(sources):
-        return self._cache.memo(
-          ("uniform", pid, sources), lambda: _validate.uniform_facts(pid, sources, self)
+        facts = self._cache.memo(
+          ("uniform", pid, self._cache.key(sources)),
+          lambda: _validate.uniform_facts(pid, sources, self),
         )
-      return self._cache.facts(pid, sources, self)
+      else:
+        facts = self._cache.facts(pid, sources, self)
+      number = self._cache.key(sources)
+      if number is not None:
+        if len(self._known) >= FactsCache.MAX_TUPLES:
+          self._known.clear()
+        known = self._known.get(id(sources))
+        if known is None or known[0] is not sources:
+          known = self._known[id(sources)] = (sources, self._by_number.setdefault(number, {}))
+        known[1][pid] = facts
+      return facts
 
   def _is_uniform(self, sources: tuple) -> bool:
     """Archive ``r`` of ``sources`` holds rank ``r`` of every parameter, and all of
     them share one structure, buffer shapes, placements and clock: one archive's
     facts are every archive's."""
-    key = sources_key(sources) if isinstance(sources, tuple) else None
+    key = self._cache.key(sources) if isinstance(sources, tuple) else None
     if key is None:
       return False
     hit = self._uniform.get(key)
@@ -263,6 +313,23 @@ class RecordSources:
     """A history buffer in memory is a source of its own, read from element 0."""
     return (archive, group.param, subtree), 0
 
+  def locate_runs(
+    self, groups: Any, archive: np.ndarray, group: np.ndarray, subtree: np.ndarray, dtype: np.dtype
+  ) -> tuple[np.ndarray, np.ndarray, list[Any]]:
+    """``locate`` over arrays of runs: each distinct (archive, group, subtree) is
+    a source key of its own, every base 0."""
+    del dtype
+    if not len(archive):
+      return np.zeros(0, np.int64), np.zeros(0, np.int64), []
+    n_groups, n_subtrees = len(groups), int(subtree.max()) + 1
+    code = (archive * n_groups + group) * n_subtrees + subtree
+    unique, inverse = np.unique(code, return_inverse=True)
+    a, rest = np.divmod(unique, n_groups * n_subtrees)
+    g, m = np.divmod(rest, n_subtrees)
+    pids = groups.params
+    keys = [(ai, pids[gi], mi) for ai, gi, mi in zip(a.tolist(), g.tolist(), m.tolist())]
+    return inverse.reshape(-1), np.zeros(len(code), np.int64), keys
+
   def packing(self, archive: int) -> list[tuple[str, int, Any]]:
     """``(param, mirror, buffer)`` of the archive's history buffers in packing order."""
     a = self.parts_by_archive[archive]
@@ -271,6 +338,11 @@ class RecordSources:
   def buffer(self, key: tuple[int, str, int]) -> Any:
     archive, pid, subtree = key
     return self.parts_by_archive[archive].subtrees[subtree].entries.get(pid)
+
+  def host_views(self, keys: Sequence[tuple[int, str, int]]) -> list[np.ndarray]:
+    """``host_view`` of each key."""
+    views = self._host_views
+    return [views[k] if k in views else self.host_view(k) for k in keys]
 
   def host_view(self, key: tuple[int, str, int]) -> np.ndarray:
     """A buffer's bytes as a flat unsigned numpy view, made once per source set."""

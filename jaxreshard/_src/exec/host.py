@@ -61,13 +61,25 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _copy(out: np.ndarray, sources: Sequence[np.ndarray], runs: Runs, lo: int, hi: int) -> None:
-  for s, a, b, n in zip(
-    runs.source[lo:hi].tolist(),
-    runs.src[lo:hi].tolist(),
-    runs.dst[lo:hi].tolist(),
-    runs.length[lo:hi].tolist(),
+  """Copies runs ``lo:hi`` (sorted by ``dst``): runs that follow each other in
+  ``out`` without a gap are one ``np.concatenate`` into that stretch, so Python
+  handles a run in a slice and an append while numpy moves the bytes."""
+  dst, length = runs.dst[lo:hi], runs.length[lo:hi]
+  end = dst + length
+  # A stretch starts at a run whose dst is not where the previous one ended.
+  starts = np.flatnonzero(np.concatenate([[True], dst[1:] != end[:-1]]))
+  stops = np.append(starts[1:], len(dst))
+  pieces = [
+    sources[s][a : a + n]
+    for s, a, n in zip(runs.source[lo:hi].tolist(), runs.src[lo:hi].tolist(), length.tolist())
+  ]
+  for i, j, b, e in zip(
+    starts.tolist(), stops.tolist(), dst[starts].tolist(), end[stops - 1].tolist()
   ):
-    out[b : b + n] = sources[s][a : a + n]
+    if j - i == 1:
+      out[b:e] = pieces[i]
+    else:
+      np.concatenate(pieces[i:j], out=out[b:e])
 
 
 def execute(sources: Sequence[np.ndarray], runs: Runs, size: int, dtype: np.dtype) -> np.ndarray:
@@ -86,6 +98,9 @@ def execute(sources: Sequence[np.ndarray], runs: Runs, size: int, dtype: np.dtyp
     return out
   view = bits(out)
   src = [s if s.dtype.kind == "u" else bits(s) for s in sources]
+  if len(runs) > 1 and (np.diff(runs.dst) < 0).any():
+    order = np.argsort(runs.dst, kind="stable")
+    runs = Runs(runs.source[order], runs.src[order], runs.dst[order], runs.length[order])
   n = len(runs)
   if (
     size * dtype.itemsize < _PARALLEL_BYTES

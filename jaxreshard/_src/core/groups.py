@@ -1,0 +1,109 @@
+"""Validated migrations of one target rank as a table: one row per parameter.
+
+Validation checks each migration against its sources' facts (made once per
+source group and shared by every target rank) and the target geometry of all
+rows at once. The result keeps the geometry as int64 columns, so planning and
+the padding checks read arrays; a row is a :class:`SourceGroup` only when one
+is asked for by index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxreshard._src.core.geometry import MAX_WORLD_SIZE, FlatShard
+from jaxreshard._src.core.placement import Migration
+from jaxreshard._src.core.validate import SourceFacts, SourceGroup
+
+__all__ = ["Groups", "targets_checked"]
+
+# Below this element count, ``(rank + 1) * slots`` (at most about twice the
+# count) cannot overflow int64.
+_EXACT_PRODUCTS = 1 << 61
+
+
+class Groups(Sequence):
+  """Validated groups of one target rank, sorted by param id.
+
+  Attributes:
+    migrations: the migrations, one per row.
+    facts: their sources' validated facts, one per row.
+    count, rank, world, slots, start, stop: the target geometry per row
+      (``FlatShard``'s fields, clipped as it clips them).
+    src_slots, src_world: each row's source layout (slots per rank, ranks).
+  """
+
+  def __init__(self, migrations: Sequence[Migration], facts: Sequence[SourceFacts]):
+    n = len(facts)
+    self.migrations = tuple(migrations)
+    self.facts = tuple(facts)
+    self.count = np.fromiter((f.source.count for f in facts), np.int64, n)
+    self.src_slots = np.fromiter((f.source.slots for f in facts), np.int64, n)
+    self.src_world = np.fromiter((f.source.world_size for f in facts), np.int64, n)
+    self.rank = np.fromiter((m.rank for m in migrations), np.int64, n)
+    self.world = np.fromiter((m.world_size for m in migrations), np.int64, n)
+    self.slots = -(-self.count // self.world)
+    if n and int(self.count.max()) >= _EXACT_PRODUCTS:
+      # ``(rank + 1) * slots`` may pass 2**63 before it is clipped: Python ints.
+      rows = list(zip(self.rank.tolist(), self.slots.tolist(), self.count.tolist()))
+      self.start = np.asarray([min(r * s, c) for r, s, c in rows], np.int64)
+      self.stop = np.asarray([min((r + 1) * s, c) for r, s, c in rows], np.int64)
+    else:
+      self.start = np.minimum(self.rank * self.slots, self.count)
+      self.stop = np.minimum((self.rank + 1) * self.slots, self.count)
+    self._archives: dict[int, tuple[tuple, np.ndarray]] = {}
+
+  def __len__(self) -> int:
+    return len(self.facts)
+
+  def __getitem__(self, i: Any) -> Any:
+    if isinstance(i, slice):
+      return [self[j] for j in range(*i.indices(len(self)))]
+    m, f = self.migrations[i], self.facts[i]
+    return SourceGroup(
+      m, FlatShard.of_checked_shape(f.shape, f.source.count, m.rank, m.world_size), f
+    )
+
+  @property
+  def params(self) -> list[str]:
+    return [f.param for f in self.facts]
+
+  def archives(self, row: np.ndarray, source_rank: np.ndarray) -> np.ndarray:
+    """The archive holding source rank ``source_rank[i]`` of row ``row[i]``, for all i.
+
+    Rows of one source group share one ``by_rank`` tuple, turned into an
+    array once per table.
+    """
+    out = np.empty(len(row), np.int64)
+    if not len(row):
+      return out
+    tuples = np.fromiter((id(self.facts[g].by_rank) for g in range(len(self))), np.int64, len(self))
+    which = tuples[row]
+    for t in np.unique(which).tolist():
+      hit = self._archives.get(t)
+      if hit is None:
+        g = int(row[np.argmax(which == t)])
+        by_rank = self.facts[g].by_rank
+        hit = self._archives[t] = (by_rank, np.asarray(by_rank, np.int64))
+      sel = which == t
+      out[sel] = hit[1][source_rank[sel]]
+    return out
+
+
+def targets_checked(migrations: Sequence[Migration]) -> bool:
+  """Whether every target rank and world size is an int with ``0 <= rank <
+  world_size <= MAX_WORLD_SIZE``, checked for all migrations at once. When
+  not, the caller checks each migration's geometry on its own, which names the
+  first refusal (or accepts integers of other types)."""
+  n = len(migrations)
+  if not all(type(m.rank) is int and type(m.world_size) is int for m in migrations):
+    return False
+  try:
+    rank = np.fromiter((m.rank for m in migrations), np.int64, n)
+    world = np.fromiter((m.world_size for m in migrations), np.int64, n)
+  except OverflowError:
+    return False
+  return not ((world < 1) | (world > MAX_WORLD_SIZE) | (rank < 0) | (rank >= world)).any()
