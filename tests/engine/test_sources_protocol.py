@@ -46,9 +46,11 @@ def test_the_protocol_lists_what_the_pipeline_calls():
     "template",
     "facts",
     "complete_groups",
-    "locate",
+    "locate_runs",
   } <= members
-  assert {"packing", "buffer", "host_view", "on_accelerator"} <= _members(_sources.MemorySources)
+  assert {"packing", "buffer", "host_view", "host_views", "on_accelerator"} <= _members(
+    _sources.MemorySources
+  )
 
 
 def test_records_in_memory_are_memory_sources():

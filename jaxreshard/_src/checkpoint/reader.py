@@ -155,17 +155,7 @@ class Checkpoint:
     self._root = _shardread.Dir.root(self.directory)
     self._closer = weakref.finalize(self, self._root.close)
     try:
-      if not self._root.exists(INDEX_FILE):
-        raise ArchiveError(
-          f"{os.fspath(directory)} is not a jaxreshard checkpoint (no {INDEX_FILE}; a save"
-          " that did not finish leaves none)"
-        )
-      where = f"{self.directory}/{INDEX_FILE}"
-      raw = self._root.read_bytes(INDEX_FILE, MAX_INDEX_BYTES)
-      from jaxreshard._src.engine.pipeline import no_gc  # pylint: disable=g-import-not-at-top
-
-      with no_gc():  # parsing makes many small objects and no cycles
-        self.index = _index.parse_index(_archives.signed_value(raw, where, FORMAT), where)
+      self.index = _read_index(self._root, directory, self.directory)
     except BaseException:
       self.close()
       raise
@@ -287,19 +277,11 @@ class Checkpoint:
       u = self._cache.uniform[gi] = _groupfacts.is_uniform(self, gi)
     return u
 
-  def locate(
-    self, archive: int, group: Any, subtree: int, dtype: np.dtype | None = None
-  ) -> tuple[Any, int]:
-    """A history buffer lives in its archive's packed buffer of its dtype (the layout's)."""
-    del dtype
-    d, offset, _ = self.layout(archive).offsets[(group.param, subtree)]
-    return (archive, d), offset
-
   def locate_runs(
     self, groups: Any, archive: np.ndarray, group: np.ndarray, subtree: np.ndarray, dtype: np.dtype
   ) -> tuple[np.ndarray, np.ndarray, list[Any]]:
-    """``locate`` over arrays of runs: the source is the archive's packed buffer of
-    ``dtype``; the base, where its layout packs that history buffer."""
+    """A history buffer lives in its archive's packed buffer of its dtype, where
+    the archive's layout packs it."""
     pids = groups.params
 
     def one(a: int, g: int, m: int) -> tuple[Any, int]:
@@ -351,6 +333,21 @@ class Checkpoint:
       state=layout.state(self.scalars(archive), buffers),
       roles=layout.roles,
     )
+
+
+def _read_index(root: _shardread.Dir, given: Any, directory: str) -> _index.Index:
+  """The checkpoint's index file, its checksum verified, parsed."""
+  if not root.exists(INDEX_FILE):
+    raise ArchiveError(
+      f"{os.fspath(given)} is not a jaxreshard checkpoint (no {INDEX_FILE}; a save"
+      " that did not finish leaves none)"
+    )
+  where = f"{directory}/{INDEX_FILE}"
+  raw = root.read_bytes(INDEX_FILE, MAX_INDEX_BYTES)
+  from jaxreshard._src.engine.pipeline import no_gc  # pylint: disable=g-import-not-at-top
+
+  with no_gc():  # parsing makes many small objects and no cycles
+    return _index.parse_index(_archives.signed_value(raw, where, FORMAT), where)
 
 
 def archive_params(index: _index.Index, archive: int) -> dict[str, Any]:

@@ -354,10 +354,9 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
       for r in np.unique(rank).tolist():
         sel = rank == r
         archive = g.by_rank[r]
-        (key_archive, d), base = ckpt.locate(archive, g, leaf.subtree, spec.dtype)
-        runs.setdefault((key_archive, np.dtype(d)), []).append(
-          (src[sel] + base, dst[sel], lens[sel])
-        )
+        # A history buffer lives in its archive's packed buffer of its dtype.
+        d, base, _ = ckpt.layout(archive).offsets[(g.param, leaf.subtree)]
+        runs.setdefault((archive, np.dtype(d)), []).append((src[sel] + base, dst[sel], lens[sel]))
     where.append(at)
 
   # Every involved archive and file checked against its metadata before anything

@@ -59,7 +59,6 @@ class Sources(_validate.Sources, Protocol):
   def template(self, archive: int) -> _structure.StateParts: ...
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts: ...
   def complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]: ...
-  def locate(self, archive: int, group: Any, subtree: int) -> tuple[Any, int]: ...
   def locate_runs(
     self, groups: Any, archive: np.ndarray, group: np.ndarray, subtree: np.ndarray, dtype: np.dtype
   ) -> tuple[np.ndarray, np.ndarray, list[Any]]: ...
@@ -103,6 +102,10 @@ class FactsCache:
     self._memo: dict[tuple, Any] = {}
     self._keys: dict[int, tuple[tuple, int | None]] = {}
     self._numbers: dict[tuple, int] = {}
+    # The facts of each source tuple's value by param, and by tuple object
+    # (kept with its table, so that its ``id`` is not reused meanwhile).
+    self._by_number: dict[int, dict[str, _validate.SourceFacts]] = {}
+    self._known: dict[int, tuple[tuple, dict[str, _validate.SourceFacts]]] = {}
 
   def key(self, sources: tuple) -> int | None:
     """A number per value of ``sources_key(sources)``, found once per tuple object.
@@ -135,6 +138,26 @@ class FactsCache:
     if key is not None:
       self._by_key[(pid, key)] = facts
     return facts
+
+  def known(self, pid: str, sources: tuple) -> _validate.SourceFacts | None:
+    """Facts ``remember`` holds for this tuple object's value, found without a lock
+    (the tables are only ever added to) and without hashing the tuple."""
+    hit = self._known.get(id(sources))
+    if hit is not None and hit[0] is sources:
+      return hit[1].get(pid)
+    return None
+
+  def remember(self, pid: str, sources: tuple, facts: _validate.SourceFacts) -> None:
+    """Files validated facts under the value of ``sources`` and its tuple object."""
+    number = self.key(sources)
+    if number is None:
+      return
+    if len(self._known) >= self.MAX_TUPLES:
+      self._known.clear()
+    known = self._known.get(id(sources))
+    if known is None or known[0] is not sources:
+      known = self._known[id(sources)] = (sources, self._by_number.setdefault(number, {}))
+    known[1][pid] = facts
 
   def memo(self, key: tuple, make: Any) -> Any:
     """The value remembered under ``key``, made by ``make()`` on first use."""
@@ -202,10 +225,6 @@ class RecordSources:
     self._clocks = _clock.ClockClasses()
     # Every validated group of these sources, for as long as they live.
     self._cache = FactsCache()
-    # The facts of each source tuple's value by param, and by tuple object
-    # (kept with its table, so that its ``id`` is not reused meanwhile).
-    self._by_number: dict[int, dict[str, _validate.SourceFacts]] = {}
-    self._known: dict[int, tuple[tuple, dict[str, _validate.SourceFacts]]] = {}
     self._lock = threading.Lock()
 
   def __len__(self) -> int:
@@ -231,13 +250,9 @@ class RecordSources:
     return self._clocks.of(self, archive)
 
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts:
-    # Facts already made for this tuple object's value, without taking the lock:
-    # the tables are only ever added to.
-    hit = self._known.get(id(sources))
-    if hit is not None and hit[0] is sources:
-      facts = hit[1].get(pid)
-      if facts is not None:
-        return facts
+    facts = self._cache.known(pid, sources)
+    if facts is not None:
+      return facts
     with self._lock:
       if self._is_uniform(sources):
         facts = self._cache.memo(
@@ -246,14 +261,7 @@ class RecordSources:
         )
       else:
         facts = self._cache.facts(pid, sources, self)
-      number = self._cache.key(sources)
-      if number is not None:
-        if len(self._known) >= FactsCache.MAX_TUPLES:
-          self._known.clear()
-        known = self._known.get(id(sources))
-        if known is None or known[0] is not sources:
-          known = self._known[id(sources)] = (sources, self._by_number.setdefault(number, {}))
-        known[1][pid] = facts
+      self._cache.remember(pid, sources, facts)
       return facts
 
   def _is_uniform(self, sources: tuple) -> bool:
@@ -309,15 +317,11 @@ class RecordSources:
       return None
     return [(pid, p.shape, sources) for pid, p in sorted(self._placements[sources[0]].items())]
 
-  def locate(self, archive: int, group: Any, subtree: int) -> tuple[Any, int]:
-    """A history buffer in memory is a source of its own, read from element 0."""
-    return (archive, group.param, subtree), 0
-
   def locate_runs(
     self, groups: Any, archive: np.ndarray, group: np.ndarray, subtree: np.ndarray, dtype: np.dtype
   ) -> tuple[np.ndarray, np.ndarray, list[Any]]:
-    """``locate`` over arrays of runs: each distinct (archive, group, subtree) is
-    a source key of its own, every base 0."""
+    """Where each run's history buffer lies: every history buffer in memory is a
+    source of its own, ``(archive, param, subtree)``, read from element 0."""
     del dtype
     if not len(archive):
       return np.zeros(0, np.int64), np.zeros(0, np.int64), []
