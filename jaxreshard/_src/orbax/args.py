@@ -220,7 +220,8 @@ class ReshardRestore(ocp.args.CheckpointArgs):
   With ``mesh``, ``like`` puts the restored state's leaves into ``like``'s own
   tree, matched by key path: an ``nnx.Optimizer``'s ``opt_state`` (made for
   the new mesh) gets back its ``nnx.State`` nodes and Variables, ready for
-  ``nnx.update(optimizer.opt_state, nnx.state(restored))``.
+  ``nnx.update(optimizer.opt_state, nnx.state(restored))``. It is passed on
+  to ``restore_sharded(..., like=)``, which says the rule and its refusals.
 
   Every field is keyword-only.
 

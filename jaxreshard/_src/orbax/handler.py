@@ -68,7 +68,6 @@ from etils import epath
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
-from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _sharded
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
@@ -351,8 +350,9 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
       extra = {} if args.target is None else {"target": args.target}
       if args.optimizer is not None:
         extra.update(optimizer=args.optimizer, params=args.params)
-      state = _sharded.restore_sharded(directory, args.mesh, args.axis, **extra).state
-      return state if args.like is None else _plain.like(args.like, state)
+      return _sharded.restore_sharded(
+        directory, args.mesh, args.axis, like=args.like, **extra
+      ).state
     if args.rank is None:
       return _store.load_records(directory)
     return _restore.restore(directory, world_size=args.world_size, rank=args.rank)
