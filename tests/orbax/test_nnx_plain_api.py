@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxreshard as jr
-from tests._core_util import bits, device_mesh
+from tests._core_util import bits, device_mesh, oracle_shard
 
 LAYERS = 12  # '10' and '11' sort before '2' as strings
 
@@ -58,6 +58,59 @@ def _ids(model):
     for i, layer in enumerate(model.layers)
     for name in ("kernel", "bias")
   }
+
+
+def _assert_plain(state):
+  """The plain form: dicts keyed by the layers' integers, arrays for Variables."""
+  for mirror in (state[0].mu, state[0].nu):
+    assert type(mirror) is dict and type(mirror["layers"]) is dict
+    assert sorted(mirror["layers"]) == list(range(LAYERS))
+  assert not any(isinstance(x, nnx.Variable) for x in jax.tree.leaves(state))
+
+
+def test_shard_state_takes_an_nnx_optimizer_state_and_nnx_params():
+  tx = optax.adam(1e-2)
+  model, optimizer = _trained(tx)
+  world = 5
+  records = jr.shard_state(
+    tx, nnx.state(model, nnx.Param), optimizer.opt_state, world, trainable={"layers/3/bias": False}
+  )
+  ids = _ids(model)
+  want = _by_path(optimizer.opt_state)
+  for rank, record in enumerate(records):
+    assert {p.param: p.shape for p in record.placements} == ids
+    assert [p.param for p in record.placements if not p.trainable] == ["layers/3/bias"]
+    got = _by_path(record.state)
+    assert sorted(got) == sorted(want)
+    for path, leaf in got.items():
+      expected = want[path] if np.ndim(want[path]) == 0 else oracle_shard(want[path], world, rank)
+      np.testing.assert_array_equal(bits(leaf), bits(expected), err_msg=path)
+  # unshard_state gives back the plain tree, every leaf the NNX one's bits.
+  full = jr.unshard_state(records)
+  _assert_plain(full)
+  got = _by_path(full)
+  assert sorted(got) == sorted(want)
+  for path, leaf in got.items():
+    np.testing.assert_array_equal(bits(leaf), bits(want[path]), err_msg=path)
+
+
+def test_shard_to_mesh_takes_an_nnx_optimizer_state_and_nnx_params():
+  tx = optax.adam(1e-2)
+  model, optimizer = _trained(tx)
+  mesh = device_mesh((3,), ("fsdp",))
+  sharded = jr.shard_to_mesh(tx, nnx.state(model, nnx.Param), optimizer.opt_state, mesh)
+  _assert_plain(sharded.state)
+  assert {p.param for p in sharded.placements[0]} == set(_ids(model))
+  want = _by_path(optimizer.opt_state)
+  got = _by_path(sharded.state)
+  assert sorted(got) == sorted(want)
+  for path, leaf in got.items():
+    if np.ndim(want[path]) == 0:
+      np.testing.assert_array_equal(bits(leaf), bits(want[path]), err_msg=path)
+      continue
+    assert leaf.sharding.spec == jax.sharding.PartitionSpec("fsdp"), path
+    flat = np.concatenate([oracle_shard(want[path], 3, r) for r in range(3)])
+    np.testing.assert_array_equal(bits(leaf), bits(flat), err_msg=path)
 
 
 def _saved(tmp_path, tx):
