@@ -71,6 +71,7 @@ from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _sharded
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
+from jaxreshard._src.orbax import args as _args
 from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
@@ -127,7 +128,7 @@ def prepare_save(
         )
     elif primary:
       archives = tuple((i, _sharded.host_record(r)) for i, r in enumerate(args.records))
-      builder = _reader.IndexBuilder(checkpoint_id)
+      builder = _reader.IndexBuilder(checkpoint_id, _args.source_of(args.records))
       for i, record in archives:
         builder.add(i, record, pack=False)
       index = builder.index()
