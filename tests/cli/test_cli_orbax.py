@@ -9,6 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 import jaxreshard as jr
+from jaxreshard._src.checkpoint import merge as _merge
+from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.cli.commands import EXIT_ERROR, app
 from tests._core_util import assert_records_equal
 
@@ -110,3 +112,66 @@ def test_refusals_say_what_was_looked_for(run, tmp_path):
   assert "--step" in line and "plain30" in line, line
   line = _error(_run("inspect", run / "run" / "20", "--step", 20))
   assert "--step" in line, line
+  line = _error(_run("merge", tmp_path / "m", run / "plain30", tmp_path / "empty"))
+  assert "is not a jaxreshard checkpoint" in line, line
+  assert "no orbax steps with a jaxreshard item" in line, line
+  assert not (tmp_path / "m").exists()
+
+
+def _orbax_part(run_dir, step, source, ranks, world_size=6):
+  """Target ranks of ``source`` saved by an orbax manager, naming ``source`` (a reshard's part)."""
+  records = _reader.SourcedRecords(
+    jr.restore_ranks(source, ranks, world_size=world_size),
+    _reader.Source(jr.open_checkpoint(source).id, world_size),
+  )
+  with ocp.CheckpointManager(run_dir) as manager:
+    manager.save(step, args=jr.ReshardSave(records))
+    manager.wait_until_finished()
+
+
+def test_merge_takes_parts_saved_by_orbax(tmp_path):
+  jr.save_records(tmp_path / "src", _records(7))
+  jr.save_records(tmp_path / "again", _records(7))  # the same state, another save
+  _orbax_part(tmp_path / "a", 5, tmp_path / "src", [0, 1])
+  _orbax_part(tmp_path / "a", 9, tmp_path / "again", [0, 1])  # the latest step: another save's
+  _orbax_part(tmp_path / "b", 5, tmp_path / "src", [2, 3])
+  _orbax_part(tmp_path / "c", 5, tmp_path / "src", [4, 5])
+  # Each part saved by orbax names the checkpoint it was resharded from.
+  source = jr.open_checkpoint(tmp_path / "b" / "5" / "default").source
+  assert (source.checkpoint, source.world_size) == (jr.open_checkpoint(tmp_path / "src").id, 6)
+  src = jr.load_records(tmp_path / "src")
+  want = [jr.reshard(src, jr.plan(src, world_size=6, rank=r)) for r in range(6)]
+  # Run directories, each at --step 5.
+  result = _run(
+    "merge", tmp_path / "m1", tmp_path / "a", tmp_path / "b", tmp_path / "c", "--step", 5
+  )
+  assert result.exit_code == 0, result.output
+  assert "merged 3 parts" in result.stdout and "ranks 0..5 of 6" in result.stdout
+  assert "step 5 (of 5, 9), item 'default'" in result.stderr
+  # A step directory, an item directory, and a run directory at its latest step.
+  ok = _run(
+    "merge",
+    tmp_path / "m2",
+    tmp_path / "b" / "5",
+    tmp_path / "c" / "5" / "default",
+    tmp_path / "a" / "5",
+  )
+  assert ok.exit_code == 0, ok.output
+  for out in ("m1", "m2"):
+    for a, b in zip(jr.load_records(tmp_path / out), want, strict=True):
+      assert_records_equal(a, b)
+  # The latest step of run a holds another save's part: refused, nothing written.
+  refused = _run("merge", tmp_path / "m3", tmp_path / "a", tmp_path / "b", tmp_path / "c")
+  assert refused.exit_code == EXIT_ERROR, refused.output
+  assert "a: step 9 (of 5, 9), item 'default'" in refused.stderr
+  line = refused.stderr.strip().splitlines()[-1]
+  assert line.startswith("jaxreshard: error: ") and "a/9/default from checkpoint" in line, line
+  assert "parts of two different saves are never merged" in line, line
+  assert not (tmp_path / "m3").exists()
+  # The library's merge finds parts by the same rule.
+  merged = _merge.merge_parts(
+    tmp_path / "m4", [tmp_path / "c", tmp_path / "b", tmp_path / "a"], step=5
+  )
+  assert merged.world_size == 6
+  for a, b in zip(jr.load_records(tmp_path / "m4"), want, strict=True):
+    assert_records_equal(a, b)

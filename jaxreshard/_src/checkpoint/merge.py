@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxreshard._src.checkpoint import digest as _digest
+from jaxreshard._src.checkpoint import locate as _locate
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint.reader import Checkpoint, Source
 from jaxreshard._src.checkpoint.store import save_records
@@ -155,8 +156,14 @@ def _clock_mismatch(part: _Part, archive: int, first: _Part) -> str:
   )
 
 
-def merge_plan(parts: Sequence[Any]) -> MergePlan:
+def merge_plan(
+  parts: Sequence[Any], *, step: int | None = None, item: str | None = None
+) -> MergePlan:
   """Checks that ``parts`` are every rank of one reshard; their archives in rank order.
+
+  Each part is found as ``locate`` finds a checkpoint (every command's rule):
+  a checkpoint directory, or an orbax step or run directory holding a
+  jaxreshard item; ``step`` and ``item`` choose in every part, as they do there.
 
   Parts must name one source checkpoint, hold one world size and one target
   layout (every param's id, shape, dtype, trainability and history buffer
@@ -166,11 +173,12 @@ def merge_plan(parts: Sequence[Any]) -> MergePlan:
   Raises:
     PlacementError: parts that are not every rank of one reshard, named with
       what differs (for two saves: both checkpoint identities).
-    ArchiveError: a part that is not a valid checkpoint.
+    ArchiveError: a part that is not a valid checkpoint, or in which ``locate``
+      finds none (or not the step or item asked for).
   """
   if not parts:
     raise PlacementError("merge needs at least one part")
-  opened = [_open_part(p) for p in parts]
+  opened = [_open_part(_locate.locate(p, step=step, item=item).path) for p in parts]
   first = opened[0]
   owner: dict[int, tuple[_Part, int]] = {}
   for part in opened:
@@ -209,9 +217,12 @@ def merge_plan(parts: Sequence[Any]) -> MergePlan:
   return MergePlan(order, first.source)
 
 
-def merge_parts(out: Any, parts: Sequence[Any]) -> MergePlan:
+def merge_parts(
+  out: Any, parts: Sequence[Any], *, step: int | None = None, item: str | None = None
+) -> MergePlan:
   """Writes the parts of one reshard (``merge_plan``) as one checkpoint at ``out``.
 
+  Parts (and ``step``, ``item``) are found as ``merge_plan`` finds them.
   Archives are copied in rank order, one at a time, into a new checkpoint with
   its own identity, naming the parts' source. Nothing is written unless every
   part is checked; a failed write leaves nothing at ``out``.
@@ -222,7 +233,7 @@ def merge_parts(out: Any, parts: Sequence[Any]) -> MergePlan:
   """
   if os.path.lexists(os.fspath(out)):
     raise ArchiveExistsError(f"{out} already exists; jaxreshard never overwrites a checkpoint")
-  merged = merge_plan(parts)
+  merged = merge_plan(parts, step=step, item=item)
 
   def records() -> Iterator[Any]:
     for ckpt, a in merged.order:

@@ -414,8 +414,13 @@ def merge(
     ..., parser=_path, metavar="OUT", help="The merged checkpoint (must not exist)."
   ),
   parts: list[Path] = typer.Argument(
-    ..., parser=_path, metavar="PART", help="Partial checkpoints (reshard --rank outputs)."
+    ...,
+    parser=_path,
+    metavar="PART",
+    help=f"Partial checkpoints (reshard --rank outputs), each {_WHERE}.",
   ),
+  step: int | None = _step_option(),
+  item: str | None = _item_option(),
   as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
   """Combine partial checkpoints of one world size (one per rank or host) into one.
@@ -424,11 +429,13 @@ def merge(
   not only the same step), one world size and target layout (every param's
   shape and dtype), disjoint ranks that together are all of them, the same
   clocks. Archives are then copied in rank order, one at a time, into a new
-  checkpoint with its own identity. With --json: {"out", "world_size",
-  "parts", "archives"}.
+  checkpoint with its own identity. A PART may be an orbax step or run
+  directory, as for inspect; --step and --item choose in every PART. With
+  --json: {"out", "world_size", "parts", "archives"}.
   """
   _refuse_inside(out, parts)
-  merged = _merge.merge_parts(str(out), [str(p) for p in parts])
+  found = [_locate(p, step, item).path for p in parts]
+  merged = _merge.merge_parts(str(out), found)
   n = merged.world_size
   if as_json:
     _render.print_json(dict(out=os.path.abspath(out), world_size=n, parts=len(parts), archives=n))

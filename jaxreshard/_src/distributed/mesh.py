@@ -349,15 +349,19 @@ def shard_to_mesh(
 
   Args:
     optimizer: the optax transformation that built ``state``.
-    params: the full params pytree (ids are key paths joined with ``/``).
-    state: the full optax state.
+    params: the full params pytree (ids are key paths joined with ``/``), or
+      Flax NNX's ``nnx.state(model, nnx.Param)``.
+    state: the full optax state, or an ``nnx.Optimizer``'s ``opt_state``
+      (NNX trees are taken in plain form, as ``shard_state`` takes them).
     mesh: the device mesh.
     axis: the mesh axis to split over; its size ``M`` is the world size.
     trainable: optional ``param id -> bool``.
 
   Returns:
     A :class:`MeshState`: global ``(M * slots,)`` history arrays sharded over
-    ``axis``, replicated scalars, and the placements of the local ranks.
+    ``axis``, replicated scalars, and the placements of the local ranks. The
+    state's tree is the plain form of ``state`` (for an NNX state: dicts and
+    values, not ``nnx.State`` nodes and Variables).
 
   Examples:
     >>> import jax, jax.numpy as jnp, numpy as np, optax

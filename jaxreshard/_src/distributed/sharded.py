@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ from jax.sharding import Mesh
 
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
+from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.distributed import mesh as _mesh
@@ -77,6 +79,7 @@ def restore_sharded(
   target: optax.OptState | None = None,
   optimizer: optax.GradientTransformation | None = None,
   params: optax.Params | None = None,
+  like: Any = None,
   progress: ProgressCallback | None = None,
 ) -> MeshState:
   """Restores a checkpoint onto a mesh, each process reading only what its devices need.
@@ -115,6 +118,13 @@ def restore_sharded(
       will feed (or its ``flat_sharded`` wrapper); not with ``target``.
     params: with ``optimizer``, the params pytree the state is for (arrays or
       ``jax.ShapeDtypeStruct``s).
+    like: optional tree whose structure the restored state takes, matched by
+      key path (flat layout or ``target``): e.g. an ``nnx.Optimizer``'s
+      ``opt_state`` made for ``mesh``, whose ``nnx.State`` nodes and Variables
+      come back holding the restored leaves, ready for
+      ``nnx.update(optimizer.opt_state, nnx.state(restored))``. Its plain form
+      (``nnx.State`` nodes as dicts, integer keys kept, Variables as their
+      values) must be the restored state's tree.
     progress: called with a :class:`jaxreshard.Progress` after each target
       rank this process builds (with ``target``: after each source archive it
       reads); each is also logged at DEBUG, the call at INFO, to the
@@ -136,6 +146,8 @@ def restore_sharded(
     parameter as the one rank of world_size 1 (logical shape, storage dtype,
     trainability), since a logical state has no flat ranks.
 
+    With ``like``: ``state`` is in ``like``'s tree; ``placements`` as above.
+
   Raises:
     FileNotFoundError: ``directory`` does not exist.
     ReshardError: every refusal of ``restore``. With ``target``, a target
@@ -148,6 +160,9 @@ def restore_sharded(
       param or leaf (its key path) and what differs: a param missing from
       either side, a param's shape, the tree (another optimizer), a leaf's
       shape, a leaf's dtype (then a ``DtypeError``, also a ``PlacementError``).
+    PlacementError: with ``like``, a tree whose plain form is not the restored
+      state's tree (another optimizer, other params, string keys for integer
+      ones).
 
   Examples:
     >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
@@ -176,7 +191,8 @@ def restore_sharded(
         "restore_sharded: target= is checked against the checkpoint itself; optimizer="
         " and params= check the flat layout, without target="
       )
-    return _target_restore.restore_to_target(directory, target, progress=progress)
+    restored = _target_restore.restore_to_target(directory, target, progress=progress)
+    return _in_like(like, restored)
   world = _mesh.axis_size(mesh, axis)
   ranks = list(_mesh.mesh_ranks(mesh, axis))
   ckpt = None
@@ -187,9 +203,23 @@ def restore_sharded(
     "restore_sharded", directory, ranks, world_size=world, checkpoint=ckpt, progress=progress
   )
   built = dict(zip(ranks, records))
-  return MeshState(
+  restored = MeshState(
     _mesh.records_to_mesh(built, mesh, axis), {r: rec.placements for r, rec in built.items()}
   )
+  return _in_like(like, restored)
+
+
+def _in_like(like: Any, restored: MeshState) -> MeshState:
+  """``restored`` with its state in ``like``'s tree (``_plain.like``); as it is without ``like``.
+
+  The one rule of ``like=`` (``ReshardRestore(like=...)`` comes here through ``restore_sharded``).
+
+  Raises:
+    PlacementError: the restored state's tree is not ``like``'s plain form.
+  """
+  if like is None:
+    return restored
+  return MeshState(_plain.like(like, restored.state), restored.placements)
 
 
 def host_record(record: ShardRecord) -> ShardRecord:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
@@ -38,10 +39,18 @@ def shard_state(
     optimizer: the optax ``GradientTransformation`` that built ``state``; used
       only to learn which leaves mirror the params (``optax.tree_map_params``).
     params: the full params pytree (any pytree of float32/float16/bfloat16
-      arrays; ids are key paths joined with ``/``).
-    state: ``optimizer.init(params)`` or any later state of that optimizer.
+      arrays; ids are key paths joined with ``/``), or Flax NNX's
+      ``nnx.state(model, nnx.Param)``.
+    state: ``optimizer.init(params)`` or any later state of that optimizer,
+      or an ``nnx.Optimizer``'s ``opt_state``.
     world_size: number of data-parallel ranks.
     trainable: optional ``param id -> bool``; parameters not named are trainable.
+
+  Flax NNX trees are taken in their plain form, the one the archives store:
+  every ``nnx.State`` a dict with the same keys (an ``nnx.List``'s integer keys
+  stay integers), every ``nnx.Variable`` its value, bit for bit. Param ids
+  then read ``layers/10/kernel``, and the records (and ``unshard_state`` of
+  them) hold that plain tree, not the NNX containers.
 
   Returns:
     ``world_size`` records in rank order. Record ``r`` holds rank ``r``'s
@@ -62,6 +71,7 @@ def shard_state(
     [(3,), (3,)]
   """
   FlatShard((), 0, world_size)  # validates world_size
+  params, state = _plain.plain(params), _plain.plain(state)
   ids, leaves, shapes, roles = coordinate_roles(optimizer, params, state)
   trainable = dict(trainable or {})
   unknown = sorted(set(trainable) - set(ids))
@@ -318,7 +328,9 @@ def unshard_state(records: Sequence[ShardRecord]) -> optax.OptState:
 
   Returns:
     The optax state structured as the original, with every history buffer in
-    its parameter's logical shape and the scalars unchanged.
+    its parameter's logical shape and the scalars unchanged. A state sharded
+    from Flax NNX containers comes back in the plain form its records hold
+    (dicts for ``nnx.State`` nodes, integer keys kept, values for Variables).
 
   Examples:
     >>> import jax.numpy as jnp, optax

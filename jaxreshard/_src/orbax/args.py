@@ -27,7 +27,7 @@ from jaxreshard._src.distributed import mesh as _mesh
 from jaxreshard._src.distributed import sharded as _sharded
 from jaxreshard._src.errors import PlacementError
 
-__all__ = ["ReshardRestore", "ReshardSave", "check"]
+__all__ = ["ReshardRestore", "ReshardSave", "check", "source_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,11 @@ def _shapes_of(args: ReshardSave) -> Mapping[str, Any]:
   }
 
 
+def source_of(records: Any) -> _reader.Source | None:
+  """The checkpoint a reshard's output names as its source (``SourcedRecords``), or None."""
+  return records.source if isinstance(records, _reader.SourcedRecords) else None
+
+
 def check(args: ReshardSave) -> Checked:
   """Every refusal of a save of ``args``, in every process, with nothing copied or written.
 
@@ -61,7 +66,7 @@ def check(args: ReshardSave) -> Checked:
   ranks, and the index of every rank (made with a placeholder identity).
   """
   if args.state is None:
-    builder = _reader.IndexBuilder()
+    builder = _reader.IndexBuilder(source=source_of(args.records))
     for i, record in enumerate(args.records):
       builder.add(i, record, pack=False)
     builder.index()
@@ -118,7 +123,10 @@ class ReshardSave(ocp.args.CheckpointArgs):
   loop that saves now and then makes one only when ``manager.should_save(step)``.
 
   Attributes:
-    records: the archives, any iterable.
+    records: the archives, any iterable. A reshard's output that names the
+      checkpoint it was resharded from (``SourcedRecords``, what ``jaxreshard
+      reshard`` writes) is saved naming it, so parts saved this way merge
+      (``jaxreshard merge``).
     chunk_bytes: bytes per stored chunk (the granularity of partial reads);
       None keeps the handler's default.
     state: the optax state, history leaves ``(M * slots,)`` sharded over ``axis``;
@@ -178,7 +186,9 @@ class ReshardSave(ocp.args.CheckpointArgs):
           "ReshardSave: trainable goes with params; with shapes, give each value a .trainable"
         )
     else:
-      self.records = tuple(self.records)  # an iterator is read once, here
+      records = tuple(self.records)  # an iterator is read once, here
+      source = source_of(self.records)
+      self.records = records if source is None else _reader.SourcedRecords(records, source)
     # Every refusal of the save, now: before orbax creates any directory.
     self.__dict__["_checked"] = check(self)
 
@@ -220,7 +230,8 @@ class ReshardRestore(ocp.args.CheckpointArgs):
   With ``mesh``, ``like`` puts the restored state's leaves into ``like``'s own
   tree, matched by key path: an ``nnx.Optimizer``'s ``opt_state`` (made for
   the new mesh) gets back its ``nnx.State`` nodes and Variables, ready for
-  ``nnx.update(optimizer.opt_state, nnx.state(restored))``.
+  ``nnx.update(optimizer.opt_state, nnx.state(restored))``. It is passed on
+  to ``restore_sharded(..., like=)``, which says the rule and its refusals.
 
   Every field is keyword-only.
 

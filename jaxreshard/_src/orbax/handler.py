@@ -68,10 +68,10 @@ from etils import epath
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
-from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _sharded
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
+from jaxreshard._src.orbax import args as _args
 from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
@@ -128,7 +128,7 @@ def prepare_save(
         )
     elif primary:
       archives = tuple((i, _sharded.host_record(r)) for i, r in enumerate(args.records))
-      builder = _reader.IndexBuilder(checkpoint_id)
+      builder = _reader.IndexBuilder(checkpoint_id, _args.source_of(args.records))
       for i, record in archives:
         builder.add(i, record, pack=False)
       index = builder.index()
@@ -351,8 +351,9 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
       extra = {} if args.target is None else {"target": args.target}
       if args.optimizer is not None:
         extra.update(optimizer=args.optimizer, params=args.params)
-      state = _sharded.restore_sharded(directory, args.mesh, args.axis, **extra).state
-      return state if args.like is None else _plain.like(args.like, state)
+      return _sharded.restore_sharded(
+        directory, args.mesh, args.axis, like=args.like, **extra
+      ).state
     if args.rank is None:
       return _store.load_records(directory)
     return _restore.restore(directory, world_size=args.world_size, rank=args.rank)
