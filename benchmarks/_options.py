@@ -29,6 +29,7 @@ class Options:
     disk_size: history size of the restore, CLI and RSS benchmarks (3, 4, 5).
     scale_worlds: ``(source, target)`` world sizes of the scale benchmark (6).
     scale_size: history size of the scale benchmark.
+    scale_params: parameters of the scale benchmark.
     plan_params: parameters of the planning-from-disk measurement.
     plan_worlds: (source, target) world sizes of the planning measurement.
     plan_size: history elements of the planning checkpoint (the model's, over every rank).
@@ -50,13 +51,14 @@ class Options:
   src_world: int = 8
   dst_world: int = 6
   repeats: int = 3
-  param_counts: tuple[int, ...] = (10, 100, 1000, 10_000)
+  param_counts: tuple[int, ...] = (10, 100, 1000, 10_000, 100_000)
   device_param_counts: tuple[int, ...] = (10, 100, 1000)
   compile_size: int = 32 * _M
   compile_ranks: int = 1
   disk_size: int = 64 * _M
-  scale_worlds: tuple[tuple[int, int], ...] = ((8, 6), (512, 384), (4096, 3072))
+  scale_worlds: tuple[tuple[int, int], ...] = ((8, 6), (256, 192), (4096, 3072))
   scale_size: int = 32 * _M
+  scale_params: int = 1000
   plan_params: int = 10_000
   plan_worlds: tuple[int, int] = (4096, 3072)
   plan_size: int = 4096 * 2 * _M  # 8 MiB of history per source rank; only those read are written
@@ -88,6 +90,7 @@ class Options:
       disk_size=_M // 4,
       scale_worlds=((8, 6), (32, 24)),
       scale_size=_M // 4,
+      scale_params=8,
       plan_params=50,
       plan_worlds=(64, 48),
       plan_size=_M // 16,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import gc
 import time
 
+import jax
+import numpy as np
+
 import jaxreshard as jr
 from benchmarks import _workload
 from benchmarks._measure import Result, block, measure
@@ -12,8 +15,10 @@ from benchmarks._options import Options
 
 NAME = "compile"
 GOAL = (
-  "10,000 parameters, one target rank: cold < 2 s on the host path; on the device"
-  " executor (XLA:CPU) cold <= 2 s at 10,000 parameters with <= 8 compiled programs"
+  "10,000 parameters, one target rank: (a) on the host path cold <= 1.5x warm and warm <= 3x"
+  " a numpy copy of every leaf of one rank; (e) 100,000 parameters within 10x the time at"
+  " 10,000; (f) on the device executor (XLA:CPU) cold <= 2 s at 10,000 parameters with <= 8"
+  " compiled programs"
 )
 
 
@@ -29,7 +34,9 @@ def host_row(n_params: int, opts: Options) -> dict:
     opts.repeats,
   )
   programs = jr.kernel_cache_info().programs - before.programs
-  records = None  # freed; the lambdas above are not called again
+  leaves = [np.asarray(x) for x in jax.tree.leaves(records[1].state)]
+  copy = measure(lambda: [x.copy() for x in leaves], opts.repeats)
+  records = leaves = None  # freed; the lambdas above are not called again
   gc.collect()
   return {
     "executor": "host",
@@ -38,6 +45,8 @@ def host_row(n_params: int, opts: Options) -> dict:
     "cold_s": round(cold, 4),
     "warm_s": round(warm.best, 5),
     "cold_over_warm": round(cold / warm.best, 2),
+    "copy_s": round(copy.best, 5),
+    "warm_over_copy": round(warm.best / copy.best, 1),
     "programs": programs,
   }
 
@@ -76,10 +85,14 @@ def run(opts: Options) -> Result:
   if not opts.quick:
     host = [r for r in rows if r["executor"] == "host"]
     device = [r for r in rows if r["executor"] != "host"]
-    biggest = max(host, key=lambda r: r["params"])
+    by_count = {r["params"]: r for r in host}
+    ten, hundred = by_count.get(10_000), by_count.get(100_000)
     met = (
-      biggest["params"] >= 10_000
-      and biggest["cold_s"] < 2
+      ten is not None
+      and hundred is not None
+      and ten["cold_over_warm"] <= 1.5
+      and ten["warm_over_copy"] <= 3
+      and hundred["warm_s"] <= 10 * ten["warm_s"]
       and all(r["programs"] == 0 for r in host)
       and all(r["programs"] <= 8 for r in device)
       and max(device, key=lambda r: r["params"])["params"] >= 10_000
@@ -90,13 +103,15 @@ def run(opts: Options) -> Result:
     f" lognormal-sized parameters, {opts.src_world} -> {opts.dst_world}, target rank 1."
     " Host rows: sources are jax arrays of the CPU backend; `cold_s` is `plan` + `reshard`"
     " on records never seen before in the process (validation included), `warm_s` the"
-    " best of the next calls; `programs` counts device-executor programs compiled (the"
+    " best of the next calls, `copy_s` the best numpy copy of every leaf of rank 1's"
+    " state (one `.copy()` per leaf); `programs` counts device-executor programs compiled (the"
     ' host path compiles none). Device rows: the same with `executor="device"`, which'
     f" packs each source archive's buffers and gathers with run tables as runtime"
     f" arguments ({opts.compile_size // 8} history elements: XLA:CPU runs the gathers"
-    " slowly); `programs` after a cleared cache, `warm_retraces` must be 0. Verdict: cold"
-    " < 2 s at 10,000 parameters on the host, and on the device executor cold <= 2 s at"
-    " 10,000 parameters with <= 8 programs (the device rows must reach 10,000 parameters)."
+    " slowly); `programs` after a cleared cache, `warm_retraces` must be 0. Verdict: at"
+    " 10,000 parameters on the host cold <= 1.5x warm and warm <= 3x the copy; 100,000"
+    " parameters warm within 10x of 10,000; on the device executor cold <= 2 s at 10,000"
+    " parameters with <= 8 programs (the device rows must reach 10,000 parameters)."
   )
   return Result(
     NAME, "cold vs warm and compiled programs vs parameter count", GOAL, met, tuple(rows), notes
