@@ -27,14 +27,18 @@ def is_uniform(ckpt: Any, gi: int) -> bool:
     and all(len(ckpt.member[a]) == 1 for a in archives)
   )
   if u:
-    state_parts = ckpt.layout(archives[0]).state_parts
+    layout = ckpt.layout(archives[0])
+    histories = layout.histories
     for p in g.params:
       e = ckpt.params[p]
+      hist = histories.get(e.param)
+      if hist is None:
+        continue
       slots = FlatShard.checked(e.shape, 0, g.world_size).slots
-      for h in state_parts.history(e.param):
-        if isinstance(h, LeafInfo) and h.shape != (slots,):
-          u = False
-    u = u and state_parts.param_set() <= set(ckpt.index.param_index[gi])
+      if any(isinstance(h, LeafInfo) and h.shape != (slots,) for h in hist):
+        u = False
+        break
+    u = u and histories.keys() <= ckpt.index.param_index[gi].keys()
   return u
 
 
@@ -73,7 +77,7 @@ def group_facts(ckpt: Any, gi: int, sources: tuple) -> dict[str, _validate.Sourc
   others are left out, for ``uniform_facts`` to refuse with their own message."""
   g = ckpt.groups[gi]
   a0 = sources[0]
-  parts = ckpt.layout(a0).state_parts
+  layout = ckpt.layout(a0)
   clock = ckpt.clock_class(a0)
   ok: dict[Any, bool] = {}
 
@@ -91,7 +95,7 @@ def group_facts(ckpt: Any, gi: int, sources: tuple) -> dict[str, _validate.Sourc
   out = {}
   for p in g.params:
     e = ckpt.params[p]
-    hist = parts.history(e.param)
+    hist = layout.history(e.param)
     if not passes(_validate.check_storage_dtype, e.dtype):
       continue
     leaf = [isinstance(h, LeafInfo) for h in hist]

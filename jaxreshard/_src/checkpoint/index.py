@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 import re
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -217,10 +218,7 @@ class Index:
 def parse_index(index: Any, where: str) -> Index:
   """The index's JSON value, every field checked; ``where`` names the file in refusals."""
   checkpoint_id, record_version = _parse_header(index, where)
-  params = tuple(
-    _parse_param(e, f"{where}, param {i}")
-    for i, e in enumerate(fmt.expect(index["params"], list, where))
-  )
+  params = _parse_params(fmt.expect(index["params"], list, where), where)
   archives = fmt.expect(index["archives"], list, where)
   if not archives:
     raise ArchiveError(f"{where}: the archive list is empty")
@@ -354,6 +352,32 @@ def _parse_source(e: Any, where: str, groups: Sequence[Group]) -> Source | None:
 def _param_names(params: Sequence[ParamEntry], group_params: Sequence[int]) -> str:
   names = [params[p].param for p in group_params[:3]]
   return f"{names}{'...' if len(group_params) > 3 else ''}"
+
+
+def _parse_params(entries: list, where: str) -> tuple[ParamEntry, ...]:
+  """Every ``[id, shape, dtype, trainable]`` entry. The common entry (a short id, a
+  shape of non-negative ints, a dtype name seen before, a bool) takes the short
+  way; anything else is checked field by field, with its message."""
+  out = []
+  dtypes: dict[str, np.dtype] = {}
+  for i, e in enumerate(entries):
+    if type(e) is list and len(e) == 4 and type(e[0]) is str and type(e[3]) is bool:
+      d = dtypes.get(e[2]) if type(e[2]) is str else None
+      dims = e[1]
+      if (
+        d is not None
+        and len(e[0]) <= MAX_ID_CHARS
+        and type(dims) is list
+        and all(type(x) is int and x >= 0 for x in dims)
+      ):
+        shape = tuple(dims)
+        if math.prod(shape) <= 2**62:
+          out.append(ParamEntry(e[0], shape, d, e[3]))
+          continue
+    p = _parse_param(e, f"{where}, param {i}")
+    dtypes[e[2]] = p.dtype
+    out.append(p)
+  return tuple(out)
 
 
 def _parse_param(e: Any, where: str) -> ParamEntry:

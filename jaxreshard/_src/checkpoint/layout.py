@@ -8,6 +8,7 @@ in the archive's packed buffer of its dtype (packing order).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,6 +70,24 @@ class ArchiveLayout:
       for pid, info in subtree.entries.items()
       if isinstance(info, LeafInfo)
     }
+
+  @functools.cached_property
+  def histories(self) -> dict[str, tuple[Any, ...]]:
+    """``state_parts.history`` of every param the layout holds, made in one pass."""
+    n = len(self.state_parts.subtrees)
+    table: dict[str, list[Any]] = {}
+    for m, subtree in enumerate(self.state_parts.subtrees):
+      for pid, info in subtree.entries.items():
+        row = table.get(pid)
+        if row is None:
+          row = table[pid] = [None] * n
+        row[m] = info
+    return {pid: tuple(row) for pid, row in table.items()}
+
+  def history(self, pid: str) -> tuple[Any, ...]:
+    """Per subtree: the param's ``LeafInfo``, MASKED, or None where it is absent."""
+    hit = self.histories.get(pid)
+    return hit if hit is not None else (None,) * len(self.state_parts.subtrees)
 
   def state(self, scalars: Sequence[Any], buffers: dict[tuple[str, int], Any]) -> Any:
     """The archive's state: clock scalars and history buffers put in the tree."""

@@ -217,7 +217,7 @@ class Checkpoint:
     return self.layouts[self.archive_layout[archive]]
 
   def history(self, archive: int, pid: str) -> tuple[Any, ...]:
-    return self.layout(archive).state_parts.history(pid)
+    return self.layout(archive).history(pid)
 
   def clock_class(self, archive: int) -> int:
     """The rule records in memory follow (``_clock.ClockClasses``): one state structure

@@ -9,20 +9,76 @@ is asked for by index.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE, FlatShard
 from jaxreshard._src.core.placement import Migration
-from jaxreshard._src.core.validate import SourceFacts, SourceGroup
 
-__all__ = ["Groups", "targets_checked"]
+__all__ = ["Groups", "SourceFacts", "SourceGroup", "targets_checked"]
 
 # Below this element count, ``(rank + 1) * slots`` (at most about twice the
 # count) cannot overflow int64.
 _EXACT_PRODUCTS = 1 << 61
+
+
+class SourceFacts(NamedTuple):
+  """The validated source side of one parameter's group; no target yet.
+
+  Immutable, and a named tuple rather than a frozen dataclass: a checkpoint's
+  group makes one per parameter, and a frozen dataclass sets each field
+  through ``object.__setattr__``.
+  """
+
+  param: str
+  shape: tuple[int, ...]
+  source: FlatShard  # rank 0 of the source layout (slots, count)
+  by_rank: tuple[int, ...]  # archive index holding each original rank
+  dtype: np.dtype
+  trainable: bool
+  history: tuple[Any, ...]  # per mirror: MASKED, None (absent) or True (a buffer)
+  buffer_dtypes: tuple[np.dtype | None, ...]  # per mirror: the buffer's dtype
+  clock: int  # clock class shared by every source
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceGroup:
+  """A validated migration: the target geometry and its sources' facts."""
+
+  migration: Migration
+  target: FlatShard
+  facts: SourceFacts
+
+  @property
+  def param(self) -> str:
+    return self.facts.param
+
+  @property
+  def source(self) -> FlatShard:
+    return self.facts.source
+
+  @property
+  def by_rank(self) -> tuple[int, ...]:
+    return self.facts.by_rank
+
+  @property
+  def dtype(self) -> np.dtype:
+    return self.facts.dtype
+
+  @property
+  def trainable(self) -> bool:
+    return self.facts.trainable
+
+  @property
+  def history(self) -> tuple[Any, ...]:
+    return self.facts.history
+
+  @property
+  def buffer_dtypes(self) -> tuple[np.dtype | None, ...]:
+    return self.facts.buffer_dtypes
 
 
 class Groups(Sequence):

@@ -14,7 +14,6 @@ the sources object. Only the target geometry is checked per call.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -31,6 +30,7 @@ from jaxreshard._src.core.clock import (
   clock_mismatch,
 )
 from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.core.groups import SourceFacts, SourceGroup
 from jaxreshard._src.core.placement import SUPPORTED_DTYPES, Migration, ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
@@ -143,58 +143,6 @@ class Sources(Protocol):
   def placement(self, archive: int, pid: str) -> ParamPlacement | None: ...
   def history(self, archive: int, pid: str) -> tuple[Any, ...]: ...
   def clock_class(self, archive: int) -> int: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceFacts:
-  """The validated source side of one parameter's group; no target yet."""
-
-  param: str
-  shape: tuple[int, ...]
-  source: FlatShard  # rank 0 of the source layout (slots, count)
-  by_rank: tuple[int, ...]  # archive index holding each original rank
-  dtype: np.dtype
-  trainable: bool
-  history: tuple[Any, ...]  # per mirror: MASKED, None (absent) or True (a buffer)
-  buffer_dtypes: tuple[np.dtype | None, ...]  # per mirror: the buffer's dtype
-  clock: int  # clock class shared by every source
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceGroup:
-  """A validated migration: the target geometry and its sources' facts."""
-
-  migration: Migration
-  target: FlatShard
-  facts: SourceFacts
-
-  @property
-  def param(self) -> str:
-    return self.facts.param
-
-  @property
-  def source(self) -> FlatShard:
-    return self.facts.source
-
-  @property
-  def by_rank(self) -> tuple[int, ...]:
-    return self.facts.by_rank
-
-  @property
-  def dtype(self) -> np.dtype:
-    return self.facts.dtype
-
-  @property
-  def trainable(self) -> bool:
-    return self.facts.trainable
-
-  @property
-  def history(self) -> tuple[Any, ...]:
-    return self.facts.history
-
-  @property
-  def buffer_dtypes(self) -> tuple[np.dtype | None, ...]:
-    return self.facts.buffer_dtypes
 
 
 # A spelling with more than this many ``/`` is only tried as one key and as
