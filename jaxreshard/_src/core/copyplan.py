@@ -187,15 +187,15 @@ def plan_runs(
     layout: the target's packed buffers.
     locate_runs: ``(archive, group, subtree, dtype) -> (source, base, keys)``
       over int64 arrays of runs: where each archive keeps each history
-      buffer, as an index into ``keys`` (equal keys are one source) and the
-      buffer's first element there.
+      buffer, as an index into ``keys`` (distinct keys; a source holds buffers
+      of one dtype, so no key is given for two dtypes) and the buffer's first
+      element there.
 
   Returns:
     Per dtype the run tables, and the list of source keys they index.
   """
   gi, k, src_local, dst_local, length = overlaps(groups)
   archive = groups.archives(gi, k)
-  keys: dict[Any, int] = {}
   sources: list[Any] = []
   out: dict[np.dtype, Runs] = {}
   n = len(groups)
@@ -208,17 +208,11 @@ def plan_runs(
     ov = np.repeat(np.arange(len(gi), dtype=np.int64), reps)
     slot = first[gi][ov] + (np.arange(len(ov), dtype=np.int64) - (np.cumsum(reps) - reps)[ov])
     src_id, base, local_keys = locate_runs(archive[ov], gi[ov], s_subtree[slot], dtype)
-    # Source keys of every dtype share one numbering.
-    remap = np.fromiter(
-      (keys.setdefault(key, len(keys)) for key in local_keys), np.int64, len(local_keys)
-    )
-    sources.extend(local_keys[i] for i in np.flatnonzero(remap >= len(sources)).tolist())
+    # A source holds one dtype, so the keys of each dtype are new: numbered on.
     out[dtype] = Runs(
-      remap[src_id] if len(src_id) else np.zeros(0, np.int64),
-      base + src_local[ov],
-      s_offset[slot] + dst_local[ov],
-      length[ov],
+      src_id + len(sources), base + src_local[ov], s_offset[slot] + dst_local[ov], length[ov]
     )
+    sources.extend(local_keys)
   return out, sources
 
 

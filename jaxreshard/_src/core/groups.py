@@ -96,11 +96,12 @@ class Groups(Sequence):
     n = len(facts)
     self.migrations = tuple(migrations)
     self.facts = tuple(facts)
-    self.count = np.fromiter((f.source.count for f in facts), np.int64, n)
-    self.src_slots = np.fromiter((f.source.slots for f in facts), np.int64, n)
-    self.src_world = np.fromiter((f.source.world_size for f in facts), np.int64, n)
-    self.rank = np.fromiter((m.rank for m in migrations), np.int64, n)
-    self.world = np.fromiter((m.world_size for m in migrations), np.int64, n)
+    sources = np.array(
+      [(s.count, s.slots, s.world_size) for s in (f.source for f in facts)], np.int64
+    ).reshape(n, 3)
+    targets = np.array([(m.rank, m.world_size) for m in migrations], np.int64).reshape(n, 2)
+    self.count, self.src_slots, self.src_world = sources.T.copy()
+    self.rank, self.world = targets.T.copy()
     self.slots = -(-self.count // self.world)
     if n and int(self.count.max()) >= _EXACT_PRODUCTS:
       # ``(rank + 1) * slots`` may pass 2**63 before it is clipped: Python ints.
@@ -154,12 +155,11 @@ def targets_checked(migrations: Sequence[Migration]) -> bool:
   world_size <= MAX_WORLD_SIZE``, checked for all migrations at once. When
   not, the caller checks each migration's geometry on its own, which names the
   first refusal (or accepts integers of other types)."""
-  n = len(migrations)
-  if not all(type(m.rank) is int and type(m.world_size) is int for m in migrations):
+  pairs = [(m.rank, m.world_size) for m in migrations]
+  if not all(type(r) is int and type(w) is int for r, w in pairs):
     return False
   try:
-    rank = np.fromiter((m.rank for m in migrations), np.int64, n)
-    world = np.fromiter((m.world_size for m in migrations), np.int64, n)
+    rank, world = np.array(pairs, np.int64).reshape(len(pairs), 2).T
   except OverflowError:
     return False
   return not ((world < 1) | (world > MAX_WORLD_SIZE) | (rank < 0) | (rank >= world)).any()
