@@ -126,3 +126,71 @@ def test_zero_ranges_are_checked_with_the_runs(tmp_path):
   assert seen == [(1, 57)]
   f.close()
   root.close()
+
+
+def _corrupt(tmp_path, pos, byte=b"\x7f"):
+  with open(os.path.join(tmp_path, "b", "c", "0"), "r+b") as fh:
+    fh.seek(pos)
+    old = fh.read(1)
+    fh.seek(pos)
+    fh.write(byte if byte != old else b"\x00")
+
+
+@pytest.mark.parametrize("where", [0, 13, 31, 32, 35])  # data bytes, then its stored crc32c
+@pytest.mark.parametrize("chunk", [0, 7, 11])
+def test_a_corrupted_chunk_inside_a_long_span_is_named(tmp_path, where, chunk):
+  # One run over chunks 0..11 (plus part of 12): one span, one crc32c over its bytes.
+  data = np.arange(1, 101, dtype=np.float32)
+  root, crcs = _write(tmp_path, data, 8)
+  _corrupt(tmp_path, chunk * 36 + where)
+  f = shardread.ShardFile(root, "b", 100, np.float32, 8, crcs)
+  out = np.zeros(99, np.float32)
+  with pytest.raises(ArchiveError, match=rf"/c/0: chunk {chunk} fails its crc32c check \(the"):
+    runread.read_runs(f, np.array([1]), np.array([0]), np.array([99]), out, np.empty(0, np.uint8))
+  f.close()
+  root.close()
+
+
+def test_the_first_of_two_corrupted_chunks_is_named(tmp_path):
+  data = np.arange(1, 201, dtype=np.float32)
+  root, crcs = _write(tmp_path, data, 8)
+  _corrupt(tmp_path, 9 * 36 + 4)
+  _corrupt(tmp_path, 3 * 36 + 20)
+  f = shardread.ShardFile(root, "b", 200, np.float32, 8, crcs)
+  out = np.zeros(150, np.float32)
+  src, dst, length = np.array([0, 100]), np.array([0, 100]), np.array([90, 50])
+  with pytest.raises(ArchiveError, match=r"chunk 3 fails its crc32c check"):
+    runread.read_runs(f, src, dst, length, out, np.empty(0, np.uint8))
+  f.close()
+  root.close()
+
+
+def test_checksums_the_metadata_records_are_the_reference(tmp_path):
+  # The file is intact; the archive's metadata records another checksum for chunk 6.
+  data = np.arange(1, 101, dtype=np.float32)
+  root, crcs = _write(tmp_path, data, 8)
+  crcs[6] ^= 1
+  f = shardread.ShardFile(root, "b", 100, np.float32, 8, crcs)
+  out = np.zeros(100, np.float32)
+  with pytest.raises(ArchiveError, match=r"chunk 6 fails its crc32c check"):
+    runread.read_runs(f, np.array([0]), np.array([0]), np.array([100]), out, np.empty(0, np.uint8))
+  f.close()
+  root.close()
+
+
+def test_spans_are_checked_with_one_crc32c_call_each(tmp_path, monkeypatch):
+  data = np.arange(1, 1001, dtype=np.float32)
+  root, f = _open(tmp_path, data, 8)
+  calls = []
+  real = runread.google_crc32c.extend
+  monkeypatch.setattr(
+    runread.google_crc32c, "extend", lambda crc, b: calls.append(len(b)) or real(crc, b)
+  )
+  out = np.zeros(990, np.float32)
+  runread.read_runs(f, np.array([5]), np.array([0]), np.array([990]), out, np.empty(0, np.uint8))
+  assert out.tolist() == data[5:995].tolist()
+  # The edge chunks' bytes that no run copies, then the copied bytes: three calls for
+  # 125 chunks, not one or more per chunk.
+  assert len(calls) == 3 and sum(calls) == 125 * 32
+  f.close()
+  root.close()
