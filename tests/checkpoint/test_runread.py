@@ -7,8 +7,17 @@ import os
 import numpy as np
 import pytest
 
-from jaxreshard._src.checkpoint import runread, shardfile, shardread
+from jaxreshard._src.checkpoint import iovread, runread, shardfile, shardread
 from jaxreshard._src.errors import ArchiveError
+
+
+@pytest.fixture(autouse=True, params=["libc", "os"])
+def _preadv(request, monkeypatch):
+  """Every test with the C library's preadv (numpy iovecs) and with ``os.preadv``."""
+  if request.param == "os":
+    monkeypatch.setattr(iovread, "_PREADV", None)
+  elif iovread._PREADV is None:
+    pytest.skip("no C library preadv here")
 
 
 def _write(tmp_path, data, chunk):
@@ -194,3 +203,29 @@ def test_spans_are_checked_with_one_crc32c_call_each(tmp_path, monkeypatch):
   assert len(calls) == 3 and sum(calls) == 125 * 32
   f.close()
   root.close()
+
+
+def test_pieces_outside_their_buffer_are_never_read(tmp_path):
+  bufs = (np.zeros(8, np.uint8), np.zeros(4, np.uint8))
+  for mem, addr, n in (([1], [1], [4]), ([0], [-1], [2]), ([0, 1], [0, 0], [9, 1])):
+    with pytest.raises(AssertionError, match="outside its buffer"):
+      iovread.Pieces(bufs, np.array(mem), np.array(addr), np.array(n))
+
+
+def test_a_file_shorter_than_its_pieces_is_refused(tmp_path):
+  path = os.path.join(tmp_path, "f")
+  with open(path, "wb") as fh:
+    fh.write(bytes(range(10)))
+  out = np.zeros(16, np.uint8)
+  pieces = iovread.Pieces((out,), np.array([0, 0]), np.array([0, 8]), np.array([8, 8]))
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    with pytest.raises(ArchiveError, match="ended early"):
+      pieces.read(fd, path, 0, 2, 0, 16)
+    assert pieces.read(fd, path, 0, 1, 2, 8) == 1
+    assert out[:8].tolist() == list(range(2, 10))
+  finally:
+    os.close(fd)
+  with pytest.raises(OSError) as e:
+    pieces.read(fd, path, 0, 1, 0, 8)  # a closed descriptor: the error names the file
+  assert e.value.filename == path

@@ -2,12 +2,15 @@
 
 A chunk's crc32c covers all of it, so every chunk a run touches is read whole,
 in spans of consecutive chunks. The bytes a run copies are read straight into
-the target buffer; the rest of each span (the parts of edge chunks no run
-copies, the checksums, the padding to check) into a small reused scratch
-buffer. Each chunk's crc32c is then computed over its pieces while they are
-still in cache, and compared with the checksum stored after it and with the
-one the archive's metadata recorded; a span that fails is refused before the
-next is read, and the caller drops the target buffer.
+the target buffer, the checksums stored after the chunks into one array, the
+rest of each span (the parts of edge chunks no run copies, padding to check)
+into a small reused scratch buffer (``iovread``). A span's bytes are then
+checked while still in cache with one crc32c call per stretch that lies back
+to back in one buffer, against the crc32c of the span combined from the
+checksums the archive's metadata recorded for its chunks (``crcspan``); only
+a span that fails is checked chunk by chunk, to name its first bad chunk. The
+checksums stored in the file must equal the recorded ones. A span that fails
+is refused before the next is read, and the caller drops the target buffer.
 
 Runs that overlap each other in the file, or a target buffer that is not one
 contiguous array, go through the scratch buffer and are copied from there
@@ -16,14 +19,13 @@ contiguous array, go through the scratch buffer and are copied from there
 
 from __future__ import annotations
 
-import os
-
 import google_crc32c
 import numpy as np
 
 from jaxreshard._src.checkpoint import crcspan as _crcspan
+from jaxreshard._src.checkpoint import iovread as _iovread
 from jaxreshard._src.checkpoint import shardread as _shardread
-from jaxreshard._src.checkpoint.shardfile import _IOV_MAX, _crc
+from jaxreshard._src.checkpoint.shardfile import _crc
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
@@ -171,8 +173,7 @@ class _Spans:
     n_bytes = seg_hi - seg_lo
     stored = np.zeros(len(needed), "<u4")
     bufs = (self.outb, self.scratch, stored.view(np.uint8))
-    views = tuple(memoryview(b) for b in bufs)
-    iov = [views[m][a : a + n] for m, a, n in zip(mem.tolist(), addr.tolist(), n_bytes.tolist())]
+    pieces = _iovread.Pieces(bufs, mem, addr, n_bytes)
     groups = _crc_groups(mem, addr, n_bytes, seg_span)
     g_at = np.searchsorted(groups[0], np.arange(len(span_at) + 1)).tolist()
     g_mem, g_addr, g_len = (x.tolist() for x in groups[1:])
@@ -186,39 +187,23 @@ class _Spans:
     reads = 0
     extend = google_crc32c.extend
     for s, first in enumerate(span_first.tolist()):
-      part = iov[seg_at[s] : seg_at[s + 1]]
-      reads += self._preadv(part, first * f.stride, span_bytes[s])
+      a, b = seg_at[s], seg_at[s + 1]
+      reads += pieces.read(f.fd, f.path, a, b, first * f.stride, span_bytes[s])
       crc = 0
       for g in range(g_at[s], g_at[s + 1]):
         crc = extend(crc, bufs[g_mem[g]][g_addr[g] : g_addr[g] + g_len[g]])
       n = int(span_n[s])
       if crc != expected[s]:
-        self._refuse_span(first, n, seg_lo[seg_at[s] : seg_at[s + 1]].tolist(), part)
+        self._refuse_span(first, n, seg_lo[a:b].tolist(), pieces.views(a, b))
       if has_zero[s]:
-        a = int(span_at[s])
-        _check_stored(f, needed[a : a + n], stored[a : a + n])
+        k = int(span_at[s])
+        _check_stored(f, needed[k : k + n], stored[k : k + n])
         self._check_zero(first, n, z, z_ids)
     _check_stored(f, needed, stored)
     if self.stats is not None:
       self.stats.reads += reads
       self.stats.chunks += len(needed)
       self.stats.bytes += len(needed) * f.stride
-
-  def _preadv(self, bufs, pos: int, total: int) -> int:
-    """Reads ``bufs`` (``total`` bytes) in file order from ``pos``; returns the system
-    calls made."""
-    f, reads = self.f, 0
-    for i in range(0, len(bufs), _IOV_MAX):
-      part = bufs[i : i + _IOV_MAX]
-      want = total if len(bufs) <= _IOV_MAX else sum(len(x) for x in part)
-      try:
-        got = os.preadv(f.fd, part, pos)
-      except OSError as e:
-        raise OSError(e.errno, e.strerror, f.path) from None
-      if got != want:
-        raise ArchiveError(f"{f.path}/c/0 ended early (truncated while read)")
-      pos, reads = pos + want, reads + 1
-    return reads
 
   def _refuse_span(self, first: int, n: int, seg_lo, bufs) -> None:
     """A span whose bytes fail their crc32c: names its first chunk that fails its own."""
