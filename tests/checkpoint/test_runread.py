@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -229,3 +230,28 @@ def test_a_file_shorter_than_its_pieces_is_refused(tmp_path):
   with pytest.raises(OSError) as e:
     pieces.read(fd, path, 0, 1, 0, 8)  # a closed descriptor: the error names the file
   assert e.value.filename == path
+
+
+def test_whole_buffer_reads_check_spans_not_chunks(tmp_path, monkeypatch):
+  import glob
+
+  import jaxreshard as jr
+  from tests._core_util import adam_records
+
+  records = adam_records(2)
+  jr.save_records(tmp_path / "ck", records, chunk_bytes=4)
+  files = glob.glob(str(tmp_path / "ck" / "*" / "*" / "c" / "0"))
+  # Each file: chunks of 4 bytes and their crc32c, an index entry per chunk (16), its crc32c.
+  n_chunks = sum((os.path.getsize(p) - 4) // 24 for p in files)
+  calls = []
+  for name in ("extend", "value"):
+    real = getattr(shardfile.google_crc32c, name)
+    monkeypatch.setattr(
+      shardfile.google_crc32c, name, lambda *a, real=real: calls.append(a) or real(*a)
+    )
+  loaded = jr.load_records(tmp_path / "ck")
+  for a, b in zip(records, loaded):
+    for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
+      assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+  # One call per stretch of a span plus one per shard index, not one per chunk.
+  assert n_chunks > 100 and len(calls) < n_chunks / 4
