@@ -211,8 +211,7 @@ class ArchiveReader:
       out = allocate(
         n, dtype, f"archive {archive} ({self.directory}/{self.index.names[archive]})", zeros=False
       )
-      # One run over the whole buffer: its chunks straight into ``out``, spans checked.
-      z = np.zeros(1, np.int64)
+      z = np.zeros(1, np.int64)  # one run over the whole buffer
       _runread.read_runs(f, z, z, np.array([n], np.int64), out, np.empty(0, np.uint8))
     finally:
       f.close()
