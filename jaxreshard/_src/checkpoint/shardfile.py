@@ -48,9 +48,17 @@ _ZARR_DTYPES = {
 }
 
 
+# Chunks per buffer at most: an archive's metadata lists the crc32c of every chunk
+# (up to 11 bytes of JSON each), and must stay well inside the 64 MiB a reader
+# accepts (``MAX_ARCHIVE_BYTES``) with a buffer of each dtype. A larger buffer gets
+# larger chunks than ``chunk_bytes`` (16 GiB of 16 KiB chunks).
+MAX_CHUNKS = 1 << 20
+
+
 def chunk_elements(size: int, itemsize: int, chunk_bytes: int) -> int:
-  """Elements per chunk for a buffer of ``size`` elements."""
-  return max(1, min(size, chunk_bytes // itemsize))
+  """Elements per chunk for a buffer of ``size`` elements: ``chunk_bytes`` worth, or
+  more where that would make more than ``MAX_CHUNKS`` chunks."""
+  return max(1, min(size, max(chunk_bytes // itemsize, -(-size // MAX_CHUNKS))))
 
 
 def n_chunks(size: int, chunk: int) -> int:
