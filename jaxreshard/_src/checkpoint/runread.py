@@ -8,9 +8,11 @@ into a small reused scratch buffer (``iovread``). A span's bytes are then
 checked while still in cache with one crc32c call per stretch that lies back
 to back in one buffer, against the crc32c of the span combined from the
 checksums the archive's metadata recorded for its chunks (``crcspan``); only
-a span that fails is checked chunk by chunk, to name its first bad chunk. The
-checksums stored in the file must equal the recorded ones. A span that fails
-is refused before the next is read, and the caller drops the target buffer.
+a span that fails is checked chunk by chunk, to name its first bad chunk. A
+span that fails is refused before the next is read; the checksums stored in
+the file must equal the recorded ones, compared all at once after the last
+span (before a span's padding is checked, for those spans). On a refusal the
+caller drops the target buffer.
 
 Runs that overlap each other in the file, or a target buffer that is not one
 contiguous array, go through the scratch buffer and are copied from there
