@@ -255,3 +255,19 @@ def test_whole_buffer_reads_check_spans_not_chunks(tmp_path, monkeypatch):
       assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
   # One call per stretch of a span plus one per shard index, not one per chunk.
   assert n_chunks > 100 and len(calls) < n_chunks / 4
+
+
+def test_a_read_only_buffer_is_never_written(tmp_path):
+  path = os.path.join(tmp_path, "f")
+  with open(path, "wb") as fh:
+    fh.write(bytes(range(1, 9)))
+  out = np.zeros(8, np.uint8)
+  out.flags.writeable = False
+  pieces = iovread.Pieces((out,), np.array([0]), np.array([0]), np.array([8]))
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    with pytest.raises((TypeError, BufferError)):
+      pieces.read(fd, path, 0, 1, 0, 8)
+  finally:
+    os.close(fd)
+  assert out.tolist() == [0] * 8

@@ -56,7 +56,8 @@ class Pieces:
     ):
       raise AssertionError("a piece lies outside its buffer")  # a planning bug, never data
     self.iov = None
-    if _PREADV is not None and all(b.flags.c_contiguous for b in bufs):
+    # Raw addresses only into buffers numpy would let ``os.preadv`` write to.
+    if _PREADV is not None and all(b.flags.c_contiguous and b.flags.writeable for b in bufs):
       base = np.array([b.ctypes.data for b in bufs], np.uint64)
       self.iov = np.empty((len(mem), 2), np.uint64)
       self.iov[:, 0] = base[mem] + addr.astype(np.uint64)
