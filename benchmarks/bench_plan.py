@@ -114,7 +114,7 @@ def write_index_checkpoint(
     data = data.view(np.float32)
     adir = os.path.join(path, f"archive_{r:05d}")
     os.mkdir(adir)
-    chunk = _shardfile.chunk_elements(data.size, 4, 1 << 20)
+    chunk = _shardfile.chunk_elements(data.size, 4, _checkpoint.DEFAULT_CHUNK_BYTES)
     crcs = _shardfile.write_array(adir, "float32", data, chunk)
     _checkpoint.dump(
       os.path.join(adir, "archive.json"),

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import os
 
+import jax
 import numpy as np
 import pytest
 
-from jaxreshard._src.checkpoint import runread, shardfile, shardread
+from jaxreshard._src.checkpoint import iovread, runread, shardfile, shardread
 from jaxreshard._src.errors import ArchiveError
+
+
+@pytest.fixture(autouse=True, params=["libc", "os"])
+def _preadv(request, monkeypatch):
+  """Every test with the C library's preadv (numpy iovecs) and with ``os.preadv``."""
+  if request.param == "os":
+    monkeypatch.setattr(iovread, "_PREADV", None)
+  elif iovread._PREADV is None:
+    pytest.skip("no C library preadv here")
 
 
 def _write(tmp_path, data, chunk):
@@ -126,3 +136,138 @@ def test_zero_ranges_are_checked_with_the_runs(tmp_path):
   assert seen == [(1, 57)]
   f.close()
   root.close()
+
+
+def _corrupt(tmp_path, pos, byte=b"\x7f"):
+  with open(os.path.join(tmp_path, "b", "c", "0"), "r+b") as fh:
+    fh.seek(pos)
+    old = fh.read(1)
+    fh.seek(pos)
+    fh.write(byte if byte != old else b"\x00")
+
+
+@pytest.mark.parametrize("where", [0, 13, 31, 32, 35])  # data bytes, then its stored crc32c
+@pytest.mark.parametrize("chunk", [0, 7, 11])
+def test_a_corrupted_chunk_inside_a_long_span_is_named(tmp_path, where, chunk):
+  # One run over chunks 0..11 (plus part of 12): one span, one crc32c over its bytes.
+  data = np.arange(1, 101, dtype=np.float32)
+  root, crcs = _write(tmp_path, data, 8)
+  _corrupt(tmp_path, chunk * 36 + where)
+  f = shardread.ShardFile(root, "b", 100, np.float32, 8, crcs)
+  out = np.zeros(99, np.float32)
+  with pytest.raises(ArchiveError, match=rf"/c/0: chunk {chunk} fails its crc32c check \(the"):
+    runread.read_runs(f, np.array([1]), np.array([0]), np.array([99]), out, np.empty(0, np.uint8))
+  f.close()
+  root.close()
+
+
+def test_the_first_of_two_corrupted_chunks_is_named(tmp_path):
+  data = np.arange(1, 201, dtype=np.float32)
+  root, crcs = _write(tmp_path, data, 8)
+  _corrupt(tmp_path, 9 * 36 + 4)
+  _corrupt(tmp_path, 3 * 36 + 20)
+  f = shardread.ShardFile(root, "b", 200, np.float32, 8, crcs)
+  out = np.zeros(150, np.float32)
+  src, dst, length = np.array([0, 100]), np.array([0, 100]), np.array([90, 50])
+  with pytest.raises(ArchiveError, match=r"chunk 3 fails its crc32c check"):
+    runread.read_runs(f, src, dst, length, out, np.empty(0, np.uint8))
+  f.close()
+  root.close()
+
+
+def test_checksums_the_metadata_records_are_the_reference(tmp_path):
+  # The file is intact; the archive's metadata records another checksum for chunk 6.
+  data = np.arange(1, 101, dtype=np.float32)
+  root, crcs = _write(tmp_path, data, 8)
+  crcs[6] ^= 1
+  f = shardread.ShardFile(root, "b", 100, np.float32, 8, crcs)
+  out = np.zeros(100, np.float32)
+  with pytest.raises(ArchiveError, match=r"chunk 6 fails its crc32c check"):
+    runread.read_runs(f, np.array([0]), np.array([0]), np.array([100]), out, np.empty(0, np.uint8))
+  f.close()
+  root.close()
+
+
+def test_spans_are_checked_with_one_crc32c_call_each(tmp_path, monkeypatch):
+  data = np.arange(1, 1001, dtype=np.float32)
+  root, f = _open(tmp_path, data, 8)
+  calls = []
+  real = runread.google_crc32c.extend
+  monkeypatch.setattr(
+    runread.google_crc32c, "extend", lambda crc, b: calls.append(len(b)) or real(crc, b)
+  )
+  out = np.zeros(990, np.float32)
+  runread.read_runs(f, np.array([5]), np.array([0]), np.array([990]), out, np.empty(0, np.uint8))
+  assert out.tolist() == data[5:995].tolist()
+  # The edge chunks' bytes that no run copies, then the copied bytes: three calls for
+  # 125 chunks, not one or more per chunk.
+  assert len(calls) == 3 and sum(calls) == 125 * 32
+  f.close()
+  root.close()
+
+
+def test_pieces_outside_their_buffer_are_never_read(tmp_path):
+  bufs = (np.zeros(8, np.uint8), np.zeros(4, np.uint8))
+  for mem, addr, n in (([1], [1], [4]), ([0], [-1], [2]), ([0, 1], [0, 0], [9, 1])):
+    with pytest.raises(AssertionError, match="outside its buffer"):
+      iovread.Pieces(bufs, np.array(mem), np.array(addr), np.array(n))
+
+
+def test_a_file_shorter_than_its_pieces_is_refused(tmp_path):
+  path = os.path.join(tmp_path, "f")
+  with open(path, "wb") as fh:
+    fh.write(bytes(range(10)))
+  out = np.zeros(16, np.uint8)
+  pieces = iovread.Pieces((out,), np.array([0, 0]), np.array([0, 8]), np.array([8, 8]))
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    with pytest.raises(ArchiveError, match="ended early"):
+      pieces.read(fd, path, 0, 2, 0, 16)
+    assert pieces.read(fd, path, 0, 1, 2, 8) == 1
+    assert out[:8].tolist() == list(range(2, 10))
+  finally:
+    os.close(fd)
+  with pytest.raises(OSError) as e:
+    pieces.read(fd, path, 0, 1, 0, 8)  # a closed descriptor: the error names the file
+  assert e.value.filename == path
+
+
+def test_whole_buffer_reads_check_spans_not_chunks(tmp_path, monkeypatch):
+  import glob
+
+  import jaxreshard as jr
+  from tests._core_util import adam_records
+
+  records = adam_records(2)
+  jr.save_records(tmp_path / "ck", records, chunk_bytes=4)
+  files = glob.glob(str(tmp_path / "ck" / "*" / "*" / "c" / "0"))
+  # Each file: chunks of 4 bytes and their crc32c, an index entry per chunk (16), its crc32c.
+  n_chunks = sum((os.path.getsize(p) - 4) // 24 for p in files)
+  calls = []
+  for name in ("extend", "value"):
+    real = getattr(shardfile.google_crc32c, name)
+    monkeypatch.setattr(
+      shardfile.google_crc32c, name, lambda *a, real=real: calls.append(a) or real(*a)
+    )
+  loaded = jr.load_records(tmp_path / "ck")
+  for a, b in zip(records, loaded):
+    for x, y in zip(jax.tree.leaves(a.state), jax.tree.leaves(b.state)):
+      assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+  # One call per stretch of a span plus one per shard index, not one per chunk.
+  assert n_chunks > 100 and len(calls) < n_chunks / 4
+
+
+def test_a_read_only_buffer_is_never_written(tmp_path):
+  path = os.path.join(tmp_path, "f")
+  with open(path, "wb") as fh:
+    fh.write(bytes(range(1, 9)))
+  out = np.zeros(8, np.uint8)
+  out.flags.writeable = False
+  pieces = iovread.Pieces((out,), np.array([0]), np.array([0]), np.array([8]))
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    with pytest.raises((TypeError, BufferError)):
+      pieces.read(fd, path, 0, 1, 0, 8)
+  finally:
+    os.close(fd)
+  assert out.tolist() == [0] * 8

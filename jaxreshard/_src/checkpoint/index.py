@@ -26,8 +26,9 @@ FORMAT_VERSION = 3
 INDEX_FILE = "jaxreshard.json"
 ARCHIVE_FILE = "archive.json"
 # Restores read whole chunks: smaller chunks round partial reads less, at 4
-# bytes of checksum each.
-DEFAULT_CHUNK_BYTES = 256 << 10
+# bytes of checksum (and two iovecs) each. At 16 KiB a target rank at 8 -> 6
+# reads 1.12x the bytes it copies (256 KiB: 1.47x), for about the same CPU time.
+DEFAULT_CHUNK_BYTES = 16 << 10
 # The largest chunk a save writes: one read call reads a whole chunk, and Linux returns
 # at most 0x7ffff000 bytes per call, so a larger chunk could never be read back.
 MAX_CHUNK_BYTES = 1 << 30

@@ -2,12 +2,17 @@
 
 A chunk's crc32c covers all of it, so every chunk a run touches is read whole,
 in spans of consecutive chunks. The bytes a run copies are read straight into
-the target buffer; the rest of each span (the parts of edge chunks no run
-copies, the checksums, the padding to check) into a small reused scratch
-buffer. Each chunk's crc32c is then computed over its pieces while they are
-still in cache, and compared with the checksum stored after it and with the
-one the archive's metadata recorded; a span that fails is refused before the
-next is read, and the caller drops the target buffer.
+the target buffer, the checksums stored after the chunks into one array, the
+rest of each span (the parts of edge chunks no run copies, padding to check)
+into a small reused scratch buffer (``iovread``). A span's bytes are then
+checked while still in cache with one crc32c call per stretch that lies back
+to back in one buffer, against the crc32c of the span combined from the
+checksums the archive's metadata recorded for its chunks (``crcspan``); only
+a span that fails is checked chunk by chunk, to name its first bad chunk. A
+span that fails is refused before the next is read; the checksums stored in
+the file must equal the recorded ones, compared all at once after the last
+span (before a span's padding is checked, for those spans). On a refusal the
+caller drops the target buffer.
 
 Runs that overlap each other in the file, or a target buffer that is not one
 contiguous array, go through the scratch buffer and are copied from there
@@ -16,13 +21,13 @@ contiguous array, go through the scratch buffer and are copied from there
 
 from __future__ import annotations
 
-import os
-
 import google_crc32c
 import numpy as np
 
+from jaxreshard._src.checkpoint import crcspan as _crcspan
+from jaxreshard._src.checkpoint import iovread as _iovread
 from jaxreshard._src.checkpoint import shardread as _shardread
-from jaxreshard._src.checkpoint.shardfile import _IOV_MAX, _crc
+from jaxreshard._src.checkpoint.shardfile import _crc
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
@@ -47,6 +52,12 @@ def staging(scratch: np.ndarray, nbytes: int, f: _shardread.ShardFile) -> np.nda
       f"{f.path}: reading a chunk of {f.chunk_bytes} bytes needs a buffer of {nbytes} bytes,"
       " more memory than this process can get"
     ) from None
+
+
+def _unique(x: np.ndarray) -> np.ndarray:
+  """``np.unique`` of integers by sorting (faster than its hash table at these sizes)."""
+  s = np.sort(x)
+  return s[np.concatenate([[True], s[1:] != s[:-1]])] if len(s) else s
 
 
 def _pieces(f: _shardread.ShardFile, src, length) -> tuple[np.ndarray, ...]:
@@ -107,7 +118,7 @@ class _Spans:
 
   def __init__(self, f, out, scratch, stats, refuse):
     self.f, self.stats, self.refuse = f, stats, refuse
-    self.outb = None if out is None else out.reshape(-1).view(np.uint8)
+    self.outb = np.zeros(0, np.uint8) if out is None else out.reshape(-1).view(np.uint8)
     per_span = max(1, SPAN_BYTES // f.stride)
     self.per_span = per_span
     self.scratch = staging(scratch, per_span * f.stride, f)
@@ -122,86 +133,98 @@ class _Spans:
     cs = np.argsort(starts[copy], kind="stable")
     c_start, c_stop = starts[copy][cs], (starts + (hi - lo) * isz)[copy][cs]
     c_to = ((dst[run[copy]] + lo[copy] - src[run[copy]]) * isz)[cs]
-    needed = np.unique(chunk)
+    needed = _unique(chunk)
     # Spans: consecutive needed chunks, at most ``per_span`` each.
     brk = np.concatenate([[True], np.diff(needed) != 1])
     group_first = needed[brk][np.cumsum(brk) - 1]
     block = (needed - group_first) // self.per_span
     new = brk | np.concatenate([[False], np.diff(block) != 0])
-    span_first = needed[new]
-    span_n = np.diff(np.append(np.flatnonzero(new), len(needed)))
+    span_of = np.cumsum(new) - 1  # span of each needed chunk
     # Piece boundaries: chunk data starts and ends, checksum ends, copy pieces.
-    bounds = np.unique(
+    bounds = _unique(
       np.concatenate(
         [needed * stride, needed * stride + cb, (needed + 1) * stride, c_start, c_stop]
       )
     )
     seg_lo, seg_hi = bounds[:-1], bounds[1:]
-    seg_chunk = seg_lo // stride
-    inside = np.isin(seg_chunk, needed)
-    seg_lo, seg_hi, seg_chunk = seg_lo[inside], seg_hi[inside], seg_chunk[inside]
+    seg_need = np.searchsorted(needed, seg_lo // stride)
+    inside = needed[np.minimum(seg_need, len(needed) - 1)] == seg_lo // stride
+    seg_lo, seg_hi, seg_need = seg_lo[inside], seg_hi[inside], seg_need[inside]
     at = np.searchsorted(c_start, seg_lo)
     at_c = np.minimum(at, max(len(c_start) - 1, 0))
     is_copy = (at < len(c_start)) & (c_start[at_c] == seg_lo) if len(c_start) else at < 0
-    kind = np.where(is_copy, _COPY, np.where(seg_lo - seg_chunk * stride < cb, _DATA, _CRC))
-    where = np.where(is_copy, c_to[at_c] if len(c_start) else 0, seg_lo)
-    span_seg = np.searchsorted(seg_lo, span_first * stride)
-    span_seg = np.append(span_seg, len(seg_lo))
+    seg_span = span_of[seg_need]
+    off = seg_lo - needed[seg_need] * stride
+    # Where each piece is read: the target, the scratch (as laid out in the file from
+    # its span's first chunk), or its chunk's slot of the stored checksums.
+    mem = np.where(is_copy, _COPY, np.where(off < cb, _DATA, _CRC))
+    base = needed[new][seg_span] * stride
+    addr = np.where(is_copy, c_to[at_c] if len(c_start) else 0, seg_lo - base)
+    addr = np.where(mem == _CRC, seg_need * 4, addr)
+    span_seg = np.append(np.searchsorted(seg_span, np.arange(len(span_of[new]))), len(seg_lo))
     zs = np.argsort(chunk[~copy], kind="stable")
     z = (chunk[~copy][zs], lo[~copy][zs], hi[~copy][zs], run[~copy][zs] - len(src))
-    for s in range(len(span_first)):
-      a, b = int(span_seg[s]), int(span_seg[s + 1])
-      self._span(
-        int(span_first[s]),
-        int(span_n[s]),
-        seg_lo[a:b].tolist(),
-        seg_hi[a:b].tolist(),
-        kind[a:b].tolist(),
-        where[a:b].tolist(),
-      )
-      self._check_zero(int(span_first[s]), int(span_n[s]), z, z_ids)
+    self._read_spans(
+      needed, np.flatnonzero(new), (seg_lo, seg_hi, mem, addr, seg_span, span_seg), z, z_ids
+    )
 
-  def _span(self, first: int, n: int, seg_lo, seg_hi, kind, where) -> None:
-    f, scr, outb = self.f, self.scratch, self.outb
-    base = first * f.stride
-    bufs = []
-    for lo, hi, k, w in zip(seg_lo, seg_hi, kind, where):
-      if k == _COPY:
-        bufs.append(outb[w : w + hi - lo])
-      else:
-        bufs.append(scr[lo - base : hi - base])
-    pos, reads = base, 0
-    for i in range(0, len(bufs), _IOV_MAX):
-      part = bufs[i : i + _IOV_MAX]
-      want = sum(len(x) for x in part)
-      try:
-        got = os.preadv(f.fd, part, pos)
-      except OSError as e:
-        raise OSError(e.errno, e.strerror, f.path) from None
-      if got != want:
-        raise ArchiveError(f"{f.path}/c/0 ended early (truncated while read)")
-      pos, reads = pos + want, reads + 1
-    computed, crc = [], 0
-    for lo, hi, k, buf in zip(seg_lo, seg_hi, kind, bufs):
-      if k == _CRC:
-        continue
-      off = (lo - base) % f.stride
-      crc = _crc(buf) if off == 0 else google_crc32c.extend(crc, buf)
-      if off + hi - lo == f.chunk_bytes:
-        computed.append(crc)
-    rows = scr[: n * f.stride].reshape(n, f.stride)
-    stored = rows[:, f.chunk_bytes :].copy().view("<u4").reshape(-1)
-    got = np.asarray(computed, np.int64)
-    bad = np.flatnonzero((got != stored) | (got != f.crc_table[first : first + n]))
-    if bad.size:
-      raise ArchiveError(
-        f"{f.path}/c/0: chunk {first + int(bad[0])} fails its crc32c check (the file is"
-        " corrupted or not the one this archive's metadata describes)"
-      )
+  def _read_spans(self, needed, span_at, segs, z, z_ids) -> None:
+    """Reads every span and checks its bytes with one crc32c against the recorded ones."""
+    f = self.f
+    seg_lo, seg_hi, mem, addr, seg_span, span_seg = segs
+    n_bytes = seg_hi - seg_lo
+    stored = np.zeros(len(needed), "<u4")
+    bufs = (self.outb, self.scratch, stored.view(np.uint8))
+    pieces = _iovread.Pieces(bufs, mem, addr, n_bytes)
+    groups = _crc_groups(mem, addr, n_bytes, seg_span)
+    g_at = np.searchsorted(groups[0], np.arange(len(span_at) + 1)).tolist()
+    g_mem, g_addr, g_len = (x.tolist() for x in groups[1:])
+    expected = _crcspan.run_crcs(f.crc_table[needed], span_at, f.chunk_bytes).tolist()
+    span_first, span_n = needed[span_at], np.diff(np.append(span_at, len(needed)))
+    seg_at = span_seg.tolist()
+    span_bytes = np.add.reduceat(n_bytes, span_seg[:-1]).tolist()
+    has_zero = np.zeros(len(span_at), bool)
+    has_zero[np.searchsorted(span_at, np.searchsorted(needed, z[0]), "right") - 1] = True
+    has_zero = has_zero.tolist()
+    reads = 0
+    extend = google_crc32c.extend
+    for s, first in enumerate(span_first.tolist()):
+      a, b = seg_at[s], seg_at[s + 1]
+      reads += pieces.read(f.fd, f.path, a, b, first * f.stride, span_bytes[s])
+      crc = 0
+      for g in range(g_at[s], g_at[s + 1]):
+        crc = extend(crc, bufs[g_mem[g]][g_addr[g] : g_addr[g] + g_len[g]])
+      n = int(span_n[s])
+      if crc != expected[s]:
+        self._refuse_span(first, n, seg_lo[a:b].tolist(), pieces.views(a, b))
+      if has_zero[s]:
+        k = int(span_at[s])
+        _check_stored(f, needed[k : k + n], stored[k : k + n])
+        self._check_zero(first, n, z, z_ids)
+    _check_stored(f, needed, stored)
     if self.stats is not None:
       self.stats.reads += reads
-      self.stats.chunks += n
-      self.stats.bytes += n * f.stride
+      self.stats.chunks += len(needed)
+      self.stats.bytes += len(needed) * f.stride
+
+  def _refuse_span(self, first: int, n: int, seg_lo, bufs) -> None:
+    """A span whose bytes fail their crc32c: names its first chunk that fails its own."""
+    f = self.f
+    base, crc, computed = first * f.stride, 0, []
+    for lo, buf in zip(seg_lo, bufs):
+      off = (lo - base) % f.stride
+      if off >= f.chunk_bytes:
+        continue  # a stored checksum
+      data = np.frombuffer(buf, np.uint8)
+      crc = _crc(data) if off == 0 else google_crc32c.extend(crc, data)
+      if off + len(data) == f.chunk_bytes:
+        computed.append(crc)
+    bad = np.flatnonzero(np.asarray(computed, np.int64) != f.crc_table[first : first + n])
+    which = f"chunk {first + int(bad[0])}" if bad.size else f"chunks {first}..{first + n - 1}"
+    raise ArchiveError(
+      f"{f.path}/c/0: {which} fails its crc32c check (the file is corrupted or not the one"
+      " this archive's metadata describes)"
+    )
 
   def _check_zero(self, first: int, n: int, z, z_ids) -> None:
     """The ranges that must be zero bits, in the span just read (all in scratch)."""
@@ -218,6 +241,30 @@ class _Spans:
       nz = np.flatnonzero(self.scratch[off : off + (hi_ - lo_) * isz].view(uint))
       if nz.size:
         raise self.refuse(int(z_ids[r]), lo_ + int(nz[0]))
+
+
+def _crc_groups(mem, addr, n_bytes, seg_span):
+  """Data pieces merged where they lie back to back in one buffer, within one span.
+
+  Returns ``(span, buffer, start, bytes)`` per group, in file order: a span's
+  crc32c is the crc32c of its groups' bytes one after the other.
+  """
+  data = np.flatnonzero(mem != _CRC)
+  m, a, n, sp = mem[data], addr[data], n_bytes[data], seg_span[data]
+  cont = (m[1:] == m[:-1]) & (a[1:] == a[:-1] + n[:-1]) & (sp[1:] == sp[:-1])
+  start = np.flatnonzero(np.concatenate([[True], ~cont]))
+  total = np.add.reduceat(n, start) if len(start) else n[:0]
+  return sp[start], m[start], a[start], total
+
+
+def _check_stored(f, chunks, stored) -> None:
+  """The checksums stored after ``chunks`` in the file must be the recorded ones."""
+  bad = np.flatnonzero(stored.astype(np.int64) != f.crc_table[chunks])
+  if bad.size:
+    raise ArchiveError(
+      f"{f.path}/c/0: chunk {int(chunks[bad[0]])} fails its crc32c check (the file is"
+      " corrupted or not the one this archive's metadata describes)"
+    )
 
 
 def read_runs_staged(

@@ -48,9 +48,17 @@ _ZARR_DTYPES = {
 }
 
 
+# Chunks per buffer at most: an archive's metadata lists the crc32c of every chunk
+# (up to 11 bytes of JSON each), and must stay well inside the 64 MiB a reader
+# accepts (``MAX_ARCHIVE_BYTES``) with a buffer of each dtype. A larger buffer gets
+# larger chunks than ``chunk_bytes`` (16 GiB of 16 KiB chunks).
+MAX_CHUNKS = 1 << 20
+
+
 def chunk_elements(size: int, itemsize: int, chunk_bytes: int) -> int:
-  """Elements per chunk for a buffer of ``size`` elements."""
-  return max(1, min(size, chunk_bytes // itemsize))
+  """Elements per chunk for a buffer of ``size`` elements: ``chunk_bytes`` worth, or
+  more where that would make more than ``MAX_CHUNKS`` chunks."""
+  return max(1, min(size, max(chunk_bytes // itemsize, -(-size // MAX_CHUNKS))))
 
 
 def n_chunks(size: int, chunk: int) -> int:
@@ -310,25 +318,23 @@ def _write_chunks(fd: int, raw: memoryview, size: int, itemsize: int, chunk: int
   cb = chunk * itemsize
   n = n_chunks(size, chunk)
   tail = bytes(n * cb - size * itemsize)  # zero padding of the last chunk
-  crcs, iov = [], []
-  index = np.empty((n, 2), "<u8")
-  for i in range(n):
-    part = raw[i * cb : (i + 1) * cb]
-    crc = _crc(part)
-    if i == n - 1 and tail:
-      crc = google_crc32c.extend(crc, tail)
-      iov += [part, tail]
-    else:
-      iov.append(part)
-    crcs.append(crc)
-    iov.append(crc.to_bytes(4, "little"))
-    index[i] = (i * (cb + CRC_BYTES), cb + CRC_BYTES)
-    if len(iov) >= _IOV_MAX:
-      _writev(fd, iov)
-      iov = []
+  data = np.frombuffer(raw, np.uint8)
+  parts = [data[i * cb : (i + 1) * cb] for i in range(n)]
+  value = google_crc32c.value
+  crcs = [value(p) for p in parts]
+  if tail:
+    crcs[-1] = google_crc32c.extend(crcs[-1], tail)
+    parts[-1] = np.concatenate([parts[-1], np.frombuffer(tail, np.uint8)])
+  stored = np.array(crcs, "<u4").view(np.uint8).reshape(n, CRC_BYTES)
+  offsets = np.arange(n, dtype="<u8") * (cb + CRC_BYTES)
+  index = np.stack([offsets, np.full(n, cb + CRC_BYTES, "<u8")], axis=1)
   index_bytes = index.tobytes()
-  iov += [index_bytes, _crc(index_bytes).to_bytes(4, "little")]
-  _writev(fd, iov)
+  per_call = _IOV_MAX // 2
+  for lo in range(0, n, per_call):
+    iov = [x for i in range(lo, min(n, lo + per_call)) for x in (parts[i], stored[i])]
+    if lo + per_call >= n:
+      iov += [index_bytes, _crc(index_bytes).to_bytes(4, "little")]
+    _writev(fd, iov)
   return crcs
 
 

@@ -17,11 +17,9 @@ import stat
 from collections.abc import Sequence
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
 from jaxreshard._src.checkpoint.shardfile import (
-  _IOV_MAX,
   CRC_BYTES,
   INDEX_ENTRY_BYTES,
   MAX_META_BYTES,
@@ -33,7 +31,7 @@ from jaxreshard._src.checkpoint.shardfile import (
   n_chunks,
   zarr_metadata,
 )
-from jaxreshard._src.errors import ArchiveError, ReshardError
+from jaxreshard._src.errors import ArchiveError
 from jaxreshard._src.exec import bitview as _bitview
 
 
@@ -282,42 +280,3 @@ class ShardFile:
       [bytes(r[self.chunk_bytes :]) for r in rows],
     )
     return rows[:, : self.chunk_bytes].view(_bitview.UINT[self.dtype.itemsize])
-
-  def read_all(self, out: np.ndarray) -> None:
-    """Reads the whole buffer straight into ``out`` (``size`` elements, this dtype)."""
-    raw = memoryview(out.reshape(-1).view(np.uint8))
-    n_tail = self.n * self.chunk_bytes - self.size * self.dtype.itemsize
-    try:  # the last chunk's bytes past the buffer: less than a chunk, the checkpoint's word
-      tail = bytearray(n_tail)
-    except MemoryError:
-      raise ReshardError(
-        f"{self.path}/c/0: its last chunk's {n_tail} bytes past the buffer need more memory"
-        " than this process can get"
-      ) from None
-    crcs = [bytearray(CRC_BYTES) for _ in range(self.n)]
-    for lo in range(0, self.n, _IOV_MAX // 3):
-      hi = min(self.n, lo + _IOV_MAX // 3)
-      iov, views = [], []
-      for i in range(lo, hi):
-        part = raw[i * self.chunk_bytes : (i + 1) * self.chunk_bytes]
-        iov.append(part)
-        if i == self.n - 1 and tail:
-          iov.append(tail)
-        iov.append(crcs[i])
-        views.append(part)
-      want = sum(len(b) for b in iov)
-      try:
-        got = os.preadv(self.fd, iov, lo * self.stride)
-      except OSError as e:
-        raise OSError(e.errno, e.strerror, self.path) from None
-      if got != want:
-        raise ArchiveError(f"{self.path}/c/0 ended early (truncated while read)")
-      for k, i in enumerate(range(lo, hi)):
-        actual = _crc(views[k])
-        if i == self.n - 1 and tail:
-          actual = google_crc32c.extend(actual, bytes(tail))
-        if actual != int.from_bytes(crcs[i], "little") or actual != self.crcs[i]:
-          raise ArchiveError(
-            f"{self.path}/c/0: chunk {i} fails its crc32c check (the file is corrupted or"
-            " not the one this archive's metadata describes)"
-          )

@@ -1,0 +1,103 @@
+"""Scattered reads of a file into pieces of a few buffers, the iovecs built by numpy.
+
+A span of chunks is read with one ``preadv`` whose iovecs alternate between a
+chunk's bytes (into the target buffer) and its 4-byte checksum (elsewhere):
+two iovecs per chunk. Building them as Python memoryviews costs more than the
+kernel's copy of a small chunk, so where the C library's ``preadv`` is
+reachable the iovec array (``struct iovec {void *base; size_t len;}``) is one
+numpy array of addresses and lengths, each piece checked to lie inside its
+buffer before any read. Elsewhere ``os.preadv`` reads the same pieces.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxreshard._src.checkpoint.shardfile import _IOV_MAX
+from jaxreshard._src.errors import ArchiveError
+
+__all__ = ["Pieces"]
+
+
+def _libc_preadv():
+  """The C library's ``preadv``, or None where it cannot be called through ctypes."""
+  if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
+    return None
+  try:
+    fn = ctypes.CDLL(None, use_errno=True).preadv
+  except (OSError, AttributeError):
+    return None
+  fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+  fn.restype = ctypes.c_ssize_t
+  return fn
+
+
+_PREADV = _libc_preadv()
+
+
+class Pieces:
+  """Pieces ``[addr, addr + n_bytes)`` of buffers ``bufs[mem]``, in file order.
+
+  ``bufs``: C-contiguous uint8 arrays, which must outlive this object.
+  """
+
+  def __init__(self, bufs: Sequence[np.ndarray], mem, addr, n_bytes):
+    self.bufs = bufs
+    self.mem, self.addr, self.n_bytes = mem, addr, n_bytes
+    sizes = np.array([b.nbytes for b in bufs], np.int64)
+    if len(mem) and not (
+      (addr >= 0).all() and (n_bytes >= 0).all() and (addr + n_bytes <= sizes[mem]).all()
+    ):
+      raise AssertionError("a piece lies outside its buffer")  # a planning bug, never data
+    self.iov = None
+    # Raw addresses only into buffers numpy would let ``os.preadv`` write to.
+    if _PREADV is not None and all(b.flags.c_contiguous and b.flags.writeable for b in bufs):
+      base = np.array([b.ctypes.data for b in bufs], np.uint64)
+      self.iov = np.empty((len(mem), 2), np.uint64)
+      self.iov[:, 0] = base[mem] + addr.astype(np.uint64)
+      self.iov[:, 1] = n_bytes
+      self._ptr = self.iov.ctypes.data
+
+  def views(self, a: int, b: int) -> list[memoryview]:
+    """Pieces ``[a, b)`` as memoryviews."""
+    views = [memoryview(x) for x in self.bufs]
+    return [
+      views[m][p : p + n]
+      for m, p, n in zip(
+        self.mem[a:b].tolist(), self.addr[a:b].tolist(), self.n_bytes[a:b].tolist()
+      )
+    ]
+
+  def read(self, fd: int, path: str, a: int, b: int, pos: int, total: int) -> int:
+    """Reads pieces ``[a, b)`` (``total`` bytes) from file offset ``pos``; returns the
+    system calls made. A short read is the file truncated while read."""
+    reads = 0
+    for i in range(a, b, _IOV_MAX):
+      j = min(b, i + _IOV_MAX)
+      want = total if b - a <= _IOV_MAX else int(self.n_bytes[i:j].sum())
+      if self.iov is None:
+        try:
+          got = os.preadv(fd, self.views(i, j), pos)
+        except OSError as e:
+          raise OSError(e.errno, e.strerror, path) from None
+      else:
+        got = self._preadv(fd, path, i, j, pos)
+      if got != want:
+        raise ArchiveError(f"{path}/c/0 ended early (truncated while read)")
+      pos, reads = pos + want, reads + 1
+    return reads
+
+  def _preadv(self, fd: int, path: str, i: int, j: int, pos: int) -> int:
+    while True:
+      got = _PREADV(fd, self._ptr + 16 * i, j - i, pos)
+      if got >= 0:
+        return got
+      err = ctypes.get_errno()
+      if err != errno.EINTR:
+        raise OSError(err, os.strerror(err), path)
