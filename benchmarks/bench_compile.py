@@ -81,6 +81,8 @@ def run(opts: Options) -> Result:
   rows += [device_row(n, opts) for n in opts.device_param_counts]
   for r in rows:
     r.setdefault("warm_retraces", 0)
+    r.setdefault("copy_s", None)  # the host rows' baseline
+    r.setdefault("warm_over_copy", None)
   met = None
   if not opts.quick:
     host = [r for r in rows if r["executor"] == "host"]
