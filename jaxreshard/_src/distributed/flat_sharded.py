@@ -217,7 +217,9 @@ def flat_sharded(
   their sharding is known (outside ``jit``, or under explicit mesh axes).
   Grads whose rows are split evenly over ``axis`` (ZeRO-2; known under
   explicit axes or outside ``jit``), with no padding, are already the flat
-  shards and are used where they lie, not all-gathered.
+  shards and are used where they lie, not all-gathered, and so are their
+  updates. The updates of one dtype whose flat shards are small (at most
+  16 KiB) are all-gathered together, by one all-gather.
 
   Meshes with explicit axes (``jax.make_mesh``'s default) and with ``Auto``
   axes (``jax.sharding.Mesh``) are both supported.
@@ -367,10 +369,9 @@ def flat_sharded(
       flat_updates, state = logical_opt.update(flat_grads, state, flat_params, **extra_args)
       updates = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(grads),
-        [
-          layout.unflat(u, g, shapes[pid])
-          for pid, u, g in zip(ids, jax.tree_util.tree_leaves(flat_updates), leaves)
-        ],
+        layout.unflat_all(
+          jax.tree_util.tree_leaves(flat_updates), leaves, [shapes[pid] for pid in ids]
+        ),
       )
       return updates, layout.settle(state, state_roles, counts_of(shapes))
 
