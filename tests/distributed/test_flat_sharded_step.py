@@ -58,6 +58,19 @@ def test_padded_and_unpadded_step_keeps_padding_zero(kind):
   assert np.all(np.asarray(state[1][0].mu["w"]) != 0)
 
 
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_the_global_norm_of_replicated_grads_is_not_all_reduced_on_auto_axes(kind):
+  """On Auto axes each device computes clip_by_global_norm's norm of replicated grads itself.
+
+  No all-reduce (which every device waits at); under explicit axes the flat grads are
+  typed sharded, and their norm takes one.
+  """
+  mesh, step, args = _step_and_args(kind, {"w": (16, 24), "odd": (5, 3), "b": (24,)})
+  with jax.set_mesh(mesh), jax.numpy_dtype_promotion("standard"):  # optax's, not ours
+    text = step.lower(*args).compile().as_text()
+  assert len(_collectives(text, "all-reduce")) == (1 if kind == "explicit" else 0)
+
+
 def test_row_sharded_grads_are_not_gathered():
   """Grads whose rows are split over the axis (ZeRO-2) and their updates stay where they lie.
 

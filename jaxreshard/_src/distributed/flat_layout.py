@@ -61,6 +61,14 @@ class MeshLayout:
     if whole(g):
       return x
     x = self.put(jnp.pad(x, (0, self.world * g.slots - g.count)), self.replicated)
+    if not self.explicit and not is_concrete(x):
+      # Inside jit on Auto axes it stays replicated: the partitioner slices it where
+      # it meets the sharded histories (each device its own slots), and a reduction
+      # over the whole tree (clip_by_global_norm's norm) is computed on each device,
+      # with no all-reduce that every device would wait at. Under explicit axes a
+      # replicated type would make every elementwise op before that meeting
+      # compute all M shards on each device.
+      return x
     return self.put(x, self.sharded)
 
   def _row_sharded(self, x: Any, g: FlatShard) -> bool:

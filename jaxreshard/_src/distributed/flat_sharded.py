@@ -219,7 +219,10 @@ def flat_sharded(
   explicit axes or outside ``jit``), with no padding, are already the flat
   shards and are used where they lie, not all-gathered, and so are their
   updates. The updates of one dtype whose flat shards are small (at most
-  16 KiB) are all-gathered together, by one all-gather.
+  16 KiB) are all-gathered together, by one all-gather. Inside ``jit`` on
+  ``Auto`` axes, flat grads that are not already sharded stay replicated for
+  the partitioner to slice, so a reduction over the whole tree (the norm of
+  ``clip_by_global_norm``) is computed on each device without an all-reduce.
 
   Meshes with explicit axes (``jax.make_mesh``'s default) and with ``Auto``
   axes (``jax.sharding.Mesh``) are both supported.
