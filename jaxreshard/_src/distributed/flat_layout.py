@@ -61,13 +61,11 @@ class MeshLayout:
     if whole(g):
       return x
     x = self.put(jnp.pad(x, (0, self.world * g.slots - g.count)), self.replicated)
-    if not self.explicit and not is_concrete(x):
-      # Inside jit on Auto axes it stays replicated: the partitioner slices it where
-      # it meets the sharded histories (each device its own slots), and a reduction
-      # over the whole tree (clip_by_global_norm's norm) is computed on each device,
-      # with no all-reduce that every device would wait at. Under explicit axes a
-      # replicated type would make every elementwise op before that meeting
-      # compute all M shards on each device.
+    if not is_concrete(x):
+      # Inside jit it stays replicated: the partitioner slices it where it meets the
+      # sharded histories (each device its own slots), and a reduction over the
+      # whole tree (clip_by_global_norm's norm) is computed on each device, with no
+      # all-reduce that every device would wait at (see ``update_on_auto_axes``).
       return x
     return self.put(x, self.sharded)
 
@@ -162,6 +160,34 @@ class MeshLayout:
       if not target.mesh.empty:
         return jax.sharding.reshard(u, target)
     return u  # under Auto axes, the partitioner lays it out for its consumer
+
+  def update_on_auto_axes(
+    self, update: Any, args: tuple, ids: list[str], roles: tuple, shapes: dict
+  ) -> tuple[Any, Any]:
+    """``update(flat_grads, state, flat_params)``; inside jit, traced on Auto axes.
+
+    Under explicit axes every intermediate's layout is its type: flat grads typed
+    replicated would make each elementwise op before the sharded histories compute
+    all M shards on every device, and typed sharded, a reduction over the whole tree
+    (clip_by_global_norm's norm) becomes an all-reduce. On Auto axes, as on an Auto
+    mesh, the partitioner slices the replicated flat grads where they meet the
+    histories and reduces them on each device. The flat updates (``ids``) and the
+    state (``roles``) come out sharded over the axis, or replicated where whole.
+    """
+    if not self.explicit or all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
+      return update(*args)
+
+    def laid_out(tree: Any, pids: Any) -> Any:
+      leaves = [
+        self.replicated
+        if pid is None or whole(FlatShard(shapes[pid], 0, self.world))
+        else self.sharded
+        for pid in pids
+      ]
+      return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), leaves)
+
+    out = (laid_out(args[0], ids), laid_out(args[1], roles))
+    return jax.sharding.auto_axes(update, out_sharding=out)(*args)
 
   def settle(self, state: Any, roles: tuple, counts: dict[str, int]) -> Any:
     """``state`` laid out on the mesh, with the padding of every history set to zero."""

@@ -219,10 +219,11 @@ def flat_sharded(
   explicit axes or outside ``jit``), with no padding, are already the flat
   shards and are used where they lie, not all-gathered, and so are their
   updates. The updates of one dtype whose flat shards are small (at most
-  16 KiB) are all-gathered together, by one all-gather. Inside ``jit`` on
-  ``Auto`` axes, flat grads that are not already sharded stay replicated for
-  the partitioner to slice, so a reduction over the whole tree (the norm of
-  ``clip_by_global_norm``) is computed on each device without an all-reduce.
+  16 KiB) are all-gathered together, by one all-gather. Inside ``jit``,
+  flat grads that are not already sharded stay replicated for the partitioner
+  to slice (``optimizer.update`` is traced on ``Auto`` axes), so a reduction
+  over the whole tree (the norm of ``clip_by_global_norm``) is computed on each
+  device without an all-reduce.
 
   Meshes with explicit axes (``jax.make_mesh``'s default) and with ``Auto``
   axes (``jax.sharding.Mesh``) are both supported.
@@ -369,7 +370,10 @@ def flat_sharded(
     _check_history_shapes(layout, state, state_roles, shapes)
     with on_mesh(grads, state, params), _logical_masks.logical_shapes(described):
       state = layout.for_update(state, state_roles, shapes)
-      flat_updates, state = logical_opt.update(flat_grads, state, flat_params, **extra_args)
+      args = (flat_grads, state, flat_params)
+      flat_updates, state = layout.update_on_auto_axes(
+        lambda *a: logical_opt.update(*a, **extra_args), args, ids, state_roles, shapes
+      )
       updates = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(grads),
         layout.unflat_all(
