@@ -70,6 +70,22 @@ def test_the_global_norm_of_replicated_grads_is_not_all_reduced(kind):
   assert not _collectives(text, "all-reduce")
 
 
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_histories_of_params_of_at_most_m_elements_are_gathered_together(kind):
+  """The histories of params computed whole (at most M elements) share one all-gather."""
+  mesh, step, args = _step_and_args(kind, {"s": (3,), "t": (5,), "u": (2, 2), "w": (16, 24)})
+  with jax.set_mesh(mesh), jax.numpy_dtype_promotion("standard"):  # optax's, not ours
+    text = step.lower(*args).compile().as_text()
+    # The mu and nu of s, t and u: six (8,) histories as one (8, 6) array.
+    gathered = _collectives(text, "all-gather")
+    assert [line for line in gathered if "[8,6]" in line.split("=")[1]], gathered
+    assert not [line for line in gathered if "[8]" in line.split("=")[1]], gathered
+    _, new_state = step(*args)
+  for k in ("s", "t", "u"):
+    mu = np.asarray(new_state[1][0].mu[k])
+    assert mu.shape == (8,) and np.all(mu[: int(np.prod(np.shape(args[0][k])))] != 0)
+
+
 def test_row_sharded_grads_are_not_gathered():
   """Grads whose rows are split over the axis (ZeRO-2) and their updates stay where they lie.
 

@@ -89,12 +89,19 @@ class MeshLayout:
     return spec[0] in (self.axis, (self.axis,)) and all(s is None for s in spec[1:])
 
   def for_update(self, state: Any, roles: tuple, shapes: dict[str, tuple[int, ...]]) -> Any:
-    """``state`` as the update computes it: the histories of small params whole."""
+    """``state`` as the update computes it: the histories of small params whole.
+
+    Those of one dtype are all-gathered together, by one all-gather.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    out = []
-    for leaf, pid in zip(leaves, roles):
-      g = None if pid is None else FlatShard(shapes[pid], 0, self.world)
-      out.append(leaf if g is None or not whole(g) else self.put(leaf, self.replicated)[: g.count])
+    out = list(leaves)
+    packs: dict[Any, list[int]] = {}
+    for i, (leaf, pid) in enumerate(zip(leaves, roles)):
+      if pid is not None and whole(FlatShard(shapes[pid], 0, self.world)):
+        packs.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+    for members in packs.values():
+      for i, x in zip(members, self._gathered([leaves[i] for i in members])):
+        out[i] = x[: FlatShard(shapes[roles[i]], 0, self.world).count]
     return jax.tree_util.tree_unflatten(treedef, out)
 
   def unflat(self, u: jax.Array, like: Any, shape: tuple[int, ...]) -> jax.Array:
