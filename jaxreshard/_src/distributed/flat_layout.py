@@ -13,7 +13,13 @@ from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.distributed import mesh as _mesh
 from jaxreshard._src.errors import ShapeError
 
-__all__ = ["MeshLayout", "index_dtype", "is_concrete", "whole"]
+__all__ = ["MeshLayout", "PACKED_SHARD_BYTES", "index_dtype", "is_concrete", "whole"]
+
+# Updates whose flat shard is at most this many bytes are all-gathered together,
+# one all-gather per dtype: a gather that small costs its rendezvous (every device
+# waits for all the others) far more than its copy. A larger one is gathered by
+# itself, so that its consumers read it contiguous, and its buffer lives briefly.
+PACKED_SHARD_BYTES = 16 * 1024
 
 
 def is_concrete(x: Any) -> bool:
@@ -32,6 +38,8 @@ class MeshLayout:
     self.explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
     self.sharded = NamedSharding(mesh, PartitionSpec(axis))
     self.replicated = NamedSharding(mesh, PartitionSpec())
+    # Rank r's ``(slots,)`` slice of a flat array as row r of its ``(M, slots)`` view.
+    self.rows = NamedSharding(mesh, PartitionSpec(axis, None))
 
   def put(self, x: Any, sharding: Any) -> jax.Array:
     if is_concrete(x):  # outside jit: a transfer, from any devices or the host
@@ -53,6 +61,12 @@ class MeshLayout:
     if whole(g):
       return x
     x = self.put(jnp.pad(x, (0, self.world * g.slots - g.count)), self.replicated)
+    if not is_concrete(x):
+      # Inside jit it stays replicated: the partitioner slices it where it meets the
+      # sharded histories (each device its own slots), and a reduction over the
+      # whole tree (clip_by_global_norm's norm) is computed on each device, with no
+      # all-reduce that every device would wait at (see ``update_on_auto_axes``).
+      return x
     return self.put(x, self.sharded)
 
   def _row_sharded(self, x: Any, g: FlatShard) -> bool:
@@ -75,12 +89,19 @@ class MeshLayout:
     return spec[0] in (self.axis, (self.axis,)) and all(s is None for s in spec[1:])
 
   def for_update(self, state: Any, roles: tuple, shapes: dict[str, tuple[int, ...]]) -> Any:
-    """``state`` as the update computes it: the histories of small params whole."""
+    """``state`` as the update computes it: the histories of small params whole.
+
+    Those of one dtype are all-gathered together, by one all-gather.
+    """
     leaves, treedef = jax.tree_util.tree_flatten(state)
-    out = []
-    for leaf, pid in zip(leaves, roles):
-      g = None if pid is None else FlatShard(shapes[pid], 0, self.world)
-      out.append(leaf if g is None or not whole(g) else self.put(leaf, self.replicated)[: g.count])
+    out = list(leaves)
+    packs: dict[Any, list[int]] = {}
+    for i, (leaf, pid) in enumerate(zip(leaves, roles)):
+      if pid is not None and whole(FlatShard(shapes[pid], 0, self.world)):
+        packs.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+    for members in packs.values():
+      for i, x in zip(members, self._gathered([leaves[i] for i in members])):
+        out[i] = x[: FlatShard(shapes[roles[i]], 0, self.world).count]
     return jax.tree_util.tree_unflatten(treedef, out)
 
   def unflat(self, u: jax.Array, like: Any, shape: tuple[int, ...]) -> jax.Array:
@@ -88,7 +109,57 @@ class MeshLayout:
     count = FlatShard(shape, 0, self.world).count
     if self.explicit:
       u = self.put(u, self.replicated)  # the ZeRO all-gather of the updates
-    u = jnp.reshape(u[:count], shape)
+    return self._placed(jnp.reshape(u[:count], shape), like)
+
+  def unflat_all(
+    self, updates: list[Any], likes: list[Any], shapes: list[tuple[int, ...]]
+  ) -> list[jax.Array]:
+    """Flat updates back in their params' shapes, laid out like ``likes`` where known.
+
+    An update whose ``like`` has its rows split over the axis as the flat shards
+    (ZeRO-2 grads) is reshaped where it lies: no all-gather. Updates with flat shards
+    of at most ``PACKED_SHARD_BYTES`` are all-gathered together, one all-gather per
+    dtype; each larger one is gathered by itself, and one computed whole is not.
+    """
+    out = list(updates)
+    packs: dict[Any, list[int]] = {}
+    for i, (u, like, shape) in enumerate(zip(updates, likes, shapes)):
+      g = FlatShard(shape, 0, self.world)
+      if np.shape(u) == (g.count,) and whole(g):
+        out[i] = self.unflat(u, like, shape)
+      elif self._row_sharded(like, g):
+        out[i] = self._placed(jnp.reshape(u, shape, out_sharding=self.sharded), like)
+      elif g.slots * jnp.dtype(u.dtype).itemsize <= PACKED_SHARD_BYTES:
+        packs.setdefault(jnp.dtype(u.dtype), []).append(i)
+      else:
+        out[i] = self.unflat(u, like, shape)
+    for members in packs.values():
+      for i, u in zip(members, self._gathered([updates[i] for i in members])):
+        count = FlatShard(shapes[i], 0, self.world).count
+        out[i] = self._placed(jnp.reshape(u[:count], shapes[i]), likes[i])
+    return out
+
+  def _gathered(self, updates: list[jax.Array]) -> list[jax.Array]:
+    """Flat sharded arrays of one dtype replicated by one all-gather of them all.
+
+    Each flat shard is row r of its array's ``(M, slots)`` view (no data moves);
+    their rows side by side are one ``(M, sum of slots)`` array, whose all-gather
+    brings every array whole to every device, as a block of its columns.
+    """
+    rows = [self._as_rows(u) for u in updates]
+    packed = self.put(jnp.concatenate(rows, axis=1), self.replicated)
+    starts = np.cumsum([0] + [r.shape[1] for r in rows])
+    return [jnp.reshape(packed[:, a:b], (-1,)) for a, b in zip(starts[:-1], starts[1:])]
+
+  def _as_rows(self, u: jax.Array) -> jax.Array:
+    """A flat array sharded over the axis as ``(M, slots)``, rank r's shard as row r."""
+    shape = (self.world, np.shape(u)[0] // self.world)
+    if self.explicit and not is_concrete(u):
+      return jnp.reshape(u, shape, out_sharding=self.rows)
+    return self.put(jnp.reshape(u, shape), self.rows)
+
+  def _placed(self, u: jax.Array, like: Any) -> jax.Array:
+    """``u`` laid out like ``like`` where that is known (outside jit, explicit axes)."""
     if is_concrete(like) and isinstance(like, jax.Array):
       return jax.device_put(u, like.sharding)
     if not is_concrete(like) and self.explicit:
@@ -96,6 +167,34 @@ class MeshLayout:
       if not target.mesh.empty:
         return jax.sharding.reshard(u, target)
     return u  # under Auto axes, the partitioner lays it out for its consumer
+
+  def update_on_auto_axes(
+    self, update: Any, args: tuple, ids: list[str], roles: tuple, shapes: dict
+  ) -> tuple[Any, Any]:
+    """``update(flat_grads, state, flat_params)``; inside jit, traced on Auto axes.
+
+    Under explicit axes every intermediate's layout is its type: flat grads typed
+    replicated would make each elementwise op before the sharded histories compute
+    all M shards on every device, and typed sharded, a reduction over the whole tree
+    (clip_by_global_norm's norm) becomes an all-reduce. On Auto axes, as on an Auto
+    mesh, the partitioner slices the replicated flat grads where they meet the
+    histories and reduces them on each device. The flat updates (``ids``) and the
+    state (``roles``) come out sharded over the axis, or replicated where whole.
+    """
+    if not self.explicit or all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
+      return update(*args)
+
+    def laid_out(tree: Any, pids: Any) -> Any:
+      leaves = [
+        self.replicated
+        if pid is None or whole(FlatShard(shapes[pid], 0, self.world))
+        else self.sharded
+        for pid in pids
+      ]
+      return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), leaves)
+
+    out = (laid_out(args[0], ids), laid_out(args[1], roles))
+    return jax.sharding.auto_axes(update, out_sharding=out)(*args)
 
   def settle(self, state: Any, roles: tuple, counts: dict[str, int]) -> Any:
     """``state`` laid out on the mesh, with the padding of every history set to zero."""

@@ -217,7 +217,13 @@ def flat_sharded(
   their sharding is known (outside ``jit``, or under explicit mesh axes).
   Grads whose rows are split evenly over ``axis`` (ZeRO-2; known under
   explicit axes or outside ``jit``), with no padding, are already the flat
-  shards and are used where they lie, not all-gathered.
+  shards and are used where they lie, not all-gathered, and so are their
+  updates. The updates of one dtype whose flat shards are small (at most
+  16 KiB) are all-gathered together, by one all-gather. Inside ``jit``,
+  flat grads that are not already sharded stay replicated for the partitioner
+  to slice (``optimizer.update`` is traced on ``Auto`` axes), so a reduction
+  over the whole tree (the norm of ``clip_by_global_norm``) is computed on each
+  device without an all-reduce.
 
   Meshes with explicit axes (``jax.make_mesh``'s default) and with ``Auto``
   axes (``jax.sharding.Mesh``) are both supported.
@@ -364,13 +370,15 @@ def flat_sharded(
     _check_history_shapes(layout, state, state_roles, shapes)
     with on_mesh(grads, state, params), _logical_masks.logical_shapes(described):
       state = layout.for_update(state, state_roles, shapes)
-      flat_updates, state = logical_opt.update(flat_grads, state, flat_params, **extra_args)
+      args = (flat_grads, state, flat_params)
+      flat_updates, state = layout.update_on_auto_axes(
+        lambda *a: logical_opt.update(*a, **extra_args), args, ids, state_roles, shapes
+      )
       updates = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(grads),
-        [
-          layout.unflat(u, g, shapes[pid])
-          for pid, u, g in zip(ids, jax.tree_util.tree_leaves(flat_updates), leaves)
-        ],
+        layout.unflat_all(
+          jax.tree_util.tree_leaves(flat_updates), leaves, [shapes[pid] for pid in ids]
+        ),
       )
       return updates, layout.settle(state, state_roles, counts_of(shapes))
 
