@@ -90,6 +90,32 @@ def test_an_invalid_target_is_refused_with_its_words():
   assert [p.rank for p in target.placements] == [1, 1]
 
 
+class _IntLike:
+  """An integer type whose ``__int__`` disagrees with its ``__index__``."""
+
+  def __init__(self, value):
+    self.value = value
+
+  def __index__(self):
+    return self.value
+
+  def __int__(self):
+    return self.value + 1
+
+
+def test_an_int_like_rank_is_read_as_its_index():
+  """The table reads a target's rank and world size as the geometry check does
+  (``operator.index``), never through ``__int__``."""
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"a": jnp.arange(5.0)}
+  state = opt.update(params, opt.init(params))[1]
+  records = jr.shard_state(opt, params, state, world_size=4)
+  target = jr.reshard(records, [jr.Migration("a", (5,), _IntLike(1), _IntLike(3), (0, 1, 2, 3))])
+  want = jr.reshard(records, [jr.Migration("a", (5,), 1, 3, (0, 1, 2, 3))])
+  assert_records_equal(target, want)
+  assert (target.placements[0].rank, target.placements[0].world_size) == (1, 3)
+
+
 class _CountingTuple(tuple):
   """A tuple that counts how often it is hashed."""
 

@@ -10,6 +10,7 @@ is asked for by index.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -99,7 +100,12 @@ class Groups(Sequence):
     sources = np.array(
       [(s.count, s.slots, s.world_size) for s in (f.source for f in facts)], np.int64
     ).reshape(n, 3)
-    targets = np.array([(m.rank, m.world_size) for m in migrations], np.int64).reshape(n, 2)
+    # ``operator.index``, as the geometry check reads them (numpy would call
+    # ``__int__``, which an int-like type may answer differently).
+    index = operator.index
+    targets = np.array(
+      [(index(m.rank), index(m.world_size)) for m in migrations], np.int64
+    ).reshape(n, 2)
     self.count, self.src_slots, self.src_world = sources.T.copy()
     self.rank, self.world = targets.T.copy()
     self.slots = -(-self.count // self.world)
