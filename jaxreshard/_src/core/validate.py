@@ -188,6 +188,17 @@ def not_listed(pid: str, archive: int, src: Sources) -> PlacementError:
   return PlacementError(f"param {pid!r}: source archive {archive} does not list it{hint}")
 
 
+def check_flat_buffer(h: Any, source: FlatShard, where: str) -> None:
+  """A history buffer is a ``(slots,)`` vector of its flat layout, of a dtype copied."""
+  if tuple(np.shape(h)) != (source.slots,):
+    raise ShapeError(
+      f"{where} has shape {tuple(np.shape(h))}, not ({source.slots},) of its flat"
+      f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
+      " optimizer state (factored or matrix statistics) cannot be resharded"
+    )
+  check_buffer_dtype(h.dtype, where)
+
+
 def _is_buffer(h: Any) -> bool:
   return h is not None and h is not _structure.MASKED
 
@@ -299,14 +310,7 @@ def uniform_facts(pid: str, sources: tuple[int, ...], src: Any) -> SourceFacts:
       or dtype not in _SUPPORTED
     ):
       # The rare path: the checks again, with their words.
-      where = f"param {pid!r}: archive {a0}, history buffer {m}"
-      if tuple(np.shape(h)) != (source.slots,):
-        raise ShapeError(
-          f"{where} has shape {tuple(np.shape(h))}, not ({source.slots},) of its flat"
-          f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
-          " optimizer state (factored or matrix statistics) cannot be resharded"
-        )
-      check_buffer_dtype(h.dtype, where)
+      check_flat_buffer(h, source, f"param {pid!r}: archive {a0}, history buffer {m}")
     dtypes.append(np.dtype(h.dtype))
   return SourceFacts(
     param=pid,
@@ -348,13 +352,7 @@ def _check_histories(pid, entries, src: Sources, source: FlatShard) -> tuple[Any
     for s, _ in entries:
       buf = src.history(s, pid)[m]
       where = f"param {pid!r}: archive {s}, history buffer {m}"
-      if tuple(np.shape(buf)) != (source.slots,):
-        raise ShapeError(
-          f"{where} has shape {tuple(np.shape(buf))}, not ({source.slots},) of its flat"
-          f" layout (count {source.count}, world_size {source.world_size}); non-coordinate"
-          " optimizer state (factored or matrix statistics) cannot be resharded"
-        )
-      check_buffer_dtype(buf.dtype, where)
+      check_flat_buffer(buf, source, where)
       if np.dtype(buf.dtype) != dtype0:
         raise ShapeError(
           f"{where} has dtype {np.dtype(buf.dtype).name} but archive {first_index}"
