@@ -147,7 +147,10 @@ def run(opts: Options) -> Result:
     " its first axis divisible by 8 (`NamedSharding`, ZeRO-1). Both sides run"
     f" interleaved in one process, {opts.step_rounds} rounds; times are medians, `ratio`"
     " = flat / baseline medians. `auto`: a mesh of `AxisType.Auto` axes; `explicit`:"
-    " `jax.make_mesh`'s default. Bytes: the optimizer state held by device 0."
+    " `jax.make_mesh`'s default, where both sides' updates come out sharded by rows"
+    " like their state (every leading dimension here is divisible by 8), are added"
+    " on each device's rows, and `out_shardings` all-gathers the new params."
+    " Bytes: the optimizer state held by device 0."
   )
   return Result(
     NAME, "flat_sharded step vs NamedSharding ZeRO-1 step", GOAL, met, tuple(rows), notes
