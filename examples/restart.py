@@ -78,12 +78,7 @@ def run(
 ) -> dict:
   """Trains up to ``steps``, resuming from ``ckpt``'s latest step; returns what it saw."""
   model, inner = MLP(), inner_optimizer()
-  # Every update laid out like its grad (replicated), so every mesh all-gathers
-  # the updates and then adds them: the same rounding on any number of devices.
-  # By default a (8, 37) kernel's update would stay sharded by rows on 8 devices
-  # (and on 4 or 2), and XLA would fuse its last multiply with the add into an
-  # FMA there, but not on 6 or 5: a resumed run would differ in the last bit.
-  optimizer = jr.flat_sharded(inner, mesh, axis="fsdp", shard_updates=False)
+  optimizer = jr.flat_sharded(inner, mesh, axis="fsdp")
   replicated = NamedSharding(mesh, PartitionSpec())
   # Host values, placed on the mesh: the same numbers in every process.
   init = jax.tree.map(np.asarray, model.init(jax.random.key(0), batch(0)[0])["params"])

@@ -130,10 +130,9 @@ def _collectives(text, op):
 def test_small_updates_are_gathered_together_one_all_gather_per_dtype(kind, monkeypatch):
   """Updates with small flat shards share one all-gather per dtype; a large one has its own.
 
-  The updates are the same bits as with one all-gather per param. Every update is
-  laid out like its grad here (``shard_updates=False``; no effect on Auto axes):
-  by default explicit axes return those whose leading dimension 8 divides
-  row-sharded, not gathered (``test_updates_whose_rows_divide_are_not_gathered``).
+  The updates are the same bits as with one all-gather per param. (With
+  ``shard_updates=True`` explicit axes return those whose leading dimension 8
+  divides row-sharded, not gathered: ``test_updates_whose_rows_divide_are_not_gathered``.)
   """
   mesh = _mesh(kind)
   rep = NamedSharding(mesh, P())
@@ -153,7 +152,7 @@ def test_small_updates_are_gathered_together_one_all_gather_per_dtype(kind, monk
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
 
   def compiled_step():
-    opt = jr.flat_sharded(tx, mesh, shard_updates=False)
+    opt = jr.flat_sharded(tx, mesh)
     with jax.numpy_dtype_promotion("standard"):
       state = opt.init(params)
 
@@ -182,7 +181,7 @@ def test_small_updates_are_gathered_together_one_all_gather_per_dtype(kind, monk
 
 
 def test_updates_whose_rows_divide_are_not_gathered():
-  """Under explicit axes, updates whose leading dimension 8 divides stay where they lie.
+  """With ``shard_updates=True`` under explicit axes, updates whose leading dimension 8 divides stay where they lie.
 
   Their flat shards are their rows: the update all-gathers nothing of theirs (only
   the packed updates of the other params, and the histories of a param updated

@@ -1,6 +1,7 @@
 """Where flat_sharded's updates lie, and a training step that applies them.
 
-Under explicit mesh axes the update of a param of more than M elements whose
+By default every update is laid out like its grad. With ``shard_updates=True``,
+under explicit mesh axes the update of a param of more than M elements whose
 leading dimension M divides comes out with its rows sharded over the axis (its
 flat shards are those rows); every other update is laid out like its grad. A
 step that returns its params replicated (``out_shardings`` or
@@ -73,7 +74,7 @@ def _params_and_grads(mesh):
 def test_updates_are_row_sharded_where_the_axis_divides_the_leading_dimension(mesh_kind, jit):
   mesh = _mesh(mesh_kind)
   params, grads = _params_and_grads(mesh)
-  opt = jr.flat_sharded(optax.adamw(1e-2), mesh)
+  opt = jr.flat_sharded(optax.adamw(1e-2), mesh, shard_updates=True)
   update = jax.jit(opt.update) if jit else opt.update
   updates, _ = update(grads[0], opt.init(params), params)
   rows = NamedSharding(mesh, P("fsdp"))
@@ -82,12 +83,12 @@ def test_updates_are_row_sharded_where_the_axis_divides_the_leading_dimension(me
     assert u.sharding.is_equivalent_to(want, u.ndim), (k, u.sharding)
 
 
-def test_without_shard_updates_every_update_is_laid_out_like_its_grad():
-  """``shard_updates=False``: the same bits, every update laid out like its grad."""
+def test_by_default_every_update_is_laid_out_like_its_grad():
+  """The default: the same bits as ``shard_updates=True``, every update laid out like its grad."""
   mesh = _mesh("explicit8")
   params, grads = _params_and_grads(mesh)
-  like = jr.flat_sharded(optax.adamw(1e-2), mesh, shard_updates=False)
-  sharded = jr.flat_sharded(optax.adamw(1e-2), mesh)
+  like = jr.flat_sharded(optax.adamw(1e-2), mesh)
+  sharded = jr.flat_sharded(optax.adamw(1e-2), mesh, shard_updates=True)
   got, _ = like.update(grads[0], like.init(params), params)
   want, _ = sharded.update(grads[0], sharded.init(params), params)
   assert_trees_bit_equal(got, want)
@@ -122,7 +123,7 @@ def test_a_step_returning_replicated_params_trains_as_the_unwrapped_optimizer(me
   rep = NamedSharding(mesh, P())
   params, grads = _params_and_grads(mesh)
   inner = optax.adamw(1e-2, weight_decay=0.1)
-  opt = jr.flat_sharded(inner, mesh)
+  opt = jr.flat_sharded(inner, mesh, shard_updates=True)
   step, ref_step = _replicated_step(opt, rep), _replicated_step(inner, rep)
   out = (jax.tree.map(lambda _: rep, params), jax.tree.map(lambda x: x.sharding, opt.init(params)))
   jitted = jax.jit(step, out_shardings=out)
@@ -157,10 +158,10 @@ class _Stack(nnx.Module):
 def test_nnx_optimizer_on_explicit_axes(shard_updates):
   """``nnx.Optimizer.update`` adds the updates itself: its new params lie where they do.
 
-  With row-sharded updates (the default) the params it writes back are row-sharded
-  too, as with optax's own state sharded on the axis, and the next forward pass of
-  a (4, 4) kernel is refused under explicit axes: the step reshards them back.
-  With ``shard_updates=False`` they stay replicated. Either way the losses and
+  With row-sharded updates (``shard_updates=True``) the params it writes back are
+  row-sharded too, as with optax's own state sharded on the axis, and the next
+  forward pass of a (4, 4) kernel is refused under explicit axes: the step
+  reshards them back. By default they stay replicated. Either way the losses and
   params follow the unwrapped optimizer's.
   """
   mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
@@ -222,7 +223,7 @@ def test_linen_train_state_on_explicit_axes():
 
   states = [
     train_state.TrainState.create(apply_fn=model.apply, params=params, tx=opt)
-    for opt in (jr.flat_sharded(tx, mesh), tx)
+    for opt in (jr.flat_sharded(tx, mesh, shard_updates=True), tx)
   ]
 
   def on_mesh(a):  # the step counter is a Python int, unwrapped optax's count on one device

@@ -6,9 +6,7 @@ stopped after step 3 and resumed on another number of devices, must see
 exactly the losses and end with exactly the params of the run that never
 stopped: AdamW is elementwise, so each slot's update does not depend on where
 it lives, and the params are replicated, so the forward pass is the same
-program on every mesh. The wrapper is built with ``shard_updates=False``: the
-(4, 4) kernels' updates would otherwise stay sharded by rows on 4 devices (and
-be fused with nnx.Optimizer's add into FMAs) but not on 5 or 6.
+program on every mesh.
 """
 
 import jax
@@ -53,11 +51,7 @@ def _run(n, ckpt, stop_after=None):
   model = _Stack(nnx.Rngs(0))
   nnx.update(model, jax.device_put(nnx.state(model), replicated))
   tx = optax.adamw(1e-2)
-  # Updates laid out like the grads (replicated) on every mesh: nnx.Optimizer adds
-  # them after their all-gather, with the same rounding on 4, 5 or 6 devices, and
-  # the params it writes back stay replicated.
-  wrapped = jr.flat_sharded(tx, mesh, "fsdp", shard_updates=False)
-  optimizer = nnx.Optimizer(model, wrapped, wrt=nnx.Param)
+  optimizer = nnx.Optimizer(model, jr.flat_sharded(tx, mesh, "fsdp"), wrt=nnx.Param)
 
   @nnx.jit
   def train_step(model, optimizer, x):

@@ -30,7 +30,7 @@ def is_concrete(x: Any) -> bool:
 class MeshLayout:
   """Where arrays go on ``mesh``: flat shards over ``axis``, everything else replicated."""
 
-  def __init__(self, mesh: Mesh, axis: str, shard_updates: bool = True):
+  def __init__(self, mesh: Mesh, axis: str, shard_updates: bool = False):
     self.world = _mesh.axis_size(mesh, axis)
     self.axis = axis
     # Explicit axes change shardings only through ``reshard`` (the sharding is part
@@ -73,7 +73,7 @@ class MeshLayout:
   def update_on_rows(self, shape: tuple[int, ...]) -> bool:
     """Whether a param's update is returned with its rows sharded over the axis.
 
-    It is under explicit axes, unless ``shard_updates`` is off, when the axis
+    It is with ``shard_updates`` under explicit axes, when the axis
     divides the leading dimension and the update is computed on flat shards (the
     param has more than M elements): rank r's flat shard is then exactly its
     block of rows (no padding), and the update stays where it lies. One computed
@@ -132,8 +132,8 @@ class MeshLayout:
   ) -> list[jax.Array]:
     """Flat updates back in their params' shapes.
 
-    Under explicit axes an update computed on flat shards whose leading dimension
-    the axis divides is returned with its rows sharded over the axis
+    With ``shard_updates`` under explicit axes, an update computed on flat shards
+    whose leading dimension the axis divides is returned with its rows sharded over the axis
     (``update_on_rows``): its flat shards are those rows, so it is reshaped where
     it lies, with no all-gather, and adding it to the params adds each device's
     rows (as optax's updates come out sharded like a sharded state). Every other

@@ -203,7 +203,7 @@ def flat_sharded(
   mesh: Mesh,
   axis: str = "fsdp",
   *,
-  shard_updates: bool = True,
+  shard_updates: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer so its state stays flat-sharded over a mesh axis (ZeRO-1/2).
 
@@ -228,27 +228,29 @@ def flat_sharded(
   Meshes with explicit axes (``jax.make_mesh``'s default) and with ``Auto``
   axes (``jax.sharding.Mesh``) are both supported. Where the updates lie:
 
-  * Under explicit mesh axes, the update of a param of more than ``M``
-    elements whose leading dimension ``M`` divides is returned with its rows
-    sharded over ``axis`` (``PartitionSpec(axis)``, replicated over the other
-    mesh axes), outside ``jit`` too: its flat shards are exactly those rows, so
-    it is not all-gathered, and ``optax.apply_updates`` adds each device's rows,
-    as with optax's own updates when its state is sharded (ZeRO-1 with
-    ``NamedSharding``). The new params then come out row-sharded as well:
-    constrain them where they are made, with ``jax.jit``'s ``out_shardings`` or
-    ``jax.sharding.reshard``, to the params' own sharding (replicated params
+  * By default every update is laid out like its grad (row-sharded ZeRO-2
+    grads give row-sharded updates), on explicit axes and, outside ``jit``, on
+    ``Auto`` axes; inside ``jit`` on ``Auto`` axes the partitioner lays them out
+    (and may shard the new params over ``axis``: constrain them with
+    ``out_shardings`` or ``with_sharding_constraint``). A step that applies the
+    updates itself (``nnx.Optimizer.update``, ``TrainState.apply_gradients``)
+    keeps replicated params replicated, and every mesh adds the updates after
+    their all-gather, so a run resumed on another number of devices continues
+    bit for bit.
+  * With ``shard_updates=True``, under explicit mesh axes the update of a param
+    of more than ``M`` elements whose leading dimension ``M`` divides is
+    returned with its rows sharded over ``axis`` (``PartitionSpec(axis)``,
+    replicated over the other mesh axes), outside ``jit`` too: its flat shards
+    are exactly those rows, so it is not all-gathered, and
+    ``optax.apply_updates`` adds each device's rows, as with optax's own
+    updates when its state is sharded (ZeRO-1 with ``NamedSharding``); it is
+    the faster step. The new params then come out row-sharded as well:
+    constrain them where they are made, with ``jax.jit``'s ``out_shardings``
+    or ``jax.sharding.reshard``, to the params' own sharding (replicated params
     are one all-gather each). The update of any other param (a leading
-    dimension ``M`` does not divide, a scalar, or at most ``M`` elements,
-    which are updated whole on every device) is laid out like its grad.
-  * On ``Auto`` axes the updates are laid out like the grads outside ``jit``;
-    inside it the partitioner lays them out (and may shard the new params over
-    ``axis``: constrain them the same way).
-  * With ``shard_updates=False``, explicit axes too lay out every update like
-    its grad (row-sharded ZeRO-2 grads give row-sharded updates), for a step that
-    applies the updates where it cannot constrain the new params
-    (``nnx.Optimizer.update``, a ``TrainState.apply_gradients`` whose result
-    is not constrained); the all-gather then carries the updates and each
-    device adds the whole params.
+    dimension ``M`` does not divide, a scalar, or at most ``M`` elements, which
+    are updated whole on every device) is laid out like its grad. No effect on
+    ``Auto`` axes.
 
   Updates that are all-gathered are packed: those of one dtype whose flat
   shards are small (at most 16 KiB) share one all-gather.
@@ -271,14 +273,13 @@ def flat_sharded(
   rounding.
 
   Across meshes each element of the histories and updates goes through the same
-  jitted arithmetic on any number of devices, but the add of an update to its
-  param does only where the update lies alike: one returned sharded by rows can
-  be added in the kernel that computes it (XLA then contracts its last multiply
-  and the add into an FMA), one laid out like its grad only after its
-  all-gather. A run resumed on a mesh whose ``M`` divides other leading
-  dimensions therefore agrees to the last bit's rounding; with
-  ``shard_updates=False`` (or on meshes whose ``M`` divides the same ones) it
-  continues bit for bit.
+  jitted arithmetic on any number of devices. With ``shard_updates=True`` the
+  add of an update to its param does only where the update lies alike: one
+  returned sharded by rows can be added in the kernel that computes it (XLA
+  then contracts its last multiply and the add into an FMA), one laid out like
+  its grad only after its all-gather. A run resumed on a mesh whose ``M``
+  divides other leading dimensions then agrees to the last bit's rounding; by
+  default it continues bit for bit.
 
   Padding: after every ``init`` and ``update`` the padding slots of every
   history are exactly zero (they are reset, so a non-zero initial value such as
@@ -313,8 +314,9 @@ def flat_sharded(
     axis: the mesh axis to shard the optimizer state over.
     shard_updates: under explicit mesh axes, return the updates of params of
       more than ``M`` elements whose leading dimension ``M`` divides with their
-      rows sharded over ``axis`` (the default; the fastest step); ``False``
-      lays every update out like its grad. No effect on ``Auto`` axes.
+      rows sharded over ``axis`` (the faster step; the caller constrains the
+      new params). The default, ``False``, lays every update out like its grad.
+      No effect on ``Auto`` axes.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra ``update`` arguments
