@@ -130,7 +130,9 @@ def _collectives(text, op):
 def test_small_updates_are_gathered_together_one_all_gather_per_dtype(kind, monkeypatch):
   """Updates with small flat shards share one all-gather per dtype; a large one has its own.
 
-  The updates are the same bits as with one all-gather per param.
+  The updates are the same bits as with one all-gather per param. (With
+  ``shard_updates=True`` explicit axes return those whose leading dimension 8
+  divides row-sharded, not gathered: ``test_updates_whose_rows_divide_are_not_gathered``.)
   """
   mesh = _mesh(kind)
   rep = NamedSharding(mesh, P())
@@ -176,3 +178,56 @@ def test_small_updates_are_gathered_together_one_all_gather_per_dtype(kind, monk
     a, b = np.asarray(updates[k]), np.asarray(each[k])
     assert a.shape == shapes[k][0] and a.dtype == shapes[k][1], k
     np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=k)
+
+
+def test_updates_whose_rows_divide_are_not_gathered():
+  """With ``shard_updates=True`` under explicit axes, updates whose leading dimension 8 divides stay where they lie.
+
+  Their flat shards are their rows: the update all-gathers nothing of theirs (only
+  the packed updates of the other params, and the histories of a param updated
+  whole), and a step with replicated ``out_shardings`` gathers each such new param
+  once, after the add. The updates are the same bits as laid out like the grads.
+  """
+  mesh = _mesh("explicit")
+  rep = NamedSharding(mesh, P())
+  shapes = {
+    "big": (256, 256),
+    "w": (16, 24),
+    "b": (40,),
+    "odd": (5, 3),  # padded: gathered with c, 2 + 3 slots
+    "c": (3, 8),  # 8 divides only the trailing dimension
+    "e": (8,),  # 8 elements, updated whole: its mu and nu gathered, 1 + 1 slots
+  }
+  params = {
+    k: jax.device_put(jnp.linspace(-1, 1, int(np.prod(s))).reshape(s), rep)
+    for k, s in shapes.items()
+  }
+  grads = jax.tree.map(lambda x: x * 0.25 + 0.125, params)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+
+  def compiled(shard_updates):
+    opt = jr.flat_sharded(tx, mesh, shard_updates=shard_updates)
+    with jax.numpy_dtype_promotion("standard"):
+      state = opt.init(params)
+
+    def step(p, g, s):
+      u, s = opt.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    out = (jax.tree.map(lambda _: rep, params), jax.tree.map(lambda x: x.sharding, state))
+    update = jax.jit(opt.update)
+    with jax.set_mesh(mesh), jax.numpy_dtype_promotion("standard"):
+      update_text = update.lower(grads, state, params).compile().as_text()
+      step_text = jax.jit(step, out_shardings=out).lower(params, grads, state).compile().as_text()
+      return update(grads, state, params)[0], update_text, step_text
+
+  def dims(text):
+    gathered = _collectives(text, "all-gather")
+    return sorted(re.search(r"\[([0-9,]+)\]", line.split("=")[1]).group(1) for line in gathered)
+
+  updates, update_text, step_text = compiled(True)
+  assert dims(update_text) == ["8,2", "8,5"], _collectives(update_text, "all-gather")
+  assert dims(step_text) == ["16,24", "256,256", "40", "8,2", "8,5"], dims(step_text)
+  like_grads, _, _ = compiled(False)
+  for k in shapes:
+    np.testing.assert_array_equal(_bits(np.asarray(updates[k])), _bits(np.asarray(like_grads[k])))

@@ -30,12 +30,13 @@ def is_concrete(x: Any) -> bool:
 class MeshLayout:
   """Where arrays go on ``mesh``: flat shards over ``axis``, everything else replicated."""
 
-  def __init__(self, mesh: Mesh, axis: str):
+  def __init__(self, mesh: Mesh, axis: str, shard_updates: bool = False):
     self.world = _mesh.axis_size(mesh, axis)
     self.axis = axis
     # Explicit axes change shardings only through ``reshard`` (the sharding is part
     # of the type); Auto axes take ``with_sharding_constraint`` as a constraint.
     self.explicit = dict(zip(mesh.axis_names, mesh.axis_types))[axis] == AxisType.Explicit
+    self.shard_updates = shard_updates
     self.sharded = NamedSharding(mesh, PartitionSpec(axis))
     self.replicated = NamedSharding(mesh, PartitionSpec())
     # Rank r's ``(slots,)`` slice of a flat array as row r of its ``(M, slots)`` view.
@@ -68,6 +69,21 @@ class MeshLayout:
       # all-reduce that every device would wait at (see ``update_on_auto_axes``).
       return x
     return self.put(x, self.sharded)
+
+  def update_on_rows(self, shape: tuple[int, ...]) -> bool:
+    """Whether a param's update is returned with its rows sharded over the axis.
+
+    It is with ``shard_updates`` under explicit axes, when the axis
+    divides the leading dimension and the update is computed on flat shards (the
+    param has more than M elements): rank r's flat shard is then exactly its
+    block of rows (no padding), and the update stays where it lies. One computed
+    whole is already on every device. On Auto axes the partitioner lays updates
+    out for their consumer; constraining them to rows there made the benchmarked
+    step slower, not faster.
+    """
+    if not (self.explicit and self.shard_updates and shape) or shape[0] % self.world:
+      return False
+    return not whole(FlatShard(shape, 0, self.world))
 
   def _row_sharded(self, x: Any, g: FlatShard) -> bool:
     """Whether ``x``'s known sharding splits its rows over the axis exactly as the flat shards.
@@ -114,20 +130,28 @@ class MeshLayout:
   def unflat_all(
     self, updates: list[Any], likes: list[Any], shapes: list[tuple[int, ...]]
   ) -> list[jax.Array]:
-    """Flat updates back in their params' shapes, laid out like ``likes`` where known.
+    """Flat updates back in their params' shapes.
 
-    An update whose ``like`` has its rows split over the axis as the flat shards
-    (ZeRO-2 grads) is reshaped where it lies: no all-gather. Updates with flat shards
-    of at most ``PACKED_SHARD_BYTES`` are all-gathered together, one all-gather per
-    dtype; each larger one is gathered by itself, and one computed whole is not.
+    With ``shard_updates`` under explicit axes, an update computed on flat shards
+    whose leading dimension the axis divides is returned with its rows sharded over the axis
+    (``update_on_rows``): its flat shards are those rows, so it is reshaped where
+    it lies, with no all-gather, and adding it to the params adds each device's
+    rows (as optax's updates come out sharded like a sharded state). Every other
+    update is laid out like ``likes`` where known: one whose ``like`` has its rows
+    split over the axis as the flat shards (ZeRO-2 grads) is reshaped where it
+    lies; those with flat shards of at most ``PACKED_SHARD_BYTES`` are all-gathered
+    together, one all-gather per dtype; each larger one is gathered by itself, and
+    one computed whole is not.
     """
     out = list(updates)
     packs: dict[Any, list[int]] = {}
     for i, (u, like, shape) in enumerate(zip(updates, likes, shapes)):
       g = FlatShard(shape, 0, self.world)
-      if np.shape(u) == (g.count,) and whole(g):
+      if self.update_on_rows(shape):
+        out[i] = jnp.reshape(u, shape, out_sharding=self.sharded)
+      elif np.shape(u) == (g.count,) and whole(g):
         out[i] = self.unflat(u, like, shape)
-      elif self._row_sharded(like, g):
+      elif self._row_sharded(like, g):  # rows split as the flat shards (ZeRO-2 grads)
         out[i] = self._placed(jnp.reshape(u, shape, out_sharding=self.sharded), like)
       elif g.slots * jnp.dtype(u.dtype).itemsize <= PACKED_SHARD_BYTES:
         packs.setdefault(jnp.dtype(u.dtype), []).append(i)

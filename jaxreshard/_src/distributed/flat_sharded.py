@@ -199,7 +199,11 @@ def _check_history_shapes(
 
 
 def flat_sharded(
-  optimizer: optax.GradientTransformation, mesh: Mesh, axis: str = "fsdp"
+  optimizer: optax.GradientTransformation,
+  mesh: Mesh,
+  axis: str = "fsdp",
+  *,
+  shard_updates: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer so its state stays flat-sharded over a mesh axis (ZeRO-1/2).
 
@@ -213,20 +217,43 @@ def flat_sharded(
   builds). ``update`` takes and returns param-shaped pytrees in any sharding
   and works inside ``jax.jit``: it flattens and pads grads and params, runs
   ``optimizer.update`` on them sharded over ``axis`` (each device computes its
-  own slots), and reshapes the updates back, laid out like the grads where
-  their sharding is known (outside ``jit``, or under explicit mesh axes).
-  Grads whose rows are split evenly over ``axis`` (ZeRO-2; known under
-  explicit axes or outside ``jit``), with no padding, are already the flat
-  shards and are used where they lie, not all-gathered, and so are their
-  updates. The updates of one dtype whose flat shards are small (at most
-  16 KiB) are all-gathered together, by one all-gather. Inside ``jit``,
-  flat grads that are not already sharded stay replicated for the partitioner
-  to slice (``optimizer.update`` is traced on ``Auto`` axes), so a reduction
-  over the whole tree (the norm of ``clip_by_global_norm``) is computed on each
-  device without an all-reduce.
+  own slots), and reshapes the updates back. Grads whose rows are split evenly
+  over ``axis`` (ZeRO-2; known under explicit axes or outside ``jit``), with no
+  padding, are already the flat shards and are used where they lie, not
+  all-gathered. Inside ``jit``, flat grads that are not already sharded stay
+  replicated for the partitioner to slice (``optimizer.update`` is traced on
+  ``Auto`` axes), so a reduction over the whole tree (the norm of
+  ``clip_by_global_norm``) is computed on each device without an all-reduce.
 
   Meshes with explicit axes (``jax.make_mesh``'s default) and with ``Auto``
-  axes (``jax.sharding.Mesh``) are both supported.
+  axes (``jax.sharding.Mesh``) are both supported. Where the updates lie:
+
+  * By default every update is laid out like its grad (row-sharded ZeRO-2
+    grads give row-sharded updates), on explicit axes and, outside ``jit``, on
+    ``Auto`` axes; inside ``jit`` on ``Auto`` axes the partitioner lays them out
+    (and may shard the new params over ``axis``: constrain them with
+    ``out_shardings`` or ``with_sharding_constraint``). A step that applies the
+    updates itself (``nnx.Optimizer.update``, ``TrainState.apply_gradients``)
+    keeps replicated params replicated, and every mesh adds the updates after
+    their all-gather, so a run resumed on another number of devices continues
+    bit for bit.
+  * With ``shard_updates=True``, under explicit mesh axes the update of a param
+    of more than ``M`` elements whose leading dimension ``M`` divides is
+    returned with its rows sharded over ``axis`` (``PartitionSpec(axis)``,
+    replicated over the other mesh axes), outside ``jit`` too: its flat shards
+    are exactly those rows, so it is not all-gathered, and
+    ``optax.apply_updates`` adds each device's rows, as with optax's own
+    updates when its state is sharded (ZeRO-1 with ``NamedSharding``); it is
+    the faster step. The new params then come out row-sharded as well:
+    constrain them where they are made, with ``jax.jit``'s ``out_shardings``
+    or ``jax.sharding.reshard``, to the params' own sharding (replicated params
+    are one all-gather each). The update of any other param (a leading
+    dimension ``M`` does not divide, a scalar, or at most ``M`` elements, which
+    are updated whole on every device) is laid out like its grad. No effect on
+    ``Auto`` axes.
+
+  Updates that are all-gathered are packed: those of one dtype whose flat
+  shards are small (at most 16 KiB) share one all-gather.
 
   Exactness: when every transformation of ``optimizer`` is elementwise in the
   params, grads and histories (adam, adamw, adagrad, sgd with momentum, lion,
@@ -244,6 +271,15 @@ def flat_sharded(
   parameter or tree (``clip_by_global_norm``, lamb's trust ratio) adds the same
   values, padding zeros included, in another order, and agrees to float
   rounding.
+
+  Across meshes each element of the histories and updates goes through the same
+  jitted arithmetic on any number of devices. With ``shard_updates=True`` the
+  add of an update to its param does only where the update lies alike: one
+  returned sharded by rows can be added in the kernel that computes it (XLA
+  then contracts its last multiply and the add into an FMA), one laid out like
+  its grad only after its all-gather. A run resumed on a mesh whose ``M``
+  divides other leading dimensions then agrees to the last bit's rounding; by
+  default it continues bit for bit.
 
   Padding: after every ``init`` and ``update`` the padding slots of every
   history are exactly zero (they are reset, so a non-zero initial value such as
@@ -276,6 +312,11 @@ def flat_sharded(
       and ``update``, e.g. ``optax.MultiSteps``) with coordinate-wise state.
     mesh: the device mesh.
     axis: the mesh axis to shard the optimizer state over.
+    shard_updates: under explicit mesh axes, return the updates of params of
+      more than ``M`` elements whose leading dimension ``M`` divides with their
+      rows sharded over ``axis`` (the faster step; the caller constrains the
+      new params). The default, ``False``, lays every update out like its grad.
+      No effect on ``Auto`` axes.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; extra ``update`` arguments
@@ -308,7 +349,7 @@ def flat_sharded(
     >>> updates["w"].shape, float(updates["w"][1, 2])
     ((2, 3), -0.5)
   """
-  layout = _MeshLayout(mesh, axis)
+  layout = _MeshLayout(mesh, axis, shard_updates)
   roles_cache: dict[Any, tuple] = {}
   # ``optimizer`` with its mask and label functions seeing the params' own shapes.
   logical_opt = _logical_masks.with_logical_callables(optimizer)
