@@ -105,7 +105,7 @@ def write_index_checkpoint(
   j_of = within % slots[p_of]
   origin = m_of * total + base[p_of] + j_of
   os.makedirs(path)
-  _checkpoint.dump(os.path.join(path, "jaxreshard.json"), index)
+  _checkpoint.dump_index(path, index)
   describes = jr.open_checkpoint(path).index.describes  # what each archive.json records of it
   for r in range(world) if only is None else only:
     local = r * slots[p_of] + j_of

@@ -22,8 +22,8 @@ from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint.index import (
   ARCHIVE_FILE,
   FORMAT,
-  FORMAT_VERSION,
   MAX_ARCHIVE_BYTES,
+  READ_WORDS,
   ArchiveLayout,
   Index,
 )
@@ -50,14 +50,14 @@ def signed_value(raw: bytes, where: str, what: str) -> dict:
   version = value.get("format_version")
   if version == 1:
     raise ArchiveError(
-      f"{where}: checkpoint format version 1 is not supported; this jaxreshard reads version"
-      f" {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that wrote it: load it"
+      f"{where}: checkpoint format version 1 is not supported; this jaxreshard reads"
+      f" {READ_WORDS} (a version-1 checkpoint needs the jaxreshard that wrote it: load it"
       " there and save it again)"
     )
   if version == 2:
     raise ArchiveError(
-      f"{where}: checkpoint format version 2 is not supported; this jaxreshard reads version"
-      f" {FORMAT_VERSION}: version 2 has no checksum over its index and archive metadata, so"
+      f"{where}: checkpoint format version 2 is not supported; this jaxreshard reads"
+      f" {READ_WORDS}: version 2 has no checksum over its index and archive metadata, so"
       " an edited or damaged value could not be told apart (load it with the jaxreshard that"
       " wrote it and save it again)"
     )
@@ -299,10 +299,10 @@ def check_archive_meta(index: Index, archive: int, meta: dict, where: str) -> No
   """An archive's ``archive.json`` belongs to this checkpoint and matches its index."""
   if meta.get("format") != FORMAT or set(meta) != _ARCHIVE_KEYS:
     raise ArchiveError(f"{where}: {ARCHIVE_FILE} does not describe a {FORMAT} archive")
-  if meta["format_version"] != FORMAT_VERSION:
+  if type(meta["format_version"]) is not int or meta["format_version"] != index.version:
     raise ArchiveError(
       f"{where}: archive format version {fmt.short(meta['format_version'])} is not"
-      f" supported; this jaxreshard reads version {FORMAT_VERSION}"
+      f" supported; an archive of this checkpoint has its index's version {index.version}"
     )
   if meta["checkpoint"] != index.id:
     raise ArchiveError(

@@ -1,9 +1,10 @@
-"""A checkpoint on disk: its index, its archives and their buffers (format version 3).
+"""A checkpoint on disk: its index, its archives and their buffers (format version 4).
 
 Layout::
 
   CHECKPOINT/
     jaxreshard.json          # the index, written last: the whole layout (signed)
+    jaxreshard.table         # large layouts: the index's arrays (``tableindex``)
     archive_00000/           # one source rank's archive
       archive.json           # (signed) checkpoint id; digests of what the index says of
                              # it (layout, clock, params at each rank); per dtype:
@@ -35,7 +36,10 @@ The index and every ``archive.json`` are signed JSON: the first member is
 ``"checksum":"sha256:..."``, the sha256 of the file's JSON body, checked on
 the raw bytes before anything in the file is parsed or used
 (``_archive_format.verified_json``). A file without it (format version 2 and
-earlier) is refused.
+earlier) is refused. An index of large layouts keeps its params, groups,
+archives and layouts' optimizer subtrees in a binary table whose size and
+sha256 the signed index records (``tableindex``); format version 3 is version
+4 without the table, and reads as it always did.
 
 A rank's buffers of one dtype lie in *packing order* (parameters sorted by id,
 then the optimizer subtrees in order), so an archive's offsets follow from its
@@ -71,6 +75,7 @@ from jaxreshard._src.checkpoint import brief as _brief
 from jaxreshard._src.checkpoint import groupfacts as _groupfacts
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import shardread as _shardread
+from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint.archives import allocate, path_arg  # noqa: F401  (re-exported)
 from jaxreshard._src.checkpoint.index import (  # noqa: F401  (re-exported)
   _TWICE,
@@ -90,6 +95,7 @@ from jaxreshard._src.checkpoint.shardread import ReadStats  # noqa: F401  (re-ex
 from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
   IndexBuilder,
   dump,
+  dump_index,
   target_layout,
   write_archive,
   write_checkpoint,
@@ -161,15 +167,22 @@ class Checkpoint:
       raise
     i = self.index
     self.id, self.record_version, self.source = i.id, i.record_version, i.source
-    self.params, self.groups, self.layouts, self.clocks = i.params, i.groups, i.layouts, i.clocks
-    self.names, self.member = i.names, i.member
-    self.archive_layout, self.archive_clock = i.archive_layout, i.archive_clock
+    self.layouts, self.clocks = i.layouts, i.clocks
     self._lock = threading.Lock()
     self._cache = _Caches()
     # The archives' files and bytes: metadata, buffers, runs, padding.
     self.archives = _archives.ArchiveReader(
       self.directory, self._root, i, weakref.WeakMethod(self.placement)
     )
+
+  # The index's per-entry objects, made when first asked (``_index.Index``): planning
+  # one target rank reads the index's arrays instead.
+  params = property(lambda self: self.index.params)
+  groups = property(lambda self: self.index.groups)
+  names = property(lambda self: self.index.names)
+  member = property(lambda self: self.index.member)
+  archive_layout = property(lambda self: self.index.archive_layout)
+  archive_clock = property(lambda self: self.index.archive_clock)
 
   def close(self) -> None:
     """Closes the root's descriptor; reading archives afterwards is refused."""
@@ -182,7 +195,7 @@ class Checkpoint:
     self.close()
 
   def __len__(self) -> int:
-    return len(self.names)
+    return len(self.index.tables.a_layout)
 
   __repr__ = _brief.checkpoint_repr  # one line: directory, archives, world sizes, params, step
 
@@ -227,7 +240,7 @@ class Checkpoint:
     )
 
   def skeleton(self, archive: int) -> tuple[Any, ...]:
-    return _validate.skeleton_key(self.layout(archive).state_parts)
+    return self.layout(archive).skeleton_key
 
   def scalars(self, archive: int) -> list[Any]:
     return self.clocks[self.archive_clock[archive]]
@@ -347,7 +360,11 @@ def _read_index(root: _shardread.Dir, given: Any, directory: str) -> _index.Inde
   from jaxreshard._src.engine.pipeline import no_gc  # pylint: disable=g-import-not-at-top
 
   with no_gc():  # parsing makes many small objects and no cycles
-    return _index.parse_index(_archives.signed_value(raw, where, FORMAT), where)
+    return _index.parse_index(
+      _archives.signed_value(raw, where, FORMAT),
+      where,
+      lambda entry: _table.read(root, entry, where),
+    )
 
 
 def archive_params(index: _index.Index, archive: int) -> dict[str, Any]:
