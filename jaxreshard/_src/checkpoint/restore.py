@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint.reader import STAGING_BYTES, Checkpoint, allocate, open_checkpoint
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import validate as _validate
@@ -131,11 +132,17 @@ def restore_reported(
   check_callback(progress)
   ckpt = checkpoint if checkpoint is not None else open_checkpoint(directory)
   with _pipeline.no_gc():  # no reference cycles are made; see no_gc
-    plans = [
-      _reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=r) for r in ranks
-    ]
-    validated = [_validated(ckpt, migrations) for migrations in plans]
-    sizes = [copied_bytes(groups) for groups in validated]
+    reg = _regular.regular(ckpt)
+    if reg is not None:
+      targets = [_regular.check_target(world_size, r) for r in ranks]
+      validated = [_regular.rank_groups(reg, w, r) for r, w in targets]
+      sizes = [int(((g.stop - g.start) * reg.itemsize).sum()) for g in validated]
+    else:
+      plans = [
+        _reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=r) for r in ranks
+      ]
+      validated = [_validated(ckpt, migrations) for migrations in plans]
+      sizes = [copied_bytes(groups) for groups in validated]
     reporter = Reporter(
       what,
       progress,
