@@ -266,6 +266,11 @@ class Index:
     return tuple(f"archive_{n:05d}" for n in self.archive_numbers.tolist())
 
   @functools.cached_property
+  def name_of(self) -> dict[str, int]:
+    """``param id -> its index`` into ``tables.pids``."""
+    return {p: i for i, p in enumerate(self.tables.pids)}
+
+  @functools.cached_property
   def archive_layout(self) -> tuple[int, ...]:
     return tuple(self.tables.a_layout.tolist())
 

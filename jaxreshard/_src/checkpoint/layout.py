@@ -26,7 +26,8 @@ import dataclasses
 import functools
 import json
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -156,6 +157,15 @@ class ArchiveLayout:
     )
 
   @functools.cached_property
+  def offset_table(self) -> np.ndarray:
+    """``(rows, mirrors)``: the packed offset of each param's buffer in each mirror, by
+    ``columns`` row (-1 where it has none)."""
+    c = self.columns
+    table = np.full(c.hist.shape, -1, np.int64)
+    table[c.rows_of(c.name), c.mirror] = c.offset
+    return table
+
+  @functools.cached_property
   def offsets(self) -> dict[tuple[str, int], tuple[np.dtype, int, int]]:
     """``(param, mirror) -> (dtype, first element, slots)`` of every history buffer."""
     c, names, dtypes = self.columns, self.names, self.dtypes
@@ -268,6 +278,53 @@ class JsonLayout(ArchiveLayout):
     return fmt.decode_tree(self.tree, leaves, self.where)
 
 
+class _Entries(Mapping):
+  """A table mirror's ``param id -> LeafInfo or MASKED``, made when first read: building
+  a state needs only the mirror's order and tree."""
+
+  def __init__(self, ids, codes, slots, dtypes):
+    self._args = (ids, codes, slots, dtypes)
+
+  @functools.cached_property
+  def _dict(self) -> dict[str, Any]:
+    ids, codes, slots, dtypes = self._args
+    return {
+      pid: _structure.MASKED if c < 0 else LeafInfo(pid, (n,), dtypes[c])
+      for pid, c, n in zip(ids, codes.tolist(), slots.tolist())
+    }
+
+  def __getitem__(self, key):
+    return self._dict[key]
+
+  def __iter__(self):
+    return iter(self._dict)
+
+  def __len__(self):
+    return len(self._args[0])
+
+
+class _TreeCache:
+  """Decoded params trees by their content (tree text, ids): a process restoring one
+  layout again (another rank, another step of the run) decodes its trees once."""
+
+  def __init__(self, maxsize: int = 16):
+    self.maxsize, self.lock, self.trees = maxsize, threading.Lock(), {}
+
+  def get(self, key: tuple, make: Any) -> Any:
+    with self.lock:
+      hit = self.trees.get(key)
+    if hit is None:
+      hit = make()
+      with self.lock:
+        if len(self.trees) >= self.maxsize:
+          self.trees.pop(next(iter(self.trees)))
+        self.trees[key] = hit
+    return hit
+
+
+_TREES = _TreeCache()
+
+
 @dataclasses.dataclass(frozen=True)
 class Structure:
   """A params tree of a table layout: the id at each position and the tree's encoding
@@ -364,12 +421,16 @@ class TableLayout(ArchiveLayout):
   @functools.cached_property
   def _trees(self) -> dict[int, tuple[Any, tuple[str, ...]]]:
     """``(treedef, ids in flatten order)`` of each structure a mirror uses."""
-    return {s: self._decode(s) for s in sorted(set(self.structure_of))}
+    out = {}
+    for s in sorted(set(self.structure_of)):
+      st = self.structures[s]
+      ids = tuple(self.names[i] for i in st.ids.tolist())
+      out[s] = _TREES.get((st.tree, "\0".join(ids)), lambda: self._decode(s, ids))
+    return out
 
-  def _decode(self, s: int) -> tuple[Any, tuple[str, ...]]:
+  def _decode(self, s: int, ids: tuple[str, ...]) -> tuple[Any, tuple[str, ...]]:
     st = self.structures[s]
     where = f"{self.where}, structure {s}"
-    ids = tuple(self.names[i] for i in st.ids.tolist())
     n = len(ids)
     if not st.tree:
       try:
@@ -397,10 +458,7 @@ class TableLayout(ArchiveLayout):
     for j, s in enumerate(self.structure_of):
       sub_def, ids = self._trees[s]
       codes, slots = self.mirror_leaves[j]
-      entries = {
-        pid: _structure.MASKED if c < 0 else LeafInfo(pid, (n,), self.dtypes[c])
-        for pid, c, n in zip(ids, codes.tolist(), slots.tolist())
-      }
+      entries = _Entries(ids, codes, slots, self.dtypes)
       subtrees.append(_structure.ParamsSubtree(prefixes[j], sub_def, ids, entries))
     return _structure.StateParts(treedef, leaves, tuple(subtrees))
 
@@ -411,8 +469,8 @@ class TableLayout(ArchiveLayout):
     out: list[str | None] = []
     for x in parts.skeleton_leaves:
       if isinstance(x, _structure.ParamsSubtreeSlot):
-        sub = parts.subtrees[x.index]
-        out.extend(p for p in sub.order if sub.entries[p] is not _structure.MASKED)
+        codes = self.mirror_leaves[x.index][0].tolist()
+        out.extend(p for p, c in zip(parts.subtrees[x.index].order, codes) if c >= 0)
       else:
         out.append(None)
     return tuple(out)
@@ -426,9 +484,9 @@ class TableLayout(ArchiveLayout):
         leaves.append(scalars[x.index])
         continue
       sub = parts.subtrees[x.index]
+      codes = self.mirror_leaves[x.index][0].tolist()
       values = [
-        optax.MaskedNode() if sub.entries[p] is _structure.MASKED else buffers[(p, x.index)]
-        for p in sub.order
+        optax.MaskedNode() if c < 0 else buffers[(p, x.index)] for p, c in zip(sub.order, codes)
       ]
       leaves.append(jax.tree_util.tree_unflatten(sub.treedef, values))
     return jax.tree_util.tree_unflatten(parts.skeleton, leaves)
@@ -436,6 +494,7 @@ class TableLayout(ArchiveLayout):
   @functools.cached_property
   def digest_text(self) -> str:
     """The layout's canonical JSON, whose sha256 every archive.json of it records."""
+    names = [d.name for d in self.dtypes]
     return canonical_text(
       self.entry,
       [
@@ -443,7 +502,7 @@ class TableLayout(ArchiveLayout):
         for s in self.structure_of
       ],
       [
-        ([self.dtypes[c].name if c >= 0 else None for c in codes.tolist()], slots.tolist())
+        ([names[c] if c >= 0 else None for c in codes.tolist()], slots.tolist())
         for codes, slots in self.mirror_leaves
       ],
     )

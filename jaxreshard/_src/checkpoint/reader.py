@@ -74,6 +74,7 @@ from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import brief as _brief
 from jaxreshard._src.checkpoint import groupfacts as _groupfacts
 from jaxreshard._src.checkpoint import index as _index
+from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint.archives import allocate, path_arg  # noqa: F401  (re-exported)
@@ -101,7 +102,6 @@ from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
   write_checkpoint,
 )
 from jaxreshard._src.core import clock as _clock
-from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
@@ -287,21 +287,30 @@ class Checkpoint:
     """Every archive of the group has one layout and clock, with the group's slots."""
     u = self._cache.uniform.get(gi)
     if u is None:
-      u = self._cache.uniform[gi] = _groupfacts.is_uniform(self, gi)
+      # A regular checkpoint's groups are all uniform (``_regular``), checked with arrays.
+      u = _regular.regular(self) is not None or _groupfacts.is_uniform(self, gi)
+      self._cache.uniform[gi] = u
     return u
 
   def locate_runs(
     self, groups: Any, archive: np.ndarray, group: np.ndarray, subtree: np.ndarray, dtype: np.dtype
   ) -> tuple[np.ndarray, np.ndarray, list[Any]]:
     """A history buffer lives in its archive's packed buffer of its dtype, where
-    the archive's layout packs it."""
+    the archive's layout packs it (``ArchiveLayout.offset_table``)."""
     pids = groups.params
-
-    def one(a: int, g: int, m: int) -> tuple[Any, int]:
-      d, offset, _ = self.layout(a).offsets[(pids[g], m)]
-      return (a, d), offset
-
-    return _copyplan.locate_each(one, archive, group, subtree)
+    if not len(archive):
+      return np.zeros(0, np.int64), np.zeros(0, np.int64), []
+    name_of = self.index.name_of
+    rows, at = np.unique(group, return_inverse=True)
+    names = np.fromiter((name_of[pids[g]] for g in rows.tolist()), np.int64, len(rows))[at]
+    layout = self.index.tables.a_layout[archive]
+    base = np.empty(len(archive), np.int64)
+    for L in np.unique(layout).tolist():
+      sel = layout == L
+      table = self.layouts[L].offset_table
+      base[sel] = table[self.layouts[L].columns.rows_of(names[sel]), subtree[sel]]
+    archives, source = np.unique(archive, return_inverse=True)
+    return source.reshape(-1), base, [(a, np.dtype(dtype)) for a in archives.tolist()]
 
   # --- archives and their buffers (``_archives.ArchiveReader``) ----------------
 
@@ -310,19 +319,25 @@ class Checkpoint:
     return self.archives.archive_meta(archive)
 
   def check_padding(
-    self, trailing: set, scratch: np.ndarray, stats: ReadStats | None = None
+    self,
+    trailing: set,
+    scratch: np.ndarray,
+    stats: ReadStats | None = None,
+    files: dict | None = None,
   ) -> None:
     """Reads the padding of the buffers in ``trailing`` and checks it is zero bits.
 
     ``trailing`` holds ``(archive, dtype, (param, mirror))``: buffers of all-padding
     ranks, which no run copies from (``read_runs`` or ``_restore.all_padding_sources``).
+    ``files``: ``(archive, dtype) -> ShardFile`` the caller holds open.
     """
     by_file: dict[tuple[int, np.dtype], list] = {}
     for archive, dtype, key in trailing:
       by_file.setdefault((archive, dtype), []).append(key)
     for (archive, dtype), keys in sorted(by_file.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
       self.check_archive(archive)
-      self.archives.check_padding(archive, dtype, keys, scratch, stats)
+      held = None if files is None else files.get((archive, dtype))
+      self.archives.check_padding(archive, dtype, keys, scratch, stats, held)
 
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
     return self.archives.open_buffer(archive, dtype)
