@@ -171,7 +171,14 @@ def planning_rows(opts: Options) -> list[dict]:
     layer, w = pid.split("/")
     got = np.asarray(target.state[0].mu[layer][w])
     exact = got.view(np.uint32).tobytes() == want.tobytes()
-    index_mib = os.path.getsize(os.path.join(path, "jaxreshard.json")) / 2**20
+    index_mib = (
+      sum(
+        os.path.getsize(os.path.join(path, name))
+        for name in ("jaxreshard.json", "jaxreshard.table")
+        if os.path.exists(os.path.join(path, name))
+      )
+      / 2**20
+    )
   return [
     {
       "what": f"plan one target rank from disk, {opts.plan_params} params, {src} -> {dst}",
