@@ -278,6 +278,21 @@ class JsonLayout(ArchiveLayout):
     return fmt.decode_tree(self.tree, leaves, self.where)
 
 
+def _nested(ids: Sequence[str]) -> Any:
+  """``_structure.nested`` of ids numbered in order, split at ``/`` when no id escapes a
+  key (the common case), one key at a time otherwise."""
+  if any("%" in p for p in ids) or list(ids) == [""]:
+    return _structure.nested(ids, dict(zip(ids, range(len(ids)))))
+  root: dict = {}
+  for i, pid in enumerate(ids):
+    *parents, last = pid.split("/")
+    node = root
+    for key in parents:
+      node = node.setdefault(key, {})
+    node[last] = i
+  return root
+
+
 class _Entries(Mapping):
   """A table mirror's ``param id -> LeafInfo or MASKED``, made when first read: building
   a state needs only the mirror's order and tree."""
@@ -434,7 +449,7 @@ class TableLayout(ArchiveLayout):
     n = len(ids)
     if not st.tree:
       try:
-        tree = _structure.nested(ids, dict(zip(ids, range(n)))) if n else {}
+        tree = _nested(ids) if n else {}
       except (TypeError, KeyError):
         tree = None
       got = None if tree is None else jax.tree_util.tree_flatten(tree)
