@@ -17,6 +17,7 @@ from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint import tableindex as _tableindex
+from jaxreshard._src.checkpoint import tablewrite as _tablewrite
 from jaxreshard._src.checkpoint.index import (
   ARCHIVE_FILE,
   DEFAULT_CHUNK_BYTES,
@@ -265,12 +266,12 @@ class IndexBuilder:
         self.layouts.append({"tree": tree, "leaves": entries})
         self._layout_digests.append(_json_digest(self.layouts[-1]))
         return layout
-      entry, structures, leaves = _tableindex.factor(state_parts)
+      entry, structures, leaves = _tablewrite.factor(state_parts)
       entry["mirrors"] = [len(self.structures) + s for s in entry["mirrors"]]
       self.structures.extend(structures)
       self.leaves.extend(leaves)
       self.layouts.append(entry)
-      self._layout_digests.append(_tableindex.factored_digest(entry, self.structures, leaves))
+      self._layout_digests.append(_tablewrite.factored_digest(entry, self.structures, leaves))
     return layout
 
   def layout_sizes(self, layout: int) -> dict[str, int]:
@@ -389,7 +390,7 @@ def write_index(directory: _shardfile.OutDir, value: dict) -> None:
   and for large layouts its binary table first, fsync'ed with the directory before
   the index that names it is written."""
   if "structures" in value:
-    body, table = _tableindex.encode(value)
+    body, table = _tablewrite.encode(value)
     directory.write_bytes(_table.TABLE_FILE, table)
     directory.sync()
     directory.drain()
