@@ -347,3 +347,29 @@ def test_the_table_is_written_before_its_index_and_both_are_durable(tmp_path, mo
   assert order.index(_table.TABLE_FILE) < order.index("jaxreshard.json")
   data = open(_table_path(tmp_path / "c"), "rb").read()
   assert read_json(_index(tmp_path / "c"))["table"]["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+def test_an_archive_in_two_groups_of_one_rank_reads_from_a_table(tmp_path):
+  # Archive 0 holds rank 0 of x and of y; archive 1 rank 1 of x, archive 2 rank 1 of y:
+  # two groups meet in archive 0 at (world size 2, rank 0), whose digest covers both.
+  def record(held: dict) -> jr.ShardRecord:
+    placements = tuple(
+      jr.ParamPlacement(p, (5,), r, 2, np.dtype(np.float32), True) for p, (r, _) in held.items()
+    )
+    state = {"count": np.int32(3), "mu": {p: v for p, (_, v) in held.items()}}
+    roles = (None, *sorted(held))
+    return jr.ShardRecord(1, tuple(sorted(placements, key=lambda p: p.param)), state, roles)
+
+  x, y = np.arange(6, dtype=np.float32), np.arange(10, 16, dtype=np.float32)
+  records = [
+    record({"x": (0, x[:3]), "y": (0, y[:3])}),
+    record({"x": (1, np.array([x[3], x[4], 0], np.float32))}),
+    record({"y": (1, np.array([y[3], y[4], 0], np.float32))}),
+  ]
+  _save(tmp_path / "t", records, table=True)
+  assert os.path.exists(_table_path(tmp_path / "t"))
+  for a, b in zip(records, jr.load_records(tmp_path / "t")):
+    assert_records_equal(a, b)
+  for rank in range(3):
+    want = jr.reshard(records, jr.plan(records, world_size=3, rank=rank))
+    assert_records_equal(jr.restore(tmp_path / "t", world_size=3, rank=rank), want)
