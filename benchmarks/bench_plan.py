@@ -105,7 +105,7 @@ def write_index_checkpoint(
   j_of = within % slots[p_of]
   origin = m_of * total + base[p_of] + j_of
   os.makedirs(path)
-  _checkpoint.dump(os.path.join(path, "jaxreshard.json"), index)
+  _checkpoint.dump_index(path, index)
   describes = jr.open_checkpoint(path).index.describes  # what each archive.json records of it
   for r in range(world) if only is None else only:
     local = r * slots[p_of] + j_of
@@ -171,7 +171,14 @@ def planning_rows(opts: Options) -> list[dict]:
     layer, w = pid.split("/")
     got = np.asarray(target.state[0].mu[layer][w])
     exact = got.view(np.uint32).tobytes() == want.tobytes()
-    index_mib = os.path.getsize(os.path.join(path, "jaxreshard.json")) / 2**20
+    index_mib = (
+      sum(
+        os.path.getsize(os.path.join(path, name))
+        for name in ("jaxreshard.json", "jaxreshard.table")
+        if os.path.exists(os.path.join(path, name))
+      )
+      / 2**20
+    )
   return [
     {
       "what": f"plan one target rank from disk, {opts.plan_params} params, {src} -> {dst}",

@@ -67,7 +67,7 @@ def test_layout_on_disk(tmp_path):
     "jaxreshard.json",
   ]
   index = json.loads((tmp_path / "ckpt" / "jaxreshard.json").read_text())
-  assert index["format"] == "jaxreshard-checkpoint" and index["format_version"] == 3
+  assert index["format"] == "jaxreshard-checkpoint" and index["format_version"] == 4
   # Both ranks share one layout, one clock and one group: the index does not
   # grow with the ranks beyond their [archive, rank] pairs.
   assert index["archives"] == [["archive_00000", 0, 0], ["archive_00001", 0, 0]]

@@ -393,11 +393,11 @@ def test_index_of_format_version_1(ckpt):
       jr.ArchiveError,
       re.escape(str(_index(ckpt))),
       "version 1 is not supported",
-      "reads version 3",
+      "reads versions 3 and 4",
     )
 
 
-@pytest.mark.parametrize("version", [4, 2, 0, "3", None])
+@pytest.mark.parametrize("version", [5, 2, 0, "3", None])
 def test_index_of_an_unsupported_version(ckpt, version):
   _edit_json(_index(ckpt), lambda d: d.update(format_version=version))
   for fn in _both(ckpt):
@@ -405,11 +405,11 @@ def test_index_of_an_unsupported_version(ckpt, version):
       fn,
       jr.ArchiveError,
       f"format version {re.escape(repr(version))} is not supported",
-      "reads version 3",
+      "reads versions 3 and 4",
     )
 
 
-@pytest.mark.parametrize("version", [1, 2, 4, "3"])
+@pytest.mark.parametrize("version", [1, 2, 3, 5, "4"])
 def test_archive_of_an_unsupported_version(ckpt, version):
   _edit_json(_archive_json(ckpt, 1), lambda d: d.update(format_version=version))
   for fn in _both(ckpt):

@@ -194,7 +194,7 @@ def test_an_edited_archive_json_is_refused_by_the_checksum(tmp_path):
   _save(path, 4)
   a1 = _archive_json(path, 1)
   # One character of the format version edited: still valid JSON, not the signed bytes.
-  _replace_bytes(a1, b'"format_version":3', b'"format_version":4')
+  _replace_bytes(a1, b'"format_version":4', b'"format_version":5')
   for name in ("load_records", "restore", "digest"):
     msg = _message(_readers(path)[name], jr.ArchiveError)
     assert "archive_00001/archive.json fails its checksum" in msg, (name, msg)
@@ -228,7 +228,7 @@ def test_a_version_2_checkpoint_is_refused_for_having_no_checksum(tmp_path):
   for name, fn in _readers(path).items():
     msg = _message(fn, jr.ArchiveError)
     assert "checkpoint format version 2 is not supported" in msg, (name, msg)
-    assert "reads version 3" in msg and "no checksum" in msg, (name, msg)
+    assert "reads versions 3 and 4" in msg and "no checksum" in msg, (name, msg)
 
 
 def test_unsigned_metadata_of_this_version_is_refused(tmp_path):

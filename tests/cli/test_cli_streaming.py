@@ -8,6 +8,7 @@ import optax
 from typer.testing import CliRunner
 
 import jaxreshard as jr
+from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.cli.commands import app
 from jaxreshard._src.engine import pipeline as _pipeline
 
@@ -25,6 +26,9 @@ def test_reshard_validates_each_target_rank_once(tmp_path, monkeypatch):
   calls = []
   validate = _pipeline.validate
   monkeypatch.setattr(_pipeline, "validate", lambda *a: calls.append(1) or validate(*a))
+  # A regular checkpoint validates a target rank from its index's arrays: its target once.
+  check = _regular.check_target
+  monkeypatch.setattr(_regular, "check_target", lambda *a: calls.append(1) or check(*a))
   result = CliRunner().invoke(
     app, ["reshard", str(tmp_path / "src"), str(tmp_path / "out"), "-w", "3"]
   )

@@ -22,8 +22,8 @@ from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint.index import (
   ARCHIVE_FILE,
   FORMAT,
-  FORMAT_VERSION,
   MAX_ARCHIVE_BYTES,
+  READ_WORDS,
   ArchiveLayout,
   Index,
 )
@@ -50,14 +50,14 @@ def signed_value(raw: bytes, where: str, what: str) -> dict:
   version = value.get("format_version")
   if version == 1:
     raise ArchiveError(
-      f"{where}: checkpoint format version 1 is not supported; this jaxreshard reads version"
-      f" {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that wrote it: load it"
+      f"{where}: checkpoint format version 1 is not supported; this jaxreshard reads"
+      f" {READ_WORDS} (a version-1 checkpoint needs the jaxreshard that wrote it: load it"
       " there and save it again)"
     )
   if version == 2:
     raise ArchiveError(
-      f"{where}: checkpoint format version 2 is not supported; this jaxreshard reads version"
-      f" {FORMAT_VERSION}: version 2 has no checksum over its index and archive metadata, so"
+      f"{where}: checkpoint format version 2 is not supported; this jaxreshard reads"
+      f" {READ_WORDS}: version 2 has no checksum over its index and archive metadata, so"
       " an edited or damaged value could not be told apart (load it with the jaxreshard that"
       " wrote it and save it again)"
     )
@@ -171,21 +171,24 @@ class ArchiveReader:
     keys: list,
     scratch: np.ndarray,
     stats: ReadStats | None = None,
+    f: _shardread.ShardFile | None = None,
   ) -> None:
     """Reads the padding of buffers ``keys`` and checks it is zero bits.
 
     ``keys`` are ``(param, mirror)`` of buffers of ``archive``'s packed buffer of
-    ``dtype`` on all-padding ranks, which no run copies from.
+    ``dtype`` on all-padding ranks, which no run copies from. ``f``: the buffer's
+    file, when the caller holds it open (``open_buffer``).
     """
     pads = self._pad_table(archive, dtype)
-    ks = sorted(pads.index[key] for key in keys if key in pads.index)
-    ks = [k for k in ks if pads.owned[k] < pads.stops[k]]
-    if not ks:
+    index = pads.index
+    ks = np.asarray(sorted(index[key] for key in keys if key in index), np.int64)
+    owned = pads.at(ks)[0]
+    pad = owned < pads.stops[ks]
+    ks, owned = ks[pad], owned[pad]
+    if not len(ks):
       return
     empty = np.zeros(0, np.int64)
-    self._read(
-      archive, dtype, pads, np.asarray(ks, np.int64), empty, empty, empty, None, scratch, stats
-    )
+    self._read(archive, dtype, pads, ks, owned, empty, empty, empty, None, scratch, stats, f)
 
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
     meta = self.archive_meta(archive)
@@ -244,6 +247,7 @@ class ArchiveReader:
     scratch: np.ndarray,
     stats: ReadStats | None = None,
     trailing: set | None = None,
+    f: _shardread.ShardFile | None = None,
   ) -> None:
     """Copies runs of one packed buffer into ``out``, reading only their chunks.
 
@@ -254,18 +258,21 @@ class ArchiveReader:
     ``scratch`` (uint8) holds the chunk spans read; it grows to one chunk if smaller.
     ``stats``, when given, counts the chunk spans read. ``trailing``, when
     given, collects the all-padding ranks after each rank the runs copy a
-    param's last elements from, for :meth:`check_padding`.
+    param's last elements from, for :meth:`check_padding`. ``f``: the buffer's
+    file, when the caller holds it open (``open_buffer``).
     """
     pads = self._pad_table(archive, dtype)
     touched = np.unique(np.searchsorted(pads.starts, src, side="right") - 1)
     touched = touched[touched >= 0]
+    owned, ranks, last = pads.at(touched)
     if trailing is not None:
-      for k in touched[pads.last[touched]].tolist():
-        rank = int(pads.ranks[k])
+      for k, rank in zip(touched[last].tolist(), ranks[last].tolist()):
         for a in _pads.ranks_after(self.index, archive, pads.keys[k][0], rank):
           trailing.add((a, np.dtype(dtype), pads.keys[k]))
-    checks = touched[pads.owned[touched] < pads.stops[touched]]
-    self._read(archive, dtype, pads, checks, src, dst, length, out, scratch, stats)
+    pad = owned < pads.stops[touched]
+    self._read(
+      archive, dtype, pads, touched[pad], owned[pad], src, dst, length, out, scratch, stats, f
+    )
 
   def _read(
     self,
@@ -273,36 +280,40 @@ class ArchiveReader:
     dtype: np.dtype,
     pads: _pads.Pads,
     checks: np.ndarray,
+    owned: np.ndarray,
     src,
     dst,
     length,
     out,
     scratch: np.ndarray,
     stats: ReadStats | None,
+    held: _shardread.ShardFile | None = None,
   ) -> None:
-    """Copies the runs and checks the padding of buffers ``checks`` (indices into ``pads``)."""
-    zero = (pads.owned[checks], pads.stops[checks] - pads.owned[checks])
+    """Copies the runs and checks the padding of buffers ``checks`` (indices into ``pads``;
+    ``owned``: where the padding of each starts); ``held``: the file, open."""
+    zero = (owned, pads.stops[checks] - owned)
 
     def refuse(i: int, pos: int) -> ArchiveError:
       k = int(checks[i])
       return self._padding_error(archive, pads, k, pos - int(pads.starts[k]))
 
-    f = self.open_buffer(archive, dtype)
+    f = held if held is not None else self.open_buffer(archive, dtype)
     try:
       scratch = _runread.staging(scratch, f.stride, f)
       _runread.read_runs(f, src, dst, length, out, scratch, stats, zero=zero, refuse=refuse)
     finally:
-      f.close()
+      if held is None:
+        f.close()
 
 
 def check_archive_meta(index: Index, archive: int, meta: dict, where: str) -> None:
   """An archive's ``archive.json`` belongs to this checkpoint and matches its index."""
   if meta.get("format") != FORMAT or set(meta) != _ARCHIVE_KEYS:
     raise ArchiveError(f"{where}: {ARCHIVE_FILE} does not describe a {FORMAT} archive")
-  if meta["format_version"] != FORMAT_VERSION:
+  if type(meta["format_version"]) is not int or meta["format_version"] != index.version:
     raise ArchiveError(
       f"{where}: archive format version {fmt.short(meta['format_version'])} is not"
-      f" supported; this jaxreshard reads version {FORMAT_VERSION}"
+      f" supported; an archive of this checkpoint has its index's version {index.version}"
     )
   if meta["checkpoint"] != index.id:
     raise ArchiveError(

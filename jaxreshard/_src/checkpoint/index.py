@@ -1,4 +1,11 @@
-"""The checkpoint index's format: constants, the entries it parses into, digests."""
+"""The checkpoint index's format: constants, the entries it parses into, digests.
+
+Both encodings of the index (format version 3 and 4's JSON; version 4's JSON
+and binary table for large layouts, ``tableindex``) parse into one ``Index``:
+its arrays (``Index.tables``), its layouts, and, made when first asked, the
+per-entry objects (``ParamEntry``, ``Group``, each archive's groups) that the
+per-archive paths read.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
-from jaxreshard._src.checkpoint.layout import ArchiveLayout, LeafInfo, _ScalarSlot  # noqa: F401  (re-exported)
+from jaxreshard._src.checkpoint.layout import ArchiveLayout, JsonLayout, LeafInfo, _ScalarSlot  # noqa: F401  (re-exported)
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.errors import ArchiveError, PlacementError, ReshardError
@@ -22,7 +29,10 @@ from jaxreshard._src.errors import ArchiveError, PlacementError, ReshardError
 FORMAT = "jaxreshard-checkpoint"
 # The version of the on-disk checkpoint layout (index, archives, buffer files); the
 # records inside carry their own ``RECORD_VERSION``.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+# The versions this jaxreshard reads: 3 (the index is JSON alone) and 4 (JSON alone,
+# or JSON and a binary table beside it for large layouts; ``tableindex``).
+READ_VERSIONS = (3, 4)
 INDEX_FILE = "jaxreshard.json"
 ARCHIVE_FILE = "archive.json"
 # Restores read whole chunks: smaller chunks round partial reads less, at 4
@@ -72,6 +82,10 @@ _INDEX_KEYS = {
   "archives",
   "source",
 }
+# An index of large layouts keeps its params, groups, archives and the mirrors of
+# its layouts in its binary table (``tableindex``); its JSON names the dtypes those
+# arrays refer to, and each layout's skeleton.
+TABLE_INDEX_KEYS = (_INDEX_KEYS - {"params", "groups", "archives"}) | {"dtypes", "table"}
 _SOURCE_KEYS = {"checkpoint", "world_size", "layout"}
 _ID = re.compile(r"[0-9a-f]{32}\Z")
 _SHA256 = re.compile(r"[0-9a-f]{64}\Z")
@@ -153,38 +167,133 @@ class ParamEntry:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tables:
+  """The index as arrays (int64 but ``trainable``), checked when parsed.
+
+  Attributes:
+    pids: the distinct param ids of params and layouts, sorted; dtypes: the
+      distinct dtypes of params and buffers (``p_name``, ``p_dtype`` and the
+      layouts' columns index into these).
+    p_name, p_count, p_dtype, p_trainable: per param entry; its shape is
+      ``p_dims[p_dims_at[i]:p_dims_at[i + 1]]``.
+    g_world: per group; its params (entries) are ``g_params[g_params_at[g]:
+      g_params_at[g + 1]]``, its (archive, rank) pairs ``g_archive``/``g_rank``
+      from ``g_ranks_at[g]`` to ``g_ranks_at[g + 1]``.
+    a_layout, a_clock: per archive.
+  """
+
+  pids: Sequence[str]
+  dtypes: Sequence[np.dtype]
+  p_name: np.ndarray
+  p_count: np.ndarray
+  p_dtype: np.ndarray
+  p_trainable: np.ndarray
+  p_dims_at: np.ndarray
+  p_dims: np.ndarray
+  g_world: np.ndarray
+  g_params_at: np.ndarray
+  g_params: np.ndarray
+  g_ranks_at: np.ndarray
+  g_archive: np.ndarray
+  g_rank: np.ndarray
+  a_layout: np.ndarray
+  a_clock: np.ndarray
+
+  def group_params(self, g: int) -> np.ndarray:
+    return self.g_params[self.g_params_at[g] : self.g_params_at[g + 1]]
+
+  def group_ranks(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+    a, b = self.g_ranks_at[g], self.g_ranks_at[g + 1]
+    return self.g_archive[a:b], self.g_rank[a:b]
+
+
 class Index:
-  """A checkpoint's index, parsed and checked once (``parse_index``).
+  """A checkpoint's index, parsed and checked once (``parse_index``, ``tableindex``).
 
   Attributes:
     id: the checkpoint's identity, shared by every archive of one save.
+    version: its format version; table: whether a binary table holds its layout.
     record_version: the version of the records the archives hold.
-    params: the distinct param entries.
+    tables: the index as arrays (``Tables``).
     layouts: the distinct state layouts.
     clocks: the distinct optimizer clocks (decoded scalars).
-    names, archive_layout, archive_clock: each archive's name, layout and clock.
-    groups: params split the same way over the same archives.
-    member: per archive, its ``(group, rank)`` pairs.
-    param_index: per group, ``param id -> param entry``.
-    group_terms: per group, the sum of its params' placement-digest terms (made when first asked).
-    layout_digests, clock_digests: the digest of each layout and clock entry (likewise).
-    raw: the index's params, layouts and clocks as read, for those digests.
     source: the checkpoint a reshard read, or None.
+    raw: the index's JSON entries its digests are made of.
+
+  Made when first asked: ``params`` (the distinct ``ParamEntry``s), ``groups``
+  (``Group``s), ``names`` (each archive's), ``archive_layout``,
+  ``archive_clock``, ``member`` (per archive, its ``(group, rank)`` pairs) and
+  ``param_index`` (per group, ``param id -> param entry``).
   """
 
-  id: str
-  record_version: int
-  params: tuple[ParamEntry, ...]
-  layouts: tuple[ArchiveLayout, ...]
-  clocks: tuple[list, ...]
-  names: tuple[str, ...]
-  archive_layout: tuple[int, ...]
-  archive_clock: tuple[int, ...]
-  groups: tuple[Group, ...]
-  member: tuple[tuple[tuple[int, int], ...], ...]
-  param_index: tuple[dict, ...]
-  source: Source | None
-  raw: dict = dataclasses.field(repr=False, compare=False)  # params, layouts, clocks as read
+  archive_numbers: np.ndarray  # per archive, the number of its name (a table index)
+
+  def __init__(self, *, id, version, table, record_version, tables, layouts, clocks, source, raw):
+    self.id, self.version, self.table, self.record_version = id, version, table, record_version
+    self.tables, self.layouts, self.clocks, self.source, self.raw = (
+      tables,
+      layouts,
+      clocks,
+      source,
+      raw,
+    )
+
+  @functools.cached_property
+  def params(self) -> tuple[ParamEntry, ...]:
+    t = self.tables
+    pids, dtypes, dims, at = t.pids, t.dtypes, t.p_dims.tolist(), t.p_dims_at.tolist()
+    return tuple(
+      ParamEntry(pids[n], tuple(dims[at[i] : at[i + 1]]), dtypes[d], bool(tr))
+      for i, (n, d, tr) in enumerate(
+        zip(t.p_name.tolist(), t.p_dtype.tolist(), t.p_trainable.tolist())
+      )
+    )
+
+  @functools.cached_property
+  def groups(self) -> tuple[Group, ...]:
+    t = self.tables
+    out = []
+    for g, w in enumerate(t.g_world.tolist()):
+      archive, rank = t.group_ranks(g)
+      out.append(
+        Group(w, tuple(t.group_params(g).tolist()), tuple(zip(archive.tolist(), rank.tolist())))
+      )
+    return tuple(out)
+
+  @functools.cached_property
+  def names(self) -> tuple[str, ...]:
+    """Each archive's name (a table records its number: ``archive_00012``)."""
+    return tuple(f"archive_{n:05d}" for n in self.archive_numbers.tolist())
+
+  @functools.cached_property
+  def name_of(self) -> dict[str, int]:
+    """``param id -> its index`` into ``tables.pids``."""
+    return {p: i for i, p in enumerate(self.tables.pids)}
+
+  @functools.cached_property
+  def archive_layout(self) -> tuple[int, ...]:
+    return tuple(self.tables.a_layout.tolist())
+
+  @functools.cached_property
+  def archive_clock(self) -> tuple[int, ...]:
+    return tuple(self.tables.a_clock.tolist())
+
+  @functools.cached_property
+  def member(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+    t = self.tables
+    member: list[list[tuple[int, int]]] = [[] for _ in range(len(t.a_layout))]
+    group = np.repeat(np.arange(len(t.g_world)), np.diff(t.g_ranks_at))
+    for gi, a, r in zip(group.tolist(), t.g_archive.tolist(), t.g_rank.tolist()):
+      member[a].append((gi, r))
+    return tuple(tuple(m) for m in member)
+
+  @functools.cached_property
+  def param_index(self) -> tuple[dict, ...]:
+    t, pids = self.tables, self.tables.pids
+    return tuple(
+      {pids[n]: p for p, n in zip(ps.tolist(), t.p_name[ps].tolist())}
+      for ps in (t.group_params(g) for g in range(len(t.g_world)))
+    )
 
   # The digests ``describes`` compares with an archive's ``archive.json`` are made the
   # first time an archive is read, not when the index is opened: planning reads none.
@@ -205,6 +314,10 @@ class Index:
   def describes(self, archive: int) -> dict[str, str]:
     """Digests of what the index says of ``archive``: its layout, its clock and its
     params' ``(id, shape, dtype, trainable)`` at each (world size, rank)."""
+    if self.table:
+      from jaxreshard._src.checkpoint import tableindex  # pylint: disable=g-import-not-at-top
+
+      return tableindex.describes(self, archive)
     buckets: dict[tuple[int, int], int] = {}
     for gi, r in self.member[archive]:
       key = (self.groups[gi].world_size, r)
@@ -216,9 +329,17 @@ class Index:
     }
 
 
-def parse_index(index: Any, where: str) -> Index:
-  """The index's JSON value, every field checked; ``where`` names the file in refusals."""
+def parse_index(index: Any, where: str, table: Any = None) -> Index:
+  """The index's JSON value, every field checked; ``where`` names the file in refusals.
+
+  ``table(entry)`` reads the binary table an index of large layouts names
+  (``tableindex``); an index that names one is parsed from it.
+  """
   checkpoint_id, record_version = _parse_header(index, where)
+  if "table" in index:
+    from jaxreshard._src.checkpoint import tableindex  # pylint: disable=g-import-not-at-top
+
+    return tableindex.parse(index, table, where, checkpoint_id, record_version)
   params = _parse_params(fmt.expect(index["params"], list, where), where)
   archives = fmt.expect(index["archives"], list, where)
   if not archives:
@@ -227,10 +348,7 @@ def parse_index(index: Any, where: str) -> Index:
     _parse_layout(e, f"{where}, layout {i}")
     for i, e in enumerate(fmt.expect(index["layouts"], list, where))
   )
-  clocks = tuple(
-    _parse_clock(e, f"{where}, clock {i}", len(params))
-    for i, e in enumerate(fmt.expect(index["clocks"], list, where))
-  )
+  clocks = _parse_clocks(index, where, len(params))
   names, archive_layout, archive_clock = _parse_archives(archives, layouts, clocks, where)
   groups = tuple(
     _parse_group(e, f"{where}, group {i}", params, names)
@@ -244,22 +362,86 @@ def parse_index(index: Any, where: str) -> Index:
   for gi, pindex in enumerate(param_index):
     if len(pindex) != len(groups[gi].params):
       raise ArchiveError(f"{where}: group {gi} lists a param twice")
-  source = _parse_source(index["source"], f"{where}, source", groups)
-  return Index(
-    checkpoint_id,
-    record_version,
-    params,
-    layouts,
-    clocks,
-    names,
-    archive_layout,
-    archive_clock,
-    groups,
-    tuple(tuple(m) for m in member),
-    param_index,
-    source,
-    {k: index[k] for k in ("params", "layouts", "clocks")},
+  source = _parse_source(index["source"], f"{where}, source", [g.world_size for g in groups])
+  out = Index(
+    id=checkpoint_id,
+    version=index["format_version"],
+    table=False,
+    record_version=record_version,
+    tables=_tables_of(params, groups, archive_layout, archive_clock, layouts),
+    layouts=layouts,
+    clocks=clocks,
+    source=source,
+    raw={k: index[k] for k in ("params", "layouts", "clocks")},
   )
+  # What the JSON parse made already stands for what ``Index`` would make of the arrays.
+  out.__dict__.update(
+    params=params,
+    groups=groups,
+    names=names,
+    archive_layout=archive_layout,
+    archive_clock=archive_clock,
+    member=tuple(tuple(m) for m in member),
+    param_index=param_index,
+  )
+  return out
+
+
+def _parse_clocks(index: dict, where: str, n_params: int) -> tuple[list, ...]:
+  """Every clock; ``n_params`` bounds how many scalars one may have."""
+  return tuple(
+    _parse_clock(e, f"{where}, clock {i}", n_params)
+    for i, e in enumerate(fmt.expect(index["clocks"], list, where))
+  )
+
+
+def _tables_of(
+  params: Sequence[ParamEntry],
+  groups: Sequence[Group],
+  archive_layout: Sequence[int],
+  archive_clock: Sequence[int],
+  layouts: Sequence[JsonLayout],
+) -> Tables:
+  """The arrays of an index parsed from JSON; its layouts get their columns."""
+  pids = sorted({e.param for e in params}.union(*(L.state_parts.param_set() for L in layouts)))
+  name_of = {p: i for i, p in enumerate(pids)}
+  dtypes: dict[np.dtype, int] = {}
+  for d in [e.dtype for e in params] + [
+    x.dtype for L in layouts for x in L.leaves if isinstance(x, LeafInfo)
+  ]:
+    dtypes.setdefault(d, len(dtypes))
+  dtype_list = list(dtypes)
+  for L in layouts:
+    L.attach(pids, name_of, dtype_list)
+  i64 = np.int64
+  n = len(params)
+  return Tables(
+    pids=pids,
+    dtypes=dtype_list,
+    p_name=np.fromiter((name_of[e.param] for e in params), i64, n),
+    p_count=np.fromiter((math.prod(e.shape) for e in params), i64, n),
+    p_dtype=np.fromiter((dtypes[e.dtype] for e in params), i64, n),
+    p_trainable=np.fromiter((e.trainable for e in params), bool, n),
+    p_dims_at=np.concatenate([[0], np.cumsum([len(e.shape) for e in params], dtype=i64)]).astype(
+      i64
+    ),
+    p_dims=np.asarray([d for e in params for d in e.shape], i64),
+    g_world=np.asarray([g.world_size for g in groups], i64),
+    g_params_at=np.concatenate([[0], np.cumsum([len(g.params) for g in groups], dtype=i64)]).astype(
+      i64
+    ),
+    g_params=np.asarray([p for g in groups for p in g.params], i64),
+    g_ranks_at=np.concatenate([[0], np.cumsum([len(g.ranks) for g in groups], dtype=i64)]).astype(
+      i64
+    ),
+    g_archive=np.asarray([a for g in groups for a, _ in g.ranks], i64),
+    g_rank=np.asarray([r for g in groups for _, r in g.ranks], i64),
+    a_layout=np.asarray(archive_layout, i64),
+    a_clock=np.asarray(archive_clock, i64),
+  )
+
+
+READ_WORDS = "versions 3 and 4"
 
 
 def _parse_header(index: Any, where: str) -> tuple[str, int]:
@@ -267,16 +449,17 @@ def _parse_header(index: Any, where: str) -> tuple[str, int]:
   if not isinstance(index, dict) or index.get("format") != FORMAT:
     raise ArchiveError(f"{where} does not describe a {FORMAT}")
   version = index.get("format_version")
-  if version != FORMAT_VERSION:
+  if type(version) is not int or version not in READ_VERSIONS:
     raise ArchiveError(
       f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
-      f" reads version {FORMAT_VERSION} (a version-1 checkpoint needs the jaxreshard that"
+      f" reads {READ_WORDS} (a version-1 checkpoint needs the jaxreshard that"
       " wrote it: load it there and save it again)"
       if version == 1
       else f"{where}: checkpoint format version {fmt.short(version)} is not supported; this jaxreshard"
-      f" reads version {FORMAT_VERSION}"
+      f" reads {READ_WORDS}"
     )
-  if set(index) != _INDEX_KEYS:
+  keys = TABLE_INDEX_KEYS if "table" in index and version == 4 else _INDEX_KEYS
+  if set(index) != keys:
     raise ArchiveError(f"{where}: unexpected index keys {sorted(index)}")
   checkpoint_id = index["checkpoint"]
   if not isinstance(checkpoint_id, str) or not _ID.match(checkpoint_id):
@@ -325,7 +508,7 @@ def _parse_archives(
   return tuple(names), tuple(archive_layout), tuple(archive_clock)
 
 
-def _parse_source(e: Any, where: str, groups: Sequence[Group]) -> Source | None:
+def _parse_source(e: Any, where: str, worlds: Sequence[int]) -> Source | None:
   """The checkpoint a reshard read (None for a save of its own); its world size is
   every group's."""
   if e is None:
@@ -342,11 +525,9 @@ def _parse_source(e: Any, where: str, groups: Sequence[Group]) -> Source | None:
     raise ArchiveError(f"{where}: world_size {world} must be between 1 and {MAX_WORLD_SIZE}")
   if not (isinstance(e["layout"], str) and _SHA256.match(e["layout"])):
     raise ArchiveError(f"{where}: invalid layout {fmt.short(e['layout'])} (a sha256 in hex)")
-  for gi, g in enumerate(groups):
-    if g.world_size != world:
-      raise ArchiveError(
-        f"{where}: world_size {world}, but group {gi} has world_size {g.world_size}"
-      )
+  for gi, w in enumerate(worlds):
+    if w != world:
+      raise ArchiveError(f"{where}: world_size {world}, but group {gi} has world_size {w}")
   return Source(e["checkpoint"], world, e["layout"])
 
 
@@ -394,7 +575,7 @@ def _parse_param(e: Any, where: str) -> ParamEntry:
   )
 
 
-def _parse_layout(e: Any, where: str) -> ArchiveLayout:
+def _parse_layout(e: Any, where: str) -> JsonLayout:
   fmt.expect(e, dict, where)
   if set(e) != {"tree", "leaves"}:
     raise ArchiveError(f"{where}: expected tree and leaves")
@@ -423,7 +604,7 @@ def _parse_layout(e: Any, where: str) -> ArchiveLayout:
       leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), d))
     else:
       raise ArchiveError(f"{lw}: invalid leaf {str(x)[:80]!r}")
-  return ArchiveLayout(e["tree"], leaves, where)
+  return JsonLayout(e["tree"], leaves, where)
 
 
 def _parse_clock(e: Any, where: str, n_params: int) -> list[Any]:

@@ -10,7 +10,7 @@ its rank with a few array operations.
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -30,7 +30,6 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
 class Pads:
   """The history buffers in one archive's packed buffer of one dtype, and their padding.
 
@@ -39,76 +38,105 @@ class Pads:
   owns), which must hold zero bits. ``ranks[k]`` is the buffer's rank (-1 where
   the index lays it out with no geometry: it is refused before any read), and
   ``last[k]`` says the rank holds its param's last element while later ranks
-  exist (whose buffers are then all padding).
+  exist (whose buffers are then all padding). ``at(ks)`` gives ``owned``,
+  ``ranks`` and ``last`` of some buffers only.
   """
 
-  starts: np.ndarray
-  owned: np.ndarray
-  stops: np.ndarray
-  keys: list  # (param, mirror) of each buffer
-  index: dict  # (param, mirror) -> k
-  ranks: np.ndarray
-  last: np.ndarray
+  def __init__(self, starts, owned, stops, keys, index, ranks, last):
+    self.starts, self.stops = starts, stops
+    self.owned, self.ranks, self.last = owned, ranks, last
+    self.keys, self.index = keys, index  # (param, mirror) of each buffer, and its inverse
+
+  def at(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return self.owned[ks], self.ranks[ks], self.last[ks]
 
 
-@dataclasses.dataclass(frozen=True)
 class PadBase:
   """A (layout, group, dtype)'s buffers: offsets, and the slots and count of each
   buffer's param in the group (-1 where the group does not lay it out)."""
 
-  starts: np.ndarray
-  stops: np.ndarray
-  keys: list
-  index: dict
-  slots: np.ndarray
-  count: np.ndarray
-  world_size: int
+  def __init__(self, starts, stops, names, mirrors, pids, slots, count, world_size):
+    self.starts, self.stops, self.slots, self.count = starts, stops, slots, count
+    self.world_size = world_size
+    self._names, self._mirrors, self._pids = names, mirrors, pids
+
+  @functools.cached_property
+  def keys(self) -> list[tuple[str, int]]:
+    pids = self._pids
+    return [(pids[n], m) for n, m in zip(self._names.tolist(), self._mirrors.tolist())]
+
+  @functools.cached_property
+  def index(self) -> dict[tuple[str, int], int]:
+    return {k: i for i, k in enumerate(self.keys)}
 
 
-def _entries(layout: ArchiveLayout, dtype: np.dtype) -> list:
-  return sorted((o, n, k) for k, (d, o, n) in layout.offsets.items() if d == dtype)
+class _RankPads(Pads):
+  """``Pads`` of the archive at ``rank`` of a ``PadBase``'s group, made as asked."""
+
+  def __init__(self, base: PadBase, rank: int):  # pylint: disable=super-init-not-called
+    self.base, self.rank = base, rank
+    self.starts, self.stops = base.starts, base.stops
+
+  keys = property(lambda self: self.base.keys)
+  index = property(lambda self: self.base.index)
+
+  def at(self, ks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    b, rank = self.base, self.rank
+    slots, count = b.slots[ks], b.count[ks]
+    valid = slots >= 0
+    start = np.minimum(rank * slots, count)
+    stop = np.minimum((rank + 1) * slots, count)
+    own = np.where(valid, stop - start, b.stops[ks] - b.starts[ks])
+    last = valid & (own > 0) & (stop == count) & (rank + 1 < b.world_size)
+    return b.starts[ks] + own, np.where(valid, rank, -1), last
+
+  @functools.cached_property
+  def _all(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return self.at(slice(None))
+
+  owned = property(lambda self: self._all[0])
+  ranks = property(lambda self: self._all[1])
+  last = property(lambda self: self._all[2])
 
 
 def pad_base(index: Index, layout: ArchiveLayout, gi: int, dtype: np.dtype) -> PadBase:
-  """The buffers of ``dtype`` of ``layout`` in group ``gi``, for ``pads_at``."""
-  g = index.groups[gi]
-  pindex = index.param_index[gi]
-  entries = _entries(layout, dtype)
-  slots, count = [], []
-  for _, n, (pid, _) in entries:
-    s = c = -1
-    p = pindex.get(pid)
-    if p is not None:
-      try:
-        f = FlatShard.checked(index.params[p].shape, 0, g.world_size)
-      except PlacementError:
-        f = None  # refused by validation, never read
-      if f is not None and f.slots == n:
-        s, c = f.slots, f.count
-    slots.append(s)
-    count.append(c)
-  keys = [k for _, _, k in entries]
-  starts = np.asarray([o for o, _, _ in entries], np.int64)
+  """The buffers of ``dtype`` of ``layout`` in group ``gi``, for ``pads_at``: from the
+  layout's and the index's arrays."""
+  t, cols = index.tables, layout.columns
+  code = list(layout.dtypes).index(np.dtype(dtype))
+  sel = np.flatnonzero(cols.dtype == code)
+  order = sel[np.argsort(cols.offset[sel], kind="stable")]
+  names, mirrors = cols.name[order], cols.mirror[order]
+  starts = cols.offset[order]
+  n = cols.slots[order]
+  # Each buffer's param entry in the group (by its id), its count and its slots there.
+  entry = np.full(len(t.pids), -1, np.int64)
+  params = t.group_params(gi)
+  entry[t.p_name[params]] = params
+  e = entry[names]
+  world = int(t.g_world[gi])
+  count = np.where(e >= 0, t.p_count[np.maximum(e, 0)], -1)
+  slots = -(-count // world)
+  valid = (e >= 0) & (slots == n)
   return PadBase(
     starts,
-    starts + np.asarray([n for _, n, _ in entries], np.int64),
-    keys,
-    {k: i for i, k in enumerate(keys)},
-    np.asarray(slots, np.int64),
-    np.asarray(count, np.int64),
-    g.world_size,
+    starts + n,
+    names,
+    mirrors,
+    t.pids,
+    np.where(valid, slots, -1),
+    np.where(valid, count, -1),
+    world,
   )
 
 
 def pads_at(base: PadBase, rank: int) -> Pads:
   """The padding of the archive at ``rank`` of ``base``'s group."""
-  valid = base.slots >= 0
-  start = np.minimum(rank * base.slots, base.count)
-  stop = np.minimum((rank + 1) * base.slots, base.count)
-  own = np.where(valid, stop - start, base.stops - base.starts)
-  last = valid & (own > 0) & (stop == base.count) & (rank + 1 < base.world_size)
-  ranks = np.where(valid, rank, -1)
-  return Pads(base.starts, base.starts + own, base.stops, base.keys, base.index, ranks, last)
+  return _RankPads(base, rank)
+
+
+def _entries(layout: ArchiveLayout, dtype: np.dtype) -> list:
+  return sorted((o, n, k) for k, (d, o, n) in layout.offsets.items() if d == dtype)
 
 
 def pad_table(

@@ -1,9 +1,10 @@
-"""A checkpoint on disk: its index, its archives and their buffers (format version 3).
+"""A checkpoint on disk: its index, its archives and their buffers (format version 4).
 
 Layout::
 
   CHECKPOINT/
     jaxreshard.json          # the index, written last: the whole layout (signed)
+    jaxreshard.table         # large layouts: the index's arrays (``tableindex``)
     archive_00000/           # one source rank's archive
       archive.json           # (signed) checkpoint id; digests of what the index says of
                              # it (layout, clock, params at each rank); per dtype:
@@ -35,7 +36,10 @@ The index and every ``archive.json`` are signed JSON: the first member is
 ``"checksum":"sha256:..."``, the sha256 of the file's JSON body, checked on
 the raw bytes before anything in the file is parsed or used
 (``_archive_format.verified_json``). A file without it (format version 2 and
-earlier) is refused.
+earlier) is refused. An index of large layouts keeps its params, groups,
+archives and layouts' optimizer subtrees in a binary table whose size and
+sha256 the signed index records (``tableindex``); format version 3 is version
+4 without the table, and reads as it always did.
 
 A rank's buffers of one dtype lie in *packing order* (parameters sorted by id,
 then the optimizer subtrees in order), so an archive's offsets follow from its
@@ -70,7 +74,9 @@ from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import brief as _brief
 from jaxreshard._src.checkpoint import groupfacts as _groupfacts
 from jaxreshard._src.checkpoint import index as _index
+from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint import shardread as _shardread
+from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint.archives import allocate, path_arg  # noqa: F401  (re-exported)
 from jaxreshard._src.checkpoint.index import (  # noqa: F401  (re-exported)
   _TWICE,
@@ -90,12 +96,12 @@ from jaxreshard._src.checkpoint.shardread import ReadStats  # noqa: F401  (re-ex
 from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
   IndexBuilder,
   dump,
+  dump_index,
   target_layout,
   write_archive,
   write_checkpoint,
 )
 from jaxreshard._src.core import clock as _clock
-from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
@@ -161,15 +167,22 @@ class Checkpoint:
       raise
     i = self.index
     self.id, self.record_version, self.source = i.id, i.record_version, i.source
-    self.params, self.groups, self.layouts, self.clocks = i.params, i.groups, i.layouts, i.clocks
-    self.names, self.member = i.names, i.member
-    self.archive_layout, self.archive_clock = i.archive_layout, i.archive_clock
+    self.layouts, self.clocks = i.layouts, i.clocks
     self._lock = threading.Lock()
     self._cache = _Caches()
     # The archives' files and bytes: metadata, buffers, runs, padding.
     self.archives = _archives.ArchiveReader(
       self.directory, self._root, i, weakref.WeakMethod(self.placement)
     )
+
+  # The index's per-entry objects, made when first asked (``_index.Index``): planning
+  # one target rank reads the index's arrays instead.
+  params = property(lambda self: self.index.params)
+  groups = property(lambda self: self.index.groups)
+  names = property(lambda self: self.index.names)
+  member = property(lambda self: self.index.member)
+  archive_layout = property(lambda self: self.index.archive_layout)
+  archive_clock = property(lambda self: self.index.archive_clock)
 
   def close(self) -> None:
     """Closes the root's descriptor; reading archives afterwards is refused."""
@@ -182,7 +195,7 @@ class Checkpoint:
     self.close()
 
   def __len__(self) -> int:
-    return len(self.names)
+    return len(self.index.tables.a_layout)
 
   __repr__ = _brief.checkpoint_repr  # one line: directory, archives, world sizes, params, step
 
@@ -227,7 +240,7 @@ class Checkpoint:
     )
 
   def skeleton(self, archive: int) -> tuple[Any, ...]:
-    return _validate.skeleton_key(self.layout(archive).state_parts)
+    return self.layout(archive).skeleton_key
 
   def scalars(self, archive: int) -> list[Any]:
     return self.clocks[self.archive_clock[archive]]
@@ -274,21 +287,30 @@ class Checkpoint:
     """Every archive of the group has one layout and clock, with the group's slots."""
     u = self._cache.uniform.get(gi)
     if u is None:
-      u = self._cache.uniform[gi] = _groupfacts.is_uniform(self, gi)
+      # A regular checkpoint's groups are all uniform (``_regular``), checked with arrays.
+      u = _regular.regular(self) is not None or _groupfacts.is_uniform(self, gi)
+      self._cache.uniform[gi] = u
     return u
 
   def locate_runs(
     self, groups: Any, archive: np.ndarray, group: np.ndarray, subtree: np.ndarray, dtype: np.dtype
   ) -> tuple[np.ndarray, np.ndarray, list[Any]]:
     """A history buffer lives in its archive's packed buffer of its dtype, where
-    the archive's layout packs it."""
+    the archive's layout packs it (``ArchiveLayout.offset_table``)."""
     pids = groups.params
-
-    def one(a: int, g: int, m: int) -> tuple[Any, int]:
-      d, offset, _ = self.layout(a).offsets[(pids[g], m)]
-      return (a, d), offset
-
-    return _copyplan.locate_each(one, archive, group, subtree)
+    if not len(archive):
+      return np.zeros(0, np.int64), np.zeros(0, np.int64), []
+    name_of = self.index.name_of
+    rows, at = np.unique(group, return_inverse=True)
+    names = np.fromiter((name_of[pids[g]] for g in rows.tolist()), np.int64, len(rows))[at]
+    layout = self.index.tables.a_layout[archive]
+    base = np.empty(len(archive), np.int64)
+    for L in np.unique(layout).tolist():
+      sel = layout == L
+      table = self.layouts[L].offset_table
+      base[sel] = table[self.layouts[L].columns.rows_of(names[sel]), subtree[sel]]
+    archives, source = np.unique(archive, return_inverse=True)
+    return source.reshape(-1), base, [(a, np.dtype(dtype)) for a in archives.tolist()]
 
   # --- archives and their buffers (``_archives.ArchiveReader``) ----------------
 
@@ -297,19 +319,25 @@ class Checkpoint:
     return self.archives.archive_meta(archive)
 
   def check_padding(
-    self, trailing: set, scratch: np.ndarray, stats: ReadStats | None = None
+    self,
+    trailing: set,
+    scratch: np.ndarray,
+    stats: ReadStats | None = None,
+    files: dict | None = None,
   ) -> None:
     """Reads the padding of the buffers in ``trailing`` and checks it is zero bits.
 
     ``trailing`` holds ``(archive, dtype, (param, mirror))``: buffers of all-padding
     ranks, which no run copies from (``read_runs`` or ``_restore.all_padding_sources``).
+    ``files``: ``(archive, dtype) -> ShardFile`` the caller holds open.
     """
     by_file: dict[tuple[int, np.dtype], list] = {}
     for archive, dtype, key in trailing:
       by_file.setdefault((archive, dtype), []).append(key)
     for (archive, dtype), keys in sorted(by_file.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
       self.check_archive(archive)
-      self.archives.check_padding(archive, dtype, keys, scratch, stats)
+      held = None if files is None else files.get((archive, dtype))
+      self.archives.check_padding(archive, dtype, keys, scratch, stats, held)
 
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
     return self.archives.open_buffer(archive, dtype)
@@ -347,7 +375,11 @@ def _read_index(root: _shardread.Dir, given: Any, directory: str) -> _index.Inde
   from jaxreshard._src.engine.pipeline import no_gc  # pylint: disable=g-import-not-at-top
 
   with no_gc():  # parsing makes many small objects and no cycles
-    return _index.parse_index(_archives.signed_value(raw, where, FORMAT), where)
+    return _index.parse_index(
+      _archives.signed_value(raw, where, FORMAT),
+      where,
+      lambda entry: _table.read(root, entry, where),
+    )
 
 
 def archive_params(index: _index.Index, archive: int) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint.reader import STAGING_BYTES, Checkpoint, allocate, open_checkpoint
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import validate as _validate
@@ -25,6 +26,10 @@ from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.progress import ProgressCallback, Reporter, check_callback
 
 __all__ = ["disk_fetch", "restore", "restore_ranks"]
+
+# A restore holds the buffer files it checked open for its reads, up to this many;
+# any more are opened again when read (a process's descriptors are bounded).
+HELD_FILES = 256
 
 
 def restore(
@@ -131,11 +136,17 @@ def restore_reported(
   check_callback(progress)
   ckpt = checkpoint if checkpoint is not None else open_checkpoint(directory)
   with _pipeline.no_gc():  # no reference cycles are made; see no_gc
-    plans = [
-      _reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=r) for r in ranks
-    ]
-    validated = [_validated(ckpt, migrations) for migrations in plans]
-    sizes = [copied_bytes(groups) for groups in validated]
+    reg = _regular.regular(ckpt)
+    if reg is not None:
+      targets = [_regular.check_target(world_size, r) for r in ranks]
+      validated = [_regular.rank_groups(reg, w, r) for r, w in targets]
+      sizes = [int(((g.stop - g.start) * reg.itemsize).sum()) for g in validated]
+    else:
+      plans = [
+        _reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=r) for r in ranks
+      ]
+      validated = [_validated(ckpt, migrations) for migrations in plans]
+      sizes = [copied_bytes(groups) for groups in validated]
     reporter = Reporter(
       what,
       progress,
@@ -209,23 +220,42 @@ def disk_fetch(ckpt: Checkpoint, groups: Sequence[_validate.SourceGroup] = ()) -
   """
 
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
-    # Every involved archive's metadata and file sizes first: nothing is
-    # allocated for a checkpoint whose files cannot hold what it claims.
-    for archive, d in sorted(set(keys)):
-      ckpt.check_archive(archive)
-      ckpt.archive_meta(archive)
-      ckpt.open_buffer(archive, d).close()
-    # One scratch buffer for every read of this target rank, reused (warm pages).
-    scratch = np.empty(STAGING_BYTES, np.uint8)
-    out = {}
-    for dtype, r in runs.items():
-      buf = allocate(layout.sizes[dtype], dtype, f"target rank of {ckpt.directory}")
-      for sid in np.unique(r.source).tolist():
-        sel = r.source == sid
-        archive, d = keys[sid]
-        ckpt.archives.read_runs(archive, d, r.src[sel], r.dst[sel], r.length[sel], buf, scratch)
-      out[dtype] = buf
-    ckpt.check_padding(all_padding_sources(groups), scratch)
-    return out
+    files: dict = {}  # the files checked, held open for the reads (up to HELD_FILES)
+    try:
+      # Every involved archive's metadata and file sizes first: nothing is
+      # allocated for a checkpoint whose files cannot hold what it claims.
+      for archive, d in sorted(set(keys)):
+        ckpt.check_archive(archive)
+        ckpt.archive_meta(archive)
+        f = ckpt.open_buffer(archive, d)
+        if len(files) < HELD_FILES:
+          files[(archive, d)] = f
+        else:
+          f.close()
+      # One scratch buffer for every read of this target rank, reused (warm pages).
+      scratch = np.empty(STAGING_BYTES, np.uint8)
+      out = {}
+      for dtype, r in runs.items():
+        buf = allocate(layout.sizes[dtype], dtype, f"target rank of {ckpt.directory}")
+        order = np.argsort(r.source, kind="stable")
+        sources, at = np.unique(r.source[order], return_index=True)
+        for sid, sel in zip(sources.tolist(), np.split(order, at[1:])):
+          archive, d = keys[sid]
+          ckpt.archives.read_runs(
+            archive,
+            d,
+            r.src[sel],
+            r.dst[sel],
+            r.length[sel],
+            buf,
+            scratch,
+            f=files.get((archive, d)),
+          )
+        out[dtype] = buf
+      ckpt.check_padding(all_padding_sources(groups), scratch, files=files)
+      return out
+    finally:
+      for f in files.values():
+        f.close()
 
   return fetch

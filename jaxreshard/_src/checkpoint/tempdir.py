@@ -22,6 +22,7 @@ import numpy as np
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint.index import ARCHIVE_FILE, INDEX_FILE
+from jaxreshard._src.checkpoint.table import TABLE_FILE
 from jaxreshard._src.checkpoint.writer import IndexBuilder
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
 
@@ -324,13 +325,11 @@ def _expected_files(builder: IndexBuilder, chunk_bytes: int) -> list[tuple[str, 
   """Every file a checkpoint written by ``builder`` holds, relative to its root, with
   the exact size of each shard file (None: any size)."""
   files: list[tuple[str, int | None]] = [(INDEX_FILE, None)]
+  if builder.table:
+    files.append((TABLE_FILE, None))
   for name, layout, _ in builder.archives:
     files.append((os.path.join(name, ARCHIVE_FILE), None))
-    sizes: dict[str, int] = {}
-    for leaf in builder.layouts[layout]["leaves"]:
-      if isinstance(leaf, list):
-        sizes[leaf[1]] = sizes.get(leaf[1], 0) + leaf[2]
-    for dtype, n in sorted(sizes.items()):
+    for dtype, n in sorted(builder.layout_sizes(layout).items()):
       if not n:
         continue
       itemsize = np.dtype(fmt.np_dtype(dtype, name)).itemsize

@@ -15,6 +15,9 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import shardfile as _shardfile
+from jaxreshard._src.checkpoint import table as _table
+from jaxreshard._src.checkpoint import tableindex as _tableindex
+from jaxreshard._src.checkpoint import tablewrite as _tablewrite
 from jaxreshard._src.checkpoint.index import (
   ARCHIVE_FILE,
   DEFAULT_CHUNK_BYTES,
@@ -82,12 +85,36 @@ def _packed(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
   return np.concatenate(parts)
 
 
-class IndexBuilder:
-  """Collects each archive's entry of the index as records are written."""
+# A save whose first archive holds at least this many history buffers writes its
+# index with a binary table (``tableindex``): planning a target rank then reads
+# arrays, not a JSON node per buffer. Smaller indexes stay JSON alone.
+TABLE_MIN_BUFFERS = 256
 
-  def __init__(self, checkpoint_id: str | None = None, source: Source | None = None):
+
+class IndexBuilder:
+  """Collects each archive's entry of the index as records are written.
+
+  ``table``: whether the index keeps its layouts in a binary table; None (the
+  default) decides it from the first archive registered (``TABLE_MIN_BUFFERS``).
+  Every ``archive.json`` records digests in the encoding chosen, so the choice
+  is made before the first archive is written and never changes.
+  """
+
+  def __init__(
+    self,
+    checkpoint_id: str | None = None,
+    source: Source | None = None,
+    *,
+    table: bool | None = None,
+  ):
     self.id = checkpoint_id or uuid.uuid4().hex
     self.source = source
+    self.table = table
+    self.structures: list[dict] = []  # a table's params trees of the mirrors
+    self.leaves: list[dict] = []  # a table's leaves of each mirror
+    self._sizes: list[dict[str, int]] = []  # per layout: dtype name -> elements
+    self._entry_text: list[str] = []  # param entry -> its compact JSON
+    self._bucket_digests: dict[tuple, str] = {}  # a table's digests of sets of param entries
     self._layouts: dict[str, int] = {}
     self._layout_of_signature: dict[tuple, int] = {}
     self._clocks: dict[str, int] = {}
@@ -108,6 +135,9 @@ class IndexBuilder:
     (``jax.ShapeDtypeStruct``): only the index entry is made.
     """
     state_parts, placements = _validate.check_record(index, record)
+    if self.table is None:
+      n = sum(len(m.entries) for m in state_parts.subtrees)
+      self.table = n >= TABLE_MIN_BUFFERS
     if self.source is not None:
       self._check_source(index, placements, state_parts)
     for p in placements.values():  # what a reader refuses is never written
@@ -129,7 +159,7 @@ class IndexBuilder:
     )
     layout = self._layout_of_signature.get(signature)
     if layout is None:
-      layout = self._layout(index, record, roles)
+      layout = self._layout(index, record, roles, state_parts)
       self._layout_of_signature[signature] = layout
     scalars = [
       fmt.encode_scalar(leaf, f"archive {index}, leaf {i}")
@@ -143,21 +173,23 @@ class IndexBuilder:
     while len(self.archives) <= index:
       self.archives.append(None)
     self.archives[index] = [f"archive_{index:05d}", layout, clock]
-    buckets: dict[tuple[int, int], int] = {}
+    buckets: dict[tuple[int, int], list[int]] = {}
     for p in placements.values():
       FlatShard(p.shape, p.rank, p.world_size)  # a placement the format can describe
       key = (p.param, p.shape, p.dtype, bool(p.trainable))
       e = self._params.setdefault(key, len(self._params))
       if e == len(self.params):
         self.params.append([p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable)])
-        self._terms.append(_param_term(self.params[e]))
+        if self.table:
+          self._entry_text.append(json.dumps(self.params[e], separators=(",", ":")))
+        else:
+          self._terms.append(_param_term(self.params[e]))
       self._members.setdefault(e, []).append((index, p.rank, p.world_size))
-      bucket = (p.world_size, p.rank)
-      buckets[bucket] = buckets.get(bucket, 0) + self._terms[e]
+      buckets.setdefault((p.world_size, p.rank), []).append(e)
     self.describes[index] = {
       "layout": self._layout_digests[layout],
       "clock": hashlib.sha256(clock_key.encode("ascii")).hexdigest(),
-      "placements": _placements_digest(buckets),
+      "placements": self._placements_digest(buckets),
     }
     if not pack:
       return {}
@@ -167,6 +199,24 @@ class IndexBuilder:
     ):
       parts.setdefault(np.dtype(buf.dtype), []).append(np.asarray(buf).reshape(-1))
     return {d: _packed(p, d) for d, p in parts.items()}
+
+  def _placements_digest(self, buckets: dict[tuple[int, int], list[int]]) -> str:
+    """``describes``' placements digest of one archive's param entries at each (W, rank)."""
+    if not self.table:
+      return _placements_digest(
+        {key: sum(self._terms[e] for e in es) for key, es in buckets.items()}
+      )
+    hashes = {}
+    for key, es in buckets.items():
+      # A table lists param entries sorted by their JSON text: a bucket's are hashed so.
+      ident = tuple(sorted(es))
+      h = self._bucket_digests.get(ident)
+      if h is None:
+        texts = sorted(self._entry_text[e] for e in es)
+        h = hashlib.sha256(f"[{','.join(texts)}]".encode("ascii")).hexdigest()
+        self._bucket_digests[ident] = h
+      hashes[key] = h
+    return _tableindex.placements_digest(hashes)
 
   def _check_source(
     self, index: int, placements: dict[str, ParamPlacement], state_parts: _structure.StateParts
@@ -188,7 +238,9 @@ class IndexBuilder:
         f" than {'archive 0' if index else 'its target'}; the ranks of one target share one"
       )
 
-  def _layout(self, index: int, record: Any, roles: Sequence[Any]) -> int:
+  def _layout(
+    self, index: int, record: Any, roles: Sequence[Any], state_parts: _structure.StateParts
+  ) -> int:
     """The layout entry of a record's state structure (added when new)."""
     tree, leaves = fmt.encode_tree(record.state)
     entries, n_scalars = [], 0
@@ -205,9 +257,26 @@ class IndexBuilder:
     key = json.dumps([tree, entries], separators=(",", ":"))
     layout = self._layouts.setdefault(key, len(self._layouts))
     if layout == len(self.layouts):
-      self.layouts.append({"tree": tree, "leaves": entries})
-      self._layout_digests.append(_json_digest(self.layouts[-1]))
+      sizes: dict[str, int] = {}
+      for x in entries:
+        if isinstance(x, list):
+          sizes[x[1]] = sizes.get(x[1], 0) + x[2]
+      self._sizes.append(sizes)
+      if not self.table:
+        self.layouts.append({"tree": tree, "leaves": entries})
+        self._layout_digests.append(_json_digest(self.layouts[-1]))
+        return layout
+      entry, structures, leaves = _tablewrite.factor(state_parts)
+      entry["mirrors"] = [len(self.structures) + s for s in entry["mirrors"]]
+      self.structures.extend(structures)
+      self.leaves.extend(leaves)
+      self.layouts.append(entry)
+      self._layout_digests.append(_tablewrite.factored_digest(entry, self.structures, leaves))
     return layout
+
+  def layout_sizes(self, layout: int) -> dict[str, int]:
+    """Elements of each dtype's packed buffer of archives of ``layout`` (by dtype name)."""
+    return self._sizes[layout]
 
   def groups(self) -> list[dict]:
     """Param entries split the same way, merged into one group."""
@@ -223,8 +292,29 @@ class IndexBuilder:
     ]
 
   def index(self) -> dict:
+    """The index's value (``write_index`` writes it). With a table, its param entries
+    are listed sorted by their JSON text, and it holds the mirrors' ``structures`` and
+    ``leaves`` (``tableindex``)."""
     if not self.archives or any(a is None for a in self.archives):
       raise PlacementError("no archives supplied")
+    if self.table:
+      order = sorted(range(len(self.params)), key=self._entry_text.__getitem__)
+      new = {e: i for i, e in enumerate(order)}
+      groups = [{**g, "params": sorted(new[e] for e in g["params"])} for g in self.groups()]
+      return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "checkpoint": self.id,
+        "record_version": RECORD_VERSION,
+        "params": [self.params[e] for e in order],
+        "groups": groups,
+        "layouts": self.layouts,
+        "structures": self.structures,
+        "leaves": self.leaves,
+        "clocks": self.clocks,
+        "archives": self.archives,
+        "source": None if self.source is None else self.source.to_json(),
+      }
     return {
       "format": FORMAT,
       "format_version": FORMAT_VERSION,
@@ -295,6 +385,28 @@ def _write_archive_into(
   return sum(int(data.nbytes) for data in buffers.values())
 
 
+def write_index(directory: _shardfile.OutDir, value: dict) -> None:
+  """Writes an index value (``IndexBuilder.index()``) into ``directory``: signed JSON,
+  and for large layouts its binary table first, fsync'ed with the directory before
+  the index that names it is written."""
+  if "structures" in value:
+    body, table = _tablewrite.encode(value)
+    directory.write_bytes(_table.TABLE_FILE, table)
+    directory.sync()
+    directory.drain()
+  else:
+    body = value
+  directory.write_bytes(INDEX_FILE, fmt.signed_json(body))
+
+
+def dump_index(directory: str, value: dict) -> None:
+  """``write_index`` into the existing directory ``directory``, fsync'ed with it."""
+  with _shardfile.OutDir.open(directory) as held:
+    write_index(held, value)
+    held.sync()
+    held.drain()
+
+
 def dump(path: str, obj: dict) -> None:
   """Writes the index or an ``archive.json`` into the new file ``path``: signed JSON
   (see ``_archive_format``), fsync'ed with its directory."""
@@ -328,7 +440,7 @@ def write_checkpoint(
     nbytes = write_archive(directory, index, record, builder, chunk_bytes)
     if progress is not None:
       progress(index, nbytes)
-  directory.write_bytes(INDEX_FILE, fmt.signed_json(builder.index()))
+  write_index(directory, builder.index())
   directory.sync()
   directory.drain()
   return builder

@@ -93,21 +93,34 @@ class Groups(Sequence):
     src_slots, src_world: each row's source layout (slots per rank, ranks).
   """
 
-  def __init__(self, migrations: Sequence[Migration], facts: Sequence[SourceFacts]):
+  def __init__(
+    self,
+    migrations: Sequence[Migration],
+    facts: Sequence[SourceFacts],
+    *,
+    columns: tuple[np.ndarray, ...] | None = None,
+  ):
+    """``columns``: ``(count, src_slots, src_world, rank, world)`` of the rows, when the
+    caller has them as arrays already (a checkpoint's index); read off the rows otherwise."""
     n = len(facts)
     self.migrations = tuple(migrations)
     self.facts = tuple(facts)
-    sources = np.array(
-      [(s.count, s.slots, s.world_size) for s in (f.source for f in facts)], np.int64
-    ).reshape(n, 3)
-    # ``operator.index``, as the geometry check reads them (numpy would call
-    # ``__int__``, which an int-like type may answer differently).
-    index = operator.index
-    targets = np.array(
-      [(index(m.rank), index(m.world_size)) for m in migrations], np.int64
-    ).reshape(n, 2)
-    self.count, self.src_slots, self.src_world = sources.T.copy()
-    self.rank, self.world = targets.T.copy()
+    if columns is not None:
+      self.count, self.src_slots, self.src_world, self.rank, self.world = (
+        np.asarray(c, np.int64) for c in columns
+      )
+    else:
+      sources = np.array(
+        [(s.count, s.slots, s.world_size) for s in (f.source for f in facts)], np.int64
+      ).reshape(n, 3)
+      # ``operator.index``, as the geometry check reads them (numpy would call
+      # ``__int__``, which an int-like type may answer differently).
+      index = operator.index
+      targets = np.array(
+        [(index(m.rank), index(m.world_size)) for m in migrations], np.int64
+      ).reshape(n, 2)
+      self.count, self.src_slots, self.src_world = sources.T.copy()
+      self.rank, self.world = targets.T.copy()
     self.slots = -(-self.count // self.world)
     if n and int(self.count.max()) >= _EXACT_PRODUCTS:
       # ``(rank + 1) * slots`` may pass 2**63 before it is clipped: Python ints.

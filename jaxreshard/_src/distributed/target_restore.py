@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint.reader import (
   STAGING_BYTES,
   Checkpoint,
@@ -109,8 +110,12 @@ def checkpoint_state(ckpt: Checkpoint) -> tuple[list[Any], Any]:
   (groups, clocks, histories, dtypes).
   """
   with _pipeline.no_gc():
-    migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=1, rank=0)
-    groups = _pipeline.validate(ckpt, migrations)
+    reg = _regular.regular(ckpt)
+    if reg is not None and len(reg.entry):
+      groups = _regular.rank_groups(reg, 1, 0)  # validated from the index's arrays
+    else:
+      migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=1, rank=0)
+      groups = _pipeline.validate(ckpt, migrations)
   if not groups:
     raise PlacementError("the checkpoint holds no parameters")
   template = ckpt.template(groups[0].by_rank[0])

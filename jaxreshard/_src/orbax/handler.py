@@ -337,7 +337,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     ]
     if missing:
       raise ArchiveError(f"{key}: archives {missing[:8]} were not written; nothing is committed")
-    _reader.dump(os.path.join(key, _reader.INDEX_FILE), index)
+    _reader.dump_index(key, index)
 
   def restore(self, directory: epath.Path, args: ReshardRestore | None = None) -> Any:
     """Every archive, one target rank's archive, or the state laid out on a mesh.
