@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxreshard._src.core import assembly as _assembly
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import groups as _groups
@@ -163,6 +164,8 @@ def _build(src: Sources, groups: _groups.Groups, fetch: Fetch, *, logical: bool)
     groups, layout, lambda a, g, m, d: src.locate_runs(groups, a, g, m, d)
   )
   buffers = fetch(runs, keys, layout)
+  if not logical and all(isinstance(b, np.ndarray) for b in buffers.values()):
+    return deferred(src, groups, layout, buffers)
   built: list[list[Any]] = [list(f.history) for f in groups.facts]
   for dtype, slots in layout.slots.items():
     for slot, leaf in zip(slots, _leaves(buffers[dtype], layout.columns[dtype])):
@@ -170,6 +173,17 @@ def _build(src: Sources, groups: _groups.Groups, fetch: Fetch, *, logical: bool)
         leaf.reshape(groups.facts[slot.group].shape) if logical else leaf
       )
   return record(src, groups, built)
+
+
+def deferred(
+  src: Sources, groups: _groups.Groups, layout: _copyplan.TargetLayout, buffers: dict
+) -> ShardRecord:
+  """The target record over its packed host buffers, its placements and state made
+  when first read (``ShardRecord.deferred``)."""
+  facts = groups.facts
+  template = facts[0].by_rank[0] if facts else 0
+  assembly = _assembly.Assembly(src.template(template), facts, layout)
+  return _assembly.deferred_record(assembly, buffers, groups.rank.tolist(), groups.world.tolist())
 
 
 def _roles(template: _structure.StateParts, histories: dict[str, list[Any]]) -> tuple | None:
