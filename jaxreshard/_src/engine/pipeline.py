@@ -47,6 +47,12 @@ def validate(src: Sources, migrations: Sequence[Migration]) -> list[_validate.So
   if isinstance(migrations, (str, bytes)) or not isinstance(migrations, Sequence):
     raise PlacementError(f"migrations must be a list of Migration, got {type(migrations).__name__}")
   with no_gc():
+    # A plan that the sources' own ``plan`` made is recognised by its objects.
+    plans = getattr(src, "plan_cache", None)
+    if plans is not None:
+      groups = plans.validated(migrations, lambda: _validate_all(src, migrations))
+      if groups is not None:
+        return groups
     return _validate_all(src, migrations)
 
 
@@ -99,8 +105,14 @@ def memory_fetch(src: MemorySources, executor: str = "auto") -> Fetch:
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
     if executor == "device" or (executor == "auto" and src.on_accelerator(keys)):
       return _device_fetch(src, runs, keys, layout)
-    views = src.host_views(keys)
-    return {d: _host_exec.execute(views, r, layout.sizes[d], d) for d, r in runs.items()}
+    programs = getattr(src, "programs", None)
+
+    def make() -> dict:
+      views = src.host_views(keys)
+      return {d: _host_exec.Program(views, r) for d, r in runs.items()}
+
+    made = make() if programs is None else programs.get(runs, make)
+    return {d: _host_exec.run(p, layout.sizes[d], d) for d, p in made.items()}
 
   return fetch
 
@@ -159,10 +171,22 @@ def build(
 
 
 def _build(src: Sources, groups: _groups.Groups, fetch: Fetch, *, logical: bool) -> ShardRecord:
-  layout = _copyplan.target_layout(groups, logical=logical)
-  runs, keys = _copyplan.plan_runs(
-    groups, layout, lambda a, g, m, d: src.locate_runs(groups, a, g, m, d)
-  )
+  family = groups.family
+
+  def plan() -> tuple[dict, list]:
+    return _copyplan.plan_runs(
+      groups, layout, lambda a, g, m, d: src.locate_runs(groups, a, g, m, d)
+    )
+
+  if family is None:
+    layout = _copyplan.target_layout(groups, logical=logical)
+    runs, keys = plan()
+  else:
+    # Every rank of a family shares its layout; a rank's runs are kept for its next call.
+    layout = family.remember(
+      ("layout", logical), lambda: _copyplan.target_layout(groups, logical=logical)
+    )
+    runs, keys = family.recent(("runs", groups.uniform_rank, logical), plan)
   buffers = fetch(runs, keys, layout)
   if not logical and all(isinstance(b, np.ndarray) for b in buffers.values()):
     return deferred(src, groups, layout, buffers)
@@ -182,8 +206,83 @@ def deferred(
   when first read (``ShardRecord.deferred``)."""
   facts = groups.facts
   template = facts[0].by_rank[0] if facts else 0
-  assembly = _assembly.Assembly(src.template(template), facts, layout)
-  return _assembly.deferred_record(assembly, buffers, groups.rank.tolist(), groups.world.tolist())
+
+  def make() -> _assembly.Assembly:
+    return _assembly.Assembly(src.template(template), facts, layout)
+
+  family = groups.family
+  if family is None:
+    return _assembly.deferred_record(make(), buffers, groups.rank.tolist(), groups.world.tolist())
+  assembly = family.remember(("assembly", id(layout)), make)
+  return _assembly.deferred_record(assembly, buffers, groups.uniform_rank, family.world)
+
+
+# ``build_ranks`` copies by blocks from this many target ranks on; fewer go run by run.
+MIN_BLOCK_RANKS = 2
+
+
+def build_ranks(src: Sources, tables: Sequence[_groups.Groups], executor: str) -> list | None:
+  """Every target rank of ``tables`` at once, by blocks (``copyplan.Blocks``); None
+  where that does not apply and the ranks are built one by one.
+
+  It applies to consecutive target ranks of one family (the plans ``plan``
+  made of one world size, in rank order) whose sources are uniform archives in
+  host memory: each dtype's target rows are one fresh 2-D buffer, filled
+  buffer by buffer for every rank at once, and each rank's record is deferred
+  over its rows.
+  """
+  if len(tables) < MIN_BLOCK_RANKS or executor == "device":
+    return None
+  family = tables[0].family
+  if family is None or not hasattr(src, "stacked"):
+    return None
+  first = tables[0].uniform_rank
+  if any(t.family is not family or t.uniform_rank != first + i for i, t in enumerate(tables)):
+    return None
+  archives = family.remember(("sources",), lambda: _common_sources(family.facts))
+  if not archives or not src.uniform(archives) or src.on_accelerator_archives(archives):
+    return None
+  with no_gc():
+    return _build_ranks(src, tables, family, archives, first)
+
+
+def _common_sources(facts: Sequence[Any]) -> tuple[int, ...] | bool:
+  """The one ``by_rank`` every row shares, or False."""
+  if not facts:
+    return False
+  first = facts[0].by_rank
+  return first if all(f.by_rank == first for f in facts) else False
+
+
+def _build_ranks(src, tables, family, archives, first) -> list | None:
+  groups = tables[0]
+  layout = family.remember(("layout", False), lambda: _copyplan.target_layout(groups))
+  work = []
+  for dtype in layout.slots:
+    stack = src.stacked(archives, dtype)
+    if stack is None:
+      return None
+    blocks = family.remember(
+      ("blocks", dtype, id(stack)),
+      lambda: _copyplan.plan_blocks(groups, layout, dtype, stack.order, stack.offsets) or False,
+    )
+    if blocks is False:
+      return None
+    work.append((dtype, stack, blocks))
+  n = len(tables)
+  rows = {}
+  for dtype, stack, blocks in work:
+    out = np.zeros((n, layout.sizes[dtype]), dtype)
+    _host_exec.copy_blocks(stack.array(), out.view(_host_exec.UINT[out.itemsize]), blocks, first)
+    rows[dtype] = out
+  assembly = family.remember(
+    ("assembly", id(layout)),
+    lambda: _assembly.Assembly(src.template(archives[0]), family.facts, layout),
+  )
+  return [
+    _assembly.deferred_record(assembly, {d: r[i] for d, r in rows.items()}, first + i, family.world)
+    for i in range(n)
+  ]
 
 
 def _roles(template: _structure.StateParts, histories: dict[str, list[Any]]) -> tuple | None:

@@ -14,16 +14,17 @@ much of it, so large targets are split between ``THREADS`` workers.
 from __future__ import annotations
 
 import concurrent.futures
+import operator
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from jaxreshard._src.core.copyplan import Runs
+from jaxreshard._src.core.copyplan import Blocks, Runs
 from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = ["bits", "execute", "host_bits", "host_view"]
+__all__ = ["Program", "bits", "copy_blocks", "execute", "host_bits", "host_view", "run"]
 
 THREADS = 2
 # Below this many bytes a second thread costs more than it saves.
@@ -34,6 +35,7 @@ _POOL: list[concurrent.futures.ThreadPoolExecutor] = []
 
 
 bits = _bitview.bits
+UINT = _bitview.UINT
 
 
 def host_view(x: Any) -> np.ndarray:
@@ -60,26 +62,52 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return _POOL[0]
 
 
-def _copy(out: np.ndarray, sources: Sequence[np.ndarray], runs: Runs, lo: int, hi: int) -> None:
-  """Copies runs ``lo:hi`` (sorted by ``dst``): runs that follow each other in
-  ``out`` without a gap are one ``np.concatenate`` into that stretch, so Python
-  handles a run in a slice and an append while numpy moves the bytes."""
-  dst, length = runs.dst[lo:hi], runs.length[lo:hi]
-  end = dst + length
-  # A stretch starts at a run whose dst is not where the previous one ended.
-  starts = np.flatnonzero(np.concatenate([[True], dst[1:] != end[:-1]]))
-  stops = np.append(starts[1:], len(dst))
-  pieces = [
-    sources[s][a : a + n]
-    for s, a, n in zip(runs.source[lo:hi].tolist(), runs.src[lo:hi].tolist(), length.tolist())
-  ]
-  for i, j, b, e in zip(
-    starts.tolist(), stops.tolist(), dst[starts].tolist(), end[stops - 1].tolist()
-  ):
-    if j - i == 1:
-      out[b:e] = pieces[i]
-    else:
-      np.concatenate(pieces[i:j], out=out[b:e])
+class Program:
+  """The runs of one target buffer made ready to copy, run by run, into any fresh buffer.
+
+  Runs are sorted by ``dst``; per run its source (an unsigned view) and its
+  ``slice`` in it are kept, so a copy makes each run's piece with one C-level
+  ``map`` and moves a gapless stretch of runs with one ``np.concatenate``.
+  A program holds views of its sources, never a copy of their bytes: made
+  once for a plan, it copies what the sources hold when it runs.
+  """
+
+  def __init__(self, sources: Sequence[np.ndarray], runs: Runs):
+    if len(runs) > 1 and (np.diff(runs.dst) < 0).any():
+      order = np.argsort(runs.dst, kind="stable")
+      runs = Runs(runs.source[order], runs.src[order], runs.dst[order], runs.length[order])
+    src = [s if s.dtype.kind == "u" else bits(s) for s in sources]
+    self.length = runs.length
+    self.elements = runs.elements
+    self._views = [src[i] for i in runs.source.tolist()]
+    self._slices = list(map(slice, runs.src.tolist(), (runs.src + runs.length).tolist()))
+    dst, end = runs.dst, runs.dst + runs.length
+    self._dst, self._end = dst, end
+    # A stretch starts at a run whose dst is not where the previous one ended.
+    self._starts = np.flatnonzero(np.concatenate([[True], dst[1:] != end[:-1]]))
+
+  def __len__(self) -> int:
+    return len(self.length)
+
+  def copy(self, out: np.ndarray, lo: int, hi: int) -> None:
+    """Copies runs ``lo:hi`` into ``out`` (an unsigned view of the target buffer)."""
+    if lo >= hi:
+      return
+    pieces = list(map(operator.getitem, self._views[lo:hi], self._slices[lo:hi]))
+    starts = self._starts[(self._starts >= lo) & (self._starts < hi)]
+    if not len(starts) or starts[0] != lo:
+      starts = np.concatenate([[lo], starts])
+    stops = np.append(starts[1:], hi)
+    for i, j, b, e in zip(
+      (starts - lo).tolist(),
+      (stops - lo).tolist(),
+      self._dst[starts].tolist(),
+      self._end[stops - 1].tolist(),
+    ):
+      if j - i == 1:
+        out[b:e] = pieces[i]
+      else:
+        np.concatenate(pieces[i:j], out=out[b:e])
 
 
 def execute(sources: Sequence[np.ndarray], runs: Runs, size: int, dtype: np.dtype) -> np.ndarray:
@@ -92,40 +120,121 @@ def execute(sources: Sequence[np.ndarray], runs: Runs, size: int, dtype: np.dtyp
     size: elements of the target buffer.
     dtype: its dtype.
   """
+  return run(Program(sources, runs), size, dtype)
+
+
+def run(program: Program, size: int, dtype: np.dtype) -> np.ndarray:
+  """A fresh ``(size,)`` array of ``dtype`` filled by ``program``, zeros elsewhere."""
   dtype = np.dtype(dtype)
   out = np.zeros(size, dtype)
-  if not len(runs):
+  n = len(program)
+  if not n:
     return out
   view = bits(out)
-  src = [s if s.dtype.kind == "u" else bits(s) for s in sources]
-  if len(runs) > 1 and (np.diff(runs.dst) < 0).any():
-    order = np.argsort(runs.dst, kind="stable")
-    runs = Runs(runs.source[order], runs.src[order], runs.dst[order], runs.length[order])
-  n = len(runs)
-  if (
-    size * dtype.itemsize < _PARALLEL_BYTES
-    or n < 2
-    and runs.elements * dtype.itemsize < 2 * _PARALLEL_BYTES
+  if size * dtype.itemsize < _PARALLEL_BYTES or (
+    n < 2 and program.elements * dtype.itemsize < 2 * _PARALLEL_BYTES
   ):
-    _copy(view, src, runs, 0, n)
+    program.copy(view, 0, n)
     return out
-  if n == 1:  # one long run: split it in two
-    runs = _halves(runs)
-    n = 2
-  cut = int(np.searchsorted(np.cumsum(runs.length), runs.elements // 2)) + 1
+  if n == 1:  # one long run: its two halves in two threads
+    half = int(program.length[0]) // 2
+    other = _pool().submit(_copy_part, view, program, half, None)
+    _copy_part(view, program, 0, half)
+    other.result()
+    return out
+  cut = int(np.searchsorted(np.cumsum(program.length), program.elements // 2)) + 1
   cut = min(max(cut, 1), n - 1)
-  other = _pool().submit(_copy, view, src, runs, cut, n)
-  _copy(view, src, runs, 0, cut)
+  other = _pool().submit(program.copy, view, cut, n)
+  program.copy(view, 0, cut)
   other.result()
   return out
 
 
-def _halves(runs: Runs) -> Runs:
-  half = int(runs.length[0]) // 2
-  rest = int(runs.length[0]) - half
-  return Runs(
-    np.repeat(runs.source, 2),
-    np.array([runs.src[0], runs.src[0] + half]),
-    np.array([runs.dst[0], runs.dst[0] + half]),
-    np.array([half, rest]),
-  )
+def _copy_part(out: np.ndarray, program: Program, lo: int, hi: int | None) -> None:
+  """Elements ``lo:hi`` of a program's one run."""
+  src = program._views[0][program._slices[0]]
+  dst = int(program._dst[0])
+  hi = len(src) if hi is None else hi
+  out[dst + lo : dst + hi] = src[lo:hi]
+
+
+def copy_blocks(src: np.ndarray, out: np.ndarray, blocks: Blocks, first: int) -> None:
+  """Copies every block into target rows ``first .. first + len(out) - 1``.
+
+  Args:
+    src: ``(source ranks, width)`` unsigned: each row one source rank's buffers.
+    out: ``(target ranks, width)`` unsigned, zeros: row ``i`` is target rank
+      ``first + i``; what no block writes stays zero (padding).
+    blocks: where each buffer lies in both (``Blocks``).
+    first: the target rank of ``out``'s first row.
+  """
+  n = len(blocks)
+  if not n:
+    return
+  # What each block copies, to split the work between two threads by bytes.
+  lo = np.minimum(first * blocks.dst_slots, blocks.count)
+  hi = np.minimum((first + out.shape[0]) * blocks.dst_slots, blocks.count)
+  moved = np.maximum(hi - lo, 0)
+  total = int(moved.sum())
+  table = (blocks.src, blocks.src_slots, blocks.dst, blocks.dst_slots, lo, hi)
+  if total * out.itemsize < 2 * _PARALLEL_BYTES or n < 2:
+    _copy_blocks(src, out, table, first, 0, n)
+    return
+  cut = int(np.searchsorted(np.cumsum(moved), total // 2)) + 1
+  cut = min(max(cut, 1), n - 1)
+  other = _pool().submit(_copy_blocks, src, out, table, first, cut, n)
+  _copy_blocks(src, out, table, first, 0, cut)
+  other.result()
+
+
+# Elements of a buffer moved per step through the scratch: small enough that the
+# scratch stays in cache between reading it from the sources and writing it out.
+_CHUNK = 1 << 16
+
+
+def _copy_blocks(src, out, table, first: int, a: int, b: int) -> None:
+  """Blocks ``a:b``: the flat range ``[lo, hi)`` of each buffer, read from the
+  source rows it spans and written to the target rows from row 0 on, a chunk
+  at a time."""
+  del first  # ``lo`` is where target row 0 starts in every buffer
+  scratch = np.empty(_CHUNK, src.dtype)
+  for so, ss, to, ts, lo, hi in zip(*(c[a:b].tolist() for c in table)):
+    for at in range(lo, hi, _CHUNK):
+      end = min(at + _CHUNK, hi)
+      k0 = at // ss
+      if (end - 1) // ss == k0:  # inside one source row: a view, no copy
+        piece = src[k0, so + at - k0 * ss : so + end - k0 * ss]
+      else:
+        piece = scratch[: end - at]
+        _gather(src, piece, so, ss, at, end)
+      _scatter(out, piece, to, ts, at - lo)
+
+
+def _gather(src: np.ndarray, dst: np.ndarray, so: int, ss: int, lo: int, hi: int) -> None:
+  """``dst[:] =`` the flat range ``[lo, hi)`` of a buffer whose rows are
+  ``src[:, so : so + ss]``: a partial first row, whole rows, a partial last row."""
+  k = lo // ss
+  head = min(ss - (lo - k * ss), hi - lo)
+  dst[:head] = src[k, so + lo - k * ss : so + lo - k * ss + head]
+  whole = (hi - lo - head) // ss
+  if whole:
+    dst[head : head + whole * ss].reshape(whole, ss)[...] = src[k + 1 : k + 1 + whole, so : so + ss]
+  tail = hi - lo - head - whole * ss
+  if tail:
+    dst[head + whole * ss :] = src[k + 1 + whole, so : so + tail]
+
+
+def _scatter(out: np.ndarray, piece: np.ndarray, to: int, ts: int, at: int) -> None:
+  """Writes ``piece`` at flat position ``at`` of a buffer whose rows are
+  ``out[:, to : to + ts]``: a partial first row, whole rows, a partial last row."""
+  r = at // ts
+  col = at - r * ts
+  n = len(piece)
+  head = min(ts - col, n)
+  out[r, to + col : to + col + head] = piece[:head]
+  whole = (n - head) // ts
+  if whole:
+    out[r + 1 : r + 1 + whole, to : to + ts] = piece[head : head + whole * ts].reshape(whole, ts)
+  tail = n - head - whole * ts
+  if tail:
+    out[r + 1 + whole, to : to + tail] = piece[head + whole * ts :]
