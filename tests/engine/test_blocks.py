@@ -41,11 +41,12 @@ def _oracle_rows(flats, world):
   m=st.integers(1, 13),
   span=st.tuples(st.integers(0, 12), st.integers(1, 13)),
   chunk=st.sampled_from([1, 3, 7, 1 << 16]),
+  tile=st.sampled_from([(0, 16), (4, 64), (32, 1 << 20)]),
   seed=st.integers(0, 2**16),
 )
-def test_copy_blocks_is_the_flat_shard_rule(counts, w, m, span, chunk, seed):
+def test_copy_blocks_is_the_flat_shard_rule(counts, w, m, span, chunk, tile, seed):
   """Target rows ``first .. first + n - 1`` of every buffer equal the oracle's shards,
-  for any two world sizes, row ranges, chunk sizes; padding stays zero."""
+  for any two world sizes, row ranges, chunk and tile sizes; padding stays zero."""
   first = min(span[0], m - 1)
   n = min(span[1], m - first)
   rng = np.random.default_rng(seed)
@@ -68,12 +69,12 @@ def test_copy_blocks_is_the_flat_shard_rule(counts, w, m, span, chunk, seed):
     np.array(counts, np.int64),
   )
   out = np.zeros((n, int(ts.sum())), np.uint32)
-  old = _host_exec._CHUNK
-  _host_exec._CHUNK = chunk
+  old = _host_exec._CHUNK, _host_exec._NARROW, _host_exec._TILE_BYTES
+  _host_exec._CHUNK, (_host_exec._NARROW, _host_exec._TILE_BYTES) = chunk, tile
   try:
     _host_exec.copy_blocks(src, out, blocks, first)
   finally:
-    _host_exec._CHUNK = old
+    _host_exec._CHUNK, _host_exec._NARROW, _host_exec._TILE_BYTES = old
   want = _oracle_rows(flats, m)[first : first + n]
   np.testing.assert_array_equal(out, want)
 

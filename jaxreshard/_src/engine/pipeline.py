@@ -10,6 +10,7 @@ copies from memory, jitted gathers on a device, reads from files).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,14 +47,20 @@ def validate(src: Sources, migrations: Sequence[Migration]) -> list[_validate.So
   """
   if isinstance(migrations, (str, bytes)) or not isinstance(migrations, Sequence):
     raise PlacementError(f"migrations must be a list of Migration, got {type(migrations).__name__}")
+  if not gc.isenabled():  # already paused: by reshard_ranks, once for all its plans
+    return _validated(src, migrations)
   with no_gc():
-    # A plan that the sources' own ``plan`` made is recognised by its objects.
-    plans = getattr(src, "plan_cache", None)
-    if plans is not None:
-      groups = plans.validated(migrations, lambda: _validate_all(src, migrations))
-      if groups is not None:
-        return groups
-    return _validate_all(src, migrations)
+    return _validated(src, migrations)
+
+
+def _validated(src: Sources, migrations: Sequence[Migration]) -> _groups.Groups:
+  # A plan that the sources' own ``plan`` made is recognised by its objects.
+  plans = getattr(src, "plan_cache", None)
+  if plans is not None:
+    groups = plans.validated(migrations, lambda: _validate_all(src, migrations))
+    if groups is not None:
+      return groups
+  return _validate_all(src, migrations)
 
 
 def _validate_all(src: Sources, migrations: Sequence[Migration]) -> _groups.Groups:

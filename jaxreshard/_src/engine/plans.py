@@ -77,12 +77,12 @@ class PlanCache:
     if not isinstance(migrations, (list, tuple)) or not migrations:
       return None
     first = migrations[0]
-    with self._lock:
-      key = self._by_first.get(id(first))
-      plan = None if key is None else self._plans.get(key)
+    # Reads need no lock: entries are only ever added or removed whole.
+    key = self._by_first.get(id(first))
+    plan = None if key is None else self._plans.get(key)
     if plan is None or plan[0] is not first or len(plan) != len(migrations):
       return None
-    if not all(map(operator.is_, migrations, plan)):
+    if any(map(operator.is_not, migrations, plan)):
       return None
     return key, plan
 

@@ -495,24 +495,31 @@ def _address(view: np.ndarray) -> int:
 def _make_stack(src: RecordSources, archives: tuple[int, ...], dtype: np.dtype) -> _Stack | bool:
   """``RecordSources.stacked``'s work, or False where it does not apply."""
   order = src._packing_of(archives[0], dtype)
+  n = len(order)
+  if not n:
+    return False
   keys = [(a, pid, m) for a in archives for pid, m in order]
+  # Buffers that are numpy arrays are looked at as they are (no view is kept
+  # per buffer when an archive's buffers lie back to back).
+  buffers = [src.buffer(k) for k in keys]
+  sizes = [int(np.size(b)) for b in buffers[:n]]
+  if any(int(np.size(b)) != sizes[i % n] for i, b in enumerate(buffers)):
+    return False
+  offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+  width = sum(sizes)
+  uint = _host_exec.UINT.get(dtype.itemsize)
+  if uint is not None and all(type(b) is np.ndarray for b in buffers):
+    rows = [_packed_row(buffers[i * n : (i + 1) * n], width) for i in range(len(archives))]
+    if all(r is not None for r in rows):
+      rows = [r.view(uint) for r in rows]
+      return _Stack(order, offsets, width, rows=rows, whole=_evenly_spaced(rows))
   try:
     views = src.host_views(keys)
   except (TypeError, ValueError, RuntimeError):
     return False
-  n = len(order)
-  if not n or any(v.ndim != 1 or not v.flags.c_contiguous for v in views):
+  if any(v.ndim != 1 or not v.flags.c_contiguous for v in views):
     return False
-  sizes = [int(v.size) for v in views[:n]]
-  if any(int(v.size) != sizes[i % n] for i, v in enumerate(views)):
-    return False
-  offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-  width = sum(sizes)
-  rows = [_packed_row(views[i * n : (i + 1) * n], width) for i in range(len(archives))]
-  if any(r is None for r in rows):
-    return _Stack(order, offsets, width, views=views)
-  whole = _evenly_spaced(rows)
-  return _Stack(order, offsets, width, rows=rows, whole=whole)
+  return _Stack(order, offsets, width, views=views)
 
 
 def _packed_row(views: Sequence[np.ndarray], width: int) -> np.ndarray | None:
@@ -523,6 +530,8 @@ def _packed_row(views: Sequence[np.ndarray], width: int) -> np.ndarray | None:
   at = _address(first)
   for v in views:
     if v.dtype != first.dtype or (v.base if v.base is not None else v) is not owner:
+      return None
+    if v.ndim != 1 or (v.size > 1 and v.strides[0] != itemsize):
       return None
     if _address(v) != at:
       return None

@@ -131,8 +131,10 @@ def run(program: Program, size: int, dtype: np.dtype) -> np.ndarray:
   if not n:
     return out
   view = bits(out)
-  if size * dtype.itemsize < _PARALLEL_BYTES or (
-    n < 2 and program.elements * dtype.itemsize < 2 * _PARALLEL_BYTES
+  if (
+    THREADS < 2
+    or size * dtype.itemsize < _PARALLEL_BYTES
+    or (n < 2 and program.elements * dtype.itemsize < 2 * _PARALLEL_BYTES)
   ):
     program.copy(view, 0, n)
     return out
@@ -177,7 +179,7 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, blocks: Blocks, first: int) ->
   moved = np.maximum(hi - lo, 0)
   total = int(moved.sum())
   table = (blocks.src, blocks.src_slots, blocks.dst, blocks.dst_slots, lo, hi)
-  if total * out.itemsize < 2 * _PARALLEL_BYTES or n < 2:
+  if THREADS < 2 or total * out.itemsize < 2 * _PARALLEL_BYTES or n < 2:
     _copy_blocks(src, out, table, first, 0, n)
     return
   cut = int(np.searchsorted(np.cumsum(moved), total // 2)) + 1
@@ -190,24 +192,92 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, blocks: Blocks, first: int) ->
 # Elements of a buffer moved per step through the scratch: small enough that the
 # scratch stays in cache between reading it from the sources and writing it out.
 _CHUNK = 1 << 16
+# A buffer whose slots on both sides are at most this many elements is narrow:
+# a row of it is less than a cache line or two, and copying it row by row
+# costs a cache miss per (rank, buffer). Runs of narrow buffers that lie side
+# by side are copied through tiles of at most ``_TILE_BYTES``: their rows read
+# whole from the sources, and written whole to the targets.
+_NARROW = 32
+_TILE_BYTES = 1 << 20
 
 
 def _copy_blocks(src, out, table, first: int, a: int, b: int) -> None:
   """Blocks ``a:b``: the flat range ``[lo, hi)`` of each buffer, read from the
-  source rows it spans and written to the target rows from row 0 on, a chunk
-  at a time."""
+  source rows it spans and written to the target rows from row 0 on."""
   del first  # ``lo`` is where target row 0 starts in every buffer
+  so, ss, to, ts, lo, hi = (c[a:b].tolist() for c in table)
   scratch = np.empty(_CHUNK, src.dtype)
-  for so, ss, to, ts, lo, hi in zip(*(c[a:b].tolist() for c in table)):
-    for at in range(lo, hi, _CHUNK):
-      end = min(at + _CHUNK, hi)
-      k0 = at // ss
-      if (end - 1) // ss == k0:  # inside one source row: a view, no copy
-        piece = src[k0, so + at - k0 * ss : so + end - k0 * ss]
-      else:
-        piece = scratch[: end - at]
-        _gather(src, piece, so, ss, at, end)
-      _scatter(out, piece, to, ts, at - lo)
+  tiles = np.empty(2 * (_TILE_BYTES // src.itemsize), src.dtype)
+  i, n = 0, b - a
+  while i < n:
+    j = _narrow_run(so, ss, to, ts, lo, hi, i, n, src.itemsize)
+    if j - i > 1:
+      scratch = _copy_tiled(src, out, (so, ss, to, ts, lo, hi), i, j, scratch, tiles)
+    else:
+      _copy_one(src, out, so[i], ss[i], to[i], ts[i], lo[i], hi[i], scratch)
+    i = j
+
+
+def _narrow_run(so, ss, to, ts, lo, hi, i: int, n: int, itemsize: int) -> int:
+  """The end of the run of narrow buffers from ``i`` that lie side by side in both
+  rows and fit one tile (``i + 1`` when buffer ``i`` is not narrow)."""
+  rows_in = rows_out = 0
+  width_in = width_out = 0
+  j = i
+  while j < n:
+    if hi[j] <= lo[j] or ss[j] > _NARROW or ts[j] > _NARROW:
+      break
+    if j > i and (so[j] != so[j - 1] + ss[j - 1] or to[j] != to[j - 1] + ts[j - 1]):
+      break
+    r_in = (hi[j] - 1) // ss[j] + 1 - lo[j] // ss[j]
+    r_out = -(-(hi[j] - lo[j]) // ts[j])
+    w_in, w_out = width_in + ss[j], width_out + ts[j]
+    if j > i and max(max(rows_in, r_in) * w_in, max(rows_out, r_out) * w_out) * itemsize > (
+      _TILE_BYTES
+    ):
+      break
+    rows_in, rows_out = max(rows_in, r_in), max(rows_out, r_out)
+    width_in, width_out = w_in, w_out
+    j += 1
+  return max(j, i + 1)
+
+
+def _copy_one(src, out, so, ss, to, ts, lo, hi, scratch) -> None:
+  """One buffer's flat range ``[lo, hi)``, a chunk at a time."""
+  for at in range(lo, hi, _CHUNK):
+    end = min(at + _CHUNK, hi)
+    k0 = at // ss
+    if (end - 1) // ss == k0:  # inside one source row: a view, no copy
+      piece = src[k0, so + at - k0 * ss : so + end - k0 * ss]
+    else:
+      piece = scratch[: end - at]
+      _gather(src, piece, so, ss, at, end)
+    _scatter(out, piece, to, ts, at - lo)
+
+
+def _copy_tiled(src, out, cols, i: int, j: int, scratch, tiles) -> np.ndarray:
+  """Narrow buffers ``i:j``, side by side in both rows: their source rows read into
+  one tile, each buffer moved from it into a target tile, written out whole."""
+  so, ss, to, ts, lo, hi = cols
+  k0 = min(lo[b] // ss[b] for b in range(i, j))
+  k1 = max((hi[b] - 1) // ss[b] + 1 for b in range(i, j))
+  rows = max(-(-(hi[b] - lo[b]) // ts[b]) for b in range(i, j))
+  width_in = so[j - 1] + ss[j - 1] - so[i]
+  width_out = to[j - 1] + ts[j - 1] - to[i]
+  half = len(tiles) // 2
+  tile_in = tiles[: (k1 - k0) * width_in].reshape(k1 - k0, width_in)
+  tile_in[...] = src[k0:k1, so[i] : so[i] + width_in]
+  tile_out = tiles[half : half + rows * width_out].reshape(rows, width_out)
+  tile_out[...] = 0
+  for b in range(i, j):
+    length = hi[b] - lo[b]
+    if len(scratch) < length:
+      scratch = np.empty(length, src.dtype)
+    piece = scratch[:length]
+    _gather(tile_in, piece, so[b] - so[i], ss[b], lo[b] - k0 * ss[b], hi[b] - k0 * ss[b])
+    _scatter(tile_out, piece, to[b] - to[i], ts[b], 0)
+  out[:rows, to[i] : to[i] + width_out] = tile_out
+  return scratch
 
 
 def _gather(src: np.ndarray, dst: np.ndarray, so: int, ss: int, lo: int, hi: int) -> None:
