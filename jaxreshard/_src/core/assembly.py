@@ -12,6 +12,7 @@ record is first read (``ShardRecord.deferred``).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import operator
 from collections.abc import Sequence
@@ -114,25 +115,46 @@ class Assembly:
 class RankParts:
   """One target rank's packed buffers and what its deferred record is made with."""
 
-  __slots__ = ("assembly", "buffers", "ranks", "worlds")
+  __slots__ = ("assembly", "buffers", "ranks", "worlds", "made")
 
   def __init__(
-    self, assembly: Assembly, buffers: dict[np.dtype, np.ndarray], ranks: Any, worlds: Any
+    self,
+    assembly: Assembly,
+    buffers: dict[np.dtype, np.ndarray],
+    ranks: Any,
+    worlds: Any,
+    placements: tuple[ParamPlacement, ...] | None = None,
   ):
     self.assembly = assembly
     self.buffers = buffers
     self.ranks = ranks
     self.worlds = worlds
+    self.made = placements
 
   def state(self) -> Any:
-    return self.assembly.state(self.buffers)
+    # A view and a few containers per leaf, no reference cycles: the cyclic
+    # collector is paused, as around the copy itself, or the allocations
+    # trigger collections that walk every live object.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+      return self.assembly.state(self.buffers)
+    finally:
+      if enabled:
+        gc.enable()
 
   def placements(self) -> tuple[ParamPlacement, ...]:
+    if self.made is not None:
+      return self.made
     return self.assembly.placements(self.ranks, self.worlds)
 
 
 def deferred_record(
-  assembly: Assembly, buffers: dict[np.dtype, np.ndarray], ranks: Any, worlds: Any
+  assembly: Assembly,
+  buffers: dict[np.dtype, np.ndarray],
+  ranks: Any,
+  worlds: Any,
+  placements: tuple[ParamPlacement, ...] | None = None,
 ) -> ShardRecord:
   """A target record over ``buffers``, its placements and state made when first read.
 
@@ -141,7 +163,9 @@ def deferred_record(
     buffers: the packed buffer of each of ``assembly.dtypes``.
     ranks, worlds: the target rank and world size: one int each, or a list
       with one per row.
+    placements: the placements, when they were made already (frozen, they may be
+      shared by every record of the rank).
   """
   return ShardRecord.deferred(
-    RECORD_VERSION, assembly.roles, RankParts(assembly, buffers, ranks, worlds)
+    RECORD_VERSION, assembly.roles, RankParts(assembly, buffers, ranks, worlds, placements)
   )

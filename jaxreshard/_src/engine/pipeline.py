@@ -221,7 +221,12 @@ def deferred(
   if family is None:
     return _assembly.deferred_record(make(), buffers, groups.rank.tolist(), groups.world.tolist())
   assembly = family.remember(("assembly", id(layout)), make)
-  return _assembly.deferred_record(assembly, buffers, groups.uniform_rank, family.world)
+  # A rank's placements are frozen: every record of the rank may share them.
+  placements = family.recent(
+    ("placements", groups.uniform_rank),
+    lambda: assembly.placements(groups.uniform_rank, family.world),
+  )
+  return _assembly.deferred_record(assembly, buffers, groups.uniform_rank, family.world, placements)
 
 
 # ``build_ranks`` copies by blocks from this many target ranks on; fewer go run by run.

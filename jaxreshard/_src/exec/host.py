@@ -65,11 +65,11 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 class Program:
   """The runs of one target buffer made ready to copy, run by run, into any fresh buffer.
 
-  Runs are sorted by ``dst``; per run its source (an unsigned view) and its
-  ``slice`` in it are kept, so a copy makes each run's piece with one C-level
-  ``map`` and moves a gapless stretch of runs with one ``np.concatenate``.
-  A program holds views of its sources, never a copy of their bytes: made
-  once for a plan, it copies what the sources hold when it runs.
+  Runs are sorted by ``dst``; each run's piece of its source is made once, as
+  an unsigned view, and a copy moves a gapless stretch of runs with one
+  ``np.concatenate``. A program holds views of its sources, never a copy of
+  their bytes: made once for a plan, it copies what the sources hold when it
+  runs.
   """
 
   def __init__(self, sources: Sequence[np.ndarray], runs: Runs):
@@ -79,8 +79,13 @@ class Program:
     src = [s if s.dtype.kind == "u" else bits(s) for s in sources]
     self.length = runs.length
     self.elements = runs.elements
-    self._views = [src[i] for i in runs.source.tolist()]
-    self._slices = list(map(slice, runs.src.tolist(), (runs.src + runs.length).tolist()))
+    self._pieces = list(
+      map(
+        operator.getitem,
+        [src[i] for i in runs.source.tolist()],
+        map(slice, runs.src.tolist(), (runs.src + runs.length).tolist()),
+      )
+    )
     dst, end = runs.dst, runs.dst + runs.length
     self._dst, self._end = dst, end
     # A stretch starts at a run whose dst is not where the previous one ended.
@@ -93,7 +98,7 @@ class Program:
     """Copies runs ``lo:hi`` into ``out`` (an unsigned view of the target buffer)."""
     if lo >= hi:
       return
-    pieces = list(map(operator.getitem, self._views[lo:hi], self._slices[lo:hi]))
+    pieces = self._pieces[lo:hi]
     starts = self._starts[(self._starts >= lo) & (self._starts < hi)]
     if not len(starts) or starts[0] != lo:
       starts = np.concatenate([[lo], starts])
@@ -154,7 +159,7 @@ def run(program: Program, size: int, dtype: np.dtype) -> np.ndarray:
 
 def _copy_part(out: np.ndarray, program: Program, lo: int, hi: int | None) -> None:
   """Elements ``lo:hi`` of a program's one run."""
-  src = program._views[0][program._slices[0]]
+  src = program._pieces[0]
   dst = int(program._dst[0])
   hi = len(src) if hi is None else hi
   out[dst + lo : dst + hi] = src[lo:hi]
