@@ -80,7 +80,8 @@ def test_copy_blocks_is_the_flat_shard_rule(counts, w, m, span, chunk, tile, see
 
 
 def _spy(monkeypatch):
-  """Counts the block copies ``reshard_ranks`` makes."""
+  """Counts the block copies ``reshard_ranks`` makes, blocks taken wherever they apply."""
+  monkeypatch.setattr(_pipeline, "_BLOCK_RUNS", -1)
   calls = []
   real = _host_exec.copy_blocks
 
@@ -159,17 +160,23 @@ def _records_with_leaves(records, make):
   for i, r in enumerate(records):
     leaves, treedef = jax.tree_util.tree_flatten(r.state)
     hist = [j for j, role in enumerate(r.roles) if role is not None]
-    new = make(i, [np.asarray(leaves[j]) for j in hist])
+    # Packing order: by param id, then mirror (the k-th buffer of a param is mirror k).
+    seen: dict = {}
+    keys = [
+      (r.roles[j], seen.setdefault(r.roles[j], []).append(j) or len(seen[r.roles[j]])) for j in hist
+    ]
+    packing = sorted(range(len(hist)), key=keys.__getitem__)
+    new = make(i, [np.asarray(leaves[j]) for j in hist], packing)
     for j, x in zip(hist, new):
       leaves[j] = x
     out.append(jr.ShardRecord(r.version, r.placements, treedef.unflatten(leaves), r.roles))
   return out
 
 
-def _one_buffer(i, bufs, order=None):
-  """The buffers as views of one allocation, laid out in ``order`` (default: in order)."""
-  order = list(range(len(bufs))) if order is None else order
-  whole = np.zeros(sum(b.size for b in bufs), np.float32)
+def _one_buffer(bufs, order, into=None):
+  """The buffers as views of one allocation (``into``, or a new one), laid out in
+  ``order``."""
+  whole = np.zeros(sum(b.size for b in bufs), np.float32) if into is None else into
   at, views = 0, [None] * len(bufs)
   for j in order:
     views[j] = whole[at : at + bufs[j].size]
@@ -182,23 +189,28 @@ def _one_buffer(i, bufs, order=None):
   "layout",
   ["rows of one array", "one buffer per archive", "reversed in one buffer", "one array each"],
 )
-def test_every_source_layout_gives_the_same_bits(layout):
+def test_every_source_layout_gives_the_same_bits(monkeypatch, layout):
   """Sources that lie back to back (viewed as they are), scattered in one allocation
   (never read as if packed), or one array per buffer: the same targets."""
+  monkeypatch.setattr(_pipeline, "_BLOCK_RUNS", -1)
   opt = optax.adam(1e-2)
   params = random_params(
     {"a": ((13,), jnp.float32), "b": ((5, 3), jnp.float32), "c": ((), jnp.float32)}
   )
   state = random_state(opt, params)
   records = jr.shard_state(opt, params, state, world_size=4)
-  if layout == "one buffer per archive":
-    records = _records_with_leaves(records, _one_buffer)
-  elif layout == "reversed in one buffer":
-    records = _records_with_leaves(
-      records, lambda i, b: _one_buffer(i, b, order=list(range(len(b)))[::-1])
+  if layout == "rows of one array":
+    width = sum(
+      int(np.size(x)) for x, r in zip(jax.tree.leaves(records[0].state), records[0].roles) if r
     )
+    whole = np.zeros((len(records), width), np.float32)
+    records = _records_with_leaves(records, lambda i, b, p: _one_buffer(b, p, into=whole[i]))
+  elif layout == "one buffer per archive":
+    records = _records_with_leaves(records, lambda i, b, p: _one_buffer(b, p))
+  elif layout == "reversed in one buffer":
+    records = _records_with_leaves(records, lambda i, b, p: _one_buffer(b, p[::-1]))
   elif layout == "one array each":
-    records = _records_with_leaves(records, lambda i, b: [x.copy() for x in b])
+    records = _records_with_leaves(records, lambda i, b, p: [x.copy() for x in b])
   plans = [jr.plan(records, world_size=3, rank=r) for r in range(3)]
   targets = jr.reshard_ranks(records, plans)
   full = jr.unshard_state(targets)
@@ -208,8 +220,10 @@ def test_every_source_layout_gives_the_same_bits(layout):
     assert_bits_equal(leaf, want, jax.tree_util.keystr(path))
   stack = _sources.record_sources(records).stacked((0, 1, 2, 3), np.dtype(np.float32))
   whole = stack.array()
-  if layout == "rows of one array":
-    assert not whole.flags.owndata and whole.base is not None  # a view of the sources
+  # Which way the stack reads them: a view, rows stacked, or every buffer concatenated.
+  kind = "view" if stack._whole is not None else "rows" if stack._rows is not None else "all"
+  assert kind == {"rows of one array": "view", "one buffer per archive": "rows"}.get(layout, "all")
+  assert (stack.copied == 0) == (kind == "view")
   for k, r in enumerate(records):
     row = np.concatenate(
       [bits(x).reshape(-1) for x, role in zip(jax.tree.leaves(r.state), r.roles) if role]
@@ -219,15 +233,16 @@ def test_every_source_layout_gives_the_same_bits(layout):
     assert sorted(row.tolist()) == sorted(whole[k].tolist())
 
 
-def test_a_stack_reads_the_sources_as_they_are_now():
+def test_a_stack_reads_the_sources_as_they_are_now(monkeypatch):
   """Nothing is kept but views: a source buffer written in place between two calls is
   read anew (whether it is viewed or copied)."""
+  monkeypatch.setattr(_pipeline, "_BLOCK_RUNS", -1)
   opt = optax.sgd(0.1, momentum=0.9)
   params = {"w": jnp.zeros((10,), jnp.float32)}
   for layout in ("packed", "separate"):
     records = jr.shard_state(opt, params, opt.init(params), world_size=2)
     if layout == "separate":
-      records = _records_with_leaves(records, lambda i, b: [x.copy() for x in b])
+      records = _records_with_leaves(records, lambda i, b, p: [x.copy() for x in b])
     plans = [jr.plan(records, world_size=5, rank=r) for r in range(5)]
     first = jr.reshard_ranks(records, plans)
     assert not np.asarray(first[0].state[0].trace["w"]).any()
@@ -289,3 +304,21 @@ def test_the_plan_cache_holds_a_bounded_number_of_migrations(monkeypatch):
   # An evicted plan is validated in full and still correct.
   for r, p in enumerate(plans):
     assert [x.rank for x in jr.reshard(records, p).placements] == [r, r]
+
+
+@pytest.mark.parametrize("w, m, blocks", [(8, 6, False), (32, 24, True), (1, 64, True)])
+def test_blocks_are_taken_where_they_cost_less_than_runs(monkeypatch, w, m, blocks):
+  """Few ranks on each side: run by run (a few runs per buffer); many: by blocks.
+  The records are the same either way."""
+  opt = optax.adam(1e-2)
+  params = random_params({"a": ((700,), jnp.float32), "b": ((300, 2), jnp.float32)})
+  records = jr.shard_state(opt, params, random_state(opt, params), world_size=w)
+  plans = [jr.plan(records, world_size=m, rank=r) for r in range(m)]
+  calls = []
+  real = _host_exec.copy_blocks
+  monkeypatch.setattr(_host_exec, "copy_blocks", lambda *a: calls.append(a) or real(*a))
+  targets = jr.reshard_ranks(records, plans)
+  assert bool(calls) == blocks
+  monkeypatch.undo()
+  for t, p in zip(targets[:3], plans):
+    assert_records_equal(t, jr.reshard(records, p))

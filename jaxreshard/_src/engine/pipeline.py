@@ -282,6 +282,8 @@ def _build_ranks(src, tables, family, archives, first) -> list | None:
       return None
     work.append((dtype, stack, blocks))
   n = len(tables)
+  if not family.remember(("by blocks", first, n), lambda: _blocks_pay(work, first, n)):
+    return None
   rows = {}
   for dtype, stack, blocks in work:
     out = np.zeros((n, layout.sizes[dtype]), dtype)
@@ -295,6 +297,30 @@ def _build_ranks(src, tables, family, archives, first) -> list | None:
     _assembly.deferred_record(assembly, {d: r[i] for d, r in rows.items()}, first + i, family.world)
     for i in range(n)
   ]
+
+
+# What copying by blocks costs beside copying run by run, in runs (a run costs
+# about 0.5 us of Python: a view and its part of a concatenate, or about 8 KiB
+# of copying): a buffer's few reshapes, and a source stack that is a copy.
+_BLOCK_RUNS = 16
+_RUN_BYTES = 8 << 10
+
+
+def _blocks_pay(work: list, first: int, n: int) -> bool:
+  """Whether blocks beat runs for target ranks ``first .. first + n - 1``: the runs
+  are every (source rank, target rank) overlap of every buffer."""
+  runs = blocks = extra = 0
+  for dtype, stack, b in work:
+    ts, ss = b.dst_slots, np.maximum(b.src_slots, 1)
+    lo = np.minimum(first * ts, b.count)
+    hi = np.minimum((first + n) * ts, b.count)
+    some = hi > lo
+    k = (hi - 1) // ss + 1 - lo // ss
+    r = -(-(hi - lo) // np.maximum(ts, 1))
+    runs += int(np.where(some, k + r - 1, 0).sum())
+    blocks += int(some.sum())
+    extra += stack.copied * np.dtype(dtype).itemsize // _RUN_BYTES
+  return runs > _BLOCK_RUNS * blocks + extra
 
 
 def _roles(template: _structure.StateParts, histories: dict[str, list[Any]]) -> tuple | None:

@@ -476,6 +476,15 @@ class _Stack:
     self._views = views  # every buffer's view, archive after archive
     self._whole = whole  # the rows as one view
 
+  @property
+  def copied(self) -> int:
+    """Elements :meth:`array` copies per call: 0 when it is a view of the sources."""
+    if self._whole is not None:
+      return 0
+    return (len(self._rows) if self._rows is not None else len(self._views) // len(self.order)) * (
+      self.width
+    )
+
   def array(self) -> np.ndarray:
     """``(archives, width)``: a view where the rows lie evenly in one allocation,
     else a fresh copy of what the sources hold now."""
