@@ -41,7 +41,7 @@ def _oracle_rows(flats, world):
   m=st.integers(1, 13),
   span=st.tuples(st.integers(0, 12), st.integers(1, 13)),
   chunk=st.sampled_from([1, 3, 7, 1 << 16]),
-  tile=st.sampled_from([(0, 16), (4, 64), (32, 1 << 20)]),
+  tile=st.sampled_from([(0, 16, 1 << 30), (4, 64, 8), (32, 1 << 20, 1)]),
   seed=st.integers(0, 2**16),
 )
 def test_copy_blocks_is_the_flat_shard_rule(counts, w, m, span, chunk, tile, seed):
@@ -69,12 +69,15 @@ def test_copy_blocks_is_the_flat_shard_rule(counts, w, m, span, chunk, tile, see
     np.array(counts, np.int64),
   )
   out = np.zeros((n, int(ts.sum())), np.uint32)
-  old = _host_exec._CHUNK, _host_exec._NARROW, _host_exec._TILE_BYTES
-  _host_exec._CHUNK, (_host_exec._NARROW, _host_exec._TILE_BYTES) = chunk, tile
+  names = ("_CHUNK", "_NARROW", "_TILE_BYTES", "_DIRECT")
+  old = [getattr(_host_exec, k) for k in names]
+  for k, v in zip(names, (chunk, *tile)):
+    setattr(_host_exec, k, v)
   try:
     _host_exec.copy_blocks(src, out, blocks, first)
   finally:
-    _host_exec._CHUNK, _host_exec._NARROW, _host_exec._TILE_BYTES = old
+    for k, v in zip(names, old):
+      setattr(_host_exec, k, v)
   want = _oracle_rows(flats, m)[first : first + n]
   np.testing.assert_array_equal(out, want)
 

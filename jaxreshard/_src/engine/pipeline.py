@@ -286,9 +286,13 @@ def _build_ranks(src, tables, family, archives, first) -> list | None:
     return None
   rows = {}
   for dtype, stack, blocks in work:
-    out = np.zeros((n, layout.sizes[dtype]), dtype)
-    _host_exec.copy_blocks(stack.array(), out.view(_host_exec.UINT[out.itemsize]), blocks, first)
-    rows[dtype] = out
+    # One flat buffer whose rank rows are flat views of it (a writer sees each
+    # rank's buffers tile one 1-D buffer, as a rank built alone).
+    size = layout.sizes[dtype]
+    flat = np.zeros(n * size, dtype)
+    out = flat.view(_host_exec.UINT[flat.itemsize]).reshape(n, size)
+    _host_exec.copy_blocks(stack.array(), out, blocks, first)
+    rows[dtype] = [flat[i * size : (i + 1) * size] for i in range(n)]
   assembly = family.remember(
     ("assembly", id(layout)),
     lambda: _assembly.Assembly(src.template(archives[0]), family.facts, layout),

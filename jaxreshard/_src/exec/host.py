@@ -204,23 +204,49 @@ _CHUNK = 1 << 16
 # whole from the sources, and written whole to the targets.
 _NARROW = 32
 _TILE_BYTES = 1 << 20
+# A buffer whose slots on both sides are at least this many elements is copied
+# straight from row to row: an overlap (a numpy call) per at least this many
+# elements costs less than moving them twice, through the scratch.
+_DIRECT = 2048
 
 
 def _copy_blocks(src, out, table, first: int, a: int, b: int) -> None:
   """Blocks ``a:b``: the flat range ``[lo, hi)`` of each buffer, read from the
-  source rows it spans and written to the target rows from row 0 on."""
+  source rows it spans and written to the target rows from row 0 on.
+
+  Buffers of one geometry that lie side by side in both rows (a parameter's
+  ``mu`` and ``nu``) move together: each numpy call moves all of them.
+  """
   del first  # ``lo`` is where target row 0 starts in every buffer
-  so, ss, to, ts, lo, hi = (c[a:b].tolist() for c in table)
+  cols = tuple(c[a:b].tolist() for c in table)
   scratch = np.empty(_CHUNK, src.dtype)
   tiles = np.empty(2 * (_TILE_BYTES // src.itemsize), src.dtype)
   i, n = 0, b - a
   while i < n:
-    j = _narrow_run(so, ss, to, ts, lo, hi, i, n, src.itemsize)
+    j = _narrow_run(*cols, i, n, src.itemsize)
     if j - i > 1:
-      scratch = _copy_tiled(src, out, (so, ss, to, ts, lo, hi), i, j, scratch, tiles)
+      scratch = _copy_tiled(src, out, cols, i, j, scratch, tiles)
     else:
-      _copy_one(src, out, so[i], ss[i], to[i], ts[i], lo[i], hi[i], scratch)
+      j = i + _alike(*cols, i, n)
+      scratch = _copy_one(src, out, *(c[i] for c in cols), j - i, scratch)
     i = j
+
+
+def _alike(so, ss, to, ts, lo, hi, i: int, n: int) -> int:
+  """How many buffers from ``i`` on share buffer ``i``'s geometry and lie side by
+  side in both rows."""
+  j = i + 1
+  while (
+    j < n
+    and ss[j] == ss[i]
+    and ts[j] == ts[i]
+    and lo[j] == lo[i]
+    and hi[j] == hi[i]
+    and so[j] == so[j - 1] + ss[i]
+    and to[j] == to[j - 1] + ts[i]
+  ):
+    j += 1
+  return j - i
 
 
 def _narrow_run(so, ss, to, ts, lo, hi, i: int, n: int, itemsize: int) -> int:
@@ -247,17 +273,47 @@ def _narrow_run(so, ss, to, ts, lo, hi, i: int, n: int, itemsize: int) -> int:
   return max(j, i + 1)
 
 
-def _copy_one(src, out, so, ss, to, ts, lo, hi, scratch) -> None:
-  """One buffer's flat range ``[lo, hi)``, a chunk at a time."""
-  for at in range(lo, hi, _CHUNK):
-    end = min(at + _CHUNK, hi)
-    k0 = at // ss
-    if (end - 1) // ss == k0:  # inside one source row: a view, no copy
-      piece = src[k0, so + at - k0 * ss : so + end - k0 * ss]
+def _copy_one(src, out, so, ss, to, ts, lo, hi, k: int, scratch) -> np.ndarray:
+  """``k`` buffers side by side, one geometry: the flat range ``[lo, hi)`` of each,
+  straight from source rows to target rows when both are long, else a chunk at
+  a time through the scratch."""
+  if hi <= lo:
+    return scratch
+  if min(ss, ts) >= _DIRECT:
+    for m in range(k):
+      _copy_direct(src, out, so + m * ss, ss, to + m * ts, ts, lo, hi)
+    return scratch
+  step = max(_CHUNK // k, 1)
+  if len(scratch) < k * min(step, hi - lo):
+    scratch = np.empty(k * min(step, hi - lo), src.dtype)
+  for at in range(lo, hi, step):
+    end = min(at + step, hi)
+    r, off = divmod(at, ss)
+    if (end - 1) // ss == r:  # inside one source row: a view, no copy
+      piece = _rows(src, so, ss, k)[r, :, off : off + end - at]
     else:
-      piece = scratch[: end - at]
-      _gather(src, piece, so, ss, at, end)
-    _scatter(out, piece, to, ts, at - lo)
+      piece = scratch[: k * (end - at)].reshape(k, end - at)
+      _gather(src, piece, so, ss, k, at, end)
+    _scatter(out, piece, to, ts, k, at - lo)
+  return scratch
+
+
+def _rows(a: np.ndarray, start: int, width: int, k: int) -> np.ndarray:
+  """``(rows, k, width)``: the columns ``[start, start + k * width)`` of ``a`` as ``k``
+  buffers side by side (a view)."""
+  return a[:, start : start + k * width].reshape(a.shape[0], k, width)
+
+
+def _copy_direct(src, out, so, ss, to, ts, lo, hi) -> None:
+  """One buffer's flat range ``[lo, hi)``, one copy per overlap of a source row and
+  a target row: every byte moved once."""
+  at = lo
+  while at < hi:
+    k, r = at // ss, (at - lo) // ts
+    end = min((k + 1) * ss, lo + (r + 1) * ts, hi)
+    c = at - lo - r * ts
+    out[r, to + c : to + c + end - at] = src[k, so + at - k * ss : so + end - k * ss]
+    at = end
 
 
 def _copy_tiled(src, out, cols, i: int, j: int, scratch, tiles) -> np.ndarray:
@@ -274,42 +330,53 @@ def _copy_tiled(src, out, cols, i: int, j: int, scratch, tiles) -> np.ndarray:
   tile_in[...] = src[k0:k1, so[i] : so[i] + width_in]
   tile_out = tiles[half : half + rows * width_out].reshape(rows, width_out)
   tile_out[...] = 0
-  for b in range(i, j):
+  b = i
+  while b < j:
+    k = _alike(so, ss, to, ts, lo, hi, b, j)
     length = hi[b] - lo[b]
-    if len(scratch) < length:
-      scratch = np.empty(length, src.dtype)
-    piece = scratch[:length]
-    _gather(tile_in, piece, so[b] - so[i], ss[b], lo[b] - k0 * ss[b], hi[b] - k0 * ss[b])
-    _scatter(tile_out, piece, to[b] - to[i], ts[b], 0)
+    if len(scratch) < k * length:
+      scratch = np.empty(k * length, src.dtype)
+    piece = scratch[: k * length].reshape(k, length)
+    _gather(tile_in, piece, so[b] - so[i], ss[b], k, lo[b] - k0 * ss[b], hi[b] - k0 * ss[b])
+    _scatter(tile_out, piece, to[b] - to[i], ts[b], k, 0)
+    b += k
   out[:rows, to[i] : to[i] + width_out] = tile_out
   return scratch
 
 
-def _gather(src: np.ndarray, dst: np.ndarray, so: int, ss: int, lo: int, hi: int) -> None:
-  """``dst[:] =`` the flat range ``[lo, hi)`` of a buffer whose rows are
-  ``src[:, so : so + ss]``: a partial first row, whole rows, a partial last row."""
-  k = lo // ss
-  head = min(ss - (lo - k * ss), hi - lo)
-  dst[:head] = src[k, so + lo - k * ss : so + lo - k * ss + head]
-  whole = (hi - lo - head) // ss
+def _gather(src: np.ndarray, dst: np.ndarray, so: int, ss: int, k: int, lo: int, hi: int) -> None:
+  """``dst[m] =`` the flat range ``[lo, hi)`` of buffer ``m < k``, whose rows are
+  ``src[:, so + m * ss : so + (m + 1) * ss]``: a partial first row, whole rows, a
+  partial last row."""
+  s = _rows(src, so, ss, k)
+  r, off = divmod(lo, ss)
+  n, at = hi - lo, 0
+  if off:
+    at = min(ss - off, n)
+    dst[:, :at] = s[r, :, off : off + at]
+    r += 1
+  whole = (n - at) // ss
   if whole:
-    dst[head : head + whole * ss].reshape(whole, ss)[...] = src[k + 1 : k + 1 + whole, so : so + ss]
-  tail = hi - lo - head - whole * ss
-  if tail:
-    dst[head + whole * ss :] = src[k + 1 + whole, so : so + tail]
+    dst[:, at : at + whole * ss].reshape(k, whole, ss)[...] = s[r : r + whole].transpose(1, 0, 2)
+    at, r = at + whole * ss, r + whole
+  if at < n:
+    dst[:, at:] = s[r, :, : n - at]
 
 
-def _scatter(out: np.ndarray, piece: np.ndarray, to: int, ts: int, at: int) -> None:
-  """Writes ``piece`` at flat position ``at`` of a buffer whose rows are
-  ``out[:, to : to + ts]``: a partial first row, whole rows, a partial last row."""
-  r = at // ts
-  col = at - r * ts
-  n = len(piece)
-  head = min(ts - col, n)
-  out[r, to + col : to + col + head] = piece[:head]
-  whole = (n - head) // ts
+def _scatter(out: np.ndarray, piece: np.ndarray, to: int, ts: int, k: int, at: int) -> None:
+  """Writes ``piece[m]`` at flat position ``at`` of buffer ``m < k``, whose rows are
+  ``out[:, to + m * ts : to + (m + 1) * ts]``: a partial first row, whole rows, a
+  partial last row."""
+  o = _rows(out, to, ts, k)
+  r, col = divmod(at, ts)
+  n, done = piece.shape[1], 0
+  if col:
+    done = min(ts - col, n)
+    o[r, :, col : col + done] = piece[:, :done]
+    r += 1
+  whole = (n - done) // ts
   if whole:
-    out[r + 1 : r + 1 + whole, to : to + ts] = piece[head : head + whole * ts].reshape(whole, ts)
-  tail = n - head - whole * ts
-  if tail:
-    out[r + 1 + whole, to : to + tail] = piece[head + whole * ts :]
+    o[r : r + whole] = piece[:, done : done + whole * ts].reshape(k, whole, ts).transpose(1, 0, 2)
+    done, r = done + whole * ts, r + whole
+  if done < n:
+    o[r, :, : n - done] = piece[:, done:]
