@@ -161,3 +161,33 @@ def test_the_leaves_view_the_packed_buffers(adam):
   assert sum(int(bits(b).size) for b in parts.buffers.values()) == sum(
     int(np.size(x)) for x, r in zip(jax.tree_util.tree_leaves(target.state), target.roles) if r
   )
+
+
+@pytest.mark.parametrize(
+  "name", ["adam", "masked", "multi_transform", "inject_hyperparams", "chain_clip_schedule"]
+)
+@pytest.mark.parametrize("subset", ["every param", "some params"])
+def test_a_deferred_record_is_the_eager_record(monkeypatch, name, subset):
+  """The structure worked out once (markers in place of the buffers) gives the record
+  the eager build gives: placements, roles, tree structure and bits, also for a
+  target holding some of the params (its subtrees rebuilt as nested dicts)."""
+  from jaxreshard._src.engine import pipeline as _pipeline
+
+  opt = OPTIMIZERS[name]()
+  params = small_params()
+  records = jr.shard_state(opt, params, random_state(opt, params), world_size=3)
+  plan = jr.plan(records, world_size=4, rank=2)
+  if subset == "some params":
+    plan = [m for m in plan if m.param in ("dense/bias", "emb", "scale")]
+  got = jr.reshard(records, plan)
+  assert deferred_parts(got) is not None
+  monkeypatch.setattr(
+    _pipeline,
+    "deferred",
+    lambda src, groups, layout, buffers: _pipeline.eager(
+      src, groups, layout, buffers, logical=False
+    ),
+  )
+  want = jr.reshard(records, [jr.Migration(**vars(m)) for m in plan])
+  assert deferred_parts(want) is None
+  assert_records_equal(got, want)

@@ -197,6 +197,19 @@ def _build(src: Sources, groups: _groups.Groups, fetch: Fetch, *, logical: bool)
   buffers = fetch(runs, keys, layout)
   if not logical and all(isinstance(b, np.ndarray) for b in buffers.values()):
     return deferred(src, groups, layout, buffers)
+  return eager(src, groups, layout, buffers, logical=logical)
+
+
+def eager(
+  src: Sources,
+  groups: _groups.Groups,
+  layout: _copyplan.TargetLayout,
+  buffers: dict,
+  *,
+  logical: bool,
+) -> ShardRecord:
+  """The target record with its state built now: its leaves sliced from ``buffers``
+  (numpy views or device slices), reshaped to the params' shapes when ``logical``."""
   built: list[list[Any]] = [list(f.history) for f in groups.facts]
   for dtype, slots in layout.slots.items():
     for slot, leaf in zip(slots, _leaves(buffers[dtype], layout.columns[dtype])):
