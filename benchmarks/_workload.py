@@ -36,7 +36,13 @@ def param_ids(n: int) -> list[str]:
 
 
 def adam_records(
-  history: int, n_params: int, world_size: int, seed: int = 0, *, as_numpy: bool = False
+  history: int,
+  n_params: int,
+  world_size: int,
+  seed: int = 0,
+  *,
+  as_numpy: bool = False,
+  packed: bool = False,
 ) -> list[jr.ShardRecord]:
   """``world_size`` Adam archives whose ``mu`` + ``nu`` hold ``history`` elements.
 
@@ -46,6 +52,10 @@ def adam_records(
     world_size: source ranks.
     seed: random seed of sizes and values.
     as_numpy: keep shards as numpy arrays (for saving) instead of jax arrays.
+    packed: (with ``as_numpy``) every rank's shards are views of one buffer,
+      in packing order, and the ranks' buffers the rows of one 2-D array: the
+      layout ``jr.shard_state`` and ``jr.reshard_ranks`` build. Otherwise
+      each shard is an array of its own.
 
   Returns:
     Records in rank order, as ``jr.shard_state`` would build them.
@@ -55,45 +65,47 @@ def adam_records(
   rng = np.random.default_rng(seed + 1)
   flat = {name: rng.random(history // 2, dtype=np.float32) for name in ("mu", "nu")}
   bounds = np.concatenate([[0], np.cumsum(sizes)])
+  slots = [-(-n // world_size) for n in sizes]
   opt = optax.adam(1e-3)
+  # Every rank has the same local shapes: one template, one set of roles.
+  local = nest({pid: jax.ShapeDtypeStruct((s,), np.float32) for pid, s in zip(ids, slots)})
+  template = jax.eval_shape(opt.init, local)
+  # Packing order: params sorted by id (they are), then mu before nu.
+  width = 2 * sum(slots)
+  rows = np.zeros((world_size, width), np.float32) if packed else None
+  order = sorted(range(n_params), key=ids.__getitem__)
   records = []
+  roles = None
   for rank in range(world_size):
     bufs = {"mu": {}, "nu": {}}
     placements = []
-    for pid, n, lo in zip(ids, sizes, bounds[:-1]):
-      g = jr.FlatShard((n,), rank, world_size)
+    at = 0
+    for i in order:
+      pid, n, lo, s = ids[i], sizes[i], int(bounds[i]), slots[i]
+      start, stop = min(rank * s, n), min((rank + 1) * s, n)
       placements.append(jr.ParamPlacement(pid, (n,), rank, world_size, np.dtype(np.float32), True))
-      for name in bufs:
-        shard = np.zeros((g.slots,), np.float32)
-        shard[: g.stop - g.start] = flat[name][lo + g.start : lo + g.stop]
-        bufs[name][pid] = shard if as_numpy else jnp.asarray(shard)
-    local = nest(
-      {
-        pid: jax.ShapeDtypeStruct((FlatShardSlots := len(bufs["mu"][pid]),), np.float32)
-        for pid in ids
-      }
-    )
-    del FlatShardSlots
-    template = jax.eval_shape(opt.init, local)
+      for name in ("mu", "nu"):
+        shard = rows[rank, at : at + s] if packed else np.zeros((s,), np.float32)
+        at += s
+        shard[: stop - start] = flat[name][lo + start : lo + stop]
+        bufs[name][pid] = shard if as_numpy or packed else jnp.asarray(shard)
     adam = template[0]
     state = (
       adam._replace(
-        count=np.zeros((), np.int32) if as_numpy else jnp.zeros((), jnp.int32),
+        count=np.zeros((), np.int32) if as_numpy or packed else jnp.zeros((), jnp.int32),
         mu=nest(bufs["mu"]),
         nu=nest(bufs["nu"]),
       ),
       template[1],
     )
-    roles = tuple(
-      None if np.ndim(leaf) == 0 else _leaf_id(path)
-      for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
-    )
+    if roles is None:
+      roles = tuple(
+        None if np.ndim(leaf) == 0 else _leaf_id(path)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]
+      )
     records.append(
       jr.ShardRecord(
-        version=jr.RECORD_VERSION,
-        placements=tuple(sorted(placements, key=lambda p: p.param)),
-        state=state,
-        roles=roles,
+        version=jr.RECORD_VERSION, placements=tuple(placements), state=state, roles=roles
       )
     )
   # Transfers to the CPU backend are asynchronous: finish them here, not inside

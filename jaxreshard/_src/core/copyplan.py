@@ -27,11 +27,13 @@ import numpy as np
 from jaxreshard._src.core import structure as _structure
 
 __all__ = [
+  "Blocks",
   "BufferSlot",
   "Runs",
   "TargetLayout",
   "cut_runs",
   "locate_each",
+  "plan_blocks",
   "plan_runs",
   "target_layout",
 ]
@@ -128,6 +130,60 @@ class Runs:
   @property
   def elements(self) -> int:
     return int(self.length.sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+  """Every history buffer of one dtype, copied for a range of target ranks at once.
+
+  Sources and targets are 2-D: one row per source rank (each row the rank's
+  buffers of the dtype back to back, the same layout in every row) and one
+  row per target rank. A parameter's rows concatenated are its flat buffer
+  (padded), so one buffer of every target rank is a reshape of the other
+  side's block of rows, whatever the two world sizes: the copy costs time per
+  buffer and per byte, never per (rank, buffer) pair. Parallel int64 arrays,
+  one entry per history buffer in the target's packing order.
+
+  Attributes:
+    src: its first element in a source row.
+    src_slots: its elements per source row (the source world's slots).
+    dst: its first element in a target row.
+    dst_slots: its elements per target row.
+    count: its parameter's element count (what is copied; the rest is padding).
+  """
+
+  src: np.ndarray
+  src_slots: np.ndarray
+  dst: np.ndarray
+  dst_slots: np.ndarray
+  count: np.ndarray
+
+  def __len__(self) -> int:
+    return len(self.src)
+
+
+def plan_blocks(
+  groups: Any,
+  layout: TargetLayout,
+  dtype: np.dtype,
+  order: Sequence[tuple[str, int]],
+  offsets: Sequence[int],
+) -> Blocks | None:
+  """The blocks of ``layout``'s ``dtype`` buffer from source rows laid out as ``order``
+  (``(param, mirror)`` of each buffer of a row) at ``offsets``; None when a
+  buffer the target needs is not in the rows."""
+  group, subtree, dst, dst_slots = layout.columns[dtype]
+  index = {key: offsets[i] for i, key in enumerate(order)}
+  params = groups.params
+  try:
+    src = np.fromiter(
+      (index[(params[g], m)] for g, m in zip(group.tolist(), subtree.tolist())),
+      np.int64,
+      len(group),
+    )
+  except KeyError:
+    return None
+  return Blocks(src, groups.src_slots[group], dst, dst_slots, groups.count[group])
 
 
 def overlaps(groups: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

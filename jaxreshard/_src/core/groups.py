@@ -9,8 +9,11 @@ is asked for by index.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import operator
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -19,7 +22,7 @@ import numpy as np
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE, FlatShard
 from jaxreshard._src.core.placement import Migration
 
-__all__ = ["Groups", "SourceFacts", "SourceGroup", "targets_checked"]
+__all__ = ["Family", "Groups", "SourceFacts", "SourceGroup", "targets_checked"]
 
 # Below this element count, ``(rank + 1) * slots`` (at most about twice the
 # count) cannot overflow int64.
@@ -92,6 +95,9 @@ class Groups(Sequence):
       (``FlatShard``'s fields, clipped as it clips them).
     src_slots, src_world: each row's source layout (slots per rank, ranks).
   """
+
+  # The ranks' shared rows, for a table made by ``Family.table``; None otherwise.
+  family: Family | None = None
 
   def __init__(
     self,
@@ -167,6 +173,89 @@ class Groups(Sequence):
       sel = which == t
       out[sel] = hit[1][source_rank[sel]]
     return out
+
+
+class Family:
+  """The rows every target rank of one world size shares, validated once for them all.
+
+  Made from one validated table whose rows all have one target world size;
+  the table of any rank of that world (``table``) then takes its facts and
+  columns, and only its rank differs. What is made once per layout for every
+  rank (the packed layout, the record's structure, copy tables) is kept in
+  ``memo``, owned by the family.
+  """
+
+  def __init__(self, table: Groups, world: int):
+    self.world = world
+    self.facts = table.facts
+    self.count, self.src_slots, self.src_world = table.count, table.src_slots, table.src_world
+    self.slots = table.slots
+    self.worlds = table.world
+    self.archives_memo = table._archives
+    self.memo: dict[Any, Any] = {}
+    self._lock = threading.Lock()
+
+  def table(self, migrations: Sequence[Migration], rank: int) -> Groups:
+    """The validated table of ``migrations``: this family's rows, all at target ``rank``."""
+    return _RankGroups(self, tuple(migrations), rank)
+
+  # Per-rank values kept by ``recent``, at most this many.
+  RECENT = 16
+
+  def recent(self, key: Any, make: Any) -> Any:
+    """A per-rank value made by ``make()``, kept for the ``RECENT`` latest keys."""
+    with self._lock:
+      recent = self.memo.setdefault("recent", collections.OrderedDict())
+      value = recent.get(key)
+      if value is not None:
+        recent.move_to_end(key)
+        return value
+    value = make()
+    with self._lock:
+      recent[key] = value
+      while len(recent) > self.RECENT:
+        recent.popitem(last=False)
+    return value
+
+  def remember(self, key: Any, make: Any) -> Any:
+    """``memo[key]``, made by ``make()`` on first use."""
+    value = self.memo.get(key)
+    if value is None:
+      value = self.memo.setdefault(key, make())
+    return value
+
+
+class _RankGroups(Groups):
+  """One target rank's table of a :class:`Family`: the family's columns, and its
+  rank's columns made when first read (a plan of every rank reads none)."""
+
+  def __init__(self, family: Family, migrations: tuple[Migration, ...], rank: int):
+    self.family = family
+    self.uniform_rank = rank
+    self.migrations = migrations
+    self.facts = family.facts
+    self.count, self.src_slots, self.src_world = family.count, family.src_slots, family.src_world
+    self.slots, self.world = family.slots, family.worlds
+    self._archives = family.archives_memo
+
+  @functools.cached_property
+  def rank(self) -> np.ndarray:
+    return np.full(len(self.facts), self.uniform_rank, np.int64)
+
+  @functools.cached_property
+  def start(self) -> np.ndarray:
+    return _clipped(self.uniform_rank, self.slots, self.count)
+
+  @functools.cached_property
+  def stop(self) -> np.ndarray:
+    return _clipped(self.uniform_rank + 1, self.slots, self.count)
+
+
+def _clipped(k: int, slots: np.ndarray, count: np.ndarray) -> np.ndarray:
+  """``min(k * slots, count)`` per row, exact for any int64 count."""
+  if len(count) and int(count.max()) >= _EXACT_PRODUCTS:
+    return np.asarray([min(k * s, c) for s, c in zip(slots.tolist(), count.tolist())], np.int64)
+  return np.minimum(k * slots, count)
 
 
 def targets_checked(migrations: Sequence[Migration]) -> bool:

@@ -15,6 +15,10 @@ __all__ = ["ShardRecord", "RECORD_VERSION"]
 # the files on disk: that is ``_reader.FORMAT_VERSION``.
 RECORD_VERSION = 1
 
+# The fields a deferred record makes on first read, and where it keeps their maker.
+_DEFERRED = ("placements", "state")
+_PARTS = "_parts"
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +38,13 @@ class ShardRecord:
       the listed parameter whose key path ends the leaf's path).
 
   A record is a pytree whose only children are the arrays of ``state``.
+
+  A record that ``reshard`` builds on the host keeps its history buffers as one
+  packed buffer per dtype and makes ``placements`` and ``state`` from them when
+  either is first read (:meth:`deferred`): resharding many target ranks then
+  costs their bytes, and a rank's per-leaf objects are made only for a reader
+  that asks for them. Every read returns the same objects, and the record
+  compares, prints, flattens, copies and pickles as one built eagerly.
   """
 
   version: int = dataclasses.field(metadata=dict(static=True))
@@ -45,6 +56,29 @@ class ShardRecord:
     object.__setattr__(self, "placements", tuple(self.placements))
     if self.roles is not None:
       object.__setattr__(self, "roles", tuple(self.roles))
+
+  @classmethod
+  def deferred(cls, version: int, roles: tuple[str | None, ...], parts: Any) -> ShardRecord:
+    """A record whose ``placements`` and ``state`` are ``parts.placements()`` and
+    ``parts.state()``, each made when first read and kept from then on."""
+    record = object.__new__(cls)
+    d = record.__dict__
+    d["version"], d["roles"], d[_PARTS] = version, roles, parts
+    return record
+
+  def __getattr__(self, name: str) -> Any:
+    # Reached only when ``name`` is not set: the deferred fields of a record
+    # made by ``deferred``. ``setdefault`` keeps the first one made when two
+    # threads read the field at once.
+    if name in _DEFERRED:
+      parts = self.__dict__.get(_PARTS)
+      if parts is not None:
+        return self.__dict__.setdefault(name, getattr(parts, name)())
+    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+  def __reduce__(self):
+    # Copies and pickles hold the fields themselves, never what made them.
+    return (type(self), (self.version, self.placements, self.state, self.roles))
 
   def placement(self, param: str) -> ParamPlacement | None:
     """The entry for ``param``, or None when this archive does not list it."""
@@ -60,3 +94,9 @@ class ShardRecord:
   def params(self) -> tuple[str, ...]:
     """Param ids this archive lists, in placement order."""
     return tuple(p.param for p in self.placements)
+
+
+def deferred_parts(record: ShardRecord) -> Any:
+  """What a deferred record's fields are made from (its packed buffers), or None
+  for a record built with its fields."""
+  return record.__dict__.get(_PARTS)

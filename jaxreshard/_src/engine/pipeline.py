@@ -10,12 +10,14 @@ copies from memory, jitted gathers on a device, reads from files).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from jaxreshard._src.core import assembly as _assembly
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import groups as _groups
@@ -45,8 +47,20 @@ def validate(src: Sources, migrations: Sequence[Migration]) -> list[_validate.So
   """
   if isinstance(migrations, (str, bytes)) or not isinstance(migrations, Sequence):
     raise PlacementError(f"migrations must be a list of Migration, got {type(migrations).__name__}")
+  if not gc.isenabled():  # already paused: by reshard_ranks, once for all its plans
+    return _validated(src, migrations)
   with no_gc():
-    return _validate_all(src, migrations)
+    return _validated(src, migrations)
+
+
+def _validated(src: Sources, migrations: Sequence[Migration]) -> _groups.Groups:
+  # A plan that the sources' own ``plan`` made is recognised by its objects.
+  plans = getattr(src, "plan_cache", None)
+  if plans is not None:
+    groups = plans.validated(migrations, lambda: _validate_all(src, migrations))
+    if groups is not None:
+      return groups
+  return _validate_all(src, migrations)
 
 
 def _validate_all(src: Sources, migrations: Sequence[Migration]) -> _groups.Groups:
@@ -98,8 +112,14 @@ def memory_fetch(src: MemorySources, executor: str = "auto") -> Fetch:
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
     if executor == "device" or (executor == "auto" and src.on_accelerator(keys)):
       return _device_fetch(src, runs, keys, layout)
-    views = src.host_views(keys)
-    return {d: _host_exec.execute(views, r, layout.sizes[d], d) for d, r in runs.items()}
+    programs = getattr(src, "programs", None)
+
+    def make() -> dict:
+      views = src.host_views(keys)
+      return {d: _host_exec.Program(views, r) for d, r in runs.items()}
+
+    made = make() if programs is None else programs.get(runs, make)
+    return {d: _host_exec.run(p, layout.sizes[d], d) for d, p in made.items()}
 
   return fetch
 
@@ -158,11 +178,38 @@ def build(
 
 
 def _build(src: Sources, groups: _groups.Groups, fetch: Fetch, *, logical: bool) -> ShardRecord:
-  layout = _copyplan.target_layout(groups, logical=logical)
-  runs, keys = _copyplan.plan_runs(
-    groups, layout, lambda a, g, m, d: src.locate_runs(groups, a, g, m, d)
-  )
+  family = groups.family
+
+  def plan() -> tuple[dict, list]:
+    return _copyplan.plan_runs(
+      groups, layout, lambda a, g, m, d: src.locate_runs(groups, a, g, m, d)
+    )
+
+  if family is None:
+    layout = _copyplan.target_layout(groups, logical=logical)
+    runs, keys = plan()
+  else:
+    # Every rank of a family shares its layout; a rank's runs are kept for its next call.
+    layout = family.remember(
+      ("layout", logical), lambda: _copyplan.target_layout(groups, logical=logical)
+    )
+    runs, keys = family.recent(("runs", groups.uniform_rank, logical), plan)
   buffers = fetch(runs, keys, layout)
+  if not logical and all(isinstance(b, np.ndarray) for b in buffers.values()):
+    return deferred(src, groups, layout, buffers)
+  return eager(src, groups, layout, buffers, logical=logical)
+
+
+def eager(
+  src: Sources,
+  groups: _groups.Groups,
+  layout: _copyplan.TargetLayout,
+  buffers: dict,
+  *,
+  logical: bool,
+) -> ShardRecord:
+  """The target record with its state built now: its leaves sliced from ``buffers``
+  (numpy views or device slices), reshaped to the params' shapes when ``logical``."""
   built: list[list[Any]] = [list(f.history) for f in groups.facts]
   for dtype, slots in layout.slots.items():
     for slot, leaf in zip(slots, _leaves(buffers[dtype], layout.columns[dtype])):
@@ -170,6 +217,127 @@ def _build(src: Sources, groups: _groups.Groups, fetch: Fetch, *, logical: bool)
         leaf.reshape(groups.facts[slot.group].shape) if logical else leaf
       )
   return record(src, groups, built)
+
+
+def deferred(
+  src: Sources, groups: _groups.Groups, layout: _copyplan.TargetLayout, buffers: dict
+) -> ShardRecord:
+  """The target record over its packed host buffers, its placements and state made
+  when first read (``ShardRecord.deferred``)."""
+  facts = groups.facts
+  template = facts[0].by_rank[0] if facts else 0
+
+  def make() -> _assembly.Assembly:
+    return _assembly.Assembly(src.template(template), facts, layout)
+
+  family = groups.family
+  if family is None:
+    return _assembly.deferred_record(make(), buffers, groups.rank.tolist(), groups.world.tolist())
+  assembly = family.remember(("assembly", id(layout)), make)
+  # A rank's placements are frozen: every record of the rank may share them.
+  placements = family.recent(
+    ("placements", groups.uniform_rank),
+    lambda: assembly.placements(groups.uniform_rank, family.world),
+  )
+  return _assembly.deferred_record(assembly, buffers, groups.uniform_rank, family.world, placements)
+
+
+# ``build_ranks`` copies by blocks from this many target ranks on; fewer go run by run.
+MIN_BLOCK_RANKS = 2
+
+
+def build_ranks(src: Sources, tables: Sequence[_groups.Groups], executor: str) -> list | None:
+  """Every target rank of ``tables`` at once, by blocks (``copyplan.Blocks``); None
+  where that does not apply and the ranks are built one by one.
+
+  It applies to consecutive target ranks of one family (the plans ``plan``
+  made of one world size, in rank order) whose sources are uniform archives in
+  host memory: each dtype's target rows are one fresh 2-D buffer, filled
+  buffer by buffer for every rank at once, and each rank's record is deferred
+  over its rows.
+  """
+  if len(tables) < MIN_BLOCK_RANKS or executor == "device":
+    return None
+  family = tables[0].family
+  if family is None or not hasattr(src, "stacked"):
+    return None
+  first = tables[0].uniform_rank
+  if any(t.family is not family or t.uniform_rank != first + i for i, t in enumerate(tables)):
+    return None
+  archives = family.remember(("sources",), lambda: _common_sources(family.facts))
+  if not archives or not src.uniform(archives) or src.on_accelerator_archives(archives):
+    return None
+  with no_gc():
+    return _build_ranks(src, tables, family, archives, first)
+
+
+def _common_sources(facts: Sequence[Any]) -> tuple[int, ...] | bool:
+  """The one ``by_rank`` every row shares, or False."""
+  if not facts:
+    return False
+  first = facts[0].by_rank
+  return first if all(f.by_rank == first for f in facts) else False
+
+
+def _build_ranks(src, tables, family, archives, first) -> list | None:
+  groups = tables[0]
+  layout = family.remember(("layout", False), lambda: _copyplan.target_layout(groups))
+  work = []
+  for dtype in layout.slots:
+    stack = src.stacked(archives, dtype)
+    if stack is None:
+      return None
+    blocks = family.remember(
+      ("blocks", dtype, id(stack)),
+      lambda: _copyplan.plan_blocks(groups, layout, dtype, stack.order, stack.offsets) or False,
+    )
+    if blocks is False:
+      return None
+    work.append((dtype, stack, blocks))
+  n = len(tables)
+  if not family.remember(("by blocks", first, n), lambda: _blocks_pay(work, first, n)):
+    return None
+  rows = {}
+  for dtype, stack, blocks in work:
+    # One flat buffer whose rank rows are flat views of it (a writer sees each
+    # rank's buffers tile one 1-D buffer, as a rank built alone).
+    size = layout.sizes[dtype]
+    flat = np.zeros(n * size, dtype)
+    out = flat.view(_host_exec.UINT[flat.itemsize]).reshape(n, size)
+    _host_exec.copy_blocks(stack.array(), out, blocks, first)
+    rows[dtype] = [flat[i * size : (i + 1) * size] for i in range(n)]
+  assembly = family.remember(
+    ("assembly", id(layout)),
+    lambda: _assembly.Assembly(src.template(archives[0]), family.facts, layout),
+  )
+  return [
+    _assembly.deferred_record(assembly, {d: r[i] for d, r in rows.items()}, first + i, family.world)
+    for i in range(n)
+  ]
+
+
+# What copying by blocks costs beside copying run by run, in runs (a run costs
+# about 0.5 us of Python: a view and its part of a concatenate, or about 8 KiB
+# of copying): a buffer's few reshapes, and a source stack that is a copy.
+_BLOCK_RUNS = 16
+_RUN_BYTES = 8 << 10
+
+
+def _blocks_pay(work: list, first: int, n: int) -> bool:
+  """Whether blocks beat runs for target ranks ``first .. first + n - 1``: the runs
+  are every (source rank, target rank) overlap of every buffer."""
+  runs = blocks = extra = 0
+  for dtype, stack, b in work:
+    ts, ss = b.dst_slots, np.maximum(b.src_slots, 1)
+    lo = np.minimum(first * ts, b.count)
+    hi = np.minimum((first + n) * ts, b.count)
+    some = hi > lo
+    k = (hi - 1) // ss + 1 - lo // ss
+    r = -(-(hi - lo) // np.maximum(ts, 1))
+    runs += int(np.where(some, k + r - 1, 0).sum())
+    blocks += int(some.sum())
+    extra += stack.copied * np.dtype(dtype).itemsize // _RUN_BYTES
+  return runs > _BLOCK_RUNS * blocks + extra
 
 
 def _roles(template: _structure.StateParts, histories: dict[str, list[Any]]) -> tuple | None:

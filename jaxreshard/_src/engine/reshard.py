@@ -203,7 +203,9 @@ def plan(records: Sequence[ShardRecord], *, world_size: int, rank: int) -> list[
   completeness (one archive per original rank). ``reshard`` itself never
   infers anything; this is the convenience that writes its input. The
   grouping is computed once per list of records: planning rank after rank
-  costs time in the number of parameters only.
+  costs time in the number of parameters only. A plan of the same records,
+  world size and rank holds the same (frozen) ``Migration`` objects each
+  time, so resharding it again validates nothing twice.
 
   Args:
     records: the source archives.
@@ -225,9 +227,14 @@ def plan(records: Sequence[ShardRecord], *, world_size: int, rank: int) -> list[
     >>> plan(records, world_size=3, rank=2)
     [Migration(param='w', shape=(5,), rank=2, world_size=3, sources=(0, 1, 2, 3))]
   """
-  return plan_groups(
-    _sources.record_sources(records).complete_groups(), world_size=world_size, rank=rank
-  )
+  src = _sources.record_sources(records)
+  groups = src.complete_groups()
+  # The target rank and world size; each parameter's own geometry is checked
+  # when its migration is validated.
+  FlatShard((), rank, world_size)
+  with no_gc():
+    rank, world_size = operator.index(rank), operator.index(world_size)
+    return src.plan_cache.migrations(groups, world_size, rank)
 
 
 def plan_groups(groups, *, world_size: int, rank: int) -> list[Migration]:
@@ -316,7 +323,10 @@ def _reshard_ranks(records, plans, executor) -> list[ShardRecord]:
     if not groups:
       raise PlacementError("no migrations: a target rank needs at least one parameter")
     validated.append(groups)
-  fetch = _pipeline.memory_fetch(src, executor)
+  fetch = _pipeline.memory_fetch(src, executor)  # refuses an unknown executor first
+  built = _pipeline.build_ranks(src, validated, executor)
+  if built is not None:
+    return built
   return [_pipeline.build(src, groups, fetch) for groups in validated]
 
 

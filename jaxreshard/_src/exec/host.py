@@ -14,16 +14,17 @@ much of it, so large targets are split between ``THREADS`` workers.
 from __future__ import annotations
 
 import concurrent.futures
+import operator
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from jaxreshard._src.core.copyplan import Runs
+from jaxreshard._src.core.copyplan import Blocks, Runs
 from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = ["bits", "execute", "host_bits", "host_view"]
+__all__ = ["Program", "bits", "copy_blocks", "execute", "host_bits", "host_view", "run"]
 
 THREADS = 2
 # Below this many bytes a second thread costs more than it saves.
@@ -34,6 +35,7 @@ _POOL: list[concurrent.futures.ThreadPoolExecutor] = []
 
 
 bits = _bitview.bits
+UINT = _bitview.UINT
 
 
 def host_view(x: Any) -> np.ndarray:
@@ -60,26 +62,57 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return _POOL[0]
 
 
-def _copy(out: np.ndarray, sources: Sequence[np.ndarray], runs: Runs, lo: int, hi: int) -> None:
-  """Copies runs ``lo:hi`` (sorted by ``dst``): runs that follow each other in
-  ``out`` without a gap are one ``np.concatenate`` into that stretch, so Python
-  handles a run in a slice and an append while numpy moves the bytes."""
-  dst, length = runs.dst[lo:hi], runs.length[lo:hi]
-  end = dst + length
-  # A stretch starts at a run whose dst is not where the previous one ended.
-  starts = np.flatnonzero(np.concatenate([[True], dst[1:] != end[:-1]]))
-  stops = np.append(starts[1:], len(dst))
-  pieces = [
-    sources[s][a : a + n]
-    for s, a, n in zip(runs.source[lo:hi].tolist(), runs.src[lo:hi].tolist(), length.tolist())
-  ]
-  for i, j, b, e in zip(
-    starts.tolist(), stops.tolist(), dst[starts].tolist(), end[stops - 1].tolist()
-  ):
-    if j - i == 1:
-      out[b:e] = pieces[i]
-    else:
-      np.concatenate(pieces[i:j], out=out[b:e])
+class Program:
+  """The runs of one target buffer made ready to copy, run by run, into any fresh buffer.
+
+  Runs are sorted by ``dst``; each run's piece of its source is made once, as
+  an unsigned view, and a copy moves a gapless stretch of runs with one
+  ``np.concatenate``. A program holds views of its sources, never a copy of
+  their bytes: made once for a plan, it copies what the sources hold when it
+  runs.
+  """
+
+  def __init__(self, sources: Sequence[np.ndarray], runs: Runs):
+    if len(runs) > 1 and (np.diff(runs.dst) < 0).any():
+      order = np.argsort(runs.dst, kind="stable")
+      runs = Runs(runs.source[order], runs.src[order], runs.dst[order], runs.length[order])
+    src = [s if s.dtype.kind == "u" else bits(s) for s in sources]
+    self.length = runs.length
+    self.elements = runs.elements
+    self._pieces = list(
+      map(
+        operator.getitem,
+        [src[i] for i in runs.source.tolist()],
+        map(slice, runs.src.tolist(), (runs.src + runs.length).tolist()),
+      )
+    )
+    dst, end = runs.dst, runs.dst + runs.length
+    self._dst, self._end = dst, end
+    # A stretch starts at a run whose dst is not where the previous one ended.
+    self._starts = np.flatnonzero(np.concatenate([[True], dst[1:] != end[:-1]]))
+
+  def __len__(self) -> int:
+    return len(self.length)
+
+  def copy(self, out: np.ndarray, lo: int, hi: int) -> None:
+    """Copies runs ``lo:hi`` into ``out`` (an unsigned view of the target buffer)."""
+    if lo >= hi:
+      return
+    pieces = self._pieces[lo:hi]
+    starts = self._starts[(self._starts >= lo) & (self._starts < hi)]
+    if not len(starts) or starts[0] != lo:
+      starts = np.concatenate([[lo], starts])
+    stops = np.append(starts[1:], hi)
+    for i, j, b, e in zip(
+      (starts - lo).tolist(),
+      (stops - lo).tolist(),
+      self._dst[starts].tolist(),
+      self._end[stops - 1].tolist(),
+    ):
+      if j - i == 1:
+        out[b:e] = pieces[i]
+      else:
+        np.concatenate(pieces[i:j], out=out[b:e])
 
 
 def execute(sources: Sequence[np.ndarray], runs: Runs, size: int, dtype: np.dtype) -> np.ndarray:
@@ -92,40 +125,258 @@ def execute(sources: Sequence[np.ndarray], runs: Runs, size: int, dtype: np.dtyp
     size: elements of the target buffer.
     dtype: its dtype.
   """
+  return run(Program(sources, runs), size, dtype)
+
+
+def run(program: Program, size: int, dtype: np.dtype) -> np.ndarray:
+  """A fresh ``(size,)`` array of ``dtype`` filled by ``program``, zeros elsewhere."""
   dtype = np.dtype(dtype)
   out = np.zeros(size, dtype)
-  if not len(runs):
+  n = len(program)
+  if not n:
     return out
   view = bits(out)
-  src = [s if s.dtype.kind == "u" else bits(s) for s in sources]
-  if len(runs) > 1 and (np.diff(runs.dst) < 0).any():
-    order = np.argsort(runs.dst, kind="stable")
-    runs = Runs(runs.source[order], runs.src[order], runs.dst[order], runs.length[order])
-  n = len(runs)
   if (
-    size * dtype.itemsize < _PARALLEL_BYTES
-    or n < 2
-    and runs.elements * dtype.itemsize < 2 * _PARALLEL_BYTES
+    THREADS < 2
+    or size * dtype.itemsize < _PARALLEL_BYTES
+    or (n < 2 and program.elements * dtype.itemsize < 2 * _PARALLEL_BYTES)
   ):
-    _copy(view, src, runs, 0, n)
+    program.copy(view, 0, n)
     return out
-  if n == 1:  # one long run: split it in two
-    runs = _halves(runs)
-    n = 2
-  cut = int(np.searchsorted(np.cumsum(runs.length), runs.elements // 2)) + 1
+  if n == 1:  # one long run: its two halves in two threads
+    half = int(program.length[0]) // 2
+    other = _pool().submit(_copy_part, view, program, half, None)
+    _copy_part(view, program, 0, half)
+    other.result()
+    return out
+  cut = int(np.searchsorted(np.cumsum(program.length), program.elements // 2)) + 1
   cut = min(max(cut, 1), n - 1)
-  other = _pool().submit(_copy, view, src, runs, cut, n)
-  _copy(view, src, runs, 0, cut)
+  other = _pool().submit(program.copy, view, cut, n)
+  program.copy(view, 0, cut)
   other.result()
   return out
 
 
-def _halves(runs: Runs) -> Runs:
-  half = int(runs.length[0]) // 2
-  rest = int(runs.length[0]) - half
-  return Runs(
-    np.repeat(runs.source, 2),
-    np.array([runs.src[0], runs.src[0] + half]),
-    np.array([runs.dst[0], runs.dst[0] + half]),
-    np.array([half, rest]),
-  )
+def _copy_part(out: np.ndarray, program: Program, lo: int, hi: int | None) -> None:
+  """Elements ``lo:hi`` of a program's one run."""
+  src = program._pieces[0]
+  dst = int(program._dst[0])
+  hi = len(src) if hi is None else hi
+  out[dst + lo : dst + hi] = src[lo:hi]
+
+
+def copy_blocks(src: np.ndarray, out: np.ndarray, blocks: Blocks, first: int) -> None:
+  """Copies every block into target rows ``first .. first + len(out) - 1``.
+
+  Args:
+    src: ``(source ranks, width)`` unsigned: each row one source rank's buffers.
+    out: ``(target ranks, width)`` unsigned, zeros: row ``i`` is target rank
+      ``first + i``; what no block writes stays zero (padding).
+    blocks: where each buffer lies in both (``Blocks``).
+    first: the target rank of ``out``'s first row.
+  """
+  n = len(blocks)
+  if not n:
+    return
+  # What each block copies, to split the work between two threads by bytes.
+  lo = np.minimum(first * blocks.dst_slots, blocks.count)
+  hi = np.minimum((first + out.shape[0]) * blocks.dst_slots, blocks.count)
+  moved = np.maximum(hi - lo, 0)
+  total = int(moved.sum())
+  table = (blocks.src, blocks.src_slots, blocks.dst, blocks.dst_slots, lo, hi)
+  if THREADS < 2 or total * out.itemsize < 2 * _PARALLEL_BYTES or n < 2:
+    _copy_blocks(src, out, table, first, 0, n)
+    return
+  cut = int(np.searchsorted(np.cumsum(moved), total // 2)) + 1
+  cut = min(max(cut, 1), n - 1)
+  other = _pool().submit(_copy_blocks, src, out, table, first, cut, n)
+  _copy_blocks(src, out, table, first, 0, cut)
+  other.result()
+
+
+# Elements of a buffer moved per step through the scratch: small enough that the
+# scratch stays in cache between reading it from the sources and writing it out.
+_CHUNK = 1 << 16
+# A buffer whose slots on both sides are at most this many elements is narrow:
+# a row of it is less than a cache line or two, and copying it row by row
+# costs a cache miss per (rank, buffer). Runs of narrow buffers that lie side
+# by side are copied through tiles of at most ``_TILE_BYTES``: their rows read
+# whole from the sources, and written whole to the targets.
+_NARROW = 32
+_TILE_BYTES = 1 << 20
+# A buffer whose slots on both sides are at least this many elements is copied
+# straight from row to row: an overlap (a numpy call) per at least this many
+# elements costs less than moving them twice, through the scratch.
+_DIRECT = 2048
+
+
+def _copy_blocks(src, out, table, first: int, a: int, b: int) -> None:
+  """Blocks ``a:b``: the flat range ``[lo, hi)`` of each buffer, read from the
+  source rows it spans and written to the target rows from row 0 on.
+
+  Buffers of one geometry that lie side by side in both rows (a parameter's
+  ``mu`` and ``nu``) move together: each numpy call moves all of them.
+  """
+  del first  # ``lo`` is where target row 0 starts in every buffer
+  cols = tuple(c[a:b].tolist() for c in table)
+  scratch = np.empty(_CHUNK, src.dtype)
+  tiles = np.empty(2 * (_TILE_BYTES // src.itemsize), src.dtype)
+  i, n = 0, b - a
+  while i < n:
+    j = _narrow_run(*cols, i, n, src.itemsize)
+    if j - i > 1:
+      scratch = _copy_tiled(src, out, cols, i, j, scratch, tiles)
+    else:
+      j = i + _alike(*cols, i, n)
+      scratch = _copy_one(src, out, *(c[i] for c in cols), j - i, scratch)
+    i = j
+
+
+def _alike(so, ss, to, ts, lo, hi, i: int, n: int) -> int:
+  """How many buffers from ``i`` on share buffer ``i``'s geometry and lie side by
+  side in both rows."""
+  j = i + 1
+  while (
+    j < n
+    and ss[j] == ss[i]
+    and ts[j] == ts[i]
+    and lo[j] == lo[i]
+    and hi[j] == hi[i]
+    and so[j] == so[j - 1] + ss[i]
+    and to[j] == to[j - 1] + ts[i]
+  ):
+    j += 1
+  return j - i
+
+
+def _narrow_run(so, ss, to, ts, lo, hi, i: int, n: int, itemsize: int) -> int:
+  """The end of the run of narrow buffers from ``i`` that lie side by side in both
+  rows and fit one tile (``i + 1`` when buffer ``i`` is not narrow)."""
+  rows_in = rows_out = 0
+  width_in = width_out = 0
+  j = i
+  while j < n:
+    if hi[j] <= lo[j] or ss[j] > _NARROW or ts[j] > _NARROW:
+      break
+    if j > i and (so[j] != so[j - 1] + ss[j - 1] or to[j] != to[j - 1] + ts[j - 1]):
+      break
+    r_in = (hi[j] - 1) // ss[j] + 1 - lo[j] // ss[j]
+    r_out = -(-(hi[j] - lo[j]) // ts[j])
+    w_in, w_out = width_in + ss[j], width_out + ts[j]
+    if j > i and max(max(rows_in, r_in) * w_in, max(rows_out, r_out) * w_out) * itemsize > (
+      _TILE_BYTES
+    ):
+      break
+    rows_in, rows_out = max(rows_in, r_in), max(rows_out, r_out)
+    width_in, width_out = w_in, w_out
+    j += 1
+  return max(j, i + 1)
+
+
+def _copy_one(src, out, so, ss, to, ts, lo, hi, k: int, scratch) -> np.ndarray:
+  """``k`` buffers side by side, one geometry: the flat range ``[lo, hi)`` of each,
+  straight from source rows to target rows when both are long, else a chunk at
+  a time through the scratch."""
+  if hi <= lo:
+    return scratch
+  if min(ss, ts) >= _DIRECT:
+    for m in range(k):
+      _copy_direct(src, out, so + m * ss, ss, to + m * ts, ts, lo, hi)
+    return scratch
+  step = max(_CHUNK // k, 1)
+  if len(scratch) < k * min(step, hi - lo):
+    scratch = np.empty(k * min(step, hi - lo), src.dtype)
+  for at in range(lo, hi, step):
+    end = min(at + step, hi)
+    r, off = divmod(at, ss)
+    if (end - 1) // ss == r:  # inside one source row: a view, no copy
+      piece = _rows(src, so, ss, k)[r, :, off : off + end - at]
+    else:
+      piece = scratch[: k * (end - at)].reshape(k, end - at)
+      _gather(src, piece, so, ss, k, at, end)
+    _scatter(out, piece, to, ts, k, at - lo)
+  return scratch
+
+
+def _rows(a: np.ndarray, start: int, width: int, k: int) -> np.ndarray:
+  """``(rows, k, width)``: the columns ``[start, start + k * width)`` of ``a`` as ``k``
+  buffers side by side (a view)."""
+  return a[:, start : start + k * width].reshape(a.shape[0], k, width)
+
+
+def _copy_direct(src, out, so, ss, to, ts, lo, hi) -> None:
+  """One buffer's flat range ``[lo, hi)``, one copy per overlap of a source row and
+  a target row: every byte moved once."""
+  at = lo
+  while at < hi:
+    k, r = at // ss, (at - lo) // ts
+    end = min((k + 1) * ss, lo + (r + 1) * ts, hi)
+    c = at - lo - r * ts
+    out[r, to + c : to + c + end - at] = src[k, so + at - k * ss : so + end - k * ss]
+    at = end
+
+
+def _copy_tiled(src, out, cols, i: int, j: int, scratch, tiles) -> np.ndarray:
+  """Narrow buffers ``i:j``, side by side in both rows: their source rows read into
+  one tile, each buffer moved from it into a target tile, written out whole."""
+  so, ss, to, ts, lo, hi = cols
+  k0 = min(lo[b] // ss[b] for b in range(i, j))
+  k1 = max((hi[b] - 1) // ss[b] + 1 for b in range(i, j))
+  rows = max(-(-(hi[b] - lo[b]) // ts[b]) for b in range(i, j))
+  width_in = so[j - 1] + ss[j - 1] - so[i]
+  width_out = to[j - 1] + ts[j - 1] - to[i]
+  half = len(tiles) // 2
+  tile_in = tiles[: (k1 - k0) * width_in].reshape(k1 - k0, width_in)
+  tile_in[...] = src[k0:k1, so[i] : so[i] + width_in]
+  tile_out = tiles[half : half + rows * width_out].reshape(rows, width_out)
+  tile_out[...] = 0
+  b = i
+  while b < j:
+    k = _alike(so, ss, to, ts, lo, hi, b, j)
+    length = hi[b] - lo[b]
+    if len(scratch) < k * length:
+      scratch = np.empty(k * length, src.dtype)
+    piece = scratch[: k * length].reshape(k, length)
+    _gather(tile_in, piece, so[b] - so[i], ss[b], k, lo[b] - k0 * ss[b], hi[b] - k0 * ss[b])
+    _scatter(tile_out, piece, to[b] - to[i], ts[b], k, 0)
+    b += k
+  out[:rows, to[i] : to[i] + width_out] = tile_out
+  return scratch
+
+
+def _gather(src: np.ndarray, dst: np.ndarray, so: int, ss: int, k: int, lo: int, hi: int) -> None:
+  """``dst[m] =`` the flat range ``[lo, hi)`` of buffer ``m < k``, whose rows are
+  ``src[:, so + m * ss : so + (m + 1) * ss]``: a partial first row, whole rows, a
+  partial last row."""
+  s = _rows(src, so, ss, k)
+  r, off = divmod(lo, ss)
+  n, at = hi - lo, 0
+  if off:
+    at = min(ss - off, n)
+    dst[:, :at] = s[r, :, off : off + at]
+    r += 1
+  whole = (n - at) // ss
+  if whole:
+    dst[:, at : at + whole * ss].reshape(k, whole, ss)[...] = s[r : r + whole].transpose(1, 0, 2)
+    at, r = at + whole * ss, r + whole
+  if at < n:
+    dst[:, at:] = s[r, :, : n - at]
+
+
+def _scatter(out: np.ndarray, piece: np.ndarray, to: int, ts: int, k: int, at: int) -> None:
+  """Writes ``piece[m]`` at flat position ``at`` of buffer ``m < k``, whose rows are
+  ``out[:, to + m * ts : to + (m + 1) * ts]``: a partial first row, whole rows, a
+  partial last row."""
+  o = _rows(out, to, ts, k)
+  r, col = divmod(at, ts)
+  n, done = piece.shape[1], 0
+  if col:
+    done = min(ts - col, n)
+    o[r, :, col : col + done] = piece[:, :done]
+    r += 1
+  whole = (n - done) // ts
+  if whole:
+    o[r : r + whole] = piece[:, done : done + whole * ts].reshape(k, whole, ts).transpose(1, 0, 2)
+    done, r = done + whole * ts, r + whole
+  if done < n:
+    o[r, :, : n - done] = piece[:, done:]

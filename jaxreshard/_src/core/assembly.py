@@ -1,0 +1,171 @@
+"""A target rank's record made from its packed buffers: one view per leaf, one unflatten.
+
+Every target rank of one layout has the same state structure: the template
+archive's skeleton and clock scalars, with each history buffer at a fixed
+offset of its dtype's packed buffer. :class:`Assembly` works that structure
+out once (the tree structure, where each leaf comes from, the roles, the
+placement columns), so a rank's state is a view per history buffer and one
+``unflatten``, and its placements one constructor call per parameter. A
+:class:`RankParts` holds one rank's buffers and makes both when its deferred
+record is first read (``ShardRecord.deferred``).
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core.placement import ParamPlacement
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+
+__all__ = ["Assembly", "RankParts", "deferred_record"]
+
+
+class _Slot:
+  """Stands for history buffer ``index`` (layout order) while the structure is worked out."""
+
+  __slots__ = ("index",)
+
+  def __init__(self, index: int):
+    self.index = index
+
+
+class Assembly:
+  """The state structure of every target rank of one layout, and its placement columns.
+
+  Attributes:
+    roles: per leaf of the target state, the param id of a history buffer or
+      None for a clock scalar (a record's ``roles``).
+    dtypes: the packed buffers, in layout order.
+  """
+
+  def __init__(self, template: _structure.StateParts, facts: Sequence[Any], layout: Any):
+    """
+    Args:
+      template: the state parts whose skeleton and scalars every target takes.
+      facts: the validated source facts of each row (parameter), in layout order.
+      layout: the target's ``TargetLayout``.
+    """
+    built = [list(f.history) for f in facts]
+    self.dtypes = tuple(layout.slots)
+    self._slices: list[tuple[np.dtype, tuple[slice, ...]]] = []
+    param_of: list[str] = []  # per history buffer, in layout order
+    for dtype, slots in layout.slots.items():
+      _, _, offset, size = layout.columns[dtype]
+      self._slices.append((dtype, tuple(map(slice, offset.tolist(), (offset + size).tolist()))))
+      for slot in slots:
+        built[slot.group][slot.subtree] = _Slot(len(param_of))
+        param_of.append(facts[slot.group].param)
+    state = _structure.build_state(template, {f.param: e for f, e in zip(facts, built)})
+    leaves, self._treedef = jax.tree_util.tree_flatten(state)
+    self._scalars = [x for x in leaves if not isinstance(x, _Slot)]
+    # Where each leaf comes from in a pool of the scalars, then every view.
+    order, k = [], 0
+    for x in leaves:
+      if isinstance(x, _Slot):
+        order.append(len(self._scalars) + x.index)
+      else:
+        order.append(k)
+        k += 1
+    self._order = tuple(order)
+    self._pick = operator.itemgetter(*order) if len(order) > 1 else None
+    self.roles = tuple(param_of[x.index] if isinstance(x, _Slot) else None for x in leaves)
+    self.params = tuple(f.param for f in facts)
+    self._shapes = tuple(f.shape for f in facts)
+    self._dtypes = tuple(f.dtype for f in facts)
+    self._trainable = tuple(f.trainable for f in facts)
+
+  def state(self, buffers: dict[np.dtype, np.ndarray]) -> Any:
+    """The target state whose history buffers are views of ``buffers`` (one per dtype)."""
+    pool = list(self._scalars)
+    for dtype, slices in self._slices:
+      pool.extend(map(buffers[dtype].__getitem__, slices))
+    if self._pick is not None:
+      leaves = self._pick(pool)
+    else:
+      leaves = [pool[i] for i in self._order]
+    return self._treedef.unflatten(leaves)
+
+  def placements(self, ranks: Any, worlds: Any) -> tuple[ParamPlacement, ...]:
+    """The placements of a target rank: ``ranks`` and ``worlds`` are one int each, or
+    one per row."""
+    n = len(self.params)
+    ranks = itertools.repeat(ranks, n) if isinstance(ranks, int) else ranks
+    worlds = itertools.repeat(worlds, n) if isinstance(worlds, int) else worlds
+    return tuple(
+      map(
+        ParamPlacement.checked,
+        self.params,
+        self._shapes,
+        ranks,
+        worlds,
+        self._dtypes,
+        self._trainable,
+      )
+    )
+
+
+class RankParts:
+  """One target rank's packed buffers and what its deferred record is made with."""
+
+  __slots__ = ("assembly", "buffers", "ranks", "worlds", "made")
+
+  def __init__(
+    self,
+    assembly: Assembly,
+    buffers: dict[np.dtype, np.ndarray],
+    ranks: Any,
+    worlds: Any,
+    placements: tuple[ParamPlacement, ...] | None = None,
+  ):
+    self.assembly = assembly
+    self.buffers = buffers
+    self.ranks = ranks
+    self.worlds = worlds
+    self.made = placements
+
+  def state(self) -> Any:
+    # A view and a few containers per leaf, no reference cycles: the cyclic
+    # collector is paused, as around the copy itself, or the allocations
+    # trigger collections that walk every live object.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+      return self.assembly.state(self.buffers)
+    finally:
+      if enabled:
+        gc.enable()
+
+  def placements(self) -> tuple[ParamPlacement, ...]:
+    if self.made is not None:
+      return self.made
+    return self.assembly.placements(self.ranks, self.worlds)
+
+
+def deferred_record(
+  assembly: Assembly,
+  buffers: dict[np.dtype, np.ndarray],
+  ranks: Any,
+  worlds: Any,
+  placements: tuple[ParamPlacement, ...] | None = None,
+) -> ShardRecord:
+  """A target record over ``buffers``, its placements and state made when first read.
+
+  Args:
+    assembly: the structure of the target's layout.
+    buffers: the packed buffer of each of ``assembly.dtypes``.
+    ranks, worlds: the target rank and world size: one int each, or a list
+      with one per row.
+    placements: the placements, when they were made already (frozen, they may be
+      shared by every record of the rank).
+  """
+  return ShardRecord.deferred(
+    RECORD_VERSION, assembly.roles, RankParts(assembly, buffers, ranks, worlds, placements)
+  )

@@ -1,0 +1,106 @@
+"""The migrations ``plan`` made for one source set, recognised when they come back.
+
+``plan`` of one (world size, rank) hands out the same frozen ``Migration``
+objects every time it is asked. A list made of exactly those objects (checked
+by identity, element by element, in C) is one that ``plan`` made, so
+validating it repeats nothing: every rank of a world size shares one
+:class:`~jaxreshard._src.core.groups.Family` whose rows were validated with
+the first rank's list, and a rank's table is that family at its rank.
+Anything else (a list edited by hand, equal migrations made elsewhere) is
+validated in full.
+
+A source object owns one :class:`PlanCache`; it lives as long as the sources.
+"""
+
+from __future__ import annotations
+
+import collections
+import operator
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from jaxreshard._src.core import groups as _groups
+from jaxreshard._src.core.placement import Migration
+
+__all__ = ["PlanCache"]
+
+
+class PlanCache:
+  """Plans of one source set by (world size, rank), and the families they validate to."""
+
+  # Migrations held at most; the oldest plans are dropped beyond it (a later
+  # plan of theirs makes new migrations, validated once more).
+  MAX_MIGRATIONS = 1 << 22
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._plans: collections.OrderedDict[tuple[int, int], tuple[Migration, ...]] = (
+      collections.OrderedDict()
+    )
+    self._held = 0
+    # The key of each plan by the identity of its first migration (held by the plan).
+    self._by_first: dict[int, tuple[int, int]] = {}
+    self._families: dict[int, _groups.Family] = {}
+
+  def migrations(
+    self, groups: Iterable[tuple[str, tuple[int, ...], tuple[int, ...]]], world: int, rank: int
+  ) -> list[Migration]:
+    """A new list of the plan's migrations of complete ``groups`` to target ``rank``
+    of ``world`` (ints, checked by the caller), made once per (world, rank)."""
+    key = (world, rank)
+    with self._lock:
+      plan = self._plans.get(key)
+      if plan is not None:
+        self._plans.move_to_end(key)
+        return list(plan)
+    plan = tuple(Migration.checked(pid, shape, rank, world, src) for pid, shape, src in groups)
+    with self._lock:
+      if key in self._plans:  # made meanwhile by another thread: keep that one
+        return list(self._plans[key])
+      self._plans[key] = plan
+      self._held += len(plan)
+      if plan:
+        self._by_first[id(plan[0])] = key
+      while self._held > self.MAX_MIGRATIONS and len(self._plans) > 1:
+        old_key, old = self._plans.popitem(last=False)
+        self._held -= len(old)
+        if old:
+          self._by_first.pop(id(old[0]), None)
+    return list(plan)
+
+  def match(
+    self, migrations: Sequence[Any]
+  ) -> tuple[tuple[int, int], tuple[Migration, ...]] | None:
+    """``((world, rank), plan)`` when ``migrations`` holds exactly the plan's objects,
+    in order; None otherwise."""
+    if not isinstance(migrations, (list, tuple)) or not migrations:
+      return None
+    first = migrations[0]
+    # Reads need no lock: entries are only ever added or removed whole.
+    key = self._by_first.get(id(first))
+    plan = None if key is None else self._plans.get(key)
+    if plan is None or plan[0] is not first or len(plan) != len(migrations):
+      return None
+    if any(map(operator.is_not, migrations, plan)):
+      return None
+    return key, plan
+
+  def validated(
+    self, migrations: Sequence[Any], validate: Callable[[], _groups.Groups]
+  ) -> _groups.Groups | None:
+    """The validated table of a plan this cache made, or None for any other list.
+
+    ``validate()`` validates ``migrations`` in full; it runs for the first rank
+    of a world size, and its refusals are raised as they are.
+    """
+    hit = self.match(migrations)
+    if hit is None:
+      return None
+    (world, rank), plan = hit
+    family = self._families.get(world)
+    if family is None:
+      table = validate()
+      with self._lock:
+        family = self._families.setdefault(world, _groups.Family(table, world))
+    return family.table(plan, rank)
