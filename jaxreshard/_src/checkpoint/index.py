@@ -228,8 +228,13 @@ class Index:
 
   archive_numbers: np.ndarray  # per archive, the number of its name (a table index)
 
-  def __init__(self, *, id, version, table, record_version, tables, layouts, clocks, source, raw):
+  def __init__(
+    self, *, id, version, table, record_version, tables, layouts, clocks, source, raw, describe=None
+  ):
+    """``describe(index, archive)``: ``describes`` of an index whose layouts are in a
+    binary table (the JSON encoding's own when None)."""
     self.id, self.version, self.table, self.record_version = id, version, table, record_version
+    self._describe = describe
     self.tables, self.layouts, self.clocks, self.source, self.raw = (
       tables,
       layouts,
@@ -314,10 +319,8 @@ class Index:
   def describes(self, archive: int) -> dict[str, str]:
     """Digests of what the index says of ``archive``: its layout, its clock and its
     params' ``(id, shape, dtype, trainable)`` at each (world size, rank)."""
-    if self.table:
-      from jaxreshard._src.checkpoint import tableindex  # pylint: disable=g-import-not-at-top
-
-      return tableindex.describes(self, archive)
+    if self._describe is not None:
+      return self._describe(self, archive)
     buckets: dict[tuple[int, int], int] = {}
     for gi, r in self.member[archive]:
       key = (self.groups[gi].world_size, r)
@@ -329,17 +332,20 @@ class Index:
     }
 
 
-def parse_index(index: Any, where: str, table: Any = None) -> Index:
+def parse_index(index: Any, where: str, table: Any = None, parse_table: Any = None) -> Index:
   """The index's JSON value, every field checked; ``where`` names the file in refusals.
 
-  ``table(entry)`` reads the binary table an index of large layouts names
-  (``tableindex``); an index that names one is parsed from it.
+  ``table(entry)`` reads the binary table an index of large layouts names, and
+  ``parse_table(index, table, where, checkpoint_id, record_version)`` parses such
+  an index from it (``tableindex.parse``).
   """
   checkpoint_id, record_version = _parse_header(index, where)
   if "table" in index:
-    from jaxreshard._src.checkpoint import tableindex  # pylint: disable=g-import-not-at-top
-
-    return tableindex.parse(index, table, where, checkpoint_id, record_version)
+    if parse_table is None:
+      raise ArchiveError(
+        f"{where}: the index names a binary table, which this reader does not read"
+      )
+    return parse_table(index, table, where, checkpoint_id, record_version)
   params = _parse_params(fmt.expect(index["params"], list, where), where)
   archives = fmt.expect(index["archives"], list, where)
   if not archives:

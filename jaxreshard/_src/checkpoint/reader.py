@@ -77,6 +77,7 @@ from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint import table as _table
+from jaxreshard._src.checkpoint import tableindex as _tableindex
 from jaxreshard._src.checkpoint.archives import allocate, path_arg  # noqa: F401  (re-exported)
 from jaxreshard._src.checkpoint.index import (  # noqa: F401  (re-exported)
   _TWICE,
@@ -379,6 +380,7 @@ def _read_index(root: _shardread.Dir, given: Any, directory: str) -> _index.Inde
       _archives.signed_value(raw, where, FORMAT),
       where,
       lambda entry: _table.read(root, entry, where),
+      _tableindex.parse,
     )
 
 

@@ -203,6 +203,7 @@ def parse(
     clocks=clocks,
     source=source,
     raw={"clocks": index["clocks"]},
+    describe=describes,
   )
   out.archive_numbers = number
   return out
