@@ -128,6 +128,40 @@ def _copied(d: np.dtype) -> bool:
   return d in _STORAGE or (d.name == "float64" and jax.config.jax_enable_x64)
 
 
+def _histories(
+  index: Any, group_layout: np.ndarray, name: np.ndarray, group: np.ndarray, slots: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
+  """Per row (param), its history buffers' dtype codes (-1 masked, -2 none) and their
+  summed item size; None when a buffer lacks its group's slots or a copied dtype, a
+  group lacks a param its layout holds, or the layouts differ in their mirrors."""
+  t = index.tables
+  n_m = {index.layouts[L].n_mirrors for L in set(group_layout.tolist())}
+  if len(n_m) != 1:
+    return None
+  (n_m,) = n_m
+  itemsize = np.zeros(len(name), np.int64)
+  hist = np.full((len(name), n_m), -2, np.int64)
+  isz = np.asarray([d.itemsize for d in t.dtypes], np.int64)
+  copied = np.asarray([_copied(d) for d in t.dtypes], bool)
+  for L in set(group_layout.tolist()):
+    cols = index.layouts[L].columns
+    rows = np.flatnonzero(group_layout[group] == L)
+    at = cols.rows_of(name[rows])
+    held = at >= 0
+    h, hs = cols.hist[at[held]], cols.hist_slots[at[held]]
+    buf = h >= 0
+    # Every buffer has its group's slots and a dtype validation copies.
+    if (buf & (hs != slots[rows[held]][:, None])).any() or not copied[h[buf]].all():
+      return None
+    hist[rows[held]] = h
+    itemsize[rows[held]] = np.where(buf, isz[np.maximum(h, 0)], 0).sum(axis=1)
+    # Every param the layout holds a history for is in each of its groups.
+    for g in np.unique(group[rows]).tolist():
+      if np.setdiff1d(cols.names, name[group == g]).size:
+        return None
+  return hist, itemsize
+
+
 def _regular(ckpt: Any) -> Regular | None:
   index = ckpt.index
   t = index.tables
@@ -164,30 +198,10 @@ def _regular(ckpt: Any) -> Regular | None:
     return None
   count, world = t.p_count[entry], t.g_world[group]
   slots = -(-count // world)
-  n_m = {index.layouts[L].n_mirrors for L in set(group_layout.tolist())}
-  if len(n_m) != 1:
+  histories = _histories(index, group_layout, name, group, slots)
+  if histories is None:
     return None
-  (n_m,) = n_m
-  itemsize = np.zeros(len(entry), np.int64)
-  hist = np.full((len(entry), n_m), -2, np.int64)
-  isz = np.asarray([d.itemsize for d in t.dtypes], np.int64)
-  copied = np.asarray([_copied(d) for d in t.dtypes], bool)
-  for L in set(group_layout.tolist()):
-    cols = index.layouts[L].columns
-    rows = np.flatnonzero(group_layout[group] == L)
-    at = cols.rows_of(name[rows])
-    held = at >= 0
-    h, hs = cols.hist[at[held]], cols.hist_slots[at[held]]
-    buf = h >= 0
-    # Every buffer has its group's slots and a dtype validation copies.
-    if (buf & (hs != slots[rows[held]][:, None])).any() or not copied[h[buf]].all():
-      return None
-    hist[rows[held]] = h
-    itemsize[rows[held]] = np.where(buf, isz[np.maximum(h, 0)], 0).sum(axis=1)
-    # Every param the layout holds a history for is in each of its groups.
-    for g in np.unique(group[rows]).tolist():
-      if np.setdiff1d(cols.names, name[group == g]).size:
-        return None
+  hist, itemsize = histories
   # One optimizer clock class for every group (a layout that cannot say its class is
   # refused by the general path, in its own order).
   try:

@@ -198,6 +198,19 @@ def _check_history_shapes(
       )
 
 
+def _flatten(layout: _MeshLayout, tree: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
+  """``tree`` with each leaf flattened and padded to its flat-shard layout."""
+  with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  return jax.tree_util.tree_unflatten(
+    treedef, [layout.flat(x, shapes[_structure.path_id(p)]) for p, x in with_path]
+  )
+
+
+def _counts(layout: _MeshLayout, shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
+  """param id -> its element count, as the flat shards over ``layout`` count it."""
+  return {pid: FlatShard(s, 0, layout.world).count for pid, s in shapes.items()}
+
+
 def flat_sharded(
   optimizer: optax.GradientTransformation,
   mesh: Mesh,
@@ -366,15 +379,6 @@ def flat_sharded(
   def roles(flat_params: Any, state: Any) -> tuple:
     return _history_roles(roles_cache, logical_opt, flat_params, state)
 
-  def flatten(tree: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
-    with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    return jax.tree_util.tree_unflatten(
-      treedef, [layout.flat(x, shapes[_structure.path_id(p)]) for p, x in with_path]
-    )
-
-  def counts_of(shapes: dict[str, tuple[int, ...]]) -> dict[str, int]:
-    return {pid: FlatShard(s, 0, layout.world).count for pid, s in shapes.items()}
-
   def init(params: Any) -> Any:
     # nnx.Optimizer initialises with Variables and updates with their values.
     params = _plain.unwrapped(params)
@@ -386,7 +390,7 @@ def flat_sharded(
     if shapes not in records:
       records.append(dict(shapes))
     with on_mesh(params), _logical_masks.logical_shapes(_described(params)):
-      flat_params = flatten(params, shapes)
+      flat_params = _flatten(layout, params, shapes)
       state = logical_opt.init(flat_params)
       if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(logical):
         raise ShapeError(
@@ -394,7 +398,7 @@ def flat_sharded(
           " for flat params than for the params themselves (a mask or label function that"
           " depends on shapes?); pass such masks and labels as pytrees"
         )
-      return layout.settle(state, roles(flat_params, state), counts_of(shapes))
+      return layout.settle(state, roles(flat_params, state), _counts(layout, shapes))
 
   def update(grads: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
     grads, params = _plain.unwrapped(grads), _plain.unwrapped(params)
@@ -404,8 +408,8 @@ def flat_sharded(
       _check_like(params, "params", grads)
     _check_built_for(built_for, grads)
     described = _described(grads)
-    flat_grads = flatten(grads, shapes)
-    flat_params = None if params is None else flatten(params, shapes)
+    flat_grads = _flatten(layout, grads, shapes)
+    flat_params = None if params is None else _flatten(layout, params, shapes)
     with _logical_masks.logical_shapes(described):
       state_roles = roles(flat_grads, state)
     _check_history_shapes(layout, state, state_roles, shapes)
@@ -421,6 +425,6 @@ def flat_sharded(
           jax.tree_util.tree_leaves(flat_updates), leaves, [shapes[pid] for pid in ids]
         ),
       )
-      return updates, layout.settle(state, state_roles, counts_of(shapes))
+      return updates, layout.settle(state, state_roles, _counts(layout, shapes))
 
   return _FlatSharded(init, update, optimizer)
