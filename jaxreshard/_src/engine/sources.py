@@ -13,7 +13,6 @@ record instead), as with any jax pytree.
 
 from __future__ import annotations
 
-import collections
 import functools
 import threading
 import weakref
@@ -30,6 +29,8 @@ from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.engine import plans as _plans
+from jaxreshard._src.engine import stacks as _stacks
+from jaxreshard._src.engine.caches import FactsCache, RecentByObject, sources_key  # noqa: F401  (re-exported)
 from jaxreshard._src.engine.gcpause import no_gc
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.exec import host as _host_exec
@@ -76,125 +77,6 @@ class MemorySources(Sources, Protocol):
   def host_view(self, key: Any) -> np.ndarray: ...
   def host_views(self, keys: Sequence[Any]) -> list[np.ndarray]: ...
   def on_accelerator(self, keys: Sequence[Any]) -> bool: ...
-
-
-def sources_key(sources: tuple) -> tuple | None:
-  """A value key of a migration's source tuple: its entries and their types (so that
-  ``(True, 1)`` is not taken for ``(1, 1)``); None for entries that cannot be hashed."""
-  key = (sources, tuple(map(type, sources)))
-  try:
-    hash(key)
-  except TypeError:
-    return None
-  return key
-
-
-class RecentByObject:
-  """Values made from objects, by the objects' identities, the most recent ``maxsize``.
-
-  Each entry holds its object, so that its ``id`` is not reused while the entry
-  lives. For what is made from one of our own immutable tables (a cached
-  plan's run tables): made once per table while the table is reused.
-  """
-
-  def __init__(self, maxsize: int = 32):
-    self.maxsize = maxsize
-    self._lock = threading.Lock()
-    self._entries: collections.OrderedDict[int, tuple[Any, Any]] = collections.OrderedDict()
-
-  def get(self, obj: Any, make: Any) -> Any:
-    with self._lock:
-      hit = self._entries.get(id(obj))
-      if hit is not None and hit[0] is obj:
-        self._entries.move_to_end(id(obj))
-        return hit[1]
-    value = make()
-    with self._lock:
-      self._entries[id(obj)] = (obj, value)
-      while len(self._entries) > self.maxsize:
-        self._entries.popitem(last=False)
-    return value
-
-
-class FactsCache:
-  """Validated groups of one source set, by value; owned by the source object.
-
-  A source object makes one in its ``__init__``: the facts live exactly as long
-  as the sources they describe. Keys are values, never identities: a migration's
-  ``(param, sources)``, and under it the facts shared by every equal tuple.
-  """
-
-  # Source tuples whose value key is remembered by identity, at most this many.
-  MAX_TUPLES = 4096
-
-  def __init__(self):
-    self._by_key: dict[tuple, _validate.SourceFacts] = {}
-    self._memo: dict[tuple, Any] = {}
-    self._keys: dict[int, tuple[tuple, int | None]] = {}
-    self._numbers: dict[tuple, int] = {}
-    # The facts of each source tuple's value by param, and by tuple object
-    # (kept with its table, so that its ``id`` is not reused meanwhile).
-    self._by_number: dict[int, dict[str, _validate.SourceFacts]] = {}
-    self._known: dict[int, tuple[tuple, dict[str, _validate.SourceFacts]]] = {}
-
-  def key(self, sources: tuple) -> int | None:
-    """A number per value of ``sources_key(sources)``, found once per tuple object.
-
-    A plan's migrations of one group share one tuple of W archive indices;
-    hashing it once per (target rank, param) pair would cost time in W per
-    pair, so later keys hold its number, not the tuple. The tuple is kept
-    with its number, so its ``id`` is not reused while the entry lives; the
-    table of tuples is emptied when it reaches ``MAX_TUPLES``.
-    """
-    hit = self._keys.get(id(sources))
-    if hit is not None and hit[0] is sources:
-      return hit[1]
-    value = sources_key(sources)
-    number = None if value is None else self._numbers.setdefault(value, len(self._numbers))
-    if len(self._keys) >= self.MAX_TUPLES:
-      self._keys.clear()
-    self._keys[id(sources)] = (sources, number)
-    return number
-
-  def facts(self, pid: str, sources: tuple, src: Any) -> _validate.SourceFacts:
-    """The facts of ``(pid, sources)``, validated once per value."""
-    key = self.key(sources)
-    facts = None if key is None else self._by_key.get((pid, key))
-    if facts is not None:
-      return facts
-    _validate.check_source_indices(pid, sources, len(src))
-    value = tuple(int(s) for s in sources)
-    facts = self.memo(("facts", pid, value), lambda: _validate.source_facts(pid, value, src))
-    if key is not None:
-      self._by_key[(pid, key)] = facts
-    return facts
-
-  def known(self, pid: str, sources: tuple) -> _validate.SourceFacts | None:
-    """Facts ``remember`` holds for this tuple object's value, found without a lock
-    (the tables are only ever added to) and without hashing the tuple."""
-    hit = self._known.get(id(sources))
-    if hit is not None and hit[0] is sources:
-      return hit[1].get(pid)
-    return None
-
-  def remember(self, pid: str, sources: tuple, facts: _validate.SourceFacts) -> None:
-    """Files validated facts under the value of ``sources`` and its tuple object."""
-    number = self.key(sources)
-    if number is None:
-      return
-    if len(self._known) >= self.MAX_TUPLES:
-      self._known.clear()
-    known = self._known.get(id(sources))
-    if known is None or known[0] is not sources:
-      known = self._known[id(sources)] = (sources, self._by_number.setdefault(number, {}))
-    known[1][pid] = facts
-
-  def memo(self, key: tuple, make: Any) -> Any:
-    """The value remembered under ``key``, made by ``make()`` on first use."""
-    value = self._memo.get(key)
-    if value is None:
-      value = self._memo[key] = make()
-    return value
 
 
 def complete_groups(
@@ -254,7 +136,7 @@ class RecordSources:
     self._archive_on_accelerator: dict[int, bool] = {}
     self._clocks = _clock.ClockClasses()
     # ``stacked`` by (archives, dtype); False where the buffers cannot be stacked.
-    self._stacks: dict[tuple, _Stack | bool] = {}
+    self._stacks: dict[tuple, _stacks.Stack | bool] = {}
     # Every validated group of these sources, for as long as they live.
     self._cache = FactsCache()
     # The plans ``plan`` made of these sources, and what they validate to.
@@ -421,7 +303,7 @@ class RecordSources:
     with self._lock:
       return self._is_uniform(sources)
 
-  def stacked(self, archives: tuple[int, ...], dtype: np.dtype) -> _Stack | None:
+  def stacked(self, archives: tuple[int, ...], dtype: np.dtype) -> _stacks.Stack | None:
     """The ``dtype`` history buffers of ``archives`` (uniform, see :meth:`uniform`)
     as the rows of one 2-D unsigned array, one row per archive in order, each row
     its buffers back to back in packing order; None when a buffer cannot be
@@ -438,7 +320,7 @@ class RecordSources:
     key = (archives, np.dtype(dtype))
     hit = self._stacks.get(key)
     if hit is None:
-      hit = self._stacks.setdefault(key, _make_stack(self, archives, np.dtype(dtype)))
+      hit = self._stacks.setdefault(key, _stacks.make_stack(self, archives, np.dtype(dtype)))
     return hit or None
 
   def _packing_of(self, archive: int, dtype: np.dtype) -> list[tuple[str, int]]:
@@ -457,124 +339,6 @@ class RecordSources:
         d.platform != "cpu" for s in shardings.values() for d in s.device_set
       )
     return hit
-
-
-class _Stack:
-  """History buffers of one dtype of several uniform archives as a 2-D unsigned array.
-
-  Attributes:
-    order: ``(param, mirror)`` of each buffer of a row, in packing order.
-    offsets: the first element of each in a row.
-    width: elements in a row.
-  """
-
-  def __init__(self, order, offsets, width, rows=None, views=None, whole=None):
-    self.order = tuple(order)
-    self.offsets = tuple(offsets)
-    self.width = width
-    self._rows = rows  # one flat view per archive
-    self._views = views  # every buffer's view, archive after archive
-    self._whole = whole  # the rows as one view
-
-  @property
-  def copied(self) -> int:
-    """Elements :meth:`array` copies per call: 0 when it is a view of the sources."""
-    if self._whole is not None:
-      return 0
-    return (len(self._rows) if self._rows is not None else len(self._views) // len(self.order)) * (
-      self.width
-    )
-
-  def array(self) -> np.ndarray:
-    """``(archives, width)``: a view where the rows lie evenly in one allocation,
-    else a fresh copy of what the sources hold now."""
-    if self._whole is not None:
-      return self._whole
-    if self._rows is not None:
-      return np.stack(self._rows)
-    out = np.empty(len(self._views) // max(len(self.order), 1) * self.width, self._views[0].dtype)
-    np.concatenate(self._views, out=out)
-    return out.reshape(-1, self.width)
-
-
-def _address(view: np.ndarray) -> int:
-  return view.__array_interface__["data"][0]
-
-
-def _make_stack(src: RecordSources, archives: tuple[int, ...], dtype: np.dtype) -> _Stack | bool:
-  """``RecordSources.stacked``'s work, or False where it does not apply."""
-  order = src._packing_of(archives[0], dtype)
-  n = len(order)
-  if not n:
-    return False
-  keys = [(a, pid, m) for a in archives for pid, m in order]
-  # Buffers that are numpy arrays are looked at as they are (no view is kept
-  # per buffer when an archive's buffers lie back to back).
-  buffers = [src.buffer(k) for k in keys]
-  sizes = [int(np.size(b)) for b in buffers[:n]]
-  if any(int(np.size(b)) != sizes[i % n] for i, b in enumerate(buffers)):
-    return False
-  offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-  width = sum(sizes)
-  uint = _host_exec.UINT.get(dtype.itemsize)
-  if uint is not None and all(type(b) is np.ndarray for b in buffers):
-    rows = [_packed_row(buffers[i * n : (i + 1) * n], width) for i in range(len(archives))]
-    if all(r is not None for r in rows):
-      rows = [r.view(uint) for r in rows]
-      return _Stack(order, offsets, width, rows=rows, whole=_evenly_spaced(rows))
-  try:
-    views = src.host_views(keys)
-  except (TypeError, ValueError, RuntimeError):
-    return False
-  if any(v.ndim != 1 or not v.flags.c_contiguous for v in views):
-    return False
-  return _Stack(order, offsets, width, views=views)
-
-
-def _packed_row(views: Sequence[np.ndarray], width: int) -> np.ndarray | None:
-  """One view of ``views`` when they lie back to back in one allocation, in order."""
-  first = views[0]
-  owner = first.base if first.base is not None else first
-  itemsize = first.dtype.itemsize
-  at = _address(first)
-  for v in views:
-    if v.dtype != first.dtype or (v.base if v.base is not None else v) is not owner:
-      return None
-    if v.ndim != 1 or (v.size > 1 and v.strides[0] != itemsize):
-      return None
-    if _address(v) != at:
-      return None
-    at += v.size * itemsize
-  # Every byte of the row lies in one of the views, all inside ``owner``.
-  return np.lib.stride_tricks.as_strided(first, (width,), (itemsize,), writeable=False)
-
-
-def _evenly_spaced(rows: Sequence[np.ndarray]) -> np.ndarray | None:
-  """The rows as one 2-D view when they are evenly spaced rows of one allocation."""
-  if len(rows) == 1:
-    return rows[0].reshape(1, -1)
-  owners = {id(_owner(r)) for r in rows}
-  if len(owners) != 1:
-    return None
-  at = [_address(r) for r in rows]
-  step = at[1] - at[0]
-  row_bytes = rows[0].size * rows[0].dtype.itemsize
-  if step < row_bytes or any(b - a != step for a, b in zip(at, at[1:])):
-    return None
-  return np.lib.stride_tricks.as_strided(
-    rows[0], (len(rows), rows[0].size), (step, rows[0].dtype.itemsize), writeable=False
-  )
-
-
-def _owner(row: np.ndarray) -> Any:
-  """The allocation a row made by ``_packed_row`` views."""
-  x = row
-  while isinstance(x, np.ndarray) or hasattr(x, "__array_interface__"):
-    base = getattr(x, "base", None)
-    if base is None:
-      return x
-    x = base
-  return x
 
 
 def _numbered(keys: Sequence[Any]) -> list[Any]:

@@ -1,0 +1,137 @@
+"""Uniform archives' history buffers of one dtype seen as the rows of one 2-D array.
+
+``RecordSources.stacked`` asks for a ``Stack`` of the archives of a group (each
+archive one row, each buffer at one offset of every row), which the host
+executor copies every target rank from by blocks. Where the archives' buffers
+already lie evenly spaced in one allocation the stack is a strided view of it;
+otherwise its rows are packed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxreshard._src.exec import host as _host_exec
+
+__all__ = ["Stack", "make_stack"]
+
+
+class Stack:
+  """History buffers of one dtype of several uniform archives as a 2-D unsigned array.
+
+  Attributes:
+    order: ``(param, mirror)`` of each buffer of a row, in packing order.
+    offsets: the first element of each in a row.
+    width: elements in a row.
+  """
+
+  def __init__(self, order, offsets, width, rows=None, views=None, whole=None):
+    self.order = tuple(order)
+    self.offsets = tuple(offsets)
+    self.width = width
+    self._rows = rows  # one flat view per archive
+    self._views = views  # every buffer's view, archive after archive
+    self._whole = whole  # the rows as one view
+
+  @property
+  def copied(self) -> int:
+    """Elements :meth:`array` copies per call: 0 when it is a view of the sources."""
+    if self._whole is not None:
+      return 0
+    return (len(self._rows) if self._rows is not None else len(self._views) // len(self.order)) * (
+      self.width
+    )
+
+  def array(self) -> np.ndarray:
+    """``(archives, width)``: a view where the rows lie evenly in one allocation,
+    else a fresh copy of what the sources hold now."""
+    if self._whole is not None:
+      return self._whole
+    if self._rows is not None:
+      return np.stack(self._rows)
+    out = np.empty(len(self._views) // max(len(self.order), 1) * self.width, self._views[0].dtype)
+    np.concatenate(self._views, out=out)
+    return out.reshape(-1, self.width)
+
+
+def _address(view: np.ndarray) -> int:
+  return view.__array_interface__["data"][0]
+
+
+def make_stack(src: Any, archives: tuple[int, ...], dtype: np.dtype) -> Stack | bool:
+  """``RecordSources.stacked``'s work, or False where it does not apply."""
+  order = src._packing_of(archives[0], dtype)
+  n = len(order)
+  if not n:
+    return False
+  keys = [(a, pid, m) for a in archives for pid, m in order]
+  # Buffers that are numpy arrays are looked at as they are (no view is kept
+  # per buffer when an archive's buffers lie back to back).
+  buffers = [src.buffer(k) for k in keys]
+  sizes = [int(np.size(b)) for b in buffers[:n]]
+  if any(int(np.size(b)) != sizes[i % n] for i, b in enumerate(buffers)):
+    return False
+  offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+  width = sum(sizes)
+  uint = _host_exec.UINT.get(dtype.itemsize)
+  if uint is not None and all(type(b) is np.ndarray for b in buffers):
+    rows = [_packed_row(buffers[i * n : (i + 1) * n], width) for i in range(len(archives))]
+    if all(r is not None for r in rows):
+      rows = [r.view(uint) for r in rows]
+      return Stack(order, offsets, width, rows=rows, whole=_evenly_spaced(rows))
+  try:
+    views = src.host_views(keys)
+  except (TypeError, ValueError, RuntimeError):
+    return False
+  if any(v.ndim != 1 or not v.flags.c_contiguous for v in views):
+    return False
+  return Stack(order, offsets, width, views=views)
+
+
+def _packed_row(views: Sequence[np.ndarray], width: int) -> np.ndarray | None:
+  """One view of ``views`` when they lie back to back in one allocation, in order."""
+  first = views[0]
+  owner = first.base if first.base is not None else first
+  itemsize = first.dtype.itemsize
+  at = _address(first)
+  for v in views:
+    if v.dtype != first.dtype or (v.base if v.base is not None else v) is not owner:
+      return None
+    if v.ndim != 1 or (v.size > 1 and v.strides[0] != itemsize):
+      return None
+    if _address(v) != at:
+      return None
+    at += v.size * itemsize
+  # Every byte of the row lies in one of the views, all inside ``owner``.
+  return np.lib.stride_tricks.as_strided(first, (width,), (itemsize,), writeable=False)
+
+
+def _evenly_spaced(rows: Sequence[np.ndarray]) -> np.ndarray | None:
+  """The rows as one 2-D view when they are evenly spaced rows of one allocation."""
+  if len(rows) == 1:
+    return rows[0].reshape(1, -1)
+  owners = {id(_owner(r)) for r in rows}
+  if len(owners) != 1:
+    return None
+  at = [_address(r) for r in rows]
+  step = at[1] - at[0]
+  row_bytes = rows[0].size * rows[0].dtype.itemsize
+  if step < row_bytes or any(b - a != step for a, b in zip(at, at[1:])):
+    return None
+  return np.lib.stride_tricks.as_strided(
+    rows[0], (len(rows), rows[0].size), (step, rows[0].dtype.itemsize), writeable=False
+  )
+
+
+def _owner(row: np.ndarray) -> Any:
+  """The allocation a row made by ``_packed_row`` views."""
+  x = row
+  while isinstance(x, np.ndarray) or hasattr(x, "__array_interface__"):
+    base = getattr(x, "base", None)
+    if base is None:
+      return x
+    x = base
+  return x
