@@ -74,6 +74,7 @@ from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import brief as _brief
 from jaxreshard._src.checkpoint import groupfacts as _groupfacts
 from jaxreshard._src.checkpoint import index as _index
+from jaxreshard._src.checkpoint import indexjson as _indexjson
 from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint import table as _table
@@ -376,7 +377,7 @@ def _read_index(root: _shardread.Dir, given: Any, directory: str) -> _index.Inde
   from jaxreshard._src.engine.pipeline import no_gc  # pylint: disable=g-import-not-at-top
 
   with no_gc():  # parsing makes many small objects and no cycles
-    return _index.parse_index(
+    return _indexjson.parse_index(
       _archives.signed_value(raw, where, FORMAT),
       where,
       lambda entry: _table.read(root, entry, where),

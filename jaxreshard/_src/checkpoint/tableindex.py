@@ -42,6 +42,7 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import index as _index
+from jaxreshard._src.checkpoint import indexjson as _indexjson
 from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint.tablelayout import Structure, TableLayout
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE
@@ -157,7 +158,7 @@ def parse(
   if n_p and int(a["param_trainable"].max()) > 1:
     raise _refuse(tw, "a param's trainable flag is not 0 or 1")
   count = _counts(a["param_dims"], dims_at, f"{tw}")
-  clocks = _index._parse_clocks(index, where, n_p)  # pylint: disable=protected-access
+  clocks = _indexjson._parse_clocks(index, where, n_p)  # pylint: disable=protected-access
   layouts = _layouts(index, a, pids, dtypes, where, tw)
   # Archives: numbered in increasing order, each with a layout and a clock of as many scalars.
   number, layout, clock = a["archive_number"], a["archive_layout"], a["archive_clock"]
@@ -190,7 +191,7 @@ def parse(
       f"its clock has {int(ticks[i])} scalars but its layout {int(scalars[i])}",
     )
   tables = _groups(a, pids, dtypes, count, dims_at, n_a, tw)
-  source = _index._parse_source(  # pylint: disable=protected-access
+  source = _indexjson._parse_source(  # pylint: disable=protected-access
     index["source"], f"{where}, source", tables.g_world.tolist()
   )
   out = _index.Index(
