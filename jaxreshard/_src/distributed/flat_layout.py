@@ -13,7 +13,15 @@ from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.distributed import mesh as _mesh
 from jaxreshard._src.errors import ShapeError
 
-__all__ = ["MeshLayout", "PACKED_SHARD_BYTES", "index_dtype", "is_concrete", "whole"]
+__all__ = [
+  "MeshLayout",
+  "PACKED_SHARD_BYTES",
+  "gathered",
+  "index_dtype",
+  "is_concrete",
+  "update_on_auto_axes",
+  "whole",
+]
 
 # Updates whose flat shard is at most this many bytes are all-gathered together,
 # one all-gather per dtype: a gather that small costs its rendezvous (every device
@@ -116,7 +124,7 @@ class MeshLayout:
       if pid is not None and whole(FlatShard(shapes[pid], 0, self.world)):
         packs.setdefault(jnp.dtype(leaf.dtype), []).append(i)
     for members in packs.values():
-      for i, x in zip(members, self._gathered([leaves[i] for i in members])):
+      for i, x in zip(members, gathered(self, [leaves[i] for i in members])):
         out[i] = x[: FlatShard(shapes[roles[i]], 0, self.world).count]
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -158,29 +166,10 @@ class MeshLayout:
       else:
         out[i] = self.unflat(u, like, shape)
     for members in packs.values():
-      for i, u in zip(members, self._gathered([updates[i] for i in members])):
+      for i, u in zip(members, gathered(self, [updates[i] for i in members])):
         count = FlatShard(shapes[i], 0, self.world).count
         out[i] = self._placed(jnp.reshape(u[:count], shapes[i]), likes[i])
     return out
-
-  def _gathered(self, updates: list[jax.Array]) -> list[jax.Array]:
-    """Flat sharded arrays of one dtype replicated by one all-gather of them all.
-
-    Each flat shard is row r of its array's ``(M, slots)`` view (no data moves);
-    their rows side by side are one ``(M, sum of slots)`` array, whose all-gather
-    brings every array whole to every device, as a block of its columns.
-    """
-    rows = [self._as_rows(u) for u in updates]
-    packed = self.put(jnp.concatenate(rows, axis=1), self.replicated)
-    starts = np.cumsum([0] + [r.shape[1] for r in rows])
-    return [jnp.reshape(packed[:, a:b], (-1,)) for a, b in zip(starts[:-1], starts[1:])]
-
-  def _as_rows(self, u: jax.Array) -> jax.Array:
-    """A flat array sharded over the axis as ``(M, slots)``, rank r's shard as row r."""
-    shape = (self.world, np.shape(u)[0] // self.world)
-    if self.explicit and not is_concrete(u):
-      return jnp.reshape(u, shape, out_sharding=self.rows)
-    return self.put(jnp.reshape(u, shape), self.rows)
 
   def _placed(self, u: jax.Array, like: Any) -> jax.Array:
     """``u`` laid out like ``like`` where that is known (outside jit, explicit axes)."""
@@ -191,34 +180,6 @@ class MeshLayout:
       if not target.mesh.empty:
         return jax.sharding.reshard(u, target)
     return u  # under Auto axes, the partitioner lays it out for its consumer
-
-  def update_on_auto_axes(
-    self, update: Any, args: tuple, ids: list[str], roles: tuple, shapes: dict
-  ) -> tuple[Any, Any]:
-    """``update(flat_grads, state, flat_params)``; inside jit, traced on Auto axes.
-
-    Under explicit axes every intermediate's layout is its type: flat grads typed
-    replicated would make each elementwise op before the sharded histories compute
-    all M shards on every device, and typed sharded, a reduction over the whole tree
-    (clip_by_global_norm's norm) becomes an all-reduce. On Auto axes, as on an Auto
-    mesh, the partitioner slices the replicated flat grads where they meet the
-    histories and reduces them on each device. The flat updates (``ids``) and the
-    state (``roles``) come out sharded over the axis, or replicated where whole.
-    """
-    if not self.explicit or all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
-      return update(*args)
-
-    def laid_out(tree: Any, pids: Any) -> Any:
-      leaves = [
-        self.replicated
-        if pid is None or whole(FlatShard(shapes[pid], 0, self.world))
-        else self.sharded
-        for pid in pids
-      ]
-      return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), leaves)
-
-    out = (laid_out(args[0], ids), laid_out(args[1], roles))
-    return jax.sharding.auto_axes(update, out_sharding=out)(*args)
 
   def settle(self, state: Any, roles: tuple, counts: dict[str, int]) -> Any:
     """``state`` laid out on the mesh, with the padding of every history set to zero."""
@@ -247,6 +208,56 @@ class MeshLayout:
       # element's bits, and in an elementwise chain no owned element reads padding.
       out.append(jax.lax.select(index < counts[pid], leaf, jax.lax.full_like(leaf, 0)))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def gathered(layout: MeshLayout, updates: list[jax.Array]) -> list[jax.Array]:
+  """Flat sharded arrays of one dtype replicated by one all-gather of them all.
+
+  Each flat shard is row r of its array's ``(M, slots)`` view (no data moves);
+  their rows side by side are one ``(M, sum of slots)`` array, whose all-gather
+  brings every array whole to every device, as a block of its columns.
+  """
+  rows = [_as_rows(layout, u) for u in updates]
+  packed = layout.put(jnp.concatenate(rows, axis=1), layout.replicated)
+  starts = np.cumsum([0] + [r.shape[1] for r in rows])
+  return [jnp.reshape(packed[:, a:b], (-1,)) for a, b in zip(starts[:-1], starts[1:])]
+
+
+def _as_rows(layout: MeshLayout, u: jax.Array) -> jax.Array:
+  """A flat array sharded over the axis as ``(M, slots)``, rank r's shard as row r."""
+  shape = (layout.world, np.shape(u)[0] // layout.world)
+  if layout.explicit and not is_concrete(u):
+    return jnp.reshape(u, shape, out_sharding=layout.rows)
+  return layout.put(jnp.reshape(u, shape), layout.rows)
+
+
+def update_on_auto_axes(
+  layout: MeshLayout, update: Any, args: tuple, ids: list[str], roles: tuple, shapes: dict
+) -> tuple[Any, Any]:
+  """``update(flat_grads, state, flat_params)``; inside jit, traced on Auto axes.
+
+  Under explicit axes every intermediate's layout is its type: flat grads typed
+  replicated would make each elementwise op before the sharded histories compute
+  all M shards on every device, and typed sharded, a reduction over the whole tree
+  (clip_by_global_norm's norm) becomes an all-reduce. On Auto axes, as on an Auto
+  mesh, the partitioner slices the replicated flat grads where they meet the
+  histories and reduces them on each device. The flat updates (``ids``) and the
+  state (``roles``) come out sharded over the axis, or replicated where whole.
+  """
+  if not layout.explicit or all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
+    return update(*args)
+
+  def laid_out(tree: Any, pids: Any) -> Any:
+    leaves = [
+      layout.replicated
+      if pid is None or whole(FlatShard(shapes[pid], 0, layout.world))
+      else layout.sharded
+      for pid in pids
+    ]
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree), leaves)
+
+  out = (laid_out(args[0], ids), laid_out(args[1], roles))
+  return jax.sharding.auto_axes(update, out_sharding=out)(*args)
 
 
 def whole(g: FlatShard) -> bool:

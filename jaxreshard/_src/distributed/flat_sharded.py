@@ -24,6 +24,7 @@ from jaxreshard._src.distributed import logical_masks as _logical_masks
 from jaxreshard._src.distributed.flat_layout import MeshLayout as _MeshLayout
 from jaxreshard._src.distributed.flat_layout import index_dtype as _index_dtype  # noqa: F401
 from jaxreshard._src.distributed.flat_layout import is_concrete as _is_concrete
+from jaxreshard._src.distributed.flat_layout import update_on_auto_axes as _update_on_auto_axes
 from jaxreshard._src.engine import reshard as _reshard
 from jaxreshard._src.errors import PlacementError, ShapeError
 
@@ -416,8 +417,8 @@ def flat_sharded(
     with on_mesh(grads, state, params), _logical_masks.logical_shapes(described):
       state = layout.for_update(state, state_roles, shapes)
       args = (flat_grads, state, flat_params)
-      flat_updates, state = layout.update_on_auto_axes(
-        lambda *a: logical_opt.update(*a, **extra_args), args, ids, state_roles, shapes
+      flat_updates, state = _update_on_auto_axes(
+        layout, lambda *a: logical_opt.update(*a, **extra_args), args, ids, state_roles, shapes
       )
       updates = jax.tree_util.tree_unflatten(
         jax.tree_util.tree_structure(grads),
