@@ -63,17 +63,20 @@ def _tree_difference(
 ) -> str:
   """Which param ids one tree has and the other lacks, or how their containers differ."""
   extra, missing = _extra_and_missing(got, want)
-  parts = []
-  if extra:
-    parts.append(f"{got_what} have params {extra} that {want_what} do not")
-  if missing:
-    parts.append(f"{got_what} lack params {missing}")
-  if not parts:
-    parts.append(
+  return _described_difference(
+    f"{got_what} have params {extra} that {want_what} do not" if extra else "",
+    f"{got_what} lack params {missing}" if missing else "",
+    lambda: (
       f"the same param ids in other containers: {got_what} {str(got_def)[:200]}"
       f" vs {want_what} {str(want_def)[:200]}"
-    )
-  return "; ".join(parts)
+    ),
+  )
+
+
+def _described_difference(extra: str, missing: str, containers: Any) -> str:
+  """What one tree has and the other lacks (``extra``, ``missing``: a phrase each, or
+  empty); ``containers()`` when they hold the same names in other containers."""
+  return "; ".join(p for p in (extra, missing) if p) or containers()
 
 
 def _check_like(tree: Any, what: str, grads: Any) -> None:
@@ -108,18 +111,15 @@ def _state_difference(expected: Any, state: Any) -> str:
     for p, _ in jax.tree_util.tree_flatten_with_path(state, is_leaf=masked)[0]
   ]
   extra, missing = _extra_and_missing(got, want)
-  parts = []
-  if extra:
-    parts.append(f"the state has leaves {extra} that a state for these grads does not")
-  if missing:
-    parts.append(f"it lacks leaves {missing}")
-  if not parts:
-    parts.append(
+  return _described_difference(
+    f"the state has leaves {extra} that a state for these grads does not" if extra else "",
+    f"it lacks leaves {missing}" if missing else "",
+    lambda: (
       "its leaves are in other containers: state"
       f" {str(jax.tree_util.tree_structure(state))[:200]} vs a state for these"
       f" grads {str(jax.tree_util.tree_structure(expected))[:200]}"
-    )
-  return "; ".join(parts)
+    ),
+  )
 
 
 def _history_roles(
