@@ -51,6 +51,18 @@ def oracle_shard(full: Any, world_size: int, rank: int) -> np.ndarray:
   return padded[rank * slots : (rank + 1) * slots]
 
 
+def leaf_at(tree: Any, path: tuple) -> Any:
+  """The leaf of ``tree`` at a key path from ``jax.tree_util.tree_flatten_with_path``."""
+  for key in path:
+    if isinstance(key, jax.tree_util.DictKey):
+      tree = tree[key.key]
+    elif isinstance(key, jax.tree_util.SequenceKey):
+      tree = tree[key.idx]
+    else:
+      tree = getattr(tree, key.name)
+  return tree
+
+
 def assert_bits_equal(actual: Any, expected: Any, what: str = "") -> None:
   a, e = np.asarray(actual), np.asarray(expected)
   assert a.dtype == e.dtype, f"{what}: dtype {a.dtype} != {e.dtype}"

@@ -22,6 +22,7 @@ from tests._core_util import (
   assert_bits_equal,
   assert_records_equal,
   bits,
+  leaf_at,
   oracle_shard,
   random_state,
   small_params,
@@ -74,20 +75,9 @@ def test_the_leaves_are_the_oracle_shards(adam):
     jax.tree_util.tree_flatten_with_path(target.state)[0], target.roles
   ):
     if role is not None:
-      assert_bits_equal(leaf, oracle_shard(_at(state, path), 5, 2), jax.tree_util.keystr(path))
+      assert_bits_equal(leaf, oracle_shard(leaf_at(state, path), 5, 2), jax.tree_util.keystr(path))
       checked += 1
   assert checked > 0
-
-
-def _at(tree, path):
-  for key in path:
-    if isinstance(key, jax.tree_util.DictKey):
-      tree = tree[key.key]
-    elif isinstance(key, jax.tree_util.SequenceKey):
-      tree = tree[key.idx]
-    else:
-      tree = getattr(tree, key.name)
-  return tree
 
 
 def test_a_deferred_record_flattens_copies_and_pickles_as_an_eager_one(adam):

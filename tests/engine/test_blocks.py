@@ -20,6 +20,7 @@ from tests._core_util import (
   assert_bits_equal,
   assert_records_equal,
   bits,
+  leaf_at,
   oracle_shard,
   random_params,
   random_state,
@@ -117,19 +118,8 @@ def test_every_rank_by_blocks_equals_rank_by_rank(monkeypatch, name, w, m):
     jax.tree_util.tree_flatten_with_path(targets[m - 1].state)[0], targets[m - 1].roles
   ):
     if role is not None:
-      full = _at(state, path)
+      full = leaf_at(state, path)
       assert_bits_equal(leaf, oracle_shard(full, m, m - 1), jax.tree_util.keystr(path))
-
-
-def _at(tree, path):
-  for key in path:
-    if isinstance(key, jax.tree_util.DictKey):
-      tree = tree[key.key]
-    elif isinstance(key, jax.tree_util.SequenceKey):
-      tree = tree[key.idx]
-    else:
-      tree = getattr(tree, key.name)
-  return tree
 
 
 def test_storage_dtypes_and_float64_scalars_by_blocks(monkeypatch):
