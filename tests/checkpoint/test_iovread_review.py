@@ -557,3 +557,42 @@ def test_the_direct_read_refuses_chunks_forged_to_cancel(tmp_path, preadv):
   finally:
     f.close()
     root.close()
+
+
+def test_a_strided_buffer_never_gets_raw_addresses(tmp_path, libc):
+  path = _file(tmp_path, bytes(range(1, 9)))
+  base = np.zeros(16, np.uint8)
+  pieces = iovread.Pieces((base[::2],), np.array([0]), np.array([0]), np.array([8]))
+  assert pieces.iov is None  # os.preadv on memoryviews, which refuses a strided one
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    with pytest.raises((TypeError, BufferError)):
+      pieces.read(fd, path, 0, 1, 0, 8)
+  finally:
+    os.close(fd)
+  assert base.tolist() == [0] * 16
+
+
+@pytest.mark.parametrize("keep", [0, 13])
+@pytest.mark.parametrize("reader", ["load_records", "restore"])
+def test_a_checkpoint_truncated_while_read_is_refused(ckpt, preadv, monkeypatch, keep, reader):
+  # Each buffer file is truncated after every check, right before its first read.
+  if not os.path.isdir("/proc/self/fd"):
+    pytest.skip("no /proc here")
+  read_pieces = iovread.Pieces.read
+
+  def truncated_first(self, fd, *args):
+    w = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
+    try:
+      os.ftruncate(w, keep)
+    finally:
+      os.close(w)
+    return read_pieces(self, fd, *args)
+
+  monkeypatch.setattr(iovread.Pieces, "read", truncated_first)
+  read = {
+    "load_records": lambda: jr.load_records(ckpt),
+    "restore": lambda: jr.restore(ckpt, world_size=3, rank=1),
+  }[reader]
+  with pytest.raises(ArchiveError, match=r"/c/0 ended early \(truncated while read\)"):
+    read()
