@@ -596,3 +596,24 @@ def test_a_checkpoint_truncated_while_read_is_refused(ckpt, preadv, monkeypatch,
   }[reader]
   with pytest.raises(ArchiveError, match=r"/c/0 ended early \(truncated while read\)"):
     read()
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="runread.read_runs_staged writes a run at a negative destination with Python's"
+  " negative indexing (from the end of the target) where the direct read refuses it as a"
+  " piece outside its buffer",
+)
+def test_the_staged_read_refuses_a_destination_outside_the_target(tmp_path):
+  data = np.arange(1, 101, dtype=np.float32)
+  root, _, f = _shard(tmp_path, data, 8)
+  out = np.zeros(10, np.float32)
+  try:
+    with pytest.raises(AssertionError, match="outside its buffer"):
+      runread.read_runs(f, [5], [-3], [1], out, np.empty(0, np.uint8))  # direct: refused
+    with pytest.raises((AssertionError, ArchiveError)):
+      runread.read_runs_staged(f, np.array([5]), np.array([-3]), np.array([1]), out, np.empty(0))
+  finally:
+    f.close()
+    root.close()
+  assert out.tolist() == [0] * 10
