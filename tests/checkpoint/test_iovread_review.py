@@ -76,6 +76,7 @@ def test_a_piece_whose_end_wraps_around_is_refused(addr, n_bytes):
     ([-1], [0], [1], "outside its buffer"),  # no buffer -1 either
     ([0], [4.5], [2], "integers"),  # a float offset: the iovec and the view would differ
     ([0], [True], [2], "integers"),
+    ([0, 0], [0], [2, 2], "one buffer, offset and length each"),  # never broadcast
   ],
 )
 def test_pieces_name_a_buffer_and_integer_offsets(mem, addr, n_bytes, message):

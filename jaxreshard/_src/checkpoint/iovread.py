@@ -64,6 +64,8 @@ class Pieces:
     self.mem, self.addr, self.n_bytes = mem, addr, n_bytes
     if not all(b.ndim == 1 and b.dtype == np.uint8 for b in bufs):
       raise AssertionError("pieces lie in 1-D uint8 buffers")  # a planning bug, never data
+    if not len(mem) == len(addr) == len(n_bytes):  # never broadcast: one entry per iovec
+      raise AssertionError("pieces have one buffer, offset and length each")
     sizes = np.array([b.nbytes for b in bufs], np.int64)
     # ``addr + n_bytes <= size`` written so that no sum can wrap around int64.
     if len(mem) and not (
@@ -71,7 +73,7 @@ class Pieces:
       and (mem < len(bufs)).all()
       and (addr >= 0).all()
       and (n_bytes >= 0).all()
-      and (addr <= sizes[np.clip(mem, 0, max(len(bufs) - 1, 0))] - n_bytes).all()
+      and (addr <= sizes[mem] - n_bytes).all()  # indexed once every mem is a buffer
     ):
       raise AssertionError("a piece lies outside its buffer")  # a planning bug, never data
     self.iov = None
