@@ -41,6 +41,16 @@ def _libc_preadv():
 _PREADV = _libc_preadv()
 
 
+def _int64(x) -> np.ndarray:
+  """``x`` as a 1-D int64 array: integers only, each one an int64 (no cast wraps)."""
+  a = np.asarray(x)
+  if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+    raise AssertionError("pieces are 1-D arrays of integers")  # a planning bug, never data
+  if a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max:
+    raise AssertionError("a piece lies outside its buffer")
+  return a.astype(np.int64, copy=False)
+
+
 class Pieces:
   """Pieces ``[addr, addr + n_bytes)`` of buffers ``bufs[mem]``, in file order.
 
@@ -48,11 +58,22 @@ class Pieces:
   """
 
   def __init__(self, bufs: Sequence[np.ndarray], mem, addr, n_bytes):
-    self.bufs = bufs
+    # A tuple: the caller cannot drop a buffer whose address is in an iovec.
+    self.bufs = bufs = tuple(bufs)
+    mem, addr, n_bytes = (_int64(x) for x in (mem, addr, n_bytes))
     self.mem, self.addr, self.n_bytes = mem, addr, n_bytes
+    if not all(b.ndim == 1 and b.dtype == np.uint8 for b in bufs):
+      raise AssertionError("pieces lie in 1-D uint8 buffers")  # a planning bug, never data
+    if not len(mem) == len(addr) == len(n_bytes):  # never broadcast: one entry per iovec
+      raise AssertionError("pieces have one buffer, offset and length each")
     sizes = np.array([b.nbytes for b in bufs], np.int64)
+    # ``addr + n_bytes <= size`` written so that no sum can wrap around int64.
     if len(mem) and not (
-      (addr >= 0).all() and (n_bytes >= 0).all() and (addr + n_bytes <= sizes[mem]).all()
+      (mem >= 0).all()
+      and (mem < len(bufs)).all()
+      and (addr >= 0).all()
+      and (n_bytes >= 0).all()
+      and (addr <= sizes[mem] - n_bytes).all()  # indexed once every mem is a buffer
     ):
       raise AssertionError("a piece lies outside its buffer")  # a planning bug, never data
     self.iov = None
@@ -77,6 +98,9 @@ class Pieces:
   def read(self, fd: int, path: str, a: int, b: int, pos: int, total: int) -> int:
     """Reads pieces ``[a, b)`` (``total`` bytes) from file offset ``pos``; returns the
     system calls made. A short read is the file truncated while read."""
+    if not 0 <= a <= b <= len(self.mem):
+      # An iovec past the array would hand the kernel addresses no check has seen.
+      raise AssertionError(f"pieces [{a}, {b}) of {len(self.mem)}")  # a planning bug
     reads = 0
     for i in range(a, b, _IOV_MAX):
       j = min(b, i + _IOV_MAX)
