@@ -1,5 +1,5 @@
-"""Hostile review of the scattered reads (``iovread``), the span checksums (``crcspan``)
-and the reads of runs that drive them (``runread``): every piece the kernel writes lies
+"""Hostile review of the scattered reads (``iovread``), the chunk checksums and the
+reads of runs that drive them (``runread``): every piece the kernel writes lies
 inside its buffer whatever the numbers handed over, every short read or damaged byte
 is a refusal, and what is read is bit exact."""
 
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jaxreshard as jr
-from jaxreshard._src.checkpoint import crcspan, iovread, runread, shardfile, shardread
+from jaxreshard._src.checkpoint import iovread, runread, shardfile, shardread
 from jaxreshard._src.errors import ArchiveError
 from tests._archive_util import read_json, shard_file, write_signed_json
 from tests._core_util import adam_records
@@ -302,11 +302,6 @@ def test_the_padding_of_the_last_chunk_is_covered_by_its_checksum(tmp_path, prea
   root.close()
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="runread: the bound check of planned reads sums src + length in int64, so a"
-  " length that wraps passes it and cut_runs raises ValueError/MemoryError, not ArchiveError",
-)
 def test_a_planned_read_whose_end_wraps_around_is_refused(tmp_path):
   data = np.arange(1, 101, dtype=np.float32)
   root, _, f = _shard(tmp_path, data, 8)
@@ -317,23 +312,6 @@ def test_a_planned_read_whose_end_wraps_around_is_refused(tmp_path):
   finally:
     f.close()
     root.close()
-
-
-# --- crcspan: runs at the scan's step boundaries ----------------------------------------
-
-
-@pytest.mark.parametrize("length", [1, 3, 7, 13])
-def test_run_crcs_at_every_power_of_two_boundary(length):
-  rng = np.random.default_rng(length)
-  runs = [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 31, 32, 33, 64, 65]
-  data = rng.integers(0, 256, sum(runs) * length, dtype=np.uint8).tobytes()
-  crcs = [google_crc32c.value(data[i : i + length]) for i in range(0, len(data), length)]
-  first = np.concatenate([[0], np.cumsum(runs)[:-1]])
-  got = crcspan.run_crcs(np.asarray(crcs, np.int64), first, length).tolist()
-  ends = np.cumsum(runs)
-  assert got == [
-    google_crc32c.value(data[a * length : b * length]) for a, b in zip(first.tolist(), ends)
-  ]
 
 
 # --- whole checkpoints, re-chunked or forged consistently -------------------------------
@@ -505,15 +483,6 @@ def test_a_forgery_cancelling_across_two_chunks_is_refused_where_they_are_apart(
     jr.restore(ckpt, world_size=700, rank=0)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="runread checks a span of chunks with one crc32c against the combination of their"
-  " recorded checksums, and the checksums stored in the file against the recorded ones,"
-  " but never a chunk's bytes against its own checksum: damage in two chunks of one span"
-  " that cancels in the combination is accepted by a read of the whole span (load_records)"
-  " while a read that holds one of the chunks apart (restore of a rank, the staged path,"
-  " tensorstore's per-chunk crc32c codec) refuses it",
-)
 def test_a_forgery_cancelling_across_two_chunks_is_refused_by_every_reader(ckpt, preadv):
   _forge_chunks_0_and_1(ckpt)
   with pytest.raises(ArchiveError, match="chunk 0 fails its crc32c check"):
@@ -544,11 +513,6 @@ def test_the_staged_read_refuses_chunks_forged_to_cancel(tmp_path, preadv):
   root.close()
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="runread's direct read checks a span against the combination of its chunks'"
-  " recorded crc32c only: chunks whose damage cancels in it are accepted",
-)
 def test_the_direct_read_refuses_chunks_forged_to_cancel(tmp_path, preadv):
   root, f = _forged_shard(tmp_path)
   out = np.zeros(16, np.float32)
@@ -599,12 +563,6 @@ def test_a_checkpoint_truncated_while_read_is_refused(ckpt, preadv, monkeypatch,
     read()
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="runread.read_runs_staged writes a run at a negative destination with Python's"
-  " negative indexing (from the end of the target) where the direct read refuses it as a"
-  " piece outside its buffer",
-)
 def test_the_staged_read_refuses_a_destination_outside_the_target(tmp_path):
   data = np.arange(1, 101, dtype=np.float32)
   root, _, f = _shard(tmp_path, data, 8)

@@ -5,14 +5,15 @@ in spans of consecutive chunks. The bytes a run copies are read straight into
 the target buffer, the checksums stored after the chunks into one array, the
 rest of each span (the parts of edge chunks no run copies, padding to check)
 into a small reused scratch buffer (``iovread``). A span's bytes are then
-checked while still in cache with one crc32c call per stretch that lies back
-to back in one buffer, against the crc32c of the span combined from the
-checksums the archive's metadata recorded for its chunks (``crcspan``); only
-a span that fails is checked chunk by chunk, to name its first bad chunk. A
-span that fails is refused before the next is read; the checksums stored in
-the file must equal the recorded ones, compared all at once after the last
-span (before a span's padding is checked, for those spans). On a refusal the
-caller drops the target buffer.
+checked while still in cache, each chunk against the checksum the archive's
+metadata recorded for it, with one crc32c call per stretch of the chunk that
+lies back to back in one buffer: every read path checks exactly the same
+thing, so errors in two chunks can never cancel out in a combined checksum
+and be accepted by one path and refused by another. A span that fails is
+refused, naming its first bad chunk, before the next is read; the checksums
+stored in the file must equal the recorded ones, compared all at once after
+the last span (before a span's padding is checked, for those spans). On a
+refusal the caller drops the target buffer.
 
 Runs that overlap each other in the file, or a target buffer that is not one
 contiguous array, go through the scratch buffer and are copied from there
@@ -24,10 +25,8 @@ from __future__ import annotations
 import google_crc32c
 import numpy as np
 
-from jaxreshard._src.checkpoint import crcspan as _crcspan
 from jaxreshard._src.checkpoint import iovread as _iovread
 from jaxreshard._src.checkpoint import shardread as _shardread
-from jaxreshard._src.checkpoint.shardfile import _crc
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
@@ -71,6 +70,15 @@ def _pieces(f: _shardread.ShardFile, src, length) -> tuple[np.ndarray, ...]:
   return run, chunk, lo, lo + n
 
 
+def _check_inside(f: _shardread.ShardFile, src: np.ndarray, length: np.ndarray) -> None:
+  """Every range ``[src, src + length)`` lies in the file's elements.
+
+  Written without the sum ``src + length``, which could wrap around int64.
+  """
+  if f.size and not ((src >= 0) & (length <= f.size - src)).all():
+    raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
+
+
 def read_runs(
   f: _shardread.ShardFile,
   src,
@@ -95,10 +103,7 @@ def read_runs(
   if zero is not None and len(zero[0]):
     z_src, z_len = np.asarray(zero[0], np.int64), np.asarray(zero[1], np.int64)
   all_src, all_len = np.concatenate([src, z_src]), np.concatenate([length, z_len])
-  if f.size and (
-    int((all_src + all_len).max(initial=0)) > f.size or int(all_src.min(initial=0)) < 0
-  ):
-    raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
+  _check_inside(f, all_src, all_len)
   if not (n_copy or (z_len > 0).any()):
     return  # nothing to copy or check (empty ranges read no chunk)
   order = np.argsort(all_src, kind="stable")
@@ -169,17 +174,18 @@ class _Spans:
     )
 
   def _read_spans(self, needed, span_at, segs, z, z_ids) -> None:
-    """Reads every span and checks its bytes with one crc32c against the recorded ones."""
+    """Reads every span and checks each of its chunks against its recorded crc32c."""
     f = self.f
     seg_lo, seg_hi, mem, addr, seg_span, span_seg = segs
     n_bytes = seg_hi - seg_lo
     stored = np.zeros(len(needed), "<u4")
     bufs = (self.outb, self.scratch, stored.view(np.uint8))
     pieces = _iovread.Pieces(bufs, mem, addr, n_bytes)
-    groups = _crc_groups(mem, addr, n_bytes, seg_span)
-    g_at = np.searchsorted(groups[0], np.arange(len(span_at) + 1)).tolist()
+    groups = _crc_groups(mem, addr, n_bytes, seg_lo // f.stride)
+    # Groups of one chunk are consecutive; ``c_at[k]`` is needed chunk k's first.
+    c_at = np.searchsorted(groups[0], needed).tolist() + [len(groups[0])]
     g_mem, g_addr, g_len = (x.tolist() for x in groups[1:])
-    expected = _crcspan.run_crcs(f.crc_table[needed], span_at, f.chunk_bytes).tolist()
+    expected = f.crc_table[needed].tolist()
     span_first, span_n = needed[span_at], np.diff(np.append(span_at, len(needed)))
     seg_at = span_seg.tolist()
     span_bytes = np.add.reduceat(n_bytes, span_seg[:-1]).tolist()
@@ -188,17 +194,20 @@ class _Spans:
     has_zero = has_zero.tolist()
     reads = 0
     extend = google_crc32c.extend
-    for s, first in enumerate(span_first.tolist()):
+    for s, (first, k) in enumerate(zip(span_first.tolist(), span_at.tolist())):
       a, b = seg_at[s], seg_at[s + 1]
       reads += pieces.read(f.fd, f.path, a, b, first * f.stride, span_bytes[s])
-      crc = 0
-      for g in range(g_at[s], g_at[s + 1]):
-        crc = extend(crc, bufs[g_mem[g]][g_addr[g] : g_addr[g] + g_len[g]])
       n = int(span_n[s])
-      if crc != expected[s]:
-        self._refuse_span(first, n, seg_lo[a:b].tolist(), pieces.views(a, b))
+      for j in range(k, k + n):
+        crc = 0
+        for g in range(c_at[j], c_at[j + 1]):
+          crc = extend(crc, bufs[g_mem[g]][g_addr[g] : g_addr[g] + g_len[g]])
+        if crc != expected[j]:
+          raise ArchiveError(
+            f"{f.path}/c/0: chunk {int(needed[j])} fails its crc32c check (the file is"
+            " corrupted or not the one this archive's metadata describes)"
+          )
       if has_zero[s]:
-        k = int(span_at[s])
         _check_stored(f, needed[k : k + n], stored[k : k + n])
         self._check_zero(first, n, z, z_ids)
     _check_stored(f, needed, stored)
@@ -206,25 +215,6 @@ class _Spans:
       self.stats.reads += reads
       self.stats.chunks += len(needed)
       self.stats.bytes += len(needed) * f.stride
-
-  def _refuse_span(self, first: int, n: int, seg_lo, bufs) -> None:
-    """A span whose bytes fail their crc32c: names its first chunk that fails its own."""
-    f = self.f
-    base, crc, computed = first * f.stride, 0, []
-    for lo, buf in zip(seg_lo, bufs):
-      off = (lo - base) % f.stride
-      if off >= f.chunk_bytes:
-        continue  # a stored checksum
-      data = np.frombuffer(buf, np.uint8)
-      crc = _crc(data) if off == 0 else google_crc32c.extend(crc, data)
-      if off + len(data) == f.chunk_bytes:
-        computed.append(crc)
-    bad = np.flatnonzero(np.asarray(computed, np.int64) != f.crc_table[first : first + n])
-    which = f"chunk {first + int(bad[0])}" if bad.size else f"chunks {first}..{first + n - 1}"
-    raise ArchiveError(
-      f"{f.path}/c/0: {which} fails its crc32c check (the file is corrupted or not the one"
-      " this archive's metadata describes)"
-    )
 
   def _check_zero(self, first: int, n: int, z, z_ids) -> None:
     """The ranges that must be zero bits, in the span just read (all in scratch)."""
@@ -243,18 +233,18 @@ class _Spans:
         raise self.refuse(int(z_ids[r]), lo_ + int(nz[0]))
 
 
-def _crc_groups(mem, addr, n_bytes, seg_span):
-  """Data pieces merged where they lie back to back in one buffer, within one span.
+def _crc_groups(mem, addr, n_bytes, seg_chunk):
+  """Data pieces merged where they lie back to back in one buffer, within one chunk.
 
-  Returns ``(span, buffer, start, bytes)`` per group, in file order: a span's
+  Returns ``(chunk, buffer, start, bytes)`` per group, in file order: a chunk's
   crc32c is the crc32c of its groups' bytes one after the other.
   """
   data = np.flatnonzero(mem != _CRC)
-  m, a, n, sp = mem[data], addr[data], n_bytes[data], seg_span[data]
-  cont = (m[1:] == m[:-1]) & (a[1:] == a[:-1] + n[:-1]) & (sp[1:] == sp[:-1])
+  m, a, n, ch = mem[data], addr[data], n_bytes[data], seg_chunk[data]
+  cont = (m[1:] == m[:-1]) & (a[1:] == a[:-1] + n[:-1]) & (ch[1:] == ch[:-1])
   start = np.flatnonzero(np.concatenate([[True], ~cont]))
   total = np.add.reduceat(n, start) if len(start) else n[:0]
-  return sp[start], m[start], a[start], total
+  return ch[start], m[start], a[start], total
 
 
 def _check_stored(f, chunks, stored) -> None:
@@ -289,8 +279,9 @@ def read_runs_staged(
     src = np.concatenate([src, zero[0]])
     length = np.concatenate([length, zero[1]])
     dst = np.concatenate([dst, np.zeros(len(zero[0]), np.int64)])
-  if f.size and (int((src + length).max(initial=0)) > f.size or int(src.min(initial=0)) < 0):
-    raise ArchiveError(f"{f.path}: a planned read lies outside its {f.size} elements")
+  _check_inside(f, src, length)
+  if n_copy and not ((dst[:n_copy] >= 0) & (dst[:n_copy] <= out.size - length[:n_copy])).all():
+    raise AssertionError("a piece lies outside its buffer")  # a planning bug, never data
   if not len(src):
     return
   c = f.chunk
