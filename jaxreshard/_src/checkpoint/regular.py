@@ -33,7 +33,7 @@ from jaxreshard._src.core.placement import SUPPORTED_DTYPES, Migration
 from jaxreshard._src.core.structure import MASKED
 from jaxreshard._src.errors import PlacementError, ReshardError
 
-__all__ = ["Regular", "rank_groups", "regular"]
+__all__ = ["Regular", "make", "rank_groups", "regular"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +113,9 @@ class Regular:
 
 
 def regular(ckpt: Any) -> Regular | None:
-  """The checkpoint's ``Regular`` (made once), or None when it is not regular."""
-  cache = ckpt.__dict__
-  if "_regular" not in cache:
-    cache["_regular"] = _regular(ckpt)
-  return cache["_regular"]
+  """The checkpoint's ``Regular``, or None when it is not regular: made once and kept
+  by the checkpoint (``Checkpoint.regular``)."""
+  return ckpt.regular()
 
 
 _STORAGE = frozenset(np.dtype(jax.numpy.dtype(n)) for n in SUPPORTED_DTYPES)
@@ -162,7 +160,8 @@ def _histories(
   return hist, itemsize
 
 
-def _regular(ckpt: Any) -> Regular | None:
+def make(ckpt: Any) -> Regular | None:
+  """The checkpoint's ``Regular`` made from its index, or None when it is not regular."""
   index = ckpt.index
   t = index.tables
   n_g, n_a = len(t.g_world), len(t.a_layout)

@@ -366,7 +366,7 @@ def entries_digest(entries: Sequence[Any]) -> str:
 def describes(index: _index.Index, archive: int) -> dict[str, str]:
   """``Index.describes`` of an index read from a table."""
   t = index.tables
-  cache = index.__dict__.setdefault("_describes", {})
+  cache = index.digests
   at = np.flatnonzero(t.g_archive == archive)
   group = np.searchsorted(t.g_ranks_at, at, side="right") - 1
   buckets: dict[tuple[int, int], list[int]] = {}
