@@ -35,6 +35,10 @@ class Memo:
     group_of: each param's (archive of each rank, group), from ``complete_groups``.
     clock_classes: the clock class of each (layout, clock).
     by_archive: ``param id -> (group, rank, param entry)`` of archives in several groups.
+    families: ``world size -> _groups.Family`` of a regular checkpoint's target ranks
+      (``_regular.rank_groups``): what the pipeline makes once for every rank of a world
+      size (target layout, record structure) and for each of its latest ranks (the
+      validated table, copy runs, placements), made from the index alone.
   """
 
   def __init__(self):
@@ -46,6 +50,7 @@ class Memo:
     self.group_of: dict = {}
     self.clock_classes = _clock.ClockClasses()
     self.by_archive: dict = {}
+    self.families: dict = {}
     self._regular: Any = _UNSET
 
   def regular(self, ckpt: Any) -> _regular.Regular | None:
@@ -92,7 +97,7 @@ class Memo:
     u = self.uniform.get(gi)
     if u is None:
       # A regular checkpoint's groups are all uniform (``_regular``), checked with arrays.
-      u = self.regular(ckpt) is not None or _groupfacts.is_uniform(ckpt, gi)
+      u = _regular.regular(ckpt) is not None or _groupfacts.is_uniform(ckpt, gi)
       self.uniform[gi] = u
     return u
 
