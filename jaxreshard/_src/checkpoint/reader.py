@@ -126,8 +126,10 @@ class Checkpoint:
   """An opened checkpoint: the index checked, archives opened on demand.
 
   It answers the questions validation asks of sources (``_validate.Sources``),
-  so ``restore`` runs the same pipeline as ``reshard``, and it caches what it
-  learns (archive metadata, open files are not kept) for as long as it lives.
+  so ``restore`` runs the same pipeline as ``reshard``. What it learns is kept
+  for as long as this object lives, never longer: what it makes of its index
+  (``memo``) and each archive's checked ``archive.json`` (``archives``). Open
+  files are not kept, and every read checks the bytes it reads against those.
   """
 
   def __init__(self, directory: Any):
