@@ -3,13 +3,17 @@ plans, records and refusals as the general path (validation of each migration)."
 
 from __future__ import annotations
 
+import shutil
+
+import jax
+import jax.numpy as jnp
 import pytest
 
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import read_plan as _read_plan
 from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint import writer as _writer
-from tests._archive_util import read_json, write_consistent_index
+from tests._archive_util import read_json, shard_file, write_consistent_index
 from tests._core_util import F32, adam_records, assert_records_equal
 from tests._v3_recipe import records as v3_records
 
@@ -107,3 +111,73 @@ def test_records_of_two_groups_are_regular_and_exact(tmp_path):
       jr.restore(path, world_size=2, rank=r),
       jr.reshard(records, jr.plan(records, world_size=2, rank=r)),
     )
+
+
+def test_target_ranks_through_one_opened_checkpoint_share_a_family_per_world_size(tmp_path):
+  """What every target rank of one world size shares (layout, record structure) and each
+  rank's table are kept by the opened checkpoint (``memo.families``): restores through it
+  again give the same bits as a fresh open and as ``reshard``."""
+  records = adam_records(4, SHAPES)
+  path = tmp_path / "c"
+  jr.save_records(path, records)
+  ckpt = jr.open_checkpoint(path)
+  for _ in range(2):
+    for world in (3, 5):
+      got = jr.restore_ranks(path, list(range(world)), world_size=world, checkpoint=ckpt)
+      for rank, rec in enumerate(got):
+        want = jr.reshard(records, jr.plan(records, world_size=world, rank=rank))
+        assert_records_equal(rec, want)
+        assert_records_equal(jr.restore(path, world_size=world, rank=rank), want)
+  assert sorted(ckpt.memo.families) == [3, 5]
+  reg = _regular.regular(ckpt)
+  one = _regular.rank_groups(reg, 3, 1, ckpt.memo.families)
+  assert one is _regular.rank_groups(reg, 3, 1, ckpt.memo.families)
+  assert one.family is ckpt.memo.families[3]
+  assert jr.open_checkpoint(path).memo.families == {}  # another open learns it again
+
+
+def _scaled_records(scale: float) -> list:
+  """Adam records over 4 ranks whose moments are ``scale`` x the params (and its square)."""
+  import optax  # pylint: disable=g-import-not-at-top
+
+  params = {"a": {"w": jnp.arange(1, 22, dtype=jnp.float32).reshape(7, 3)}}
+  params["b"] = jnp.arange(1, 6, dtype=jnp.float32)
+  opt = optax.adam(1e-3)
+  adam, *rest = opt.init(params)
+  s = jnp.float32(scale)
+  adam = adam._replace(
+    mu=jax.tree.map(lambda p: p * s, params), nu=jax.tree.map(lambda p: p * p * s, params)
+  )
+  return jr.shard_state(opt, params, (adam, *rest), world_size=4)
+
+
+@pytest.mark.parametrize("change", ["flipped_byte", "archive_of_another_save"])
+def test_a_buffer_changed_between_two_restores_through_one_opened_checkpoint_is_refused(
+  tmp_path, change
+):
+  """An opened checkpoint keeps what it read of the index and each archive.json for its
+  life; the buffer bytes are read and checked against them on every restore."""
+  path = tmp_path / "c"
+  jr.save_records(path, _scaled_records(1.0))
+  ckpt = jr.open_checkpoint(path)
+  jr.restore_ranks(path, [0], world_size=3, checkpoint=ckpt)
+  if change == "flipped_byte":
+    with open(shard_file(path, 0), "r+b") as f:
+      byte = f.read(1)[0]
+      f.seek(0)
+      f.write(bytes([byte ^ 0x40]))
+  else:
+    # The same layout with other buffer bytes, saved as a checkpoint of its own.
+    jr.save_records(tmp_path / "o", _scaled_records(2.0))
+    assert _bytes(shard_file(tmp_path / "o", 0)) != _bytes(shard_file(path, 0))
+    shutil.rmtree(path / "archive_00000")
+    shutil.copytree(tmp_path / "o" / "archive_00000", path / "archive_00000")
+  with pytest.raises(jr.ArchiveError, match="crc32c"):
+    jr.restore_ranks(path, [0], world_size=3, checkpoint=ckpt)
+  with pytest.raises(jr.ArchiveError):
+    jr.restore(path, world_size=3, rank=0)
+
+
+def _bytes(path) -> bytes:
+  with open(path, "rb") as f:
+    return f.read()

@@ -1,4 +1,5 @@
-"""Reading an archive's files: its ``archive.json``, its packed buffers and their padding.
+"""Reading an archive's files: its packed buffers and their padding (its ``archive.json``
+through ``archivejson``).
 
 Everything read here is untrusted (see ``reader``): an ``archive.json`` is
 checked against the index before it is used, buffer files against their
@@ -9,59 +10,19 @@ a read copies from must hold zero bits.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from jaxreshard._src.checkpoint import encoding as fmt
+from jaxreshard._src.checkpoint import archivejson as _archivejson
 from jaxreshard._src.checkpoint import pads as _pads
 from jaxreshard._src.checkpoint import runread as _runread
 from jaxreshard._src.checkpoint import shardread as _shardread
-from jaxreshard._src.checkpoint.index import (
-  ARCHIVE_FILE,
-  FORMAT,
-  MAX_ARCHIVE_BYTES,
-  READ_WORDS,
-  ArchiveLayout,
-  Index,
-)
+from jaxreshard._src.checkpoint.index import ArchiveLayout, Index
 from jaxreshard._src.checkpoint.shardread import ReadStats
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
-
-
-def signed_value(raw: bytes, where: str, what: str) -> dict:
-  """A signed JSON file's value (a dict), its checksum checked before anything is parsed.
-
-  A file without a checksum is refused; it is parsed only to say why (another
-  kind of file, or a format version that had no checksum), never to be used.
-  """
-  if fmt.is_signed(raw):
-    return fmt.verified_json(raw, where)
-  try:
-    text = raw.decode("utf-8")
-  except UnicodeDecodeError:
-    raise ArchiveError(f"{where} is not UTF-8 JSON") from None
-  value = fmt.loads(text, where)
-  if not isinstance(value, dict) or value.get("format") != FORMAT:
-    raise ArchiveError(f"{where} does not describe a {what}")
-  version = value.get("format_version")
-  if version == 1:
-    raise ArchiveError(
-      f"{where}: checkpoint format version 1 is not supported; this jaxreshard reads"
-      f" {READ_WORDS} (a version-1 checkpoint needs the jaxreshard that wrote it: load it"
-      " there and save it again)"
-    )
-  if version == 2:
-    raise ArchiveError(
-      f"{where}: checkpoint format version 2 is not supported; this jaxreshard reads"
-      f" {READ_WORDS}: version 2 has no checksum over its index and archive metadata, so"
-      " an edited or damaged value could not be told apart (load it with the jaxreshard that"
-      " wrote it and save it again)"
-    )
-  return fmt.verified_json(raw, where)  # refuses it: no checksum
 
 
 def allocate(n: int, dtype: np.dtype, what: str, *, zeros: bool = True) -> np.ndarray:
@@ -88,16 +49,11 @@ def path_arg(directory: Any, what: str = "directory") -> str:
   return os.path.abspath(path)
 
 
-_ARCHIVE_KEYS = frozenset(
-  {"format", "format_version", "checkpoint", "archive", "describes", "buffers"}
-)
-
-
 class ArchiveReader:
   """The archives of one opened checkpoint: their metadata, buffers and padding.
 
-  It owns what it learns of each archive (its checked ``archive.json``, where
-  the padding of each packed buffer lies) for as long as it lives.
+  It owns what it learns of each archive (its checked ``archive.json`` in
+  ``metas``, where the padding of each packed buffer lies) for as long as it lives.
 
   Args:
     directory: the checkpoint's path (for messages).
@@ -112,8 +68,7 @@ class ArchiveReader:
     self.index = index
     self._root = root
     self._placement = placement
-    self._lock = threading.Lock()
-    self._archive_meta: dict[int, dict] = {}
+    self.metas = _archivejson.ArchiveMetas(directory, root, index)
     self._pads: dict[tuple[int, np.dtype], _pads.Pads] = {}
     self._bases: dict[tuple[int, np.dtype], _pads.PadBase] = {}  # by (layout, group, dtype)
 
@@ -122,22 +77,7 @@ class ArchiveReader:
 
   def archive_meta(self, archive: int) -> dict:
     """An archive's ``archive.json``, checked against the index (read once)."""
-    with self._lock:
-      meta = self._archive_meta.get(archive)
-    if meta is not None:
-      return meta
-    name = self.index.names[archive]
-    where = f"archive {archive} ({self.directory}/{name})"
-    try:
-      with self._root.dir(name) as adir:
-        raw = adir.read_bytes(ARCHIVE_FILE, MAX_ARCHIVE_BYTES)
-        meta = signed_value(raw, f"{adir.path}/{ARCHIVE_FILE}", f"{FORMAT} archive")
-    except ArchiveError as e:
-      raise ArchiveError(f"archive {archive}: {e}") from None
-    check_archive_meta(self.index, archive, meta, where)
-    with self._lock:
-      self._archive_meta[archive] = meta
-    return meta
+    return self.metas.get(archive)
 
   def _pad_table(self, archive: int, dtype: np.dtype) -> _pads.Pads:
     """Where the padding of an archive's packed buffer of ``dtype`` lies (made once)."""
@@ -304,61 +244,3 @@ class ArchiveReader:
     finally:
       if held is None:
         f.close()
-
-
-def check_archive_meta(index: Index, archive: int, meta: dict, where: str) -> None:
-  """An archive's ``archive.json`` belongs to this checkpoint and matches its index."""
-  if meta.get("format") != FORMAT or set(meta) != _ARCHIVE_KEYS:
-    raise ArchiveError(f"{where}: {ARCHIVE_FILE} does not describe a {FORMAT} archive")
-  if type(meta["format_version"]) is not int or meta["format_version"] != index.version:
-    raise ArchiveError(
-      f"{where}: archive format version {fmt.short(meta['format_version'])} is not"
-      f" supported; an archive of this checkpoint has its index's version {index.version}"
-    )
-  if meta["checkpoint"] != index.id:
-    raise ArchiveError(
-      f"{where} belongs to checkpoint {str(meta['checkpoint'])[:40]!r}, not to this"
-      f" checkpoint {index.id!r}; archives of two different saves are never combined"
-    )
-  if meta["archive"] != index.names[archive]:
-    raise ArchiveError(f"{where}: {ARCHIVE_FILE} names archive {str(meta['archive'])[:40]!r}")
-  check_describes(index, meta["describes"], archive, where)
-  layout = index.layouts[index.archive_layout[archive]]
-  buffers = fmt.expect(meta["buffers"], dict, where)
-  expected = {d.name: n for d, n in layout.sizes.items() if n}
-  got = {}
-  for dname, b in buffers.items():
-    bw = f"{where}, buffer {dname!r}"
-    fmt.expect(b, dict, bw)
-    if set(b) != {"elements", "chunk", "crc32c"}:
-      raise ArchiveError(f"{bw}: expected elements, chunk and crc32c")
-    n, chunk = fmt.expect(b["elements"], int, bw), fmt.expect(b["chunk"], int, bw)
-    crcs = fmt.expect(b["crc32c"], list, bw)
-    # Exactly ints (a bool is not a checksum), each in [0, 2**32): one check per chunk,
-    # so it runs in C (``map``, ``min``, ``max``), not in a Python loop.
-    if not (0 < chunk <= max(n, 1)) or (
-      crcs and not (set(map(type, crcs)) == {int} and min(crcs) >= 0 and max(crcs) < 2**32)
-    ):
-      raise ArchiveError(f"{bw}: invalid chunking or checksums")
-    got[dname] = n
-  if got != expected:
-    raise ArchiveError(f"{where}: holds buffers {got} but its layout needs {expected}")
-
-
-def check_describes(index: Index, got: Any, archive: int, where: str) -> None:
-  """An archive's data belongs to the index's layout, clock and ranks for it: its
-  signed ``archive.json`` records their digests when it is written."""
-  want = index.describes(archive)
-  if not isinstance(got, dict) or set(got) != set(want):
-    raise ArchiveError(f"{where}: {ARCHIVE_FILE} has no valid 'describes' entry")
-  for key, words in (
-    ("placements", "which params it holds at which rank"),
-    ("layout", "its state layout"),
-    ("clock", "its optimizer clock"),
-  ):
-    if got[key] != want[key]:
-      raise ArchiveError(
-        f"{where}: the index does not describe this archive as it was written"
-        f" (the index and its {ARCHIVE_FILE} disagree on {words}); the index was edited or"
-        " belongs to other archives"
-      )

@@ -216,6 +216,7 @@ class Index:
     clocks: the distinct optimizer clocks (decoded scalars).
     source: the checkpoint a reshard read, or None.
     raw: the index's JSON entries its digests are made of.
+    digests: the digests a table index's ``describes`` made, kept for the index's life.
 
   Made when first asked: ``params`` (the distinct ``ParamEntry``s), ``groups``
   (``Group``s), ``names`` (each archive's), ``archive_layout``,
@@ -232,6 +233,9 @@ class Index:
     binary table (the JSON encoding's own when None)."""
     self.id, self.version, self.table, self.record_version = id, version, table, record_version
     self._describe = describe
+    # The digests ``describe`` makes, by what each digests: made of this index alone,
+    # they live as long as it does.
+    self.digests: dict[tuple, str] = {}
     self.tables, self.layouts, self.clocks, self.source, self.raw = (
       tables,
       layouts,

@@ -62,7 +62,6 @@ caller names (``Checkpoint.check_padding``).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import weakref
@@ -70,12 +69,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._src.checkpoint import archivejson as _archivejson
 from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import brief as _brief
-from jaxreshard._src.checkpoint import groupfacts as _groupfacts
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import indexjson as _indexjson
-from jaxreshard._src.checkpoint import regular as _regular
+from jaxreshard._src.checkpoint import memo as _memo
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint import tableindex as _tableindex
@@ -103,13 +102,11 @@ from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
   write_archive,
   write_checkpoint,
 )
-from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import ShardRecord
-from jaxreshard._src.engine import sources as _sources
 from jaxreshard._src.errors import ArchiveError, PlacementError
 
 __all__ = [
@@ -125,35 +122,14 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass
-class _Caches:
-  """What a ``Checkpoint`` learns as the pipeline asks it, kept for its life.
-
-  Attributes:
-    facts: facts of params outside uniform groups.
-    group_facts: facts of the params of each uniform group, by group, then param.
-    uniform: whether each group is uniform (``_is_uniform``).
-    complete: ``complete_groups``' answer.
-    group_of: each param's (archive of each rank, group), from ``complete_groups``.
-    clock_classes: the clock class of each (layout, clock).
-    by_archive: ``param id -> (group, rank, param entry)`` of archives in several groups.
-  """
-
-  facts: Any = dataclasses.field(default_factory=_sources.FactsCache)
-  group_facts: dict = dataclasses.field(default_factory=dict)
-  uniform: dict = dataclasses.field(default_factory=dict)
-  complete: list | None = None
-  group_of: dict = dataclasses.field(default_factory=dict)
-  clock_classes: Any = dataclasses.field(default_factory=_clock.ClockClasses)
-  by_archive: dict = dataclasses.field(default_factory=dict)
-
-
 class Checkpoint:
   """An opened checkpoint: the index checked, archives opened on demand.
 
   It answers the questions validation asks of sources (``_validate.Sources``),
-  so ``restore`` runs the same pipeline as ``reshard``, and it caches what it
-  learns (archive metadata, open files are not kept) for as long as it lives.
+  so ``restore`` runs the same pipeline as ``reshard``. What it learns is kept
+  for as long as this object lives, never longer: what it makes of its index
+  (``memo``) and each archive's checked ``archive.json`` (``archives``). Open
+  files are not kept, and every read checks the bytes it reads against those.
   """
 
   def __init__(self, directory: Any):
@@ -171,7 +147,7 @@ class Checkpoint:
     self.id, self.record_version, self.source = i.id, i.record_version, i.source
     self.layouts, self.clocks = i.layouts, i.clocks
     self._lock = threading.Lock()
-    self._cache = _Caches()
+    self.memo = _memo.Memo()  # what validation learns of the index, for this object's life
     # The archives' files and bytes: metadata, buffers, runs, padding.
     self.archives = _archives.ArchiveReader(
       self.directory, self._root, i, weakref.WeakMethod(self.placement)
@@ -207,7 +183,7 @@ class Checkpoint:
       gi, rank = member[0]
       p = self.index.param_index[gi].get(pid)
     else:
-      hit = self._archive_params(archive).get(pid)
+      hit = self.memo.archive_params(self.index, archive).get(pid)
       if hit is _TWICE:
         raise _validate.listed_twice(pid, archive)
       gi, rank, p = hit if hit is not None else (None, None, None)
@@ -215,14 +191,6 @@ class Checkpoint:
       return None
     e = self.params[p]
     return ParamPlacement(pid, e.shape, rank, self.groups[gi].world_size, e.dtype, e.trainable)
-
-  def _archive_params(self, archive: int) -> dict[str, Any]:
-    """``param id -> (group, rank, param entry)`` of an archive in several groups (or
-    ``_TWICE``), made once: a lookup then costs O(1), not time in the groups."""
-    index = self._cache.by_archive.get(archive)
-    if index is None:
-      index = self._cache.by_archive[archive] = archive_params(self.index, archive)
-    return index
 
   def placements(self, archive: int) -> list[ParamPlacement]:
     """Every placement an archive lists, sorted by param."""
@@ -237,7 +205,7 @@ class Checkpoint:
   def clock_class(self, archive: int) -> int:
     """The rule records in memory follow (``_clock.ClockClasses``): one state structure
     and bit-identical clock scalars; archives of one layout and clock share it."""
-    return self._cache.clock_classes.of(
+    return self.memo.clock_classes.of(
       self, archive, (self.archive_layout[archive], self.archive_clock[archive])
     )
 
@@ -258,41 +226,22 @@ class Checkpoint:
     An archive of a uniform group (one layout whose buffers have the group's
     slots, checked once for the group) needs no check of its own.
     """
-    if self.member[archive] and all(self._is_uniform(gi) for gi, _ in self.member[archive]):
+    if self.member[archive] and all(
+      self.memo.is_uniform(self, gi) for gi, _ in self.member[archive]
+    ):
       return
     check_histories(archive, self.placements(archive), self.layout(archive).state_parts)
 
   def complete_groups(self) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
     """(param, shape, archive of each rank) of every param, from the groups alone."""
-    with self._lock:
-      if self._cache.complete is not None:
-        return self._cache.complete
-    out, group_of = complete_groups(self.index)
-    with self._lock:
-      self._cache.complete, self._cache.group_of = out, group_of
-    return out
+    return self.memo.complete_groups(self.index)
 
   def facts(self, pid: str, sources: tuple) -> _validate.SourceFacts:
-    hit = self._cache.group_of.get(pid)
-    if hit is not None and (hit[0] is sources or hit[0] == sources) and self._is_uniform(hit[1]):
-      # A uniform group's facts are made for all its params at once (``group_facts``);
-      # a param refused there is asked again alone, for its own refusal.
-      table = self._cache.group_facts.get(hit[1])
-      if table is None:
-        table = self._cache.group_facts[hit[1]] = _groupfacts.group_facts(self, hit[1], hit[0])
-      facts = table.get(pid)
-      return facts if facts is not None else _groupfacts.uniform_facts(self, hit[1], pid, sources)
-    with self._lock:
-      return self._cache.facts.facts(pid, sources, self)
+    return self.memo.facts(self, pid, sources)
 
-  def _is_uniform(self, gi: int) -> bool:
-    """Every archive of the group has one layout and clock, with the group's slots."""
-    u = self._cache.uniform.get(gi)
-    if u is None:
-      # A regular checkpoint's groups are all uniform (``_regular``), checked with arrays.
-      u = _regular.regular(self) is not None or _groupfacts.is_uniform(self, gi)
-      self._cache.uniform[gi] = u
-    return u
+  def regular(self) -> Any:
+    """The checkpoint's ``_regular.Regular``, or None when it is not regular."""
+    return self.memo.regular(self)
 
   def locate_runs(
     self, groups: Any, archive: np.ndarray, group: np.ndarray, subtree: np.ndarray, dtype: np.dtype
@@ -378,21 +327,11 @@ def _read_index(root: _shardread.Dir, given: Any, directory: str) -> _index.Inde
 
   with no_gc():  # parsing makes many small objects and no cycles
     return _indexjson.parse_index(
-      _archives.signed_value(raw, where, FORMAT),
+      _archivejson.signed_value(raw, where, FORMAT),
       where,
       lambda entry: _table.read(root, entry, where),
       _tableindex.parse,
     )
-
-
-def archive_params(index: _index.Index, archive: int) -> dict[str, Any]:
-  """``param id -> (group, rank, param entry)`` of an archive (``_TWICE`` for a param
-  two of its groups list)."""
-  out: dict[str, Any] = {}
-  for gi, rank in index.member[archive]:
-    for pid, p in index.param_index[gi].items():
-      out[pid] = _TWICE if pid in out else (gi, rank, p)
-  return out
 
 
 def placements(index: _index.Index, archive: int) -> list[ParamPlacement]:
@@ -423,28 +362,6 @@ def check_histories(
     for m, h in enumerate(state_parts.history(p.param)):
       if isinstance(h, LeafInfo):
         _validate.check_flat_history(p, archive, m, h.shape, slots)
-
-
-def complete_groups(index: _index.Index) -> tuple[list, dict]:
-  """(param, shape, archive of each rank) of every param, from the groups alone, and
-  each param's ``(archive of each rank, group)``; an incomplete group is refused."""
-  seen: dict[str, int] = {}
-  out, group_of = [], {}
-  for gi, g in enumerate(index.groups):
-    name = index.params[g.params[0]].param if g.params else "?"
-    by_rank = _validate.rank_sources(name, g.world_size, ((a, r) for a, r in g.ranks))
-    for p in g.params:
-      e = index.params[p]
-      if e.param in seen:
-        raise PlacementError(
-          f"param {e.param!r}: groups {seen[e.param]} and {gi} of the checkpoint both hold"
-          " it; pass explicit migrations to pick one group"
-        )
-      seen[e.param] = gi
-      group_of[e.param] = (by_rank, gi)
-      out.append((e.param, e.shape, by_rank))
-  out.sort(key=lambda x: x[0])
-  return out, group_of
 
 
 def open_checkpoint(directory: os.PathLike | str) -> Checkpoint:

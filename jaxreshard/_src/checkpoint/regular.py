@@ -33,7 +33,7 @@ from jaxreshard._src.core.placement import SUPPORTED_DTYPES, Migration
 from jaxreshard._src.core.structure import MASKED
 from jaxreshard._src.errors import PlacementError, ReshardError
 
-__all__ = ["Regular", "rank_groups", "regular"]
+__all__ = ["Regular", "make", "rank_groups", "regular"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +113,9 @@ class Regular:
 
 
 def regular(ckpt: Any) -> Regular | None:
-  """The checkpoint's ``Regular`` (made once), or None when it is not regular."""
-  cache = ckpt.__dict__
-  if "_regular" not in cache:
-    cache["_regular"] = _regular(ckpt)
-  return cache["_regular"]
+  """The checkpoint's ``Regular``, or None when it is not regular: made once and kept
+  by the checkpoint (``Checkpoint.regular``)."""
+  return ckpt.regular()
 
 
 _STORAGE = frozenset(np.dtype(jax.numpy.dtype(n)) for n in SUPPORTED_DTYPES)
@@ -162,7 +160,8 @@ def _histories(
   return hist, itemsize
 
 
-def _regular(ckpt: Any) -> Regular | None:
+def make(ckpt: Any) -> Regular | None:
+  """The checkpoint's ``Regular`` made from its index, or None when it is not regular."""
   index = ckpt.index
   t = index.tables
   n_g, n_a = len(t.g_world), len(t.a_layout)
@@ -264,10 +263,38 @@ def target_geometry(
   return slots, np.minimum(rank * slots, count), np.minimum((rank + 1) * slots, count)
 
 
-def rank_groups(reg: Regular, world_size: int, rank: int) -> _groups.Groups:
-  """The validated groups of target ``rank`` of ``world_size`` (checked by ``check_target``)."""
+def rank_groups(
+  reg: Regular, world_size: int, rank: int, families: dict | None = None
+) -> _groups.Groups:
+  """The validated groups of target ``rank`` of ``world_size`` (checked by ``check_target``).
+
+  ``families``: ``world size -> _groups.Family`` of ``reg``'s checkpoint, kept by its
+  owner: every target rank of one world size then shares one family, and with it the
+  layout, record structure and copy plans the pipeline keeps there.
+  """
+  family = None if families is None else families.get(world_size)
+  if family is not None:
+    return family.recent(
+      ("groups", rank), lambda: family.table(_migrations(reg, world_size, rank), rank)
+    )
   n = len(reg.entry)
-  migrations = list(
+  migrations = _migrations(reg, world_size, rank)
+  groups = _groups.Groups(
+    migrations,
+    reg.facts,
+    columns=(reg.count, reg.src_slots, reg.src_world, np.full(n, rank), np.full(n, world_size)),
+  )
+  if not groups:
+    raise PlacementError("no migrations: a target rank needs at least one parameter")
+  if families is None:
+    return groups
+  family = families.setdefault(world_size, _groups.Family(groups, world_size))
+  return family.recent(("groups", rank), lambda: family.table(migrations, rank))
+
+
+def _migrations(reg: Regular, world_size: int, rank: int) -> list[Migration]:
+  n = len(reg.entry)
+  return list(
     map(
       Migration.checked,
       reg.pids,
@@ -277,11 +304,3 @@ def rank_groups(reg: Regular, world_size: int, rank: int) -> _groups.Groups:
       [reg.by_rank[g] for g in reg.group.tolist()],
     )
   )
-  groups = _groups.Groups(
-    migrations,
-    reg.facts,
-    columns=(reg.count, reg.src_slots, reg.src_world, np.full(n, rank), np.full(n, world_size)),
-  )
-  if not groups:
-    raise PlacementError("no migrations: a target rank needs at least one parameter")
-  return groups

@@ -139,7 +139,7 @@ def restore_reported(
     reg = _regular.regular(ckpt)
     if reg is not None:
       targets = [_regular.check_target(world_size, r) for r in ranks]
-      validated = [_regular.rank_groups(reg, w, r) for r, w in targets]
+      validated = [_regular.rank_groups(reg, w, r, ckpt.memo.families) for r, w in targets]
       sizes = [int(((g.stop - g.start) * reg.itemsize).sum()) for g in validated]
     else:
       plans = [

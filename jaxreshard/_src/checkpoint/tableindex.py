@@ -48,7 +48,7 @@ from jaxreshard._src.checkpoint.tablelayout import Structure, TableLayout
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE
 from jaxreshard._src.errors import ArchiveError
 
-__all__ = ["describes", "entries_digest", "layout_digest", "parse", "placements_digest"]
+__all__ = ["describes", "layout_digest", "parse", "placements_digest"]
 
 # Archive names of a table: ``archive_`` and the number, at least 5 digits, at most 9.
 MAX_ARCHIVE_NUMBER = 10**9 - 1
@@ -348,6 +348,7 @@ def _layouts(
 
 
 def layout_digest(text: str) -> str:
+  """The sha256 (hex) of ASCII ``text``: a layout's canonical text, or param entries' JSON."""
   return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
@@ -357,16 +358,10 @@ def placements_digest(buckets: Mapping[tuple[int, int], str]) -> str:
   return _index._json_digest(sorted([w, r, h] for (w, r), h in buckets.items()))  # pylint: disable=protected-access
 
 
-def entries_digest(entries: Sequence[Any]) -> str:
-  return hashlib.sha256(
-    json.dumps(list(entries), separators=(",", ":")).encode("ascii")
-  ).hexdigest()
-
-
 def describes(index: _index.Index, archive: int) -> dict[str, str]:
   """``Index.describes`` of an index read from a table."""
   t = index.tables
-  cache = index.__dict__.setdefault("_describes", {})
+  cache = index.digests
   at = np.flatnonzero(t.g_archive == archive)
   group = np.searchsorted(t.g_ranks_at, at, side="right") - 1
   buckets: dict[tuple[int, int], list[int]] = {}
@@ -377,7 +372,7 @@ def describes(index: _index.Index, archive: int) -> dict[str, str]:
     h = cache.get(("groups", tuple(gs)))
     if h is None:
       ps = np.sort(np.concatenate([t.group_params(g) for g in gs]))
-      h = cache[("groups", tuple(gs))] = entries_digest(_entries(index, ps))
+      h = cache[("groups", tuple(gs))] = layout_digest(_entries_json(index, ps))
     hashes[key] = h
   layout = int(t.a_layout[archive])
   ld = cache.get(("layout", layout))
@@ -388,6 +383,38 @@ def describes(index: _index.Index, archive: int) -> dict[str, str]:
     "clock": index.clock_digests[int(t.a_clock[archive])],
     "placements": placements_digest(hashes),
   }
+
+
+def _plain(text: str) -> bool:
+  """Whether JSON writes ``text`` in a string as it is (printable ASCII, no quote or
+  backslash: ``json.dumps`` escapes nothing of it)."""
+  return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text
+
+
+def _entries_json(index: _index.Index, ps: np.ndarray) -> str:
+  """``json.dumps(_entries(index, ps), separators=(",", ":"))``, the same text; where every
+  id is written as it is, joined from each entry's parts without making the lists."""
+  t = index.tables
+  pids = [t.pids[n] for n in t.p_name[ps].tolist()]
+  if not _plain("".join(pids)):
+    return json.dumps(_entries(index, ps), separators=(",", ":"))
+  names = [json.dumps(d.name) for d in t.dtypes]
+  dtype = [names[d] for d in t.p_dtype[ps].tolist()]
+  flag = ["true" if tr else "false" for tr in t.p_trainable[ps].tolist()]
+  at, dims = t.p_dims_at, t.p_dims
+  ndim = at[ps + 1] - at[ps]
+  if (ndim == 1).all():  # vectors: one dim each
+    shapes = list(map(str, dims[at[ps]].tolist()))
+  else:
+    flat = dims.tolist()
+    shapes = [",".join(map(str, flat[s : s + k])) for s, k in zip(at[ps].tolist(), ndim.tolist())]
+  return (
+    "["
+    + ",".join(
+      f'["{pid}",[{shape}],{d},{tr}]' for pid, shape, d, tr in zip(pids, shapes, dtype, flag)
+    )
+    + "]"
+  )
 
 
 def _entries(index: _index.Index, ps: np.ndarray) -> list[list]:
