@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxreshard._src.checkpoint import deferredindex as _deferredindex
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import entries as _entries
 from jaxreshard._src.checkpoint import shardfile as _shardfile
@@ -60,27 +61,32 @@ def target_layout(placements: Iterable[ParamPlacement], state_parts: _structure.
 
 
 def _packed(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-  """The concatenation of flat ``parts``; without a copy when they tile one buffer."""
-  if not parts:
+  """The concatenation of flat ``parts``; without a copy when they tile one buffer.
+
+  Empty parts hold no bytes and take no place in the tiling (numpy gives an
+  empty view an address of its own choosing).
+  """
+  full = [p for p in parts if p.size]
+  if not full:
     return np.zeros(0, dtype)
-  base = parts[0].base
+  base = full[0].base
   if (
     isinstance(base, np.ndarray)
     and base.ndim == 1
     and base.dtype == dtype
     and base.flags.c_contiguous
-    and all(p.base is base and p.flags.c_contiguous for p in parts)
+    and all(p.base is base and p.flags.c_contiguous for p in full)
   ):
-    start = parts[0].__array_interface__["data"][0] - base.__array_interface__["data"][0]
-    ptr = parts[0].__array_interface__["data"][0]
-    for p in parts:
+    start = full[0].__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    ptr = full[0].__array_interface__["data"][0]
+    for p in full:
       if p.__array_interface__["data"][0] != ptr:
         break
       ptr += p.nbytes
     else:
       i0 = start // dtype.itemsize
-      return base[i0 : i0 + sum(p.size for p in parts)]
-  return np.concatenate(parts)
+      return base[i0 : i0 + sum(p.size for p in full)]
+  return np.concatenate(full)
 
 
 # A save whose first archive holds at least this many history buffers writes its
@@ -120,13 +126,24 @@ class IndexBuilder:
     self.archives: list[list | None] = []
     self._layout_digests: list[str] = []
     self.describes: dict[int, dict[str, str]] = {}  # archive -> what archive.json records
+    self._deferred = _deferredindex.DeferredLayouts()
 
   def add(self, index: int, record: Any, *, pack: bool = True) -> dict[np.dtype, np.ndarray]:
     """Registers archive ``index``; returns its packed buffers (per dtype).
 
     With ``pack=False`` the record's buffers may be shapes alone
-    (``jax.ShapeDtypeStruct``): only the index entry is made.
+    (``jax.ShapeDtypeStruct``): only the index entry is made. A deferred
+    record of a layout registered before is taken from its packed buffers
+    (``deferredindex``): the same entry and bytes, no per-param work.
     """
+    buffers = self._deferred.add(self, index, record, pack)
+    if buffers is None:
+      buffers = self._add_record(index, record, pack)
+      self._deferred.learn(self, index, record, buffers, pack)
+    return buffers
+
+  def _add_record(self, index: int, record: Any, pack: bool) -> dict[np.dtype, np.ndarray]:
+    """``add``, leaf by leaf: every check the index makes of a record."""
     state_parts, placements = _validate.check_record(index, record)
     if self.table is None:
       n = sum(len(m.entries) for m in state_parts.subtrees)

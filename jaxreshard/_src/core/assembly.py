@@ -44,6 +44,7 @@ class Assembly:
     roles: per leaf of the target state, the param id of a history buffer or
       None for a clock scalar (a record's ``roles``).
     dtypes: the packed buffers, in layout order.
+    nbytes: the bytes of a target rank's history buffers.
   """
 
   def __init__(self, template: _structure.StateParts, facts: Sequence[Any], layout: Any):
@@ -56,6 +57,7 @@ class Assembly:
     built = [list(f.history) for f in facts]
     self.dtypes = tuple(layout.slots)
     self._slices: list[tuple[np.dtype, tuple[slice, ...]]] = []
+    self.nbytes = sum(np.dtype(d).itemsize * int(n) for d, n in layout.sizes.items())
     param_of: list[str] = []  # per history buffer, in layout order
     for dtype, slots in layout.slots.items():
       _, _, offset, size = layout.columns[dtype]
