@@ -79,6 +79,11 @@ class Regular:
     return [tuple(flat[s : s + k]) for s, k in zip(at[self.entry].tolist(), ndim.tolist())]
 
   @functools.cached_property
+  def families(self) -> dict[int, _groups.Family]:
+    """Per target world size, the rows every rank of it shares (``rank_groups``)."""
+    return {}
+
+  @functools.cached_property
   def facts(self) -> tuple[_validate.SourceFacts, ...]:
     """The validated facts of every row, as the general path makes them."""
     t = self.index.tables
@@ -277,11 +282,17 @@ def rank_groups(reg: Regular, world_size: int, rank: int) -> _groups.Groups:
       [reg.by_rank[g] for g in reg.group.tolist()],
     )
   )
-  groups = _groups.Groups(
-    migrations,
-    reg.facts,
-    columns=(reg.count, reg.src_slots, reg.src_world, np.full(n, rank), np.full(n, world_size)),
-  )
-  if not groups:
-    raise PlacementError("no migrations: a target rank needs at least one parameter")
-  return groups
+  # Every rank of one world size has the same rows: its family is made by the
+  # first, and keeps what each layout's ranks share (the packed layout, the
+  # record's structure) for the others.
+  family = reg.families.get(world_size)
+  if family is None:
+    groups = _groups.Groups(
+      migrations,
+      reg.facts,
+      columns=(reg.count, reg.src_slots, reg.src_world, np.full(n, rank), np.full(n, world_size)),
+    )
+    if not groups:
+      raise PlacementError("no migrations: a target rank needs at least one parameter")
+    family = reg.families.setdefault(world_size, _groups.Family(groups, world_size))
+  return family.table(migrations, rank)

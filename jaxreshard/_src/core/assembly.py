@@ -125,7 +125,7 @@ class RankParts:
     buffers: dict[np.dtype, np.ndarray],
     ranks: Any,
     worlds: Any,
-    placements: tuple[ParamPlacement, ...] | None = None,
+    placements: Any = None,
   ):
     self.assembly = assembly
     self.buffers = buffers
@@ -146,9 +146,9 @@ class RankParts:
         gc.enable()
 
   def placements(self) -> tuple[ParamPlacement, ...]:
-    if self.made is not None:
-      return self.made
-    return self.assembly.placements(self.ranks, self.worlds)
+    if self.made is None:
+      return self.assembly.placements(self.ranks, self.worlds)
+    return self.made() if callable(self.made) else self.made
 
 
 def deferred_record(
@@ -156,7 +156,7 @@ def deferred_record(
   buffers: dict[np.dtype, np.ndarray],
   ranks: Any,
   worlds: Any,
-  placements: tuple[ParamPlacement, ...] | None = None,
+  placements: Any = None,
 ) -> ShardRecord:
   """A target record over ``buffers``, its placements and state made when first read.
 
@@ -166,7 +166,8 @@ def deferred_record(
     ranks, worlds: the target rank and world size: one int each, or a list
       with one per row.
     placements: the placements, when they were made already (frozen, they may be
-      shared by every record of the rank).
+      shared by every record of the rank), or what makes them when first read
+      (a function of no arguments; it may return the rank's shared ones).
   """
   return ShardRecord.deferred(
     RECORD_VERSION, assembly.roles, RankParts(assembly, buffers, ranks, worlds, placements)
