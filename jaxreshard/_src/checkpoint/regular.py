@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -271,6 +272,14 @@ def target_geometry(
 
 def rank_groups(reg: Regular, world_size: int, rank: int) -> _groups.Groups:
   """The validated groups of target ``rank`` of ``world_size`` (checked by ``check_target``)."""
+  # Every rank of one world size has the same rows: its family is made by the
+  # first (whose migrations are all made, and checked), and keeps what each
+  # layout's ranks share (the packed layout, the record's structure) for the
+  # others, whose migrations differ from the first's in their rank alone and
+  # are made when read.
+  family = reg.families.get(world_size)
+  if family is not None:
+    return family.table(_RankMigrations(reg, rank, world_size), rank)
   n = len(reg.entry)
   migrations = list(
     map(
@@ -282,17 +291,35 @@ def rank_groups(reg: Regular, world_size: int, rank: int) -> _groups.Groups:
       [reg.by_rank[g] for g in reg.group.tolist()],
     )
   )
-  # Every rank of one world size has the same rows: its family is made by the
-  # first, and keeps what each layout's ranks share (the packed layout, the
-  # record's structure) for the others.
-  family = reg.families.get(world_size)
-  if family is None:
-    groups = _groups.Groups(
-      migrations,
-      reg.facts,
-      columns=(reg.count, reg.src_slots, reg.src_world, np.full(n, rank), np.full(n, world_size)),
-    )
-    if not groups:
-      raise PlacementError("no migrations: a target rank needs at least one parameter")
-    family = reg.families.setdefault(world_size, _groups.Family(groups, world_size))
+  groups = _groups.Groups(
+    migrations,
+    reg.facts,
+    columns=(reg.count, reg.src_slots, reg.src_world, np.full(n, rank), np.full(n, world_size)),
+  )
+  if not groups:
+    raise PlacementError("no migrations: a target rank needs at least one parameter")
+  family = reg.families.setdefault(world_size, _groups.Family(groups, world_size))
   return family.table(migrations, rank)
+
+
+class _RankMigrations(Sequence):
+  """One target rank's migrations of a regular checkpoint, each made when read."""
+
+  def __init__(self, reg: Regular, rank: int, world_size: int):
+    self._reg, self._rank, self._world = reg, rank, world_size
+
+  def __len__(self) -> int:
+    return len(self._reg.entry)
+
+  def __getitem__(self, i: Any) -> Any:
+    if isinstance(i, slice):
+      return [self[j] for j in range(*i.indices(len(self)))]
+    reg = self._reg
+    t = reg.index.tables
+    return Migration.checked(
+      t.pids[int(t.p_name[reg.entry[i]])],
+      reg.shapes[i],
+      self._rank,
+      self._world,
+      reg.by_rank[int(reg.group[i])],
+    )

@@ -231,11 +231,14 @@ def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
   first = np.maximum(-(-count // safe), lo // safe)  # the first all-padding rank in the range
   last = np.minimum(world, -(-hi // safe))
   out = set()
+  facts = groups.facts  # a row's sources: no per-row group object is made
   for gi in np.flatnonzero((ss > 0) & (first < last)).tolist():
-    g = groups[gi]
+    f = facts[gi]
+    buffers = [(np.dtype(d), (f.param, m)) for m, d in _copyplan.history_buffers(f)]
     for k in range(int(first[gi]), int(last[gi])):
-      for m, dtype in _copyplan.history_buffers(g):
-        out.add((g.by_rank[k], np.dtype(dtype), (g.param, m)))
+      archive = f.by_rank[k]
+      for dtype, key in buffers:
+        out.add((archive, dtype, key))
   return out
 
 
