@@ -30,6 +30,9 @@ class Options:
     scale_worlds: ``(source, target)`` world sizes of the scale benchmark (6).
     scale_size: history size of the scale benchmark.
     scale_params: parameters of the scale benchmark.
+    cli_scale_worlds: ``(source, target)`` world sizes of the CLI's time per byte, in
+      one process (benchmark 4), the first the base of the others.
+    cli_scale_size: history size of those conversions (the same at every world size).
     plan_params: parameters of the planning-from-disk measurement.
     plan_worlds: (source, target) world sizes of the planning measurement.
     plan_size: history elements of the planning checkpoint (the model's, over every rank).
@@ -59,6 +62,8 @@ class Options:
   scale_worlds: tuple[tuple[int, int], ...] = ((8, 6), (256, 192), (4096, 3072))
   scale_size: int = 32 * _M
   scale_params: int = 1000
+  cli_scale_worlds: tuple[tuple[int, int], ...] = ((8, 6), (256, 192))
+  cli_scale_size: int = 8 * _M
   plan_params: int = 10_000
   plan_worlds: tuple[int, int] = (4096, 3072)
   plan_size: int = 4096 * 2 * _M  # 8 MiB of history per source rank; only those read are written
@@ -91,6 +96,8 @@ class Options:
       scale_worlds=((8, 6), (32, 24)),
       scale_size=_M // 4,
       scale_params=8,
+      cli_scale_worlds=((8, 6), (32, 24)),
+      cli_scale_size=_M // 16,
       plan_params=50,
       plan_worlds=(64, 48),
       plan_size=_M // 16,

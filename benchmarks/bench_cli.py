@@ -54,6 +54,34 @@ def _cli(src: str, out: str, world: int) -> list[str]:
   return [sys.executable, "-m", "jaxreshard", "reshard", src, out, "--world-size", str(world)]
 
 
+def _scale(opts: Options, tmp: str) -> dict:
+  """Time per byte of the CLI's conversion at each of ``opts.cli_scale_worlds``."""
+  from typer.testing import CliRunner
+
+  from jaxreshard._src.cli.commands import app
+
+  out = {}
+  nbytes = 4 * opts.cli_scale_size
+  for src_world, dst_world in opts.cli_scale_worlds:
+    src = os.path.join(tmp, f"scale-{src_world}")
+    _disk.write_jaxreshard(src, opts.cli_scale_size, opts.scale_params, src_world, opts.seed)
+    best = None
+    for i in range(max(2, opts.repeats)):  # the first also compiles; the best is kept
+      dst = os.path.join(tmp, f"scale-{src_world}-{i}")
+      t0 = time.perf_counter()
+      result = CliRunner().invoke(app, ["reshard", src, dst, "--world-size", str(dst_world)])
+      took = time.perf_counter() - t0
+      if result.exit_code != 0:
+        raise RuntimeError(f"reshard {src_world} -> {dst_world} failed:\n{result.output[-3000:]}")
+      best = took if best is None else min(best, took)
+      _disk.rmtree(dst)
+    _disk.rmtree(src)
+    out[f"ns_per_byte_{src_world}_{dst_world}"] = round(1e9 * best / nbytes, 2)
+  figures = list(out.values())
+  out["cli_scale_vs_first"] = round(figures[-1] / figures[0], 2)
+  return out
+
+
 def run(opts: Options) -> Result:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   with tempfile.TemporaryDirectory(prefix="jr-bench-cli-") as tmp:
@@ -76,6 +104,7 @@ def run(opts: Options) -> Result:
     cache = os.path.join(tmp, "jax-cache")
     cli = _time(_cli(src, os.path.join(tmp, "out"), opts.dst_world), _env(cache))
     cached = _time(_cli(src, os.path.join(tmp, "cached"), opts.dst_world), _env(cache))
+    scale = _scale(opts, tmp)
   row = {
     "checkpoint_mib": round(nbytes / 2**20, 1),
     "source_ranks": opts.src_world,
@@ -86,6 +115,7 @@ def run(opts: Options) -> Result:
     "cli_with_compile_cache_s": round(cached, 3),
     "cached_over_orbax": round(cached / orbax, 2),
     "python_import_s": round(import_s, 3),
+    **scale,
   }
   met = None if opts.quick else row["cli_over_orbax"] <= 0.7
   notes = (
@@ -98,5 +128,10 @@ def run(opts: Options) -> Result:
     " (compiles every kernel; JAX_COMPILATION_CACHE_DIR set but empty);"
     " `cli_with_compile_cache_s`: a second CLI process, that cache now filled;"
     " `python_import_s`: starting python and importing jaxreshard + orbax."
+    f" `ns_per_byte_S_M`: the same `reshard` command run in this process (imports and"
+    f" compiles done; best of {max(2, opts.repeats)}), converting"
+    f" {opts.scale_params} Adam parameters of {opts.cli_scale_size} history elements in all"
+    " from S to M ranks, per history byte; `cli_scale_vs_first`: the last of those over"
+    " the first (the same bytes over more ranks)."
   )
   return Result(NAME, "CLI reshard vs orbax load + save", GOAL, met, (row,), notes)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -270,12 +271,14 @@ def rank_groups(
 
   ``families``: ``world size -> _groups.Family`` of ``reg``'s checkpoint, kept by its
   owner: every target rank of one world size then shares one family, and with it the
-  layout, record structure and copy plans the pipeline keeps there.
+  layout, record structure and copy plans the pipeline keeps there. Its rows are
+  made and checked with the first rank's migrations; a later rank's migrations
+  differ from those in their rank alone and are made when read.
   """
   family = None if families is None else families.get(world_size)
   if family is not None:
     return family.recent(
-      ("groups", rank), lambda: family.table(_migrations(reg, world_size, rank), rank)
+      ("groups", rank), lambda: family.table(_RankMigrations(reg, rank, world_size), rank)
     )
   n = len(reg.entry)
   migrations = _migrations(reg, world_size, rank)
@@ -304,3 +307,26 @@ def _migrations(reg: Regular, world_size: int, rank: int) -> list[Migration]:
       [reg.by_rank[g] for g in reg.group.tolist()],
     )
   )
+
+
+class _RankMigrations(Sequence):
+  """One target rank's migrations of a regular checkpoint, each made when read."""
+
+  def __init__(self, reg: Regular, rank: int, world_size: int):
+    self._reg, self._rank, self._world = reg, rank, world_size
+
+  def __len__(self) -> int:
+    return len(self._reg.entry)
+
+  def __getitem__(self, i: Any) -> Any:
+    if isinstance(i, slice):
+      return [self[j] for j in range(*i.indices(len(self)))]
+    reg = self._reg
+    t = reg.index.tables
+    return Migration.checked(
+      t.pids[int(t.p_name[reg.entry[i]])],
+      reg.shapes[i],
+      self._rank,
+      self._world,
+      reg.by_rank[int(reg.group[i])],
+    )

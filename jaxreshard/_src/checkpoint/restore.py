@@ -155,11 +155,39 @@ def restore_reported(
       total_bytes=sum(sizes),
       unit="rank",
     )
-    out = []
-    for rank, groups, nbytes in zip(ranks, validated, sizes):
-      out.append(_pipeline.build(ckpt, groups, disk_fetch(ckpt, groups)))
-      reporter.step(nbytes, rank=rank)
+    out: list[ShardRecord] = []
+    for at in batches(sizes):
+      batch = validated[at.start : at.stop]
+      built = None
+      if len(batch) > 1:
+        padding = set().union(*map(all_padding_sources, batch))
+        built = _pipeline.build_batch(ckpt, batch, disk_fetch(ckpt, padding=padding))
+      if built is None:
+        built = [_pipeline.build(ckpt, g, disk_fetch(ckpt, g)) for g in batch]
+      for rank, nbytes, record in zip(ranks[at.start : at.stop], sizes[at.start : at.stop], built):
+        out.append(record)
+        reporter.step(nbytes, rank=rank)
   reporter.finish()
+  return out
+
+
+# Target ranks are fetched together (``pipeline.build_batch``) up to this many bytes:
+# each source buffer is then read once for them all, with at most this much held.
+BATCH_BYTES = 64 << 20
+
+
+def batches(sizes: Sequence[int], limit: int | None = None) -> list[range]:
+  """Consecutive ranges of ranks, each of at most ``limit`` (``BATCH_BYTES``) bytes,
+  or one rank."""
+  limit = BATCH_BYTES if limit is None else limit
+  out, start, held = [], 0, 0
+  for i, n in enumerate(sizes):
+    if i > start and held + n > limit:
+      out.append(range(start, i))
+      start, held = i, 0
+    held += n
+  if start < len(sizes):
+    out.append(range(start, len(sizes)))
   return out
 
 
@@ -203,21 +231,28 @@ def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
   first = np.maximum(-(-count // safe), lo // safe)  # the first all-padding rank in the range
   last = np.minimum(world, -(-hi // safe))
   out = set()
+  facts = groups.facts  # a row's sources: no per-row group object is made
   for gi in np.flatnonzero((ss > 0) & (first < last)).tolist():
-    g = groups[gi]
+    f = facts[gi]
+    buffers = [(np.dtype(d), (f.param, m)) for m, d in _copyplan.history_buffers(f)]
     for k in range(int(first[gi]), int(last[gi])):
-      for m, dtype in _copyplan.history_buffers(g):
-        out.add((g.by_rank[k], np.dtype(dtype), (g.param, m)))
+      archive = f.by_rank[k]
+      for dtype, key in buffers:
+        out.add((archive, dtype, key))
   return out
 
 
-def disk_fetch(ckpt: Checkpoint, groups: Sequence[_validate.SourceGroup] = ()) -> _pipeline.Fetch:
+def disk_fetch(
+  ckpt: Checkpoint, groups: Sequence[_validate.SourceGroup] = (), *, padding: set | None = None
+) -> _pipeline.Fetch:
   """Runs over packed buffers on disk: chunk spans read, checked and copied.
 
   The padding of every source buffer the runs copy from must be zero bits, and
   so must the all-padding source buffers that ``groups``' target rank checks
-  (``all_padding_sources``): data that contradicts the layout is refused.
+  (``all_padding_sources``; ``padding``: those of several target ranks at
+  once): data that contradicts the layout is refused.
   """
+  trailing = all_padding_sources(groups) if padding is None else padding
 
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
     files: dict = {}  # the files checked, held open for the reads (up to HELD_FILES)
@@ -252,7 +287,7 @@ def disk_fetch(ckpt: Checkpoint, groups: Sequence[_validate.SourceGroup] = ()) -
             f=files.get((archive, d)),
           )
         out[dtype] = buf
-      ckpt.check_padding(all_padding_sources(groups), scratch, files=files)
+      ckpt.check_padding(trailing, scratch, files=files)
       return out
     finally:
       for f in files.values():

@@ -13,10 +13,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxreshard._src.checkpoint import deferredindex as _deferredindex
 from jaxreshard._src.checkpoint import encoding as fmt
+from jaxreshard._src.checkpoint import entries as _entries
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint import table as _table
-from jaxreshard._src.checkpoint import tableindex as _tableindex
 from jaxreshard._src.checkpoint import tablewrite as _tablewrite
 from jaxreshard._src.checkpoint.index import (
   ARCHIVE_FILE,
@@ -27,8 +28,6 @@ from jaxreshard._src.checkpoint.index import (
   Source,
   SourcedRecords,
   _json_digest,
-  _param_term,
-  _placements_digest,
 )
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
@@ -62,27 +61,32 @@ def target_layout(placements: Iterable[ParamPlacement], state_parts: _structure.
 
 
 def _packed(parts: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
-  """The concatenation of flat ``parts``; without a copy when they tile one buffer."""
-  if not parts:
+  """The concatenation of flat ``parts``; without a copy when they tile one buffer.
+
+  Empty parts hold no bytes and take no place in the tiling (numpy gives an
+  empty view an address of its own choosing).
+  """
+  full = [p for p in parts if p.size]
+  if not full:
     return np.zeros(0, dtype)
-  base = parts[0].base
+  base = full[0].base
   if (
     isinstance(base, np.ndarray)
     and base.ndim == 1
     and base.dtype == dtype
     and base.flags.c_contiguous
-    and all(p.base is base and p.flags.c_contiguous for p in parts)
+    and all(p.base is base and p.flags.c_contiguous for p in full)
   ):
-    start = parts[0].__array_interface__["data"][0] - base.__array_interface__["data"][0]
-    ptr = parts[0].__array_interface__["data"][0]
-    for p in parts:
+    start = full[0].__array_interface__["data"][0] - base.__array_interface__["data"][0]
+    ptr = full[0].__array_interface__["data"][0]
+    for p in full:
       if p.__array_interface__["data"][0] != ptr:
         break
       ptr += p.nbytes
     else:
       i0 = start // dtype.itemsize
-      return base[i0 : i0 + sum(p.size for p in parts)]
-  return np.concatenate(parts)
+      return base[i0 : i0 + sum(p.size for p in full)]
+  return np.concatenate(full)
 
 
 # A save whose first archive holds at least this many history buffers writes its
@@ -112,32 +116,40 @@ class IndexBuilder:
     self.table = table
     self.structures: list[dict] = []  # a table's params trees of the mirrors
     self.leaves: list[dict] = []  # a table's leaves of each mirror
+    self.entries: _entries.ParamEntries | None = None  # made once ``table`` is decided
     self._sizes: list[dict[str, int]] = []  # per layout: dtype name -> elements
-    self._entry_text: list[str] = []  # param entry -> its compact JSON
-    self._bucket_digests: dict[tuple, str] = {}  # a table's digests of sets of param entries
     self._layouts: dict[str, int] = {}
     self._layout_of_signature: dict[tuple, int] = {}
     self._clocks: dict[str, int] = {}
     self.layouts: list[dict] = []
     self.clocks: list[list] = []
     self.archives: list[list | None] = []
-    self._params: dict[tuple, int] = {}
-    self.params: list[list] = []
-    self._members: dict[int, list[tuple[int, int, int]]] = {}  # param entry -> (archive, rank, W)
-    self._terms: list[int] = []  # param entry -> its term in a placement digest
     self._layout_digests: list[str] = []
     self.describes: dict[int, dict[str, str]] = {}  # archive -> what archive.json records
+    self._deferred = _deferredindex.DeferredLayouts()
 
   def add(self, index: int, record: Any, *, pack: bool = True) -> dict[np.dtype, np.ndarray]:
     """Registers archive ``index``; returns its packed buffers (per dtype).
 
     With ``pack=False`` the record's buffers may be shapes alone
-    (``jax.ShapeDtypeStruct``): only the index entry is made.
+    (``jax.ShapeDtypeStruct``): only the index entry is made. A deferred
+    record of a layout registered before is taken from its packed buffers
+    (``deferredindex``): the same entry and bytes, no per-param work.
     """
+    buffers = self._deferred.add(self, index, record, pack)
+    if buffers is None:
+      buffers = self._add_record(index, record, pack)
+      self._deferred.learn(self, index, record, buffers, pack)
+    return buffers
+
+  def _add_record(self, index: int, record: Any, pack: bool) -> dict[np.dtype, np.ndarray]:
+    """``add``, leaf by leaf: every check the index makes of a record."""
     state_parts, placements = _validate.check_record(index, record)
     if self.table is None:
       n = sum(len(m.entries) for m in state_parts.subtrees)
       self.table = n >= TABLE_MIN_BUFFERS
+    if self.entries is None:
+      self.entries = _entries.ParamEntries(self.table)
     if self.source is not None:
       self._check_source(index, placements, state_parts)
     for p in placements.values():  # what a reader refuses is never written
@@ -173,23 +185,11 @@ class IndexBuilder:
     while len(self.archives) <= index:
       self.archives.append(None)
     self.archives[index] = [f"archive_{index:05d}", layout, clock]
-    buckets: dict[tuple[int, int], list[int]] = {}
-    for p in placements.values():
-      FlatShard(p.shape, p.rank, p.world_size)  # a placement the format can describe
-      key = (p.param, p.shape, p.dtype, bool(p.trainable))
-      e = self._params.setdefault(key, len(self._params))
-      if e == len(self.params):
-        self.params.append([p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable)])
-        if self.table:
-          self._entry_text.append(json.dumps(self.params[e], separators=(",", ":")))
-        else:
-          self._terms.append(_param_term(self.params[e]))
-      self._members.setdefault(e, []).append((index, p.rank, p.world_size))
-      buckets.setdefault((p.world_size, p.rank), []).append(e)
+    placements_digest = self.entries.add(index, placements.values())
     self.describes[index] = {
       "layout": self._layout_digests[layout],
       "clock": hashlib.sha256(clock_key.encode("ascii")).hexdigest(),
-      "placements": self._placements_digest(buckets),
+      "placements": placements_digest,
     }
     if not pack:
       return {}
@@ -199,24 +199,6 @@ class IndexBuilder:
     ):
       parts.setdefault(np.dtype(buf.dtype), []).append(np.asarray(buf).reshape(-1))
     return {d: _packed(p, d) for d, p in parts.items()}
-
-  def _placements_digest(self, buckets: dict[tuple[int, int], list[int]]) -> str:
-    """``describes``' placements digest of one archive's param entries at each (W, rank)."""
-    if not self.table:
-      return _placements_digest(
-        {key: sum(self._terms[e] for e in es) for key, es in buckets.items()}
-      )
-    hashes = {}
-    for key, es in buckets.items():
-      # A table lists param entries sorted by their JSON text: a bucket's are hashed so.
-      ident = tuple(sorted(es))
-      h = self._bucket_digests.get(ident)
-      if h is None:
-        texts = sorted(self._entry_text[e] for e in es)
-        h = hashlib.sha256(f"[{','.join(texts)}]".encode("ascii")).hexdigest()
-        self._bucket_digests[ident] = h
-      hashes[key] = h
-    return _tableindex.placements_digest(hashes)
 
   def _check_source(
     self, index: int, placements: dict[str, ParamPlacement], state_parts: _structure.StateParts
@@ -280,16 +262,7 @@ class IndexBuilder:
 
   def groups(self) -> list[dict]:
     """Param entries split the same way, merged into one group."""
-    merged: dict[tuple, list[int]] = {}
-    for e, members in self._members.items():
-      worlds = {w for _, _, w in members}
-      for w in sorted(worlds):
-        ranks = tuple((a, r) for a, r, ww in members if ww == w)
-        merged.setdefault((w, ranks), []).append(e)
-    return [
-      {"world_size": w, "params": sorted(es), "ranks": [list(x) for x in ranks]}
-      for (w, ranks), es in merged.items()
-    ]
+    return [] if self.entries is None else self.entries.groups()
 
   def index(self) -> dict:
     """The index's value (``write_index`` writes it). With a table, its param entries
@@ -297,36 +270,24 @@ class IndexBuilder:
     ``leaves`` (``tableindex``)."""
     if not self.archives or any(a is None for a in self.archives):
       raise PlacementError("no archives supplied")
-    if self.table:
-      order = sorted(range(len(self.params)), key=self._entry_text.__getitem__)
-      new = {e: i for i, e in enumerate(order)}
-      groups = [{**g, "params": sorted(new[e] for e in g["params"])} for g in self.groups()]
-      return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "checkpoint": self.id,
-        "record_version": RECORD_VERSION,
-        "params": [self.params[e] for e in order],
-        "groups": groups,
-        "layouts": self.layouts,
-        "structures": self.structures,
-        "leaves": self.leaves,
-        "clocks": self.clocks,
-        "archives": self.archives,
-        "source": None if self.source is None else self.source.to_json(),
-      }
-    return {
+    params, groups = self.entries.listed()
+    value = {
       "format": FORMAT,
       "format_version": FORMAT_VERSION,
       "checkpoint": self.id,
       "record_version": RECORD_VERSION,
-      "params": self.params,
-      "groups": self.groups(),
+      "params": params,
+      "groups": groups,
       "layouts": self.layouts,
-      "clocks": self.clocks,
-      "archives": self.archives,
-      "source": None if self.source is None else self.source.to_json(),
     }
+    if self.table:
+      value.update(structures=self.structures, leaves=self.leaves)
+    value.update(
+      clocks=self.clocks,
+      archives=self.archives,
+      source=None if self.source is None else self.source.to_json(),
+    )
+    return value
 
 
 def write_archive(

@@ -242,19 +242,13 @@ def reshard(
   with progress_bar(err) as bar:
     task = bar.add_task("resharding", total=total or 1)
 
-    def targets() -> Iterator[Any]:
-      # Each rank is planned once, by its restore, which also counts the bytes it moved.
-      for r in ranks:
-        bar.update(task, description=f"rank {r}/{world_size}")
-        done: list[Any] = []
-        yield _restore.restore_ranks(
-          source, [r], world_size=world_size, checkpoint=ckpt, progress=done.append
-        )[0]
-        bar.advance(task, done[-1].done_bytes)  # after save_records has taken this rank
-
     # The output names its source, so that parts of two saves never merge.
     jr.save_records(
-      str(out), _reader.SourcedRecords(targets(), _reader.Source(ckpt.id, world_size))
+      str(out),
+      _reader.SourcedRecords(
+        _targets(source, ckpt, ranks, world_size, total, bar, task),
+        _reader.Source(ckpt.id, world_size),
+      ),
     )
   if as_json:
     _render.print_json(
@@ -274,6 +268,29 @@ def reshard(
       f" ({_render.size(total)} moved, {time.perf_counter() - t0:.1f} s)"
     )
   )
+
+
+def _targets(
+  source: Any, ckpt: Any, ranks: Any, world_size: int, total: int, bar: Any, task: Any
+) -> Iterator[Any]:
+  """The target ranks, restored a batch at a time (each source buffer read once per
+  batch; a batch holds about ``BATCH_BYTES``) and handed on one at a time, the
+  progress bar naming and counting each rank as the save takes it."""
+  # Each rank is planned once, by its restore, which also counts the bytes it moved.
+  n = max(1, _restore.BATCH_BYTES // max(1, -(-total // len(ranks))))
+  for at in range(0, len(ranks), n):
+    batch = ranks[at : at + n]
+    bar.update(task, description=f"rank {batch[0]}/{world_size}")
+    done: list[Any] = []
+    built = _restore.restore_ranks(
+      source, batch, world_size=world_size, checkpoint=ckpt, progress=done.append
+    )
+    moved = 0
+    for r, record, step in zip(batch, built, done):
+      bar.update(task, description=f"rank {r}/{world_size}")
+      yield record
+      bar.advance(task, step.done_bytes - moved)  # after save_records has taken this rank
+      moved = step.done_bytes
 
 
 def _refuse_inside(out: Path, inputs: list[Path]) -> None:

@@ -44,6 +44,7 @@ class Assembly:
     roles: per leaf of the target state, the param id of a history buffer or
       None for a clock scalar (a record's ``roles``).
     dtypes: the packed buffers, in layout order.
+    nbytes: the bytes of a target rank's history buffers.
   """
 
   def __init__(self, template: _structure.StateParts, facts: Sequence[Any], layout: Any):
@@ -56,6 +57,7 @@ class Assembly:
     built = [list(f.history) for f in facts]
     self.dtypes = tuple(layout.slots)
     self._slices: list[tuple[np.dtype, tuple[slice, ...]]] = []
+    self.nbytes = sum(np.dtype(d).itemsize * int(n) for d, n in layout.sizes.items())
     param_of: list[str] = []  # per history buffer, in layout order
     for dtype, slots in layout.slots.items():
       _, _, offset, size = layout.columns[dtype]
@@ -123,7 +125,7 @@ class RankParts:
     buffers: dict[np.dtype, np.ndarray],
     ranks: Any,
     worlds: Any,
-    placements: tuple[ParamPlacement, ...] | None = None,
+    placements: Any = None,
   ):
     self.assembly = assembly
     self.buffers = buffers
@@ -144,9 +146,9 @@ class RankParts:
         gc.enable()
 
   def placements(self) -> tuple[ParamPlacement, ...]:
-    if self.made is not None:
-      return self.made
-    return self.assembly.placements(self.ranks, self.worlds)
+    if self.made is None:
+      return self.assembly.placements(self.ranks, self.worlds)
+    return self.made() if callable(self.made) else self.made
 
 
 def deferred_record(
@@ -154,7 +156,7 @@ def deferred_record(
   buffers: dict[np.dtype, np.ndarray],
   ranks: Any,
   worlds: Any,
-  placements: tuple[ParamPlacement, ...] | None = None,
+  placements: Any = None,
 ) -> ShardRecord:
   """A target record over ``buffers``, its placements and state made when first read.
 
@@ -164,7 +166,8 @@ def deferred_record(
     ranks, worlds: the target rank and world size: one int each, or a list
       with one per row.
     placements: the placements, when they were made already (frozen, they may be
-      shared by every record of the rank).
+      shared by every record of the rank), or what makes them when first read
+      (a function of no arguments; it may return the rank's shared ones).
   """
   return ShardRecord.deferred(
     RECORD_VERSION, assembly.roles, RankParts(assembly, buffers, ranks, worlds, placements)

@@ -196,8 +196,14 @@ class Family:
     self._lock = threading.Lock()
 
   def table(self, migrations: Sequence[Migration], rank: int) -> Groups:
-    """The validated table of ``migrations``: this family's rows, all at target ``rank``."""
-    return _RankGroups(self, tuple(migrations), rank)
+    """The validated table of ``migrations``: this family's rows, all at target ``rank``.
+
+    A list is kept as a tuple; any other sequence (one that makes each migration
+    when read) is kept as given.
+    """
+    if isinstance(migrations, list):
+      migrations = tuple(migrations)
+    return _RankGroups(self, migrations, rank)
 
   # Per-rank values kept by ``recent``, at most this many.
   RECENT = 16
@@ -229,7 +235,7 @@ class _RankGroups(Groups):
   """One target rank's table of a :class:`Family`: the family's columns, and its
   rank's columns made when first read (a plan of every rank reads none)."""
 
-  def __init__(self, family: Family, migrations: tuple[Migration, ...], rank: int):
+  def __init__(self, family: Family, migrations: Sequence[Migration], rank: int):
     self.family = family
     self.uniform_rank = rank
     self.migrations = migrations

@@ -10,6 +10,7 @@ copies from memory, jitted gathers on a device, reads from files).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from jaxreshard._src.engine.sources import MemorySources, Sources
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.exec import host as _host_exec
 
-__all__ = ["EXECUTORS", "build", "memory_fetch", "no_gc", "validate"]
+__all__ = ["EXECUTORS", "build", "build_batch", "memory_fetch", "no_gc", "validate"]
 
 EXECUTORS = ("auto", "host", "device")
 
@@ -200,6 +201,61 @@ def _build(src: Sources, groups: _groups.Groups, fetch: Fetch, *, logical: bool)
   return eager(src, groups, layout, buffers, logical=logical)
 
 
+def build_batch(
+  src: Sources, tables: Sequence[_groups.Groups], fetch: Fetch
+) -> list[ShardRecord] | None:
+  """Target ranks of one family (one layout), fetched as one; None where that does not
+  apply (the caller builds them one by one).
+
+  The runs of every rank are planned as ``build`` plans them, then fetched
+  together into one buffer per dtype whose rows are the ranks' buffers: each
+  source buffer is opened, read and checked once for them all, not once per
+  rank. Each rank's record is deferred over its rows.
+  """
+  family = tables[0].family if tables else None
+  if family is None or any(t.family is not family for t in tables):
+    return None
+  with no_gc():
+    layout = family.remember(("layout", False), lambda: _copyplan.target_layout(tables[0]))
+    ids: dict[Any, int] = {}
+    parts: dict[np.dtype, list[_copyplan.Runs]] = {d: [] for d in layout.slots}
+    for i, groups in enumerate(tables):
+      runs, keys = family.recent(
+        ("runs", groups.uniform_rank, False),
+        lambda g=groups: _copyplan.plan_runs(
+          g, layout, lambda a, gi, m, d: src.locate_runs(g, a, gi, m, d)
+        ),
+      )
+      try:
+        remap = np.asarray([ids.setdefault(k, len(ids)) for k in keys], np.int64)
+      except TypeError:  # keys that cannot be hashed: no merged source list
+        return None
+      for d, r in runs.items():
+        size = layout.sizes[d]
+        parts[d].append(_copyplan.Runs(remap[r.source], r.src, r.dst + i * size, r.length))
+    merged = {
+      d: _copyplan.Runs(*(np.concatenate([getattr(r, f) for r in rs]) for f in _RUN_FIELDS))
+      for d, rs in parts.items()
+    }
+    n = len(tables)
+    rows = dataclasses.replace(layout, sizes={d: n * s for d, s in layout.sizes.items()})
+    buffers = fetch(merged, list(ids), rows)
+    if not all(isinstance(b, np.ndarray) for b in buffers.values()):
+      return None
+    return [
+      deferred(
+        src,
+        groups,
+        layout,
+        {d: b[i * layout.sizes[d] : (i + 1) * layout.sizes[d]] for d, b in buffers.items()},
+      )
+      for i, groups in enumerate(tables)
+    ]
+
+
+_RUN_FIELDS = ("source", "src", "dst", "length")
+
+
 def eager(
   src: Sources,
   groups: _groups.Groups,
@@ -234,12 +290,13 @@ def deferred(
   if family is None:
     return _assembly.deferred_record(make(), buffers, groups.rank.tolist(), groups.world.tolist())
   assembly = family.remember(("assembly", id(layout)), make)
-  # A rank's placements are frozen: every record of the rank may share them.
-  placements = family.recent(
-    ("placements", groups.uniform_rank),
-    lambda: assembly.placements(groups.uniform_rank, family.world),
-  )
-  return _assembly.deferred_record(assembly, buffers, groups.uniform_rank, family.world, placements)
+  rank, world = groups.uniform_rank, family.world
+
+  def placements() -> tuple:
+    # A rank's placements are frozen: every record of the rank may share them.
+    return family.recent(("placements", rank), lambda: assembly.placements(rank, world))
+
+  return _assembly.deferred_record(assembly, buffers, rank, world, placements)
 
 
 # ``build_ranks`` copies by blocks from this many target ranks on; fewer go run by run.

@@ -1,0 +1,141 @@
+"""Deferred records in the index: a layout's entry made once, then each rank from its buffers.
+
+A deferred record (``ShardRecord.deferred``, made by the host executor) holds
+one packed buffer per dtype and the :class:`Assembly` that says where each
+history buffer lies in them; its placements and state are made only when
+read. Every target rank of one assembly and world size has the same state
+structure, clock, param entries, layout entry and packing; only its rank and
+its buffers differ. The first such record is registered leaf by leaf, as any
+record (every check the writer makes); what it gave is kept here, and every
+later rank of that assembly is registered from its rank and buffers alone,
+its buffers written as they are: the same index entry and the same bytes,
+with no per-param object made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from jaxreshard._src.core.assembly import RankParts
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord, deferred_parts
+
+__all__ = ["DeferredLayouts"]
+
+
+@dataclasses.dataclass
+class _Known:
+  """What the first deferred record of one assembly and world size gave the index."""
+
+  assembly: Any  # held, so that its id is not reused while this entry lives
+  layout: int
+  clock: int
+  describes: dict[str, str]  # the layout and clock digests of ``archive.json``
+  block: int  # the param entries' set (``ParamEntries``)
+  sizes: dict[np.dtype, int]  # elements of each packed buffer
+  tiles: bool  # the writer's packing is the buffers themselves (packing order = layout order)
+
+
+def _uniform(x: Any) -> int | None:
+  """The one rank (or world size) of every row, or None when rows differ."""
+  if type(x) is int:
+    return x
+  if isinstance(x, list) and x and type(x[0]) is int and x.count(x[0]) == len(x):
+    return x[0]
+  return None
+
+
+def _rank_parts(record: Any) -> tuple[RankParts, int, int] | None:
+  """A deferred record's parts, rank and world size, when every row has one of each."""
+  if type(record) is not ShardRecord:
+    return None
+  parts = deferred_parts(record)
+  if type(parts) is not RankParts or record.__dict__.get("roles") is not parts.assembly.roles:
+    return None
+  rank, world = _uniform(parts.ranks), _uniform(parts.worlds)
+  if rank is None or world is None:
+    return None
+  return parts, rank, world
+
+
+def _same_buffers(buffers: dict, sizes: dict[np.dtype, int]) -> bool:
+  """``buffers`` are flat, contiguous numpy buffers of exactly ``sizes``."""
+  if len(buffers) != len(sizes):
+    return False
+  for d, n in sizes.items():
+    b = buffers.get(d)
+    if not (
+      isinstance(b, np.ndarray)
+      and b.dtype == d
+      and b.ndim == 1
+      and b.size == n
+      and b.flags.c_contiguous
+    ):
+      return False
+  return True
+
+
+def _address(x: np.ndarray) -> int:
+  return x.__array_interface__["data"][0]
+
+
+class DeferredLayouts:
+  """The index entries of deferred records, by assembly and world size."""
+
+  def __init__(self):
+    self._known: dict[tuple[int, int], _Known] = {}
+
+  def add(self, builder: Any, index: int, record: Any, pack: bool) -> dict | None:
+    """Registers archive ``index`` with ``builder`` from its rank and buffers alone, and
+    returns its packed buffers (``{}`` unless ``pack``); None when ``record`` is not a
+    deferred record of a known assembly (the builder registers it leaf by leaf)."""
+    found = _rank_parts(record)
+    if found is None or record.version != RECORD_VERSION:
+      return None
+    parts, rank, world = found
+    known = self._known.get((id(parts.assembly), world))
+    if (
+      known is None
+      or known.assembly is not parts.assembly
+      or (pack and not known.tiles)
+      or not 0 <= rank < world
+      or not _same_buffers(parts.buffers, known.sizes)
+    ):
+      return None
+    while len(builder.archives) <= index:
+      builder.archives.append(None)
+    builder.archives[index] = [f"archive_{index:05d}", known.layout, known.clock]
+    digest = builder.entries.add_block(index, known.block, rank, world)
+    builder.describes[index] = dict(known.describes, placements=digest)
+    return dict(parts.buffers) if pack else {}
+
+  def learn(self, builder: Any, index: int, record: Any, packed: dict, pack: bool) -> None:
+    """Keeps what archive ``index``, just registered leaf by leaf, gave ``builder``,
+    when it is a deferred record (``packed``: the buffers the builder packed)."""
+    found = _rank_parts(record)
+    if found is None:
+      return
+    parts, rank, world = found
+    sizes = {np.dtype(d): int(np.size(b)) for d, b in parts.buffers.items()}
+    last = builder.entries.last
+    if len(last) != 1 or last[0][0] != (world, rank) or not _same_buffers(parts.buffers, sizes):
+      return
+    tiles = pack and len(packed) == len(sizes)
+    if tiles:
+      for d, b in parts.buffers.items():
+        got = packed.get(d)
+        tiles = tiles and (
+          got is not None
+          and got.dtype == b.dtype
+          and got.size == b.size
+          and got.flags.c_contiguous
+          and (b.size == 0 or _address(got) == _address(b))
+        )
+    _, layout, clock = builder.archives[index]
+    describes = {k: v for k, v in builder.describes[index].items() if k != "placements"}
+    block = last[0][1]
+    self._known[(id(parts.assembly), world)] = _Known(
+      parts.assembly, layout, clock, describes, block, sizes, tiles
+    )
