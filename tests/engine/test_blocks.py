@@ -161,8 +161,9 @@ def test_storage_dtypes_and_float64_scalars_by_blocks(monkeypatch):
     assert t.state[1].dtype == np.float64 and bits(t.state[1]) == bits(scalar)
 
 
+@pytest.mark.parametrize("int32_max", [None, 0])
 @pytest.mark.parametrize("w, m", [(8, 6), (5, 7), (3, 11), (13, 4), (2, 9)])
-def test_narrow_tiles_by_gather_tables_equal_rank_by_rank(monkeypatch, w, m):
+def test_narrow_tiles_by_gather_tables_equal_rank_by_rank(monkeypatch, w, m, int32_max):
   """Every buffer narrow, several tiles: each rank of ``reshard_ranks`` (its tiles
   gathered by tables made on the first call and reused on the second) equals
   ``reshard`` of an equal, fresh migration list (validated and copied run by run),
@@ -180,6 +181,8 @@ def test_narrow_tiles_by_gather_tables_equal_rank_by_rank(monkeypatch, w, m):
   monkeypatch.setattr(_pipeline, "_BLOCK_RUNS", -1)
   monkeypatch.setattr(_host_exec, "_NARROW", 1 << 20)
   monkeypatch.setattr(_host_exec, "_TILE_BYTES", 96)
+  if int32_max is not None:  # every table of int64 positions, as a huge tile's
+    monkeypatch.setattr(_host_exec._tiles, "_INT32_MAX", int32_max)
   tiles = []
   real = _host_exec._tiles.copy_tile
   monkeypatch.setattr(_host_exec._tiles, "copy_tile", lambda *a: tiles.append(a) or real(*a))
@@ -187,6 +190,8 @@ def test_narrow_tiles_by_gather_tables_equal_rank_by_rank(monkeypatch, w, m):
   made = len(tiles)
   again = jr.reshard_ranks(records, plans)
   assert made and len(tiles) == 2 * made
+  kind = np.int32 if int32_max is None else np.int64
+  assert all(a[2].index.dtype == kind for a in tiles)
   # The second call gathered by the very tables the first one made.
   assert sorted(id(a[2]) for a in tiles[:made]) == sorted(id(a[2]) for a in tiles[made:])
   monkeypatch.undo()

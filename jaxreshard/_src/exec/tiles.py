@@ -20,6 +20,9 @@ import numpy as np
 
 __all__ = ["GatherTable", "copy_tile", "gather_table"]
 
+# Tables hold int32 positions (half the memory of ``intp``) up to this one.
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
 
 @dataclasses.dataclass(frozen=True)
 class GatherTable:
@@ -29,9 +32,10 @@ class GatherTable:
     k0, k1: the source rows read (``[k0, k1)``).
     rows: the target rows written, from row 0 of the output.
     width_in, width_out: the tile's elements per source row and per target row.
-    index: int32, one entry per target tile element in row-major order: its
-      position in the source tile (row-major), or ``(k1 - k0) * width_in``,
-      the zero placed right after the source tile, for padding.
+    index: int32 (int64 for a tile too large for it), one entry per target
+      tile element in row-major order: its position in the source tile
+      (row-major), or ``(k1 - k0) * width_in``, the zero placed right after the
+      source tile, for padding.
   """
 
   k0: int
@@ -64,8 +68,10 @@ def gather_table(so, ss, to, ts, lo, hi, i: int, j: int) -> GatherTable:
   flat = first[buf] + np.arange(rows, dtype=np.int64)[:, None] * dst_slots[buf] + col
   slots = src_slots[buf]
   source = (flat // slots - k0) * width_in + src_at[buf] + flat % slots
-  index = np.where(flat < last[buf], source, (k1 - k0) * width_in)
-  return GatherTable(k0, k1, rows, width_in, width_out, index.astype(np.int32).reshape(-1))
+  pad = (k1 - k0) * width_in
+  index = np.where(flat < last[buf], source, pad)
+  kind = np.int32 if pad <= _INT32_MAX else np.int64
+  return GatherTable(k0, k1, rows, width_in, width_out, index.astype(kind).reshape(-1))
 
 
 def copy_tile(src, out, table: GatherTable, so: int, to: int, tiles, positions) -> None:
