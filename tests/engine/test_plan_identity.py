@@ -15,7 +15,7 @@ from jaxreshard._src.core import placement as _placement
 from jaxreshard._src.core.placement import same_migrations
 from jaxreshard._src.engine import pipeline as _pipeline
 from jaxreshard._src.engine import sources as _sources
-from tests._core_util import assert_records_equal, random_params, random_state
+from tests._core_util import STORAGE_SHAPES, assert_records_equal, bits, random_params, random_state
 
 
 def _records(w=2, seed=0):
@@ -168,23 +168,30 @@ def test_a_forged_plan_list_is_refused_as_the_full_validation_refuses_it(forge, 
   assert got == want
 
 
-def test_plan_lists_and_tuples_are_recognised_and_equal_the_full_path():
-  """Uneven worlds, a trailing all-padding rank: each rank of a plan (a list, or a
-  tuple of it) takes the family; equal migrations made elsewhere are validated in
-  full; the records are the same bits."""
-  for w, m in [(2, 3), (3, 4), (5, 7), (4, 6)]:  # count 3 over 4 or 6: trailing pad ranks
-    records = _records(w, seed=w)
-    src = _sources.record_sources(records)
-    plans = [jr.plan(records, world_size=m, rank=r) for r in range(m)]
-    fast = jr.reshard_ranks(records, plans)
-    as_tuples = jr.reshard_ranks(records, [tuple(p) for p in plans])
-    for r, p in enumerate(plans):
-      assert src.plan_cache.match(p) is not None
-      assert src.plan_cache.match(tuple(p)) is not None
-      equal = [dataclasses.replace(x) for x in p]
-      assert src.plan_cache.match(equal) is None
-      assert _pipeline.validate(src, equal).family is None
-      slow = jr.reshard(records, equal)
-      assert_records_equal(fast[r], slow)
-      assert_records_equal(as_tuples[r], slow)
-      assert np.asarray(slow.state[0].trace["a"]).dtype == np.float32
+@pytest.mark.parametrize("w, m", [(2, 3), (3, 4), (5, 7), (4, 6), (8, 6)])
+def test_plan_lists_and_tuples_are_recognised_and_equal_the_full_path(w, m):
+  """Uneven worlds, trailing all-padding ranks, a scalar, a size-1 and an empty
+  param, bf16/f16/f32 buffers with NaN payloads and -0.0, a float64 clock scalar:
+  each rank of a plan (a list, or a tuple of it) takes the family; equal
+  migrations made elsewhere are validated in full; the records are the same bits."""
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=jnp.float32(1e-3))
+  params = random_params({**STORAGE_SHAPES, "tiny": ((1,), jnp.float32)}, seed=w)
+  records = jr.shard_state(opt, params, random_state(opt, params, seed=m), world_size=w)
+  scalar = np.asarray(-0.0, np.float64)
+  records = [
+    jr.ShardRecord(r.version, r.placements, (r.state, scalar), r.roles + (None,)) for r in records
+  ]
+  src = _sources.record_sources(records)
+  plans = [jr.plan(records, world_size=m, rank=r) for r in range(m)]
+  fast = jr.reshard_ranks(records, plans)
+  as_tuples = jr.reshard_ranks(records, [tuple(p) for p in plans])
+  for r, p in enumerate(plans):
+    assert src.plan_cache.match(p) is not None
+    assert src.plan_cache.match(tuple(p)) is not None
+    equal = [dataclasses.replace(x) for x in p]
+    assert src.plan_cache.match(equal) is None
+    assert _pipeline.validate(src, equal).family is None
+    slow = jr.reshard(records, equal)
+    assert_records_equal(fast[r], slow)
+    assert_records_equal(as_tuples[r], slow)
+    assert bits(slow.state[1]) == bits(scalar)
