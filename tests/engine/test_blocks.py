@@ -70,17 +70,22 @@ def test_copy_blocks_is_the_flat_shard_rule(counts, w, m, span, chunk, tile, see
     np.array(counts, np.int64),
   )
   out = np.zeros((n, int(ts.sum())), np.uint32)
+  again = np.zeros_like(out)
+  tables = {}
   names = ("_CHUNK", "_NARROW", "_TILE_BYTES", "_DIRECT")
   old = [getattr(_host_exec, k) for k in names]
   for k, v in zip(names, (chunk, *tile)):
     setattr(_host_exec, k, v)
   try:
-    _host_exec.copy_blocks(src, out, blocks, first)
+    _host_exec.copy_blocks(src, out, blocks, first, tables)
+    # The second call copies narrow tiles by the gather tables the first one made.
+    _host_exec.copy_blocks(src, again, blocks, first, tables)
   finally:
     for k, v in zip(names, old):
       setattr(_host_exec, k, v)
   want = _oracle_rows(flats, m)[first : first + n]
   np.testing.assert_array_equal(out, want)
+  np.testing.assert_array_equal(again, want)
 
 
 def _spy(monkeypatch):
@@ -144,6 +149,47 @@ def test_storage_dtypes_and_float64_scalars_by_blocks(monkeypatch):
     assert_records_equal(a, b)
   for t in targets:
     assert t.state[1].dtype == np.float64 and bits(t.state[1]) == bits(scalar)
+
+
+@pytest.mark.parametrize("int32_max", [None, 0])
+@pytest.mark.parametrize("w, m", [(8, 6), (5, 7), (3, 11), (13, 4), (2, 9)])
+def test_narrow_tiles_by_gather_tables_equal_rank_by_rank(monkeypatch, w, m, int32_max):
+  """Every buffer narrow, several tiles: each rank of ``reshard_ranks`` (its tiles
+  gathered by tables made on the first call and reused on the second) equals
+  ``reshard`` of an equal, fresh migration list (validated and copied run by run),
+  bit for bit: uneven worlds, trailing all-padding ranks, a scalar and a size-1
+  param, bf16/f16/f32 buffers with NaN payloads and -0.0, an empty param, a
+  float64 clock scalar."""
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=jnp.float32(1e-3))
+  params = random_params({**STORAGE_SHAPES, "tiny": ((1,), jnp.float32)}, seed=w * m)
+  records = jr.shard_state(opt, params, random_state(opt, params, seed=m), world_size=w)
+  scalar = np.asarray(-0.0, np.float64)
+  records = [
+    jr.ShardRecord(r.version, r.placements, (r.state, scalar), r.roles + (None,)) for r in records
+  ]
+  plans = [jr.plan(records, world_size=m, rank=r) for r in range(m)]
+  monkeypatch.setattr(_pipeline, "_BLOCK_RUNS", -1)
+  monkeypatch.setattr(_host_exec, "_NARROW", 1 << 20)
+  monkeypatch.setattr(_host_exec, "_TILE_BYTES", 96)
+  if int32_max is not None:  # every table of int64 positions, as a huge tile's
+    monkeypatch.setattr(_host_exec._tiles, "_INT32_MAX", int32_max)
+  tiles = []
+  real = _host_exec._tiles.copy_tile
+  monkeypatch.setattr(_host_exec._tiles, "copy_tile", lambda *a: tiles.append(a) or real(*a))
+  first = jr.reshard_ranks(records, plans)
+  made = len(tiles)
+  again = jr.reshard_ranks(records, plans)
+  assert made and len(tiles) == 2 * made
+  kind = np.int32 if int32_max is None else np.int64
+  assert all(a[2].index.dtype == kind for a in tiles)
+  # The second call gathered by the very tables the first one made.
+  assert sorted(id(a[2]) for a in tiles[:made]) == sorted(id(a[2]) for a in tiles[made:])
+  monkeypatch.undo()
+  for r, p in enumerate(plans):
+    want = jr.reshard(records, [jr.Migration(**vars(x)) for x in p])
+    assert_records_equal(first[r], want)
+    assert_records_equal(again[r], want)
+    assert bits(first[r].state[1]) == bits(scalar)
 
 
 def _records_with_leaves(records, make):

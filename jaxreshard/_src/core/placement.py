@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import itertools
 import operator
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ParamPlacement", "Migration", "SUPPORTED_DTYPES", "as_dtype"]
+__all__ = ["ParamPlacement", "Migration", "SUPPORTED_DTYPES", "as_dtype", "same_migrations"]
 
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -93,6 +95,19 @@ class Migration:
     object.__setattr__(self, "shape", _as_tuple(self.shape))
     object.__setattr__(self, "sources", tuple(self.sources))
 
+  def __eq__(self, other: Any) -> Any:
+    # The dataclass's own equality, and a tick of ``_EQ_CALLS``: see ``same_migrations``.
+    next(_EQ_CALLS)
+    if other.__class__ is not self.__class__:
+      return NotImplemented
+    return (self.param, self.shape, self.rank, self.world_size, self.sources) == (
+      other.param,
+      other.shape,
+      other.rank,
+      other.world_size,
+      other.sources,
+    )
+
   @classmethod
   def checked(
     cls, param: str, shape: tuple[int, ...], rank: int, world_size: int, sources: tuple[int, ...]
@@ -110,3 +125,50 @@ class Migration:
       sources,
     )
     return m
+
+
+# Ticks once per call of ``Migration.__eq__``, in any thread (``next`` of a count is atomic).
+_EQ_CALLS = itertools.count()
+
+
+def same_migrations(items: Any, migrations: list | tuple) -> bool:
+  """Whether ``items`` is a list (or tuple) holding exactly the objects of
+  ``migrations`` (a list or tuple of ``Migration``s) in order: identity of every
+  item, never equality, checked in C.
+
+  ``migrations == items`` skips each pair that is one object without calling
+  anything, and calls ``__eq__`` on any other pair: the ``Migration``'s own
+  (which ticks ``_EQ_CALLS``), or first, for an item of a subclass, the
+  subclass's, which is ``Migration.__eq__`` too unless a subclass overrides it.
+  So with no override anywhere, a comparison that is true and made no tick
+  compared one object to itself at every position. A tick from another thread
+  only sends the caller to the check element by element.
+  """
+  if type(items) is not type(migrations) or type(items) not in (list, tuple):
+    return False
+  if len(items) != len(migrations) or _eq_overridden():
+    return False
+  before = next(_EQ_CALLS)
+  try:
+    equal = migrations == items
+  except Exception:  # an item's own ``__eq__`` raised: not one of ours
+    return False
+  return equal is True and next(_EQ_CALLS) == before + 1
+
+
+def _eq_overridden() -> bool:
+  """Whether ``Migration.__eq__`` was replaced, or a subclass has an ``__eq__`` of its
+  own (looked up the way Python finds it, through the class's MRO)."""
+  own = Migration.__dict__.get("__eq__")
+  if own is not _MIGRATION_EQ:
+    return True
+  pending = type.__subclasses__(Migration)
+  while pending:
+    cls = pending.pop()
+    if inspect.getattr_static(cls, "__eq__", None) is not own:
+      return True
+    pending.extend(type.__subclasses__(cls))
+  return False
+
+
+_MIGRATION_EQ = Migration.__dict__["__eq__"]

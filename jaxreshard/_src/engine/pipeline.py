@@ -361,7 +361,9 @@ def _build_ranks(src, tables, family, archives, first) -> list | None:
     size = layout.sizes[dtype]
     flat = np.zeros(n * size, dtype)
     out = flat.view(_host_exec.UINT[flat.itemsize]).reshape(n, size)
-    _host_exec.copy_blocks(stack.array(), out, blocks, first)
+    # The narrow tiles' gather tables, made by the first call of these rows.
+    tables = family.recent(("tiles", dtype, id(stack), first, n), dict)
+    _host_exec.copy_blocks(stack.array(), out, blocks, first, tables)
     rows[dtype] = [flat[i * size : (i + 1) * size] for i in range(n)]
   assembly = family.remember(
     ("assembly", id(layout)),

@@ -2,7 +2,8 @@
 
 ``plan`` of one (world size, rank) hands out the same frozen ``Migration``
 objects every time it is asked. A list made of exactly those objects (checked
-by identity, element by element, in C) is one that ``plan`` made, so
+by identity, in one C-level comparison: ``placement.same_migrations``) is one
+that ``plan`` made, so
 validating it repeats nothing: every rank of a world size shares one
 :class:`~jaxreshard._src.core.groups.Family` whose rows were validated with
 the first rank's list, and a rank's table is that family at its rank.
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from jaxreshard._src.core import groups as _groups
-from jaxreshard._src.core.placement import Migration
+from jaxreshard._src.core.placement import Migration, same_migrations
 
 __all__ = ["PlanCache"]
 
@@ -41,6 +42,8 @@ class PlanCache:
     self._held = 0
     # The key of each plan by the identity of its first migration (held by the plan).
     self._by_first: dict[int, tuple[int, int]] = {}
+    # Each plan's migrations as a list too, to compare a list handed back with.
+    self._lists: dict[tuple[int, int], list[Migration]] = {}
     self._families: dict[int, _groups.Family] = {}
 
   def migrations(
@@ -59,11 +62,13 @@ class PlanCache:
       if key in self._plans:  # made meanwhile by another thread: keep that one
         return list(self._plans[key])
       self._plans[key] = plan
+      self._lists[key] = list(plan)
       self._held += len(plan)
       if plan:
         self._by_first[id(plan[0])] = key
       while self._held > self.MAX_MIGRATIONS and len(self._plans) > 1:
         old_key, old = self._plans.popitem(last=False)
+        self._lists.pop(old_key, None)
         self._held -= len(old)
         if old:
           self._by_first.pop(id(old[0]), None)
@@ -82,6 +87,11 @@ class PlanCache:
     plan = None if key is None else self._plans.get(key)
     if plan is None or plan[0] is not first or len(plan) != len(migrations):
       return None
+    # One C-level comparison for a list or tuple; element by element where it
+    # cannot tell (another container, or a comparison it could not trust).
+    same = plan if type(migrations) is tuple else self._lists.get(key)
+    if same is not None and same_migrations(migrations, same):
+      return key, plan
     if any(map(operator.is_not, migrations, plan)):
       return None
     return key, plan

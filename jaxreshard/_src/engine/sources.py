@@ -19,7 +19,6 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-import jax
 import numpy as np
 
 from jaxreshard._src.core import clock as _clock
@@ -32,8 +31,8 @@ from jaxreshard._src.engine import plans as _plans
 from jaxreshard._src.engine import stacks as _stacks
 from jaxreshard._src.engine.caches import FactsCache, RecentByObject, sources_key  # noqa: F401  (re-exported)
 from jaxreshard._src.engine.gcpause import no_gc
+from jaxreshard._src.engine.homes import BufferHomes
 from jaxreshard._src.errors import PlacementError
-from jaxreshard._src.exec import host as _host_exec
 
 __all__ = [
   "Sources",
@@ -130,10 +129,8 @@ class RecordSources:
     self._layout_ids = _numbered([sig[0] for sig in self._signatures])
     # Whether a source tuple is uniform, by ``sources_key``.
     self._uniform: dict[tuple, bool] = {}
-    self._host_views: dict[tuple[int, str, int], np.ndarray] = {}
-    self._accelerator: dict[tuple[int, str, int], bool] = {}
-    # Per archive: whether any of its buffers lives on a GPU/TPU.
-    self._archive_on_accelerator: dict[int, bool] = {}
+    # Each buffer's host view, and whether it lives on an accelerator.
+    self._homes = BufferHomes(self.parts_by_archive, self.buffer)
     self._clocks = _clock.ClockClasses()
     # ``stacked`` by (archives, dtype); False where the buffers cannot be stacked.
     self._stacks: dict[tuple, _stacks.Stack | bool] = {}
@@ -263,39 +260,19 @@ class RecordSources:
 
   def host_views(self, keys: Sequence[tuple[int, str, int]]) -> list[np.ndarray]:
     """``host_view`` of each key."""
-    views = self._host_views
-    return [views[k] if k in views else self.host_view(k) for k in keys]
+    return self._homes.host_views(keys)
 
   def host_view(self, key: tuple[int, str, int]) -> np.ndarray:
     """A buffer's bytes as a flat unsigned numpy view, made once per source set."""
-    view = self._host_views.get(key)
-    if view is None:
-      view = self._host_views[key] = _host_exec.host_bits(self.buffer(key))
-    return view
+    return self._homes.host_view(key)
 
   def on_accelerator(self, keys: Sequence[tuple[int, str, int]]) -> bool:
-    """Whether any of these buffers lives on a GPU/TPU (each looked at once).
-
-    An archive none of whose buffers is on an accelerator answers for all of
-    its keys at once: one look at the distinct shardings of its buffers.
-    """
-    archives = {key[0] for key in keys}
-    if not any(self._accelerator_archive(a) for a in archives):
-      return False
-    for key in keys:
-      hit = self._accelerator.get(key)
-      if hit is None:
-        x = self.buffer(key)
-        hit = self._accelerator[key] = isinstance(x, jax.Array) and any(
-          d.platform != "cpu" for d in x.devices()
-        )
-      if hit:
-        return True
-    return False
+    """Whether any of these buffers lives on a GPU/TPU (each looked at once)."""
+    return self._homes.on_accelerator(keys)
 
   def on_accelerator_archives(self, archives: Iterable[int]) -> bool:
     """Whether any buffer of these archives lives on a GPU/TPU."""
-    return any(self._accelerator_archive(a) for a in set(archives))
+    return self._homes.on_accelerator_archives(archives)
 
   def uniform(self, sources: tuple) -> bool:
     """Whether archive ``r`` of ``sources`` holds rank ``r`` of every parameter, all
@@ -325,20 +302,6 @@ class RecordSources:
 
   def _packing_of(self, archive: int, dtype: np.dtype) -> list[tuple[str, int]]:
     return [(pid, m) for pid, m, buf in self.packing(archive) if np.dtype(buf.dtype) == dtype]
-
-  def _accelerator_archive(self, archive: int) -> bool:
-    hit = self._archive_on_accelerator.get(archive)
-    if hit is None:
-      shardings = {
-        id(x.sharding): x.sharding
-        for m in self.parts_by_archive[archive].subtrees
-        for x in m.entries.values()
-        if isinstance(x, jax.Array)
-      }
-      hit = self._archive_on_accelerator[archive] = any(
-        d.platform != "cpu" for s in shardings.values() for d in s.device_set
-      )
-    return hit
 
 
 def _numbered(keys: Sequence[Any]) -> list[Any]:

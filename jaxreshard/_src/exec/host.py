@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxreshard._src.core.copyplan import Blocks, Runs
 from jaxreshard._src.exec import bitview as _bitview
+from jaxreshard._src.exec import tiles as _tiles
 
 __all__ = ["Program", "bits", "copy_blocks", "execute", "host_bits", "host_view", "run"]
 
@@ -165,7 +166,9 @@ def _copy_part(out: np.ndarray, program: Program, lo: int, hi: int | None) -> No
   out[dst + lo : dst + hi] = src[lo:hi]
 
 
-def copy_blocks(src: np.ndarray, out: np.ndarray, blocks: Blocks, first: int) -> None:
+def copy_blocks(
+  src: np.ndarray, out: np.ndarray, blocks: Blocks, first: int, tables: dict | None = None
+) -> None:
   """Copies every block into target rows ``first .. first + len(out) - 1``.
 
   Args:
@@ -174,6 +177,9 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, blocks: Blocks, first: int) ->
       ``first + i``; what no block writes stays zero (padding).
     blocks: where each buffer lies in both (``Blocks``).
     first: the target rank of ``out``'s first row.
+    tables: where the gather tables of narrow tiles (``tiles.gather_table``) are
+      kept between calls with the same ``blocks``, ``first``, ``len(out)`` and
+      ``src.itemsize``; made for this call alone when None.
   """
   n = len(blocks)
   if not n:
@@ -184,13 +190,14 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, blocks: Blocks, first: int) ->
   moved = np.maximum(hi - lo, 0)
   total = int(moved.sum())
   table = (blocks.src, blocks.src_slots, blocks.dst, blocks.dst_slots, lo, hi)
+  tables = {} if tables is None else tables
   if THREADS < 2 or total * out.itemsize < 2 * _PARALLEL_BYTES or n < 2:
-    _copy_blocks(src, out, table, first, 0, n)
+    _copy_blocks(src, out, table, tables, 0, n)
     return
   cut = int(np.searchsorted(np.cumsum(moved), total // 2)) + 1
   cut = min(max(cut, 1), n - 1)
-  other = _pool().submit(_copy_blocks, src, out, table, first, cut, n)
-  _copy_blocks(src, out, table, first, 0, cut)
+  other = _pool().submit(_copy_blocks, src, out, table, tables, cut, n)
+  _copy_blocks(src, out, table, tables, 0, cut)
   other.result()
 
 
@@ -210,22 +217,28 @@ _TILE_BYTES = 1 << 20
 _DIRECT = 2048
 
 
-def _copy_blocks(src, out, table, first: int, a: int, b: int) -> None:
+def _copy_blocks(src, out, table, tables: dict, a: int, b: int) -> None:
   """Blocks ``a:b``: the flat range ``[lo, hi)`` of each buffer, read from the
   source rows it spans and written to the target rows from row 0 on.
 
   Buffers of one geometry that lie side by side in both rows (a parameter's
-  ``mu`` and ``nu``) move together: each numpy call moves all of them.
+  ``mu`` and ``nu``) move together: each numpy call moves all of them. Runs of
+  narrow buffers move a tile at a time, each tile by its gather table, kept in
+  ``tables`` by the run's first and last block.
   """
-  del first  # ``lo`` is where target row 0 starts in every buffer
   cols = tuple(c[a:b].tolist() for c in table)
   scratch = np.empty(_CHUNK, src.dtype)
-  tiles = np.empty(2 * (_TILE_BYTES // src.itemsize), src.dtype)
+  tiles = np.empty(2 * (_TILE_BYTES // src.itemsize) + 1, src.dtype)
+  positions = np.empty(_TILE_BYTES // src.itemsize, np.intp)
   i, n = 0, b - a
   while i < n:
     j = _narrow_run(*cols, i, n, src.itemsize)
     if j - i > 1:
-      scratch = _copy_tiled(src, out, cols, i, j, scratch, tiles)
+      key = (a + i, a + j)
+      gather = tables.get(key)
+      if gather is None:
+        gather = tables.setdefault(key, _tiles.gather_table(*cols, i, j))
+      _tiles.copy_tile(src, out, gather, cols[0][i], cols[2][i], tiles, positions)
     else:
       j = i + _alike(*cols, i, n)
       scratch = _copy_one(src, out, *(c[i] for c in cols), j - i, scratch)
@@ -314,34 +327,6 @@ def _copy_direct(src, out, so, ss, to, ts, lo, hi) -> None:
     c = at - lo - r * ts
     out[r, to + c : to + c + end - at] = src[k, so + at - k * ss : so + end - k * ss]
     at = end
-
-
-def _copy_tiled(src, out, cols, i: int, j: int, scratch, tiles) -> np.ndarray:
-  """Narrow buffers ``i:j``, side by side in both rows: their source rows read into
-  one tile, each buffer moved from it into a target tile, written out whole."""
-  so, ss, to, ts, lo, hi = cols
-  k0 = min(lo[b] // ss[b] for b in range(i, j))
-  k1 = max((hi[b] - 1) // ss[b] + 1 for b in range(i, j))
-  rows = max(-(-(hi[b] - lo[b]) // ts[b]) for b in range(i, j))
-  width_in = so[j - 1] + ss[j - 1] - so[i]
-  width_out = to[j - 1] + ts[j - 1] - to[i]
-  half = len(tiles) // 2
-  tile_in = tiles[: (k1 - k0) * width_in].reshape(k1 - k0, width_in)
-  tile_in[...] = src[k0:k1, so[i] : so[i] + width_in]
-  tile_out = tiles[half : half + rows * width_out].reshape(rows, width_out)
-  tile_out[...] = 0
-  b = i
-  while b < j:
-    k = _alike(so, ss, to, ts, lo, hi, b, j)
-    length = hi[b] - lo[b]
-    if len(scratch) < k * length:
-      scratch = np.empty(k * length, src.dtype)
-    piece = scratch[: k * length].reshape(k, length)
-    _gather(tile_in, piece, so[b] - so[i], ss[b], k, lo[b] - k0 * ss[b], hi[b] - k0 * ss[b])
-    _scatter(tile_out, piece, to[b] - to[i], ts[b], k, 0)
-    b += k
-  out[:rows, to[i] : to[i] + width_out] = tile_out
-  return scratch
 
 
 def _gather(src: np.ndarray, dst: np.ndarray, so: int, ss: int, k: int, lo: int, hi: int) -> None:

@@ -1,0 +1,197 @@
+"""A plan handed back is recognised by the identity of its migrations, in one C-level
+comparison (``placement.same_migrations``): never by equality, and never for a list
+that the full validation would refuse."""
+
+import dataclasses
+import gc
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxreshard as jr
+from jaxreshard._src.core import placement as _placement
+from jaxreshard._src.core.placement import same_migrations
+from jaxreshard._src.engine import pipeline as _pipeline
+from jaxreshard._src.engine import sources as _sources
+from tests._core_util import STORAGE_SHAPES, assert_records_equal, bits, random_params, random_state
+
+
+def _records(w=2, seed=0):
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = random_params({"a": ((5,), jnp.float32), "b": ((3,), jnp.float32)}, seed)
+  return jr.shard_state(opt, params, random_state(opt, params), world_size=w)
+
+
+def _m(param="a", shape=(5,), rank=0, world=3, sources=(0, 1)):
+  return jr.Migration(param, shape, rank, world, sources)
+
+
+def test_migration_equality_is_the_dataclass_rule():
+  """Equal exactly when the class and every field are equal; the hash follows."""
+  a, b = _m(), _m()
+  assert a == b and not (a != b) and hash(a) == hash(b)
+  for field, value in [
+    ("param", "b"),
+    ("shape", (6,)),
+    ("rank", 1),
+    ("world_size", 4),
+    ("sources", (1, 0)),
+  ]:
+    c = dataclasses.replace(a, **{field: value})
+    assert a != c and not (a == c)
+  assert a.__eq__(("a", (5,), 0, 3, (0, 1))) is NotImplemented
+  assert a != ("a", (5,), 0, 3, (0, 1))
+  # Equal values of another type are equal, as they were (``True == 1``).
+  assert _m(sources=(False, True)) == _m(sources=(0, 1))
+
+
+def test_same_migrations_is_identity_of_every_item():
+  ms = [_m(rank=r) for r in range(4)]
+  assert same_migrations(list(ms), ms)
+  assert same_migrations(tuple(ms), tuple(ms))
+  # Equal but not the same objects; equal through ``True == 1``; reordered; short.
+  assert not same_migrations([dataclasses.replace(m) for m in ms], ms)
+  forged = list(ms)
+  forged[2] = dataclasses.replace(ms[2], sources=(False, True))
+  assert forged == ms and not same_migrations(forged, ms)
+  assert not same_migrations(ms[::-1], ms)
+  assert not same_migrations(ms[:3], ms)
+  # Only a list against a list and a tuple against a tuple.
+  assert not same_migrations(tuple(ms), ms)
+  assert not same_migrations(list(ms), tuple(ms))
+
+  class Sub(list):
+    pass
+
+  assert not same_migrations(Sub(ms), ms)
+
+
+def test_same_migrations_is_not_fooled_by_an_item_s_own_equality():
+  ms = [_m(rank=r) for r in range(3)]
+
+  class Liar:
+    def __eq__(self, other):
+      return True
+
+  class Raiser:
+    def __eq__(self, other):
+      raise RuntimeError("no")
+
+  for stranger in (Liar(), Raiser()):
+    items = list(ms)
+    items[1] = stranger
+    assert not same_migrations(items, ms)
+
+
+def test_a_subclass_that_overrides_equality_disables_the_c_level_comparison():
+  ms = [_m(rank=r) for r in range(3)]
+
+  class Always(jr.Migration):
+    def __eq__(self, other):
+      return True
+
+    __hash__ = jr.Migration.__hash__
+
+  liar = Always("a", (5,), 1, 3, (True, 1))
+  items = list(ms)
+  items[1] = liar
+  assert items == ms
+  assert not same_migrations(items, ms)
+  # While the subclass lives, nothing is trusted to the comparison.
+  assert not same_migrations(list(ms), ms)
+  del Always, liar, items
+  gc.collect()
+  assert same_migrations(list(ms), ms)
+
+
+def test_a_replaced_equality_disables_the_c_level_comparison(monkeypatch):
+  ms = [_m(rank=r) for r in range(3)]
+  monkeypatch.setattr(jr.Migration, "__eq__", lambda self, other: True)
+  assert not same_migrations(list(ms), ms)
+
+
+def test_a_tick_from_elsewhere_only_sends_the_check_element_by_element(monkeypatch):
+  """``same_migrations`` trusts nothing when ``Migration.__eq__`` ran meanwhile
+  (in any thread); ``PlanCache.match`` then compares item by item."""
+  records = _records()
+  p = jr.plan(records, world_size=3, rank=1)
+  src = _sources.record_sources(records)
+  ticks = iter(range(0, 10**6, 2))  # every read skips a value: as if __eq__ ran
+  monkeypatch.setattr(_placement, "_EQ_CALLS", ticks)
+  assert not same_migrations(list(p), _pipeline_plan_list(src, p))
+  assert src.plan_cache.match(p) is not None
+
+
+def _pipeline_plan_list(src, p):
+  key, plan = src.plan_cache.match(p)
+  return list(plan)
+
+
+def _refusal(records_factory, migrations):
+  with pytest.raises(jr.ReshardError) as got:
+    jr.reshard(records_factory(), migrations)
+  return type(got.value), str(got.value)
+
+
+@pytest.mark.parametrize(
+  "forge",
+  [
+    # Equal to the plan's migration through ``True == 1`` in its sources.
+    lambda p: dataclasses.replace(p[-1], sources=tuple(bool(s) for s in p[-1].sources)),
+    # Equal through ``1.0 == 1`` in its rank.
+    lambda p: dataclasses.replace(p[-1], rank=float(p[-1].rank)),
+  ],
+)
+@pytest.mark.parametrize("how", ["setitem", "list.__setitem__", "tuple"])
+def test_a_forged_plan_list_is_refused_as_the_full_validation_refuses_it(forge, how):
+  """A plan's list with its last item replaced by an equal but different migration,
+  however it was replaced (even bypassing list methods), is refused, in the words
+  of records that never saw a plan."""
+  records = _records()
+  p = jr.plan(records, world_size=3, rank=1)
+  jr.reshard(records, p)  # the plan's family is validated and remembered
+  bad = forge(p)
+  assert bad == p[-1] and bad is not p[-1]
+  if how == "setitem":
+    items = p
+    items[-1] = bad
+  elif how == "list.__setitem__":
+    items = p
+    list.__setitem__(items, len(p) - 1, bad)
+  else:
+    items = (*p[:-1], bad)
+  assert items[-1] is bad and items[0] is p[0]
+  got = _refusal(lambda: records, items)
+  want = _refusal(_records, [*[dataclasses.replace(m) for m in items[:-1]], bad])
+  assert got == want
+
+
+@pytest.mark.parametrize("w, m", [(2, 3), (3, 4), (5, 7), (4, 6), (8, 6)])
+def test_plan_lists_and_tuples_are_recognised_and_equal_the_full_path(w, m):
+  """Uneven worlds, trailing all-padding ranks, a scalar, a size-1 and an empty
+  param, bf16/f16/f32 buffers with NaN payloads and -0.0, a float64 clock scalar:
+  each rank of a plan (a list, or a tuple of it) takes the family; equal
+  migrations made elsewhere are validated in full; the records are the same bits."""
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=jnp.float32(1e-3))
+  params = random_params({**STORAGE_SHAPES, "tiny": ((1,), jnp.float32)}, seed=w)
+  records = jr.shard_state(opt, params, random_state(opt, params, seed=m), world_size=w)
+  scalar = np.asarray(-0.0, np.float64)
+  records = [
+    jr.ShardRecord(r.version, r.placements, (r.state, scalar), r.roles + (None,)) for r in records
+  ]
+  src = _sources.record_sources(records)
+  plans = [jr.plan(records, world_size=m, rank=r) for r in range(m)]
+  fast = jr.reshard_ranks(records, plans)
+  as_tuples = jr.reshard_ranks(records, [tuple(p) for p in plans])
+  for r, p in enumerate(plans):
+    assert src.plan_cache.match(p) is not None
+    assert src.plan_cache.match(tuple(p)) is not None
+    equal = [dataclasses.replace(x) for x in p]
+    assert src.plan_cache.match(equal) is None
+    assert _pipeline.validate(src, equal).family is None
+    slow = jr.reshard(records, equal)
+    assert_records_equal(fast[r], slow)
+    assert_records_equal(as_tuples[r], slow)
+    assert bits(slow.state[1]) == bits(scalar)
