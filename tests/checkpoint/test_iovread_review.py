@@ -524,20 +524,6 @@ def test_the_direct_read_refuses_chunks_forged_to_cancel(tmp_path, preadv):
     root.close()
 
 
-def test_a_strided_buffer_never_gets_raw_addresses(tmp_path, libc):
-  path = _file(tmp_path, bytes(range(1, 9)))
-  base = np.zeros(16, np.uint8)
-  pieces = iovread.Pieces((base[::2],), np.array([0]), np.array([0]), np.array([8]))
-  assert pieces.iov is None  # os.preadv on memoryviews, which refuses a strided one
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    with pytest.raises((TypeError, BufferError)):
-      pieces.read(fd, path, 0, 1, 0, 8)
-  finally:
-    os.close(fd)
-  assert base.tolist() == [0] * 16
-
-
 @pytest.mark.parametrize("keep", [0, 13])
 @pytest.mark.parametrize("reader", ["load_records", "restore"])
 def test_a_checkpoint_truncated_while_read_is_refused(ckpt, preadv, monkeypatch, keep, reader):

@@ -259,17 +259,23 @@ def test_whole_buffer_reads_check_every_chunk_on_its_own(tmp_path, monkeypatch):
   assert n_chunks > 100 and len(data_calls) >= n_chunks
 
 
-def test_a_read_only_buffer_is_never_written(tmp_path):
+@pytest.mark.parametrize("kind", ["read_only", "strided"])
+def test_a_buffer_without_raw_addresses_is_never_written(tmp_path, kind):
+  """A read-only or strided buffer gets no raw addresses (``os.preadv`` on
+  memoryviews, which refuses it): the read fails and the buffer keeps its bytes."""
   path = os.path.join(tmp_path, "f")
   with open(path, "wb") as fh:
     fh.write(bytes(range(1, 9)))
-  out = np.zeros(8, np.uint8)
-  out.flags.writeable = False
+  base = np.zeros(16, np.uint8)
+  out = base[::2] if kind == "strided" else base[:8]
+  if kind == "read_only":
+    out.flags.writeable = False
   pieces = iovread.Pieces((out,), np.array([0]), np.array([0]), np.array([8]))
+  assert pieces.iov is None
   fd = os.open(path, os.O_RDONLY)
   try:
     with pytest.raises((TypeError, BufferError)):
       pieces.read(fd, path, 0, 1, 0, 8)
   finally:
     os.close(fd)
-  assert out.tolist() == [0] * 8
+  assert base.tolist() == [0] * 16
