@@ -19,6 +19,10 @@ GOAL = (
 )
 # The most a row may take, relative to the first row, by its source world size.
 _LIMITS = {256: 1.5, 4096: 2.0}
+# Warm calls timed per row (the best is reported): each call faults in a fresh
+# output, whose cost on a shared VM swings by 2-3x from call to call (the
+# kernel's huge-page compaction); a warm call is short beside a row's setup.
+_WARM_REPEATS = 6
 
 
 def world_row(src: int, dst: int, opts: Options) -> dict:
@@ -38,7 +42,8 @@ def world_row(src: int, dst: int, opts: Options) -> dict:
   nbytes = _workload.history_bytes(targets)
   del targets
   gc.collect()
-  warm = measure(lambda: jr.reshard_ranks(records, plans), max(1, opts.repeats - 1))
+  repeats = 1 if opts.quick else _WARM_REPEATS
+  warm = measure(lambda: jr.reshard_ranks(records, plans), repeats)
   leaves = measure(lambda: _every_leaf(jr.reshard_ranks(records, plans)), max(1, opts.repeats - 1))
   records = plans = None  # freed; the lambdas above are not called again
   gc.collect()

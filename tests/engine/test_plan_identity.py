@@ -195,3 +195,46 @@ def test_plan_lists_and_tuples_are_recognised_and_equal_the_full_path(w, m):
     assert_records_equal(fast[r], slow)
     assert_records_equal(as_tuples[r], slow)
     assert bits(slow.state[1]) == bits(scalar)
+
+
+def test_same_migrations_each_is_identity_of_every_item_of_every_list(monkeypatch):
+  lists = [[_m(rank=r, world=w) for r in range(3)] for w in (3, 4)]
+  assert _placement.same_migrations_each([list(x) for x in lists], lists)
+  forged = [list(x) for x in lists]
+  forged[1][2] = dataclasses.replace(lists[1][2], sources=(False, True))
+  assert forged == lists and not _placement.same_migrations_each(forged, lists)
+  # A tuple, a list subclass, a short list, one list too few: not the plan's lists.
+  assert not _placement.same_migrations_each([tuple(lists[0]), list(lists[1])], lists)
+
+  class Sub(list):
+    pass
+
+  assert not _placement.same_migrations_each([Sub(lists[0]), list(lists[1])], lists)
+  assert not _placement.same_migrations_each([lists[0][:2], list(lists[1])], lists)
+  assert not _placement.same_migrations_each([list(lists[0])], lists)
+  # A tick from elsewhere while comparing: nothing is trusted.
+  monkeypatch.setattr(_placement, "_EQ_CALLS", iter(range(0, 10**6, 2)))
+  assert not _placement.same_migrations_each([list(x) for x in lists], lists)
+
+
+def test_plans_recognised_together_take_their_families_and_refuse_as_one_by_one():
+  """``reshard_ranks`` recognises the lists ``plan`` handed out all at once; a
+  forged or empty list among them is refused in the words of one-by-one validation."""
+  records = _records(w=4)
+  src = _sources.record_sources(records)
+  plans = [jr.plan(records, world_size=w, rank=r) for w in (3, 6) for r in range(w)]
+  tables = _pipeline.validate_ranks(src, plans)
+  assert [t.uniform_rank for t in tables] == [0, 1, 2, 0, 1, 2, 3, 4, 5]
+  assert tables[0].family is tables[2].family is not tables[3].family
+  together = jr.reshard_ranks(records, plans)
+  for got, p in zip(together, plans):
+    assert_records_equal(got, jr.reshard(_records(w=4), [dataclasses.replace(m) for m in p]))
+  forged = [list(p) for p in plans]
+  bad = dataclasses.replace(forged[4][-1], rank=float(forged[4][-1].rank))
+  forged[4][-1] = bad
+  got = _refusal(lambda: _records(w=4), [*[dataclasses.replace(m) for m in forged[4][:-1]], bad])
+  with pytest.raises(jr.ReshardError) as together_err:
+    jr.reshard_ranks(records, forged)
+  assert (type(together_err.value), str(together_err.value)) == got
+  with pytest.raises(jr.PlacementError, match="no migrations: a target rank needs"):
+    jr.reshard_ranks(records, [plans[0], []])

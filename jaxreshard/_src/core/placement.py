@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import itertools
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -154,6 +155,23 @@ def same_migrations(items: Any, migrations: list | tuple) -> bool:
   except Exception:  # an item's own ``__eq__`` raised: not one of ours
     return False
   return equal is True and next(_EQ_CALLS) == before + 1
+
+
+def same_migrations_each(items: Sequence[Any], migrations: Sequence[list]) -> bool:
+  """Whether ``items[i]`` holds exactly the objects of ``migrations[i]`` (lists of
+  ``Migration``s) for every ``i``: :func:`same_migrations` of each pair, with the
+  override check and the tick count taken once around all the comparisons."""
+  if len(items) != len(migrations) or _eq_overridden():
+    return False
+  for a, b in zip(items, migrations):
+    if type(a) is not list or type(b) is not list or len(a) != len(b):
+      return False
+  before = next(_EQ_CALLS)
+  try:
+    equal = all(map(operator.eq, migrations, items))
+  except Exception:  # an item's own ``__eq__`` raised: not one of ours
+    return False
+  return equal and next(_EQ_CALLS) == before + 1
 
 
 def _eq_overridden() -> bool:

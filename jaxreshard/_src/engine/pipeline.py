@@ -32,7 +32,15 @@ from jaxreshard._src.engine.sources import MemorySources, Sources
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.exec import host as _host_exec
 
-__all__ = ["EXECUTORS", "build", "build_batch", "memory_fetch", "no_gc", "validate"]
+__all__ = [
+  "EXECUTORS",
+  "build",
+  "build_batch",
+  "memory_fetch",
+  "no_gc",
+  "validate",
+  "validate_ranks",
+]
 
 EXECUTORS = ("auto", "host", "device")
 
@@ -52,6 +60,26 @@ def validate(src: Sources, migrations: Sequence[Migration]) -> list[_validate.So
     return _validated(src, migrations)
   with no_gc():
     return _validated(src, migrations)
+
+
+def validate_ranks(src: Sources, plans: Sequence[Sequence[Migration]]) -> list[_groups.Groups]:
+  """:func:`validate` of each list of ``plans``, refusing an empty one; lists that
+  ``src``'s own ``plan`` made are recognised together, with a few numpy-free
+  steps per rank and one C-level identity comparison per migration."""
+  with no_gc():
+    cache = getattr(src, "plan_cache", None)
+    tables = None
+    if cache is not None and isinstance(plans, (list, tuple)):
+      tables = cache.validated_each(plans, lambda m: _validate_all(src, m))
+    if tables is not None:
+      return tables
+    tables = []
+    for migrations in plans:
+      groups = validate(src, migrations)
+      if not groups:
+        raise PlacementError("no migrations: a target rank needs at least one parameter")
+      tables.append(groups)
+    return tables
 
 
 def _validated(src: Sources, migrations: Sequence[Migration]) -> _groups.Groups:

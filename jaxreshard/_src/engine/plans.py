@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from jaxreshard._src.core import groups as _groups
-from jaxreshard._src.core.placement import Migration, same_migrations
+from jaxreshard._src.core.placement import Migration, same_migrations, same_migrations_each
 
 __all__ = ["PlanCache"]
 
@@ -95,6 +95,41 @@ class PlanCache:
     if any(map(operator.is_not, migrations, plan)):
       return None
     return key, plan
+
+  def validated_each(
+    self, plans: Sequence[Any], validate: Callable[[Any], _groups.Groups]
+  ) -> list[_groups.Groups] | None:
+    """The validated tables of ``plans`` when every one is a list of exactly the
+    objects of a plan this cache made, else None (validate them one by one).
+
+    ``validate(migrations)`` validates one list in full: it runs for the first
+    rank of a world size no family holds yet.
+    """
+    keys, lists = [], []
+    by_first, held = self._by_first, self._lists
+    for migrations in plans:
+      if type(migrations) is not list or not migrations:
+        return None
+      key = by_first.get(id(migrations[0]))
+      same = None if key is None else held.get(key)
+      if same is None or same[0] is not migrations[0]:
+        return None
+      keys.append(key)
+      lists.append(same)
+    if not same_migrations_each(plans, lists):
+      return None
+    out = []
+    for (world, rank), migrations in zip(keys, plans):
+      plan = self._plans.get((world, rank))
+      if plan is None or plan[0] is not migrations[0]:  # dropped meanwhile
+        return None
+      family = self._families.get(world)
+      if family is None:
+        table = validate(migrations)
+        with self._lock:
+          family = self._families.setdefault(world, _groups.Family(table, world))
+      out.append(family.table(plan, rank))
+    return out
 
   def validated(
     self, migrations: Sequence[Any], validate: Callable[[], _groups.Groups]

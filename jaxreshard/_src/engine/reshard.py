@@ -317,12 +317,7 @@ def _reshard_ranks(records, plans, executor) -> list[ShardRecord]:
   src = _sources.record_sources(records)
   if isinstance(plans, (str, bytes)) or not isinstance(plans, Sequence):
     raise PlacementError(f"plans must be a list of migration lists, got {type(plans).__name__}")
-  validated = []
-  for migrations in plans:
-    groups = _pipeline.validate(src, migrations)
-    if not groups:
-      raise PlacementError("no migrations: a target rank needs at least one parameter")
-    validated.append(groups)
+  validated = _pipeline.validate_ranks(src, plans)
   fetch = _pipeline.memory_fetch(src, executor)  # refuses an unknown executor first
   built = _pipeline.build_ranks(src, validated, executor)
   if built is not None:
