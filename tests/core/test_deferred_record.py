@@ -7,6 +7,7 @@ read, and bit for bit the oracle's shards.
 
 import copy
 import dataclasses
+import gc
 import pickle
 import threading
 
@@ -181,3 +182,30 @@ def test_a_deferred_record_is_the_eager_record(monkeypatch, name, subset):
   want = jr.reshard(records, [jr.Migration(**vars(m)) for m in plan])
   assert deferred_parts(want) is None
   assert_records_equal(got, want)
+
+
+@pytest.mark.parametrize("field", ["state", "placements"])
+def test_reading_a_deferred_field_runs_no_garbage_collection(field):
+  """Making a field allocates an object or more per parameter and no reference
+  cycle: the cyclic collector stays paused (with a live model's state, each
+  collection the allocations would trigger walks every object), and is enabled
+  again afterwards."""
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {f"p{i:03d}": jax.numpy.zeros((3,)) for i in range(300)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  target = _target(records, rank=0, world=3)
+  collections = []
+  callback = lambda phase, info: collections.append(phase) if phase == "start" else None
+  threshold = gc.get_threshold()
+  gc.callbacks.append(callback)
+  gc.set_threshold(1)  # a collection at nearly every allocation, were the collector running
+  try:
+    getattr(target, field)
+    inside = len(collections)
+  finally:
+    gc.set_threshold(*threshold)
+    gc.callbacks.remove(callback)
+  assert gc.isenabled()
+  # A few around the pause (the record's own lookups); unpaused, one or more
+  # per parameter.
+  assert inside <= 10

@@ -12,7 +12,6 @@ record is first read (``ShardRecord.deferred``).
 
 from __future__ import annotations
 
-import gc
 import itertools
 import operator
 from collections.abc import Sequence
@@ -22,6 +21,7 @@ import jax
 import numpy as np
 
 from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core.gcpause import no_gc
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 
@@ -137,18 +137,15 @@ class RankParts:
     # A view and a few containers per leaf, no reference cycles: the cyclic
     # collector is paused, as around the copy itself, or the allocations
     # trigger collections that walk every live object.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with no_gc():
       return self.assembly.state(self.buffers)
-    finally:
-      if enabled:
-        gc.enable()
 
   def placements(self) -> tuple[ParamPlacement, ...]:
-    if self.made is None:
-      return self.assembly.placements(self.ranks, self.worlds)
-    return self.made() if callable(self.made) else self.made
+    # One frozen object per parameter, no reference cycles: paused as for ``state``.
+    with no_gc():
+      if self.made is None:
+        return self.assembly.placements(self.ranks, self.worlds)
+      return self.made() if callable(self.made) else self.made
 
 
 def deferred_record(

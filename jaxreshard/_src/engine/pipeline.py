@@ -24,10 +24,10 @@ from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import groups as _groups
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.core.gcpause import no_gc
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import Migration, ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
-from jaxreshard._src.engine.gcpause import no_gc
 from jaxreshard._src.engine.sources import MemorySources, Sources
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.exec import host as _host_exec

@@ -25,12 +25,12 @@ from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.core.gcpause import no_gc
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.engine import plans as _plans
 from jaxreshard._src.engine import stacks as _stacks
 from jaxreshard._src.engine.caches import FactsCache, RecentByObject, sources_key  # noqa: F401  (re-exported)
-from jaxreshard._src.engine.gcpause import no_gc
 from jaxreshard._src.engine.homes import BufferHomes
 from jaxreshard._src.errors import PlacementError
 
