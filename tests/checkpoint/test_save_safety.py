@@ -272,3 +272,21 @@ def test_the_largest_chunk_bytes_is_accepted(tmp_path):
   assert len(loaded) == len(records)
   for got, want in zip(loaded, records):
     assert_records_equal(got, want)
+
+
+def test_a_big_endian_host_is_refused_before_any_file_is_written_or_read(tmp_path, monkeypatch):
+  """Buffer files hold little-endian bytes moved without conversion: on a host of
+  the other byte order a save leaves nothing and a restore reads nothing."""
+  records = adam_records(3)
+  jr.save_records(tmp_path / "ok", records)
+  monkeypatch.setattr(sys, "byteorder", "big")
+  with pytest.raises(jr.ArchiveError, match="this host is big-endian: buffer files hold little"):
+    jr.save_records(tmp_path / "new", records)
+  assert sorted(os.listdir(tmp_path)) == ["ok"]
+  with pytest.raises(jr.ArchiveError, match="this host is big-endian"):
+    jr.restore(tmp_path / "ok", world_size=2, rank=0)
+  monkeypatch.setattr(sys, "byteorder", "little")
+  assert_records_equal(
+    jr.restore(tmp_path / "ok", world_size=2, rank=0),
+    jr.reshard(records, jr.plan(records, world_size=2, rank=0)),
+  )

@@ -25,13 +25,24 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import sys
 import threading
 from typing import Any
 
 import google_crc32c
 import numpy as np
 
-__all__ = ["OutDir", "chunk_elements", "file_size", "json_bytes", "write_array", "zarr_metadata"]
+from jaxreshard._src.errors import ArchiveError
+
+__all__ = [
+  "OutDir",
+  "check_byte_order",
+  "chunk_elements",
+  "file_size",
+  "json_bytes",
+  "write_array",
+  "zarr_metadata",
+]
 
 CRC_BYTES = 4
 INDEX_ENTRY_BYTES = 16
@@ -53,6 +64,16 @@ _ZARR_DTYPES = {
 # accepts (``MAX_ARCHIVE_BYTES``) with a buffer of each dtype. A larger buffer gets
 # larger chunks than ``chunk_bytes`` (16 GiB of 16 KiB chunks).
 MAX_CHUNKS = 1 << 20
+
+
+def check_byte_order() -> None:
+  """Buffer files hold little-endian bytes, written and read as the host holds
+  them, never converted: a host of the other byte order is refused."""
+  if sys.byteorder != "little":
+    raise ArchiveError(
+      f"this host is {sys.byteorder}-endian: buffer files hold little-endian bytes, which"
+      " jaxreshard neither writes nor reads on such a host (resharding in memory works)"
+    )
 
 
 def chunk_elements(size: int, itemsize: int, chunk_bytes: int) -> int:
@@ -292,6 +313,7 @@ def write_array(directory: OutDir | str, name: str, data: np.ndarray, chunk: int
   Returns:
     The crc32c of every chunk, for the archive's metadata.
   """
+  check_byte_order()
   if not isinstance(directory, OutDir):
     with OutDir.open(directory) as held:
       return write_array(held, name, data, chunk)

@@ -27,6 +27,7 @@ from jaxreshard._src.checkpoint.shardfile import (
   SHARD_KEY,
   _crc,
   _normalized,
+  check_byte_order,
   file_size,
   n_chunks,
   zarr_metadata,
@@ -186,6 +187,7 @@ class ShardFile:
     crcs: Sequence[int],
     label: str = "",
   ):
+    check_byte_order()
     self.size, self.dtype, self.chunk = size, np.dtype(dtype), chunk
     self.crcs = list(crcs)
     self.crc_table = np.asarray(self.crcs, np.int64)  # the same, for whole-span comparisons
