@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -82,13 +83,16 @@ class ShardRecord:
 
   def placement(self, param: str) -> ParamPlacement | None:
     """The entry for ``param``, or None when this archive does not list it."""
-    index = self.__dict__.get("_placement_index")
-    if index is None:  # placements are frozen: index them once, not per lookup
-      index = {}
-      for p in self.placements:
-        index.setdefault(getattr(p, "param", None), p)
-      object.__setattr__(self, "_placement_index", index)
-    return index.get(param)
+    return self._placement_index.get(param)
+
+  @functools.cached_property
+  def _placement_index(self) -> dict[Any, ParamPlacement]:
+    # Placements are frozen: indexed once, not per lookup; the first entry of
+    # a param listed twice answers (validation refuses such a record).
+    index: dict[Any, ParamPlacement] = {}
+    for p in self.placements:
+      index.setdefault(getattr(p, "param", None), p)
+    return index
 
   @property
   def params(self) -> tuple[str, ...]:
