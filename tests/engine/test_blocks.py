@@ -274,22 +274,51 @@ def test_every_source_layout_gives_the_same_bits(monkeypatch, layout):
 
 def test_a_stack_reads_the_sources_as_they_are_now(monkeypatch):
   """Nothing is kept but views: a source buffer written in place between two calls is
-  read anew (whether it is viewed or copied)."""
+  read anew, whether it is viewed, stacked or copied (a strided array's host view is
+  a copy, made again at every call), by ``reshard_ranks`` and by ``reshard``."""
   monkeypatch.setattr(_pipeline, "_BLOCK_RUNS", -1)
   opt = optax.sgd(0.1, momentum=0.9)
   params = {"w": jnp.zeros((10,), jnp.float32)}
-  for layout in ("packed", "separate"):
+  for layout in ("packed", "separate", "strided"):
     records = jr.shard_state(opt, params, opt.init(params), world_size=2)
     if layout == "separate":
       records = _records_with_leaves(records, lambda i, b, p: [x.copy() for x in b])
+    elif layout == "strided":  # every other element of a larger array
+      records = _records_with_leaves(
+        records, lambda i, b, p: [np.zeros(2 * x.size, x.dtype)[::2] for x in b]
+      )
     plans = [jr.plan(records, world_size=5, rank=r) for r in range(5)]
     first = jr.reshard_ranks(records, plans)
-    assert not np.asarray(first[0].state[0].trace["w"]).any()
+    alone = jr.reshard(records, plans[0])
+    for t in (first[0], alone):
+      assert not np.asarray(t.state[0].trace["w"]).any()
     leaf = records[0].state[0].trace["w"]
     assert isinstance(leaf, np.ndarray) and leaf.flags.writeable
+    assert leaf.flags.c_contiguous == (layout != "strided")
     leaf[...] = 7.0
     again = jr.reshard_ranks(records, plans)
-    assert np.asarray(again[0].state[0].trace["w"]).tolist() == [7.0, 7.0]
+    alone = jr.reshard(records, plans[0])
+    for t in (again[0], alone):
+      assert np.asarray(t.state[0].trace["w"]).tolist() == [7.0, 7.0], layout
+
+
+@pytest.mark.parametrize("layout", ["as shard_state lays them out", "one jax array each"])
+def test_a_zero_size_param_alone_in_its_dtype_by_blocks(monkeypatch, layout):
+  """A dtype whose only buffer is empty stacks as rows of width 0: every rank of
+  ``reshard_ranks`` equals ``reshard`` of that rank alone and the oracle."""
+  monkeypatch.setattr(_pipeline, "_BLOCK_RUNS", -1)
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"a": jnp.ones((64,), jnp.float32), "z": jnp.ones((0,), jnp.bfloat16)}
+  state = random_state(opt, params)
+  records = jr.shard_state(opt, params, state, world_size=16)
+  if layout == "one jax array each":
+    records = _records_with_leaves(records, lambda i, b, p: [jnp.asarray(x) for x in b])
+  plans = [jr.plan(records, world_size=12, rank=r) for r in range(12)]
+  targets = jr.reshard_ranks(records, plans)
+  for r, (t, p) in enumerate(zip(targets, plans)):
+    assert_records_equal(t, jr.reshard(records, [jr.Migration(**vars(x)) for x in p]))
+    assert_bits_equal(t.state[0].trace["a"], oracle_shard(state[0].trace["a"], 12, r), "a")
+    assert np.shape(t.state[0].trace["z"]) == (0,)
 
 
 def test_plan_hands_out_the_same_migrations_and_validates_them_once():

@@ -9,6 +9,7 @@ import dataclasses
 import gc
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -23,6 +24,7 @@ from tests._core_util import (
   assert_bits_equal,
   assert_records_equal,
   assert_trees_bit_equal,
+  bits,
   count_xla_compiles,
   oracle_shard,
   special_values,
@@ -183,3 +185,17 @@ def test_unknown_executor_is_refused():
   records, _ = _adam_records(2, 2)
   with pytest.raises(jr.PlacementError, match="executor"):
     jr.reshard(records, jr.plan(records, world_size=1, rank=0), executor="gpu")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_the_device_executor_builds_a_target_rank_that_is_all_padding(dtype):
+  """A target rank owning nothing of a dtype reads nothing: zeros, on every executor."""
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"w": jnp.arange(3, dtype=dtype)}
+  state = jax.tree.map(lambda x: x + 1, opt.init(params))
+  records = jr.shard_state(opt, params, state, world_size=1)
+  plan = jr.plan(records, world_size=4, rank=3)  # slots 1: rank 3 is all padding
+  host = jr.reshard(records, plan, executor="host")
+  device = jr.reshard(records, plan, executor="device")
+  assert_records_equal(device, host)
+  assert bits(device.state[0].trace["w"]).tolist() == [0]

@@ -30,6 +30,10 @@ class BufferHomes:
     self._parts = parts_by_archive
     self._buffer = buffer
     self._host_views: dict[tuple[int, str, int], np.ndarray] = {}
+    # Buffers whose host view is a copy: numpy arrays not laid out flat in C
+    # order. Their views are made again at every read and never kept, so a write
+    # into such an array between two calls is read, as it is through a view.
+    self._copied: set[tuple[int, str, int]] = set()
     self._accelerator: dict[tuple[int, str, int], bool] = {}
     # Per archive: whether any of its buffers lives on a GPU/TPU.
     self._archive_on_accelerator: dict[int, bool] = {}
@@ -40,11 +44,23 @@ class BufferHomes:
     return [views[k] if k in views else self.host_view(k) for k in keys]
 
   def host_view(self, key: tuple[int, str, int]) -> np.ndarray:
-    """A buffer's bytes as a flat unsigned numpy view, made once per source set."""
+    """A buffer's bytes as a flat unsigned numpy view, made once per source set
+    (a copy, made at every call, for a numpy array that is not C-contiguous)."""
     view = self._host_views.get(key)
     if view is None:
-      view = self._host_views[key] = _host_exec.host_bits(self._buffer(key))
+      buffer = self._buffer(key)
+      view = _host_exec.host_bits(buffer)
+      if isinstance(buffer, np.ndarray) and not buffer.flags.c_contiguous:
+        self._copied.add(key)
+      else:
+        self._host_views[key] = view
     return view
+
+  @property
+  def copies(self) -> bool:
+    """Whether a buffer read so far is copied at every read (see ``host_view``):
+    what is made from host views must then not be kept across calls."""
+    return bool(self._copied)
 
   def on_accelerator(self, keys: Sequence[tuple[int, str, int]]) -> bool:
     """Whether any of these buffers lives on a GPU/TPU (each looked at once).

@@ -147,7 +147,12 @@ def memory_fetch(src: MemorySources, executor: str = "auto") -> Fetch:
       views = src.host_views(keys)
       return {d: _host_exec.Program(views, r) for d, r in runs.items()}
 
-    made = make() if programs is None else programs.get(runs, make)
+    # A program holds views of the sources, and copies what they hold when it
+    # runs; where a host view is a copy, a kept program would hold stale bytes.
+    if programs is None or getattr(src, "host_copies", False):
+      made = make()
+    else:
+      made = programs.get(runs, make)
     return {d: _host_exec.run(p, layout.sizes[d], d) for d, p in made.items()}
 
   return fetch
@@ -166,6 +171,9 @@ def _device_fetch(
 
   out = {}
   for dtype, r in runs.items():
+    if not len(r.source):  # a target that is all padding in this dtype reads nothing
+      out[dtype] = jax.numpy.zeros(layout.sizes[dtype], dtype)
+      continue
     archives = sorted({keys[s][0] for s in r.source.tolist()})
     packed, offsets = {}, {}
     for a in archives:

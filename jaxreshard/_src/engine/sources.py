@@ -8,7 +8,11 @@ it answers from :data:`CACHE`, which is keyed by the records' identities and
 drops an entry as soon as one of its records is garbage collected, so it never
 keeps records alive. Records are frozen; the containers inside their states
 must not be mutated in place after a record was resharded (build a new
-record instead), as with any jax pytree.
+record instead), as with any jax pytree. What is remembered is what the
+records were when first looked at: their structure, placements and clock
+scalars (numpy ones copied then). Only the values of history buffers are read
+as they are at each call: host views of them, never copies, are kept (a
+strided numpy buffer, whose host view is a copy, is copied again per call).
 """
 
 from __future__ import annotations
@@ -265,6 +269,12 @@ class RecordSources:
   def host_view(self, key: tuple[int, str, int]) -> np.ndarray:
     """A buffer's bytes as a flat unsigned numpy view, made once per source set."""
     return self._homes.host_view(key)
+
+  @property
+  def host_copies(self) -> bool:
+    """Whether a buffer's host view is a copy made at every read (a numpy array
+    not in C order): programs over host views are then made per call."""
+    return self._homes.copies
 
   def on_accelerator(self, keys: Sequence[tuple[int, str, int]]) -> bool:
     """Whether any of these buffers lives on a GPU/TPU (each looked at once)."""

@@ -52,9 +52,10 @@ class Stack:
       return self._whole
     if self._rows is not None:
       return np.stack(self._rows)
-    out = np.empty(len(self._views) // max(len(self.order), 1) * self.width, self._views[0].dtype)
+    rows = len(self._views) // max(len(self.order), 1)
+    out = np.empty(rows * self.width, self._views[0].dtype)
     np.concatenate(self._views, out=out)
-    return out.reshape(-1, self.width)
+    return out.reshape(rows, self.width)  # rows named: a width of 0 leaves -1 undefined
 
 
 def _address(view: np.ndarray) -> int:
@@ -82,6 +83,8 @@ def make_stack(src: Any, archives: tuple[int, ...], dtype: np.dtype) -> Stack | 
     if all(r is not None for r in rows):
       rows = [r.view(uint) for r in rows]
       return Stack(order, offsets, width, rows=rows, whole=_evenly_spaced(rows))
+  if any(isinstance(b, np.ndarray) and not b.flags.c_contiguous for b in buffers):
+    return False  # its host view would be a copy, and a stack is kept across calls
   try:
     views = src.host_views(keys)
   except (TypeError, ValueError, RuntimeError):
