@@ -192,15 +192,19 @@ def _shard_geometry(ckpt, archive, dtype="float32"):
 
 
 def _xor_buffers(records):
-  """The same records (same step, same structure) with every history buffer's bits changed."""
+  """The same records (same step, same structure) with the bits of every element a
+  rank owns changed (padding stays zero: a save refuses anything else)."""
   out = []
   for r in records:
     leaves, tree = jax.tree.flatten(r.state)
     changed = []
     for leaf, role in zip(leaves, r.roles):
       if role is not None:
-        a = np.asarray(leaf)
-        leaf = (a.view(f"u{a.dtype.itemsize}") ^ 1).view(a.dtype)
+        p = r.placement(role)
+        owned = jr.FlatShard(p.shape, p.rank, p.world_size).owned
+        bits = np.array(leaf).view(f"u{np.dtype(leaf.dtype).itemsize}")
+        bits[:owned] ^= 1
+        leaf = bits.view(leaf.dtype)
       changed.append(leaf)
     out.append(jr.ShardRecord(r.version, r.placements, jax.tree.unflatten(tree, changed), r.roles))
   return out

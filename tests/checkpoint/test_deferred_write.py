@@ -27,6 +27,7 @@ from jaxreshard._src.checkpoint import writer as _writer
 from jaxreshard._src.cli.commands import app
 from jaxreshard._src.core.record import deferred_parts
 from jaxreshard._src.engine import pipeline as _pipeline
+from tests._archive_util import padding_unchecked
 from tests._core_util import (
   assert_records_equal,
   assert_trees_bit_equal,
@@ -229,7 +230,11 @@ def test_a_batch_refuses_non_zero_padding_of_an_all_padding_rank(
     return a
 
   records[7] = replace_history(records[7], "dense/bias", 0, pad)
-  jr.save_records(tmp_path / "bad", records)
+  with pytest.raises(jr.PlacementError, match="padding is not zero"):
+    jr.save_records(tmp_path / "refused", records)  # a save never writes it
+  assert os.listdir(tmp_path) == []  # nothing half-written, no temporary left
+  with padding_unchecked():
+    jr.save_records(tmp_path / "bad", records)
   monkeypatch.setattr(_restore, "BATCH_BYTES", batch_bytes)
   with pytest.raises(jr.ArchiveError) as e:
     jr.restore_ranks(tmp_path / "bad", range(6), world_size=6)

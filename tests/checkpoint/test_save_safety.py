@@ -290,3 +290,53 @@ def test_a_big_endian_host_is_refused_before_any_file_is_written_or_read(tmp_pat
     jr.restore(tmp_path / "ok", world_size=2, rank=0),
     jr.reshard(records, jr.plan(records, world_size=2, rank=0)),
   )
+
+
+def _with_padding_bits(record, pid, mirror, local, value):
+  """``record`` with element ``local`` of ``pid``'s history buffer ``mirror`` set to
+  the raw bits ``value`` (every other leaf the same object)."""
+  leaves, tree = jax.tree.flatten(record.state)
+  hist = [i for i, role in enumerate(record.roles) if role == pid]
+  a = np.array(leaves[hist[mirror]])
+  a.view(f"u{a.dtype.itemsize}")[local] = value
+  leaves[hist[mirror]] = a
+  return jr.ShardRecord(
+    record.version, record.placements, jax.tree.unflatten(tree, leaves), record.roles
+  )
+
+
+@pytest.mark.parametrize(
+  "dtype, rank, local, value",
+  [
+    (np.float32, 2, 1, 0x80000000),  # -0.0 past the one element rank 2 owns
+    (np.float32, 3, 0, 1),  # a subnormal in a rank that is all padding
+    (jnp.bfloat16, 3, 1, 0x7FC1),  # a NaN payload
+  ],
+)
+def test_a_save_refuses_padding_that_is_not_zero_and_writes_nothing(
+  tmp_path, dtype, rank, local, value
+):
+  """What a reader refuses is never written: nonzero bits past the elements a rank
+  owns refuse the save, in records checked leaf by leaf and in deferred records
+  (a later rank of a layout the save has registered) written into in place."""
+  opt = optax.adam(1e-3)
+  params = {"a": jnp.zeros((5,), dtype), "b": jnp.zeros((3, 2), dtype)}
+  # "a": 5 elements over 4 ranks, slots 2: rank 2 owns one element, rank 3 none.
+  records = jr.shard_state(opt, params, opt.init(params), world_size=4)
+  bad = list(records)
+  bad[rank] = _with_padding_bits(records[rank], "a", 1, local, value)
+  with pytest.raises(jr.PlacementError) as e:
+    jr.save_records(tmp_path / "eager", bad)
+  assert str(e.value).startswith(f"param 'a': history buffer 1 of archive {rank}: padding is")
+  assert f"nonzero bits at local index {local}" in str(e.value)
+  # Deferred records, a later rank of a registered layout written into in place.
+  deferred = jr.reshard_ranks(records, [jr.plan(records, world_size=4, rank=r) for r in range(4)])
+  a = deferred[rank].state[0].nu["a"]
+  a.view(f"u{a.dtype.itemsize}")[local] = value
+  with pytest.raises(jr.PlacementError, match=f"archive {rank}: padding is not zero"):
+    jr.save_records(tmp_path / "deferred", deferred)
+  assert os.listdir(tmp_path) == []
+  a.view(f"u{a.dtype.itemsize}")[local] = 0  # made zero again: saved and loaded
+  jr.save_records(tmp_path / "ok", deferred)
+  for got, want in zip(jr.load_records(tmp_path / "ok"), records):
+    assert_records_equal(got, want)

@@ -19,7 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.assembly import RankParts
+from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord, deferred_parts
 
 __all__ = ["DeferredLayouts"]
@@ -104,6 +106,14 @@ class DeferredLayouts:
       or not _same_buffers(parts.buffers, known.sizes)
     ):
       return None
+    # What a reader refuses is never written: its padding must hold zero bits
+    # (its buffers are the caller's, who may have written into them).
+    fault = parts.assembly.nonzero_padding(parts.buffers, rank, world)
+    if fault is not None:
+      pid, mirror, local, _ = fault
+      raise _validate.nonzero_padding(
+        pid, index, mirror, local, FlatShard(record.placement(pid).shape, rank, world)
+      )
     while len(builder.archives) <= index:
       builder.archives.append(None)
     builder.archives[index] = [f"archive_{index:05d}", known.layout, known.clock]

@@ -36,6 +36,7 @@ from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.errors import PlacementError, ShapeError
+from jaxreshard._src.exec import host as _host_exec
 
 
 def target_layout(placements: Iterable[ParamPlacement], state_parts: _structure.StateParts) -> str:
@@ -153,10 +154,12 @@ class IndexBuilder:
     if self.source is not None:
       self._check_source(index, placements, state_parts)
     for p in placements.values():  # what a reader refuses is never written
-      slots = FlatShard(p.shape, p.rank, p.world_size).slots
+      g = FlatShard(p.shape, p.rank, p.world_size)
       for m, h in enumerate(state_parts.history(p.param)):
         if hasattr(h, "shape"):
-          _validate.check_flat_history(p, index, m, tuple(h.shape), slots)
+          _validate.check_flat_history(p, index, m, tuple(h.shape), g.slots)
+          if g.owned < g.slots and not isinstance(h, jax.ShapeDtypeStruct):
+            _check_padding(index, p.param, m, h, g)
     roles = _structure.roles_of(record)
     leaves, treedef = jax.tree_util.tree_flatten(record.state)
     # Ranks of one layout share its structure: encode it once.
@@ -405,3 +408,11 @@ def write_checkpoint(
   directory.sync()
   directory.drain()
   return builder
+
+
+def _check_padding(index: int, pid: str, m: int, buffer: Any, g: FlatShard) -> None:
+  """Refuses a history buffer with nonzero bits past what its rank owns: a reader
+  refuses such a buffer, so a save that wrote it would not load."""
+  nonzero = np.flatnonzero(_host_exec.host_bits(buffer)[g.owned :])
+  if nonzero.size:
+    raise _validate.nonzero_padding(pid, index, m, g.owned + int(nonzero[0]), g)

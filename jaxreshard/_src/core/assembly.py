@@ -13,6 +13,7 @@ record is first read (``ShardRecord.deferred``).
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections.abc import Sequence
 from typing import Any
@@ -59,9 +60,13 @@ class Assembly:
     self._slices: list[tuple[np.dtype, tuple[slice, ...]]] = []
     self.nbytes = sum(np.dtype(d).itemsize * int(n) for d, n in layout.sizes.items())
     param_of: list[str] = []  # per history buffer, in layout order
+    # Per dtype, each buffer's place, slots, mirror, param row and element count.
+    self._geometry: list[tuple[np.dtype, np.ndarray, ...]] = []
+    counts = np.asarray([math.prod(f.shape) for f in facts], np.int64)
     for dtype, slots in layout.slots.items():
-      _, _, offset, size = layout.columns[dtype]
+      group, subtree, offset, size = layout.columns[dtype]
       self._slices.append((dtype, tuple(map(slice, offset.tolist(), (offset + size).tolist()))))
+      self._geometry.append((dtype, offset, size, subtree, group, counts[group]))
       for slot in slots:
         built[slot.group][slot.subtree] = _Slot(len(param_of))
         param_of.append(facts[slot.group].param)
@@ -86,7 +91,7 @@ class Assembly:
 
   def state(self, buffers: dict[np.dtype, np.ndarray]) -> Any:
     """The target state whose history buffers are views of ``buffers`` (one per dtype)."""
-    pool = list(self._scalars)
+    pool = list(map(_structure.own_scalar, self._scalars))
     for dtype, slices in self._slices:
       pool.extend(map(buffers[dtype].__getitem__, slices))
     if self._pick is not None:
@@ -94,6 +99,35 @@ class Assembly:
     else:
       leaves = [pool[i] for i in self._order]
     return self._treedef.unflatten(leaves)
+
+  def nonzero_padding(
+    self, buffers: dict[np.dtype, np.ndarray], rank: int, world: int
+  ) -> tuple[str, int, int, int] | None:
+    """The first element with nonzero bits in the padding of target ``rank`` of
+    ``world``'s packed ``buffers``, as (param, mirror, local index, slots); None
+    when every padding element is zero. Only buffers of flat-shard slots
+    (``ceil(count / world)``) have padding; the work is one pass over it.
+    """
+    for dtype, offset, size, subtree, group, count in self._geometry:
+      flat = size == -(-count // world)
+      owned = np.clip(count - rank * size, 0, size)
+      padded = np.flatnonzero(flat & (owned < size))
+      if not padded.size:
+        continue
+      length = size[padded] - owned[padded]
+      ends = np.cumsum(length)
+      first = offset[padded] + owned[padded]
+      # Every padding element's index, run after run: one gather, one scan.
+      at = np.repeat(first - (ends - length), length) + np.arange(int(ends[-1]))
+      bits = buffers[dtype].view(f"u{np.dtype(dtype).itemsize}")
+      hit = np.flatnonzero(bits[at])
+      if hit.size:
+        j = int(hit[0])
+        k = int(np.searchsorted(ends, j, side="right"))
+        b = int(padded[k])
+        local = int(owned[b]) + j - int(ends[k] - length[k])
+        return self.params[int(group[b])], int(subtree[b]), local, int(size[b])
+    return None
 
   def placements(self, ranks: Any, worlds: Any) -> tuple[ParamPlacement, ...]:
     """The placements of a target rank: ``ranks`` and ``worlds`` are one int each, or

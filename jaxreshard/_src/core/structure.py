@@ -378,9 +378,23 @@ def state_parts(state: Any, roles: Sequence[str | None]) -> StateParts:
   )
   return StateParts(
     outline.skeleton,
-    tuple(x if isinstance(x, ParamsSubtreeSlot) else leaves[x] for x in outline.skeleton_leaves),
+    tuple(
+      x if isinstance(x, ParamsSubtreeSlot) else own_scalar(leaves[x])
+      for x in outline.skeleton_leaves
+    ),
     subtrees,
   )
+
+
+def own_scalar(x: Any) -> Any:
+  """A clock scalar that no other state shares: a numpy array (mutable in place)
+  copied, anything else (jax arrays, numpy scalars, Python numbers) as it is.
+
+  States taken apart keep their clock as it was when first looked at, and every
+  state built gets scalars of its own: a write into one target's ``count`` never
+  reaches its sources or another target.
+  """
+  return x.copy() if isinstance(x, np.ndarray) else x
 
 
 def _state_parts_of_paths(state: Any, roles: Sequence[str | None]) -> StateParts:
@@ -428,7 +442,11 @@ def _state_parts_of_paths(state: Any, roles: Sequence[str | None]) -> StateParts
       entries[pid] = leaf
     subtrees.append(ParamsSubtree(prefix, sub_def, tuple(order), entries))
   skel_leaves, skel_def = jax.tree_util.tree_flatten(skeleton_tree)
-  return StateParts(skel_def, tuple(skel_leaves), tuple(subtrees))
+  return StateParts(
+    skel_def,
+    tuple(x if isinstance(x, ParamsSubtreeSlot) else own_scalar(x) for x in skel_leaves),
+    tuple(subtrees),
+  )
 
 
 def _leaves_under(
@@ -493,6 +511,6 @@ def build_state(
     if isinstance(leaf, ParamsSubtreeSlot):
       leaves.append(subtrees[leaf.index])
     else:
-      leaves.append(next(scalar_iter) if scalar_iter is not None else leaf)
+      leaves.append(own_scalar(next(scalar_iter) if scalar_iter is not None else leaf))
   # Unflattening places each mirror subtree whole where its marker stood.
   return jax.tree_util.tree_unflatten(template.skeleton, leaves)

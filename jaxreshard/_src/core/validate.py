@@ -42,6 +42,7 @@ __all__ = [
   "check_listed",
   "check_record",
   "listed_twice",
+  "nonzero_padding",
   "check_buffer_dtype",
   "not_listed",
   "check_storage_dtype",
@@ -125,6 +126,19 @@ def check_record(
 def listed_twice(pid: str, archive: int) -> PlacementError:
   """An archive lists a param more than once."""
   return PlacementError(f"param {pid!r}: archive {archive} lists it twice")
+
+
+def nonzero_padding(
+  pid: str, archive: int, mirror: int, local: int, g: FlatShard
+) -> PlacementError:
+  """History buffer ``mirror`` of ``pid`` in ``archive`` has nonzero bits at ``local``,
+  past the ``g.owned`` elements its rank owns: a save refuses it, as a read would."""
+  return PlacementError(
+    f"param {pid!r}: history buffer {mirror} of archive {archive}: padding is not zero"
+    f" (nonzero bits at local index {local}); rank {g.rank} of shape {g.shape} over"
+    f" world_size {g.world_size} owns {g.owned} of its {g.slots} slots, so the data"
+    " contradicts its placement, and a checkpoint holding it would not load"
+  )
 
 
 def check_listed(archive: int, state_parts: _structure.StateParts, listed: Collection[str]) -> None:
