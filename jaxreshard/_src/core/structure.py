@@ -19,7 +19,6 @@ records that once, as per-leaf *roles*, and from then on takes a state apart
 from __future__ import annotations
 
 import dataclasses
-import re
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -27,6 +26,8 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+
+from jaxreshard._src.core.ids import key_name, path_id, split_id
 
 __all__ = [
   "StateParts",
@@ -61,58 +62,6 @@ class ParamsSubtreeSlot:
 
 def _is_masked_node(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
-
-
-_tu = jax.tree_util
-_DictKey, _GetAttrKey, _SequenceKey = _tu.DictKey, _tu.GetAttrKey, _tu.SequenceKey
-
-
-def _escape(name: str) -> str:
-  """A key as one segment of an id: ``%`` and ``/`` percent-encoded."""
-  if "%" in name or "/" in name:
-    return name.replace("%", "%25").replace("/", "%2F")
-  return name
-
-
-escape = _escape
-
-
-_ESCAPED = re.compile("%(25|2F)")
-
-
-def unescape(segment: str) -> str:
-  """The key a segment of an id stands for (the inverse of the escaping)."""
-  if "%" not in segment:
-    return segment
-  return _ESCAPED.sub(lambda m: "%" if m.group(1) == "25" else "/", segment)
-
-
-def split_id(pid: str) -> list[str]:
-  """The keys of a param id, in order."""
-  return [unescape(k) for k in pid.split("/")]
-
-
-def _key_name(key: Any) -> str:
-  t = type(key)
-  if t is _DictKey:
-    return _escape(str(key.key))
-  if t is _GetAttrKey:
-    return _escape(key.name)
-  if t is _SequenceKey:
-    return str(key.idx)
-  for attr in ("key", "name", "idx"):
-    if hasattr(key, attr):
-      return _escape(str(getattr(key, attr)))
-  return _escape(str(key))
-
-
-def path_id(path: Sequence[Any]) -> str:
-  """A pytree key path joined with ``/``: ``{'dense': {'kernel': x}}`` -> ``dense/kernel``.
-
-  Keys that contain ``/`` or ``%`` are percent-encoded (haiku's ``mlp/~/linear_0``
-  becomes ``mlp%2F~%2Flinear_0``), so two different key paths never share an id.
-  """
-  return "/".join(_key_name(k) for k in path)
 
 
 def param_ids(params: Any) -> tuple[list[str], list[Any], Any]:
@@ -406,7 +355,7 @@ def _state_parts_of_paths(state: Any, roles: Sequence[str | None]) -> StateParts
     )
   paths = [p for p, _ in with_path]
   # Each key of a history buffer's path named once; an id is a join of a suffix.
-  names = {i: tuple(map(_key_name, paths[i])) for i, pid in enumerate(roles) if pid is not None}
+  names = {i: tuple(map(key_name, paths[i])) for i, pid in enumerate(roles) if pid is not None}
   prefixes: dict[KeyPath, int] = {}
   for i, names_i in names.items():
     prefixes.setdefault(_subtree_prefix(paths[i], roles[i], names_i), len(prefixes))

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxreshard._src.core import ids as _ids
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.clock import (
   STRUCTURE,
@@ -171,7 +172,7 @@ def _spellings(pid: str) -> Iterable[str]:
   grouped into keys in each way (``dense/b`` is the keys ``dense``, ``b`` or
   the one key ``dense/b``: the ids ``dense/b`` and ``dense%2Fb``).
   """
-  pieces = "/".join(_structure.split_id(pid)).split("/")
+  pieces = "/".join(_ids.split_id(pid)).split("/")
   gaps = len(pieces) - 1
   masks = range(2**gaps) if gaps <= _MAX_GROUPED_SEPARATORS else (0, 2**gaps - 1)
   for mask in masks:  # bit j set: gap j separates two keys
@@ -183,7 +184,7 @@ def _spellings(pid: str) -> Iterable[str]:
       else:
         key = f"{key}/{piece}"
     keys.append(key)
-    candidate = "/".join(_structure.escape(k) for k in keys)
+    candidate = "/".join(_ids.escape(k) for k in keys)
     if candidate != pid:
       yield candidate
 

@@ -28,6 +28,7 @@ from jaxreshard._src.core.gcpause import no_gc
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import Migration, ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.engine import devicefetch as _devicefetch
 from jaxreshard._src.engine.sources import MemorySources, Sources
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.exec import host as _host_exec
@@ -140,7 +141,7 @@ def memory_fetch(src: MemorySources, executor: str = "auto") -> Fetch:
 
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
     if executor == "device" or (executor == "auto" and src.on_accelerator(keys)):
-      return _device_fetch(src, runs, keys, layout)
+      return _devicefetch.device_fetch(src, runs, keys, layout)
     programs = getattr(src, "programs", None)
 
     def make() -> dict:
@@ -156,54 +157,6 @@ def memory_fetch(src: MemorySources, executor: str = "auto") -> Fetch:
     return {d: _host_exec.run(p, layout.sizes[d], d) for d, p in made.items()}
 
   return fetch
-
-
-def _device_fetch(
-  src: MemorySources, runs: dict, keys: list, layout: _copyplan.TargetLayout
-) -> dict:
-  """Gathers on the device from each source archive's packed buffer of a dtype.
-
-  Packing an archive's buffers (one program per archive layout) makes every
-  source of a group one array of one size, so the gathers compile a handful
-  of programs per dtype whatever the number of parameters.
-  """
-  from jaxreshard._src.exec import device as _device_exec  # pylint: disable=g-import-not-at-top
-
-  out = {}
-  for dtype, r in runs.items():
-    if not len(r.source):  # a target that is all padding in this dtype reads nothing
-      out[dtype] = jax.numpy.zeros(layout.sizes[dtype], dtype)
-      continue
-    archives = sorted({keys[s][0] for s in r.source.tolist()})
-    packed, offsets = {}, {}
-    for a in archives:
-      order = [(pid, m, buf) for pid, m, buf in src.packing(a) if np.dtype(buf.dtype) == dtype]
-      offsets[a] = {}
-      pos = 0
-      for pid, m, buf in order:
-        offsets[a][(pid, m)] = pos
-        pos += int(np.size(buf))
-      packed[a] = _device_exec.pack([jax.numpy.asarray(buf) for _, _, buf in order])
-    arrays = _on_one_device([packed[a] for a in archives])
-    index = {a: i for i, a in enumerate(archives)}
-    source = np.asarray([index[keys[s][0]] for s in r.source.tolist()], np.int64)
-    base = np.asarray([offsets[keys[s][0]][keys[s][1:]] for s in r.source.tolist()], np.int64)
-    out[dtype] = _device_exec.gather(
-      arrays, source, r.src + base, r.dst, r.length, layout.sizes[dtype]
-    )
-  return out
-
-
-def _on_one_device(arrays: list[Any]) -> list[Any]:
-  """Sources on several devices (each rank's archive on its own) feed one gather on
-  the default device; sources on one device stay there."""
-  devices = {d for x in arrays for d in x.devices()}
-  if len(devices) <= 1:
-    return arrays
-  target = jax.config.jax_default_device
-  if target is None or isinstance(target, str):
-    target = jax.devices(target)[0]
-  return [jax.device_put(x, target) for x in arrays]
 
 
 def build(

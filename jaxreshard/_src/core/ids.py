@@ -1,0 +1,66 @@
+"""Param ids: a pytree key path as one string, its keys percent-escaped.
+
+``{'dense': {'kernel': x}}`` has the id ``dense/kernel``; a key holding ``/`` or
+``%`` is escaped, so two different key paths never share an id.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+__all__ = ["escape", "key_name", "path_id", "split_id", "unescape"]
+
+_tu = jax.tree_util
+_DictKey, _GetAttrKey, _SequenceKey = _tu.DictKey, _tu.GetAttrKey, _tu.SequenceKey
+
+
+def _escape(name: str) -> str:
+  """A key as one segment of an id: ``%`` and ``/`` percent-encoded."""
+  if "%" in name or "/" in name:
+    return name.replace("%", "%25").replace("/", "%2F")
+  return name
+
+
+escape = _escape
+
+
+_ESCAPED = re.compile("%(25|2F)")
+
+
+def unescape(segment: str) -> str:
+  """The key a segment of an id stands for (the inverse of the escaping)."""
+  if "%" not in segment:
+    return segment
+  return _ESCAPED.sub(lambda m: "%" if m.group(1) == "25" else "/", segment)
+
+
+def split_id(pid: str) -> list[str]:
+  """The keys of a param id, in order."""
+  return [unescape(k) for k in pid.split("/")]
+
+
+def key_name(key: Any) -> str:
+  t = type(key)
+  if t is _DictKey:
+    return _escape(str(key.key))
+  if t is _GetAttrKey:
+    return _escape(key.name)
+  if t is _SequenceKey:
+    return str(key.idx)
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return _escape(str(getattr(key, attr)))
+  return _escape(str(key))
+
+
+def path_id(path: Sequence[Any]) -> str:
+  """A pytree key path joined with ``/``: ``{'dense': {'kernel': x}}`` -> ``dense/kernel``.
+
+  Keys that contain ``/`` or ``%`` are percent-encoded (haiku's ``mlp/~/linear_0``
+  becomes ``mlp%2F~%2Flinear_0``), so two different key paths never share an id.
+  """
+  return "/".join(key_name(k) for k in path)
