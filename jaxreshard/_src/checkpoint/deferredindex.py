@@ -110,10 +110,8 @@ class DeferredLayouts:
     # (its buffers are the caller's, who may have written into them).
     fault = parts.assembly.nonzero_padding(parts.buffers, rank, world)
     if fault is not None:
-      pid, mirror, local, _ = fault
-      raise _validate.nonzero_padding(
-        pid, index, mirror, local, FlatShard(record.placement(pid).shape, rank, world)
-      )
+      pid, shape, mirror, local = fault
+      raise _validate.nonzero_padding(pid, index, mirror, local, FlatShard(shape, rank, world))
     while len(builder.archives) <= index:
       builder.archives.append(None)
     builder.archives[index] = [f"archive_{index:05d}", known.layout, known.clock]

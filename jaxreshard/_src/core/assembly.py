@@ -102,9 +102,9 @@ class Assembly:
 
   def nonzero_padding(
     self, buffers: dict[np.dtype, np.ndarray], rank: int, world: int
-  ) -> tuple[str, int, int, int] | None:
+  ) -> tuple[str, tuple[int, ...], int, int] | None:
     """The first element with nonzero bits in the padding of target ``rank`` of
-    ``world``'s packed ``buffers``, as (param, mirror, local index, slots); None
+    ``world``'s packed ``buffers``, as (param, its shape, mirror, local index); None
     when every padding element is zero. Only buffers of flat-shard slots
     (``ceil(count / world)``) have padding; the work is one pass over it.
     """
@@ -126,7 +126,8 @@ class Assembly:
         k = int(np.searchsorted(ends, j, side="right"))
         b = int(padded[k])
         local = int(owned[b]) + j - int(ends[k] - length[k])
-        return self.params[int(group[b])], int(subtree[b]), local, int(size[b])
+        row = int(group[b])
+        return self.params[row], self._shapes[row], int(subtree[b]), local
     return None
 
   def placements(self, ranks: Any, worlds: Any) -> tuple[ParamPlacement, ...]:

@@ -18,14 +18,11 @@ _tu = jax.tree_util
 _DictKey, _GetAttrKey, _SequenceKey = _tu.DictKey, _tu.GetAttrKey, _tu.SequenceKey
 
 
-def _escape(name: str) -> str:
+def escape(name: str) -> str:
   """A key as one segment of an id: ``%`` and ``/`` percent-encoded."""
   if "%" in name or "/" in name:
     return name.replace("%", "%25").replace("/", "%2F")
   return name
-
-
-escape = _escape
 
 
 _ESCAPED = re.compile("%(25|2F)")
@@ -44,17 +41,18 @@ def split_id(pid: str) -> list[str]:
 
 
 def key_name(key: Any) -> str:
+  """One key of a key path as a segment of an id (dict keys, attributes, indices)."""
   t = type(key)
   if t is _DictKey:
-    return _escape(str(key.key))
+    return escape(str(key.key))
   if t is _GetAttrKey:
-    return _escape(key.name)
+    return escape(key.name)
   if t is _SequenceKey:
     return str(key.idx)
   for attr in ("key", "name", "idx"):
     if hasattr(key, attr):
-      return _escape(str(getattr(key, attr)))
-  return _escape(str(key))
+      return escape(str(getattr(key, attr)))
+  return escape(str(key))
 
 
 def path_id(path: Sequence[Any]) -> str:
