@@ -360,6 +360,22 @@ def test_14c_buffer_not_floating(dtype):
   )
 
 
+def test_14c_a_buffer_in_the_other_byte_order_is_named_as_such():
+  """numpy calls ``>f4`` float32 too: the message says which byte order it is."""
+  other = ">f4" if np.little_endian else "<f4"
+  records = _records()
+  records[1] = _with_mu(records[1], "a", np.zeros((2,), other))
+  _refused(
+    records,
+    _plan(_records()),
+    jr.ShapeError,
+    "param 'a'",
+    "archive 1",
+    f"history buffer dtype '{other}' (float32, {'big' if np.little_endian else 'little'}-endian)",
+    "in this host's byte order",
+  )
+
+
 def test_14d_factored_state_is_refused():
   # Adafactor-like factored rows stored where a flat history should be.
   records = [_with_mu(r, "b/c", jnp.zeros((3, 1), jnp.float32)) for r in _records()]

@@ -74,10 +74,19 @@ def check_buffer_dtype(dtype: Any, where: str) -> None:
   if dtype.name == "float64" and jax.config.jax_enable_x64:
     return
   hint = " (enable jax_enable_x64 to keep float64 exact)" if dtype.name == "float64" else ""
+  name = dtype.name
+  if not dtype.isnative:  # the same name in the other byte order
+    name, hint = (
+      f"{dtype.str!r} ({name}, {_ORDER[dtype.byteorder]}-endian)",
+      (" in this host's byte order; convert it first (e.g. with astype)"),
+    )
   raise ShapeError(
-    f"{where}: history buffer dtype {dtype.name} is not a floating dtype jaxreshard copies"
+    f"{where}: history buffer dtype {name} is not a floating dtype jaxreshard copies"
     f" ({', '.join(SUPPORTED_DTYPES)}){hint}"
   )
+
+
+_ORDER = {">": "big", "<": "little"}
 
 
 def _params_of(record: ShardRecord, limit: int = 3) -> str:
