@@ -18,6 +18,8 @@ import numpy as np
 import optax
 import pytest
 from flax.core import FrozenDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import store as _archive_io
@@ -340,3 +342,50 @@ def test_a_save_refuses_padding_that_is_not_zero_and_writes_nothing(
   jr.save_records(tmp_path / "ok", deferred)
   for got, want in zip(jr.load_records(tmp_path / "ok"), records):
     assert_records_equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+  counts=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+  w=st.integers(1, 7),
+  m=st.integers(2, 9),
+  pick=st.tuples(st.integers(0, 2**16), st.integers(0, 2**16), st.integers(0, 2**16)),
+  bf16=st.booleans(),
+)
+def test_a_save_of_deferred_records_refuses_exactly_the_padding_bits_it_finds(
+  tmp_path_factory, counts, w, m, pick, bf16
+):
+  """One element of one target rank's history buffer is given nonzero bits: the
+  save refuses when, by the flat-shard rule (slots ceil(count / m), the rank owns
+  [rank * slots, count)), that element is padding, naming its param, mirror and
+  local index, and saves otherwise; checked against that rule, not the code."""
+  dtype = jnp.bfloat16 if bf16 else jnp.float32
+  params = {f"p{i}": jnp.zeros((c,), dtype) for i, c in enumerate(counts)}
+  opt = optax.adam(1e-3)
+  records = jr.shard_state(opt, params, opt.init(params), world_size=w)
+  targets = jr.reshard_ranks(records, [jr.plan(records, world_size=m, rank=r) for r in range(m)])
+  live = [pid for pid, c in zip(params, counts) if c > 0]
+  if not live:
+    return
+  pid = live[pick[0] % len(live)]
+  count = counts[int(pid[1:])]
+  slots = -(-count // m)
+  rank, mirror = 1 + pick[1] % (m - 1), pick[2] % 2  # rank 0 is registered leaf by leaf
+  local = (pick[2] // 2) % slots
+  buffer = (targets[rank].state[0].mu, targets[rank].state[0].nu)[mirror][pid]
+  buffer.view(f"u{buffer.dtype.itemsize}")[local] = 0x3C01
+  owned = max(0, min(slots, count - rank * slots))
+  path = tmp_path_factory.mktemp("ck") / "c"
+  if local < owned:
+    jr.save_records(path, targets)
+    assert (
+      bits(jr.load_records(path)[rank].state[0][1 + mirror][pid]).tolist() == bits(buffer).tolist()
+    )
+  else:
+    with pytest.raises(jr.PlacementError) as e:
+      jr.save_records(path, targets)
+    assert str(e.value).startswith(
+      f"param '{pid}': history buffer {mirror} of archive {rank}: padding is not zero"
+      f" (nonzero bits at local index {local})"
+    )
+    assert not path.exists()
