@@ -18,7 +18,13 @@ import numpy as np
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.exec import host as _host_exec
 
-__all__ = ["BufferHomes"]
+__all__ = ["BufferHomes", "copied_on_read"]
+
+
+def copied_on_read(buffer: Any) -> bool:
+  """Whether ``buffer``'s host view is a copy of a buffer a caller may write into:
+  a numpy array not in C order. Nothing made from such a view is kept across calls."""
+  return isinstance(buffer, np.ndarray) and not buffer.flags.c_contiguous
 
 
 class BufferHomes:
@@ -50,7 +56,7 @@ class BufferHomes:
     if view is None:
       buffer = self._buffer(key)
       view = _host_exec.host_bits(buffer)
-      if isinstance(buffer, np.ndarray) and not buffer.flags.c_contiguous:
+      if copied_on_read(buffer):
         self._copied.add(key)
       else:
         self._host_views[key] = view

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._src.engine import homes as _homes
 from jaxreshard._src.exec import host as _host_exec
 
 __all__ = ["Stack", "make_stack"]
@@ -83,8 +84,8 @@ def make_stack(src: Any, archives: tuple[int, ...], dtype: np.dtype) -> Stack | 
     if all(r is not None for r in rows):
       rows = [r.view(uint) for r in rows]
       return Stack(order, offsets, width, rows=rows, whole=_evenly_spaced(rows))
-  if any(isinstance(b, np.ndarray) and not b.flags.c_contiguous for b in buffers):
-    return False  # its host view would be a copy, and a stack is kept across calls
+  if any(map(_homes.copied_on_read, buffers)):
+    return False  # a stack is kept across calls
   try:
     views = src.host_views(keys)
   except (TypeError, ValueError, RuntimeError):
