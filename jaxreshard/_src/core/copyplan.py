@@ -33,6 +33,7 @@ __all__ = [
   "TargetLayout",
   "cut_runs",
   "locate_each",
+  "padding_spans",
   "plan_blocks",
   "plan_runs",
   "target_layout",
@@ -197,6 +198,43 @@ def overlaps(groups: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
   )
 
 
+def padding_spans(
+  groups: Any, lo: np.ndarray, hi: np.ndarray, pad_lo: np.ndarray, pad_hi: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """The source padding that a target reads, per row ``i``: the target holds elements
+  ``[lo[i], hi[i])`` and, padding included, ``[pad_lo[i], pad_hi[i])`` of the
+  padded flat buffer (the last target rank's reaching to the sources' end).
+
+  A source rank's slots past what its flat shard owns are padding. The target
+  reads the padding of the source rank holding the param's last element when
+  it copies from that rank, and the whole of every all-padding source rank
+  whose slots meet its own padded range: together the target ranks of a
+  world read every padding slot, as a read from disk does. In the format of
+  :func:`overlaps` (row, source rank, first padding element in that rank's
+  buffer, 0, length), in order of row, then rank.
+  """
+  count, ss, sw = groups.count, groups.src_slots, groups.src_world
+  slots = np.maximum(ss, 1)
+  last = np.maximum(count - 1, 0) // slots
+  # The last owner's own padding, read when the target copies from it.
+  part = np.flatnonzero((ss > 0) & (count % slots > 0) & (hi > lo) & (hi > last * ss))
+  # All-padding ranks ``[first, stop)`` that meet the padded range.
+  first = np.maximum(-(-count // slots), pad_lo // slots)
+  stop = np.minimum(sw, -(-pad_hi // slots))
+  rows = np.flatnonzero((ss > 0) & (first < stop))
+  n = stop[rows] - first[rows]
+  row = np.repeat(rows, n)
+  k = first[row] + (np.arange(len(row), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n))
+  start = count[part] - last[part] * ss[part]
+  row = np.concatenate([part, row])
+  k = np.concatenate([last[part], k])
+  start = np.concatenate([start, np.zeros(len(row) - len(part), np.int64)])
+  length = ss[row] - start
+  order = np.lexsort((k, row))
+  row, k, start, length = row[order], k[order], start[order], length[order]
+  return row, k, start, np.zeros(len(row), np.int64), length
+
+
 def cut_runs(
   start: np.ndarray, length: np.ndarray, block: Any
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -231,12 +269,13 @@ def cut_runs(
 
 
 def plan_runs(
-  groups: Any, layout: TargetLayout, locate_runs: Callable
+  groups: Any, layout: TargetLayout, locate_runs: Callable, pairs: tuple | None = None
 ) -> tuple[dict[np.dtype, Runs], list[Any]]:
   """The runs that fill ``layout``'s buffers from the groups' sources.
 
   Every (overlap, history buffer of that parameter in the dtype) pair is one
-  run; the pairs are made with numpy over the whole table.
+  run; the pairs are made with numpy over the whole table. ``pairs``: other
+  (row, source rank) pieces than the overlaps, in their format (``padding_spans``).
 
   Args:
     groups: a validated ``Groups`` table, in the order ``layout`` was made from.
@@ -250,7 +289,7 @@ def plan_runs(
   Returns:
     Per dtype the run tables, and the list of source keys they index.
   """
-  gi, k, src_local, dst_local, length = overlaps(groups)
+  gi, k, src_local, dst_local, length = overlaps(groups) if pairs is None else pairs
   archive = groups.archives(gi, k)
   sources: list[Any] = []
   out: dict[np.dtype, Runs] = {}

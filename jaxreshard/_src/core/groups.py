@@ -22,7 +22,7 @@ import numpy as np
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE, FlatShard
 from jaxreshard._src.core.placement import Migration
 
-__all__ = ["Family", "Groups", "SourceFacts", "SourceGroup", "targets_checked"]
+__all__ = ["Family", "Groups", "SourceFacts", "SourceGroup", "clipped", "targets_checked"]
 
 # Below this element count, ``(rank + 1) * slots`` (at most about twice the
 # count) cannot overflow int64.
@@ -250,14 +250,14 @@ class _RankGroups(Groups):
 
   @functools.cached_property
   def start(self) -> np.ndarray:
-    return _clipped(self.uniform_rank, self.slots, self.count)
+    return clipped(self.uniform_rank, self.slots, self.count)
 
   @functools.cached_property
   def stop(self) -> np.ndarray:
-    return _clipped(self.uniform_rank + 1, self.slots, self.count)
+    return clipped(self.uniform_rank + 1, self.slots, self.count)
 
 
-def _clipped(k: int, slots: np.ndarray, count: np.ndarray) -> np.ndarray:
+def clipped(k: int, slots: np.ndarray, count: np.ndarray) -> np.ndarray:
   """``min(k * slots, count)`` per row, exact for any int64 count."""
   if len(count) and int(count.max()) >= _EXACT_PRODUCTS:
     return np.asarray([min(k * s, c) for s, c in zip(slots.tolist(), count.tolist())], np.int64)

@@ -139,15 +139,21 @@ def listed_twice(pid: str, archive: int) -> PlacementError:
 
 
 def nonzero_padding(
-  pid: str, archive: int, mirror: int, local: int, g: FlatShard
+  pid: str, archive: int, mirror: int, local: int, g: FlatShard, *, read: bool = False
 ) -> PlacementError:
   """History buffer ``mirror`` of ``pid`` in ``archive`` has nonzero bits at ``local``,
-  past the ``g.owned`` elements its rank owns: a save refuses it, as a read would."""
+  past the ``g.owned`` elements its rank owns: a save refuses it, and so does a
+  reshard that reads it (``read``), as a read from disk would."""
+  why = (
+    "a read of it from disk would refuse it too"
+    if read
+    else "a checkpoint holding it would not load"
+  )
   return PlacementError(
     f"param {pid!r}: history buffer {mirror} of archive {archive}: padding is not zero"
     f" (nonzero bits at local index {local}); rank {g.rank} of shape {g.shape} over"
     f" world_size {g.world_size} owns {g.owned} of its {g.slots} slots, so the data"
-    " contradicts its placement, and a checkpoint holding it would not load"
+    f" contradicts its placement, and {why}"
   )
 
 

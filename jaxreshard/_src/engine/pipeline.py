@@ -5,7 +5,9 @@
 call :func:`validate` and :func:`build`; they differ only in their *sources*
 (which answer validation's questions and say where each history buffer lives)
 and their *fetch* step (how the planned runs become target buffers: numpy
-copies from memory, jitted gathers on a device, reads from files).
+copies from memory, jitted gathers on a device, reads from files). Sources in
+memory have their padding checked after validation (``padcheck``); a read
+from disk checks the padding it reads as it reads it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
   "EXECUTORS",
   "build",
   "build_batch",
+  "common_sources",
   "memory_fetch",
   "no_gc",
   "validate",
@@ -310,14 +313,14 @@ def build_ranks(src: Sources, tables: Sequence[_groups.Groups], executor: str) -
   first = tables[0].uniform_rank
   if any(t.family is not family or t.uniform_rank != first + i for i, t in enumerate(tables)):
     return None
-  archives = family.remember(("sources",), lambda: _common_sources(family.facts))
+  archives = family.remember(("sources",), lambda: common_sources(family.facts))
   if not archives or not src.uniform(archives) or src.on_accelerator_archives(archives):
     return None
   with no_gc():
     return _build_ranks(src, tables, family, archives, first)
 
 
-def _common_sources(facts: Sequence[Any]) -> tuple[int, ...] | bool:
+def common_sources(facts: Sequence[Any]) -> tuple[int, ...] | bool:
   """The one ``by_rank`` every row shares, or False."""
   if not facts:
     return False

@@ -18,6 +18,7 @@ from jaxreshard._src.core.gcpause import no_gc
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import Migration, ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.engine import padcheck as _padcheck
 from jaxreshard._src.engine import pipeline as _pipeline
 from jaxreshard._src.engine import sources as _sources
 from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
@@ -319,6 +320,7 @@ def _reshard_ranks(records, plans, executor) -> list[ShardRecord]:
     raise PlacementError(f"plans must be a list of migration lists, got {type(plans).__name__}")
   validated = _pipeline.validate_ranks(src, plans)
   fetch = _pipeline.memory_fetch(src, executor)  # refuses an unknown executor first
+  _padcheck.check(src, validated, executor)
   built = _pipeline.build_ranks(src, validated, executor)
   if built is not None:
     return built
@@ -347,6 +349,7 @@ def unshard_state(records: Sequence[ShardRecord]) -> optax.OptState:
   """
   src = _sources.record_sources(records)
   groups = _pipeline.validate(src, plan(records, world_size=1, rank=0))
+  _padcheck.check(src, [groups], "auto")
   state = _pipeline.build(src, groups, _pipeline.memory_fetch(src), logical=True).state
   # A full state goes back into training: its buffers are jax arrays (numpy
   # arrays would pull optax's math into numpy's own arithmetic).

@@ -80,6 +80,7 @@ class MemorySources(Sources, Protocol):
   def host_view(self, key: Any) -> np.ndarray: ...
   def host_views(self, keys: Sequence[Any]) -> list[np.ndarray]: ...
   def on_accelerator(self, keys: Sequence[Any]) -> bool: ...
+  def on_accelerator_archives(self, archives: Iterable[int]) -> bool: ...
 
 
 def complete_groups(
@@ -290,23 +291,25 @@ class RecordSources:
     with self._lock:
       return self._is_uniform(sources)
 
-  def stacked(self, archives: tuple[int, ...], dtype: np.dtype) -> _stacks.Stack | None:
+  def stacked(
+    self, archives: tuple[int, ...], dtype: np.dtype, *, make: bool = True
+  ) -> _stacks.Stack | None:
     """The ``dtype`` history buffers of ``archives`` (uniform, see :meth:`uniform`)
     as the rows of one 2-D unsigned array, one row per archive in order, each row
     its buffers back to back in packing order; None when a buffer cannot be
-    viewed on the host.
+    viewed on the host, or (``make=False``) when it was not made yet.
 
-    Made once per (archives, dtype): when each archive's buffers already lie
-    back to back in one allocation (records that ``reshard`` or a checkpoint
-    read built), a row is a view of them and the rows are stacked per call
-    (or viewed, when the rows themselves are evenly spaced in one
-    allocation); otherwise the buffers are concatenated per call, one C-level
-    pass over the list of their views. No bytes are kept: a stack copies
-    what the sources hold when it is read.
+    Made once per (archives, dtype), in Python per buffer: when each archive's
+    buffers already lie back to back in one allocation (records that
+    ``reshard`` or a checkpoint read built), a row is a view of them and the
+    rows are stacked per call (or viewed, when the rows themselves are evenly
+    spaced in one allocation); otherwise the buffers are concatenated per
+    call, one C-level pass over the list of their views. No bytes are kept: a
+    stack copies what the sources hold when it is read.
     """
     key = (archives, np.dtype(dtype))
     hit = self._stacks.get(key)
-    if hit is None:
+    if hit is None and make:
       hit = self._stacks.setdefault(key, _stacks.make_stack(self, archives, np.dtype(dtype)))
     return hit or None
 

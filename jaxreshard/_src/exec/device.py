@@ -51,7 +51,15 @@ from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.exec import kernels as _kernels
 from jaxreshard._src.exec.kernels import KernelCacheInfo, clear_kernel_cache, kernel_cache_info
 
-__all__ = ["pack", "gather", "split", "kernel_cache_info", "clear_kernel_cache", "KernelCacheInfo"]
+__all__ = [
+  "pack",
+  "gather",
+  "nonzero_runs",
+  "split",
+  "kernel_cache_info",
+  "clear_kernel_cache",
+  "KernelCacheInfo",
+]
 
 # Largest offset an int32 index holds; buffers past it need int64 indices.
 _INT32_MAX = 2**31 - 1
@@ -138,6 +146,52 @@ def split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
   return list(fn(flat))
 
 
+def nonzero_runs(
+  sources: Sequence[jax.Array], src_index: np.ndarray, src_start: np.ndarray, length: np.ndarray
+) -> bool:
+  """Whether run ``i`` (``length[i]`` elements of ``sources[src_index[i]]`` from
+  ``src_start[i]``) holds a nonzero bit (-0.0 and NaN payloads included), for any i.
+
+  The runs are read on the sources' device, and only the answer comes back.
+  Programs are keyed as ``gather``'s, without an output: (dtype, source size,
+  run bucket, element bucket, index width, device).
+
+  Examples:
+    >>> import jax.numpy as jnp, numpy as np
+    >>> a = jnp.array([1.0, 0.0, -0.0])
+    >>> t = lambda *v: np.array(v, np.int64)
+    >>> nonzero_runs([a], t(0), t(1), t(1)), nonzero_runs([a], t(0), t(1), t(2))
+    (False, True)
+  """
+  sources = list(sources)
+  if not sources:
+    raise ValueError("nonzero_runs: no sources")
+  device = _kernels.device_of(sources, "nonzero_runs")
+  dtype = _kernels.dtype_of(sources, "nonzero_runs")
+  src_sizes = [int(x.shape[0]) for x in sources]
+  length = np.asarray(length, np.int64).reshape(-1)
+  dst = np.cumsum(length) - length
+  total = int(length.sum())
+  src_index, src_start, dst, length = _checked_runs(
+    src_sizes, total, src_index, src_start, dst, length
+  )
+  index_dtype = _index_dtype(max([total] + src_sizes))
+  found = []
+  for k, source, (s, _, n), runs_bucket, elements, key in _calls(
+    sources, src_index, src_start, dst, length, total, index_dtype, device
+  ):
+    fn = _kernels.program(
+      ("nonzero_runs", *key),
+      lambda: _kernels.make_nonzero_runs(
+        dtype, src_sizes[k], runs_bucket, elements, index_dtype, device
+      ),
+    )
+    found.append(
+      fn(source, _padded(s, runs_bucket, index_dtype), _padded(n, runs_bucket, np.int32))
+    )
+  return any(bool(f) for f in found)  # the calls are queued first, then read
+
+
 def gather(
   sources: Sequence[jax.Array],
   src_index: np.ndarray,
@@ -202,7 +256,31 @@ def gather(
   out = zeros()
   if size == 0:
     return out
-  src_index, src_start, dst_start, length = runs
+  for k, source, (s, d, n), runs_bucket, elements, key in _calls(
+    sources, *runs, size, index_dtype, device
+  ):
+    fn = _kernels.program(
+      ("gather", size, *key),
+      lambda: _kernels.make_gather(
+        dtype, src_sizes[k], size, runs_bucket, elements, index_dtype, device
+      ),
+    )
+    out = fn(
+      out,
+      source,
+      _padded(s, runs_bucket, index_dtype),
+      _padded(d, runs_bucket, index_dtype),
+      _padded(n, runs_bucket, np.int32),
+    )
+  return out
+
+
+def _calls(sources, src_index, src_start, dst_start, length, size, index_dtype, device):
+  """The kernel calls of checked runs: per source, its runs cut into calls of at
+  most ``_MAX_RUNS_PER_CALL`` runs and ``_MAX_ELEMENTS_PER_CALL`` elements;
+  yields (source index, source, (src, dst, length) of the call, run bucket,
+  element bucket, the program's key but for the kernel's own fields)."""
+  common = (np.dtype(index_dtype).name, _kernels.x64())
   order = np.argsort(src_index, kind="stable")
   bounds = np.searchsorted(src_index[order], np.arange(len(sources) + 1))
   for k, source in enumerate(sources):
@@ -213,31 +291,15 @@ def gather(
     for lo, hi in _call_ranges(n):
       runs_bucket, elements = _buckets(hi - lo, int(n[lo:hi].sum()), size)
       key = (
-        "gather",
-        dtype.name,
-        src_sizes[k],
+        np.dtype(source.dtype).name,
+        int(source.shape[0]),
         _kernels.weak(source),
-        size,
         runs_bucket,
         elements,
-        np.dtype(index_dtype).name,
+        *common,
         device,
-        x64,
       )
-      fn = _kernels.program(
-        key,
-        lambda: _kernels.make_gather(
-          dtype, src_sizes[k], size, runs_bucket, elements, index_dtype, device
-        ),
-      )
-      out = fn(
-        out,
-        source,
-        _padded(s[lo:hi], runs_bucket, index_dtype),
-        _padded(d[lo:hi], runs_bucket, index_dtype),
-        _padded(n[lo:hi], runs_bucket, np.int32),
-      )
-  return out
+      yield k, source, (s[lo:hi], d[lo:hi], n[lo:hi]), runs_bucket, elements, key
 
 
 def _index_dtype(largest: int) -> Any:

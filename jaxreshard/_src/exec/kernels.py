@@ -215,6 +215,46 @@ def make_zeros(dtype: np.dtype, size: int, device: Any) -> Callable[..., Any]:
   )
 
 
+def _run_of_element(length, runs: int, elements: int, index_dtype: Any) -> tuple:
+  """(j, run of j, first element of each run, end of the last run) of a call's
+  elements ``j`` in ``[0, elements)``.
+
+  Element j belongs to run #{runs whose exclusive end is <= j}: a prefix sum
+  of marks scattered at the run ends (ends past the call's elements are
+  dropped). A zero-length run ends where the next one starts, so it is
+  skipped; positions from the last end on are padding.
+  """
+  ends = jnp.cumsum(length, dtype=jnp.int32)
+  marks = (
+    jnp.zeros((elements,), jnp.int32).at[ends].add(1, mode="drop", wrap_negative_indices=False)
+  )
+  run = jnp.minimum(jnp.cumsum(marks, dtype=jnp.int32), runs - 1)
+  first = (ends - length).astype(index_dtype)
+  return jnp.arange(elements, dtype=index_dtype), run, first, ends[-1].astype(index_dtype)
+
+
+def make_nonzero_runs(
+  dtype: np.dtype, src_size: int, runs: int, elements: int, index_dtype: Any, device: Any
+) -> Callable[..., Any]:
+  """The program that says whether up to ``runs`` runs (``elements`` elements in
+  all) of one source hold any nonzero bit: ``make_gather``'s reads, reduced."""
+
+  def kernel(source, src_start, length):
+    _count_trace()
+    chex.assert_shape(source, (src_size,))
+    chex.assert_type(source, dtype)
+    chex.assert_shape([src_start, length], (runs,))
+    j, run, first, end = _run_of_element(length, runs, elements, index_dtype)
+    values = _take(_to_bits(source), j + _take(src_start - first, run))
+    set_bits = values != jnp.zeros((), values.dtype)
+    if set_bits.ndim > 1:  # bfloat16's byte pairs
+      set_bits = jnp.any(set_bits, axis=-1)
+    # Positions past the last run's end read clipped indices: left out.
+    return jnp.any(set_bits & (j < end))
+
+  return jax.jit(kernel, compiler_options=_compiler_options(device))
+
+
 def make_gather(
   dtype: np.dtype, src_size: int, size: int, runs: int, elements: int, index_dtype: Any, device: Any
 ) -> Callable[..., Any]:
@@ -229,27 +269,13 @@ def make_gather(
     chex.assert_shape([src_start, dst_start, length], (runs,))
     chex.assert_type([src_start, dst_start], index_dtype)
     chex.assert_type(length, jnp.int32)
-    # Element j of this call belongs to run #{runs whose exclusive end is
-    # <= j}: a prefix sum of marks scattered at the run ends (ends past the
-    # call's elements are dropped). A zero-length run ends where the next one
-    # starts, so it is skipped; positions past the last end are padding.
-    ends = jnp.cumsum(length, dtype=jnp.int32)
-    marks = (
-      jnp.zeros((elements,), jnp.int32).at[ends].add(1, mode="drop", wrap_negative_indices=False)
-    )
-    run = jnp.minimum(jnp.cumsum(marks, dtype=jnp.int32), runs - 1)
     # Element j of run r reads source j + (src_start[r] - start_r) and writes
     # output j + (dst_start[r] - start_r), start_r being r's first element.
-    first = (ends - length).astype(index_dtype)
-    j = jnp.arange(elements, dtype=index_dtype)
+    j, run, first, end = _run_of_element(length, runs, elements, index_dtype)
     src = j + _take(src_start - first, run)
     # Padding positions are sent one past the output's end, where the scatter
     # drops them.
-    dst = jnp.where(
-      j < ends[-1].astype(index_dtype),
-      j + _take(dst_start - first, run),
-      jnp.asarray(size, index_dtype),
-    )
+    dst = jnp.where(j < end, j + _take(dst_start - first, run), jnp.asarray(size, index_dtype))
     out_bits, src_bits = _to_bits(out), _to_bits(source)
     values = _take(src_bits, src)
     chex.assert_shape(values, (elements,) + _bits_tail(dtype))

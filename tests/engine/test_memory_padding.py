@@ -1,0 +1,253 @@
+"""Source padding in memory is refused exactly where a read of it from disk is refused.
+
+Each test gives one padding element of one source record nonzero bits, then
+asks every path that reads records in memory (``reshard`` with either
+executor, ``reshard_ranks`` in every grouping, ``unshard_state``) and the disk
+restore of a checkpoint holding the same bits. The expected answer comes from
+the flat-shard rule written out below with plain loops, not from the library.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxreshard as jr
+from tests._archive_util import padding_unchecked
+
+COUNTS = (1, 3, 5, 8, 9, 17)  # below, at and around the source world size
+W = 8
+
+
+def _records(counts=COUNTS, w=W, dtype=jnp.float32):
+  params = {f"p{n:02d}": jnp.zeros((n,), dtype) for n in counts}
+  opt = optax.adam(1e-3)
+  state = jax.tree.map(lambda x: x + 1 if x.ndim else x, opt.init(params))
+  return jr.shard_state(opt, params, state, world_size=w)
+
+
+def _padding_positions(counts=COUNTS, w=W):
+  """(count, source rank, local index) of every padding slot, by the rule."""
+  out = []
+  for n in counts:
+    s = -(-n // w)
+    for r in range(w):
+      for i in range(s):
+        if r * s + i >= n:
+          out.append((n, r, i))
+  return out
+
+
+def _readers(n: int, r: int, w: int, m: int) -> set[int]:
+  """The target ranks of world ``m`` that read padding slot (rank ``r``) of a count-``n``
+  param over ``w`` sources: those that copy from ``r`` when it owns elements, else
+  those whose padded slots meet ``r``'s (the last target's reaching to the end)."""
+  s, ts = -(-n // w), -(-n // m)
+  out = set()
+  for t in range(m):
+    lo, hi = min(t * ts, n), min((t + 1) * ts, n)
+    if r * s < n:  # the last owner: read by the targets that copy from it
+      if lo < hi and max(lo, r * s) < min(hi, (r + 1) * s):
+        out.add(t)
+    else:
+      pad_hi = (t + 1) * ts if t + 1 < m else w * s
+      if max(t * ts, r * s) < min(pad_hi, (r + 1) * s):
+        out.add(t)
+  return out
+
+
+def _poke(records, pid, rank, mirror, local, value):
+  """Source ``rank``'s buffer ``mirror`` of ``pid`` with ``value``'s bits at ``local``, in place."""
+  a = (records[rank].state[0].mu, records[rank].state[0].nu)[mirror][pid]
+  a.view(f"u{a.dtype.itemsize}")[local] = value
+  return a
+
+
+def _refused(fn) -> str | None:
+  try:
+    fn()
+  except (jr.PlacementError, jr.ArchiveError) as e:
+    return str(e)
+  return None
+
+
+def _message(pid, archive, mirror, local) -> str:
+  return f"param {pid!r}: history buffer {mirror} of archive {archive}: padding is not zero" + (
+    f" (nonzero bits at local index {local})"
+  )
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 11])
+def test_every_target_rank_refuses_exactly_the_padding_it_reads_as_disk_does(tmp_path, m):
+  """Every padding slot of mirror ``nu``, one at a time: each target rank of world ``m``
+  resharded in memory refuses exactly when the rule says it reads the slot, and
+  so does its restore from a checkpoint holding the same bits."""
+  records = _records()
+  for k, (n, r, i) in enumerate(_padding_positions()):
+    pid = f"p{n:02d}"
+    _poke(records, pid, r, 1, i, 0x80000000)  # -0.0
+    want = _readers(n, r, W, m)
+    path = tmp_path / f"c{k}"
+    with padding_unchecked():  # a save refuses it; another writer may not
+      jr.save_records(path, records)
+    for t in range(m):
+      memory = _refused(lambda: jr.reshard(records, jr.plan(records, world_size=m, rank=t)))
+      disk = _refused(lambda: jr.restore(path, world_size=m, rank=t))
+      assert (memory is not None) == (t in want) == (disk is not None), (n, r, i, t, memory, disk)
+      if memory is not None:
+        assert memory.startswith(_message(pid, r, 1, i)), memory
+        assert "padding is not zero" in disk and f"'{pid}'" in disk
+    every = _refused(
+      lambda: jr.reshard_ranks(records, [jr.plan(records, world_size=m, rank=t) for t in range(m)])
+    )
+    assert every is not None and every.startswith(_message(pid, r, 1, i))
+    _poke(records, pid, r, 1, i, 0)
+  # Zero again everywhere: every path reads the records.
+  out = jr.reshard_ranks(records, [jr.plan(records, world_size=m, rank=t) for t in range(m)])
+  assert len(out) == m
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+  counts=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+  w=st.integers(2, 9),
+  m=st.integers(1, 9),
+  pick=st.integers(0, 2**20),
+  ranks=st.sampled_from(["one", "all", "tail", "reversed"]),
+  bf16=st.booleans(),
+  separate=st.booleans(),
+)
+def test_every_grouping_of_target_ranks_refuses_what_its_ranks_read(
+  counts, w, m, pick, ranks, bf16, separate
+):
+  """One padding slot with nonzero bits: a ``reshard_ranks`` of some target ranks
+  refuses exactly when one of them reads the slot, by the rule, whichever
+  grouping (one rank, every rank, the last ranks, every rank in reverse), from
+  packed rows or from one array per buffer."""
+  records = _records(counts, w, jnp.bfloat16 if bf16 else jnp.float32)
+  if separate:
+    records = [
+      jr.ShardRecord(r.version, r.placements, jax.tree.map(np.array, r.state), r.roles)
+      for r in records
+    ]
+  positions = _padding_positions(counts, w)
+  if not positions:
+    return
+  n, r, i = positions[pick % len(positions)]
+  pid = f"p{n:02d}"
+  pids = sorted({f"p{c:02d}" for c in counts})
+  mirror = (pick // len(positions)) % 2
+  _poke(records, pid, r, mirror, i, 0x7FC1)  # a NaN payload in bf16, a subnormal in f32
+  targets = {
+    "one": [pick % m],
+    "all": list(range(m)),
+    "tail": list(range(m // 2, m)),
+    "reversed": list(range(m))[::-1],
+  }[ranks]
+  plans = [jr.plan(records, world_size=m, rank=t) for t in targets]
+  got = _refused(lambda: jr.reshard_ranks(records, plans))
+  # Any param with this count reads the same way; the poked one is ``pid``.
+  assert (got is not None) == bool(_readers(n, r, w, m) & set(targets)), (got, targets)
+  if got is not None:
+    assert got.startswith(_message(pid, r, mirror, i)), got
+  assert pid in pids
+
+
+@pytest.mark.parametrize(
+  "dtype, value", [(jnp.float32, 0x80000000), (jnp.float32, 1), (jnp.bfloat16, 0x7FC1)]
+)
+def test_the_device_executor_refuses_as_the_host_does(dtype, value):
+  """-0.0, a subnormal, a bf16 NaN payload: the padding is gathered on the device and
+  only the answer comes back; the refusal names the same element as the host's."""
+  records = _records(dtype=dtype)
+  _poke(records, "p05", 6, 0, 0, value)  # 5 over 8: ranks 5 to 7 are all padding
+  plans = [jr.plan(records, world_size=3, rank=t) for t in range(3)]
+  host = _refused(lambda: jr.reshard(records, plans[2], executor="host"))
+  device = _refused(lambda: jr.reshard(records, plans[2], executor="device"))
+  assert host is not None and host == device
+  assert host.startswith(_message("p05", 6, 0, 0))
+  assert _refused(lambda: jr.reshard(records, plans[0], executor="device")) is None
+
+
+def test_unshard_state_refuses_nonzero_padding():
+  records = _records()
+  _poke(records, "p09", 4, 0, 1, 0x80000000)  # 9 over 8: slots 2, rank 4 owns only 8
+  got = _refused(lambda: jr.unshard_state(records))
+  assert got is not None and got.startswith(_message("p09", 4, 0, 1))
+
+
+def test_a_write_into_padding_between_calls_is_read():
+  """The padding is read at each call, as the history buffers are: a write after a
+  first reshard refuses the next one, and undoing it lets the one after through."""
+  records = _records()
+  plans = [jr.plan(records, world_size=3, rank=t) for t in range(3)]
+  before = jr.reshard_ranks(records, plans)
+  a = _poke(records, "p17", 7, 1, 2, 1)
+  assert _refused(lambda: jr.reshard_ranks(records, plans)) is not None
+  assert _refused(lambda: jr.reshard(records, plans[2])) is not None
+  a.view(np.uint32)[2] = 0
+  again = jr.reshard_ranks(records, plans)
+  for x, y in zip(before, again):
+    for p, q in zip(jax.tree.leaves(x.state), jax.tree.leaves(y.state)):
+      assert np.asarray(p).tobytes() == np.asarray(q).tobytes()
+
+
+@pytest.mark.parametrize("layout", ["packed", "separate", "strided", "jax"])
+def test_every_kind_of_source_buffer_is_read_for_padding(layout):
+  """Packed rows (read as one 2-D array), one array per buffer, numpy arrays not in C
+  order (copied at each read) and jax arrays: each refuses the same element."""
+  records = _records()
+  if layout != "packed":
+
+    def remake(x):
+      if np.ndim(x) == 0:
+        return x
+      if layout == "separate":
+        return np.array(x)
+      if layout == "strided":
+        return np.repeat(np.asarray(x), 2)[::2]  # the same values, not C-contiguous
+      return jnp.asarray(x)
+
+    records = [
+      jr.ShardRecord(r.version, r.placements, jax.tree.map(remake, r.state), r.roles)
+      for r in records
+    ]
+  if layout == "jax":
+    bad = np.array(records[6].state[0].mu["p09"])
+    bad.view(np.uint32)[0] = 0x80000000
+    state = records[6].state
+    mu = dict(state[0].mu, p09=jnp.asarray(bad))
+    records[6] = jr.ShardRecord(
+      records[6].version,
+      records[6].placements,
+      (state[0]._replace(mu=mu), *state[1:]),
+      records[6].roles,
+    )
+  else:
+    _poke(records, "p09", 6, 0, 0, 0x80000000)
+  plans = [jr.plan(records, world_size=3, rank=t) for t in range(3)]
+  for got in (
+    _refused(lambda: jr.reshard_ranks(records, plans)),
+    _refused(lambda: jr.reshard(records, plans[2])),
+  ):
+    assert got is not None and got.startswith(_message("p09", 6, 0, 0)), got
+  assert _refused(lambda: jr.reshard(records, plans[0])) is None
+
+
+def test_explicit_migrations_to_several_target_ranks_read_each_row_s_own():
+  """Hand-written migrations whose params go to different target ranks: each row
+  reads the padding its own target rank reads, no other."""
+  records = _records()
+  sources = tuple(range(W))
+  # 17 over 8: slots 3, rank 5 owns [15, 17) and one padding slot. Over 3 ranks
+  # (slots 6), only rank 2 ([12, 17)) copies from it.
+  _poke(records, "p17", 5, 0, 2, 0x80000000)
+  mig = lambda pid, n, t: jr.Migration(pid, (n,), t, 3, sources)  # noqa: E731
+  assert _refused(lambda: jr.reshard(records, [mig("p09", 9, 2), mig("p17", 17, 1)])) is None
+  got = _refused(lambda: jr.reshard(records, [mig("p09", 9, 0), mig("p17", 17, 2)]))
+  assert got is not None and got.startswith(_message("p17", 5, 0, 2))
