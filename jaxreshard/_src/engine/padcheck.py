@@ -80,17 +80,6 @@ class PadPlan:
   keys = property(lambda self: self._runs[1])
 
   @functools.cached_property
-  def archives(self) -> list[int]:
-    """The archives the spans read."""
-    rows = np.unique(self.pairs[0]).tolist()
-    facts = self._groups.facts
-    by_rank = {id(facts[g].by_rank): facts[g].by_rank for g in rows}
-    if len(by_rank) == 1:  # one source group: its ranks from the first read on
-      (ranks,) = by_rank.values()
-      return sorted({ranks[k] for k in np.unique(self.pairs[1]).tolist()})
-    return np.unique(self._groups.archives(self.pairs[0], self.pairs[1])).tolist()
-
-  @functools.cached_property
   def dtypes(self) -> list[np.dtype]:
     """The dtypes of the history buffers of the spans' rows."""
     facts = self._groups.facts
@@ -143,17 +132,13 @@ def _targets(tables: Sequence[_groups.Groups]) -> list[tuple[_groups.Groups, tup
 
 
 def _check_plan(src, groups, plan: PadPlan, executor: str, ranks) -> None:
-  if executor == "device" or (executor == "auto" and _on_accelerator(src, groups, plan)):
+  if executor == "device":
     _on_device(src, plan)
-    return
-  if _by_stack(src, groups, plan, ranks):
-    return
-  _by_pieces(src, plan)
-
-
-def _on_accelerator(src: MemorySources, groups: _groups.Groups, plan: PadPlan) -> bool:
-  """Whether an archive the spans read holds a buffer on a GPU/TPU."""
-  return src.on_accelerator_archives(plan.archives)
+  elif not _by_stack(src, groups, plan, ranks):  # archives in host memory only
+    if executor == "auto" and src.on_accelerator(plan.keys):
+      _on_device(src, plan)
+    else:
+      _by_pieces(src, plan)
 
 
 def _by_pieces(src: MemorySources, plan: PadPlan) -> None:
@@ -203,11 +188,14 @@ def _by_stack(src, groups: _groups.Groups, plan: PadPlan, ranks) -> bool:
   from jaxreshard._src.engine import pipeline as _pipeline  # pylint: disable=g-import-not-at-top
 
   archives = family.remember(("sources",), lambda: _pipeline.common_sources(family.facts))
-  if not archives or not src.uniform(archives) or src.on_accelerator_archives(archives):
+  if not archives or not src.uniform(archives):
     return False
-  # Making a stack costs Python per buffer of every archive: made here where the
-  # copy by blocks of several target ranks makes it too, else only used if made.
+  # Making a stack costs Python per buffer of every archive (as does looking at
+  # where each buffer lives): done here where the copy by blocks of several
+  # target ranks does it too, else a stack is only used if made already.
   make = ranks[1] - ranks[0] >= 2
+  if make and src.on_accelerator_archives(archives):
+    return False
   work = []
   for dtype in plan.dtypes:
     stack = src.stacked(archives, dtype, make=make)
