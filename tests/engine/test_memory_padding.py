@@ -181,17 +181,37 @@ def test_unshard_state_refuses_nonzero_padding():
   assert got is not None and got.startswith(_message("p09", 4, 0, 1))
 
 
-def test_a_write_into_padding_between_calls_is_read():
+def _strided(records):
+  """The same records over numpy arrays not in C order (a host view of each is a copy)."""
+  remake = lambda x: np.repeat(np.asarray(x), 2)[::2] if np.ndim(x) else x  # noqa: E731
+  return [
+    jr.ShardRecord(r.version, r.placements, jax.tree.map(remake, r.state), r.roles) for r in records
+  ]
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("executor", ["host", "device"])
+def test_a_write_into_padding_between_calls_is_read(strided, executor):
   """The padding is read at each call, as the history buffers are: a write after a
-  first reshard refuses the next one, and undoing it lets the one after through."""
+  first reshard refuses the next one (whichever call came first: one rank, every
+  rank), and undoing it lets the one after through."""
   records = _records()
+  if strided:
+    records = _strided(records)
   plans = [jr.plan(records, world_size=3, rank=t) for t in range(3)]
-  before = jr.reshard_ranks(records, plans)
+  jr.reshard(records, plans[2], executor=executor)
+  before = jr.reshard_ranks(records, plans, executor=executor)
   a = _poke(records, "p17", 7, 1, 2, 1)
-  assert _refused(lambda: jr.reshard_ranks(records, plans)) is not None
-  assert _refused(lambda: jr.reshard(records, plans[2])) is not None
+  want = _message("p17", 7, 1, 2)
+  for call in (
+    lambda: jr.reshard(records, plans[2], executor=executor),
+    lambda: jr.reshard_ranks(records, plans, executor=executor),
+  ):
+    got = _refused(call)
+    assert got is not None and got.startswith(want), got
   a.view(np.uint32)[2] = 0
-  again = jr.reshard_ranks(records, plans)
+  assert _refused(lambda: jr.reshard(records, plans[2], executor=executor)) is None
+  again = jr.reshard_ranks(records, plans, executor=executor)
   for x, y in zip(before, again):
     for p, q in zip(jax.tree.leaves(x.state), jax.tree.leaves(y.state)):
       assert np.asarray(p).tobytes() == np.asarray(q).tobytes()
@@ -251,3 +271,35 @@ def test_explicit_migrations_to_several_target_ranks_read_each_row_s_own():
   assert _refused(lambda: jr.reshard(records, [mig("p09", 9, 2), mig("p17", 17, 1)])) is None
   got = _refused(lambda: jr.reshard(records, [mig("p09", 9, 0), mig("p17", 17, 2)]))
   assert got is not None and got.startswith(_message("p17", 5, 0, 2))
+
+
+def test_the_refusal_names_the_first_element_in_param_order_across_dtypes_and_ranks():
+  """Nonzero bits in two params whose buffers differ in dtype (``mu`` bf16, ``nu``
+  f32), and in two source ranks read by different target ranks: the refusal
+  names the first param, then the first source rank, whatever the order of the
+  dtypes or of the target ranks handed in."""
+  params = {"a": jnp.zeros((5,), jnp.float32), "b": jnp.zeros((5,), jnp.float32)}
+  opt = optax.adam(1e-3, mu_dtype=jnp.bfloat16)
+  state = jax.tree.map(lambda x: x + 1 if x.ndim else x, opt.init(params))
+  records = jr.shard_state(opt, params, state, world_size=8)
+  records[6].state[0].nu["a"].view(np.uint32)[0] = 1  # 'a', mirror 1 (f32)
+  records[6].state[0].mu["b"].view(np.uint16)[0] = 1  # 'b', mirror 0 (bf16)
+  want = _message("a", 6, 1, 0)
+  for call in (
+    lambda: jr.unshard_state(records),
+    lambda: jr.reshard(records, jr.plan(records, world_size=3, rank=2)),
+    lambda: jr.reshard(records, jr.plan(records, world_size=3, rank=2), executor="device"),
+  ):
+    got = _refused(call)
+    assert got is not None and got.startswith(want), got
+  # Two source ranks, read by two target ranks: the lower one is named.
+  q = {"d": jnp.zeros((2,), jnp.float32)}
+  opt = optax.adam(1e-3)
+  state = jax.tree.map(lambda x: x + 1 if x.ndim else x, opt.init(q))
+  records = jr.shard_state(opt, q, state, world_size=8)
+  records[2].state[0].mu["d"].view(np.uint32)[0] = 1
+  records[6].state[0].mu["d"].view(np.uint32)[0] = 1
+  plans = [jr.plan(records, world_size=8, rank=t) for t in range(8)]
+  for order in (plans, plans[::-1], [plans[6], plans[2]]):
+    got = _refused(lambda o=order: jr.reshard_ranks(records, o))
+    assert got is not None and got.startswith(_message("d", 2, 0, 0)), got

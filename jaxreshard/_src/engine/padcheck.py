@@ -61,6 +61,7 @@ class PadPlan:
     self.spans = len(pairs[0])
     # Per dtype the pieces as views of the host buffers, when they may be kept.
     self.pieces: dict[np.dtype, list[np.ndarray]] = {}
+    self._accelerator: bool | None = None
 
   @functools.cached_property
   def _runs(self) -> tuple[dict[np.dtype, _copyplan.Runs], list]:
@@ -75,6 +76,13 @@ class PadPlan:
         ends = np.cumsum(r.length)
         packed[dtype] = _copyplan.Runs(r.source, r.src, ends - r.length, r.length)
     return packed, keys
+
+  def on_accelerator(self) -> bool:
+    """Whether a buffer the spans read lives on a GPU/TPU (looked at once: a
+    record's arrays do not move)."""
+    if self._accelerator is None:
+      self._accelerator = self._src.on_accelerator(self.keys)
+    return self._accelerator
 
   runs = property(lambda self: self._runs[0])
   keys = property(lambda self: self._runs[1])
@@ -104,9 +112,17 @@ def padding_plan(
   return PadPlan(src, groups, _copyplan.padding_spans(groups, lo, hi, pad_lo, pad_hi))
 
 
-def check(src: MemorySources, tables: Sequence[_groups.Groups], executor: str) -> None:
-  """Refuses the first nonzero padding element that a target rank of ``tables`` would
-  read from ``src`` (a ``PlacementError`` naming param, archive, mirror and element)."""
+def check(
+  src: MemorySources, tables: Sequence[_groups.Groups], executor: str, rows: dict | None = None
+) -> None:
+  """Refuses the first nonzero padding element, in (param, source rank, mirror,
+  element) order, that a target rank of ``tables`` would read from ``src`` (a
+  ``PlacementError`` naming param, archive, mirror and element).
+
+  ``rows``, when given, receives the source rows this call read as one array
+  (by ``id`` of their stack), for the copy by blocks of the same call to reuse.
+  """
+  found = []
   for groups, ranks in _targets(tables):
     family = groups.family
     if family is None:
@@ -114,7 +130,11 @@ def check(src: MemorySources, tables: Sequence[_groups.Groups], executor: str) -
     else:
       plan = family.recent(("pads", ranks), lambda g=groups, r=ranks: padding_plan(src, g, r))
     if plan.spans:
-      _check_plan(src, groups, plan, executor, ranks)
+      hit = _check_plan(src, groups, plan, executor, ranks, rows)
+      if hit is not None:
+        found.append(hit)
+  if found:
+    raise min(found, key=lambda hit: hit[0])[1]
 
 
 def _targets(tables: Sequence[_groups.Groups]) -> list[tuple[_groups.Groups, tuple[int, int]]]:
@@ -131,25 +151,34 @@ def _targets(tables: Sequence[_groups.Groups]) -> list[tuple[_groups.Groups, tup
   ]
 
 
-def _check_plan(src, groups, plan: PadPlan, executor: str, ranks) -> None:
+def _check_plan(src, groups, plan: PadPlan, executor: str, ranks, rows) -> tuple | None:
+  """The first nonzero element the plan's spans hold, as (order key, refusal), or None."""
   if executor == "device":
-    _on_device(src, plan)
-  elif not _by_stack(src, groups, plan, ranks):  # archives in host memory only
-    if executor == "auto" and src.on_accelerator(plan.keys):
-      _on_device(src, plan)
-    else:
-      _by_pieces(src, plan)
+    clean = _on_device(src, plan)
+  else:
+    clean = _by_stack(src, groups, plan, ranks, rows)  # archives in host memory only
+    if clean is None and executor == "auto" and plan.on_accelerator():
+      clean = _on_device(src, plan)
+  if clean:
+    return None
+  # Nonzero bits somewhere (or no faster way applied): named from the host views.
+  hit = _by_pieces(src, plan)
+  if hit is None and clean is False:
+    raise PlacementError("source padding changed while it was read; reshard again")
+  return hit
 
 
-def _by_pieces(src: MemorySources, plan: PadPlan) -> None:
-  """Scans the spans as views of the host buffers, concatenated per dtype."""
+def _by_pieces(src: MemorySources, plan: PadPlan) -> tuple | None:
+  """Scans the spans as views of the host buffers, concatenated per dtype; the first
+  nonzero element, in span order over every dtype, as (order key, refusal)."""
+  views = src.host_views(plan.keys) if len(plan.pieces) < len(plan.runs) else None
+  # Asked after the views are made, which is when copied ones are known: pieces
+  # of a view that is a copy are made again at every call.
   keep = not getattr(src, "host_copies", False)
-  views = None
+  hits = []
   for dtype, r in plan.runs.items():
     pieces = plan.pieces.get(dtype)
     if pieces is None:
-      if views is None:
-        views = src.host_views(plan.keys)
       # A span of a whole buffer (an all-padding rank's) is its view itself.
       pieces = list(
         map(
@@ -163,57 +192,65 @@ def _by_pieces(src: MemorySources, plan: PadPlan) -> None:
         plan.pieces[dtype] = pieces
     flat = np.concatenate(pieces)
     if flat.any():
-      raise _refusal(src, plan, r, flat)
+      hits.append(_refusal(src, plan, r, flat))
+  return min(hits, key=lambda hit: hit[0]) if hits else None
 
 
-def _on_device(src: MemorySources, plan: PadPlan) -> None:
-  """Reads the spans on the sources' device; only whether any bit is set comes back."""
+def _on_device(src: MemorySources, plan: PadPlan) -> bool:
+  """Reads the spans on the sources' device, of which only whether any bit is set
+  comes back: True when every bit is zero."""
   from jaxreshard._src.engine import devicefetch as _devicefetch  # pylint: disable=g-import-not-at-top
   from jaxreshard._src.exec import device as _device_exec  # pylint: disable=g-import-not-at-top
 
   for dtype, r in plan.runs.items():
     arrays, source, base = _devicefetch.packed_sources(src, dtype, r, plan.keys)
     if _device_exec.nonzero_runs(arrays, source, r.src + base, r.length):
-      _by_pieces(src, plan)  # names the first nonzero element in span order
-      raise PlacementError("source padding changed while it was read; reshard again")
+      return False
+  return True
 
 
-def _by_stack(src, groups: _groups.Groups, plan: PadPlan, ranks) -> bool:
+def _by_stack(src, groups: _groups.Groups, plan: PadPlan, ranks, rows) -> bool | None:
   """Gathers the spans from uniform archives' rows seen as one 2-D array, with one
-  index table per dtype kept for the plan; False where that does not apply
-  (no such rows, or rows that are a copy when the pieces would cost less)."""
+  index table per dtype kept for the plan: True when every bit is zero, False
+  when one is not; None where that does not apply (no such rows, or rows that
+  are a copy when the pieces would cost less)."""
   family = groups.family
   if family is None or ranks is None or not hasattr(src, "stacked"):
-    return False
+    return None
   from jaxreshard._src.engine import pipeline as _pipeline  # pylint: disable=g-import-not-at-top
 
   archives = family.remember(("sources",), lambda: _pipeline.common_sources(family.facts))
   if not archives or not src.uniform(archives):
-    return False
+    return None
   # Making a stack costs Python per buffer of every archive (as does looking at
   # where each buffer lives): done here where the copy by blocks of several
   # target ranks does it too, else a stack is only used if made already.
   make = ranks[1] - ranks[0] >= 2
   if make and src.on_accelerator_archives(archives):
-    return False
+    return None
   work = []
   for dtype in plan.dtypes:
     stack = src.stacked(archives, dtype, make=make)
-    if stack is None or (stack.copied and plan.spans * _PIECE_ELEMENTS < stack.copied):
-      return False
+    # A stack that is a copy costs Python per buffer of every archive at each
+    # call: worth it only where the copy by blocks reuses it (``rows``).
+    if stack is None or (stack.copied and (not make or rows is None)):
+      return None
+    if stack.copied and plan.spans * _PIECE_ELEMENTS < stack.copied:
+      return None
     work.append((dtype, stack))
   for dtype, stack in work:
-    rows = stack.array()
-    flat, step = _flat(rows)
+    array = stack.array()
+    flat, step = _flat(array)
     if flat is None:
-      return False
+      return None
+    if rows is not None:
+      rows[id(stack)] = array
     index = family.recent(
       ("pad index", ranks, dtype, id(stack), step),
       lambda s=stack, k=step: _stack_index(groups, plan.pairs, s, k),
     )
     if np.take(flat, index).any():
-      _by_pieces(src, plan)  # names the first nonzero element in span order
-      raise PlacementError("source padding changed while it was read; reshard again")
+      return False
   return True
 
 
@@ -260,4 +297,5 @@ def _refusal(src: MemorySources, plan: PadPlan, r: _copyplan.Runs, flat: np.ndar
   local = int(r.src[i]) + j - int(r.dst[i])
   p = src.placement(archive, pid)
   g = FlatShard.checked(p.shape, p.rank, p.world_size)
-  return _validate.nonzero_padding(pid, archive, mirror, local, g, read=True)
+  error = _validate.nonzero_padding(pid, archive, mirror, local, g, read=True)
+  return (pid, p.rank, mirror, local), error

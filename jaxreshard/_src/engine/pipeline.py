@@ -295,7 +295,9 @@ def deferred(
 MIN_BLOCK_RANKS = 2
 
 
-def build_ranks(src: Sources, tables: Sequence[_groups.Groups], executor: str) -> list | None:
+def build_ranks(
+  src: Sources, tables: Sequence[_groups.Groups], executor: str, rows: dict | None = None
+) -> list | None:
   """Every target rank of ``tables`` at once, by blocks (``copyplan.Blocks``); None
   where that does not apply and the ranks are built one by one.
 
@@ -303,7 +305,8 @@ def build_ranks(src: Sources, tables: Sequence[_groups.Groups], executor: str) -
   made of one world size, in rank order) whose sources are uniform archives in
   host memory: each dtype's target rows are one fresh 2-D buffer, filled
   buffer by buffer for every rank at once, and each rank's record is deferred
-  over its rows.
+  over its rows. ``rows``: source stacks' arrays already made by this call (by
+  ``id`` of the stack), read instead of made again.
   """
   if len(tables) < MIN_BLOCK_RANKS or executor == "device":
     return None
@@ -317,7 +320,7 @@ def build_ranks(src: Sources, tables: Sequence[_groups.Groups], executor: str) -
   if not archives or not src.uniform(archives) or src.on_accelerator_archives(archives):
     return None
   with no_gc():
-    return _build_ranks(src, tables, family, archives, first)
+    return _build_ranks(src, tables, family, archives, first, rows or {})
 
 
 def common_sources(facts: Sequence[Any]) -> tuple[int, ...] | bool:
@@ -328,7 +331,7 @@ def common_sources(facts: Sequence[Any]) -> tuple[int, ...] | bool:
   return first if all(f.by_rank == first for f in facts) else False
 
 
-def _build_ranks(src, tables, family, archives, first) -> list | None:
+def _build_ranks(src, tables, family, archives, first, made: dict) -> list | None:
   groups = tables[0]
   layout = family.remember(("layout", False), lambda: _copyplan.target_layout(groups))
   work = []
@@ -355,7 +358,8 @@ def _build_ranks(src, tables, family, archives, first) -> list | None:
     out = flat.view(_host_exec.UINT[flat.itemsize]).reshape(n, size)
     # The narrow tiles' gather tables, made by the first call of these rows.
     tables = family.recent(("tiles", dtype, id(stack), first, n), dict)
-    _host_exec.copy_blocks(stack.array(), out, blocks, first, tables)
+    source = made.get(id(stack))
+    _host_exec.copy_blocks(stack.array() if source is None else source, out, blocks, first, tables)
     rows[dtype] = [flat[i * size : (i + 1) * size] for i in range(n)]
   assembly = family.remember(
     ("assembly", id(layout)),

@@ -320,8 +320,9 @@ def _reshard_ranks(records, plans, executor) -> list[ShardRecord]:
     raise PlacementError(f"plans must be a list of migration lists, got {type(plans).__name__}")
   validated = _pipeline.validate_ranks(src, plans)
   fetch = _pipeline.memory_fetch(src, executor)  # refuses an unknown executor first
-  _padcheck.check(src, validated, executor)
-  built = _pipeline.build_ranks(src, validated, executor)
+  rows: dict = {}  # source rows the check reads as one array, which the copy reuses
+  _padcheck.check(src, validated, executor, rows)
+  built = _pipeline.build_ranks(src, validated, executor, rows)
   if built is not None:
     return built
   return [_pipeline.build(src, groups, fetch) for groups in validated]
