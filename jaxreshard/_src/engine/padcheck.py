@@ -16,8 +16,9 @@ than Python per buffer:
   allocation (what ``shard_state`` and ``reshard_ranks`` build), when
   several target ranks are built and the copy by blocks stacks them anyway:
   one gather over the rows, its index table made once per plan;
-* buffers on a GPU/TPU: gathered there into one buffer, of which only the
-  answer (any nonzero bit?) comes back to the host.
+* buffers on a GPU/TPU: read there by a reduction over the spans of the
+  packed archives (``device.nonzero_runs``), of which only the answer (any
+  nonzero bit?) comes back to the host.
 
 A refusal names the first nonzero element in the order of the spans (param,
 then source rank, then mirror), whichever way it was found.
@@ -41,8 +42,8 @@ from jaxreshard._src.errors import PlacementError
 __all__ = ["check", "padding_plan"]
 
 # A piece of padding made as a view costs about as much Python as scanning this
-# many elements: a stack that is a copy is scanned instead when the pieces
-# outnumber its elements by this.
+# many elements: where the copy by blocks makes the source rows as one copy
+# anyway, they are scanned instead when the pieces outnumber their elements by this.
 _PIECE_ELEMENTS = 1024
 
 
