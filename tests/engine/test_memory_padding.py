@@ -303,3 +303,108 @@ def test_the_refusal_names_the_first_element_in_param_order_across_dtypes_and_ra
   for order in (plans, plans[::-1], [plans[6], plans[2]]):
     got = _refused(lambda o=order: jr.reshard_ranks(records, o))
     assert got is not None and got.startswith(_message("d", 2, 0, 0)), got
+
+
+def _views_of_one_allocation(records, *, read_only=False, shared_zeros=False):
+  """The same records, every history buffer a view of one numpy allocation (not in
+  packing order: the archives are laid out last first); with ``shared_zeros``
+  the buffers of all-padding ranks are one zero array per size, shared by every
+  such rank; returns (records, the allocation)."""
+  leaves = [[x for x in jax.tree.leaves(r.state) if np.ndim(x)] for r in records]
+  big = np.zeros(sum(x.size for ls in leaves for x in ls), np.uint32)
+  view = big.view()
+  view.flags.writeable = not read_only
+  zeros: dict[int, np.ndarray] = {}
+  at = 0
+  out = [None] * len(records)
+  for k in reversed(range(len(records))):
+    r = records[k]
+    placements = {p.param: p for p in r.placements}
+
+    def remake(path, x, r=r, placements=placements):
+      nonlocal at
+      if np.ndim(x) == 0:
+        return x
+      pid = str(path[-1].key)
+      p = placements[pid]
+      slots = -(-p.shape[0] // p.world_size)
+      if shared_zeros and p.rank * slots >= p.shape[0]:
+        return zeros.setdefault(x.size, np.zeros(x.size, x.dtype))
+      bits = np.asarray(x).view(np.uint32)
+      big[at : at + x.size] = bits
+      at += x.size
+      return view[at - x.size : at].view(x.dtype)
+
+    out[k] = jr.ShardRecord(
+      r.version, r.placements, jax.tree_util.tree_map_with_path(remake, r.state), r.roles
+    )
+  return out, big, zeros
+
+
+@pytest.mark.parametrize("kind", ["writable", "read-only"])
+def test_views_of_one_allocation_are_read_in_place_at_each_call(kind, monkeypatch):
+  """Buffers that are views of one allocation (not records ``reshard`` built): each
+  target rank refuses exactly the padding the rule says it reads, naming it,
+  reading the allocation as it is at each call; read-only views too; no view
+  is made per piece of padding when nothing is refused."""
+  from jaxreshard._src.engine import padcheck
+
+  records, big, _ = _views_of_one_allocation(_records(), read_only=kind == "read-only")
+  m = 3
+  plans = [jr.plan(records, world_size=m, rank=t) for t in range(m)]
+  pieces = padcheck._by_pieces
+  monkeypatch.setattr(padcheck, "_by_pieces", lambda *a: pytest.fail("a view per piece"))
+  for t in range(m):
+    jr.reshard(records, plans[t])
+  monkeypatch.setattr(padcheck, "_by_pieces", pieces)
+  for n, r, i in _padding_positions()[::3]:
+    pid = f"p{n:02d}"
+    a = (records[r].state[0].mu, records[r].state[0].nu)[1][pid]
+    at = (a.__array_interface__["data"][0] - big.__array_interface__["data"][0]) // 4
+    big[at + i] = 0x80000000
+    want = _readers(n, r, W, m)
+    for t in range(m):
+      got = _refused(lambda: jr.reshard(records, plans[t]))
+      assert (got is not None) == (t in want), (n, r, i, t, got)
+      if got is not None:
+        assert got.startswith(_message(pid, r, 1, i)), got
+    big[at + i] = 0
+  for t in range(m):
+    assert _refused(lambda: jr.reshard(records, plans[t])) is None
+
+
+def test_one_zero_array_shared_by_every_all_padding_buffer_is_read():
+  """All-padding buffers that are one shared zero array per size (runs of padding
+  that overlap in memory): read through, and a write into it refuses the
+  first param and rank, in order, that the target rank reads it as."""
+  records, _, zeros = _views_of_one_allocation(_records(), shared_zeros=True)
+  last = jr.plan(records, world_size=3, rank=2)
+  before = jr.reshard(records, last)
+  zeros[1][0] = 1  # every all-padding buffer of one slot: counts 1, 3 and 5 over 8
+  got = _refused(lambda: jr.reshard(records, last))
+  # Target rank 2 of 3 (one slot of p01) reads p01's all-padding ranks from its own
+  # slot, 2, to the end; mirror 0 first.
+  assert got is not None and got.startswith(_message("p01", 2, 0, 0)), got
+  zeros[1][0] = 0
+  again = jr.reshard(records, last)
+  for p, q in zip(jax.tree.leaves(before.state), jax.tree.leaves(again.state)):
+    assert np.asarray(p).tobytes() == np.asarray(q).tobytes()
+
+
+def test_records_reshard_built_are_read_from_their_packed_buffers(monkeypatch):
+  """Records that ``shard_state`` or ``reshard`` built: one target rank reads their
+  padding from the packed buffers they hold (no view per piece, no look at each
+  buffer of every archive), at each call."""
+  from jaxreshard._src.engine import padcheck, stacks
+
+  records = _records()
+  plans = [jr.plan(records, world_size=3, rank=t) for t in range(3)]
+  pieces = padcheck._by_pieces
+  monkeypatch.setattr(padcheck, "_by_pieces", lambda *a: pytest.fail("a view per piece"))
+  monkeypatch.setattr(stacks, "make_stack", lambda *a: pytest.fail("a look per buffer"))
+  for plan in plans:
+    jr.reshard(records, plan)
+  monkeypatch.setattr(padcheck, "_by_pieces", pieces)
+  _poke(records, "p17", 7, 1, 2, 1)
+  got = _refused(lambda: jr.reshard(records, plans[2]))
+  assert got is not None and got.startswith(_message("p17", 7, 1, 2)), got

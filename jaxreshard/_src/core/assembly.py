@@ -100,6 +100,15 @@ class Assembly:
       leaves = [pool[i] for i in self._order]
     return self._treedef.unflatten(leaves)
 
+  def packing(self, dtype: np.dtype) -> tuple[list[tuple[str, int]], np.ndarray, np.ndarray]:
+    """(param, mirror), first element and size of each history buffer of ``dtype``'s
+    packed buffer, in layout order."""
+    for d, offset, size, subtree, group, _ in self._geometry:
+      if d == dtype:
+        params = self.params
+        return list(zip(map(params.__getitem__, group.tolist()), subtree.tolist())), offset, size
+    return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
+
   def nonzero_padding(
     self, buffers: dict[np.dtype, np.ndarray], rank: int, world: int
   ) -> tuple[str, tuple[int, ...], int, int] | None:

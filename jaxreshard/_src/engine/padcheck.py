@@ -8,17 +8,24 @@ of the all-padding ranks after it (``copyplan.padding_spans``). Like the
 history buffers, the padding is read as it is at each call.
 
 The padding is read where the bytes are, in time per byte of padding rather
-than Python per buffer:
+than Python per buffer at each call, first of these that applies:
 
-* host buffers: the pieces of padding, views of the buffers made once per
-  plan, concatenated by one C-level pass over their list and scanned;
-* uniform archives whose buffers are the evenly spaced rows of one
-  allocation (what ``shard_state`` and ``reshard_ranks`` build), when
-  several target ranks are built and the copy by blocks stacks them anyway:
-  one gather over the rows, its index table made once per plan;
+* uniform archives seen as the rows of one 2-D array (``stacked``): records
+  that ``shard_state`` or ``reshard`` built hold their packed buffers, which
+  are the rows, found in time per archive for one target rank or many; for
+  other records the rows are made only where several target ranks are built
+  and the copy by blocks makes them anyway. One gather over rows evenly
+  spaced in one allocation, else one per row the spans read; the index
+  tables are made once per plan;
+* numpy buffers that share a few allocations (views of one packed buffer
+  per archive, or of one for every archive): one gather per allocation, its
+  index table made once per plan from the buffers' addresses;
 * buffers on a GPU/TPU: read there by a reduction over the spans of the
   packed archives (``device.nonzero_runs``), of which only the answer (any
-  nonzero bit?) comes back to the host.
+  nonzero bit?) comes back to the host;
+* other host buffers: the pieces of padding, views of the buffers made once
+  per plan (at each call for numpy arrays not in C order), concatenated by
+  one C-level pass over their list and scanned.
 
 A refusal names the first nonzero element in the order of the spans (param,
 then source rank, then mirror), whichever way it was found.
@@ -26,7 +33,9 @@ then source rank, then mirror), whichever way it was found.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,9 +47,14 @@ from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.engine.sources import MemorySources
 from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.exec import host as _host_exec
 
 __all__ = ["check", "padding_plan"]
 
+# A gather from the allocations the buffers share is used where each allocation
+# holds at least this many of the buffers the spans read on average (fewer, and a
+# gather per allocation costs more than a view of each piece).
+_BUFFERS_PER_ALLOCATION = 16
 # A piece of padding made as a view costs about as much Python as scanning this
 # many elements: where the copy by blocks makes the source rows as one copy
 # anyway, they are scanned instead when the pieces outnumber their elements by this.
@@ -63,6 +77,7 @@ class PadPlan:
     # Per dtype the pieces as views of the host buffers, when they may be kept.
     self.pieces: dict[np.dtype, list[np.ndarray]] = {}
     self._accelerator: bool | None = None
+    self._gathers: list | None | bool = False  # False: not looked at yet
 
   @functools.cached_property
   def _runs(self) -> tuple[dict[np.dtype, _copyplan.Runs], list]:
@@ -87,6 +102,15 @@ class PadPlan:
 
   runs = property(lambda self: self._runs[0])
   keys = property(lambda self: self._runs[1])
+
+  def gathers(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """(flat unsigned view of an allocation, sorted index of the spans' elements
+    in it) per allocation and dtype, when every buffer the spans read is a
+    C-ordered numpy array and they share few allocations; else None. Made once:
+    a record's buffers are the same arrays, over the same memory, at every call."""
+    if self._gathers is False:
+      self._gathers = _allocation_gathers(self._src, self.runs, self.keys)
+    return self._gathers
 
   @functools.cached_property
   def dtypes(self) -> list[np.dtype]:
@@ -158,6 +182,8 @@ def _check_plan(src, groups, plan: PadPlan, executor: str, ranks, rows) -> tuple
     clean = _on_device(src, plan)
   else:
     clean = _by_stack(src, groups, plan, ranks, rows)  # archives in host memory only
+    if clean is None and (gathers := plan.gathers()) is not None:
+      clean = not any(np.take(flat, index).any() for flat, index in gathers)
     if clean is None and executor == "auto" and plan.on_accelerator():
       clean = _on_device(src, plan)
   if clean:
@@ -229,22 +255,32 @@ def _by_stack(src, groups: _groups.Groups, plan: PadPlan, ranks, rows) -> bool |
   make = ranks[1] - ranks[0] >= 2
   if make and src.on_accelerator_archives(archives):
     return None
+  share = make and rows is not None  # the copy by blocks reads the same rows
   work = []
   for dtype in plan.dtypes:
     stack = src.stacked(archives, dtype, make=make)
-    # A stack that is a copy costs Python per buffer of every archive at each
-    # call: worth it only where the copy by blocks reuses it (``rows``).
-    if stack is None or (stack.copied and (not make or rows is None)):
+    if stack is None:
       return None
-    if stack.copied and plan.spans * _PIECE_ELEMENTS < stack.copied:
+    # A stack that is a copy is made at each call: worth it only where the copy
+    # by blocks reuses it and the pieces would cost more. Rows of their own (an
+    # archive's buffers back to back) are read in place instead, row by row.
+    copy = stack.copied and share and plan.spans * _PIECE_ELEMENTS >= stack.copied
+    if stack.copied and not copy and stack.rows is None:
       return None
-    work.append((dtype, stack))
-  for dtype, stack in work:
+    work.append((dtype, stack, copy or not stack.copied))
+  for dtype, stack, whole in work:
+    if not whole:
+      gathers = family.recent(
+        ("pad rows", ranks, dtype, id(stack)), lambda s=stack: _row_gathers(groups, plan.pairs, s)
+      )
+      if any(np.take(row, index).any() for row, index in gathers):
+        return False
+      continue
     array = stack.array()
     flat, step = _flat(array)
     if flat is None:
       return None
-    if rows is not None:
+    if share:
       rows[id(stack)] = array
     index = family.recent(
       ("pad index", ranks, dtype, id(stack), step),
@@ -253,6 +289,96 @@ def _by_stack(src, groups: _groups.Groups, plan: PadPlan, ranks, rows) -> bool |
     if np.take(flat, index).any():
       return False
   return True
+
+
+def _row_gathers(groups: _groups.Groups, pairs: tuple, stack: Any) -> list:
+  """(row, index of the spans' elements in it) of each row of ``stack`` they read."""
+  index = _stack_index(groups, pairs, stack, stack.width)  # increasing: runs do not overlap
+  row = index // max(stack.width, 1)
+  cut = np.flatnonzero(np.diff(row)) + 1
+  return [
+    (stack.rows[int(r[0])], i - int(r[0]) * stack.width)
+    for r, i in zip(np.split(row, cut), np.split(index, cut))
+    if len(i)
+  ]
+
+
+def _allocation_gathers(src: MemorySources, runs: dict, keys: list) -> list | None:
+  """``PadPlan.gathers``: the spans' elements indexed in the allocations their buffers
+  lie in, found from each buffer's address; None where that does not apply."""
+  if not keys or type(src.buffer(keys[0])) is not np.ndarray:
+    return None  # jax arrays: not asked of each buffer
+  buffers = src.buffers(keys)
+  # Read through a host view instead: a device array, or a copy per call.
+  if set(map(type, buffers)) != {np.ndarray} or not all(map(_C_ORDER, buffers)):
+    return None
+  # numpy points a view at the deepest array it views; one whose memory is not
+  # one C-ordered block is no allocation to index into, and the buffer is its own.
+  owners = [
+    o if type(o) is np.ndarray and o.flags.c_contiguous else b
+    for b, o in zip(buffers, map(_BASE, buffers))
+  ]
+  ids, first, owner = np.unique(
+    np.fromiter(map(id, owners), np.int64, len(owners)), return_index=True, return_inverse=True
+  )
+  if len(ids) > max(1, len(keys) // _BUFFERS_PER_ALLOCATION):
+    return None
+  allocations = [owners[i] for i in first.tolist()]
+  start = np.asarray([_address(o) for o in allocations], np.int64)
+  stop = start + np.asarray([o.nbytes for o in allocations], np.int64)
+  at = _addresses(buffers)
+  owner = owner.reshape(-1)
+  if not np.all((at >= start[owner]) & (at + _nbytes(buffers) <= stop[owner])):
+    return None
+  at -= start[owner]  # each buffer's byte offset in its allocation
+  out = []
+  for dtype, r in runs.items():
+    size = np.dtype(dtype).itemsize
+    uint = _host_exec.UINT.get(size)
+    if uint is None:
+      return None
+    # One gather per (allocation, address modulo the item size).
+    code = owner[r.source] * size + at[r.source] % size
+    element = at[r.source] // size + r.src
+    for c in np.flatnonzero(np.bincount(code)).tolist():
+      sel = np.flatnonzero(code == c)
+      o, p = allocations[c // size], c % size
+      flat = o.reshape(-1).view(np.uint8)
+      flat = flat[p : p + (flat.size - p) // size * size].view(uint)
+      out.append((flat, _run_elements(element[sel], r.length[sel])))
+  return out
+
+
+_BASE = operator.attrgetter("base")
+_C_ORDER = operator.attrgetter("flags.c_contiguous")
+
+
+def _address(a: np.ndarray) -> int:
+  """The address of ``a``'s first byte."""
+  return a.__array_interface__["data"][0]
+
+
+def _addresses(arrays: list[np.ndarray]) -> np.ndarray:
+  """The address of each array's first byte, in C where they are writable and nonempty."""
+  try:
+    at = map(ctypes.addressof, map(ctypes.c_char.from_buffer, arrays))
+    return np.fromiter(at, np.int64, len(arrays))
+  except (TypeError, ValueError):
+    return np.fromiter(map(_address, arrays), np.int64, len(arrays))
+
+
+def _nbytes(arrays: list[np.ndarray]) -> np.ndarray:
+  return np.fromiter(map(operator.attrgetter("nbytes"), arrays), np.int64, len(arrays))
+
+
+def _run_elements(start: np.ndarray, length: np.ndarray) -> np.ndarray:
+  """Every element of runs ``[start, start + length)``, runs in order of their starts:
+  increasing where they do not overlap (distinct buffers of one allocation)."""
+  order = np.argsort(start, kind="stable")
+  start, length = start[order], length[order]
+  ends = np.cumsum(length)
+  total = int(ends[-1]) if len(ends) else 0
+  return np.repeat(start - (ends - length), length) + np.arange(total, dtype=np.int64)
 
 
 def _flat(rows: np.ndarray) -> tuple[np.ndarray | None, int]:
@@ -282,12 +408,8 @@ def _stack_index(groups: _groups.Groups, pairs: tuple, stack: Any, step: int) ->
   span = np.repeat(np.arange(len(row), dtype=np.int64), n)
   buf = first[row][span] + (np.arange(len(span), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n))
   base = rank[span] * step + offset[buf] + start[span]
-  size = length[span]
-  ends = np.cumsum(size)
-  total = int(ends[-1]) if len(ends) else 0
-  index = np.repeat(base - (ends - size), size) + np.arange(total, dtype=np.int64)
-  index.sort()  # read in address order: the gather streams through the rows
-  return index
+  # Read in address order: the gather streams through the rows.
+  return _run_elements(base, length[span])
 
 
 def _refusal(src: MemorySources, plan: PadPlan, r: _copyplan.Runs, flat: np.ndarray):

@@ -31,7 +31,7 @@ from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.gcpause import no_gc
 from jaxreshard._src.core.placement import ParamPlacement
-from jaxreshard._src.core.record import ShardRecord
+from jaxreshard._src.core.record import ShardRecord, deferred_parts
 from jaxreshard._src.engine import plans as _plans
 from jaxreshard._src.engine import stacks as _stacks
 from jaxreshard._src.engine.caches import FactsCache, RecentByObject, sources_key  # noqa: F401  (re-exported)
@@ -77,6 +77,7 @@ class MemorySources(Sources, Protocol):
 
   def packing(self, archive: int) -> list[tuple[str, int, Any]]: ...
   def buffer(self, key: Any) -> Any: ...
+  def buffers(self, keys: Sequence[Any]) -> list[Any]: ...
   def host_view(self, key: Any) -> np.ndarray: ...
   def host_views(self, keys: Sequence[Any]) -> list[np.ndarray]: ...
   def on_accelerator(self, keys: Sequence[Any]) -> bool: ...
@@ -125,6 +126,8 @@ class RecordSources:
       raise PlacementError("no archives supplied")
     checked = [_validate.check_record(i, r) for i, r in enumerate(records)]
     self.parts_by_archive = [a for a, _ in checked]
+    # The packed buffers a record ``reshard`` built was made from (None for others).
+    self.packed_parts = [deferred_parts(r) for r in records]
     self._placements = [p for _, p in checked]
     # What makes archives interchangeable but for their rank and their bytes:
     # the state's structure, each buffer's shape and dtype, the placements.
@@ -137,8 +140,7 @@ class RecordSources:
     # Each buffer's host view, and whether it lives on an accelerator.
     self._homes = BufferHomes(self.parts_by_archive, self.buffer)
     self._clocks = _clock.ClockClasses()
-    # ``stacked`` by (archives, dtype); False where the buffers cannot be stacked.
-    self._stacks: dict[tuple, _stacks.Stack | bool] = {}
+    self._stacks = _stacks.Stacks()  # ``stacked``'s, made once
     # Every validated group of these sources, for as long as they live.
     self._cache = FactsCache()
     # The plans ``plan`` made of these sources, and what they validate to.
@@ -263,6 +265,11 @@ class RecordSources:
     archive, pid, subtree = key
     return self.parts_by_archive[archive].subtrees[subtree].entries.get(pid)
 
+  def buffers(self, keys: Sequence[tuple[int, str, int]]) -> list[Any]:
+    """``buffer`` of each key."""
+    parts = self.parts_by_archive
+    return [parts[a].subtrees[m].entries.get(pid) for a, pid, m in keys]
+
   def host_views(self, keys: Sequence[tuple[int, str, int]]) -> list[np.ndarray]:
     """``host_view`` of each key."""
     return self._homes.host_views(keys)
@@ -295,23 +302,10 @@ class RecordSources:
     self, archives: tuple[int, ...], dtype: np.dtype, *, make: bool = True
   ) -> _stacks.Stack | None:
     """The ``dtype`` history buffers of ``archives`` (uniform, see :meth:`uniform`)
-    as the rows of one 2-D unsigned array, one row per archive in order, each row
-    its buffers back to back in packing order; None when a buffer cannot be
-    viewed on the host, or (``make=False``) when it was not made yet.
-
-    Made once per (archives, dtype), in Python per buffer: when each archive's
-    buffers already lie back to back in one allocation (records that
-    ``reshard`` or a checkpoint read built), a row is a view of them and the
-    rows are stacked per call (or viewed, when the rows themselves are evenly
-    spaced in one allocation); otherwise the buffers are concatenated per
-    call, one C-level pass over the list of their views. No bytes are kept: a
-    stack copies what the sources hold when it is read.
-    """
-    key = (archives, np.dtype(dtype))
-    hit = self._stacks.get(key)
-    if hit is None and make:
-      hit = self._stacks.setdefault(key, _stacks.make_stack(self, archives, np.dtype(dtype)))
-    return hit or None
+    as the rows of one 2-D unsigned array (``stacks.Stacks.get``): None when a
+    buffer cannot be viewed on the host, or (``make=False``) when it was not
+    made yet and making it costs Python per buffer."""
+    return self._stacks.get(self, archives, np.dtype(dtype), make)
 
   def _packing_of(self, archive: int, dtype: np.dtype) -> list[tuple[str, int]]:
     return [(pid, m) for pid, m, buf in self.packing(archive) if np.dtype(buf.dtype) == dtype]
