@@ -390,3 +390,21 @@ def test_blocks_are_taken_where_they_cost_less_than_runs(monkeypatch, w, m, bloc
   monkeypatch.undo()
   for t, p in zip(targets[:3], plans):
     assert_records_equal(t, jr.reshard(records, p))
+
+
+def test_buffers_of_many_archives_are_each_key_s_buffer():
+  """The look-up of every archive's buffers at once gives, object for object, what
+  asking key by key gives: any order of (param, mirror), a key an archive lacks."""
+  from jaxreshard._src.engine import stacks as _stacks
+
+  opt = optax.adam(1e-2)
+  params = random_params({"a": ((13,), jnp.float32), "b": ((5, 3), jnp.float32)})
+  records = jr.shard_state(opt, params, random_state(opt, params), world_size=4)
+  src = _sources.record_sources(records)
+  order = src._packing_of(0, np.dtype(np.float32))
+  assert len({m for _, m in order}) == 2
+  for keys in (order, order[::-1], order[1:2], [*order, ("missing", 0)]):
+    got = _stacks.buffers_of(src, [3, 0, 2], keys)
+    want = [src.buffer((a, pid, m)) for a in (3, 0, 2) for pid, m in keys]
+    assert len(got) == len(want) and all(x is y for x, y in zip(got, want))
+  assert src.buffer((0, "missing", 0)) is None

@@ -95,6 +95,12 @@ class BufferHomes:
   def _archive(self, archive: int) -> bool:
     hit = self._archive_on_accelerator.get(archive)
     if hit is None:
+      types = set()
+      for m in self._parts[archive].subtrees:
+        types.update(map(type, m.entries.values()))
+      if not any(issubclass(t, jax.Array) for t in types):
+        self._archive_on_accelerator[archive] = False
+        return False
       shardings = {
         id(x.sharding): x.sharding
         for m in self._parts[archive].subtrees

@@ -33,7 +33,6 @@ then source rank, then mirror), whichever way it was found.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import operator
 from collections.abc import Sequence
@@ -45,6 +44,7 @@ from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import groups as _groups
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.engine import stacks as _stacks
 from jaxreshard._src.engine.sources import MemorySources
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.exec import host as _host_exec
@@ -324,9 +324,9 @@ def _allocation_gathers(src: MemorySources, runs: dict, keys: list) -> list | No
   if len(ids) > max(1, len(keys) // _BUFFERS_PER_ALLOCATION):
     return None
   allocations = [owners[i] for i in first.tolist()]
-  start = np.asarray([_address(o) for o in allocations], np.int64)
+  start = _stacks.addresses(allocations)
   stop = start + np.asarray([o.nbytes for o in allocations], np.int64)
-  at = _addresses(buffers)
+  at = _stacks.addresses(buffers)
   owner = owner.reshape(-1)
   if not np.all((at >= start[owner]) & (at + _nbytes(buffers) <= stop[owner])):
     return None
@@ -351,20 +351,6 @@ def _allocation_gathers(src: MemorySources, runs: dict, keys: list) -> list | No
 
 _BASE = operator.attrgetter("base")
 _C_ORDER = operator.attrgetter("flags.c_contiguous")
-
-
-def _address(a: np.ndarray) -> int:
-  """The address of ``a``'s first byte."""
-  return a.__array_interface__["data"][0]
-
-
-def _addresses(arrays: list[np.ndarray]) -> np.ndarray:
-  """The address of each array's first byte, in C where they are writable and nonempty."""
-  try:
-    at = map(ctypes.addressof, map(ctypes.c_char.from_buffer, arrays))
-    return np.fromiter(at, np.int64, len(arrays))
-  except (TypeError, ValueError):
-    return np.fromiter(map(_address, arrays), np.int64, len(arrays))
 
 
 def _nbytes(arrays: list[np.ndarray]) -> np.ndarray:

@@ -9,6 +9,8 @@ otherwise its rows are packed once.
 
 from __future__ import annotations
 
+import ctypes
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -145,48 +147,100 @@ def make_stack(src: Any, archives: tuple[int, ...], dtype: np.dtype) -> Stack | 
   n = len(order)
   if not n:
     return False
-  keys = [(a, pid, m) for a in archives for pid, m in order]
   # Buffers that are numpy arrays are looked at as they are (no view is kept
-  # per buffer when an archive's buffers lie back to back).
-  buffers = [src.buffer(k) for k in keys]
-  sizes = [int(np.size(b)) for b in buffers[:n]]
-  if any(int(np.size(b)) != sizes[i % n] for i, b in enumerate(buffers)):
+  # per buffer when an archive's buffers lie back to back), in C over the list.
+  buffers = buffers_of(src, archives, order)
+  try:
+    sizes = np.fromiter(map(_SIZE, buffers), np.int64, len(buffers))
+  except (AttributeError, TypeError):
+    sizes = np.fromiter((np.size(b) for b in buffers), np.int64, len(buffers))
+  sizes = sizes.reshape(len(archives), n)
+  if not (sizes == sizes[0]).all():
     return False
-  offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-  width = sum(sizes)
+  offsets = np.cumsum(sizes[0]) - sizes[0]
+  width = int(sizes[0].sum())
   uint = _host_exec.UINT.get(dtype.itemsize)
-  if uint is not None and all(type(b) is np.ndarray for b in buffers):
-    rows = [_packed_row(buffers[i * n : (i + 1) * n], width) for i in range(len(archives))]
-    if all(r is not None for r in rows):
+  if uint is not None and set(map(type, buffers)) == {np.ndarray}:
+    rows = _packed_rows(buffers, offsets, width, dtype)
+    if rows is not None:
       rows = [r.view(uint) for r in rows]
-      return Stack(order, offsets, width, rows=rows, whole=_evenly_spaced(rows))
+      return Stack(order, offsets.tolist(), width, rows=rows, whole=_evenly_spaced(rows))
   if any(map(_homes.copied_on_read, buffers)):
     return False  # a stack is kept across calls
   try:
-    views = src.host_views(keys)
+    views = src.host_views([(a, pid, m) for a in archives for pid, m in order])
   except (TypeError, ValueError, RuntimeError):
     return False
   if any(v.ndim != 1 or not v.flags.c_contiguous for v in views):
     return False
-  return Stack(order, offsets, width, views=views)
+  return Stack(order, offsets.tolist(), width, views=views)
 
 
-def _packed_row(views: Sequence[np.ndarray], width: int) -> np.ndarray | None:
-  """One view of ``views`` when they lie back to back in one allocation, in order."""
-  first = views[0]
-  owner = first.base if first.base is not None else first
-  itemsize = first.dtype.itemsize
-  at = _address(first)
-  for v in views:
-    if v.dtype != first.dtype or (v.base if v.base is not None else v) is not owner:
-      return None
-    if v.ndim != 1 or (v.size > 1 and v.strides[0] != itemsize):
-      return None
-    if _address(v) != at:
-      return None
-    at += v.size * itemsize
-  # Every byte of the row lies in one of the views, all inside ``owner``.
-  return np.lib.stride_tricks.as_strided(first, (width,), (itemsize,), writeable=False)
+def buffers_of(src: Any, archives: Sequence[int], order: Sequence[tuple[str, int]]) -> list[Any]:
+  """``src.buffer`` of every ``(param, mirror)`` of ``order`` in each archive,
+  archive after archive: a few C-level look-ups per archive, none per buffer."""
+  mirrors = sorted({m for _, m in order})
+  pids = {m: [pid for pid, mm in order if mm == m] for m in mirrors}
+  gets = [operator.itemgetter(*pids[m], pids[m][0]) for m in mirrors]  # always a tuple
+  # Where each (param, mirror) lands in the mirrors' look-ups laid end to end.
+  at, base = {}, 0
+  for m in mirrors:
+    at.update({(pid, m): base + i for i, pid in enumerate(pids[m])})
+    base += len(pids[m]) + 1
+  pick = operator.itemgetter(*[at[key] for key in order], 0)
+  parts = src.parts_by_archive
+  out: list[Any] = []
+  try:
+    for a in archives:
+      entries = [parts[a].subtrees[m].entries for m in mirrors]
+      out.extend(pick(sum(map(lambda g, e: g(e), gets, entries), ()))[:-1])
+  except (KeyError, IndexError):
+    return src.buffers([(a, pid, m) for a in archives for pid, m in order])
+  return out
+
+
+def _packed_rows(
+  buffers: list[np.ndarray], offsets: np.ndarray, width: int, dtype: np.dtype
+) -> list[np.ndarray] | None:
+  """Per archive (``len(offsets)`` buffers each, in order) one view of its buffers,
+  when they lie back to back in one allocation at ``offsets``; else None."""
+  if set(map(_DTYPE, buffers)) != {dtype} or set(map(_NDIM, buffers)) != {1}:
+    return None
+  if not all(map(_C_ORDER, buffers)):
+    return None
+  n = len(offsets)
+  # numpy points a view at the deepest array it views: one base per archive (a
+  # buffer that owns its memory is its own).
+  ids = np.fromiter(map(id, buffers), np.int64, len(buffers))
+  base = np.fromiter(map(id, map(_BASE, buffers)), np.int64, len(buffers))
+  owner = np.where(base == id(None), ids, base).reshape(-1, n)
+  if not (owner == owner[:, :1]).all():
+    return None
+  at = addresses(buffers).reshape(-1, n)
+  if not (at == at[:, :1] + offsets * dtype.itemsize).all():
+    return None
+  # Every byte of a row lies in one of its buffers, all inside one allocation.
+  return [
+    np.lib.stride_tricks.as_strided(buffers[i], (width,), (dtype.itemsize,), writeable=False)
+    for i in range(0, len(buffers), n)
+  ]
+
+
+_BASE = operator.attrgetter("base")
+_C_ORDER = operator.attrgetter("flags.c_contiguous")
+_DTYPE = operator.attrgetter("dtype")
+_NDIM = operator.attrgetter("ndim")
+_SIZE = operator.attrgetter("size")
+
+
+def addresses(arrays: list[np.ndarray]) -> np.ndarray:
+  """The address of each numpy array's first byte, in C where they are writable and
+  nonempty."""
+  try:
+    at = map(ctypes.addressof, map(ctypes.c_char.from_buffer, arrays))
+    return np.fromiter(at, np.int64, len(arrays))
+  except (TypeError, ValueError):
+    return np.fromiter(map(_address, arrays), np.int64, len(arrays))
 
 
 def _evenly_spaced(rows: Sequence[np.ndarray]) -> np.ndarray | None:
