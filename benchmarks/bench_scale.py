@@ -45,6 +45,12 @@ def world_row(src: int, dst: int, opts: Options) -> dict:
   repeats = 1 if opts.quick else _WARM_REPEATS
   warm = measure(lambda: jr.reshard_ranks(records, plans), repeats)
   leaves = measure(lambda: _every_leaf(jr.reshard_ranks(records, plans)), max(1, opts.repeats - 1))
+  # The last target rank alone reads every all-padding source rank after its own
+  # slots: its first call makes that plan's padding tables, later calls reuse them.
+  t0 = time.perf_counter()
+  jr.reshard(records, plans[-1])
+  last_first = time.perf_counter() - t0
+  last = measure(lambda: jr.reshard(records, plans[-1]), repeats)
   records = plans = None  # freed; the lambdas above are not called again
   gc.collect()
   return {
@@ -61,6 +67,9 @@ def world_row(src: int, dst: int, opts: Options) -> dict:
     "leaf_us_per_target_param": round(
       1e6 * max(leaves.best - warm.best, 0.0) / (dst * opts.scale_params), 2
     ),
+    "last_rank_first_s": round(last_first, 4),
+    "last_rank_warm_s": round(last.best, 4),
+    "last_vs_share": round(last.best / (warm.best / dst), 2),
   }
 
 
@@ -92,5 +101,8 @@ def run(opts: Options) -> Result:
     " and waited for (`jax.block_until_ready` of each record); `leaf_us_per_target_param`:"
     " that extra time per pair (one view, one placement and two leaves per pair,"
     " which a reader touching every leaf of every rank pays)."
+    " `last_rank_first_s`, `last_rank_warm_s`: `reshard` of the last target rank"
+    " alone, its first call (which makes its plan's padding tables) and the best warm"
+    " one; `last_vs_share`: the warm one over an average rank's share of `warm_s`."
   )
   return Result(NAME, "time per byte vs world size", GOAL, met, tuple(rows), notes)
