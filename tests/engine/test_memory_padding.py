@@ -391,20 +391,73 @@ def test_one_zero_array_shared_by_every_all_padding_buffer_is_read():
     assert np.asarray(p).tobytes() == np.asarray(q).tobytes()
 
 
-def test_records_reshard_built_are_read_from_their_packed_buffers(monkeypatch):
-  """Records that ``shard_state`` or ``reshard`` built: one target rank reads their
-  padding from the packed buffers they hold (no view per piece, no look at each
-  buffer of every archive), at each call."""
-  from jaxreshard._src.engine import padcheck, stacks
+def test_one_target_rank_of_records_shard_state_built_reads_padding_in_place(monkeypatch):
+  """Records that ``shard_state`` built (their buffers views of packed buffers): one
+  target rank reads the padding it reads in place, no view per piece, at each call."""
+  from jaxreshard._src.engine import padcheck
 
-  records = _records()
+  records = _records(counts=tuple(range(1, 40)))
   plans = [jr.plan(records, world_size=3, rank=t) for t in range(3)]
   pieces = padcheck._by_pieces
   monkeypatch.setattr(padcheck, "_by_pieces", lambda *a: pytest.fail("a view per piece"))
-  monkeypatch.setattr(stacks, "make_stack", lambda *a: pytest.fail("a look per buffer"))
   for plan in plans:
     jr.reshard(records, plan)
   monkeypatch.setattr(padcheck, "_by_pieces", pieces)
   _poke(records, "p17", 7, 1, 2, 1)
   got = _refused(lambda: jr.reshard(records, plans[2]))
   assert got is not None and got.startswith(_message("p17", 7, 1, 2)), got
+
+
+def _replace(record, mirror, pid, buffer):
+  """Puts ``buffer`` in place of a history buffer in the record's own state."""
+  (record.state[0].mu, record.state[0].nu)[mirror][pid] = buffer
+
+
+def test_a_buffer_put_in_a_record_s_state_is_what_every_path_reads(tmp_path):
+  """A record ``shard_state`` built whose state gets another array for one of its
+  history buffers (its dicts are the caller's): every target rank, one at a time
+  or all at once, and a save then restore, read the array the record holds now,
+  its padding included, not the packed buffer the record was made from."""
+  records = _records(counts=tuple(range(60, 100)), w=16)
+  pid, n = "p80", 80
+  new = np.array(records[1].state[0].mu[pid])
+  new[:] = 42.0
+  _replace(records[1], 0, pid, new)
+  want = np.asarray(jr.unshard_state(records)[0].mu[pid])
+  assert want[5:10].tolist() == [42.0] * 5 and want[:5].tolist() == [1.0] * 5
+  plans = [jr.plan(records, world_size=12, rank=t) for t in range(12)]
+  every = jr.reshard_ranks(records, plans)
+  for t in range(12):
+    alone = jr.reshard(records, plans[t])
+    slots = -(-n // 12)
+    shard = want[t * slots : (t + 1) * slots]
+    for got in (every[t], alone):
+      mu = np.asarray(got.state[0].mu[pid])
+      assert mu[: len(shard)].tobytes() == shard.tobytes(), t
+  jr.save_records(tmp_path / "c", records)
+  back = jr.load_records(tmp_path / "c")
+  assert np.asarray(back[1].state[0].mu[pid]).tobytes() == new.tobytes()
+
+
+def test_padding_of_a_buffer_put_in_a_record_s_state_is_read_not_the_old_one():
+  """Nonzero padding in the array now held is refused; nonzero padding in the
+  packed buffer the record no longer holds is not."""
+  records = _records(counts=(5, 3, 9), w=4)
+  bad = np.array(records[3].state[0].nu["p03"])
+  bad.view(np.uint32)[0] = 1  # 3 over 4: rank 3 is all padding
+  _replace(records[3], 1, "p03", bad)
+  plan = jr.plan(records, world_size=2, rank=1)
+  for call in (lambda: jr.reshard(records, plan), lambda: jr.unshard_state(records)):
+    got = _refused(call)
+    assert got is not None and got.startswith(_message("p03", 3, 1, 0)), got
+  records = _records(counts=(5, 3, 9), w=4)
+  old = records[3].state[0].nu["p03"]
+  _replace(records[3], 1, "p03", np.array(old))
+  old.view(np.uint32)[0] = 1  # the packed buffer, no longer held
+  assert _refused(lambda: jr.reshard(records, plan)) is None
+  assert (
+    _refused(
+      lambda: jr.reshard_ranks(records, [jr.plan(records, world_size=2, rank=t) for t in range(2)])
+    )
+    is None
+  )

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.core import validate as _validate
-from jaxreshard._src.core.assembly import RankParts
+from jaxreshard._src.core.assembly import RankParts, current_parts
 from jaxreshard._src.core.geometry import FlatShard
-from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord, deferred_parts
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 
 __all__ = ["DeferredLayouts"]
 
@@ -53,8 +53,8 @@ def _rank_parts(record: Any) -> tuple[RankParts, int, int] | None:
   """A deferred record's parts, rank and world size, when every row has one of each."""
   if type(record) is not ShardRecord:
     return None
-  parts = deferred_parts(record)
-  if type(parts) is not RankParts or record.__dict__.get("roles") is not parts.assembly.roles:
+  parts = current_parts(record)
+  if parts is None or record.__dict__.get("roles") is not parts.assembly.roles:
     return None
   rank, world = _uniform(parts.ranks), _uniform(parts.worlds)
   if rank is None or world is None:

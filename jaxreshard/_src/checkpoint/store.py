@@ -31,8 +31,8 @@ from jaxreshard._src.checkpoint.tempdir import (  # noqa: F401  (re-exported)
   temp_dirs,
 )
 from jaxreshard._src.core import structure as _structure
-from jaxreshard._src.core.assembly import RankParts
-from jaxreshard._src.core.record import ShardRecord, deferred_parts
+from jaxreshard._src.core.assembly import current_parts
+from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.errors import ArchiveExistsError, ReshardError
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
@@ -148,8 +148,8 @@ def save_records(
 
 def history_bytes(record: ShardRecord) -> int:
   """The bytes of a record's history buffers, as a save stores them."""
-  parts = deferred_parts(record)
-  if isinstance(parts, RankParts):  # its packed buffers' sizes; no leaf is made
+  parts = current_parts(record)
+  if parts is not None:  # its packed buffers' sizes; no leaf is made
     return parts.assembly.nbytes
   roles = _structure.roles_of(record)
   leaves = jax.tree_util.tree_leaves(record.state)

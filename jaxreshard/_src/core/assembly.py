@@ -24,9 +24,9 @@ import numpy as np
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.gcpause import no_gc
 from jaxreshard._src.core.placement import ParamPlacement
-from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord, deferred_parts
 
-__all__ = ["Assembly", "RankParts", "deferred_record"]
+__all__ = ["Assembly", "RankParts", "current_parts", "deferred_record"]
 
 
 class _Slot:
@@ -89,25 +89,17 @@ class Assembly:
     self._dtypes = tuple(f.dtype for f in facts)
     self._trainable = tuple(f.trainable for f in facts)
 
-  def state(self, buffers: dict[np.dtype, np.ndarray]) -> Any:
-    """The target state whose history buffers are views of ``buffers`` (one per dtype)."""
+  def state(self, buffers: dict[np.dtype, np.ndarray]) -> tuple[Any, tuple[Any, ...]]:
+    """The target state whose history buffers are views of ``buffers`` (one per
+    dtype), and its leaves."""
     pool = list(map(_structure.own_scalar, self._scalars))
     for dtype, slices in self._slices:
       pool.extend(map(buffers[dtype].__getitem__, slices))
     if self._pick is not None:
       leaves = self._pick(pool)
     else:
-      leaves = [pool[i] for i in self._order]
-    return self._treedef.unflatten(leaves)
-
-  def packing(self, dtype: np.dtype) -> tuple[list[tuple[str, int]], np.ndarray, np.ndarray]:
-    """(param, mirror), first element and size of each history buffer of ``dtype``'s
-    packed buffer, in layout order."""
-    for d, offset, size, subtree, group, _ in self._geometry:
-      if d == dtype:
-        params = self.params
-        return list(zip(map(params.__getitem__, group.tolist()), subtree.tolist())), offset, size
-    return [], np.zeros(0, np.int64), np.zeros(0, np.int64)
+      leaves = tuple(pool[i] for i in self._order)
+    return self._treedef.unflatten(leaves), leaves
 
   def nonzero_padding(
     self, buffers: dict[np.dtype, np.ndarray], rank: int, world: int
@@ -161,7 +153,7 @@ class Assembly:
 class RankParts:
   """One target rank's packed buffers and what its deferred record is made with."""
 
-  __slots__ = ("assembly", "buffers", "ranks", "worlds", "made")
+  __slots__ = ("assembly", "buffers", "ranks", "worlds", "made", "shown")
 
   def __init__(
     self,
@@ -176,13 +168,27 @@ class RankParts:
     self.ranks = ranks
     self.worlds = worlds
     self.made = placements
+    self.shown: tuple[Any, tuple[Any, ...]] | None = None  # the state made, and its leaves
 
   def state(self) -> Any:
     # A view and a few containers per leaf, no reference cycles: the cyclic
     # collector is paused, as around the copy itself, or the allocations
     # trigger collections that walk every live object.
     with no_gc():
-      return self.assembly.state(self.buffers)
+      state, leaves = self.assembly.state(self.buffers)
+    self.shown = (state, leaves)
+    return state
+
+  def holds(self, state: Any) -> bool:
+    """Whether ``state`` (its record's, once read) still holds the leaves made from
+    the packed buffers: its containers are the caller's, who may put another
+    buffer in one of them, and the packed buffers then no longer say what the
+    record holds. One C-level identity comparison per leaf."""
+    shown = self.shown
+    if shown is None or shown[0] is not state:
+      return False
+    leaves = jax.tree_util.tree_leaves(state)
+    return len(leaves) == len(shown[1]) and all(map(operator.is_, leaves, shown[1]))
 
   def placements(self) -> tuple[ParamPlacement, ...]:
     # One frozen object per parameter, no reference cycles: paused as for ``state``.
@@ -190,6 +196,16 @@ class RankParts:
       if self.made is None:
         return self.assembly.placements(self.ranks, self.worlds)
       return self.made() if callable(self.made) else self.made
+
+
+def current_parts(record: ShardRecord) -> RankParts | None:
+  """A deferred record's parts, when its packed buffers are what it holds: its state
+  not read yet, or read and holding the leaves made from them (``holds``)."""
+  parts = deferred_parts(record)
+  if type(parts) is not RankParts:
+    return None
+  state = record.__dict__.get("state")
+  return parts if state is None or parts.holds(state) else None
 
 
 def deferred_record(

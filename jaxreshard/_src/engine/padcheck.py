@@ -10,13 +10,10 @@ history buffers, the padding is read as it is at each call.
 The padding is read where the bytes are, in time per byte of padding rather
 than Python per buffer at each call, first of these that applies:
 
-* uniform archives seen as the rows of one 2-D array (``stacked``): records
-  that ``shard_state`` or ``reshard`` built hold their packed buffers, which
-  are the rows, found in time per archive for one target rank or many; for
-  other records the rows are made only where several target ranks are built
-  and the copy by blocks makes them anyway. One gather over rows evenly
-  spaced in one allocation, else one per row the spans read; the index
-  tables are made once per plan;
+* uniform archives seen as the rows of one 2-D array (``stacked``), where
+  several target ranks are built and the copy by blocks makes that stack
+  anyway: one gather over rows evenly spaced in one allocation, else one per
+  row the spans read; the index tables are made once per plan;
 * numpy buffers that share a few allocations (views of one packed buffer
   per archive, or of one for every archive): one gather per allocation, its
   index table made once per plan from the buffers' addresses;

@@ -31,7 +31,7 @@ from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.gcpause import no_gc
 from jaxreshard._src.core.placement import ParamPlacement
-from jaxreshard._src.core.record import ShardRecord, deferred_parts
+from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.engine import plans as _plans
 from jaxreshard._src.engine import stacks as _stacks
 from jaxreshard._src.engine.caches import FactsCache, RecentByObject, sources_key  # noqa: F401  (re-exported)
@@ -126,8 +126,6 @@ class RecordSources:
       raise PlacementError("no archives supplied")
     checked = [_validate.check_record(i, r) for i, r in enumerate(records)]
     self.parts_by_archive = [a for a, _ in checked]
-    # The packed buffers a record ``reshard`` built was made from (None for others).
-    self.packed_parts = [deferred_parts(r) for r in records]
     self._placements = [p for _, p in checked]
     # What makes archives interchangeable but for their rank and their bytes:
     # the state's structure, each buffer's shape and dtype, the placements.
@@ -304,7 +302,7 @@ class RecordSources:
     """The ``dtype`` history buffers of ``archives`` (uniform, see :meth:`uniform`)
     as the rows of one 2-D unsigned array (``stacks.Stacks.get``): None when a
     buffer cannot be viewed on the host, or (``make=False``) when it was not
-    made yet and making it costs Python per buffer."""
+    made yet."""
     return self._stacks.get(self, archives, np.dtype(dtype), make)
 
   def _packing_of(self, archive: int, dtype: np.dtype) -> list[tuple[str, int]]:

@@ -19,7 +19,7 @@ import numpy as np
 from jaxreshard._src.engine import homes as _homes
 from jaxreshard._src.exec import host as _host_exec
 
-__all__ = ["Stack", "Stacks", "make_stack", "packed_stack"]
+__all__ = ["Stack", "Stacks", "addresses", "buffers_of", "make_stack"]
 
 
 class Stack:
@@ -71,74 +71,30 @@ class Stacks:
 
   def __init__(self):
     self._made: dict[tuple, Stack | bool] = {}  # False: the buffers cannot be stacked
-    self._not_packed: set[tuple] = set()
 
   def get(self, src: Any, archives: tuple[int, ...], dtype: np.dtype, make: bool) -> Stack | None:
     """The ``dtype`` history buffers of ``archives`` as the rows of one 2-D unsigned
     array, one row per archive in order, each row its buffers back to back in
     packing order; None when a buffer cannot be viewed on the host, or (without
-    ``make``) when it was not made yet and making it costs Python per buffer.
+    ``make``) when it was not made yet.
 
-    Records that ``reshard`` built hold their packed buffers, which are the
-    rows: made in time per archive, whatever ``make`` (``packed_stack``).
-    Otherwise in Python per buffer (``make_stack``): when each archive's
-    buffers already lie back to back in one allocation, a row is a view of
-    them and the rows are stacked per call (or viewed, when the rows themselves
-    are evenly spaced in one allocation); otherwise the buffers are
-    concatenated per call, one C-level pass over the list of their views. No
-    bytes are kept: a stack copies what the sources hold when it is read.
+    Made once (``make_stack``), looking at every buffer of every archive in C
+    over their list: when each archive's buffers already lie back to back in
+    one allocation, a row is a view of them and the rows are stacked per call
+    (or viewed, when the rows themselves are evenly spaced in one allocation);
+    otherwise the buffers are concatenated per call, one C-level pass over the
+    list of their views. No bytes are kept: a stack copies what the sources
+    hold when it is read.
     """
     key = (archives, dtype)
     hit = self._made.get(key)
-    if hit is None and (make or key not in self._not_packed):
-      stack = packed_stack(src, archives, dtype)
-      if stack is None:
-        self._not_packed.add(key)
-        if make:
-          stack = make_stack(src, archives, dtype)
-      if stack is not None:
-        hit = self._made.setdefault(key, stack)
+    if hit is None and make:
+      hit = self._made.setdefault(key, make_stack(src, archives, dtype))
     return hit or None
 
 
 def _address(view: np.ndarray) -> int:
   return view.__array_interface__["data"][0]
-
-
-def packed_stack(src: Any, archives: tuple[int, ...], dtype: np.dtype) -> Stack | None:
-  """The stack of archives that are records ``reshard`` built over one layout, whose
-  packed buffers of ``dtype`` are the rows: made in time per archive; None for
-  other archives.
-
-  Each archive's first and last buffer, as its state holds them, are checked to
-  be views of its packed buffer where the layout puts them.
-  """
-  parts = [src.packed_parts[a] for a in archives]
-  first = parts[0] if parts else None
-  if first is None or any(p is None or p.assembly is not first.assembly for p in parts):
-    return None
-  order, offsets, sizes = first.assembly.packing(dtype)
-  uint = _host_exec.UINT.get(dtype.itemsize)
-  width = int(sizes.sum())
-  if not order or uint is None or order != src._packing_of(archives[0], dtype):
-    return None
-  if np.any(offsets != np.cumsum(sizes) - sizes):
-    return None  # not back to back in layout order
-  rows = [p.buffers.get(dtype) for p in parts]
-  itemsize = dtype.itemsize
-  ends = ((order[0], int(offsets[0])), (order[-1], int(offsets[-1])))
-  for a, row in zip(archives, rows):
-    if type(row) is not np.ndarray or row.dtype != dtype or row.shape != (width,):
-      return None
-    if not row.flags.c_contiguous:
-      return None
-    at = _address(row)
-    for (pid, m), offset in ends:
-      b = src.buffer((a, pid, m))
-      if type(b) is not np.ndarray or _address(b) != at + offset * itemsize:
-        return None
-  rows = [r.view(uint) for r in rows]
-  return Stack(order, offsets.tolist(), width, rows=rows, whole=_evenly_spaced(rows))
 
 
 def make_stack(src: Any, archives: tuple[int, ...], dtype: np.dtype) -> Stack | bool:
