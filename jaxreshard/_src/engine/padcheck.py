@@ -101,8 +101,8 @@ class PadPlan:
   keys = property(lambda self: self._runs[1])
 
   def gathers(self) -> list[tuple[np.ndarray, np.ndarray]] | None:
-    """(flat unsigned view of an allocation, sorted index of the spans' elements
-    in it) per allocation and dtype, when every buffer the spans read is a
+    """(flat unsigned view of an allocation, index of the spans' elements in it,
+    increasing where the buffers do not overlap) per allocation and dtype, when every buffer the spans read is a
     C-ordered numpy array and they share few allocations; else None. Made once:
     a record's buffers are the same arrays, over the same memory, at every call."""
     if self._gathers is False:
