@@ -31,7 +31,6 @@ then source rank, then mirror), whichever way it was found.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -307,13 +306,13 @@ def _allocation_gathers(src: MemorySources, runs: dict, keys: list) -> list | No
     return None  # jax arrays: not asked of each buffer
   buffers = src.buffers(keys)
   # Read through a host view instead: a device array, or a copy per call.
-  if set(map(type, buffers)) != {np.ndarray} or not all(map(_C_ORDER, buffers)):
+  if set(map(type, buffers)) != {np.ndarray} or not all(map(_stacks.C_ORDER, buffers)):
     return None
   # numpy points a view at the deepest array it views; one whose memory is not
   # one C-ordered block is no allocation to index into, and the buffer is its own.
   owners = [
     o if type(o) is np.ndarray and o.flags.c_contiguous else b
-    for b, o in zip(buffers, map(_BASE, buffers))
+    for b, o in zip(buffers, map(_stacks.BASE, buffers))
   ]
   ids, first, owner = np.unique(
     np.fromiter(map(id, owners), np.int64, len(owners)), return_index=True, return_inverse=True
@@ -325,7 +324,7 @@ def _allocation_gathers(src: MemorySources, runs: dict, keys: list) -> list | No
   stop = start + np.asarray([o.nbytes for o in allocations], np.int64)
   at = _stacks.addresses(buffers)
   owner = owner.reshape(-1)
-  if not np.all((at >= start[owner]) & (at + _nbytes(buffers) <= stop[owner])):
+  if not np.all((at >= start[owner]) & (at + _stacks.nbytes(buffers) <= stop[owner])):
     return None
   at -= start[owner]  # each buffer's byte offset in its allocation
   out = []
@@ -344,14 +343,6 @@ def _allocation_gathers(src: MemorySources, runs: dict, keys: list) -> list | No
       flat = flat[p : p + (flat.size - p) // size * size].view(uint)
       out.append((flat, _run_elements(element[sel], r.length[sel])))
   return out
-
-
-_BASE = operator.attrgetter("base")
-_C_ORDER = operator.attrgetter("flags.c_contiguous")
-
-
-def _nbytes(arrays: list[np.ndarray]) -> np.ndarray:
-  return np.fromiter(map(operator.attrgetter("nbytes"), arrays), np.int64, len(arrays))
 
 
 def _run_elements(start: np.ndarray, length: np.ndarray) -> np.ndarray:

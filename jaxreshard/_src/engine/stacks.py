@@ -162,13 +162,13 @@ def _packed_rows(
   when they lie back to back in one allocation at ``offsets``; else None."""
   if set(map(_DTYPE, buffers)) != {dtype} or set(map(_NDIM, buffers)) != {1}:
     return None
-  if not all(map(_C_ORDER, buffers)):
+  if not all(map(C_ORDER, buffers)):
     return None
   n = len(offsets)
   # numpy points a view at the deepest array it views: one base per archive (a
   # buffer that owns its memory is its own).
   ids = np.fromiter(map(id, buffers), np.int64, len(buffers))
-  base = np.fromiter(map(id, map(_BASE, buffers)), np.int64, len(buffers))
+  base = np.fromiter(map(id, map(BASE, buffers)), np.int64, len(buffers))
   owner = np.where(base == id(None), ids, base).reshape(-1, n)
   if not (owner == owner[:, :1]).all():
     return None
@@ -182,11 +182,17 @@ def _packed_rows(
   ]
 
 
-_BASE = operator.attrgetter("base")
-_C_ORDER = operator.attrgetter("flags.c_contiguous")
+BASE = operator.attrgetter("base")
+C_ORDER = operator.attrgetter("flags.c_contiguous")
 _DTYPE = operator.attrgetter("dtype")
 _NDIM = operator.attrgetter("ndim")
 _SIZE = operator.attrgetter("size")
+_NBYTES = operator.attrgetter("nbytes")
+
+
+def nbytes(arrays: list[np.ndarray]) -> np.ndarray:
+  """The bytes of each numpy array, read in C over the list."""
+  return np.fromiter(map(_NBYTES, arrays), np.int64, len(arrays))
 
 
 def addresses(arrays: list[np.ndarray]) -> np.ndarray:
