@@ -28,7 +28,8 @@ def test_every_all_padding_rank_is_checked_by_the_target_ranks_over_it(ckpt, wor
   seen = {}
   for t in range(world):
     migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=world, rank=t)
-    for a, d, (pid, m) in restore.all_padding_sources(restore._validated(ckpt, migrations)):
+    trailing = restore.all_padding_sources(restore._validated(ckpt, migrations), ckpt.index.name_of)
+    for a, d, (pid, m) in trailing.buffers(ckpt.index.tables.pids):
       assert d == np.dtype(np.float32) and m in (0, 1)  # adam's mu and nu
       seen.setdefault((pid, m, a), []).append(t)
   want = {}
@@ -47,3 +48,42 @@ def test_every_all_padding_rank_is_checked_by_the_target_ranks_over_it(ckpt, wor
         want[(f"p{n}", m, r)] = over
   # Archive a holds source rank a (save_records writes rank r as archive r).
   assert seen == want
+
+
+def test_pads_find_looks_buffers_up_as_a_dict_of_their_keys_would():
+  from jaxreshard._src.checkpoint import pads
+
+  rng = np.random.default_rng(0)
+  for trial in range(50):
+    n = int(rng.integers(0, 40))
+    keys = list({(int(a), int(b)) for a, b in rng.integers([-1, 0], [30, 4], (n, 2))})
+    rng.shuffle(keys)
+    finder = pads._Finder(
+      np.asarray([k[0] for k in keys], np.int64).reshape(-1),
+      np.asarray([k[1] for k in keys], np.int64).reshape(-1),
+    )
+    where = {k: i for i, k in enumerate(keys) if k[0] >= 0}
+    q = rng.integers([-2, -1], [32, 6], (int(rng.integers(0, 60)), 2))
+    want = sorted({where[k] for k in map(tuple, q.tolist()) if k in where})
+    assert finder.find(q[:, 0], q[:, 1]).tolist() == want, trial
+
+
+def test_trailing_gives_each_buffer_once_file_by_file_in_archive_then_dtype_order():
+  from jaxreshard._src.checkpoint import pads
+
+  rng = np.random.default_rng(1)
+  dtypes = [np.dtype(np.float32), np.dtype(np.float16)]
+  t, want = pads.Trailing(), set()
+  for _ in range(30):
+    d = dtypes[int(rng.integers(0, 2))]
+    a = rng.integers(0, 7, int(rng.integers(0, 9)))
+    name, mirror = int(rng.integers(0, 5)), int(rng.integers(0, 3))
+    t.add(d, a, name, mirror)
+    want |= {(int(x), d, (name, mirror)) for x in a.tolist()}
+  rows = t.by_file()
+  files = [(a, d.name) for a, d, _, _ in rows]
+  assert files == sorted(set(files))  # each file once, in order
+  got = [(a, d, (n, m)) for a, d, ns, ms in rows for n, m in zip(ns.tolist(), ms.tolist())]
+  assert len(got) == len(set(got)) and set(got) == want
+  assert t.buffers(list(range(5))) == want
+  assert not pads.Trailing() and pads.Trailing().by_file() == []

@@ -108,20 +108,21 @@ class ArchiveReader:
     self,
     archive: int,
     dtype: np.dtype,
-    keys: list,
+    names: np.ndarray,
+    mirrors: np.ndarray,
     scratch: np.ndarray,
     stats: ReadStats | None = None,
     f: _shardread.ShardFile | None = None,
   ) -> None:
-    """Reads the padding of buffers ``keys`` and checks it is zero bits.
+    """Reads the padding of buffers ``(names[i], mirrors[i])`` and checks it is zero bits.
 
-    ``keys`` are ``(param, mirror)`` of buffers of ``archive``'s packed buffer of
-    ``dtype`` on all-padding ranks, which no run copies from. ``f``: the buffer's
-    file, when the caller holds it open (``open_buffer``).
+    They are buffers of ``archive``'s packed buffer of ``dtype`` on all-padding
+    ranks, which no run copies from (``_pads.Trailing``), their params by number
+    in the index's ``tables.pids``. ``f``: the buffer's file, when the caller
+    holds it open (``open_buffer``).
     """
     pads = self._pad_table(archive, dtype)
-    index = pads.index
-    ks = np.asarray(sorted(index[key] for key in keys if key in index), np.int64)
+    ks = pads.find(names, mirrors)
     owned = pads.at(ks)[0]
     pad = owned < pads.stops[ks]
     ks, owned = ks[pad], owned[pad]
@@ -186,7 +187,7 @@ class ArchiveReader:
     out: np.ndarray,
     scratch: np.ndarray,
     stats: ReadStats | None = None,
-    trailing: set | None = None,
+    trailing: _pads.Trailing | None = None,
     f: _shardread.ShardFile | None = None,
   ) -> None:
     """Copies runs of one packed buffer into ``out``, reading only their chunks.
@@ -207,8 +208,8 @@ class ArchiveReader:
     owned, ranks, last = pads.at(touched)
     if trailing is not None:
       for k, rank in zip(touched[last].tolist(), ranks[last].tolist()):
-        for a in _pads.ranks_after(self.index, archive, pads.keys[k][0], rank):
-          trailing.add((a, np.dtype(dtype), pads.keys[k]))
+        after = _pads.ranks_after(self.index, archive, pads.keys[k][0], rank)
+        trailing.add(dtype, after, pads.names[k], pads.mirrors[k])
     pad = owned < pads.stops[touched]
     self._read(
       archive, dtype, pads, touched[pad], owned[pad], src, dst, length, out, scratch, stats, f

@@ -21,6 +21,7 @@ from jaxreshard._src.errors import ArchiveError, PlacementError
 
 __all__ = [
   "Pads",
+  "Trailing",
   "for_archive",
   "pad_base",
   "pad_table",
@@ -39,16 +40,50 @@ class Pads:
   the index lays it out with no geometry: it is refused before any read), and
   ``last[k]`` says the rank holds its param's last element while later ranks
   exist (whose buffers are then all padding). ``at(ks)`` gives ``owned``,
-  ``ranks`` and ``last`` of some buffers only.
+  ``ranks`` and ``last`` of some buffers only. ``names[k]`` and ``mirrors[k]``
+  are buffer ``k``'s param (its number in the index's ``tables.pids``) and
+  mirror; ``find`` looks buffers up by them.
   """
 
-  def __init__(self, starts, owned, stops, keys, index, ranks, last):
+  def __init__(self, starts, owned, stops, keys, index, ranks, last, names, mirrors):
     self.starts, self.stops = starts, stops
     self.owned, self.ranks, self.last = owned, ranks, last
     self.keys, self.index = keys, index  # (param, mirror) of each buffer, and its inverse
+    self.names, self.mirrors = names, mirrors
+    self._finder = _Finder(names, mirrors)
 
   def at(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return self.owned[ks], self.ranks[ks], self.last[ks]
+
+  def find(self, names: np.ndarray, mirrors: np.ndarray) -> np.ndarray:
+    """The buffers ``(names[i], mirrors[i])``, in increasing order, each once; those
+    the packed buffer does not hold are left out."""
+    return self._finder.find(names, mirrors)
+
+
+class _Finder:
+  """Buffers looked up by (param number, mirror), with arrays: each pair is one
+  integer code, searched among the sorted codes of the packed buffer's."""
+
+  def __init__(self, names: np.ndarray, mirrors: np.ndarray):
+    self._names, self._mirrors = np.asarray(names, np.int64), np.asarray(mirrors, np.int64)
+
+  @functools.cached_property
+  def _sorted(self) -> tuple[int, np.ndarray, np.ndarray]:
+    width = int(self._mirrors.max()) + 1 if len(self._mirrors) else 1
+    codes = self._names * width + self._mirrors
+    order = np.argsort(codes, kind="stable")
+    return width, codes[order], order
+
+  def find(self, names: np.ndarray, mirrors: np.ndarray) -> np.ndarray:
+    width, codes, order = self._sorted
+    names, mirrors = np.asarray(names, np.int64), np.asarray(mirrors, np.int64)
+    # A mirror past every buffer's is in none of them (and would alias another code).
+    ok = (mirrors >= 0) & (mirrors < width) & (names >= 0)
+    want = np.unique(names[ok] * width + mirrors[ok])
+    at = np.minimum(np.searchsorted(codes, want), max(len(codes) - 1, 0))
+    hit = codes[at] == want if len(codes) else np.zeros(len(want), bool)
+    return np.sort(order[at[hit]])
 
 
 class PadBase:
@@ -59,6 +94,8 @@ class PadBase:
     self.starts, self.stops, self.slots, self.count = starts, stops, slots, count
     self.world_size = world_size
     self._names, self._mirrors, self._pids = names, mirrors, pids
+    self.names, self.mirrors = names, mirrors
+    self.finder = _Finder(names, mirrors)
 
   @functools.cached_property
   def keys(self) -> list[tuple[str, int]]:
@@ -76,6 +113,7 @@ class _RankPads(Pads):
   def __init__(self, base: PadBase, rank: int):  # pylint: disable=super-init-not-called
     self.base, self.rank = base, rank
     self.starts, self.stops = base.starts, base.stops
+    self.names, self.mirrors, self._finder = base.names, base.mirrors, base.finder
 
   keys = property(lambda self: self.base.keys)
   index = property(lambda self: self.base.index)
@@ -174,6 +212,8 @@ def pad_table(
     {k: i for i, k in enumerate(keys)},
     np.asarray(ranks, np.int64),
     np.asarray(last, bool),
+    np.fromiter((index.name_of.get(pid, -1) for pid, _ in keys), np.int64, len(keys)),
+    np.fromiter((m for _, m in keys), np.int64, len(keys)),
   )
 
 
@@ -227,3 +267,57 @@ def error_at(path: str, placement: Callable, archive: int, key: tuple, local: in
   """``padding_error`` of buffer ``key`` of ``archive``, its geometry from the index."""
   p = placement(archive, key[0])
   return padding_error(path, archive, key, FlatShard.checked(p.shape, p.rank, p.world_size), local)
+
+
+class Trailing:
+  """All-padding source buffers whose padding a target rank checks, as arrays.
+
+  No run copies from these buffers (they hold no data), so their padding is read
+  for its own sake: each is ``(archive, dtype, param, mirror)``, the param by its
+  number in the index's ``tables.pids``. Rows are added in arrays, one call per
+  group of params and mirror, never one per buffer; a buffer added twice is
+  checked once.
+  """
+
+  def __init__(self):
+    self._parts: dict[np.dtype, list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = {}
+
+  def add(self, dtype: np.dtype, archives, names, mirrors) -> None:
+    """Buffers ``(archives[i], dtype, names[i], mirrors[i])``; scalars broadcast."""
+    a, n, m = np.broadcast_arrays(*(np.asarray(x, np.int64) for x in (archives, names, mirrors)))
+    if a.size:
+      self._parts.setdefault(np.dtype(dtype), []).append((a.ravel(), n.ravel(), m.ravel()))
+
+  def update(self, other: Trailing) -> Trailing:
+    """Adds every buffer of ``other``; returns self."""
+    for d, parts in other._parts.items():
+      self._parts.setdefault(d, []).extend(parts)
+    return self
+
+  def __bool__(self) -> bool:
+    return bool(self._parts)
+
+  def by_file(self) -> list[tuple[int, np.dtype, np.ndarray, np.ndarray]]:
+    """``(archive, dtype, names, mirrors)`` per packed buffer, in order of (archive,
+    dtype name), each buffer once."""
+    out = []
+    for d, parts in self._parts.items():
+      a, n, m = (np.concatenate(c) for c in zip(*parts))
+      order = np.lexsort((m, n, a))
+      a, n, m = a[order], n[order], m[order]
+      first = np.concatenate([[True], (a[1:] != a[:-1]) | (n[1:] != n[:-1]) | (m[1:] != m[:-1])])
+      a, n, m = a[first], n[first], m[first]
+      starts = np.flatnonzero(np.concatenate([[True], a[1:] != a[:-1]]))
+      stops = np.append(starts[1:], len(a))
+      for s, e in zip(starts.tolist(), stops.tolist()):
+        out.append((int(a[s]), d, n[s:e], m[s:e]))
+    out.sort(key=lambda row: (row[0], row[1].name))
+    return out
+
+  def buffers(self, pids) -> set[tuple[int, np.dtype, tuple[str, int]]]:
+    """Every buffer as ``(archive, dtype, (param id, mirror))``; ``pids``: the index's."""
+    return {
+      (archive, d, (pids[n], m))
+      for archive, d, names, mirrors in self.by_file()
+      for n, m in zip(names.tolist(), mirrors.tolist())
+    }

@@ -75,6 +75,7 @@ from jaxreshard._src.checkpoint import brief as _brief
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import indexjson as _indexjson
 from jaxreshard._src.checkpoint import memo as _memo
+from jaxreshard._src.checkpoint import pads as _pads
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint import tableindex as _tableindex
@@ -271,24 +272,22 @@ class Checkpoint:
 
   def check_padding(
     self,
-    trailing: set,
+    trailing: _pads.Trailing,
     scratch: np.ndarray,
     stats: ReadStats | None = None,
     files: dict | None = None,
   ) -> None:
     """Reads the padding of the buffers in ``trailing`` and checks it is zero bits.
 
-    ``trailing`` holds ``(archive, dtype, (param, mirror))``: buffers of all-padding
-    ranks, which no run copies from (``read_runs`` or ``_restore.all_padding_sources``).
-    ``files``: ``(archive, dtype) -> ShardFile`` the caller holds open.
+    ``trailing`` holds buffers of all-padding ranks, which no run copies from
+    (``read_runs`` or ``_restore.all_padding_sources``), checked file by file in
+    order of (archive, dtype name). ``files``: ``(archive, dtype) -> ShardFile``
+    the caller holds open.
     """
-    by_file: dict[tuple[int, np.dtype], list] = {}
-    for archive, dtype, key in trailing:
-      by_file.setdefault((archive, dtype), []).append(key)
-    for (archive, dtype), keys in sorted(by_file.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
+    for archive, dtype, names, mirrors in trailing.by_file():
       self.check_archive(archive)
       held = None if files is None else files.get((archive, dtype))
-      self.archives.check_padding(archive, dtype, keys, scratch, stats, held)
+      self.archives.check_padding(archive, dtype, names, mirrors, scratch, stats, held)
 
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
     return self.archives.open_buffer(archive, dtype)

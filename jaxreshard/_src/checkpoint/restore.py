@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._src.checkpoint import pads as _pads
 from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint.reader import STAGING_BYTES, Checkpoint, allocate, open_checkpoint
 from jaxreshard._src.core import copyplan as _copyplan
@@ -160,7 +161,9 @@ def restore_reported(
       batch = validated[at.start : at.stop]
       built = None
       if len(batch) > 1:
-        padding = set().union(*map(all_padding_sources, batch))
+        padding = _pads.Trailing()
+        for g in batch:
+          padding.update(all_padding_sources(g, ckpt.index.name_of))
         built = _pipeline.build_batch(ckpt, batch, disk_fetch(ckpt, padding=padding))
       if built is None:
         built = [_pipeline.build(ckpt, g, disk_fetch(ckpt, g)) for g in batch]
@@ -212,16 +215,18 @@ def copied_bytes(groups: Any) -> int:
   return int(((groups.stop - groups.start) * itemsize).sum())
 
 
-def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
-  """``(archive, dtype, (param, mirror))`` of the all-padding source buffers a target
-  rank checks: those of source ranks whose slots, in the global flat order, fall in
-  the target rank's own slots (the last target rank's also take everything after).
+def all_padding_sources(groups: Sequence[_validate.SourceGroup], name_of: dict) -> _pads.Trailing:
+  """The all-padding source buffers a target rank checks: those of source ranks whose
+  slots, in the global flat order, fall in the target rank's own slots (the last
+  target rank's also take everything after). ``name_of``: the index's param numbers.
 
   Together the target ranks of a layout check every all-padding source rank, each
-  rank mostly checking archives it reads anyway.
+  rank mostly checking archives it reads anyway. Made with array operations over
+  the groups and their ranges of ranks; Python runs once per group, not per rank.
   """
+  out = _pads.Trailing()
   if not groups:
-    return set()
+    return out
   # The rank ranges as arrays over the groups; only groups with such ranks are visited.
   ss, count, world = groups.src_slots, groups.count, groups.src_world
   t_rank, t_slots, t_world = groups.rank, groups.slots, groups.world
@@ -230,20 +235,43 @@ def all_padding_sources(groups: Sequence[_validate.SourceGroup]) -> set:
   safe = np.maximum(ss, 1)
   first = np.maximum(-(-count // safe), lo // safe)  # the first all-padding rank in the range
   last = np.minimum(world, -(-hi // safe))
-  out = set()
+  rows = np.flatnonzero((ss > 0) & (first < last))
+  if not len(rows):
+    return out
+  # Every (group, all-padding rank) pair as a row of two arrays.
+  lengths = (last - first)[rows]
+  row = np.repeat(rows, lengths)
+  rank = np.arange(len(row), dtype=np.int64) + np.repeat(
+    first[rows] - (np.cumsum(lengths) - lengths), lengths
+  )
+  archive = groups.archives(row, rank)
+  # Groups with the same history buffers are added together, one call per buffer.
   facts = groups.facts  # a row's sources: no per-row group object is made
-  for gi in np.flatnonzero((ss > 0) & (first < last)).tolist():
+  kinds: dict[tuple, int] = {}
+  kind = np.empty(len(rows), np.int64)
+  buffers = []
+  names = np.empty(len(rows), np.int64)
+  for i, gi in enumerate(rows.tolist()):
     f = facts[gi]
-    buffers = [(np.dtype(d), (f.param, m)) for m, d in _copyplan.history_buffers(f)]
-    for k in range(int(first[gi]), int(last[gi])):
-      archive = f.by_rank[k]
-      for dtype, key in buffers:
-        out.add((archive, dtype, key))
+    names[i] = name_of[f.param]
+    k = kinds.get((f.history, f.buffer_dtypes))
+    if k is None:
+      k = kinds[(f.history, f.buffer_dtypes)] = len(buffers)
+      buffers.append(_copyplan.history_buffers(f))
+    kind[i] = k
+  kind, names = np.repeat(kind, lengths), np.repeat(names, lengths)
+  for k, present in enumerate(buffers):
+    sel = kind == k
+    for m, d in present:
+      out.add(d, archive[sel], names[sel], m)
   return out
 
 
 def disk_fetch(
-  ckpt: Checkpoint, groups: Sequence[_validate.SourceGroup] = (), *, padding: set | None = None
+  ckpt: Checkpoint,
+  groups: Sequence[_validate.SourceGroup] = (),
+  *,
+  padding: _pads.Trailing | None = None,
 ) -> _pipeline.Fetch:
   """Runs over packed buffers on disk: chunk spans read, checked and copied.
 
@@ -252,7 +280,7 @@ def disk_fetch(
   (``all_padding_sources``; ``padding``: those of several target ranks at
   once): data that contradicts the layout is refused.
   """
-  trailing = all_padding_sources(groups) if padding is None else padding
+  trailing = all_padding_sources(groups, ckpt.index.name_of) if padding is None else padding
 
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
     files: dict = {}  # the files checked, held open for the reads (up to HELD_FILES)

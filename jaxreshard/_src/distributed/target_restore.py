@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxreshard._src.checkpoint import pads as _pads
 from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint.reader import (
   STAGING_BYTES,
@@ -385,7 +386,7 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
     total=len(per_archive),
     total_bytes=sum(per_archive.values()),
   )
-  trailing: set = set()  # all-padding source ranks whose padding is checked too
+  trailing = _pads.Trailing()  # all-padding source ranks whose padding is checked too
   for i, (archive, d, src, dst, lens) in enumerate(tables):
     ckpt.archives.read_runs(archive, d, src, dst, lens, out[d], scratch, stats, trailing=trailing)
     if i + 1 == len(tables) or tables[i + 1][0] != archive:
