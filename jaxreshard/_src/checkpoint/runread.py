@@ -15,6 +15,13 @@ stored in the file must equal the recorded ones, compared all at once after
 the last span (before a span's padding is checked, for those spans). On a
 refusal the caller drops the target buffer.
 
+Where the runs are short (a few elements of each of many params, as a rank of
+a large world holds), the pieces of a chunk are many and each would cost an
+iovec and a crc32c call. A span is then read whole into the scratch buffer,
+each chunk checked with one call, and the runs copied out of it with one
+gather per span: the same chunks read, the same checks, one more copy of the
+bytes the runs move.
+
 Runs that overlap each other in the file, or a target buffer that is not one
 contiguous array, go through the scratch buffer and are copied from there
 (``read_runs_staged``): same reads, same checks, one more copy.
@@ -37,6 +44,11 @@ __all__ = ["SPAN_BYTES", "read_runs", "read_runs_staged", "staging"]
 # their crc32c is computed.
 SPAN_BYTES = 1 << 20
 _COPY, _DATA, _CRC = 0, 1, 2  # a span's pieces: into the target, scratch data, checksum
+# Runs are read straight into the target unless their chunks hold more pieces than
+# one each and the bytes copied are fewer than this many per extra piece: those
+# are read with their chunks into the scratch and copied out by a gather, which
+# costs less than an iovec and a crc32c call per piece.
+GATHER_BELOW_BYTES = 1024
 
 
 def staging(scratch: np.ndarray, nbytes: int, f: _shardread.ShardFile) -> np.ndarray:
@@ -68,6 +80,13 @@ def _pieces(f: _shardread.ShardFile, src, length) -> tuple[np.ndarray, ...]:
   run, chunk, offset, _, n = _copyplan.cut_runs(src, length, f.chunk)
   lo = chunk * f.chunk + offset
   return run, chunk, lo, lo + n
+
+
+def _gathers(copy_bytes: int, pieces: int, chunks: int) -> bool:
+  """Whether copy pieces are read into the scratch and gathered out of it: where the
+  pieces beyond one per chunk (each an iovec and a crc32c call when read into the
+  target) outnumber the bytes copied by ``GATHER_BELOW_BYTES`` per piece."""
+  return copy_bytes < GATHER_BELOW_BYTES * (pieces - chunks)
 
 
 def _check_inside(f: _shardread.ShardFile, src: np.ndarray, length: np.ndarray) -> None:
@@ -127,6 +146,9 @@ class _Spans:
     per_span = max(1, SPAN_BYTES // f.stride)
     self.per_span = per_span
     self.scratch = staging(scratch, per_span * f.stride, f)
+    # The copy pieces ``(file start, file stop, target byte)`` in file order, when
+    # they are copied out of the scratch (``_gather``); None: read into the target.
+    self.gathered: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
   def read(self, src, dst, length, z_src, z_len, z_ids) -> None:
     f = self.f
@@ -139,12 +161,26 @@ class _Spans:
     c_start, c_stop = starts[copy][cs], (starts + (hi - lo) * isz)[copy][cs]
     c_to = ((dst[run[copy]] + lo[copy] - src[run[copy]]) * isz)[cs]
     needed = _unique(chunk)
+    if len(c_start) and _gathers(int((c_stop - c_start).sum()), len(c_start), len(needed)):
+      # The check ``Pieces`` makes of the iovecs it would have had: no index wraps.
+      if not ((c_to >= 0) & (c_to <= self.outb.size - (c_stop - c_start))).all():
+        raise AssertionError("a piece lies outside its buffer")  # a planning bug, never data
+      self.gathered = (c_start, c_stop, c_to)
+      c_start = c_stop = c_to = np.zeros(0, np.int64)  # every piece read into the scratch
     # Spans: consecutive needed chunks, at most ``per_span`` each.
     brk = np.concatenate([[True], np.diff(needed) != 1])
     group_first = needed[brk][np.cumsum(brk) - 1]
     block = (needed - group_first) // self.per_span
     new = brk | np.concatenate([[False], np.diff(block) != 0])
     span_of = np.cumsum(new) - 1  # span of each needed chunk
+    span_at = np.flatnonzero(new)
+    span_file = needed[span_at] * stride  # each span's first byte in the file
+    # Each span's place in the scratch: at its start, or after the spans read before it
+    # since the scratch's last gather (``_fills``).
+    span_off, fill_last = _fills(
+      np.diff(np.append(span_at, len(needed))) * stride,
+      len(self.scratch) if self.gathered is not None else 0,
+    )
     # Piece boundaries: chunk data starts and ends, checksum ends, copy pieces.
     bounds = _unique(
       np.concatenate(
@@ -161,20 +197,31 @@ class _Spans:
     seg_span = span_of[seg_need]
     off = seg_lo - needed[seg_need] * stride
     # Where each piece is read: the target, the scratch (as laid out in the file from
-    # its span's first chunk), or its chunk's slot of the stored checksums.
+    # its span's first chunk, at the span's place), or its chunk's slot of the stored
+    # checksums.
     mem = np.where(is_copy, _COPY, np.where(off < cb, _DATA, _CRC))
-    base = needed[new][seg_span] * stride
+    base = (span_file - span_off)[seg_span]
     addr = np.where(is_copy, c_to[at_c] if len(c_start) else 0, seg_lo - base)
     addr = np.where(mem == _CRC, seg_need * 4, addr)
     span_seg = np.append(np.searchsorted(seg_span, np.arange(len(span_of[new]))), len(seg_lo))
     zs = np.argsort(chunk[~copy], kind="stable")
     z = (chunk[~copy][zs], lo[~copy][zs], hi[~copy][zs], run[~copy][zs] - len(src))
     self._read_spans(
-      needed, np.flatnonzero(new), (seg_lo, seg_hi, mem, addr, seg_span, span_seg), z, z_ids
+      needed,
+      span_at,
+      (seg_lo, seg_hi, mem, addr, seg_span, span_seg),
+      z,
+      z_ids,
+      (span_file, span_off, fill_last),
     )
 
-  def _read_spans(self, needed, span_at, segs, z, z_ids) -> None:
-    """Reads every span and checks each of its chunks against its recorded crc32c."""
+  def _read_spans(self, needed, span_at, segs, z, z_ids, places) -> None:
+    """Reads every span and checks each of its chunks against its recorded crc32c.
+
+    ``places``: each span's first byte in the file, its offset in the scratch, and
+    whether it is the last span read into the scratch before the copy pieces are
+    gathered out of it.
+    """
     f = self.f
     seg_lo, seg_hi, mem, addr, seg_span, span_seg = segs
     n_bytes = seg_hi - seg_lo
@@ -194,6 +241,9 @@ class _Spans:
     has_zero = has_zero.tolist()
     reads = 0
     extend = google_crc32c.extend
+    span_file, span_off, fill_last = places
+    offsets, last_of_fill = span_off.tolist(), fill_last.tolist()
+    fill_first = 0  # the first span of the scratch's current fill
     for s, (first, k) in enumerate(zip(span_first.tolist(), span_at.tolist())):
       a, b = seg_at[s], seg_at[s + 1]
       reads += pieces.read(f.fd, f.path, a, b, first * f.stride, span_bytes[s])
@@ -209,15 +259,44 @@ class _Spans:
           )
       if has_zero[s]:
         _check_stored(f, needed[k : k + n], stored[k : k + n])
-        self._check_zero(first, n, z, z_ids)
+        self._check_zero(first, n, z, z_ids, offsets[s])
+      if self.gathered is not None and last_of_fill[s]:
+        self._gather(span_file, span_off, fill_first, s + 1)
+        fill_first = s + 1
     _check_stored(f, needed, stored)
     if self.stats is not None:
       self.stats.reads += reads
       self.stats.chunks += len(needed)
       self.stats.bytes += len(needed) * f.stride
 
-  def _check_zero(self, first: int, n: int, z, z_ids) -> None:
-    """The ranges that must be zero bits, in the span just read (all in scratch)."""
+  def _gather(self, span_file, span_off, a: int, b: int) -> None:
+    """Copies the pieces of spans ``[a, b)`` (read and checked, each at its offset in
+    the scratch) to the target, in one gather.
+
+    Pieces are cut at chunk boundaries, so none covers a checksum; they move as
+    elements where the chunk stride keeps every element aligned, else as bytes.
+    """
+    start, stop, to = self.gathered
+    end = int(span_file[b]) if b < len(span_file) else None
+    p, q = np.searchsorted(start, [int(span_file[a]), end if end is not None else start[-1] + 1])
+    if p == q:
+      return
+    start, stop, to = start[p:q], stop[p:q], to[p:q]
+    span = np.searchsorted(span_file, start, side="right") - 1
+    at = start - span_file[span] + span_off[span]  # each piece in the scratch
+    isz = self.f.dtype.itemsize
+    unit = isz if isz in _bitview.UINT and self.f.stride % isz == 0 else 1
+    uint = _bitview.UINT[unit]
+    src = self.scratch[: len(self.scratch) // unit * unit].view(uint)
+    out = self.outb[: len(self.outb) // unit * unit].view(uint)
+    size = (stop - start) // unit
+    ends = np.cumsum(size)
+    within = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - size, size)
+    out[np.repeat(to // unit, size) + within] = src[np.repeat(at // unit, size) + within]
+
+  def _check_zero(self, first: int, n: int, z, z_ids, offset: int) -> None:
+    """The ranges that must be zero bits, in the span just read (all in the scratch,
+    from ``offset`` on)."""
     chunk, lo, hi, rid = z
     f = self.f
     a, b = np.searchsorted(chunk, [first, first + n])
@@ -228,13 +307,32 @@ class _Spans:
     ch, start, stop = chunk[a:b], lo[a:b], hi[a:b]
     size = (stop - start) * isz
     ends = np.cumsum(size)
-    at = (ch - first) * f.stride + (start - ch * f.chunk) * isz  # in the scratch
+    at = offset + (ch - first) * f.stride + (start - ch * f.chunk) * isz  # in the scratch
     index = np.repeat(at - (ends - size), size) + np.arange(int(ends[-1]), dtype=np.int64)
     nz = np.flatnonzero(self.scratch[index])
     if nz.size:
       j = int(nz[0])
       k = int(np.searchsorted(ends, j, side="right"))
       raise self.refuse(int(z_ids[rid[a + k]]), int(start[k]) + (j - int(ends[k] - size[k])) // isz)
+
+
+def _fills(span_bytes: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+  """Each span's offset in a scratch of ``capacity`` bytes, spans placed one after
+  another until the next would not fit, then from 0 again; and whether each span
+  is the last of its fill. With ``capacity`` 0 every span is at 0, alone."""
+  offsets = np.zeros(len(span_bytes), np.int64)
+  last = np.ones(len(span_bytes), bool)
+  if not capacity:
+    return offsets, last
+  at = 0
+  for i, n in enumerate(span_bytes.tolist()):
+    if at and at + n > capacity:
+      at = 0
+    elif i:
+      last[i - 1] = False
+    offsets[i] = at
+    at += n
+  return offsets, last
 
 
 def _crc_groups(mem, addr, n_bytes, seg_chunk):

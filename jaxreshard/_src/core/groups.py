@@ -136,6 +136,7 @@ class Groups(Sequence):
     else:
       self.start = np.minimum(self.rank * self.slots, self.count)
       self.stop = np.minimum((self.rank + 1) * self.slots, self.count)
+    # ``by_rank`` as an array, by the tuple's id; at -1 the id of each row's tuple.
     self._archives: dict[int, tuple[tuple, np.ndarray]] = {}
 
   def __len__(self) -> int:
@@ -162,8 +163,14 @@ class Groups(Sequence):
     out = np.empty(len(row), np.int64)
     if not len(row):
       return out
-    tuples = np.fromiter((id(self.facts[g].by_rank) for g in range(len(self))), np.int64, len(self))
-    which = tuples[row]
+    # Which ``by_rank`` tuple each row has, by identity: made once for the facts,
+    # which every target rank of a family shares (kept beside the arrays).
+    memo = self._archives.get(-1)
+    if memo is None or memo[0] is not self.facts:
+      facts = self.facts
+      ids = np.fromiter((id(f.by_rank) for f in facts), np.int64, len(facts))
+      memo = self._archives[-1] = (facts, ids)
+    which = memo[1][row]
     for t in np.unique(which).tolist():
       hit = self._archives.get(t)
       if hit is None:
