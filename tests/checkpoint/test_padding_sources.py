@@ -63,9 +63,12 @@ def test_pads_find_looks_buffers_up_as_a_dict_of_their_keys_would():
       np.asarray([k[1] for k in keys], np.int64).reshape(-1),
     )
     where = {k: i for i, k in enumerate(keys) if k[0] >= 0}
-    q = rng.integers([-2, -1], [32, 6], (int(rng.integers(0, 60)), 2))
-    want = sorted({where[k] for k in map(tuple, q.tolist()) if k in where})
-    assert finder.find(q[:, 0], q[:, 1]).tolist() == want, trial
+    # More distinct questions than the finder keeps answers to, each asked again.
+    questions = [rng.integers([-2, -1], [32, 6], (int(rng.integers(0, 60)), 2)) for _ in range(12)]
+    for q in questions + questions[::-1]:
+      want = sorted({where[k] for k in map(tuple, q.tolist()) if k in where})
+      got = finder.find(q[:, 0], q[:, 1])
+      assert got.tolist() == want and not got.flags.writeable, trial
 
 
 def test_trailing_gives_each_buffer_once_file_by_file_in_archive_then_dtype_order():

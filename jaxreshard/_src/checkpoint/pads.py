@@ -63,10 +63,17 @@ class Pads:
 
 class _Finder:
   """Buffers looked up by (param number, mirror), with arrays: each pair is one
-  integer code, searched among the sorted codes of the packed buffer's."""
+  integer code, searched among the sorted codes of the packed buffer's.
+
+  The archives of one group share a finder, and a target rank asks each of them
+  for the same buffers: the last few answers are kept, by the bytes asked.
+  """
+
+  _KEPT = 8
 
   def __init__(self, names: np.ndarray, mirrors: np.ndarray):
     self._names, self._mirrors = np.asarray(names, np.int64), np.asarray(mirrors, np.int64)
+    self._answers: dict[tuple[bytes, bytes], np.ndarray] = {}
 
   @functools.cached_property
   def _sorted(self) -> tuple[int, np.ndarray, np.ndarray]:
@@ -76,8 +83,19 @@ class _Finder:
     return width, codes[order], order
 
   def find(self, names: np.ndarray, mirrors: np.ndarray) -> np.ndarray:
-    width, codes, order = self._sorted
     names, mirrors = np.asarray(names, np.int64), np.asarray(mirrors, np.int64)
+    key = (names.tobytes(), mirrors.tobytes())
+    found = self._answers.get(key)  # a dict's get and set are atomic under threads
+    if found is None:
+      found = self._find(names, mirrors)
+      found.flags.writeable = False  # shared by every caller that asks the same
+      if len(self._answers) >= self._KEPT:
+        self._answers.clear()
+      self._answers[key] = found
+    return found
+
+  def _find(self, names: np.ndarray, mirrors: np.ndarray) -> np.ndarray:
+    width, codes, order = self._sorted
     # A mirror past every buffer's is in none of them (and would alias another code).
     ok = (mirrors >= 0) & (mirrors < width) & (names >= 0)
     want = np.unique(names[ok] * width + mirrors[ok])
