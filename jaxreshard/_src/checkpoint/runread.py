@@ -17,10 +17,10 @@ refusal the caller drops the target buffer.
 
 Where the runs are short (a few elements of each of many params, as a rank of
 a large world holds), the pieces of a chunk are many and each would cost an
-iovec and a crc32c call. A span is then read whole into the scratch buffer,
-each chunk checked with one call, and the runs copied out of it with one
-gather per span: the same chunks read, the same checks, one more copy of the
-bytes the runs move.
+iovec and a crc32c call. Spans are then read whole into the scratch buffer, one
+after another until it is full, each chunk checked with one call, and the runs
+copied out of it with one gather per fill: the same chunks read, the same
+checks, one more copy of the bytes the runs move.
 
 Runs that overlap each other in the file, or a target buffer that is not one
 contiguous array, go through the scratch buffer and are copied from there
@@ -273,8 +273,8 @@ class _Spans:
     """Copies the pieces of spans ``[a, b)`` (read and checked, each at its offset in
     the scratch) to the target, in one gather.
 
-    Pieces are cut at chunk boundaries, so none covers a checksum; they move as
-    elements where the chunk stride keeps every element aligned, else as bytes.
+    Pieces are cut at chunk boundaries, so none covers a checksum; they move in
+    the widest units (up to an element) that the chunk stride keeps aligned.
     """
     start, stop, to = self.gathered
     end = int(span_file[b]) if b < len(span_file) else None
@@ -285,7 +285,9 @@ class _Spans:
     span = np.searchsorted(span_file, start, side="right") - 1
     at = start - span_file[span] + span_off[span]  # each piece in the scratch
     isz = self.f.dtype.itemsize
-    unit = isz if isz in _bitview.UINT and self.f.stride % isz == 0 else 1
+    unit = isz if isz in _bitview.UINT else 1
+    while self.f.stride % unit:  # float64's stride is a multiple of 4 only
+      unit //= 2
     uint = _bitview.UINT[unit]
     src = self.scratch[: len(self.scratch) // unit * unit].view(uint)
     out = self.outb[: len(self.outb) // unit * unit].view(uint)
