@@ -1059,3 +1059,47 @@ def test_an_empty_path_is_refused(tmp_path, monkeypatch):
     line = _one_line_error(_run(*args))
     assert "an empty path names no checkpoint" in line, line
   assert stale.exists() and os.listdir(tmp_path / "w") == []
+
+
+class _Bar:
+  """Records what a progress bar is told (the rich bar draws only on terminals)."""
+
+  def __init__(self):
+    self.told = []
+
+  def update(self, task, description):
+    self.told.append(description)
+
+  def advance(self, task, n):
+    pass
+
+
+def test_a_batch_is_named_whole_while_it_is_read_and_each_rank_as_it_is_written(ckpt, tmp_path):
+  from jaxreshard._src.checkpoint import restore as _restore
+  from jaxreshard._src.cli import commands
+
+  root, src = ckpt
+  ranks = list(range(6))
+  bar = _Bar()
+  got = list(commands._targets(root / "ckpt8", None, ranks, 6, 6 << 20, bar, 0))
+  assert len(got) == 6
+  assert bar.told == ["ranks 0-5/6"] + [f"rank {r}/6" for r in ranks]
+
+  # A batch refused while it is read: the bar names the batch, not its first rank.
+  def pad(a):
+    a.view(np.uint32)[-1] = 0x80000000  # -0.0 in rank 7's padding of head (9 over 8)
+    return a
+
+  with padding_unchecked():
+    jr.save_records(
+      tmp_path / "badpad", [_replace(r, "head", 0, pad) if i == 7 else r for i, r in enumerate(src)]
+    )
+  bar = _Bar()
+  with pytest.raises(jr.ReshardError, match="padding is not zero"):
+    list(commands._targets(tmp_path / "badpad", None, ranks, 6, 6 << 20, bar, 0))
+  assert bar.told == ["ranks 0-5/6"]
+  # One rank per batch: each named as it is read.
+  bar = _Bar()
+  small = max(1, _restore.BATCH_BYTES)  # bytes per rank at the batch limit: one rank each
+  got = list(commands._targets(root / "ckpt8", None, ranks, 6, 6 * small, bar, 0))
+  assert bar.told == [t for r in ranks for t in (f"rank {r}/6", f"rank {r}/6")]

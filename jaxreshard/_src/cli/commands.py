@@ -275,12 +275,14 @@ def _targets(
 ) -> Iterator[Any]:
   """The target ranks, restored a batch at a time (each source buffer read once per
   batch; a batch holds about ``BATCH_BYTES``) and handed on one at a time, the
-  progress bar naming and counting each rank as the save takes it."""
+  progress bar naming and counting each rank as the save takes it (and the whole
+  batch while it is read, so that a refusal there names no one rank)."""
   # Each rank is planned once, by its restore, which also counts the bytes it moved.
   n = max(1, _restore.BATCH_BYTES // max(1, -(-total // len(ranks))))
   for at in range(0, len(ranks), n):
     batch = ranks[at : at + n]
-    bar.update(task, description=f"rank {batch[0]}/{world_size}")
+    named = f"rank {batch[0]}" if len(batch) == 1 else f"ranks {batch[0]}-{batch[-1]}"
+    bar.update(task, description=f"{named}/{world_size}")
     done: list[Any] = []
     built = _restore.restore_ranks(
       source, batch, world_size=world_size, checkpoint=ckpt, progress=done.append
