@@ -176,10 +176,11 @@ class _Spans:
     span_at = np.flatnonzero(new)
     span_file = needed[span_at] * stride  # each span's first byte in the file
     # Each span's place in the scratch: at its start, or after the spans read before it
-    # since the scratch's last gather (``_fills``).
+    # since the scratch's last gather (``_fills``). A fill holds about one span's
+    # bytes, which bounds the gather's index arrays (a few times its elements).
     span_off, fill_last = _fills(
       np.diff(np.append(span_at, len(needed))) * stride,
-      len(self.scratch) if self.gathered is not None else 0,
+      self.per_span * stride if self.gathered is not None else 0,
     )
     # Piece boundaries: chunk data starts and ends, checksum ends, copy pieces.
     bounds = _unique(
