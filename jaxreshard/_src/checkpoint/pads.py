@@ -111,14 +111,13 @@ class PadBase:
   def __init__(self, starts, stops, names, mirrors, pids, slots, count, world_size):
     self.starts, self.stops, self.slots, self.count = starts, stops, slots, count
     self.world_size = world_size
-    self._names, self._mirrors, self._pids = names, mirrors, pids
-    self.names, self.mirrors = names, mirrors
+    self.names, self.mirrors, self._pids = names, mirrors, pids
     self.finder = _Finder(names, mirrors)
 
   @functools.cached_property
   def keys(self) -> list[tuple[str, int]]:
     pids = self._pids
-    return [(pids[n], m) for n, m in zip(self._names.tolist(), self._mirrors.tolist())]
+    return [(pids[n], m) for n, m in zip(self.names.tolist(), self.mirrors.tolist())]
 
   @functools.cached_property
   def index(self) -> dict[tuple[str, int], int]:

@@ -18,9 +18,9 @@ refusal the caller drops the target buffer.
 Where the runs are short (a few elements of each of many params, as a rank of
 a large world holds), the pieces of a chunk are many and each would cost an
 iovec and a crc32c call. Spans are then read whole into the scratch buffer, one
-after another until it is full, each chunk checked with one call, and the runs
-copied out of it with one gather per fill: the same chunks read, the same
-checks, one more copy of the bytes the runs move.
+after another up to about one span's bytes (a fill), each chunk checked with
+one call, and the runs copied out of it with one gather per fill: the same
+chunks read, the same checks, one more copy of the bytes the runs move.
 
 Runs that overlap each other in the file, or a target buffer that is not one
 contiguous array, go through the scratch buffer and are copied from there
