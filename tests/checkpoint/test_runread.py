@@ -313,16 +313,14 @@ def test_sparse_short_runs_and_zero_ranges_in_spans_of_many_sizes(
   src, length, dst = starts[perm], length[perm], dst[perm]
   out = np.zeros(int(length.sum()), dtype)
   zeros = np.sort(holes)[:40]
-  runread.read_runs(
-    f,
-    src,
-    dst,
-    length,
-    out,
-    np.empty(scratch_bytes, np.uint8),
-    zero=(zeros, np.ones(len(zeros), np.int64)),
-    refuse=lambda i, pos: AssertionError("no refusal expected"),
-  )
+
+  def read(starts, refuse):  # the runs, and one-element ranges that must be zero
+    zero = (starts, np.ones(len(starts), np.int64))
+    runread.read_runs(
+      f, src, dst, length, out, np.empty(scratch_bytes, np.uint8), zero=zero, refuse=refuse
+    )
+
+  read(zeros, lambda i, pos: AssertionError("no refusal expected"))
   want = np.zeros_like(out)
   for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist()):
     want[d : d + n] = data[s : s + n]
@@ -332,15 +330,8 @@ def test_sparse_short_runs_and_zero_ranges_in_spans_of_many_sizes(
   bad = np.sort(rng.choice(np.setdiff1d(np.arange(size), holes), 3, replace=False))
   seen = []
   with pytest.raises(ArchiveError, match="padding"):
-    runread.read_runs(
-      f,
-      src,
-      dst,
-      length,
-      out,
-      np.empty(scratch_bytes, np.uint8),
-      zero=(np.concatenate([zeros, bad]), np.ones(len(zeros) + 3, np.int64)),
-      refuse=lambda i, pos: seen.append((i, pos)) or ArchiveError("padding"),
+    read(
+      np.concatenate([zeros, bad]), lambda i, pos: seen.append((i, pos)) or ArchiveError("padding")
     )
   assert seen == [(len(zeros), int(bad[0]))]
   f.close()
