@@ -45,10 +45,10 @@ class Pads:
   mirror; ``find`` looks buffers up by them.
   """
 
-  def __init__(self, starts, owned, stops, keys, index, ranks, last, names, mirrors):
+  def __init__(self, starts, owned, stops, keys, ranks, last, names, mirrors):
     self.starts, self.stops = starts, stops
     self.owned, self.ranks, self.last = owned, ranks, last
-    self.keys, self.index = keys, index  # (param, mirror) of each buffer, and its inverse
+    self.keys = keys  # (param, mirror) of each buffer
     self.names, self.mirrors = names, mirrors
     self._finder = _Finder(names, mirrors)
 
@@ -119,10 +119,6 @@ class PadBase:
     pids = self._pids
     return [(pids[n], m) for n, m in zip(self.names.tolist(), self.mirrors.tolist())]
 
-  @functools.cached_property
-  def index(self) -> dict[tuple[str, int], int]:
-    return {k: i for i, k in enumerate(self.keys)}
-
 
 class _RankPads(Pads):
   """``Pads`` of the archive at ``rank`` of a ``PadBase``'s group, made as asked."""
@@ -133,7 +129,6 @@ class _RankPads(Pads):
     self.names, self.mirrors, self._finder = base.names, base.mirrors, base.finder
 
   keys = property(lambda self: self.base.keys)
-  index = property(lambda self: self.base.index)
 
   def at(self, ks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     b, rank = self.base, self.rank
@@ -226,7 +221,6 @@ def pad_table(
     np.asarray(owned, np.int64),
     np.asarray(stops, np.int64),
     keys,
-    {k: i for i, k in enumerate(keys)},
     np.asarray(ranks, np.int64),
     np.asarray(last, bool),
     np.fromiter((index.name_of.get(pid, -1) for pid, _ in keys), np.int64, len(keys)),
@@ -330,11 +324,3 @@ class Trailing:
         out.append((int(a[s]), d, n[s:e], m[s:e]))
     out.sort(key=lambda row: (row[0], row[1].name))
     return out
-
-  def buffers(self, pids) -> set[tuple[int, np.dtype, tuple[str, int]]]:
-    """Every buffer as ``(archive, dtype, (param id, mirror))``; ``pids``: the index's."""
-    return {
-      (archive, d, (pids[n], m))
-      for archive, d, names, mirrors in self.by_file()
-      for n, m in zip(names.tolist(), mirrors.tolist())
-    }
