@@ -336,3 +336,59 @@ def test_sparse_short_runs_and_zero_ranges_in_spans_of_many_sizes(
   assert seen == [(len(zeros), int(bad[0]))]
   f.close()
   root.close()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_zero_only_reads_refuse_as_reads_with_runs_would(tmp_path, monkeypatch, seed):
+  """Ranges that must be zero bits and nothing to copy (the padding of all-padding
+  ranks) take their own read; the chunks, checks and the refusal named, in their
+  order, are those of the general read given the same ranges and no runs."""
+  rng = np.random.default_rng(seed)
+  monkeypatch.setattr(runread, "SPAN_BYTES", int(rng.choice([40, 200, 1 << 20])))
+  dtype = [np.float16, np.float32, np.float64][seed % 3]
+  size, chunk = 600, int(rng.integers(1, 9))
+  data = np.zeros(size, dtype)
+  data[rng.choice(size, 40, replace=False)] = 1
+  data[rng.integers(size)] = -0.0  # a sign bit is not zero bits
+  root, crcs = _write(tmp_path, data, chunk)
+  stride = chunk * data.itemsize + 4
+  for _ in range(int(rng.integers(0, 3))):  # data or stored checksum bytes, or none
+    _corrupt(tmp_path, int(rng.integers(0, size // chunk * stride)))
+  # Disjoint ranges of 1-4 elements; zero bits only, unless one is drawn over a
+  # nonzero element.
+  bits = data.view(f"u{data.itemsize}")
+  starts = np.sort(rng.choice(size - 4, 30, replace=False))
+  length = rng.integers(1, 5, len(starts))
+  length = np.minimum(length, np.append(np.diff(starts), size - starts[-1]))
+  clean = np.array([not bits[s : s + n].any() for s, n in zip(starts, length)])
+  clean[rng.choice(len(starts), int(rng.integers(0, 2)), replace=False)] = True
+  starts, length = starts[clean], length[clean]
+  order = rng.permutation(len(starts))
+  zero = (starts[order], length[order])
+
+  def outcome(read):
+    f = shardread.ShardFile(root, "b", size, dtype, chunk, crcs)
+    stats = shardread.ReadStats()
+    try:
+      read(f, stats)
+      return "ok", stats.chunks, stats.bytes
+    except ArchiveError as e:
+      return str(e)
+    finally:
+      f.close()
+
+  def zero_only(f, stats):
+    runread.read_runs(f, [], [], [], None, np.empty(0, np.uint8), stats, zero, _refuse)
+
+  def general(f, stats):
+    keep = np.flatnonzero(zero[1] > 0)
+    spans = runread._Spans(f, None, np.empty(0, np.uint8), stats, _refuse)
+    empty = np.zeros(0, np.int64)
+    spans.read(empty, empty, empty, zero[0][keep], zero[1][keep], keep)
+
+  assert outcome(zero_only) == outcome(general)
+  root.close()
+
+
+def _refuse(i, pos):
+  return ArchiveError(f"range {i} position {pos} is not zero bits")

@@ -21,6 +21,9 @@ iovec and a crc32c call. Spans are then read whole into the scratch buffer, one
 after another up to about one span's bytes (a fill), each chunk checked with
 one call, and the runs copied out of it with one gather per fill: the same
 chunks read, the same checks, one more copy of the bytes the runs move.
+Ranges that must be zero bits with nothing to copy (the padding of all-padding
+ranks) are read the same way with no gather: each span whole into the scratch
+with one call.
 
 Runs that overlap each other in the file, or a target buffer that is not one
 contiguous array, go through the scratch buffer and are copied from there
@@ -132,9 +135,11 @@ def read_runs(
     z = (z_src, z_len) if len(z_src) else None
     return read_runs_staged(f, src, dst, length, out, scratch, stats, zero=z, refuse=refuse)
   keep_zero = z_len > 0
-  _Spans(f, out, scratch, stats, refuse).read(
-    src, dst, length, z_src[keep_zero], z_len[keep_zero], np.flatnonzero(keep_zero)
-  )
+  spans = _Spans(f, out, scratch, stats, refuse)
+  if n_copy:
+    spans.read(src, dst, length, z_src[keep_zero], z_len[keep_zero], np.flatnonzero(keep_zero))
+  else:
+    spans.read_zero(z_src[keep_zero], z_len[keep_zero], np.flatnonzero(keep_zero))
 
 
 class _Spans:
@@ -167,11 +172,7 @@ class _Spans:
         raise AssertionError("a piece lies outside its buffer")  # a planning bug, never data
       self.gathered = (c_start, c_stop, c_to)
       c_start = c_stop = c_to = np.zeros(0, np.int64)  # every piece read into the scratch
-    # Spans: consecutive needed chunks, at most ``per_span`` each.
-    brk = np.concatenate([[True], np.diff(needed) != 1])
-    group_first = needed[brk][np.cumsum(brk) - 1]
-    block = (needed - group_first) // self.per_span
-    new = brk | np.concatenate([[False], np.diff(block) != 0])
+    new = _span_starts(needed, self.per_span)
     span_of = np.cumsum(new) - 1  # span of each needed chunk
     span_at = np.flatnonzero(new)
     span_file = needed[span_at] * stride  # each span's first byte in the file
@@ -216,6 +217,43 @@ class _Spans:
       (span_file, span_off, fill_last),
     )
 
+  def read_zero(self, z_src, z_len, z_ids) -> None:
+    """Reads ranges that must be zero bits, with nothing to copy (the padding of
+    all-padding ranks): each span read whole into the scratch with one call. The
+    chunks, spans, checks and refusals, in their order, are those of ``read``
+    given the same ranges and no runs; the work per span is a few numpy steps."""
+    f = self.f
+    stride, cb = f.stride, f.chunk_bytes
+    run, chunk, lo, hi = _pieces(f, z_src, z_len)
+    needed = _unique(chunk)
+    span_at = np.flatnonzero(_span_starts(needed, self.per_span))
+    span_n = np.diff(np.append(span_at, len(needed)))
+    first_of = needed[span_at]
+    # One piece per span, the whole span at the start of the scratch.
+    pieces = _iovread.Pieces(
+      (self.scratch,),
+      np.zeros(len(span_at), np.int64),
+      np.zeros(len(span_at), np.int64),
+      span_n * stride,
+    )
+    zs = np.argsort(chunk, kind="stable")
+    z = (chunk[zs], lo[zs], hi[zs], run[zs])
+    expected = f.crc_table[needed].tolist()
+    extend = google_crc32c.extend
+    reads = 0
+    for s, (first, k, n) in enumerate(zip(first_of.tolist(), span_at.tolist(), span_n.tolist())):
+      reads += pieces.read(f.fd, f.path, s, s + 1, first * stride, n * stride)
+      rows = self.scratch[: n * stride].reshape(n, stride)
+      for j in range(n):
+        if extend(0, rows[j, :cb]) != expected[k + j]:
+          raise f.bad_chunk(int(needed[k + j]))
+      _check_stored(f, needed[k : k + n], np.ascontiguousarray(rows[:, cb:]).view("<u4")[:, 0])
+      self._check_zero(first, n, z, z_ids, 0)
+    if self.stats is not None:
+      self.stats.reads += reads
+      self.stats.chunks += len(needed)
+      self.stats.bytes += len(needed) * stride
+
   def _read_spans(self, needed, span_at, segs, z, z_ids, places) -> None:
     """Reads every span and checks each of its chunks against its recorded crc32c.
 
@@ -254,10 +292,7 @@ class _Spans:
         for g in range(c_at[j], c_at[j + 1]):
           crc = extend(crc, bufs[g_mem[g]][g_addr[g] : g_addr[g] + g_len[g]])
         if crc != expected[j]:
-          raise ArchiveError(
-            f"{f.path}/c/0: chunk {int(needed[j])} fails its crc32c check (the file is"
-            " corrupted or not the one this archive's metadata describes)"
-          )
+          raise f.bad_chunk(int(needed[j]))
       if has_zero[s]:
         _check_stored(f, needed[k : k + n], stored[k : k + n])
         self._check_zero(first, n, z, z_ids, offsets[s])
@@ -319,6 +354,15 @@ class _Spans:
       raise self.refuse(int(z_ids[rid[a + k]]), int(start[k]) + (j - int(ends[k] - size[k])) // isz)
 
 
+def _span_starts(needed: np.ndarray, per_span: int) -> np.ndarray:
+  """Whether each of the (sorted, distinct) ``needed`` chunks starts a span: spans are
+  runs of consecutive chunks, at most ``per_span`` each."""
+  brk = np.concatenate([[True], np.diff(needed) != 1])
+  group_first = needed[brk][np.cumsum(brk) - 1]
+  block = (needed - group_first) // per_span
+  return brk | np.concatenate([[False], np.diff(block) != 0])
+
+
 def _fills(span_bytes: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
   """Each span's offset in a scratch of ``capacity`` bytes, spans placed one after
   another until the next would not fit, then from 0 again; and whether each span
@@ -356,10 +400,7 @@ def _check_stored(f, chunks, stored) -> None:
   """The checksums stored after ``chunks`` in the file must be the recorded ones."""
   bad = np.flatnonzero(stored.astype(np.int64) != f.crc_table[chunks])
   if bad.size:
-    raise ArchiveError(
-      f"{f.path}/c/0: chunk {int(chunks[bad[0]])} fails its crc32c check (the file is"
-      " corrupted or not the one this archive's metadata describes)"
-    )
+    raise f.bad_chunk(int(chunks[bad[0]]))
 
 
 def read_runs_staged(

@@ -256,10 +256,14 @@ class ShardFile:
       i = first + k
       actual = _crc(data)
       if actual != int.from_bytes(stored, "little") or actual != self.crcs[i]:
-        raise ArchiveError(
-          f"{self.path}/c/0: chunk {i} fails its crc32c check (the file is corrupted or"
-          " not the one this archive's metadata describes)"
-        )
+        raise self.bad_chunk(i)
+
+  def bad_chunk(self, chunk: int) -> ArchiveError:
+    """The refusal of a chunk whose bytes or stored checksum are not the recorded ones."""
+    return ArchiveError(
+      f"{self.path}/c/0: chunk {chunk} fails its crc32c check (the file is corrupted or not"
+      " the one this archive's metadata describes)"
+    )
 
   def read_chunks(self, first: int, count: int, into: np.ndarray) -> np.ndarray:
     """Reads chunks ``[first, first + count)`` into ``into`` (uint8, reused scratch).
