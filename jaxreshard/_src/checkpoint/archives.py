@@ -10,7 +10,7 @@ a read copies from must hold zero bits.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ from jaxreshard._src.checkpoint import archivejson as _archivejson
 from jaxreshard._src.checkpoint import pads as _pads
 from jaxreshard._src.checkpoint import runread as _runread
 from jaxreshard._src.checkpoint import shardread as _shardread
+from jaxreshard._src.checkpoint import zeroread as _zeroread
 from jaxreshard._src.checkpoint.index import ArchiveLayout, Index
 from jaxreshard._src.checkpoint.shardread import ReadStats
 from jaxreshard._src.errors import ArchiveError, ReshardError
@@ -106,30 +107,50 @@ class ArchiveReader:
 
   def check_padding(
     self,
-    archive: int,
-    dtype: np.dtype,
-    names: np.ndarray,
-    mirrors: np.ndarray,
+    files: Iterable[tuple[int, np.dtype, np.ndarray, np.ndarray]],
     scratch: np.ndarray,
     stats: ReadStats | None = None,
-    f: _shardread.ShardFile | None = None,
+    held: dict | None = None,
+    before: Callable[[int], None] | None = None,
   ) -> None:
-    """Reads the padding of buffers ``(names[i], mirrors[i])`` and checks it is zero bits.
+    """Reads the padding of buffers ``(names[i], mirrors[i])`` of each ``(archive,
+    dtype, names, mirrors)`` of ``files`` and checks it is zero bits, file after file.
 
     They are buffers of ``archive``'s packed buffer of ``dtype`` on all-padding
     ranks, which no run copies from (``_pads.Trailing``), their params by number
-    in the index's ``tables.pids``. ``f``: the buffer's file, when the caller
-    holds it open (``open_buffer``).
+    in the index's ``tables.pids``. The files' reads are planned together
+    (``zeroread``); their checks and refusals are those of one read per file, in
+    order. ``held``: ``(archive, dtype) -> ShardFile`` the caller holds open;
+    ``before(archive)``: the caller's own check of each archive, made at its turn.
     """
-    pads = self._pad_table(archive, dtype)
-    ks = pads.find(names, mirrors)
-    owned = pads.at(ks)[0]
-    pad = owned < pads.stops[ks]
-    ks, owned = ks[pad], owned[pad]
-    if not len(ks):
-      return
-    empty = np.zeros(0, np.int64)
-    self._read(archive, dtype, pads, ks, owned, empty, empty, empty, None, scratch, stats, f)
+
+    def prepare(row):
+      archive, dtype, names, mirrors = row
+      if before is not None:
+        before(archive)
+      pads = self._pad_table(archive, dtype)
+      ks = pads.find(names, mirrors)
+      owned = pads.at(ks)[0]
+      pad = owned < pads.stops[ks]
+      ks, owned = ks[pad], owned[pad]
+      if not len(ks):
+        return None
+      f = None if held is None else held.get((archive, dtype))
+      mine = f is None
+      f = self.open_buffer(archive, dtype) if mine else f
+      return f, mine, owned, pads.stops[ks] - owned, self._refuse(archive, pads, ks)
+
+    _zeroread.ZeroReads(scratch, stats).check(files, prepare)
+
+  def _refuse(self, archive: int, pads: _pads.Pads, checks: np.ndarray) -> Callable:
+    """The refusal of nonzero bits at file element ``pos`` in the padding of buffer
+    ``checks[i]``."""
+
+    def refuse(i: int, pos: int) -> ArchiveError:
+      k = int(checks[i])
+      return self._padding_error(archive, pads, k, pos - int(pads.starts[k]))
+
+    return refuse
 
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
     meta = self.archive_meta(archive)
@@ -211,33 +232,10 @@ class ArchiveReader:
         after = _pads.ranks_after(self.index, archive, pads.keys[k][0], rank)
         trailing.add(dtype, after, pads.names[k], pads.mirrors[k])
     pad = owned < pads.stops[touched]
-    self._read(
-      archive, dtype, pads, touched[pad], owned[pad], src, dst, length, out, scratch, stats, f
-    )
-
-  def _read(
-    self,
-    archive: int,
-    dtype: np.dtype,
-    pads: _pads.Pads,
-    checks: np.ndarray,
-    owned: np.ndarray,
-    src,
-    dst,
-    length,
-    out,
-    scratch: np.ndarray,
-    stats: ReadStats | None,
-    held: _shardread.ShardFile | None = None,
-  ) -> None:
-    """Copies the runs and checks the padding of buffers ``checks`` (indices into ``pads``;
-    ``owned``: where the padding of each starts); ``held``: the file, open."""
+    checks, owned = touched[pad], owned[pad]
     zero = (owned, pads.stops[checks] - owned)
-
-    def refuse(i: int, pos: int) -> ArchiveError:
-      k = int(checks[i])
-      return self._padding_error(archive, pads, k, pos - int(pads.starts[k]))
-
+    refuse = self._refuse(archive, pads, checks)
+    held = f
     f = held if held is not None else self.open_buffer(archive, dtype)
     try:
       scratch = _runread.staging(scratch, f.stride, f)

@@ -284,10 +284,7 @@ class Checkpoint:
     order of (archive, dtype name). ``files``: ``(archive, dtype) -> ShardFile``
     the caller holds open.
     """
-    for archive, dtype, names, mirrors in trailing.by_file():
-      self.check_archive(archive)
-      held = None if files is None else files.get((archive, dtype))
-      self.archives.check_padding(archive, dtype, names, mirrors, scratch, stats, held)
+    self.archives.check_padding(trailing.by_file(), scratch, stats, files, self.check_archive)
 
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
     return self.archives.open_buffer(archive, dtype)

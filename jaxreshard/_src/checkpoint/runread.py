@@ -21,9 +21,6 @@ iovec and a crc32c call. Spans are then read whole into the scratch buffer, one
 after another up to about one span's bytes (a fill), each chunk checked with
 one call, and the runs copied out of it with one gather per fill: the same
 chunks read, the same checks, one more copy of the bytes the runs move.
-Ranges that must be zero bits with nothing to copy (the padding of all-padding
-ranks) are read the same way with no gather: each span whole into the scratch
-with one call.
 
 Runs that overlap each other in the file, or a target buffer that is not one
 contiguous array, go through the scratch buffer and are copied from there
@@ -41,7 +38,15 @@ from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = ["SPAN_BYTES", "read_runs", "read_runs_staged", "staging"]
+__all__ = [
+  "SPAN_BYTES",
+  "fills",
+  "read_runs",
+  "read_runs_staged",
+  "span_starts",
+  "staging",
+  "unique_ints",
+]
 
 # Bytes read per span: small enough that a span's chunks are still in cache when
 # their crc32c is computed.
@@ -68,7 +73,7 @@ def staging(scratch: np.ndarray, nbytes: int, f: _shardread.ShardFile) -> np.nda
     ) from None
 
 
-def _unique(x: np.ndarray) -> np.ndarray:
+def unique_ints(x: np.ndarray) -> np.ndarray:
   """``np.unique`` of integers by sorting (faster than its hash table at these sizes)."""
   s = np.sort(x)
   return s[np.concatenate([[True], s[1:] != s[:-1]])] if len(s) else s
@@ -135,11 +140,9 @@ def read_runs(
     z = (z_src, z_len) if len(z_src) else None
     return read_runs_staged(f, src, dst, length, out, scratch, stats, zero=z, refuse=refuse)
   keep_zero = z_len > 0
-  spans = _Spans(f, out, scratch, stats, refuse)
-  if n_copy:
-    spans.read(src, dst, length, z_src[keep_zero], z_len[keep_zero], np.flatnonzero(keep_zero))
-  else:
-    spans.read_zero(z_src[keep_zero], z_len[keep_zero], np.flatnonzero(keep_zero))
+  _Spans(f, out, scratch, stats, refuse).read(
+    src, dst, length, z_src[keep_zero], z_len[keep_zero], np.flatnonzero(keep_zero)
+  )
 
 
 class _Spans:
@@ -165,26 +168,26 @@ class _Spans:
     cs = np.argsort(starts[copy], kind="stable")
     c_start, c_stop = starts[copy][cs], (starts + (hi - lo) * isz)[copy][cs]
     c_to = ((dst[run[copy]] + lo[copy] - src[run[copy]]) * isz)[cs]
-    needed = _unique(chunk)
+    needed = unique_ints(chunk)
     if len(c_start) and _gathers(int((c_stop - c_start).sum()), len(c_start), len(needed)):
       # The check ``Pieces`` makes of the iovecs it would have had: no index wraps.
       if not ((c_to >= 0) & (c_to <= self.outb.size - (c_stop - c_start))).all():
         raise AssertionError("a piece lies outside its buffer")  # a planning bug, never data
       self.gathered = (c_start, c_stop, c_to)
       c_start = c_stop = c_to = np.zeros(0, np.int64)  # every piece read into the scratch
-    new = _span_starts(needed, self.per_span)
+    new = span_starts(needed, self.per_span)
     span_of = np.cumsum(new) - 1  # span of each needed chunk
     span_at = np.flatnonzero(new)
     span_file = needed[span_at] * stride  # each span's first byte in the file
     # Each span's place in the scratch: at its start, or after the spans read before it
-    # since the scratch's last gather (``_fills``). A fill holds about one span's
+    # since the scratch's last gather (``fills``). A fill holds about one span's
     # bytes, which bounds the gather's index arrays (a few times its elements).
-    span_off, fill_last = _fills(
+    span_off, fill_last = fills(
       np.diff(np.append(span_at, len(needed))) * stride,
       self.per_span * stride if self.gathered is not None else 0,
     )
     # Piece boundaries: chunk data starts and ends, checksum ends, copy pieces.
-    bounds = _unique(
+    bounds = unique_ints(
       np.concatenate(
         [needed * stride, needed * stride + cb, (needed + 1) * stride, c_start, c_stop]
       )
@@ -216,43 +219,6 @@ class _Spans:
       z_ids,
       (span_file, span_off, fill_last),
     )
-
-  def read_zero(self, z_src, z_len, z_ids) -> None:
-    """Reads ranges that must be zero bits, with nothing to copy (the padding of
-    all-padding ranks): each span read whole into the scratch with one call. The
-    chunks, spans, checks and refusals, in their order, are those of ``read``
-    given the same ranges and no runs; the work per span is a few numpy steps."""
-    f = self.f
-    stride, cb = f.stride, f.chunk_bytes
-    run, chunk, lo, hi = _pieces(f, z_src, z_len)
-    needed = _unique(chunk)
-    span_at = np.flatnonzero(_span_starts(needed, self.per_span))
-    span_n = np.diff(np.append(span_at, len(needed)))
-    first_of = needed[span_at]
-    # One piece per span, the whole span at the start of the scratch.
-    pieces = _iovread.Pieces(
-      (self.scratch,),
-      np.zeros(len(span_at), np.int64),
-      np.zeros(len(span_at), np.int64),
-      span_n * stride,
-    )
-    zs = np.argsort(chunk, kind="stable")
-    z = (chunk[zs], lo[zs], hi[zs], run[zs])
-    expected = f.crc_table[needed].tolist()
-    extend = google_crc32c.extend
-    reads = 0
-    for s, (first, k, n) in enumerate(zip(first_of.tolist(), span_at.tolist(), span_n.tolist())):
-      reads += pieces.read(f.fd, f.path, s, s + 1, first * stride, n * stride)
-      rows = self.scratch[: n * stride].reshape(n, stride)
-      for j in range(n):
-        if extend(0, rows[j, :cb]) != expected[k + j]:
-          raise f.bad_chunk(int(needed[k + j]))
-      _check_stored(f, needed[k : k + n], np.ascontiguousarray(rows[:, cb:]).view("<u4")[:, 0])
-      self._check_zero(first, n, z, z_ids, 0)
-    if self.stats is not None:
-      self.stats.reads += reads
-      self.stats.chunks += len(needed)
-      self.stats.bytes += len(needed) * stride
 
   def _read_spans(self, needed, span_at, segs, z, z_ids, places) -> None:
     """Reads every span and checks each of its chunks against its recorded crc32c.
@@ -354,7 +320,7 @@ class _Spans:
       raise self.refuse(int(z_ids[rid[a + k]]), int(start[k]) + (j - int(ends[k] - size[k])) // isz)
 
 
-def _span_starts(needed: np.ndarray, per_span: int) -> np.ndarray:
+def span_starts(needed: np.ndarray, per_span: int) -> np.ndarray:
   """Whether each of the (sorted, distinct) ``needed`` chunks starts a span: spans are
   runs of consecutive chunks, at most ``per_span`` each."""
   brk = np.concatenate([[True], np.diff(needed) != 1])
@@ -363,7 +329,7 @@ def _span_starts(needed: np.ndarray, per_span: int) -> np.ndarray:
   return brk | np.concatenate([[False], np.diff(block) != 0])
 
 
-def _fills(span_bytes: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+def fills(span_bytes: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
   """Each span's offset in a scratch of ``capacity`` bytes, spans placed one after
   another until the next would not fit, then from 0 again; and whether each span
   is the last of its fill. With ``capacity`` 0 every span is at 0, alone."""

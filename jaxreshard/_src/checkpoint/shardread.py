@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import os
 import stat
 from collections.abc import Sequence
@@ -88,29 +89,32 @@ class Dir:
     self.close()
 
   def _open(self, name: str, flags: int, what: str) -> int:
-    path = os.path.join(self.path, name)
     if self.fd < 0:
-      raise ArchiveError(f"{path}: the checkpoint was closed; open it again to read it")
+      raise ArchiveError(
+        f"{os.path.join(self.path, name)}: the checkpoint was closed; open it again to read it"
+      )
     try:
       return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
-    except FileNotFoundError:
-      raise ArchiveError(f"{path} is missing") from None
-    except NotADirectoryError:
-      if self._is_link(name):  # O_DIRECTORY on a link fails with ENOTDIR, not ELOOP
-        raise ArchiveError(
-          f"{path} is a symbolic link; every {what} of a checkpoint must"
-          " lie inside it as a regular entry"
-        ) from None
-      raise ArchiveError(f"{path} is not a directory") from None
     except OSError as e:
-      if e.errno == errno.ELOOP:
-        raise ArchiveError(
-          f"{path} is a symbolic link; every {what} of a checkpoint must"
-          " lie inside it as a regular entry"
-        ) from None
-      if e.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket or a device
-        raise ArchiveError(f"{path} is not a regular file") from None
-      raise OSError(e.errno, e.strerror, path) from None
+      raise self._refused(name, e, what) from None
+
+  def _refused(self, name: str, e: OSError, what: str) -> Exception:
+    """The refusal of an entry ``name`` that ``os.open`` would not open (its path is
+    joined only here: opens that succeed never need it)."""
+    path = os.path.join(self.path, name)
+    link = ArchiveError(
+      f"{path} is a symbolic link; every {what} of a checkpoint must lie inside it as a"
+      " regular entry"
+    )
+    if isinstance(e, FileNotFoundError):
+      return ArchiveError(f"{path} is missing")
+    if isinstance(e, NotADirectoryError):  # O_DIRECTORY on a link fails with ENOTDIR, not ELOOP
+      return link if self._is_link(name) else ArchiveError(f"{path} is not a directory")
+    if e.errno == errno.ELOOP:
+      return link
+    if e.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket or a device
+      return ArchiveError(f"{path} is not a regular file")
+    return OSError(e.errno, e.strerror, path)
 
   def _is_link(self, name: str) -> bool:
     try:
@@ -167,6 +171,15 @@ class Dir:
     from jaxreshard._src.checkpoint.encoding import loads  # pylint: disable=g-import-not-at-top
 
     return loads(text, path)
+
+
+@functools.lru_cache(maxsize=16)
+def _index_bytes(n: int, stride: int) -> bytes:
+  """The shard index jaxreshard writes for ``n`` chunks of ``stride`` bytes: each
+  chunk's offset and length, little-endian uint64 (a pure function of its arguments,
+  remembered for the files of one layout)."""
+  offsets = np.arange(n, dtype=np.uint64) * np.uint64(stride)
+  return np.stack([offsets, np.full(n, stride, np.uint64)], axis=1).astype("<u8").tobytes()
 
 
 class ShardFile:
@@ -241,12 +254,7 @@ class ShardFile:
     raw = self._pread(nbytes + CRC_BYTES, self.n * self.stride)
     if _crc(raw[:nbytes]) != int.from_bytes(raw[nbytes:], "little"):
       raise ArchiveError(f"{self.path}/c/0: the shard index fails its crc32c (corrupted)")
-    index = np.frombuffer(raw[:nbytes], "<u8").reshape(self.n, 2)
-    expected = np.stack(
-      [np.arange(self.n, dtype=np.uint64) * self.stride, np.full(self.n, self.stride, np.uint64)],
-      axis=1,
-    )
-    if not np.array_equal(index, expected):
+    if raw[:nbytes] != _index_bytes(self.n, self.stride):
       raise ArchiveError(
         f"{self.path}/c/0: the shard index does not lay chunks out as jaxreshard writes them"
       )
