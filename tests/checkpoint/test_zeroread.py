@@ -217,3 +217,57 @@ def test_a_restore_names_the_first_archive_of_bad_padding_before_a_later_bad_chu
   _corrupt(os.path.join(chunk, "0"), 1)
   with pytest.raises(jr.ArchiveError, match=r"archive 7 .*chunk 0 fails its crc32c check"):
     jr.restore(tmp_path / "ck2", world_size=3, rank=2)
+
+
+def _chunk1_corrupted(tmp_path, name, size):
+  """A float32 file of chunks of one element, element 0 nonzero, chunk 1 corrupted."""
+  data = np.zeros(size, np.float32)
+  data[0] = 1
+  crcs = shardfile.write_array(str(tmp_path), name, data, 1)
+  _corrupt(os.path.join(tmp_path, name, "c", "0"), 8)  # chunk 1's first byte
+  return crcs
+
+
+def _both(tmp_path, files):
+  """The refusal of ``files`` ``(name, size, chunk, crcs, src, length)`` read together
+  and read one by one."""
+  root = shardread.Dir.root(str(tmp_path))
+  opened = [shardread.ShardFile(root, n, s, np.float32, c, crcs) for n, s, c, crcs, *_ in files]
+  got = []
+  for way in ("together", "one by one"):
+    try:
+      reads = zeroread.ZeroReads(np.empty(0, np.uint8))
+      for k, (f, (*_, src, length)) in enumerate(zip(opened, files)):
+        refuse = lambda i, pos, k=k: _refuse(k, i, pos)  # noqa: E731
+        if way == "together":
+          reads.add(f, src, length, refuse)
+        else:
+          runread.read_runs(f, [], [], [], None, np.empty(0, np.uint8), None, (src, length), refuse)
+      reads.run()
+      got.append("ok")
+    except ArchiveError as e:
+      got.append(str(e))
+  for f in opened:
+    f.close()
+  root.close()
+  return got
+
+
+def test_an_empty_range_inside_another_makes_the_ranges_overlap(tmp_path):
+  """``read_runs`` tells ranges apart with empty ones included: ``[0, 3)`` and an
+  empty range at 1 overlap, and are read through the scratch, which checks the
+  padding of chunk 0 before reading chunk 1."""
+  crcs = _chunk1_corrupted(tmp_path, "b", 4)
+  got = _both(tmp_path, [("b", 4, 1, crcs, [0, 1], [3, 0])])
+  assert got == ["file 0: range 0 position 0 is not zero bits"] * 2
+
+
+def test_a_file_read_on_its_own_gets_the_callers_scratch_not_one_grown_before(tmp_path):
+  """A first file read together grows the scratch; a second whose ranges overlap is
+  read on its own through the scratch it would have had alone (its spans, and so
+  the refusal named, depend on that scratch's size)."""
+  data = np.zeros(64, np.float32)
+  first = shardfile.write_array(str(tmp_path), "a", data, 64)
+  crcs = _chunk1_corrupted(tmp_path, "b", 4)
+  files = [("a", 64, 64, first, [0], [64]), ("b", 4, 1, crcs, [0, 0], [3, 3])]
+  assert _both(tmp_path, files) == ["file 1: range 0 position 0 is not zero bits"] * 2

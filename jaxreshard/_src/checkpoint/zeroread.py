@@ -35,8 +35,9 @@ from jaxreshard._src.errors import ArchiveError
 
 __all__ = ["ZeroReads"]
 
-# The files one ``ZeroReads`` holds before reading them: each stays open until read.
-MAX_FILES = 64
+# The files one ``ZeroReads`` holds before reading them: each stays open until read
+# (beside the files a restore holds open for its runs).
+MAX_FILES = 16
 
 
 class _File:
@@ -60,12 +61,16 @@ class ZeroReads:
   one by one.
 
   Args:
-    scratch: uint8 buffer for the spans read (grown if a span does not fit).
-    stats: counts the spans read, as ``read_runs`` does.
+    scratch: the caller's uint8 buffer. A file read on its own (ranges that
+      overlap) gets it as ``read_runs`` would, grown to one chunk; the files read
+      together use up to about one span's bytes of it (a fill), a larger buffer
+      where it is smaller.
+    stats: counts the spans read and their chunks and bytes.
   """
 
   def __init__(self, scratch: np.ndarray, stats: _shardread.ReadStats | None = None):
-    self.scratch, self.stats = scratch, stats
+    self.given, self.stats = scratch, stats
+    self.scratch = scratch  # what the files read together use, grown as needed
     self._files: list[_File] = []
 
   @property
@@ -78,19 +83,19 @@ class ZeroReads:
     """Ranges ``[z_src[i], z_src[i] + z_len[i])`` of ``f`` must be zero bits;
     ``refuse(i, position)`` makes the error for range ``i``."""
     z_src, z_len = np.asarray(z_src, np.int64), np.asarray(z_len, np.int64)
-    if f.size and not ((z_src >= 0) & (z_len <= f.size - z_src)).all():
-      self.run()  # the files before it first
-      _runread.read_runs(f, [], [], [], None, self.scratch, self.stats, (z_src, z_len), refuse)
-      raise AssertionError("read_runs accepted a range outside its file")
+    inside = not f.size or ((z_src >= 0) & (z_len <= f.size - z_src)).all()
     keep = np.flatnonzero(z_len > 0)
-    if not len(keep):
+    if inside and not len(keep):
       return  # nothing to read
-    order = np.argsort(z_src[keep], kind="stable")
-    ends = (z_src + z_len)[keep][order]
-    if not bool(np.all(ends[:-1] <= z_src[keep][order][1:])):
-      # Overlapping ranges go through the scratch one chunk span at a time.
+    # Disjoint as ``read_runs`` tells it: empty ranges included.
+    order = np.argsort(z_src, kind="stable")
+    disjoint = bool(np.all((z_src + z_len)[order[:-1]] <= z_src[order[1:]]))
+    if not (inside and disjoint):
+      # Refused (a range outside the file), or read through the scratch one chunk
+      # span at a time (ranges that overlap): on its own, after the files before it.
       self.run()
-      _runread.read_runs(f, [], [], [], None, self.scratch, self.stats, (z_src, z_len), refuse)
+      scratch = _runread.staging(self.given, f.stride, f)
+      _runread.read_runs(f, [], [], [], None, scratch, self.stats, (z_src, z_len), refuse)
       return
     self._files.append(_File(f, z_src[keep], z_len[keep], keep, refuse))
 
@@ -155,6 +160,7 @@ class _Batch:
     self.needed = _runread.unique_ints(self.key)
     need_file = self.needed // gap
     per_span = np.maximum(1, _runread.SPAN_BYTES // self.stride[need_file])
+    self.per_span_bytes = np.maximum(1, _runread.SPAN_BYTES // self.stride) * self.stride
     span_at = np.flatnonzero(_runread.span_starts(self.needed, per_span))
     self.span_file = need_file[span_at]
     self.span_first = self.needed[span_at] - self.span_file * gap  # a chunk of its file
@@ -170,9 +176,10 @@ class _Batch:
   def read(self) -> None:
     owner = self.owner
     scratch = owner.scratch
-    # Spans are placed for a scratch that holds the widest; a smaller one grows when
-    # the first span that does not fit is read (its pending bytes kept), in order.
-    capacity = max(len(scratch), int(self.span_bytes.max()))
+    # Spans are placed in fills of about one span's bytes, as a file read on its own
+    # has them (which bounds the gather's index); a smaller scratch grows when the
+    # first span that does not fit is read (its pending bytes kept), in order.
+    capacity = int(self.per_span_bytes.max())
     offsets, last = _runread.fills(self.span_bytes, capacity)
     self.offsets = offsets
     mem = memoryview(scratch)
