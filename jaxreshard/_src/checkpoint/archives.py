@@ -235,11 +235,11 @@ class ArchiveReader:
     checks, owned = touched[pad], owned[pad]
     zero = (owned, pads.stops[checks] - owned)
     refuse = self._refuse(archive, pads, checks)
-    held = f
-    f = held if held is not None else self.open_buffer(archive, dtype)
+    opened = f is None
+    f = self.open_buffer(archive, dtype) if opened else f
     try:
       scratch = _runread.staging(scratch, f.stride, f)
       _runread.read_runs(f, src, dst, length, out, scratch, stats, zero=zero, refuse=refuse)
     finally:
-      if held is None:
+      if opened:
         f.close()

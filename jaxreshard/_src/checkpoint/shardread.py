@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import functools
 import os
 import stat
 from collections.abc import Sequence
@@ -173,15 +172,6 @@ class Dir:
     return loads(text, path)
 
 
-@functools.lru_cache(maxsize=16)
-def _index_bytes(n: int, stride: int) -> bytes:
-  """The shard index jaxreshard writes for ``n`` chunks of ``stride`` bytes: each
-  chunk's offset and length, little-endian uint64 (a pure function of its arguments,
-  remembered for the files of one layout)."""
-  offsets = np.arange(n, dtype=np.uint64) * np.uint64(stride)
-  return np.stack([offsets, np.full(n, stride, np.uint64)], axis=1).astype("<u8").tobytes()
-
-
 class ShardFile:
   """An open buffer file, checked against the metadata that describes it.
 
@@ -254,7 +244,13 @@ class ShardFile:
     raw = self._pread(nbytes + CRC_BYTES, self.n * self.stride)
     if _crc(raw[:nbytes]) != int.from_bytes(raw[nbytes:], "little"):
       raise ArchiveError(f"{self.path}/c/0: the shard index fails its crc32c (corrupted)")
-    if raw[:nbytes] != _index_bytes(self.n, self.stride):
+    # Each chunk's offset and length, as jaxreshard writes them: back to back, whole.
+    index = np.frombuffer(raw, "<u8", count=2 * self.n)
+    stride = np.uint64(self.stride)
+    if not (
+      (index[1::2] == stride).all()
+      and (index[0::2] == np.arange(self.n, dtype=np.uint64) * stride).all()
+    ):
       raise ArchiveError(
         f"{self.path}/c/0: the shard index does not lay chunks out as jaxreshard writes them"
       )

@@ -159,13 +159,12 @@ class _Batch:
     self.n = n[order]
     self.needed = _runread.unique_ints(self.key)
     need_file = self.needed // gap
-    per_span = np.maximum(1, _runread.SPAN_BYTES // self.stride[need_file])
-    self.per_span_bytes = np.maximum(1, _runread.SPAN_BYTES // self.stride) * self.stride
-    span_at = np.flatnonzero(_runread.span_starts(self.needed, per_span))
+    per_span = np.maximum(1, _runread.SPAN_BYTES // self.stride)  # chunks, per file
+    self.per_span_bytes = per_span * self.stride
+    span_at = np.flatnonzero(_runread.span_starts(self.needed, per_span[need_file]))
     self.span_file = need_file[span_at]
     self.span_first = self.needed[span_at] - self.span_file * gap  # a chunk of its file
     self.span_n = np.diff(np.append(span_at, len(self.needed)))
-    self.span_at = span_at
     self.span_bytes = self.span_n * self.stride[self.span_file]
     # The pieces of each span: consecutive, from ``piece_at[s]``.
     span_of_key = np.searchsorted(self.needed[span_at], self.key, side="right") - 1
