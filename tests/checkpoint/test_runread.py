@@ -336,4 +336,3 @@ def test_sparse_short_runs_and_zero_ranges_in_spans_of_many_sizes(
   assert seen == [(len(zeros), int(bad[0]))]
   f.close()
   root.close()
-
