@@ -26,7 +26,9 @@ VS_RAW_READ = 0.5
 def needed_ranks(counts: np.ndarray, src: int, dst: int, rank: int) -> np.ndarray:
   """Source ranks whose slots meet target ``rank``'s slots of some param (flat geometry).
 
-  These are the archives a restore of that rank reads or checks for padding.
+  These are the archives a restore of that rank reads or checks for padding,
+  when no all-padding source rank past the target world's padded buffer falls
+  to it (``copyplan.padding_ranks``): true of the rank measured, ``dst // 3``.
   """
   counts = counts[counts > 0]
   ss, ts = -(-counts // src), -(-counts // dst)

@@ -216,9 +216,9 @@ def copied_bytes(groups: Any) -> int:
 
 
 def all_padding_sources(groups: Sequence[_validate.SourceGroup], name_of: dict) -> _pads.Trailing:
-  """The all-padding source buffers a target rank checks: those of source ranks whose
-  slots, in the global flat order, fall in the target rank's own slots (the last
-  target rank's also take everything after). ``name_of``: the index's param numbers.
+  """The all-padding source buffers a target rank checks (``copyplan.padding_ranks``:
+  those whose slots meet its own, and its share of those past the target world's
+  padded buffer). ``name_of``: the index's param numbers.
 
   Together the target ranks of a layout check every all-padding source rank, each
   rank mostly checking archives it reads anyway. Made with array operations over
@@ -227,23 +227,13 @@ def all_padding_sources(groups: Sequence[_validate.SourceGroup], name_of: dict) 
   out = _pads.Trailing()
   if not groups:
     return out
-  # The rank ranges as arrays over the groups; only groups with such ranks are visited.
-  ss, count, world = groups.src_slots, groups.count, groups.src_world
-  t_rank, t_slots, t_world = groups.rank, groups.slots, groups.world
-  lo = t_rank * t_slots
-  hi = np.where(t_rank + 1 < t_world, (t_rank + 1) * t_slots, ss * world)
-  safe = np.maximum(ss, 1)
-  first = np.maximum(-(-count // safe), lo // safe)  # the first all-padding rank in the range
-  last = np.minimum(world, -(-hi // safe))
-  rows = np.flatnonzero((ss > 0) & (first < last))
-  if not len(rows):
-    return out
-  # Every (group, all-padding rank) pair as a row of two arrays.
-  lengths = (last - first)[rows]
-  row = np.repeat(rows, lengths)
-  rank = np.arange(len(row), dtype=np.int64) + np.repeat(
-    first[rows] - (np.cumsum(lengths) - lengths), lengths
+  t_rank = groups.rank
+  row, rank = _copyplan.padding_ranks(
+    groups.count, groups.src_slots, groups.src_world, t_rank, t_rank + 1, groups.slots, groups.world
   )
+  if not len(row):
+    return out
+  rows, lengths = np.unique(row, return_counts=True)
   archive = groups.archives(row, rank)
   # Groups with the same history buffers are added together, one call per buffer.
   facts = groups.facts  # a row's sources: no per-row group object is made

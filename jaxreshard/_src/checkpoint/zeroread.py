@@ -1,8 +1,8 @@
 """Reading ranges that must be zero bits in many shard files, planned once for all.
 
-The last target rank of a large world checks the padding of every all-padding
-source rank after its own slots: a few small ranges in each of hundreds or
-thousands of files, with nothing to copy. Read one file at a time
+A target rank of a world much smaller than its sources' (4,096 -> 6) checks
+the padding of the hundreds of all-padding source ranks that fall to it: a few
+small ranges in each file, with nothing to copy. Read one file at a time
 (``runread.read_runs``), each file costs some sixty numpy steps of planning on
 arrays of a few entries. Here the files' ranges are planned together with
 array operations: the chunks each range touches, the spans of consecutive

@@ -33,6 +33,7 @@ __all__ = [
   "TargetLayout",
   "cut_runs",
   "locate_each",
+  "padding_ranks",
   "padding_spans",
   "plan_blocks",
   "plan_runs",
@@ -198,33 +199,73 @@ def overlaps(groups: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarra
   )
 
 
+def padding_ranks(
+  count: np.ndarray,
+  src_slots: np.ndarray,
+  src_world: np.ndarray,
+  first: np.ndarray,
+  stop: np.ndarray,
+  slots: np.ndarray,
+  world: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+  """The all-padding source ranks that target ranks ``[first[i], stop[i])`` check, per row.
+
+  A source rank is all padding when its slots start at or past ``count``. One
+  whose slots start inside the target world's padded buffer (``world * slots``
+  elements) is checked by every target rank whose slots meet its own. One whose
+  slots start past it (a source world padded further than the target's) is
+  checked by target rank ``k * world // src_world``: spread over the target
+  ranks, where a rule by position would give them all to the last one, which
+  would then open archives in proportion to the difference of the two worlds.
+  Together the target ranks of a world check each such rank at least once.
+
+  Returns:
+    ``(row, source rank)`` int64 arrays, in order of row, then rank.
+  """
+  ss = np.maximum(src_slots, 1)
+  end = world * slots  # the target world's padded buffer
+  past = -(-end // ss)  # the first source rank whose slots start past it
+  allpad = -(-count // ss)  # the first all-padding source rank
+  # Ranks whose slots meet the target ranks' own slots.
+  a_first = np.maximum(allpad, first * slots // ss)
+  a_stop = np.minimum(np.minimum(src_world, past), -(-(stop * slots) // ss))
+  # Ranks past the target's buffer that fall to these target ranks.
+  b_first = np.maximum(np.maximum(allpad, past), -(-(first * src_world) // world))
+  b_stop = np.minimum(src_world, -(-(stop * src_world) // world))
+  ranges = []
+  for lo, hi in ((a_first, a_stop), (b_first, b_stop)):
+    rows = np.flatnonzero((src_slots > 0) & (lo < hi))
+    n = hi[rows] - lo[rows]
+    row = np.repeat(rows, n)
+    ranges.append(
+      (row, lo[row] + (np.arange(len(row), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)))
+    )
+  row = np.concatenate([ranges[0][0], ranges[1][0]])
+  k = np.concatenate([ranges[0][1], ranges[1][1]])
+  order = np.lexsort((k, row))
+  return row[order], k[order]
+
+
 def padding_spans(
-  groups: Any, lo: np.ndarray, hi: np.ndarray, pad_lo: np.ndarray, pad_hi: np.ndarray
+  groups: Any, lo: np.ndarray, hi: np.ndarray, first: np.ndarray, stop: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """The source padding that a target reads, per row ``i``: the target holds elements
-  ``[lo[i], hi[i])`` and, padding included, ``[pad_lo[i], pad_hi[i])`` of the
-  padded flat buffer (the last target rank's reaching to the sources' end).
+  """The source padding that target ranks ``[first[i], stop[i])`` read, per row ``i``,
+  whose elements ``[lo[i], hi[i])`` they hold.
 
   A source rank's slots past what its flat shard owns are padding. The target
   reads the padding of the source rank holding the param's last element when
-  it copies from that rank, and the whole of every all-padding source rank
-  whose slots meet its own padded range: together the target ranks of a
-  world read every padding slot, as a read from disk does. In the format of
+  it copies from that rank, and the whole of every all-padding source rank that
+  falls to it (:func:`padding_ranks`): together the target ranks of a world read
+  every padding slot, as a read from disk does. In the format of
   :func:`overlaps` (row, source rank, first padding element in that rank's
   buffer, 0, length), in order of row, then rank.
   """
-  count, ss, sw = groups.count, groups.src_slots, groups.src_world
+  count, ss = groups.count, groups.src_slots
   slots = np.maximum(ss, 1)
   last = np.maximum(count - 1, 0) // slots
   # The last owner's own padding, read when the target copies from it.
   part = np.flatnonzero((ss > 0) & (count % slots > 0) & (hi > lo) & (hi > last * ss))
-  # All-padding ranks ``[first, stop)`` that meet the padded range.
-  first = np.maximum(-(-count // slots), pad_lo // slots)
-  stop = np.minimum(sw, -(-pad_hi // slots))
-  rows = np.flatnonzero((ss > 0) & (first < stop))
-  n = stop[rows] - first[rows]
-  row = np.repeat(rows, n)
-  k = first[row] + (np.arange(len(row), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n))
+  row, k = padding_ranks(count, ss, groups.src_world, first, stop, groups.slots, groups.world)
   start = count[part] - last[part] * ss[part]
   row = np.concatenate([part, row])
   k = np.concatenate([last[part], k])

@@ -4,7 +4,7 @@ A source rank's slots past what its flat shard owns are padding and hold zero
 bits. A read from disk refuses padding that is not zero and a save refuses to
 write it; a reshard of records in memory refuses it the same way, and reads
 the same padding: that of every source buffer a target rank copies from and
-of the all-padding ranks after it (``copyplan.padding_spans``). Like the
+of the all-padding ranks that fall to it (``copyplan.padding_ranks``). Like the
 history buffers, the padding is read as it is at each call.
 
 The padding is read where the bytes are, in time per byte of padding rather
@@ -128,9 +128,7 @@ def padding_plan(
     first, stop = ranks
     lo = _groups.clipped(first, slots, count)
     hi = _groups.clipped(stop, slots, count)
-  pad_lo = first * slots
-  pad_hi = np.where(stop < groups.world, stop * slots, groups.src_slots * groups.src_world)
-  return PadPlan(src, groups, _copyplan.padding_spans(groups, lo, hi, pad_lo, pad_hi))
+  return PadPlan(src, groups, _copyplan.padding_spans(groups, lo, hi, first, stop))
 
 
 def check(
