@@ -22,6 +22,9 @@ Tasks:
   fail:      a manager saves step 1, then step 2 with process ``args.fail``
              unable to write its archives (a file size limit, as a full disk);
              reports what each process saw and how long its step 2 took.
+  padding_share: ``restore_sharded(path, target=...)`` of each of ``args.paths``
+             (Adam over params of ``args.counts`` elements) onto every device,
+             replicated; report which restores this process refused, and why.
   restore_target: ``restore_sharded(args.path, target=...)`` of
              ``_target_util.big_example``'s checkpoint, rows sharded over a
              mesh of 4 devices of which process 0 has one (so it holds one
@@ -304,6 +307,28 @@ def restore_target(opt, params, state, shapes) -> dict:
       "devices_in_mesh": sum(d.process_index == ME for d in m.devices.flat),
     }
   return out
+
+
+def padding_share(opt, params, state, shapes) -> dict:
+  del opt, params, state, shapes  # this task restores the checkpoints it is given
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+
+  from jaxreshard._src.distributed import target_restore as _target_restore
+  from tests import _target_util as T  # pylint: disable=g-import-not-at-top
+
+  opt = optax.adam(1e-3)
+  params = {k: np.zeros(n, np.float32) for k, n in ARGS["counts"].items()}
+  replicated = NamedSharding(mesh(), PartitionSpec())
+  target = T.abstract(opt, params, lambda path, x: replicated)
+  refused = []
+  for path in ARGS["paths"]:
+    try:
+      restored = _target_restore.restore_to_target(path, target)
+      jax.block_until_ready(restored.state)
+      refused.append(None)
+    except jr.ReshardError as e:
+      refused.append(str(e))
+  return {"refused": refused}
 
 
 def main() -> None:

@@ -345,3 +345,35 @@ def test_each_process_reads_only_its_devices_share(tmp_path):
     f" ({one['bytes_read'] / whole:.3f}); rchar {one['rchar']}; half"
     f" {results[0]['half']['bytes_read']} / {results[1]['half']['bytes_read']}"
   )
+
+
+@pytest.mark.slow
+def test_processes_share_the_all_padding_source_ranks_of_a_replicated_param(tmp_path):
+  """Two processes restore a param held whole on every device (replicated): each
+  copies from the source rank holding its last element, and the source ranks
+  after it hold only padding. Each process checks its share of those ranks (the
+  first three of five, the last two), so nonzero bits planted in one of them are
+  refused by exactly one process, and neither opens every archive."""
+  from tests import _mp_util as U  # pylint: disable=g-import-not-at-top
+  from tests._archive_util import padding_unchecked  # pylint: disable=g-import-not-at-top
+
+  counts = {"b": 3, "w": 40}  # over 8 source ranks: b's ranks 3..7 are all padding
+  opt = optax.adam(1e-3)
+  params = {k: np.zeros(n, np.float32) for k, n in counts.items()}
+  state = jax.tree.map(np.asarray, opt.init(params))
+  paths = []
+  for k in range(3, 8):
+    records = jr.shard_state(opt, params, state, world_size=8)
+    records[k].state[0].nu["b"].view(np.uint32)[0] = 0x80000000  # -0.0
+    paths.append(str(tmp_path / f"pad{k}"))
+    with padding_unchecked():  # a save refuses it; another writer may not
+      jr.save_records(paths[-1], records)
+  with U.ProcessGroup(
+    2, 4, "padding_share", str(tmp_path / "out"), {"paths": paths, "counts": counts}, timeout=240
+  ) as g:
+    results = g.check()
+  for i, k in enumerate(range(3, 8)):
+    who = [p for p, res in enumerate(results) if res["refused"][i] is not None]
+    assert who == [0 if k < 6 else 1], (k, [res["refused"][i] for res in results])
+    msg = results[who[0]]["refused"][i]
+    assert f"of archive {k}" in msg and "padding is not zero" in msg, msg

@@ -130,7 +130,7 @@ class ArchiveReader:
         before(archive)
       pads = self._pad_table(archive, dtype)
       ks = pads.find(names, mirrors)
-      owned = pads.at(ks)[0]
+      owned = pads.at(ks)
       pad = owned < pads.stops[ks]
       ks, owned = ks[pad], owned[pad]
       if not len(ks):
@@ -208,7 +208,6 @@ class ArchiveReader:
     out: np.ndarray,
     scratch: np.ndarray,
     stats: ReadStats | None = None,
-    trailing: _pads.Trailing | None = None,
     f: _shardread.ShardFile | None = None,
   ) -> None:
     """Copies runs of one packed buffer into ``out``, reading only their chunks.
@@ -218,19 +217,13 @@ class ArchiveReader:
     layout says padding contradicts the layout, and is refused.
 
     ``scratch`` (uint8) holds the chunk spans read; it grows to one chunk if smaller.
-    ``stats``, when given, counts the chunk spans read. ``trailing``, when
-    given, collects the all-padding ranks after each rank the runs copy a
-    param's last elements from, for :meth:`check_padding`. ``f``: the buffer's
+    ``stats``, when given, counts the chunk spans read. ``f``: the buffer's
     file, when the caller holds it open (``open_buffer``).
     """
     pads = self._pad_table(archive, dtype)
     touched = np.unique(np.searchsorted(pads.starts, src, side="right") - 1)
     touched = touched[touched >= 0]
-    owned, ranks, last = pads.at(touched)
-    if trailing is not None:
-      for k, rank in zip(touched[last].tolist(), ranks[last].tolist()):
-        after = _pads.ranks_after(self.index, archive, pads.keys[k][0], rank)
-        trailing.add(dtype, after, pads.names[k], pads.mirrors[k])
+    owned = pads.at(touched)
     pad = owned < pads.stops[touched]
     checks, owned = touched[pad], owned[pad]
     zero = (owned, pads.stops[checks] - owned)

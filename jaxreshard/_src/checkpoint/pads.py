@@ -19,16 +19,7 @@ from jaxreshard._src.checkpoint.index import ArchiveLayout, Index
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.errors import ArchiveError, PlacementError
 
-__all__ = [
-  "Pads",
-  "Trailing",
-  "for_archive",
-  "pad_base",
-  "pad_table",
-  "pads_at",
-  "padding_error",
-  "ranks_after",
-]
+__all__ = ["Pads", "Trailing", "for_archive", "pad_base", "pad_table", "pads_at", "padding_error"]
 
 
 class Pads:
@@ -36,24 +27,21 @@ class Pads:
 
   Buffer ``k`` lies at ``[starts[k], stops[k])`` of the packed buffer; its
   elements from ``owned[k]`` on are padding (past what the rank's flat shard
-  owns), which must hold zero bits. ``ranks[k]`` is the buffer's rank (-1 where
-  the index lays it out with no geometry: it is refused before any read), and
-  ``last[k]`` says the rank holds its param's last element while later ranks
-  exist (whose buffers are then all padding). ``at(ks)`` gives ``owned``,
-  ``ranks`` and ``last`` of some buffers only. ``names[k]`` and ``mirrors[k]``
+  owns), which must hold zero bits (a buffer the index lays out with no
+  geometry is refused before any read). ``at(ks)`` gives ``owned`` of some
+  buffers only. ``names[k]`` and ``mirrors[k]``
   are buffer ``k``'s param (its number in the index's ``tables.pids``) and
   mirror; ``find`` looks buffers up by them.
   """
 
-  def __init__(self, starts, owned, stops, keys, ranks, last, names, mirrors):
-    self.starts, self.stops = starts, stops
-    self.owned, self.ranks, self.last = owned, ranks, last
+  def __init__(self, starts, owned, stops, keys, names, mirrors):
+    self.starts, self.stops, self.owned = starts, stops, owned
     self.keys = keys  # (param, mirror) of each buffer
     self.names, self.mirrors = names, mirrors
     self._finder = _Finder(names, mirrors)
 
-  def at(self, ks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return self.owned[ks], self.ranks[ks], self.last[ks]
+  def at(self, ks: np.ndarray) -> np.ndarray:
+    return self.owned[ks]
 
   def find(self, names: np.ndarray, mirrors: np.ndarray) -> np.ndarray:
     """The buffers ``(names[i], mirrors[i])``, in increasing order, each once; those
@@ -108,9 +96,8 @@ class PadBase:
   """A (layout, group, dtype)'s buffers: offsets, and the slots and count of each
   buffer's param in the group (-1 where the group does not lay it out)."""
 
-  def __init__(self, starts, stops, names, mirrors, pids, slots, count, world_size):
+  def __init__(self, starts, stops, names, mirrors, pids, slots, count):
     self.starts, self.stops, self.slots, self.count = starts, stops, slots, count
-    self.world_size = world_size
     self.names, self.mirrors, self._pids = names, mirrors, pids
     self.finder = _Finder(names, mirrors)
 
@@ -130,23 +117,17 @@ class _RankPads(Pads):
 
   keys = property(lambda self: self.base.keys)
 
-  def at(self, ks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def at(self, ks) -> np.ndarray:
     b, rank = self.base, self.rank
     slots, count = b.slots[ks], b.count[ks]
-    valid = slots >= 0
     start = np.minimum(rank * slots, count)
     stop = np.minimum((rank + 1) * slots, count)
-    own = np.where(valid, stop - start, b.stops[ks] - b.starts[ks])
-    last = valid & (own > 0) & (stop == count) & (rank + 1 < b.world_size)
-    return b.starts[ks] + own, np.where(valid, rank, -1), last
+    own = np.where(slots >= 0, stop - start, b.stops[ks] - b.starts[ks])
+    return b.starts[ks] + own
 
   @functools.cached_property
-  def _all(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def owned(self) -> np.ndarray:
     return self.at(slice(None))
-
-  owned = property(lambda self: self._all[0])
-  ranks = property(lambda self: self._all[1])
-  last = property(lambda self: self._all[2])
 
 
 def pad_base(index: Index, layout: ArchiveLayout, gi: int, dtype: np.dtype) -> PadBase:
@@ -176,7 +157,6 @@ def pad_base(index: Index, layout: ArchiveLayout, gi: int, dtype: np.dtype) -> P
     t.pids,
     np.where(valid, slots, -1),
     np.where(valid, count, -1),
-    world,
   )
 
 
@@ -195,7 +175,7 @@ def pad_table(
   """Where the padding of an archive's packed buffer of ``dtype`` lies, buffer by buffer
   (for an archive in several groups)."""
   entries = _entries(layout, dtype)
-  starts, owned, stops, keys, ranks, last = [], [], [], [], [], []
+  starts, owned, stops, keys = [], [], [], []
   for o, n, (pid, m) in entries:
     g = None
     p = placement(archive, pid)
@@ -204,14 +184,8 @@ def pad_table(
         g = FlatShard.checked(p.shape, p.rank, p.world_size)
       except PlacementError:
         g = None  # refused by validation, never read
-    if g is not None and g.slots == n:
-      own = g.owned
-      ranks.append(g.rank)
-      last.append(bool(g.owned and g.stop == g.count and g.rank + 1 < g.world_size))
-    else:
-      own = n  # a buffer the index does not lay out is refused before reads
-      ranks.append(-1)
-      last.append(False)
+    # A buffer the index does not lay out is refused before reads.
+    own = g.owned if g is not None and g.slots == n else n
     starts.append(o)
     owned.append(o + own)
     stops.append(o + n)
@@ -221,8 +195,6 @@ def pad_table(
     np.asarray(owned, np.int64),
     np.asarray(stops, np.int64),
     keys,
-    np.asarray(ranks, np.int64),
-    np.asarray(last, bool),
     np.fromiter((index.name_of.get(pid, -1) for pid, _ in keys), np.int64, len(keys)),
     np.fromiter((m for _, m in keys), np.int64, len(keys)),
   )
@@ -251,15 +223,6 @@ def for_archive(
   if base is None:
     base = bases[key] = pad_base(index, layout, gi, dtype)
   return pads_at(base, rank)
-
-
-def ranks_after(index: Index, archive: int, pid: str, rank: int) -> tuple[int, ...]:
-  """The archives holding ranks after ``rank`` of ``pid``'s group in ``archive``."""
-  out = set()
-  for gi, r in index.member[archive]:
-    if pid in index.param_index[gi] and r == rank:
-      out.update(a for a, ra in index.groups[gi].ranks if ra > rank)
-  return tuple(sorted(out))
 
 
 def padding_error(path: str, archive: int, key: tuple, g: FlatShard, local: int) -> ArchiveError:

@@ -280,7 +280,8 @@ class Checkpoint:
     """Reads the padding of the buffers in ``trailing`` and checks it is zero bits.
 
     ``trailing`` holds buffers of all-padding ranks, which no run copies from
-    (``read_runs`` or ``_restore.all_padding_sources``), checked file by file in
+    (``_restore.all_padding_sources``, or a process's share of them in
+    ``restore_sharded``), checked file by file in
     order of (archive, dtype name). ``files``: ``(archive, dtype) -> ShardFile``
     the caller holds open.
     """

@@ -337,16 +337,51 @@ def _split(starts: np.ndarray, length: int, dst: np.ndarray, ss: int):
   return rank, src, dst[run] + skip, n
 
 
+def _padding_share(
+  ckpt: Checkpoint, g: Any, subtree: int, sharding: Any, trailing: Any, by_rank: dict
+) -> None:
+  """Adds this process's share of the source ranks holding only padding of ``g``'s
+  history buffer ``subtree`` to ``trailing``.
+
+  No run copies from the source ranks after the one holding the param's last
+  element, and their padding is checked all the same. Every process that the
+  leaf's sharding spans restores the leaf; each checks an equal share of those
+  ranks, in rank order by its place among the processes, so that together they
+  check every one and no process opens archives in proportion to the source
+  world (as one holding a replicated param whole would, checking them all).
+  """
+  source = g.source
+  ss, world = source.slots, source.world_size
+  first = -(-source.count // ss) if ss else world  # the first all-padding rank
+  if first >= world:
+    return
+  processes = sorted({d.process_index for d in sharding.device_set})
+  me = jax.process_index()
+  if me not in processes:
+    return
+  j, n, left = processes.index(me), len(processes), world - first
+  lo, hi = first + -(-left * j // n), first + -(-left * (j + 1) // n)
+  if lo >= hi:
+    return
+  archives = by_rank.get(id(g.by_rank))
+  if archives is None:
+    archives = by_rank[id(g.by_rank)] = np.asarray(g.by_rank, np.int64)
+  trailing.add(g.buffer_dtypes[subtree], archives[lo:hi], ckpt.index.name_of[g.param], subtree)
+
+
 def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]:
   """Host data of every leaf: ``{box: array}`` for histories, the value for scalars."""
   sizes: dict[np.dtype, int] = {}
   where: list[dict[Box, int]] = []
   runs: dict[tuple[int, np.dtype], list[tuple[np.ndarray, ...]]] = {}
+  trailing = _pads.Trailing()  # this process's share of the all-padding source ranks
+  by_rank: dict[int, np.ndarray] = {}  # each group's archives by rank, as an array
   for leaf, spec in zip(leaves, specs):
     if not isinstance(leaf, _Hist):
       where.append({})
       continue
     g = groups[leaf.group]
+    _padding_share(ckpt, g, leaf.subtree, spec.sharding, trailing, by_rank)
     at = {}
     for box in spec.boxes:
       n = math.prod(hi - lo for lo, hi in box)
@@ -386,9 +421,8 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
     total=len(per_archive),
     total_bytes=sum(per_archive.values()),
   )
-  trailing = _pads.Trailing()  # all-padding source ranks whose padding is checked too
   for i, (archive, d, src, dst, lens) in enumerate(tables):
-    ckpt.archives.read_runs(archive, d, src, dst, lens, out[d], scratch, stats, trailing=trailing)
+    ckpt.archives.read_runs(archive, d, src, dst, lens, out[d], scratch, stats)
     if i + 1 == len(tables) or tables[i + 1][0] != archive:
       reporter.step(per_archive[archive], archive=archive)
   ckpt.check_padding(trailing, scratch, stats)
