@@ -109,3 +109,53 @@ def test_flat_shard_is_frozen_and_hashable():
   with pytest.raises(dataclasses.FrozenInstanceError):
     g.rank = 2  # type: ignore[misc]
   assert len({g, jr.FlatShard((5,), 1, 4)}) == 1
+
+
+def test_all_padding_ranks_are_each_checked_and_spread_over_the_target_ranks():
+  """``copyplan.padding_ranks`` against the rule written out rank by rank: a source
+  rank holding only padding is checked by every target rank whose slots meet its
+  slots, or, past the target world's padded buffer, by target rank
+  ``k * T // S`` alone; together every such rank is checked, and no target rank
+  checks more than the ranks meeting its slots plus ``ceil(S / T)``. Asked for one
+  target rank at a time and for ranges of them, it gives the same pairs."""
+  from jaxreshard._src.core.copyplan import padding_ranks
+
+  rng = np.random.default_rng(0)
+  cases = [(n, s, t) for n in (0, 1, 2, 3, 7, 40) for s in (1, 2, 3, 8, 13) for t in (1, 2, 5, 8)]
+  cases += [tuple(int(x) for x in rng.integers([0, 1, 1], [300, 70, 70])) for _ in range(300)]
+  for n, S, T in cases:
+    ss, ts = -(-n // S), -(-n // T)
+    want = {}
+    for k in range(S):
+      if ss == 0 or k * ss < n:
+        continue  # owns data (or the param has no elements: no slots)
+      if k * ss < T * ts:
+        want[k] = [t for t in range(T) if t * ts < (k + 1) * ss and k * ss < (t + 1) * ts]
+      else:
+        want[k] = [k * T // S]
+    one = lambda a: np.asarray([a], np.int64)  # noqa: E731
+    got = {}
+    for t in range(T):
+      row, ks = padding_ranks(one(n), one(ss), one(S), one(t), one(t + 1), one(ts), one(T))
+      assert (row == 0).all() and list(ks) == sorted(set(ks.tolist()))
+      for k in ks.tolist():
+        got.setdefault(k, []).append(t)
+      meeting = sum(1 for k in range(S) if ss and t * ts < (k + 1) * ss and k * ss < (t + 1) * ts)
+      assert len(ks) <= meeting + -(-S // T), (n, S, T, t)
+    assert got == want, (n, S, T)
+    # Ranges of target ranks, several rows at once: the union of their ranks' pairs.
+    cut = int(rng.integers(0, T + 1))
+    ranges = [(0, cut), (cut, T)]
+    rows = len(ranges)
+    row, ks = padding_ranks(
+      np.full(rows, n),
+      np.full(rows, ss),
+      np.full(rows, S),
+      np.asarray([a for a, _ in ranges]),
+      np.asarray([b for _, b in ranges]),
+      np.full(rows, ts),
+      np.full(rows, T),
+    )
+    for i, (a, b) in enumerate(ranges):
+      mine = sorted(k for k, ts_ in want.items() if any(a <= x < b for x in ts_))
+      assert ks[row == i].tolist() == mine, (n, S, T, a, b)

@@ -234,7 +234,7 @@ def padding_ranks(
   b_stop = np.minimum(src_world, -(-(stop * src_world) // world))
   ranges = []
   for lo, hi in ((a_first, a_stop), (b_first, b_stop)):
-    rows = np.flatnonzero((src_slots > 0) & (lo < hi))
+    rows = np.flatnonzero((src_slots > 0) & (first < stop) & (lo < hi))
     n = hi[rows] - lo[rows]
     row = np.repeat(rows, n)
     ranges.append(
