@@ -377,3 +377,26 @@ def test_processes_share_the_all_padding_source_ranks_of_a_replicated_param(tmp_
     assert who == [0 if k < 6 else 1], (k, [res["refused"][i] for res in results])
     msg = results[who[0]]["refused"][i]
     assert f"of archive {k}" in msg and "padding is not zero" in msg, msg
+
+
+def test_restore_sharded_refuses_a_like_of_another_tree_before_reading(tmp_path):
+  """A ``like=`` whose plain form is not the restored state's tree is refused before
+  any history buffer is read: with every buffer's data gone, it is still the
+  ``like=`` refusal that comes back, on the flat layout and with ``target=``; a
+  ``like=`` of the right tree goes on to the read, which refuses the missing data."""
+  opt = optax.adam(1e-3)
+  params = {"w": np.arange(10.0, dtype=np.float32), "b": np.ones(3, np.float32)}
+  path = tmp_path / "ck"
+  jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=4))
+  for chunk in path.glob("archive_*/*/c/*"):
+    chunk.unlink()
+  mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+  everywhere = NamedSharding(mesh, P())
+  target = T.abstract(opt, params, lambda path, x: everywhere)
+  other = opt.init({"w": np.zeros(10, np.float32)})
+  for kwargs in ({}, {"target": target}):
+    with pytest.raises(jr.PlacementError, match="not the plain form of the template"):
+      jr.restore_sharded(path, mesh, like=other, **kwargs)
+    with pytest.raises(jr.ReshardError) as e:
+      jr.restore_sharded(path, mesh, like=opt.init(params), **kwargs)
+    assert "not the plain form" not in str(e.value), str(e.value)

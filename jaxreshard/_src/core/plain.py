@@ -22,7 +22,7 @@ import jax
 
 from jaxreshard._src.errors import PlacementError
 
-__all__ = ["plain", "like", "unwrapped"]
+__all__ = ["check_like", "like", "plain", "unwrapped"]
 
 
 def _nnx() -> Any:
@@ -78,14 +78,32 @@ def like(template: Any, state: Any) -> Any:
     PlacementError: ``state`` is not ``template``'s plain structure.
   """
   leaves, treedef = jax.tree_util.tree_flatten(template)
-  positions = plain(jax.tree_util.tree_unflatten(treedef, list(range(len(leaves)))))
-  want = jax.tree_util.tree_structure(positions)
-  got = jax.tree_util.tree_structure(state)
-  if want != got:
-    raise PlacementError(
-      f"the restored state's tree {got} is not the plain form of the template's {want}"
-    )
+  positions = _positions(leaves, treedef)
+  _same(jax.tree_util.tree_structure(positions), jax.tree_util.tree_structure(state))
   placed: list[Any] = [None] * len(leaves)
   for i, leaf in zip(jax.tree.leaves(positions), jax.tree.leaves(state)):
     placed[i] = leaf
   return jax.tree_util.tree_unflatten(treedef, placed)
+
+
+def _positions(leaves: list[Any], treedef: Any) -> Any:
+  """The plain form of a template whose leaves are their positions."""
+  return plain(jax.tree_util.tree_unflatten(treedef, list(range(len(leaves)))))
+
+
+def check_like(template: Any, structure: Any) -> None:
+  """Refuses a template whose plain form does not have the tree ``structure`` (a
+  treedef): :func:`like` would refuse to put a state of that tree in it. Made
+  before a restore reads anything, it spares a read whose result would be refused.
+
+  Raises:
+    PlacementError: ``plain(template)``'s tree is not ``structure``.
+  """
+  _same(jax.tree_util.tree_structure(_positions(*jax.tree_util.tree_flatten(template))), structure)
+
+
+def _same(want: Any, got: Any) -> None:
+  if want != got:
+    raise PlacementError(
+      f"the restored state's tree {got} is not the plain form of the template's {want}"
+    )

@@ -191,14 +191,20 @@ def restore_sharded(
         "restore_sharded: target= is checked against the checkpoint itself; optimizer="
         " and params= check the flat layout, without target="
       )
+    if like is not None:  # the restored state takes the target's tree
+      _plain.check_like(like, jax.tree_util.tree_structure(target))
     restored = _target_restore.restore_to_target(directory, target, progress=progress)
     return _in_like(like, restored)
   world = _mesh.axis_size(mesh, axis)
   ranks = list(_mesh.mesh_ranks(mesh, axis))
   ckpt = None
-  if optimizer is not None:
+  if optimizer is not None or like is not None:
     ckpt = _reader.open_checkpoint(directory)
+  if optimizer is not None:
     _optimizer_check.check_optimizer(ckpt, optimizer, params)
+  if like is not None:  # the restored state takes the saved state's tree
+    saved = _target_restore.checkpoint_state(ckpt)[1]
+    _plain.check_like(like, jax.tree_util.tree_structure(saved))
   records = _restore.restore_reported(
     "restore_sharded", directory, ranks, world_size=world, checkpoint=ckpt, progress=progress
   )
