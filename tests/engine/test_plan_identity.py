@@ -238,3 +238,32 @@ def test_plans_recognised_together_take_their_families_and_refuse_as_one_by_one(
   assert (type(together_err.value), str(together_err.value)) == got
   with pytest.raises(jr.PlacementError, match="no migrations: a target rank needs"):
     jr.reshard_ranks(records, [plans[0], []])
+
+
+def test_ranks_resharded_in_turn_keep_their_programs_when_their_records_are_read(monkeypatch):
+  """Every target rank of a world resharded in turn, each result read whole (its
+  state's leaves and its placements made): from the second pass on, no rank's copy
+  program is made again. A rank keeps several values (its runs, its padding plan,
+  its placements); those of one kind must not push out the other ranks' runs."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from jaxreshard._src.exec import host  # pylint: disable=g-import-not-at-top
+
+  opt = optax.adam(1e-3)
+  params = {f"p{i}": np.arange(i + 5, dtype=np.float32) for i in range(12)}
+  records = [jax.tree.map(jnp.asarray, r) for r in jr.shard_state(opt, params, opt.init(params), 8)]
+  plans = [jr.plan(records, world_size=6, rank=r) for r in range(6)]
+  made = []
+  real = host.Program.__init__
+
+  def counted(self, *args, **kwargs):
+    made.append(1)
+    real(self, *args, **kwargs)
+
+  monkeypatch.setattr(host.Program, "__init__", counted)
+  for _ in range(3):
+    for p in plans:
+      out = jr.reshard(records, p)
+      jax.tree.leaves(out.state)
+      assert out.placements
+  assert len(made) == len(plans), len(made)

@@ -212,13 +212,16 @@ class Family:
       migrations = tuple(migrations)
     return _RankGroups(self, migrations, rank)
 
-  # Per-rank values kept by ``recent``, at most this many.
+  # Per-rank values of one kind kept by ``recent``, at most this many.
   RECENT = 16
 
-  def recent(self, key: Any, make: Any) -> Any:
-    """A per-rank value made by ``make()``, kept for the ``RECENT`` latest keys."""
+  def recent(self, key: tuple, make: Any) -> Any:
+    """A per-rank value made by ``make()``, kept for the ``RECENT`` latest keys of its
+    kind (``key[0]``): each kind keeps its own, so a rank's several values (its
+    runs, its padding plan, its placements) never push out those of the other
+    ranks a caller cycles through."""
     with self._lock:
-      recent = self.memo.setdefault("recent", collections.OrderedDict())
+      recent = self.memo.setdefault(("recent", key[0]), collections.OrderedDict())
       value = recent.get(key)
       if value is not None:
         recent.move_to_end(key)
