@@ -29,9 +29,9 @@ class Pads:
   elements from ``owned[k]`` on are padding (past what the rank's flat shard
   owns), which must hold zero bits (a buffer the index lays out with no
   geometry is refused before any read). ``at(ks)`` gives ``owned`` of some
-  buffers only. ``names[k]`` and ``mirrors[k]``
-  are buffer ``k``'s param (its number in the index's ``tables.pids``) and
-  mirror; ``find`` looks buffers up by them.
+  buffers only. ``names[k]`` and ``mirrors[k]`` are buffer ``k``'s param (its
+  number in the index's ``tables.pids``) and mirror; ``find`` looks buffers up
+  by them.
   """
 
   def __init__(self, starts, owned, stops, keys, names, mirrors):

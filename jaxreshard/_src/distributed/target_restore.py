@@ -338,7 +338,7 @@ def _split(starts: np.ndarray, length: int, dst: np.ndarray, ss: int):
 
 
 def _padding_share(
-  ckpt: Checkpoint, g: Any, subtree: int, sharding: Any, trailing: Any, by_rank: dict
+  ckpt: Checkpoint, g: Any, subtree: int, sharding: Any, trailing: Any, memo: dict
 ) -> None:
   """Adds this process's share of the source ranks holding only padding of ``g``'s
   history buffer ``subtree`` to ``trailing``.
@@ -355,7 +355,13 @@ def _padding_share(
   first = -(-source.count // ss) if ss else world  # the first all-padding rank
   if first >= world:
     return
-  processes = sorted({d.process_index for d in sharding.device_set})
+  # The processes of each sharding and each group's archives by rank, found once
+  # per object in one restore (the specs and groups hold them meanwhile).
+  processes = memo.get(("processes", id(sharding)))
+  if processes is None:
+    processes = memo[("processes", id(sharding))] = sorted(
+      {d.process_index for d in sharding.device_set}
+    )
   me = jax.process_index()
   if me not in processes:
     return
@@ -363,9 +369,9 @@ def _padding_share(
   lo, hi = first + -(-left * j // n), first + -(-left * (j + 1) // n)
   if lo >= hi:
     return
-  archives = by_rank.get(id(g.by_rank))
+  archives = memo.get(("archives", id(g.by_rank)))
   if archives is None:
-    archives = by_rank[id(g.by_rank)] = np.asarray(g.by_rank, np.int64)
+    archives = memo[("archives", id(g.by_rank))] = np.asarray(g.by_rank, np.int64)
   trailing.add(g.buffer_dtypes[subtree], archives[lo:hi], ckpt.index.name_of[g.param], subtree)
 
 
@@ -375,13 +381,13 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
   where: list[dict[Box, int]] = []
   runs: dict[tuple[int, np.dtype], list[tuple[np.ndarray, ...]]] = {}
   trailing = _pads.Trailing()  # this process's share of the all-padding source ranks
-  by_rank: dict[int, np.ndarray] = {}  # each group's archives by rank, as an array
+  memo: dict[tuple, Any] = {}  # for _padding_share
   for leaf, spec in zip(leaves, specs):
     if not isinstance(leaf, _Hist):
       where.append({})
       continue
     g = groups[leaf.group]
-    _padding_share(ckpt, g, leaf.subtree, spec.sharding, trailing, by_rank)
+    _padding_share(ckpt, g, leaf.subtree, spec.sharding, trailing, memo)
     at = {}
     for box in spec.boxes:
       n = math.prod(hi - lo for lo, hi in box)
