@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import operator
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from jaxreshard._src.core import workers as _workers
 from jaxreshard._src.core.copyplan import Blocks, Runs
 from jaxreshard._src.exec import bitview as _bitview
 from jaxreshard._src.exec import tiles as _tiles
@@ -30,10 +30,6 @@ __all__ = ["Program", "bits", "copy_blocks", "execute", "host_bits", "host_view"
 THREADS = 2
 # Below this many bytes a second thread costs more than it saves.
 _PARALLEL_BYTES = 4 << 20
-
-_POOL_LOCK = threading.Lock()
-_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
-
 
 bits = _bitview.bits
 UINT = _bitview.UINT
@@ -55,12 +51,7 @@ def host_bits(x: Any) -> np.ndarray:
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-  with _POOL_LOCK:
-    if not _POOL:
-      _POOL.append(
-        concurrent.futures.ThreadPoolExecutor(THREADS - 1, thread_name_prefix="jaxreshard-copy")
-      )
-    return _POOL[0]
+  return _workers.pool("copy", THREADS - 1)
 
 
 class Program:
