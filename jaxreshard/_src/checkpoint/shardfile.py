@@ -234,12 +234,14 @@ class OutDir:
 
   def close(self) -> None:
     """Closes the directory; the one that was opened first waits for its fsyncs."""
-    if self.fd >= 0:
-      os.close(self.fd)
-      self.fd = -1
-    if self._own_syncer:
-      self._syncer.shutdown()
-      self._own_syncer = False
+    fd, self.fd = self.fd, -1
+    try:
+      if fd >= 0:
+        os.close(fd)
+    finally:
+      if self._own_syncer:
+        self._own_syncer = False
+        self._syncer.shutdown()
 
   def __enter__(self) -> OutDir:
     return self
@@ -257,7 +259,11 @@ class OutDir:
       )
     except OSError as e:
       raise OSError(e.errno, e.strerror, path) from None
-    return OutDir(fd, path, self.durable, self._syncer)
+    try:
+      return OutDir(fd, path, self.durable, self._syncer)
+    except BaseException:  # an interrupt before the OutDir holds it
+      os.close(fd)
+      raise
 
   def create(self, name: str) -> int:
     """A new file ``name`` (never an existing one or a link), open for writing."""
@@ -286,6 +292,9 @@ class OutDir:
     except OSError as e:  # a full disk reports itself without the file's name
       os.close(fd)
       raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
+    except BaseException:  # an interrupt: the file is removed with its directory
+      os.close(fd)
+      raise
     self.finish(fd, name)
 
   def write_json(self, name: str, obj: Any) -> None:
@@ -329,6 +338,9 @@ def write_array(directory: OutDir | str, name: str, data: np.ndarray, chunk: int
       except OSError as e:  # a full disk or a quota: say which file
         os.close(fd)
         raise OSError(e.errno, e.strerror, os.path.join(cdir.path, SHARD_KEY[1])) from None
+      except BaseException:  # an interrupt: the file is removed with its directory, and
+        os.close(fd)  # a descriptor left open would keep its blocks until the process ends
+        raise
       cdir.finish(fd, SHARD_KEY[1])
       cdir.sync()
     adir.sync()

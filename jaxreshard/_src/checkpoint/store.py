@@ -121,8 +121,9 @@ def save_records(
     reporter = Reporter("save_records", progress, where=final, total=None, total_bytes=None)
   if not isinstance(durable, bool):
     raise ReshardError(f"durable {durable!r} must be True or False")
-  tmp = new_temp_dir(final, durable=durable)
+  tmp = None
   try:
+    tmp = new_temp_dir(final, durable=durable)
     builder = write_checkpoint(
       tmp.out,
       records,
@@ -132,6 +133,8 @@ def save_records(
     tmp.check(builder, chunk_bytes)
     tmp.commit(final)
   except OSError as e:
+    if tmp is None:  # refused before anything was made
+      raise
     tmp.discard()
     if isinstance(e, ArchiveExistsError) or not e.errno:
       raise
@@ -139,10 +142,12 @@ def save_records(
     # temporary file it happened in is gone.
     raise type(e)(e.errno, f"{e.strerror} (saving a checkpoint)", final) from None
   except BaseException:
-    tmp.discard()
+    if tmp is not None:
+      tmp.discard()
     raise
   finally:
-    tmp.close()
+    if tmp is not None:
+      tmp.close()
   reporter.finish()
 
 

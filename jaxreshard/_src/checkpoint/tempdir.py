@@ -130,13 +130,21 @@ def _remove_below(dfd: int, path: str, keep: str = "") -> list[str]:
   return left
 
 
-def _remove_held(path: str, dfd: int) -> None:
+def _remove_held(path: str, dfd: int) -> bool:
   """Removes the directory ``path`` held as ``dfd`` (its lock held by the caller), the
-  lock file last.
+  lock file last; False when ``path`` no longer names that directory (nothing removed).
 
   Raises:
     ArchiveError: something in it could not be removed; names what is left.
   """
+  # Only the directory that is still at ``path``: a directory renamed away (a save
+  # committed just before an interrupt reached it) is someone's checkpoint now.
+  try:
+    here = _same_file(os.stat(path, follow_symlinks=False), os.fstat(dfd))
+  except FileNotFoundError:
+    here = False
+  if not here:
+    return False
   left = _remove_below(dfd, path, keep=LOCK_FILE)
   if not left:
     try:
@@ -153,6 +161,7 @@ def _remove_held(path: str, dfd: int) -> None:
       f"{path} was removed only partly; left: {', '.join(left[:8])}"
       + (f" and {len(left) - 8} more" if len(left) > 8 else "")
     )
+  return True
 
 
 def remove_temp_dirs(final: str, *, everything: bool = False) -> list[str]:
@@ -176,7 +185,8 @@ def remove_temp_dirs(final: str, *, everything: bool = False) -> list[str]:
       continue  # a writer took it meanwhile
     try:
       try:
-        _remove_held(path, dfd)
+        if not _remove_held(path, dfd):
+          continue  # renamed away meanwhile: not a leftover
       except ArchiveError as e:
         if removed:
           raise ArchiveError(f"{e} (removed before it: {', '.join(removed)})") from None
@@ -223,12 +233,9 @@ class TempDir:
 
   @classmethod
   def _take(cls, path: str, durable: bool) -> TempDir | None:
+    dfd = lfd = -1
     try:
       dfd = os.open(path, _DIR_FLAGS)
-    except FileNotFoundError:
-      return None
-    lfd = -1
-    try:
       lfd = os.open(
         LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
       )
@@ -244,13 +251,13 @@ class TempDir:
     except (FileNotFoundError, BlockingIOError):
       pass
     except BaseException:
-      if lfd >= 0:
-        os.close(lfd)
-      os.close(dfd)
+      for fd in (lfd, dfd):
+        if fd >= 0:
+          os.close(fd)
       raise
-    if lfd >= 0:
-      os.close(lfd)
-    os.close(dfd)
+    for fd in (lfd, dfd):
+      if fd >= 0:
+        os.close(fd)
     return None
 
   def check(self, builder: IndexBuilder, chunk_bytes: int) -> None:
@@ -305,7 +312,8 @@ class TempDir:
 
   def discard(self) -> None:
     """Removes what was written unless it is committed (best effort: a failed save
-    leaves nothing it can remove)."""
+    leaves nothing it can remove). A directory that is no longer at its temporary
+    path was renamed into place: it is kept, whatever interrupted the save after."""
     if self.committed:
       return
     try:
@@ -313,12 +321,23 @@ class TempDir:
     except (OSError, ArchiveError):
       pass
 
+  def __del__(self):
+    # An interrupt that lands between the directory's making and its caller's
+    # hold on it drops this object: its descriptors, the lock's included, go with
+    # it, so a later save or clean can remove the directory.
+    try:
+      self.close()
+    except Exception:  # noqa: BLE001 - a finalizer reports nothing
+      pass
+
   def close(self) -> None:
     """Releases the lock and the directory."""
-    self.out.close()
-    if self._lock >= 0:
-      os.close(self._lock)
-      self._lock = -1
+    try:
+      self.out.close()
+    finally:
+      lock, self._lock = self._lock, -1
+      if lock >= 0:
+        os.close(lock)
 
 
 def _expected_files(builder: IndexBuilder, chunk_bytes: int) -> list[tuple[str, int | None]]:

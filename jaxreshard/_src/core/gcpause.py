@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import threading
 
 __all__ = ["no_gc"]
+
+# The collector's switch is one per process: pauses in several threads (or nested
+# in one) share one pause, counted per thread, that ends with the last of them and
+# then puts back what the first found.
+_LOCK = threading.Lock()
+_HELD: dict[int, int] = {}  # thread ident -> pauses it is inside
+_WAS_ENABLED = False
 
 
 @contextlib.contextmanager
@@ -15,11 +24,37 @@ def no_gc():
   Planning allocates one small tuple per run and buffer and creates no
   reference cycles; with a large model's state alive, every collection the
   allocations trigger walks all of it, which cost more than the planning itself.
+  Blocks in several threads share one pause: the collector is enabled again
+  (if it was when the first began) once the last has ended.
   """
-  enabled = gc.isenabled()
-  gc.disable()
+  global _WAS_ENABLED
+  me = threading.get_ident()
+  with _LOCK:
+    if not _HELD:
+      _WAS_ENABLED = gc.isenabled()
+      gc.disable()
+    _HELD[me] = _HELD.get(me, 0) + 1
   try:
     yield
   finally:
-    if enabled:
-      gc.enable()
+    with _LOCK:
+      _HELD[me] -= 1
+      if not _HELD[me]:
+        del _HELD[me]
+      if not _HELD and _WAS_ENABLED:
+        gc.enable()
+
+
+def _after_fork_in_child() -> None:
+  """Only the forking thread lives on in a child: the pauses of the others never end."""
+  global _LOCK
+  _LOCK = threading.Lock()
+  me = threading.get_ident()
+  for ident in [t for t in _HELD if t != me]:
+    del _HELD[ident]
+  if not _HELD and _WAS_ENABLED:
+    gc.enable()
+
+
+if hasattr(os, "register_at_fork"):
+  os.register_at_fork(after_in_child=_after_fork_in_child)

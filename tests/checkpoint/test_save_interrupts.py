@@ -1,0 +1,168 @@
+"""An interrupt (Ctrl-C, a signal turned into an exception) at any point of a save:
+the checkpoint is either not there or whole, and nothing stays held.
+
+Interrupts are raised where a real ``KeyboardInterrupt`` lands: inside the system
+calls' Python wrappers, and on the return of the commit's rename (a trace hook).
+"""
+
+import gc
+import os
+import sys
+import threading
+import warnings
+
+import pytest
+
+import jaxreshard as jr
+from jaxreshard._src.checkpoint import shardfile, tempdir
+from jaxreshard._src.core import gcpause
+from tests._core_util import adam_records, assert_records_equal
+
+
+def _deleted_files_held() -> list[str]:
+  """Files this process holds open that are no longer in any directory."""
+  out = []
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+      continue
+    if target.endswith(" (deleted)"):
+      out.append(target)
+  return out
+
+
+pytestmark = pytest.mark.skipif(
+  not os.path.isdir("/proc/self/fd"), reason="needs /proc to see open descriptors"
+)
+
+
+def test_an_interrupt_just_after_the_commit_rename_keeps_the_checkpoint(tmp_path):
+  """The rename has put the checkpoint in place when the interrupt arrives: the save
+  raises it, and the checkpoint stays whole (the cleanup of a failed save must not
+  empty a directory that is no longer its temporary one)."""
+  records = adam_records(3)
+  out = str(tmp_path / "ckpt")
+
+  def tracer(frame, event, arg):
+    if frame.f_code is tempdir.commit_dir.__code__:
+      if event == "return":
+        raise KeyboardInterrupt("just after the rename")
+      return tracer
+    return None
+
+  sys.settrace(tracer)
+  try:
+    with pytest.raises(KeyboardInterrupt, match="just after the rename"):
+      jr.save_records(out, records)
+  finally:
+    sys.settrace(None)
+  for a, b in zip(jr.load_records(out), records, strict=True):
+    assert_records_equal(a, b)
+  assert tempdir.remove_temp_dirs(out) == []
+  with pytest.raises(jr.ArchiveExistsError):
+    jr.save_records(out, records)
+
+
+@pytest.mark.parametrize("call", [1, 2, 5])
+def test_an_interrupt_inside_a_write_leaves_no_file_held(tmp_path, monkeypatch, call):
+  """A ``KeyboardInterrupt`` from inside a write (where a real SIGINT arrives): the
+  temporary directory is removed, and no descriptor of its files stays open to
+  keep their blocks allocated."""
+  records = adam_records(3)
+  out = str(tmp_path / "ckpt")
+  real, seen = shardfile._writev, []
+
+  def writev(fd, parts):
+    seen.append(fd)
+    if len(seen) == call:
+      raise KeyboardInterrupt("inside a write")
+    return real(fd, parts)
+
+  monkeypatch.setattr(shardfile, "_writev", writev)
+  before = _deleted_files_held()
+  with pytest.raises(KeyboardInterrupt, match="inside a write"):
+    jr.save_records(out, records)
+  assert _deleted_files_held() == before
+  assert not os.path.lexists(out)
+  assert os.listdir(tmp_path) == []
+  monkeypatch.setattr(shardfile, "_writev", real)
+  jr.save_records(out, records)
+  for a, b in zip(jr.load_records(out), records, strict=True):
+    assert_records_equal(a, b)
+
+
+def test_a_temporary_directory_dropped_unclosed_releases_its_lock(tmp_path):
+  """An interrupt between a temporary directory's making and its caller's hold on
+  it drops the object: its lock goes with it, so a later save removes the
+  directory (a held lock would keep it for the life of the process)."""
+  final = str(tmp_path / "ckpt")
+  tmp = tempdir.new_temp_dir(final)
+  path = tmp.path
+  assert tempdir.remove_temp_dirs(final) == []  # held: kept
+  del tmp
+  assert tempdir.remove_temp_dirs(final) == [path]
+  assert os.listdir(tmp_path) == []
+
+
+def test_pauses_of_the_collector_in_several_threads_end_with_the_last():
+  """One thread's pause ending inside another's keeps the collector paused; the
+  last to end enables it again, in either order."""
+  assert gc.isenabled()
+  for first_out in ("a", "b"):
+    a_in, b_in, a_go, b_go, done = (threading.Event() for _ in range(5))
+    states = {}
+
+    def worker(name, entered, go):
+      with gcpause.no_gc():
+        entered.set()
+        go.wait(10)
+      states[name] = gc.isenabled()
+      if len(states) == 2:
+        done.set()
+
+    threads = [
+      threading.Thread(target=worker, args=("a", a_in, a_go)),
+      threading.Thread(target=worker, args=("b", b_in, b_go)),
+    ]
+    threads[0].start()
+    assert a_in.wait(10)
+    threads[1].start()
+    assert b_in.wait(10)
+    (a_go if first_out == "a" else b_go).set()
+    threads[0 if first_out == "a" else 1].join(10)
+    assert not gc.isenabled(), "the collector came back while a pause was still on"
+    (b_go if first_out == "a" else a_go).set()
+    for t in threads:
+      t.join(10)
+    assert done.is_set() and gc.isenabled()
+  with gcpause.no_gc(), gcpause.no_gc():  # nested in one thread
+    assert not gc.isenabled()
+  assert gc.isenabled()
+
+
+def test_a_pause_left_on_by_a_thread_that_a_fork_drops_ends_in_the_child():
+  """In a forked child only the forking thread lives: another thread's pause,
+  on at the fork, never ends there, so the child's collector runs again."""
+  entered, release = threading.Event(), threading.Event()
+
+  def hold():
+    with gcpause.no_gc():
+      entered.set()
+      release.wait(30)
+
+  t = threading.Thread(target=hold)
+  t.start()
+  try:
+    assert entered.wait(10) and not gc.isenabled()
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # jax warns that a fork of a threaded process may hang
+      pid = os.fork()
+    if pid == 0:
+      os._exit(0 if gc.isenabled() else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+  finally:
+    release.set()
+    t.join(10)
+  assert gc.isenabled()
