@@ -75,6 +75,11 @@ class ArchiveMetas:
     self._lock = threading.Lock()
     self._meta: dict[int, dict] = {}
 
+  def has(self, archive: int) -> bool:
+    """Whether the archive's ``archive.json`` was read and checked."""
+    with self._lock:
+      return archive in self._meta
+
   def get(self, archive: int) -> dict:
     """An archive's ``archive.json``, checked against the index (read once)."""
     with self._lock:

@@ -10,7 +10,7 @@ a read copies from must hold zero bits.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,7 +20,8 @@ from jaxreshard._src.checkpoint import pads as _pads
 from jaxreshard._src.checkpoint import runread as _runread
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint import zeroread as _zeroread
-from jaxreshard._src.checkpoint.index import ArchiveLayout, Index
+from jaxreshard._src.checkpoint.index import ARCHIVE_FILE, ArchiveLayout, Index
+from jaxreshard._src.checkpoint.shardfile import INDEX_ENTRY_BYTES, META_FILE, SHARD_KEY
 from jaxreshard._src.checkpoint.shardread import ReadStats
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
@@ -48,6 +49,11 @@ def path_arg(directory: Any, what: str = "directory") -> str:
   if not isinstance(path, str) or not path or "\0" in path:
     raise ReshardError(f"{what} {path!r} is not a usable path")
   return os.path.abspath(path)
+
+
+# The bytes at the end of a buffer file that opening it reads (its shard index)
+# for a file of up to 4,096 chunks; more only for larger files.
+_SHARD_INDEX_TAIL = 4096 * INDEX_ENTRY_BYTES + 4
 
 
 class ArchiveReader:
@@ -152,6 +158,30 @@ class ArchiveReader:
 
     return refuse
 
+  def warmer(self, keys: Sequence[tuple[int, np.dtype]]) -> Warmer:
+    """What asks the kernel ahead for buffers ``keys`` (``(archive, dtype)``, in the
+    order they are opened) when they are not in the page cache (``Warmer``)."""
+    return Warmer(self, list(keys))
+
+  def warm_meta(self, keys: Sequence[tuple[int, np.dtype]]) -> None:
+    """Asks the kernel for the metadata that checking and opening buffers
+    ``(archive, dtype)`` reads: each archive's ``archive.json`` not yet read, and
+    each buffer file's ``zarr.json`` and shard index (``shardread.warm``)."""
+    files: list[_shardread.FileHint] = []
+    for archive, dtype in keys:
+      name, d = self.index.names[archive], np.dtype(dtype).name
+      if not self.metas.has(archive):
+        files.append(((name, ARCHIVE_FILE), [(0, 0)]))
+      files.append(((name, d, META_FILE), [(0, 0)]))
+      files.append(((name, d, *SHARD_KEY), [(-_SHARD_INDEX_TAIL, 0)]))
+    _shardread.warm(self._root, files)
+
+  def warm_reads(self, archive: int, f: _shardread.ShardFile, src, length) -> None:
+    """Asks the kernel for the chunks that elements ``[src, src + length)`` of open
+    buffer file ``f`` of ``archive`` lie in (``shardread.warm``)."""
+    parts = (self.index.names[archive], f.dtype.name, *SHARD_KEY)
+    _shardread.warm(self._root, [(parts, f.chunk_ranges(src, length))])
+
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
     meta = self.archive_meta(archive)
     b = meta["buffers"][np.dtype(dtype).name]
@@ -236,3 +266,35 @@ class ArchiveReader:
     finally:
       if opened:
         f.close()
+
+
+class Warmer:
+  """Asks the kernel ahead for the files of a read, when they are on disk only.
+
+  A read opens its buffer files in turn (``opened``), then reads their chunks in
+  the same order. When the first file's first chunk to read is not in the page
+  cache (a restart reads a checkpoint nobody has read since it was written, or
+  since the cache dropped it), every later file's metadata and chunks are asked
+  for at once, on threads (``shardread.warm``): the disk serves them while this
+  thread reads the first file (whose sequential reads the kernel reads ahead of
+  by itself) and checks and copies. When it is in the cache, nothing is asked:
+  the threads would only compete with the copies.
+  """
+
+  def __init__(self, archives: ArchiveReader, keys: list[tuple[int, np.dtype]]):
+    self._archives, self._keys = archives, keys
+    self.cold: bool | None = None  # None: not yet known
+
+  def opened(self, i: int, f: _shardread.ShardFile, src, length) -> None:
+    """File ``i`` of the keys is open; its runs read elements ``[src, src + length)``."""
+    src, length = np.asarray(src, np.int64), np.asarray(length, np.int64)
+    keep = length > 0
+    src, length = src[keep], length[keep]
+    if not len(src):
+      return
+    if self.cold is None:
+      self.cold = not f.cached(int(src.min()))
+      if self.cold:
+        self._archives.warm_meta(self._keys[i + 1 :])
+    elif self.cold:
+      self._archives.warm_reads(self._keys[i][0], f, src, length)

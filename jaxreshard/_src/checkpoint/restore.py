@@ -274,13 +274,25 @@ def disk_fetch(
 
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
     files: dict = {}  # the files checked, held open for the reads (up to HELD_FILES)
+    # Each source buffer's runs, per target dtype: (key, the runs' positions in r).
+    by_source = {dtype: _by_source(r) for dtype, r in runs.items()}
+    wanted: dict = {}
+    for dtype, r in runs.items():
+      for sid, sel in by_source[dtype]:
+        wanted.setdefault(keys[sid], []).append((r.src[sel], r.length[sel]))
+    opening = sorted(set(keys))
+    warmer = ckpt.archives.warmer(opening)
     try:
       # Every involved archive's metadata and file sizes first: nothing is
-      # allocated for a checkpoint whose files cannot hold what it claims.
-      for archive, d in sorted(set(keys)):
+      # allocated for a checkpoint whose files cannot hold what it claims. On a
+      # cold page cache the kernel is asked for the rest ahead (``Warmer``).
+      for i, (archive, d) in enumerate(opening):
         ckpt.check_archive(archive)
         ckpt.archive_meta(archive)
         f = ckpt.open_buffer(archive, d)
+        mine = wanted.get((archive, d), ())
+        if mine:
+          warmer.opened(i, f, *(np.concatenate(x) for x in zip(*mine)))
         if len(files) < HELD_FILES:
           files[(archive, d)] = f
         else:
@@ -290,9 +302,7 @@ def disk_fetch(
       out = {}
       for dtype, r in runs.items():
         buf = allocate(layout.sizes[dtype], dtype, f"target rank of {ckpt.directory}")
-        order = np.argsort(r.source, kind="stable")
-        sources, at = np.unique(r.source[order], return_index=True)
-        for sid, sel in zip(sources.tolist(), np.split(order, at[1:])):
+        for sid, sel in by_source[dtype]:
           archive, d = keys[sid]
           ckpt.archives.read_runs(
             archive,
@@ -312,3 +322,10 @@ def disk_fetch(
         f.close()
 
   return fetch
+
+
+def _by_source(r: _copyplan.Runs) -> list[tuple[int, np.ndarray]]:
+  """``(source, positions of its runs in r)`` for every source that runs ``r`` read."""
+  order = np.argsort(r.source, kind="stable")
+  sources, at = np.unique(r.source[order], return_index=True)
+  return list(zip(sources.tolist(), np.split(order, at[1:])))

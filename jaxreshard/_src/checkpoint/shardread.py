@@ -10,6 +10,7 @@ archive's metadata recorded for it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import os
@@ -32,8 +33,86 @@ from jaxreshard._src.checkpoint.shardfile import (
   n_chunks,
   zarr_metadata,
 )
+from jaxreshard._src.core import workers as _workers
 from jaxreshard._src.errors import ArchiveError
 from jaxreshard._src.exec import bitview as _bitview
+
+# Threads that ask the kernel for files before they are read (``warm``).
+WARM_THREADS = 8
+# Byte ranges of a file closer than this are asked for as one (``hint_ranges``):
+# reading the gap costs less than another request.
+HINT_GAP_BYTES = 1 << 17
+
+# ``(path components below the root, byte ranges)``: a range is ``(offset,
+# length)``, a negative offset counts from the end of the file and a length of 0
+# runs to it.
+FileHint = tuple[tuple[str, ...], list[tuple[int, int]]]
+
+
+def warm(root: Dir, files: Sequence[FileHint]) -> list[concurrent.futures.Future]:
+  """Asks the kernel to bring byte ranges of files below ``root`` into the page
+  cache, on ``WARM_THREADS`` threads, without waiting for them.
+
+  On a cold cache every file costs a few synchronous reads (its directories,
+  its bytes), and asking the kernel for a range can itself wait on the disk;
+  asked for on several threads, they are under way at once, and the checked
+  reads that follow, in the same order, find them in memory. Only a hint:
+  nothing is read into this process, and a path that is not a regular file
+  reached without symbolic links is skipped.
+
+  Returns:
+    The tasks (callers need not wait for them).
+  """
+  if root.fd < 0 or not files or not hasattr(os, "posix_fadvise"):
+    return []
+  pool = _workers.pool("warm", WARM_THREADS)
+  # Each task holds its own descriptor of the root: closing ``root`` meanwhile
+  # can never send an open to another directory. Files are dealt round-robin,
+  # so the threads go through them in the order given.
+  return [
+    pool.submit(_warm, os.dup(root.fd), files[k::WARM_THREADS])
+    for k in range(min(WARM_THREADS, len(files)))
+  ]
+
+
+def hint_ranges(starts: np.ndarray, stops: np.ndarray) -> list[tuple[int, int]]:
+  """Byte ranges ``[starts, stops)`` as ``(offset, length)``, sorted, those closer
+  than ``HINT_GAP_BYTES`` merged."""
+  if not len(starts):
+    return []
+  order = np.argsort(starts, kind="stable")
+  starts, stops = starts[order], np.maximum.accumulate(stops[order])
+  new = np.concatenate([[True], starts[1:] - stops[:-1] > HINT_GAP_BYTES])
+  first = np.flatnonzero(new)
+  last = np.append(first[1:], len(starts)) - 1
+  a, b = starts[first], stops[last]
+  return list(zip(a.tolist(), (b - a).tolist()))
+
+
+def _warm(root_fd: int, files: Sequence[FileHint]) -> None:
+  try:
+    for parts, ranges in files:
+      fds: list[int] = []
+      try:
+        at = root_fd
+        for name in parts[:-1]:
+          at = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=at)
+          fds.append(at)
+        st = os.stat(parts[-1], dir_fd=at, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+          continue
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        fds.append(os.open(parts[-1], flags, dir_fd=at))
+        for offset, length in ranges:
+          start = max(0, st.st_size + offset) if offset < 0 else offset
+          os.posix_fadvise(fds[-1], start, length, os.POSIX_FADV_WILLNEED)
+      except OSError:
+        continue  # a hint only: the checked read reports what is wrong
+      finally:
+        for fd in fds:
+          os.close(fd)
+  finally:
+    os.close(root_fd)
 
 
 @dataclasses.dataclass
@@ -229,6 +308,30 @@ class ShardFile:
     if getattr(self, "fd", -1) >= 0:
       os.close(self.fd)
       self.fd = -1
+
+  def chunk_ranges(self, src: np.ndarray, length: np.ndarray) -> list[tuple[int, int]]:
+    """The byte ranges of the chunks that hold elements ``[src, src + length)``
+    (with their checksums), for ``warm``."""
+    src, length = np.asarray(src, np.int64), np.asarray(length, np.int64)
+    keep = length > 0
+    src, length = src[keep], length[keep]
+    first, last = src // self.chunk, (src + length - 1) // self.chunk
+    return hint_ranges(first * self.stride, (last + 1) * self.stride)
+
+  def cached(self, element: int) -> bool:
+    """Whether the chunk holding ``element`` is in the page cache, as far as the
+    kernel says without waiting (``RWF_NOWAIT``); True where it cannot tell. A
+    look that misses may start reading the chunk in."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or not hasattr(os, "preadv"):
+      return True
+    try:
+      os.preadv(self.fd, [bytearray(1)], element // self.chunk * self.stride, flag)
+    except BlockingIOError:
+      return False
+    except OSError:  # not supported here: assume cached (read as before)
+      return True
+    return True
 
   def _pread(self, n: int, offset: int) -> bytes:
     try:

@@ -408,10 +408,18 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
 
   # Every involved archive and file checked against its metadata before anything
   # is allocated: a checkpoint whose files cannot hold what it claims reads nothing.
-  for archive, d in sorted(runs, key=lambda k: (k[0], k[1].name)):
+  # On a cold page cache the kernel is asked for the rest ahead (``Warmer``).
+  keys = sorted(runs, key=lambda k: (k[0], k[1].name))
+  warmer = ckpt.archives.warmer(keys)
+  for i, (archive, d) in enumerate(keys):
     ckpt.check_archive(archive)
     ckpt.archive_meta(archive)
-    ckpt.open_buffer(archive, d).close()
+    f = ckpt.open_buffer(archive, d)
+    try:
+      src, _, lens = (np.concatenate(x) for x in zip(*runs[(archive, d)]))
+      warmer.opened(i, f, src, lens)
+    finally:
+      f.close()
   out = {d: allocate(n, d, f"restore_sharded of {ckpt.directory}") for d, n in sizes.items()}
   scratch = np.empty(STAGING_BYTES, np.uint8)
   per_archive: dict[int, int] = {}  # bytes copied out of each archive, in reading order
