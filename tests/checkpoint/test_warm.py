@@ -7,6 +7,7 @@ anyway (tmpfs), the tests that need a cold file are skipped.
 
 import concurrent.futures
 import os
+import threading
 import time
 
 import jax
@@ -140,7 +141,7 @@ def test_a_cold_restore_asks_ahead_and_a_warm_one_does_not(tmp_path, monkeypatch
   calls = []
   real = shardread.warm
   monkeypatch.setattr(
-    shardread, "warm", lambda root, files: calls.append(files) or real(root, files)
+    shardread, "warm", lambda root, files, stop=None: calls.append(files) or real(root, files, stop)
   )
 
   assert_records_equal(jr.restore(path, world_size=4, rank=1), want)  # just written: cached
@@ -163,3 +164,21 @@ def test_a_cold_restore_asks_ahead_and_a_warm_one_does_not(tmp_path, monkeypatch
   calls.clear()
   assert_records_equal(jr.restore(path, world_size=4, rank=1), want)  # cached again
   assert calls == []
+
+
+def test_warm_asks_for_nothing_once_the_read_is_over(tmp_path, monkeypatch):
+  """A set ``stop`` (the read ended or was refused) leaves every file not yet asked for."""
+  (tmp_path / "real").write_bytes(b"x" * 100)
+  root = shardread.Dir.root(str(tmp_path))
+  asked = []
+  real = os.posix_fadvise
+  monkeypatch.setattr(
+    os, "posix_fadvise", lambda fd, a, n, how: asked.append(a) or real(fd, a, n, how)
+  )
+  stop = threading.Event()
+  stop.set()
+  concurrent.futures.wait(shardread.warm(root, [(("real",), [(0, 0)])], stop), timeout=30)
+  assert asked == []
+  concurrent.futures.wait(shardread.warm(root, [(("real",), [(0, 0)])]), timeout=30)
+  assert asked == [0]
+  root.close()

@@ -10,6 +10,7 @@ a read copies from must hold zero bits.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -161,26 +162,7 @@ class ArchiveReader:
   def warmer(self, keys: Sequence[tuple[int, np.dtype]]) -> Warmer:
     """What asks the kernel ahead for buffers ``keys`` (``(archive, dtype)``, in the
     order they are opened) when they are not in the page cache (``Warmer``)."""
-    return Warmer(self, list(keys))
-
-  def warm_meta(self, keys: Sequence[tuple[int, np.dtype]]) -> None:
-    """Asks the kernel for the metadata that checking and opening buffers
-    ``(archive, dtype)`` reads: each archive's ``archive.json`` not yet read, and
-    each buffer file's ``zarr.json`` and shard index (``shardread.warm``)."""
-    files: list[_shardread.FileHint] = []
-    for archive, dtype in keys:
-      name, d = self.index.names[archive], np.dtype(dtype).name
-      if not self.metas.has(archive):
-        files.append(((name, ARCHIVE_FILE), [(0, 0)]))
-      files.append(((name, d, META_FILE), [(0, 0)]))
-      files.append(((name, d, *SHARD_KEY), [(-_SHARD_INDEX_TAIL, 0)]))
-    _shardread.warm(self._root, files)
-
-  def warm_reads(self, archive: int, f: _shardread.ShardFile, src, length) -> None:
-    """Asks the kernel for the chunks that elements ``[src, src + length)`` of open
-    buffer file ``f`` of ``archive`` lie in (``shardread.warm``)."""
-    parts = (self.index.names[archive], f.dtype.name, *SHARD_KEY)
-    _shardread.warm(self._root, [(parts, f.chunk_ranges(src, length))])
+    return Warmer(self._root, self.index, self.metas, list(keys))
 
   def open_buffer(self, archive: int, dtype: np.dtype) -> _shardread.ShardFile:
     meta = self.archive_meta(archive)
@@ -281,9 +263,14 @@ class Warmer:
   the threads would only compete with the copies.
   """
 
-  def __init__(self, archives: ArchiveReader, keys: list[tuple[int, np.dtype]]):
-    self._archives, self._keys = archives, keys
+  def __init__(self, root: Any, index: Index, metas: Any, keys: list[tuple[int, np.dtype]]):
+    self._root, self._index, self._metas, self._keys = root, index, metas, keys
     self.cold: bool | None = None  # None: not yet known
+    self._stop = threading.Event()
+
+  def close(self) -> None:
+    """The read is over (or refused): what was not asked for yet is left."""
+    self._stop.set()
 
   def opened(self, i: int, f: _shardread.ShardFile, src, length) -> None:
     """File ``i`` of the keys is open; its runs read elements ``[src, src + length)``."""
@@ -295,6 +282,20 @@ class Warmer:
     if self.cold is None:
       self.cold = not f.cached(int(src.min()))
       if self.cold:
-        self._archives.warm_meta(self._keys[i + 1 :])
+        self._warm_meta(self._keys[i + 1 :])
     elif self.cold:
-      self._archives.warm_reads(self._keys[i][0], f, src, length)
+      parts = (self._index.names[self._keys[i][0]], f.dtype.name, *SHARD_KEY)
+      _shardread.warm(self._root, [(parts, f.chunk_ranges(src, length))], self._stop)
+
+  def _warm_meta(self, keys: Sequence[tuple[int, np.dtype]]) -> None:
+    """Asks for the metadata that checking and opening buffers ``keys`` reads: each
+    archive's ``archive.json`` not yet read, each buffer file's ``zarr.json`` and
+    shard index."""
+    files: list[_shardread.FileHint] = []
+    for archive, dtype in keys:
+      name, d = self._index.names[archive], np.dtype(dtype).name
+      if not self._metas.has(archive):
+        files.append(((name, ARCHIVE_FILE), [(0, 0)]))
+      files.append(((name, d, META_FILE), [(0, 0)]))
+      files.append(((name, d, *SHARD_KEY), [(-_SHARD_INDEX_TAIL, 0)]))
+    _shardread.warm(self._root, files, self._stop)

@@ -318,6 +318,7 @@ def disk_fetch(
       ckpt.check_padding(trailing, scratch, files=files)
       return out
     finally:
+      warmer.close()
       for f in files.values():
         f.close()
 

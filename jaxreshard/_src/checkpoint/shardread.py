@@ -15,6 +15,7 @@ import dataclasses
 import errno
 import os
 import stat
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -49,7 +50,9 @@ HINT_GAP_BYTES = 1 << 17
 FileHint = tuple[tuple[str, ...], list[tuple[int, int]]]
 
 
-def warm(root: Dir, files: Sequence[FileHint]) -> list[concurrent.futures.Future]:
+def warm(
+  root: Dir, files: Sequence[FileHint], stop: threading.Event | None = None
+) -> list[concurrent.futures.Future]:
   """Asks the kernel to bring byte ranges of files below ``root`` into the page
   cache, on ``WARM_THREADS`` threads, without waiting for them.
 
@@ -59,6 +62,11 @@ def warm(root: Dir, files: Sequence[FileHint]) -> list[concurrent.futures.Future
   reads that follow, in the same order, find them in memory. Only a hint:
   nothing is read into this process, and a path that is not a regular file
   reached without symbolic links is skipped.
+
+  Args:
+    root: the directory the paths are below.
+    files: what to ask for, in the order it is read.
+    stop: once set, the files not yet asked for are left (the read is over).
 
   Returns:
     The tasks (callers need not wait for them).
@@ -70,7 +78,7 @@ def warm(root: Dir, files: Sequence[FileHint]) -> list[concurrent.futures.Future
   # can never send an open to another directory. Files are dealt round-robin,
   # so the threads go through them in the order given.
   return [
-    pool.submit(_warm, os.dup(root.fd), files[k::WARM_THREADS])
+    pool.submit(_warm, os.dup(root.fd), files[k::WARM_THREADS], stop)
     for k in range(min(WARM_THREADS, len(files)))
   ]
 
@@ -89,9 +97,11 @@ def hint_ranges(starts: np.ndarray, stops: np.ndarray) -> list[tuple[int, int]]:
   return list(zip(a.tolist(), (b - a).tolist()))
 
 
-def _warm(root_fd: int, files: Sequence[FileHint]) -> None:
+def _warm(root_fd: int, files: Sequence[FileHint], stop: threading.Event | None) -> None:
   try:
     for parts, ranges in files:
+      if stop is not None and stop.is_set():
+        return
       fds: list[int] = []
       try:
         at = root_fd

@@ -411,36 +411,39 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
   # On a cold page cache the kernel is asked for the rest ahead (``Warmer``).
   keys = sorted(runs, key=lambda k: (k[0], k[1].name))
   warmer = ckpt.archives.warmer(keys)
-  for i, (archive, d) in enumerate(keys):
-    ckpt.check_archive(archive)
-    ckpt.archive_meta(archive)
-    f = ckpt.open_buffer(archive, d)
-    try:
-      src, _, lens = (np.concatenate(x) for x in zip(*runs[(archive, d)]))
-      warmer.opened(i, f, src, lens)
-    finally:
-      f.close()
-  out = {d: allocate(n, d, f"restore_sharded of {ckpt.directory}") for d, n in sizes.items()}
-  scratch = np.empty(STAGING_BYTES, np.uint8)
-  per_archive: dict[int, int] = {}  # bytes copied out of each archive, in reading order
-  tables = []
-  for (archive, d), parts in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
-    src, dst, lens = (np.concatenate(x) for x in zip(*parts))
-    tables.append((archive, d, src, dst, lens))
-    per_archive[archive] = per_archive.get(archive, 0) + int(lens.sum()) * d.itemsize
-  reporter = Reporter(
-    "restore_sharded",
-    progress,
-    where=ckpt.directory,
-    total=len(per_archive),
-    total_bytes=sum(per_archive.values()),
-  )
-  for i, (archive, d, src, dst, lens) in enumerate(tables):
-    ckpt.archives.read_runs(archive, d, src, dst, lens, out[d], scratch, stats)
-    if i + 1 == len(tables) or tables[i + 1][0] != archive:
-      reporter.step(per_archive[archive], archive=archive)
-  ckpt.check_padding(trailing, scratch, stats)
-  reporter.finish()
+  try:
+    for i, (archive, d) in enumerate(keys):
+      ckpt.check_archive(archive)
+      ckpt.archive_meta(archive)
+      f = ckpt.open_buffer(archive, d)
+      try:
+        src, _, lens = (np.concatenate(x) for x in zip(*runs[(archive, d)]))
+        warmer.opened(i, f, src, lens)
+      finally:
+        f.close()
+    out = {d: allocate(n, d, f"restore_sharded of {ckpt.directory}") for d, n in sizes.items()}
+    scratch = np.empty(STAGING_BYTES, np.uint8)
+    per_archive: dict[int, int] = {}  # bytes copied out of each archive, in reading order
+    tables = []
+    for (archive, d), parts in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
+      src, dst, lens = (np.concatenate(x) for x in zip(*parts))
+      tables.append((archive, d, src, dst, lens))
+      per_archive[archive] = per_archive.get(archive, 0) + int(lens.sum()) * d.itemsize
+    reporter = Reporter(
+      "restore_sharded",
+      progress,
+      where=ckpt.directory,
+      total=len(per_archive),
+      total_bytes=sum(per_archive.values()),
+    )
+    for i, (archive, d, src, dst, lens) in enumerate(tables):
+      ckpt.archives.read_runs(archive, d, src, dst, lens, out[d], scratch, stats)
+      if i + 1 == len(tables) or tables[i + 1][0] != archive:
+        reporter.step(per_archive[archive], archive=archive)
+    ckpt.check_padding(trailing, scratch, stats)
+    reporter.finish()
+  finally:
+    warmer.close()
 
   host = []
   for leaf, spec, at in zip(leaves, specs, where):
