@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 
 import numpy as np
 
@@ -96,11 +97,17 @@ def drop_cache(path: str) -> bool:
     return False
   fd = os.open(largest, os.O_RDONLY)
   try:
-    os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
-    return False
-  except BlockingIOError:
-    return True
-  except OSError:
+    # Pages under a read still in flight (the kernel's read-ahead, a hint) are not
+    # dropped: drop again once it has landed, a few times.
+    for _ in range(10):
+      try:
+        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+      except BlockingIOError:
+        return True
+      except OSError:
+        return False
+      time.sleep(0.05)
+      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     return False
   finally:
     os.close(fd)
