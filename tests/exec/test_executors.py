@@ -199,3 +199,40 @@ def test_the_device_executor_builds_a_target_rank_that_is_all_padding(dtype):
   device = jr.reshard(records, plan, executor="device")
   assert_records_equal(device, host)
   assert bits(device.state[0].trace["w"]).tolist() == [0]
+
+
+def test_the_device_executor_packs_each_archive_once_per_call(monkeypatch):
+  """The padding check and the gathers of one call share each archive's pack, and
+  a call's packs are only those of its latest reads (no second copy of every
+  source kept on the device)."""
+  from jaxreshard._src.engine import devicefetch as _devicefetch
+  from jaxreshard._src.exec import device as _device_exec
+
+  records, _ = _adam_records(12, 5)
+  records = [dataclasses.replace(r, state=jax.tree.map(jnp.asarray, r.state)) for r in records]
+  packed = []
+  real_pack = _device_exec.pack
+  monkeypatch.setattr(
+    _device_exec,
+    "pack",
+    lambda leaves: packed.append(tuple(id(x) for x in leaves)) or real_pack(leaves),
+  )
+  # The last target rank of 3 reads source rank 4 (the last), padding included.
+  migrations = jr.plan(records, world_size=3, rank=2)
+  target = jr.reshard(records, migrations, executor="device")
+  assert len(packed) >= 2 and len(set(packed)) == len(packed), packed  # none packed twice
+  assert_records_equal(target, jr.reshard(records, migrations, executor="host"))
+
+  # Packs kept: those of the latest request of each dtype; a kept one is reused.
+  src = _sources.record_sources(records)
+  packs = _devicefetch.Packs(src)
+  packed.clear()
+  packs.take([0, 1], np.float32)
+  packs.take([1, 2], np.float32)
+  assert len(packed) == 3  # archive 1 packed once
+  assert sorted(packs._kept[np.dtype(np.float32)]) == [1, 2]
+  # Each pack is the archive's float32 buffers, flattened, in packing order.
+  ((buf, offsets),) = packs.take([2], np.float32)
+  for pid, mirror, leaf in src.packing(2):
+    at = offsets[(pid, mirror)]
+    assert_bits_equal(np.asarray(buf)[at : at + np.size(leaf)], np.ravel(np.asarray(leaf)))

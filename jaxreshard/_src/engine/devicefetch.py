@@ -14,11 +14,46 @@ import numpy as np
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.engine.sources import MemorySources
 
-__all__ = ["device_fetch", "gather_runs", "on_one_device", "packed_sources"]
+__all__ = ["Packs", "device_fetch", "gather_runs", "on_one_device", "packed_sources"]
+
+
+class Packs:
+  """Packed device buffers of one call, shared by the reads that follow each other:
+  the padding check and the gathers of a target rank read the same archives, and
+  consecutive target ranks mostly the same.
+
+  Each (archive, dtype) is packed when first asked for. Only the archives of the
+  latest request of each dtype are kept: a pack is a device copy of an
+  archive's buffers, so keeping every one would hold a second copy of the
+  sources on the device for the rest of the call. The call that makes a
+  ``Packs`` owns it; nothing outlives the call.
+  """
+
+  def __init__(self, src: MemorySources):
+    self.src = src
+    self._kept: dict = {}  # dtype -> {archive: (packed buffer, offsets)}
+
+  def take(self, archives: list[int], dtype: np.dtype) -> list[tuple[Any, dict]]:
+    """``(packed buffer, {(param, mirror): its start there})`` of each archive's
+    ``dtype`` history buffers, in packing order; these are the ones kept now."""
+    dtype = np.dtype(dtype)
+    kept = self._kept.get(dtype, {})
+    now = {a: kept[a] if a in kept else self._pack(a, dtype) for a in archives}
+    self._kept[dtype] = now
+    return [now[a] for a in archives]
+
+  def _pack(self, archive: int, dtype: np.dtype) -> tuple[Any, dict]:
+    from jaxreshard._src.exec import device as _device_exec  # pylint: disable=g-import-not-at-top
+
+    order = [b for b in self.src.packing(archive) if np.dtype(b[2].dtype) == dtype]
+    sizes = [int(np.size(buf)) for _, _, buf in order]
+    starts = np.cumsum([0] + sizes[:-1]).tolist()
+    offsets = {(pid, m): at for (pid, m, _), at in zip(order, starts)}
+    return _device_exec.pack([jax.numpy.asarray(buf) for _, _, buf in order]), offsets
 
 
 def device_fetch(
-  src: MemorySources, runs: dict, keys: list, layout: _copyplan.TargetLayout
+  src: MemorySources, runs: dict, keys: list, layout: _copyplan.TargetLayout, packs: Packs
 ) -> dict:
   """Gathers on the device from each source archive's packed buffer of a dtype.
 
@@ -31,35 +66,26 @@ def device_fetch(
     if not len(r.source):  # a target that is all padding in this dtype reads nothing
       out[dtype] = jax.numpy.zeros(layout.sizes[dtype], dtype)
       continue
-    out[dtype] = gather_runs(src, dtype, r, keys, layout.sizes[dtype])
+    out[dtype] = gather_runs(packs, dtype, r, keys, layout.sizes[dtype])
   return out
 
 
-def gather_runs(src: MemorySources, dtype: np.dtype, r: Any, keys: list, size: int) -> Any:
+def gather_runs(packs: Packs, dtype: np.dtype, r: Any, keys: list, size: int) -> Any:
   """A ``(size,)`` device buffer of ``dtype``: runs ``r`` (of at least one run) copied in,
   from the packed buffers of the archives they read."""
   from jaxreshard._src.exec import device as _device_exec  # pylint: disable=g-import-not-at-top
 
-  arrays, source, base = packed_sources(src, dtype, r, keys)
+  arrays, source, base = packed_sources(packs, dtype, r, keys)
   return _device_exec.gather(arrays, source, r.src + base, r.dst, r.length, size)
 
 
-def packed_sources(src: MemorySources, dtype: np.dtype, r: Any, keys: list) -> tuple:
+def packed_sources(packs: Packs, dtype: np.dtype, r: Any, keys: list) -> tuple:
   """The packed ``dtype`` buffer of each archive that runs ``r`` read, on one device;
   each run's index into them, and where its history buffer starts there."""
-  from jaxreshard._src.exec import device as _device_exec  # pylint: disable=g-import-not-at-top
-
   archives = sorted({keys[s][0] for s in r.source.tolist()})
-  packed, offsets = {}, {}
-  for a in archives:
-    order = [(pid, m, buf) for pid, m, buf in src.packing(a) if np.dtype(buf.dtype) == dtype]
-    offsets[a] = {}
-    pos = 0
-    for pid, m, buf in order:
-      offsets[a][(pid, m)] = pos
-      pos += int(np.size(buf))
-    packed[a] = _device_exec.pack([jax.numpy.asarray(buf) for _, _, buf in order])
-  arrays = on_one_device([packed[a] for a in archives])
+  taken = packs.take(archives, dtype)
+  offsets = {a: o for a, (_, o) in zip(archives, taken)}
+  arrays = on_one_device([p for p, _ in taken])
   index = {a: i for i, a in enumerate(archives)}
   source = np.asarray([index[keys[s][0]] for s in r.source.tolist()], np.int64)
   base = np.asarray([offsets[keys[s][0]][keys[s][1:]] for s in r.source.tolist()], np.int64)

@@ -132,7 +132,11 @@ def padding_plan(
 
 
 def check(
-  src: MemorySources, tables: Sequence[_groups.Groups], executor: str, rows: dict | None = None
+  src: MemorySources,
+  tables: Sequence[_groups.Groups],
+  executor: str,
+  rows: dict | None = None,
+  packs: Any = None,
 ) -> None:
   """Refuses the first nonzero padding element, in (param, source rank, mirror,
   element) order, that a target rank of ``tables`` would read from ``src`` (a
@@ -140,6 +144,8 @@ def check(
 
   ``rows``, when given, receives the source rows this call read as one array
   (by ``id`` of their stack), for the copy by blocks of the same call to reuse.
+  ``packs``: the call's ``devicefetch.Packs``, for checks made on a device to
+  share its packed buffers with the gathers (a fresh one when None).
   """
   found = []
   for groups, ranks in _targets(tables):
@@ -149,7 +155,7 @@ def check(
     else:
       plan = family.recent(("pads", ranks), lambda g=groups, r=ranks: padding_plan(src, g, r))
     if plan.spans:
-      hit = _check_plan(src, groups, plan, executor, ranks, rows)
+      hit = _check_plan(src, groups, plan, executor, ranks, rows, packs)
       if hit is not None:
         found.append(hit)
   if found:
@@ -170,16 +176,16 @@ def _targets(tables: Sequence[_groups.Groups]) -> list[tuple[_groups.Groups, tup
   ]
 
 
-def _check_plan(src, groups, plan: PadPlan, executor: str, ranks, rows) -> tuple | None:
+def _check_plan(src, groups, plan: PadPlan, executor: str, ranks, rows, packs) -> tuple | None:
   """The first nonzero element the plan's spans hold, as (order key, refusal), or None."""
   if executor == "device":
-    clean = _on_device(src, plan)
+    clean = _on_device(src, plan, packs)
   else:
     clean = _by_stack(src, groups, plan, ranks, rows)  # archives in host memory only
     if clean is None and (gathers := plan.gathers()) is not None:
       clean = not any(np.take(flat, index).any() for flat, index in gathers)
     if clean is None and executor == "auto" and plan.on_accelerator():
-      clean = _on_device(src, plan)
+      clean = _on_device(src, plan, packs)
   if clean:
     return None
   # Nonzero bits somewhere (or no faster way applied): named from the host views.
@@ -217,14 +223,16 @@ def _by_pieces(src: MemorySources, plan: PadPlan) -> tuple | None:
   return min(hits, key=lambda hit: hit[0]) if hits else None
 
 
-def _on_device(src: MemorySources, plan: PadPlan) -> bool:
+def _on_device(src: MemorySources, plan: PadPlan, packs) -> bool:
   """Reads the spans on the sources' device, of which only whether any bit is set
   comes back: True when every bit is zero."""
   from jaxreshard._src.engine import devicefetch as _devicefetch  # pylint: disable=g-import-not-at-top
   from jaxreshard._src.exec import device as _device_exec  # pylint: disable=g-import-not-at-top
 
+  if packs is None:
+    packs = _devicefetch.Packs(src)
   for dtype, r in plan.runs.items():
-    arrays, source, base = _devicefetch.packed_sources(src, dtype, r, plan.keys)
+    arrays, source, base = _devicefetch.packed_sources(packs, dtype, r, plan.keys)
     if _device_exec.nonzero_runs(arrays, source, r.src + base, r.length):
       return False
   return True

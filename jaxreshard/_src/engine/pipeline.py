@@ -133,18 +133,23 @@ def _validate_all(src: Sources, migrations: Sequence[Migration]) -> _groups.Grou
   return groups
 
 
-def memory_fetch(src: MemorySources, executor: str = "auto") -> Fetch:
+def memory_fetch(
+  src: MemorySources, executor: str = "auto", packs: _devicefetch.Packs | None = None
+) -> Fetch:
   """Runs over in-memory source buffers: numpy on the host, jitted gathers on a device.
 
   ``executor="auto"`` runs on the device when a source already lives on a
-  GPU/TPU and on the host otherwise; "host" and "device" force one.
+  GPU/TPU and on the host otherwise; "host" and "device" force one. ``packs``:
+  the call's packed device buffers, shared with its padding check (a fresh one
+  when None).
   """
   if executor not in EXECUTORS:
     raise PlacementError(f"executor {executor!r} is not one of {', '.join(EXECUTORS)}")
+  packs = _devicefetch.Packs(src) if packs is None else packs
 
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
     if executor == "device" or (executor == "auto" and src.on_accelerator(keys)):
-      return _devicefetch.device_fetch(src, runs, keys, layout)
+      return _devicefetch.device_fetch(src, runs, keys, layout, packs)
     programs = getattr(src, "programs", None)
 
     def make() -> dict:

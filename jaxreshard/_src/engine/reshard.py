@@ -18,6 +18,7 @@ from jaxreshard._src.core.gcpause import no_gc
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import Migration, ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.engine import devicefetch as _devicefetch
 from jaxreshard._src.engine import padcheck as _padcheck
 from jaxreshard._src.engine import pipeline as _pipeline
 from jaxreshard._src.engine import sources as _sources
@@ -319,9 +320,11 @@ def _reshard_ranks(records, plans, executor) -> list[ShardRecord]:
   if isinstance(plans, (str, bytes)) or not isinstance(plans, Sequence):
     raise PlacementError(f"plans must be a list of migration lists, got {type(plans).__name__}")
   validated = _pipeline.validate_ranks(src, plans)
-  fetch = _pipeline.memory_fetch(src, executor)  # refuses an unknown executor first
+  # Each archive packed on a device at most once per call, by the check or the copy.
+  packs = _devicefetch.Packs(src)
+  fetch = _pipeline.memory_fetch(src, executor, packs)  # refuses an unknown executor first
   rows: dict = {}  # source rows the check reads as one array, which the copy reuses
-  _padcheck.check(src, validated, executor, rows)
+  _padcheck.check(src, validated, executor, rows, packs)
   built = _pipeline.build_ranks(src, validated, executor, rows)
   if built is not None:
     return built
@@ -350,8 +353,9 @@ def unshard_state(records: Sequence[ShardRecord]) -> optax.OptState:
   """
   src = _sources.record_sources(records)
   groups = _pipeline.validate(src, plan(records, world_size=1, rank=0))
-  _padcheck.check(src, [groups], "auto")
-  state = _pipeline.build(src, groups, _pipeline.memory_fetch(src), logical=True).state
+  packs = _devicefetch.Packs(src)
+  _padcheck.check(src, [groups], "auto", packs=packs)
+  state = _pipeline.build(src, groups, _pipeline.memory_fetch(src, packs=packs), logical=True).state
   # A full state goes back into training: its buffers are jax arrays (numpy
   # arrays would pull optax's math into numpy's own arithmetic).
   return jax.tree.map(lambda x: jnp.asarray(x) if isinstance(x, np.ndarray) else x, state)
