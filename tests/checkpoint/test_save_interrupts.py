@@ -60,6 +60,8 @@ def test_an_interrupt_just_after_the_commit_rename_keeps_the_checkpoint(tmp_path
   for a, b in zip(jr.load_records(out), records, strict=True):
     assert_records_equal(a, b)
   assert tempdir.remove_temp_dirs(out) == []
+  # Nothing of the save's own is left in it: its lock file goes as on a commit.
+  assert not os.path.exists(os.path.join(out, tempdir.LOCK_FILE))
   with pytest.raises(jr.ArchiveExistsError):
     jr.save_records(out, records)
 

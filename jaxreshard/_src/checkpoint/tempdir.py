@@ -313,11 +313,15 @@ class TempDir:
   def discard(self) -> None:
     """Removes what was written unless it is committed (best effort: a failed save
     leaves nothing it can remove). A directory that is no longer at its temporary
-    path was renamed into place: it is kept, whatever interrupted the save after."""
+    path was renamed into place: it is kept, whatever interrupted the save after,
+    less its lock file."""
     if self.committed:
       return
     try:
-      _remove_held(self.path, self.out.fd)
+      if not _remove_held(self.path, self.out.fd):
+        # Renamed into place before the interrupt: the checkpoint is whole and
+        # only this save's lock file is left in it, which goes as a commit's does.
+        os.unlink(LOCK_FILE, dir_fd=self.out.fd)
     except (OSError, ArchiveError):
       pass
 
