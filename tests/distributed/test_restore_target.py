@@ -400,3 +400,32 @@ def test_restore_sharded_refuses_a_like_of_another_tree_before_reading(tmp_path)
     with pytest.raises(jr.ReshardError) as e:
       jr.restore_sharded(path, mesh, like=opt.init(params), **kwargs)
     assert "not the plain form" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("with_target", [False, True])
+def test_weak_typed_clock_scalars_stay_weak_on_the_mesh(tmp_path, with_target):
+  """A clock scalar saved weakly typed (``jnp.asarray(1e-3)``) comes back weak from
+  the mesh paths too, as ``restore`` gives it: a bfloat16 gradient times the
+  learning rate stays bfloat16 after the restart. Strong scalars stay strong."""
+  params = {"w": jnp.ones((10,), jnp.bfloat16)}
+  opt = optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3)
+  state = opt.init(params)
+  state.hyperparams["learning_rate"] = jnp.asarray(1e-3)  # weak float32
+  assert state.hyperparams["learning_rate"].weak_type
+  path = tmp_path / "ckpt"
+  jr.save_records(path, jr.shard_state(opt, params, state, world_size=4))
+  mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
+  if with_target:
+    target = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())), state
+    )
+    out = jr.restore_sharded(path, mesh, target=target).state
+  else:
+    out = jr.restore_sharded(path, mesh, axis="fsdp").state
+  lr = out.hyperparams["learning_rate"]
+  assert lr.weak_type and lr.dtype == jnp.float32
+  assert np.asarray(lr).view(np.uint32) == np.asarray(jnp.float32(1e-3)).view(np.uint32)
+  assert (lr * jnp.ones(3, jnp.bfloat16)).dtype == jnp.bfloat16
+  assert not out.count.weak_type and out.count.dtype == state.count.dtype  # strong stays strong
+  one = jr.restore(path, world_size=2, rank=0).state.hyperparams["learning_rate"]
+  assert one.weak_type

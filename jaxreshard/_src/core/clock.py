@@ -18,7 +18,12 @@ import numpy as np
 
 from jaxreshard._src.core import structure as _structure
 
-__all__ = ["clock_names", "is_python_number", "python_dtype", "stays_on_host"]
+__all__ = ["clock_names", "is_python_number", "keep_weak", "python_dtype", "stays_on_host"]
+
+try:  # jax's own conversion that can set an array's weak type (not exported by jax.lax)
+  from jax._src.lax.lax import _convert_element_type as _convert_weak
+except ImportError:  # pragma: no cover - another jax layout: scalars come back strong
+  _convert_weak = None
 
 
 def is_python_number(x: Any) -> bool:
@@ -48,6 +53,19 @@ def stays_on_host(x: Any) -> bool:
   if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     return False
   return np.dtype(jax.dtypes.canonicalize_dtype(dtype)) != np.dtype(dtype)
+
+
+def keep_weak(x: Any, like: Any) -> Any:
+  """``x`` (a global array made from ``like``'s value) weakly typed when ``like`` is.
+
+  A global array assembled from per-device pieces is strongly typed, while the
+  scalar it holds may have been weak (``jnp.asarray(1e-3)``): kept weak, a
+  restored learning rate times a bfloat16 gradient stays bfloat16, as it was
+  before the restart.
+  """
+  if _convert_weak is None or not getattr(like, "weak_type", False) or x.weak_type:
+    return x
+  return _convert_weak(x, x.dtype, weak_type=True)
 
 
 # --- the one rule for whether two archives are of one step -----------------------

@@ -204,10 +204,10 @@ def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = 
     arrays = []
     for device in sharding.addressable_devices_indices_map(shape):
       arrays.append(jax.device_put(per_rank[rank_of[device]], device))
-    dtype = per_rank[next(iter(per_rank))].dtype  # not np.dtype: typed PRNG keys have none
-    new_leaves.append(
-      jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
-    )
+    first = per_rank[next(iter(per_rank))]
+    dtype = first.dtype  # not np.dtype: typed PRNG keys have none
+    made = jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
+    new_leaves.append(made if role is not None else _clock.keep_weak(made, first))
   return jax.tree_util.tree_unflatten(treedef, new_leaves)
 
 

@@ -466,9 +466,10 @@ def _place(leaf: Any, spec: _Spec, data: Any) -> Any:
       # to 32 bits while x64 is off: handed back as it is, as ``restore`` does.
       return data
     value = np.asarray(data)
-    return jax.make_array_from_callback(
+    made = jax.make_array_from_callback(
       spec.shape, spec.sharding, lambda index: np.asarray(value[index]), dtype=spec.dtype
     )
+    return _clock.keep_weak(made, data) if made.dtype == getattr(data, "dtype", None) else made
 
   def piece(index: Any) -> np.ndarray:
     return data[_box(index, spec.shape)]
