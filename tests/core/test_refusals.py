@@ -303,6 +303,23 @@ def test_12a_clock_scalar_differs():
   )
 
 
+def test_12a_clock_scalars_that_print_alike_are_told_apart_by_their_bytes():
+  # Two NaNs of different payloads: the message shows what differs.
+  opt = optax.inject_hyperparams(optax.sgd)(learning_rate=1e-3)
+  params = {"a": jnp.zeros((5,))}
+  records = []
+  for payload in (0x7FC00000, 0x7FC00001):
+    state = opt.init(params)
+    nan = np.array(payload, np.uint32).view(np.float32)
+    state.hyperparams["learning_rate"] = jnp.asarray(nan)
+    records.append(jr.shard_state(opt, params, state, 2)[len(records)])
+  with pytest.raises(jr.PlacementError) as info:
+    jr.reshard(records, jr.plan(records, world_size=1, rank=0))
+  message = str(info.value)
+  assert "clock scalar .hyperparams['learning_rate'] = array(nan" in message, message
+  assert "(bytes 0000c07f)" in message and "(bytes 0100c07f)" in message, message
+
+
 def test_12b_state_structure_differs():
   # adamw's state has one more (empty) transform than adam's: same histories.
   records = _records()

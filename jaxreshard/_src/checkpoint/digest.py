@@ -180,13 +180,17 @@ class _Accumulator:
     structure = repr(
       (str(state_parts.skeleton), [jax.tree_util.keystr(m.prefix) for m in state_parts.subtrees])
     )
-    clock = _clock.clock_key(structure, [x for _, x in _clock_leaves(record)])
+    leaves = _clock_leaves(record)
+    clock = _clock.clock_key(structure, [x for _, x in leaves])
     if self.structure is None:
       self.structure, self.scalars, self.clock = structure, _scalars(record), clock
     elif structure != self.structure:
       self.problems.append(f"archive {index}: optimizer state structure differs from archive 0")
-    elif _clock.clock_difference(self.clock, clock) is not None:
-      self.problems.append(f"archive {index}: optimizer clock scalars differ from archive 0")
+    elif (where := _clock.clock_difference(self.clock, clock)) is not None:
+      named = f" ({leaves[where][0]})" if 0 <= where < len(leaves) else ""
+      self.problems.append(
+        f"archive {index}: optimizer clock scalar{named} differs from archive 0's"
+      )
 
   def add_placement(self, index: int, p: Any, hist: tuple[Any, ...]) -> None:
     """One parameter's rank: its metadata agrees, the rank is new, its buffers stream in."""

@@ -84,9 +84,14 @@ def clock_mismatch(src: Any, a: int, b: int, pid: str | None = None) -> str:
     )
   if where is not None and where < min(len(xa), len(xb)):
     path = _structure.clock_paths(sa[0], [slot is None for slot in sa[1]])[where]
+    va, vb = plain(xa[where]), plain(xb[where])
+    shown_a, shown_b = repr(va), repr(vb)
+    if shown_a == shown_b:  # printed alike, other bits (a NaN's payload): show the bytes
+      shown_a += f" (bytes {va.tobytes().hex()})"
+      shown_b += f" (bytes {vb.tobytes().hex()})"
     return (
-      f"{name}archive {a} has clock scalar {path} = {plain(xa[where])!r} but archive"
-      f" {b} has {plain(xb[where])!r}; these archives are not one checkpoint"
+      f"{name}archive {a} has clock scalar {path} = {shown_a} but archive"
+      f" {b} has {shown_b}; these archives are not one checkpoint"
     )
   return f"{name}archives {a} and {b} have different optimizer clocks; not one checkpoint"
 
