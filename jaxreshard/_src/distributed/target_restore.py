@@ -469,7 +469,7 @@ def _place(leaf: Any, spec: _Spec, data: Any) -> Any:
     made = jax.make_array_from_callback(
       spec.shape, spec.sharding, lambda index: np.asarray(value[index]), dtype=spec.dtype
     )
-    return _clock.keep_weak(made, data) if made.dtype == getattr(data, "dtype", None) else made
+    return _clock.keep_weak(made, data)
 
   def piece(index: Any) -> np.ndarray:
     return data[_box(index, spec.shape)]
