@@ -4,6 +4,8 @@ import collections
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -272,3 +274,33 @@ def test_typed_prng_key_in_the_state_round_trips(tmp_path):
   changed = (state[0]._replace(rng_key=jax.random.key(7)),) + tuple(state[1:])
   other = jr.shard_state(opt, params, changed, world_size=2)
   assert any("rng_key" in d for d in jr.compare_digests(jr.digest(records), jr.digest(other)))
+
+
+_COUNT_COMPILES = """
+import sys
+import jax.monitoring
+import jaxreshard as jr
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+  lambda event, seconds, **kw: compiles.append(event) if "backend_compile" in event else None
+)
+target = jr.restore(sys.argv[1], world_size=3, rank=1)
+print(len(compiles), type(target.state[0].count).__name__, target.state[0].count.dtype)
+"""
+
+
+def test_a_restore_in_a_fresh_process_compiles_no_program(tmp_path):
+  """A restarted process restores a rank without compiling anything: its clock
+  scalars are transferred, not made by ``jnp.asarray`` (a program per dtype,
+  ~80 ms on XLA:CPU at every restart)."""
+  opt = optax.adam(1e-3)
+  prm = {"w": jnp.arange(10.0), "b": jnp.ones(3, jnp.bfloat16)}
+  jr.save_records(tmp_path / "ckpt", jr.shard_state(opt, prm, opt.init(prm), 4))
+  out = subprocess.run(
+    [sys.executable, "-c", _COUNT_COMPILES, str(tmp_path / "ckpt")],
+    capture_output=True,
+    text=True,
+    check=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert out.stdout.split() == ["0", "ArrayImpl", "int32"], out.stdout + out.stderr

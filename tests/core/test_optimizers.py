@@ -264,3 +264,48 @@ def test_sm3_per_axis_statistics_are_refused_with_a_shape_error():
   state = opt.init(params)
   with pytest.raises(jr.ShapeError, match=r"params \['b', 'w'\].*non-coordinate"):
     jr.shard_state(opt, params, state, 2)
+
+
+def test_unshard_state_transfers_buffers_without_compiling():
+  """``unshard_state`` hands back jax arrays made by a transfer: ``jnp.asarray`` of a
+  numpy array compiles a program per shape (~20 ms each), which at a few hundred
+  parameters of distinct shapes cost seconds."""
+  opt = optax.adam(1e-3)
+  # Shapes no other test uses, so that no compiled program is found in a cache.
+  params = {f"p{i}": jnp.full((1009 + i, 1), i, jnp.float32) for i in range(6)}
+  state = jax.tree.map(lambda x: x + 1, opt.init(params))
+  records = jr.shard_state(opt, params, state, 3)
+  compiles = []
+
+  def listen(event, seconds, **kw):
+    if "backend_compile" in event:
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    full = jr.unshard_state(records)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiles == []
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(full))
+  assert_trees_bit_equal(full, state)
+
+
+def test_unshard_state_keeps_a_64_bit_numpy_clock_scalar_whole():
+  """A float64 clock scalar held as numpy while x64 is off (how a restore hands it
+  back) stays numpy with every bit: jax would cut it to float32."""
+  assert not jax.config.jax_enable_x64
+  third = np.asarray(1 / 3, np.float64)
+  records = [
+    jr.ShardRecord(
+      1,
+      (jr.ParamPlacement("w", (6,), r, 2, jnp.float32, True),),
+      {"lr": third.copy(), "mu": {"w": np.arange(3, dtype=np.float32) + 3 * r}},
+    )
+    for r in range(2)
+  ]
+  full = jr.unshard_state(records)
+  assert type(full["lr"]) is np.ndarray and full["lr"].dtype == np.float64
+  assert full["lr"].tobytes() == third.tobytes()
+  assert isinstance(full["mu"]["w"], jax.Array)
+  np.testing.assert_array_equal(bits(full["mu"]["w"]), bits(np.arange(6, dtype=np.float32)))

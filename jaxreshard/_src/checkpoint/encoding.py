@@ -263,7 +263,7 @@ def decode_scalar(d: Any, where: str) -> Any:
       raise ArchiveError(f"{where}: PRNG key implementation {short(impl)} is not one jax has")
     data = decode_scalar({k: v for k, v in d.items() if k != "key"}, where)
     try:
-      return jax.random.wrap_key_data(jnp.asarray(data), impl=impl)
+      return jax.random.wrap_key_data(jax.device_put(data), impl=impl)
     except (TypeError, ValueError) as e:
       raise ArchiveError(f"{where}: invalid {impl} key data: {e}") from None
   if set(d) != {"dtype", "shape", "weak", "bytes"}:
@@ -289,13 +289,14 @@ def decode_scalar(d: Any, where: str) -> Any:
     # A 64-bit scalar while x64 is off (weak or not): jax would cut it to 32
     # bits, so it stays a numpy scalar with every bit.
     return a
+  # ``device_put``, not ``jnp.asarray``: that compiles a program per dtype (~80 ms).
   if weak and a.ndim == 0:
     # A weak-typed scalar (from a Python number) is rebuilt as one; only when
     # the round trip is exact, otherwise the strong scalar is the safe answer.
-    rebuilt = jnp.asarray(a.item())
+    rebuilt = jax.device_put(a.item())
     if rebuilt.dtype == a.dtype and np.asarray(rebuilt).tobytes() == a.tobytes():
       return rebuilt
-  return jnp.asarray(a)
+  return jax.device_put(a)
 
 
 # --- the state's tree structure -----------------------------------------------
