@@ -543,3 +543,44 @@ def test_the_wrapper_stands_for_its_optimizer_when_saving(tmp_path):
   jr.save_sharded(tmp_path / "w", wrapped, state, shapes, mesh)
   jr.save_sharded(tmp_path / "i", inner, state, shapes, mesh)
   assert jr.compare_digests(jr.digest(tmp_path / "w"), jr.digest(tmp_path / "i")) == []
+
+
+@pytest.mark.parametrize("mesh_kind", ["explicit5", "auto2x4"])
+def test_init_outside_jit_compiles_one_program_whatever_the_params(mesh_kind):
+  """Run op by op, every flatten, fill and padding reset of ``init`` would compile a
+  program per shape (~20 ms each: ~3.5 per param, seconds at a few hundred);
+  outside ``jit`` it runs as one program."""
+  mesh = _mesh(mesh_kind)
+  wrapped = jr.flat_sharded(optax.adam(1e-3), mesh)
+  # Shapes no other test uses, so that no compiled program is found in a cache.
+  params = random_params({f"p{i}": ((311 + i, 1), jnp.float32) for i in range(12)})
+  compiles = []
+
+  def listen(event, seconds, **kw):
+    if "backend_compile" in event:
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    state = standard(wrapped.init, params)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert len(compiles) <= 2, compiles
+  inner = optax.adam(1e-3)
+  _check_layout(inner, state, params, mesh)
+  expected = jr.shard_to_mesh(inner, params, standard(inner.init, params), mesh).state
+  assert_trees_bit_equal(state, expected)
+
+
+def test_init_of_params_on_devices_outside_the_mesh_is_the_same_state():
+  """Params that one program on the mesh cannot take (on a device the mesh lacks,
+  numpy arrays) are laid out op by op: the same bits and shardings."""
+  mesh = _mesh("explicit5")
+  wrapped = jr.flat_sharded(optax.adam(1e-3), mesh)
+  params = random_params(SHAPES)
+  on_mesh = standard(wrapped.init, params)
+  for moved in (jax.device_put(params, jax.devices()[7]), jax.tree.map(np.asarray, params)):
+    state = standard(wrapped.init, moved)
+    assert_trees_bit_equal(state, on_mesh)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(on_mesh)):
+      assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)

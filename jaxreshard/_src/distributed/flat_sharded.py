@@ -10,6 +10,7 @@ and :func:`jaxreshard.save_sharded`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import jax
@@ -212,6 +213,25 @@ def _counts(layout: _MeshLayout, shapes: dict[str, tuple[int, ...]]) -> dict[str
   return {pid: FlatShard(s, 0, layout.world).count for pid, s in shapes.items()}
 
 
+def _mesh_context(layout: _MeshLayout, *trees: Any) -> Any:
+  """Outside jit, operations on arrays typed with explicit axes (and arrays created
+  next to them) need the mesh in context; inside jit, the types carry it."""
+  if layout.explicit and all(_is_concrete(x) for x in jax.tree_util.tree_leaves(trees)):
+    return jax.set_mesh(layout.sharded.mesh)
+  return contextlib.nullcontext()
+
+
+def _on_devices_of(tree: Any, mesh: Mesh) -> bool:
+  """Whether every leaf of ``tree`` is a jax array (a value, not a tracer) on
+  devices of ``mesh``: what one program on the mesh can take as it is."""
+  devices = set(mesh.devices.flat)
+  leaves = jax.tree_util.tree_leaves(tree)
+  return all(
+    isinstance(x, jax.Array) and _is_concrete(x) and x.sharding.device_set <= devices
+    for x in leaves
+  )
+
+
 def flat_sharded(
   optimizer: optax.GradientTransformation,
   mesh: Mesh,
@@ -228,7 +248,8 @@ def flat_sharded(
   zeros; scalars (counts, injected hyper-parameters) are replicated. That is
   exactly the layout :func:`jaxreshard.restore_sharded` returns and
   :func:`jaxreshard.save_sharded` takes (and :func:`jaxreshard.shard_to_mesh`
-  builds). ``update`` takes and returns param-shaped pytrees in any sharding
+  builds). Called outside ``jit`` on arrays on the mesh's devices, ``init`` runs
+  as one compiled program, not op by op (one program per shape). ``update`` takes and returns param-shaped pytrees in any sharding
   and works inside ``jax.jit``: it flattens and pads grads and params, runs
   ``optimizer.update`` on them sharded over ``axis`` (each device computes its
   own slots), and reshapes the updates back. Grads whose rows are split evenly
@@ -370,12 +391,7 @@ def flat_sharded(
   # params tree structure -> the shapes ``init`` saw for it (each distinct one).
   built_for: dict[Any, list[dict[str, tuple[int, ...]]]] = {}
 
-  def on_mesh(*trees: Any) -> Any:
-    # Outside jit, operations on arrays typed with explicit axes (and arrays created
-    # next to them) need the mesh in context; inside jit, the types carry it.
-    if layout.explicit and all(_is_concrete(x) for x in jax.tree_util.tree_leaves(trees)):
-      return jax.set_mesh(mesh)
-    return contextlib.nullcontext()
+  on_mesh = functools.partial(_mesh_context, layout)
 
   def roles(flat_params: Any, state: Any) -> tuple:
     return _history_roles(roles_cache, logical_opt, flat_params, state)
@@ -390,6 +406,16 @@ def flat_sharded(
     records = built_for.setdefault(jax.tree_util.tree_structure(params), [])
     if shapes not in records:
       records.append(dict(shapes))
+    if not _on_devices_of(params, mesh):
+      return laid_out(params)
+    # Outside jit, one compiled program: run op by op, every flatten, fill and
+    # padding reset compiles one of its own per shape (~20 ms each).
+    with on_mesh(params):
+      return init_program(params)
+
+  def laid_out(params: Any) -> Any:
+    logical = jax.eval_shape(optimizer.init, params)
+    _, _, shapes, _ = _reshard.coordinate_roles(optimizer, params, logical)
     with on_mesh(params), _logical_masks.logical_shapes(_described(params)):
       flat_params = _flatten(layout, params, shapes)
       state = logical_opt.init(flat_params)
@@ -400,6 +426,8 @@ def flat_sharded(
           " depends on shapes?); pass such masks and labels as pytrees"
         )
       return layout.settle(state, roles(flat_params, state), _counts(layout, shapes))
+
+  init_program = jax.jit(laid_out)
 
   def update(grads: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
     grads, params = _plain.unwrapped(grads), _plain.unwrapped(params)
