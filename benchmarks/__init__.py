@@ -16,6 +16,7 @@ BENCHMARKS = (
   "rss",
   "plan",
   "step",
+  "coldstart",
   # Last: its 4,096-rank row holds ~18 GB of small objects, and the heap they
   # leave behind slows whatever runs after it in the same process.
   "scale",

@@ -45,6 +45,7 @@ class Options:
     step_width: width of those layers (a layer holds ``8 * width**2 + 7 * width`` elements).
     step_rounds: interleaved timed steps per side of the optimizer-step benchmark.
     device_size: history size of the device benchmark (``--device``).
+    coldstart_params: parameters (of distinct shapes) of the first-call benchmark.
     seed: workload seed.
   """
 
@@ -75,6 +76,7 @@ class Options:
   step_width: int = 224
   step_rounds: int = 30
   device_size: int = 32 * _M
+  coldstart_params: int = 200
   seed: int = 0
 
   @classmethod
@@ -108,5 +110,6 @@ class Options:
       step_layers=2,
       step_width=16,
       step_rounds=2,
+      coldstart_params=8,
       device_size=_M // 16,
     )
