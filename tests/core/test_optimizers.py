@@ -20,6 +20,7 @@ from tests._core_util import (
   assert_records_equal,
   assert_trees_bit_equal,
   bits,
+  count_xla_compiles,
   oracle_shard,
   random_grads,
   small_params,
@@ -275,18 +276,9 @@ def test_unshard_state_transfers_buffers_without_compiling():
   params = {f"p{i}": jnp.full((1009 + i, 1), i, jnp.float32) for i in range(6)}
   state = jax.tree.map(lambda x: x + 1, opt.init(params))
   records = jr.shard_state(opt, params, state, 3)
-  compiles = []
-
-  def listen(event, seconds, **kw):
-    if "backend_compile" in event:
-      compiles.append(event)
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
+  with count_xla_compiles() as compiles:
     full = jr.unshard_state(records)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
-  assert compiles == []
+  assert compiles["n"] == 0
   assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(full))
   assert_trees_bit_equal(full, state)
 

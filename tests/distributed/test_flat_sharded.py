@@ -32,6 +32,7 @@ from tests._core_util import (
   assert_bits_equal,
   assert_trees_bit_equal,
   bits,
+  count_xla_compiles,
   random_grads,
   random_params,
   standard,
@@ -554,18 +555,9 @@ def test_init_outside_jit_compiles_one_program_whatever_the_params(mesh_kind):
   wrapped = jr.flat_sharded(optax.adam(1e-3), mesh)
   # Shapes no other test uses, so that no compiled program is found in a cache.
   params = random_params({f"p{i}": ((311 + i, 1), jnp.float32) for i in range(12)})
-  compiles = []
-
-  def listen(event, seconds, **kw):
-    if "backend_compile" in event:
-      compiles.append(event)
-
-  jax.monitoring.register_event_duration_secs_listener(listen)
-  try:
+  with count_xla_compiles() as compiles:
     state = standard(wrapped.init, params)
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listen)
-  assert len(compiles) <= 2, compiles
+  assert compiles["n"] <= 2, compiles
   inner = optax.adam(1e-3)
   _check_layout(inner, state, params, mesh)
   expected = jr.shard_to_mesh(inner, params, standard(inner.init, params), mesh).state
