@@ -576,3 +576,34 @@ def test_init_of_params_on_devices_outside_the_mesh_is_the_same_state():
     assert_trees_bit_equal(state, on_mesh)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(on_mesh)):
       assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)
+
+
+@pytest.mark.parametrize(
+  "mesh_kind, params_mesh",
+  [
+    ("explicit8", lambda: jax.make_mesh((2, 4), ("data", "fsdp"))),
+    ("auto8", lambda: jax.make_mesh((8,), ("x",))),
+    ("explicit2x4", lambda: jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))),
+  ],
+)
+def test_init_of_params_on_another_mesh_of_the_same_devices(mesh_kind, params_mesh):
+  """Params laid out on another mesh than the wrapper's (a 2-D model mesh, other
+  axis names or types, over the same devices) are laid out op by op: one program
+  under the wrapper's mesh would refuse theirs. The same state as from params on
+  one device."""
+  mesh = _mesh(mesh_kind)
+  wrapped = jr.flat_sharded(optax.adam(1e-3), mesh)
+  params = random_params({**SHAPES, "rows": ((16, 3), jnp.float32)})
+  other = params_mesh()
+  first = other.axis_names[0]
+
+  def placed(x):  # rows split over the other mesh's first axis where it divides them
+    rows = x.ndim and x.shape[0] % other.shape[first] == 0
+    return jax.device_put(x, NamedSharding(other, P(first) if rows else P()))
+
+  moved = jax.tree.map(placed, params)
+  expected = standard(wrapped.init, params)
+  state = standard(wrapped.init, moved)
+  assert_trees_bit_equal(state, expected)
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim), (a.sharding, b.sharding)

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
@@ -222,14 +222,21 @@ def _mesh_context(layout: _MeshLayout, *trees: Any) -> Any:
 
 
 def _on_devices_of(tree: Any, mesh: Mesh) -> bool:
-  """Whether every leaf of ``tree`` is a jax array (a value, not a tracer) on
-  devices of ``mesh``: what one program on the mesh can take as it is."""
+  """Whether every leaf of ``tree`` is a jax array (a value, not a tracer) that one
+  program on ``mesh`` takes as it is: on one device of the mesh, or laid out on
+  the mesh itself. Arrays on another mesh, even of the same devices, are not: a
+  program under one mesh refuses another's axis names and types."""
   devices = set(mesh.devices.flat)
-  leaves = jax.tree_util.tree_leaves(tree)
-  return all(
-    isinstance(x, jax.Array) and _is_concrete(x) and x.sharding.device_set <= devices
-    for x in leaves
-  )
+  for x in jax.tree_util.tree_leaves(tree):
+    if not (isinstance(x, jax.Array) and _is_concrete(x)):
+      return False
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding):
+      if sharding.mesh != mesh:
+        return False
+    elif not (isinstance(sharding, SingleDeviceSharding) and sharding.device_set <= devices):
+      return False
+  return True
 
 
 def flat_sharded(
@@ -248,8 +255,9 @@ def flat_sharded(
   zeros; scalars (counts, injected hyper-parameters) are replicated. That is
   exactly the layout :func:`jaxreshard.restore_sharded` returns and
   :func:`jaxreshard.save_sharded` takes (and :func:`jaxreshard.shard_to_mesh`
-  builds). Called outside ``jit`` on arrays on the mesh's devices, ``init`` runs
-  as one compiled program, not op by op (one program per shape). ``update`` takes and returns param-shaped pytrees in any sharding
+  builds). Called outside ``jit`` on arrays laid out on the mesh or on one of
+  its devices, ``init`` runs as one compiled program (op by op, each parameter shape would compile programs
+  of its own). ``update`` takes and returns param-shaped pytrees in any sharding
   and works inside ``jax.jit``: it flattens and pads grads and params, runs
   ``optimizer.update`` on them sharded over ``axis`` (each device computes its
   own slots), and reshapes the updates back. Grads whose rows are split evenly
