@@ -98,8 +98,7 @@ def child(path: str, n_params: int, seed: int) -> list[dict]:
   wrapped = jr.flat_sharded(optax.adam(1e-3), mesh, axis="fsdp")
   with jax.numpy_dtype_promotion("standard"):
     rows.append(row("flat_sharded(adam).init outside jit", lambda: wrapped.init(on_mesh)))
-    baseline = _params(n_params, seed + 3)
-    baseline = jax.device_put(baseline, NamedSharding(mesh, P()))
+    baseline = jax.device_put(_params(n_params, seed + 3), NamedSharding(mesh, P()))
     rows.append(row("optax.adam init outside jit (baseline)", lambda: opt.init(baseline)))
   return rows
 
@@ -112,20 +111,18 @@ def run(opts: Options) -> Result:
     rows = run_child(
       "bench_coldstart", "child", dict(path=path, n_params=n, seed=opts.seed), devices=8
     )
-  by_what = {r["what"].split(" (")[0]: r for r in rows}
+  restore, load, unshard, init, _ = rows
   met = None
   if not opts.quick:
-    met = (
-      all(r["programs"] == 0 for r in rows[:3])
-      and by_what["flat_sharded(adam).init outside jit"]["programs"] <= 2
-    )
+    met = all(r["programs"] == 0 for r in (restore, load, unshard)) and init["programs"] <= 2
   notes = (
     f"Adam, {n} parameters of distinct shapes ((i + 2, 3) float32), 8 simulated CPU devices."
-    " Each row runs in one fresh python (the checkpoint, 8 archives, is written by another):"
+    " The rows run in order in one fresh python (the checkpoint, 8 archives, is written by"
+    " another):"
     " `first_s` is the first call in the process, `second_s` the next one; `programs` and"
     " `compile_s` count the programs XLA compiled during the first call"
-    " (`jax.monitoring`'s backend-compile events) and their seconds. Rows in order, one"
-    " process: a restore first, so its clock scalar's conversion is not already compiled."
+    " (`jax.monitoring`'s backend-compile events) and their seconds. A restore comes first,"
+    " so that its clock scalar's conversion is not already compiled."
     " The baseline row is optax's own `init` run op by op on the same kind of params: one"
     " program per distinct shape, the cost `flat_sharded`'s `init` used to pay three and a"
     " half times over. Verdict: no program for restore, load_records and unshard_state; at"
