@@ -340,6 +340,43 @@ def test_grads_sharded_over_another_axis(axis_types):
   _check_layout(inner, state, params, mesh)
 
 
+def _weak_tree(step):
+  """Params or grads where a Python scalar made two leaves weakly typed (as
+  ``jnp.asarray(0.7)`` or ``jnp.full(shape, 0.25)`` do), beside a strong one."""
+  rng = np.random.default_rng(50 + step)
+  return {
+    "temperature": jnp.asarray(float(rng.standard_normal())),
+    "bias": jnp.full((7,), float(rng.standard_normal())),
+    "w": jnp.asarray(rng.standard_normal((5, 3)), jnp.float32),
+  }
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("mesh_kind", ["explicit5", "auto5"])
+def test_weakly_typed_params_step_as_optax_steps_them(mesh_kind, jit):
+  mesh = _mesh(mesh_kind)
+  inner = optax.adam(1e-2)
+  wrapped = jr.flat_sharded(inner, mesh)
+  params = _weak_tree(0)
+  assert [x.weak_type for x in jax.tree.leaves(params)] == [True, True, False]
+  wrap = jax.jit if jit else (lambda f: f)
+  state, ref_state = standard(wrapped.init, params), standard(inner.init, params)
+  for step in range(3):
+    grads = _weak_tree(step + 1)
+    updates, state = standard(wrap(wrapped.update), grads, state, params)
+    u_ref, ref_state = standard(wrap(inner.update), grads, ref_state, params)
+    assert_trees_bit_equal(updates, u_ref)
+    assert [u.weak_type for u in jax.tree.leaves(updates)] == [
+      u.weak_type for u in jax.tree.leaves(u_ref)
+    ]
+    # The state's types are optax's (which makes ``nu`` strong at the first step).
+    assert [x.weak_type for x in jax.tree.leaves(state)] == [
+      x.weak_type for x in jax.tree.leaves(ref_state)
+    ]
+  _check_layout(inner, state, params, mesh)
+  assert_trees_bit_equal(state, jr.shard_to_mesh(inner, params, ref_state, mesh).state)
+
+
 def test_padding_slots_stay_zero_with_a_nonzero_initial_accumulator():
   mesh = _mesh("explicit8")
   inner = optax.adagrad(1e-2, initial_accumulator_value=0.1)

@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 # Updates whose flat shard is at most this many bytes are all-gathered together,
-# one all-gather per dtype: a gather that small costs its rendezvous (every device
+# one all-gather per dtype and weak type: a gather that small costs its rendezvous (every device
 # waits for all the others) far more than its copy. A larger one is gathered by
 # itself, so that its consumers read it contiguous, and its buffer lives briefly.
 PACKED_SHARD_BYTES = 16 * 1024
@@ -115,14 +115,16 @@ class MeshLayout:
   def for_update(self, state: Any, roles: tuple, shapes: dict[str, tuple[int, ...]]) -> Any:
     """``state`` as the update computes it: the histories of small params whole.
 
-    Those of one dtype are all-gathered together, by one all-gather.
+    Those of one dtype (and weak type) are all-gathered together, by one all-gather.
     """
     leaves, treedef = jax.tree_util.tree_flatten(state)
     out = list(leaves)
     packs: dict[Any, list[int]] = {}
     for i, (leaf, pid) in enumerate(zip(leaves, roles)):
       if pid is not None and whole(FlatShard(shapes[pid], 0, self.world)):
-        packs.setdefault(jnp.dtype(leaf.dtype), []).append(i)
+        # One concatenation per dtype and weak type: a strong member would make
+        # every weakly typed one strong.
+        packs.setdefault((jnp.dtype(leaf.dtype), _weakly_typed(leaf)), []).append(i)
     for members in packs.values():
       for i, x in zip(members, gathered(self, [leaves[i] for i in members])):
         out[i] = x[: FlatShard(shapes[roles[i]], 0, self.world).count]
@@ -148,7 +150,7 @@ class MeshLayout:
     update is laid out like ``likes`` where known: one whose ``like`` has its rows
     split over the axis as the flat shards (ZeRO-2 grads) is reshaped where it
     lies; those with flat shards of at most ``PACKED_SHARD_BYTES`` are all-gathered
-    together, one all-gather per dtype; each larger one is gathered by itself, and
+    together, one all-gather per dtype and weak type; each larger one is gathered by itself, and
     one computed whole is not.
     """
     out = list(updates)
@@ -162,7 +164,7 @@ class MeshLayout:
       elif self._row_sharded(like, g):  # rows split as the flat shards (ZeRO-2 grads)
         out[i] = self._placed(jnp.reshape(u, shape, out_sharding=self.sharded), like)
       elif g.slots * jnp.dtype(u.dtype).itemsize <= PACKED_SHARD_BYTES:
-        packs.setdefault(jnp.dtype(u.dtype), []).append(i)
+        packs.setdefault((jnp.dtype(u.dtype), _weakly_typed(u)), []).append(i)
       else:
         out[i] = self.unflat(u, like, shape)
     for members in packs.values():
@@ -206,7 +208,13 @@ class MeshLayout:
       )
       # Padding is zero by definition of the layout; a select keeps every owned
       # element's bits, and in an elementwise chain no owned element reads padding.
-      out.append(jax.lax.select(index < counts[pid], leaf, jax.lax.full_like(leaf, 0)))
+      if _weakly_typed(leaf):
+        # ``full_like`` of a weakly typed array (outside jit) drops its sharding, and
+        # a strongly typed zero would make the history strongly typed: a Python 0
+        # keeps the leaf's dtype and weak type, and ``where`` is the same select.
+        out.append(jnp.where(index < counts[pid], leaf, 0))
+      else:
+        out.append(jax.lax.select(index < counts[pid], leaf, jax.lax.full_like(leaf, 0)))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -258,6 +266,11 @@ def update_on_auto_axes(
 
   out = (laid_out(args[0], ids), laid_out(args[1], roles))
   return jax.sharding.auto_axes(update, out_sharding=out)(*args)
+
+
+def _weakly_typed(x: Any) -> bool:
+  """Whether ``x`` (an array or a tracer) is weakly typed, as a Python scalar makes it."""
+  return bool(jax.typeof(x).weak_type)
 
 
 def whole(g: FlatShard) -> bool:
