@@ -26,13 +26,14 @@ from jaxreshard._src.checkpoint.shardfile import INDEX_ENTRY_BYTES, META_FILE, S
 from jaxreshard._src.checkpoint.shardread import ReadStats
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
+from jaxreshard._src.exec import fresh as _fresh
 
 
 def allocate(n: int, dtype: np.dtype, what: str, *, zeros: bool = True) -> np.ndarray:
   """A fresh ``(n,)`` buffer for a read; more than the process can get is a ReshardError."""
   dtype = np.dtype(dtype)
   try:
-    return np.zeros(n, dtype) if zeros else np.empty(n, dtype)
+    return _fresh.zeros(n, dtype) if zeros else np.empty(n, dtype)
   except MemoryError:
     raise ReshardError(
       f"{what}: a buffer of {n} {dtype.name} elements ({n * dtype.itemsize} bytes) needs more"
