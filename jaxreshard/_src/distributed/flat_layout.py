@@ -157,7 +157,9 @@ class MeshLayout:
     packs: dict[Any, list[int]] = {}
     for i, (u, like, shape) in enumerate(zip(updates, likes, shapes)):
       g = FlatShard(shape, 0, self.world)
-      if self.update_on_rows(shape):
+      if not g.count:  # no element to gather: the empty update, of the param's shape
+        out[i] = self._placed(jax.lax.full_like(u, 0, shape=shape), like)
+      elif self.update_on_rows(shape):
         out[i] = jnp.reshape(u, shape, out_sharding=self.sharded)
       elif np.shape(u) == (g.count,) and whole(g):
         out[i] = self.unflat(u, like, shape)
