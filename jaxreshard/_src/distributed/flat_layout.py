@@ -58,7 +58,8 @@ class MeshLayout:
     return jax.lax.with_sharding_constraint(x, sharding)
 
   def flat(self, x: Any, shape: tuple[int, ...]) -> jax.Array:
-    """``x`` (any sharding) flattened, zero-padded to ``M * slots``, sharded over the axis."""
+    """``x`` (any sharding) flattened, zero-padded to ``M * slots``, sharded over the axis;
+    a param of one slot per rank (``whole``) in its own shape, replicated."""
     g = FlatShard(shape, 0, self.world)
     if self._row_sharded(x, g):
       # Each device's rows are already its flat shard (ZeRO-2 grads): no all-gather.
@@ -66,9 +67,12 @@ class MeshLayout:
     # Pinned replicated as a whole flat array, each device's shard is a 1-D slice of
     # it: left free, the partitioner slices the param's own rows instead, and XLA
     # fuses (and contracts multiply-adds in) the update differently from optax's.
-    x = jnp.reshape(self.put(x, self.replicated), (g.count,))
     if whole(g):
-      return x
+      # Computed whole, in its own shape, as the unwrapped optimizer computes it:
+      # XLA compiles some elementwise chains differently for a 0-d array than for
+      # a (1,) one (the sign of a zero update in optax.MultiSteps' mini-steps).
+      return self.put(x, self.replicated)
+    x = jnp.reshape(self.put(x, self.replicated), (g.count,))
     x = self.put(jnp.pad(x, (0, self.world * g.slots - g.count)), self.replicated)
     if not is_concrete(x):
       # Inside jit it stays replicated: the partitioner slices it where it meets the
@@ -98,9 +102,17 @@ class MeshLayout:
 
     Rows split evenly (``shape[0] % M == 0``, no padding) put rank r's rows at flat
     elements ``[r * slots, (r + 1) * slots)``. Only explicit axes say so inside ``jit``.
+    A param of one slot per rank is not taken as shards, however it lies: its update
+    is computed whole (``whole``), on every device.
     """
     shape = np.shape(x)
-    if not self.explicit or not shape or shape[0] % self.world or g.count != g.slots * self.world:
+    if (
+      not self.explicit
+      or not shape
+      or shape[0] % self.world
+      or g.count != g.slots * self.world
+      or whole(g)
+    ):
       return False
     if is_concrete(x):
       sharding, mesh = getattr(x, "sharding", None), self.sharded.mesh
@@ -113,7 +125,8 @@ class MeshLayout:
     return spec[0] in (self.axis, (self.axis,)) and all(s is None for s in spec[1:])
 
   def for_update(self, state: Any, roles: tuple, shapes: dict[str, tuple[int, ...]]) -> Any:
-    """``state`` as the update computes it: the histories of small params whole.
+    """``state`` as the update computes it: the histories of small params whole, each
+    in its param's shape.
 
     Those of one dtype (and weak type) are all-gathered together, by one all-gather.
     """
@@ -127,15 +140,19 @@ class MeshLayout:
         packs.setdefault((jnp.dtype(leaf.dtype), _weakly_typed(leaf)), []).append(i)
     for members in packs.values():
       for i, x in zip(members, gathered(self, [leaves[i] for i in members])):
-        out[i] = x[: FlatShard(shapes[roles[i]], 0, self.world).count]
+        shape = shapes[roles[i]]
+        out[i] = jnp.reshape(x[: FlatShard(shape, 0, self.world).count], shape)
     return jax.tree_util.tree_unflatten(treedef, out)
 
   def unflat(self, u: jax.Array, like: Any, shape: tuple[int, ...]) -> jax.Array:
-    """A flat update back in its parameter's shape, laid out like ``like`` where known."""
+    """A flat update (or one computed whole, in its parameter's shape) back in its
+    parameter's shape, laid out like ``like`` where known."""
     count = FlatShard(shape, 0, self.world).count
     if self.explicit:
       u = self.put(u, self.replicated)  # the ZeRO all-gather of the updates
-    return self._placed(jnp.reshape(u[:count], shape), like)
+    if np.shape(u) != tuple(shape):
+      u = jnp.reshape(u[:count], shape)
+    return self._placed(u, like)
 
   def unflat_all(
     self, updates: list[Any], likes: list[Any], shapes: list[tuple[int, ...]]
@@ -161,7 +178,7 @@ class MeshLayout:
         out[i] = self._placed(jax.lax.full_like(u, 0, shape=shape), like)
       elif self.update_on_rows(shape):
         out[i] = jnp.reshape(u, shape, out_sharding=self.sharded)
-      elif np.shape(u) == (g.count,) and whole(g):
+      elif whole(g):
         out[i] = self.unflat(u, like, shape)
       elif self._row_sharded(like, g):  # rows split as the flat shards (ZeRO-2 grads)
         out[i] = self._placed(jnp.reshape(u, shape, out_sharding=self.sharded), like)
@@ -194,8 +211,10 @@ class MeshLayout:
         out.append(self.put(leaf, self.replicated))
         continue
       g = FlatShard((counts[pid],), 0, self.world)
-      if np.shape(leaf) == (g.count,) and whole(g):  # computed whole: back to the layout
-        leaf = jnp.pad(self.put(leaf, self.replicated), (0, self.world * g.slots - g.count))
+      if whole(g) and np.shape(leaf) != (self.world * g.slots,):
+        # Computed whole, in its param's shape: back to the layout.
+        leaf = jnp.reshape(self.put(leaf, self.replicated), (g.count,))
+        leaf = jnp.pad(leaf, (0, self.world * g.slots - g.count))
       leaf = self.put(leaf, self.sharded)
       if counts[pid] == np.shape(leaf)[0]:
         # No padding: a select here would be a second consumer of the new history,
@@ -282,7 +301,8 @@ def whole(g: FlatShard) -> bool:
   XLA would compile its update differently from the unwrapped optimizer's (a
   division by a broadcast scalar stays a division for one element and becomes
   a multiplication by the reciprocal for more), so it is computed, like there,
-  on exactly its own elements, on every device; it is tiny, so that is free.
+  on exactly its own elements in its own shape, on every device; it is tiny, so
+  that is free.
   """
   return g.slots == 1
 
