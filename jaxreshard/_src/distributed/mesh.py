@@ -468,4 +468,12 @@ def gather_from_mesh(
         RECORD_VERSION, of(rank), jax.tree_util.tree_unflatten(treedef, rank_leaves), roles
       )
     )
-  return _reshard.unshard_state(records)
+  full = jax.tree_util.tree_leaves(_reshard.unshard_state(records))
+  # Assembled from host bytes, a history is strongly typed: weak where the state's was.
+  return jax.tree_util.tree_unflatten(
+    treedef,
+    [
+      _clock.keep_weak(x, like) if isinstance(x, jax.Array) else x
+      for x, like in zip(full, leaves, strict=True)
+    ],
+  )
