@@ -143,3 +143,25 @@ def test_optimizer_and_params_go_together_and_not_with_target(saved, mesh):
   target = T.abstract(opt, params, lambda p, x: jax.sharding.NamedSharding(mesh, jax.P()))
   with pytest.raises(jr.PlacementError, match="without target="):
     _restore(path, mesh, target=target, optimizer=opt, params=params)
+
+
+def test_a_state_its_first_update_retyped_is_one_the_optimizer_builds(tmp_path, mesh):
+  # inject_hyperparams' float32 hyper-parameters make a bf16 param's moments
+  # float32 at the first update, in optax itself: a saved state of a run is that.
+  opt = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2, weight_decay=0.1)
+  params = {"e": jnp.ones((4, 6), jnp.bfloat16), "g": jnp.ones((3,), jnp.float32)}
+  with jax.numpy_dtype_promotion("standard"):
+    state = opt.update(params, opt.init(params), params)[1]
+  assert state.inner_state[0].mu["e"].dtype == jnp.float32
+  records = jr.shard_state(opt, params, state, world_size=3)
+  jr.save_records(tmp_path / "ckpt", records)
+  plain = _restore(tmp_path / "ckpt", mesh)
+  checked = _restore(tmp_path / "ckpt", mesh, optimizer=opt, params=params)
+  _assert_same_pieces(checked.state, plain.state)
+  # A dtype neither init nor that update gives is still refused, naming the leaf.
+  f16 = {"e": jnp.ones((4, 6), jnp.float16), "g": jnp.ones((3,), jnp.float16)}
+  with jax.numpy_dtype_promotion("standard"):
+    state16 = opt.init(f16)  # float16 moments: float32 params build float32 ones
+  jr.save_records(tmp_path / "f16", jr.shard_state(opt, f16, state16, world_size=3))
+  with pytest.raises(jr.DtypeError, match=r"leaf .*\.mu\['g'\] \(param 'g'\): optimizer\.init"):
+    _restore(tmp_path / "f16", mesh, optimizer=opt, params=params)

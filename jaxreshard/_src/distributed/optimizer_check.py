@@ -8,8 +8,9 @@ buffer flattened and padded. So a checkpoint feeds that optimizer exactly when
 its saved (logical) state is, leaf for leaf, ``jax.eval_shape(optimizer.init,
 params)``: the same parameter ids with the same shapes, the same tree, each
 history buffer of its parameter's shape and of the dtype the optimizer gives
-it, each clock scalar of its own dtype. Those are the rules
-``restore_sharded(target=...)`` applies to a target, without shardings.
+it (or that its first update gives it: some retype a history), each clock
+scalar of its own dtype. Those are the rules ``restore_sharded(target=...)``
+applies to a target, without shardings.
 """
 
 from __future__ import annotations
@@ -56,12 +57,38 @@ def check_optimizer(ckpt: Checkpoint, optimizer: Any, params: Any) -> None:
     _target_restore.check_leaf(p, e, t, groups, _WHOSE)
     for p, e, t in zip(paths, leaves, jax.tree.leaves(abstract))
   ]
+  if any(isinstance(c, DtypeError) for c in checked):
+    # A state some optimizers' first update retypes (inject_hyperparams' float32
+    # hyper-parameters make a bf16 param's moments float32, as optax itself does):
+    # a leaf of the dtype that update gives it is one the optimizer builds.
+    stepped = _stepped(optimizer, params, abstract)
+    if stepped is not None:
+      checked = [
+        c
+        if not isinstance(c, DtypeError)
+        or _target_restore.check_leaf(p, e, t, groups, _WHOSE) is not None
+        else None
+        for c, p, e, t in zip(checked, paths, leaves, stepped)
+      ]
   _target_restore.raise_collected(
     f"the checkpoint does not hold the state {_WHOSE} builds",
     checked,
     kinds=(DtypeError,),
     default=PlacementError,
   )
+
+
+def _stepped(optimizer: Any, params: Any, abstract: Any) -> list[Any] | None:
+  """The leaves of the state after one update of ``abstract`` (the params standing
+  in for grads of their shapes and dtypes), or None where that cannot be traced
+  (an update that needs extra arguments) or has another tree."""
+  try:
+    state = jax.eval_shape(lambda p, s: optimizer.update(p, s, p)[1], params, abstract)
+  except Exception:  # noqa: BLE001 -- any failure: only init's dtypes are known
+    return None
+  if jax.tree.structure(state) != jax.tree.structure(abstract):
+    return None
+  return jax.tree.leaves(state)
 
 
 def _check_params(groups: list[Any], params: Any) -> None:
