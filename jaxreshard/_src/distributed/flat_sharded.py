@@ -279,7 +279,7 @@ def flat_sharded(
     updates itself (``nnx.Optimizer.update``, ``TrainState.apply_gradients``)
     keeps replicated params replicated, and every mesh adds the updates after
     their all-gather, so a run resumed on another number of devices continues
-    bit for bit.
+    bit for bit op by op, and inside ``jit`` to the last bit's rounding (below).
   * With ``shard_updates=True``, under explicit mesh axes the update of a param
     of more than ``M`` elements whose leading dimension ``M`` divides is
     returned with its rows sharded over ``axis`` (``PartitionSpec(axis)``,
@@ -322,7 +322,12 @@ def flat_sharded(
   then contracts its last multiply and the add into an FMA), one laid out like
   its grad only after its all-gather. A run resumed on a mesh whose ``M``
   divides other leading dimensions then agrees to the last bit's rounding; by
-  default it continues bit for bit.
+  default it continues bit for bit op by op. Inside ``jit`` XLA compiles each
+  device's loop for the length of its shard, so an element another mesh puts
+  in another place of its shard (a vector lane, or the scalar tail of the loop)
+  can be contracted into an FMA on one mesh and not on the other: jitted runs
+  on two meshes agree to the last bit's rounding, as jitted optax agrees with
+  itself run op by op.
 
   Padding: after every ``init`` and ``update`` the padding slots of every
   history are exactly zero (they are reset, so a non-zero initial value such as
