@@ -14,31 +14,20 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import sys
 from collections.abc import Sequence
 
 import numpy as np
 
 from jaxreshard._src.checkpoint.shardfile import _IOV_MAX
 from jaxreshard._src.errors import ArchiveError
+from jaxreshard._src.exec import libc as _libc
 
 __all__ = ["Pieces"]
 
 
-def _libc_preadv():
-  """The C library's ``preadv``, or None where it cannot be called through ctypes."""
-  if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
-    return None
-  try:
-    fn = ctypes.CDLL(None, use_errno=True).preadv
-  except (OSError, AttributeError):
-    return None
-  fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-  fn.restype = ctypes.c_ssize_t
-  return fn
-
-
-_PREADV = _libc_preadv()
+_PREADV = _libc.function(
+  "preadv", [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64], ctypes.c_ssize_t
+)
 
 
 def _int64(x) -> np.ndarray:

@@ -17,31 +17,17 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import sys
 
 import numpy as np
+
+from jaxreshard._src.exec import libc as _libc
 
 __all__ = ["zeros"]
 
 _MADV_POPULATE_WRITE = 23
 # Smaller buffers come from the heap, mostly pages already mapped: nothing to gain.
 _MIN_BYTES = 1 << 20
-
-
-def _libc_madvise():
-  """The C library's ``madvise``, or None where it cannot be called through ctypes."""
-  if not sys.platform.startswith("linux") or ctypes.sizeof(ctypes.c_void_p) != 8:
-    return None
-  try:
-    fn = ctypes.CDLL(None, use_errno=True).madvise
-  except (OSError, AttributeError):
-    return None
-  fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-  fn.restype = ctypes.c_int
-  return fn
-
-
-_MADVISE = _libc_madvise()
+_MADVISE = _libc.function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
 
 
 def populate(a: np.ndarray) -> np.ndarray:
