@@ -68,10 +68,7 @@ class MeshLayout:
     # it: left free, the partitioner slices the param's own rows instead, and XLA
     # fuses (and contracts multiply-adds in) the update differently from optax's.
     if whole(g):
-      # Computed whole, in its own shape, as the unwrapped optimizer computes it:
-      # XLA compiles some elementwise chains differently for a 0-d array than for
-      # a (1,) one (the sign of a zero update in optax.MultiSteps' mini-steps).
-      return self.put(x, self.replicated)
+      return self.put(x, self.replicated)  # computed whole, in its own shape (``whole``)
     x = jnp.reshape(self.put(x, self.replicated), (g.count,))
     x = self.put(jnp.pad(x, (0, self.world * g.slots - g.count)), self.replicated)
     if not is_concrete(x):
@@ -230,9 +227,8 @@ class MeshLayout:
       # Padding is zero by definition of the layout; a select keeps every owned
       # element's bits, and in an elementwise chain no owned element reads padding.
       if _weakly_typed(leaf):
-        # ``full_like`` of a weakly typed array (outside jit) drops its sharding, and
-        # a strongly typed zero would make the history strongly typed: a Python 0
-        # keeps the leaf's dtype and weak type, and ``where`` is the same select.
+        # Outside jit ``full_like`` drops a weakly typed array's sharding, and a strong
+        # zero would make it strong: a Python 0 keeps both (``where`` is a select).
         out.append(jnp.where(index < counts[pid], leaf, 0))
       else:
         out.append(jax.lax.select(index < counts[pid], leaf, jax.lax.full_like(leaf, 0)))
@@ -302,7 +298,8 @@ def whole(g: FlatShard) -> bool:
   division by a broadcast scalar stays a division for one element and becomes
   a multiplication by the reciprocal for more), so it is computed, like there,
   on exactly its own elements in its own shape, on every device; it is tiny, so
-  that is free.
+  that is free. (XLA also compiles some chains differently for a 0-d array than
+  for a (1,) one: the sign of a zero update in ``optax.MultiSteps``' mini-steps.)
   """
   return g.slots == 1
 
