@@ -386,14 +386,15 @@ def test_weakly_typed_params_step_as_optax_steps_them(mesh_kind, jit):
 
 
 @pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("mesh_kind", ["explicit8", "auto8"])
 @pytest.mark.parametrize("name", ["multi_steps_adam", "adam"])
-def test_params_of_one_slot_per_rank_step_in_their_own_shape(name, jit):
+def test_params_of_one_slot_per_rank_step_in_their_own_shape(name, mesh_kind, jit):
   # A 0-d param is computed as a 0-d array, as optax computes it (XLA gives a zero
   # update of a (1,) array in MultiSteps' mini-steps another sign), and one of M
   # elements is computed whole even where its grads' rows lie split over the axis.
   # The oracle is optax on the whole arrays: given rows split one element per
   # device, optax's own zero updates take the sign of (1,) pieces.
-  mesh = _mesh("explicit8")
+  mesh = _mesh(mesh_kind)
   rows = NamedSharding(mesh, P("fsdp"))
   inner = DIVIDING[name]()
   wrapped = jr.flat_sharded(inner, mesh)

@@ -208,8 +208,9 @@ class MeshLayout:
         out.append(self.put(leaf, self.replicated))
         continue
       g = FlatShard((counts[pid],), 0, self.world)
-      if whole(g) and np.shape(leaf) != (self.world * g.slots,):
-        # Computed whole, in its param's shape: back to the layout.
+      if whole(g):
+        # Computed whole: pinned replicated first, even unpadded (left free, on Auto
+        # axes the partitioner shards it one element per device: see ``whole``).
         leaf = jnp.reshape(self.put(leaf, self.replicated), (g.count,))
         leaf = jnp.pad(leaf, (0, self.world * g.slots - g.count))
       leaf = self.put(leaf, self.sharded)
@@ -298,8 +299,9 @@ def whole(g: FlatShard) -> bool:
   division by a broadcast scalar stays a division for one element and becomes
   a multiplication by the reciprocal for more), so it is computed, like there,
   on exactly its own elements in its own shape, on every device; it is tiny, so
-  that is free. (XLA also compiles some chains differently for a 0-d array than
-  for a (1,) one: the sign of a zero update in ``optax.MultiSteps``' mini-steps.)
+  that is free. (XLA also compiles some chains differently for a 0-d array, or
+  an array of one element per device, than for a (1,) one: the sign of a zero
+  update in ``optax.MultiSteps``' mini-steps.)
   """
   return g.slots == 1
 
