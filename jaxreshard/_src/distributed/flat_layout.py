@@ -24,9 +24,10 @@ __all__ = [
 ]
 
 # Updates whose flat shard is at most this many bytes are all-gathered together,
-# one all-gather per dtype and weak type: a gather that small costs its rendezvous (every device
-# waits for all the others) far more than its copy. A larger one is gathered by
-# itself, so that its consumers read it contiguous, and its buffer lives briefly.
+# one all-gather per dtype and weak type: a gather that small costs its rendezvous
+# (every device waits for all the others) far more than its copy. A larger one is
+# gathered by itself, so that its consumers read it contiguous, and its buffer
+# lives briefly.
 PACKED_SHARD_BYTES = 16 * 1024
 
 
@@ -164,8 +165,8 @@ class MeshLayout:
     update is laid out like ``likes`` where known: one whose ``like`` has its rows
     split over the axis as the flat shards (ZeRO-2 grads) is reshaped where it
     lies; those with flat shards of at most ``PACKED_SHARD_BYTES`` are all-gathered
-    together, one all-gather per dtype and weak type; each larger one is gathered by itself, and
-    one computed whole is not.
+    together, one all-gather per dtype and weak type; each larger one is gathered
+    by itself, and one computed whole is not.
     """
     out = list(updates)
     packs: dict[Any, list[int]] = {}

@@ -16,6 +16,7 @@ two threads at once, which one thread mapping them all first does not beat.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 
 import numpy as np
@@ -38,7 +39,7 @@ def populate(a: np.ndarray) -> np.ndarray:
     return a
   start = a.ctypes.data & ~(mmap.PAGESIZE - 1)
   if madvise(start, a.ctypes.data + a.nbytes - start, _MADV_POPULATE_WRITE) != 0:
-    if ctypes.get_errno() == 22:  # EINVAL: a kernel without it; never asked again
+    if ctypes.get_errno() == errno.EINVAL:  # a kernel without it: never asked again
       _MADVISE = None
   return a
 
