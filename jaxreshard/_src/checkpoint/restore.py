@@ -8,8 +8,9 @@ buffers that the planned runs touch, straight into the target's buffers.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -273,30 +274,13 @@ def disk_fetch(
   trailing = all_padding_sources(groups, ckpt.index.name_of) if padding is None else padding
 
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
-    files: dict = {}  # the files checked, held open for the reads (up to HELD_FILES)
     # Each source buffer's runs, per target dtype: (key, the runs' positions in r).
     by_source = {dtype: _by_source(r) for dtype, r in runs.items()}
     wanted: dict = {}
     for dtype, r in runs.items():
       for sid, sel in by_source[dtype]:
         wanted.setdefault(keys[sid], []).append((r.src[sel], r.length[sel]))
-    opening = sorted(set(keys))
-    warmer = ckpt.archives.warmer(opening)
-    try:
-      # Every involved archive's metadata and file sizes first: nothing is
-      # allocated for a checkpoint whose files cannot hold what it claims. On a
-      # cold page cache the kernel is asked for the rest ahead (``Warmer``).
-      for i, (archive, d) in enumerate(opening):
-        ckpt.check_archive(archive)
-        ckpt.archive_meta(archive)
-        f = ckpt.open_buffer(archive, d)
-        mine = wanted.get((archive, d), ())
-        if mine:
-          warmer.opened(i, f, *(np.concatenate(x) for x in zip(*mine)))
-        if len(files) < HELD_FILES:
-          files[(archive, d)] = f
-        else:
-          f.close()
+    with opened_archives(ckpt, sorted(set(keys)), wanted) as files:
       # One scratch buffer for every read of this target rank, reused (warm pages).
       scratch = np.empty(STAGING_BYTES, np.uint8)
       out = {}
@@ -317,12 +301,48 @@ def disk_fetch(
         out[dtype] = buf
       ckpt.check_padding(trailing, scratch, files=files)
       return out
-    finally:
-      warmer.close()
-      for f in files.values():
-        f.close()
 
   return fetch
+
+
+@contextlib.contextmanager
+def opened_archives(
+  ckpt: Checkpoint, keys: Sequence[tuple[int, np.dtype]], wanted: dict
+) -> Iterator[dict]:
+  """Opens the packed buffers ``keys`` (``(archive, dtype)``, in reading order), each
+  archive's ``archive.json`` and the buffer file checked against the checkpoint,
+  before anything is allocated or read: a checkpoint whose files cannot hold what
+  it claims reads nothing.
+
+  ``wanted[key]``: the runs' ``(src, length)`` arrays (lists of them, joined) read
+  from that buffer, which on a cold page cache the kernel is asked for ahead
+  (``Warmer``). Yields the open files, up to ``HELD_FILES`` of them (later ones
+  are closed, and opened again when read); all are closed on leaving.
+  """
+  files: dict = {}
+  warmer = ckpt.archives.warmer(keys)
+  try:
+    for i, key in enumerate(keys):
+      archive, d = key
+      ckpt.check_archive(archive)
+      ckpt.archive_meta(archive)
+      f = ckpt.open_buffer(archive, d)
+      try:
+        mine = wanted.get(key, ())
+        if mine:
+          warmer.opened(i, f, *(np.concatenate(x) for x in zip(*mine)))
+      except BaseException:
+        f.close()
+        raise
+      if len(files) < HELD_FILES:
+        files[key] = f
+      else:
+        f.close()
+    yield files
+  finally:
+    warmer.close()
+    for f in files.values():
+      f.close()
 
 
 def _by_source(r: _copyplan.Runs) -> list[tuple[int, np.ndarray]]:

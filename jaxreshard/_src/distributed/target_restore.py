@@ -25,6 +25,7 @@ import optax
 
 from jaxreshard._src.checkpoint import pads as _pads
 from jaxreshard._src.checkpoint import regular as _regular
+from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint.reader import (
   STAGING_BYTES,
   Checkpoint,
@@ -406,27 +407,15 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
         runs.setdefault((archive, np.dtype(d)), []).append((src[sel] + base, dst[sel], lens[sel]))
     where.append(at)
 
-  # Every involved archive and file checked against its metadata before anything
-  # is allocated: a checkpoint whose files cannot hold what it claims reads nothing.
-  # On a cold page cache the kernel is asked for the rest ahead (``Warmer``).
   keys = sorted(runs, key=lambda k: (k[0], k[1].name))
-  warmer = ckpt.archives.warmer(keys)
-  try:
-    for i, (archive, d) in enumerate(keys):
-      ckpt.check_archive(archive)
-      ckpt.archive_meta(archive)
-      f = ckpt.open_buffer(archive, d)
-      try:
-        src, _, lens = (np.concatenate(x) for x in zip(*runs[(archive, d)]))
-        warmer.opened(i, f, src, lens)
-      finally:
-        f.close()
+  wanted = {key: [(src, lens) for src, _, lens in runs[key]] for key in keys}
+  with _restore.opened_archives(ckpt, keys, wanted) as files:
     out = {d: allocate(n, d, f"restore_sharded of {ckpt.directory}") for d, n in sizes.items()}
     scratch = np.empty(STAGING_BYTES, np.uint8)
     per_archive: dict[int, int] = {}  # bytes copied out of each archive, in reading order
     tables = []
-    for (archive, d), parts in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1].name)):
-      src, dst, lens = (np.concatenate(x) for x in zip(*parts))
+    for archive, d in keys:
+      src, dst, lens = (np.concatenate(x) for x in zip(*runs[(archive, d)]))
       tables.append((archive, d, src, dst, lens))
       per_archive[archive] = per_archive.get(archive, 0) + int(lens.sum()) * d.itemsize
     reporter = Reporter(
@@ -437,13 +426,12 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
       total_bytes=sum(per_archive.values()),
     )
     for i, (archive, d, src, dst, lens) in enumerate(tables):
-      ckpt.archives.read_runs(archive, d, src, dst, lens, out[d], scratch, stats)
+      f = files.get((archive, d))
+      ckpt.archives.read_runs(archive, d, src, dst, lens, out[d], scratch, stats, f=f)
       if i + 1 == len(tables) or tables[i + 1][0] != archive:
         reporter.step(per_archive[archive], archive=archive)
-    ckpt.check_padding(trailing, scratch, stats)
+    ckpt.check_padding(trailing, scratch, stats, files=files)
     reporter.finish()
-  finally:
-    warmer.close()
 
   host = []
   for leaf, spec, at in zip(leaves, specs, where):
