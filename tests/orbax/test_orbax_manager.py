@@ -350,3 +350,41 @@ def test_the_loser_of_two_saves_into_one_directory_gets_a_reshard_error(
     with pytest.raises(expected[0], match=expected[1]):
       manager.wait_until_finished()
     assert manager.all_steps() == []
+
+
+def test_an_async_save_is_a_snapshot_of_numpy_records_taken_when_save_returns(
+  tmp_path, monkeypatch
+):
+  """Records of writable numpy arrays (what ``reshard`` and ``load_records`` give)
+  changed in place right after ``save`` returns, before any archive is written:
+  the step holds the bits of the moment of ``save``, clock included, and loads.
+  (Taken by reference, the histories were the changed ones and a changed clock
+  made a step the manager lists but that does not load: its index and its
+  archives disagreed on the clock.)"""
+  import threading
+
+  import jax
+  import numpy as np
+
+  from jaxreshard._src.checkpoint import reader as _checkpoint
+
+  records = [
+    jr.ShardRecord(r.version, r.placements, jax.tree.map(np.array, r.state), r.roles)
+    for r in adam_records(3)
+  ]
+  saved = jax.tree.map(np.copy, records)
+  gate, write = threading.Event(), _checkpoint.write_archive
+  monkeypatch.setattr(_checkpoint, "write_archive", lambda *a: write(*a) if gate.wait(60) else None)
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, args=jr.ReshardSave(records))
+    assert manager.is_saving_in_progress()
+    for r in records:
+      r.state[0].count[...] += 7
+      for leaf in jax.tree.leaves(r.state[0].mu):
+        leaf[...] = np.float32(12345.0)
+    gate.set()
+    manager.wait_until_finished()
+    assert manager.all_steps() == [1]
+    got = manager.restore(1, args=jr.ReshardRestore())
+  for a, b in zip(got, saved, strict=True):
+    assert_records_equal(a, b)

@@ -229,10 +229,14 @@ def _in_like(like: Any, restored: MeshState) -> MeshState:
 
 
 def host_record(record: ShardRecord) -> ShardRecord:
-  """The record with every ``jax.Array`` leaf copied to a host numpy array.
+  """A snapshot of the record on the host: every array leaf copied.
 
-  Device-to-host transfers of all leaves start before the first is awaited.
-  A replicated array is read from one of its device buffers, bit for bit.
+  ``jax.Array`` leaves become host numpy arrays (device-to-host transfers of all
+  leaves start before the first is awaited; a replicated array is read from one
+  of its device buffers, bit for bit), and numpy arrays are copied too: the
+  caller may change its arrays in place as soon as a save returns, while the
+  snapshot is still being written. Immutable leaves (Python and numpy scalars)
+  are kept.
   """
   leaves, treedef = jax.tree_util.tree_flatten(record.state)
   single = [
@@ -244,7 +248,7 @@ def host_record(record: ShardRecord) -> ShardRecord:
   for x in single:
     if isinstance(x, jax.Array):
       x.copy_to_host_async()
-  host = [np.array(x) if isinstance(x, jax.Array) else x for x in single]
+  host = [np.array(x, copy=True) if isinstance(x, (jax.Array, np.ndarray)) else x for x in single]
   return ShardRecord(
     record.version, record.placements, jax.tree_util.tree_unflatten(treedef, host), record.roles
   )
