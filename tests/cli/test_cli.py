@@ -230,6 +230,30 @@ def test_errors_are_one_line(ckpt, resharded, tmp_path):
   assert not (tmp_path / "o").exists()
 
 
+def test_a_dry_run_refuses_an_archive_of_another_save_as_the_run_does(ckpt, tmp_path):
+  """An archive of another save of the same layout: ``inspect``, the run and its
+  dry run (every rank, or a rank that reads it) refuse it alike, naming it."""
+  root, _ = ckpt
+  other = tmp_path / "other"
+  jr.save_records(other, _records(8))
+  mixed = tmp_path / "mixed"
+  shutil.copytree(root / "ckpt8", mixed)
+  shutil.rmtree(mixed / "archive_00003")
+  shutil.copytree(other / "archive_00003", mixed / "archive_00003")
+  for args in (
+    ("inspect", mixed),
+    ("reshard", mixed, tmp_path / "o", "-w", 6),
+    ("reshard", mixed, tmp_path / "o", "-w", 6, "--dry-run"),
+    ("reshard", mixed, tmp_path / "o", "-w", 6, "--dry-run", "--json"),
+    ("reshard", mixed, tmp_path / "o", "-w", 6, "-r", 2, "--dry-run"),
+  ):
+    line = _one_line_error(_run(*args))
+    assert "archive 3" in line and "belongs to checkpoint" in line, (args, line)
+  assert not (tmp_path / "o").exists()
+  # A rank that reads only other archives is planned (its run reads nothing of 3).
+  assert _run("reshard", mixed, tmp_path / "o", "-w", 6, "-r", 0, "--dry-run").exit_code == 0
+
+
 def test_failed_reshard_leaves_no_output(ckpt, tmp_path):
   root, _ = ckpt
   broken = tmp_path / "broken"
