@@ -35,6 +35,7 @@ from jaxreshard._src.errors import (
   ShapeError,
 )
 from jaxreshard._src.exec.device import clear_kernel_cache, kernel_cache_info
+from jaxreshard._src.orbax.durable import DurableRenameTemporaryPath
 from jaxreshard._src.orbax.handler import ReshardCheckpointHandler, ReshardRestore, ReshardSave
 from jaxreshard._src.orbax.save import save_sharded
 from jaxreshard._src.progress import Progress
@@ -47,6 +48,7 @@ __all__ = [
   "CHECKPOINT_FORMAT_VERSION",
   "Digest",
   "DtypeError",
+  "DurableRenameTemporaryPath",
   "FlatShard",
   "MeshState",
   "Migration",

@@ -20,6 +20,12 @@ Examples:
   (2, True)
 """
 
+from jaxreshard._src.orbax.durable import DurableRenameTemporaryPath
 from jaxreshard._src.orbax.handler import ReshardCheckpointHandler, ReshardRestore, ReshardSave
 
-__all__ = ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
+__all__ = [
+  "DurableRenameTemporaryPath",
+  "ReshardCheckpointHandler",
+  "ReshardRestore",
+  "ReshardSave",
+]

@@ -81,7 +81,13 @@ def test_top_level_names():
   assert jr.orbax.ReshardSave is jr.ReshardSave
   assert jr.orbax.ReshardRestore is jr.ReshardRestore
   assert jr.orbax.ReshardCheckpointHandler is jr.ReshardCheckpointHandler
-  assert sorted(jr.orbax.__all__) == ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
+  assert jr.orbax.DurableRenameTemporaryPath is jr.DurableRenameTemporaryPath
+  assert sorted(jr.orbax.__all__) == [
+    "DurableRenameTemporaryPath",
+    "ReshardCheckpointHandler",
+    "ReshardRestore",
+    "ReshardSave",
+  ]
 
 
 def test_versions_say_what_they_version(tmp_path):

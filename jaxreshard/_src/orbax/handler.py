@@ -13,7 +13,10 @@ commit future that writes the archives in a background thread once orbax has
 created the directory. Orbax owns the rest: it waits for every process's
 futures, then on the primary calls ``finalize`` (which writes the index, the
 checkpoint's last file) and renames the temporary directory into place. A
-process that fails leaves nothing committed.
+process that fails leaves nothing committed. Orbax's rename is not fsync'ed:
+a manager made with
+``CheckpointManagerOptions(temporary_path_class=DurableRenameTemporaryPath)``
+commits each step and item durably (``durable``), as ``save_sharded`` does.
 
 A save that will be refused is refused when its ``ReshardSave`` is made:
 its construction checks the records, or the state against the optimizer,
@@ -35,7 +38,9 @@ Two saves racing on one directory: orbax names the temporary directory
 after the final one, so both saves use the same, and creating it removes
 one found there. A collision inside it (an archive directory the other save
 already made) is an ``ArchiveExistsError``; a save whose directory the other
-removed is an ``ArchiveError``. ``save_sharded`` also turns orbax's own
+removed is an ``ArchiveError``; and ``finalize`` writes no index beside an
+archive whose ``archive.json`` is not this save's (an ``ArchiveError``: the
+other save wrote it). ``save_sharded`` also turns orbax's own
 ``FileExistsError`` (from creating the temporary directory) into an
 ``ArchiveExistsError``; a ``CheckpointManager``'s ``save`` cannot be
 reached there, so two managers racing on one step may still see orbax's
@@ -65,6 +70,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxreshard._src.checkpoint import archivejson as _archivejson
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
@@ -209,6 +215,29 @@ def _await_peers(checkpoint_id: str, directory: str, timeout_s: float) -> None:
     time.sleep(_POLL_S)
 
 
+def _not_of_this_save(directory: str, names: list[str], checkpoint_id: str) -> tuple[list, list]:
+  """The archives ``names`` in ``directory`` that are missing, and those whose
+  ``archive.json`` is not this save's (``checkpoint_id``): another save of the
+  same directory, which orbax gives the same temporary directory, wrote them."""
+  missing, foreign = [], []
+  for name in names:
+    path = os.path.join(directory, name, _reader.ARCHIVE_FILE)
+    try:
+      with open(path, "rb") as fh:
+        raw = fh.read(_archivejson.MAX_ARCHIVE_BYTES + 1)
+    except FileNotFoundError:
+      missing.append(name)
+      continue
+    try:
+      meta = _archivejson.signed_value(raw, path, "jaxreshard archive")
+    except ArchiveError:
+      foreign.append(name)
+      continue
+    if meta.get("checkpoint") != checkpoint_id:
+      foreign.append(name)
+  return missing, foreign
+
+
 class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
   """Saves archives asynchronously from every process; restores them resharded.
 
@@ -330,13 +359,16 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
         client.key_value_delete(f"{_PEERS_KEY}/{checkpoint_id}/")
       except Exception:  # pylint: disable=broad-exception-caught
         pass
-    missing = [
-      name
-      for name, _, _ in index["archives"]
-      if not os.path.isfile(os.path.join(key, name, _reader.ARCHIVE_FILE))
-    ]
+    missing, foreign = _not_of_this_save(
+      key, [name for name, _, _ in index["archives"]], checkpoint_id
+    )
     if missing:
       raise ArchiveError(f"{key}: archives {missing[:8]} were not written; nothing is committed")
+    if foreign:
+      raise ArchiveError(
+        f"{key}: archives {foreign[:8]} belong to another save of this directory (two saves"
+        " raced on it); nothing is committed"
+      )
     _reader.dump_index(key, index)
 
   def restore(self, directory: epath.Path, args: ReshardRestore | None = None) -> Any:

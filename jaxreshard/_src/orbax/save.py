@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
+from jaxreshard._src.orbax import durable as _durable
 from jaxreshard._src.orbax import handler as _handler
 from jaxreshard._src.progress import ProgressCallback, check_callback
 
@@ -105,12 +106,16 @@ def save_sharded(
   timeout = max(1, int(timeout_s))
   handler = _handler.ReshardCheckpointHandler(timeout_secs=timeout)
   # Refusals of the state, host copies and the index, before any directory exists.
-  reporter = handler.prepare_save(args, progress=progress, where=final).reporter
-  checkpointer = ocp.AsyncCheckpointer(handler, timeout_secs=timeout)
+  prepared = handler.prepare_save(args, progress=progress, where=final)
+  checkpointer = ocp.AsyncCheckpointer(
+    handler, timeout_secs=timeout, temporary_path_class=_durable.DurableRenameTemporaryPath
+  )
   try:
     checkpointer.save(final, args=args)
     checkpointer.wait_until_finished()
-    reporter.finish()
+    if ocp.multihost.is_primary_host(0):  # the process that renamed it
+      _check_committed(final, prepared.checkpoint_id)
+    prepared.reporter.finish()
   except ReshardError:
     raise
   except FileExistsError as e:  # another save of ``directory`` made orbax's directories first
@@ -124,3 +129,21 @@ def save_sharded(
       checkpointer.close()
     except Exception:  # pylint: disable=broad-exception-caught
       pass  # the error, if any, was raised above
+
+
+def _check_committed(final: str, checkpoint_id: str) -> None:
+  """The directory orbax committed holds this save's index (read as a restore reads
+  it). Another save of the same directory shares orbax's temporary directory and
+  may remove and make it anew between this save's last check and the rename:
+  then what was committed is not this save, and the save is not reported done."""
+  try:
+    found = _store.open_checkpoint(final).id
+  except (ReshardError, OSError) as e:
+    raise ArchiveError(
+      f"save_sharded: {final} was committed without this save's index ({e})"
+    ) from e
+  if found != checkpoint_id:
+    raise ArchiveError(
+      f"save_sharded: {final} holds checkpoint {found!r}, not this save's {checkpoint_id!r}:"
+      " another save of it raced with this one"
+    )

@@ -1,0 +1,119 @@
+"""Orbax commits that are durable when a save returns, and saves racing on one directory."""
+
+import os
+import shutil
+
+import jax.numpy as jnp
+import optax
+import orbax.checkpoint as ocp
+import pytest
+
+import jaxreshard as jr
+from jaxreshard._src.orbax import handler as _handler
+from tests._core_util import adam_records, assert_records_equal, device_mesh
+
+
+@pytest.fixture
+def io_log(monkeypatch):
+  """Every rename and fsync this process makes, in order, with the paths involved."""
+  log = []
+  rename, replace, fsync = os.rename, os.replace, os.fsync
+
+  def logged(fn):
+    def call(src, dst, *args, **kwargs):
+      log.append(("rename", os.fspath(src), os.fspath(dst)))
+      return fn(src, dst, *args, **kwargs)
+
+    return call
+
+  def logged_fsync(fd):
+    log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+    return fsync(fd)
+
+  monkeypatch.setattr(os, "rename", logged(rename))
+  monkeypatch.setattr(os, "replace", logged(replace))
+  monkeypatch.setattr(os, "fsync", logged_fsync)
+  return log
+
+
+def _assert_durable_renames(log, under, expected):
+  """Each rename below ``under``: the directory fsync'ed before it, its parent after."""
+  renames = [
+    (i, e[1], e[2]) for i, e in enumerate(log) if e[0] == "rename" and e[2].startswith(under)
+  ]
+  assert [os.path.relpath(dst, under) for _, _, dst in renames] == expected, log
+  synced = [(i, e[1]) for i, e in enumerate(log) if e[0] == "fsync"]
+  for at, src, dst in renames:
+    assert any(i < at and p == src for i, p in synced), (src, log)
+    assert any(i > at and p == os.path.dirname(dst) for i, p in synced), (dst, log)
+
+
+def test_a_manager_with_the_durable_rename_fsyncs_around_every_commit(tmp_path, io_log):
+  records = adam_records(3)
+  options = ocp.CheckpointManagerOptions(temporary_path_class=jr.DurableRenameTemporaryPath)
+  with ocp.CheckpointManager(tmp_path / "run", options=options) as manager:
+    manager.save(1, args=jr.ReshardSave(records))
+    manager.wait_until_finished()
+    got = manager.restore(1, args=jr.ReshardRestore())
+  for a, b in zip(got, records, strict=True):
+    assert_records_equal(a, b)
+  # The item directory inside the step's temporary one, then the step.
+  _assert_durable_renames(
+    io_log, str(tmp_path / "run"), [os.path.join("1.orbax-checkpoint-tmp", "default"), "1"]
+  )
+
+
+def test_save_sharded_commits_durably(tmp_path, io_log):
+  params = {"w": jnp.arange(12.0)}
+  opt = optax.adam(1e-3)
+  mesh = device_mesh((4,), ("fsdp",))
+  state = jr.shard_to_mesh(opt, params, opt.init(params), mesh).state
+  jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert len(jr.load_records(tmp_path / "ck")) == 4
+  _assert_durable_renames(io_log, str(tmp_path), ["ck"])
+
+
+def test_archives_of_another_save_in_the_shared_temporary_directory_commit_nothing(
+  tmp_path, monkeypatch
+):
+  """Two saves of one step share orbax's temporary directory. When the other
+  save's archive is what this save's finalize finds there, nothing is committed
+  (its index beside the other's archives would name a checkpoint that does not
+  load) and the error says why."""
+  other = tmp_path / "other"
+  jr.save_records(other, adam_records(3, seed=9))
+  finalize = _handler.ReshardCheckpointHandler.finalize
+
+  def other_save_wrote_archive_1(self, directory):
+    shutil.rmtree(os.path.join(directory, "archive_00001"))
+    shutil.copytree(other / "archive_00001", os.path.join(directory, "archive_00001"))
+    return finalize(self, directory)
+
+  monkeypatch.setattr(_handler.ReshardCheckpointHandler, "finalize", other_save_wrote_archive_1)
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, args=jr.ReshardSave(adam_records(3)))
+    with pytest.raises(jr.ArchiveError, match=r"\['archive_00001'\] belong to another save"):
+      manager.wait_until_finished()
+    assert manager.all_steps() == []
+
+
+def test_save_sharded_is_not_reported_done_when_another_save_was_committed(tmp_path, monkeypatch):
+  """Between this save's finalize and orbax's rename another save of the same
+  directory removes the shared temporary directory and makes it anew, complete:
+  the rename commits the other save, and this one raises instead of returning."""
+  other = tmp_path / "other"
+  jr.save_records(other, adam_records(4, seed=9))
+  finalize = _handler.ReshardCheckpointHandler.finalize
+
+  def then_replaced(self, directory):
+    finalize(self, directory)
+    shutil.rmtree(directory)
+    shutil.copytree(other, directory)
+
+  monkeypatch.setattr(_handler.ReshardCheckpointHandler, "finalize", then_replaced)
+  params = {"w": jnp.arange(12.0)}
+  opt = optax.adam(1e-3)
+  mesh = device_mesh((4,), ("fsdp",))
+  state = jr.shard_to_mesh(opt, params, opt.init(params), mesh).state
+  with pytest.raises(jr.ArchiveError, match="not this save's.*another save of it raced"):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
