@@ -151,6 +151,28 @@ def test_clock_structure_and_missing_ranks(layouts):
   assert "optimizer state structure differs" in jr.compare_digests(jr.digest(src), jr.digest(other))
 
 
+def test_params_at_other_key_paths_are_another_state():
+  """``{0: w}``, ``{"0": w}`` and ``[w]`` all hold param "0" with the same bits, in
+  three different trees: three states, told apart by each param's key path."""
+  opt = optax.sgd(0.1, momentum=0.9)
+  w = np.arange(3, dtype=np.float32)
+  digests = {}
+  for name, params in (("int", {0: w}), ("str", {"0": w}), ("list", [w]), ("nested", {"a": [w]})):
+    state = jax.tree.map(lambda x: x + 1.5, opt.init(params))
+    digests[name] = jr.digest(jr.shard_state(opt, params, state, 2))
+  paths = {name: d.params[next(iter(d.params))].path for name, d in digests.items()}
+  assert paths == {"int": "{0}", "str": "{'0'}", "list": "[0]", "nested": "{'a'}[0]"}
+  assert jr.compare_digests(digests["int"], digests["str"]) == ["param '0': key path {0} != {'0'}"]
+  assert jr.compare_digests(digests["int"], digests["list"]) == ["param '0': key path {0} != [0]"]
+  assert len({d.hexdigest() for d in digests.values()}) == 4
+  # Archives of one checkpoint that disagree on it are a problem of that checkpoint.
+  mixed = [
+    jr.shard_state(opt, params, jax.tree.map(lambda x: x + 1.5, opt.init(params)), 2)[r]
+    for r, params in ((0, {0: w}), (1, {"0": w}))
+  ]
+  assert any("key path" in p for p in jr.digest(mixed).problems)
+
+
 @pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(

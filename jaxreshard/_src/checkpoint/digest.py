@@ -68,6 +68,9 @@ class ParamDigest:
   trainable: bool
   history: tuple[str, ...]  # per optimizer mirror: "buffer", "masked" or "absent"
   buffers: tuple[BufferDigest, ...]
+  # Its key path in the params tree, each key with its kind (``{0: w}``, ``{"0": w}``
+  # and ``[w]`` all hold param "0", at three different paths).
+  path: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,12 +156,48 @@ def digest_records(records: Iterable[ShardRecord]) -> Digest:
     True
   """
   acc = _Accumulator()
+  paths = _ParamPaths()
   for index, record in enumerate(records):
     state_parts = _state_parts(index, record)
     acc.add_structure(index, state_parts, record)
+    path_of = paths.of(state_parts)
     for p in record.placements:
-      acc.add_placement(index, p, state_parts.history(p.param))
+      acc.add_placement(index, p, state_parts.history(p.param), path_of.get(p.param, ""))
   return acc.digest()
+
+
+class _ParamPaths:
+  """Each param's typed key path in an archive's params tree, made once per tree."""
+
+  def __init__(self):
+    self._known: dict[tuple, dict[str, str]] = {}
+
+  def of(self, state_parts: _structure.StateParts) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for m in state_parts.subtrees:
+      key = (m.treedef, m.order)
+      found = self._known.get(key)
+      if found is None:
+        tree = jax.tree_util.tree_unflatten(m.treedef, list(m.order))
+        with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
+        found = self._known[key] = {pid: typed_path(path) for path, pid in with_path}
+      for pid, path in found.items():
+        out.setdefault(pid, path)
+    return out
+
+
+def typed_path(path: tuple) -> str:
+  """A key path with each key's kind: ``[0]`` (a list's), ``{0}`` (a dict's integer
+  key), ``{'0'}`` (a dict's string key), ``.name`` (an attribute)."""
+  parts = []
+  for k in path:
+    if isinstance(k, jax.tree_util.SequenceKey):
+      parts.append(f"[{k.idx}]")
+    elif isinstance(k, jax.tree_util.DictKey):
+      parts.append(f"{{{k.key!r}}}")
+    else:
+      parts.append(str(k))
+  return "".join(parts)
 
 
 class _Accumulator:
@@ -192,15 +231,15 @@ class _Accumulator:
         f"archive {index}: optimizer clock scalar{named} differs from archive 0's"
       )
 
-  def add_placement(self, index: int, p: Any, hist: tuple[Any, ...]) -> None:
+  def add_placement(self, index: int, p: Any, hist: tuple[Any, ...], path: str = "") -> None:
     """One parameter's rank: its metadata agrees, the rank is new, its buffers stream in."""
     pid = p.param
     words = tuple(_history_word(h) for h in hist)
-    key = (tuple(p.shape), np.dtype(p.dtype).name, bool(p.trainable), p.world_size, words)
+    key = (tuple(p.shape), np.dtype(p.dtype).name, bool(p.trainable), p.world_size, words, path)
     if self.meta.setdefault(pid, key) != key:
       self.problems.append(
         f"param {pid!r}: archive {index} disagrees with another archive on its shape,"
-        f" dtype, trainability, world size or history"
+        f" dtype, trainability, world size, history or key path"
       )
       return
     if p.rank in self.seen_ranks.setdefault(pid, set()):
@@ -238,7 +277,7 @@ class _Accumulator:
   def digest(self) -> Digest:
     """The digest of everything seen; ranks never seen are problems."""
     params = {}
-    for pid, (shape, dtype, trainable, world, words) in sorted(self.meta.items()):
+    for pid, (shape, dtype, trainable, world, words, path) in sorted(self.meta.items()):
       missing = sorted(set(range(world)) - self.seen_ranks.get(pid, set()))
       if missing:
         self.problems.append(f"param {pid!r}: ranks {missing} of world size {world} are missing")
@@ -247,7 +286,7 @@ class _Accumulator:
         s = self.streams.get((pid, m))
         if s is not None:
           buffers.append(BufferDigest(s.dtype.name, s.count, s.hash.hexdigest()))
-      params[pid] = ParamDigest(shape, dtype, trainable, words, tuple(buffers))
+      params[pid] = ParamDigest(shape, dtype, trainable, words, tuple(buffers), path)
     if self.structure is None:
       self.problems.append("no archives")
     return Digest(self.structure or "", self.scalars or (), params, tuple(self.problems))
@@ -435,6 +474,8 @@ def differences(
     if pa is None or pb is None:
       out.append(("param", pid, f"param {pid!r}: only in {names[0] if pb is None else names[1]}"))
       continue
+    if pa.path != pb.path:
+      out.append(("param", pid, f"param {pid!r}: key path {pa.path} != {pb.path}"))
     for field in ("shape", "dtype", "trainable", "history"):
       if getattr(pa, field) != getattr(pb, field):
         out.append(
