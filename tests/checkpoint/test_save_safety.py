@@ -62,6 +62,27 @@ def test_a_full_disk_is_an_os_error_naming_the_checkpoint_and_leaves_nothing(tmp
   assert os.listdir(tmp_path) == []  # no checkpoint, no temporary directory
 
 
+def test_a_failed_fsync_after_the_rename_says_the_checkpoint_is_in_place(tmp_path, monkeypatch):
+  """The rename is done when the parent's fsync fails: the save raises (it is not
+  known durable), saying that the checkpoint is in place, complete; and it is."""
+  records = adam_records(3)
+  fsync = os.fsync
+
+  def parent_fails(fd):
+    if os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path):
+      raise OSError(errno.EIO, os.strerror(errno.EIO))
+    return fsync(fd)
+
+  monkeypatch.setattr(os, "fsync", parent_fails)
+  with pytest.raises(OSError, match="in place and complete, but its rename may not survive") as e:
+    jr.save_records(tmp_path / "ckpt", records)
+  assert e.value.errno == errno.EIO and e.value.filename == str(tmp_path / "ckpt")
+  monkeypatch.setattr(os, "fsync", fsync)
+  for a, b in zip(jr.load_records(tmp_path / "ckpt"), records, strict=True):
+    assert_records_equal(a, b)
+  assert os.listdir(tmp_path) == ["ckpt"]
+
+
 def test_a_full_tmpfs_is_enospc_and_leaves_nothing(tmp_path):
   mnt = tmp_path / "small"
   mnt.mkdir()

@@ -89,7 +89,9 @@ def save_records(
     FileNotFoundError: its parent directory does not exist.
     NotADirectoryError: its parent is not a directory.
     OSError: the disk is full, a quota or a permission (``filename`` is
-      ``directory``); nothing is left behind.
+      ``directory``); nothing is left behind. Except when the fsync of the
+      parent directory after the rename fails: the checkpoint is then in place
+      and complete but its rename may not survive a crash, as the error says.
     ReshardError: a record that cannot be stored (no records, an invalid
       archive, a state node type the format cannot re-create).
 
@@ -136,7 +138,7 @@ def save_records(
     if tmp is None:  # refused before anything was made
       raise
     tmp.discard()
-    if isinstance(e, ArchiveExistsError) or not e.errno:
+    if isinstance(e, ArchiveExistsError) or not e.errno or tmp.committed:
       raise
     # A full disk, a quota or a permission: named by the checkpoint, since the
     # temporary file it happened in is gone.

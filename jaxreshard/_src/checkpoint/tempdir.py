@@ -302,7 +302,12 @@ class TempDir:
       try:
         os.fsync(fd)
       except OSError as e:
-        raise OSError(e.errno, f"{e.strerror} (committing a checkpoint)", final) from None
+        raise OSError(
+          e.errno,
+          f"{e.strerror} (fsync of the parent directory after the rename: the checkpoint"
+          " is in place and complete, but its rename may not survive a crash)",
+          final,
+        ) from None
       finally:
         os.close(fd)
     try:
