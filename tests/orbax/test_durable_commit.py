@@ -117,3 +117,56 @@ def test_save_sharded_is_not_reported_done_when_another_save_was_committed(tmp_p
   state = jr.shard_to_mesh(opt, params, opt.init(params), mesh).state
   with pytest.raises(jr.ArchiveError, match="not this save's.*another save of it raced"):
     jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+
+
+def _weak_clock_mesh_state(mesh):
+  params = {"w": jnp.zeros((5,), jnp.float32)}
+  opt = optax.adam(1e-3)
+  state = opt.init(params)
+  state = (state[0]._replace(count=jnp.asarray(3)),) + state[1:]  # a weakly typed int32 clock
+  assert state[0].count.weak_type
+  return opt, params, jr.shard_to_mesh(opt, params, state, mesh).state
+
+
+def test_a_weakly_typed_clock_is_saved_as_one_on_every_orbax_path(tmp_path):
+  """The index (made from the state) and each archive (made from host copies) both
+  record the clock as weakly typed: the checkpoint loads, and the clock comes back
+  weak. (Host copies made it strong: every reader refused the checkpoint, whose
+  index and archives disagreed on the clock.)"""
+  mesh = device_mesh((2,), ("fsdp",))
+  opt, params, state = _weak_clock_mesh_state(mesh)
+  jr.save_sharded(tmp_path / "ck", opt, state, {"w": (5,)}, mesh)
+  restored = jr.restore_sharded(tmp_path / "ck", mesh).state
+  assert restored[0].count.weak_type and int(restored[0].count) == 3
+  records = jr.load_records(tmp_path / "ck")
+  assert all(r.state[0].count.weak_type for r in records)
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, args=jr.ReshardSave(records))
+    manager.wait_until_finished()
+    got = manager.restore(1, args=jr.ReshardRestore(world_size=2, rank=1))
+  assert got.state[0].count.weak_type and int(got.state[0].count) == 3
+
+
+def test_finalize_commits_nothing_that_does_not_load(tmp_path, monkeypatch):
+  """Archives whose host copies disagree with the index made from the state (here a
+  clock the copies changed): finalize checks the written checkpoint as a restore
+  would, and nothing is committed."""
+  from jaxreshard._src.distributed import sharded as _sharded
+
+  host_record = _sharded.host_record
+
+  def advanced(record):
+    out = host_record(record)
+    return jr.ShardRecord(
+      out.version,
+      out.placements,
+      (out.state[0]._replace(count=out.state[0].count + 1),) + out.state[1:],
+      out.roles,
+    )
+
+  monkeypatch.setattr(_sharded, "host_record", advanced)
+  mesh = device_mesh((2,), ("fsdp",))
+  opt, _, state = _weak_clock_mesh_state(mesh)
+  with pytest.raises(jr.ArchiveError, match="does not load.*clock"):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (5,)}, mesh)
+  assert not (tmp_path / "ck").exists()

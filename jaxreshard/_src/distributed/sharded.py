@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
@@ -248,10 +249,22 @@ def host_record(record: ShardRecord) -> ShardRecord:
   for x in single:
     if isinstance(x, jax.Array):
       x.copy_to_host_async()
-  host = [np.array(x, copy=True) if isinstance(x, (jax.Array, np.ndarray)) else x for x in single]
+  host = [_snapshot(x) for x in single]
   return ShardRecord(
     record.version, record.placements, jax.tree_util.tree_unflatten(treedef, host), record.roles
   )
+
+
+def _snapshot(x: Any) -> Any:
+  """A copy of one leaf that nothing the caller does later can change."""
+  if isinstance(x, jax.Array):
+    host = np.array(x, copy=True)
+    # A weakly typed scalar (``jnp.asarray(3)``) stays a jax array: numpy has no
+    # weak type, and the index and each archive record it.
+    return _clock.keep_weak(jax.device_put(host), x) if x.weak_type else host
+  if isinstance(x, np.ndarray):
+    return np.array(x, copy=True)
+  return x  # Python and numpy scalars are immutable
 
 
 def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> dict:

@@ -74,9 +74,10 @@ from jaxreshard._src.checkpoint import archivejson as _archivejson
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
+from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _sharded
-from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
+from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
 from jaxreshard._src.orbax import args as _args
 from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
 from jaxreshard._src.progress import ProgressCallback, Reporter
@@ -238,6 +239,20 @@ def _not_of_this_save(directory: str, names: list[str], checkpoint_id: str) -> t
   return missing, foreign
 
 
+def _unloadable(directory: str) -> Exception | None:
+  """Why the checkpoint in ``directory`` would not load, or None: its index and every
+  archive's metadata and files checked as a restore checks them (no chunk is read).
+  Orbax makes it visible once ``finalize`` returns."""
+  try:
+    ckpt = _reader.open_checkpoint(directory)
+    for i in range(len(ckpt)):
+      ckpt.check_archive(i)
+      ckpt.check_files(i)
+  except ReshardError as e:
+    return e
+  return None
+
+
 class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
   """Saves archives asynchronously from every process; restores them resharded.
 
@@ -370,6 +385,16 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
         " raced on it); nothing is committed"
       )
     _reader.dump_index(key, index)
+    problem = _unloadable(key)
+    if problem is not None:
+      for name in (_reader.INDEX_FILE, _table.TABLE_FILE):
+        try:
+          os.unlink(os.path.join(key, name))
+        except FileNotFoundError:
+          pass
+      raise ArchiveError(
+        f"{key}: the checkpoint written does not load ({problem}); nothing is committed"
+      )
 
   def restore(self, directory: epath.Path, args: ReshardRestore | None = None) -> Any:
     """Every archive, one target rank's archive, or the state laid out on a mesh.
