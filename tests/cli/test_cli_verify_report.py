@@ -136,6 +136,36 @@ def test_tolerance_accepts_rounding_but_says_not_bit_identical(base, tmp_path):
   assert same.exit_code == 0 and same.stdout.startswith("identical: ")
 
 
+@pytest.mark.parametrize("other_value", [1.0, -np.inf, np.nan, 3.0e38])
+def test_an_infinity_is_within_no_tolerance_of_anything_but_itself(tmp_path, other_value):
+  """CHECKPOINT holds +inf where OUT holds another value: ``rtol * |inf|`` is infinite,
+  and so is the difference, which no tolerance covers. (It was accepted.)"""
+
+  def value(v):
+    def edit(mu):
+      mu["p03"][2] = np.float32(v)
+
+    return edit
+
+  ref = _save(tmp_path / "inf", edit=value(np.inf))
+  other = _save(tmp_path / "other", world_size=3, edit=value(other_value))
+  for tol in (("--rtol", 1e-6), ("--atol", 1e30), ("--rtol", 10, "--atol", 1e30)):
+    result = _run("verify", ref, other, *tol)
+    assert result.exit_code == EXIT_DIFFERENT, (tol, result.output)
+    assert "; 1 buffers outside rtol=" in result.stdout.splitlines()[0], (tol, result.output)
+  assert _run("verify", ref, ref, "--rtol", 1e-6).exit_code == 0
+
+
+@pytest.mark.parametrize("flag", ["--rtol", "--atol"])
+@pytest.mark.parametrize("bad", ["inf", "nan"])
+def test_a_tolerance_that_is_not_finite_is_refused(base, flag, bad):
+  """(An infinite one made ``--json`` print ``Infinity``, which is not JSON.)"""
+  result = _run("verify", base, base, flag, bad, "--json")
+  assert result.exit_code == 2 and not result.stdout, result.output
+  line = result.stderr.strip()
+  assert line.startswith("jaxreshard: error: ") and flag in line and "\n" not in line, line
+
+
 def test_inspect_names_state_classes_and_counts_files_on_disk(tmp_path):
   params = {"w": np.zeros((5,), np.float32)}
   opt = optax.chain(optax.clip(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=0.1))

@@ -10,6 +10,7 @@ one line on stderr, never a traceback. What each command shows, and how, is
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import sys
 import time
@@ -367,6 +368,9 @@ def verify(
   "max_rel_diff", "outside_tolerance"}, "digest": CHECKPOINT's, "out_digest":
   OUT's, "params", "buffers", "elements", "clock_scalars"} (counts of CHECKPOINT).
   """
+  for flag, value in (("--rtol", rtol), ("--atol", atol)):
+    if value is not None and not math.isfinite(value):
+      raise jr.ReshardError(f"{flag} {value} must be a finite number")
   paths = (_locate(checkpoint, step, item).path, _locate(out).path)
   a = _digest.digest_records(_summary.complete_records(paths[0], "verify"))
   b = _digest.digest_records(_summary.complete_records(paths[1], "verify"))
