@@ -254,6 +254,18 @@ def test_a_dry_run_refuses_an_archive_of_another_save_as_the_run_does(ckpt, tmp_
   assert _run("reshard", mixed, tmp_path / "o", "-w", 6, "-r", 0, "--dry-run").exit_code == 0
 
 
+def test_a_dry_run_refuses_a_truncated_file_as_the_run_does(ckpt, tmp_path):
+  root, _ = ckpt
+  cut = tmp_path / "cut"
+  shutil.copytree(root / "ckpt8", cut)
+  (f,) = (cut / "archive_00005").rglob("c/0")
+  os.truncate(f, os.path.getsize(f) - 3)
+  for args in ((), ("--dry-run",), ("--dry-run", "--json"), ("-r", 3, "--dry-run")):
+    line = _one_line_error(_run("reshard", cut, tmp_path / "o", "-w", 6, *args))
+    assert "archive 5" in line and "the file is truncated" in line, (args, line)
+  assert not (tmp_path / "o").exists()
+
+
 def test_failed_reshard_leaves_no_output(ckpt, tmp_path):
   root, _ = ckpt
   broken = tmp_path / "broken"

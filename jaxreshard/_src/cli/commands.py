@@ -227,11 +227,13 @@ def reshard(
   first = next(plans)  # refuses archives that do not form complete groups, before any output
   plans = itertools.chain([first], plans)
   if dry_run:
-    # What the run would read is present and belongs to this checkpoint, as the
-    # run itself checks it first: a dry run never shows a plan its run refuses.
-    # Every archive is read by some rank of a whole run.
+    # What the run would read is present, belongs to this checkpoint and is as
+    # large as its metadata says, as the run itself checks before reading (a
+    # chunk's checksum is checked only when read). Every archive is read by some
+    # rank of a whole run.
     for i in first.per_archive if rank is not None else range(len(ckpt)):
       ckpt.archive_meta(i)
+      ckpt.check_files(i)
     if as_json:
       _render.json_plans(plans, world_size, len(ckpt), reads)
     else:
