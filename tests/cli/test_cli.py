@@ -266,6 +266,30 @@ def test_a_dry_run_refuses_a_truncated_file_as_the_run_does(ckpt, tmp_path):
   assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("rank", [2, 5])
+def test_inspect_counts_the_bytes_a_checkpoint_of_one_rank_holds(ckpt, tmp_path, rank):
+  """A checkpoint of one target rank (``reshard --rank``): ``bytes`` are the elements
+  it owns, ``stored_bytes`` with its padding; counted here from the loaded records
+  and the FSDP rule for what a rank owns. (``bytes`` counted whole params.)"""
+  root, _ = ckpt
+  path = tmp_path / f"r{rank}"
+  assert _run("reshard", root / "ckpt8", path, "-w", 6, "-r", rank).exit_code == 0
+  info = _json_out(_run("inspect", path, "--json"))
+  owned = stored = 0
+  for rec in jr.load_records(path):
+    leaves = jax.tree.leaves(rec.state)
+    for p in rec.placements:
+      n = int(np.prod(p.shape))
+      slots = -(-n // p.world_size)
+      own = max(0, min(slots, n - p.rank * slots))
+      for leaf, role in zip(leaves, rec.roles):
+        if role is not None and role == p.param:
+          owned += own * np.asarray(leaf).dtype.itemsize
+          stored += np.asarray(leaf).nbytes
+  assert (info["bytes"], info["stored_bytes"]) == (owned, stored)
+  assert 0 < owned <= stored
+
+
 def test_failed_reshard_leaves_no_output(ckpt, tmp_path):
   root, _ = ckpt
   broken = tmp_path / "broken"

@@ -40,10 +40,17 @@ def _param_entries(ckpt: _reader.Checkpoint) -> dict[str, dict]:
     if not g.ranks:
       continue
     archive0 = g.ranks[0][0]
+    ranks = np.array([r for _, r in g.ranks], np.int64)
+    complete = len(ranks) == g.world_size
     for p in g.params:
       e = ckpt.params[p]
       dtypes = [h.dtype for h in ckpt.history(archive0, e.param) if isinstance(h, _reader.LeafInfo)]
       itemsize = sum(d.itemsize for d in dtypes)
+      count = int(np.prod(e.shape, dtype=np.int64))
+      slots = FlatShard(e.shape, 0, g.world_size).slots
+      # The elements the group's ranks own: all of them, or (a checkpoint of some
+      # target ranks only) each rank's ``min(slots, count - rank * slots)``.
+      owned = count if complete else int(np.clip(count - ranks * slots, 0, slots).sum())
       entry = params.setdefault(
         e.param,
         dict(
@@ -54,14 +61,15 @@ def _param_entries(ckpt: _reader.Checkpoint) -> dict[str, dict]:
           world_sizes=[],
           ranks=[],
           buffers=[d.name for d in dtypes],
-          bytes=int(np.prod(e.shape, dtype=np.int64)) * itemsize,
+          bytes=0,
           stored_bytes=0,
         ),
       )
       if g.world_size not in entry["world_sizes"]:
         entry["world_sizes"].append(g.world_size)
-      entry["ranks"].extend(r for _, r in g.ranks)
-      entry["stored_bytes"] += FlatShard(e.shape, 0, g.world_size).slots * itemsize * len(g.ranks)
+      entry["ranks"].extend(ranks.tolist())
+      entry["bytes"] += owned * itemsize
+      entry["stored_bytes"] += slots * itemsize * len(ranks)
   for e in params.values():
     e["ranks"].sort()
   return params
