@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -600,6 +601,28 @@ def test_inspect_frozen_params_trainable_flag_and_float32_values(multi):
   value_col = [l.split("│")[3].strip() for l in text.splitlines() if "['b1']" in l]
   assert value_col == ["0.9"]
   assert "0.8999999761581421" not in text
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_inspect_shows_a_clock_as_the_shortest_decimal_of_its_dtype(tmp_path, dtype):
+  """bfloat16 0.9 reads ``0.9`` (ml_dtypes' own text is ``0.898438``); every value
+  shown parses back, at its dtype, to the bits stored."""
+  opt = optax.inject_hyperparams(optax.adam, hyperparam_dtype=jnp.dtype(dtype))(
+    learning_rate=0.1, b1=0.9, b2=0.999, eps=1e-8
+  )
+  params = {"w": np.zeros((3,), np.float32)}
+  jr.save_records(tmp_path / "c", jr.shard_state(opt, params, opt.init(params), 2))
+  data = _json_out(_run("inspect", tmp_path / "c", "--json"))
+  hyper = {c["path"].rsplit("'", 2)[-2]: c for c in data["clocks"] if "hyperparams" in c["path"]}
+  want = {"learning_rate": 0.1, "b1": 0.9, "b2": 0.999, "eps": 1e-8, "eps_root": 0.0}
+  for name, c in hyper.items():
+    assert c["dtype"] == dtype
+    parsed = np.asarray(c["value"]).astype(jnp.dtype(dtype))
+    assert parsed.tobytes().hex() == c["bits"], (name, c)
+    assert len(repr(c["value"])) <= len(repr(want[name])), (name, c["value"])
+  assert hyper["b1"]["value"] == 0.9
+  text = _run("inspect", tmp_path / "c").stdout
+  assert [l.split("│")[3].strip() for l in text.splitlines() if "['b1']" in l] == ["0.9"]
 
 
 # --- --json on every subcommand ---------------------------------------------------

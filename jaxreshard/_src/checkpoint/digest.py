@@ -404,7 +404,7 @@ def clock_value(a: np.ndarray) -> tuple[Any, bool]:
     return (a.item() if a.ndim == 0 else a.tolist()), cut
 
   def one(x: Any) -> Any:
-    v = float(str(x))  # numpy's str of a float is its shortest round-trip decimal
+    v = _values.shortest(x)
     return v if np.isfinite(v) else str(v)
 
   values = [one(x) for x in a.reshape(-1)]

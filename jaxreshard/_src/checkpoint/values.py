@@ -1,8 +1,8 @@
 """Values as people read them in a difference: numbers, with the bits where numbers hide them.
 
-An integer or bool is its number. A float is numpy's decimal of its own dtype
-(float32 ``0.1``, never the float64 it widens to; it reads back as the same
-bits); ``-0.0`` and
+An integer or bool is its number. A float is the shortest decimal of its own
+dtype (float32 and bfloat16 ``0.1``, never the float64 it widens to nor six
+digits of it; it reads back as the same bits); ``-0.0`` and
 ``inf`` read as themselves. A NaN is ``nan(0x7fc00001)``: its bit pattern,
 since NaNs of different payloads are different bits. When two different
 values would still read the same, both get their bits, ``(0x...)``. Arrays
@@ -18,9 +18,27 @@ import numpy as np
 
 from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = ["SHOWN", "decode_scalar", "pair_text", "value_text"]
+__all__ = ["SHOWN", "decode_scalar", "pair_text", "shortest", "value_text"]
 
 SHOWN = 16
+
+
+def shortest(x: np.ndarray) -> float:
+  """A finite or infinite float element (0-d) as the float with the fewest significant
+  digits that, converted to ``x``'s dtype, has ``x``'s bits.
+
+  numpy's ``str`` is that for its own float types, but ml_dtypes' (bfloat16) gives
+  six digits: bfloat16 0.9 is ``0.898438`` there, ``0.9`` here.
+  """
+  want = _bitview.bits(x).tobytes()
+  v = float(x)
+  if not np.isfinite(v):
+    return v
+  for digits in range(1, 18):
+    c = float(f"{v:.{digits}g}")
+    if _bitview.bits(np.asarray(c).astype(x.dtype)).tobytes() == want:
+      return c
+  return v  # float64 needs at most 17 digits: never reached
 
 
 def _element(x: np.ndarray) -> str:
@@ -28,7 +46,7 @@ def _element(x: np.ndarray) -> str:
   if jax.dtypes.issubdtype(x.dtype, np.floating):
     if np.isnan(x):
       return f"nan(0x{int(_bitview.bits(x)[0]):0{2 * x.dtype.itemsize}x})"
-    return str(x.astype(x.dtype)[()])  # numpy's str of a float: its shortest round-trip decimal
+    return repr(shortest(x))
   if x.dtype == np.bool_:
     return str(bool(x))
   if x.dtype.kind in "iu":
