@@ -170,3 +170,23 @@ def test_finalize_commits_nothing_that_does_not_load(tmp_path, monkeypatch):
   with pytest.raises(jr.ArchiveError, match="does not load.*clock"):
     jr.save_sharded(tmp_path / "ck", opt, state, {"w": (5,)}, mesh)
   assert not (tmp_path / "ck").exists()
+
+
+def test_save_sharded_refuses_a_state_with_nonzero_padding_before_making_a_directory(tmp_path):
+  """Padding is data: the host copies save_sharded takes are checked before orbax
+  makes its temporary directory, so a refused save leaves nothing. (It was refused
+  in orbax's writer thread, leaving ``ck.orbax-checkpoint-tmp`` behind.)"""
+  import jax
+  import numpy as np
+
+  params = {"w": jnp.arange(5.0)}  # 5 elements over 2 ranks: one slot of padding
+  opt = optax.sgd(0.1, momentum=0.9)
+  mesh = device_mesh((2,), ("fsdp",))
+  state = jr.shard_to_mesh(opt, params, opt.init(params), mesh).state
+  trace = np.zeros(6, np.float32)
+  trace[5] = -0.0  # a sign bit is not zero bits
+  sharding = state[0].trace["w"].sharding
+  state = (state[0]._replace(trace={"w": jax.device_put(trace, sharding)}),) + state[1:]
+  with pytest.raises(jr.PlacementError, match="padding"):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (5,)}, mesh)
+  assert os.listdir(tmp_path) == []

@@ -153,13 +153,7 @@ class IndexBuilder:
       self.entries = _entries.ParamEntries(self.table)
     if self.source is not None:
       self._check_source(index, placements, state_parts)
-    for p in placements.values():  # what a reader refuses is never written
-      g = FlatShard(p.shape, p.rank, p.world_size)
-      for m, h in enumerate(state_parts.history(p.param)):
-        if hasattr(h, "shape"):
-          _validate.check_flat_history(p, index, m, tuple(h.shape), g.slots)
-          if g.owned < g.slots and not isinstance(h, jax.ShapeDtypeStruct):
-            _check_padding(index, p.param, m, h, g)
+    check_histories(index, state_parts, placements)  # what a reader refuses is never written
     roles = _structure.roles_of(record)
     leaves, treedef = jax.tree_util.tree_flatten(record.state)
     # Ranks of one layout share its structure: encode it once.
@@ -408,6 +402,24 @@ def write_checkpoint(
   directory.sync()
   directory.drain()
   return builder
+
+
+def check_histories(index: int, state_parts: Any, placements: dict) -> None:
+  """Every history buffer of archive ``index`` is ``(slots,)`` of its rank's layout and
+  zero past what its rank owns (``_validate.check_record``'s parts and placements)."""
+  for p in placements.values():
+    g = FlatShard(p.shape, p.rank, p.world_size)
+    for m, h in enumerate(state_parts.history(p.param)):
+      if hasattr(h, "shape"):
+        _validate.check_flat_history(p, index, m, tuple(h.shape), g.slots)
+        if g.owned < g.slots and not isinstance(h, jax.ShapeDtypeStruct):
+          _check_padding(index, p.param, m, h, g)
+
+
+def check_record_data(index: int, record: Any) -> None:
+  """The refusals of a record's data that ``write_archive`` would make while writing it."""
+  state_parts, placements = _validate.check_record(index, record)
+  check_histories(index, state_parts, placements)
 
 
 def _check_padding(index: int, pid: str, m: int, buffer: Any, g: FlatShard) -> None:

@@ -117,7 +117,9 @@ class ReshardSave(ocp.args.CheckpointArgs):
 
   Making one checks everything a save of it would refuse (see the module
   doc), so a bad save raises here, before orbax creates its temporary
-  directory. Records given as an iterator are read into a tuple. The check
+  directory; but a state's padding, which is data, is checked in the host
+  copies ``save`` takes (``save_sharded`` takes them before any directory
+  is made). Records given as an iterator are read into a tuple. The check
   copies nothing and never waits for the device, but it walks the whole
   layout (for a state, every local shard of every history leaf): a training
   loop that saves now and then makes one only when ``manager.should_save(step)``.

@@ -75,6 +75,7 @@ from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.checkpoint import table as _table
+from jaxreshard._src.checkpoint import writer as _writer
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _sharded
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
@@ -129,6 +130,10 @@ def prepare_save(
   try:
     if args.state is not None:
       archives = tuple(sorted((r, _sharded.host_record(v)) for r, v in checked.views.items()))
+      # A state's padding is data, seen first in these host copies: refused here,
+      # before a write begins (in save_sharded, before any directory is made).
+      for r, record in archives:
+        _writer.check_record_data(r, record)
       if primary:
         index = _sharded.global_index(
           args.optimizer, args.state, checked.shapes, args.mesh, args.axis, checkpoint_id
