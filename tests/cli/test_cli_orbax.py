@@ -88,6 +88,26 @@ def test_verify_and_reshard_read_orbax_steps(run, tmp_path):
     assert_records_equal(a, b)
 
 
+def test_a_link_given_as_the_path_is_followed_and_links_inside_are_not(run, tmp_path):
+  """``latest -> run/20`` and a link to the run directory name what their targets
+  name (the path is the caller's choice); a step directory inside the run that is
+  a link is not a step."""
+  import os
+
+  os.symlink(run / "run" / "20", tmp_path / "latest")
+  os.symlink(run / "run", tmp_path / "runlink")
+  latest = json.loads(_run("inspect", tmp_path / "latest", "--json").stdout)
+  assert [c["value"] for c in latest["clocks"]] == [20]
+  whole = json.loads(_run("inspect", tmp_path / "runlink", "--json").stdout)
+  assert whole["orbax"]["steps"] == [10, 20, 30] and [c["value"] for c in whole["clocks"]] == [30]
+  assert _run("verify", tmp_path / "latest", run / "plain20").exit_code == 0
+  assert _run("verify", tmp_path / "runlink", run / "plain30").exit_code == 0
+  linked = tmp_path / "linked"
+  linked.mkdir()
+  os.symlink(run / "run" / "20", linked / "40")
+  assert "no orbax steps with a jaxreshard item" in _error(_run("inspect", linked))
+
+
 def test_several_items_need_item(run):
   line = _error(_run("inspect", run / "two"))
   assert "2 jaxreshard items ('ema', 'opt')" in line and "--item NAME" in line, line

@@ -136,7 +136,10 @@ def locate(path: os.PathLike | str, *, step: int | None = None, item: str | None
       ``item`` given for a path they do not apply to.
   """
   where = os.fspath(path)
-  if not _is_dir(where) or _has_index(where):
+  # The path given may be a symbolic link (``run/latest -> run/10``): it is the
+  # caller's choice, as for a checkpoint directory itself. Inside it, a step or
+  # an item that is a link is never taken.
+  if not os.path.isdir(where) or _has_index(where):
     if step is not None or item is not None:
       given = "--step" if step is not None else "--item"
       _refuse_option(where, given, "it is a jaxreshard checkpoint itself")
