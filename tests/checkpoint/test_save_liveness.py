@@ -168,13 +168,23 @@ def test_liveness_is_the_lock_not_the_pid_or_host(tmp_path):
   unrelated = tmp_path / f".ckpt2.tmp-{'d' * 32}-{dead.pid}-{host}"
   for d in (stale, locked, unlocked, other, unrelated):
     (d / "archive_00000").mkdir(parents=True)
+  # A link named like a temporary directory: no save's, never followed or removed
+  # (it was listed as kept because "its writer holds its lock": there is none).
+  (tmp_path / "elsewhere").mkdir()
+  link = tmp_path / f".ckpt.tmp-{'f' * 32}-{dead.pid}-{host}"
+  os.symlink(tmp_path / "elsewhere", link)
   holder = _hold_lock(locked)
   try:
     result = CliRunner().invoke(app, ["clean", str(out)])
     assert result.exit_code == 0, result.output
-    assert sorted(os.listdir(tmp_path)) == sorted([locked.name, other.name, unrelated.name])
+    assert sorted(os.listdir(tmp_path)) == sorted(
+      [locked.name, other.name, unrelated.name, "elsewhere", link.name]
+    )
     assert f"removed: {stale}" in result.stdout and f"removed: {unlocked}" in result.stdout
     assert f"kept (its writer holds its lock): {locked}" in result.stdout
+    assert link.name not in result.stdout and (tmp_path / "elsewhere").is_dir()
+    os.unlink(link)
+    os.rmdir(tmp_path / "elsewhere")
     assert f"kept (another host's; its lock is free here, --all removes it): {other}" in (
       result.stdout
     )

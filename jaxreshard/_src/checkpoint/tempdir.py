@@ -92,6 +92,8 @@ def temp_dirs(final: str) -> list[tuple[str, bool]]:
     if not m or m["name"] != name:
       continue
     path = os.path.join(parent, entry)
+    if os.path.islink(path) or not os.path.isdir(path):
+      continue  # a link or a file of that name is no save's: never followed or removed
     dfd, lfd = _lock_probe(path)
     if dfd is not None:
       os.close(lfd)

@@ -392,6 +392,8 @@ def print_clean(final: str, found: list, removed: set, everything: bool) -> None
       verb = "removed"
     elif gone and not everything:
       verb = "kept (another host's; its lock is free here, --all removes it)"
+    elif not os.access(path, os.W_OK | os.X_OK):
+      verb = "kept (this user cannot lock or remove it)"
     else:
       verb = "kept (its writer holds its lock)"
     print(f"{verb}: {safe(path)}")
