@@ -83,6 +83,33 @@ def test_a_failed_fsync_after_the_rename_says_the_checkpoint_is_in_place(tmp_pat
   assert os.listdir(tmp_path) == ["ckpt"]
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.float64])
+def test_a_history_buffer_of_a_dtype_no_reader_copies_is_refused_as_reshard_does(tmp_path, dtype):
+  """An integer, bool or (x64 off) float64 history buffer: the save refuses it with
+  reshard's own error and writes nothing (it crashed with a bare KeyError, or
+  wrote a checkpoint every reader refuses)."""
+  params = {"a": jnp.arange(10, dtype=jnp.float32)}
+  opt = optax.adam(1e-3)
+  records = [
+    jr.ShardRecord(
+      r.version,
+      r.placements,
+      (r.state[0]._replace(mu={"a": np.asarray(r.state[0].mu["a"]).astype(dtype)}),)
+      + tuple(r.state[1:]),
+      r.roles,
+    )
+    for r in jr.shard_state(opt, params, opt.init(params), world_size=2)
+  ]
+  with pytest.raises(jr.ShapeError) as want:
+    jr.reshard(records, jr.plan(records, world_size=3, rank=0))
+  with pytest.raises(jr.ShapeError) as got:
+    jr.save_records(tmp_path / "ckpt", records)
+  assert str(got.value) == str(want.value)
+  assert os.listdir(tmp_path) == []
+  with pytest.raises(jr.ShapeError, match="is not a floating dtype jaxreshard copies"):
+    jr.ReshardSave(records)
+
+
 def test_a_full_tmpfs_is_enospc_and_leaves_nothing(tmp_path):
   mnt = tmp_path / "small"
   mnt.mkdir()

@@ -412,6 +412,8 @@ def check_histories(index: int, state_parts: Any, placements: dict) -> None:
     for m, h in enumerate(state_parts.history(p.param)):
       if hasattr(h, "shape"):
         _validate.check_flat_history(p, index, m, tuple(h.shape), g.slots)
+        where = f"param {p.param!r}: archive {index}, history buffer {m}"
+        _validate.check_buffer_dtype(getattr(h, "dtype", None), where)
         if g.owned < g.slots and not isinstance(h, jax.ShapeDtypeStruct):
           _check_padding(index, p.param, m, h, g)
 
