@@ -110,6 +110,34 @@ def test_a_history_buffer_of_a_dtype_no_reader_copies_is_refused_as_reshard_does
     jr.ReshardSave(records)
 
 
+def test_a_storage_dtype_no_reader_takes_is_refused_by_the_save(tmp_path):
+  """Placements whose storage dtype is int32: the save refuses them with the
+  refusal every restore makes, and writes nothing (it wrote them)."""
+  import dataclasses
+
+  params = {"a": jnp.arange(10, dtype=jnp.float32)}
+  opt = optax.adam(1e-3)
+  records = [
+    jr.ShardRecord(
+      r.version,
+      tuple(dataclasses.replace(p, dtype=np.dtype(np.int32)) for p in r.placements),
+      r.state,
+      r.roles,
+    )
+    for r in jr.shard_state(opt, params, opt.init(params), world_size=2)
+  ]
+  with pytest.raises(jr.DtypeError) as want:
+    jr.reshard(records, jr.plan(records, world_size=3, rank=0))
+  with pytest.raises(jr.DtypeError) as got:
+    jr.save_records(tmp_path / "ckpt", records)
+  assert (
+    str(got.value)
+    == str(want.value)
+    == ("param 'a': archive 0: storage dtype int32 is not one of float32, float16, bfloat16")
+  )
+  assert os.listdir(tmp_path) == []
+
+
 def test_a_full_tmpfs_is_enospc_and_leaves_nothing(tmp_path):
   mnt = tmp_path / "small"
   mnt.mkdir()

@@ -166,6 +166,34 @@ def test_a_tolerance_that_is_not_finite_is_refused(base, flag, bad):
   assert line.startswith("jaxreshard: error: ") and flag in line and "\n" not in line, line
 
 
+def test_verify_refuses_what_every_restore_refuses(tmp_path):
+  """float64 history buffers saved with x64 on, read with it off: every restore
+  refuses them, and verify does too, with the restore's message (it called the
+  checkpoint identical to itself)."""
+  import jax
+  import jax.numpy as jnp
+
+  with jax.enable_x64(True):
+    params = {"a": jnp.arange(10, dtype=jnp.float32)}
+    opt = optax.adam(1e-3)
+    records = [
+      jr.ShardRecord(
+        r.version,
+        r.placements,
+        (r.state[0]._replace(mu={"a": np.asarray(r.state[0].mu["a"]).astype(np.float64)}),)
+        + tuple(r.state[1:]),
+        r.roles,
+      )
+      for r in jr.shard_state(opt, params, opt.init(params), world_size=2)
+    ]
+    jr.save_records(tmp_path / "ck", records)
+  with pytest.raises(jr.ShapeError) as refused:
+    jr.restore(tmp_path / "ck", world_size=3, rank=0)
+  result = _run("verify", tmp_path / "ck", tmp_path / "ck")
+  assert result.exit_code == 2, result.output
+  assert result.stderr.strip() == f"jaxreshard: error: {tmp_path / 'ck'}: {refused.value}"
+
+
 def test_inspect_names_state_classes_and_counts_files_on_disk(tmp_path):
   params = {"w": np.zeros((5,), np.float32)}
   opt = optax.chain(optax.clip(1.0), optax.inject_hyperparams(optax.adam)(learning_rate=0.1))

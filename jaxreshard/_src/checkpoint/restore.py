@@ -202,6 +202,20 @@ def _validated(ckpt: Checkpoint, migrations: Sequence[Migration]) -> list[_valid
   return groups
 
 
+def validated_whole(ckpt: Checkpoint) -> Any:
+  """The validated groups of every parameter, as one rank of world size 1 holds them.
+
+  Validating that rank runs, from the index alone, every refusal a restore of
+  the checkpoint makes (groups, clocks, histories, dtypes), with its messages.
+  """
+  with _pipeline.no_gc():
+    reg = _regular.regular(ckpt)
+    if reg is not None and len(reg.entry):
+      return _regular.rank_groups(reg, 1, 0)  # validated from the index's arrays
+    migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=1, rank=0)
+    return _pipeline.validate(ckpt, migrations)
+
+
 def copied_bytes(groups: Any) -> int:
   """The history bytes a target rank copies from its sources: owned elements, no padding."""
   # Groups share a handful of histories: the bytes per element are summed once for each.

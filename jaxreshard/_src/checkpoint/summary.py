@@ -18,10 +18,11 @@ import numpy as np
 from jaxreshard._src.checkpoint import digest as _digest
 from jaxreshard._src.checkpoint import merge as _merge
 from jaxreshard._src.checkpoint import reader as _reader
+from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import ShardRecord
-from jaxreshard._src.errors import ArchiveError, PlacementError
+from jaxreshard._src.errors import ArchiveError, PlacementError, ReshardError
 
 __all__ = [
   "clock_facts",
@@ -149,6 +150,12 @@ def complete_records(path: Any, needs: str) -> Iterator[ShardRecord]:
     ckpt.complete_groups()
   except PlacementError as e:
     raise PlacementError(f"{path} is not a complete checkpoint, which {needs} needs: {e}") from None
+  try:
+    # Every refusal a restore of it makes (dtypes, clocks, histories): what no
+    # restore returns is not a state to compare.
+    _restore.validated_whole(ckpt)
+  except ReshardError as e:
+    raise type(e)(f"{path}: {e}") from None
   yield from _digest.checkpoint_records(ckpt)
 
 

@@ -408,6 +408,7 @@ def check_histories(index: int, state_parts: Any, placements: dict) -> None:
   """Every history buffer of archive ``index`` is ``(slots,)`` of its rank's layout and
   zero past what its rank owns (``_validate.check_record``'s parts and placements)."""
   for p in placements.values():
+    _validate.check_storage_dtype(_dtype_or_none(p.dtype), f"param {p.param!r}: archive {index}")
     g = FlatShard(p.shape, p.rank, p.world_size)
     for m, h in enumerate(state_parts.history(p.param)):
       if hasattr(h, "shape"):
@@ -416,6 +417,13 @@ def check_histories(index: int, state_parts: Any, placements: dict) -> None:
         _validate.check_buffer_dtype(getattr(h, "dtype", None), where)
         if g.owned < g.slots and not isinstance(h, jax.ShapeDtypeStruct):
           _check_padding(index, p.param, m, h, g)
+
+
+def _dtype_or_none(x: Any) -> np.dtype | None:
+  try:
+    return np.dtype(x)
+  except TypeError:
+    return None
 
 
 def check_record_data(index: int, record: Any) -> None:

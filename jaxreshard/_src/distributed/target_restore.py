@@ -24,7 +24,6 @@ import numpy as np
 import optax
 
 from jaxreshard._src.checkpoint import pads as _pads
-from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint.reader import (
   STAGING_BYTES,
@@ -38,8 +37,6 @@ from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.distributed.mesh import MeshState
-from jaxreshard._src.engine import pipeline as _pipeline
-from jaxreshard._src.engine import reshard as _reshard
 from jaxreshard._src.errors import DtypeError, PlacementError, ReshardError, ShapeError
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
@@ -111,13 +108,7 @@ def checkpoint_state(ckpt: Checkpoint) -> tuple[list[Any], Any]:
   Validating the layout of one rank runs every refusal a restore makes
   (groups, clocks, histories, dtypes).
   """
-  with _pipeline.no_gc():
-    reg = _regular.regular(ckpt)
-    if reg is not None and len(reg.entry):
-      groups = _regular.rank_groups(reg, 1, 0)  # validated from the index's arrays
-    else:
-      migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=1, rank=0)
-      groups = _pipeline.validate(ckpt, migrations)
+  groups = _restore.validated_whole(ckpt)
   if not groups:
     raise PlacementError("the checkpoint holds no parameters")
   template = ckpt.template(groups[0].by_rank[0])
