@@ -300,10 +300,11 @@ def flat_sharded(
 
   Exactness: when every transformation of ``optimizer`` is elementwise in the
   params, grads and histories (adam, adamw, adagrad, sgd with momentum, lion,
-  ``inject_hyperparams``, ``masked``, ``multi_transform``, ``MultiSteps``, ...)
-  each element goes through the same operations on the same values as in the
-  unwrapped optimizer, and run op by op the updates and states are the same
-  bits. A param of at most M elements (one slot per rank) is updated on its own
+  ``inject_hyperparams``, ``masked``, ``multi_transform``, ...) each element
+  goes through the same operations on the same values as in the unwrapped
+  optimizer, and run op by op the updates and states are the same bits.
+  ``optax.MultiSteps`` runs its inner update inside ``lax.cond``, compiled even
+  op by op: it agrees to the last bit's rounding, as jitted updates do (below). A param of at most M elements (one slot per rank) is updated on its own
   unpadded elements, replicated: XLA's CPU compiler turns a division by a
   broadcast scalar (adam's bias correction) into a multiplication by the
   reciprocal for arrays longer than one element, so a one-element shard of a
