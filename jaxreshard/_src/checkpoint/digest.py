@@ -40,8 +40,6 @@ __all__ = [
   "ParamDigest",
   "checkpoint_records",
   "clock_scalars",
-  "clock_text",
-  "clock_value",
   "compare_digests",
   "digest",
   "differences",
@@ -382,45 +380,6 @@ def _clock_leaves(record: ShardRecord) -> list[tuple[str, Any]]:
   return [(path, x) for path, (_, x) in zip(paths, state_parts.scalars)]
 
 
-# A clock leaf is shown by its first elements only: an index may hold arrays of
-# tens of thousands of elements as optimizer scalars, and no screen, message
-# or JSON document is made better by all of them.
-CLOCK_ELEMENTS_SHOWN = 16
-
-
-def clock_value(a: np.ndarray) -> tuple[Any, bool]:
-  """A clock scalar for reading, and whether it is cut to its first elements.
-
-  A float is the shortest decimal of its own dtype: float32 0.9 is ``0.9``,
-  not the float64 ``0.8999999761581421`` it widens to; parsing the decimal
-  back at that dtype gives the same bits. JSON has no NaN or infinity: those
-  are strings. An array of more than ``CLOCK_ELEMENTS_SHOWN`` elements gives
-  its first ones, flat; work and memory never grow with its size.
-  """
-  cut = a.size > CLOCK_ELEMENTS_SHOWN
-  if cut:
-    a = a.reshape(-1)[:CLOCK_ELEMENTS_SHOWN]
-  if not jax.dtypes.issubdtype(a.dtype, np.floating):
-    return (a.item() if a.ndim == 0 else a.tolist()), cut
-
-  def one(x: Any) -> Any:
-    v = _values.shortest(x)
-    return v if np.isfinite(v) else str(v)
-
-  values = [one(x) for x in a.reshape(-1)]
-  if a.ndim == 0:
-    return values[0], cut
-  return np.array(values, object).reshape(a.shape).tolist(), cut
-
-
-def clock_text(a: np.ndarray) -> str:
-  """A clock scalar in a message or a table cell: its value, cut when long."""
-  value, cut = clock_value(a)
-  if not cut:
-    return repr(value)
-  return f"{repr(value)[:-1]}, ...] ({a.size} elements of shape {tuple(a.shape)})"
-
-
 def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
   # A typed PRNG key is its key data, under its own dtype's name (key<fry>).
   out = []
@@ -513,6 +472,6 @@ def _scalar_text(v: list | None) -> str:
   if a is not None:
     return f"{a.dtype.name} {_values.value_text(a)}"
   hexbits = v[1]
-  if len(hexbits) > 4 * CLOCK_ELEMENTS_SHOWN:  # a long array: its first bytes and its size
-    hexbits = f"{hexbits[: 4 * CLOCK_ELEMENTS_SHOWN]}... ({len(v[1]) // 2} bytes)"
+  if len(hexbits) > 4 * _values.CLOCK_ELEMENTS_SHOWN:  # a long array: its first bytes and its size
+    hexbits = f"{hexbits[: 4 * _values.CLOCK_ELEMENTS_SHOWN]}... ({len(v[1]) // 2} bytes)"
   return f"{v[0]} 0x{hexbits}"

@@ -19,6 +19,7 @@ from typing import Any
 from jaxreshard._src.checkpoint import digest as _digest
 from jaxreshard._src.checkpoint import locate as _locate
 from jaxreshard._src.checkpoint import reader as _reader
+from jaxreshard._src.checkpoint import values as _values
 from jaxreshard._src.checkpoint.reader import Checkpoint, Source
 from jaxreshard._src.checkpoint.store import save_records
 from jaxreshard._src.core import clock as _clock
@@ -150,8 +151,8 @@ def _clock_mismatch(part: _Part, archive: int, first: _Part) -> str:
   mine = _digest.clock_scalars(part.ckpt.metadata_record(archive))[where]
   theirs = _digest.clock_scalars(first.ckpt.metadata_record(0))[where]
   return (
-    f"{part.path} has {mine[0]} = {_digest.clock_text(mine[1])} but {first.path} has"
-    f" {theirs[0]} = {_digest.clock_text(theirs[1])}; parts of different steps are never"
+    f"{part.path} has {mine[0]} = {_values.clock_text(mine[1])} but {first.path} has"
+    f" {theirs[0]} = {_values.clock_text(theirs[1])}; parts of different steps are never"
     " merged"
   )
 

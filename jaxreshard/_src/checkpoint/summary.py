@@ -19,6 +19,7 @@ from jaxreshard._src.checkpoint import digest as _digest
 from jaxreshard._src.checkpoint import merge as _merge
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
+from jaxreshard._src.checkpoint import values as _values
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import ShardRecord
@@ -100,8 +101,8 @@ def clock_facts(record: Any) -> list[dict]:
   scalars = _digest.clock_scalars(record)
   names = _clock.clock_names(record.state, [path for path, _ in scalars])
   for (path, a), name in zip(scalars, names):
-    value, cut = _digest.clock_value(a)
-    shown = a.reshape(-1)[: _digest.CLOCK_ELEMENTS_SHOWN] if cut else a
+    value, cut = _values.clock_value(a)
+    shown = a.reshape(-1)[: _values.CLOCK_ELEMENTS_SHOWN] if cut else a
     out.append(
       dict(
         path=path,

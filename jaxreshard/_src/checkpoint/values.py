@@ -18,7 +18,16 @@ import numpy as np
 
 from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = ["SHOWN", "decode_scalar", "pair_text", "shortest", "value_text"]
+__all__ = [
+  "CLOCK_ELEMENTS_SHOWN",
+  "SHOWN",
+  "clock_text",
+  "clock_value",
+  "decode_scalar",
+  "pair_text",
+  "shortest",
+  "value_text",
+]
 
 SHOWN = 16
 
@@ -105,3 +114,42 @@ def decode_scalar(type_text: str, hexbits: str) -> np.ndarray | None:
     return np.frombuffer(bytes.fromhex(hexbits), dtype).reshape(shape)
   except (TypeError, ValueError):
     return None
+
+
+# A clock leaf is shown by its first elements only: an index may hold arrays of
+# tens of thousands of elements as optimizer scalars, and no screen, message
+# or JSON document is made better by all of them.
+CLOCK_ELEMENTS_SHOWN = 16
+
+
+def clock_value(a: np.ndarray) -> tuple[Any, bool]:
+  """A clock scalar for reading, and whether it is cut to its first elements.
+
+  A float is the shortest decimal of its own dtype: float32 0.9 is ``0.9``,
+  not the float64 ``0.8999999761581421`` it widens to; parsing the decimal
+  back at that dtype gives the same bits. JSON has no NaN or infinity: those
+  are strings. An array of more than ``CLOCK_ELEMENTS_SHOWN`` elements gives
+  its first ones, flat; work and memory never grow with its size.
+  """
+  cut = a.size > CLOCK_ELEMENTS_SHOWN
+  if cut:
+    a = a.reshape(-1)[:CLOCK_ELEMENTS_SHOWN]
+  if not jax.dtypes.issubdtype(a.dtype, np.floating):
+    return (a.item() if a.ndim == 0 else a.tolist()), cut
+
+  def one(x: Any) -> Any:
+    v = shortest(x)
+    return v if np.isfinite(v) else str(v)
+
+  values = [one(x) for x in a.reshape(-1)]
+  if a.ndim == 0:
+    return values[0], cut
+  return np.array(values, object).reshape(a.shape).tolist(), cut
+
+
+def clock_text(a: np.ndarray) -> str:
+  """A clock scalar in a message or a table cell: its value, cut when long."""
+  value, cut = clock_value(a)
+  if not cut:
+    return repr(value)
+  return f"{repr(value)[:-1]}, ...] ({a.size} elements of shape {tuple(a.shape)})"

@@ -227,17 +227,9 @@ def reshard(
   first = next(plans)  # refuses archives that do not form complete groups, before any output
   plans = itertools.chain([first], plans)
   if dry_run:
-    # What the run would read is present, belongs to this checkpoint and is as
-    # large as its metadata says, as the run itself checks before reading (a
-    # chunk's checksum is checked only when read). Every archive is read by some
-    # rank of a whole run.
-    for i in first.per_archive if rank is not None else range(len(ckpt)):
-      ckpt.archive_meta(i)
-      ckpt.check_files(i)
-    if as_json:
-      _render.json_plans(plans, world_size, len(ckpt), reads)
-    else:
-      _render.print_plans(plans, len(ckpt), len(ranks), reads)
+    _dry_run(
+      ckpt, plans, first.per_archive if rank is not None else None, world_size, reads, as_json
+    )
     return
   if os.path.lexists(out):
     raise jr.ArchiveExistsError(
@@ -276,6 +268,25 @@ def reshard(
       f" ({_render.size(total)} moved, {time.perf_counter() - t0:.1f} s)"
     )
   )
+
+
+def _dry_run(ckpt, plans, archives, world_size: int, reads: bool, as_json: bool) -> None:
+  """Prints the plans of a dry run, once what its run would read is checked.
+
+  That is present, belongs to this checkpoint and is as large as its metadata
+  says, as the run itself checks before reading (a chunk's checksum is checked
+  only when read): a dry run never shows a plan its run refuses that way.
+  ``archives``: those one rank reads; None: every archive (some rank of a whole
+  run reads each).
+  """
+  for i in archives if archives is not None else range(len(ckpt)):
+    ckpt.archive_meta(i)
+    ckpt.check_files(i)
+  if as_json:
+    _render.json_plans(plans, world_size, len(ckpt), reads)
+  else:
+    n_ranks = 1 if archives is not None else world_size
+    _render.print_plans(plans, len(ckpt), n_ranks, reads)
 
 
 def _targets(
