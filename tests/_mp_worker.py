@@ -274,6 +274,55 @@ def fail(opt, params, state, shapes) -> dict:
   os._exit(0)
 
 
+def refused(opt, params, state, shapes) -> dict:
+  """A save_sharded that one process's own data refuses: nonzero bits in the padding of
+  its shards (``kind`` "padding"), or its clock one step ahead ("clock"). Reports what
+  each process raised and how soon; a process left waiting would hit the group's
+  time limit, long before the save's 600 s timeout.
+  """
+  import math  # pylint: disable=g-import-not-at-top
+
+  from jaxreshard._src.core import structure  # pylint: disable=g-import-not-at-top
+
+  m = mesh()
+  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
+  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
+  leaves, treedef = jax.tree_util.tree_flatten(sharded.state)
+  roles = structure.history_roles(opt, params, state)
+  if ME == ARGS["fail"]:
+    world = m.devices.size
+    for i, (leaf, pid) in enumerate(zip(leaves, roles)):
+      if ARGS["kind"] == "clock":
+        if pid is not None or not np.issubdtype(leaf.dtype, np.integer):
+          continue
+        value = lambda s: s.data + 1  # noqa: E731
+      else:
+        if pid is None:
+          continue
+        slots = jr.FlatShard(shapes[pid], 0, world).slots
+        padded = [
+          s
+          for s in leaf.addressable_shards
+          if jr.FlatShard(shapes[pid], s.index[0].start // slots, world).owned < slots
+        ]
+        if not padded or math.prod(shapes[pid]) == 0:
+          continue
+        value = lambda s: s.data.at[-1].set(1) if s in padded else s.data  # noqa: E731
+      pieces = [jax.device_put(value(s), s.device) for s in leaf.addressable_shards]
+      leaves[i] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, pieces)
+      break
+  changed = jax.tree_util.tree_unflatten(treedef, leaves)
+  start = time.monotonic()
+  try:
+    jr.save_sharded(ARGS["path"], opt, changed, spec, m, timeout_s=600)
+    result = {"error": None}
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    result = {"error": f"{type(e).__name__}: {e}"[:800], "error_type": type(e).__name__}
+  result["seconds"] = time.monotonic() - start
+  write_result({"task": "refused", "process": ME, **result})
+  os._exit(0)  # the job is broken now: leave without the shutdown barrier
+
+
 def restore_target(opt, params, state, shapes) -> dict:
   del opt, params, state, shapes  # this task restores its own example
   from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top

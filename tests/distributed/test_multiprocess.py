@@ -64,6 +64,18 @@ def job(tmp_path_factory):
       os.path.join(root, "fail"),
       {"run": os.path.join(root, "fail_run"), "fail": 1, "timeout_s": 600},
     ),
+    # Process 1's own data refuses the save: it raises, and the primary hears of
+    # it at once (neither waits at orbax's barriers for the other).
+    **{
+      f"refused_{kind}": U.ProcessGroup(
+        2,
+        4,
+        "refused",
+        os.path.join(root, f"refused_{kind}"),
+        {"path": os.path.join(root, f"refused_{kind}_ck"), "fail": 1, "kind": kind},
+      )
+      for kind in ("padding", "clock")
+    },
   }
   try:
     for g in groups.values():
@@ -254,3 +266,22 @@ def test_failed_write_commits_nothing_and_previous_step_restores(job, reference)
     for rank in (0, 5):
       got = manager.restore(1, args=jr.ReshardRestore(world_size=6, rank=rank))
       assert_records_equal(got, jr.reshard(records, jr.plan(records, world_size=6, rank=rank)))
+
+
+@pytest.mark.parametrize(
+  "kind,words",
+  [
+    ("padding", "padding is not zero"),
+    ("clock", "process 1's optimizer clock (its scalars' bits) differs from the primary"),
+  ],
+)
+def test_a_save_one_process_refuses_fails_at_once_everywhere(job, kind, words):
+  """(Refused before orbax's collectives on that process alone, the primary waited in
+  them until the process exited; a clock of another step was found by the primary
+  only, the other process waiting out the timeout.)"""
+  first, second = sorted(job["results"][f"refused_{kind}"], key=lambda r: r["process"])
+  assert second["error_type"] == "PlacementError" and words in second["error"], second
+  assert first["error_type"] == "ArchiveError", first
+  assert "process 1 did not write its archives" in first["error"] and words in first["error"]
+  assert first["seconds"] < 30 and second["seconds"] < 30, (first, second)
+  assert not os.path.exists(os.path.join(job["root"], f"refused_{kind}_ck"))

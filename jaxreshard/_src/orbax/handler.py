@@ -59,6 +59,7 @@ Who writes what:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import threading
 import time
@@ -76,9 +77,10 @@ from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint import writer as _writer
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _sharded
-from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
+from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementError, ReshardError
 from jaxreshard._src.orbax import args as _args
 from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
 from jaxreshard._src.progress import ProgressCallback, Reporter
@@ -95,18 +97,39 @@ class SavePlan:
   index: dict | None  # the primary's; None elsewhere
   chunk_bytes: int | None
   reporter: Reporter  # told of each archive written
+  # This process's refusal of its own data, in a multi-process save: raised when
+  # its write begins, where every other process hears of it (``_tell_peers``);
+  # raised in ``prepare_save`` it would leave them waiting at orbax's barriers.
+  refusal: BaseException | None = None
 
 
 def _is_primary(primary_host: int | None) -> bool:
   return ocp.multihost.is_primary_host(primary_host)
 
 
-def _shared_checkpoint_id(primary_host: int | None) -> str:
-  """One new identity for this save, the same in every process (the primary's)."""
-  raw = np.frombuffer(uuid.uuid4().bytes, np.uint8).astype(np.int32)
+def _shared_checkpoint_id(primary_host: int | None, clock: bytes = bytes(32)) -> tuple[str, bytes]:
+  """One new identity for this save, the same in every process (the primary's), and the
+  primary's ``clock`` (a 32-byte digest of its optimizer clock, ``_clock_digest``)."""
+  raw = np.frombuffer(uuid.uuid4().bytes + clock, np.uint8).astype(np.int32)
   if jax.process_count() > 1:
     raw = np.asarray(ocp.multihost.broadcast_one_to_all(raw, is_source=_is_primary(primary_host)))
-  return bytes(raw.astype(np.uint8).tolist()).hex()
+  raw = bytes(raw.astype(np.uint8).tolist())
+  return raw[:16].hex(), raw[16:]
+
+
+def _clock_digest(checked: Any) -> bytes:
+  """A digest of the optimizer clock in this process's archives (every clock scalar's
+  dtype, shape and bits); zeros when it writes none."""
+  record = next(iter(checked.views.values()), None)
+  if record is None:
+    return bytes(32)
+  h = hashlib.sha256()
+  for leaf, role in zip(jax.tree_util.tree_leaves(record.state), record.roles):
+    if role is None:
+      if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+        leaf = leaf.addressable_data(0)
+      h.update(repr(_clock.scalar_bits(leaf)).encode())
+  return h.digest()
 
 
 def prepare_save(
@@ -125,15 +148,27 @@ def prepare_save(
   checked = args._checks()
   primary = _is_primary(primary_host)
   what = "save_sharded" if args.state is not None else "ReshardSave"
-  checkpoint_id = _shared_checkpoint_id(primary_host)
+  clock = _clock_digest(checked) if args.state is not None else bytes(32)
+  checkpoint_id, primary_clock = _shared_checkpoint_id(primary_host, clock)
   index = None
+  refusal = None
   try:
     if args.state is not None:
       archives = tuple(sorted((r, _sharded.host_record(v)) for r, v in checked.views.items()))
-      # A state's padding is data, seen first in these host copies: refused here,
-      # before a write begins (in save_sharded, before any directory is made).
-      for r, record in archives:
-        _writer.check_record_data(r, record)
+      try:
+        # A state's padding is data, seen first in these host copies; and every
+        # process's clock must be the primary's, from which the index is made.
+        for r, record in archives:
+          _writer.check_record_data(r, record)
+        if clock != bytes(32) and primary_clock != bytes(32) and clock != primary_clock:
+          raise PlacementError(
+            f"process {jax.process_index()}'s optimizer clock (its scalars' bits) differs"
+            " from the primary process's: the processes hold states of different steps"
+          )
+      except ReshardError as e:
+        if jax.process_count() < 2:
+          raise  # one process: refused before any directory is made (save_sharded)
+        refusal = e
       if primary:
         index = _sharded.global_index(
           args.optimizer, args.state, checked.shapes, args.mesh, args.axis, checkpoint_id
@@ -156,7 +191,7 @@ def prepare_save(
     total=len(archives),
     total_bytes=sum(_store.history_bytes(r) for _, r in archives),
   )
-  return SavePlan(checkpoint_id, archives, index, args.chunk_bytes, reporter)
+  return SavePlan(checkpoint_id, archives, index, args.chunk_bytes, reporter, refusal)
 
 
 _PEERS_KEY = "jaxreshard/save"
@@ -332,6 +367,8 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     chunk_bytes = prepared.chunk_bytes if prepared.chunk_bytes is not None else self._chunk_bytes
     builder = _reader.IndexBuilder(prepared.checkpoint_id)
     try:
+      if prepared.refusal is not None:
+        raise prepared.refusal
       for index, record in prepared.archives:
         try:
           nbytes = _reader.write_archive(directory, index, record, builder, chunk_bytes)

@@ -106,11 +106,11 @@ def save_sharded(
   timeout = max(1, int(timeout_s))
   handler = _handler.ReshardCheckpointHandler(timeout_secs=timeout)
   # Refusals of the state, host copies and the index, before any directory exists.
-  prepared = handler.prepare_save(args, progress=progress, where=final)
   checkpointer = ocp.AsyncCheckpointer(
     handler, timeout_secs=timeout, temporary_path_class=_durable.DurableRenameTemporaryPath
   )
   try:
+    prepared = handler.prepare_save(args, progress=progress, where=final)
     checkpointer.save(final, args=args)
     checkpointer.wait_until_finished()
     if ocp.multihost.is_primary_host(0):  # the process that renamed it
