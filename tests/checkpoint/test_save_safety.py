@@ -81,6 +81,8 @@ def test_a_failed_fsync_after_the_rename_says_the_checkpoint_is_in_place(tmp_pat
   for a, b in zip(jr.load_records(tmp_path / "ckpt"), records, strict=True):
     assert_records_equal(a, b)
   assert os.listdir(tmp_path) == ["ckpt"]
+  # The writer's lock file is gone from it (it was left when the fsync failed).
+  assert ".jaxreshard-save.lock" not in os.listdir(tmp_path / "ckpt")
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.float64])

@@ -267,6 +267,21 @@ def test_a_dry_run_refuses_a_truncated_file_as_the_run_does(ckpt, tmp_path):
   assert not (tmp_path / "o").exists()
 
 
+def test_a_dry_run_of_one_rank_checks_the_all_padding_archives_its_run_checks(tmp_path):
+  """A 5-element param over 4 ranks: archive 3 holds only padding, which target rank 0
+  of 1 reads to check it. Its file cut to nothing: the run and its dry run refuse it."""
+  opt = optax.adam(1e-3)
+  params = {"w": np.arange(5, dtype=np.float32)}
+  jr.save_records(tmp_path / "ck", jr.shard_state(opt, params, opt.init(params), 4))
+  (f,) = (tmp_path / "ck" / "archive_00003").rglob("c/0")
+  os.truncate(f, 0)
+  for args in ((), ("--dry-run",)):
+    line = _one_line_error(
+      _run("reshard", tmp_path / "ck", tmp_path / "o", "-w", 1, "-r", 0, *args)
+    )
+    assert "archive 3" in line and "has 0 bytes" in line, (args, line)
+
+
 @pytest.mark.parametrize("rank", [2, 5])
 def test_inspect_counts_the_bytes_a_checkpoint_of_one_rank_holds(ckpt, tmp_path, rank):
   """A checkpoint of one target rank (``reshard --rank``): ``bytes`` are the elements

@@ -46,6 +46,8 @@ def _assert_durable_renames(log, under, expected):
   for at, src, dst in renames:
     assert any(i < at and p == src for i, p in synced), (src, log)
     assert any(i > at and p == os.path.dirname(dst) for i, p in synced), (dst, log)
+    # And the renamed directory after orbax's own last files were made in it.
+    assert any(i > at and p == dst for i, p in synced), (dst, log)
 
 
 def test_a_manager_with_the_durable_rename_fsyncs_around_every_commit(tmp_path, io_log):
@@ -190,3 +192,33 @@ def test_save_sharded_refuses_a_state_with_nonzero_padding_before_making_a_direc
   with pytest.raises(jr.PlacementError, match="padding"):
     jr.save_sharded(tmp_path / "ck", opt, state, {"w": (5,)}, mesh)
   assert os.listdir(tmp_path) == []
+
+
+def test_a_typed_prng_key_is_saved_on_every_orbax_path(tmp_path):
+  """noisy_sgd keeps a typed PRNG key: save_records stored it, while the orbax paths
+  (whose host copies went through numpy) raised a TypeError."""
+  import jax
+  import numpy as np
+
+  params = {"w": jnp.arange(5.0)}
+  opt = optax.noisy_sgd(0.1, key=jax.random.key(42))
+  state = opt.init(params)
+  records = jr.shard_state(opt, params, state, world_size=2)
+  jr.save_records(tmp_path / "plain", records)
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, args=jr.ReshardSave(records))
+    manager.wait_until_finished()
+  mesh = device_mesh((2,), ("fsdp",))
+  jr.save_sharded(
+    tmp_path / "s", opt, jr.shard_to_mesh(opt, params, state, mesh).state, {"w": (5,)}, mesh
+  )
+
+  def keys(tree):
+    return [x for x in jax.tree.leaves(tree) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+
+  (want,) = keys(state)
+  for path in (tmp_path / "plain", tmp_path / "run" / "1" / "default", tmp_path / "s"):
+    for record in jr.load_records(path):
+      (key,) = keys(record.state)
+      assert jax.random.key_impl(key) == jax.random.key_impl(want), path
+      assert np.array_equal(jax.random.key_data(key), jax.random.key_data(want)), path

@@ -202,6 +202,20 @@ def _validated(ckpt: Checkpoint, migrations: Sequence[Migration]) -> list[_valid
   return groups
 
 
+def padding_archives(ckpt: Checkpoint, world_size: int, rank: int) -> set[int]:
+  """The archives whose all-padding buffers a restore of target ``rank`` checks
+  (``all_padding_sources``), from the index alone."""
+  with _pipeline.no_gc():
+    reg = _regular.regular(ckpt)
+    if reg is not None:
+      r, w = _regular.check_target(world_size, rank)
+      groups = _regular.rank_groups(reg, w, r, ckpt.memo.families)
+    else:
+      migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=rank)
+      groups = _validated(ckpt, migrations)
+    return {a for a, *_ in all_padding_sources(groups, ckpt.index.name_of).by_file()}
+
+
 def validated_whole(ckpt: Checkpoint) -> Any:
   """The validated groups of every parameter, as one rank of world size 1 holds them.
 

@@ -294,10 +294,14 @@ class TempDir:
       )
 
   def commit(self, final: str) -> None:
-    """Renames the directory to ``final`` (never replacing anything), then fsyncs
-    ``final``'s parent (when durable) and drops the lock file."""
+    """Renames the directory to ``final`` (never replacing anything), drops the lock
+    file, then fsyncs ``final``'s parent (when durable)."""
     commit_dir(self.path, final)
     self.path, self.committed = final, True
+    try:
+      os.unlink(LOCK_FILE, dir_fd=self.out.fd)
+    except OSError:
+      pass  # an empty file no reader opens; the checkpoint is complete without it gone
     if self.out.durable:
       parent = os.path.dirname(final) or "."
       fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -312,10 +316,6 @@ class TempDir:
         ) from None
       finally:
         os.close(fd)
-    try:
-      os.unlink(LOCK_FILE, dir_fd=self.out.fd)
-    except OSError:
-      pass  # an empty file no reader opens; the checkpoint is complete without it gone
 
   def discard(self) -> None:
     """Removes what was written unless it is committed (best effort: a failed save

@@ -45,7 +45,9 @@ def shortest(x: np.ndarray) -> float:
     return v
   for digits in range(1, 18):
     c = float(f"{v:.{digits}g}")
-    if _bitview.bits(np.asarray(c).astype(x.dtype)).tobytes() == want:
+    with np.errstate(over="ignore"):  # a candidate past the dtype's largest value
+      cast = np.asarray(c).astype(x.dtype)
+    if _bitview.bits(cast).tobytes() == want:
       return c
   return v  # float64 needs at most 17 digits: never reached
 

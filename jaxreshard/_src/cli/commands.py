@@ -227,9 +227,10 @@ def reshard(
   first = next(plans)  # refuses archives that do not form complete groups, before any output
   plans = itertools.chain([first], plans)
   if dry_run:
-    _dry_run(
-      ckpt, plans, first.per_archive if rank is not None else None, world_size, reads, as_json
-    )
+    archives = None
+    if rank is not None:  # what its run reads: its runs' archives, and those it checks
+      archives = sorted(set(first.per_archive) | _restore.padding_archives(ckpt, world_size, rank))
+    _dry_run(ckpt, plans, archives, world_size, reads, as_json)
     return
   if os.path.lexists(out):
     raise jr.ArchiveExistsError(

@@ -5,10 +5,13 @@ temporary directory into place, and fsyncs neither the directory nor its
 parent: after a power loss a save reported done may be gone, or (where the
 rename reached the disk before the directory's entries) incomplete.
 :class:`DurableRenameTemporaryPath` is orbax's own ``AtomicRenameTemporaryPath``
-with the two fsyncs a durable rename needs: the directory before it is
-renamed (its entries: every file orbax and the handlers made in it), and its
-parent after (the rename itself). The handlers' files are fsync'ed by
-whoever wrote them (jaxreshard's archives and index are, when written).
+with the fsyncs a durable rename needs: the directory before it is renamed
+(the entries of every file the handlers made in it), its parent after (the
+rename itself), and the renamed directory again (the entries of the small
+files orbax writes while it commits: ``commit_success.txt``, the metadata's
+commit time, which nothing reads to load a step and whose contents are not
+fsync'ed). The handlers' files are fsync'ed by whoever wrote them
+(jaxreshard's archives and index are, when written).
 
 ``save_sharded`` commits through it. A ``CheckpointManager`` takes it as
 ``CheckpointManagerOptions(temporary_path_class=DurableRenameTemporaryPath)``,
@@ -51,3 +54,5 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
     await super().finalize()
     if local:
       await asyncio.to_thread(fsync_dir, os.path.dirname(os.path.abspath(final)))
+      if os.path.isdir(final):
+        await asyncio.to_thread(fsync_dir, final)

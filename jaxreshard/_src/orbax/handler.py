@@ -97,7 +97,8 @@ class SavePlan:
   index: dict | None  # the primary's; None elsewhere
   chunk_bytes: int | None
   reporter: Reporter  # told of each archive written
-  # This process's refusal of its own data, in a multi-process save: raised when
+  # This process's refusal of its own data (or failure to copy it), in a
+  # multi-process save: raised when
   # its write begins, where every other process hears of it (``_tell_peers``);
   # raised in ``prepare_save`` it would leave them waiting at orbax's barriers.
   refusal: BaseException | None = None
@@ -154,8 +155,8 @@ def prepare_save(
   refusal = None
   try:
     if args.state is not None:
-      archives = tuple(sorted((r, _sharded.host_record(v)) for r, v in checked.views.items()))
       try:
+        archives = tuple(sorted((r, _sharded.host_record(v)) for r, v in checked.views.items()))
         # A state's padding is data, seen first in these host copies; and every
         # process's clock must be the primary's, from which the index is made.
         for r, record in archives:
@@ -165,10 +166,10 @@ def prepare_save(
             f"process {jax.process_index()}'s optimizer clock (its scalars' bits) differs"
             " from the primary process's: the processes hold states of different steps"
           )
-      except ReshardError as e:
+      except Exception as e:  # pylint: disable=broad-exception-caught
         if jax.process_count() < 2:
           raise  # one process: refused before any directory is made (save_sharded)
-        refusal = e
+        refusal, archives = e, ()
       if primary:
         index = _sharded.global_index(
           args.optimizer, args.state, checked.shapes, args.mesh, args.axis, checkpoint_id
