@@ -40,8 +40,9 @@ def fsync_dir(path: str) -> None:
 class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
   """``AtomicRenameTemporaryPath`` whose commit is on the disk when it returns.
 
-  The temporary directory is fsync'ed before the rename and the parent of the
-  final one after, so a commit that returned survives a crash or power loss.
+  The temporary directory is fsync'ed before the rename, the parent of the final
+  one after, and the final one again (the files orbax adds while it commits), so
+  a commit that returned survives a crash or power loss.
   Paths that are not local directories (another file system's ``epath``) are
   committed as orbax commits them.
   """

@@ -38,9 +38,9 @@ Two saves racing on one directory: orbax names the temporary directory
 after the final one, so both saves use the same, and creating it removes
 one found there. A collision inside it (an archive directory the other save
 already made) is an ``ArchiveExistsError``; a save whose directory the other
-removed is an ``ArchiveError``; and ``finalize`` writes no index beside an
-archive whose ``archive.json`` is not this save's (an ``ArchiveError``: the
-other save wrote it). ``save_sharded`` also turns orbax's own
+removed is an ``ArchiveError``; and ``finalize`` commits nothing whose
+archives are not all this save's (an ``ArchiveError``: the other save wrote
+them). ``save_sharded`` also turns orbax's own
 ``FileExistsError`` (from creating the temporary directory) into an
 ``ArchiveExistsError``; a ``CheckpointManager``'s ``save`` cannot be
 reached there, so two managers racing on one step may still see orbax's
@@ -71,7 +71,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from jaxreshard._src.checkpoint import archivejson as _archivejson
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
@@ -98,9 +97,9 @@ class SavePlan:
   chunk_bytes: int | None
   reporter: Reporter  # told of each archive written
   # This process's refusal of its own data (or failure to copy it), in a
-  # multi-process save: raised when
-  # its write begins, where every other process hears of it (``_tell_peers``);
-  # raised in ``prepare_save`` it would leave them waiting at orbax's barriers.
+  # multi-process save: raised when its write begins, where every other process
+  # hears of it (``_tell_peers``); raised in ``prepare_save`` it would leave
+  # them waiting at orbax's barriers.
   refusal: BaseException | None = None
 
 
@@ -257,29 +256,6 @@ def _await_peers(checkpoint_id: str, directory: str, timeout_s: float) -> None:
     time.sleep(_POLL_S)
 
 
-def _not_of_this_save(directory: str, names: list[str], checkpoint_id: str) -> tuple[list, list]:
-  """The archives ``names`` in ``directory`` that are missing, and those whose
-  ``archive.json`` is not this save's (``checkpoint_id``): another save of the
-  same directory, which orbax gives the same temporary directory, wrote them."""
-  missing, foreign = [], []
-  for name in names:
-    path = os.path.join(directory, name, _reader.ARCHIVE_FILE)
-    try:
-      with open(path, "rb") as fh:
-        raw = fh.read(_archivejson.MAX_ARCHIVE_BYTES + 1)
-    except FileNotFoundError:
-      missing.append(name)
-      continue
-    try:
-      meta = _archivejson.signed_value(raw, path, "jaxreshard archive")
-    except ArchiveError:
-      foreign.append(name)
-      continue
-    if meta.get("checkpoint") != checkpoint_id:
-      foreign.append(name)
-  return missing, foreign
-
-
 def _unloadable(directory: str) -> Exception | None:
   """Why the checkpoint in ``directory`` would not load, or None: its index and every
   archive's metadata and files checked as a restore checks them (no chunk is read).
@@ -417,17 +393,17 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
         client.key_value_delete(f"{_PEERS_KEY}/{checkpoint_id}/")
       except Exception:  # pylint: disable=broad-exception-caught
         pass
-    missing, foreign = _not_of_this_save(
-      key, [name for name, _, _ in index["archives"]], checkpoint_id
-    )
+    missing = [
+      name
+      for name, _, _ in index["archives"]
+      if not os.path.isfile(os.path.join(key, name, _reader.ARCHIVE_FILE))
+    ]
     if missing:
       raise ArchiveError(f"{key}: archives {missing[:8]} were not written; nothing is committed")
-    if foreign:
-      raise ArchiveError(
-        f"{key}: archives {foreign[:8]} belong to another save of this directory (two saves"
-        " raced on it); nothing is committed"
-      )
     _reader.dump_index(key, index)
+    # Checked as a restore checks it, this save's index beside the archives found
+    # there: an archive another save of this directory wrote (orbax gives both the
+    # same temporary directory) belongs to another checkpoint, and is refused.
     problem = _unloadable(key)
     if problem is not None:
       for name in (_reader.INDEX_FILE, _table.TABLE_FILE):
