@@ -331,3 +331,23 @@ def adam_records(world: int, shapes=None, seed: int = 0) -> list:
   opt = optax.adam(1e-3)
   prm = random_params(shapes or STORAGE_SHAPES, seed)
   return jr.shard_state(opt, prm, random_state(opt, prm, seed + 1), world)
+
+
+def retyped_adam_records(mu_dtype: Any = None, storage_dtype: Any = None) -> list:
+  """Adam records of one 10-element param over 2 ranks whose first moment is cast to
+  ``mu_dtype`` and whose placements claim ``storage_dtype`` (each when given): states
+  no reader takes, for the tests of who refuses them."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  params = {"a": jnp.arange(10, dtype=jnp.float32)}
+  opt = optax.adam(1e-3)
+  out = []
+  for r in jr.shard_state(opt, params, opt.init(params), world_size=2):
+    state, placements = r.state, r.placements
+    if mu_dtype is not None:
+      mu = {"a": np.asarray(state[0].mu["a"]).astype(mu_dtype)}
+      state = (state[0]._replace(mu=mu),) + tuple(state[1:])
+    if storage_dtype is not None:
+      placements = tuple(dataclasses.replace(p, dtype=np.dtype(storage_dtype)) for p in placements)
+    out.append(jr.ShardRecord(r.version, placements, state, r.roles))
+  return out

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import store as _archive_io
-from tests._core_util import adam_records, assert_records_equal, bits
+from tests._core_util import adam_records, assert_records_equal, bits, retyped_adam_records
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -90,18 +90,7 @@ def test_a_history_buffer_of_a_dtype_no_reader_copies_is_refused_as_reshard_does
   """An integer, bool or (x64 off) float64 history buffer: the save refuses it with
   reshard's own error and writes nothing (it crashed with a bare KeyError, or
   wrote a checkpoint every reader refuses)."""
-  params = {"a": jnp.arange(10, dtype=jnp.float32)}
-  opt = optax.adam(1e-3)
-  records = [
-    jr.ShardRecord(
-      r.version,
-      r.placements,
-      (r.state[0]._replace(mu={"a": np.asarray(r.state[0].mu["a"]).astype(dtype)}),)
-      + tuple(r.state[1:]),
-      r.roles,
-    )
-    for r in jr.shard_state(opt, params, opt.init(params), world_size=2)
-  ]
+  records = retyped_adam_records(mu_dtype=dtype)
   with pytest.raises(jr.ShapeError) as want:
     jr.reshard(records, jr.plan(records, world_size=3, rank=0))
   with pytest.raises(jr.ShapeError) as got:
@@ -115,19 +104,7 @@ def test_a_history_buffer_of_a_dtype_no_reader_copies_is_refused_as_reshard_does
 def test_a_storage_dtype_no_reader_takes_is_refused_by_the_save(tmp_path):
   """Placements whose storage dtype is int32: the save refuses them with the
   refusal every restore makes, and writes nothing (it wrote them)."""
-  import dataclasses
-
-  params = {"a": jnp.arange(10, dtype=jnp.float32)}
-  opt = optax.adam(1e-3)
-  records = [
-    jr.ShardRecord(
-      r.version,
-      tuple(dataclasses.replace(p, dtype=np.dtype(np.int32)) for p in r.placements),
-      r.state,
-      r.roles,
-    )
-    for r in jr.shard_state(opt, params, opt.init(params), world_size=2)
-  ]
+  records = retyped_adam_records(storage_dtype=np.int32)
   with pytest.raises(jr.DtypeError) as want:
     jr.reshard(records, jr.plan(records, world_size=3, rank=0))
   with pytest.raises(jr.DtypeError) as got:

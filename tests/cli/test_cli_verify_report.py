@@ -171,22 +171,11 @@ def test_verify_refuses_what_every_restore_refuses(tmp_path):
   refuses them, and verify does too, with the restore's message (it called the
   checkpoint identical to itself)."""
   import jax
-  import jax.numpy as jnp
+
+  from tests._core_util import retyped_adam_records
 
   with jax.enable_x64(True):
-    params = {"a": jnp.arange(10, dtype=jnp.float32)}
-    opt = optax.adam(1e-3)
-    records = [
-      jr.ShardRecord(
-        r.version,
-        r.placements,
-        (r.state[0]._replace(mu={"a": np.asarray(r.state[0].mu["a"]).astype(np.float64)}),)
-        + tuple(r.state[1:]),
-        r.roles,
-      )
-      for r in jr.shard_state(opt, params, opt.init(params), world_size=2)
-    ]
-    jr.save_records(tmp_path / "ck", records)
+    jr.save_records(tmp_path / "ck", retyped_adam_records(mu_dtype=np.float64))
   with pytest.raises(jr.ShapeError) as refused:
     jr.restore(tmp_path / "ck", world_size=3, rank=0)
   result = _run("verify", tmp_path / "ck", tmp_path / "ck")
