@@ -429,3 +429,36 @@ def test_weak_typed_clock_scalars_stay_weak_on_the_mesh(tmp_path, with_target):
   assert not out.count.weak_type and out.count.dtype == state.count.dtype  # strong stays strong
   one = jr.restore(path, world_size=2, rank=0).state.hyperparams["learning_rate"]
   assert one.weak_type
+
+
+@pytest.mark.parametrize("with_target", [False, True])
+def test_a_typed_prng_key_clock_restores_onto_the_mesh(tmp_path, with_target):
+  """``noisy_sgd`` keeps a typed PRNG key among its scalars: it comes back with its
+  key type and key data bits, placed as the target says; a target that names the
+  key's data (uint32) or another key type is refused, not converted."""
+  params = {"w": jnp.arange(6.0), "b": jnp.arange(2.0)}
+  opt = optax.noisy_sgd(1e-3, key=jax.random.key(7))
+  state = opt.init(params)
+  path = tmp_path / "ckpt"
+  jr.save_records(path, jr.shard_state(opt, params, state, world_size=2))
+  mesh = jax.make_mesh((3,), ("fsdp",), devices=jax.devices()[:3])
+  replicated = NamedSharding(mesh, P())
+
+  def abstract(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated)
+
+  target = jax.tree.map(abstract, state) if with_target else None
+  out = jr.restore_sharded(path, mesh, axis="fsdp", target=target).state
+  (key,) = [x for x in jax.tree.leaves(out) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  assert key.dtype == state[0].rng_key.dtype
+  want = np.asarray(jax.random.key_data(state[0].rng_key))
+  assert np.array_equal(np.asarray(jax.random.key_data(key)), want)
+  if with_target:
+    assert key.sharding == replicated
+    as_data = dict(enumerate(jax.tree.leaves(target)))
+    for i, t in as_data.items():
+      if jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key):
+        as_data[i] = jax.ShapeDtypeStruct(t.shape, jnp.uint32, sharding=replicated)
+    bad = jax.tree.unflatten(jax.tree.structure(target), list(as_data.values()))
+    with pytest.raises(jr.ReshardError, match="key<fry>"):
+      jr.restore_sharded(path, mesh, axis="fsdp", target=bad)

@@ -215,10 +215,20 @@ def _scalar_dtypes(x: Any) -> tuple[np.dtype, ...]:
   """
   if _clock.is_python_number(x):
     return (_clock.python_dtype(x), np.dtype(type(x)))
+  if _is_key(x.dtype):
+    return (x.dtype,)  # a typed PRNG key's own dtype: no numpy dtype describes it
   own = np.dtype(x.dtype)
   if _clock.stays_on_host(x):
     return (own, np.dtype(jax.dtypes.canonicalize_dtype(own)))
   return (own,)
+
+
+def _is_key(dtype: Any) -> bool:
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _dtype_name(dtype: Any) -> str:
+  return str(dtype) if _is_key(dtype) else np.dtype(dtype).name
 
 
 def check_leaf(path: str, leaf: Any, t: Any, groups, whose: str = "the target") -> Any:
@@ -244,10 +254,11 @@ def check_leaf(path: str, leaf: Any, t: Any, groups, whose: str = "the target") 
     return ShapeError(
       f"{what}: {whose} has shape {tuple(t.shape)} but the checkpoint holds {shape}"
     )
-  if np.dtype(t.dtype) != dtype and (isinstance(leaf, _Hist) or np.dtype(t.dtype) not in dtypes):
+  t_dtype = t.dtype if _is_key(t.dtype) else np.dtype(t.dtype)
+  if t_dtype != dtype and (isinstance(leaf, _Hist) or t_dtype not in dtypes):
     return DtypeError(
-      f"{what}: {whose} has dtype {np.dtype(t.dtype).name} but the"
-      f" checkpoint holds {dtype.name}; buffers are restored in their saved"
+      f"{what}: {whose} has dtype {_dtype_name(t_dtype)} but the"
+      f" checkpoint holds {_dtype_name(dtype)}; buffers are restored in their saved"
       " dtype, never converted"
     )
   if whose != "the target":
@@ -444,6 +455,8 @@ def _place(leaf: Any, spec: _Spec, data: Any) -> Any:
       # A Python number (it has no placement), or a 64-bit value jax would cut
       # to 32 bits while x64 is off: handed back as it is, as ``restore`` does.
       return data
+    if _is_key(spec.dtype):
+      return jax.device_put(data, spec.sharding)  # a typed PRNG key moves as it is
     value = np.asarray(data)
     made = jax.make_array_from_callback(
       spec.shape, spec.sharding, lambda index: np.asarray(value[index]), dtype=spec.dtype
