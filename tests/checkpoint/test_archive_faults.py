@@ -615,11 +615,43 @@ def test_huge_shape_in_consistent_metadata_is_refused_not_allocated(ckpt, reader
   )
 
 
-@pytest.mark.parametrize("shape", [[2**62, 4], [-1], [2**31, 2**31, 2**31]])
+@pytest.mark.parametrize(
+  "shape",
+  [
+    [2**62, 4],
+    [-1],
+    [2**31, 2**31, 2**31],
+    # Empty, yet no array holds them: numpy multiplies the nonzero dimensions.
+    [2**70, 0],
+    [2**60, 0],
+    [2**40, 2**40, 0],
+    [1] * 64 + [0],
+    [1] * 65,
+  ],
+)
 def test_impossible_shape_in_the_index(ckpt, shape):
   _edit_json(_index(ckpt), lambda d: _param(d, "dense/bias").__setitem__(1, shape))
   for fn in _both(ckpt):
     _quick_refusal(fn, jr.ArchiveError, "param 0", "is not a valid array shape")
+
+
+def test_buffers_whose_sizes_add_up_past_an_array_are_refused(ckpt):
+  # Each history buffer of a valid size, but one dtype's add up past any array
+  # (at 2**64 the int64 sum wraps to the size on disk): refused as the index is parsed.
+  big = 2**58
+
+  def edit(d):
+    for pid in ("dense/bias", "dense/kernel"):
+      _param(d, pid)[1] = [big]
+    for leaf in d["layouts"][0]["leaves"]:
+      if isinstance(leaf, list) and leaf[0] in ("dense/bias", "dense/kernel"):
+        leaf[2] = big
+
+  _edit_index_consistently(ckpt, edit)
+  for fn in [*_both(ckpt), lambda: open_checkpoint(ckpt)]:
+    _quick_refusal(
+      fn, jr.ArchiveError, r"float32 buffers of a layout add up to 1152921504606846\d\d\d "
+    )
 
 
 def _metadata_readers(ckpt):
@@ -715,7 +747,7 @@ def test_unknown_dtype_and_bad_scalars(ckpt, edit, message):
     _refused(fn, jr.ArchiveError, message)
 
 
-@pytest.mark.parametrize("shape", [[100000], [2], [HUGE, HUGE]])
+@pytest.mark.parametrize("shape", [[100000], [2], [HUGE, HUGE], [0] * 65, [2**70, 0], [2**62, 0]])
 def test_scalar_bytes_must_match_their_shape(ckpt, shape):
   _edit_json(_index(ckpt), lambda d: d["clocks"][0][0].update(shape=shape))
   for fn in _both(ckpt):

@@ -198,10 +198,31 @@ def expect(value: Any, kind: type, where: str) -> Any:
   return value
 
 
+# A shape has at most numpy's 64 dimensions, and the product of its dimensions,
+# each zero counted as one, is at most MAX_EXTENT: an array of it, empty or not,
+# has a byte count (at up to 16 bytes an element) that numpy and jax can hold.
+MAX_NDIM = 64
+MAX_EXTENT = 2**58
+
+
+def valid_shape(dims: tuple[int, ...]) -> bool:
+  """Whether ``dims`` (ints) is a shape a checkpoint may hold.
+
+  Examples:
+    >>> valid_shape((3, 0)), valid_shape((2**60, 0)), valid_shape((1,) * 65)
+    (True, False, False)
+  """
+  return (
+    len(dims) <= MAX_NDIM
+    and all(d >= 0 for d in dims)
+    and math.prod(d or 1 for d in dims) <= MAX_EXTENT
+  )
+
+
 def shape_of(value: Any, where: str) -> tuple[int, ...]:
   dims = tuple(expect(d, int, where) for d in expect(value, list, where))
-  if any(d < 0 for d in dims) or math.prod(dims) > 2**62:
-    raise ArchiveError(f"{where}: shape {dims} is not a valid array shape")
+  if not valid_shape(dims):
+    raise ArchiveError(f"{where}: shape {short(dims)} is not a valid array shape")
   return dims
 
 

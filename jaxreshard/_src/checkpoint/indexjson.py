@@ -259,10 +259,10 @@ def _parse_params(entries: list, where: str) -> tuple[ParamEntry, ...]:
         d is not None
         and len(e[0]) <= MAX_ID_CHARS
         and type(dims) is list
-        and all(type(x) is int and x >= 0 for x in dims)
+        and all(type(x) is int for x in dims)
       ):
         shape = tuple(dims)
-        if math.prod(shape) <= 2**62:
+        if fmt.valid_shape(shape):
           out.append(ParamEntry(e[0], shape, d, e[3]))
           continue
     p = _parse_param(e, f"{where}, param {i}")
@@ -295,7 +295,7 @@ def _parse_layout(e: Any, where: str) -> JsonLayout:
     # else is checked field by field below, with its message.
     if type(x) is list and len(x) == 3 and type(x[0]) is str and type(x[2]) is int:
       d = dtypes.get(x[1]) if type(x[1]) is str else None
-      if d is not None and 0 <= x[2] <= 2**62:
+      if d is not None and 0 <= x[2] <= fmt.MAX_EXTENT:
         leaves.append(LeafInfo(x[0], (x[2],), d))
         continue
     lw = f"{where}, leaf {i}"
@@ -306,7 +306,7 @@ def _parse_layout(e: Any, where: str) -> JsonLayout:
       n_scalars += 1
     elif isinstance(x, list) and len(x) == 3:
       slots = fmt.expect(x[2], int, lw)
-      if not 0 <= slots <= 2**62:
+      if not 0 <= slots <= fmt.MAX_EXTENT:
         raise ArchiveError(f"{lw}: {slots} slots is not a buffer size")
       d = fmt.np_dtype(x[1], lw)
       dtypes[x[1]] = d

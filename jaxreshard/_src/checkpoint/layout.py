@@ -89,10 +89,16 @@ class Columns:
 
 
 def columns(
-  mirrors: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], dtypes: Sequence[np.dtype]
+  mirrors: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+  dtypes: Sequence[np.dtype],
+  where: str,
 ) -> tuple[Columns, dict[np.dtype, int]]:
   """``Columns`` and the packed size of each dtype, from per-mirror ``(names, codes,
-  slots)`` arrays (one entry per position of the mirror; code ``MASKED`` for none)."""
+  slots)`` arrays (one entry per position of the mirror; code ``MASKED`` for none).
+
+  A dtype whose buffers add up past ``fmt.MAX_EXTENT`` slots is refused: its
+  packed buffer is an array too, and its offsets would wrap around int64.
+  """
   n_m = len(mirrors)
   name = np.concatenate([m[0] for m in mirrors]) if n_m else np.zeros(0, np.int64)
   code = np.concatenate([m[1] for m in mirrors]) if n_m else np.zeros(0, np.int64)
@@ -114,6 +120,11 @@ def columns(
   for c in b_code[np.sort(first)].tolist():
     sel = b_code == c
     s = b_slots[sel]
+    if len(s) * int(s.max(initial=0)) > fmt.MAX_EXTENT and sum(s.tolist()) > fmt.MAX_EXTENT:
+      raise ArchiveError(
+        f"{where}: the {np.dtype(dtypes[c]).name} buffers of a layout add up to"
+        f" {sum(s.tolist())} elements, past {fmt.MAX_EXTENT}"
+      )
     offset[sel] = np.cumsum(s) - s
     sizes[dtypes[c]] = int(s.sum())
   return Columns(
@@ -261,7 +272,9 @@ class JsonLayout(ArchiveLayout):
     """Its arrays, once the index's names and dtypes are known."""
     self.names, self.dtypes = names, dtypes
     code_of = {d: i for i, d in enumerate(dtypes)}
-    self.columns, self.sizes = columns(mirror_columns(self.state_parts, name_of, code_of), dtypes)
+    self.columns, self.sizes = columns(
+      mirror_columns(self.state_parts, name_of, code_of), dtypes, self.where
+    )
 
   def state(self, scalars: Sequence[Any], buffers: dict[tuple[str, int], Any]) -> Any:
     """The archive's state: clock scalars and history buffers put in the tree."""

@@ -52,7 +52,6 @@ __all__ = ["describes", "layout_digest", "parse", "placements_digest"]
 
 # Archive names of a table: ``archive_`` and the number, at least 5 digits, at most 9.
 MAX_ARCHIVE_NUMBER = 10**9 - 1
-_MAX_COUNT = 2**62
 
 
 # --- reading --------------------------------------------------------------------
@@ -102,27 +101,31 @@ def _pids(arrays: Mapping[str, np.ndarray], where: str) -> list[str]:
 
 
 def _counts(dims: np.ndarray, at: np.ndarray, where: str) -> np.ndarray:
-  """Each shape's element count; a negative dimension or a count past 2**62 is refused."""
-  if len(dims) and int(dims.min()) < 0:
-    p = int(np.searchsorted(at, _first(dims < 0), side="right")) - 1
-    raise _refuse(
-      f"{where}, param {p}",
-      f"shape {tuple(dims[at[p] : at[p + 1]].tolist())} is not a valid array shape",
-    )
+  """Each shape's element count; a shape ``fmt.valid_shape`` refuses is refused."""
   n = len(at) - 1
   ndim = np.diff(at)
+  bad = []
+  if len(dims) and int(dims.min()) < 0:
+    bad.append(int(np.searchsorted(at, _first(dims < 0), side="right")) - 1)
+  if n and int(ndim.max()) > fmt.MAX_NDIM:
+    bad.append(_first(ndim > fmt.MAX_NDIM))
+  if bad:
+    p = min(bad)
+    raise _refuse(
+      f"{where}, param {p}",
+      f"shape {fmt.short(tuple(dims[at[p] : at[p + 1]].tolist()))} is not a valid array shape",
+    )
   count = np.ones(n, np.int64)
   some = np.flatnonzero(ndim > 0)
   if len(some):
-    # A float product bounds the exact one; only shapes near the limit are multiplied exactly.
-    approx = np.multiply.reduceat(dims.astype(np.float64), at[some])
-    count[some] = np.where(approx <= 2.0**61, np.multiply.reduceat(dims, at[some]), 0)
-    for p in some[approx > 2.0**61].tolist():
+    # The extent (zeros counted as ones) bounds the count; a float product bounds the
+    # exact one, and only shapes near the limit are multiplied exactly.
+    approx = np.multiply.reduceat(np.maximum(dims, 1).astype(np.float64), at[some])
+    for p in some[approx > fmt.MAX_EXTENT / 2].tolist():
       shape = tuple(dims[at[p] : at[p + 1]].tolist())
-      exact = int(np.prod(shape, dtype=object))
-      if exact > _MAX_COUNT:
+      if not fmt.valid_shape(shape):
         raise _refuse(f"{where}, param {p}", f"shape {shape} is not a valid array shape")
-      count[p] = exact
+    count[some] = np.multiply.reduceat(dims, at[some])
   return count
 
 
@@ -323,7 +326,7 @@ def _layouts(
   if len(slots) != len(code):
     raise _refuse(tw, "every leaf needs a dtype and slots")
   _codes(code, len(dtypes), -1, tw, "dtype")
-  bad = (slots < 0) | (slots > _MAX_COUNT) | ((code < 0) & (slots != 0))
+  bad = (slots < 0) | (slots > fmt.MAX_EXTENT) | ((code < 0) & (slots != 0))
   if bad.any():
     raise _refuse(tw, f"{int(slots[_first(bad)])} slots is not a buffer size")
   mirrors = [

@@ -164,7 +164,7 @@ class TableLayout(ArchiveLayout):
     self.structures = structures
     self.mirror_leaves = mirrors
     self.columns, self.sizes = columns(
-      [(structures[s].ids, c, n) for s, (c, n) in zip(self.structure_of, mirrors)], dtypes
+      [(structures[s].ids, c, n) for s, (c, n) in zip(self.structure_of, mirrors)], dtypes, where
     )
 
   @functools.cached_property
