@@ -7,6 +7,7 @@ their crc32c, then the shard index and its crc32c). Every test damages a real
 save and checks the exact refusal of ``load_records`` and of ``restore``.
 """
 
+import base64
 import glob
 import json
 import os
@@ -725,6 +726,10 @@ def test_huge_shape_that_disagrees_with_the_layout(ckpt, reader):
       "dtype 'complex64' is not one",
     ),
     (
+      lambda d: d["layouts"][0]["leaves"][1].__setitem__(1, "int32"),
+      "leaf 1: history buffer dtype int32 is not a floating dtype jaxreshard stores",
+    ),
+    (
       lambda d: d["layouts"][0]["leaves"][1].__setitem__(1, "../../etc"),
       "dtype '../../etc' is not one",
     ),
@@ -737,6 +742,24 @@ def test_huge_shape_that_disagrees_with_the_layout(ckpt, reader):
       "invalid Python scalar",
     ),
     (lambda d: d["clocks"][0][0].update(dtype="object"), "dtype 'object' is not one"),
+    (
+      # uint64 key words: jax would keep only their low 32 bits with x64 off.
+      lambda d: d["clocks"][0].__setitem__(
+        0,
+        {
+          "key": "threefry2x32",
+          "dtype": "uint64",
+          "shape": [2],
+          "weak": False,
+          "bytes": base64.b64encode(np.array([2**32 + 5, 7], np.uint64).tobytes()).decode(),
+        },
+      ),
+      "threefry2x32 key data must be uint32 words",
+    ),
+    (
+      lambda d: d["clocks"][0].__setitem__(0, {"py": "int", "v": 1, "key": "threefry2x32"}),
+      "either a Python number or a PRNG key",
+    ),
     (lambda d: d["clocks"][0][0].update(pickle="x"), "are not a scalar"),
     (lambda d: d["clocks"][0][0].update(bytes="!!!!!!!!"), "scalar bytes are not base64"),
   ],

@@ -340,6 +340,10 @@ def test_a_re_signed_shape_edit_in_the_table_is_refused(ckpt):
     (lambda a, i: i["layouts"][0].update(mirrors=[0]), "mirrors but it lists 1"),
     (lambda a, i: i["layouts"][0]["slots"].__setitem__(0, {"s": 1}), "numbered in order"),
     (lambda a, i: i["dtypes"].__setitem__(0, "object"), "dtype 'object' is not one"),
+    (
+      lambda a, i: i["dtypes"].__setitem__(i["dtypes"].index("float32"), "int32"),
+      "history buffer dtype int32 is not a floating dtype jaxreshard stores",
+    ),
     (lambda a, i: i["clocks"].__setitem__(0, []), "its clock has 0 scalars but its layout 1"),
   ],
 )

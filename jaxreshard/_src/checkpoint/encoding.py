@@ -96,6 +96,20 @@ def check_name(name: Any, pattern: re.Pattern, where: str) -> str:
   return name
 
 
+# The dtypes a history buffer is stored in (clock scalars may have any of _DTYPES).
+BUFFER_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def buffer_dtype(dtype: np.dtype, where: str) -> np.dtype:
+  """``dtype``, refused unless history buffers are stored in it."""
+  if np.dtype(dtype).name not in BUFFER_DTYPES:
+    raise ArchiveError(
+      f"{where}: history buffer dtype {np.dtype(dtype).name} is not a floating"
+      " dtype jaxreshard stores"
+    )
+  return dtype
+
+
 def np_dtype(name: Any, where: str) -> np.dtype:
   """A dtype from its name, only from a fixed list."""
   if not isinstance(name, str) or name not in _DTYPES:
@@ -266,6 +280,8 @@ def short(value: Any, limit: int = 80) -> str:
 
 def decode_scalar(d: Any, where: str) -> Any:
   expect(d, dict, where)
+  if "py" in d and "key" in d:
+    raise ArchiveError(f"{where}: a scalar is either a Python number or a PRNG key")
   if "py" in d:
     kind, v = d.get("py"), d.get("v")
     if kind == "bool" and isinstance(v, bool):
@@ -283,6 +299,9 @@ def decode_scalar(d: Any, where: str) -> Any:
     if impl not in _KEY_IMPLS:
       raise ArchiveError(f"{where}: PRNG key implementation {short(impl)} is not one jax has")
     data = decode_scalar({k: v for k, v in d.items() if k != "key"}, where)
+    if not (isinstance(data, np.ndarray | jax.Array) and data.dtype == np.uint32):
+      # Every key implementation's data is uint32; device_put would cut wider words.
+      raise ArchiveError(f"{where}: {impl} key data must be uint32 words")
     try:
       return jax.random.wrap_key_data(jax.device_put(data), impl=impl)
     except (TypeError, ValueError) as e:

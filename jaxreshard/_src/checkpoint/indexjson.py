@@ -308,7 +308,7 @@ def _parse_layout(e: Any, where: str) -> JsonLayout:
       slots = fmt.expect(x[2], int, lw)
       if not 0 <= slots <= fmt.MAX_EXTENT:
         raise ArchiveError(f"{lw}: {slots} slots is not a buffer size")
-      d = fmt.np_dtype(x[1], lw)
+      d = fmt.buffer_dtype(fmt.np_dtype(x[1], lw), lw)
       dtypes[x[1]] = d
       leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), d))
     else:

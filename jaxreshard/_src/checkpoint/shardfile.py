@@ -32,6 +32,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 
+from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.errors import ArchiveError
 
 __all__ = [
@@ -51,12 +52,8 @@ SHARD_KEY = ("c", "0")
 MAX_META_BYTES = 1 << 16
 _IOV_MAX = 512  # iovecs per system call, well below Linux's 1024
 
-_ZARR_DTYPES = {
-  "float32": "float32",
-  "float16": "float16",
-  "bfloat16": "bfloat16",
-  "float64": "float64",
-}
+# zarr's name of each dtype a buffer is stored in (``encoding.BUFFER_DTYPES``).
+_ZARR_DTYPES = {name: name for name in fmt.BUFFER_DTYPES}
 
 
 # Chunks per buffer at most: an archive's metadata lists the crc32c of every chunk

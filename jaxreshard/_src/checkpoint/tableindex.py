@@ -326,6 +326,8 @@ def _layouts(
   if len(slots) != len(code):
     raise _refuse(tw, "every leaf needs a dtype and slots")
   _codes(code, len(dtypes), -1, tw, "dtype")
+  for c in np.unique(code[code >= 0]).tolist():
+    fmt.buffer_dtype(dtypes[c], f"{tw}, leaves")
   bad = (slots < 0) | (slots > fmt.MAX_EXTENT) | ((code < 0) & (slots != 0))
   if bad.any():
     raise _refuse(tw, f"{int(slots[_first(bad)])} slots is not a buffer size")
