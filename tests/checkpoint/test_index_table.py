@@ -420,3 +420,42 @@ def test_an_archive_in_two_groups_of_one_rank_reads_from_a_table(tmp_path):
   for rank in range(3):
     want = jr.reshard(records, jr.plan(records, world_size=3, rank=rank))
     assert_records_equal(jr.restore(tmp_path / "t", world_size=3, rank=rank), want)
+
+
+def test_a_forged_param_id_never_stands_for_another_checkpoint_s_ids(ckpt, tmp_path):
+  # One param whose id is the others' ids joined by NUL: opening it must not change
+  # what the first checkpoint's trees decode to in this process (a cache key of
+  # joined ids made the two the same).
+  forged = tmp_path / "forged"
+  shutil.copytree(ckpt, forged)
+  good = jr.load_records(ckpt)
+
+  def one_param(a, _):
+    names = bytes(a["name_bytes"]).decode()
+    ids = [names[x:y] for x, y in zip([0, *a["name_ends"][:-1].tolist()], a["name_ends"].tolist())]
+    evil = "\0".join(ids).encode()
+    one = lambda *v: np.array(v, a["param_name"].dtype)  # noqa: E731
+    a.update(
+      name_bytes=np.frombuffer(evil, np.uint8),
+      name_ends=one(len(evil)).astype(a["name_ends"].dtype),
+      param_name=one(0),
+      param_dims_end=one(1).astype(a["param_dims_end"].dtype),
+      param_dims=one(2).astype(a["param_dims"].dtype),
+      param_dtype=one(0).astype(a["param_dtype"].dtype),
+      param_trainable=one(1).astype(a["param_trainable"].dtype),
+      group_params=one(0).astype(a["group_params"].dtype),
+      group_params_end=one(1).astype(a["group_params_end"].dtype),
+      structure_ids=one(0).astype(a["structure_ids"].dtype),
+      structure_ids_end=one(1).astype(a["structure_ids_end"].dtype),
+      mirror_leaves_end=one(1, 2).astype(a["mirror_leaves_end"].dtype),
+      leaf_dtype=one(0, 0).astype(a["leaf_dtype"].dtype),
+      leaf_slots=one(1, 1).astype(a["leaf_slots"].dtype),
+    )
+
+  _edit_table(forged, one_param)
+  try:
+    repr(jr.open_checkpoint(forged))
+  except jr.ReshardError:
+    pass  # refused or not, it changes nothing about the other checkpoint
+  for a, b in zip(jr.load_records(ckpt), good, strict=True):
+    assert_records_equal(a, b)

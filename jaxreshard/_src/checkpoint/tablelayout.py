@@ -73,7 +73,8 @@ class _Entries(Mapping):
 
 
 class _TreeCache:
-  """Decoded params trees by their content (tree text, ids): a process restoring one
+  """Decoded params trees by their content (tree text, the tuple of ids; ids may hold
+  any character, so never a joined string of them): a process restoring one
   layout again (another rank, another step of the run) decodes its trees once."""
 
   def __init__(self, maxsize: int = 16):
@@ -194,7 +195,7 @@ class TableLayout(ArchiveLayout):
     for s in sorted(set(self.structure_of)):
       st = self.structures[s]
       ids = tuple(self.names[i] for i in st.ids.tolist())
-      out[s] = _TREES.get((st.tree, "\0".join(ids)), lambda: self._decode(s, ids))
+      out[s] = _TREES.get((st.tree, ids), lambda: self._decode(s, ids))
     return out
 
   def _decode(self, s: int, ids: tuple[str, ...]) -> tuple[Any, tuple[str, ...]]:
