@@ -195,3 +195,23 @@ def test_merge_takes_parts_saved_by_orbax(tmp_path):
   assert merged.world_size == 6
   for a, b in zip(jr.load_records(tmp_path / "m4"), want, strict=True):
     assert_records_equal(a, b)
+
+
+def test_temporary_directories_are_never_read_as_items_or_steps(run, tmp_path):
+  """What a killed save leaves (jaxreshard's ``.NAME.tmp-...`` or orbax's
+  ``NAME.orbax-checkpoint-tmp``) may already hold an index; it is not committed,
+  so no path through a parent directory takes it."""
+  import shutil
+
+  parent = tmp_path / "parent"
+  parent.mkdir()
+  shutil.copytree(run / "plain20", parent / f".opt.tmp-{'0' * 32}-7-host")
+  shutil.copytree(run / "plain20", parent / "opt.orbax-checkpoint-tmp")
+  assert "no orbax steps with a jaxreshard item" in _error(_run("inspect", parent))
+  steps = tmp_path / "steps"
+  shutil.copytree(run / "run", steps)
+  shutil.copytree(steps / "30", steps / "40.orbax-checkpoint-tmp-1733000000")
+  shutil.copytree(steps / "30" / "default", steps / "30" / "default.orbax-checkpoint-tmp")
+  data = json.loads(_run("inspect", steps, "--json").stdout)
+  assert data["orbax"]["steps"] == [10, 20, 30] and data["orbax"]["item"] == "default"
+  assert _run("reshard", steps, tmp_path / "out", "-w", 3, "--step", 40).exit_code == EXIT_ERROR

@@ -25,6 +25,7 @@ import os
 import re
 from typing import Any
 
+from jaxreshard._src.checkpoint import tempdir as _tempdir
 from jaxreshard._src.checkpoint.index import INDEX_FILE
 from jaxreshard._src.errors import ArchiveError
 
@@ -71,7 +72,11 @@ def _items(step_dir: str) -> list[str]:
   except OSError:
     return []
   return sorted(
-    n for n in names if _is_dir(os.path.join(step_dir, n)) and _has_index(os.path.join(step_dir, n))
+    n
+    for n in names
+    if not _tempdir.is_temporary(n)  # an uncommitted save, whatever it already holds
+    and _is_dir(os.path.join(step_dir, n))
+    and _has_index(os.path.join(step_dir, n))
   )
 
 
@@ -90,7 +95,7 @@ def orbax_steps(run_dir: os.PathLike | str) -> dict[int, str]:
   for name in names:
     m = _STEP_NAME.match(name)
     path = os.path.join(run_dir, name)
-    if m and _is_dir(path) and _items(path):
+    if m and not _tempdir.is_temporary(name) and _is_dir(path) and _items(path):
       step = int(m.group(1))
       if step in steps:
         raise ArchiveError(

@@ -26,10 +26,36 @@ from jaxreshard._src.checkpoint.table import TABLE_FILE
 from jaxreshard._src.checkpoint.writer import IndexBuilder
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
 
-__all__ = ["LOCK_FILE", "TempDir", "commit_dir", "new_temp_dir", "remove_temp_dirs", "temp_dirs"]
+__all__ = [
+  "LOCK_FILE",
+  "TempDir",
+  "commit_dir",
+  "is_temporary",
+  "new_temp_dir",
+  "remove_temp_dirs",
+  "temp_dirs",
+]
 
 
 _TEMP = re.compile(r"\.(?P<name>.+)\.tmp-[0-9a-f]{32}-(?P<pid>[0-9]+)-(?P<host>[A-Za-z0-9._-]*)\Z")
+
+# Orbax's temporary directories: its commit renames ``NAME`` + this (and what it may
+# add after it) to ``NAME``.
+ORBAX_TEMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+def is_temporary(name: str) -> bool:
+  """Whether ``name`` is a save's temporary directory (jaxreshard's or orbax's): never
+  a checkpoint, a step or an item to read, whatever it holds.
+
+  Examples:
+    >>> is_temporary(".ckpt.tmp-" + "0" * 32 + "-7-host"), is_temporary("7.orbax-checkpoint-tmp")
+    (True, True)
+    >>> is_temporary("ckpt"), is_temporary("7")
+    (False, False)
+  """
+  return bool(_TEMP.match(name)) or ORBAX_TEMP_SUFFIX in name
+
 
 LOCK_FILE = ".jaxreshard-save.lock"
 """The file in a temporary directory that its writer holds ``flock(LOCK_EX)`` on
