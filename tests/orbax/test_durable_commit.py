@@ -224,3 +224,110 @@ def test_a_typed_prng_key_is_saved_on_every_orbax_path(tmp_path):
       (key,) = keys(record.state)
       assert jax.random.key_impl(key) == jax.random.key_impl(want), path
       assert np.array_equal(jax.random.key_data(key), jax.random.key_data(want)), path
+
+
+def _mesh_state():
+  params = {"w": jnp.arange(12.0)}
+  opt = optax.adam(1e-3)
+  mesh = device_mesh((4,), ("fsdp",))
+  return opt, jr.shard_to_mesh(opt, params, opt.init(params), mesh).state, mesh
+
+
+def test_a_temporary_directory_whose_writer_holds_its_lock_is_never_taken(tmp_path):
+  """Orbax gives every save to one path one temporary directory and removes what is
+  there; a save that finds another live writer's (its lock held) is refused and
+  removes nothing. Once the lock is free, the next save takes the leftover."""
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+
+  opt, state, mesh = _mesh_state()
+  final = tmp_path / "ck"
+  tmp = tmp_path / "ck.orbax-checkpoint-tmp"
+  tmp.mkdir()
+  (tmp / "archive_00000").mkdir()  # what the live writer has written so far
+  held = _tempdir.hold(str(tmp))
+  assert held is not None
+  try:
+    with pytest.raises(jr.ArchiveExistsError, match="another save to .* is writing it"):
+      jr.save_sharded(final, opt, state, {"w": (12,)}, mesh)
+    assert (tmp / "archive_00000").is_dir() and not final.exists()
+    assert _tempdir.temp_dirs(str(final)) == [(str(tmp), False)]
+  finally:
+    os.close(held[1])
+    os.close(held[0])
+  assert _tempdir.temp_dirs(str(final)) == [(str(tmp), True)]
+  jr.save_sharded(final, opt, state, {"w": (12,)}, mesh)
+  assert len(jr.load_records(final)) == 4 and not tmp.exists()
+  assert _tempdir.LOCK_FILE not in os.listdir(final)
+
+
+def test_a_failed_save_sharded_leaves_its_directory_to_the_next_save(tmp_path, monkeypatch):
+  """The failed save's lock goes with it: the same process saves again at once."""
+  opt, state, mesh = _mesh_state()
+  finalize = _handler.ReshardCheckpointHandler.finalize
+
+  def fails(self, directory):
+    raise OSError(5, "injected failure of the index write")
+
+  monkeypatch.setattr(_handler.ReshardCheckpointHandler, "finalize", fails)
+  with pytest.raises(Exception, match="injected failure"):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert not (tmp_path / "ck").exists()
+  monkeypatch.setattr(_handler.ReshardCheckpointHandler, "finalize", finalize)
+  jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert len(jr.load_records(tmp_path / "ck")) == 4
+
+
+def test_clean_removes_a_killed_save_sharded_s_directory_only_when_its_lock_is_free(tmp_path):
+  from typer.testing import CliRunner
+
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+  from jaxreshard._src.cli.commands import app
+
+  final = tmp_path / "ck"
+  stale, live = tmp_path / "ck.orbax-checkpoint-tmp", tmp_path / "ck.orbax-checkpoint-tmp-17"
+  plain = tmp_path / "ck.orbax-checkpoint-tmp-18"  # orbax's own writers take no lock
+  for d in (stale, live, plain):
+    (d / "archive_00000").mkdir(parents=True)
+  for d in (stale, live):
+    (d / _tempdir.LOCK_FILE).touch()
+  held = _tempdir.hold(str(live))
+  try:
+    result = CliRunner().invoke(app, ["clean", str(final), "--all", "--json"])
+  finally:
+    os.close(held[1])
+    os.close(held[0])
+  assert result.exit_code == 0, result.output
+  assert not stale.exists() and live.exists() and plain.exists()
+
+
+def test_every_file_of_a_manager_step_is_fsynced_before_its_rename(tmp_path, io_log):
+  """orbax's own handlers (a StandardSave item beside jaxreshard's) do not fsync what
+  they write; the durable rename fsyncs every file and directory of the step before
+  it is renamed into place (only commit_success.txt is written after)."""
+  import numpy as np
+
+  options = ocp.CheckpointManagerOptions(temporary_path_class=jr.DurableRenameTemporaryPath)
+  run = tmp_path / "new" / "run"  # made by orbax, with its parent
+  with ocp.CheckpointManager(run, options=options, item_names=("opt", "params")) as manager:
+    manager.save(
+      1,
+      args=ocp.args.Composite(
+        opt=jr.ReshardSave(adam_records(2)),
+        params=ocp.args.StandardSave({"w": np.arange(6.0, dtype=np.float32)}),
+      ),
+    )
+    manager.wait_until_finished()
+  rename_at = next(i for i, e in enumerate(io_log) if e[0] == "rename" and e[2] == str(run / "1"))
+  synced = {e[1] for e in io_log[:rename_at] if e[0] == "fsync"}
+  step = run / "1"
+  files = [
+    os.path.join(root, n)
+    for root, _, names in os.walk(step)
+    for n in names + [""]
+    if n != "commit_success.txt"
+  ]
+  in_tmp = {f.replace(str(step), str(run / "1.orbax-checkpoint-tmp"), 1).rstrip("/") for f in files}
+  assert in_tmp - synced == set()
+  after = {e[1] for e in io_log[rename_at:] if e[0] == "fsync"}
+  assert {str(run), str(run.parent)} <= after  # the rename, and the run directory made for it
+  assert "params" in os.listdir(step) and not any(".jaxreshard-save.lock" in f for f in files)

@@ -30,6 +30,8 @@ __all__ = [
   "LOCK_FILE",
   "TempDir",
   "commit_dir",
+  "has_lock_file",
+  "hold",
   "is_temporary",
   "new_temp_dir",
   "remove_temp_dirs",
@@ -115,17 +117,40 @@ def temp_dirs(final: str) -> list[tuple[str, bool]]:
     return out
   for entry in sorted(entries):
     m = _TEMP.match(entry)
-    if not m or m["name"] != name:
+    ours = bool(m) and m["name"] == name
+    # Orbax's temporary directory of a save_sharded (or of a CheckpointManager with
+    # DurableRenameTemporaryPath): its lock file says its writer follows this protocol;
+    # without one, orbax's own writers hold no lock, and liveness cannot be decided.
+    orbax = entry.startswith(name + ORBAX_TEMP_SUFFIX)
+    if not (ours or orbax):
       continue
     path = os.path.join(parent, entry)
     if os.path.islink(path) or not os.path.isdir(path):
       continue  # a link or a file of that name is no save's: never followed or removed
+    if orbax and not has_lock_file(path):
+      continue
     dfd, lfd = _lock_probe(path)
     if dfd is not None:
       os.close(lfd)
       os.close(dfd)
     out.append((path, dfd is not None))
   return out
+
+
+def has_lock_file(path: str) -> bool:
+  """Whether the directory ``path`` holds a regular lock file (its writer takes locks)."""
+  try:
+    return stat.S_ISREG(os.stat(os.path.join(path, LOCK_FILE), follow_symlinks=False).st_mode)
+  except OSError:
+    return False
+
+
+def hold(path: str) -> tuple[int, int] | None:
+  """``(dir_fd, lock_fd)`` of the directory ``path`` with its writer's lock taken (the
+  lock file made when missing), or None when another writer holds it; the caller
+  closes both when its save is over."""
+  dfd, lfd = _lock_probe(path)
+  return None if dfd is None else (dfd, lfd)
 
 
 def _this_host(path: str) -> bool:

@@ -10,8 +10,18 @@ with the fsyncs a durable rename needs: the directory before it is renamed
 rename itself), and the renamed directory again (the entries of the small
 files orbax writes while it commits: ``commit_success.txt``, the metadata's
 commit time, which nothing reads to load a step and whose contents are not
-fsync'ed). The handlers' files are fsync'ed by whoever wrote them
-(jaxreshard's archives and index are, when written).
+fsync'ed). Every file and directory in the temporary directory is fsync'ed
+before the rename, whoever wrote it (orbax's own handlers do not fsync their
+files), and after it the parent and the parent's parent (a run directory
+orbax made for the first step).
+
+Orbax gives every save to one path the same temporary directory, and a new
+save removes whatever is there. Here the writer holds a lock (``flock`` on a
+lock file in it, as ``save_records``' temporary directories have) from its
+creation to the commit, and a save that finds the directory held by another
+writer is refused and removes nothing; the check and the creation happen under
+a lock on the parent directory, so two saves never both take one directory.
+``clean`` removes such a directory once its lock is free (with ``--all``).
 
 ``save_sharded`` commits through it. A ``CheckpointManager`` takes it as
 ``CheckpointManagerOptions(temporary_path_class=DurableRenameTemporaryPath)``,
@@ -21,11 +31,18 @@ which orbax uses for each step and for each item of a step.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
+import weakref
 
 import orbax.checkpoint as ocp
 
-__all__ = ["DurableRenameTemporaryPath", "fsync_dir"]
+from jaxreshard._src.checkpoint import tempdir as _tempdir
+from jaxreshard._src.errors import ArchiveExistsError
+
+__all__ = ["DurableRenameTemporaryPath", "fsync_dir", "fsync_tree", "one_save", "refuse_if_held"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def fsync_dir(path: str) -> None:
@@ -35,6 +52,54 @@ def fsync_dir(path: str) -> None:
     os.fsync(fd)
   finally:
     os.close(fd)
+
+
+def fsync_tree(path: str) -> None:
+  """fsyncs every regular file and directory under ``path`` (links are not followed),
+  the directories after what they hold."""
+  for root, _dirs, files in os.walk(path, topdown=False):
+    for name in files:
+      where = os.path.join(root, name)
+      try:
+        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+      except OSError:
+        continue  # a link or what is not ours to open: nothing a restore reads
+      try:
+        if os.path.isfile(where) and not os.path.islink(where):
+          os.fsync(fd)
+      finally:
+        os.close(fd)
+    fsync_dir(root)
+
+
+def _close(*fds: int) -> None:
+  for fd in fds:
+    try:
+      os.close(fd)
+    except OSError:
+      pass
+
+
+def refuse_if_held(tmp: str, final: str) -> None:
+  """Raises ``ArchiveExistsError`` when a live writer holds the lock of ``tmp``, the
+  temporary directory of a save to ``final``.
+
+  ``save_sharded`` asks before orbax starts its save (a refusal from inside
+  orbax's directory creation leaves orbax's commit thread waiting for a signal
+  until its timeout); ``create`` asks again under the parent's lock.
+  """
+  if os.path.isdir(tmp) and not os.path.islink(tmp) and _tempdir.has_lock_file(tmp):
+    held = _tempdir.hold(tmp)
+    if held is None:
+      raise ArchiveExistsError(
+        f"{tmp}: another save to {final} is writing it (its writer holds its"
+        " lock); this save removed nothing"
+      )
+    _close(*held)
+
+
+def _is_local(path: str) -> bool:
+  return "://" not in path
 
 
 class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
@@ -47,13 +112,71 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
   committed as orbax commits them.
   """
 
+  _held: tuple[int, int] | None = None
+  _release: weakref.finalize | None = None
+  # The instances of a class made by ``one_save``: the temporary paths of one save.
+  _made: list[DurableRenameTemporaryPath] | None = None
+
+  @classmethod
+  def let_go(cls) -> None:
+    """Frees the locks the instances of a ``one_save`` class still hold (a failed
+    save's directories: the next save of their paths removes them)."""
+    for path in cls._made or ():
+      path._let_go()  # pylint: disable=protected-access
+
+  async def create(self):  # pylint: disable=invalid-overridden-method
+    tmp, final = os.fspath(self.get()), os.fspath(self.get_final())
+    if not _is_local(tmp):
+      return await super().create()
+    parent = os.path.dirname(os.path.abspath(tmp))
+    os.makedirs(parent, exist_ok=True)
+    pfd = os.open(parent, _DIR_FLAGS)
+    try:
+      # One save at a time decides whether the directory is taken and makes it.
+      await asyncio.to_thread(fcntl.flock, pfd, fcntl.LOCK_EX)
+      refuse_if_held(tmp, final)  # else a killed writer's: orbax removes it and starts over
+      path = await super().create()
+      held = _tempdir.hold(tmp)
+      if held is None:  # no other save gets here while the parent is locked
+        raise ArchiveExistsError(f"{tmp}: another save took it as it was made")
+      self._held = held
+      # A failed save's lock goes when this object does (or at ``let_go``).
+      self._release = weakref.finalize(self, _close, *held)
+      if type(self)._made is not None:
+        type(self)._made.append(self)
+      return path
+    finally:
+      os.close(pfd)
+
+  def _let_go(self) -> None:
+    if self._release is not None:
+      self._release()
+    self._held = self._release = None
+
   async def finalize(self) -> None:  # pylint: disable=invalid-overridden-method
     tmp, final = os.fspath(self.get()), os.fspath(self.get_final())
-    local = os.path.isdir(tmp)
-    if local:
-      await asyncio.to_thread(fsync_dir, tmp)
-    await super().finalize()
-    if local:
-      await asyncio.to_thread(fsync_dir, os.path.dirname(os.path.abspath(final)))
-      if os.path.isdir(final):
-        await asyncio.to_thread(fsync_dir, final)
+    local = _is_local(tmp) and os.path.isdir(tmp)
+    try:
+      if local:
+        await asyncio.to_thread(fsync_tree, tmp)
+      await super().finalize()
+      if local:
+        if self._held is not None:
+          # The lock file goes once the directory is in place (its fd follows the rename).
+          try:
+            os.unlink(_tempdir.LOCK_FILE, dir_fd=self._held[0])
+          except FileNotFoundError:
+            pass
+        parent = os.path.dirname(os.path.abspath(final))
+        await asyncio.to_thread(fsync_dir, parent)
+        await asyncio.to_thread(fsync_dir, os.path.dirname(parent))
+        if os.path.isdir(final):
+          await asyncio.to_thread(fsync_dir, final)
+    finally:
+      self._let_go()
+
+
+def one_save() -> type[DurableRenameTemporaryPath]:
+  """A ``DurableRenameTemporaryPath`` class for one save: its ``let_go()`` frees what
+  that save's temporary paths hold once the save is over, failed or not."""
+  return type("DurableRenameTemporaryPath", (DurableRenameTemporaryPath,), {"_made": []})

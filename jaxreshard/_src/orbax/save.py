@@ -15,6 +15,7 @@ from typing import Any
 
 import optax
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.sharding import Mesh
 
 from jaxreshard._src.checkpoint import index as _index
@@ -105,10 +106,11 @@ def save_sharded(
   )
   timeout = max(1, int(timeout_s))
   handler = _handler.ReshardCheckpointHandler(timeout_secs=timeout)
+  commit = _durable.one_save()  # its temporary directories' locks go when the save ends
+  tmp = os.fspath(commit.from_final(epath.Path(final)).get())
+  _durable.refuse_if_held(tmp, final)  # a live save of it
   # Refusals of the state, host copies and the index, before any directory exists.
-  checkpointer = ocp.AsyncCheckpointer(
-    handler, timeout_secs=timeout, temporary_path_class=_durable.DurableRenameTemporaryPath
-  )
+  checkpointer = ocp.AsyncCheckpointer(handler, timeout_secs=timeout, temporary_path_class=commit)
   try:
     prepared = handler.prepare_save(args, progress=progress, where=final)
     checkpointer.save(final, args=args)
@@ -129,6 +131,7 @@ def save_sharded(
       checkpointer.close()
     except Exception:  # pylint: disable=broad-exception-caught
       pass  # the error, if any, was raised above
+    commit.let_go()
 
 
 def _check_committed(final: str, checkpoint_id: str) -> None:
