@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._src.checkpoint import clockjson as _clockjson
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint.index import (
   _ID,
@@ -324,7 +325,7 @@ def _parse_clock(e: Any, where: str, n_params: int) -> list[Any]:
       f"{where}: {len(scalars)} optimizer scalars for {n_params}"
       f" params, more than an optimizer has (at most {limit})"
     )
-  return [fmt.decode_scalar(x, f"{where}, scalar {k}") for k, x in enumerate(scalars)]
+  return [_clockjson.decode_scalar(x, f"{where}, scalar {k}") for k, x in enumerate(scalars)]
 
 
 def _parse_group(e: Any, where: str, params: Sequence[ParamEntry], names: Sequence[str]) -> Group:

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxreshard._src.checkpoint import clockjson as _clockjson
 from jaxreshard._src.checkpoint import deferredindex as _deferredindex
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import entries as _entries
@@ -171,7 +172,7 @@ class IndexBuilder:
       layout = self._layout(index, record, roles, state_parts)
       self._layout_of_signature[signature] = layout
     scalars = [
-      fmt.encode_scalar(leaf, f"archive {index}, leaf {i}")
+      _clockjson.encode_scalar(leaf, f"archive {index}, leaf {i}")
       for i, (leaf, role) in enumerate(zip(leaves, roles))
       if role is None
     ]
