@@ -239,3 +239,28 @@ def test_linen_train_state_on_explicit_axes():
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
     assert a.sharding.is_equivalent_to(rep, a.ndim), a.sharding
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+def test_apply_if_finite_updates_outside_jit_on_any_axes(axis_types):
+  """``optax.apply_if_finite`` keeps or zeroes the updates in a ``lax.cond``; outside
+  ``jit`` on explicit axes its branches differ in layout type op by op, and the
+  update runs on Auto axes instead: the same bits as the jitted update, a
+  non-finite grad zeroed and counted."""
+  kinds = (AxisType.Explicit,) if axis_types == "explicit" else (AxisType.Auto,)
+  mesh = jax.make_mesh((8,), ("fsdp",), axis_types=kinds)
+  tx = optax.apply_if_finite(optax.adam(1e-2), max_consecutive_errors=3)
+  opt = jr.flat_sharded(tx, mesh, "fsdp")
+  params = jax.device_put({"w": jnp.arange(37.0), "s": jnp.float32(2.0)}, NamedSharding(mesh, P()))
+  context = jax.set_mesh(mesh) if axis_types == "explicit" else contextlib.nullcontext()
+  with context:
+    bad = {"w": params["w"].at[3].set(jnp.nan), "s": params["s"]}
+    state = opt.init(params)
+    eager, eager_state = opt.update(params, state, params)
+    jitted, jitted_state = jax.jit(opt.update)(params, state, params)
+    assert_trees_bit_equal(eager, jitted)
+    assert_trees_bit_equal(eager_state, jitted_state)
+    assert float(eager["w"][1]) != 0.0
+    zeroed, after = opt.update(bad, eager_state, params)
+  assert not np.asarray(zeroed["w"]).any() and not np.asarray(zeroed["s"]).any()
+  assert int(after.notfinite_count) == 1 and int(after.total_notfinite) == 1

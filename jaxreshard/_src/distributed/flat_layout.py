@@ -271,8 +271,17 @@ def update_on_auto_axes(
   histories and reduces them on each device. The flat updates (``ids``) and the
   state (``roles``) come out sharded over the axis, or replicated where whole.
   """
-  if not layout.explicit or all(is_concrete(x) for x in jax.tree_util.tree_leaves(args)):
+  concrete = all(is_concrete(x) for x in jax.tree_util.tree_leaves(args))
+  if not layout.explicit:
     return update(*args)
+  if concrete:
+    try:
+      return update(*args)  # op by op, as the unwrapped optimizer runs outside jit
+    except TypeError:
+      # Op by op under explicit axes, branches of a ``lax.cond`` (``apply_if_finite``'s
+      # kept and zeroed updates) may differ in layout type; the update has changed
+      # nothing (arrays are values), so it runs again on Auto axes, as under jit.
+      pass
 
   def laid_out(tree: Any, pids: Any) -> Any:
     leaves = [

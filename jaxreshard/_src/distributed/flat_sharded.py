@@ -279,7 +279,10 @@ def flat_sharded(
     updates itself (``nnx.Optimizer.update``, ``TrainState.apply_gradients``)
     keeps replicated params replicated, and every mesh adds the updates after
     their all-gather, so a run resumed on another number of devices continues
-    bit for bit op by op, and inside ``jit`` to the last bit's rounding (below).
+    bit for bit op by op (optax's own compiled pieces aside) and inside ``jit``
+    to the last bit's rounding (below). Outside ``jit`` on explicit axes, an
+    update whose ``lax.cond`` branches differ in layout type op by op
+    (``apply_if_finite``) runs on Auto axes, as under ``jit``.
   * With ``shard_updates=True``, under explicit mesh axes the update of a param
     of more than ``M`` elements whose leading dimension ``M`` divides is
     returned with its rows sharded over ``axis`` (``PartitionSpec(axis)``,
@@ -302,9 +305,11 @@ def flat_sharded(
   params, grads and histories (adam, adamw, adagrad, sgd with momentum, lion,
   ``inject_hyperparams``, ``masked``, ``multi_transform``, ...) each element
   goes through the same operations on the same values as in the unwrapped
-  optimizer, and run op by op the updates and states are the same bits.
-  ``optax.MultiSteps`` runs its inner update inside ``lax.cond``, compiled even
-  op by op: it agrees to the last bit's rounding, as jitted updates do (below). A param of at most M elements (one slot per rank) is updated on its own
+  optimizer, and run op by op the updates and states are the same bits, but for
+  the pieces optax compiles even op by op: its bias correction (the Adam family)
+  is a jitted function, and ``optax.MultiSteps`` runs its inner update inside
+  ``lax.cond``; compiled for each device's shard length, they agree to the last
+  bit's rounding, as jitted updates do (below). A param of at most M elements (one slot per rank) is updated on its own
   unpadded elements, replicated: XLA's CPU compiler turns a division by a
   broadcast scalar (adam's bias correction) into a multiplication by the
   reciprocal for arrays longer than one element, so a one-element shard of a
@@ -323,7 +328,7 @@ def flat_sharded(
   then contracts its last multiply and the add into an FMA), one laid out like
   its grad only after its all-gather. A run resumed on a mesh whose ``M``
   divides other leading dimensions then agrees to the last bit's rounding; by
-  default it continues bit for bit op by op. Inside ``jit`` XLA compiles each
+  default it continues bit for bit op by op (optax's compiled pieces aside). Inside ``jit`` XLA compiles each
   device's loop for the length of its shard, so an element another mesh puts
   in another place of its shard (a vector lane, or the scalar tail of the loop)
   can be contracted into an FMA on one mesh and not on the other: jitted runs
