@@ -491,11 +491,18 @@ def test_metadata_file_too_large_is_refused_unread(ckpt, which):
     (lambda d: d["groups"][0]["params"].append(99), "a param index is out of range"),
     (lambda d: d["groups"][0]["params"].append(0), "group 0 lists a param twice"),
     (lambda d: d["groups"][0]["ranks"].append([7, 0]), "archive 7 does not exist"),
+    (
+      # One archive at every rank: refused before any work per (rank, param).
+      lambda d: d["groups"][0].update(ranks=[[0, r] for r in range(4)]),
+      r"group 0: archive 0 \(archive_00000\) is listed twice",
+    ),
     (lambda d: d["groups"][0].update(world_size=True), "expected int, got bool"),
     (lambda d: d["layouts"][0]["leaves"].__setitem__(0, {"s": 1}), "numbered in order"),
     (lambda d: d["layouts"][0]["leaves"][1].__setitem__(2, -1), "-1 slots is not a buffer size"),
     (lambda d: d["layouts"][0]["leaves"][1].__setitem__(2, 2**63), "slots is not a buffer size"),
     (lambda d: d["clocks"].__setitem__(0, []), "its clock has 0 scalars but its layout 1"),
+    # Clocks no archive has cost a device array per scalar to decode: refused first.
+    (lambda d: d["clocks"].append(list(d["clocks"][0])), "clock 1: no archive has it"),
     (
       lambda d: d["clocks"].__setitem__(0, [{"py": "int", "v": 0}] * (1 << 16 | 1)),
       "more than an optimizer has",

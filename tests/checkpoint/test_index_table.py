@@ -320,6 +320,8 @@ def test_a_re_signed_shape_edit_in_the_table_is_refused(ckpt):
     (lambda a, i: a["group_world"].__setitem__(0, 0), "world_size 0 must be"),
     (lambda a, i: a["group_rank"].__setitem__(2, 10**12), "has rank 1000000000000, outside"),
     (lambda a, i: a["group_archive"].__setitem__(0, 7), "archive 7 does not exist"),
+    (lambda a, i: a["group_archive"].__setitem__(1, a["group_archive"][0]), "is listed twice"),
+    (lambda a, i: i["clocks"].append(list(i["clocks"][0])), "clock 1: no archive has it"),
     (lambda a, i: a["group_params"].__setitem__(0, 99), "a param index is out of range"),
     (lambda a, i: a["group_params"].__setitem__(1, a["group_params"][0]), "lists a param twice"),
     (lambda a, i: a["param_dims"].__setitem__(0, -1), "is not a valid array shape"),

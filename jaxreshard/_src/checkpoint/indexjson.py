@@ -61,8 +61,9 @@ def parse_index(index: Any, where: str, table: Any = None, parse_table: Any = No
     _parse_layout(e, f"{where}, layout {i}")
     for i, e in enumerate(fmt.expect(index["layouts"], list, where))
   )
-  clocks = _parse_clocks(index, where, len(params))
-  names, archive_layout, archive_clock = _parse_archives(archives, layouts, clocks, where)
+  raw_clocks = _raw_clocks(index, where, len(params))
+  names, archive_layout, archive_clock = _parse_archives(archives, layouts, raw_clocks, where)
+  clocks = decode_clocks(raw_clocks, archive_clock, where)
   groups = tuple(
     _parse_group(e, f"{where}, group {i}", params, names)
     for i, e in enumerate(fmt.expect(index["groups"], list, where))
@@ -100,11 +101,25 @@ def parse_index(index: Any, where: str, table: Any = None, parse_table: Any = No
   return out
 
 
-def _parse_clocks(index: dict, where: str, n_params: int) -> tuple[list, ...]:
-  """Every clock; ``n_params`` bounds how many scalars one may have."""
-  return tuple(
-    _parse_clock(e, f"{where}, clock {i}", n_params)
+def _raw_clocks(index: dict, where: str, n_params: int) -> list[list]:
+  """Every clock's scalars as JSON, not yet decoded; ``n_params`` bounds how many
+  scalars one may have."""
+  return [
+    _clock_scalars(e, f"{where}, clock {i}", n_params)
     for i, e in enumerate(fmt.expect(index["clocks"], list, where))
+  ]
+
+
+def decode_clocks(raw: list[list], used: Any, where: str) -> tuple[list, ...]:
+  """The clocks, decoded, once every one is known to be some archive's (``used``: the
+  clock of each archive): a clock no archive has is refused before any scalar of
+  the index is decoded (each costs a device array)."""
+  unused = sorted(set(range(len(raw))).difference(np.asarray(used, np.int64).tolist()))
+  if unused:
+    raise ArchiveError(f"{where}, clock {unused[0]}: no archive has it")
+  return tuple(
+    [_clockjson.decode_scalar(x, f"{where}, clock {i}, scalar {k}") for k, x in enumerate(c)]
+    for i, c in enumerate(raw)
   )
 
 
@@ -186,6 +201,7 @@ def _parse_header(index: Any, where: str) -> tuple[str, int]:
 def _parse_archives(
   archives: list, layouts: Sequence[ArchiveLayout], clocks: Sequence[list], where: str
 ) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...]]:
+  # ``clocks``: each clock's scalars (their number is checked here, not their values).
   """Each archive's ``[name, layout, clock]``, listed in the order of their names."""
   names, archive_layout, archive_clock = [], [], []
   for i, e in enumerate(archives):
@@ -317,7 +333,7 @@ def _parse_layout(e: Any, where: str) -> JsonLayout:
   return JsonLayout(e["tree"], leaves, where)
 
 
-def _parse_clock(e: Any, where: str, n_params: int) -> list[Any]:
+def _clock_scalars(e: Any, where: str, n_params: int) -> list[Any]:
   scalars = fmt.expect(e, list, where)
   limit = MAX_CLOCK_SCALARS_BASE + MAX_CLOCK_SCALARS_PER_PARAM * n_params
   if len(scalars) > limit:
@@ -325,7 +341,7 @@ def _parse_clock(e: Any, where: str, n_params: int) -> list[Any]:
       f"{where}: {len(scalars)} optimizer scalars for {n_params}"
       f" params, more than an optimizer has (at most {limit})"
     )
-  return [_clockjson.decode_scalar(x, f"{where}, scalar {k}") for k, x in enumerate(scalars)]
+  return scalars
 
 
 def _parse_group(e: Any, where: str, params: Sequence[ParamEntry], names: Sequence[str]) -> Group:
@@ -350,6 +366,10 @@ def _parse_group(e: Any, where: str, params: Sequence[ParamEntry], names: Sequen
         f"{where}: archive {a} ({names[a]}) has rank {r}, outside"
         f" world_size {world} of params {_param_names(params, group_params)}"
       )
+    if ranks and a == ranks[-1][0]:
+      # One archive holds one rank's placements: listed at two ranks, every param
+      # would be planned twice (work as ranks x params) before being refused.
+      raise ArchiveError(f"{where}: archive {a} ({names[a]}) is listed twice")
     if ranks and a < ranks[-1][0]:
       raise ArchiveError(
         f"{where}: [archive, rank] pairs must list archives in increasing"

@@ -161,7 +161,7 @@ def parse(
   if n_p and int(a["param_trainable"].max()) > 1:
     raise _refuse(tw, "a param's trainable flag is not 0 or 1")
   count = _counts(a["param_dims"], dims_at, f"{tw}")
-  clocks = _indexjson._parse_clocks(index, where, n_p)  # pylint: disable=protected-access
+  clocks = _indexjson._raw_clocks(index, where, n_p)  # pylint: disable=protected-access
   layouts = _layouts(index, a, pids, dtypes, where, tw)
   # Archives: numbered in increasing order, each with a layout and a clock of as many scalars.
   number, layout, clock = a["archive_number"], a["archive_layout"], a["archive_clock"]
@@ -193,6 +193,7 @@ def parse(
       f"{tw}, archive {i}",
       f"its clock has {int(ticks[i])} scalars but its layout {int(scalars[i])}",
     )
+  clocks = _indexjson.decode_clocks(clocks, clock, where)
   tables = _groups(a, pids, dtypes, count, dims_at, n_a, tw)
   source = _indexjson._parse_source(  # pylint: disable=protected-access
     index["source"], f"{where}, source", tables.g_world.tolist()
@@ -260,12 +261,14 @@ def _groups(
       f" {int(rank[i])}, outside world_size {int(world[g])} of params {first[:3]}"
       f"{'...' if len(first) > 3 else ''}",
     )
-  back = (np.diff(archive) < 0) & (of_pair[1:] == of_pair[:-1])
+  back = (np.diff(archive) <= 0) & (of_pair[1:] == of_pair[:-1])
   if back.any():
     i = _first(back) + 1
     raise _refuse(
       f"{where}, group {int(of_pair[i])}",
-      "[archive, rank] pairs must list archives in increasing order; archive"
+      f"archive {int(archive[i])} is listed twice"
+      if archive[i] == archive[i - 1]
+      else "[archive, rank] pairs must list archives in increasing order; archive"
       f" {int(archive[i])} follows archive {int(archive[i - 1])}",
     )
   return _index.Tables(
