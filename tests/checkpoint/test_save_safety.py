@@ -62,22 +62,36 @@ def test_a_full_disk_is_an_os_error_naming_the_checkpoint_and_leaves_nothing(tmp
   assert os.listdir(tmp_path) == []  # no checkpoint, no temporary directory
 
 
-def test_a_failed_fsync_after_the_rename_says_the_checkpoint_is_in_place(tmp_path, monkeypatch):
-  """The rename is done when the parent's fsync fails: the save raises (it is not
-  known durable), saying that the checkpoint is in place, complete; and it is."""
+@pytest.mark.parametrize("failing", ["fsync", "open"])
+def test_a_failed_fsync_after_the_rename_says_the_checkpoint_is_in_place(
+  tmp_path, monkeypatch, failing
+):
+  """The rename is done when the parent's fsync fails, or opening the parent for it
+  (a directory writable but not readable): the save raises (it is not known
+  durable), saying that the checkpoint is in place, complete; and it is."""
   records = adam_records(3)
-  fsync = os.fsync
+  fsync, open_ = os.fsync, os.open
+  code = errno.EIO if failing == "fsync" else errno.EACCES
 
   def parent_fails(fd):
     if os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path):
-      raise OSError(errno.EIO, os.strerror(errno.EIO))
+      raise OSError(code, os.strerror(code))
     return fsync(fd)
 
-  monkeypatch.setattr(os, "fsync", parent_fails)
+  def parent_unreadable(path, flags, *args, **kwargs):
+    if os.fspath(path) == str(tmp_path) and "dir_fd" not in kwargs and flags & os.O_DIRECTORY:
+      raise OSError(code, os.strerror(code), os.fspath(path))
+    return open_(path, flags, *args, **kwargs)
+
+  if failing == "fsync":
+    monkeypatch.setattr(os, "fsync", parent_fails)
+  else:
+    monkeypatch.setattr(os, "open", parent_unreadable)
   with pytest.raises(OSError, match="in place and complete, but its rename may not survive") as e:
     jr.save_records(tmp_path / "ckpt", records)
-  assert e.value.errno == errno.EIO and e.value.filename == str(tmp_path / "ckpt")
+  assert e.value.errno == code and e.value.filename == str(tmp_path / "ckpt")
   monkeypatch.setattr(os, "fsync", fsync)
+  monkeypatch.setattr(os, "open", open_)
   for a, b in zip(jr.load_records(tmp_path / "ckpt"), records, strict=True):
     assert_records_equal(a, b)
   assert os.listdir(tmp_path) == ["ckpt"]

@@ -355,8 +355,10 @@ class TempDir:
       pass  # an empty file no reader opens; the checkpoint is complete without it gone
     if self.out.durable:
       parent = os.path.dirname(final) or "."
-      fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+      fd = -1
       try:
+        # Opening the parent can fail too (a directory writable but not readable).
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         os.fsync(fd)
       except OSError as e:
         raise OSError(
@@ -366,7 +368,8 @@ class TempDir:
           final,
         ) from None
       finally:
-        os.close(fd)
+        if fd >= 0:
+          os.close(fd)
 
   def discard(self) -> None:
     """Removes what was written unless it is committed (best effort: a failed save
