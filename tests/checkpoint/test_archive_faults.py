@@ -891,10 +891,18 @@ def test_hard_link_to_a_file_of_the_checkpoint_is_checked_like_a_copy(ckpt):
     "archive_00002/float32/c/0",
   ],
 )
-def test_fifo_in_place_of_a_file(ckpt, entry):
+def test_fifo_in_place_of_a_file(ckpt, entry, monkeypatch):
   path = ckpt / entry
   path.unlink()
   os.mkfifo(path)
+  opened, open_ = [], os.open
+
+  def logged(name, flags, *args, dir_fd=None, **kwargs):
+    where = os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else ""
+    opened.append(os.path.join(where, os.fspath(name)))
+    return open_(name, flags, *args, dir_fd=dir_fd, **kwargs)
+
+  monkeypatch.setattr(os, "open", logged)
 
   def unblock():  # a writer that closes at once ends a reader's wait on the FIFO
     try:
@@ -906,6 +914,7 @@ def test_fifo_in_place_of_a_file(ckpt, entry):
     e = _outcome(fn, unblock=unblock)
     assert isinstance(e, jr.ArchiveError), repr(e)
     assert f"{path} is not a regular file" in str(e)
+  assert str(path) not in opened  # refused unopened: opening a device node may act
 
 
 @pytest.mark.parametrize("entry", ["archive_00002/archive.json", "archive_00002/float32/c/0"])

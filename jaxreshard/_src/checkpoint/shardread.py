@@ -224,7 +224,16 @@ class Dir:
 
   def file(self, name: str) -> tuple[int, os.stat_result]:
     """Opens a regular file for reading; returns the descriptor and its stat."""
-    # O_NONBLOCK: opening a FIFO must not wait for a writer.
+    # Never open what is not a regular file (a device node may act when opened); a
+    # link is refused by the open itself, with its own message.
+    if self.fd >= 0:
+      try:
+        mode = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode
+      except OSError:
+        mode = None  # the open says why
+      if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        raise ArchiveError(f"{os.path.join(self.path, name)} is not a regular file")
+    # O_NONBLOCK: a FIFO put there after the check must not make the open wait.
     fd = self._open(name, os.O_RDONLY | os.O_NONBLOCK, "file")
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
