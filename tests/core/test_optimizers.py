@@ -263,8 +263,17 @@ def test_sm3_per_axis_statistics_are_refused_with_a_shape_error():
   opt = optax.sm3(1e-2)
   params = {"w": jnp.ones((3, 4)), "b": jnp.ones((5,))}
   state = opt.init(params)
-  with pytest.raises(jr.ShapeError, match=r"params \['b', 'w'\].*non-coordinate"):
+  with pytest.raises(jr.ShapeError, match=r"params \['b', 'w'\].*not one per parameter"):
     jr.shard_state(opt, params, state, 2)
+
+
+def test_lookahead_is_refused_for_its_params_of_another_tree():
+  # Elementwise, but its state and params are trees of fast and slow params: the
+  # refusal says so rather than calling it factored or matrix state.
+  opt = optax.lookahead(optax.adam(1e-2), 5, 0.5)
+  params = optax.LookaheadParams.init_synced({"w": jnp.ones((3,))})
+  with pytest.raises(jr.ShapeError, match=r"as optax\.lookahead's\) cannot be sharded flat"):
+    jr.shard_state(opt, params, opt.init(params), 2)
 
 
 def test_unshard_state_transfers_buffers_without_compiling():

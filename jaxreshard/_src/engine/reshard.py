@@ -133,8 +133,9 @@ def coordinate_roles(
     raise ShapeError(
       f"params {ids[:3]}{'...' if len(ids) > 3 else ''}: the optimizer state does not"
       " mirror the params leaf for leaf (optax.tree_map_params failed:"
-      f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); non-coordinate"
-      " optimizer state (factored or matrix statistics) cannot be sharded flat"
+      f" {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); state whose"
+      " leaves are not one per parameter (factored or matrix statistics, per-axis"
+      " lists, or params of another tree, as optax.lookahead's) cannot be sharded flat"
     ) from e
   with_path = jax.tree_util.tree_flatten_with_path(state)[0]
   if len(with_path) != len(roles):
