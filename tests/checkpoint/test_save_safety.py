@@ -458,3 +458,20 @@ def test_a_save_of_deferred_records_refuses_exactly_the_padding_bits_it_finds(
       f" (nonzero bits at local index {local})"
     )
     assert not path.exists()
+
+
+def test_a_save_out_of_descriptors_leaves_no_temporary_directory(tmp_path, monkeypatch):
+  """EMFILE while the new temporary directory is taken (its lock file opened): the
+  save raises and removes the directory it made (it stayed, with a free lock)."""
+  open_ = os.open
+
+  def no_descriptors(name, flags, *args, **kwargs):
+    if os.fspath(name) == ".jaxreshard-save.lock":
+      raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+    return open_(name, flags, *args, **kwargs)
+
+  monkeypatch.setattr(os, "open", no_descriptors)
+  with pytest.raises(OSError) as e:
+    jr.save_records(tmp_path / "ckpt", adam_records(2))
+  assert e.value.errno == errno.EMFILE
+  assert os.listdir(tmp_path) == []

@@ -274,7 +274,17 @@ class TempDir:
     for _ in range(8):
       path = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex}-{os.getpid()}-{_host()}")
       os.mkdir(path)
-      made = cls._take(path, durable)
+      try:
+        made = cls._take(path, durable)
+      except OSError:
+        # Not taken (out of descriptors, say): what was made goes, by path (no
+        # descriptor needed); a writer's lock was never held on it.
+        for remove, what in ((os.unlink, os.path.join(path, LOCK_FILE)), (os.rmdir, path)):
+          try:
+            remove(what)
+          except OSError:
+            pass
+        raise
       if made is not None:
         return made
       # A clean took the new directory's lock first (it found no writer's lock
