@@ -777,11 +777,13 @@ def test_unknown_dtype_and_bad_scalars(ckpt, edit, message):
     _refused(fn, jr.ArchiveError, message)
 
 
-@pytest.mark.parametrize("shape", [[100000], [2], [HUGE, HUGE], [0] * 65, [2**70, 0], [2**62, 0]])
+@pytest.mark.parametrize(
+  "shape", [[100000], [2], [HUGE, HUGE], [0] * 65, [2**70, 0], [2**62, 0], [2**29, 2**29, 0]]
+)
 def test_scalar_bytes_must_match_their_shape(ckpt, shape):
   _edit_json(_index(ckpt), lambda d: d["clocks"][0][0].update(shape=shape))
   for fn in _both(ckpt):
-    _quick_refusal(fn, jr.ArchiveError, "does not match|not a valid array shape")
+    _quick_refusal(fn, jr.ArchiveError, "does not match|not a valid array shape|larger than a")
 
 
 @pytest.mark.parametrize(

@@ -260,8 +260,9 @@ def test_a_temporary_directory_whose_writer_holds_its_lock_is_never_taken(tmp_pa
   assert _tempdir.LOCK_FILE not in os.listdir(final)
 
 
-def test_a_failed_save_sharded_leaves_its_directory_to_the_next_save(tmp_path, monkeypatch):
-  """The failed save's lock goes with it: the same process saves again at once."""
+def test_a_failed_save_sharded_leaves_nothing_and_saves_again(tmp_path, monkeypatch):
+  """A failed save removes its temporary directory and frees its lock: the same
+  process saves again at once."""
   opt, state, mesh = _mesh_state()
   finalize = _handler.ReshardCheckpointHandler.finalize
 
@@ -271,7 +272,7 @@ def test_a_failed_save_sharded_leaves_its_directory_to_the_next_save(tmp_path, m
   monkeypatch.setattr(_handler.ReshardCheckpointHandler, "finalize", fails)
   with pytest.raises(Exception, match="injected failure"):
     jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
-  assert not (tmp_path / "ck").exists()
+  assert os.listdir(tmp_path) == []  # nothing committed, its temporary directory removed
   monkeypatch.setattr(_handler.ReshardCheckpointHandler, "finalize", finalize)
   jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
   assert len(jr.load_records(tmp_path / "ck")) == 4
@@ -331,3 +332,90 @@ def test_every_file_of_a_manager_step_is_fsynced_before_its_rename(tmp_path, io_
   after = {e[1] for e in io_log[rename_at:] if e[0] == "fsync"}
   assert {str(run), str(run.parent)} <= after  # the rename, and the run directory made for it
   assert "params" in os.listdir(step) and not any(".jaxreshard-save.lock" in f for f in files)
+
+
+def _durable_manager(path, **kwargs):
+  options = ocp.CheckpointManagerOptions(temporary_path_class=jr.DurableRenameTemporaryPath)
+  return ocp.CheckpointManager(path, options=options, **kwargs)
+
+
+def test_a_step_of_many_items_saves(tmp_path):
+  """Orbax creates a step's items at once: each waits for the parent's lock without
+  holding one of the threads that making the directories needs (more items than
+  threads deadlocked)."""
+  import numpy as np
+
+  names = tuple(f"i{k}" for k in range((os.cpu_count() or 1) + 6))
+  with _durable_manager(tmp_path / "run", item_names=names) as manager:
+    manager.save(
+      1,
+      args=ocp.args.Composite(
+        **{n: ocp.args.StandardSave({"w": np.full(3, k, np.float32)}) for k, n in enumerate(names)}
+      ),
+    )
+    manager.wait_until_finished()
+  assert set(names) <= set(os.listdir(tmp_path / "run" / "1"))
+
+
+def test_a_manager_saves_a_step_again_after_a_failed_save_of_it(tmp_path, monkeypatch):
+  """Orbax keeps a failed save's temporary paths alive; a retry of the step in the
+  same process takes over the directory they hold instead of waiting for it."""
+  records = adam_records(2)
+  finalize = _handler.ReshardCheckpointHandler.finalize
+
+  def fails(self, directory):
+    raise OSError(5, "injected failure of the index write")
+
+  with _durable_manager(tmp_path / "run") as manager:
+    monkeypatch.setattr(_handler.ReshardCheckpointHandler, "finalize", fails)
+    manager.save(1, args=jr.ReshardSave(records))
+    with pytest.raises(Exception, match="injected failure"):
+      manager.wait_until_finished()
+    monkeypatch.setattr(_handler.ReshardCheckpointHandler, "finalize", finalize)
+    manager.save(1, args=jr.ReshardSave(records), force=True)
+    manager.wait_until_finished()
+    assert manager.all_steps() == [1]
+    for a, b in zip(manager.restore(1, args=jr.ReshardRestore()), records, strict=True):
+      assert_records_equal(a, b)
+
+
+def test_a_save_waits_while_another_process_holds_the_step_s_directory(tmp_path):
+  """Another process's live save of the step: nothing of it is removed while its
+  lock is held; once free (its writer gone), this save takes the directory."""
+  import subprocess
+  import sys
+  import time
+
+  run = tmp_path / "run"
+  tmp = run / "1.orbax-checkpoint-tmp"
+  (tmp / "theirs").mkdir(parents=True)
+  (tmp / ".jaxreshard-save.lock").touch()
+  holder = subprocess.Popen(
+    [
+      sys.executable,
+      "-c",
+      "import fcntl, os, sys, time\n"
+      "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+      "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+      "print('held', flush=True)\n"
+      "time.sleep(1.5)\n"
+      "print(sorted(os.listdir(os.path.dirname(sys.argv[1]))), flush=True)\n",
+      str(tmp / ".jaxreshard-save.lock"),
+    ],
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  assert holder.stdout.readline().strip() == "held"
+  records = adam_records(2)
+  t0 = time.monotonic()
+  with _durable_manager(run) as manager:
+    manager.save(1, args=jr.ReshardSave(records))
+    manager.wait_until_finished()
+    waited = time.monotonic() - t0
+    got = manager.restore(1, args=jr.ReshardRestore())
+  seen = holder.communicate(timeout=60)[0]
+  assert "'theirs'" in seen  # untouched while its writer held it
+  assert waited >= 1.0, waited
+  for a, b in zip(got, records, strict=True):
+    assert_records_equal(a, b)
+  assert not tmp.exists() and "theirs" not in os.listdir(run / "1")

@@ -83,6 +83,10 @@ def decode_scalar(d: Any, where: str) -> Any:
     raise ArchiveError(f"{where}: scalar keys {sorted(d)} are not a scalar")
   dtype = fmt.np_dtype(d["dtype"], where)
   shape = fmt.shape_of(d["shape"], where)
+  # An empty scalar is bounded as if its zero dimensions were ones: (2**29, 2**29, 0)
+  # holds no bytes, yet listing it for display builds 2**58 lists.
+  if math.prod(n or 1 for n in shape) * dtype.itemsize > fmt.MAX_SCALAR_BYTES:
+    raise ArchiveError(f"{where}: scalar of shape {fmt.short(shape)} is larger than a clock's")
   nbytes = math.prod(shape) * dtype.itemsize
   data = fmt.expect(d["bytes"], str, where)
   if nbytes > fmt.MAX_SCALAR_BYTES or len(data) != 4 * ((nbytes + 2) // 3):

@@ -33,6 +33,7 @@ __all__ = [
   "has_lock_file",
   "hold",
   "is_temporary",
+  "remove_held",
   "new_temp_dir",
   "remove_temp_dirs",
   "temp_dirs",
@@ -183,7 +184,7 @@ def _remove_below(dfd: int, path: str, keep: str = "") -> list[str]:
   return left
 
 
-def _remove_held(path: str, dfd: int) -> bool:
+def remove_held(path: str, dfd: int) -> bool:
   """Removes the directory ``path`` held as ``dfd`` (its lock held by the caller), the
   lock file last; False when ``path`` no longer names that directory (nothing removed).
 
@@ -238,7 +239,7 @@ def remove_temp_dirs(final: str, *, everything: bool = False) -> list[str]:
       continue  # a writer took it meanwhile
     try:
       try:
-        if not _remove_held(path, dfd):
+        if not remove_held(path, dfd):
           continue  # renamed away meanwhile: not a leftover
       except ArchiveError as e:
         if removed:
@@ -389,7 +390,7 @@ class TempDir:
     if self.committed:
       return
     try:
-      if not _remove_held(self.path, self.out.fd):
+      if not remove_held(self.path, self.out.fd):
         # Renamed into place before the interrupt: the checkpoint is whole and
         # only this save's lock file is left in it, which goes as a commit's does.
         os.unlink(LOCK_FILE, dir_fd=self.out.fd)

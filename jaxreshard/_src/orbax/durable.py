@@ -18,10 +18,17 @@ orbax made for the first step).
 Orbax gives every save to one path the same temporary directory, and a new
 save removes whatever is there. Here the writer holds a lock (``flock`` on a
 lock file in it, as ``save_records``' temporary directories have) from its
-creation to the commit, and a save that finds the directory held by another
-writer is refused and removes nothing; the check and the creation happen under
-a lock on the parent directory, so two saves never both take one directory.
-``clean`` removes such a directory once its lock is free (with ``--all``).
+creation to the commit. A save that finds the directory held by another
+process's writer removes nothing: ``save_sharded`` refuses before it starts;
+inside orbax's directory creation (where raising would leave orbax's commit
+threads waiting for a signal until their timeout) the save waits until that
+writer commits or fails, and its own rename then refuses to replace what the
+other committed. The check and the creation happen under a lock on the parent
+directory, so two saves never both take one directory. Within one process, a
+new save of a path takes over what an earlier save of it left (orbax keeps a
+failed save's temporary paths alive; a retried step finds them); two threads
+saving one path at once are not told apart. ``clean`` removes such a
+directory once its lock is free (with ``--all``).
 
 ``save_sharded`` commits through it. A ``CheckpointManager`` takes it as
 ``CheckpointManagerOptions(temporary_path_class=DurableRenameTemporaryPath)``,
@@ -33,12 +40,13 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import time
 import weakref
 
 import orbax.checkpoint as ocp
 
 from jaxreshard._src.checkpoint import tempdir as _tempdir
-from jaxreshard._src.errors import ArchiveExistsError
+from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
 
 __all__ = ["DurableRenameTemporaryPath", "fsync_dir", "fsync_tree", "one_save", "refuse_if_held"]
 
@@ -88,14 +96,49 @@ def refuse_if_held(tmp: str, final: str) -> None:
   orbax's directory creation leaves orbax's commit thread waiting for a signal
   until its timeout); ``create`` asks again under the parent's lock.
   """
-  if os.path.isdir(tmp) and not os.path.islink(tmp) and _tempdir.has_lock_file(tmp):
-    held = _tempdir.hold(tmp)
-    if held is None:
-      raise ArchiveExistsError(
-        f"{tmp}: another save to {final} is writing it (its writer holds its"
-        " lock); this save removed nothing"
-      )
-    _close(*held)
+  if _live(tmp):
+    raise ArchiveExistsError(
+      f"{tmp}: another save to {final} is writing it (its writer holds its"
+      " lock); this save removed nothing"
+    )
+
+
+# How long a save waits for another process's save of the same path, and how often
+# it looks at a lock another holds.
+_WAIT_S = 600.0
+_POLL_S = 0.005
+
+# The temporary paths this process holds the lock of, by path.
+_HOLDERS: dict[str, weakref.ref] = {}
+
+
+def _try_flock(fd: int) -> bool:
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    return False
+  return True
+
+
+def _take_over(key: str) -> None:
+  """Frees the lock this process still holds on the temporary directory ``key``: a
+  new save of its path in this process means the save that made it is over (orbax
+  keeps a failed save's temporary paths alive, so a retry of a step finds them)."""
+  ref = _HOLDERS.pop(key, None)
+  holder = ref() if ref is not None else None
+  if holder is not None:
+    holder._let_go()  # pylint: disable=protected-access
+
+
+def _live(tmp: str) -> bool:
+  """Whether another writer holds the lock of the temporary directory ``tmp``."""
+  if not (os.path.isdir(tmp) and not os.path.islink(tmp) and _tempdir.has_lock_file(tmp)):
+    return False
+  held = _tempdir.hold(tmp)
+  if held is None:
+    return True
+  _close(*held)
+  return False
 
 
 def _is_local(path: str) -> bool:
@@ -119,9 +162,14 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
 
   @classmethod
   def let_go(cls) -> None:
-    """Frees the locks the instances of a ``one_save`` class still hold (a failed
-    save's directories: the next save of their paths removes them)."""
+    """Removes the directories the instances of a ``one_save`` class still hold (a
+    failed save's: a committed one is no longer held) and frees their locks."""
     for path in cls._made or ():
+      if path._held is not None:  # pylint: disable=protected-access
+        try:
+          _tempdir.remove_held(os.fspath(path.get()), path._held[0])  # pylint: disable=protected-access
+        except (OSError, ArchiveError):
+          pass  # left to the next save of the path, or to clean
       path._let_go()  # pylint: disable=protected-access
 
   async def create(self):  # pylint: disable=invalid-overridden-method
@@ -130,28 +178,52 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
       return await super().create()
     parent = os.path.dirname(os.path.abspath(tmp))
     os.makedirs(parent, exist_ok=True)
-    pfd = os.open(parent, _DIR_FLAGS)
-    try:
-      # One save at a time decides whether the directory is taken and makes it.
-      await asyncio.to_thread(fcntl.flock, pfd, fcntl.LOCK_EX)
-      refuse_if_held(tmp, final)  # else a killed writer's: orbax removes it and starts over
-      path = await super().create()
-      held = _tempdir.hold(tmp)
-      if held is None:  # no other save gets here while the parent is locked
-        raise ArchiveExistsError(f"{tmp}: another save took it as it was made")
-      self._held = held
-      # A failed save's lock goes when this object does (or at ``let_go``).
-      self._release = weakref.finalize(self, _close, *held)
-      if type(self)._made is not None:
-        type(self)._made.append(self)
-      return path
-    finally:
-      os.close(pfd)
+    key = os.path.abspath(tmp)
+    deadline = time.monotonic() + _WAIT_S
+    while True:
+      pfd = os.open(parent, _DIR_FLAGS)
+      try:
+        # One save at a time decides whether the directory is taken and makes it. The
+        # parent's lock is polled, never waited for in a thread: orbax creates a
+        # step's items at once, and each wait would hold one of the threads that
+        # creating the directories needs.
+        while not _try_flock(pfd):
+          await asyncio.sleep(_POLL_S)
+        _take_over(key)
+        if not _live(tmp):  # absent, or a killed writer's: orbax removes it
+          path = await super().create()
+          held = _tempdir.hold(tmp)
+          if held is None:  # no other save gets here while the parent is locked
+            raise ArchiveExistsError(f"{tmp}: another save took it as it was made")
+          self._held = held
+          # A failed save's lock goes at ``let_go``, when this object does, or
+          # when a later save of the path in this process takes it over.
+          self._release = weakref.finalize(self, _close, *held)
+          _HOLDERS[key] = weakref.ref(self)
+          if type(self)._made is not None:
+            type(self)._made.append(self)
+          return path
+      finally:
+        os.close(pfd)  # the parent's lock with it
+      # Another process's save is writing it: raising here would leave orbax's
+      # commit threads waiting for this creation's signal until their timeout, so
+      # this save waits for that one to commit or fail (the rename then refuses
+      # what that one committed) and takes the directory when it is free.
+      if time.monotonic() > deadline:
+        raise ArchiveExistsError(
+          f"{tmp}: another save to {final} has been writing it for {_WAIT_S:.0f} s (its"
+          " writer holds its lock); this save removed nothing"
+        )
+      await asyncio.sleep(_POLL_S * 10)
 
   def _let_go(self) -> None:
     if self._release is not None:
       self._release()
     self._held = self._release = None
+    key = os.path.abspath(os.fspath(self.get()))
+    ref = _HOLDERS.get(key)
+    if ref is not None and ref() is self:
+      del _HOLDERS[key]
 
   async def finalize(self) -> None:  # pylint: disable=invalid-overridden-method
     tmp, final = os.fspath(self.get()), os.fspath(self.get_final())
