@@ -462,3 +462,26 @@ def test_a_typed_prng_key_clock_restores_onto_the_mesh(tmp_path, with_target):
     bad = jax.tree.unflatten(jax.tree.structure(target), list(as_data.values()))
     with pytest.raises(jr.ReshardError, match="key<fry>"):
       jr.restore_sharded(path, mesh, axis="fsdp", target=bad)
+
+
+@pytest.mark.parametrize("saved_masks_b", [True, False])
+def test_a_changed_mask_is_refused_naming_the_leaf(tmp_path, saved_masks_b):
+  """A mask that differs from the saved optimizer's: the refusal names the leaf and
+  which side masks it (it said only that node types differ)."""
+  params = {"a": jnp.arange(6.0), "b": jnp.arange(4.0)}
+  saved = optax.masked(optax.adam(1e-3), {"a": True, "b": not saved_masks_b})
+  now = optax.masked(optax.adam(1e-3), {"a": True, "b": saved_masks_b})
+  path = tmp_path / "ckpt"
+  jr.save_records(path, jr.shard_state(saved, params, saved.init(params), world_size=2))
+  mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
+  target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+    now.init(params),
+  )
+  which = (
+    "the checkpoint masks it, but the target's tree holds state there"
+    if saved_masks_b
+    else "the target's tree masks it, but the checkpoint holds state there"
+  )
+  with pytest.raises(jr.PlacementError, match=rf"leaf \.inner_state\[0\]\.mu\['b'\]: {which}"):
+    jr.restore_sharded(path, mesh, target=target)

@@ -186,6 +186,17 @@ def check_structure(
     raise PlacementError(f"{whose} tree does not match the checkpoint's state: " + "; ".join(parts))
   leaves, treedef = jax.tree_util.tree_flatten(expected)
   target_def = jax.tree_util.tree_structure(target)
+  for p, (_, e), (_, t) in zip(exp_paths, exp, tgt):
+    if _is_masked(e) != _is_masked(t):  # a mask changed between the save and now
+      how = (
+        f"{whose} tree masks it, but the checkpoint holds state there"
+        if _is_masked(t)
+        else f"the checkpoint masks it, but {whose} tree holds state there"
+      )
+      raise PlacementError(
+        f"leaf {p}: {how} (an optax.masked or multi_transform mask other than the saved"
+        " optimizer's)"
+      )
   if target_def != treedef:
     raise PlacementError(
       f"{whose} tree has the checkpoint's leaf paths but other node types:"
