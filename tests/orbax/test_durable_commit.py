@@ -293,6 +293,11 @@ def test_clean_removes_a_killed_save_sharded_s_directory_only_when_its_lock_is_f
     (d / _tempdir.LOCK_FILE).touch()
   held = _tempdir.hold(str(live))
   try:
+    text = CliRunner().invoke(app, ["clean", str(final)]).stdout  # without --all: kept
+    assert (
+      f"kept (orbax's, of a host it does not name; its lock is free here, --all removes it): {stale}"
+      in text
+    )
     result = CliRunner().invoke(app, ["clean", str(final), "--all", "--json"])
   finally:
     os.close(held[1])

@@ -24,6 +24,7 @@ from rich.text import Text
 
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import read_plan as _read_plan
+from jaxreshard._src.checkpoint import tempdir as _tempdir
 
 EXIT_DIFFERENT = 1
 EXIT_ERROR = 2
@@ -385,13 +386,18 @@ def print_demo(out: Console, summary: Any, worlds: tuple[int, int], disk_rank: i
     out.print(f"[bold red]NOT EXACT[/] ({summary.seconds:.1f} s)")
 
 
+def _is_orbax_temp(path: str) -> bool:
+  return _tempdir.ORBAX_TEMP_SUFFIX in os.path.basename(path)
+
+
 def print_clean(final: str, found: list, removed: set, everything: bool) -> None:
   """``clean``: each temporary directory, removed or kept and why, then the count."""
   for path, gone in found:
     if path in removed:
       verb = "removed"
     elif gone and not everything:
-      verb = "kept (another host's; its lock is free here, --all removes it)"
+      whose = "orbax's, of a host it does not name" if _is_orbax_temp(path) else "another host's"
+      verb = f"kept ({whose}; its lock is free here, --all removes it)"
     elif not os.access(path, os.W_OK | os.X_OK):
       verb = "kept (this user cannot lock or remove it)"
     else:
