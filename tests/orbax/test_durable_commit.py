@@ -424,3 +424,27 @@ def test_a_save_waits_while_another_process_holds_the_step_s_directory(tmp_path)
   for a, b in zip(got, records, strict=True):
     assert_records_equal(a, b)
   assert not tmp.exists() and "theirs" not in os.listdir(run / "1")
+
+
+def test_a_lock_taken_on_a_file_a_clean_removed_meanwhile_is_not_held(tmp_path, monkeypatch):
+  """``hold`` checks, once locked, that the lock file and the directory are still the
+  ones at their paths: a clean that removed them in between leaves the writer
+  holding nothing, and it makes its directory anew rather than write unprotected."""
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+
+  d = tmp_path / "ck.orbax-checkpoint-tmp"
+  d.mkdir()
+  probe = _tempdir._lock_probe  # pylint: disable=protected-access
+
+  def then_removed(path):
+    got = probe(path)
+    os.unlink(os.path.join(path, _tempdir.LOCK_FILE))  # what a clean does before rmdir
+    return got
+
+  monkeypatch.setattr(_tempdir, "_lock_probe", then_removed)
+  assert _tempdir.hold(str(d)) is None
+  monkeypatch.setattr(_tempdir, "_lock_probe", probe)
+  held = _tempdir.hold(str(d))
+  assert held is not None
+  os.close(held[1])
+  os.close(held[0])

@@ -148,10 +148,25 @@ def has_lock_file(path: str) -> bool:
 
 def hold(path: str) -> tuple[int, int] | None:
   """``(dir_fd, lock_fd)`` of the directory ``path`` with its writer's lock taken (the
-  lock file made when missing), or None when another writer holds it; the caller
-  closes both when its save is over."""
+  lock file made when missing), or None when another writer holds it or the
+  directory or its lock file is no longer the one at its path (a clean removed it
+  as it was taken); the caller closes both when its save is over."""
   dfd, lfd = _lock_probe(path)
-  return None if dfd is None else (dfd, lfd)
+  if dfd is None:
+    return None
+  try:
+    if (
+      os.fstat(dfd).st_nlink
+      and os.fstat(lfd).st_nlink
+      and _same_file(os.stat(path, follow_symlinks=False), os.fstat(dfd))
+      and _same_file(os.stat(LOCK_FILE, dir_fd=dfd, follow_symlinks=False), os.fstat(lfd))
+    ):
+      return dfd, lfd
+  except OSError:
+    pass
+  os.close(lfd)
+  os.close(dfd)
+  return None
 
 
 def _this_host(path: str) -> bool:

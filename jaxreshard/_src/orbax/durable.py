@@ -22,8 +22,11 @@ creation to the commit. A save that finds the directory held by another
 process's writer removes nothing: ``save_sharded`` refuses before it starts;
 inside orbax's directory creation (where raising would leave orbax's commit
 threads waiting for a signal until their timeout) the save waits until that
-writer commits or fails, and its own rename then refuses to replace what the
-other committed. The check and the creation happen under a lock on the parent
+writer commits or fails (up to a little less than orbax's coordination
+timeout), and its own rename then refuses to replace what the other committed.
+In a ``CheckpointManager`` a failed save's directory stays locked until orbax
+lets go of its temporary-path objects (garbage collection) or this process
+saves the step again. The check and the creation happen under a lock on the parent
 directory, so two saves never both take one directory. Within one process, a
 new save of a path takes over what an earlier save of it left (orbax keeps a
 failed save's temporary paths alive; a retried step finds them); two threads
@@ -103,9 +106,9 @@ def refuse_if_held(tmp: str, final: str) -> None:
     )
 
 
-# How long a save waits for another process's save of the same path, and how often
-# it looks at a lock another holds.
-_WAIT_S = 600.0
+# A save waits for another process's save of the same path until this long before
+# orbax's coordination timeout; it looks at a lock another holds this often.
+_MARGIN_S = 5.0
 _POLL_S = 0.005
 
 # The temporary paths this process holds the lock of, by path.
@@ -179,7 +182,10 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
     parent = os.path.dirname(os.path.abspath(tmp))
     os.makedirs(parent, exist_ok=True)
     key = os.path.abspath(tmp)
-    deadline = time.monotonic() + _WAIT_S
+    # Orbax's other threads wait for this creation up to its coordination timeout;
+    # giving up a little before it leaves them little to wait for after a refusal.
+    deadline = time.monotonic() + max(1.0, ocp.multihost.coordination_timeout() - _MARGIN_S)
+    taken = 0
     while True:
       pfd = os.open(parent, _DIR_FLAGS)
       try:
@@ -193,8 +199,11 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
         if not _live(tmp):  # absent, or a killed writer's: orbax removes it
           path = await super().create()
           held = _tempdir.hold(tmp)
-          if held is None:  # no other save gets here while the parent is locked
-            raise ArchiveExistsError(f"{tmp}: another save took it as it was made")
+          if held is None:  # a clean removed it as it was made: made anew
+            taken += 1
+            if taken < 8:
+              continue
+            raise ArchiveExistsError(f"{tmp}: every directory made for this save was taken")
           self._held = held
           # A failed save's lock goes at ``let_go``, when this object does, or
           # when a later save of the path in this process takes it over.
@@ -211,8 +220,8 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
       # what that one committed) and takes the directory when it is free.
       if time.monotonic() > deadline:
         raise ArchiveExistsError(
-          f"{tmp}: another save to {final} has been writing it for {_WAIT_S:.0f} s (its"
-          " writer holds its lock); this save removed nothing"
+          f"{tmp}: another save to {final} has been writing it for longer than orbax"
+          " waits for a directory (its writer holds its lock); this save removed nothing"
         )
       await asyncio.sleep(_POLL_S * 10)
 
