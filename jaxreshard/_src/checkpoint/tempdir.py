@@ -8,8 +8,6 @@ nobody holds are a dead writer's and may be removed.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import fcntl
 import os
 import re
@@ -22,6 +20,7 @@ import numpy as np
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint.index import ARCHIVE_FILE, INDEX_FILE
+from jaxreshard._src.checkpoint.rename import commit_dir
 from jaxreshard._src.checkpoint.table import TABLE_FILE
 from jaxreshard._src.checkpoint.writer import IndexBuilder
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
@@ -155,18 +154,24 @@ def hold(path: str) -> tuple[int, int] | None:
   if dfd is None:
     return None
   try:
-    if (
-      os.fstat(dfd).st_nlink
-      and os.fstat(lfd).st_nlink
-      and _same_file(os.stat(path, follow_symlinks=False), os.fstat(dfd))
-      and _same_file(os.stat(LOCK_FILE, dir_fd=dfd, follow_symlinks=False), os.fstat(lfd))
-    ):
+    if _still_there(path, dfd, lfd):
       return dfd, lfd
   except OSError:
     pass
   os.close(lfd)
   os.close(dfd)
   return None
+
+
+def _still_there(path: str, dfd: int, lfd: int) -> bool:
+  """Whether the directory ``dfd`` and its lock file ``lfd`` are still the ones at
+  ``path`` (neither removed nor replaced since they were opened)."""
+  return bool(
+    os.fstat(dfd).st_nlink
+    and os.fstat(lfd).st_nlink
+    and _same_file(os.stat(path, follow_symlinks=False), os.fstat(dfd))
+    and _same_file(os.stat(LOCK_FILE, dir_fd=dfd, follow_symlinks=False), os.fstat(lfd))
+  )
 
 
 def _this_host(path: str) -> bool:
@@ -320,12 +325,7 @@ class TempDir:
       )
       fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       # Taken: still the directory at its path, with this lock file in it.
-      if (
-        os.fstat(dfd).st_nlink
-        and os.fstat(lfd).st_nlink
-        and _same_file(os.stat(path, follow_symlinks=False), os.fstat(dfd))
-        and _same_file(os.stat(LOCK_FILE, dir_fd=dfd, follow_symlinks=False), os.fstat(lfd))
-      ):
+      if _still_there(path, dfd, lfd):
         return cls(path, _shardfile.OutDir(dfd, path, durable), lfd)
     except (FileNotFoundError, BlockingIOError):
       pass
@@ -474,36 +474,3 @@ def new_temp_dir(final: str, *, durable: bool = True) -> TempDir:
   except ArchiveError:
     pass  # what an earlier save left and cannot be removed does not stop this one
   return TempDir.create(final, durable)
-
-
-_RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
-
-
-def commit_dir(tmp: str, final: str) -> None:
-  """Renames ``tmp`` to ``final``, never replacing anything at ``final``.
-
-  Where the kernel offers it (Linux ``renameat2`` with ``RENAME_NOREPLACE``)
-  the check and the rename are one atomic step; elsewhere the check comes
-  just before the rename.
-
-  Raises:
-    ArchiveExistsError: something appeared at ``final`` while it was written.
-  """
-  try:
-    renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-  except (AttributeError, OSError):
-    renameat2 = None
-  if renameat2 is not None:
-    if (
-      renameat2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(final), _RENAME_NOREPLACE) == 0
-    ):
-      return
-    err = ctypes.get_errno()
-    if err == errno.EEXIST or err == errno.ENOTEMPTY:
-      raise ArchiveExistsError(f"{final} appeared while it was being written")
-    if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):  # unsupported: fall back
-      raise OSError(err, os.strerror(err), final)
-  if os.path.lexists(final):
-    raise ArchiveExistsError(f"{final} appeared while it was being written")
-  os.rename(tmp, final)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import os
+import stat
 import time
 import weakref
 
@@ -76,7 +77,7 @@ def fsync_tree(path: str) -> None:
       except OSError:
         continue  # a link or what is not ours to open: nothing a restore reads
       try:
-        if os.path.isfile(where) and not os.path.islink(where):
+        if stat.S_ISREG(os.fstat(fd).st_mode):
           os.fsync(fd)
       finally:
         os.close(fd)
