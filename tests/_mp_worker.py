@@ -271,7 +271,7 @@ def fail(opt, params, state, shapes) -> dict:
   result["seconds"] = time.monotonic() - start
   # The job is broken now: report and leave without the shutdown barrier.
   write_result({"task": "fail", "process": ME, **result})
-  os._exit(0)
+  leave_broken_job()
 
 
 def refused(opt, params, state, shapes) -> dict:
@@ -320,7 +320,7 @@ def refused(opt, params, state, shapes) -> dict:
     result = {"error": f"{type(e).__name__}: {e}"[:800], "error_type": type(e).__name__}
   result["seconds"] = time.monotonic() - start
   write_result({"task": "refused", "process": ME, **result})
-  os._exit(0)  # the job is broken now: leave without the shutdown barrier
+  leave_broken_job()
 
 
 def restore_target(opt, params, state, shapes) -> dict:
@@ -387,6 +387,21 @@ def main() -> None:
   result.update(globals()[task](opt, params, state, shapes))
   write_result(result)
   jax.distributed.shutdown()
+
+
+def leave_broken_job(timeout_s: float = 120.0) -> None:
+  """Exits without the shutdown barrier; the primary last, after every result.
+
+  The primary hosts the coordination service: were it to exit first, the runtime
+  would abort a peer still handling its own error before it could report.
+  """
+  if ME == 0:
+    paths = [os.path.join(OUT, f"p{i}.json") for i in range(jax.process_count())]
+    deadline = time.monotonic() + timeout_s
+    while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    time.sleep(1.0)  # for the peers, between their result and their exit
+  os._exit(0)
 
 
 def write_result(result: dict) -> None:
