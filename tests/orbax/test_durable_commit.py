@@ -309,7 +309,7 @@ def test_clean_removes_a_killed_save_sharded_s_directory_only_when_its_lock_is_f
 def test_every_file_of_a_manager_step_is_fsynced_before_its_rename(tmp_path, io_log):
   """orbax's own handlers (a StandardSave item beside jaxreshard's) do not fsync what
   they write; the durable rename fsyncs every file and directory of the step before
-  it is renamed into place (only commit_success.txt is written after)."""
+  it is renamed into place, and what orbax writes after that at its final path."""
   import numpy as np
 
   options = ocp.CheckpointManagerOptions(temporary_path_class=jr.DurableRenameTemporaryPath)
@@ -336,6 +336,11 @@ def test_every_file_of_a_manager_step_is_fsynced_before_its_rename(tmp_path, io_
   assert in_tmp - synced == set()
   after = {e[1] for e in io_log[rename_at:] if e[0] == "fsync"}
   assert {str(run), str(run.parent)} <= after  # the rename, and the run directory made for it
+  # What orbax writes while it commits, after the tree's fsync: fsync'ed at its final path
+  # before the save returns.
+  top = {str(step / n) for n in os.listdir(step) if (step / n).is_file()}
+  assert {str(step / "commit_success.txt"), str(step / "_CHECKPOINT_METADATA")} <= top
+  assert top - after == set()
   assert "params" in os.listdir(step) and not any(".jaxreshard-save.lock" in f for f in files)
 
 

@@ -7,13 +7,12 @@ rename reached the disk before the directory's entries) incomplete.
 :class:`DurableRenameTemporaryPath` is orbax's own ``AtomicRenameTemporaryPath``
 with the fsyncs a durable rename needs: the directory before it is renamed
 (the entries of every file the handlers made in it), its parent after (the
-rename itself), and the renamed directory again (the entries of the small
-files orbax writes while it commits: ``commit_success.txt``, the metadata's
-commit time, which nothing reads to load a step and whose contents are not
-fsync'ed). Every file and directory in the temporary directory is fsync'ed
-before the rename, whoever wrote it (orbax's own handlers do not fsync their
-files), and after it the parent and the parent's parent (a run directory
-orbax made for the first step).
+rename itself), and the renamed directory again with the small files orbax
+writes while it commits (``commit_success.txt``, the metadata's commit time).
+Every file and directory in the temporary directory is fsync'ed before the
+rename, whoever wrote it (orbax's own handlers do not fsync their files), and
+after it the parent and the parent's parent (a run directory orbax made for the
+first step).
 
 Orbax gives every save to one path the same temporary directory, and a new
 save removes whatever is there. Here the writer holds a lock (``flock`` on a
@@ -82,6 +81,29 @@ def fsync_tree(path: str) -> None:
       finally:
         os.close(fd)
     fsync_dir(root)
+
+
+def _fsync_top(path: str) -> None:
+  """fsyncs the regular files directly in the directory ``path``, then the directory:
+  what orbax writes into a temporary directory after its tree was fsync'ed (the
+  metadata's commit time, ``commit_success.txt``) is on the disk when the save returns."""
+  with os.scandir(path) as entries:
+    names = [e.name for e in entries if e.is_file(follow_symlinks=False)]
+  dfd = os.open(path, _DIR_FLAGS)
+  try:
+    for name in names:
+      try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+      except OSError:
+        continue
+      try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+          os.fsync(fd)
+      finally:
+        os.close(fd)
+    os.fsync(dfd)
+  finally:
+    os.close(dfd)
 
 
 def _close(*fds: int) -> None:
@@ -253,7 +275,7 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
         await asyncio.to_thread(fsync_dir, parent)
         await asyncio.to_thread(fsync_dir, os.path.dirname(parent))
         if os.path.isdir(final):
-          await asyncio.to_thread(fsync_dir, final)
+          await asyncio.to_thread(_fsync_top, final)
     finally:
       self._let_go()
 
