@@ -475,3 +475,51 @@ def test_a_save_out_of_descriptors_leaves_no_temporary_directory(tmp_path, monke
     jr.save_records(tmp_path / "ckpt", adam_records(2))
   assert e.value.errno == errno.EMFILE
   assert os.listdir(tmp_path) == []
+
+
+def _left(tmp_path) -> list[str]:
+  return sorted(os.listdir(tmp_path))
+
+
+def test_a_param_id_no_reader_takes_is_refused_by_the_save_and_nothing_is_left(tmp_path):
+  """A reader refuses param ids of more than 4,096 characters; the save refused none and
+  reported done a checkpoint that every load refused."""
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"k" * 5000: jnp.ones(3), "short": jnp.ones(2)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  with pytest.raises(jr.ArchiveError, match="would not load.*5000 characters .at most 4096"):
+    jr.save_records(str(tmp_path / "ck"), records)
+  assert _left(tmp_path) == []
+  # One character less than the bound saves and loads exactly.
+  params = {"k" * 4096: jnp.arange(3.0)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  jr.save_records(str(tmp_path / "ok"), records)
+  for got, want in zip(jr.load_records(str(tmp_path / "ok")), records, strict=True):
+    assert_records_equal(got, want)
+
+
+def test_more_optimizer_scalars_than_a_reader_takes_are_refused_by_the_save(tmp_path):
+  """A reader takes at most 1,024 + 8 per param optimizer scalars (1,032 here)."""
+  opt = optax.chain(*[optax.scale_by_schedule(lambda c: 1.0) for _ in range(1040)])
+  params = {"w": jnp.ones(3)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  with pytest.raises(jr.ArchiveError, match="would not load.*1040 optimizer scalars"):
+    jr.save_records(str(tmp_path / "ck"), records)
+  assert _left(tmp_path) == []
+
+
+@pytest.mark.parametrize("n", [4, 300])  # the JSON index; the binary table (>= 256 buffers)
+def test_a_param_id_with_a_lone_surrogate_round_trips_through_either_index(tmp_path, n):
+  """Any str is a dict key; the binary table's UTF-8 encoder raised UnicodeEncodeError
+  (not a refusal) on a lone surrogate that the JSON index holds."""
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {f"p{i}": jnp.full((3,), float(i)) for i in range(n - 1)}
+  params["\udcff"] = jnp.arange(5.0)
+  _, state = opt.update(jax.tree.map(jnp.sin, params), opt.init(params), params)
+  records = jr.shard_state(opt, params, state, world_size=2)
+  jr.save_records(str(tmp_path / "ck"), records)
+  assert os.path.exists(tmp_path / "ck" / "jaxreshard.table") == (n > 256)
+  back = jr.load_records(str(tmp_path / "ck"))
+  for got, want in zip(back, records, strict=True):
+    assert_records_equal(got, want)
+  assert "\udcff" in {p.param for p in back[0].placements}

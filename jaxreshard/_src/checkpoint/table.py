@@ -125,6 +125,15 @@ def read(root: Any, entry: Any, where: str) -> dict[str, np.ndarray]:
       f"{path} has {len(data)} bytes but the index records {size}; the table is truncated or"
       " not this checkpoint's"
     )
+  return arrays_of(data, entry, where, path)
+
+
+def arrays_of(data: bytes, entry: Any, where: str, path: str) -> dict[str, np.ndarray]:
+  """The arrays of the table bytes ``data``, as ``read`` checks them once read: the
+  sha256 and the arrays' places that the index's ``entry`` records (its file name
+  and size checked by the caller); ``path`` names the table in refusals."""
+  digest = entry["sha256"]
+  size = len(data)
   actual = hashlib.sha256(data).hexdigest()
   if actual != digest:
     raise ArchiveError(

@@ -87,7 +87,8 @@ def _pids(arrays: Mapping[str, np.ndarray], where: str) -> list[str]:
     pids = [text[a:b] for a, b in bounds]
   else:
     try:
-      pids = [raw[a:b].decode("utf-8") for a, b in bounds]
+      # As the JSON index holds any str (lone surrogates escaped), so does the table.
+      pids = [raw[a:b].decode("utf-8", "surrogatepass") for a, b in bounds]
     except UnicodeDecodeError:
       raise _refuse(where, "a param id is not UTF-8") from None
   if pids and max(map(len, pids)) > _index.MAX_ID_CHARS:

@@ -90,7 +90,7 @@ def encode(value: dict) -> tuple[dict, bytes]:
     {e[2] for e in params} | {d for m in leaves for d in m["dtypes"] if d is not None}
   )
   code = {d: i for i, d in enumerate(dnames)}
-  raw = [p.encode("utf-8") for p in pids]
+  raw = [p.encode("utf-8", "surrogatepass") for p in pids]  # lone surrogates too
   numbers = []
   for name, _, _ in archives:
     n = int(name[len("archive_") :])

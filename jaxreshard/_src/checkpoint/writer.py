@@ -13,12 +13,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxreshard._src.checkpoint import archivejson as _archivejson
 from jaxreshard._src.checkpoint import clockjson as _clockjson
 from jaxreshard._src.checkpoint import deferredindex as _deferredindex
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import entries as _entries
+from jaxreshard._src.checkpoint import indexjson as _indexjson
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint import table as _table
+from jaxreshard._src.checkpoint import tableindex as _tableindex
 from jaxreshard._src.checkpoint import tablewrite as _tablewrite
 from jaxreshard._src.checkpoint.index import (
   ARCHIVE_FILE,
@@ -26,6 +29,7 @@ from jaxreshard._src.checkpoint.index import (
   FORMAT,
   FORMAT_VERSION,
   INDEX_FILE,
+  MAX_INDEX_BYTES,
   Source,
   SourcedRecords,
   _json_digest,
@@ -33,10 +37,11 @@ from jaxreshard._src.checkpoint.index import (
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
+from jaxreshard._src.core.gcpause import no_gc
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
-from jaxreshard._src.errors import PlacementError, ShapeError
+from jaxreshard._src.errors import ArchiveError, PlacementError, ReshardError, ShapeError
 from jaxreshard._src.exec import host as _host_exec
 
 
@@ -348,14 +353,46 @@ def write_index(directory: _shardfile.OutDir, value: dict) -> None:
   """Writes an index value (``IndexBuilder.index()``) into ``directory``: signed JSON,
   and for large layouts its binary table first, fsync'ed with the directory before
   the index that names it is written."""
+  table = None
   if "structures" in value:
     body, table = _tablewrite.encode(value)
+  else:
+    body = value
+  raw = fmt.signed_json(body)
+  check_readable(raw, table, directory.path)
+  if table is not None:
     directory.write_bytes(_table.TABLE_FILE, table)
     directory.sync()
     directory.drain()
-  else:
-    body = value
-  directory.write_bytes(INDEX_FILE, fmt.signed_json(body))
+  directory.write_bytes(INDEX_FILE, raw)
+
+
+def check_readable(raw: bytes, table: bytes | None, directory: str) -> None:
+  """Parses an index about to be written (and its binary table) by the reader's own
+  rules, so that a save never commits a checkpoint that a load refuses (a param id or
+  a count of optimizer scalars past a reader's bound).
+
+  Raises:
+    ArchiveError: what the reader would refuse, and that nothing is committed.
+  """
+  where = f"{directory}/{INDEX_FILE}"
+  path = f"{directory}/{_table.TABLE_FILE}"
+  try:
+    if len(raw) > MAX_INDEX_BYTES:
+      raise ArchiveError(f"{where} would have {len(raw)} bytes (a reader takes {MAX_INDEX_BYTES})")
+    if table is not None and len(table) > _table.MAX_TABLE_BYTES:
+      raise ArchiveError(
+        f"{path} would have {len(table)} bytes (a reader takes {_table.MAX_TABLE_BYTES})"
+      )
+    with no_gc():
+      _indexjson.parse_index(
+        _archivejson.signed_value(raw, where, FORMAT),
+        where,
+        lambda entry: _table.arrays_of(table, entry, where, path),
+        _tableindex.parse,
+      )
+  except ReshardError as e:
+    raise ArchiveError(f"this save would not load, so nothing is committed: {e}") from None
 
 
 def dump_index(directory: str, value: dict) -> None:
