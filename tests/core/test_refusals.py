@@ -101,10 +101,20 @@ def test_01_no_archives():
     jr.plan([], world_size=2, rank=0)
 
 
-def test_02_version_not_1():
+@pytest.mark.parametrize("version", [2, True, 1.0, "1"])
+def test_02_version_not_1(version):
+  """Only the int 1: True and 1.0 compare equal to it but are no record version."""
   records = _records()
-  records[1] = dataclasses.replace(records[1], version=2)
-  _refused(records, _plan(_records()), jr.PlacementError, "archive 1", "version 2", "'a'")
+  records[1] = dataclasses.replace(records[1], version=version)
+  _refused(
+    records, _plan(_records()), jr.PlacementError, "archive 1", f"version {version!r}", "'a'"
+  )
+
+
+def test_02b_trainable_not_a_bool():
+  records = _records()
+  records[1] = _with_placement(records[1], "b/c", trainable="no")
+  _refused(records, _plan(_records()), jr.PlacementError, "param 'b/c'", "archive 1", "'no'")
 
 
 def test_03a_param_listed_twice():
@@ -411,7 +421,9 @@ def test_unshard_refuses_incomplete_groups():
     jr.unshard_state(records[1:])
 
 
-@pytest.mark.parametrize("case", ["world_size", "unknown_trainable", "integer_param"])
+@pytest.mark.parametrize(
+  "case", ["world_size", "unknown_trainable", "trainable_not_bool", "integer_param"]
+)
 def test_shard_state_refusals_leave_inputs_alone(case):
   opt = optax.sgd(0.1, momentum=0.9)
   params = {"a": jnp.arange(5.0), "b": {"c": jnp.ones((3, 2))}}
@@ -420,6 +432,8 @@ def test_shard_state_refusals_leave_inputs_alone(case):
     kwargs, needle = {"world_size": 0}, "world_size 0"
   elif case == "unknown_trainable":
     kwargs["trainable"], needle = {"zz": False}, "'zz'"
+  elif case == "trainable_not_bool":  # "no" is true: it would have saved as trainable
+    kwargs["trainable"], needle = {"a": "no"}, r"\['a'\].*a bool, got str 'no'"
   else:
     params = {"i": jnp.arange(3)}
     cls, needle = jr.DtypeError, "param 'i'"

@@ -104,6 +104,23 @@ def check_is_record(record: Any, where: str) -> None:
     raise PlacementError(f"{where}: expected a ShardRecord, got {type(record).__name__}")
 
 
+def trainable_map(trainable: Any, ids: Sequence[str]) -> dict[str, bool]:
+  """``shard_state``'s ``trainable`` (None, or param id -> bool) as a dict, checked:
+  every key a param of ``ids`` and every value a bool, never read by its truth (the
+  string "no" would otherwise mark a param trainable)."""
+  trainable = dict(trainable or {})
+  unknown = sorted(set(trainable) - set(ids))
+  if unknown:
+    raise PlacementError(f"params {unknown}: named in `trainable` but not in params")
+  bad = sorted(pid for pid, v in trainable.items() if not isinstance(v, (bool, np.bool_)))
+  if bad:
+    v = trainable[bad[0]]
+    raise PlacementError(
+      f"params {bad}: `trainable` maps a param to a bool, got {type(v).__name__} {v!r}"
+    )
+  return {pid: bool(v) for pid, v in trainable.items()}
+
+
 def check_record(
   index: int, record: Any
 ) -> tuple[_structure.StateParts, dict[str, ParamPlacement]]:
@@ -113,7 +130,8 @@ def check_record(
     Its state parts and its placements by param id.
   """
   check_is_record(record, f"archive {index}")
-  if record.version != RECORD_VERSION:
+  # The int 1 itself: True and 1.0 equal it but are not a record version.
+  if type(record.version) is not int or record.version != RECORD_VERSION:
     raise PlacementError(
       f"{_params_of(record)}: archive {index} has record version {record.version!r},"
       f" which is not supported (only version {RECORD_VERSION} exists)"
@@ -124,6 +142,10 @@ def check_record(
       raise PlacementError(f"archive {index}: placement {p!r} is not a ParamPlacement")
     if p.param in placements:
       raise listed_twice(p.param, index)
+    if not isinstance(p.trainable, (bool, np.bool_)):
+      raise PlacementError(
+        f"param {p.param!r}: archive {index} marks it trainable={p.trainable!r}, not a bool"
+      )
     placements[p.param] = p
   try:
     state_parts = _structure.state_parts(record.state, _structure.roles_of(record))

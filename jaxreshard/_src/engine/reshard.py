@@ -76,10 +76,7 @@ def shard_state(
   FlatShard((), 0, world_size)  # validates world_size
   params, state = _plain.plain(params), _plain.plain(state)
   ids, leaves, shapes, roles = coordinate_roles(optimizer, params, state)
-  trainable = dict(trainable or {})
-  unknown = sorted(set(trainable) - set(ids))
-  if unknown:
-    raise PlacementError(f"params {unknown}: named in `trainable` but not in params")
+  trainable = _validate.trainable_map(trainable, ids)
   state_leaves, state_def = jax.tree_util.tree_flatten(state)
 
   # The full state is the one archive of a world of size 1; every rank is resharded from it.

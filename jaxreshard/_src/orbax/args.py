@@ -21,6 +21,7 @@ from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import mesh as _mesh
@@ -42,10 +43,7 @@ def _shapes_of(args: ReshardSave) -> Mapping[str, Any]:
   if args.shapes is not None:
     return args.shapes
   ids, leaves, _ = _structure.param_ids(args.params)
-  trainable = dict(args.trainable or {})
-  unknown = sorted(set(trainable) - set(ids))
-  if unknown:
-    raise PlacementError(f"params {unknown}: named in `trainable` but not in params")
+  trainable = _validate.trainable_map(args.trainable, ids)
   return {
     pid: ParamPlacement(pid, tuple(np.shape(x)), 0, 1, np.dtype(x.dtype), trainable.get(pid, True))
     for pid, x in zip(ids, leaves)
