@@ -55,3 +55,24 @@ def test_targets_keep_the_clock_their_sources_were_validated_with():
   fresh = [jr.ShardRecord(r.version, r.placements, r.state, r.roles) for r in src]
   with pytest.raises(jr.PlacementError):
     jr.reshard(fresh, jr.plan(fresh, world_size=3, rank=0))
+
+
+def test_buffers_are_read_at_each_call_and_a_new_record_is_checked_afresh():
+  """Writes into a source buffer are seen by the next call; a buffer replaced in a
+  remembered record's dicts is not (the README says so); the same state in a new
+  record (``dataclasses.replace``) is read and checked afresh."""
+  import dataclasses
+
+  src = _numpy_clock_records(2)
+  plan = jr.plan(src, world_size=1, rank=0)
+  jr.reshard(src, plan)
+  src[1].state[0].mu["w"][...] = 7.0  # rank 1 owns elements 3..5
+  got = jr.reshard(src, plan).state[0].mu["w"]
+  np.testing.assert_array_equal(np.asarray(got)[3:], [7.0, 7.0, 7.0])
+  src[1].state[0].mu["w"] = np.full((3,), 9.0, np.float32)  # replaced: not seen
+  np.testing.assert_array_equal(np.asarray(jr.reshard(src, plan).state[0].mu["w"])[3:], [7.0] * 3)
+  fresh = [dataclasses.replace(r) for r in src]
+  np.testing.assert_array_equal(np.asarray(jr.reshard(fresh, plan).state[0].mu["w"])[3:], [9.0] * 3)
+  src[1].state[0].mu["w"] = np.full((4,), 9.0, np.float32)  # of another shape: refused afresh
+  with pytest.raises(jr.ShapeError):
+    jr.reshard([dataclasses.replace(r) for r in src], plan)
