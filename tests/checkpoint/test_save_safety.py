@@ -523,3 +523,20 @@ def test_a_param_id_with_a_lone_surrogate_round_trips_through_either_index(tmp_p
   for got, want in zip(back, records, strict=True):
     assert_records_equal(got, want)
   assert "\udcff" in {p.param for p in back[0].placements}
+
+
+def test_a_read_error_of_the_records_source_is_not_called_a_failed_write(tmp_path):
+  """Records streamed from a source (the CLI's reshard and merge read them from another
+  checkpoint): an OSError the source raises names the file it read, not the save."""
+  records = adam_records(3)
+  source = str(tmp_path / "src" / "archive_00001" / "float32" / "c" / "0")
+
+  def streamed():
+    yield records[0]
+    raise OSError(errno.EIO, os.strerror(errno.EIO), source)
+
+  with pytest.raises(OSError) as info:
+    jr.save_records(str(tmp_path / "out"), streamed())
+  assert info.value.errno == errno.EIO and info.value.filename == source, info.value
+  assert "saving a checkpoint" not in str(info.value)
+  assert _left(tmp_path) == []

@@ -52,6 +52,10 @@ __all__ = [
 ]
 
 
+def _is_under(path: str, *roots: str) -> bool:
+  return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
+
+
 def save_records(
   directory: os.PathLike | str,
   records: Iterable[ShardRecord],
@@ -99,9 +103,10 @@ def save_records(
   descriptor and locked (``flock``) by this save, that is renamed to
   ``directory`` at the very end, once it is checked to be still this save's
   and complete: a failed save leaves nothing, and a killed one leaves a
-  ``.NAME.tmp-*`` sibling (never loadable) whose lock is then free, which the
-  next save to ``directory`` on the same host removes, as does ``jaxreshard
-  clean``. Neither ever removes a directory whose writer holds its lock.
+  ``.NAME.tmp-*`` sibling whose lock is then free (a name the CLI never takes for
+  a checkpoint when it looks in a directory; named explicitly, one killed after
+  its last write reads as whole), which the next save to ``directory`` on the
+  same host removes, as does ``jaxreshard clean``. Neither ever removes a directory whose writer holds its lock.
 
   Examples:
     >>> import tempfile, os, jax.numpy as jnp, optax, jaxreshard as jr
@@ -137,9 +142,12 @@ def save_records(
   except OSError as e:
     if tmp is None:  # refused before anything was made
       raise
+    where = tmp.path
     tmp.discard()
     if isinstance(e, ArchiveExistsError) or not e.errno or tmp.committed:
       raise
+    if e.filename is not None and not _is_under(os.fspath(e.filename), where, final):
+      raise  # the records' own source failed (a read error names the file it read)
     # A full disk, a quota or a permission: named by the checkpoint, since the
     # temporary file it happened in is gone.
     raise type(e)(e.errno, f"{e.strerror} (saving a checkpoint)", final) from None
