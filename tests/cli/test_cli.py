@@ -6,6 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -716,6 +717,14 @@ def test_clean_json(tmp_path):
   assert data == dict(checkpoint=str(tmp_path / "c"), removed=[], kept=[])
 
 
+@pytest.mark.parametrize("parent", ["a_file", "missing"])
+def test_clean_of_a_directory_it_cannot_list_is_an_error(tmp_path, parent):
+  """It reported "0 of 0 temporary directories removed" (exit 0) without looking."""
+  (tmp_path / "a_file").write_text("")
+  line = _one_line_error(_run("clean", tmp_path / parent / "ck", "--json"))
+  assert str(tmp_path / parent) in line and "listing it for saves to" in line, line
+
+
 # --- merge ------------------------------------------------------------------------
 
 
@@ -1206,3 +1215,61 @@ def test_a_batch_is_named_whole_while_it_is_read_and_each_rank_as_it_is_written(
   small = max(1, _restore.BATCH_BYTES)  # bytes per rank at the batch limit: one rank each
   got = list(commands._targets(root / "ckpt8", None, ranks, 6, 6 * small, bar, 0))
   assert bar.told == [t for r in ranks for t in (f"rank {r}/6", f"rank {r}/6")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_reader_that_leaves_early_changes_no_exit_code(ckpt, resharded, tmp_path, as_json):
+  """`verify A B | head`: the verdict stands (1 for different checkpoints, 0 for
+  identical), in text as in JSON; rich's own broken-pipe exit (1) and a blanket 0 did
+  not keep it. So does inspect's 0."""
+  root, src = ckpt
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+  full = jr.unshard_state(src)
+  other = jax.tree.map(lambda x: x, full)
+  other.inner_state[0].mu["head"] = np.asarray(full.inner_state[0].mu["head"]) + 1
+  jr.save_records(tmp_path / "other", jr.shard_state(opt, PARAMS, other, world_size=8))
+  flag = ["--json"] if as_json else []
+
+  def leaves_early(*args):
+    p = subprocess.Popen(
+      [sys.executable, "-m", "jaxreshard", *map(str, args), *flag],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+    )
+    p.stdout.close()  # the reader is gone before the command prints a line
+    _, err = p.communicate(timeout=120)
+    return p.returncode, err.decode()
+
+  assert leaves_early("verify", root / "ckpt8", tmp_path / "other") == (1, "")
+  assert leaves_early("verify", root / "ckpt8", resharded) == (0, "")
+  assert leaves_early("inspect", root / "ckpt8") == (0, "")
+
+
+@pytest.mark.slow
+def test_sigterm_in_the_middle_of_a_reshard_leaves_nothing(tmp_path):
+  """SIGTERM (timeout, batch schedulers, containers) cleans up as Ctrl-C does: it left
+  the hidden temporary directory of the save it interrupted, and said nothing."""
+  import glob
+  import signal
+
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {f"p{i}": np.zeros((1 << 20,), np.float32) for i in range(12)}
+  state = jax.tree.map(lambda x: np.ones_like(x), opt.init(params))
+  jr.save_records(tmp_path / "src", jr.shard_state(opt, params, state, world_size=8))
+  p = subprocess.Popen(
+    [sys.executable, "-m", "jaxreshard", "reshard", "src", "out", "-w", "7"],
+    cwd=tmp_path,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  deadline = time.monotonic() + 120
+  while not glob.glob(str(tmp_path / ".out.tmp-*" / "archive_00001")):
+    assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+    time.sleep(0.005)
+  p.send_signal(signal.SIGTERM)
+  _, err = p.communicate(timeout=120)
+  assert p.returncode == 128 + signal.SIGTERM, err
+  assert err.strip().splitlines()[-1] == "jaxreshard: terminated", err
+  assert sorted(os.listdir(tmp_path)) == ["src"]

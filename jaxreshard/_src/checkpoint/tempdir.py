@@ -101,8 +101,12 @@ def _lock_probe(path: str) -> tuple[int | None, int | None]:
   return dfd, lfd
 
 
-def temp_dirs(final: str) -> list[tuple[str, bool]]:
+def temp_dirs(final: str, *, strict: bool = False) -> list[tuple[str, bool]]:
   """The temporary siblings saves to ``final`` left, each with whether its writer is gone.
+
+  A parent directory that cannot be listed has none to a save (which goes on
+  without them); with ``strict`` (``clean``, which reports what it found) it
+  raises the ``OSError`` naming it.
 
   A writer holds an exclusive ``flock`` on the directory's lock file for its
   whole save; the writer is gone when that lock is free (taken and released
@@ -113,7 +117,9 @@ def temp_dirs(final: str) -> list[tuple[str, bool]]:
   out = []
   try:
     entries = os.listdir(parent)
-  except OSError:
+  except OSError as e:
+    if strict:
+      raise OSError(e.errno, f"{e.strerror} (listing it for saves to {final})", parent) from None
     return out
   for entry in sorted(entries):
     m = _TEMP.match(entry)

@@ -397,11 +397,13 @@ def verify(
   counts = dict(
     params=len(a.params), buffers=buffers, elements=elements, clock_scalars=len(a.scalars)
   )
-  if as_json:
-    _render.print_json(_report.verify_info(c, counts))
-  _report.print_verify((checkpoint, out), c, counts, max_diffs, as_json)
-  if not (c.identical or c.within_tolerance):
-    raise typer.Exit(EXIT_DIFFERENT)
+  code = 0 if (c.identical or c.within_tolerance) else EXIT_DIFFERENT
+  with _render.outcome(code):
+    if as_json:
+      _render.print_json(_report.verify_info(c, counts))
+    _report.print_verify((checkpoint, out), c, counts, max_diffs, as_json)
+  if code:
+    raise typer.Exit(code)
 
 
 # -------------------------------------------------------------------------- clean
@@ -432,7 +434,7 @@ def clean(
   With --json: {"checkpoint", "removed": paths, "kept": paths}.
   """
   final = os.path.abspath(str(checkpoint))
-  found = _store.temp_dirs(final)
+  found = _store.temp_dirs(final, strict=True)
   removed = set(_store.remove_temp_dirs(final, everything=everything))
   if as_json:
     _render.print_json(
@@ -492,4 +494,5 @@ def merge(
 
 def main(argv: list[str] | None = None) -> None:
   """The ``jaxreshard`` console script."""
+  _render.on_sigterm_interrupt()
   app(args=argv, prog_name="jaxreshard")

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -98,9 +99,16 @@ def one_line_usage_errors() -> Iterator[None]:
     raise typer.Exit(EXIT_ERROR) from None
 
 
+class _Console(Console):
+  def on_broken_pipe(self) -> None:
+    # rich exits 1 here; the command decides its exit code (``guard``, ``outcome``).
+    self.quiet = True
+    raise BrokenPipeError
+
+
 def console() -> Console:
   # Made per call so that a test runner's captured stdout is the one used.
-  console = Console(highlight=False, soft_wrap=True)
+  console = _Console(highlight=False, soft_wrap=True)
   if not console.is_terminal:
     # Pipes and files get every value whole: tables as wide as they need.
     console.width = _PIPE_WIDTH
@@ -147,6 +155,37 @@ def message(e: BaseException) -> str:
   return safe(text)
 
 
+class Terminated(KeyboardInterrupt):
+  """SIGTERM (what ``timeout``, batch schedulers and containers send), raised where
+  Ctrl-C's KeyboardInterrupt would be, so that every path that cleans up after an
+  interrupted save cleans up after it too."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+  del signum, frame
+  raise Terminated
+
+
+def on_sigterm_interrupt() -> None:
+  """Makes SIGTERM interrupt the command line as Ctrl-C does (main thread only)."""
+  signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def _stdout_to_devnull() -> None:
+  os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+@contextlib.contextmanager
+def outcome(code: int) -> Iterator[None]:
+  """Printing the report of a command whose exit code is already ``code``: a reader
+  that leaves early (``verify ... | head``) does not change it."""
+  try:
+    yield
+  except BrokenPipeError:
+    _stdout_to_devnull()
+    raise typer.Exit(code) from None
+
+
 def guard(fn: Callable) -> Callable:
   """Turns bad input into one line on stderr and exit code 2."""
 
@@ -158,8 +197,11 @@ def guard(fn: Callable) -> Callable:
       raise
     except BrokenPipeError:
       # `jaxreshard inspect ... | head`: the reader left; that is not an error.
-      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+      _stdout_to_devnull()
       raise typer.Exit(0) from None
+    except Terminated:
+      print("jaxreshard: terminated", file=sys.stderr)
+      raise typer.Exit(128 + signal.SIGTERM) from None
     except KeyboardInterrupt:
       print("jaxreshard: interrupted", file=sys.stderr)
       raise typer.Exit(130) from None
