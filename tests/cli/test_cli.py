@@ -1188,12 +1188,12 @@ class _Bar:
 
 def test_a_batch_is_named_whole_while_it_is_read_and_each_rank_as_it_is_written(ckpt, tmp_path):
   from jaxreshard._src.checkpoint import restore as _restore
-  from jaxreshard._src.cli import commands
+  from jaxreshard._src.cli import streams
 
   root, src = ckpt
   ranks = list(range(6))
   bar = _Bar()
-  got = list(commands._targets(root / "ckpt8", None, ranks, 6, 6 << 20, bar, 0))
+  got = list(streams.targets(root / "ckpt8", None, ranks, 6, 6 << 20, bar, 0))
   assert len(got) == 6
   assert bar.told == ["ranks 0-5/6"] + [f"rank {r}/6" for r in ranks]
 
@@ -1208,13 +1208,35 @@ def test_a_batch_is_named_whole_while_it_is_read_and_each_rank_as_it_is_written(
     )
   bar = _Bar()
   with pytest.raises(jr.ReshardError, match="padding is not zero"):
-    list(commands._targets(tmp_path / "badpad", None, ranks, 6, 6 << 20, bar, 0))
+    list(streams.targets(tmp_path / "badpad", None, ranks, 6, 6 << 20, bar, 0))
   assert bar.told == ["ranks 0-5/6"]
   # One rank per batch: each named as it is read.
   bar = _Bar()
   small = max(1, _restore.BATCH_BYTES)  # bytes per rank at the batch limit: one rank each
-  got = list(commands._targets(root / "ckpt8", None, ranks, 6, 6 * small, bar, 0))
+  got = list(streams.targets(root / "ckpt8", None, ranks, 6, 6 * small, bar, 0))
   assert bar.told == [t for r in ranks for t in (f"rank {r}/6", f"rank {r}/6")]
+
+
+def test_verify_and_merge_show_their_progress_on_terminals(ckpt, parts, tmp_path, monkeypatch):
+  """Both read every byte (minutes on a real checkpoint); they printed nothing until
+  done, where reshard draws a bar."""
+  import io
+
+  from rich.console import Console
+
+  from jaxreshard._src.cli import render as _render
+
+  root, _ = ckpt
+  drawn = io.StringIO()
+  monkeypatch.setattr(
+    _render, "err_console", lambda: Console(file=drawn, force_terminal=True, width=100)
+  )
+  assert _run("verify", root / "ckpt8", root / "ckpt8").exit_code == 0
+  text = drawn.getvalue()
+  assert "OUT" in text and " kB" in text, text  # the last frame: the second checkpoint read
+  drawn.seek(0), drawn.truncate()
+  assert _run("merge", tmp_path / "merged", *parts).exit_code == 0
+  assert "merging" in drawn.getvalue() and " kB" in drawn.getvalue(), drawn.getvalue()
 
 
 @pytest.mark.slow

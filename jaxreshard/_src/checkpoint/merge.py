@@ -219,11 +219,17 @@ def merge_plan(
 
 
 def merge_parts(
-  out: Any, parts: Sequence[Any], *, step: int | None = None, item: str | None = None
+  out: Any,
+  parts: Sequence[Any],
+  *,
+  step: int | None = None,
+  item: str | None = None,
+  progress: Any = None,
 ) -> MergePlan:
   """Writes the parts of one reshard (``merge_plan``) as one checkpoint at ``out``.
 
-  Parts (and ``step``, ``item``) are found as ``merge_plan`` finds them.
+  Parts (and ``step``, ``item``) are found as ``merge_plan`` finds them;
+  ``progress`` is ``save_records``' callback, told after each archive.
   Archives are copied in rank order, one at a time, into a new checkpoint with
   its own identity, naming the parts' source. Nothing is written unless every
   part is checked; a failed write leaves nothing at ``out``.
@@ -240,5 +246,5 @@ def merge_parts(
     for ckpt, a in merged.order:
       yield ckpt.record(a)
 
-  save_records(out, _reader.SourcedRecords(records(), merged.source))
+  save_records(out, _reader.SourcedRecords(records(), merged.source), progress=progress)
   return merged

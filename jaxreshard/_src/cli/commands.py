@@ -14,7 +14,6 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ from jaxreshard._src.checkpoint import summary as _summary
 from jaxreshard._src.checkpoint.summary import inspect_info
 from jaxreshard._src.cli import render as _render
 from jaxreshard._src.cli import report as _report
+from jaxreshard._src.cli import streams as _streams
 from jaxreshard._src.cli.render import EXIT_DIFFERENT, EXIT_ERROR, progress_bar, safe
 
 __all__ = ["EXIT_DIFFERENT", "EXIT_ERROR", "app", "inspect_info", "main", "progress_bar", "safe"]
@@ -247,7 +247,7 @@ def reshard(
     jr.save_records(
       str(out),
       _reader.SourcedRecords(
-        _targets(source, ckpt, ranks, world_size, total, bar, task),
+        _streams.targets(source, ckpt, ranks, world_size, total, bar, task),
         _reader.Source(ckpt.id, world_size),
       ),
     )
@@ -288,31 +288,6 @@ def _dry_run(ckpt, plans, archives, world_size: int, reads: bool, as_json: bool)
   else:
     n_ranks = 1 if archives is not None else world_size
     _render.print_plans(plans, len(ckpt), n_ranks, reads)
-
-
-def _targets(
-  source: Any, ckpt: Any, ranks: Any, world_size: int, total: int, bar: Any, task: Any
-) -> Iterator[Any]:
-  """The target ranks, restored a batch at a time (each source buffer read once per
-  batch; a batch holds about ``BATCH_BYTES``) and handed on one at a time, the
-  progress bar naming and counting each rank as the save takes it (and the whole
-  batch while it is read, so that a refusal there names no one rank)."""
-  # Each rank is planned once, by its restore, which also counts the bytes it moved.
-  n = max(1, _restore.BATCH_BYTES // max(1, -(-total // len(ranks))))
-  for at in range(0, len(ranks), n):
-    batch = ranks[at : at + n]
-    named = f"rank {batch[0]}" if len(batch) == 1 else f"ranks {batch[0]}-{batch[-1]}"
-    bar.update(task, description=f"{named}/{world_size}")
-    done: list[Any] = []
-    built = _restore.restore_ranks(
-      source, batch, world_size=world_size, checkpoint=ckpt, progress=done.append
-    )
-    moved = 0
-    for r, record, step in zip(batch, built, done):
-      bar.update(task, description=f"rank {r}/{world_size}")
-      yield record
-      bar.advance(task, step.done_bytes - moved)  # after save_records has taken this rank
-      moved = step.done_bytes
 
 
 def _refuse_inside(out: Path, inputs: list[Path]) -> None:
@@ -386,8 +361,10 @@ def verify(
     if value is not None and not math.isfinite(value):
       raise jr.ReshardError(f"{flag} {value} must be a finite number")
   paths = (_locate(checkpoint, step, item).path, _locate(out).path)
-  a = _digest.digest_records(_summary.complete_records(paths[0], "verify"))
-  b = _digest.digest_records(_summary.complete_records(paths[1], "verify"))
+  with progress_bar(_render.err_console()) as bar:
+    task = bar.add_task("reading", total=None)
+    a = _digest.digest_records(_streams.counted(paths[0], "CHECKPOINT", bar, task))
+    b = _digest.digest_records(_streams.counted(paths[1], "OUT", bar, task))
   for path, d in ((checkpoint, a), (out, b)):
     _summary.refuse_problems(path, d)
   c = _compare.compare_checkpoints(
@@ -479,7 +456,11 @@ def merge(
   """
   _refuse_inside(out, parts)
   found = [_locate(p, step, item).path for p in parts]
-  merged = _merge.merge_parts(str(out), found)
+  with progress_bar(_render.err_console()) as bar:
+    task = bar.add_task("merging", total=None)
+    merged = _merge.merge_parts(
+      str(out), found, progress=lambda p: bar.update(task, completed=p.done_bytes)
+    )
   n = merged.world_size
   if as_json:
     _render.print_json(dict(out=os.path.abspath(out), world_size=n, parts=len(parts), archives=n))
