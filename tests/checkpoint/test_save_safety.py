@@ -540,3 +540,11 @@ def test_a_read_error_of_the_records_source_is_not_called_a_failed_write(tmp_pat
   assert info.value.errno == errno.EIO and info.value.filename == source, info.value
   assert "saving a checkpoint" not in str(info.value)
   assert _left(tmp_path) == []
+
+
+def test_a_temporary_directory_that_cannot_be_made_is_named_by_the_checkpoint():
+  """The error named the hidden `.x.tmp-<hex>-<pid>-<host>` sibling, not the checkpoint."""
+  final = "/proc/jaxreshard-no-such-checkpoint"  # a directory no one can make in
+  with pytest.raises(OSError) as info:
+    jr.save_records(final, adam_records(2))
+  assert info.value.filename == final and "temporary directory" in str(info.value), info.value

@@ -141,7 +141,12 @@ def save_records(
     tmp.commit(final)
   except OSError as e:
     if tmp is None:  # refused before anything was made
-      raise
+      if isinstance(e, ArchiveExistsError) or not e.errno:
+        raise
+      # Named by the checkpoint: the temporary sibling's name means nothing to a user.
+      raise type(e)(
+        e.errno, f"{e.strerror} (making the temporary directory of a save)", final
+      ) from None
     where = tmp.path
     tmp.discard()
     if isinstance(e, ArchiveExistsError) or not e.errno or tmp.committed:
