@@ -51,6 +51,10 @@ def test_demo_command(summary, tmp_path):
   assert [r.placements[0].rank for r in jr.load_records(tmp_path / "ckpt8")] == list(range(8))
   again = CliRunner().invoke(app, ["demo", "--save", str(tmp_path / "ckpt8")])
   assert again.exit_code == 2 and "already exists" in again.stderr
+  # A missing parent is refused before the training, not after it.
+  lost = CliRunner().invoke(app, ["demo", "--save", str(tmp_path / "nodir" / "x")])
+  assert lost.exit_code == 2 and "does not exist" in lost.stderr
+  assert "trained" not in lost.stdout, lost.stdout
 
 
 def test_demo_json_is_the_summary_only(tmp_path, monkeypatch):

@@ -167,6 +167,9 @@ def run_demo(
   t0 = time.perf_counter()
   if archive_dir is not None and os.path.lexists(archive_dir):
     raise jr.ArchiveExistsError(f"{archive_dir} already exists; the demo never overwrites it")
+  parent = os.path.dirname(os.path.abspath(archive_dir)) if archive_dir is not None else None
+  if parent is not None and not os.path.isdir(parent):  # refused before the training
+    raise FileNotFoundError(f"parent directory {parent} of {archive_dir} does not exist")
   optimizer, params, state = train_example(steps)
   log(f"trained a flax MLP for {steps} AdamW steps")
   src = jr.shard_state(optimizer, params, state, SOURCE_WORLD)
