@@ -34,6 +34,7 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -46,6 +47,9 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import jaxreshard as jr
+
+# How long process 0 outlives the others of a job stopped by ``--kill-after``.
+KILL_GRACE_S = 2.0
 
 FEATURES, HIDDEN, BATCH = 8, 37, 16  # 37 hidden units: no world size divides the params
 
@@ -198,6 +202,12 @@ def main(argv: Sequence[str] | None = None) -> None:
       )
   if seen.get("killed"):
     _say(f"killed after step {args.kill_after} (its checkpoint is committed)")
+    if jax.process_index() == 0 and jax.process_count() > 1:
+      # Process 0 hosts the coordination service: killed first, it would take the
+      # service with it and the runtime would abort the others (SIGABRT) before
+      # their own SIGKILL. They go at once (a dead peer is noticed only at the
+      # heartbeat timeout); it follows a moment later.
+      time.sleep(KILL_GRACE_S)
     os.kill(os.getpid(), signal.SIGKILL)
   if args.num_processes > 1:
     jax.distributed.shutdown()

@@ -396,15 +396,28 @@ def leave_broken_job(timeout_s: float = 120.0) -> None:
   would abort a peer still handling its own error before it could report.
   """
   if ME == 0:
-    paths = [os.path.join(OUT, f"p{i}.json") for i in range(jax.process_count())]
+    paths = [os.path.join(OUT, f"p{i}.json") for i in range(1, jax.process_count())]
     deadline = time.monotonic() + timeout_s
     while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
       time.sleep(0.01)
-    time.sleep(1.0)  # for the peers, between their result and their exit
+    # Then until the peers are gone (every process of these jobs runs on this host).
+    pids = [json.load(open(p))["pid"] for p in paths if os.path.exists(p)]
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+      time.sleep(0.01)
   os._exit(0)
 
 
+def _gone(pid: int) -> bool:
+  """Whether the process ``pid`` has exited (a zombie not yet reaped counts)."""
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+  except FileNotFoundError:
+    return True
+
+
 def write_result(result: dict) -> None:
+  result = {**result, "pid": os.getpid()}
   tmp = os.path.join(OUT, f"p{ME}.json.tmp")
   with open(tmp, "w") as f:
     json.dump(result, f)

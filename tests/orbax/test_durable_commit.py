@@ -389,43 +389,71 @@ def test_a_manager_saves_a_step_again_after_a_failed_save_of_it(tmp_path, monkey
       assert_records_equal(a, b)
 
 
-def test_a_save_waits_while_another_process_holds_the_step_s_directory(tmp_path):
+def test_a_save_waits_while_another_process_holds_the_step_s_directory(tmp_path, monkeypatch):
   """Another process's live save of the step: nothing of it is removed while its
   lock is held; once free (its writer gone), this save takes the directory."""
   import subprocess
   import sys
-  import time
+  import threading
+
+  from jaxreshard._src.orbax import durable as _durable
 
   run = tmp_path / "run"
   tmp = run / "1.orbax-checkpoint-tmp"
   (tmp / "theirs").mkdir(parents=True)
   (tmp / ".jaxreshard-save.lock").touch()
+  # The holder keeps the lock until told (no clock involved), lists the directory
+  # while it still holds it, and lets go by exiting.
   holder = subprocess.Popen(
     [
       sys.executable,
       "-c",
-      "import fcntl, os, sys, time\n"
+      "import fcntl, os, sys\n"
       "fd = os.open(sys.argv[1], os.O_RDWR)\n"
       "fcntl.flock(fd, fcntl.LOCK_EX)\n"
       "print('held', flush=True)\n"
-      "time.sleep(1.5)\n"
+      "sys.stdin.readline()\n"
       "print(sorted(os.listdir(os.path.dirname(sys.argv[1]))), flush=True)\n",
       str(tmp / ".jaxreshard-save.lock"),
     ],
+    stdin=subprocess.PIPE,
     stdout=subprocess.PIPE,
     text=True,
   )
-  assert holder.stdout.readline().strip() == "held"
-  records = adam_records(2)
-  t0 = time.monotonic()
-  with _durable_manager(run) as manager:
-    manager.save(1, args=jr.ReshardSave(records))
-    manager.wait_until_finished()
-    waited = time.monotonic() - t0
-    got = manager.restore(1, args=jr.ReshardRestore())
-  seen = holder.communicate(timeout=60)[0]
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    live, found_held, committed_while_held = _durable._live, threading.Event(), []
+
+    def watched(path):
+      held = live(path)
+      if held:
+        found_held.set()
+      return held
+
+    monkeypatch.setattr(_durable, "_live", watched)
+
+    def let_go():
+      found_held.wait(60)  # the save found the directory held: it waits now
+      committed_while_held.append(os.path.exists(run / "1"))
+      holder.stdin.write("go\n")
+      holder.stdin.flush()
+
+    releaser = threading.Thread(target=let_go)
+    releaser.start()
+    records = adam_records(2)
+    with _durable_manager(run) as manager:
+      manager.save(1, args=jr.ReshardSave(records))
+      manager.wait_until_finished()
+      got = manager.restore(1, args=jr.ReshardRestore())
+    releaser.join(60)
+    seen = holder.stdout.readline()
+    assert holder.wait(60) == 0
+  finally:
+    if holder.poll() is None:
+      holder.kill()
+      holder.wait()
+  assert found_held.is_set() and committed_while_held == [False], committed_while_held
   assert "'theirs'" in seen  # untouched while its writer held it
-  assert waited >= 1.0, waited
   for a, b in zip(got, records, strict=True):
     assert_records_equal(a, b)
   assert not tmp.exists() and "theirs" not in os.listdir(run / "1")
