@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -167,8 +168,10 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 
 def on_sigterm_interrupt() -> None:
-  """Makes SIGTERM interrupt the command line as Ctrl-C does (main thread only)."""
-  signal.signal(signal.SIGTERM, _raise_terminated)
+  """Makes SIGTERM interrupt the command line as Ctrl-C does, where the command line
+  runs in a process's main thread (called in another, it leaves SIGTERM alone)."""
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _raise_terminated)
 
 
 def _stdout_to_devnull() -> None:
