@@ -69,11 +69,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxreshard._src.checkpoint import archivejson as _archivejson
 from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import brief as _brief
 from jaxreshard._src.checkpoint import index as _index
-from jaxreshard._src.checkpoint import indexjson as _indexjson
 from jaxreshard._src.checkpoint import memo as _memo
 from jaxreshard._src.checkpoint import pads as _pads
 from jaxreshard._src.checkpoint import shardread as _shardread
@@ -323,12 +321,7 @@ def _read_index(root: _shardread.Dir, given: Any, directory: str) -> _index.Inde
   from jaxreshard._src.engine.pipeline import no_gc  # pylint: disable=g-import-not-at-top
 
   with no_gc():  # parsing makes many small objects and no cycles
-    return _indexjson.parse_index(
-      _archivejson.signed_value(raw, where, FORMAT),
-      where,
-      lambda entry: _table.read(root, entry, where),
-      _tableindex.parse,
-    )
+    return _tableindex.parse_signed(raw, where, lambda entry: _table.read(root, entry, where))
 
 
 def placements(index: _index.Index, archive: int) -> list[ParamPlacement]:

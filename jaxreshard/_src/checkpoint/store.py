@@ -106,7 +106,8 @@ def save_records(
   ``.NAME.tmp-*`` sibling whose lock is then free (a name the CLI never takes for
   a checkpoint when it looks in a directory; named explicitly, one killed after
   its last write reads as whole), which the next save to ``directory`` on the
-  same host removes, as does ``jaxreshard clean``. Neither ever removes a directory whose writer holds its lock.
+  same host removes, as does ``jaxreshard clean``. Neither ever removes a
+  directory whose writer holds its lock.
 
   Examples:
     >>> import tempfile, os, jax.numpy as jnp, optax, jaxreshard as jr

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._src.checkpoint import archivejson as _archivejson
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import indexjson as _indexjson
@@ -441,3 +442,12 @@ def _entries(index: _index.Index, ps: np.ndarray) -> list[list]:
     shape = flat[s : s + k] if flat is not None else dims[s : s + k].tolist()
     out.append([pids[n], shape, names[d], bool(tr)])
   return out
+
+
+def parse_signed(raw: bytes, where: str, table: Callable[[Any], Any]) -> _index.Index:
+  """A signed index file's bytes, checksum verified and every field checked, read as a
+  load reads it (``table(entry)`` gives the arrays of the binary table it may name);
+  a save parses what it is about to write the same way."""
+  return _indexjson.parse_index(
+    _archivejson.signed_value(raw, where, _index.FORMAT), where, table, parse
+  )

@@ -13,12 +13,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxreshard._src.checkpoint import archivejson as _archivejson
 from jaxreshard._src.checkpoint import clockjson as _clockjson
 from jaxreshard._src.checkpoint import deferredindex as _deferredindex
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import entries as _entries
-from jaxreshard._src.checkpoint import indexjson as _indexjson
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint import tableindex as _tableindex
@@ -385,11 +383,8 @@ def check_readable(raw: bytes, table: bytes | None, directory: str) -> None:
         f"{path} would have {len(table)} bytes (a reader takes {_table.MAX_TABLE_BYTES})"
       )
     with no_gc():
-      _indexjson.parse_index(
-        _archivejson.signed_value(raw, where, FORMAT),
-        where,
-        lambda entry: _table.arrays_of(table, entry, where, path),
-        _tableindex.parse,
+      _tableindex.parse_signed(
+        raw, where, lambda entry: _table.arrays_of(table, entry, where, path)
       )
   except ReshardError as e:
     raise ArchiveError(f"this save would not load, so nothing is committed: {e}") from None
