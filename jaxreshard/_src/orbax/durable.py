@@ -70,17 +70,22 @@ def fsync_tree(path: str) -> None:
   the directories after what they hold."""
   for root, _dirs, files in os.walk(path, topdown=False):
     for name in files:
-      where = os.path.join(root, name)
-      try:
-        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-      except OSError:
-        continue  # a link or what is not ours to open: nothing a restore reads
-      try:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-          os.fsync(fd)
-      finally:
-        os.close(fd)
+      _fsync_file(os.path.join(root, name))
     fsync_dir(root)
+
+
+def _fsync_file(name: str, dir_fd: int | None = None) -> None:
+  """fsyncs ``name`` if it is a regular file; a link or what is not ours to open is
+  left alone (nothing a restore reads)."""
+  try:
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dir_fd)
+  except OSError:
+    return
+  try:
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+      os.fsync(fd)
+  finally:
+    os.close(fd)
 
 
 def _fsync_top(path: str) -> None:
@@ -92,15 +97,7 @@ def _fsync_top(path: str) -> None:
   dfd = os.open(path, _DIR_FLAGS)
   try:
     for name in names:
-      try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
-      except OSError:
-        continue
-      try:
-        if stat.S_ISREG(os.fstat(fd).st_mode):
-          os.fsync(fd)
-      finally:
-        os.close(fd)
+      _fsync_file(name, dfd)
     os.fsync(dfd)
   finally:
     os.close(dfd)
