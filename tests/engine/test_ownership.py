@@ -76,3 +76,72 @@ def test_buffers_are_read_at_each_call_and_a_new_record_is_checked_afresh():
   src[1].state[0].mu["w"] = np.full((4,), 9.0, np.float32)  # of another shape: refused afresh
   with pytest.raises(jr.ShapeError):
     jr.reshard([dataclasses.replace(r) for r in src], plan)
+
+
+def _hyper_records(world, lr=1e-3):
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=lr)
+  params = {"w": jnp.arange(6.0, dtype=jnp.float32), "b": jnp.ones((), jnp.float32)}
+  return jr.shard_state(opt, params, opt.init(params), world_size=world)
+
+
+def _lr_bits(state):
+  return np.asarray(state.hyperparams["learning_rate"]).view(np.uint32).item()
+
+
+@pytest.mark.parametrize("how", ["reshard", "reshard_ranks", "unshard_state"])
+def test_a_clock_scalar_replaced_in_a_remembered_record_s_dict_is_seen(how):
+  """optax's idiom ``state.hyperparams["learning_rate"] = x`` on source records
+  already resharded once: the next call takes the records apart afresh and carries
+  the new value (bits of 0.25 are 0x3E800000), never the one seen before."""
+  src = _hyper_records(2)
+
+  def run():
+    if how == "unshard_state":
+      return jr.unshard_state(src)
+    if how == "reshard_ranks":
+      return jr.reshard_ranks(src, [jr.plan(src, world_size=3, rank=r) for r in range(3)])[1].state
+    return jr.reshard(src, jr.plan(src, world_size=3, rank=1)).state
+
+  assert _lr_bits(run()) == np.float32(1e-3).view(np.uint32)
+  for r in src:
+    r.state.hyperparams["learning_rate"] = jnp.asarray(0.25, jnp.float32)
+  assert _lr_bits(run()) == 0x3E800000
+  for r in src:
+    r.state.hyperparams["learning_rate"] = np.asarray(0.5, np.float32)
+  assert _lr_bits(run()) == 0x3F000000
+
+
+def test_a_clock_replaced_in_one_remembered_record_only_is_refused():
+  """The records are checked afresh, so archives whose clocks now differ are refused
+  as a new list of them is, with the scalar's path in the message."""
+  src = _hyper_records(2)
+  plan = jr.plan(src, world_size=1, rank=0)
+  jr.reshard(src, plan)
+  src[1].state.hyperparams["learning_rate"] = jnp.asarray(0.25, jnp.float32)
+  with pytest.raises(jr.PlacementError, match="learning_rate"):
+    jr.reshard(src, plan)
+  with pytest.raises(jr.PlacementError, match="learning_rate"):
+    jr.reshard(list(src), plan)
+
+
+def test_a_clock_in_a_hand_built_record_s_dict_state_is_guarded_and_tuples_are_not():
+  """A hand-built record whose state is a dict: its step replaced is seen. An Adam
+  state (tuples down to its count) has no step that can be replaced in place, so
+  nothing is looked up again for it."""
+  from jaxreshard._src.engine import clockguard, sources
+
+  buf = np.arange(4.0, dtype=np.float32)
+  placement = jr.ParamPlacement("w", (4,), 0, 1)
+  rec = jr.ShardRecord(1, (placement,), {"step": np.asarray(3, np.int32), "mu": {"w": buf}})
+  src = [rec]
+  assert int(jr.unshard_state(src)["step"]) == 3
+  rec.state["step"] = np.asarray(4, np.int32)
+  assert int(jr.unshard_state(src)["step"]) == 4
+
+  adam = _numpy_clock_records(2)
+  parts = sources.record_sources(adam).parts_by_archive
+  assert len(clockguard.ClockGuard(adam, parts)) == 0
+  hyper = _hyper_records(2)
+  parts = sources.record_sources(hyper).parts_by_archive
+  guarded = len(clockguard.ClockGuard(hyper, parts))
+  assert guarded == 2 * len(hyper[0].state.hyperparams) > 0

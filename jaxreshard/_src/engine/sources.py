@@ -35,6 +35,7 @@ from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.engine import plans as _plans
 from jaxreshard._src.engine import stacks as _stacks
 from jaxreshard._src.engine.caches import FactsCache, RecentByObject, sources_key  # noqa: F401  (re-exported)
+from jaxreshard._src.engine.clockguard import ClockGuard
 from jaxreshard._src.engine.homes import BufferHomes
 from jaxreshard._src.errors import PlacementError
 
@@ -133,6 +134,8 @@ class RecordSources:
     # The layout keys numbered, so that comparing two archives' costs O(1), not
     # time in their parameters (each ``_is_uniform`` compares every archive of a group).
     self._layout_ids = _numbered([sig[0] for sig in self._signatures])
+    # The clock scalars held in the records' mutable containers, for ``current``.
+    self._clock_guard = ClockGuard(records, self.parts_by_archive)
     # Whether a source tuple is uniform, by ``sources_key``.
     self._uniform: dict[tuple, bool] = {}
     # Each buffer's host view, and whether it lives on an accelerator.
@@ -149,6 +152,11 @@ class RecordSources:
 
   def __len__(self) -> int:
     return len(self.parts_by_archive)
+
+  def current(self) -> bool:
+    """Whether the records still hold the clock scalars they were taken apart with
+    (one replaced in a dict of a state is not: the records are taken apart afresh)."""
+    return self._clock_guard.holds()
 
   def placement(self, archive: int, pid: str) -> ParamPlacement | None:
     return self._placements[archive].get(pid)
@@ -353,7 +361,8 @@ def _signature(
 
 
 class SourceCache:
-  """``RecordSources`` by the identities of their records, dropped when one dies."""
+  """``RecordSources`` by the identities of their records, dropped when one dies and
+  made afresh when a record no longer holds a clock scalar it was taken apart with."""
 
   def __init__(self):
     self._lock = threading.Lock()
@@ -363,7 +372,7 @@ class SourceCache:
     key = tuple(map(id, records))
     with self._lock:
       hit = self._entries.get(key)
-    if hit is not None and all(ref() is r for ref, r in zip(hit[0], records)):
+    if hit is not None and all(ref() is r for ref, r in zip(hit[0], records)) and hit[1].current():
       return hit[1]
     with no_gc():
       sources = RecordSources(records)
