@@ -28,6 +28,18 @@ def padding_unchecked():
     yield
 
 
+@contextlib.contextmanager
+def set_unchecked():
+  """Saves inside skip the refusal of archives that are not one restorable set (ranks
+  missing, clocks, structures or dtypes that differ): how such a checkpoint reaches a
+  disk (another writer, archives copied together by hand), for the tests of what its
+  readers refuse."""
+  from jaxreshard._src.checkpoint import store  # pylint: disable=g-import-not-at-top
+
+  with mock.patch.object(store, "check_restorable", lambda *args: None):
+    yield
+
+
 def write_signed_json(path, obj: dict) -> None:
   """Writes ``obj`` as a signed JSON file: its compact ASCII body, with the sha256 of
   that body as the first member ``"checksum":"sha256:<hex>"``."""

@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
 from hypothesis import HealthCheck, given, settings
 from jax.sharding import PartitionSpec as P
 
 import jaxreshard as jr
 from tests import _target_util as T
+from tests._archive_util import set_unchecked
 from tests._core_util import assert_records_equal, device_mesh, nest, random_params, random_state
 from tests._shapes import DRAWN_SHAPES
 
@@ -46,7 +46,8 @@ def _adam_and_chain_records(world_a=2, world_b=3):
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
   path = tmp_path_factory.mktemp("mixed") / "ckpt"
-  jr.save_records(path, _adam_and_chain_records())
+  with set_unchecked():  # a save refuses it (tested below); another writer may not
+    jr.save_records(path, _adam_and_chain_records())
   return path
 
 
@@ -113,15 +114,11 @@ def test_restore_sharded_flat_and_target_refuse_it(mixed):
 
 
 def test_the_orbax_handler_refuses_it(tmp_path):
+  """Refused when the save's arguments are made, with the words of the reshard; the
+  handler's own check before its commit (past that one) is tested with the saves."""
   records = _adam_and_chain_records()
-  mesh = device_mesh((8,), ("fsdp",))
-  with ocp.CheckpointManager(tmp_path / "run") as manager:
-    manager.save(1, args=jr.ReshardSave(records))
-    manager.wait_until_finished()
-    with pytest.raises(jr.PlacementError, match="optimizer state structure"):
-      manager.restore(1, args=jr.ReshardRestore(world_size=3, rank=1))
-    with pytest.raises(jr.PlacementError, match="optimizer state structure"):
-      manager.restore(1, args=jr.ReshardRestore(mesh=mesh, axis="fsdp"))
+  with pytest.raises(jr.PlacementError, match="optimizer state structure"):
+    jr.ReshardSave(records)
 
 
 def test_inspect_says_the_archives_disagree(mixed):
@@ -203,8 +200,19 @@ def test_random_mixed_checkpoints_restore_as_memory_reshards(
   tmp_path_factory, records, world, data
 ):
   rank = data.draw(st.integers(0, world - 1))
-  path = tmp_path_factory.mktemp("prop") / "ckpt"
-  jr.save_records(path, records)
+  root = tmp_path_factory.mktemp("prop")
+  # A save refuses what every target rank's reshard refuses, with its class and
+  # words, and commits nothing; what another writer may put on a disk is then
+  # refused by a restore as by the memory path.
+  refused_at_save = None
+  try:
+    jr.save_records(root / "checked", records)
+  except jr.ReshardError as e:
+    refused_at_save = e
+    assert not os.path.exists(root / "checked")
+  path = root / "ckpt"
+  with set_unchecked():
+    jr.save_records(path, records)
   loaded = jr.load_records(path)
   try:
     expected = jr.reshard(loaded, jr.plan(loaded, world_size=world, rank=rank))
@@ -212,6 +220,9 @@ def test_random_mixed_checkpoints_restore_as_memory_reshards(
     with pytest.raises(jr.ReshardError) as got:
       jr.restore(path, world_size=world, rank=rank)
     assert type(got.value) is type(e), (got.value, e)
+    assert type(refused_at_save) is type(e), (refused_at_save, e)
+    assert str(refused_at_save).endswith(str(e)), (refused_at_save, e)
     return
+  assert refused_at_save is None, refused_at_save
   got = jr.restore(path, world_size=world, rank=rank)
   assert_records_equal(got, expected)  # placements, roles, tree structure, every leaf's bits

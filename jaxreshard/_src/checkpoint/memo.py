@@ -114,21 +114,46 @@ def archive_params(index: Index, archive: int) -> dict[str, Any]:
 
 def complete_groups(index: Index) -> tuple[list, dict]:
   """(param, shape, archive of each rank) of every param, from the groups alone, and
-  each param's ``(archive of each rank, group)``; an incomplete group is refused."""
-  seen: dict[str, int] = {}
-  out, group_of = [], {}
+  the ``(archive of each rank, group)`` of each param one group holds; an incomplete
+  group is refused.
+
+  The rule and its messages are those of records in memory (``_sources.complete_groups``),
+  params in sorted order: a param listed by several groups (archives of different
+  saves, dtypes or trainability) is one group of all its archives, whose world sizes
+  and shapes must agree and whose ranks must be complete; what else differs is
+  refused by its facts, as in memory.
+  """
+  held: dict[str, list[tuple[int, int]]] = {}  # param -> (group, param entry) of each holder
   for gi, g in enumerate(index.groups):
-    name = index.params[g.params[0]].param if g.params else "?"
-    by_rank = _validate.rank_sources(name, g.world_size, ((a, r) for a, r in g.ranks))
     for p in g.params:
-      e = index.params[p]
-      if e.param in seen:
+      held.setdefault(index.params[p].param, []).append((gi, p))
+  by_group: dict[int, tuple[int, ...]] = {}
+  out, group_of = [], {}
+  for pid in sorted(held):
+    holders = held[pid]
+    if len(holders) == 1:
+      gi, p = holders[0]
+      by_rank = by_group.get(gi)
+      if by_rank is None:
+        g = index.groups[gi]
+        by_rank = by_group[gi] = _validate.rank_sources(pid, g.world_size, g.ranks)
+      group_of[pid] = (by_rank, gi)
+      out.append((pid, index.params[p].shape, by_rank))
+      continue
+    entries = sorted(
+      (a, r, index.params[p].shape, index.groups[gi].world_size)
+      for gi, p in holders
+      for a, r in index.groups[gi].ranks
+    )
+    twice = [a for (a, *_), (b, *_) in zip(entries, entries[1:]) if a == b]
+    if twice:
+      raise _validate.listed_twice(pid, twice[0])
+    first_archive, _, shape, world = entries[0]
+    for a, _, s, w in entries:
+      if (s, w) != (shape, world):
         raise PlacementError(
-          f"param {e.param!r}: groups {seen[e.param]} and {gi} of the checkpoint both hold"
-          " it; pass explicit migrations to pick one group"
+          f"param {pid!r}: archive {a} has shape {s} over world_size {w} but archive"
+          f" {first_archive} has {shape} over {world}; pass explicit migrations to pick one group"
         )
-      seen[e.param] = gi
-      group_of[e.param] = (by_rank, gi)
-      out.append((e.param, e.shape, by_rank))
-  out.sort(key=lambda x: x[0])
+    out.append((pid, shape, _validate.rank_sources(pid, world, ((a, r) for a, r, _, _ in entries))))
   return out, group_of

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from jaxreshard._src.checkpoint import index as _index
+from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint.reader import (
   DEFAULT_CHUNK_BYTES,
   Checkpoint,
@@ -139,6 +140,8 @@ def save_records(
       progress=lambda i, nbytes: reporter.step(nbytes, archive=i),
     )
     tmp.check(builder, chunk_bytes)
+    if builder.source is None:
+      check_restorable(tmp.path, final)
     tmp.commit(final)
   except OSError as e:
     if tmp is None:  # refused before anything was made
@@ -165,6 +168,19 @@ def save_records(
     if tmp is not None:
       tmp.close()
   reporter.finish()
+
+
+def check_restorable(path: str, final: str) -> None:
+  """Refuses a checkpoint written at ``path`` that a restore would refuse: archives
+  that are not one complete set of ranks, or whose optimizer clocks, structures,
+  dtypes or trainability disagree. Validated from its index by the readers' own
+  rules, with their messages; nothing is committed then. (A reshard's output names
+  its source and may be a part of the target's ranks: its parts merge first.)"""
+  with open_checkpoint(path) as ckpt:
+    try:
+      _restore.validated_whole(ckpt)
+    except ReshardError as e:
+      raise type(e)(f"{final}: this save would not restore, so nothing is committed: {e}") from None
 
 
 def history_bytes(record: ShardRecord) -> int:

@@ -26,6 +26,9 @@ from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import mesh as _mesh
 from jaxreshard._src.distributed import sharded as _sharded
+from jaxreshard._src.engine import pipeline as _pipeline
+from jaxreshard._src.engine import reshard as _reshard
+from jaxreshard._src.engine import sources as _sources
 from jaxreshard._src.errors import PlacementError
 
 __all__ = ["ReshardRestore", "ReshardSave", "check", "source_of"]
@@ -68,6 +71,9 @@ def check(args: ReshardSave) -> Checked:
     for i, record in enumerate(args.records):
       builder.add(i, record, pack=False)
     builder.index()
+    if builder.source is None:  # one restorable set, as a save of records must be
+      src = _sources.record_sources(args.records)
+      _pipeline.validate(src, _reshard.plan(args.records, world_size=1, rank=0))
     return Checked(None, None)
   shapes = _shapes_of(args)
   views = _mesh.records_from_mesh(

@@ -258,13 +258,16 @@ def _await_peers(checkpoint_id: str, directory: str, timeout_s: float) -> None:
 
 def _unloadable(directory: str) -> Exception | None:
   """Why the checkpoint in ``directory`` would not load, or None: its index and every
-  archive's metadata and files checked as a restore checks them (no chunk is read).
+  archive's metadata and files checked as a restore checks them (no chunk is read),
+  and its archives one restorable set (ranks, clocks, structures, dtypes).
   Orbax makes it visible once ``finalize`` returns."""
   try:
     ckpt = _reader.open_checkpoint(directory)
     for i in range(len(ckpt)):
       ckpt.check_archive(i)
       ckpt.check_files(i)
+    if ckpt.source is None:  # a part of a reshard's output merges first
+      _restore.validated_whole(ckpt)
   except ReshardError as e:
     return e
   return None
