@@ -22,6 +22,7 @@ from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.distributed import logical_masks as _logical_masks
+from jaxreshard._src.distributed import update_checks as _checks
 from jaxreshard._src.distributed.flat_layout import MeshLayout as _MeshLayout
 from jaxreshard._src.distributed.flat_layout import index_dtype as _index_dtype  # noqa: F401
 from jaxreshard._src.distributed.flat_layout import is_concrete as _is_concrete
@@ -38,89 +39,6 @@ class _FlatSharded(_structure.WrappedOptimizer):
   Functions that ask an optimizer which state leaves are histories (saving,
   ``shard_state``) accept it in place of the optimizer it wraps.
   """
-
-
-# How many param ids or paths a refusal lists before it stops.
-_MAX_LISTED = 8
-
-
-def _described(tree: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
-  """param id -> (shape, dtype) of a params-shaped tree."""
-  ids, leaves, _ = _structure.param_ids(tree)
-  return {pid: (tuple(np.shape(x)), getattr(x, "dtype", None)) for pid, x in zip(ids, leaves)}
-
-
-def _extra_and_missing(got: list[str], want: list[str]) -> tuple[list[str], list[str]]:
-  """The first names ``got`` has and ``want`` lacks, and those it lacks."""
-  got_set, want_set = set(got), set(want)
-  return (
-    [p for p in got if p not in want_set][:_MAX_LISTED],
-    [p for p in want if p not in got_set][:_MAX_LISTED],
-  )
-
-
-def _tree_difference(
-  got: list[str], got_def: Any, want: list[str], want_def: Any, got_what: str, want_what: str
-) -> str:
-  """Which param ids one tree has and the other lacks, or how their containers differ."""
-  extra, missing = _extra_and_missing(got, want)
-  return _described_difference(
-    f"{got_what} have params {extra} that {want_what} do not" if extra else "",
-    f"{got_what} lack params {missing}" if missing else "",
-    lambda: (
-      f"the same param ids in other containers: {got_what} {str(got_def)[:200]}"
-      f" vs {want_what} {str(want_def)[:200]}"
-    ),
-  )
-
-
-def _described_difference(extra: str, missing: str, containers: Any) -> str:
-  """What one tree has and the other lacks (``extra``, ``missing``: a phrase each, or
-  empty); ``containers()`` when they hold the same names in other containers."""
-  return "; ".join(p for p in (extra, missing) if p) or containers()
-
-
-def _check_like(tree: Any, what: str, grads: Any) -> None:
-  """``tree`` (the params) has the grads' tree structure and shapes."""
-  ids, leaves, treedef = _structure.param_ids(tree)
-  g_ids, g_leaves, g_def = _structure.param_ids(grads)
-  if treedef != g_def:
-    raise PlacementError(
-      "flat_sharded: the grads' tree is not the params': "
-      + _tree_difference(g_ids, g_def, ids, treedef, "grads", what)
-    )
-  for pid, x, g in zip(ids, leaves, g_leaves):
-    if tuple(np.shape(x)) != tuple(np.shape(g)):
-      raise ShapeError(
-        f"param {pid!r}: grads of shape {tuple(np.shape(g))} but {what} of"
-        f" shape {tuple(np.shape(x))}"
-      )
-
-
-def _state_difference(expected: Any, state: Any) -> str:
-  """The first leaf paths by which ``state`` differs from the ``expected`` state."""
-
-  def masked(x):
-    return isinstance(x, optax.MaskedNode)
-
-  want = [
-    jax.tree_util.keystr(p)
-    for p, _ in jax.tree_util.tree_flatten_with_path(expected, is_leaf=masked)[0]
-  ]
-  got = [
-    jax.tree_util.keystr(p)
-    for p, _ in jax.tree_util.tree_flatten_with_path(state, is_leaf=masked)[0]
-  ]
-  extra, missing = _extra_and_missing(got, want)
-  return _described_difference(
-    f"the state has leaves {extra} that a state for these grads does not" if extra else "",
-    f"it lacks leaves {missing}" if missing else "",
-    lambda: (
-      "its leaves are in other containers: state"
-      f" {str(jax.tree_util.tree_structure(state))[:200]} vs a state for these"
-      f" grads {str(jax.tree_util.tree_structure(expected))[:200]}"
-    ),
-  )
 
 
 def _history_roles(
@@ -141,43 +59,15 @@ def _history_roles(
       except Exception:  # pylint: disable=broad-exception-caught
         expected = None
       where = (
-        _state_difference(expected, state)
+        _checks.state_difference(expected, state)
         if expected is not None
         else f"{type(e).__name__}: {str(e)[:300]}"
       )
       raise PlacementError(
         f"flat_sharded: the state was not built for grads with param ids"
-        f" {_structure.param_ids(flat_params)[0][:_MAX_LISTED]}: {where}"
+        f" {_structure.param_ids(flat_params)[0][: _checks.MAX_LISTED]}: {where}"
       ) from None
   return cache[key]
-
-
-def _check_built_for(built_for: dict[Any, list[dict[str, tuple[int, ...]]]], grads: Any) -> None:
-  """``grads`` has the tree and shapes of params ``init`` built a state for, when it built one.
-
-  Raises:
-    PlacementError: another tree, naming the param ids one has and the other lacks.
-    ShapeError: another shape, naming the param and both shapes.
-  """
-  ids, leaves, treedef = _structure.param_ids(grads)
-  shapes = {pid: tuple(np.shape(x)) for pid, x in zip(ids, leaves)}
-  if not built_for:
-    return  # a state this wrapper did not build: checked by its flat sizes
-  if treedef not in built_for:
-    want_def, records = list(built_for.items())[-1]
-    raise PlacementError(
-      "flat_sharded: the grads' tree is not the params tree the state was built for"
-      " (at init): "
-      + _tree_difference(ids, treedef, list(records[-1]), want_def, "grads", "those params")
-    )
-  records = built_for[treedef]
-  if shapes not in records:
-    want = records[-1]
-    pid = next(p for p in ids if shapes[p] != want[p])
-    raise ShapeError(
-      f"param {pid!r}: grads of shape {shapes[pid]} but the state was built (at init) for"
-      f" params of shape {want[pid]}; a state trains only the params it was built for"
-    )
 
 
 def _check_history_shapes(
@@ -205,6 +95,14 @@ def _flatten(layout: _MeshLayout, tree: Any, shapes: dict[str, tuple[int, ...]])
   with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
   return jax.tree_util.tree_unflatten(
     treedef, [layout.flat(x, shapes[_structure.path_id(p)]) for p, x in with_path]
+  )
+
+
+def _unflat_updates(layout: _MeshLayout, grads: Any, flat_updates: Any, leaves, shapes) -> Any:
+  """The flat updates in the grads' tree, each in its param's shape and layout."""
+  return jax.tree_util.tree_unflatten(
+    jax.tree_util.tree_structure(grads),
+    layout.unflat_all(jax.tree_util.tree_leaves(flat_updates), leaves, shapes),
   )
 
 
@@ -319,7 +217,15 @@ def flat_sharded(
   so jitted updates agree to the last bit's rounding. A reduction over a whole
   parameter or tree (``clip_by_global_norm``, lamb's trust ratio) adds the same
   values, padding zeros included, in another order, and agrees to float
-  rounding.
+  rounding. One that averages over a param or reads its shape
+  (``clip_by_block_rms``, ``scale_by_param_block_rms``/``_norm``, ``centralize``,
+  ``adaptive_grad_clip``) would see the padding and the flat shape: ``init`` and
+  ``update`` refuse it by name. "The last bit" is that of the narrowest dtype
+  computed in: XLA's excess precision (on by default) may keep a bfloat16
+  intermediate in float32 in one program and round it in another.
+
+  An optimizer whose state holds no array at all (``optax.sgd`` without
+  momentum) has nothing to lay out: its ``update`` is the optimizer's own.
 
   Across meshes each element of the histories and updates goes through the same
   jitted arithmetic on any number of devices. With ``shard_updates=True`` the
@@ -407,6 +313,8 @@ def flat_sharded(
   roles_cache: dict[Any, tuple] = {}
   # ``optimizer`` with its mask and label functions seeing the params' own shapes.
   logical_opt = _logical_masks.with_logical_callables(optimizer)
+  # Raised at init, after the coordinate rule, and at update (a restored state needs no init).
+  refusal = _logical_masks.shape_dependent_refusal(optimizer)
   # params tree structure -> the shapes ``init`` saw for it (each distinct one).
   built_for: dict[Any, list[dict[str, tuple[int, ...]]]] = {}
 
@@ -422,6 +330,7 @@ def flat_sharded(
     # params would hide factored statistics (1-D params are never factored).
     logical = jax.eval_shape(optimizer.init, params)
     _, _, shapes, _ = _reshard.coordinate_roles(optimizer, params, logical)
+    _checks.check_update_args(built_for, None, None, refusal)
     records = built_for.setdefault(jax.tree_util.tree_structure(params), [])
     if shapes not in records:
       records.append(dict(shapes))
@@ -435,7 +344,7 @@ def flat_sharded(
   def laid_out(params: Any) -> Any:
     logical = jax.eval_shape(optimizer.init, params)
     _, _, shapes, _ = _reshard.coordinate_roles(optimizer, params, logical)
-    with on_mesh(params), _logical_masks.logical_shapes(_described(params)):
+    with on_mesh(params), _logical_masks.logical_shapes(_checks.described(params)):
       flat_params = _flatten(layout, params, shapes)
       state = logical_opt.init(flat_params)
       if jax.tree_util.tree_structure(state) != jax.tree_util.tree_structure(logical):
@@ -452,10 +361,12 @@ def flat_sharded(
     grads, params = _plain.unwrapped(grads), _plain.unwrapped(params)
     ids, leaves, _ = _structure.param_ids(grads)
     shapes = {pid: tuple(np.shape(g)) for pid, g in zip(ids, leaves)}
-    if params is not None:
-      _check_like(params, "params", grads)
-    _check_built_for(built_for, grads)
-    described = _described(grads)
+    _checks.check_update_args(built_for, grads, params, refusal)
+    if not jax.tree_util.tree_leaves(state):
+      # No history and no clock (sgd without momentum): nothing is laid out on the
+      # mesh, so the update is the optimizer's own, as optax lays it out.
+      return optimizer.update(grads, state, params, **extra_args)
+    described = _checks.described(grads)
     flat_grads = _flatten(layout, grads, shapes)
     flat_params = None if params is None else _flatten(layout, params, shapes)
     with _logical_masks.logical_shapes(described):
@@ -467,12 +378,7 @@ def flat_sharded(
       flat_updates, state = _update_on_auto_axes(
         layout, lambda *a: logical_opt.update(*a, **extra_args), args, ids, state_roles, shapes
       )
-      updates = jax.tree_util.tree_unflatten(
-        jax.tree_util.tree_structure(grads),
-        layout.unflat_all(
-          jax.tree_util.tree_leaves(flat_updates), leaves, [shapes[pid] for pid in ids]
-        ),
-      )
+      updates = _unflat_updates(layout, grads, flat_updates, leaves, [shapes[p] for p in ids])
       return updates, layout.settle(state, state_roles, _counts(layout, shapes))
 
   return _FlatSharded(init, update, optimizer)

@@ -36,7 +36,7 @@ import jax
 import optax
 
 from jaxreshard._src.core import structure as _structure
-from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.errors import PlacementError, ShapeError
 
 __all__ = ["LogicalCallable", "logical_shapes", "with_logical_callables"]
 
@@ -133,6 +133,36 @@ def _sites() -> dict[Any, dict[str, str]]:
   return out
 
 
+@functools.cache
+def _shape_sites() -> dict[Any, str]:
+  """Code of the optax transformations that read a param's shape or average over its
+  elements -> their names: on flat zero-padded shards they would give other updates
+  (a mean's count includes the padding; a row or a column is not one any more)."""
+  made = {
+    "clip_by_block_rms": optax.clip_by_block_rms(1.0),
+    "scale_by_param_block_rms": optax.scale_by_param_block_rms(),
+    "scale_by_param_block_norm": optax.scale_by_param_block_norm(),
+    "centralize": optax.centralize(),
+    "adaptive_grad_clip": optax.adaptive_grad_clip(1.0),
+  }
+  return {t.update.__code__: f"optax.{name}" for name, t in made.items()}
+
+
+def shape_dependent_refusal(optimizer: Any) -> ShapeError | None:
+  """The refusal of an ``optimizer`` holding (at any depth of chains, closures and
+  optimizer objects) a transformation that reads a param's shape or averages over
+  its elements, or None."""
+  walker = _Rewriter()
+  walker(optimizer)
+  if not walker.shape_dependent:
+    return None
+  return ShapeError(
+    f"{', '.join(sorted(set(walker.shape_dependent)))} reads each param's shape or"
+    " averages over its elements: on flat zero-padded shards it would give other"
+    " updates, so flat_sharded refuses it"
+  )
+
+
 def with_logical_callables(optimizer: Any) -> Any:
   """``optimizer`` with every mask and label function wrapped (the same object if none)."""
   return _Rewriter()(optimizer)
@@ -148,6 +178,7 @@ class _Rewriter:
   def __init__(self):
     self.memo: dict[int, Any] = {}
     self.keep: list[Any] = []  # keeps memo ids valid while walking
+    self.shape_dependent: list[str] = []  # ``_shape_sites`` met on the way
 
   def __call__(self, obj: Any) -> Any:
     key = id(obj)
@@ -202,6 +233,9 @@ class _Rewriter:
     return out
 
   def _function(self, fn: types.FunctionType) -> types.FunctionType:
+    name = _shape_sites().get(fn.__code__)
+    if name is not None:
+      self.shape_dependent.append(name)
     if not fn.__closure__:
       return fn
     site = _sites().get(fn.__code__, {})
