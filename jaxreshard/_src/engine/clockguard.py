@@ -8,7 +8,9 @@ scalar's key path, each step whose container can be changed in place (a dict, a
 list, an object with settable attributes) and the object it held; ``holds()``
 compares them by identity, a few C-level lookups per hyperparameter. Steps
 through tuples (NamedTuple states) and frozen dataclasses cannot change and cost
-nothing, so an Adam or SGD state's ``count`` is never looked at again.
+nothing, so an Adam or SGD state's ``count`` is never looked at again. A clock
+scalar that is a writable numpy array (numpy lets a caller write a 0-d array in
+place) is compared by its bytes too.
 
 History buffers are not guarded (a look-up per leaf per call); a write into one is
 seen anyway, since every call reads the buffers' current bytes.
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxreshard._src.core import structure as _structure
 
@@ -60,11 +63,13 @@ def _step(node: Any, entry: Any) -> tuple[str, Any, Any]:
 
 
 class ClockGuard:
-  """The mutable steps to every clock scalar of some records, and what they held."""
+  """The mutable steps to every clock scalar of some records, what they held, and the
+  bytes of the clock scalars that can be written in place."""
 
   def __init__(self, records: Sequence[Any], parts: Sequence[_structure.StateParts]):
     items: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
     attrs: dict[tuple[int, str], tuple[Any, str, Any]] = {}
+    values: dict[int, tuple[np.ndarray, Any, tuple, bytes]] = {}  # writable numpy scalars
     paths_of: dict[Any, list[tuple[Any, ...]]] = {}  # by skeleton: archives share them
     for record, p in zip(records, parts):
       paths = paths_of.get(p.skeleton)
@@ -81,17 +86,24 @@ class ClockGuard:
             # Keyed by the container's identity: the entry holds the container.
             (items if how == "item" else attrs)[(id(node), key)] = (node, key, child)
           node = child
+        else:  # ``node`` is the record's own scalar
+          if isinstance(node, np.ndarray) and node.flags.writeable:
+            values[id(node)] = (node, node.dtype, node.shape, node.tobytes())
     self._items = tuple(items.values())
     self._attrs = tuple(attrs.values())
+    self._values = tuple(values.values())
 
   def __len__(self) -> int:
-    return len(self._items) + len(self._attrs)
+    return len(self._items) + len(self._attrs) + len(self._values)
 
   def holds(self) -> bool:
-    """Whether every guarded container still holds the object it held."""
+    """Whether every guarded container still holds the object it held, and every
+    writable numpy scalar its bytes."""
     try:
-      return all(node[key] is child for node, key, child in self._items) and all(
-        getattr(node, key) is child for node, key, child in self._attrs
+      return (
+        all(node[key] is child for node, key, child in self._items)
+        and all(getattr(node, key) is child for node, key, child in self._attrs)
+        and all(x.dtype == d and x.shape == s and x.tobytes() == b for x, d, s, b in self._values)
       )
     except Exception:  # a key removed, a container that now refuses: not the same
       return False
