@@ -227,3 +227,25 @@ def test_compare_digests_names_its_sides(layouts):
   diffs = jr.compare_digests(jr.digest(src), jr.digest(src[:5]), names=("old", "new"))
   assert any(d.startswith("new: ") and "missing" in d for d in diffs)
   assert not any(d.startswith("old: ") for d in diffs)
+
+
+def test_a_clock_scalar_s_weak_type_is_part_of_the_digest(tmp_path):
+  """Two checkpoints whose counts differ only in their weak type load as different
+  states (a weak scalar promotes as a Python number does): not identical."""
+  import jax.numpy as jnp
+  import optax
+
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"w": jnp.ones((5,), jnp.float32)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+
+  def with_step(step):
+    state = lambda r: {"trace": r.state[0].trace, "step": step}  # noqa: E731
+    return [jr.ShardRecord(r.version, r.placements, state(r)) for r in records]
+
+  weak, strong = with_step(jnp.asarray(3)), with_step(jnp.asarray(3, jnp.int32))
+  assert weak[0].state["step"].weak_type and not strong[0].state["step"].weak_type
+  jr.save_records(tmp_path / "weak", weak)
+  assert jr.compare_digests(jr.digest(weak), jr.digest(tmp_path / "weak")) == []
+  lines = jr.compare_digests(jr.digest(tmp_path / "weak"), jr.digest(strong))
+  assert len(lines) == 1 and "weak" in lines[0] and "step" in lines[0], lines

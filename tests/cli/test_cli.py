@@ -1296,3 +1296,26 @@ def test_sigterm_in_the_middle_of_a_reshard_leaves_nothing(tmp_path):
   assert p.returncode == 128 + signal.SIGTERM, err
   assert err.strip().splitlines()[-1] == "jaxreshard: terminated", err
   assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_a_weak_64_bit_clock_scalar_stays_weak_through_a_conversion_without_x64(tmp_path):
+  """A checkpoint saved with x64 holds a weak int64 ``count`` (``jnp.asarray(3)``); a
+  process without x64 (the CLI's) keeps it on the host with every bit, and now
+  says it is weak, so the conversion writes it back weak as a restore reads it."""
+  from jaxreshard._src.core.clock import WeakHostScalar
+
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"w": np.ones((5,), np.float32)}
+  src = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  count = np.asarray(2**40 + 3, np.int64).view(WeakHostScalar)  # an x64 save, read without x64
+  src = [
+    jr.ShardRecord(r.version, r.placements, {"trace": r.state[0].trace, "step": count}) for r in src
+  ]
+  jr.save_records(tmp_path / "c", src)
+  assert _run("reshard", tmp_path / "c", tmp_path / "o", "-w", 3).exit_code == 0
+  for path in (tmp_path / "c", tmp_path / "o"):
+    step = jr.load_records(path)[0].state["step"]
+    assert isinstance(step, WeakHostScalar) and step.weak_type
+    assert step.dtype == np.int64 and int(step) == 2**40 + 3
+  index = read_json(tmp_path / "o" / "jaxreshard.json")
+  assert '"weak":true' in json.dumps(index, separators=(",", ":"))

@@ -103,9 +103,9 @@ def decode_scalar(d: Any, where: str) -> Any:
   a = np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
   weak = fmt.expect(d["weak"], bool, where)
   if _clock.stays_on_host(a):
-    # A 64-bit scalar while x64 is off (weak or not): jax would cut it to 32
-    # bits, so it stays a numpy scalar with every bit.
-    return a
+    # A 64-bit scalar while x64 is off: jax would cut it to 32 bits, so it stays
+    # a numpy scalar with every bit (one that says it is weak, when it was).
+    return a.view(_clock.WeakHostScalar) if weak else a
   # ``device_put``, not ``jnp.asarray``: that compiles a program per dtype (~80 ms).
   if weak and a.ndim == 0:
     # A weak-typed scalar (from a Python number) is rebuilt as one; only when

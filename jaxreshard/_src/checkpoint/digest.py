@@ -78,7 +78,8 @@ class Digest:
   Attributes:
     structure: the optimizer state's tree structure with every
       param-mirroring subtree replaced by a marker, plus the mirrors' paths.
-    scalars: ``(path, dtype, hex of the bits)`` of every clock scalar.
+    scalars: ``(path, dtype and shape (" weak" after a weakly typed one), hex of the
+      bits)`` of every clock scalar.
     params: param id -> ``ParamDigest``.
     problems: nonzero padding, incomplete or inconsistent archives; a
       checkpoint with problems is never "identical" to anything.
@@ -386,7 +387,8 @@ def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
   for path, x in _clock_leaves(record):
     a = _clock.plain(x)
     dtype = x.dtype if hasattr(x, "dtype") else a.dtype
-    out.append((path, f"{dtype}{a.shape}", raw_bits(a).tobytes().hex()))
+    weak = " weak" if getattr(x, "weak_type", False) else ""  # how jax promotes it
+    out.append((path, f"{dtype}{a.shape}{weak}", raw_bits(a).tobytes().hex()))
   return tuple(out)
 
 

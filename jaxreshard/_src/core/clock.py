@@ -18,7 +18,14 @@ import numpy as np
 
 from jaxreshard._src.core import structure as _structure
 
-__all__ = ["clock_names", "is_python_number", "keep_weak", "python_dtype", "stays_on_host"]
+__all__ = [
+  "WeakHostScalar",
+  "clock_names",
+  "is_python_number",
+  "keep_weak",
+  "python_dtype",
+  "stays_on_host",
+]
 
 try:  # jax's own conversion that can set an array's weak type (not exported by jax.lax)
   from jax._src.lax.lax import _convert_element_type as _convert_weak
@@ -53,6 +60,21 @@ def stays_on_host(x: Any) -> bool:
   if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     return False
   return np.dtype(jax.dtypes.canonicalize_dtype(dtype)) != np.dtype(dtype)
+
+
+class WeakHostScalar(np.ndarray):
+  """A weakly typed 64-bit clock scalar kept on the host while x64 is off (jax would
+  cut it to 32 bits): a numpy array that says it is weak, as the jax scalar it
+  stands for did, so that a save (the CLI's conversions, run without x64) writes
+  it back weak, as it was read.
+
+  Examples:
+    >>> x = np.asarray(2**40 + 3, np.int64).view(WeakHostScalar)
+    >>> x.weak_type, int(x)
+    (True, 1099511627779)
+  """
+
+  weak_type = True
 
 
 def keep_weak(x: Any, like: Any) -> Any:
