@@ -145,6 +145,10 @@ def test_clock_structure_and_missing_ranks(layouts):
   assert any("clock" in p for p in jr.digest(src[:4] + later[4:]).problems)
   missing = jr.digest(src[:3] + src[4:])
   assert any("ranks [3] of world size 8 are missing" in p for p in missing.problems)
+  # Archives with problems hold no one state: their digest equals none, not even its own
+  # (an `assert digest(a) == digest(b)` never passes on an invalid checkpoint).
+  assert missing != missing and missing != jr.digest(src[:3] + src[4:])
+  assert jr.digest(src) == jr.digest(src) and jr.digest(src) != missing
   other = jr.shard_state(
     optax.sgd(0.1, momentum=0.9), PARAMS, optax.sgd(0.1, momentum=0.9).init(PARAMS), 8
   )

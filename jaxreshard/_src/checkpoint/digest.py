@@ -71,7 +71,7 @@ class ParamDigest:
   path: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Digest:
   """What a checkpoint holds, independent of how it is sharded.
 
@@ -89,6 +89,21 @@ class Digest:
   scalars: tuple[tuple[str, str, str], ...]
   params: Mapping[str, ParamDigest]
   problems: tuple[str, ...]
+
+  def __eq__(self, other: object) -> bool:
+    # Archives with problems hold no one state: never equal, not even to themselves,
+    # so that ``digest(a) == digest(b)`` never passes on an invalid checkpoint.
+    if not isinstance(other, Digest):
+      return NotImplemented
+    if self.problems or other.problems:
+      return False
+    return (self.structure, self.scalars, dict(self.params)) == (
+      other.structure,
+      other.scalars,
+      dict(other.params),
+    )
+
+  __hash__ = None  # type: ignore[assignment]  # equal digests hold unhashable mappings
 
   def hexdigest(self) -> str:
     """One sha256 over everything above but the problems."""
