@@ -37,6 +37,7 @@ from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
 
 __all__ = [
+  "SUPPORTED_NP_DTYPES",
   "SourceFacts",
   "SourceGroup",
   "Sources",
@@ -56,6 +57,8 @@ __all__ = [
 ]
 
 _SUPPORTED = frozenset(np.dtype(jnp.dtype(n)) for n in SUPPORTED_DTYPES)
+# The storage dtypes as numpy dtypes (a history buffer may also be float64 under x64).
+SUPPORTED_NP_DTYPES = _SUPPORTED
 
 
 def check_storage_dtype(dtype: Any, where: str) -> None:
