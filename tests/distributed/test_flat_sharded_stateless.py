@@ -1,5 +1,6 @@
-"""Two edges of ``flat_sharded``: an optimizer that keeps no state at all, and the
-transformations that read a param's shape or average over its elements."""
+"""Edges of ``flat_sharded``: an optimizer that keeps no state at all, the
+transformations that read a param's shape or average over its elements, and a mesh
+that is not one."""
 
 import jax
 import jax.numpy as jnp
@@ -60,3 +61,10 @@ def test_transformations_that_read_a_param_s_shape_are_refused(tx):
   state = jr.flat_sharded(optax.sgd(0.1, momentum=0.9), mesh, axis="fsdp").init(params)
   with pytest.raises(jr.ShapeError, match=r"optax\.\w+ reads each param's shape"):
     opt.update(params, state, params)
+
+
+@pytest.mark.parametrize("mesh", [None, "fsdp", jax.devices()])
+def test_a_mesh_that_is_not_one_is_refused_plainly(mesh):
+  """Not an AttributeError from inside: a refusal that says what a mesh is."""
+  with pytest.raises(jr.PlacementError, match="mesh must be a jax.sharding.Mesh"):
+    jr.flat_sharded(optax.adam(1e-3), mesh, axis="fsdp")

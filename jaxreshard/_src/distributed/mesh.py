@@ -65,6 +65,10 @@ def axis_size(mesh: Mesh, axis: str) -> int:
     PlacementError: ``axis`` is not an axis of ``mesh``, naming the mesh's
       axes; for the default axis, saying it is the default and to pass ``axis=``.
   """
+  if not isinstance(mesh, Mesh):
+    raise PlacementError(
+      f"mesh must be a jax.sharding.Mesh (jax.make_mesh makes one), got {type(mesh).__name__}"
+    )
   if axis not in mesh.axis_names:
     names = ", ".join(repr(n) for n in mesh.axis_names)
     if axis == DEFAULT_AXIS:
