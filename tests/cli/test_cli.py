@@ -1319,3 +1319,18 @@ def test_a_weak_64_bit_clock_scalar_stays_weak_through_a_conversion_without_x64(
     assert step.dtype == np.int64 and int(step) == 2**40 + 3
   index = read_json(tmp_path / "o" / "jaxreshard.json")
   assert '"weak":true' in json.dumps(index, separators=(",", ":"))
+
+
+def test_verify_of_an_incomplete_checkpoint_that_is_no_part_says_what_restore_says(tmp_path):
+  """Ranks missing from a checkpoint another writer made (it names no source) are
+  no part of a reshard to merge: verify refuses with the restore's words, not with
+  a merge hint that merge would refuse."""
+  opt = optax.adam(1e-3)
+  params = {"w": np.ones((10,), np.float32)}
+  with set_unchecked():
+    jr.save_records(tmp_path / "three", jr.shard_state(opt, params, opt.init(params), 4)[:3])
+  with pytest.raises(jr.PlacementError) as restored:
+    jr.restore(tmp_path / "three", world_size=2, rank=0)
+  jr.save_records(tmp_path / "full", jr.shard_state(opt, params, opt.init(params), 4))
+  line = _one_line_error(_run("verify", tmp_path / "full", tmp_path / "three"))
+  assert "merge" not in line and str(restored.value) in line, line

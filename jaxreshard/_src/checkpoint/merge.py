@@ -49,7 +49,11 @@ def archive_ranks(ckpt: Checkpoint) -> tuple[set[int], dict[int, int]]:
 
 
 def refuse_partial(path: Any, ckpt: Checkpoint) -> None:
-  """Refuses a checkpoint holding only some ranks of its one world size, plainly."""
+  """Refuses a part of a reshard's output (some ranks of its one world size), plainly.
+  A checkpoint that names no source is no part to merge: its missing ranks are
+  refused as every restore refuses them."""
+  if ckpt.source is None:
+    return
   try:
     worlds, rank_of = archive_ranks(ckpt)
   except PlacementError:
