@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 
 import jaxreshard as jr
-from jaxreshard._src.checkpoint import writer
+from jaxreshard._src.checkpoint import historycheck as writer
 from jaxreshard._src.core import validate
 
 

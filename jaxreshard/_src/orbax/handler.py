@@ -71,11 +71,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxreshard._src.checkpoint import historycheck as _historycheck
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.checkpoint import table as _table
-from jaxreshard._src.checkpoint import writer as _writer
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _sharded
@@ -159,7 +159,7 @@ def prepare_save(
         # A state's padding is data, seen first in these host copies; and every
         # process's clock must be the primary's, from which the index is made.
         for r, record in archives:
-          _writer.check_record_data(r, record)
+          _historycheck.check_record_data(r, record)
         if clock != bytes(32) and primary_clock != bytes(32) and clock != primary_clock:
           raise PlacementError(
             f"process {jax.process_index()}'s optimizer clock (its scalars' bits) differs"
