@@ -59,7 +59,7 @@ def test_a_plain_archive_takes_the_quick_pass():
   record = jr.shard_state(opt, params, opt.init(params), world_size=4)[3]
   parts, placements = validate.check_record(3, record)
   padded = writer._plain_histories(parts, placements)
-  assert padded is not None and sorted((p.param, m) for p, m, _ in padded) == [
+  assert padded is not None and sorted((p.param, m) for p, m, _, _ in padded) == [
     ("s", 0),
     ("s", 1),
     ("w", 0),

@@ -29,12 +29,13 @@ def check_histories(index: int, state_parts: Any, placements: dict) -> None:
   if padded is None:
     _check_histories_one_by_one(index, state_parts, placements)
     return
-  for p, m, h in padded:
-    _check_padding(index, p.param, m, h, FlatShard(p.shape, p.rank, p.world_size))
+  for p, m, h, owned in padded:
+    if _host_exec.host_bits(h)[owned:].any():  # the refusal, with its geometry's words
+      _check_padding(index, p.param, m, h, FlatShard(p.shape, p.rank, p.world_size))
 
 
 def _plain_histories(state_parts: Any, placements: dict) -> list | None:
-  """``(placement, mirror, buffer)`` of every buffer with padding to
+  """``(placement, mirror, buffer, elements owned)`` of every buffer with padding to
   check, when every placement and buffer passes the checks of
   ``_check_histories_one_by_one`` as plainly as most do (int rank and world size,
   a shape of ints, storage and buffer dtypes jaxreshard stores); None otherwise."""
@@ -62,7 +63,7 @@ def _plain_histories(state_parts: Any, placements: dict) -> list | None:
       if tuple(h_shape) != (slots,) or getattr(h, "dtype", None) not in supported:
         return None
       if owned < slots and not isinstance(h, jax.ShapeDtypeStruct):
-        padded.append((p, m, h))
+        padded.append((p, m, h, owned))
   return padded
 
 
