@@ -78,3 +78,20 @@ def test_other_buffers_take_the_checks_one_by_one(dtype):
     0, jr.ShardRecord(1, record.placements, state, record.roles)
   )
   assert writer._plain_histories(parts, placements) is None
+
+
+@pytest.mark.parametrize(
+  "placement, words",
+  [
+    (jr.ParamPlacement("w", (4,), 5, 4), "rank 5 is outside world_size 4"),
+    (jr.ParamPlacement("w", (4,), 0, 0), "world_size 0 must be at least 1"),
+    (jr.ParamPlacement("w", (2**62, 4), 0, 1), "more than a 64-bit index can address"),
+  ],
+)
+def test_a_save_refuses_a_placement_the_format_cannot_describe(tmp_path, placement, words):
+  """The history checks vouch for every placement's geometry before the index
+  registers it: refused with the geometry's words, nothing written."""
+  record = jr.ShardRecord(1, (placement,), {"mu": {"w": np.zeros(1, np.float32)}})
+  with pytest.raises(jr.PlacementError, match=words):
+    jr.save_records(tmp_path / "c", [record])
+  assert list(tmp_path.iterdir()) == []

@@ -17,7 +17,6 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import tableindex as _tableindex
 from jaxreshard._src.checkpoint.index import _param_term, _placements_digest
-from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import ParamPlacement
 
 __all__ = ["ParamEntries"]
@@ -50,10 +49,13 @@ class ParamEntries:
     self.last: list[tuple[tuple[int, int], int]] = []
 
   def add(self, index: int, placements: Iterable[ParamPlacement]) -> str:
-    """Registers archive ``index``'s placements; returns its placements digest."""
+    """Registers archive ``index``'s placements; returns its placements digest.
+
+    Each placement's geometry (shape, rank, world size) is one the format can
+    describe: the writer's history checks (``historycheck``) vouch for it first.
+    """
     buckets: dict[tuple[int, int], list[int]] = {}
     for p in placements:
-      FlatShard(p.shape, p.rank, p.world_size)  # a placement the format can describe
       key = (p.param, p.shape, p.dtype, bool(p.trainable))
       e = self._params.setdefault(key, len(self._params))
       if e == len(self.params):
