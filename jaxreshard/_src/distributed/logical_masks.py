@@ -138,13 +138,15 @@ def _shape_sites() -> dict[Any, str]:
   """Code of the optax transformations that read a param's shape or average over its
   elements -> their names: on flat zero-padded shards they would give other updates
   (a mean's count includes the padding; a row or a column is not one any more)."""
-  made = {
-    "clip_by_block_rms": optax.clip_by_block_rms(1.0),
-    "scale_by_param_block_rms": optax.scale_by_param_block_rms(),
-    "scale_by_param_block_norm": optax.scale_by_param_block_norm(),
-    "centralize": optax.centralize(),
-    "adaptive_grad_clip": optax.adaptive_grad_clip(1.0),
+  args = {
+    "clip_by_block_rms": (1.0,),
+    "scale_by_param_block_rms": (),
+    "scale_by_param_block_norm": (),
+    "centralize": (),
+    "adaptive_grad_clip": (1.0,),
   }
+  # An optax without one of them cannot hold it: nothing to look for.
+  made = {name: getattr(optax, name)(*a) for name, a in args.items() if hasattr(optax, name)}
   return {t.update.__code__: f"optax.{name}" for name, t in made.items()}
 
 
