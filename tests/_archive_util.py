@@ -140,3 +140,34 @@ def write_consistent_index(root, index: dict) -> None:
     meta = read_json(path)
     meta["describes"] = d
     write_signed_json(path, meta)
+
+
+def files_of(root) -> dict[str, bytes]:
+  """Every file under ``root``, by path relative to it: its bytes."""
+  out = {}
+  for dirpath, _, names in os.walk(root):
+    for name in names:
+      path = os.path.join(dirpath, name)
+      with open(path, "rb") as f:
+        out[os.path.relpath(path, root)] = f.read()
+  return out
+
+
+def assert_same_files(a, b) -> None:
+  """Two directories hold the same files, byte for byte."""
+  fa, fb = files_of(a), files_of(b)
+  assert sorted(fa) == sorted(fb)
+  for rel in fa:
+    assert fa[rel] == fb[rel], rel
+
+
+def spy_leaf_by_leaf(monkeypatch) -> list:
+  """The archives a save registers leaf by leaf (the writer's ``_add_record``), in order."""
+  from jaxreshard._src.checkpoint import writer  # pylint: disable=g-import-not-at-top
+
+  calls = []
+  add = writer.IndexBuilder._add_record
+  monkeypatch.setattr(
+    writer.IndexBuilder, "_add_record", lambda self, *a: calls.append(a[0]) or add(self, *a)
+  )
+  return calls

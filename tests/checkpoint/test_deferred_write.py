@@ -10,7 +10,6 @@ load back to the source's state.
 from __future__ import annotations
 
 import os
-import types
 
 import jax
 import jax.numpy as jnp
@@ -23,11 +22,10 @@ import jaxreshard as jr
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import table as _table
-from jaxreshard._src.checkpoint import writer as _writer
 from jaxreshard._src.cli.commands import app
 from jaxreshard._src.core.record import deferred_parts
 from jaxreshard._src.engine import pipeline as _pipeline
-from tests._archive_util import padding_unchecked
+from tests._archive_util import assert_same_files, padding_unchecked, spy_leaf_by_leaf
 from tests._core_util import (
   assert_records_equal,
   assert_trees_bit_equal,
@@ -63,43 +61,9 @@ def _eager(record: jr.ShardRecord) -> jr.ShardRecord:
   )
 
 
-@pytest.fixture
-def fixed_id(monkeypatch):
-  """Every save of the test gets one identity (a checkpoint's files name it)."""
-  monkeypatch.setattr(
-    _writer, "uuid", types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex="0" * 32))
-  )
-
-
-def _files(root) -> dict[str, bytes]:
-  out = {}
-  for dirpath, _, names in os.walk(root):
-    for name in names:
-      path = os.path.join(dirpath, name)
-      with open(path, "rb") as f:
-        out[os.path.relpath(path, root)] = f.read()
-  return out
-
-
-def _assert_same_files(a, b) -> None:
-  fa, fb = _files(a), _files(b)
-  assert sorted(fa) == sorted(fb)
-  for rel in fa:
-    assert fa[rel] == fb[rel], rel
-
-
-def _spy_leaf_by_leaf(monkeypatch) -> list:
-  calls = []
-  add = _writer.IndexBuilder._add_record
-  monkeypatch.setattr(
-    _writer.IndexBuilder, "_add_record", lambda self, *a: calls.append(a[0]) or add(self, *a)
-  )
-  return calls
-
-
 @pytest.mark.parametrize("world", [1, 2, 4, 5, 7, 8, 12])
 @pytest.mark.parametrize("n_extra", [0, 140], ids=["json", "table"])
-def test_deferred_and_eager_records_write_the_same_files(
+def test_deferred_and_eager_records_write_the_samefiles_of(
   tmp_path, monkeypatch, fixed_id, world, n_extra
 ):
   # 140 more params with 2 Adam buffers each: >= TABLE_MIN_BUFFERS, a binary table.
@@ -110,7 +74,7 @@ def test_deferred_and_eager_records_write_the_same_files(
   )
   assert all(deferred_parts(t) is not None for t in targets)
   with monkeypatch.context() as m:
-    calls = _spy_leaf_by_leaf(m)
+    calls = spy_leaf_by_leaf(m)
     jr.save_records(tmp_path / "deferred", targets)
   # Only the first rank of the layout was registered leaf by leaf; no other rank's
   # state or placements were made.
@@ -121,7 +85,7 @@ def test_deferred_and_eager_records_write_the_same_files(
   assert all(deferred_parts(t) is None for t in eager)
   jr.save_records(tmp_path / "eager", eager)
   assert os.path.exists(tmp_path / "deferred" / _table.TABLE_FILE) == bool(n_extra)
-  _assert_same_files(tmp_path / "deferred", tmp_path / "eager")
+  assert_same_files(tmp_path / "deferred", tmp_path / "eager")
   back = jr.load_records(tmp_path / "deferred")
   for got, want in zip(back, eager):
     assert_records_equal(got, want)
@@ -148,7 +112,7 @@ def test_cli_reshard_writes_what_the_eager_records_write(tmp_path, monkeypatch, 
   records = _records(SHAPES, 8)
   jr.save_records(tmp_path / "src", records)
   with monkeypatch.context() as m:
-    calls = _spy_leaf_by_leaf(m)
+    calls = spy_leaf_by_leaf(m)
     result = CliRunner().invoke(
       app, ["reshard", str(tmp_path / "src"), str(tmp_path / "cli"), "-w", "6"]
     )
@@ -159,7 +123,7 @@ def test_cli_reshard_writes_what_the_eager_records_write(tmp_path, monkeypatch, 
   ckpt = _reader.open_checkpoint(str(tmp_path / "src"))
   eager = _reader.SourcedRecords([_eager(t) for t in want], _reader.Source(ckpt.id, 6))
   jr.save_records(tmp_path / "eager", eager)
-  _assert_same_files(tmp_path / "cli", tmp_path / "eager")
+  assert_same_files(tmp_path / "cli", tmp_path / "eager")
   assert_trees_bit_equal(
     jr.unshard_state(jr.load_records(tmp_path / "cli")), jr.unshard_state(records)
   )

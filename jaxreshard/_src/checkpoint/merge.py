@@ -20,6 +20,7 @@ from jaxreshard._src.checkpoint import digest as _digest
 from jaxreshard._src.checkpoint import locate as _locate
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import values as _values
+from jaxreshard._src.checkpoint.loaded import LoadedArchives
 from jaxreshard._src.checkpoint.reader import Checkpoint, Source
 from jaxreshard._src.checkpoint.store import save_records
 from jaxreshard._src.core import clock as _clock
@@ -246,9 +247,13 @@ def merge_parts(
     raise ArchiveExistsError(f"{out} already exists; jaxreshard never overwrites a checkpoint")
   merged = merge_plan(parts, step=step, item=item)
 
+  # One set of assemblies for every part: the parts' archives share one layout, and
+  # each is written from its packed buffers after the first.
+  loaded = LoadedArchives()
+
   def records() -> Iterator[Any]:
     for ckpt, a in merged.order:
-      yield ckpt.record(a)
+      yield ckpt.record(a, loaded)
 
   save_records(out, _reader.SourcedRecords(records(), merged.source), progress=progress)
   return merged

@@ -92,6 +92,7 @@ from jaxreshard._src.checkpoint.index import (  # noqa: F401  (re-exported)
   Source,
   SourcedRecords,
 )
+from jaxreshard._src.checkpoint.loaded import LoadedArchives
 from jaxreshard._src.checkpoint.shardread import ReadStats  # noqa: F401  (re-exported)
 from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
   IndexBuilder,
@@ -147,6 +148,7 @@ class Checkpoint:
     self.layouts, self.clocks = i.layouts, i.clocks
     self._lock = threading.Lock()
     self.memo = _memo.Memo()  # what validation learns of the index, for this object's life
+    self.loaded = LoadedArchives()  # the assemblies whole archives are loaded with
     # The archives' files and bytes: metadata, buffers, runs, padding.
     self.archives = _archives.ArchiveReader(
       self.directory, self._root, i, weakref.WeakMethod(self.placement)
@@ -294,10 +296,18 @@ class Checkpoint:
 
   def metadata_record(self, archive: int) -> ShardRecord:
     """An archive's record with ``LeafInfo`` (shape and dtype, no data) as buffers."""
-    return self.record(archive, self.layout(archive).infos())
+    return self.plain_record(archive, self.layout(archive).infos())
 
-  def record(self, archive: int, buffers: dict | None = None) -> ShardRecord:
-    """One whole archive, read from disk (or with ``buffers`` in place of its bytes)."""
+  def record(self, archive: int, loaded: LoadedArchives | None = None) -> ShardRecord:
+    """One whole archive, read from disk: a deferred record over its packed buffers
+    when it holds one rank of a uniform group, else leaf by leaf. ``loaded``: the
+    assemblies to make and share them with (this checkpoint's own by default)."""
+    made = (self.loaded if loaded is None else loaded).record(self, archive)
+    return self.plain_record(archive) if made is None else made
+
+  def plain_record(self, archive: int, buffers: dict | None = None) -> ShardRecord:
+    """One whole archive, read from disk leaf by leaf (or with ``buffers`` in place of
+    its bytes)."""
     layout = self.layout(archive)
     if buffers is None:
       buffers = self.archives.read_all(archive)

@@ -219,7 +219,9 @@ def load_records(
   Needs neither the optimizer nor the model: the state's tree structure,
   placements, roles and clock scalars come from the checkpoint's index. Each
   archive's history buffers are numpy views of its buffers, read straight from
-  the files and checked chunk by chunk.
+  the files and checked chunk by chunk. An archive holding one rank of a
+  uniform group is a record whose placements and state are made when first
+  read (as ``reshard``'s): a save writes its packed buffers as they are.
 
   Args:
     directory: a checkpoint written by ``save_records``.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -50,15 +51,23 @@ def target_layout(placements: Iterable[ParamPlacement], state_parts: _structure.
   masked or absent), never the rank, the slots or the clock.
   """
   entries = []
+  name = _dtype_name
   for p in sorted(placements, key=lambda p: p.param):
     hist = [
-      None if h is None else "masked" if h is _structure.MASKED else np.dtype(h.dtype).name
+      None if h is None else "masked" if h is _structure.MASKED else name(h.dtype)
       for h in state_parts.history(p.param)
     ]
     entries.append(
-      [p.param, list(p.shape), np.dtype(p.dtype).name, bool(p.trainable), int(p.world_size), hist]
+      [p.param, list(p.shape), name(p.dtype), bool(p.trainable), int(p.world_size), hist]
     )
   return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_name(dtype: Any) -> str:
+  """numpy's name of a dtype (a dtype or a scalar type); made once per dtype, as numpy
+  makes it anew on each ask."""
+  return np.dtype(dtype).name
 
 
 # --- writing ------------------------------------------------------------------

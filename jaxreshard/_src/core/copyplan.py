@@ -33,6 +33,7 @@ __all__ = [
   "TargetLayout",
   "cut_runs",
   "locate_each",
+  "packed_layout",
   "padding_ranks",
   "padding_spans",
   "plan_blocks",
@@ -88,7 +89,14 @@ def target_layout(groups: Any, *, logical: bool = False) -> TargetLayout:
   what it is made of (sizes, histories, dtypes) and shared; it is never mutated.
   """
   sizes = groups.count if logical else groups.slots
-  return _packed(sizes.tobytes(), tuple((f.history, f.buffer_dtypes) for f in groups.facts))
+  return packed_layout(sizes, groups.facts)
+
+
+def packed_layout(sizes: np.ndarray, facts: Sequence[Any]) -> TargetLayout:
+  """The packed buffers of params with these facts (sorted by param id) and ``sizes``
+  (elements of each history buffer, one int64 per param)."""
+  sizes = np.ascontiguousarray(sizes, np.int64)
+  return _packed(sizes.tobytes(), tuple((f.history, f.buffer_dtypes) for f in facts))
 
 
 @functools.lru_cache(maxsize=16)

@@ -40,9 +40,9 @@ class ShardRecord:
 
   A record is a pytree whose only children are the arrays of ``state``.
 
-  A record that ``reshard`` builds on the host keeps its history buffers as one
-  packed buffer per dtype and makes ``placements`` and ``state`` from them when
-  either is first read (:meth:`deferred`): resharding many target ranks then
+  A record that ``reshard`` builds on the host (or ``load_records`` reads whole)
+  keeps its history buffers as one packed buffer per dtype and makes
+  ``placements`` and ``state`` from them when either is first read (:meth:`deferred`): resharding many target ranks then
   costs their bytes, and a rank's per-leaf objects are made only for a reader
   that asks for them. Every read returns the same objects, and the record
   compares, prints, flattens, copies and pickles as one built eagerly.

@@ -1,0 +1,255 @@
+"""``load_records`` of uniform groups: deferred records over each archive's packed buffers.
+
+An archive that holds one rank of one uniform group is returned as a deferred
+record over its packed buffers, read whole (``loaded.LoadedArchives``). Each such
+record must be the one the archive gives read leaf by leaf (``Checkpoint.record``):
+the same placements, roles, tree, leaf types, weak types and bits; a save of the
+loaded records must write the checkpoint's files again byte for byte, every later
+archive from its buffers alone; and every refusal is the leaf-by-leaf reader's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from typer.testing import CliRunner
+
+import jaxreshard as jr
+from jaxreshard._src.checkpoint import loaded as _loaded
+from jaxreshard._src.checkpoint import reader as _reader
+from jaxreshard._src.checkpoint import table as _table
+from jaxreshard._src.cli.commands import app
+from jaxreshard._src.core.record import deferred_parts
+from tests._archive_util import assert_same_files, padding_unchecked, spy_leaf_by_leaf
+from tests._core_util import (
+  adam_records,
+  assert_records_equal,
+  assert_trees_bit_equal,
+  bits,
+  random_params,
+  random_state,
+  replace_history,
+)
+from tests._shapes import STORAGE_SHAPES
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "v3_checkpoint")
+
+
+def _optimizers() -> dict:
+  labels = lambda p: jax.tree.map(lambda x: "a" if np.size(x) % 2 else "b", p)  # noqa: E731
+  return {
+    "adam+hyperparams": optax.inject_hyperparams(optax.adam)(learning_rate=jnp.float32(1e-3)),
+    "momentum": optax.sgd(0.1, momentum=0.9),
+    "masked": optax.chain(
+      optax.masked(optax.scale_by_adam(), lambda p: jax.tree.map(lambda x: np.ndim(x) > 1, p)),
+      optax.scale(-0.1),
+    ),
+    "multi_transform": optax.multi_transform(
+      {"a": optax.adam(1e-3), "b": optax.sgd(0.1, momentum=0.5)}, labels
+    ),
+  }
+
+
+def _records(opt, shapes: dict, world: int) -> list:
+  params = random_params(shapes)
+  records = jr.shard_state(opt, params, random_state(opt, params), world_size=world)
+  scalar = np.asarray(np.pi, np.float64)  # a float64 clock scalar, whatever x64 says
+  return [
+    jr.ShardRecord(r.version, r.placements, (r.state, scalar), r.roles + (None,)) for r in records
+  ]
+
+
+def _leaf_kinds(record) -> list:
+  return [
+    (type(x), getattr(x, "weak_type", None), np.dtype(x.dtype).str, np.shape(x))
+    for x in jax.tree_util.tree_leaves(record.state)
+  ]
+
+
+def _assert_as_read_leaf_by_leaf(path, records) -> None:
+  with _reader.open_checkpoint(str(path)) as ckpt:
+    want = [ckpt.plain_record(i) for i in range(len(ckpt))]
+  assert len(records) == len(want)
+  for got, w in zip(records, want):
+    assert_records_equal(got, w)
+    assert _leaf_kinds(got) == _leaf_kinds(w)
+
+
+@pytest.mark.parametrize("name", list(_optimizers()))
+@pytest.mark.parametrize("world", [1, 2, 5, 8, 12])
+@pytest.mark.parametrize("n_extra", [0, 140], ids=["json", "table"])
+def test_loaded_records_are_deferred_and_saved_again_byte_for_byte(
+  tmp_path, monkeypatch, fixed_id, name, world, n_extra
+):
+  shapes = dict(
+    STORAGE_SHAPES,
+    tiny=((1,), jnp.float32),
+    **{f"extra/{i:03d}": ((i % 11 + 1,), jnp.float32) for i in range(n_extra)},
+  )
+  records = _records(_optimizers()[name], shapes, world)
+  jr.save_records(tmp_path / "a", records)
+  if name in ("adam+hyperparams", "multi_transform"):  # >= 280 buffers with the extras
+    assert os.path.exists(tmp_path / "a" / _table.TABLE_FILE) == bool(n_extra)
+  loaded = jr.load_records(tmp_path / "a")
+  assert all(deferred_parts(r) is not None for r in loaded)
+  assert all("state" not in vars(r) and "placements" not in vars(r) for r in loaded)
+  with monkeypatch.context() as m:
+    calls = spy_leaf_by_leaf(m)
+    jr.save_records(tmp_path / "b", loaded)
+  assert calls == [0]  # every later archive written from its packed buffers
+  assert_same_files(tmp_path / "a", tmp_path / "b")
+  _assert_as_read_leaf_by_leaf(tmp_path / "a", loaded)
+  for got, want in zip(loaded, records):
+    assert got.placements == want.placements and got.roles == want.roles
+    assert_trees_bit_equal(got.state, want.state)
+
+
+def test_each_loaded_record_has_clock_scalars_of_its_own(tmp_path):
+  records = _records(_optimizers()["adam+hyperparams"], STORAGE_SHAPES, 3)
+  jr.save_records(tmp_path / "a", records)
+  loaded = jr.load_records(tmp_path / "a")
+  assert all(deferred_parts(r) is not None for r in loaded)
+  loaded[0].state[1][...] = 2.0  # a write into one rank's numpy clock scalar
+  assert float(loaded[1].state[1]) == float(np.pi) == float(loaded[2].state[1])
+
+
+def test_a_buffer_replaced_in_a_loaded_record_is_what_a_save_writes(tmp_path):
+  records = _records(_optimizers()["momentum"], STORAGE_SHAPES, 4)
+  jr.save_records(tmp_path / "a", records)
+  loaded = jr.load_records(tmp_path / "a")
+  trace = loaded[1].state[0][0].trace["dense"]
+  old = trace["kernel"]
+  trace["kernel"] = np.full_like(old, 7.0)  # the caller's container, another buffer
+  jr.save_records(tmp_path / "b", loaded)
+  back = jr.load_records(tmp_path / "b")
+  got = back[1].state[0][0].trace["dense"]["kernel"]
+  assert np.array_equal(got, np.full_like(old, 7.0))
+  assert_trees_bit_equal(back[2].state, records[2].state)
+
+
+def test_an_old_format_checkpoint_loads_as_read_leaf_by_leaf(tmp_path):
+  shutil.copytree(DATA, tmp_path / "v3")
+  loaded = jr.load_records(tmp_path / "v3")
+  assert any(deferred_parts(r) is not None for r in loaded)
+  _assert_as_read_leaf_by_leaf(tmp_path / "v3", loaded)
+
+
+@pytest.mark.parametrize(
+  "pid, rank, uint",
+  [("half", 4, np.uint16), ("dense/bias", 7, np.uint32)],  # inside a rank; an all-padding rank
+)
+def test_nonzero_padding_is_refused_with_the_leaf_by_leaf_words(tmp_path, pid, rank, uint):
+  records = _records(_optimizers()["momentum"], STORAGE_SHAPES, 8)
+
+  def pad(a):
+    a.view(uint)[-1] = 1  # a subnormal: bits that are not zero
+    return a
+
+  records[rank] = replace_history(records[rank], pid, 0, pad)
+  with padding_unchecked():
+    jr.save_records(tmp_path / "bad", records)
+  with _reader.open_checkpoint(str(tmp_path / "bad")) as ckpt:
+    with pytest.raises(jr.ArchiveError) as want:
+      ckpt.plain_record(rank)
+  with pytest.raises(jr.ArchiveError) as got:
+    jr.load_records(tmp_path / "bad")
+  assert "padding is not zero" in str(got.value)
+  assert str(got.value) == str(want.value)
+
+
+def test_archives_of_two_groups_load_as_read_leaf_by_leaf(tmp_path, fixed_id):
+  """Two groups of different world sizes over different archives (two expert-parallel
+  halves): every archive deferred, one assembly per group."""
+  records = adam_records(2, {"x": ((6,), jnp.float32)}) + adam_records(
+    3, {"y": ((5,), jnp.bfloat16), "z": ((), jnp.float32)}
+  )
+  jr.save_records(tmp_path / "a", records)
+  loaded = jr.load_records(tmp_path / "a")
+  assert all(deferred_parts(r) is not None for r in loaded)
+  assert deferred_parts(loaded[0]).assembly is deferred_parts(loaded[1]).assembly
+  assert deferred_parts(loaded[1]).assembly is not deferred_parts(loaded[2]).assembly
+  _assert_as_read_leaf_by_leaf(tmp_path / "a", loaded)
+  for got, want in zip(loaded, records):
+    assert_records_equal(got, want)
+  jr.save_records(tmp_path / "b", loaded)
+  assert_same_files(tmp_path / "a", tmp_path / "b")
+
+
+def test_an_archive_in_two_groups_is_read_leaf_by_leaf(tmp_path):
+  # Archive 0 holds rank 0 of x and of y (two groups); archives 1 and 2 one each.
+  def record(held: dict) -> jr.ShardRecord:
+    placements = tuple(
+      jr.ParamPlacement(p, (5,), r, 2, np.dtype(np.float32), True) for p, (r, _) in held.items()
+    )
+    state = {"count": np.int32(3), "mu": {p: v for p, (_, v) in held.items()}}
+    return jr.ShardRecord(
+      1, tuple(sorted(placements, key=lambda p: p.param)), state, (None, *sorted(held))
+    )
+
+  x, y = np.arange(6, dtype=np.float32), np.arange(10, 16, dtype=np.float32)
+  records = [
+    record({"x": (0, x[:3]), "y": (0, y[:3])}),
+    record({"x": (1, np.array([x[3], x[4], 0], np.float32))}),
+    record({"y": (1, np.array([y[3], y[4], 0], np.float32))}),
+  ]
+  jr.save_records(tmp_path / "t", records)
+  loaded = jr.load_records(tmp_path / "t")
+  assert deferred_parts(loaded[0]) is None
+  _assert_as_read_leaf_by_leaf(tmp_path / "t", loaded)
+  for a, b in zip(records, loaded):
+    assert_records_equal(a, b)
+
+
+def _with_clock(records, value):
+  """The same archives with the float64 clock scalar set to ``value``."""
+  return [
+    jr.ShardRecord(r.version, r.placements, (r.state[0], np.asarray(value, np.float64)), r.roles)
+    for r in records
+  ]
+
+
+def test_one_set_of_assemblies_shares_only_equal_content_across_checkpoints(tmp_path):
+  records = _records(_optimizers()["adam+hyperparams"], STORAGE_SHAPES, 3)
+  jr.save_records(tmp_path / "a", records)
+  jr.save_records(tmp_path / "b", records)
+  jr.save_records(tmp_path / "c", _with_clock(records, 2.5))
+  jr.save_records(tmp_path / "d", _with_clock(records, -0.0))  # 0.0 and -0.0: two clocks
+  jr.save_records(tmp_path / "e", _with_clock(records, 0.0))
+  shared = _loaded.LoadedArchives()
+  made = {}
+  for name in "abcde":
+    ckpt = jr.open_checkpoint(tmp_path / name)
+    made[name] = [ckpt.record(i, shared) for i in range(len(ckpt))]
+    _assert_as_read_leaf_by_leaf(tmp_path / name, made[name])
+  assembly = {k: deferred_parts(v[0]).assembly for k, v in made.items()}
+  assert all(deferred_parts(r).assembly is assembly[k] for k, v in made.items() for r in v)
+  assert assembly["a"] is assembly["b"]
+  assert len({id(assembly[k]) for k in "acde"}) == 4
+  assert [int(bits(r.state[1])) for r in made["d"]] == [1 << 63] * 3
+
+
+def test_a_merge_writes_every_part_after_the_first_from_its_buffers(tmp_path, monkeypatch):
+  records = _records(_optimizers()["adam+hyperparams"], STORAGE_SHAPES, 8)
+  jr.save_records(tmp_path / "src", records)
+  parts = []
+  for r in range(6):
+    out = tmp_path / f"part{r}"
+    result = CliRunner().invoke(
+      app, ["reshard", str(tmp_path / "src"), str(out), "-w", "6", "--rank", str(r)]
+    )
+    assert result.exit_code == 0, result.output
+    parts.append(out)
+  with monkeypatch.context() as m:
+    calls = spy_leaf_by_leaf(m)
+    result = CliRunner().invoke(app, ["merge", str(tmp_path / "merged"), *map(str, parts[::-1])])
+  assert result.exit_code == 0, result.output
+  assert calls == [0]
+  want = jr.reshard_ranks(records, [jr.plan(records, world_size=6, rank=r) for r in range(6)])
+  for got, w in zip(jr.load_records(tmp_path / "merged"), want):
+    assert_records_equal(got, w)
