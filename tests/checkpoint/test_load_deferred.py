@@ -21,12 +21,18 @@ import pytest
 from typer.testing import CliRunner
 
 import jaxreshard as jr
+from jaxreshard._src.checkpoint import groupfacts as _groupfacts
 from jaxreshard._src.checkpoint import loaded as _loaded
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.cli.commands import app
 from jaxreshard._src.core.record import deferred_parts
-from tests._archive_util import assert_same_files, padding_unchecked, spy_leaf_by_leaf
+from tests._archive_util import (
+  assert_same_files,
+  padding_unchecked,
+  set_unchecked,
+  spy_leaf_by_leaf,
+)
 from tests._core_util import (
   adam_records,
   assert_records_equal,
@@ -253,3 +259,32 @@ def test_a_merge_writes_every_part_after_the_first_from_its_buffers(tmp_path, mo
   want = jr.reshard_ranks(records, [jr.plan(records, world_size=6, rank=r) for r in range(6)])
   for got, w in zip(jr.load_records(tmp_path / "merged"), want):
     assert_records_equal(got, w)
+
+
+def test_a_uniform_group_by_the_index_arrays_is_one_param_by_param(tmp_path):
+  """``uniform_by_tables`` answers True only for groups ``is_uniform`` finds uniform, and
+  does for the one rank of a reshard's part and for two groups of one checkpoint."""
+  records = _records(_optimizers()["masked"], STORAGE_SHAPES, 8)
+  jr.save_records(tmp_path / "src", records)
+  result = CliRunner().invoke(
+    app, ["reshard", str(tmp_path / "src"), str(tmp_path / "part"), "-w", "6", "--rank", "4"]
+  )
+  assert result.exit_code == 0, result.output
+  jr.save_records(
+    tmp_path / "two",
+    adam_records(2, {"x": ((6,), jnp.float32)}) + adam_records(3, {"y": ((5,), jnp.bfloat16)}),
+  )
+  seen = []
+  for name in ("src", "part", "two"):
+    ckpt = jr.open_checkpoint(tmp_path / name)
+    for gi in range(len(ckpt.groups)):
+      fast = _groupfacts.uniform_by_tables(ckpt, gi)
+      assert fast <= _groupfacts.is_uniform(ckpt, gi)
+      seen.append(fast)
+  assert all(seen)
+  # A group whose archives have two clocks: not uniform by either.
+  mixed = records[:4] + _with_clock(records[4:], 1.0)
+  with set_unchecked():
+    jr.save_records(tmp_path / "clocks", mixed)
+  ckpt = jr.open_checkpoint(tmp_path / "clocks")
+  assert not _groupfacts.uniform_by_tables(ckpt, 0) and not _groupfacts.is_uniform(ckpt, 0)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from jaxreshard._src.checkpoint import regular as _regular
 from jaxreshard._src.checkpoint.index import LeafInfo
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.errors import ReshardError
 
-__all__ = ["group_facts", "is_uniform", "uniform_facts"]
+__all__ = ["group_facts", "is_uniform", "uniform_by_tables", "uniform_facts"]
 
 
 def is_uniform(ckpt: Any, gi: int) -> bool:
@@ -40,6 +43,30 @@ def is_uniform(ckpt: Any, gi: int) -> bool:
         break
     u = u and histories.keys() <= ckpt.index.param_index[gi].keys()
   return u
+
+
+def uniform_by_tables(ckpt: Any, gi: int) -> bool:
+  """``is_uniform`` answered with the index's arrays, one pass per group: True only where
+  it holds; False where it does not or where a dtype or history is one these arrays do
+  not vouch for (``is_uniform`` then decides, param by param)."""
+  t = ckpt.index.tables
+  archives, _ = t.group_ranks(gi)
+  if not len(archives):
+    return False
+  layouts, clocks = t.a_layout[archives], t.a_clock[archives]
+  if (layouts != layouts[0]).any() or (clocks != clocks[0]).any():
+    return False
+  member = ckpt.member
+  if any(len(member[a]) != 1 for a in archives.tolist()):
+    return False
+  entry = t.group_params(gi)
+  count = t.p_count[entry]
+  if (count < 0).any():
+    return False
+  slots = -(-count // int(t.g_world[gi]))
+  name = t.p_name[entry]
+  group = np.zeros(len(name), np.int64)
+  return _regular.histories(ckpt.index, layouts[:1], name, group, slots) is not None
 
 
 def uniform_facts(ckpt: Any, gi: int, pid: str, sources: tuple) -> _validate.SourceFacts:

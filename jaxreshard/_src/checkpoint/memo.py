@@ -97,7 +97,11 @@ class Memo:
     u = self.uniform.get(gi)
     if u is None:
       # A regular checkpoint's groups are all uniform (``_regular``), checked with arrays.
-      u = _regular.regular(ckpt) is not None or _groupfacts.is_uniform(ckpt, gi)
+      u = (
+        _regular.regular(ckpt) is not None
+        or _groupfacts.uniform_by_tables(ckpt, gi)
+        or _groupfacts.is_uniform(ckpt, gi)
+      )
       self.uniform[gi] = u
     return u
 

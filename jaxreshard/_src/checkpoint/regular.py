@@ -127,7 +127,7 @@ def _copied(d: np.dtype) -> bool:
   return d in _STORAGE or (d.name == "float64" and jax.config.jax_enable_x64)
 
 
-def _histories(
+def histories(
   index: Any, group_layout: np.ndarray, name: np.ndarray, group: np.ndarray, slots: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray] | None:
   """Per row (param), its history buffers' dtype codes (-1 masked, -2 none) and their
@@ -198,10 +198,10 @@ def make(ckpt: Any) -> Regular | None:
     return None
   count, world = t.p_count[entry], t.g_world[group]
   slots = -(-count // world)
-  histories = _histories(index, group_layout, name, group, slots)
-  if histories is None:
+  found = histories(index, group_layout, name, group, slots)
+  if found is None:
     return None
-  hist, itemsize = histories
+  hist, itemsize = found
   # One optimizer clock class for every group (a layout that cannot say its class is
   # refused by the general path, in its own order).
   try:
