@@ -17,6 +17,7 @@ BENCHMARKS = (
   "plan",
   "step",
   "coldstart",
+  "reload",
   # Last: its 4,096-rank row holds ~18 GB of small objects, and the heap they
   # leave behind slows whatever runs after it in the same process.
   "scale",

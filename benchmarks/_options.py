@@ -37,6 +37,9 @@ class Options:
     plan_worlds: (source, target) world sizes of the planning measurement.
     plan_size: history elements of the planning checkpoint (the model's, over every rank).
     save_states: (parameters, history elements) of each save measurement.
+    reload_params, reload_world, reload_size, reload_parts: the whole-checkpoint
+      bookkeeping benchmark: params, ranks and history elements of its checkpoint, and
+      the one-rank parts it merges.
     durable_states: (parameters, history elements) of each durable-save measurement.
     durable_rounds: interleaved rounds per side of the durable-save benchmark (median).
     durable_dir: directory (disk) the durable-save benchmark writes in; '' for the
@@ -77,6 +80,10 @@ class Options:
   step_rounds: int = 30
   device_size: int = 32 * _M
   coldstart_params: int = 200
+  reload_params: int = 10_000
+  reload_world: int = 64
+  reload_size: int = 4 * _M
+  reload_parts: int = 16
   seed: int = 0
 
   @classmethod
@@ -112,4 +119,8 @@ class Options:
       step_rounds=2,
       coldstart_params=8,
       device_size=_M // 16,
+      reload_params=20,
+      reload_world=4,
+      reload_size=_M // 16,
+      reload_parts=2,
     )
