@@ -19,6 +19,7 @@ as one layout.
 from __future__ import annotations
 
 import json
+import weakref
 from typing import Any
 
 import numpy as np
@@ -39,8 +40,9 @@ class LoadedArchives:
   merge owns one for all its parts."""
 
   def __init__(self):
-    # (checkpoint, group, clock) -> its assembly, or None where the archives do not
-    # pack as a target rank. The checkpoint is held: its id is not reused meanwhile.
+    # (checkpoint, group, clock) -> a weak reference to the checkpoint (its id may be
+    # reused once it is gone; a checkpoint owns this object, which must not keep it
+    # alive) and its assembly, or None where the archives do not pack as a target rank.
     self._made: dict[tuple[int, int, int], tuple[Any, Assembly | None]] = {}
     self._content: dict[Any, list[tuple[tuple, Assembly]]] = {}  # by a cheap key
 
@@ -55,8 +57,8 @@ class LoadedArchives:
       return None
     key = (id(ckpt), gi, ckpt.archive_clock[archive])
     hit = self._made.get(key)
-    if hit is None or hit[0] is not ckpt:
-      hit = self._made[key] = (ckpt, self._assembly(ckpt, gi, archive))
+    if hit is None or hit[0]() is not ckpt:
+      hit = self._made[key] = (weakref.ref(ckpt), self._assembly(ckpt, gi, archive))
     assembly = hit[1]
     if assembly is None:
       return None

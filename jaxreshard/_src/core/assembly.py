@@ -84,6 +84,14 @@ class Assembly:
     self._order = tuple(order)
     self._pick = operator.itemgetter(*order) if len(order) > 1 else None
     self.roles = tuple(param_of[x.index] if isinstance(x, _Slot) else None for x in leaves)
+    # What each leaf of a state made by ``state`` is: (position, shape, dtype) of every
+    # history view, and (position, template scalar) of every numpy clock scalar (the
+    # leaves a caller can change in place without replacing them).
+    views = [((x.stop - x.start,), np.dtype(d)) for d, sl in self._slices for x in sl]
+    self._views = [(i, *views[x.index]) for i, x in enumerate(leaves) if isinstance(x, _Slot)]
+    self._arrays = [
+      (i, x) for i, x in enumerate(leaves) if not isinstance(x, _Slot) and isinstance(x, np.ndarray)
+    ]
     self.params = tuple(f.param for f in facts)
     self._shapes = tuple(f.shape for f in facts)
     self._dtypes = tuple(f.dtype for f in facts)
@@ -100,6 +108,28 @@ class Assembly:
     else:
       leaves = tuple(pool[i] for i in self._order)
     return self._treedef.unflatten(leaves), leaves
+
+  def made(self, state: Any, leaves: Sequence[Any]) -> bool:
+    """Whether ``state``, made by ``state`` with ``leaves``, still is what it was made:
+    the same tree structure and leaf objects, each history view with its shape and
+    dtype, each numpy clock scalar with its template's dtype, shape and bits. A
+    caller may change any of these in place (a dict's key or a container's type, a
+    view's ``shape`` or ``dtype``, ``count[...] = 7``) and the packed buffers then
+    no longer say what the record holds."""
+    now, treedef = jax.tree_util.tree_flatten(state)
+    if treedef != self._treedef or len(now) != len(leaves):
+      return False
+    if not all(map(operator.is_, now, leaves)):
+      return False
+    for i, shape, dtype in self._views:
+      x = now[i]
+      if x.shape != shape or x.dtype != dtype:
+        return False
+    for i, t in self._arrays:
+      x = now[i]
+      if x.dtype != t.dtype or x.shape != t.shape or x.tobytes() != t.tobytes():
+        return False
+    return True
 
   def nonzero_padding(
     self, buffers: dict[np.dtype, np.ndarray], rank: int, world: int
@@ -183,12 +213,11 @@ class RankParts:
     """Whether ``state`` (its record's, once read) still holds the leaves made from
     the packed buffers: its containers are the caller's, who may put another
     buffer in one of them, and the packed buffers then no longer say what the
-    record holds. One C-level identity comparison per leaf."""
+    record holds (``Assembly.made``)."""
     shown = self.shown
     if shown is None or shown[0] is not state:
       return False
-    leaves = jax.tree_util.tree_leaves(state)
-    return len(leaves) == len(shown[1]) and all(map(operator.is_, leaves, shown[1]))
+    return self.assembly.made(state, shown[1])
 
   def placements(self) -> tuple[ParamPlacement, ...]:
     # One frozen object per parameter, no reference cycles: paused as for ``state``.
