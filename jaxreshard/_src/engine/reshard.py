@@ -229,7 +229,8 @@ def plan(records: Sequence[ShardRecord], *, world_size: int, rank: int) -> list[
     [Migration(param='w', shape=(5,), rank=2, world_size=3, sources=(0, 1, 2, 3))]
   """
   src = _sources.record_sources(records)
-  groups = src.complete_groups()
+  with no_gc():  # the groups: many small objects, no cycles
+    groups = src.complete_groups()
   # The target rank and world size; each parameter's own geometry is checked
   # when its migration is validated.
   FlatShard((), rank, world_size)
