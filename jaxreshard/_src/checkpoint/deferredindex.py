@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.core import validate as _validate
-from jaxreshard._src.core.assembly import RankParts, current_parts
+from jaxreshard._src.core.assembly import uniform_parts
 from jaxreshard._src.core.geometry import FlatShard
-from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.core.record import RECORD_VERSION
 
 __all__ = ["DeferredLayouts"]
 
@@ -38,28 +38,6 @@ class _Known:
   block: int  # the param entries' set (``ParamEntries``)
   sizes: dict[np.dtype, int]  # elements of each packed buffer
   tiles: bool  # the writer's packing is the buffers themselves (packing order = layout order)
-
-
-def _uniform(x: Any) -> int | None:
-  """The one rank (or world size) of every row, or None when rows differ."""
-  if type(x) is int:
-    return x
-  if isinstance(x, list) and x and type(x[0]) is int and x.count(x[0]) == len(x):
-    return x[0]
-  return None
-
-
-def _rank_parts(record: Any) -> tuple[RankParts, int, int] | None:
-  """A deferred record's parts, rank and world size, when every row has one of each."""
-  if type(record) is not ShardRecord:
-    return None
-  parts = current_parts(record)
-  if parts is None or record.__dict__.get("roles") is not parts.assembly.roles:
-    return None
-  rank, world = _uniform(parts.ranks), _uniform(parts.worlds)
-  if rank is None or world is None:
-    return None
-  return parts, rank, world
 
 
 def _same_buffers(buffers: dict, sizes: dict[np.dtype, int]) -> bool:
@@ -93,7 +71,7 @@ class DeferredLayouts:
     """Registers archive ``index`` with ``builder`` from its rank and buffers alone, and
     returns its packed buffers (``{}`` unless ``pack``); None when ``record`` is not a
     deferred record of a known assembly (the builder registers it leaf by leaf)."""
-    found = _rank_parts(record)
+    found = uniform_parts(record)
     if found is None or record.version != RECORD_VERSION:
       return None
     parts, rank, world = found
@@ -122,7 +100,7 @@ class DeferredLayouts:
   def learn(self, builder: Any, index: int, record: Any, packed: dict, pack: bool) -> None:
     """Keeps what archive ``index``, just registered leaf by leaf, gave ``builder``,
     when it is a deferred record (``packed``: the buffers the builder packed)."""
-    found = _rank_parts(record)
+    found = uniform_parts(record)
     if found is None:
       return
     parts, rank, world = found

@@ -11,7 +11,8 @@ exactly zero bits; ``-0.0`` is not zero padding).
 Records may arrive one at a time (a generator reading one rank at a time):
 slices that arrive before their turn wait in a small reorder buffer, so a
 checkpoint streamed in rank order is hashed without holding more than one
-record.
+record. Deferred records after the first of their layout are hashed from their
+packed buffers (``digestpacked``), with the same checks and words.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxreshard._src.checkpoint import digestpacked as _packed
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import values as _values
+from jaxreshard._src.checkpoint.parampaths import ParamPaths
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.geometry import FlatShard
@@ -170,48 +173,20 @@ def digest_records(records: Iterable[ShardRecord]) -> Digest:
     True
   """
   acc = _Accumulator()
-  paths = _ParamPaths()
+  paths = ParamPaths()
+  packed = _packed.PackedRanks()  # later ranks of a deferred record's layout
   for index, record in enumerate(records):
+    if packed.add(acc, index, record):
+      continue
     state_parts = _state_parts(index, record)
+    seen = len(acc.problems)
     acc.add_structure(index, state_parts, record)
     path_of = paths.of(state_parts)
     for p in record.placements:
       acc.add_placement(index, p, state_parts.history(p.param), path_of.get(p.param, ""))
+    if len(acc.problems) == seen:
+      packed.learn(acc, record, lambda: structure_of(state_parts, record))
   return acc.digest()
-
-
-class _ParamPaths:
-  """Each param's typed key path in an archive's params tree, made once per tree."""
-
-  def __init__(self):
-    self._known: dict[tuple, dict[str, str]] = {}
-
-  def of(self, state_parts: _structure.StateParts) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for m in state_parts.subtrees:
-      key = (m.treedef, m.order)
-      found = self._known.get(key)
-      if found is None:
-        tree = jax.tree_util.tree_unflatten(m.treedef, list(m.order))
-        with_path, _ = jax.tree_util.tree_flatten_with_path(tree)
-        found = self._known[key] = {pid: typed_path(path) for path, pid in with_path}
-      for pid, path in found.items():
-        out.setdefault(pid, path)
-    return out
-
-
-def typed_path(path: tuple) -> str:
-  """A key path with each key's kind: ``[0]`` (a list's), ``{0}`` (a dict's integer
-  key), ``{'0'}`` (a dict's string key), ``.name`` (an attribute)."""
-  parts = []
-  for k in path:
-    if isinstance(k, jax.tree_util.SequenceKey):
-      parts.append(f"[{k.idx}]")
-    elif isinstance(k, jax.tree_util.DictKey):
-      parts.append(f"{{{k.key!r}}}")
-    else:
-      parts.append(str(k))
-  return "".join(parts)
 
 
 class _Accumulator:
@@ -230,20 +205,24 @@ class _Accumulator:
     self, index: int, state_parts: _structure.StateParts, record: ShardRecord
   ) -> None:
     """The state's structure and clock scalars must be those of archive 0."""
-    structure = repr(
-      (str(state_parts.skeleton), [jax.tree_util.keystr(m.prefix) for m in state_parts.subtrees])
-    )
-    leaves = _clock_leaves(record)
-    clock = _clock.clock_key(structure, [x for _, x in leaves])
+    structure, clock, names = structure_of(state_parts, record)
     if self.structure is None:
       self.structure, self.scalars, self.clock = structure, _scalars(record), clock
-    elif structure != self.structure:
+    else:
+      self.check_structure(index, structure, clock, names)
+
+  def check_structure(self, index: int, structure: str, clock: Any, names: list[str]) -> None:
+    """An archive after the first: its structure and clock (``structure_of``) are archive 0's."""
+    if structure != self.structure:
       self.problems.append(f"archive {index}: optimizer state structure differs from archive 0")
     elif (where := _clock.clock_difference(self.clock, clock)) is not None:
-      named = f" ({leaves[where][0]})" if 0 <= where < len(leaves) else ""
+      named = f" ({names[where]})" if 0 <= where < len(names) else ""
       self.problems.append(
         f"archive {index}: optimizer clock scalar{named} differs from archive 0's"
       )
+
+  def new_stream(self, dtype: np.dtype) -> _Stream:
+    return _Stream(dtype)
 
   def add_placement(self, index: int, p: Any, hist: tuple[Any, ...], path: str = "") -> None:
     """One parameter's rank: its metadata agrees, the rank is new, its buffers stream in."""
@@ -363,6 +342,15 @@ def checkpoint_records(ckpt: _reader.Checkpoint) -> Iterator[ShardRecord]:
     ckpt.check_archive(i)
   for i in range(len(ckpt)):
     yield ckpt.record(i)
+
+
+def structure_of(state_parts: _structure.StateParts, record: ShardRecord) -> tuple[str, Any, list]:
+  """A record's structure text, clock key and the names of its clock scalars."""
+  structure = repr(
+    (str(state_parts.skeleton), [jax.tree_util.keystr(m.prefix) for m in state_parts.subtrees])
+  )
+  leaves = _clock_leaves(record)
+  return structure, _clock.clock_key(structure, [x for _, x in leaves]), [n for n, _ in leaves]
 
 
 def _state_parts(index: int, record: Any) -> _structure.StateParts:

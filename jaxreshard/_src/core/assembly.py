@@ -26,7 +26,7 @@ from jaxreshard._src.core.gcpause import no_gc
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord, deferred_parts
 
-__all__ = ["Assembly", "RankParts", "current_parts", "deferred_record"]
+__all__ = ["Assembly", "RankParts", "current_parts", "deferred_record", "uniform_parts"]
 
 
 class _Slot:
@@ -108,6 +108,12 @@ class Assembly:
     else:
       leaves = tuple(pool[i] for i in self._order)
     return self._treedef.unflatten(leaves), leaves
+
+  @property
+  def geometry(self) -> list[tuple[np.dtype, np.ndarray, ...]]:
+    """Per dtype: each history buffer's offset, slots, mirror, param row and element
+    count (int64 arrays, layout order)."""
+    return self._geometry
 
   def made(self, state: Any, leaves: Sequence[Any]) -> bool:
     """Whether ``state``, made by ``state`` with ``leaves``, still is what it was made:
@@ -235,6 +241,28 @@ def current_parts(record: ShardRecord) -> RankParts | None:
     return None
   state = record.__dict__.get("state")
   return parts if state is None or parts.holds(state) else None
+
+
+def _uniform(x: Any) -> int | None:
+  """The one rank (or world size) of every row, or None when rows differ."""
+  if type(x) is int:
+    return x
+  if isinstance(x, list) and x and type(x[0]) is int and x.count(x[0]) == len(x):
+    return x[0]
+  return None
+
+
+def uniform_parts(record: Any) -> tuple[RankParts, int, int] | None:
+  """A deferred record's parts, rank and world size, when every row has one of each."""
+  if type(record) is not ShardRecord:
+    return None
+  parts = current_parts(record)
+  if parts is None or record.__dict__.get("roles") is not parts.assembly.roles:
+    return None
+  rank, world = _uniform(parts.ranks), _uniform(parts.worlds)
+  if rank is None or world is None:
+    return None
+  return parts, rank, world
 
 
 def deferred_record(
