@@ -9,6 +9,8 @@ mixed with records built eagerly, edited in place, or padded with nonzero bits.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -152,3 +154,21 @@ def test_any_selection_of_ranks_has_the_param_by_param_digest(world, picks, eage
   chosen = [_eager(r) if i in eager else r for i, r in enumerate(chosen)]
   got, _, want = _both(chosen, monkeypatch)
   _assert_same(got, want)
+
+
+def test_a_record_whose_fields_were_set_by_other_means_is_digested_param_by_param(monkeypatch):
+  """A view's strides set in place, or placements put in a (frozen) record's fields
+  directly: the record no longer says what its packed buffers hold."""
+  records = _records(4)
+  view = jax.tree_util.tree_leaves(records[1].state.inner_state[0].mu)[0]
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # numpy 2.4 deprecates it
+    view.strides = (0,)
+  got, took, want = _both(records, monkeypatch)
+  _assert_same(got, want)
+  assert took == 2  # ranks 2 and 3
+  records = _records(4)
+  object.__setattr__(records[2], "placements", records[2].placements[:1])
+  got, took, want = _both(records, monkeypatch)
+  _assert_same(got, want)
+  assert got.problems and took == 2  # ranks 1 and 3

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import shutil
+import warnings
 import weakref
 from typing import Any
 
@@ -322,7 +323,9 @@ def _hand_records(world: int = 3) -> list:
 
 
 def _set(obj, name, value):
-  setattr(obj, name, value)
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # numpy 2.4 deprecates setting strides
+    setattr(obj, name, value)
 
 
 # Edits a caller can make to a loaded record's state without replacing any leaf.
@@ -334,6 +337,7 @@ EDITS = {
   "None added": lambda st: st["hp"].__setitem__("extra", None),
   "view shape set": lambda st: _set(st["mu"]["b"], "shape", (1, -1)),
   "view dtype set": lambda st: _set(st["mu"]["b"], "dtype", np.int32),
+  "view strides set": lambda st: _set(st["mu"]["b"], "strides", (0,)),
 }
 
 

@@ -87,7 +87,11 @@ class Assembly:
     # What each leaf of a state made by ``state`` is: (position, shape, dtype) of every
     # history view, and (position, template scalar) of every numpy clock scalar (the
     # leaves a caller can change in place without replacing them).
-    views = [((x.stop - x.start,), np.dtype(d)) for d, sl in self._slices for x in sl]
+    views = [
+      ((x.stop - x.start,), np.dtype(d), (np.dtype(d).itemsize,))
+      for d, sl in self._slices
+      for x in sl
+    ]
     self._views = [(i, *views[x.index]) for i, x in enumerate(leaves) if isinstance(x, _Slot)]
     self._arrays = [
       (i, x) for i, x in enumerate(leaves) if not isinstance(x, _Slot) and isinstance(x, np.ndarray)
@@ -117,8 +121,8 @@ class Assembly:
 
   def made(self, state: Any, leaves: Sequence[Any]) -> bool:
     """Whether ``state``, made by ``state`` with ``leaves``, still is what it was made:
-    the same tree structure and leaf objects, each history view with its shape and
-    dtype, each numpy clock scalar with its template's dtype, shape and bits. A
+    the same tree structure and leaf objects, each history view with its shape,
+    dtype and strides, each numpy clock scalar with its template's dtype, shape and bits. A
     caller may change any of these in place (a dict's key or a container's type, a
     view's ``shape`` or ``dtype``, ``count[...] = 7``) and the packed buffers then
     no longer say what the record holds."""
@@ -127,9 +131,9 @@ class Assembly:
       return False
     if not all(map(operator.is_, now, leaves)):
       return False
-    for i, shape, dtype in self._views:
+    for i, shape, dtype, strides in self._views:
       x = now[i]
-      if x.shape != shape or x.dtype != dtype:
+      if x.shape != shape or x.dtype != dtype or x.strides != strides:
         return False
     for i, t in self._arrays:
       x = now[i]
@@ -189,7 +193,7 @@ class Assembly:
 class RankParts:
   """One target rank's packed buffers and what its deferred record is made with."""
 
-  __slots__ = ("assembly", "buffers", "ranks", "worlds", "made", "shown")
+  __slots__ = ("assembly", "buffers", "ranks", "worlds", "made", "shown", "given")
 
   def __init__(
     self,
@@ -205,6 +209,7 @@ class RankParts:
     self.worlds = worlds
     self.made = placements
     self.shown: tuple[Any, tuple[Any, ...]] | None = None  # the state made, and its leaves
+    self.given: Any = None  # the placements made
 
   def state(self) -> Any:
     # A view and a few containers per leaf, no reference cycles: the cyclic
@@ -229,8 +234,11 @@ class RankParts:
     # One frozen object per parameter, no reference cycles: paused as for ``state``.
     with no_gc():
       if self.made is None:
-        return self.assembly.placements(self.ranks, self.worlds)
-      return self.made() if callable(self.made) else self.made
+        given = self.assembly.placements(self.ranks, self.worlds)
+      else:
+        given = self.made() if callable(self.made) else self.made
+    self.given = given
+    return given
 
 
 def current_parts(record: ShardRecord) -> RankParts | None:
@@ -239,7 +247,11 @@ def current_parts(record: ShardRecord) -> RankParts | None:
   parts = deferred_parts(record)
   if type(parts) is not RankParts:
     return None
-  state = record.__dict__.get("state")
+  fields = record.__dict__
+  placements = fields.get("placements")
+  if placements is not None and placements is not parts.given:
+    return None  # set by other means than a first read (the record is frozen)
+  state = fields.get("state")
   return parts if state is None or parts.holds(state) else None
 
 
