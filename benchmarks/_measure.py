@@ -83,6 +83,17 @@ def measure(fn: Callable[[], Any], repeats: int = 3, warmup: int = 0) -> Timing:
   return Timing(tuple(runs))
 
 
+def best_of(fn: Callable[[int], Any], repeats: int, least: int = 1) -> float:
+  """The best time of ``max(least, repeats)`` calls ``fn(i)`` (``i``: the call's number,
+  for a fresh output path each time)."""
+  best = float("inf")
+  for i in range(max(least, repeats)):
+    t0 = time.perf_counter()
+    fn(i)
+    best = min(best, time.perf_counter() - t0)
+  return best
+
+
 def gbps(nbytes: int, seconds: float) -> float:
   """Copy bandwidth in GB/s, counting bytes read plus bytes written (2x)."""
   return 2 * nbytes / seconds / GB if seconds > 0 else float("inf")

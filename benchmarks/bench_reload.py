@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 
 import numpy as np
 import optax
@@ -12,7 +11,7 @@ from typer.testing import CliRunner
 
 import jaxreshard as jr
 from benchmarks import _disk, _workload
-from benchmarks._measure import Result
+from benchmarks._measure import Result, best_of
 from benchmarks._options import Options
 from jaxreshard._src.checkpoint import merge as _merge
 from jaxreshard._src.cli.commands import app
@@ -43,15 +42,6 @@ def _records(n_params: int, history: int, world: int, seed: int) -> list:
   return jr.shard_state(opt, params, state, world_size=world)
 
 
-def _best(fn, repeats: int) -> float:
-  best = float("inf")
-  for i in range(max(2, repeats)):
-    t0 = time.perf_counter()
-    fn(i)
-    best = min(best, time.perf_counter() - t0)
-  return best
-
-
 def _read_files(path: str) -> None:
   for dirpath, _, names in os.walk(path):
     for name in names:
@@ -63,11 +53,11 @@ def row(n_params: int, history: int, world: int, parts: int, repeats: int, tmp: 
   records = _records(n_params, history, world, 0)
   src = os.path.join(tmp, "src")
   jr.save_records(src, records, durable=False)
-  fresh = _best(lambda i: jr.save_records(f"{src}-fresh{i}", records, durable=False), repeats)
-  load = _best(lambda i: jr.load_records(src), repeats)
-  read = _best(lambda i: _read_files(src), repeats)
+  fresh = best_of(lambda i: jr.save_records(f"{src}-fresh{i}", records, durable=False), repeats, 2)
+  load = best_of(lambda i: jr.load_records(src), repeats, 2)
+  read = best_of(lambda i: _read_files(src), repeats, 2)
   loaded = jr.load_records(src)
-  resave = _best(lambda i: jr.save_records(f"{src}-again{i}", loaded, durable=False), repeats)
+  resave = best_of(lambda i: jr.save_records(f"{src}-again{i}", loaded, durable=False), repeats, 2)
   # One-rank parts of a reshard to ``parts`` ranks, as one host each would write them.
   few = _records(n_params, history, parts, 0)
   small = os.path.join(tmp, "small")
@@ -80,9 +70,9 @@ def row(n_params: int, history: int, world: int, parts: int, repeats: int, tmp: 
     )
     if result.exit_code != 0:
       raise RuntimeError(f"reshard --rank {r} failed:\n{result.output[-3000:]}")
-  merge = _best(lambda i: _merge.merge_parts(os.path.join(tmp, f"merged{i}"), paths), repeats)
-  save_parts = _best(
-    lambda i: jr.save_records(os.path.join(tmp, f"few{i}"), few, durable=False), repeats
+  merge = best_of(lambda i: _merge.merge_parts(os.path.join(tmp, f"merged{i}"), paths), repeats, 2)
+  save_parts = best_of(
+    lambda i: jr.save_records(os.path.join(tmp, f"few{i}"), few, durable=False), repeats, 2
   )
   for name in os.listdir(tmp):
     _disk.rmtree(os.path.join(tmp, name))

@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
 
 import numpy as np
 
 import jaxreshard as jr
 from benchmarks import _disk, _workload
-from benchmarks._measure import Result
+from benchmarks._measure import Result, best_of
 from benchmarks._options import Options
 
 NAME = "save"
@@ -23,15 +22,6 @@ GOAL = (
 
 def _files(path: str) -> int:
   return sum(len(fs) for _, _, fs in os.walk(path))
-
-
-def _best(fn, repeats: int) -> float:
-  best = float("inf")
-  for i in range(max(1, repeats)):
-    t0 = time.perf_counter()
-    fn(i)
-    best = min(best, time.perf_counter() - t0)
-  return best
 
 
 def measure(n_params: int, history: int, world: int, repeats: int, tmp: str) -> dict:
@@ -55,8 +45,8 @@ def measure(n_params: int, history: int, world: int, repeats: int, tmp: str) -> 
   def orbax_save(i):
     _disk.write_orbax_plain(os.path.join(tmp, f"ob{n_params}_{i}"), tree)
 
-  jr_s = _best(jr_save, repeats)
-  ob_s = _best(orbax_save, repeats)
+  jr_s = best_of(jr_save, repeats)
+  ob_s = best_of(orbax_save, repeats)
   files = _files(os.path.join(tmp, f"jr{n_params}_0"))
   orbax_files = _files(os.path.join(tmp, f"ob{n_params}_0"))
   dtypes = 1

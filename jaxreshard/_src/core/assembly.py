@@ -84,9 +84,9 @@ class Assembly:
     self._order = tuple(order)
     self._pick = operator.itemgetter(*order) if len(order) > 1 else None
     self.roles = tuple(param_of[x.index] if isinstance(x, _Slot) else None for x in leaves)
-    # What each leaf of a state made by ``state`` is: (position, shape, dtype) of every
-    # history view, and (position, template scalar) of every numpy clock scalar (the
-    # leaves a caller can change in place without replacing them).
+    # What each leaf of a state made by ``state`` is: (position, shape, dtype, strides)
+    # of every history view, and (position, template scalar) of every numpy clock
+    # scalar (the leaves a caller can change in place without replacing them).
     views = [
       ((x.stop - x.start,), np.dtype(d), (np.dtype(d).itemsize,))
       for d, sl in self._slices
@@ -122,10 +122,10 @@ class Assembly:
   def made(self, state: Any, leaves: Sequence[Any]) -> bool:
     """Whether ``state``, made by ``state`` with ``leaves``, still is what it was made:
     the same tree structure and leaf objects, each history view with its shape,
-    dtype and strides, each numpy clock scalar with its template's dtype, shape and bits. A
-    caller may change any of these in place (a dict's key or a container's type, a
-    view's ``shape`` or ``dtype``, ``count[...] = 7``) and the packed buffers then
-    no longer say what the record holds."""
+    dtype and strides, each numpy clock scalar with its template's dtype, shape and
+    bits. A caller may change any of these in place (a dict's key or a container's
+    type, a view's ``shape``, ``dtype`` or ``strides``, ``count[...] = 7``) and the
+    packed buffers then no longer say what the record holds."""
     now, treedef = jax.tree_util.tree_flatten(state)
     if treedef != self._treedef or len(now) != len(leaves):
       return False
