@@ -217,6 +217,11 @@ class Index:
     source: the checkpoint a reshard read, or None.
     raw: the index's JSON entries its digests are made of.
     digests: the digests a table index's ``describes`` made, kept for the index's life.
+    content: a table index's ``content_digest``: the sha256 of everything it says but
+      its identity, its source, its archives' names and the ranks they hold; None for
+      a JSON index. Two indexes with one content list the same params, groups (world
+      sizes, params, archives), layouts and clocks, archive for archive, so whatever
+      is made of those alone (never of a rank) is the same for both.
 
   Made when first asked: ``params`` (the distinct ``ParamEntry``s), ``groups``
   (``Group``s), ``names`` (each archive's), ``archive_layout``,
@@ -227,10 +232,24 @@ class Index:
   archive_numbers: np.ndarray  # per archive, the number of its name (a table index)
 
   def __init__(
-    self, *, id, version, table, record_version, tables, layouts, clocks, source, raw, describe=None
+    self,
+    *,
+    id,
+    version,
+    table,
+    record_version,
+    tables,
+    layouts,
+    clocks,
+    source,
+    raw,
+    describe=None,
+    content=None,
   ):
     """``describe(index, archive)``: ``describes`` of an index whose layouts are in a
-    binary table (the JSON encoding's own when None)."""
+    binary table (the JSON encoding's own when None). ``content()``: its content
+    digest, made when first asked (None: it has none)."""
+    self._content = content
     self.id, self.version, self.table, self.record_version = id, version, table, record_version
     self._describe = describe
     # The digests ``describe`` makes, by what each digests: made of this index alone,
@@ -243,6 +262,10 @@ class Index:
       source,
       raw,
     )
+
+  @functools.cached_property
+  def content(self) -> str | None:
+    return None if self._content is None else self._content()
 
   @functools.cached_property
   def params(self) -> tuple[ParamEntry, ...]:

@@ -45,6 +45,9 @@ class LoadedArchives:
     # alive) and its assembly, or None where the archives do not pack as a target rank.
     self._made: dict[tuple[int, int, int], tuple[Any, Assembly | None]] = {}
     self._content: dict[Any, list[tuple[tuple, Assembly]]] = {}  # by a cheap key
+    # (index content digest, group, archive) -> the assembly made for it, or None: an
+    # index of the same content gives the same one (a merge's one-rank parts).
+    self._by_index: dict[tuple[str, int, int], Assembly | None] = {}
 
   def record(self, ckpt: Any, archive: int) -> ShardRecord | None:
     """Archive ``archive`` of ``ckpt`` read whole, as a deferred record; None when it
@@ -73,7 +76,19 @@ class LoadedArchives:
   def _assembly(self, ckpt: Any, gi: int, archive: int) -> Assembly | None:
     """The assembly of group ``gi`` with ``archive``'s clock, when the archive's layout
     packs exactly as that assembly's target layout does; an equal one made before
-    when there is one."""
+    when there is one.
+
+    It is made of the index alone, never of a rank: an index of the same content
+    (``Index.content``) gives the same answer for the same group and archive."""
+    content = ckpt.index.content
+    if content is None:
+      return self._made_assembly(ckpt, gi, archive)
+    key = (content, gi, archive)
+    if key not in self._by_index:
+      self._by_index[key] = self._made_assembly(ckpt, gi, archive)
+    return self._by_index[key]
+
+  def _made_assembly(self, ckpt: Any, gi: int, archive: int) -> Assembly | None:
     group = ckpt.groups[gi]
     table = _groupfacts.group_facts(ckpt, gi, tuple(a for a, _ in group.ranks))
     if len(table) != len(group.params):

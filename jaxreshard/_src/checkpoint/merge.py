@@ -92,8 +92,14 @@ class _Part:
   source: Source
 
 
-def _open_part(path: Any) -> _Part:
-  """A part checked on its own: archives present, one world size, a source it matches."""
+def _open_part(path: Any, layouts: dict[tuple[str, int], str]) -> _Part:
+  """A part checked on its own: archives present, one world size, a source it matches.
+
+  ``layouts``: ``(index content, archive) -> its target layout``, of the archives of
+  the parts opened before. An archive's target layout is made of its index alone
+  (params, groups, layout), never of a rank, so an index of the same content
+  (``Index.content``) has the same one.
+  """
   ckpt = _reader.open_checkpoint(path)
   for i in range(len(ckpt)):  # present, and belonging to this part
     ckpt.archive_meta(i)
@@ -108,8 +114,13 @@ def _open_part(path: Any) -> _Part:
       f"{path} names no checkpoint it was resharded from (not an output of"
       " `jaxreshard reshard`); merge combines parts of one reshard"
     )
+  content = ckpt.index.content
   for a in range(len(ckpt)):
-    layout = _reader.target_layout(ckpt.placements(a), ckpt.layout(a).state_parts)
+    layout = None if content is None else layouts.get((content, a))
+    if layout is None:
+      layout = _reader.target_layout(ckpt.placements(a), ckpt.layout(a).state_parts)
+      if content is not None:
+        layouts[content, a] = layout
     if layout != ckpt.source.layout:
       raise ArchiveError(f"{path}: archive {a} does not have the target layout its index declares")
   return _Part(path, ckpt, next(iter(worlds)), rank_of, ckpt.source)
@@ -184,7 +195,8 @@ def merge_plan(
   """
   if not parts:
     raise PlacementError("merge needs at least one part")
-  opened = [_open_part(_locate.locate(p, step=step, item=item).path) for p in parts]
+  layouts: dict[tuple[str, int], str] = {}
+  opened = [_open_part(_locate.locate(p, step=step, item=item).path, layouts) for p in parts]
   first = opened[0]
   owner: dict[int, tuple[_Part, int]] = {}
   for part in opened:

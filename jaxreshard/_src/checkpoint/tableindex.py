@@ -49,7 +49,7 @@ from jaxreshard._src.checkpoint.tablelayout import Structure, TableLayout
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE
 from jaxreshard._src.errors import ArchiveError
 
-__all__ = ["describes", "layout_digest", "parse", "placements_digest"]
+__all__ = ["content_digest", "describes", "layout_digest", "parse", "placements_digest"]
 
 # Archive names of a table: ``archive_`` and the number, at least 5 digits, at most 9.
 MAX_ARCHIVE_NUMBER = 10**9 - 1
@@ -211,6 +211,7 @@ def parse(
     source=source,
     raw={"clocks": index["clocks"]},
     describe=describes,
+    content=lambda: content_digest(index, a, record_version),
   )
   out.archive_numbers = number
   return out
@@ -355,6 +356,35 @@ def _layouts(
 
 
 # --- digests: what each archive.json records of its index --------------------------
+
+
+# The table arrays that name an archive or say which rank it holds: left out of
+# ``content_digest``, so that the parts of one reshard (one rank each) share one.
+_IDENTITY_ARRAYS = frozenset({"archive_number", "group_rank"})
+
+
+def content_digest(
+  index: Mapping[str, Any], arrays: Mapping[str, np.ndarray], record_version: int
+) -> str:
+  """The sha256 of everything a table index says but its identity, its source, its
+  archives' names and the ranks they hold: its record version, dtypes, layouts'
+  and clocks' JSON, and every other table array (name, dtype, shape and bytes)."""
+  h = hashlib.sha256()
+  head = [
+    index["format_version"],
+    record_version,
+    index["dtypes"],
+    index["layouts"],
+    index["clocks"],
+  ]
+  h.update(json.dumps(head, sort_keys=True, separators=(",", ":")).encode())
+  for name in sorted(arrays):
+    if name in _IDENTITY_ARRAYS:
+      continue
+    v = np.ascontiguousarray(arrays[name])
+    h.update(json.dumps([name, v.dtype.str, list(v.shape)]).encode())
+    h.update(v.tobytes())
+  return h.hexdigest()
 
 
 def layout_digest(text: str) -> str:
