@@ -161,6 +161,33 @@ def test_save_sharded_then_restore_sharded(ex, tmp_path):
   assert_trees_bit_equal(got, jr.unshard_state(records))
 
 
+@pytest.mark.parametrize(
+  "shape,names", [((2, 3), ("data", "fsdp")), ((4, 2), ("fsdp", "model")), ((8,), ("fsdp",))]
+)
+def test_restore_sharded_puts_each_history_leaf_on_all_its_devices_in_one_call(
+  ex, tmp_path, monkeypatch, shape, names
+):
+  """A history leaf read from disk goes onto the mesh in one call for all its devices
+  (not a ``device_put`` per device): the same shards, copies along other axes included."""
+  opt, params, state, _ = ex
+  mesh = device_mesh(shape, names)
+  world = mesh.shape["fsdp"]
+  records = jr.shard_state(opt, params, state, 5, trainable=U.trainable())
+  jr.save_records(tmp_path / "c", records)
+  puts = []
+  put = jax.device_put
+  monkeypatch.setattr(jax, "device_put", lambda *a, **k: puts.append(a[0]) or put(*a, **k))
+  out = jr.restore_sharded(tmp_path / "c", mesh, "fsdp")
+  monkeypatch.undo()
+  expected = [jr.reshard(records, jr.plan(records, world_size=world, rank=r)) for r in range(world)]
+  _check_against(out.state, mesh, "fsdp", expected)
+  roles = expected[0].roles
+  assert sum(r is not None for r in roles) > sum(r is None for r in roles)
+  # Clock scalars only: each read onto a device, then put on every device.
+  assert len(puts) <= sum(r is None for r in roles) * (mesh.size + 1)
+  assert all(np.ndim(x) == 0 for x in puts)
+
+
 def test_kernels_run_on_each_ranks_device(ex):
   """Each rank's buffers are built on (not copied to) its first device."""
   opt, params, state, _ = ex
