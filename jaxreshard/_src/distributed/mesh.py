@@ -241,12 +241,19 @@ def _from_host(
   return jax.make_array_from_callback(shape, sharding, piece, dtype=dtype)
 
 
-def _shard_on(leaf: Any, rank: int, slots: int, pid: str, axis: str) -> jax.Array:
+def _shards_by_start(leaf: Any, slots: int) -> dict[int, Any]:
+  """A global history leaf's local ``(slots,)`` shards by their first element (the
+  first shard listed for each)."""
+  out: dict[int, Any] = {}
   for shard in getattr(leaf, "addressable_shards", ()):
     start = (shard.index[0].start or 0) if shard.index else 0
-    if start == rank * slots and shard.data.shape == (slots,):
-      return shard.data
-  raise PlacementError(
+    if start not in out and shard.data.shape == (slots,):
+      out[start] = shard.data
+  return out
+
+
+def _no_shard(leaf: Any, rank: int, slots: int, pid: str, axis: str) -> PlacementError:
+  return PlacementError(
     f"param {pid!r}: no device of this process holds rank {rank}'s ({slots},) shard;"
     f" the buffer must be a global array sharded over mesh axis {axis!r}, not"
     f" {getattr(leaf, 'sharding', type(leaf).__name__)}"
@@ -319,6 +326,8 @@ def records_from_mesh(
   mesh: Mesh,
   axis: str = "fsdp",
   ranks: Sequence[int] | None = None,
+  *,
+  roles: tuple[str | None, ...] | None = None,
 ) -> dict[int, ShardRecord]:
   """The records of this process's ranks, read from a global state's local shards.
 
@@ -331,29 +340,41 @@ def records_from_mesh(
     mesh: the device mesh.
     axis: the mesh axis of the flat shards.
     ranks: which ranks (default: every rank with a local device).
+    roles: the state's ``optimizer_roles``, when the caller has them.
 
   Returns:
     rank -> ``ShardRecord`` holding that rank's local device buffers.
   """
   world = axis_size(mesh, axis)
-  roles = optimizer_roles(optimizer, state, shapes)
+  if roles is None:
+    roles = optimizer_roles(optimizer, state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(state)
   of = placements_for(shapes, roles, leaves, world)
   ranks = sorted(mesh_ranks(mesh, axis) if ranks is None else ranks)
+  # Per history leaf, when first met: its slots and its local shards by first
+  # element (a leaf's shard list is made once, not once per rank).
+  local: dict[int, tuple[int, dict[int, Any]]] = {}
   out = {}
   for rank in ranks:
     rank_leaves = []
-    for leaf, role in zip(leaves, roles):
+    for i, (leaf, role) in enumerate(zip(leaves, roles)):
       if role is None:
         rank_leaves.append(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
         continue
-      g = FlatShard(shape_of(shapes[role], role), rank, world)
-      if tuple(np.shape(leaf)) != (world * g.slots,):
-        raise ShapeError(
-          f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
-          f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
-        )
-      rank_leaves.append(_shard_on(leaf, rank, g.slots, role, axis))
+      found = local.get(i)
+      if found is None:
+        g = FlatShard(shape_of(shapes[role], role), 0, world)
+        if tuple(np.shape(leaf)) != (world * g.slots,):
+          raise ShapeError(
+            f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
+            f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
+          )
+        found = local[i] = (g.slots, _shards_by_start(leaf, g.slots))
+      slots, by_start = found
+      data = by_start.get(rank * slots)
+      if data is None:
+        raise _no_shard(leaf, rank, slots, role, axis)
+      rank_leaves.append(data)
     out[rank] = ShardRecord(
       version=RECORD_VERSION,
       placements=of(rank),

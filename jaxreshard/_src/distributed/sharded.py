@@ -271,15 +271,19 @@ def _snapshot(x: Any) -> Any:
   return x  # Python and numpy scalars are immutable
 
 
-def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> dict:
+def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str, roles=None) -> dict:
   """The index of every rank, from the state's layout alone (no other process's data).
 
   Every rank of a global flat-sharded state has the same tree, the same
   ``(slots,)`` buffers and the same (replicated) clock; only placements'
-  ranks differ, so the primary describes all ``M`` archives itself.
+  ranks differ, so the primary describes all ``M`` archives itself, the first
+  leaf by leaf and the others from it (``IndexBuilder.add_ranks``): its cost
+  follows the params and the ranks, never their product. ``roles``: the
+  state's ``optimizer_roles`` when the caller has them.
   """
   world = _mesh.axis_size(mesh, axis)
-  roles = _mesh.optimizer_roles(optimizer, state, shapes)
+  if roles is None:
+    roles = _mesh.optimizer_roles(optimizer, state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(state)
   of = _mesh.placements_for(shapes, roles, leaves, world)
   abstract = []
@@ -296,6 +300,7 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str) -> di
       abstract.append(jax.ShapeDtypeStruct((slots,), leaf.dtype))
   builder = _reader.IndexBuilder(checkpoint_id)
   tree_state = jax.tree_util.tree_unflatten(treedef, abstract)
-  for rank in range(world):
-    builder.add(rank, ShardRecord(RECORD_VERSION, of(rank), tree_state, roles), pack=False)
+  builder.add_ranks(
+    range(world), lambda rank: ShardRecord(RECORD_VERSION, of(rank), tree_state, roles)
+  )
   return builder.index()

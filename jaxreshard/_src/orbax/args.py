@@ -40,6 +40,7 @@ class Checked:
 
   shapes: Mapping[str, Any] | None  # state: param id -> shape or placement
   views: dict[int, ShardRecord] | None  # state: this process's archives, device buffers
+  roles: tuple[str | None, ...] | None = None  # state: each leaf's param id, or None
 
 
 def _shapes_of(args: ReshardSave) -> Mapping[str, Any]:
@@ -76,6 +77,7 @@ def check(args: ReshardSave) -> Checked:
       _pipeline.validate(src, _reshard.plan(args.records, world_size=1, rank=0))
     return Checked(None, None)
   shapes = _shapes_of(args)
+  roles = _mesh.optimizer_roles(args.optimizer, args.state, shapes)
   views = _mesh.records_from_mesh(
     args.optimizer,
     args.state,
@@ -83,10 +85,10 @@ def check(args: ReshardSave) -> Checked:
     args.mesh,
     args.axis,
     ranks=_mesh.writer_ranks(args.mesh, args.axis),
+    roles=roles,
   )
   # The clock's device scalars as zeros of their dtype and shape (what storing
   # one depends on): checking never waits for the step that computes them.
-  roles = _mesh.optimizer_roles(args.optimizer, args.state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(args.state)
   leaves = [
     np.zeros(x.shape, x.dtype)
@@ -103,8 +105,9 @@ def check(args: ReshardSave) -> Checked:
     args.mesh,
     args.axis,
     "0" * 32,
+    roles,
   )
-  return Checked(shapes, views)
+  return Checked(shapes, views, roles)
 
 
 @dataclasses.dataclass

@@ -171,7 +171,13 @@ def prepare_save(
         refusal, archives = e, ()
       if primary:
         index = _sharded.global_index(
-          args.optimizer, args.state, checked.shapes, args.mesh, args.axis, checkpoint_id
+          args.optimizer,
+          args.state,
+          checked.shapes,
+          args.mesh,
+          args.axis,
+          checkpoint_id,
+          checked.roles,
         )
     elif primary:
       archives = tuple((i, _sharded.host_record(r)) for i, r in enumerate(args.records))
