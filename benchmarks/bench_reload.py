@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import jaxreshard as jr
 from benchmarks import _disk, _workload
-from benchmarks._measure import Result, best_of
+from benchmarks._measure import Result, best_of, run_child
 from benchmarks._options import Options
 from jaxreshard._src.checkpoint import merge as _merge
 from jaxreshard._src.cli.commands import app
@@ -19,8 +19,9 @@ from jaxreshard._src.cli.commands import app
 NAME = "reload"
 GOAL = (
   "no goal of its own: the bookkeeping of a whole checkpoint (load_records, a save of what"
-  " it returned, a merge of one-rank parts) beside the save of the records shard_state"
-  " makes and a plain read of the same files"
+  " it returned, a merge of one-rank parts, restore_sharded and save_sharded on a mesh) beside the save"
+  " of the records shard_state makes, a plain read of the same files and jax's own"
+  " device_put and device_get of the restored leaves"
 )
 
 
@@ -49,6 +50,56 @@ def _read_files(path: str) -> None:
         f.read()
 
 
+_MESH_DEVICES = 8
+
+
+def mesh_restore(path: str, repeats: int) -> dict:
+  """(In a child with ``_MESH_DEVICES`` CPU devices.) ``restore_sharded`` of ``path``
+  onto a ``(_MESH_DEVICES,)`` mesh, first call and best warm one, against one
+  ``jax.device_put`` of the same global arrays (host copies) with the same shardings;
+  then ``save_sharded`` of what it restored against one ``jax.device_get`` of it."""
+  import time  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.make_mesh((_MESH_DEVICES,), ("fsdp",))
+  t0 = time.perf_counter()
+  state, _ = jr.restore_sharded(path, mesh, axis="fsdp")
+  jax.block_until_ready(state)
+  cold = time.perf_counter() - t0
+
+  def restore(_):
+    jax.block_until_ready(jr.restore_sharded(path, mesh, axis="fsdp").state)
+
+  warm = best_of(restore, repeats, 2)
+  leaves = jax.tree.leaves(state)
+  arrays = [x for x in leaves if isinstance(x, jax.Array)]
+  host = [np.asarray(x) for x in arrays]
+  shardings = [x.sharding for x in arrays]
+  put = best_of(lambda _: jax.block_until_ready(jax.device_put(host, shardings)), repeats, 2)
+  placements = jr.restore_sharded(path, mesh, axis="fsdp").placements[0]
+  shapes = {p.param: p for p in placements}
+  opt = optax.adam(1e-3)
+  saves = []
+
+  def save(i):
+    saves.append(f"{path}-mesh{i}")
+    jr.save_sharded(saves[-1], opt, state, shapes, mesh, "fsdp")
+
+  saved = best_of(save, repeats, 2)
+  get = best_of(lambda _: jax.device_get(arrays), repeats, 2)
+  for d in saves:
+    _disk.rmtree(d)
+  return {
+    "leaves": len(arrays),
+    "cold_s": cold,
+    "warm_s": warm,
+    "put_s": put,
+    "save_s": saved,
+    "get_s": get,
+  }
+
+
 def row(n_params: int, history: int, world: int, parts: int, repeats: int, tmp: str) -> dict:
   records = _records(n_params, history, world, 0)
   src = os.path.join(tmp, "src")
@@ -57,6 +108,9 @@ def row(n_params: int, history: int, world: int, parts: int, repeats: int, tmp: 
   load = best_of(lambda i: jr.load_records(src), repeats, 2)
   read = best_of(lambda i: _read_files(src), repeats, 2)
   loaded = jr.load_records(src)
+  on_mesh = run_child(
+    "bench_reload", "mesh_restore", {"path": src, "repeats": repeats}, devices=_MESH_DEVICES
+  )
   resave = best_of(lambda i: jr.save_records(f"{src}-again{i}", loaded, durable=False), repeats, 2)
   # One-rank parts of a reshard to ``parts`` ranks, as one host each would write them.
   few = _records(n_params, history, parts, 0)
@@ -89,6 +143,14 @@ def row(n_params: int, history: int, world: int, parts: int, repeats: int, tmp: 
     "merge_parts": parts,
     "merge_s": round(merge, 3),
     "merge_over_save": round(merge / save_parts, 2),
+    "mesh_leaves": on_mesh["leaves"],
+    "mesh_restore_cold_s": round(on_mesh["cold_s"], 3),
+    "mesh_restore_s": round(on_mesh["warm_s"], 3),
+    "device_put_s": round(on_mesh["put_s"], 3),
+    "mesh_restore_over_put": round(on_mesh["warm_s"] / on_mesh["put_s"], 2),
+    "mesh_save_s": round(on_mesh["save_s"], 3),
+    "device_get_s": round(on_mesh["get_s"], 3),
+    "mesh_save_over_get": round(on_mesh["save_s"] / on_mesh["get_s"], 2),
   }
 
 
@@ -113,6 +175,22 @@ def run(opts: Options) -> Result:
     " returned. `merge_s`: `jaxreshard merge` (the library call) of"
     f" {opts.reload_parts} one-rank parts (each a `jaxreshard reshard --rank` output of"
     f" the same params over {opts.reload_parts} ranks), against `save_records` of those"
-    f" {opts.reload_parts} records made in memory (`merge_over_save`). No goal: figures."
+    f" {opts.reload_parts} records made in memory (`merge_over_save`). `mesh_restore_s`:"
+    f" `restore_sharded` of the checkpoint onto a ({_MESH_DEVICES},) 'fsdp' mesh of simulated"
+    " CPU devices, in a fresh process (`mesh_restore_cold_s`: its first call; the"
+    " warm figure the best of the repeats), against one `jax.device_put` of host"
+    " copies of the same `mesh_leaves` global arrays with the same shardings"
+    " (`device_put_s`: what jax itself takes to put those leaves on the mesh)."
+    " `mesh_save_s`: `save_sharded` (durable) of the state it restored, against one"
+    " `jax.device_get` of its leaves (`device_get_s`: what jax itself takes to bring"
+    " them to the host)."
+    " No goal: figures."
   )
-  return Result(NAME, "load, save again and merge whole checkpoints", GOAL, None, rows, notes)
+  return Result(
+    NAME,
+    "whole checkpoints: load, save again, merge, restore and save on a mesh",
+    GOAL,
+    None,
+    rows,
+    notes,
+  )
