@@ -9,6 +9,8 @@ must be those of registering every rank leaf by leaf, whatever the world size
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -37,6 +39,20 @@ def _masked_records(world):
   return jr.shard_state(opt, params, random_state(opt, params, 4), world)
 
 
+def _both_ways(monkeypatch, records) -> tuple[list, Any, Any]:
+  """The archives ``add_ranks`` registered leaf by leaf, and the builders of ``records``
+  registered by ``add_ranks`` and each leaf by leaf."""
+  slow = _writer.IndexBuilder("0" * 32)
+  for r, record in enumerate(records):
+    slow.add(r, record, pack=False)
+  fast = _writer.IndexBuilder("0" * 32)
+  leaf_by_leaf = []
+  add = fast._add_record
+  monkeypatch.setattr(fast, "_add_record", lambda *a: leaf_by_leaf.append(a[0]) or add(*a))
+  fast.add_ranks(range(len(records)), records.__getitem__)
+  return leaf_by_leaf, fast, slow
+
+
 @pytest.mark.parametrize("table", [False, True])
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 8, 13])
 @pytest.mark.parametrize("kind", ["storage", "trailing", "masked"])
@@ -46,14 +62,7 @@ def test_add_ranks_makes_the_entries_of_every_rank_leaf_by_leaf(monkeypatch, tab
     records = _plain(_masked_records(world))
   else:
     records = _plain(adam_records(world, STORAGE_SHAPES if kind == "storage" else TRAILING))
-  slow = _writer.IndexBuilder("0" * 32)
-  for r, record in enumerate(records):
-    slow.add(r, record, pack=False)
-  fast = _writer.IndexBuilder("0" * 32)
-  leaf_by_leaf = []
-  add = fast._add_record
-  monkeypatch.setattr(fast, "_add_record", lambda *a: leaf_by_leaf.append(a[0]) or add(*a))
-  fast.add_ranks(range(world), records.__getitem__)
+  leaf_by_leaf, fast, slow = _both_ways(monkeypatch, records)
   assert leaf_by_leaf == [0]
   assert fast.index() == slow.index()
   assert fast.describes == slow.describes
@@ -72,15 +81,7 @@ def test_add_ranks_of_records_in_two_world_sizes_registers_each_leaf_by_leaf(mon
     state = {"count": np.int32(3), "mu": {"x": np.zeros(3, F32), "y": np.zeros(2, F32)}}
     return jr.ShardRecord(1, placements, state, (None, "x", "y"))
 
-  records = [record(0), record(1)]
-  slow = _writer.IndexBuilder("0" * 32)
-  for r, rec in enumerate(records):
-    slow.add(r, rec, pack=False)
-  fast = _writer.IndexBuilder("0" * 32)
-  leaf_by_leaf = []
-  add = fast._add_record
-  monkeypatch.setattr(fast, "_add_record", lambda *a: leaf_by_leaf.append(a[0]) or add(*a))
-  fast.add_ranks(range(2), records.__getitem__)
+  leaf_by_leaf, fast, slow = _both_ways(monkeypatch, [record(0), record(1)])
   assert leaf_by_leaf == [0, 1]
   assert fast.index() == slow.index() and fast.describes == slow.describes
 

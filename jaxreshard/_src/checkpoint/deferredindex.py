@@ -10,11 +10,16 @@ record (every check the writer makes); what it gave is kept here, and every
 later rank of that assembly is registered from its rank and buffers alone,
 its buffers written as they are: the same index entry and the same bytes,
 with no per-param object made.
+
+``add_ranks`` does the same for the ranks of a global flat-sharded state, whose
+records are shapes alone: the first rank is registered leaf by leaf, every
+later one from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,8 +28,9 @@ from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.assembly import uniform_parts
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import RECORD_VERSION
+from jaxreshard._src.errors import PlacementError
 
-__all__ = ["DeferredLayouts"]
+__all__ = ["DeferredLayouts", "add_ranks"]
 
 
 @dataclasses.dataclass
@@ -125,3 +131,33 @@ class DeferredLayouts:
     self._known[(id(parts.assembly), world)] = _Known(
       parts.assembly, layout, clock, describes, block, sizes, tiles
     )
+
+
+def add_ranks(builder: Any, ranks: Sequence[int], record_of: Callable[[int], Any]) -> None:
+  """Registers archive ``r`` as ``record_of(r)`` with ``builder`` for each ``r`` of
+  ``ranks``, which are ranks of one world size whose records differ only in their
+  placements' rank (one state of shapes alone, one clock, one set of params): what a
+  global flat-sharded state gives every rank. The first is registered leaf by leaf, with every check,
+  and the others from it, with nothing made per param; the same entries ``add``
+  makes of each. When the first holds its params at more or less than one
+  (world size, rank), each is registered leaf by leaf."""
+  ranks = [int(r) for r in ranks]
+  if not ranks:
+    return
+  first = ranks[0]
+  builder.add(first, record_of(first), pack=False)
+  last = builder.entries.last if builder.entries is not None else []
+  if len(last) != 1 or last[0][0][1] != first:
+    for r in ranks[1:]:
+      builder.add(r, record_of(r), pack=False)
+    return
+  (world, _), block = last[0]
+  _, layout, clock = builder.archives[first]
+  describes = builder.describes[first]
+  for r in ranks[1:]:
+    if not 0 <= r < world:
+      raise PlacementError(f"archive {r}: rank {r} is not a rank of world size {world}")
+    while len(builder.archives) <= r:
+      builder.archives.append(None)
+    builder.archives[r] = [f"archive_{r:05d}", layout, clock]
+    builder.describes[r] = dict(describes, placements=builder.entries.add_block(r, block, r, world))

@@ -156,33 +156,10 @@ class IndexBuilder:
     return buffers
 
   def add_ranks(self, ranks: Sequence[int], record_of: Callable[[int], Any]) -> None:
-    """Registers archive ``r`` as ``record_of(r)`` for each ``r`` of ``ranks``, which are
-    ranks of one world size whose records differ only in their placements' rank (one
-    state of shapes alone, one clock, one set of params): what a global flat-sharded
-    state gives every rank. The first is registered leaf by leaf, with every check,
-    and the others from it, with nothing made per param; the same entries ``add``
-    makes of each. When the first holds its params at more or less than one
-    (world size, rank), each is registered leaf by leaf."""
-    ranks = [int(r) for r in ranks]
-    if not ranks:
-      return
-    first = ranks[0]
-    self.add(first, record_of(first), pack=False)
-    last = self.entries.last if self.entries is not None else []
-    if len(last) != 1 or last[0][0][1] != first:
-      for r in ranks[1:]:
-        self.add(r, record_of(r), pack=False)
-      return
-    (world, _), block = last[0]
-    _, layout, clock = self.archives[first]
-    describes = self.describes[first]
-    for r in ranks[1:]:
-      if not 0 <= r < world:
-        raise PlacementError(f"archive {r}: rank {r} is not a rank of world size {world}")
-      while len(self.archives) <= r:
-        self.archives.append(None)
-      self.archives[r] = [f"archive_{r:05d}", layout, clock]
-      self.describes[r] = dict(describes, placements=self.entries.add_block(r, block, r, world))
+    """Registers archive ``r`` as ``record_of(r)`` for each ``r`` of ``ranks``: ranks of one
+    world size whose records differ only in their placements' rank
+    (``deferredindex.add_ranks``)."""
+    _deferredindex.add_ranks(self, ranks, record_of)
 
   def _add_record(self, index: int, record: Any, pack: bool) -> dict[np.dtype, np.ndarray]:
     """``add``, leaf by leaf: every check the index makes of a record."""

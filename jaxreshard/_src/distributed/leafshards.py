@@ -1,0 +1,78 @@
+"""One global history leaf and its device shards: put on a mesh from host pieces, listed
+by their first element, gathered to the host bit for bit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.exec import bitview as _bitview
+
+__all__ = ["gather_bits", "held_as_is", "no_shard", "put_from_host", "shards_by_start"]
+
+
+def held_as_is(pieces: Any) -> bool:
+  """Whether every piece is a numpy array of a dtype jax holds as it is (no 64-bit
+  value cut to 32 bits while x64 is off)."""
+  return all(
+    type(x) is np.ndarray and jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype for x in pieces
+  )
+
+
+def put_from_host(
+  per_rank: dict[int, np.ndarray], slots: int, shape: tuple[int, ...], sharding: Any, dtype: Any
+) -> jax.Array:
+  """The global ``(M * slots,)`` array whose devices at rank ``r`` of the axis hold
+  ``per_rank[r]``: one call per leaf, which puts the pieces on all the local devices
+  at once (a ``device_put`` per device and a ``make_array_from_single_device_arrays``
+  cost 4x as much: 5.4 against 1.4 s for 20,000 leaves on 8 devices)."""
+  any_piece = per_rank[next(iter(per_rank))]
+
+  def piece(index: tuple) -> np.ndarray:
+    return per_rank[(index[0].start or 0) // slots] if slots else any_piece
+
+  return jax.make_array_from_callback(shape, sharding, piece, dtype=dtype)
+
+
+def shards_by_start(leaf: Any, slots: int) -> dict[int, Any]:
+  """A global history leaf's local ``(slots,)`` shards by their first element (the
+  first shard listed for each)."""
+  out: dict[int, Any] = {}
+  for shard in getattr(leaf, "addressable_shards", ()):
+    start = (shard.index[0].start or 0) if shard.index else 0
+    if start not in out and shard.data.shape == (slots,):
+      out[start] = shard.data
+  return out
+
+
+def no_shard(leaf: Any, rank: int, slots: int, pid: str, axis: str) -> PlacementError:
+  """The refusal of a global history leaf with no local shard for ``rank``."""
+  return PlacementError(
+    f"param {pid!r}: no device of this process holds rank {rank}'s ({slots},) shard;"
+    f" the buffer must be a global array sharded over mesh axis {axis!r}, not"
+    f" {getattr(leaf, 'sharding', type(leaf).__name__)}"
+  )
+
+
+def gather_bits(leaf: Any) -> np.ndarray:
+  """The whole of a (possibly multi-process) global array, as host numpy, exactly."""
+  if not isinstance(leaf, jax.Array):
+    return np.asarray(leaf)
+  if leaf.is_fully_addressable:
+    # From the device buffers themselves: ``np.asarray`` of a partially
+    # replicated array may go through a computation that quiets NaN payloads.
+    out = np.zeros(leaf.shape, leaf.dtype)
+    for shard in leaf.addressable_shards:
+      out[shard.index] = np.asarray(shard.data)
+    return out
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  dtype = np.dtype(leaf.dtype)
+  uint = _bitview.UINT[dtype.itemsize]
+  # Gather unsigned bits so no float path can touch NaN payloads or -0.0.
+  as_bits = jax.jit(lambda x: lax.bitcast_convert_type(x, uint))(leaf)
+  return np.asarray(multihost_utils.process_allgather(as_bits, tiled=True)).view(dtype)
