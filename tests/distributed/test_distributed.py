@@ -9,12 +9,15 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec
 
 import jaxreshard as jr
+from jaxreshard._src.distributed import mesh as _mesh
 from tests import _mp_util as U
 from tests._core_util import (
+  adam_records,
   assert_records_equal,
   assert_trees_bit_equal,
   bits,
@@ -26,6 +29,19 @@ from tests._core_util import (
 @pytest.fixture(scope="module")
 def ex():
   return U.example(seed=1)
+
+
+def _plain_numpy(records) -> dict:
+  """Rank -> the record with every history buffer a numpy array of its own."""
+  return {
+    r: jr.ShardRecord(
+      rec.version,
+      rec.placements,
+      jax.tree.map(lambda x: np.array(x) if np.ndim(x) == 1 else x, rec.state),
+      rec.roles,
+    )
+    for r, rec in enumerate(records)
+  }
 
 
 def _check_against(state, mesh, axis, expected):
@@ -186,6 +202,46 @@ def test_restore_sharded_puts_each_history_leaf_on_all_its_devices_in_one_call(
   # Clock scalars only: each read onto a device, then put on every device.
   assert len(puts) <= sum(r is None for r in roles) * (mesh.size + 1)
   assert all(np.ndim(x) == 0 for x in puts)
+
+
+def test_a_mesh_state_owns_its_bits_whatever_the_records_it_came_from_do_later():
+  """``records_to_mesh`` copies each host piece: writing into the records' numpy
+  buffers afterwards changes nothing on the mesh."""
+  mesh = device_mesh((8,), ("fsdp",))
+  records = _plain_numpy(adam_records(8, {"a": ((8 * 64,), np.float32), "b": ((5,), np.float32)}))
+  want = {r: [bits(x).copy() for x in jax.tree.leaves(rec.state)] for r, rec in records.items()}
+  state = _mesh.records_to_mesh(records, mesh, "fsdp")
+  for rec in records.values():
+    for x in jax.tree.leaves(rec.state):
+      if isinstance(x, np.ndarray) and x.ndim == 1:
+        x[...] = 7.0
+  roles = records[0].roles
+  for leaf, role, *per_rank in zip(jax.tree.leaves(state), roles, *want.values()):
+    if role is None:
+      continue
+    for shard in leaf.addressable_shards:
+      r = shard.index[0].start // shard.data.shape[0] if shard.data.shape[0] else 0
+      assert np.array_equal(bits(shard.data), per_rank[r]), (role, r)
+
+
+@pytest.mark.parametrize(
+  "rank, words",
+  [
+    (8, "outside world_size 8"),
+    (-1, "outside world_size 8"),
+    (1.0, "must be an integer"),
+    (True, "must be an integer"),
+  ],
+)
+@pytest.mark.parametrize("shapes", [{"w": ((20,), np.float32)}, {"e": ((0,), np.float32)}])
+def test_records_from_mesh_refuses_a_rank_that_is_not_one_of_the_axis(ex, rank, words, shapes):
+  mesh = device_mesh((8,), ("fsdp",))
+  opt = optax.adam(1e-3)
+  params = {k: np.zeros(s, d) for k, (s, d) in shapes.items()}
+  out = jr.shard_to_mesh(opt, params, opt.init(params), mesh)
+  placements = {p.param: p for p in out.placements[0]}
+  with pytest.raises(jr.ReshardError, match=words):
+    _mesh.records_from_mesh(opt, out.state, placements, mesh, "fsdp", ranks=[0, rank])
 
 
 def test_kernels_run_on_each_ranks_device(ex):

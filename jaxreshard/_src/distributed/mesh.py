@@ -314,13 +314,17 @@ def records_from_mesh(
   out = {}
   for rank in ranks:
     rank_leaves = []
+    rank_checked = False
     for i, (leaf, role) in enumerate(zip(leaves, roles)):
       if role is None:
         rank_leaves.append(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
         continue
+      if not rank_checked:  # the rank itself: an integer in [0, world)
+        FlatShard(shape_of(shapes[role], role), rank, world)
+        rank_checked = True
       found = local.get(i)
       if found is None:
-        g = FlatShard(shape_of(shapes[role], role), 0, world)
+        g = FlatShard(shape_of(shapes[role], role), rank, world)
         if tuple(np.shape(leaf)) != (world * g.slots,):
           raise ShapeError(
             f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"
