@@ -14,8 +14,12 @@ from __future__ import annotations
 import os
 import shutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 import jaxreshard as jr
@@ -29,7 +33,7 @@ from jaxreshard._src.checkpoint import writer as _writer
 from jaxreshard._src.cli.commands import app
 from jaxreshard._src.errors import PlacementError
 from tests._archive_util import assert_same_files, read_json, write_signed_json
-from tests._core_util import adam_records, assert_records_equal
+from tests._core_util import adam_records, assert_records_equal, bits
 
 F32 = np.dtype(np.float32)
 SHAPES = {f"layer{i:02d}/w": ((i + 3,), F32) for i in range(12)} | {"dense/kernel": ((3, 4), F32)}
@@ -187,3 +191,43 @@ def test_parts_of_two_saves_or_two_clocks_are_refused_with_table_indexes(tmp_pat
   with pytest.raises(PlacementError, match="parts of different steps are never merged"):
     _merge.merge_parts(tmp_path / "out", parts[:2] + later_parts[2:3] + parts[3:])
   assert not os.path.exists(tmp_path / "out")
+
+
+_DTYPES = [np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)]
+_SHAPES = st.lists(st.integers(0, 9), min_size=0, max_size=2).map(tuple)
+
+
+@settings(
+  max_examples=6,
+  deadline=None,
+  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+  shapes=st.dictionaries(
+    st.sampled_from(["a", "b/w", "b/bias", "emb", "z[0]", "é"]),
+    st.tuples(_SHAPES, st.sampled_from(_DTYPES)),
+    min_size=1,
+    max_size=5,
+  ),
+  source=st.integers(1, 5),
+  world=st.integers(1, 6),
+)
+def test_a_merge_of_table_parts_is_the_one_shot_reshard_bit_for_bit(
+  tmp_path_factory, shapes, source, world
+):
+  """Random params (scalars, empty and size-1 params, bf16/f16, unusual ids) over random
+  world sizes: the merge of every one-rank part equals the reshard of every rank."""
+  tmp = tmp_path_factory.mktemp("merge")
+  records = adam_records(source, shapes)
+  parts = _parts(tmp, records, world=world)
+  assert len({_content(p) for p in parts}) == 1
+  _merge.merge_parts(tmp / "merged", parts[::-1])
+  want = jr.reshard_ranks(
+    records, [jr.plan(records, world_size=world, rank=r) for r in range(world)]
+  )
+  got = jr.load_records(tmp / "merged")
+  assert len(got) == world
+  for g, w in zip(got, want):
+    assert_records_equal(g, w)
+    for x, y in zip(jax.tree.leaves(g.state), jax.tree.leaves(w.state)):
+      assert np.array_equal(bits(x), bits(y))
