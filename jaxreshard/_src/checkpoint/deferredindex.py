@@ -137,10 +137,10 @@ def add_ranks(builder: Any, ranks: Sequence[int], record_of: Callable[[int], Any
   """Registers archive ``r`` as ``record_of(r)`` with ``builder`` for each ``r`` of
   ``ranks``, which are ranks of one world size whose records differ only in their
   placements' rank (one state of shapes alone, one clock, one set of params): what a
-  global flat-sharded state gives every rank. The first is registered leaf by leaf, with every check,
-  and the others from it, with nothing made per param; the same entries ``add``
-  makes of each. When the first holds its params at more or less than one
-  (world size, rank), each is registered leaf by leaf."""
+  global flat-sharded state gives every rank. The first is registered leaf by leaf,
+  with every check, and the others from it, with nothing made per param: the same
+  entries ``add`` makes of each. When the first holds its params at more or less
+  than one (world size, rank), each is registered leaf by leaf."""
   ranks = [int(r) for r in ranks]
   if not ranks:
     return

@@ -149,9 +149,10 @@ def _check_layout(records: Mapping[int, ShardRecord]) -> tuple[Any, tuple]:
 def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = "fsdp") -> Any:
   """Global state from the records of this process's ranks (see :func:`mesh_ranks`).
 
-  Each rank's buffers are placed on every local device of that rank (built on
-  the first, copied device-to-device to the others) and assembled with
-  ``jax.make_array_from_single_device_arrays``.
+  A history leaf whose pieces are numpy arrays goes onto all its local devices in
+  one ``jax.make_array_from_callback`` (each piece copied: the array owns its
+  bits); other leaves (jax arrays, clock scalars) are put on each local device of
+  their rank and assembled with ``jax.make_array_from_single_device_arrays``.
 
   Args:
     records: rank -> that rank's record, for every rank in ``mesh_ranks``.
@@ -319,9 +320,6 @@ def records_from_mesh(
       if role is None:
         rank_leaves.append(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
         continue
-      if not rank_checked:  # the rank itself: an integer in [0, world)
-        FlatShard(shape_of(shapes[role], role), rank, world)
-        rank_checked = True
       found = local.get(i)
       if found is None:
         g = FlatShard(shape_of(shapes[role], role), rank, world)
@@ -331,6 +329,9 @@ def records_from_mesh(
             f" ({world} * {g.slots},) of its shape {g.shape} over mesh axis {axis!r}"
           )
         found = local[i] = (g.slots, _leafshards.shards_by_start(leaf, g.slots))
+      elif not rank_checked:  # the rank itself, at its first leaf: an integer in [0, world)
+        FlatShard(shape_of(shapes[role], role), rank, world)
+      rank_checked = True
       slots, by_start = found
       data = by_start.get(rank * slots)
       if data is None:
