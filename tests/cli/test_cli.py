@@ -1334,3 +1334,30 @@ def test_verify_of_an_incomplete_checkpoint_that_is_no_part_says_what_restore_sa
   jr.save_records(tmp_path / "full", jr.shard_state(opt, params, opt.init(params), 4))
   line = _one_line_error(_run("verify", tmp_path / "full", tmp_path / "three"))
   assert "merge" not in line and str(restored.value) in line, line
+
+
+@pytest.mark.parametrize("n", [200, 250])
+def test_inspect_lists_the_first_and_last_params_of_a_large_table_unless_asked_for_all(tmp_path, n):
+  """More than 200 params: the first 100 and the last 20, and a line naming how many are
+  left out between which two; ``--all`` and ``--json`` list every one."""
+  ids = [f"p{i:03d}" for i in range(n)]
+  params = {pid: np.zeros(2 + i % 3, np.float32) for i, pid in enumerate(ids)}
+  opt = optax.adam(1e-3)
+  jr.save_records(tmp_path / "c", jr.shard_state(opt, params, opt.init(params), world_size=2))
+  rows = lambda text: [pid for pid in ids if re.search(rf"│ {pid} ", text)]  # noqa: E731
+  default = _run("inspect", tmp_path / "c")
+  assert default.exit_code == 0, default.output
+  every = _run("inspect", tmp_path / "c", "--all")
+  assert every.exit_code == 0, every.output
+  assert rows(every.stdout) == ids
+  if n <= 200:
+    assert rows(default.stdout) == ids and "not listed" not in default.stdout
+  else:
+    assert rows(default.stdout) == ids[:100] + ids[-20:]
+    assert (
+      f"{n - 120} params not listed between p099 and p{n - 20:03d} (--all lists every one)"
+      in (default.stdout)
+    )
+    assert "not listed" not in every.stdout
+  assert f"{n} params, " in default.stdout
+  assert [p["param"] for p in _json_out(_run("inspect", tmp_path / "c", "--json"))["params"]] == ids

@@ -148,6 +148,11 @@ def inspect(
   checkpoint: Path = typer.Argument(..., parser=_path, metavar="CHECKPOINT", help=_WHERE),
   step: int | None = _step_option(),
   item: str | None = _item_option(),
+  every: bool = typer.Option(
+    False,
+    "--all",
+    help="List every param (a table of more than 200 lists its first 100 and last 20).",
+  ),
   as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
   """Show parameters, logical shapes, world sizes, dtypes, bytes and optimizer clocks.
@@ -178,7 +183,7 @@ def inspect(
   if as_json:
     _render.print_json(dict(info, orbax=_report.located_info(found)))
     return
-  _report.print_inspect(checkpoint, found, info)
+  _report.print_inspect(checkpoint, found, info, every)
 
 
 # ------------------------------------------------------------------------ reshard
