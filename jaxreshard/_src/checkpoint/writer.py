@@ -70,6 +70,16 @@ def _dtype_name(dtype: Any) -> str:
   return np.dtype(dtype).name
 
 
+def clock_scalars(index: int, leaves: Sequence[Any], roles: Sequence[Any]) -> list[dict]:
+  """Archive ``index``'s clock as the index records it: each scalar leaf (role None) of
+  its flattened state encoded, in order."""
+  return [
+    _clockjson.encode_scalar(leaf, f"archive {index}, leaf {i}")
+    for i, (leaf, role) in enumerate(zip(leaves, roles))
+    if role is None
+  ]
+
+
 # --- writing ------------------------------------------------------------------
 
 
@@ -188,11 +198,7 @@ class IndexBuilder:
     if layout is None:
       layout = self._layout(index, record, roles, state_parts)
       self._layout_of_signature[signature] = layout
-    scalars = [
-      _clockjson.encode_scalar(leaf, f"archive {index}, leaf {i}")
-      for i, (leaf, role) in enumerate(zip(leaves, roles))
-      if role is None
-    ]
+    scalars = clock_scalars(index, leaves, roles)
     clock_key = json.dumps(scalars, separators=(",", ":"), sort_keys=True)
     clock = self._clocks.setdefault(clock_key, len(self._clocks))
     if clock == len(self.clocks):

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
+from jaxreshard._src.checkpoint import writer as _writer
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core.geometry import FlatShard
@@ -31,7 +32,7 @@ from jaxreshard._src.distributed.mesh import MeshState
 from jaxreshard._src.errors import PlacementError, ShapeError
 from jaxreshard._src.progress import ProgressCallback, check_callback
 
-__all__ = ["global_index", "host_record", "restore_sharded", "reshard_to_mesh"]
+__all__ = ["global_index", "host_record", "restore_sharded", "reshard_to_mesh", "stamped_index"]
 
 
 def reshard_to_mesh(records: Sequence[ShardRecord], mesh: Mesh, axis: str = "fsdp") -> MeshState:
@@ -289,7 +290,7 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str, roles
   abstract = []
   for leaf, role in zip(leaves, roles):
     if role is None:
-      abstract.append(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
+      abstract.append(_host_clock(leaf))
     else:
       slots = FlatShard(_mesh.shape_of(shapes[role], role), 0, world).slots
       if tuple(np.shape(leaf)) != (world * slots,):
@@ -304,3 +305,28 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str, roles
     range(world), lambda rank: ShardRecord(RECORD_VERSION, of(rank), tree_state, roles)
   )
   return builder.index()
+
+
+def stamped_index(template: dict, checkpoint_id: str, state: Any, roles: Sequence[Any]) -> dict:
+  """``global_index`` of ``state`` made from ``template``: the ``global_index`` of a state
+  of the same layout (tree, roles, params, mesh axis) under another identity and clock.
+
+  Every archive of a global index shares its one clock entry, and nothing else in the
+  index depends on the checkpoint's identity or the clock's values, so the two
+  differ in those two fields alone: a save makes its index once, when it is checked.
+  """
+  clocks, archives = template["clocks"], template["archives"]
+  if len(clocks) != 1 or any(clock != 0 for _, _, clock in archives):
+    raise AssertionError("a global index has one clock, shared by every archive")
+  leaves = jax.tree_util.tree_leaves(state)
+  leaves = [_host_clock(x) if r is None else None for x, r in zip(leaves, roles)]
+  return {
+    **template,
+    "checkpoint": checkpoint_id,
+    "clocks": [_writer.clock_scalars(0, leaves, roles)],
+  }
+
+
+def _host_clock(leaf: Any) -> Any:
+  """A clock leaf as an archive holds it: a replicated jax array's first local buffer."""
+  return leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf

@@ -41,6 +41,9 @@ class Checked:
   shapes: Mapping[str, Any] | None  # state: param id -> shape or placement
   views: dict[int, ShardRecord] | None  # state: this process's archives, device buffers
   roles: tuple[str | None, ...] | None = None  # state: each leaf's param id, or None
+  # state: the index of every rank under a placeholder identity and clock
+  # (``sharded.stamped_index`` gives a save's own from it)
+  index: dict | None = None
 
 
 def _shapes_of(args: ReshardSave) -> Mapping[str, Any]:
@@ -65,7 +68,8 @@ def check(args: ReshardSave) -> Checked:
   Records: each record as an archive of the index. A state: its structure
   against the optimizer and the params, each history buffer against its
   parameter's shape over the mesh axis, this process's shards of its own
-  ranks, and the index of every rank (made with a placeholder identity).
+  ranks, and the index of every rank (made with a placeholder identity and clock,
+  and kept: the save stamps it with its own).
   """
   if args.state is None:
     builder = _reader.IndexBuilder(source=source_of(args.records))
@@ -98,7 +102,7 @@ def check(args: ReshardSave) -> Checked:
     else x
     for x, role in zip(leaves, roles)
   ]
-  _sharded.global_index(
+  index = _sharded.global_index(
     args.optimizer,
     jax.tree_util.tree_unflatten(treedef, leaves),
     shapes,
@@ -107,7 +111,7 @@ def check(args: ReshardSave) -> Checked:
     "0" * 32,
     roles,
   )
-  return Checked(shapes, views, roles)
+  return Checked(shapes, views, roles, index)
 
 
 @dataclasses.dataclass

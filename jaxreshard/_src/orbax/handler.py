@@ -170,15 +170,7 @@ def prepare_save(
           raise  # one process: refused before any directory is made (save_sharded)
         refusal, archives = e, ()
       if primary:
-        index = _sharded.global_index(
-          args.optimizer,
-          args.state,
-          checked.shapes,
-          args.mesh,
-          args.axis,
-          checkpoint_id,
-          checked.roles,
-        )
+        index = _sharded.stamped_index(checked.index, checkpoint_id, args.state, checked.roles)
     elif primary:
       archives = tuple((i, _sharded.host_record(r)) for i, r in enumerate(args.records))
       builder = _reader.IndexBuilder(checkpoint_id, _args.source_of(args.records))

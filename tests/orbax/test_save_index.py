@@ -1,0 +1,150 @@
+"""A save of a state on a mesh makes its index once, when it is checked.
+
+``ReshardSave(state=...)`` checks the index of every rank (under a placeholder
+identity and clock) when it is made; the save then stamps it with its own
+identity and the state's clock (``sharded.stamped_index``). The index written
+must be the one of registering every rank's host record leaf by leaf, whatever
+the clock holds (weak and strong jax scalars, typed PRNG keys, numpy and Python
+scalars jax cannot hold), the storage dtypes and the index encoding.
+"""
+
+from __future__ import annotations
+
+import base64
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxreshard as jr
+from jaxreshard._src.checkpoint import deferredindex as _deferredindex
+from jaxreshard._src.checkpoint import writer as _writer
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.distributed import mesh as _mesh
+from jaxreshard._src.distributed import sharded as _sharded
+from jaxreshard._src.orbax import handler as _handler
+from tests._core_util import device_mesh, random_params, random_state
+from tests._shapes import STORAGE_SHAPES
+
+_NAN_PAYLOAD = np.frombuffer(bytes.fromhex("0100000000f8ff7f"), np.float64)[0]
+
+
+def _with_clock(leaf):
+  """An sgd with momentum whose count and learning rate are both ``leaf``."""
+  opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+  params = random_params({"w": ((10,), np.float32), "b": ((3,), np.float32)}, 1)
+  state = opt.init(params)
+  state = state._replace(count=leaf, hyperparams={**state.hyperparams, "learning_rate": leaf})
+  return opt, params, state
+
+
+def _example(kind):
+  if kind == "adam_storage":
+    opt = optax.adam(1e-3)
+    params = random_params(STORAGE_SHAPES, 3)
+    return opt, params, random_state(opt, params, 4)
+  if kind == "masked_chain":
+    opt = optax.chain(
+      optax.masked(optax.scale_by_adam(), lambda p: {k: k != "emb" for k in p}),
+      optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+    )
+    params = random_params(STORAGE_SHAPES, 5)
+    return opt, params, random_state(opt, params, 6)
+  if kind == "noisy_sgd_key":
+    opt = optax.noisy_sgd(0.1, key=jax.random.key(7))
+    params = random_params({"w": ((10,), np.float32)}, 2)
+    return opt, params, opt.init(params)
+  leaf = {
+    "weak_int": jnp.asarray(3),  # weakly typed
+    "strong_int32": jnp.asarray(7, jnp.int32),
+    "float32_negative_zero": jnp.asarray(-0.0, jnp.float32),
+    "float64_nan_payload": _NAN_PAYLOAD,  # a numpy scalar jax would cut
+    "int64_past_int32": np.int64(2**40 + 3),
+    "python_float": 0.1,
+    "python_int": 7,
+  }[kind]
+  return _with_clock(leaf)
+
+
+KINDS = [
+  "adam_storage",
+  "masked_chain",
+  "noisy_sgd_key",
+  "weak_int",
+  "strong_int32",
+  "float32_negative_zero",
+  "float64_nan_payload",
+  "int64_past_int32",
+  "python_float",
+  "python_int",
+]
+
+
+def _leaf_by_leaf(checkpoint_id, opt, state, params, mesh):
+  """The index of every rank's host record registered leaf by leaf (no ``add_ranks``)."""
+  shapes = _shapes(params)
+  views = _mesh.records_from_mesh(opt, state, shapes, mesh, "fsdp")
+  builder = _writer.IndexBuilder(checkpoint_id)
+  for r in sorted(views):
+    snap = _sharded.host_record(views[r])
+    builder.add(
+      r, jr.ShardRecord(snap.version, snap.placements, snap.state, snap.roles), pack=False
+    )
+  return builder.index()
+
+
+def _shapes(params):
+  """Param id -> its shape and dtype, as ``save_sharded`` takes them."""
+  ids, leaves, _ = _structure.param_ids(params)
+  return {pid: jax.ShapeDtypeStruct(np.shape(x), x.dtype) for pid, x in zip(ids, leaves)}
+
+
+@pytest.mark.parametrize("table", [False, True])
+@pytest.mark.parametrize("world", [3, 8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_saves_index_is_that_of_every_rank_registered_leaf_by_leaf(
+  monkeypatch, table, world, kind
+):
+  monkeypatch.setattr(_writer, "TABLE_MIN_BUFFERS", 0 if table else 1 << 30)
+  opt, params, state = _example(kind)
+  mesh = device_mesh((world,), ("fsdp",), jax.devices()[:world])
+  on_mesh = jr.shard_to_mesh(opt, params, state, mesh).state
+  args = jr.ReshardSave(state=on_mesh, optimizer=opt, params=params, mesh=mesh)
+  prepared = _handler.prepare_save(args)
+  want = _leaf_by_leaf(prepared.checkpoint_id, opt, on_mesh, params, mesh)
+  assert prepared.index == want
+  assert ("structures" in prepared.index) == table
+
+
+def test_a_save_makes_the_index_of_its_ranks_once(monkeypatch, tmp_path):
+  opt, params, state = _example("adam_storage")
+  mesh = device_mesh((8,), ("fsdp",))
+  on_mesh = jr.shard_to_mesh(opt, params, state, mesh).state
+  calls = []
+  add_ranks = _deferredindex.add_ranks
+  monkeypatch.setattr(
+    _deferredindex, "add_ranks", lambda *a: calls.append(list(a[1])) or add_ranks(*a)
+  )
+  jr.save_sharded(tmp_path / "c", opt, on_mesh, _shapes(params), mesh)
+  assert calls == [list(range(8))]
+  restored = jr.restore_sharded(tmp_path / "c", mesh).state
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(on_mesh)):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_two_saves_of_one_checked_state_each_carry_their_own_identity_and_clock(tmp_path):
+  opt, params, state = _example("weak_int")
+  mesh = device_mesh((4,), ("fsdp",), jax.devices()[:4])
+  on_mesh = jr.shard_to_mesh(opt, params, state, mesh).state
+  args = jr.ReshardSave(state=on_mesh, optimizer=opt, params=params, mesh=mesh)
+  first = _handler.prepare_save(args)
+  second = _handler.prepare_save(args)
+  assert first.checkpoint_id != second.checkpoint_id
+  assert first.index["checkpoint"] == first.checkpoint_id
+  assert second.index["checkpoint"] == second.checkpoint_id
+  # The clock is the state's, not the check's zeros: count 3, weakly typed.
+  (scalar, *_), *_ = first.index["clocks"]
+  assert scalar["weak"] is True and scalar["dtype"] == "int32"
+  assert np.frombuffer(base64.b64decode(scalar["bytes"]), np.int32)[0] == 3
