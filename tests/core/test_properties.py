@@ -198,3 +198,19 @@ def test_trailing_all_padding_ranks_in_reshard():
   # and from a layout with an all-padding rank back to one rank.
   recs4 = _all_ranks(records, 4)
   assert_trees_bit_equal(jr.unshard_state(recs4), state)
+
+
+@settings(max_examples=200, **SETTINGS)
+@given(
+  st.lists(st.integers(-(2**63), 2**63 - 1), max_size=60),
+  st.sampled_from([np.int64, np.int32, np.intp]),
+)
+def test_unique_ints_is_the_sorted_set_of_the_values(values, dtype):
+  from jaxreshard._src.core.copyplan import unique_ints
+
+  info = np.iinfo(dtype)
+  x = np.array([v for v in values if info.min <= v <= info.max], dtype)
+  got = unique_ints(x)
+  assert got.dtype == x.dtype
+  assert got.tolist() == sorted(set(x.tolist()))
+  assert unique_ints(x.reshape(-1, 1)).tolist() == got.tolist()  # any shape, flattened

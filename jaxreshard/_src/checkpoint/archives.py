@@ -24,6 +24,7 @@ from jaxreshard._src.checkpoint import zeroread as _zeroread
 from jaxreshard._src.checkpoint.index import ARCHIVE_FILE, ArchiveLayout, Index
 from jaxreshard._src.checkpoint.shardfile import INDEX_ENTRY_BYTES, META_FILE, SHARD_KEY
 from jaxreshard._src.checkpoint.shardread import ReadStats
+from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
 from jaxreshard._src.exec import fresh as _fresh
@@ -234,7 +235,7 @@ class ArchiveReader:
     file, when the caller holds it open (``open_buffer``).
     """
     pads = self._pad_table(archive, dtype)
-    touched = np.unique(np.searchsorted(pads.starts, src, side="right") - 1)
+    touched = _copyplan.unique_ints(np.searchsorted(pads.starts, src, side="right") - 1)
     touched = touched[touched >= 0]
     owned = pads.at(touched)
     pad = owned < pads.stops[touched]

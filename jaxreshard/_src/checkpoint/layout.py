@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
+from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.errors import ArchiveError
 
@@ -104,7 +105,7 @@ def columns(
   code = np.concatenate([m[1] for m in mirrors]) if n_m else np.zeros(0, np.int64)
   slots = np.concatenate([m[2] for m in mirrors]) if n_m else np.zeros(0, np.int64)
   mirror = np.repeat(np.arange(n_m, dtype=np.int64), [len(m[0]) for m in mirrors])
-  names = np.unique(name)
+  names = _copyplan.unique_ints(name)
   row = np.searchsorted(names, name)
   hist = np.full((len(names), n_m), ABSENT, np.int64)
   hist_slots = np.zeros((len(names), n_m), np.int64)

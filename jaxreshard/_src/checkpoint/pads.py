@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxreshard._src.checkpoint.index import ArchiveLayout, Index
+from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.errors import ArchiveError, PlacementError
 
@@ -86,7 +87,7 @@ class _Finder:
     width, codes, order = self._sorted
     # A mirror past every buffer's is in none of them (and would alias another code).
     ok = (mirrors >= 0) & (mirrors < width) & (names >= 0)
-    want = np.unique(names[ok] * width + mirrors[ok])
+    want = _copyplan.unique_ints(names[ok] * width + mirrors[ok])
     at = np.minimum(np.searchsorted(codes, want), max(len(codes) - 1, 0))
     hit = codes[at] == want if len(codes) else np.zeros(len(want), bool)
     return np.sort(order[at[hit]])

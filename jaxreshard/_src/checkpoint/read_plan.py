@@ -128,7 +128,7 @@ def _regular_plan(reg: _regular.Regular, rank: int, world: int) -> ReadPlan:
   def archives(row: np.ndarray, k: np.ndarray) -> np.ndarray:
     group = reg.group[row]
     out = np.empty(len(row), np.int64)
-    for g in np.unique(group).tolist():
+    for g in _copyplan.unique_ints(group).tolist():
       sel = group == g
       out[sel] = reg.by_rank_array[g][k[sel]]
     return out

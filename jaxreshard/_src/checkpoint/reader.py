@@ -102,6 +102,7 @@ from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
   write_archive,
   write_checkpoint,
 )
+from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
@@ -257,7 +258,7 @@ class Checkpoint:
     names = np.fromiter((name_of[pids[g]] for g in rows.tolist()), np.int64, len(rows))[at]
     layout = self.index.tables.a_layout[archive]
     base = np.empty(len(archive), np.int64)
-    for L in np.unique(layout).tolist():
+    for L in _copyplan.unique_ints(layout).tolist():
       sel = layout == L
       table = self.layouts[L].offset_table
       base[sel] = table[self.layouts[L].columns.rows_of(names[sel]), subtree[sel]]

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import groups as _groups
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
@@ -155,7 +156,7 @@ def histories(
     hist[rows[held]] = h
     itemsize[rows[held]] = np.where(buf, isz[np.maximum(h, 0)], 0).sum(axis=1)
     # Every param the layout holds a history for is in each of its groups.
-    for g in np.unique(group[rows]).tolist():
+    for g in _copyplan.unique_ints(group[rows]).tolist():
       if np.setdiff1d(cols.names, name[group == g]).size:
         return None
   return hist, itemsize

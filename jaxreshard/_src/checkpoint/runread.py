@@ -38,15 +38,7 @@ from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = [
-  "SPAN_BYTES",
-  "fills",
-  "read_runs",
-  "read_runs_staged",
-  "span_starts",
-  "staging",
-  "unique_ints",
-]
+__all__ = ["SPAN_BYTES", "fills", "read_runs", "read_runs_staged", "span_starts", "staging"]
 
 # Bytes read per span: small enough that a span's chunks are still in cache when
 # their crc32c is computed.
@@ -71,12 +63,6 @@ def staging(scratch: np.ndarray, nbytes: int, f: _shardread.ShardFile) -> np.nda
       f"{f.path}: reading a chunk of {f.chunk_bytes} bytes needs a buffer of {nbytes} bytes,"
       " more memory than this process can get"
     ) from None
-
-
-def unique_ints(x: np.ndarray) -> np.ndarray:
-  """``np.unique`` of integers by sorting (faster than its hash table at these sizes)."""
-  s = np.sort(x)
-  return s[np.concatenate([[True], s[1:] != s[:-1]])] if len(s) else s
 
 
 def _pieces(f: _shardread.ShardFile, src, length) -> tuple[np.ndarray, ...]:
@@ -168,7 +154,7 @@ class _Spans:
     cs = np.argsort(starts[copy], kind="stable")
     c_start, c_stop = starts[copy][cs], (starts + (hi - lo) * isz)[copy][cs]
     c_to = ((dst[run[copy]] + lo[copy] - src[run[copy]]) * isz)[cs]
-    needed = unique_ints(chunk)
+    needed = _copyplan.unique_ints(chunk)
     if len(c_start) and _gathers(int((c_stop - c_start).sum()), len(c_start), len(needed)):
       # The check ``Pieces`` makes of the iovecs it would have had: no index wraps.
       if not ((c_to >= 0) & (c_to <= self.outb.size - (c_stop - c_start))).all():
@@ -187,7 +173,7 @@ class _Spans:
       self.per_span * stride if self.gathered is not None else 0,
     )
     # Piece boundaries: chunk data starts and ends, checksum ends, copy pieces.
-    bounds = unique_ints(
+    bounds = _copyplan.unique_ints(
       np.concatenate(
         [needed * stride, needed * stride + cb, (needed + 1) * stride, c_start, c_stop]
       )
@@ -408,7 +394,7 @@ def read_runs_staged(
   per_span = max(1, len(scratch) // f.stride)
   view = _bitview.bits(out) if n_copy else None
   data, span_first, span_n = None, -1, 0
-  needed = np.unique(chunk)
+  needed = _copyplan.unique_ints(chunk)
   pos = 0
   for j in order.tolist():
     ch = int(chunk[j])

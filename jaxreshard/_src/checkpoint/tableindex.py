@@ -46,6 +46,7 @@ from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import indexjson as _indexjson
 from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint.tablelayout import Structure, TableLayout
+from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE
 from jaxreshard._src.errors import ArchiveError
 
@@ -332,7 +333,7 @@ def _layouts(
   if len(slots) != len(code):
     raise _refuse(tw, "every leaf needs a dtype and slots")
   _codes(code, len(dtypes), -1, tw, "dtype")
-  for c in np.unique(code[code >= 0]).tolist():
+  for c in _copyplan.unique_ints(code[code >= 0]).tolist():
     fmt.buffer_dtype(dtypes[c], f"{tw}, leaves")
   bad = (slots < 0) | (slots > fmt.MAX_EXTENT) | ((code < 0) & (slots != 0))
   if bad.any():

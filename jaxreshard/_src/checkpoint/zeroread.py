@@ -157,7 +157,7 @@ class _Batch:
     self.key, self.pf, self.run = key[order], pf[order], run[order]
     self.lo = (ch * chunk[pf] + within)[order]  # each piece's first element in its file
     self.n = n[order]
-    self.needed = _runread.unique_ints(self.key)
+    self.needed = _copyplan.unique_ints(self.key)
     need_file = self.needed // gap
     per_span = np.maximum(1, _runread.SPAN_BYTES // self.stride)  # chunks, per file
     self.per_span_bytes = per_span * self.stride

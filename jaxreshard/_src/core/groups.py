@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core.geometry import MAX_WORLD_SIZE, FlatShard
 from jaxreshard._src.core.placement import Migration
 
@@ -171,7 +172,7 @@ class Groups(Sequence):
       ids = np.fromiter((id(f.by_rank) for f in facts), np.int64, len(facts))
       memo = self._archives[-1] = (facts, ids)
     which = memo[1][row]
-    for t in np.unique(which).tolist():
+    for t in _copyplan.unique_ints(which).tolist():
       hit = self._archives.get(t)
       if hit is None:
         g = int(row[np.argmax(which == t)])

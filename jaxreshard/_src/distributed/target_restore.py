@@ -412,7 +412,7 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
         continue
       dst = offset + np.arange(len(starts), dtype=np.int64) * length
       rank, src, dst, lens = _split(starts, length, dst, g.source.slots)
-      for r in np.unique(rank).tolist():
+      for r in _copyplan.unique_ints(rank).tolist():
         sel = rank == r
         archive = g.by_rank[r]
         # A history buffer lives in its archive's packed buffer of its dtype.

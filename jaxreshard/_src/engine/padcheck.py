@@ -112,7 +112,7 @@ class PadPlan:
   def dtypes(self) -> list[np.dtype]:
     """The dtypes of the history buffers of the spans' rows."""
     facts = self._groups.facts
-    rows = np.unique(self.pairs[0]).tolist()
+    rows = _copyplan.unique_ints(self.pairs[0]).tolist()
     return sorted({d for g in rows for _, d in _copyplan.history_buffers(facts[g])}, key=str)
 
 
