@@ -23,6 +23,7 @@ from tests._core_util import (
   bits,
   device_mesh,
   oracle_shard,
+  replace_history,
 )
 
 
@@ -393,3 +394,21 @@ def test_a_typed_prng_key_in_the_clock_goes_onto_the_mesh(tmp_path):
   assert np.array_equal(
     np.asarray(jax.random.key_data(key)), np.asarray(jax.random.key_data(state[0].rng_key))
   )
+
+
+@pytest.mark.parametrize(
+  "change",
+  [
+    lambda b: b[:-1],  # one element short
+    lambda b: np.concatenate([b, b[:1] * 0]),  # one element more
+    lambda b: b.reshape(1, -1),  # the right size, not flat
+  ],
+)
+def test_records_to_mesh_refuses_ranks_whose_history_buffers_differ_in_shape(change):
+  mesh = device_mesh((4,), ("fsdp",), jax.devices()[:4])
+  opt = optax.adam(1e-3)
+  params = {"w": np.arange(10, dtype=np.float32), "b": np.ones(3, np.float32)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=4)
+  records[2] = replace_history(records[2], "w", 1, change)
+  with pytest.raises(jr.ShapeError, match=r"param 'w': history buffers of ranks \[0, 1, 2, 3\]"):
+    _mesh.records_to_mesh(dict(enumerate(records)), mesh, "fsdp")

@@ -18,9 +18,9 @@ __all__ = ["gather_bits", "held_as_is", "no_shard", "put_from_host", "shards_by_
 def held_as_is(pieces: Any) -> bool:
   """Whether every piece is a numpy array of a dtype jax holds as it is (no 64-bit
   value cut to 32 bits while x64 is off)."""
-  return all(
-    type(x) is np.ndarray and jax.dtypes.canonicalize_dtype(x.dtype) == x.dtype for x in pieces
-  )
+  if any(type(x) is not np.ndarray for x in pieces):
+    return False
+  return all(jax.dtypes.canonicalize_dtype(d) == d for d in {x.dtype for x in pieces})
 
 
 def put_from_host(

@@ -183,31 +183,33 @@ def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = 
           f"param {p.param!r}: the record for rank {r} holds rank {p.rank} of"
           f" world_size {p.world_size}, not rank {r} of the mesh axis's {world}"
         )
-  leaves_of = {r: jax.tree_util.tree_leaves(rec.state) for r, rec in records.items()}
+  ranks = list(records)
+  leaves_of = [jax.tree_util.tree_leaves(rec.state) for rec in records.values()]
   sharded = NamedSharding(mesh, PartitionSpec(axis))
   replicated = NamedSharding(mesh, PartitionSpec())
   rank_of = {d: r for r, ds in local.items() for d in ds}
   new_leaves = []
   for i, role in enumerate(roles):
-    per_rank = {r: leaves[i] for r, leaves in leaves_of.items()}
-    if role is None and _clock.stays_on_host(per_rank[next(iter(per_rank))]):
+    pieces = [leaves[i] for leaves in leaves_of]  # in the order of ``ranks``
+    if role is None and _clock.stays_on_host(pieces[0]):
       # A Python number, or a 64-bit value jax would cut to 32 bits while x64
       # is off: handed back as it is, as ``restore`` does.
-      new_leaves.append(per_rank[next(iter(per_rank))])
+      new_leaves.append(pieces[0])
       continue
     if role is None:
-      shape, sharding = tuple(np.shape(per_rank[next(iter(per_rank))])), replicated
+      shape, sharding = tuple(np.shape(pieces[0])), replicated
     else:
-      slots = {r: int(np.size(x)) for r, x in per_rank.items()}
-      if len(set(slots.values())) > 1 or any(np.ndim(x) != 1 for x in per_rank.values()):
+      shapes = set(map(np.shape, pieces))
+      if len(shapes) > 1 or len(next(iter(shapes))) != 1:
         raise ShapeError(
-          f"param {role!r}: history buffers of ranks {sorted(slots)} have shapes"
-          f" {[np.shape(x) for x in per_rank.values()]}, not one (slots,)"
+          f"param {role!r}: history buffers of ranks {sorted(ranks)} have shapes"
+          f" {[np.shape(x) for x in pieces]}, not one (slots,)"
         )
-      shape, sharding = (world * next(iter(slots.values())),), sharded
-    first = per_rank[next(iter(per_rank))]
+      shape, sharding = (world * int(next(iter(shapes))[0]),), sharded
+    per_rank = dict(zip(ranks, pieces))
+    first = pieces[0]
     dtype = first.dtype  # not np.dtype: typed PRNG keys have none
-    if role is not None and _leafshards.held_as_is(per_rank.values()):
+    if role is not None and _leafshards.held_as_is(pieces):
       made = _leafshards.put_from_host(per_rank, shape[0] // world, shape, sharding, dtype)
     else:
       arrays = []
