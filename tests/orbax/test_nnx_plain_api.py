@@ -178,3 +178,14 @@ def test_restore_sharded_like_refuses_a_template_of_another_tree(tmp_path):
   by_name = tx.init({"layers": {str(i): {"kernel": 0.0, "bias": 0.0} for i in range(LAYERS)}})
   with pytest.raises(jr.PlacementError, match="not the plain form of the template"):
     jr.restore_sharded(path, mesh3, like=by_name)
+
+
+def test_a_tree_without_nnx_nodes_is_its_own_plain_form_with_flax_loaded():
+  from jaxreshard._src.core import plain as _plain
+
+  tree = {"mu": {"w": np.zeros(3)}, "count": 0, "masked": optax.MaskedNode(), "n": None}
+  assert _plain.plain(tree) is tree  # the caller's containers, not copies of them
+  state = nnx.State({"w": nnx.Param(jnp.ones(2))})
+  got = _plain.plain({"opt": state, "count": 1})
+  assert type(got["opt"]) is dict and got["count"] == 1
+  assert np.array_equal(got["opt"]["w"], np.ones(2))

@@ -148,3 +148,51 @@ def test_two_saves_of_one_checked_state_each_carry_their_own_identity_and_clock(
   (scalar, *_), *_ = first.index["clocks"]
   assert scalar["weak"] is True and scalar["dtype"] == "int32"
   assert np.frombuffer(base64.b64decode(scalar["bytes"]), np.int32)[0] == 3
+
+
+def _adam_on_mesh():
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+  params = random_params({"w": ((20,), np.float32), "b": ((3,), np.float32)}, 8)
+  mesh = device_mesh((8,), ("fsdp",))
+  return opt, params, mesh, jr.shard_to_mesh(opt, params, random_state(opt, params, 9), mesh).state
+
+
+def _saved_leaves(tmp_path, args, mesh):
+  import orbax.checkpoint as ocp
+
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    manager.save(1, args=ocp.args.Composite(opt=args))
+    manager.wait_until_finished()
+  return jax.tree.leaves(jr.restore_sharded(tmp_path / "run" / "1" / "opt", mesh).state)
+
+
+def test_a_history_leaf_replaced_in_place_after_the_check_is_what_is_saved(tmp_path):
+  opt, params, mesh, state = _adam_on_mesh()
+  args = jr.ReshardSave(state=state, optimizer=opt, params=params, mesh=mesh)
+  mu = state.inner_state[0].mu
+  # 20 elements over 8 ranks of 3 slots: the global buffer is the 20 values, then zeros.
+  new = np.concatenate([np.full(20, 7.0, np.float32), np.zeros(4, np.float32)])
+  mu["w"] = jax.device_put(new, mu["w"].sharding)
+  got = _saved_leaves(tmp_path, args, mesh)
+  want = jax.tree.leaves(state)
+  assert len(got) == len(want)
+  for a, b in zip(got, want):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_a_clock_leaf_taken_out_in_place_after_the_check_is_refused_before_any_directory(tmp_path):
+  opt, params, mesh, state = _adam_on_mesh()
+  args = jr.ReshardSave(state=state, optimizer=opt, params=params, mesh=mesh)
+  del state.hyperparams["learning_rate"]
+  with pytest.raises(jr.ReshardError):
+    _handler.prepare_save(args)
+
+
+def test_a_history_leaf_of_another_shape_put_in_place_after_the_check_is_refused(tmp_path):
+  opt, params, mesh, state = _adam_on_mesh()
+  args = jr.ReshardSave(state=state, optimizer=opt, params=params, mesh=mesh)
+  state.inner_state[0].mu["w"] = jax.device_put(
+    np.zeros(32, np.float32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  )
+  with pytest.raises(jr.ShapeError, match=r"param 'w': global history buffer of shape \(32,\)"):
+    _handler.prepare_save(args)

@@ -39,6 +39,9 @@ def plain(tree: Any) -> Any:
   if nnx is None:
     return tree
   kinds = (nnx.Variable, nnx.State)
+  nodes = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kinds))
+  if not any(isinstance(x, kinds) for x in nodes):
+    return tree  # the same containers: a caller's change to one is the tree's
 
   def convert(node):
     if isinstance(node, nnx.Variable):

@@ -319,6 +319,8 @@ def stamped_index(template: dict, checkpoint_id: str, state: Any, roles: Sequenc
   if len(clocks) != 1 or any(clock != 0 for _, _, clock in archives):
     raise AssertionError("a global index has one clock, shared by every archive")
   leaves = jax.tree_util.tree_leaves(state)
+  if len(leaves) != len(roles):
+    raise AssertionError("the state is not the one whose layout the template describes")
   leaves = [_host_clock(x) if r is None else None for x, r in zip(leaves, roles)]
   return {
     **template,

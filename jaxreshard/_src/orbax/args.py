@@ -44,6 +44,22 @@ class Checked:
   # state: the index of every rank under a placeholder identity and clock
   # (``sharded.stamped_index`` gives a save's own from it)
   index: dict | None = None
+  # state: its tree structure and leaves as checked (``holds``)
+  tree: tuple[Any, tuple[Any, ...]] | None = None
+
+  def holds(self, state: Any) -> bool:
+    """Whether ``state`` is still the tree of leaves that was checked: its containers
+    are the caller's, who may put another leaf into one (or take one out) after the
+    arguments were made; what was found of it then no longer describes it."""
+    if self.tree is None:
+      return state is None
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    checked_def, checked = self.tree
+    return (
+      treedef == checked_def
+      and len(leaves) == len(checked)
+      and all(a is b for a, b in zip(leaves, checked))
+    )
 
 
 def _shapes_of(args: ReshardSave) -> Mapping[str, Any]:
@@ -93,14 +109,14 @@ def check(args: ReshardSave) -> Checked:
   )
   # The clock's device scalars as zeros of their dtype and shape (what storing
   # one depends on): checking never waits for the step that computes them.
-  leaves, treedef = jax.tree_util.tree_flatten(args.state)
+  state_leaves, treedef = jax.tree_util.tree_flatten(args.state)
   leaves = [
     np.zeros(x.shape, x.dtype)
     if role is None
     and isinstance(x, jax.Array)
     and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
     else x
-    for x, role in zip(leaves, roles)
+    for x, role in zip(state_leaves, roles)
   ]
   index = _sharded.global_index(
     args.optimizer,
@@ -111,7 +127,7 @@ def check(args: ReshardSave) -> Checked:
     "0" * 32,
     roles,
   )
-  return Checked(shapes, views, roles, index)
+  return Checked(shapes, views, roles, index, (treedef, tuple(state_leaves)))
 
 
 @dataclasses.dataclass
@@ -130,7 +146,10 @@ class ReshardSave(ocp.args.CheckpointArgs):
   doc), so a bad save raises here, before orbax creates its temporary
   directory; but a state's padding, which is data, is checked in the host
   copies ``save`` takes (``save_sharded`` takes them before any directory
-  is made). Records given as an iterator are read into a tuple. The check
+  is made). A field set afterwards, or a leaf of the state replaced, added
+  or taken out in place, is checked again (and its leaves read again) when
+  the save prepares (an NNX state is held in plain form, read when the
+  arguments are made or the field set). Records given as an iterator are read into a tuple. The check
   copies nothing and never waits for the device, but it walks the whole
   layout (for a state, every local shard of every history leaf): a training
   loop that saves now and then makes one only when ``manager.should_save(step)``.
@@ -215,13 +234,14 @@ class ReshardSave(ocp.args.CheckpointArgs):
     self.__dict__.pop("_checked", None)
 
   def _checks(self) -> Checked:
-    """What checking these arguments found: kept from their making, or found again after a change.
+    """What checking these arguments found: kept from their making, or found again after a
+    change (a field set, or a leaf of the state replaced, added or taken out in place).
 
     Raises:
       ReshardError: a save of these arguments would be refused.
     """
     found = self.__dict__.get("_checked")
-    if found is None:
+    if found is None or not found.holds(self.state):
       found = self.__dict__["_checked"] = check(self)
     return found
 
