@@ -157,7 +157,7 @@ def histories(
     itemsize[rows[held]] = np.where(buf, isz[np.maximum(h, 0)], 0).sum(axis=1)
     # Every param the layout holds a history for is in each of its groups.
     for g in _copyplan.unique_ints(group[rows]).tolist():
-      if np.setdiff1d(cols.names, name[group == g]).size:
+      if not np.isin(cols.names, name[group == g]).all():  # one the group lacks
         return None
   return hist, itemsize
 
