@@ -18,6 +18,7 @@ from jaxreshard._src.checkpoint import clockjson as _clockjson
 from jaxreshard._src.checkpoint import deferredindex as _deferredindex
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import entries as _entries
+from jaxreshard._src.checkpoint import plainindex as _plainindex
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint import tableindex as _tableindex
@@ -150,19 +151,23 @@ class IndexBuilder:
     self._layout_digests: list[str] = []
     self.describes: dict[int, dict[str, str]] = {}  # archive -> what archive.json records
     self._deferred = _deferredindex.DeferredLayouts()
+    self._plain = _plainindex.PlainLayouts()
 
   def add(self, index: int, record: Any, *, pack: bool = True) -> dict[np.dtype, np.ndarray]:
     """Registers archive ``index``; returns its packed buffers (per dtype).
 
     With ``pack=False`` the record's buffers may be shapes alone
-    (``jax.ShapeDtypeStruct``): only the index entry is made. A deferred
-    record of a layout registered before is taken from its packed buffers
-    (``deferredindex``): the same entry and bytes, no per-param work.
+    (``jax.ShapeDtypeStruct``): only the index entry is made. A deferred or
+    plain record of a layout registered before is taken from that one
+    (``deferredindex``, ``plainindex``): the same entry and bytes.
     """
     buffers = self._deferred.add(self, index, record, pack)
+    if buffers is None and pack:
+      buffers = self._plain.add(self, index, record, _packed)
     if buffers is None:
       buffers = self._add_record(index, record, pack)
       self._deferred.learn(self, index, record, buffers, pack)
+      self._plain.learn(self, index, record, pack)
     return buffers
 
   def add_ranks(self, ranks: Sequence[int], record_of: Callable[[int], Any]) -> None:
@@ -198,18 +203,14 @@ class IndexBuilder:
     if layout is None:
       layout = self._layout(index, record, roles, state_parts)
       self._layout_of_signature[signature] = layout
-    scalars = clock_scalars(index, leaves, roles)
-    clock_key = json.dumps(scalars, separators=(",", ":"), sort_keys=True)
-    clock = self._clocks.setdefault(clock_key, len(self._clocks))
-    if clock == len(self.clocks):
-      self.clocks.append(scalars)
+    clock, clock_digest = self.register_clock(index, leaves, roles)
     while len(self.archives) <= index:
       self.archives.append(None)
     self.archives[index] = [f"archive_{index:05d}", layout, clock]
     placements_digest = self.entries.add(index, placements.values())
     self.describes[index] = {
       "layout": self._layout_digests[layout],
-      "clock": hashlib.sha256(clock_key.encode("ascii")).hexdigest(),
+      "clock": clock_digest,
       "placements": placements_digest,
     }
     if not pack:
@@ -220,6 +221,15 @@ class IndexBuilder:
     ):
       parts.setdefault(np.dtype(buf.dtype), []).append(np.asarray(buf).reshape(-1))
     return {d: _packed(p, d) for d, p in parts.items()}
+
+  def register_clock(self, index: int, leaves: Sequence[Any], roles: Sequence[Any]) -> tuple:
+    """Archive ``index``'s clock: its number, and the digest ``archive.json`` records."""
+    scalars = clock_scalars(index, leaves, roles)
+    key = json.dumps(scalars, separators=(",", ":"), sort_keys=True)
+    clock = self._clocks.setdefault(key, len(self._clocks))
+    if clock == len(self.clocks):
+      self.clocks.append(scalars)
+    return clock, hashlib.sha256(key.encode("ascii")).hexdigest()
 
   def _check_source(
     self, index: int, placements: dict[str, ParamPlacement], state_parts: _structure.StateParts
