@@ -42,6 +42,13 @@ def _masked_records(world):
   return jr.shard_state(opt, params, random_state(opt, params, 4), world)
 
 
+def _records_of(kind: str, world: int) -> list:
+  """Plain records of ``world`` ranks of one of the three layouts the tests cover."""
+  if kind == "masked":
+    return _plain(_masked_records(world))
+  return _plain(adam_records(world, STORAGE_SHAPES if kind == "storage" else TRAILING))
+
+
 def _both_ways(monkeypatch, records) -> tuple[list, Any, Any]:
   """The archives ``add_ranks`` registered leaf by leaf, and the builders of ``records``
   registered by ``add_ranks`` and each leaf by leaf."""
@@ -61,10 +68,7 @@ def _both_ways(monkeypatch, records) -> tuple[list, Any, Any]:
 @pytest.mark.parametrize("kind", ["storage", "trailing", "masked"])
 def test_add_ranks_makes_the_entries_of_every_rank_leaf_by_leaf(monkeypatch, table, world, kind):
   monkeypatch.setattr(_writer, "TABLE_MIN_BUFFERS", 0 if table else 1 << 30)
-  if kind == "masked":
-    records = _plain(_masked_records(world))
-  else:
-    records = _plain(adam_records(world, STORAGE_SHAPES if kind == "storage" else TRAILING))
+  records = _records_of(kind, world)
   leaf_by_leaf, fast, slow = _both_ways(monkeypatch, records)
   assert leaf_by_leaf == [0]
   assert fast.index() == slow.index()
@@ -131,10 +135,7 @@ def test_plain_records_of_one_layout_give_the_entries_and_bytes_of_leaf_by_leaf(
   monkeypatch, table, world, kind
 ):
   monkeypatch.setattr(_writer, "TABLE_MIN_BUFFERS", 0 if table else 1 << 30)
-  if kind == "masked":
-    records = _plain(_masked_records(world))
-  else:
-    records = _plain(adam_records(world, STORAGE_SHAPES if kind == "storage" else TRAILING))
+  records = _records_of(kind, world)
   taken, fast, slow = _packed_both_ways(monkeypatch, records)
   assert taken == list(range(1, world))
   assert fast.index() == slow.index()
