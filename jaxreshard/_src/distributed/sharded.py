@@ -307,9 +307,12 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str, roles
   return builder.index()
 
 
-def stamped_index(template: dict, checkpoint_id: str, state: Any, roles: Sequence[Any]) -> dict:
-  """``global_index`` of ``state`` made from ``template``: the ``global_index`` of a state
-  of the same layout (tree, roles, params, mesh axis) under another identity and clock.
+def stamped_index(
+  template: dict, checkpoint_id: str, leaves: Sequence[Any], roles: Sequence[Any]
+) -> dict:
+  """``global_index`` of the state whose flattened leaves are ``leaves``, made from
+  ``template``: the ``global_index`` of a state of the same layout (tree, roles, params,
+  mesh axis) under another identity and clock.
 
   Every archive of a global index shares its one clock entry, and nothing else in the
   index depends on the checkpoint's identity or the clock's values, so the two
@@ -318,7 +321,6 @@ def stamped_index(template: dict, checkpoint_id: str, state: Any, roles: Sequenc
   clocks, archives = template["clocks"], template["archives"]
   if len(clocks) != 1 or any(clock != 0 for _, _, clock in archives):
     raise AssertionError("a global index has one clock, shared by every archive")
-  leaves = jax.tree_util.tree_leaves(state)
   if len(leaves) != len(roles):
     raise AssertionError("the state is not the one whose layout the template describes")
   leaves = [_host_clock(x) if r is None else None for x, r in zip(leaves, roles)]

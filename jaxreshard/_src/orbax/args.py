@@ -150,7 +150,8 @@ class ReshardSave(ocp.args.CheckpointArgs):
   or taken out in place, is checked again (and its leaves read again) when
   the save prepares: a refusal then comes, like the padding's, once a
   ``CheckpointManager`` has made the step's temporary directory (an NNX state
-  is held in plain form, read when the arguments are made or the field set). Records given as an iterator are read into a tuple. The check
+  is held in plain form, read when the arguments are made or the field set).
+  Records given as an iterator are read into a tuple. The check
   copies nothing and never waits for the device, but it walks the whole
   layout (for a state, every local shard of every history leaf): a training
   loop that saves now and then makes one only when ``manager.should_save(step)``.

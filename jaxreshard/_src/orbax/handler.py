@@ -170,7 +170,8 @@ def prepare_save(
           raise  # one process: refused before any directory is made (save_sharded)
         refusal, archives = e, ()
       if primary:
-        index = _sharded.stamped_index(checked.index, checkpoint_id, args.state, checked.roles)
+        # ``checked.tree`` holds the state's leaves now (``_checks`` made sure of it).
+        index = _sharded.stamped_index(checked.index, checkpoint_id, checked.tree[1], checked.roles)
     elif primary:
       archives = tuple((i, _sharded.host_record(r)) for i, r in enumerate(args.records))
       builder = _reader.IndexBuilder(checkpoint_id, _args.source_of(args.records))
