@@ -464,3 +464,35 @@ def test_padding_of_a_buffer_put_in_a_record_s_state_is_read_not_the_old_one():
     )
     is None
   )
+
+
+@pytest.mark.parametrize("m", [3, 11])
+def test_padding_gathered_in_chunks_by_two_threads_is_refused_as_by_one(monkeypatch, m):
+  """The padding check's gathers split between the copy threads and read two
+  elements per numpy call: every padding slot is still refused, with its own
+  words, by exactly the target ranks that read it, and by every rank at once."""
+  from jaxreshard._src.exec import host as _host
+
+  monkeypatch.setattr(_host, "_PARALLEL_BYTES", 1)
+  monkeypatch.setattr(_host, "_GATHER_CHUNK", 2)
+  halves = []
+  gather = _host._any_nonzero
+  monkeypatch.setattr(_host, "_any_nonzero", lambda *a: halves.append(a[2]) or gather(*a))
+  records = _records()
+  for n, r, i in _padding_positions():
+    pid = f"p{n:02d}"
+    _poke(records, pid, r, 0, i, 1)  # the smallest subnormal
+    want = _readers(n, r, W, m)
+    for t in range(m):
+      got = _refused(lambda: jr.reshard(records, jr.plan(records, world_size=m, rank=t)))
+      assert (got is not None) == (t in want), (n, r, i, t, got)
+      if got is not None:
+        assert got.startswith(_message(pid, r, 0, i)), got
+    every = _refused(
+      lambda: jr.reshard_ranks(records, [jr.plan(records, world_size=m, rank=t) for t in range(m)])
+    )
+    assert every is not None and every.startswith(_message(pid, r, 0, i)), every
+    _poke(records, pid, r, 0, i, 0)
+  assert any(start > 0 for start in halves)  # the second thread's half was read
+  out = jr.reshard_ranks(records, [jr.plan(records, world_size=m, rank=t) for t in range(m)])
+  assert len(out) == m

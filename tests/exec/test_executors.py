@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxreshard as jr
 from jaxreshard._src.core import copyplan as _copyplan
@@ -236,3 +238,60 @@ def test_the_device_executor_packs_each_archive_once_per_call(monkeypatch):
   for pid, mirror, leaf in src.packing(2):
     at = offsets[(pid, mirror)]
     assert_bits_equal(np.asarray(buf)[at : at + np.size(leaf)], np.ravel(np.asarray(leaf)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+  n=st.integers(0, 300),
+  size=st.integers(1, 64),
+  hits=st.lists(st.integers(0, 299), max_size=3),
+  chunk=st.integers(1, 7),
+  threads=st.sampled_from([1, 2]),
+  seed=st.integers(0, 2**16),
+)
+def test_any_nonzero_answers_as_one_gather_would(n, size, hits, chunk, threads, seed):
+  """``any_nonzero`` against the plain rule (any element at an index is nonzero),
+  whatever the chunk, with and without the second thread, -0.0 counted as set."""
+  from jaxreshard._src.exec import host as _host
+
+  rng = np.random.default_rng(seed)
+  flat = np.zeros(size, np.uint32)
+  index = rng.integers(0, size, n)
+  for h in hits:
+    if h < size:
+      flat[h] = np.float32(-0.0).view(np.uint32)
+  want = any(flat[i] != 0 for i in index.tolist())
+  saved = (_host._GATHER_CHUNK, _host._PARALLEL_BYTES, _host.THREADS)
+  try:
+    _host._GATHER_CHUNK, _host._PARALLEL_BYTES, _host.THREADS = chunk, 1, threads
+    assert _host.any_nonzero(flat, index) is want
+  finally:
+    _host._GATHER_CHUNK, _host._PARALLEL_BYTES, _host.THREADS = saved
+
+
+def test_any_nonzero_refuses_an_index_out_of_range():
+  from jaxreshard._src.exec import host as _host
+
+  with pytest.raises(IndexError):
+    _host.any_nonzero(np.zeros(4, np.uint8), np.array([0, 4]))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7])
+def test_any_nonzero_sees_a_set_element_at_every_position_of_the_index(chunk, threads):
+  """One nonzero element read at position ``p`` of the index, for every ``p``: first
+  chunk, last chunk, either thread's half."""
+  from jaxreshard._src.exec import host as _host
+
+  flat = np.zeros(40, np.uint16)
+  index = np.random.default_rng(0).permutation(40)[:23]
+  saved = (_host._GATHER_CHUNK, _host._PARALLEL_BYTES, _host.THREADS)
+  try:
+    _host._GATHER_CHUNK, _host._PARALLEL_BYTES, _host.THREADS = chunk, 1, threads
+    assert _host.any_nonzero(flat, index) is False
+    for p in index.tolist():
+      flat[p] = 0x8000  # -0.0 in f16 and bf16
+      assert _host.any_nonzero(flat, index) is True, p
+      flat[p] = 0
+  finally:
+    _host._GATHER_CHUNK, _host._PARALLEL_BYTES, _host.THREADS = saved

@@ -183,7 +183,7 @@ def _check_plan(src, groups, plan: PadPlan, executor: str, ranks, rows, packs) -
   else:
     clean = _by_stack(src, groups, plan, ranks, rows)  # archives in host memory only
     if clean is None and (gathers := plan.gathers()) is not None:
-      clean = not any(np.take(flat, index).any() for flat, index in gathers)
+      clean = not any(_host_exec.any_nonzero(flat, index) for flat, index in gathers)
     if clean is None and executor == "auto" and plan.on_accelerator():
       clean = _on_device(src, plan, packs)
   if clean:
@@ -275,7 +275,7 @@ def _by_stack(src, groups: _groups.Groups, plan: PadPlan, ranks, rows) -> bool |
       gathers = family.recent(
         ("pad rows", ranks, dtype, id(stack)), lambda s=stack: _row_gathers(groups, plan.pairs, s)
       )
-      if any(np.take(row, index).any() for row, index in gathers):
+      if any(_host_exec.any_nonzero(row, index) for row, index in gathers):
         return False
       continue
     array = stack.array()
@@ -288,7 +288,7 @@ def _by_stack(src, groups: _groups.Groups, plan: PadPlan, ranks, rows) -> bool |
       ("pad index", ranks, dtype, id(stack), step),
       lambda s=stack, k=step: _stack_index(groups, plan.pairs, s, k),
     )
-    if np.take(flat, index).any():
+    if _host_exec.any_nonzero(flat, index):
       return False
   return True
 

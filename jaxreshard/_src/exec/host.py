@@ -25,7 +25,16 @@ from jaxreshard._src.core.copyplan import Blocks, Runs
 from jaxreshard._src.exec import bitview as _bitview
 from jaxreshard._src.exec import tiles as _tiles
 
-__all__ = ["Program", "bits", "copy_blocks", "execute", "host_bits", "host_view", "run"]
+__all__ = [
+  "Program",
+  "any_nonzero",
+  "bits",
+  "copy_blocks",
+  "execute",
+  "host_bits",
+  "host_view",
+  "run",
+]
 
 THREADS = 2
 # Below this many bytes a second thread costs more than it saves.
@@ -52,6 +61,36 @@ def host_bits(x: Any) -> np.ndarray:
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
   return _workers.pool("copy", THREADS - 1)
+
+
+# Elements ``any_nonzero`` gathers per numpy call: the values stay in cache
+# between the gather and the test, and nothing as large as the index is made.
+_GATHER_CHUNK = 1 << 16
+
+
+def any_nonzero(flat: np.ndarray, index: np.ndarray) -> bool:
+  """``np.take(flat, index).any()``, a chunk at a time; a large index is split
+  between ``THREADS`` workers (numpy releases the GIL while it gathers).
+
+  An index out of ``flat``'s range raises numpy's ``IndexError``, as ``np.take``.
+  """
+  n = len(index)
+  if THREADS < 2 or n * flat.itemsize < 2 * _PARALLEL_BYTES:
+    return _any_nonzero(flat, index, 0, n)
+  half = n // 2
+  other = _pool().submit(_any_nonzero, flat, index, half, n)
+  try:
+    mine = _any_nonzero(flat, index, 0, half)
+  finally:
+    theirs = other.result()
+  return mine or theirs
+
+
+def _any_nonzero(flat: np.ndarray, index: np.ndarray, a: int, b: int) -> bool:
+  for at in range(a, b, _GATHER_CHUNK):
+    if np.take(flat, index[at : min(at + _GATHER_CHUNK, b)]).any():
+      return True
+  return False
 
 
 class Program:
