@@ -154,3 +154,52 @@ def test_a_clock_in_a_hand_built_record_s_dict_state_is_guarded_and_tuples_are_n
   parts = sources.record_sources(hyper).parts_by_archive
   guarded = len(clockguard.ClockGuard(hyper, parts))
   assert guarded == 2 * len(hyper[0].state.hyperparams) > 0
+
+
+def _read_only_clock_records(world, counts):
+  """Adam records whose step counts are read-only 0-d views of ``counts``' elements."""
+  out = []
+  for i, r in enumerate(_numpy_clock_records(world)):
+    count = counts[i : i + 1].reshape(())
+    count.flags.writeable = False
+    out.append(
+      jr.ShardRecord(
+        r.version, r.placements, (r.state[0]._replace(count=count), *r.state[1:]), r.roles
+      )
+    )
+  return out
+
+
+@pytest.mark.parametrize("how", ["reshard", "reshard_ranks", "unshard_state"])
+def test_a_read_only_clock_written_through_its_base_is_seen(how):
+  """A count that was read-only when the records were first taken apart, written
+  through the array it views: the next call builds the new count, and archives
+  whose counts now differ are refused, as a new list of the records is."""
+  counts = np.zeros(2, np.int32)
+  src = _read_only_clock_records(2, counts)
+
+  def run():
+    if how == "unshard_state":
+      return jr.unshard_state(src)
+    if how == "reshard_ranks":
+      return jr.reshard_ranks(src, [jr.plan(src, world_size=3, rank=r) for r in range(3)])[1].state
+    return jr.reshard(src, jr.plan(src, world_size=3, rank=1)).state
+
+  assert int(run()[0].count) == 0
+  counts[:] = 42
+  assert int(run()[0].count) == 42
+  counts[1] = 9
+  with pytest.raises(jr.PlacementError, match="count"):
+    run()
+
+
+def test_a_read_only_clock_made_writable_and_written_is_seen():
+  counts = np.zeros(2, np.int32)
+  src = _read_only_clock_records(2, counts)
+  plan = jr.plan(src, world_size=3, rank=0)
+  assert int(jr.reshard(src, plan).state[0].count) == 0
+  count = src[1].state[0].count
+  count.flags.writeable = True
+  count[...] = 9
+  with pytest.raises(jr.PlacementError, match="count"):
+    jr.reshard(src, plan)

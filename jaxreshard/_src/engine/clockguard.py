@@ -9,8 +9,9 @@ list, an object with settable attributes) and the object it held; ``holds()``
 compares them by identity, a few C-level lookups per hyperparameter. Steps
 through tuples (NamedTuple states) and frozen dataclasses cannot change and cost
 nothing, so an Adam or SGD state's ``count`` is never looked at again. A clock
-scalar that is a writable numpy array (numpy lets a caller write a 0-d array in
-place) is compared by its bytes too.
+scalar that is a numpy array is compared by its bytes too, read-only or not:
+numpy lets a caller write a 0-d array in place, and one that is read-only now
+can be written through its base or another view, or made writable again.
 
 History buffers are not guarded (a look-up per leaf per call); a write into one is
 seen anyway, since every call reads the buffers' current bytes.
@@ -64,12 +65,12 @@ def _step(node: Any, entry: Any) -> tuple[str, Any, Any]:
 
 class ClockGuard:
   """The mutable steps to every clock scalar of some records, what they held, and the
-  bytes of the clock scalars that can be written in place."""
+  bytes of the clock scalars that are numpy arrays."""
 
   def __init__(self, records: Sequence[Any], parts: Sequence[_structure.StateParts]):
     items: dict[tuple[int, Any], tuple[Any, Any, Any]] = {}
     attrs: dict[tuple[int, str], tuple[Any, str, Any]] = {}
-    values: dict[int, tuple[np.ndarray, Any, tuple, bytes]] = {}  # writable numpy scalars
+    values: dict[int, tuple[np.ndarray, Any, tuple, bytes]] = {}  # numpy scalars
     paths_of: dict[Any, list[tuple[Any, ...]]] = {}  # by skeleton: archives share them
     for record, p in zip(records, parts):
       paths = paths_of.get(p.skeleton)
@@ -87,7 +88,7 @@ class ClockGuard:
             (items if how == "item" else attrs)[(id(node), key)] = (node, key, child)
           node = child
         else:  # ``node`` is the record's own scalar
-          if isinstance(node, np.ndarray) and node.flags.writeable:
+          if isinstance(node, np.ndarray):
             values[id(node)] = (node, node.dtype, node.shape, node.tobytes())
     self._items = tuple(items.values())
     self._attrs = tuple(attrs.values())
@@ -98,7 +99,7 @@ class ClockGuard:
 
   def holds(self) -> bool:
     """Whether every guarded container still holds the object it held, and every
-    writable numpy scalar its bytes."""
+    numpy scalar its bytes."""
     try:
       return (
         all(node[key] is child for node, key, child in self._items)
