@@ -92,6 +92,15 @@ def _lr_bits(state):
   return np.asarray(state.hyperparams["learning_rate"]).view(np.uint32).item()
 
 
+def _state_by(how, src):
+  """Target rank 1 of 3 of ``src`` by ``how``, or the whole state by ``unshard_state``."""
+  if how == "unshard_state":
+    return jr.unshard_state(src)
+  if how == "reshard_ranks":
+    return jr.reshard_ranks(src, [jr.plan(src, world_size=3, rank=r) for r in range(3)])[1].state
+  return jr.reshard(src, jr.plan(src, world_size=3, rank=1)).state
+
+
 @pytest.mark.parametrize("how", ["reshard", "reshard_ranks", "unshard_state"])
 def test_a_clock_scalar_replaced_in_a_remembered_record_s_dict_is_seen(how):
   """optax's idiom ``state.hyperparams["learning_rate"] = x`` on source records
@@ -99,12 +108,7 @@ def test_a_clock_scalar_replaced_in_a_remembered_record_s_dict_is_seen(how):
   the new value (bits of 0.25 are 0x3E800000), never the one seen before."""
   src = _hyper_records(2)
 
-  def run():
-    if how == "unshard_state":
-      return jr.unshard_state(src)
-    if how == "reshard_ranks":
-      return jr.reshard_ranks(src, [jr.plan(src, world_size=3, rank=r) for r in range(3)])[1].state
-    return jr.reshard(src, jr.plan(src, world_size=3, rank=1)).state
+  run = lambda: _state_by(how, src)
 
   assert _lr_bits(run()) == np.float32(1e-3).view(np.uint32)
   for r in src:
@@ -178,12 +182,7 @@ def test_a_read_only_clock_written_through_its_base_is_seen(how):
   counts = np.zeros(2, np.int32)
   src = _read_only_clock_records(2, counts)
 
-  def run():
-    if how == "unshard_state":
-      return jr.unshard_state(src)
-    if how == "reshard_ranks":
-      return jr.reshard_ranks(src, [jr.plan(src, world_size=3, rank=r) for r in range(3)])[1].state
-    return jr.reshard(src, jr.plan(src, world_size=3, rank=1)).state
+  run = lambda: _state_by(how, src)
 
   assert int(run()[0].count) == 0
   counts[:] = 42
