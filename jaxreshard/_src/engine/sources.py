@@ -13,6 +13,9 @@ records were when first looked at: their structure, placements and clock
 scalars (numpy ones copied then). Only the values of history buffers are read
 as they are at each call: host views of them, never copies, are kept (a
 strided numpy buffer, whose host view is a copy, is copied again per call).
+Those views are of the memory each buffer viewed when first looked at, as it
+viewed it: a shape, dtype or strides set in place later on a numpy buffer, or a
+jax buffer deleted, may not be seen (looking would cost a check per leaf per call).
 """
 
 from __future__ import annotations
