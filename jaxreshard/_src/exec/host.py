@@ -63,6 +63,18 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
   return _workers.pool("copy", THREADS - 1)
 
 
+def _in_two(fn: Any, here: tuple, there: tuple) -> tuple[Any, Any]:
+  """``fn(*here)`` on this thread and ``fn(*there)`` on the pool's at once; both
+  results. The pool's half is waited for even when this one raises, so nothing
+  is left writing into an output the caller drops."""
+  other = _pool().submit(fn, *there)
+  try:
+    mine = fn(*here)
+  finally:
+    theirs = other.result()
+  return mine, theirs
+
+
 # Elements ``any_nonzero`` gathers per numpy call: the values stay in cache
 # between the gather and the test, and nothing as large as the index is made.
 _GATHER_CHUNK = 1 << 16
@@ -78,12 +90,7 @@ def any_nonzero(flat: np.ndarray, index: np.ndarray) -> bool:
   if THREADS < 2 or n * flat.itemsize < 2 * _PARALLEL_BYTES:
     return _any_nonzero(flat, index, 0, n)
   half = n // 2
-  other = _pool().submit(_any_nonzero, flat, index, half, n)
-  try:
-    mine = _any_nonzero(flat, index, 0, half)
-  finally:
-    theirs = other.result()
-  return mine or theirs
+  return any(_in_two(_any_nonzero, (flat, index, 0, half), (flat, index, half, n)))
 
 
 def _any_nonzero(flat: np.ndarray, index: np.ndarray, a: int, b: int) -> bool:
@@ -176,15 +183,11 @@ def run(program: Program, size: int, dtype: np.dtype) -> np.ndarray:
     return out
   if n == 1:  # one long run: its two halves in two threads
     half = int(program.length[0]) // 2
-    other = _pool().submit(_copy_part, view, program, half, None)
-    _copy_part(view, program, 0, half)
-    other.result()
+    _in_two(_copy_part, (view, program, 0, half), (view, program, half, None))
     return out
   cut = int(np.searchsorted(np.cumsum(program.length), program.elements // 2)) + 1
   cut = min(max(cut, 1), n - 1)
-  other = _pool().submit(program.copy, view, cut, n)
-  program.copy(view, 0, cut)
-  other.result()
+  _in_two(program.copy, (view, 0, cut), (view, cut, n))
   return out
 
 
@@ -226,9 +229,7 @@ def copy_blocks(
     return
   cut = int(np.searchsorted(np.cumsum(moved), total // 2)) + 1
   cut = min(max(cut, 1), n - 1)
-  other = _pool().submit(_copy_blocks, src, out, table, tables, cut, n)
-  _copy_blocks(src, out, table, tables, 0, cut)
-  other.result()
+  _in_two(_copy_blocks, (src, out, table, tables, 0, cut), (src, out, table, tables, cut, n))
 
 
 # Elements of a buffer moved per step through the scratch: small enough that the
