@@ -271,3 +271,49 @@ def test_a_file_read_on_its_own_gets_the_callers_scratch_not_one_grown_before(tm
   crcs = _chunk1_corrupted(tmp_path, "b", 4)
   files = [("a", 64, 64, first, [0], [64]), ("b", 4, 1, crcs, [0, 0], [3, 3])]
   assert _both(tmp_path, files) == ["file 1: range 0 position 0 is not zero bits"] * 2
+
+
+def _zeros_with(tmp_path, name, stored=(), data=()):
+  """64 zero float32 elements in chunks of 8 (a stride of 36 bytes), with the
+  checksum stored after each chunk of ``stored`` and the first byte of each chunk
+  of ``data`` changed on disk; the recorded checksums are those written."""
+  crcs = shardfile.write_array(str(tmp_path), name, np.zeros(64, np.float32), 8)
+  path = os.path.join(tmp_path, name, "c", "0")
+  for ch in stored:
+    _corrupt(path, ch * 36 + 32)
+  for ch in data:
+    _corrupt(path, ch * 36)
+  return crcs
+
+
+@pytest.mark.parametrize("first_clean", [True, False])
+def test_a_stored_checksum_that_is_not_the_recorded_one_is_refused(tmp_path, first_clean):
+  """A chunk whose bytes match the recorded crc32c but whose checksum stored in the
+  file does not is refused, naming that chunk, by the files read together as by one
+  read per file; nonzero padding in a file read before it is named first."""
+  a = np.zeros(64, np.float32)
+  if not first_clean:
+    a[5] = -0.0  # a sign bit: not zero bits
+  first = shardfile.write_array(str(tmp_path), "a", a, 8)
+  crcs = _zeros_with(tmp_path, "b", stored=[2])
+  files = [("a", 64, 8, first, [0], [8]), ("b", 64, 8, crcs, [16, 40], [4, 4])]
+  got = _both(tmp_path, files)
+  assert got[0] == got[1]
+  if first_clean:
+    assert got[0].startswith(f"{os.path.join(tmp_path, 'b')}/c/0: chunk 2 fails its crc32c check")
+  else:
+    assert got[0] == "file 0: range 0 position 5 is not zero bits"
+
+
+def test_in_one_span_every_chunks_bytes_are_checked_before_the_stored_checksums(tmp_path):
+  """Chunk 1's stored checksum and chunk 3's bytes both changed, one range over
+  chunks 1-3 (one span): the bytes of every chunk of a span are checked before the
+  checksums stored in the file, so both ways of reading name chunk 3. Apart (two
+  ranges, chunks 1 and 3 in spans of their own) chunk 1's span comes first."""
+  crcs = _zeros_with(tmp_path, "b", stored=[1], data=[3])
+  one_span = _both(tmp_path, [("b", 64, 8, crcs, [8], [24])])
+  assert one_span[0] == one_span[1]
+  assert "chunk 3 fails its crc32c check" in one_span[0]
+  apart = _both(tmp_path, [("b", 64, 8, crcs, [8, 24], [2, 2])])
+  assert apart[0] == apart[1]
+  assert "chunk 1 fails its crc32c check" in apart[0]
