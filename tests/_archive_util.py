@@ -171,3 +171,25 @@ def spy_leaf_by_leaf(monkeypatch) -> list:
     writer.IndexBuilder, "_add_record", lambda self, *a: calls.append(a[0]) or add(self, *a)
   )
   return calls
+
+
+@contextlib.contextmanager
+def zero_file_reading_a_directory(directory):
+  """An open shard file ``b`` of 64 zero float32 elements in chunks of 8, written in
+  ``directory``, whose descriptor then reads ``directory`` itself: every read of it
+  fails with EISDIR, as a read that fails in the kernel does. Closed on leaving."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from jaxreshard._src.checkpoint import shardfile, shardread  # pylint: disable=g-import-not-at-top
+
+  crcs = shardfile.write_array(str(directory), "b", np.zeros(64, np.float32), 8)
+  root = shardread.Dir.root(str(directory))
+  f = shardread.ShardFile(root, "b", 64, np.float32, 8, crcs)
+  d = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+  os.dup2(d, f.fd)
+  os.close(d)
+  try:
+    yield f
+  finally:
+    f.close()
+    root.close()

@@ -181,6 +181,96 @@ def test_a_re_signed_rank_swap_is_refused_on_every_read_path(tmp_path):
     assert "disagree on which params it holds at which rank" in msg, (name, msg)
 
 
+def test_a_re_signed_index_listing_archives_out_of_name_order_is_refused(tmp_path):
+  # Archives 0 and 1 swapped in the list, re-signed: position 0 would name
+  # archive_00001's directory. The list follows the names' order, so a reordered
+  # list cannot relabel whose data is whose; every reader refuses it in those words.
+  path = tmp_path / "c"
+  _save(path, 2)
+
+  def swap(d):
+    listed = d["archives"]
+    assert [a[0] for a in listed] == ["archive_00000", "archive_00001"]
+    listed[0], listed[1] = listed[1], listed[0]
+
+  _edit_signed(_index(path), swap)
+  for name, read in _readers(path).items():
+    msg = _message(read)
+    assert "archive_00000 is listed after archive_00001" in msg, (name, msg)
+    assert "archives are listed in the order of their names" in msg, (name, msg)
+
+
+def test_a_re_signed_index_of_another_format_is_refused(tmp_path):
+  # A signed file is parsed after its checksum, so the format it names is checked
+  # there too: an index re-signed as another format is not read as this one.
+  path = tmp_path / "c"
+  _save(path, 2)
+  _edit_signed(_index(path), lambda d: d.update(format="zarr-checkpoint"))
+  for name, read in _readers(path).items():
+    msg = _message(read)
+    assert msg.endswith("jaxreshard.json does not describe a jaxreshard-checkpoint"), (name, msg)
+
+
+@pytest.mark.parametrize(
+  "edit, words",
+  [
+    (lambda d: d["layouts"][0].update(extra=[]), "layout 0: expected tree and leaves"),
+    (lambda d: d["layouts"][0]["leaves"].__setitem__(1, ["w", "float32"]), "leaf 1: invalid leaf"),
+    (lambda d: d["groups"][0].update(extra=[]), "group 0: expected world_size, params and ranks"),
+    (lambda d: d["groups"][0]["ranks"][1].append(1), "group 0: expected [archive, rank] pairs"),
+    (
+      lambda d: d["groups"][0]["ranks"].reverse(),
+      "group 0: [archive, rank] pairs must list archives in increasing order; archive 0"
+      " follows archive 1",
+    ),
+  ],
+  ids=["layout-key", "leaf-fields", "group-key", "rank-triple", "ranks-reversed"],
+)
+def test_a_re_signed_malformed_layout_or_group_is_refused(tmp_path, edit, words):
+  # The index's layouts and groups, edited and re-signed: an unknown key, a leaf of
+  # two fields, a rank pair of three or pairs out of archive order is refused as a
+  # malformed index, never skipped.
+  path = tmp_path / "c"
+  _save(path, 2)
+  _edit_signed(_index(path), edit)
+  for name, read in _readers(path).items():
+    msg = _message(read, jr.ArchiveError)
+    assert words in msg, (name, msg)
+
+
+def test_a_re_signed_archive_json_without_a_full_describes_entry_is_refused(tmp_path):
+  # archive.json's record of the index entry it was written for, one digest dropped
+  # and re-signed: the archive is refused by every read of it.
+  path = tmp_path / "c"
+  _save(path, 2)
+  _edit_signed(_archive_json(path, 1), lambda d: d["describes"].pop("clock"))
+  for name, read in _readers(path).items():
+    if name == "open_checkpoint":  # reads the index alone
+      read()
+      continue
+    msg = _message(read, jr.ArchiveError)
+    assert msg.endswith("archive.json has no valid 'describes' entry"), (name, msg)
+
+
+def test_a_re_signed_index_putting_an_archive_in_two_groups_of_one_param_is_refused(tmp_path):
+  # A second group (world size 1, archive 0 as its rank 0) listing the same params,
+  # re-signed: archive 0 would hold each of them twice; every read of it refuses.
+  path = tmp_path / "c"
+  _save(path, 2)
+
+  def second_group(d):
+    (group,) = d["groups"]
+    d["groups"].append({"world_size": 1, "params": list(group["params"]), "ranks": [[0, 0]]})
+
+  _edit_signed(_index(path), second_group)
+  for name, read in _readers(path).items():
+    if name == "open_checkpoint":  # reads the index alone
+      read()
+      continue
+    msg = _message(read, jr.PlacementError)
+    assert msg == "param 'w': archive 0 lists it twice", (name, msg)
+
+
 def test_a_one_character_shape_edit_is_refused_by_the_checksum(tmp_path):
   path = tmp_path / "c"
   _save(path, 4)
@@ -218,18 +308,39 @@ def test_every_flipped_bit_of_the_metadata_is_refused(tmp_path, which):
         jr.load_records(path)
 
 
-def test_a_version_2_checkpoint_is_refused_for_having_no_checksum(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_checkpoint_of_an_unsigned_version_is_refused_in_its_own_words(tmp_path, version):
   path = tmp_path / "c"
   _save(path, 2)
   for f in (_index(path), _archive_json(path, 0), _archive_json(path, 1)):
     data = read_json(f)
-    data["format_version"] = 2
+    data["format_version"] = version
     with open(f, "w") as out:
-      json.dump(data, out, separators=(",", ":"))  # as version 2 wrote them: no checksum
+      json.dump(data, out, separators=(",", ":"))  # as versions 1 and 2 wrote them: no checksum
   for name, fn in _readers(path).items():
     msg = _message(fn, jr.ArchiveError)
-    assert "checkpoint format version 2 is not supported" in msg, (name, msg)
-    assert "reads versions 3 and 4" in msg and "no checksum" in msg, (name, msg)
+    assert f"checkpoint format version {version} is not supported" in msg, (name, msg)
+    assert "reads versions 3 and 4" in msg, (name, msg)
+    if version == 1:
+      assert "needs the jaxreshard that wrote it" in msg, (name, msg)
+    else:
+      assert "no checksum" in msg, (name, msg)
+
+
+def test_a_re_signed_param_entry_that_is_not_four_fields_is_refused(tmp_path):
+  # An entry of the params list cut to three fields, re-signed: refused as a
+  # malformed index, never read past its end.
+  path = tmp_path / "c"
+  _save(path, 2)
+
+  def cut(d):
+    assert len(d["params"][0]) == 4
+    d["params"][0] = d["params"][0][:3]
+
+  _edit_signed(_index(path), cut)
+  for name, read in _readers(path).items():
+    msg = _message(read, jr.ArchiveError)
+    assert msg.endswith("param 0: expected [id, shape, dtype, trainable]"), (name, msg)
 
 
 def test_unsigned_metadata_of_this_version_is_refused(tmp_path):

@@ -313,6 +313,14 @@ def test_a_re_signed_shape_edit_in_the_table_is_refused(ckpt):
       _readers(ckpt)[name]()
 
 
+def _first_id_of_4097_characters(arrays, index):
+  """The first param id ("dense/kernel") made 4097 characters long, the others kept."""
+  raw, ends = arrays["name_bytes"].tobytes(), arrays["name_ends"]
+  first, long = int(ends[0]), b"d" + b"x" * 4096
+  arrays["name_bytes"] = np.frombuffer(long + raw[first:], arrays["name_bytes"].dtype).copy()
+  arrays["name_ends"] = (ends - first + len(long)).astype(ends.dtype)
+
+
 @pytest.mark.parametrize(
   "edit, words",
   [
@@ -331,6 +339,12 @@ def test_a_re_signed_shape_edit_in_the_table_is_refused(ckpt):
     (lambda a, i: a["param_trainable"].__setitem__(0, 2), "trainable flag"),
     (lambda a, i: a["name_bytes"].__setitem__(0, 0xFF), "not UTF-8"),
     (lambda a, i: a["name_ends"].__setitem__(0, 10**6), "do not tile"),
+    (
+      lambda a, i: a.update(name_ends=a["name_ends"][:0]),
+      f"param ids holds {sum(map(len, SHAPES))} values in no row",
+    ),
+    (_first_id_of_4097_characters, "param id 0 has 4097 characters (at most 4096)"),
+    (lambda a, i: a["name_bytes"].__setitem__(0, ord("z")), "the param ids are not distinct and"),
     (lambda a, i: a["archive_number"].__setitem__(1, 0), "listed after archive_00000"),
     (lambda a, i: a["archive_number"].__setitem__(0, -1), "not one of an archive's name"),
     (lambda a, i: a["archive_layout"].__setitem__(1, 5), "layout 5 or clock 0 does not exist"),

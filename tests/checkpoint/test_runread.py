@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 
 from jaxreshard._src.checkpoint import iovread, runread, shardfile, shardread
 from jaxreshard._src.errors import ArchiveError
+from tests._archive_util import zero_file_reading_a_directory
 
 
 @pytest.fixture(autouse=True, params=["libc", "os"])
@@ -336,3 +338,29 @@ def test_sparse_short_runs_and_zero_ranges_in_spans_of_many_sizes(
   assert seen == [(len(zeros), int(bad[0]))]
   f.close()
   root.close()
+
+
+def test_a_failing_read_of_whole_chunks_names_the_file(tmp_path):
+  """An error of the read itself (the file's descriptor made to read a directory:
+  EISDIR) is raised as an OSError naming the file."""
+  with zero_file_reading_a_directory(tmp_path) as f, pytest.raises(OSError) as e:
+    f.read_chunks(0, 2, np.empty(2 * f.stride, np.uint8))
+  assert e.value.errno == errno.EISDIR
+  assert e.value.filename == os.path.join(tmp_path, "b")
+
+
+def test_whole_chunks_of_a_file_truncated_after_it_was_opened_are_refused(tmp_path):
+  """Opening checks the file's size once; a file cut short after that is refused by
+  the read that comes short, never read as zeros or as a shorter span."""
+  crcs = shardfile.write_array(str(tmp_path), "b", np.arange(64, dtype=np.float32), 8)
+  root = shardread.Dir.root(str(tmp_path))
+  f = shardread.ShardFile(root, "b", 64, np.float32, 8, crcs)
+  os.truncate(os.path.join(tmp_path, "b", "c", "0"), f.stride + 1)
+  try:
+    into = np.empty(2 * f.stride, np.uint8)
+    assert f.read_chunks(0, 1, into).view(np.float32).tolist() == [list(range(8))]
+    with pytest.raises(ArchiveError, match=r"b/c/0 ended early \(truncated while read\)"):
+      f.read_chunks(0, 2, into)
+  finally:
+    f.close()
+    root.close()

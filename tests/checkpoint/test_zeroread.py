@@ -3,6 +3,7 @@ of one ``read_runs`` per file in turn."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from jaxreshard._src.checkpoint import runread, shardfile, shardread, zeroread
 from jaxreshard._src.errors import ArchiveError
+from tests._archive_util import zero_file_reading_a_directory
 
 _DTYPES = [np.float16, np.float32, np.float64]
 
@@ -317,3 +319,14 @@ def test_in_one_span_every_chunks_bytes_are_checked_before_the_stored_checksums(
   apart = _both(tmp_path, [("b", 64, 8, crcs, [8, 24], [2, 2])])
   assert apart[0] == apart[1]
   assert "chunk 1 fails its crc32c check" in apart[0]
+
+
+def test_a_failing_read_of_files_read_together_names_the_file(tmp_path):
+  """An error of the read itself (here: the file's descriptor made to read a
+  directory, EISDIR) is raised as an OSError naming the file."""
+  with zero_file_reading_a_directory(tmp_path) as f, pytest.raises(OSError) as e:
+    reads = zeroread.ZeroReads(np.empty(0, np.uint8))
+    reads.add(f, [0], [8], lambda i, pos: _refuse(0, i, pos))
+    reads.run()
+  assert e.value.errno == errno.EISDIR
+  assert e.value.filename == os.path.join(tmp_path, "b")
