@@ -117,6 +117,31 @@ def test_02b_trainable_not_a_bool():
   _refused(records, _plan(_records()), jr.PlacementError, "param 'b/c'", "archive 1", "'no'")
 
 
+@pytest.mark.parametrize("other", ["a record", {"state": ()}, None])
+def test_02c_not_a_record(other):
+  records = _records()
+  records[1] = other
+  _refused(
+    records,
+    _plan(_records()),
+    jr.PlacementError,
+    f"archive 1: expected a ShardRecord, got {type(other).__name__}",
+  )
+
+
+def test_02d_a_placement_that_is_not_a_param_placement():
+  records = _records()
+  p = records[2].placements[0]
+  as_tuple = (p.param, p.shape, p.rank, p.world_size, p.dtype, p.trainable)
+  records[2] = dataclasses.replace(records[2], placements=(as_tuple, *records[2].placements[1:]))
+  _refused(
+    records,
+    _plan(_records()),
+    jr.PlacementError,
+    f"archive 2: placement {as_tuple!r} is not a ParamPlacement",
+  )
+
+
 def test_03a_param_listed_twice():
   records = _records()
   records[2] = dataclasses.replace(
