@@ -6,6 +6,7 @@ a tiny tmpfs; a killed save is a real process killed mid-write.
 """
 
 import errno
+import math
 import os
 import signal
 import subprocess
@@ -23,7 +24,14 @@ from hypothesis import strategies as st
 
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import store as _archive_io
-from tests._core_util import adam_records, assert_records_equal, bits, retyped_adam_records
+from tests._core_util import (
+  adam_records,
+  assert_records_equal,
+  bits,
+  oracle_slots,
+  replace_history,
+  retyped_adam_records,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -113,6 +121,28 @@ def test_a_history_buffer_of_a_dtype_no_reader_copies_is_refused_as_reshard_does
   assert os.listdir(tmp_path) == []
   with pytest.raises(jr.ShapeError, match="is not a floating dtype jaxreshard copies"):
     jr.ReshardSave(records)
+
+
+def test_a_history_buffer_of_another_length_than_its_flat_layout_is_refused_by_the_save(tmp_path):
+  """Rank 2's first history buffer of a param one slot too long: refused with the
+  archive, the buffer and both lengths named, as a reshard refuses it, and nothing is
+  written."""
+  records = adam_records(4)
+  p = records[2].placements[0]
+  slots = oracle_slots(math.prod(p.shape), 4)
+  records[2] = replace_history(records[2], p.param, 0, lambda h: np.zeros(slots + 1, h.dtype))
+  pid = p.param
+  with pytest.raises(jr.ShapeError, match=f"has shape \\({slots + 1},\\), not \\({slots},\\)"):
+    jr.reshard(records, jr.plan(records, world_size=3, rank=0))
+  with pytest.raises(jr.ShapeError) as got:
+    jr.save_records(tmp_path / "ckpt", records)
+  # Refused by the writer's own check of the record, not only by its check, after
+  # writing, that the save would restore.
+  assert str(got.value).startswith(
+    f"param {pid!r}: archive 2, history buffer 0 has shape ({slots + 1},), not ({slots},) of"
+    " its flat layout"
+  )
+  assert os.listdir(tmp_path) == []
 
 
 def test_a_storage_dtype_no_reader_takes_is_refused_by_the_save(tmp_path):

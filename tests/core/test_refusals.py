@@ -16,6 +16,7 @@ archive index involved, and that the refused call changed none of its inputs.
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +102,24 @@ def test_01_no_archives():
     jr.plan([], world_size=2, rank=0)
 
 
+@pytest.mark.parametrize(
+  "migrations, needle",
+  [
+    ("a", "migrations must be a list of Migration, got str"),
+    ({"a": 1}, "migrations must be a list of Migration, got dict"),
+    (None, "migrations must be a list of Migration, got NoneType"),
+    ([("a", (5,), 0, 6, (0, 1, 2, 3))], "expected a Migration, got tuple"),
+  ],
+)
+def test_01b_migrations_of_another_kind(migrations, needle):
+  records = _records()
+  before = snapshot(records)
+  with pytest.raises(jr.PlacementError) as info:
+    jr.reshard(records, migrations)
+  assert needle in str(info.value)
+  assert snapshot(records)[1] == before[1]
+
+
 @pytest.mark.parametrize("version", [2, True, 1.0, "1"])
 def test_02_version_not_1(version):
   """Only the int 1: True and 1.0 compare equal to it but are no record version."""
@@ -115,6 +134,14 @@ def test_02b_trainable_not_a_bool():
   records = _records()
   records[1] = _with_placement(records[1], "b/c", trainable="no")
   _refused(records, _plan(_records()), jr.PlacementError, "param 'b/c'", "archive 1", "'no'")
+
+
+def test_02e_an_unknown_executor():
+  records = _records()
+  before = snapshot(records)
+  with pytest.raises(jr.PlacementError, match="executor 'gpu' is not one of auto, host, device"):
+    jr.reshard(records, _plan(records), executor="gpu")
+  assert snapshot(records)[1] == before[1]
 
 
 @pytest.mark.parametrize("other", ["a record", {"state": ()}, None])
@@ -285,6 +312,44 @@ def test_09e_rank_outside_its_world():
   _refused(records, _plan(_records()), jr.PlacementError, "param 'a'", "archive 3", "rank 7")
 
 
+@pytest.mark.parametrize("call", ["plan", "unshard_state"])
+def test_09f_plan_and_unshard_refuse_a_rank_held_twice(call):
+  """The paths that group a param's archives themselves (no migration names them)."""
+  records = _records()
+  records[1] = _with_placement(records[1], "a", rank=0)
+  before = snapshot(records)
+  with pytest.raises(jr.PlacementError) as info:
+    if call == "plan":
+      jr.plan(records, world_size=6, rank=2)
+    else:
+      jr.unshard_state(records)
+  assert "param 'a': archives 0 and 1 both hold rank 0" in str(info.value)
+  assert snapshot(records)[1] == before[1]
+
+
+@pytest.mark.parametrize("call", ["plan", "unshard_state"])
+@pytest.mark.parametrize(
+  "change, needle",
+  [
+    (
+      dict(world_size=5),
+      "archive 1 has shape (5,) over world_size 5 but archive 0 has (5,) over 4",
+    ),
+    (dict(shape=(6,)), "archive 1 has shape (6,) over world_size 4 but archive 0 has (5,) over 4"),
+  ],
+)
+def test_09g_plan_and_unshard_refuse_archives_of_two_groups(call, change, needle):
+  """Archives that disagree on a param's shape or world size: no group is guessed."""
+  records = _records()
+  records[1] = _with_placement(records[1], "a", **change)
+  with pytest.raises(jr.PlacementError) as info:
+    if call == "plan":
+      jr.plan(records, world_size=6, rank=2)
+    else:
+      jr.unshard_state(records)
+  assert f"param 'a': {needle}; pass explicit migrations to pick one group" == str(info.value)
+
+
 def test_10a_storage_dtypes_disagree():
   records = _records()
   records[2] = _with_placement(records[2], "a", dtype=jnp.float16)
@@ -375,6 +440,61 @@ def test_12c_merged_groups_with_different_clocks():
   _refused(records, migrations, jr.PlacementError, "param 'x'", "archive 4", "scalar")
 
 
+def _roles_swapped(rec):
+  roles = list(rec.roles)
+  i, j = roles.index("a"), roles.index("b/c")
+  roles[i], roles[j] = roles[j], roles[i]
+  return dataclasses.replace(rec, roles=tuple(roles))
+
+
+@pytest.mark.parametrize(
+  "case, needle",
+  [
+    ("roles one short", "the state has 5 leaves but its roles describe 4"),
+    ("roles swapped", "the leaf at [0].mu['a'] is not under a key path 'b/c'"),
+    ("unexplained buffer", "the buffer at [0].mu['z'] is not the history of any listed parameter"),
+  ],
+)
+def test_12d_roles_that_do_not_describe_the_state(case, needle, tmp_path):
+  """A record's roles (recorded, or inferred for a hand-built record) must say what
+  every leaf of its state is."""
+  records = _records()
+  rec = records[1]
+  if case == "roles one short":
+    records[1] = dataclasses.replace(rec, roles=rec.roles[:-1])
+  elif case == "roles swapped":
+    records[1] = _roles_swapped(rec)
+  else:
+    records[1] = dataclasses.replace(_with_mu(rec, "z", jnp.zeros((2,), jnp.float32)), roles=None)
+  _refused(records, _plan(_records()), jr.PlacementError, "archive 1", needle)
+  # The same refusal, in the same words, from the other paths that read records.
+  for call in (
+    lambda: jr.plan(records, world_size=6, rank=2),
+    lambda: jr.unshard_state(records),
+    lambda: jr.save_records(tmp_path / "ckpt", records),
+  ):
+    with pytest.raises(jr.PlacementError, match="archive 1: " + re.escape(needle)):
+      call()
+  assert not (tmp_path / "ckpt").exists()
+
+
+def test_12e_a_role_that_is_a_suffix_of_its_path_but_not_its_param():
+  """``trace['a']['b']`` called the history of param 'b' (its path ends in 'b'), while
+  ``trace['b']`` says the mirror of the params is ``trace`` itself."""
+  params = {"a": {"b": jnp.zeros((4,))}, "b": jnp.zeros((3,))}
+  opt = optax.sgd(0.1, momentum=0.9)
+  records = jr.shard_state(opt, params, opt.init(params), 2)
+  assert records[1].roles == ("a/b", "b")
+  records[1] = dataclasses.replace(records[1], roles=("b", "b"))
+  migrations = jr.plan(jr.shard_state(opt, params, opt.init(params), 2), world_size=3, rank=0)
+  _refused(
+    records,
+    migrations,
+    jr.PlacementError,
+    "archive 1: roles and state disagree at [0].trace['a']['b']",
+  )
+
+
 def test_13_different_number_of_buffers():
   # Rank 1 saved by an optimizer with three histories per param (adam + trace).
   records = _records()
@@ -412,20 +532,40 @@ def test_14c_buffer_not_floating(dtype):
   )
 
 
-def test_14c_a_buffer_in_the_other_byte_order_is_named_as_such():
-  """numpy calls ``>f4`` float32 too: the message says which byte order it is."""
-  other = ">f4" if np.little_endian else "<f4"
+class _DtypeNumpyCannotRead:
+  """A duck-typed buffer of the right shape whose ``dtype`` numpy does not understand."""
+
+  shape = (2,)
+  ndim = 1
+  dtype = "not-a-dtype"
+
+  def __array__(self, dtype=None, copy=None):
+    return np.zeros(2, np.float32)
+
+
+_OTHER_ORDER = ">f4" if np.little_endian else "<f4"
+
+
+@pytest.mark.parametrize(
+  "buffer, needles",
+  [
+    # numpy calls ``>f4`` float32 too: the message says which byte order it is.
+    (
+      np.zeros((2,), _OTHER_ORDER),
+      (
+        f"history buffer dtype '{_OTHER_ORDER}' (float32,"
+        f" {'big' if np.little_endian else 'little'}-endian)",
+        "in this host's byte order",
+      ),
+    ),
+    (_DtypeNumpyCannotRead(), ("history buffer dtype 'not-a-dtype' is not a dtype",)),
+  ],
+  ids=["other_byte_order", "not_a_dtype"],
+)
+def test_14c_a_buffer_whose_dtype_is_named_as_such(buffer, needles):
   records = _records()
-  records[1] = _with_mu(records[1], "a", np.zeros((2,), other))
-  _refused(
-    records,
-    _plan(_records()),
-    jr.ShapeError,
-    "param 'a'",
-    "archive 1",
-    f"history buffer dtype '{other}' (float32, {'big' if np.little_endian else 'little'}-endian)",
-    "in this host's byte order",
-  )
+  records[1] = _with_mu(records[1], "a", buffer)
+  _refused(records, _plan(_records()), jr.ShapeError, "param 'a'", "archive 1", *needles)
 
 
 def test_14d_factored_state_is_refused():
