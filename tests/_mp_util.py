@@ -74,10 +74,26 @@ def trainable() -> dict:
   return {pid: pid not in FROZEN for pid in SPECS}
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  """A localhost port free now and never handed out before by this process.
+
+  The port is bound again only when a group's coordinator starts, and the kernel
+  gives a port just closed to the next ``bind(0)`` now and then (within five calls,
+  8 times in 20,000 here). Two groups started together on one port can both bind it
+  (gRPC servers set SO_REUSEPORT), and a worker of one then reaches the other's
+  coordinator: a run saw a worker refused as "a different incarnation" of a task
+  the coordinator already had, and every process of its group abort.
+  """
+  while True:
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+    if port not in _HANDED_OUT:
+      _HANDED_OUT.add(port)
+      return port
 
 
 class ProcessGroup:
