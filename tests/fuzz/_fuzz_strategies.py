@@ -184,6 +184,10 @@ def _nudges(v: Any) -> list[Any]:
         ["s", "\x1b[2J"],
         ["i", True],
         ["s", v[1]],
+        ["u", [v]],
+        ["u", []],
+        ["u", [v, 1.5]],
+        ["u", v],
       ]
     return out
   if isinstance(v, dict):

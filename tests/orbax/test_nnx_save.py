@@ -1,4 +1,4 @@
-"""Flax NNX, lists, tuples and integer keys on the orbax save path, checked bit by bit.
+"""Flax NNX, lists, tuples, integer and tuple keys on the orbax save path, checked bit by bit.
 
 Expected values are the saved buffers themselves, read back through numpy:
 a restored flat history holds the saved one's first ``count`` elements (the
@@ -66,10 +66,16 @@ def _keys(path):
   return [getattr(k, "key", getattr(k, "idx", None)) for k in path]
 
 
-@pytest.mark.parametrize("which", ["lists", "int_keys"])
+def _tuple_keyed_params():
+  # flax.traverse_util.flatten_dict's form: one dict keyed by key-path tuples.
+  out = {("layer", i, "w"): np.zeros((i + 1,), np.float32) for i in range(LAYERS)}
+  return {**out, ("head",): np.zeros((2, 3), np.float32)}
+
+
+@pytest.mark.parametrize("which", ["lists", "int_keys", "tuple_keys"])
 def test_save_sharded_takes_lists_tuples_and_integer_keys(tmp_path, which):
   trunk, heads = _list_params()
-  params = trunk if which == "lists" else heads
+  params = {"lists": trunk, "int_keys": heads, "tuple_keys": _tuple_keyed_params()}[which]
   opt = optax.adam(1e-3)
   adam, rest = opt.init(params)[0], opt.init(params)[1:]
   full = (adam._replace(mu=_random_like(adam.mu, 1), nu=_random_like(adam.nu, 2)),) + rest
@@ -92,9 +98,13 @@ def test_save_sharded_takes_lists_tuples_and_integer_keys(tmp_path, which):
   if which == "lists":
     assert restored[0].mu["layers"][10]["w"].shape == (3 * 4,)
     _assert_logical_equal(restored[0].mu["layers"][10]["w"], full[0].mu["layers"][10]["w"])
-  else:
+  elif which == "int_keys":
     _assert_logical_equal(restored[0].nu[10], full[0].nu[10])
     _assert_logical_equal(restored[0].nu[2], full[0].nu[2])
+  else:
+    assert restored[0].mu[("layer", 10, "w")].shape == (3 * 4,)
+    _assert_logical_equal(restored[0].nu[("layer", 10, "w")], full[0].nu[("layer", 10, "w")])
+    _assert_logical_equal(restored[0].mu[("head",)], full[0].mu[("head",)])
 
 
 def _assert_logical_equal(flat, logical):
