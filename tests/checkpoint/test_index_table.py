@@ -361,11 +361,48 @@ def _first_id_of_4097_characters(arrays, index):
       "history buffer dtype int32 is not a floating dtype jaxreshard stores",
     ),
     (lambda a, i: i["clocks"].__setitem__(0, []), "its clock has 0 scalars but its layout 1"),
+    (lambda a, i: i["dtypes"].append(i["dtypes"][0]), "its dtypes repeat"),
+    (lambda a, i: a.update(param_dtype=a["param_dtype"][:-1]), "param_dtype has 12 rows for 13"),
+    (
+      lambda a, i: a.update(param_trainable=np.append(a["param_trainable"], 1)),
+      "param_trainable has 14 rows for 13 params",
+    ),
+    (
+      lambda a, i: a.update(
+        archive_number=a["archive_number"][:0],
+        archive_layout=a["archive_layout"][:0],
+        archive_clock=a["archive_clock"][:0],
+      ),
+      "the archive list is empty",
+    ),
+    (
+      lambda a, i: a.update(archive_layout=a["archive_layout"][:-1]),
+      "every archive needs a number, a layout and a clock",
+    ),
+    (
+      lambda a, i: a.update(group_rank=a["group_rank"][:-1]),
+      "every [archive, rank] pair of a group needs both",
+    ),
+    (lambda a, i: a.update(leaf_slots=a["leaf_slots"][:-1]), "every leaf needs a dtype and slots"),
+    (
+      lambda a, i: a.update(
+        mirror_leaves_end=np.append(a["mirror_leaves_end"], a["mirror_leaves_end"][-1])
+      ),
+      "its layouts have 2 mirrors but its table 3",
+    ),
   ],
 )
 def test_malformed_table_values_are_refused_when_opened(ckpt, edit, words):
   _edit_table(ckpt, edit)
   _refused_everywhere(ckpt, words)
+
+
+def test_a_structure_tree_that_is_not_ascii_is_refused(tmp_path):
+  """A layout whose params trees are not nested dicts of the ids keeps them as JSON."""
+  _save(tmp_path / "t", v3_records(), table=True)
+  assert len(_arrays(tmp_path / "t")[1]["structure_tree"])
+  _edit_table(tmp_path / "t", lambda a, i: a["structure_tree"].__setitem__(0, 0xC3))
+  _refused_everywhere(tmp_path / "t", "a structure's tree is not ASCII JSON")
 
 
 def test_every_table_value_out_of_range_is_a_reshard_error(ckpt):

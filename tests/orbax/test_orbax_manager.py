@@ -187,31 +187,44 @@ def test_mesh_state_in_a_composite_restored_on_another_mesh(tmp_path, monkeypatc
 
 
 def test_save_and_restore_arguments_are_checked():
+  """Each wrong combination is refused by its own rule, in its own words."""
   records = adam_records(2)
   mesh = device_mesh((2,), ("fsdp",))
-  for bad in (
-    dict(),
-    dict(records=records, state={}),
-    dict(state={}, mesh=mesh),
-    dict(state={}, optimizer=object(), mesh=mesh, shapes={}, params={}),
-    dict(state={}, optimizer=object(), mesh=mesh, shapes={}, trainable={}),
+  opt = object()
+  neither = "ReshardSave takes records, or a state (with optimizer, mesh and shapes or params)"
+  for bad, words in (
+    (dict(), neither),
+    (dict(records=records, state={}), neither),
+    (dict(state={}, mesh=mesh), "also needs optimizer, exactly one of shapes and params"),
+    (dict(state={}, optimizer=opt, shapes={}), "ReshardSave(state=...) also needs mesh"),
+    (
+      dict(state={}, optimizer=opt, mesh=mesh, shapes={}, params={}),
+      "also needs exactly one of shapes and params",
+    ),
+    (dict(state={}, optimizer=opt, mesh=mesh, shapes={}, trainable={}), "trainable goes with"),
   ):
-    with pytest.raises(jr.PlacementError):
+    with pytest.raises(jr.PlacementError) as info:
       jr.ReshardSave(**bad)
+    assert words in str(info.value), (bad, str(info.value))
   with pytest.raises(jr.ReshardError):
     jr.ReshardSave(records, chunk_bytes=0)
-  for bad in (
-    dict(rank=1),
-    dict(world_size=2),
-    dict(mesh=mesh, world_size=2, rank=0),
-    dict(target={}),
-    dict(mesh=mesh, optimizer=object()),
-    dict(mesh=mesh, params={}),
-    dict(optimizer=object(), params={}),
-    dict(mesh=mesh, target={}, optimizer=object(), params={}),
+  sizes = "ReshardRestore(world_size=...) needs rank as well, and the reverse"
+  pair = "ReshardRestore: optimizer= and params= go together; pass both"
+  flat = "ReshardRestore(optimizer=..., params=...) checks the flat layout on a mesh"
+  for bad, words in (
+    (dict(rank=1), sizes),
+    (dict(world_size=2), sizes),
+    (dict(mesh=mesh, world_size=2, rank=0), "takes a mesh, or world_size and rank, not both"),
+    (dict(target={}), "ReshardRestore(target=...) needs the mesh as well"),
+    (dict(like={}), "ReshardRestore(like=...) needs the mesh as well"),
+    (dict(mesh=mesh, optimizer=opt), pair),
+    (dict(mesh=mesh, params={}), pair),
+    (dict(optimizer=opt, params={}), flat),
+    (dict(mesh=mesh, target={}, optimizer=opt, params={}), flat),
   ):
-    with pytest.raises(jr.PlacementError):
+    with pytest.raises(jr.PlacementError) as info:
       jr.ReshardRestore(**bad)
+    assert words in str(info.value), (bad, str(info.value))
 
 
 def test_a_failed_write_commits_nothing(tmp_path, monkeypatch):
@@ -241,6 +254,48 @@ def test_a_failed_write_commits_nothing(tmp_path, monkeypatch):
   for got, want in zip(jr.load_records(path), jr.shard_state(opt, params, state, 4), strict=True):
     assert_records_equal(got, want)
   assert jax.tree.structure(jr.restore_sharded(path, mesh).state) == jax.tree.structure(state)
+
+
+def test_save_sharded_refuses_an_existing_path_and_a_missing_parent(tmp_path):
+  """Every process looks before any save starts: an existing path (even an empty
+  directory) is never written into, a missing parent is named, and nothing is made."""
+  from tests import _mp_util as U
+
+  opt, params, state, _ = U.example(seed=4)
+  mesh = device_mesh((2,), ("fsdp",))
+  src = jr.shard_to_mesh(opt, params, state, mesh)
+  shapes = {p.param: p for p in src.placements[0]}
+  (tmp_path / "taken").mkdir()
+  with pytest.raises(jr.ArchiveExistsError, match="taken already exists; jaxreshard never"):
+    jr.save_sharded(tmp_path / "taken", opt, src.state, shapes, mesh)
+  assert list((tmp_path / "taken").iterdir()) == []
+  with pytest.raises(FileNotFoundError, match="parent directory .*/absent of .*/absent/ckpt"):
+    jr.save_sharded(tmp_path / "absent" / "ckpt", opt, src.state, shapes, mesh)
+  assert sorted(os.listdir(tmp_path)) == ["taken"]
+
+
+def test_an_archive_missing_at_the_commit_commits_nothing(tmp_path, monkeypatch):
+  """A write that returned but whose archive is not in the directory at the commit (as
+  on hosts that do not share the checkpoint's file system): nothing is committed."""
+  import shutil
+
+  from jaxreshard._src.checkpoint import reader as _checkpoint
+
+  records = adam_records(4)
+  write = _checkpoint.write_archive
+
+  def lost_on_rank_2(directory, index, *rest, **kwargs):
+    nbytes = write(directory, index, *rest, **kwargs)
+    if index == 2:
+      shutil.rmtree(os.path.join(str(directory), "archive_00002"))
+    return nbytes
+
+  monkeypatch.setattr(_checkpoint, "write_archive", lost_on_rank_2)
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    with pytest.raises(jr.ArchiveError, match=r"archives \['archive_00002'\] were not written"):
+      manager.save(1, args=jr.ReshardSave(records))
+      manager.wait_until_finished()
+    assert manager.all_steps() == []
 
 
 def test_a_save_that_will_be_refused_is_refused_before_orbax_makes_a_directory(tmp_path):
