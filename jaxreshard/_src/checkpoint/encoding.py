@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxreshard._src.checkpoint import dictkeys as _dictkeys
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
 
 __all__ = [
@@ -270,61 +271,6 @@ def _frozen_dict_class(where: str) -> type:
   return FrozenDict
 
 
-# A dict key inside a tuple key nests at most this deep.
-MAX_KEY_DEPTH = 16
-
-
-def _key_code(key: Any, depth: int = 0) -> list | None:
-  """A dict key's JSON: ``["s", str]``, ``["i", int]``, ``["u", [keys]]`` for a tuple
-  of such keys; None for any other key."""
-  t = type(key)
-  if t is str:
-    return ["s", key]
-  if t is int:
-    return ["i", key]
-  if t is tuple and depth < MAX_KEY_DEPTH:
-    codes = [_key_code(k, depth + 1) for k in key]
-    return None if None in codes else ["u", codes]
-  return None
-
-
-def _key_value(code: Any, depth: int = 0) -> str | int | tuple | None:
-  """``_key_code``'s inverse; None for JSON that is not a key's code."""
-  if type(code) is not list or len(code) != 2:
-    return None
-  tag, value = code
-  if tag == "s" and type(value) is str:
-    return value
-  if tag == "i" and type(value) is int:
-    return value
-  if tag == "u" and type(value) is list and depth < MAX_KEY_DEPTH:
-    out = tuple(_key_value(c, depth + 1) for c in value)
-    return None if None in out else out
-  return None
-
-
-def _sorted_keys(node: dict, path: tuple) -> tuple[list, list]:
-  """A dict's keys in jax's order for dicts (sorted), and their codes.
-
-  Raises:
-    ReshardError: keys of two kinds, or a key ``_key_code`` has no code for.
-  """
-  refused = ReshardError(
-    f"state node at {path}: dict keys must be all str, all int or all tuples of"
-    " str, int and such tuples to be stored"
-  )
-  if len({type(k) for k in node}) > 1:
-    raise refused
-  try:
-    keys = sorted(node)
-  except TypeError:
-    raise refused from None
-  codes = [_key_code(k) for k in keys]
-  if None in codes:
-    raise refused
-  return keys, codes
-
-
 def encode_tree(state: Any) -> tuple[dict, list[Any]]:
   """Encodes ``state``'s structure; returns (tree, leaves in jax.tree.leaves order).
 
@@ -354,7 +300,7 @@ def encode_tree(state: Any) -> tuple[dict, list[Any]]:
       ]
     frozen = _is_frozen_dict(node)
     if type(node) is dict or frozen:
-      keys, codes = _sorted_keys(node, path)
+      keys, codes = _dictkeys.sorted_codes(node, path)
       return ["f" if frozen else "d", codes, [enc(node[k], path + (k,)) for k in keys]]
     if jax.tree_util.tree_structure(node) == _LEAF:
       leaves.append(node)
@@ -452,29 +398,14 @@ def decode_tree(tree: Any, leaves: Sequence[Any], where: str, classes: dict | No
         raise ArchiveError(
           f"{where}: a dict node has {len(keys)} keys and {len(children)} children"
         )
+      decoded = _dictkeys.decode(keys, where)
       out = {}
-      for k, c in zip(keys, children):
-        if (
-          type(k) is list
-          and len(k) == 2
-          and ((k[0] == "s" and type(k[1]) is str) or (k[0] == "i" and type(k[1]) is int))
-        ):
-          key = k[1]  # the common keys, read without a call
-        else:
-          key = _key_value(k)
-          if key is None:
-            raise ArchiveError(f"{where}: invalid dict key {short(k)}")
-        if out and type(key) is not type(next(iter(out))):
-          kinds = " and ".join(sorted({type(key).__name__, type(next(iter(out))).__name__})[::-1])
-          raise ArchiveError(f"{where}: a dict node mixes {kinds} keys")
+      for key, c in zip(decoded, children):
         if key in out:
           raise ArchiveError(f"{where}: dict key {short(key)} appears twice")
         out[key] = dec(c, depth + 1)
-      if out and type(next(iter(out))) is tuple:
-        try:  # jax orders a dict's children by sorting its keys
-          sorted(out)
-        except TypeError:
-          raise ArchiveError(f"{where}: a dict node's tuple keys cannot be ordered") from None
+      if out and type(decoded[0]) is tuple:
+        _dictkeys.check_orderable(out, where)
       return out if kind == "d" else _frozen_dict_class(where)(out)
     if kind == "n" and len(node) == 5:
       _, module, name, fields = node[:4]
