@@ -354,7 +354,14 @@ def test_subprocess_python_m(ckpt, resharded):
   assert bad.stderr.strip().splitlines() == [
     f"jaxreshard: error: checkpoint directory {root / 'nope'} does not exist"
   ]
-  assert _run("--version").stdout == f"jaxreshard {jr.__version__}\n"
+  version = _run("--version")
+  assert (version.exit_code, version.stdout, version.stderr) == (
+    0,
+    f"jaxreshard {jr.__version__}\n",
+    "",
+  )
+  # --version answers and ends: the command after it does not run.
+  assert _run("--version", "inspect", root / "nope").exit_code == 0
 
 
 def test_progress_bar_shows_bytes_and_eta_on_terminals():
@@ -1270,9 +1277,14 @@ def test_a_reader_that_leaves_early_changes_no_exit_code(ckpt, resharded, tmp_pa
 
 
 @pytest.mark.slow
-def test_sigterm_in_the_middle_of_a_reshard_leaves_nothing(tmp_path):
+@pytest.mark.parametrize(
+  "signum, code, words",
+  [("SIGTERM", 128 + 15, "jaxreshard: terminated"), ("SIGINT", 130, "jaxreshard: interrupted")],
+)
+def test_a_signal_in_the_middle_of_a_reshard_leaves_nothing(tmp_path, signum, code, words):
   """SIGTERM (timeout, batch schedulers, containers) cleans up as Ctrl-C does: it left
-  the hidden temporary directory of the save it interrupted, and said nothing."""
+  the hidden temporary directory of the save it interrupted, and said nothing. Each
+  exits with the shell's code for its signal."""
   import glob
   import signal
 
@@ -1280,8 +1292,15 @@ def test_sigterm_in_the_middle_of_a_reshard_leaves_nothing(tmp_path):
   params = {f"p{i}": np.zeros((1 << 20,), np.float32) for i in range(12)}
   state = jax.tree.map(lambda x: np.ones_like(x), opt.init(params))
   jr.save_records(tmp_path / "src", jr.shard_state(opt, params, state, world_size=8))
+  # A shell starts background jobs (`pytest &`, nohup) with SIGINT ignored, and a
+  # child inherits that: the command gets the handler a terminal's Ctrl-C meets.
+  run = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler);"
+    " sys.argv = ['jaxreshard', 'reshard', 'src', 'out', '-w', '7'];"
+    " runpy.run_module('jaxreshard', run_name='__main__')"
+  )
   p = subprocess.Popen(
-    [sys.executable, "-m", "jaxreshard", "reshard", "src", "out", "-w", "7"],
+    [sys.executable, "-c", run],
     cwd=tmp_path,
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
@@ -1291,11 +1310,30 @@ def test_sigterm_in_the_middle_of_a_reshard_leaves_nothing(tmp_path):
   while not glob.glob(str(tmp_path / ".out.tmp-*" / "archive_00001")):
     assert p.poll() is None and time.monotonic() < deadline, p.communicate()
     time.sleep(0.005)
-  p.send_signal(signal.SIGTERM)
+  p.send_signal(getattr(signal, signum))
   _, err = p.communicate(timeout=120)
-  assert p.returncode == 128 + signal.SIGTERM, err
-  assert err.strip().splitlines()[-1] == "jaxreshard: terminated", err
+  assert p.returncode == code, err
+  assert err.strip().splitlines()[-1] == words, err
   assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_an_internal_error_is_one_line_and_exit_2(ckpt, monkeypatch):
+  """A bug (an exception that is not bad input) is reported in one line, as a bug, with
+  exit 2; JAXRESHARD_TRACEBACK=1 lets it through with its traceback."""
+  from jaxreshard._src.cli import commands
+
+  def bug(*args, **kwargs):
+    raise RuntimeError("a bug in inspect")
+
+  monkeypatch.setattr(commands, "inspect_info", bug)
+  root, _ = ckpt
+  assert _one_line_error(_run("inspect", root / "ckpt8")) == (
+    "jaxreshard: error: internal error, please report it: RuntimeError: a bug in inspect"
+    " (JAXRESHARD_TRACEBACK=1 shows where)"
+  )
+  monkeypatch.setenv("JAXRESHARD_TRACEBACK", "1")
+  result = CliRunner().invoke(app, ["inspect", str(root / "ckpt8")])
+  assert isinstance(result.exception, RuntimeError) and result.exit_code == 1
 
 
 def test_a_weak_64_bit_clock_scalar_stays_weak_through_a_conversion_without_x64(tmp_path):

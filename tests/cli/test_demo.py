@@ -51,6 +51,7 @@ def test_demo_command(summary, tmp_path):
   assert [r.placements[0].rank for r in jr.load_records(tmp_path / "ckpt8")] == list(range(8))
   again = CliRunner().invoke(app, ["demo", "--save", str(tmp_path / "ckpt8")])
   assert again.exit_code == 2 and "already exists" in again.stderr
+  assert "trained" not in again.stdout, again.stdout  # refused before the training
   # A missing parent is refused before the training, not after it.
   lost = CliRunner().invoke(app, ["demo", "--save", str(tmp_path / "nodir" / "x")])
   assert lost.exit_code == 2 and "does not exist" in lost.stderr
@@ -93,3 +94,33 @@ def test_demo_table_folds_on_a_narrow_terminal(monkeypatch):
   assert "…" not in result.stdout, result.stdout
   rows = [l.split("│") for l in result.stdout.splitlines() if l.startswith("│")]
   assert "hidden/kernel" in "".join(r[1].strip() for r in rows)
+
+
+def test_a_demo_that_is_not_exact_says_so_and_exits_1(summary, monkeypatch):
+  """The command's verdict follows the summary's checks (here one of them made false)."""
+  import dataclasses
+
+  from jaxreshard._src.cli import demo
+  from jaxreshard._src.cli.commands import EXIT_DIFFERENT
+
+  failed = dataclasses.replace(summary, round_trip_exact=False)
+  assert not failed.exact
+  monkeypatch.setattr(demo, "run_demo", lambda *a, **k: failed)
+  result = CliRunner().invoke(app, ["demo"])
+  assert result.exit_code == EXIT_DIFFERENT == 1, result.output
+  assert "NOT EXACT" in result.stdout.strip().splitlines()[-1]
+  assert "every bit preserved" not in result.stdout
+
+
+def test_a_demo_without_its_extra_dependencies_names_them(monkeypatch):
+  from jaxreshard._src.cli import demo
+
+  def missing(*a, **k):
+    raise ModuleNotFoundError("No module named 'flax'", name="flax")
+
+  monkeypatch.setattr(demo, "run_demo", missing)
+  result = CliRunner().invoke(app, ["demo"])
+  assert result.exit_code == 2
+  assert result.stderr.strip().splitlines() == [
+    "jaxreshard: error: the demo needs flax: pip install 'jaxreshard[examples]'"
+  ]

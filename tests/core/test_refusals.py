@@ -587,7 +587,8 @@ def test_unshard_refuses_incomplete_groups():
 
 
 @pytest.mark.parametrize(
-  "case", ["world_size", "unknown_trainable", "trainable_not_bool", "integer_param"]
+  "case",
+  ["world_size", "unknown_trainable", "trainable_not_bool", "integer_param", "same_id", "a_float"],
 )
 def test_shard_state_refusals_leave_inputs_alone(case):
   opt = optax.sgd(0.1, momentum=0.9)
@@ -599,9 +600,15 @@ def test_shard_state_refusals_leave_inputs_alone(case):
     kwargs["trainable"], needle = {"zz": False}, "'zz'"
   elif case == "trainable_not_bool":  # "no" is true: it would have saved as trainable
     kwargs["trainable"], needle = {"a": "no"}, r"\['a'\].*a bool, got str 'no'"
-  else:
+  elif case == "integer_param":
     params = {"i": jnp.arange(3)}
     cls, needle = jr.DtypeError, "param 'i'"
+  elif case == "same_id":  # two keys of one dict that print alike: a float32 and a float
+    params = {np.float32(0.1): jnp.ones(3), 0.1: jnp.ones(2)}
+    needle = r"params \['0.1'\]: two parameters have the same key path id"
+  else:  # a Python number among the params: no dtype, no shape
+    params = {"w": jnp.ones(3), "n": 1.5}
+    needle = r"params\['n'\] is a float, not an array"
   state = opt.init(params)
   before = snapshot(params), snapshot(state)
   with pytest.raises(cls, match=needle):
