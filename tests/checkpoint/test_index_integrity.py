@@ -6,6 +6,7 @@ Edits that must reach a rule behind the checksum are re-signed with the test hel
 """
 
 import gc
+import hashlib
 import json
 import os
 import subprocess
@@ -149,6 +150,43 @@ def test_a_flipped_clock_value_is_refused_by_the_checksum(tmp_path):
       continue  # reads the index alone; an archive is checked when it is read
     msg = _message(fn, jr.ArchiveError)
     assert "disagree on its optimizer clock" in msg, (name, msg)
+
+
+# Bodies signed over their own bytes, so the checksum matches: each edit of the
+# file's value, its body's bytes, and the words every reader refuses it with.
+_SIGNED_BODIES = {
+  # UTF-8, not the ASCII JSON a checkpoint's metadata is.
+  "utf8": (
+    lambda data: {**data, "note": "caf\u00e9"},
+    lambda value: json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8"),
+    "{target} is not ASCII JSON",
+  ),
+  # A second "checksum" member inside the checked body: which of the two a JSON
+  # parser keeps is its own choice, so neither is read.
+  "second_checksum": (
+    lambda data: {"checksum": "sha256:" + "0" * 64, **data},
+    lambda value: json.dumps(value, separators=(",", ":")).encode("ascii"),
+    "{target}: its checked body is not a JSON object without a checksum member",
+  ),
+}
+
+
+@pytest.mark.parametrize("which", ["index", "archive"])
+@pytest.mark.parametrize("case", sorted(_SIGNED_BODIES))
+def test_a_signed_body_that_is_not_checkpoint_json_is_refused(tmp_path, which, case):
+  edit, encode, words = _SIGNED_BODIES[case]
+  path = tmp_path / "c"
+  _save(path, 4)
+  target = _index(path) if which == "index" else _archive_json(path, 0)
+  body = encode(edit(read_json(target)))
+  digest = hashlib.sha256(body).hexdigest().encode("ascii")
+  with open(target, "wb") as f:
+    f.write(b'{"checksum":"sha256:' + digest + b'",' + body[1:])
+  for name, fn in _readers(path).items():
+    if name == "open_checkpoint" and which == "archive":
+      continue  # reads the index alone
+    msg = _message(fn, jr.ArchiveError)
+    assert words.format(target=target) in msg, (name, msg)
 
 
 def test_each_archive_json_records_the_documented_digests_of_its_index_entry(tmp_path):

@@ -8,10 +8,12 @@ a tiny tmpfs; a killed save is a real process killed mid-write.
 import errno
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
 import textwrap
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -342,6 +344,78 @@ def test_frozen_dict_state_nodes_round_trip_through_every_path(tmp_path):
     )
   target = jr.restore(tmp_path / "ckpt", world_size=2, rank=1)
   assert type(target.state[0].mu) is FrozenDict
+
+
+def test_a_frozen_dict_checkpoint_read_where_flax_is_missing_is_refused_by_name(tmp_path):
+  params = FrozenDict({"w": jnp.arange(6.0)})
+  opt = optax.adam(1e-3)
+  jr.save_records(tmp_path / "ckpt", jr.shard_state(opt, params, opt.init(params), world_size=2))
+  result = _python(f"""
+      import sys
+      sys.modules["flax"] = None  # not installed: any import of it fails
+      import jaxreshard as jr
+      for call in (lambda: jr.load_records({str(tmp_path / "ckpt")!r}),
+                   lambda: jr.restore({str(tmp_path / "ckpt")!r}, world_size=3, rank=0)):
+        try:
+          call()
+          print("loaded")
+        except jr.ArchiveError as e:
+          print("refused:", e)
+      """)
+  assert result.returncode == 0, result.stderr
+  lines = result.stdout.strip().splitlines()
+  assert len(lines) == 2, result.stdout
+  for line in lines:
+    assert line.startswith("refused:"), result.stdout
+    assert "holds a flax FrozenDict; loading it needs flax installed" in line
+
+
+class _Swapped(NamedTuple):
+  a: Any
+  b: Any
+
+
+# Flattened b first: a NamedTuple a user registered with its own order of children.
+jax.tree_util.register_pytree_node(
+  _Swapped, lambda p: ((p.b, p.a), None), lambda _, children: _Swapped(children[1], children[0])
+)
+
+
+def test_a_namedtuple_registered_with_its_own_child_order_is_refused_at_save(tmp_path):
+  # The archive's tree stores a NamedTuple's fields in order; read back, this one
+  # would flatten the other way round: its leaves would swap places.
+  params = _Swapped(jnp.arange(4.0), jnp.ones(3))
+  opt = optax.adam(1e-3)
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  with pytest.raises(jr.ReshardError, match="the state's tree structure cannot be stored exactly"):
+    jr.save_records(tmp_path / "ckpt", records)
+  assert not os.path.lexists(tmp_path / "ckpt")
+
+
+class _Window(NamedTuple):
+  window: Any
+
+
+# Clock leaves (state no param mirrors) an archive's clock cannot hold: past its size
+# bound (64 KiB) or of a dtype it does not store.
+_UNSTORED_CLOCKS = {
+  "past_the_bound": (lambda: np.zeros(16385, np.float32), "float32 leaf of shape (16385,)"),
+  "complex_scalar": (lambda: np.complex64(1 + 2j), "complex64 leaf of shape ()"),
+  "float8_array": (lambda: jnp.zeros(2, jnp.float8_e4m3fn), "float8_e4m3fn leaf of shape (2,)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_UNSTORED_CLOCKS))
+def test_a_clock_leaf_the_format_cannot_hold_is_refused_before_writing(tmp_path, case):
+  make, words = _UNSTORED_CLOCKS[case]
+  leaf = make()
+  window = optax.GradientTransformation(lambda p: _Window(leaf), lambda u, s, p=None: (u, s))
+  opt = optax.chain(window, optax.sgd(0.1, momentum=0.9))
+  params = {"w": jnp.arange(5.0)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  with pytest.raises(jr.ReshardError, match=re.escape(f"cannot store a {words} as a scalar")):
+    jr.save_records(tmp_path / "ckpt", records)
+  assert not os.path.lexists(tmp_path / "ckpt")
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, -1, True, 2.0, (1 << 30) + 1, 1 << 31])

@@ -588,7 +588,16 @@ def test_unshard_refuses_incomplete_groups():
 
 @pytest.mark.parametrize(
   "case",
-  ["world_size", "unknown_trainable", "trainable_not_bool", "integer_param", "same_id", "a_float"],
+  [
+    "world_size",
+    "unknown_trainable",
+    "trainable_not_bool",
+    "integer_param",
+    "same_id",
+    "a_float",
+    "huge_int_key",
+    "huge_int_in_tuple_key",
+  ],
 )
 def test_shard_state_refusals_leave_inputs_alone(case):
   opt = optax.sgd(0.1, momentum=0.9)
@@ -606,6 +615,11 @@ def test_shard_state_refusals_leave_inputs_alone(case):
   elif case == "same_id":  # two keys of one dict that print alike: a float32 and a float
     params = {np.float32(0.1): jnp.ones(3), 0.1: jnp.ones(2)}
     needle = r"params \['0.1'\]: two parameters have the same key path id"
+  elif case.startswith("huge_int"):  # more digits than Python's str() will print
+    key, small = (10**5000, 1) if case == "huge_int_key" else (("l", 10**5000), ("l", 1))
+    params = {key: jnp.ones(3), small: jnp.ones(2)}
+    cls = jr.ReshardError
+    needle = f"dict key of type {type(key).__name__} cannot be named: Exceeds the limit"
   else:  # a Python number among the params: no dtype, no shape
     params = {"w": jnp.ones(3), "n": 1.5}
     needle = r"params\['n'\] is a float, not an array"

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._src.checkpoint.untrusted import short
 from jaxreshard._src.errors import ArchiveError, ReshardError
 
 __all__ = ["check_orderable", "decode", "sorted_codes"]
@@ -22,11 +23,6 @@ MAX_KEY_DEPTH = 16
 
 # At most this many keys of one dict may share a hash (-1 and -2 share one in CPython).
 MAX_KEYS_PER_HASH = 8
-
-
-def _short(value: Any, limit: int = 80) -> str:
-  text = repr(value)
-  return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def code(key: Any, depth: int = 0) -> list | None:
@@ -97,7 +93,7 @@ def decode(codes: list, where: str) -> list:
     else:
       key = value(k)
       if key is None:
-        raise ArchiveError(f"{where}: invalid dict key {_short(k)}")
+        raise ArchiveError(f"{where}: invalid dict key {short(k)}")
     if keys and type(key) is not type(keys[0]):
       kinds = " and ".join(sorted({type(key).__name__, type(keys[0]).__name__})[::-1])
       raise ArchiveError(f"{where}: a dict node mixes {kinds} keys")

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxreshard._src.checkpoint import dictkeys as _dictkeys
+from jaxreshard._src.checkpoint.untrusted import short
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
 
 __all__ = [
@@ -237,12 +238,6 @@ def shape_of(value: Any, where: str) -> tuple[int, ...]:
   if not valid_shape(dims):
     raise ArchiveError(f"{where}: shape {short(dims)} is not a valid array shape")
   return dims
-
-
-def short(value: Any, limit: int = 80) -> str:
-  """``repr(value)``, cut to ``limit`` characters: untrusted fields never make long messages."""
-  text = repr(value)
-  return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 # --- the state's tree structure -----------------------------------------------

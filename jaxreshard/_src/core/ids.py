@@ -12,6 +12,8 @@ from typing import Any
 
 import jax
 
+from jaxreshard._src.errors import ReshardError
+
 __all__ = ["escape", "key_name", "path_id", "split_id", "unescape"]
 
 _tu = jax.tree_util
@@ -40,19 +42,28 @@ def split_id(pid: str) -> list[str]:
   return [unescape(k) for k in pid.split("/")]
 
 
+def _text(key: Any) -> str:
+  """``str(key)``; a key Python will not print (an int of more digits than
+  ``sys.get_int_max_str_digits()``, alone or inside a tuple) is refused by name."""
+  try:
+    return str(key)
+  except ValueError as e:
+    raise ReshardError(f"dict key of type {type(key).__name__} cannot be named: {e}") from None
+
+
 def key_name(key: Any) -> str:
   """One key of a key path as a segment of an id (dict keys, attributes, indices)."""
   t = type(key)
   if t is _DictKey:
-    return escape(str(key.key))
+    return escape(_text(key.key))
   if t is _GetAttrKey:
     return escape(key.name)
   if t is _SequenceKey:
     return str(key.idx)
   for attr in ("key", "name", "idx"):
     if hasattr(key, attr):
-      return escape(str(getattr(key, attr)))
-  return escape(str(key))
+      return escape(_text(getattr(key, attr)))
+  return escape(_text(key))
 
 
 def path_id(path: Sequence[Any]) -> str:
