@@ -5,6 +5,7 @@ Every shard is compared bit for bit with the single-process core
 """
 
 import os
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from tests._core_util import (
   device_mesh,
   oracle_shard,
   replace_history,
+  standard,
 )
 
 
@@ -412,3 +414,219 @@ def test_records_to_mesh_refuses_ranks_whose_history_buffers_differ_in_shape(cha
   records[2] = replace_history(records[2], "w", 1, change)
   with pytest.raises(jr.ShapeError, match=r"param 'w': history buffers of ranks \[0, 1, 2, 3\]"):
     _mesh.records_to_mesh(dict(enumerate(records)), mesh, "fsdp")
+
+
+class _WindowState(NamedTuple):
+  window: jax.Array  # a (4,) clock leaf: no param's history
+
+
+def _window_optimizer():
+  """An optax chain whose first state is a (4,) array that mirrors no param."""
+  stats = optax.GradientTransformation(
+    lambda p: _WindowState(jnp.zeros(4)),
+    lambda u, s, p=None: (u, _WindowState(jnp.roll(s.window, 1))),
+  )
+  return optax.chain(stats, optax.sgd(0.1, momentum=0.9))
+
+
+_WINDOW_BITS = np.array([0x7FC12345, 0x80000000, 0x3F800000, 0x00000001], np.uint32)
+
+
+@pytest.mark.parametrize("path", ["save_sharded", "gather_from_mesh", "checkpoint_manager"])
+def test_a_clock_leaf_laid_out_over_the_mesh_axis_is_kept_whole(tmp_path, path):
+  # A step's out_shardings may lay every 1-D leaf over the axis: an archive must
+  # still hold the whole leaf (a NaN payload, -0.0, 1.0 and a subnormal), not the
+  # part on the first device.
+  import orbax.checkpoint as ocp
+  from jax.sharding import NamedSharding
+
+  opt = _window_optimizer()
+  params = {"w": jnp.arange(5.0)}
+  mesh = device_mesh((4,), ("fsdp",), jax.devices()[:4])
+  on_mesh = jr.shard_to_mesh(opt, params, opt.init(params), mesh).state
+  window = jax.device_put(_WINDOW_BITS.view(np.float32), NamedSharding(mesh, PartitionSpec("fsdp")))
+  assert not window.is_fully_replicated
+  state = (_WindowState(window),) + tuple(on_mesh[1:])
+  if path == "gather_from_mesh":
+    outs = [jr.gather_from_mesh(opt, state, {"w": (5,)}, mesh)[0].window]
+  else:
+    if path == "save_sharded":
+      ckpt = tmp_path / "ckpt"
+      jr.save_sharded(ckpt, opt, state, {"w": (5,)}, mesh)
+    else:
+      with ocp.CheckpointManager(tmp_path / "run") as manager:
+        manager.save(
+          1,
+          args=ocp.args.Composite(
+            opt_state=jr.ReshardSave(state=state, optimizer=opt, params=params, mesh=mesh)
+          ),
+        )
+      ckpt = tmp_path / "run" / "1" / "opt_state"
+    outs = [r.state[0].window for r in jr.load_records(ckpt)]
+    outs.append(jr.restore(ckpt, world_size=3, rank=2).state[0].window)
+    outs.append(jr.restore_sharded(ckpt, mesh).state[0].window)
+  for out in outs:
+    assert np.asarray(out).dtype == np.float32
+    assert np.array_equal(np.asarray(out).view(np.uint32), _WINDOW_BITS), out
+
+
+# Params, and their ids as a user writes them (key paths joined with "/").
+_NO_CLOCK_PARAMS = {
+  "int_keys": (
+    lambda: {"layers": {0: {"w": jnp.arange(5.0)}, 1: {"w": jnp.ones(2)}}},
+    {"layers/0/w": (5,), "layers/1/w": (2,)},
+  ),
+  "a_list": (
+    lambda: {"layers": [jnp.arange(5.0), jnp.ones(2)]},
+    {"layers/0": (5,), "layers/1": (2,)},
+  ),
+  "one_param_in_a_list": (lambda: [jnp.arange(5.0)], {"0": (5,)}),
+}
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adagrad"])
+@pytest.mark.parametrize("kind", sorted(_NO_CLOCK_PARAMS))
+def test_a_state_of_only_histories_is_saved_from_the_mesh_whatever_its_keys(
+  tmp_path, kind, opt_name
+):
+  # A state with no clock leaf has exactly as many leaves as there are params:
+  # the subtree that mirrors them is found below the root all the same.
+  opt = optax.sgd(0.1, momentum=0.9) if opt_name == "sgd_momentum" else optax.adagrad(0.1)
+  make, shapes = _NO_CLOCK_PARAMS[kind]
+  params = make()
+  mesh = device_mesh((4,), ("fsdp",), jax.devices()[:4])
+  state = jr.flat_sharded(opt, mesh).init(params)
+  want = jr.shard_state(opt, params, opt.init(params), world_size=4)
+  jr.save_sharded(tmp_path / "ckpt", opt, state, shapes, mesh)
+  for got, expected in zip(jr.load_records(tmp_path / "ckpt"), want, strict=True):
+    assert_records_equal(got, expected)
+  assert_trees_bit_equal(jr.gather_from_mesh(opt, state, shapes, mesh), opt.init(params))
+
+
+def _mesh_calls(tmp_path):
+  """Each mesh path given one argument of the wrong kind, and the words it is refused in."""
+  opt, params = optax.adam(0.1), {"w": jnp.arange(5.0)}
+  m4 = device_mesh((4,), ("fsdp",), jax.devices()[:4])
+  m8 = jax.make_mesh((8,), ("fsdp",))  # the same global length for w as on 4 devices
+  state = jr.flat_sharded(opt, m4).init(params)
+  ckpt = tmp_path / "c"
+  jr.save_records(ckpt, jr.shard_state(opt, params, opt.init(params), world_size=2))
+  out = tmp_path / "new"
+  not_called = (
+    "optimizer must be an optax GradientTransformation (with init and update), got function"
+  )
+  return {
+    "update of a state on another mesh": (
+      lambda: jr.flat_sharded(opt, m8).update(params, state, params),
+      "param 'w': history buffer laid out on a mesh of shape {'fsdp': 4} over devices"
+      " [0, 1, 2, 3], not this optimizer's {'fsdp': 8}",
+    ),
+    "update of no state": (
+      lambda: jr.flat_sharded(opt, m4).update(params, None, params),
+      "update needs the state that init returned, got None",
+    ),
+    "restore_sharded of an optimizer not called": (
+      lambda: jr.restore_sharded(ckpt, m4, optimizer=optax.adam, params=params),
+      not_called,
+    ),
+    "flat_sharded of an optimizer not called": (
+      lambda: jr.flat_sharded(optax.adam, m4),
+      not_called + "; the arguments are (optimizer, mesh, axis)",
+    ),
+    "save_sharded of an optimizer not called": (
+      lambda: jr.save_sharded(out, optax.adam, state, {"w": (5,)}, m4),
+      not_called,
+    ),
+    "gather_from_mesh of an optimizer not called": (
+      lambda: jr.gather_from_mesh(optax.adam, state, {"w": (5,)}, m4),
+      not_called,
+    ),
+    "save_sharded to no path": (
+      lambda: jr.save_sharded(None, opt, state, {"w": (5,)}, m4),
+      "directory must be a path (str or os.PathLike), got NoneType",
+    ),
+    "save_sharded with no timeout": (
+      lambda: jr.save_sharded(out, opt, state, {"w": (5,)}, m4, timeout_s=None),
+      "timeout_s must be a positive number of seconds, got None",
+    ),
+    "save_sharded with a NaN timeout": (
+      lambda: jr.save_sharded(out, opt, state, {"w": (5,)}, m4, timeout_s=float("nan")),
+      "timeout_s must be a positive number of seconds, got nan",
+    ),
+    "save_sharded of shapes as a list": (
+      lambda: jr.save_sharded(out, opt, state, [("w", (5,))], m4),
+      "shapes must map each param id (a str) to its shape, got list",
+    ),
+    "save_sharded of shapes keyed by int": (
+      lambda: jr.save_sharded(out, opt, state, {0: (5,)}, m4),
+      "shapes must map each param id (a str) to its shape, got dict with keys that are not all str",
+    ),
+  }
+
+
+_MESH_CALLS = [
+  "update of a state on another mesh",
+  "update of no state",
+  "restore_sharded of an optimizer not called",
+  "flat_sharded of an optimizer not called",
+  "save_sharded of an optimizer not called",
+  "gather_from_mesh of an optimizer not called",
+  "save_sharded to no path",
+  "save_sharded with no timeout",
+  "save_sharded with a NaN timeout",
+  "save_sharded of shapes as a list",
+  "save_sharded of shapes keyed by int",
+]
+
+
+@pytest.mark.parametrize("case", _MESH_CALLS)
+def test_mesh_paths_refuse_arguments_of_the_wrong_kind_by_name(tmp_path, case):
+  calls = _mesh_calls(tmp_path)
+  assert sorted(calls) == sorted(_MESH_CALLS)
+  call, words = calls[case]
+  with pytest.raises(jr.ReshardError) as info:
+    call()
+  assert words in str(info.value), str(info.value)
+  assert sorted(os.listdir(tmp_path)) == ["c"]  # nothing written
+
+
+class _Layer(NamedTuple):
+  w: jax.Array
+  b: jax.Array
+
+
+def test_namedtuple_params_come_back_as_the_users_classes_with_like_or_target(tmp_path):
+  # An archive records a NamedTuple's name and fields only: a plain restore gives a
+  # plain namedtuple; like= and target= name the user's tree, and get its classes.
+  from jax.sharding import NamedSharding
+
+  opt = optax.adam(0.1)
+  params = {"layer": _Layer(jnp.arange(5.0), jnp.ones(2))}
+  m4 = device_mesh((4,), ("fsdp",), jax.devices()[:4])
+  m3 = device_mesh((3,), ("fsdp",), jax.devices()[:3])
+  grads = jax.tree.map(lambda x: x * 0.5 - 1.0, params)
+  state = jr.flat_sharded(opt, m4).init(params)
+  _, state = standard(jr.flat_sharded(opt, m4).update, grads, state, params)
+  jr.save_sharded(tmp_path / "c", opt, state, {"layer/w": (5,), "layer/b": (2,)}, m4)
+  new = jr.flat_sharded(opt, m3)
+  plain = jr.restore_sharded(tmp_path / "c", m3).state
+  assert type(plain[0].mu["layer"]) is not _Layer
+  with pytest.raises(jr.PlacementError, match="restore it with like=opt.init"):
+    standard(new.update, grads, plain, params)
+  everywhere = NamedSharding(m3, PartitionSpec())
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere),
+    jax.eval_shape(opt.init, params),
+  )
+  shapes = {"layer/w": (5,), "layer/b": (2,)}
+  saved = jr.gather_from_mesh(opt, state, shapes, m4)  # the saved state, logical and whole
+  # like=: the flat-sharded state in the user's classes, which the wrapper updates.
+  restored = jr.restore_sharded(tmp_path / "c", m3, like=new.init(params)).state
+  assert type(restored[0].mu["layer"]) is _Layer and type(restored[0].nu["layer"]) is _Layer
+  assert_trees_bit_equal(jr.gather_from_mesh(opt, restored, shapes, m3), saved)
+  updates, _ = standard(new.update, grads, restored, params)
+  assert type(updates["layer"]) is _Layer
+  # target=: the logical state, as the target's tree and shardings say.
+  restored = jr.restore_sharded(tmp_path / "c", m3, target=abstract).state
+  assert type(restored[0].mu["layer"]) is _Layer and type(restored[0].nu["layer"]) is _Layer
+  assert_trees_bit_equal(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, saved))

@@ -22,7 +22,7 @@ import jax
 
 from jaxreshard._src.errors import PlacementError
 
-__all__ = ["check_like", "like", "plain", "unwrapped"]
+__all__ = ["check_like", "like", "plain", "same_tree", "unwrapped"]
 
 
 def _nnx() -> Any:
@@ -105,8 +105,38 @@ def check_like(template: Any, structure: Any) -> None:
   _same(jax.tree_util.tree_structure(_positions(*jax.tree_util.tree_flatten(template))), structure)
 
 
+def _is_namedtuple_class(t: Any) -> bool:
+  return isinstance(t, type) and issubclass(t, tuple) and hasattr(t, "_fields")
+
+
+def same_tree(a: Any, b: Any) -> bool:
+  """Whether treedefs ``a`` and ``b`` are equal, NamedTuple nodes compared by name
+  and fields (all an archive records of them) rather than by class: a checkpoint
+  gives back a user's NamedTuple as a plain namedtuple of the same name and fields,
+  which the user's own tree then stands for."""
+  if a == b:
+    return True
+  if a.num_leaves != b.num_leaves or a.num_nodes != b.num_nodes:
+    return False
+  da, db = a.node_data(), b.node_data()
+  if da is None or db is None:
+    return False  # a leaf against a node (two leaves are equal)
+  (ta, aux_a), (tb, aux_b) = da, db
+  if ta is not tb:
+    if not (
+      _is_namedtuple_class(ta)
+      and _is_namedtuple_class(tb)
+      and ta.__name__ == tb.__name__
+      and tuple(ta._fields) == tuple(tb._fields)
+    ):
+      return False
+  elif aux_a != aux_b:
+    return False
+  return all(same_tree(x, y) for x, y in zip(a.children(), b.children(), strict=True))
+
+
 def _same(want: Any, got: Any) -> None:
-  if want != got:
+  if not same_tree(want, got):
     raise PlacementError(
       f"the restored state's tree {got} is not the plain form of the template's {want}"
     )

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from jaxreshard._src.core.ids import key_name, path_id, split_id
+from jaxreshard._src.errors import PlacementError
 
 __all__ = [
   "StateParts",
@@ -38,6 +39,7 @@ __all__ = [
   "param_ids",
   "params_in",
   "path_id",
+  "require_optimizer",
 ]
 
 KeyPath = tuple[Any, ...]
@@ -85,7 +87,7 @@ def params_in(state: Any, ids: Sequence[str]) -> Any:
     pids = [path_id(p) for p, _ in with_path]
     if sorted(pids) == want:
       return jax.tree_util.tree_unflatten(treedef, pids)
-    if len(pids) <= len(want) or _is_leaf_node(node) or _is_masked_node(node):
+    if len(pids) < len(want) or _is_leaf_node(node) or _is_masked_node(node):
       return None
     for _, child in _children(node)[0]:
       found = find(child)
@@ -94,6 +96,19 @@ def params_in(state: Any, ids: Sequence[str]) -> Any:
     return None
 
   return find(state) if want else None
+
+
+def require_optimizer(optimizer: Any, hint: str = "") -> None:
+  """Refuses by name what is not an optax transformation (an object with callable
+  ``init`` and ``update``): ``optax.adam`` itself, not called, or an argument passed
+  in another's place. ``hint`` ends the message (the call's argument order)."""
+  if not (
+    callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
+  ):
+    raise PlacementError(
+      "optimizer must be an optax GradientTransformation (with init and update), got"
+      f" {type(optimizer).__name__}{hint}"
+    )
 
 
 class WrappedOptimizer(optax.GradientTransformationExtraArgs):

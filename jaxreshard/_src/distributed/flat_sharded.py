@@ -77,7 +77,10 @@ def _check_history_shapes(
 
   Raises:
     ShapeError: one is not, naming its param and both shapes.
+    PlacementError: one (a value, not a tracer) is laid out on another mesh than
+      the wrapper's: other devices, or another shape or axis names of the mesh.
   """
+  mesh = layout.sharded.mesh
   for leaf, pid in zip(jax.tree_util.tree_leaves(state), roles):
     if pid is None:
       continue
@@ -88,6 +91,27 @@ def _check_history_shapes(
         f" ({layout.world} * slots,) = {want} of its shape {shapes[pid]} over mesh axis"
         f" {layout.axis!r}; was the state built for another mesh or other params?"
       )
+    sharding = getattr(leaf, "sharding", None) if _is_concrete(leaf) else None
+    if isinstance(sharding, NamedSharding) and not _same_mesh(sharding.mesh, mesh):
+      raise PlacementError(
+        f"param {pid!r}: history buffer laid out on a mesh of shape"
+        f" {dict(sharding.mesh.shape)} over devices {_device_ids(sharding.mesh)}, not this"
+        f" optimizer's {dict(mesh.shape)} over {_device_ids(mesh)}; restore or reshard the"
+        " state onto this mesh (restore_sharded, reshard_to_mesh)"
+      )
+
+
+def _device_ids(mesh: Any) -> list[int]:
+  return [d.id for d in mesh.devices.flat]
+
+
+def _same_mesh(a: Any, b: Any) -> bool:
+  """The same devices in the same places under the same axis names (axis types aside)."""
+  return a is b or (
+    a.axis_names == b.axis_names
+    and a.devices.shape == b.devices.shape
+    and _device_ids(a) == _device_ids(b)
+  )
 
 
 def _flatten(layout: _MeshLayout, tree: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
@@ -309,6 +333,7 @@ def flat_sharded(
     >>> updates["w"].shape, float(updates["w"][1, 2])
     ((2, 3), -0.5)
   """
+  _structure.require_optimizer(optimizer, "; the arguments are (optimizer, mesh, axis)")
   layout = _MeshLayout(mesh, axis, shard_updates)
   roles_cache: dict[Any, tuple] = {}
   # ``optimizer`` with its mask and label functions seeing the params' own shapes.
@@ -317,7 +342,6 @@ def flat_sharded(
   refusal = _logical_masks.shape_dependent_refusal(optimizer)
   # params tree structure -> the shapes ``init`` saw for it (each distinct one).
   built_for: dict[Any, list[dict[str, tuple[int, ...]]]] = {}
-
   on_mesh = functools.partial(_mesh_context, layout)
 
   def roles(flat_params: Any, state: Any) -> tuple:
@@ -361,7 +385,7 @@ def flat_sharded(
     grads, params = _plain.unwrapped(grads), _plain.unwrapped(params)
     ids, leaves, _ = _structure.param_ids(grads)
     shapes = {pid: tuple(np.shape(g)) for pid, g in zip(ids, leaves)}
-    _checks.check_update_args(built_for, grads, params, refusal)
+    _checks.check_update_args(built_for, grads, params, refusal, state)
     if not jax.tree_util.tree_leaves(state):
       # No history and no clock (sgd without momentum): nothing is laid out on the
       # mesh, so the update is the optimizer's own, as optax lays it out.

@@ -3,16 +3,26 @@ by their first element, gathered to the host bit for bit."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from jax import lax
+from jax.sharding import SingleDeviceSharding
 
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = ["gather_bits", "held_as_is", "no_shard", "put_from_host", "shards_by_start"]
+__all__ = [
+  "clock_whole",
+  "clocks_whole",
+  "gather_bits",
+  "held_as_is",
+  "no_shard",
+  "put_from_host",
+  "shards_by_start",
+]
 
 
 def held_as_is(pieces: Any) -> bool:
@@ -81,3 +91,37 @@ def gather_bits(leaf: Any) -> np.ndarray:
   # Gather unsigned bits so no float path can touch NaN payloads or -0.0.
   as_bits = jax.jit(lambda x: lax.bitcast_convert_type(x, uint))(leaf)
   return np.asarray(multihost_utils.process_allgather(as_bits, tiled=True)).view(dtype)
+
+
+def clock_whole(leaf: Any, where: Callable[[], str]) -> Any:
+  """A clock leaf (not a history buffer) whole, as an archive holds it.
+
+  A replicated array is read from its first local buffer. One laid out over
+  several devices of this process is moved whole onto the first of them (bits and
+  weak type kept: a transfer, not a computation). One whose parts other processes
+  hold is refused (``where()`` names the leaf): each process writes the whole
+  clock in its archives.
+  """
+  if not isinstance(leaf, jax.Array):
+    return leaf
+  if leaf.is_fully_replicated:
+    return leaf.addressable_data(0)
+  if not leaf.is_fully_addressable:
+    raise PlacementError(
+      f"{where()}: clock leaf of shape {tuple(leaf.shape)} is laid out over devices of"
+      f" several processes ({leaf.sharding}); every archive holds the whole clock:"
+      " replicate it (PartitionSpec()) before saving"
+    )
+  return jax.device_put(leaf, SingleDeviceSharding(leaf.addressable_data(0).device))
+
+
+def clocks_whole(state: Any, leaves: list[Any], roles: Any) -> list[Any]:
+  """``state``'s flattened ``leaves`` with each clock leaf (role None) made whole by
+  :func:`clock_whole`; history leaves as they are."""
+
+  def where(i: int) -> Callable[[], str]:
+    return lambda: "state" + jax.tree_util.keystr(jax.tree_util.tree_leaves_with_path(state)[i][0])
+
+  return [
+    clock_whole(x, where(i)) if r is None else x for i, (x, r) in enumerate(zip(leaves, roles))
+  ]

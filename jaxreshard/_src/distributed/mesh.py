@@ -267,6 +267,12 @@ def optimizer_roles(
   optimizer: Any, state: Any, shapes: Mapping[str, Any]
 ) -> tuple[str | None, ...]:
   """Per-leaf roles of a state of ``optimizer`` over params with ids ``shapes``."""
+  _structure.require_optimizer(optimizer)
+  if not isinstance(shapes, Mapping) or not all(type(k) is str for k in shapes):
+    raise PlacementError(
+      f"shapes must map each param id (a str) to its shape, got {type(shapes).__name__}"
+      + (" with keys that are not all str" if isinstance(shapes, Mapping) else "")
+    )
   try:
     roles = _structure.history_roles(optimizer, _placeholder_params(state, shapes), state)
   except (ValueError, TypeError) as e:
@@ -314,13 +320,14 @@ def records_from_mesh(
   # Per history leaf, when first met: its slots and its local shards by first
   # element (a leaf's shard list is made once, not once per rank).
   local: dict[int, tuple[int, dict[int, Any]]] = {}
+  clocks = _leafshards.clocks_whole(state, leaves, roles)
   out = {}
   for rank in ranks:
     rank_leaves = []
     rank_checked = False
     for i, (leaf, role) in enumerate(zip(leaves, roles)):
       if role is None:
-        rank_leaves.append(leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
+        rank_leaves.append(clocks[i])
         continue
       found = local.get(i)
       if found is None:
@@ -439,10 +446,8 @@ def gather_from_mesh(
   leaves, treedef = jax.tree_util.tree_flatten(state)
   of = placements_for(shapes, roles, leaves, world)
   host = [
-    _leafshards.gather_bits(leaf)
-    if role is not None
-    else (leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf)
-    for leaf, role in zip(leaves, roles)
+    _leafshards.gather_bits(leaf) if role is not None else leaf
+    for leaf, role in zip(_leafshards.clocks_whole(state, leaves, roles), roles)
   ]
   records = []
   for rank in range(world):

@@ -47,6 +47,7 @@ def check_optimizer(ckpt: Checkpoint, optimizer: Any, params: Any) -> None:
       a leaf of another shape; a ``DtypeError`` (a ``PlacementError`` too)
       when every difference is a dtype.
   """
+  _structure.require_optimizer(optimizer)
   groups, expected = _target_restore.checkpoint_state(ckpt)
   _check_params(groups, params)
   if isinstance(optimizer, _structure.WrappedOptimizer):

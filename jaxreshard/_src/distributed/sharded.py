@@ -25,6 +25,7 @@ from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.distributed import leafshards as _leafshards
 from jaxreshard._src.distributed import mesh as _mesh
 from jaxreshard._src.distributed import optimizer_check as _optimizer_check
 from jaxreshard._src.distributed import target_restore as _target_restore
@@ -288,9 +289,9 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str, roles
   leaves, treedef = jax.tree_util.tree_flatten(state)
   of = _mesh.placements_for(shapes, roles, leaves, world)
   abstract = []
-  for leaf, role in zip(leaves, roles):
+  for leaf, role in zip(_leafshards.clocks_whole(state, leaves, roles), roles):
     if role is None:
-      abstract.append(_host_clock(leaf))
+      abstract.append(leaf)
     else:
       slots = FlatShard(_mesh.shape_of(shapes[role], role), 0, world).slots
       if tuple(np.shape(leaf)) != (world * slots,):
@@ -323,14 +324,12 @@ def stamped_index(
     raise AssertionError("a global index has one clock, shared by every archive")
   if len(leaves) != len(roles):
     raise AssertionError("the state is not the one whose layout the template describes")
-  leaves = [_host_clock(x) if r is None else None for x, r in zip(leaves, roles)]
+  leaves = [
+    _leafshards.clock_whole(x, lambda i=i: f"state leaf {i}") if r is None else None
+    for i, (x, r) in enumerate(zip(leaves, roles))
+  ]
   return {
     **template,
     "checkpoint": checkpoint_id,
     "clocks": [_writer.clock_scalars(0, leaves, roles)],
   }
-
-
-def _host_clock(leaf: Any) -> Any:
-  """A clock leaf as an archive holds it: a replicated jax array's first local buffer."""
-  return leaf.addressable_data(0) if isinstance(leaf, jax.Array) else leaf

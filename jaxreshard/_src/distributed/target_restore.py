@@ -34,6 +34,7 @@ from jaxreshard._src.checkpoint.reader import (
 )
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.distributed.mesh import MeshState
@@ -155,7 +156,9 @@ def _describe(leaf: Any, groups) -> str:
 def check_structure(
   expected: Any, target: Any, groups, whose: str = "the target's"
 ) -> tuple[list[str], list[Any], Any]:
-  """The expected leaves with their key paths; a target of another tree is refused.
+  """The expected leaves with their key paths, and the target's tree; a target of
+  another tree is refused (NamedTuple nodes compared by name and fields: see
+  ``plain.same_tree``).
 
   Masked positions count as leaves here, so a target that leaves out a
   parameter the optimizer masks is refused as well.
@@ -197,13 +200,14 @@ def check_structure(
         f"leaf {p}: {how} (an optax.masked or multi_transform mask other than the saved"
         " optimizer's)"
       )
-  if target_def != treedef:
+  if not _plain.same_tree(target_def, treedef):
     raise PlacementError(
       f"{whose} tree has the checkpoint's leaf paths but other node types:"
       f" {whose} {str(target_def)[:300]} vs the checkpoint's {str(treedef)[:300]}"
     )
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(expected)[0]]
-  return paths, leaves, treedef
+  # The target's own tree: its NamedTuple classes where the checkpoint has plain ones.
+  return paths, leaves, target_def
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.errors import PlacementError, ShapeError
 
@@ -98,11 +99,23 @@ def state_difference(expected: Any, state: Any) -> str:
   return _described_difference(
     f"the state has leaves {extra} that a state for these grads does not" if extra else "",
     f"it lacks leaves {missing}" if missing else "",
-    lambda: (
-      "its leaves are in other containers: state"
-      f" {str(jax.tree_util.tree_structure(state))[:200]} vs a state for these"
-      f" grads {str(jax.tree_util.tree_structure(expected))[:200]}"
+    lambda: _containers_difference(
+      jax.tree_util.tree_structure(state), jax.tree_util.tree_structure(expected)
     ),
+  )
+
+
+def _containers_difference(got: Any, want: Any) -> str:
+  if _plain.same_tree(got, want):
+    # Equal but for NamedTuple classes of the same names and fields, which print alike.
+    return (
+      "its NamedTuple nodes are other classes of the same names and fields (a checkpoint"
+      " gives back a NamedTuple of your own as a plain namedtuple): restore it with"
+      " like=opt.init(params) (restore_sharded, ReshardRestore) to get your classes back"
+    )
+  return (
+    f"its leaves are in other containers: state {str(got)[:200]} vs a state for these"
+    f" grads {str(want)[:200]}"
   )
 
 
@@ -134,11 +147,15 @@ def check_built_for(built_for: dict[Any, list[dict[str, tuple[int, ...]]]], grad
     )
 
 
-def check_update_args(built_for: dict, grads: Any, params: Any, refusal: Any) -> None:
-  """The optimizer's own ``refusal`` if any; grads (when given) like the params
-  ``init`` built the state for, and like ``params`` if given."""
+def check_update_args(
+  built_for: dict, grads: Any, params: Any, refusal: Any, state: Any = ()
+) -> None:
+  """The optimizer's own ``refusal`` if any; a ``state`` (not None); grads (when
+  given) like the params ``init`` built the state for, and like ``params`` if given."""
   if refusal is not None:
     raise refusal
+  if state is None:
+    raise PlacementError("flat_sharded: update needs the state that init returned, got None")
   if grads is None:
     return
   if params is not None:

@@ -153,13 +153,7 @@ def coordinate_roles(
 
 def _check_arguments(optimizer: Any, params: Any) -> None:
   """Refuses arguments of the wrong kind by name, before anything uses them."""
-  if not (
-    callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None))
-  ):
-    raise PlacementError(
-      "optimizer must be an optax GradientTransformation (with init and update), got"
-      f" {type(optimizer).__name__}; the arguments are (optimizer, params, state)"
-    )
+  _structure.require_optimizer(optimizer, "; the arguments are (optimizer, params, state)")
   leaves = jax.tree_util.tree_leaves(params)
   if not leaves:
     raise PlacementError(f"params ({type(params).__name__}) holds no arrays")

@@ -9,6 +9,7 @@ it atomic across hosts.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
+from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
@@ -77,9 +79,14 @@ def save_sharded(
     ArchiveExistsError: ``directory`` already exists (raised on every process),
       or another save of it is in progress.
     FileNotFoundError: its parent directory does not exist.
-    ReshardError: a state that does not match ``shapes`` (raised before
-      anything is written); ``ArchiveError`` when the checkpoint was not
-      committed (a process failed, or did not finish within ``timeout_s``).
+    ReshardError: a state that does not match ``shapes``, or a clock leaf
+      (not a history) whose parts other processes hold: every archive holds the
+      whole clock, so replicate it (raised before anything is written; one laid
+      out over this process's devices alone is saved whole); ``ArchiveError``
+      when the checkpoint was not committed (a process failed, or did not
+      finish within ``timeout_s``). Arguments of the wrong kind (a directory
+      that is not a path, ``timeout_s`` not a positive number, ``shapes`` not
+      a mapping of str ids, an optimizer not called) are refused by name.
 
   Examples:
     >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
@@ -94,7 +101,13 @@ def save_sharded(
   """
   _index.check_chunk_bytes(chunk_bytes)
   check_callback(progress)
-  final = os.path.abspath(os.fspath(directory))
+  final = _archives.path_arg(directory)
+  if (
+    isinstance(timeout_s, bool)
+    or not isinstance(timeout_s, (int, float))
+    or not (0 < timeout_s < math.inf)
+  ):
+    raise ReshardError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
   # Every process looks before any of them can commit (a commit needs all of
   # them), so all of them agree on this refusal.
   if os.path.lexists(final):
