@@ -1,6 +1,8 @@
 """The sharding-independent digest (``jr.digest``, ``jr.compare_digests``) behind ``jaxreshard verify``."""
 
+import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -161,20 +163,66 @@ def test_params_at_other_key_paths_are_another_state():
   opt = optax.sgd(0.1, momentum=0.9)
   w = np.arange(3, dtype=np.float32)
   digests = {}
-  for name, params in (("int", {0: w}), ("str", {"0": w}), ("list", [w]), ("nested", {"a": [w]})):
+  for name, params in (
+    ("int", {0: w}),
+    ("str", {"0": w}),
+    ("list", [w]),
+    ("tuple", (w,)),
+    ("nested", {"a": [w]}),
+  ):
     state = jax.tree.map(lambda x: x + 1.5, opt.init(params))
     digests[name] = jr.digest(jr.shard_state(opt, params, state, 2))
   paths = {name: d.params[next(iter(d.params))].path for name, d in digests.items()}
-  assert paths == {"int": "{0}", "str": "{'0'}", "list": "[0]", "nested": "{'a'}[0]"}
+  assert paths == {
+    "int": "{0}",
+    "str": "{'0'}",
+    "list": "[0]",
+    "tuple": "(0)",
+    "nested": "{'a'}[0]",
+  }
   assert jr.compare_digests(digests["int"], digests["str"]) == ["param '0': key path {0} != {'0'}"]
   assert jr.compare_digests(digests["int"], digests["list"]) == ["param '0': key path {0} != [0]"]
-  assert len({d.hexdigest() for d in digests.values()}) == 4
+  assert jr.compare_digests(digests["list"], digests["tuple"]) == ["param '0': key path [0] != (0)"]
+  assert len({d.hexdigest() for d in digests.values()}) == 5
   # Archives of one checkpoint that disagree on it are a problem of that checkpoint.
-  mixed = [
-    jr.shard_state(opt, params, jax.tree.map(lambda x: x + 1.5, opt.init(params)), 2)[r]
-    for r, params in ((0, {0: w}), (1, {"0": w}))
-  ]
-  assert any("key path" in p for p in jr.digest(mixed).problems)
+  for first, second in (({0: w}, {"0": w}), ([w], (w,))):
+    mixed = [
+      jr.shard_state(opt, params, jax.tree.map(lambda x: x + 1.5, opt.init(params)), 2)[r]
+      for r, params in ((0, first), (1, second))
+    ]
+    assert any("key path" in p for p in jr.digest(mixed).problems)
+
+
+def test_a_digest_with_problems_never_shares_a_hexdigest_with_one_without():
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"a": np.arange(5, dtype=np.float32)}
+  records = jr.shard_state(opt, params, jax.tree.map(lambda x: x + 1.0, opt.init(params)), 4)
+  full, missing = jr.digest(records), jr.digest(records[:3])  # rank 3 holds only padding
+  assert missing.problems == ("param 'a': ranks [3] of world size 4 are missing",)
+  assert full != missing and full.hexdigest() != missing.hexdigest()
+  assert full.hexdigest() == jr.digest(records).hexdigest()
+
+
+@pytest.mark.parametrize(
+  "call, words",
+  [
+    (lambda d, r: jr.digest(None), "digest takes a checkpoint directory"),
+    (lambda d, r: jr.digest(r[0]), "or an iterable of ShardRecords, got ShardRecord"),
+    (lambda d, r: jr.compare_digests(d, None), "compare_digests: b must be a Digest, got NoneType"),
+    (lambda d, r: jr.compare_digests("x", d), "compare_digests: a must be a Digest, got str"),
+    (
+      lambda d, r: jr.compare_digests(d, d, names=("x",)),
+      "compare_digests: names must be two strings, got ('x',)",
+    ),
+  ],
+)
+def test_digest_arguments_of_the_wrong_kind_are_refused_by_name(call, words):
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"a": np.arange(5, dtype=np.float32)}
+  records = jr.shard_state(opt, params, opt.init(params), 2)
+  with pytest.raises(jr.ReshardError) as info:
+    call(jr.digest(records), records)
+  assert words in str(info.value), str(info.value)
 
 
 @pytest.mark.slow
@@ -253,3 +301,44 @@ def test_a_clock_scalar_s_weak_type_is_part_of_the_digest(tmp_path):
   assert jr.compare_digests(jr.digest(weak), jr.digest(tmp_path / "weak")) == []
   lines = jr.compare_digests(jr.digest(tmp_path / "weak"), jr.digest(strong))
   assert len(lines) == 1 and "weak" in lines[0] and "step" in lines[0], lines
+
+
+class _Sgd(NamedTuple):
+  count: Any
+  trace: Any
+
+
+def _invalid_records(case):
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"w": np.arange(6, dtype=np.float32)}
+  base = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  if case == "int32_history":
+    return [
+      jr.ShardRecord(1, r.placements, _Sgd(np.int32(0), {"w": np.arange(3, dtype=np.int32)}))
+      for r in base
+    ]
+  if case == "record_version_2":
+    return [jr.ShardRecord(2, r.placements, r.state) for r in base]
+  return [  # storage_dtype_float64
+    jr.ShardRecord(
+      1, tuple(dataclasses.replace(q, dtype=np.dtype("float64")) for q in r.placements), r.state
+    )
+    for r in base
+  ]
+
+
+@pytest.mark.parametrize("case", ["int32_history", "record_version_2", "storage_dtype_float64"])
+def test_digest_refuses_what_every_reshard_refuses_of_an_archive_alone(case):
+  # A digest equal to a valid set's, of archives nothing can read, would say they
+  # hold that state.
+  records = _invalid_records(case)
+  with pytest.raises(jr.ReshardError) as by_reshard:
+    jr.reshard(records, jr.plan(records, world_size=3, rank=0))
+  with pytest.raises(type(by_reshard.value)) as by_digest:
+    jr.digest(records)
+  words = {
+    "int32_history": "history buffer dtype int32 is not a floating dtype",
+    "record_version_2": "param 'w': archive 0 has record version 2, which is not supported",
+    "storage_dtype_float64": "param 'w': archive 0: storage dtype float64 is not one of",
+  }[case]
+  assert words in str(by_reshard.value) and words in str(by_digest.value), (by_digest.value,)

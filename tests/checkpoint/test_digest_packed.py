@@ -9,6 +9,7 @@ mixed with records built eagerly, edited in place, or padded with nonzero bits.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import jax
@@ -168,7 +169,18 @@ def test_a_record_whose_fields_were_set_by_other_means_is_digested_param_by_para
   _assert_same(got, want)
   assert took == 2  # ranks 2 and 3
   records = _records(4)
-  object.__setattr__(records[2], "placements", records[2].placements[:1])
+  flipped = tuple(dataclasses.replace(p, trainable=not p.trainable) for p in records[2].placements)
+  object.__setattr__(records[2], "placements", flipped)
   got, took, want = _both(records, monkeypatch)
   _assert_same(got, want)
   assert got.problems and took == 2  # ranks 1 and 3
+  # Placements that leave out a param whose history the record holds: refused on
+  # both paths, as every reshard refuses the archive.
+  records = _records(4)
+  object.__setattr__(records[2], "placements", records[2].placements[:1])
+  for packed in (True, False):
+    with monkeypatch.context() as m:
+      if not packed:
+        m.setattr(_packed.PackedRanks, "add", lambda self, *a: False)
+      with pytest.raises(jr.PlacementError, match="archive 2 holds a history for it but does not"):
+        _digest.digest_records(records)

@@ -103,6 +103,10 @@ def test_a_forged_tree_is_refused_by_every_reader(saved, tmp_path, case):
   assert tree[0] == "t" and _adam(tree)[2] == "ScaleByAdamState", json.dumps(tree)
   edit(tree)
   write_consistent_index(path, index)
+  _refused_by_every_reader(path, needle)
+
+
+def _refused_by_every_reader(path, needle):
   for call in (
     lambda: jr.load_records(path),
     lambda: jr.restore(path, world_size=3, rank=0),
@@ -130,3 +134,38 @@ def test_the_unedited_tree_reads_back(saved):
   assert len(records) == 2
   assert sorted(records[0].state[0].mu) == ["a", "b"]
   assert jr.restore(saved, world_size=3, rank=0).state[0].nu.keys() == {"a", "b"}
+
+
+# A typed PRNG key in the clock (add_noise's), re-signed with another description.
+_FORGED_KEYS = {
+  "an implementation jax does not have": (
+    lambda key: key.update(key="threefry9x9"),
+    "PRNG key implementation 'threefry9x9' is not one jax has",
+  ),
+  "key data of another shape than the implementation's": (
+    lambda key: key.update(shape=[3], bytes="AAAAAAAAAAAAAAAA"),
+    "invalid threefry2x32 key data",
+  ),
+  "key data that is not uint32 words": (
+    lambda key: key.update(dtype="int32"),
+    "threefry2x32 key data must be uint32 words",
+  ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_FORGED_KEYS))
+def test_a_forged_prng_key_in_the_clock_is_refused_by_every_reader(tmp_path, case):
+  import jax  # pylint: disable=g-import-not-at-top
+
+  opt = optax.chain(
+    optax.add_noise(0.01, 0.55, key=jax.random.key(0)), optax.sgd(0.1, momentum=0.9)
+  )
+  path = tmp_path / "ckpt"
+  jr.save_records(path, jr.shard_state(opt, PARAMS, opt.init(PARAMS), 2))
+  index = read_json(path / "jaxreshard.json")
+  keys = [s for clock in index["clocks"] for s in clock if "key" in s]
+  assert len(keys) == 1 and keys[0]["key"] == "threefry2x32", index["clocks"]
+  edit, needle = _FORGED_KEYS[case]
+  edit(keys[0])
+  write_consistent_index(path, index)
+  _refused_by_every_reader(path, needle)

@@ -1,6 +1,7 @@
 """The command line given an orbax CheckpointManager run, step or item directory (real orbax)."""
 
 import json
+import os
 
 import numpy as np
 import optax
@@ -215,3 +216,35 @@ def test_temporary_directories_are_never_read_as_items_or_steps(run, tmp_path):
   data = json.loads(_run("inspect", steps, "--json").stdout)
   assert data["orbax"]["steps"] == [10, 20, 30] and data["orbax"]["item"] == "default"
   assert _run("reshard", steps, tmp_path / "out", "-w", 3, "--step", 40).exit_code == EXIT_ERROR
+
+
+def _tree(root):
+  return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_an_out_inside_the_run_or_step_around_a_checkpoint_read_is_refused(run, tmp_path):
+  # A checkpoint written there would be taken for an item of a step, and change
+  # what the run directory names (its latest step, or one step's only item).
+  before = _tree(run)
+  run_dir, step10 = run / "run", run / "run" / "10"
+  item = step10 / "default"
+  assert (item / "jaxreshard.json").is_file()
+  read, around = "a checkpoint this command reads", "the orbax run directory of a checkpoint"
+  cases = [
+    (("reshard", run_dir, run_dir / "x", "-w", 2), f"{run_dir}, {read}"),
+    (("reshard", step10, run_dir / "old10", "-w", 2), f"{os.path.realpath(run_dir)}, {around}"),
+    (("reshard", step10, step10 / "x", "-w", 2), f"{step10}, {read}"),
+    (("reshard", item, step10 / "x", "-w", 2), f"{os.path.realpath(run_dir)}, {around}"),
+    (("reshard", item, run_dir / "y", "-w", 2, "-r", 0), f"{os.path.realpath(run_dir)}, {around}"),
+    (("merge", run_dir / "m", step10), f"{os.path.realpath(run_dir)}, {around}"),
+  ]
+  for args, words in cases:
+    result = _run(*args)
+    assert result.exit_code == EXIT_ERROR, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("jaxreshard: error: ") and f"is inside {words}" in line, (args, line)
+  assert _tree(run) == before
+  # Outside the run: written, and the run still names its latest step.
+  assert _run("reshard", step10, tmp_path / "on2", "-w", 2).exit_code == 0
+  result = _run("inspect", run_dir, "--json")
+  assert result.exit_code == 0 and json.loads(result.stdout)["orbax"]["steps"] == [10, 20, 30]

@@ -210,3 +210,29 @@ def test_inspect_names_state_classes_and_counts_files_on_disk(tmp_path):
     "chain[1] InjectStatefulHyperparamsState.inner_state chain[0] ScaleByAdamState.count" in text
   )
   assert f"in {len(sizes)} files)" in text
+
+
+def test_verify_reads_a_checkpoint_whose_clock_holds_a_typed_prng_key(tmp_path):
+  # add_noise keeps a typed key (no numpy form) in its state: verify compares it
+  # like any clock scalar, against itself and against the checkpoint resharded.
+  import jax
+
+  opt = optax.chain(
+    optax.add_noise(0.01, 0.55, key=jax.random.key(3)), optax.sgd(0.1, momentum=0.9)
+  )
+  params = {"w": np.arange(5, dtype=np.float32)}
+  jr.save_records(tmp_path / "a", jr.shard_state(opt, params, opt.init(params), world_size=2))
+  assert _run("reshard", tmp_path / "a", tmp_path / "b", "-w", "3").exit_code == 0
+  for other in ("a", "b"):
+    result = _run("verify", tmp_path / "a", tmp_path / other)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("identical: 1 params, 1 buffers (5 elements), 2 clock scalars")
+  other_key = optax.chain(
+    optax.add_noise(0.01, 0.55, key=jax.random.key(4)), optax.sgd(0.1, momentum=0.9)
+  )
+  jr.save_records(
+    tmp_path / "c", jr.shard_state(other_key, params, other_key.init(params), world_size=2)
+  )
+  result = _run("verify", tmp_path / "a", tmp_path / "c")
+  assert result.exit_code == EXIT_DIFFERENT, result.output
+  assert "1 of 2 clock scalars" in result.stdout.splitlines()[0], result.stdout

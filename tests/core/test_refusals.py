@@ -16,7 +16,10 @@ archive index involved, and that the refused call changed none of its inputs.
 """
 
 import dataclasses
+import os
 import re
+import types
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -713,3 +716,58 @@ def test_a_migration_naming_a_key_path_unescaped_hears_the_id(tmp_path):
   with pytest.raises(jr.PlacementError) as info:
     jr.reshard(records, [jr.Migration("nothing/here", (6,), 0, 3, (0, 1))])
   assert str(info.value) == "param 'nothing/here': source archive 0 does not list it"
+
+
+# --- archives of one state hold their params in one tree -------------------------
+
+
+_TWO_TREES = {
+  "a_list_and_a_tuple": ([np.arange(3.0, dtype=np.float32)], (np.arange(3.0, dtype=np.float32),)),
+  "an_empty_node_in_one": (
+    {"a": np.arange(3.0, dtype=np.float32), "b": None},
+    {"a": np.arange(3.0, dtype=np.float32)},
+  ),
+  "an_empty_dict_in_one": (
+    {"a": np.arange(3.0, dtype=np.float32), "e": {}},
+    {"a": np.arange(3.0, dtype=np.float32)},
+  ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_TWO_TREES))
+def test_archives_holding_the_same_params_in_two_trees_are_refused_on_every_path(tmp_path, case):
+  # Rank 0 of one state and rank 1 of another, the same params and bits in another
+  # tree: a target would take its tree from whichever archive it read first.
+  from tests._archive_util import set_unchecked
+
+  opt = optax.sgd(0.1, momentum=0.9)
+  first, second = _TWO_TREES[case]
+  mixed = [
+    jr.shard_state(opt, first, opt.init(first), 2)[0],
+    jr.shard_state(opt, second, opt.init(second), 2)[1],
+  ]
+  words = "archives 0 and 1 hold the same params in other trees at state path [0].trace"
+  for call in (
+    lambda: jr.reshard(mixed, jr.plan(mixed, world_size=3, rank=0)),
+    lambda: jr.plan(mixed, world_size=3, rank=0),
+    lambda: jr.unshard_state(mixed),
+    lambda: jr.save_records(tmp_path / "refused", mixed),
+  ):
+    with pytest.raises(jr.PlacementError) as info:
+      call()
+    assert words in str(info.value), str(info.value)
+  assert not os.path.lexists(tmp_path / "refused")
+  # Written by a save that skips its checks (another writer), every reader refuses it.
+  from jaxreshard._src.checkpoint import writer
+
+  no_check = types.SimpleNamespace(check_one_tree=lambda *args: None)
+  with set_unchecked(), mock.patch.object(writer, "_archivecheck", no_check):
+    jr.save_records(tmp_path / "ckpt", mixed)
+  for call in (
+    lambda: jr.open_checkpoint(tmp_path / "ckpt"),
+    lambda: jr.load_records(tmp_path / "ckpt"),
+    lambda: jr.restore(tmp_path / "ckpt", world_size=3, rank=0),
+  ):
+    with pytest.raises(jr.ArchiveError) as info:
+      call()
+    assert words in str(info.value), str(info.value)

@@ -30,11 +30,13 @@ from jaxreshard._src.checkpoint import digestpacked as _packed
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import values as _values
 from jaxreshard._src.checkpoint.parampaths import ParamPaths
+from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import ShardRecord
-from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.errors import PlacementError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
 
 __all__ = [
@@ -109,11 +111,14 @@ class Digest:
   __hash__ = None  # type: ignore[assignment]  # equal digests hold unhashable mappings
 
   def hexdigest(self) -> str:
-    """One sha256 over everything above but the problems."""
+    """One sha256 over everything above, the problems too: archives with problems
+    never share a hexdigest with a set that has none."""
     h = hashlib.sha256(self.structure.encode())
     h.update(repr(self.scalars).encode())
     for pid in sorted(self.params):
       h.update(repr((pid, self.params[pid])).encode())
+    if self.problems:
+      h.update(repr(("problems", self.problems)).encode())
     return h.hexdigest()
 
 
@@ -160,7 +165,8 @@ def digest_records(records: Iterable[ShardRecord]) -> Digest:
     do not form one complete, consistent checkpoint.
 
   Raises:
-    PlacementError: an archive that cannot be taken apart at all.
+    ReshardError: an archive that cannot be taken apart, or that every reshard
+      refuses on its own (its record version, listing, storage or buffer dtypes).
 
   Examples:
     >>> import jax.numpy as jnp, optax, jaxreshard as jr
@@ -176,9 +182,10 @@ def digest_records(records: Iterable[ShardRecord]) -> Digest:
   paths = ParamPaths()
   packed = _packed.PackedRanks()  # later ranks of a deferred record's layout
   for index, record in enumerate(records):
+    _archivecheck.check_version(index, record)
     if packed.add(acc, index, record):
       continue
-    state_parts = _state_parts(index, record)
+    state_parts = _validate.check_record(index, record)[0]
     seen = len(acc.problems)
     acc.add_structure(index, state_parts, record)
     path_of = paths.of(state_parts)
@@ -227,6 +234,7 @@ class _Accumulator:
   def add_placement(self, index: int, p: Any, hist: tuple[Any, ...], path: str = "") -> None:
     """One parameter's rank: its metadata agrees, the rank is new, its buffers stream in."""
     pid = p.param
+    _validate.check_storage_dtype(p.dtype, f"param {pid!r}: archive {index}")
     words = tuple(_history_word(h) for h in hist)
     key = (tuple(p.shape), np.dtype(p.dtype).name, bool(p.trainable), p.world_size, words, path)
     if self.meta.setdefault(pid, key) != key:
@@ -251,6 +259,7 @@ class _Accumulator:
     if tuple(np.shape(buf)) != (g.slots,):
       self.problems.append(f"{where}: shape {tuple(np.shape(buf))} is not ({g.slots},)")
       return
+    _validate.check_buffer_dtype(np.asarray(buf).dtype, where)
     bits = raw_bits(buf)
     pad = np.flatnonzero(bits[g.owned :])
     if pad.size:
@@ -309,7 +318,8 @@ def digest(records_or_directory: Iterable[ShardRecord] | os.PathLike | str) -> D
 
   Raises:
     FileNotFoundError: the directory does not exist.
-    ReshardError: an archive that cannot be taken apart, or a directory that
+    ReshardError: an archive that cannot be taken apart or that every reshard
+      refuses on its own (``digest_records``), or a directory that
       is not a readable jaxreshard checkpoint.
 
   Examples:
@@ -329,6 +339,13 @@ def digest(records_or_directory: Iterable[ShardRecord] | os.PathLike | str) -> D
   """
   if isinstance(records_or_directory, (str, os.PathLike)):
     return digest_records(_stream(records_or_directory))
+  if isinstance(records_or_directory, (bytes, ShardRecord)) or not hasattr(
+    records_or_directory, "__iter__"
+  ):
+    raise ReshardError(
+      "digest takes a checkpoint directory (str or os.PathLike) or an iterable of"
+      f" ShardRecords, got {type(records_or_directory).__name__}"
+    )
   return digest_records(records_or_directory)
 
 
@@ -351,15 +368,6 @@ def structure_of(state_parts: _structure.StateParts, record: ShardRecord) -> tup
   )
   leaves = _clock_leaves(record)
   return structure, _clock.clock_key(structure, [x for _, x in leaves]), [n for n, _ in leaves]
-
-
-def _state_parts(index: int, record: Any) -> _structure.StateParts:
-  if not isinstance(record, ShardRecord):
-    raise PlacementError(f"archive {index}: expected a ShardRecord, got {type(record).__name__}")
-  try:
-    return _structure.state_parts(record.state, _structure.roles_of(record))
-  except _structure.StatePartsError as e:
-    raise PlacementError(f"archive {index}: {e}") from None
 
 
 def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
@@ -413,6 +421,13 @@ def compare_digests(a: Digest, b: Digest, *, names: tuple[str, str] = ("a", "b")
 
   Examples: see :func:`digest`.
   """
+  for what, d in (("a", a), ("b", b)):
+    if not isinstance(d, Digest):
+      raise ReshardError(f"compare_digests: {what} must be a Digest, got {type(d).__name__}")
+  if not (
+    isinstance(names, (tuple, list)) and len(names) == 2 and all(type(n) is str for n in names)
+  ):
+    raise ReshardError(f"compare_digests: names must be two strings, got {names!r}")
   return [text for _, _, text in differences(a, b, names=names)]
 
 

@@ -29,7 +29,7 @@ from jaxreshard._src.checkpoint import tempdir as _tempdir
 from jaxreshard._src.checkpoint.index import INDEX_FILE
 from jaxreshard._src.errors import ArchiveError
 
-__all__ = ["Located", "locate", "orbax_steps"]
+__all__ = ["Located", "enclosing", "locate", "orbax_steps"]
 
 _STEP_NAME = re.compile(r"(?:.*_)?([0-9]+)\Z")
 
@@ -168,6 +168,25 @@ def locate(path: os.PathLike | str, *, step: int | None = None, item: str | None
     )
   name = _take_item(steps[step], item)
   return Located(os.path.join(steps[step], name), step, tuple(steps), name)
+
+
+def enclosing(found: Located) -> list[tuple[str, str]]:
+  """The orbax directories around a found checkpoint, each with what it is: a new
+  checkpoint written below one would be taken for an item of its step, and change
+  what that step or run directory names. The run directory when the checkpoint's
+  directory is an item of one of its steps; else the step directory when the
+  checkpoint was found as one of its items; else none."""
+  step_dir = os.path.dirname(os.path.abspath(found.path))
+  run = os.path.dirname(step_dir)
+  try:
+    steps = orbax_steps(run)
+  except (OSError, ArchiveError):
+    steps = {}
+  if any(os.path.realpath(d) == os.path.realpath(step_dir) for d in steps.values()):
+    return [(run, "the orbax run directory of a checkpoint this command reads")]
+  if found.item is not None:
+    return [(step_dir, "the orbax step directory of a checkpoint this command reads")]
+  return []
 
 
 def _refuse_option(where: str, option: str, why: Any) -> None:

@@ -102,6 +102,7 @@ from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
   write_archive,
   write_checkpoint,
 )
+from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
@@ -147,6 +148,8 @@ class Checkpoint:
     i = self.index
     self.id, self.record_version, self.source = i.id, i.record_version, i.source
     self.layouts, self.clocks = i.layouts, i.clocks
+    if len(self.layouts) > 1:
+      _check_one_tree(self)
     self._lock = threading.Lock()
     self.memo = _memo.Memo()  # what validation learns of the index, for this object's life
     self.loaded = LoadedArchives()  # the assemblies whole archives are loaded with
@@ -378,3 +381,15 @@ def open_checkpoint(directory: os.PathLike | str) -> Checkpoint:
       index fails its checksum, or its index is malformed.
   """
   return Checkpoint(directory)
+
+
+def _check_one_tree(ckpt: Checkpoint) -> None:
+  """``archivecheck.check_one_tree`` of one archive per layout, as an ``ArchiveError``."""
+  firsts: dict[int, int] = {}
+  for archive, layout in enumerate(ckpt.index.archive_layout):
+    firsts.setdefault(layout, archive)
+  try:
+    _archivecheck.check_one_tree((a, ckpt.layouts[L].state_parts) for L, a in firsts.items())
+  except PlacementError as e:
+    ckpt.close()
+    raise ArchiveError(f"{ckpt.directory}: {e}") from None

@@ -176,11 +176,11 @@ def check_restorable(path: str, final: str) -> None:
   dtypes or trainability disagree. Validated from its index by the readers' own
   rules, with their messages; nothing is committed then. (A reshard's output names
   its source and may be a part of the target's ranks: its parts merge first.)"""
-  with open_checkpoint(path) as ckpt:
-    try:
+  try:
+    with open_checkpoint(path) as ckpt:
       _restore.validated_whole(ckpt)
-    except ReshardError as e:
-      raise type(e)(f"{final}: this save would not restore, so nothing is committed: {e}") from None
+  except ReshardError as e:
+    raise type(e)(f"{final}: this save would not restore, so nothing is committed: {e}") from None
 
 
 def history_bytes(record: ShardRecord) -> int:

@@ -35,6 +35,7 @@ from jaxreshard._src.checkpoint.index import (
   SourcedRecords,
   _json_digest,
 )
+from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
@@ -122,10 +123,9 @@ TABLE_MIN_BUFFERS = 256
 class IndexBuilder:
   """Collects each archive's entry of the index as records are written.
 
-  ``table``: whether the index keeps its layouts in a binary table; None (the
-  default) decides it from the first archive registered (``TABLE_MIN_BUFFERS``).
-  Every ``archive.json`` records digests in the encoding chosen, so the choice
-  is made before the first archive is written and never changes.
+  ``table``: whether the index keeps its layouts in a binary table; None decides it
+  from the first archive (``TABLE_MIN_BUFFERS``), before it is written: every
+  ``archive.json`` records digests in the encoding chosen, so it never changes.
   """
 
   def __init__(
@@ -143,10 +143,10 @@ class IndexBuilder:
     self.entries: _entries.ParamEntries | None = None  # made once ``table`` is decided
     self._sizes: list[dict[str, int]] = []  # per layout: dtype name -> elements
     self._layouts: dict[str, int] = {}
+    self._trees: dict = {}  # ``archivecheck.check_one_tree``'s, over the layouts so far
     self._layout_of_signature: dict[tuple, int] = {}
     self._clocks: dict[str, int] = {}
-    self.layouts: list[dict] = []
-    self.clocks: list[list] = []
+    self.layouts, self.clocks = [], []  # the index's lists of dicts and of lists
     self.archives: list[list | None] = []
     self._layout_digests: list[str] = []
     self.describes: dict[int, dict[str, str]] = {}  # archive -> what archive.json records
@@ -270,6 +270,7 @@ class IndexBuilder:
     key = json.dumps([tree, entries], separators=(",", ":"))
     layout = self._layouts.setdefault(key, len(self._layouts))
     if layout == len(self.layouts):
+      _archivecheck.check_one_tree([(index, state_parts)], self._trees)
       sizes: dict[str, int] = {}
       for x in entries:
         if isinstance(x, list):

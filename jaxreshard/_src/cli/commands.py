@@ -221,7 +221,8 @@ def reshard(
   """
   if reads and not dry_run:
     raise jr.ReshardError("--reads lists the reads of a dry run: give it with --dry-run")
-  source = _locate(checkpoint, step, item).path
+  located = _locate(checkpoint, step, item)
+  source = located.path
   ckpt = _reader.open_checkpoint(source)
   # Refuses a bad world size or a rank outside it before any work.
   jr.FlatShard((), 0 if rank is None else rank, world_size)
@@ -241,7 +242,7 @@ def reshard(
     raise jr.ArchiveExistsError(
       f"{safe(out)} already exists; jaxreshard never overwrites a checkpoint"
     )
-  _refuse_inside(out, [checkpoint])
+  _refuse_inside(out, [checkpoint], [located])
   total = first.bytes_read if rank is not None else _read_plan.total_bytes(ckpt)
   err = _render.err_console()
   t0 = time.perf_counter()
@@ -295,20 +296,22 @@ def _dry_run(ckpt, plans, archives, world_size: int, reads: bool, as_json: bool)
     _render.print_plans(plans, len(ckpt), n_ranks, reads)
 
 
-def _refuse_inside(out: Path, inputs: list[Path]) -> None:
-  """Refuses an output path at or below a checkpoint the command reads.
+def _refuse_inside(out: Path, inputs: list[Path], located: list[Any]) -> None:
+  """Refuses an output path at or below a checkpoint the command reads, or below
+  the orbax step or run directory around one it reads (``locate.enclosing``).
 
   Paths are compared after resolving links, so another spelling of the same
   directory is caught too.
   """
   target = os.path.realpath(out)
-  for path in inputs:
-    where = os.path.realpath(path)
-    if os.path.commonpath([target, where]) == where:
-      raise jr.ArchiveError(
-        f"{safe(out)} is inside {safe(path)}, a checkpoint this command"
-        " reads; write the new checkpoint outside it"
-      )
+  for path, found in zip(inputs, located, strict=True):
+    roots = [(path, "a checkpoint this command reads"), *_locate_mod.enclosing(found)]
+    for root, what in roots:
+      where = os.path.realpath(root)
+      if os.path.commonpath([target, where]) == where:
+        raise jr.ArchiveError(
+          f"{safe(out)} is inside {safe(root)}, {what}; write the new checkpoint outside it"
+        )
 
 
 # ------------------------------------------------------------------------- verify
@@ -459,8 +462,9 @@ def merge(
   directory, as for inspect; --step and --item choose in every PART. With
   --json: {"out", "world_size", "parts", "archives"}.
   """
-  _refuse_inside(out, parts)
-  found = [_locate(p, step, item).path for p in parts]
+  located = [_locate(p, step, item) for p in parts]
+  _refuse_inside(out, parts, located)
+  found = [x.path for x in located]
   with progress_bar(_render.err_console()) as bar:
     task = bar.add_task("merging", total=None)
     merged = _merge.merge_parts(

@@ -5,10 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import jax
-import numpy as np
-
 from jaxreshard._src.checkpoint import restore as _restore
+from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.checkpoint import summary as _summary
 
 __all__ = ["counted", "targets"]
@@ -16,11 +14,12 @@ __all__ = ["counted", "targets"]
 
 def counted(path: str, name: str, bar: Any, task: Any) -> Iterator[Any]:
   """The records of the whole checkpoint at ``path`` (``verify`` reads it), the
-  bar named ``name`` and advanced by each record's bytes once it is taken."""
+  bar named ``name`` and advanced by each record's history bytes once it is taken
+  (a typed PRNG key in the clock has no numpy form to count)."""
   bar.update(task, description=name)
   for record in _summary.complete_records(path, "verify"):
     yield record
-    bar.advance(task, sum(np.asarray(x).nbytes for x in jax.tree.leaves(record.state)))
+    bar.advance(task, _store.history_bytes(record))
 
 
 def targets(

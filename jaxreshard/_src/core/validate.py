@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxreshard._src.core import ids as _ids
 from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core.archivecheck import check_version
 from jaxreshard._src.core.clock import (
   STRUCTURE,
   ClockClasses,
@@ -33,7 +34,6 @@ from jaxreshard._src.core.clock import (
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.groups import SourceFacts, SourceGroup
 from jaxreshard._src.core.placement import SUPPORTED_DTYPES, Migration, ParamPlacement
-from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
 
 __all__ = [
@@ -92,21 +92,6 @@ def check_buffer_dtype(dtype: Any, where: str) -> None:
 _ORDER = {">": "big", "<": "little"}
 
 
-def _params_of(record: ShardRecord, limit: int = 3) -> str:
-  """``params 'a', 'b', ... (N in all)``: names a whole archive's parameters briefly."""
-  ids = [getattr(p, "param", p) for p in record.placements]
-  if not ids:
-    return "no params listed"
-  shown = ", ".join(repr(i) for i in ids[:limit])
-  more = f", ... ({len(ids)} in all)" if len(ids) > limit else ""
-  return f"param {shown}" if len(ids) == 1 else f"params {shown}{more}"
-
-
-def check_is_record(record: Any, where: str) -> None:
-  if not isinstance(record, ShardRecord):
-    raise PlacementError(f"{where}: expected a ShardRecord, got {type(record).__name__}")
-
-
 def trainable_map(trainable: Any, ids: Sequence[str]) -> dict[str, bool]:
   """``shard_state``'s ``trainable`` (None, or param id -> bool) as a dict, checked:
   every key a param of ``ids`` and every value a bool, never read by its truth (the
@@ -132,13 +117,7 @@ def check_record(
   Returns:
     Its state parts and its placements by param id.
   """
-  check_is_record(record, f"archive {index}")
-  # The int 1 itself: True and 1.0 equal it but are not a record version.
-  if type(record.version) is not int or record.version != RECORD_VERSION:
-    raise PlacementError(
-      f"{_params_of(record)}: archive {index} has record version {record.version!r},"
-      f" which is not supported (only version {RECORD_VERSION} exists)"
-    )
+  check_version(index, record)
   placements: dict[str, ParamPlacement] = {}
   for p in record.placements:
     if not isinstance(p, ParamPlacement):

@@ -19,9 +19,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import structure as _structure
-from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard, normalize_shape
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
@@ -130,7 +130,7 @@ def writer_ranks(mesh: Mesh, axis: str = "fsdp") -> list[int]:
 def _check_layout(records: Mapping[int, ShardRecord]) -> tuple[Any, tuple]:
   treedef, roles = None, None
   for rank, rec in records.items():
-    _validate.check_is_record(rec, f"rank {rank}")
+    _archivecheck.check_is_record(rec, f"rank {rank}")
     leaves, td = jax.tree_util.tree_flatten(rec.state)
     try:
       r = _structure.roles_of(rec)

@@ -28,6 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import structure as _structure
@@ -137,6 +138,7 @@ class RecordSources:
     # The layout keys numbered, so that comparing two archives' costs O(1), not
     # time in their parameters (each ``_is_uniform`` compares every archive of a group).
     self._layout_ids = _numbered([sig[0] for sig in self._signatures])
+    _check_one_tree(self._signatures, self.parts_by_archive)
     # The clock scalars held in the records' mutable containers, for ``current``.
     self._clock_guard = ClockGuard(records, self.parts_by_archive)
     # Whether a source tuple is uniform, by ``sources_key``.
@@ -331,6 +333,15 @@ def _numbered(keys: Sequence[Any]) -> list[Any]:
     except TypeError:
       out.append(("unhashable", i))
   return out
+
+
+def _check_one_tree(signatures: list[Any], parts: list[_structure.StateParts]) -> None:
+  """``archivecheck.check_one_tree`` of one archive per distinct state structure."""
+  firsts: dict[Any, int] = {}
+  for i, sig in enumerate(signatures):
+    firsts.setdefault(sig[0][0], i)
+  if len(firsts) > 1:
+    _archivecheck.check_one_tree((i, parts[i]) for i in firsts.values())
 
 
 def _signature(

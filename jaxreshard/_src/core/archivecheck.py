@@ -1,0 +1,72 @@
+"""Refusals of archives as wholes: a record of the one record version there is, and
+archives of one state whose params trees are trees of one state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+
+from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
+from jaxreshard._src.errors import PlacementError
+
+__all__ = ["check_is_record", "check_one_tree", "check_version"]
+
+
+def _params_of(record: ShardRecord, limit: int = 3) -> str:
+  """``params 'a', 'b', ... (N in all)``: names a whole archive's parameters briefly."""
+  ids = [getattr(p, "param", p) for p in record.placements]
+  if not ids:
+    return "no params listed"
+  shown = ", ".join(repr(i) for i in ids[:limit])
+  more = f", ... ({len(ids)} in all)" if len(ids) > limit else ""
+  return f"param {shown}" if len(ids) == 1 else f"params {shown}{more}"
+
+
+def check_is_record(record: Any, where: str) -> None:
+  if not isinstance(record, ShardRecord):
+    raise PlacementError(f"{where}: expected a ShardRecord, got {type(record).__name__}")
+
+
+def check_version(index: int, record: Any) -> None:
+  """A ``ShardRecord`` of the one record version there is."""
+  check_is_record(record, f"archive {index}")
+  # The int 1 itself: True and 1.0 equal it but are not a record version.
+  if type(record.version) is not int or record.version != RECORD_VERSION:
+    raise PlacementError(
+      f"{_params_of(record)}: archive {index} has record version {record.version!r},"
+      f" which is not supported (only version {RECORD_VERSION} exists)"
+    )
+
+
+def check_one_tree(
+  layouts: Iterable[tuple[int, _structure.StateParts]], seen: dict | None = None
+) -> None:
+  """Archives that hold the same params in each param-mirroring subtree hold them in
+  the same tree: a list and a tuple, or a tree with and one without an empty node
+  (``None``, ``{}``), are two states, whichever of them a target would take its tree
+  from. ``layouts``: one (archive, state parts) per distinct layout.
+
+  Raises:
+    PlacementError: naming two such archives and the subtree where they differ.
+  """
+  seen = {} if seen is None else seen
+  for archive, parts in layouts:
+    key = tuple(frozenset(m.order) for m in parts.subtrees)
+    trees = tuple(m.treedef for m in parts.subtrees)
+    first = seen.setdefault(key, (archive, trees))
+    if first[1] != trees:
+      at = next(i for i, (a, b) in enumerate(zip(first[1], trees)) if a != b)
+      where = parts.subtrees[at].prefix
+      raise PlacementError(
+        f"archives {first[0]} and {archive} hold the same params in other trees at state"
+        f" path {_path(where)} ({str(first[1][at])[:150]} vs {str(trees[at])[:150]}):"
+        " they are not archives of one state"
+      )
+
+
+def _path(prefix: tuple) -> str:
+  return jax.tree_util.keystr(prefix) or "(the root)"
