@@ -418,7 +418,7 @@ def test_a_clock_leaf_the_format_cannot_hold_is_refused_before_writing(tmp_path,
   assert not os.path.lexists(tmp_path / "ckpt")
 
 
-@pytest.mark.parametrize("chunk_bytes", [0, -1, True, 2.0, (1 << 30) + 1, 1 << 31])
+@pytest.mark.parametrize("chunk_bytes", [0, -1, True, 2.0, "x", (1 << 30) + 1, 1 << 31])
 def test_chunk_bytes_a_save_could_not_read_back_is_refused_before_writing(tmp_path, chunk_bytes):
   """One rule on every save path: a chunk is read back in one read call (Linux caps one
   call below 2 GiB), so chunk_bytes is a positive integer of at most 1 GiB."""
@@ -438,6 +438,9 @@ def test_chunk_bytes_a_save_could_not_read_back_is_refused_before_writing(tmp_pa
   with pytest.raises(jr.ReshardError, match="chunk_bytes"):
     jr.save_sharded(path, opt, state, {"w": (5,)}, mesh, chunk_bytes=chunk_bytes)
   assert not os.path.lexists(path)
+  # The handler given to a CheckpointManager (item_handlers=) takes the same rule.
+  with pytest.raises(jr.ReshardError, match="chunk_bytes"):
+    jr.ReshardCheckpointHandler(chunk_bytes=chunk_bytes)
 
 
 def test_the_largest_chunk_bytes_is_accepted(tmp_path):

@@ -677,6 +677,22 @@ def _params_and_state():
     (lambda r, p, s: jr.shard_state(None, p, s, world_size=2), ("optimizer", "NoneType")),
     (lambda r, p, s: jr.shard_state(OPT, s, p, world_size=2), ("swapped",)),
     (lambda r, p, s: jr.shard_state(OPT, None, s, world_size=2), ("params", "no arrays")),
+    (
+      lambda r, p, s: jr.shard_state(OPT, p, s, world_size=2, trainable=5),
+      ("trainable must map param ids to bools, got int",),
+    ),
+    (
+      lambda r, p, s: jr.shard_state(OPT, {"w": jax.random.key(0)}, s, world_size=2),
+      ("param 'w' has dtype key<fry>: params must be the model's float",),
+    ),
+    (
+      lambda r, p, s: jr.save_records("/nonexistent/never", 5),
+      ("save_records: records must be an iterable of ShardRecords", "got int"),
+    ),
+    (
+      lambda r, p, s: jr.save_records("/nonexistent/never", r[0]),
+      ("save_records: records must be an iterable of ShardRecords", "got ShardRecord"),
+    ),
   ],
 )
 def test_arguments_of_the_wrong_kind_are_refused_by_name(call, needles):

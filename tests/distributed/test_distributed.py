@@ -557,6 +557,14 @@ def _mesh_calls(tmp_path):
       lambda: jr.save_sharded(out, opt, state, [("w", (5,))], m4),
       "shapes must map each param id (a str) to its shape, got list",
     ),
+    "ReshardSave of params holding a float": (
+      lambda: jr.ReshardSave(state=state, optimizer=opt, params={"w": 1.0}, mesh=m4),
+      "params['w'] is a float, not an array",
+    ),
+    "ReshardSave of a number for records": (
+      lambda: jr.ReshardSave(5),
+      "ReshardSave: records must be an iterable of ShardRecords",
+    ),
     "save_sharded of shapes keyed by int": (
       lambda: jr.save_sharded(out, opt, state, {0: (5,)}, m4),
       "shapes must map each param id (a str) to its shape, got dict with keys that are not all str",
@@ -576,6 +584,8 @@ _MESH_CALLS = [
   "save_sharded with a NaN timeout",
   "save_sharded of shapes as a list",
   "save_sharded of shapes keyed by int",
+  "ReshardSave of params holding a float",
+  "ReshardSave of a number for records",
 ]
 
 

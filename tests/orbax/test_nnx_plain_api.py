@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jaxreshard as jr
-from tests._core_util import bits, device_mesh, oracle_shard
+from tests._core_util import assert_trees_bit_equal, bits, device_mesh, oracle_shard
 
 LAYERS = 12  # '10' and '11' sort before '2' as strings
 
@@ -189,3 +189,30 @@ def test_a_tree_without_nnx_nodes_is_its_own_plain_form_with_flax_loaded():
   got = _plain.plain({"opt": state, "count": 1})
   assert type(got["opt"]) is dict and got["count"] == 1
   assert np.array_equal(got["opt"]["w"], np.ones(2))
+
+
+def test_restore_sharded_checks_the_optimizer_against_nnx_params_in_plain_form(tmp_path):
+  # The save takes nnx.state(model, nnx.Param) in its plain form (ids such as
+  # layers/10/kernel): the restore's check of optimizer= and params= takes it the same.
+  import orbax.checkpoint as ocp
+
+  tx = optax.adam(1e-2)
+  model, _, path = _saved(tmp_path, tx)
+  mesh3 = device_mesh((3,), ("fsdp",), jax.devices()[4:7])
+  plain = jr.restore_sharded(path, mesh3)
+  for params in (nnx.state(model, nnx.Param), nnx.to_pure_dict(nnx.state(model, nnx.Param))):
+    for opt in (tx, jr.flat_sharded(tx, mesh3, "fsdp")):
+      got = jr.restore_sharded(path, mesh3, optimizer=opt, params=params)
+      assert_trees_bit_equal(got.state, plain.state)
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    saver = jr.ReshardSave(records=jr.load_records(path))
+    manager.save(1, args=ocp.args.Composite(opt_state=saver))
+    manager.wait_until_finished()
+    params = nnx.state(model, nnx.Param)
+    restore = jr.ReshardRestore(mesh=mesh3, optimizer=tx, params=params)
+    out = manager.restore(1, args=ocp.args.Composite(opt_state=restore))["opt_state"]
+  assert_trees_bit_equal(out, plain.state)
+  # A model of other shapes is still refused, by the ids the save stored.
+  other = _Stack(nnx.Rngs(0), LAYERS - 1)
+  with pytest.raises(jr.PlacementError, match="param 'layers/11/kernel' is in the checkpoint"):
+    jr.restore_sharded(path, mesh3, optimizer=tx, params=nnx.state(other, nnx.Param))

@@ -31,6 +31,7 @@ from jaxreshard._src.checkpoint.tempdir import (  # noqa: F401  (re-exported)
   remove_temp_dirs,
   temp_dirs,
 )
+from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.assembly import current_parts
 from jaxreshard._src.core.record import ShardRecord
@@ -122,6 +123,7 @@ def save_records(
   """
   _index.check_chunk_bytes(chunk_bytes)
   final = path_arg(directory)
+  _archivecheck.check_records_iterable(records, "save_records")
   if isinstance(records, Sequence):
     reporter = Reporter(
       "save_records", progress, where=final, total=len(records), total_bytes=_total_bytes(records)

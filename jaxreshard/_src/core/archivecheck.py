@@ -13,7 +13,7 @@ from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.errors import PlacementError
 
-__all__ = ["check_is_record", "check_one_tree", "check_version"]
+__all__ = ["check_is_record", "check_one_tree", "check_records_iterable", "check_version"]
 
 
 def _params_of(record: ShardRecord, limit: int = 3) -> str:
@@ -29,6 +29,15 @@ def _params_of(record: ShardRecord, limit: int = 3) -> str:
 def check_is_record(record: Any, where: str) -> None:
   if not isinstance(record, ShardRecord):
     raise PlacementError(f"{where}: expected a ShardRecord, got {type(record).__name__}")
+
+
+def check_records_iterable(records: Any, what: str) -> None:
+  """Refuses by name what is not an iterable of records (one record, a number, a str)."""
+  if isinstance(records, (str, bytes, ShardRecord)) or not isinstance(records, Iterable):
+    raise PlacementError(
+      f"{what}: records must be an iterable of ShardRecords (a list: one per rank),"
+      f" got {type(records).__name__}"
+    )
 
 
 def check_version(index: int, record: Any) -> None:

@@ -14,7 +14,7 @@ the sources object. Only the target geometry is checked per call.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import jax
@@ -96,6 +96,8 @@ def trainable_map(trainable: Any, ids: Sequence[str]) -> dict[str, bool]:
   """``shard_state``'s ``trainable`` (None, or param id -> bool) as a dict, checked:
   every key a param of ``ids`` and every value a bool, never read by its truth (the
   string "no" would otherwise mark a param trainable)."""
+  if trainable is not None and not isinstance(trainable, Mapping):
+    raise PlacementError(f"trainable must map param ids to bools, got {type(trainable).__name__}")
   trainable = dict(trainable or {})
   unknown = sorted(set(trainable) - set(ids))
   if unknown:

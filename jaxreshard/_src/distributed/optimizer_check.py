@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from jaxreshard._src.checkpoint.reader import Checkpoint
+from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.distributed import target_restore as _target_restore
 from jaxreshard._src.errors import DtypeError, PlacementError
@@ -48,6 +49,7 @@ def check_optimizer(ckpt: Checkpoint, optimizer: Any, params: Any) -> None:
       when every difference is a dtype.
   """
   _structure.require_optimizer(optimizer)
+  params = _plain.plain(params)  # NNX State and Variables as the archives store them
   groups, expected = _target_restore.checkpoint_state(ckpt)
   _check_params(groups, params)
   if isinstance(optimizer, _structure.WrappedOptimizer):

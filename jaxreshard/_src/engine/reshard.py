@@ -154,6 +154,12 @@ def coordinate_roles(
 def _check_arguments(optimizer: Any, params: Any) -> None:
   """Refuses arguments of the wrong kind by name, before anything uses them."""
   _structure.require_optimizer(optimizer, "; the arguments are (optimizer, params, state)")
+  check_params(params)
+
+
+def check_params(params: Any) -> None:
+  """Refuses params that are not a pytree of float arrays, naming the first leaf that
+  is not (a Python number, a string, an integer or PRNG key array)."""
   leaves = jax.tree_util.tree_leaves(params)
   if not leaves:
     raise PlacementError(f"params ({type(params).__name__}) holds no arrays")
@@ -166,7 +172,7 @@ def _check_arguments(optimizer: Any, params: Any) -> None:
       )
     if not jnp.issubdtype(dtype, jnp.floating):
       raise DtypeError(
-        f"param {_structure.path_id(path)!r} has dtype {np.dtype(dtype).name}: params must be"
+        f"param {_structure.path_id(path)!r} has dtype {getattr(dtype, 'name', dtype)}: params must be"
         " the model's float parameters (were params and state swapped? the arguments are"
         " (optimizer, params, state))"
       )

@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import reader as _reader
+from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
@@ -65,6 +66,7 @@ class Checked:
 def _shapes_of(args: ReshardSave) -> Mapping[str, Any]:
   if args.shapes is not None:
     return args.shapes
+  _reshard.check_params(args.params)
   ids, leaves, _ = _structure.param_ids(args.params)
   trainable = _validate.trainable_map(args.trainable, ids)
   return {
@@ -220,6 +222,7 @@ class ReshardSave(ocp.args.CheckpointArgs):
           "ReshardSave: trainable goes with params; with shapes, give each value a .trainable"
         )
     else:
+      _archivecheck.check_records_iterable(self.records, "ReshardSave")
       records = tuple(self.records)  # an iterator is read once, here
       source = source_of(self.records)
       self.records = records if source is None else _reader.SourcedRecords(records, source)

@@ -72,6 +72,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxreshard._src.checkpoint import historycheck as _historycheck
+from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
@@ -293,6 +294,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     ),
     timeout_secs: float | None = None,
   ):
+    _index.check_chunk_bytes(chunk_bytes)
     self._chunk_bytes = chunk_bytes
     self._primary_host = multiprocessing_options.primary_host
     self._timeout_s = (
