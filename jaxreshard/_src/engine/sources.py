@@ -138,7 +138,7 @@ class RecordSources:
     # The layout keys numbered, so that comparing two archives' costs O(1), not
     # time in their parameters (each ``_is_uniform`` compares every archive of a group).
     self._layout_ids = _numbered([sig[0] for sig in self._signatures])
-    _check_one_tree(self._signatures, self.parts_by_archive)
+    _check_one_tree(self._layout_ids, self.parts_by_archive)
     # The clock scalars held in the records' mutable containers, for ``current``.
     self._clock_guard = ClockGuard(records, self.parts_by_archive)
     # Whether a source tuple is uniform, by ``sources_key``.
@@ -335,11 +335,12 @@ def _numbered(keys: Sequence[Any]) -> list[Any]:
   return out
 
 
-def _check_one_tree(signatures: list[Any], parts: list[_structure.StateParts]) -> None:
-  """``archivecheck.check_one_tree`` of one archive per distinct state structure."""
+def _check_one_tree(layout_ids: list[Any], parts: list[_structure.StateParts]) -> None:
+  """``archivecheck.check_one_tree`` of one archive per layout (numbered: no key is
+  hashed again, which would cost time in archives times params)."""
   firsts: dict[Any, int] = {}
-  for i, sig in enumerate(signatures):
-    firsts.setdefault(sig[0][0], i)
+  for i, layout in enumerate(layout_ids):
+    firsts.setdefault(layout, i)
   if len(firsts) > 1:
     _archivecheck.check_one_tree((i, parts[i]) for i in firsts.values())
 
