@@ -206,8 +206,12 @@ def test_a_digest_with_problems_never_shares_a_hexdigest_with_one_without():
 @pytest.mark.parametrize(
   "call, words",
   [
-    (lambda d, r: jr.digest(None), "digest takes a checkpoint directory"),
-    (lambda d, r: jr.digest(r[0]), "or an iterable of ShardRecords, got ShardRecord"),
+    (
+      lambda d, r: jr.digest(None),
+      "digest (of a checkpoint directory, str or os.PathLike, or of records): records must be"
+      " an iterable of ShardRecords (a list: one per rank), got NoneType",
+    ),
+    (lambda d, r: jr.digest(r[0]), "records must be an iterable of ShardRecords"),
     (lambda d, r: jr.compare_digests(d, None), "compare_digests: b must be a Digest, got NoneType"),
     (lambda d, r: jr.compare_digests("x", d), "compare_digests: a must be a Digest, got str"),
     (

@@ -339,13 +339,9 @@ def digest(records_or_directory: Iterable[ShardRecord] | os.PathLike | str) -> D
   """
   if isinstance(records_or_directory, (str, os.PathLike)):
     return digest_records(_stream(records_or_directory))
-  if isinstance(records_or_directory, (bytes, ShardRecord)) or not hasattr(
-    records_or_directory, "__iter__"
-  ):
-    raise ReshardError(
-      "digest takes a checkpoint directory (str or os.PathLike) or an iterable of"
-      f" ShardRecords, got {type(records_or_directory).__name__}"
-    )
+  _archivecheck.check_records_iterable(
+    records_or_directory, "digest (of a checkpoint directory, str or os.PathLike, or of records)"
+  )
   return digest_records(records_or_directory)
 
 

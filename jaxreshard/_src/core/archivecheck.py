@@ -57,7 +57,8 @@ def check_one_tree(
   """Archives that hold the same params in each param-mirroring subtree hold them in
   the same tree: a list and a tuple, or a tree with and one without an empty node
   (``None``, ``{}``), are two states, whichever of them a target would take its tree
-  from. ``layouts``: one (archive, state parts) per distinct layout.
+  from. ``layouts``: one (archive, state parts) per distinct layout; ``seen``: what
+  earlier calls were given, for a caller that meets layouts one at a time.
 
   Raises:
     PlacementError: naming two such archives and the subtree where they differ.
