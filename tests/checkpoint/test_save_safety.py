@@ -5,6 +5,8 @@ size limit (``RLIMIT_FSIZE``, any user) and, where this process may mount one,
 a tiny tmpfs; a killed save is a real process killed mid-write.
 """
 
+import dataclasses
+import enum
 import errno
 import math
 import os
@@ -30,6 +32,7 @@ from tests._core_util import (
   adam_records,
   assert_records_equal,
   bits,
+  device_mesh,
   oracle_slots,
   replace_history,
   retyped_adam_records,
@@ -405,16 +408,71 @@ _UNSTORED_CLOCKS = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(_UNSTORED_CLOCKS))
-def test_a_clock_leaf_the_format_cannot_hold_is_refused_before_writing(tmp_path, case):
-  make, words = _UNSTORED_CLOCKS[case]
-  leaf = make()
+def _window(leaf):
+  """SGD with momentum after a stage whose state is one clock leaf (no param mirrors it)."""
   window = optax.GradientTransformation(lambda p: _Window(leaf), lambda u, s, p=None: (u, s))
-  opt = optax.chain(window, optax.sgd(0.1, momentum=0.9))
+  return optax.chain(window, optax.sgd(0.1, momentum=0.9))
+
+
+@pytest.mark.parametrize("case", sorted(_UNSTORED_CLOCKS))
+def test_a_clock_leaf_the_format_cannot_hold_is_refused_in_memory_as_by_a_save(tmp_path, case):
+  """One rule on every path: no path takes a clock leaf that a save refuses, so a run
+  learns of it when its state is first sharded, not at its first checkpoint."""
+  make, words = _UNSTORED_CLOCKS[case]
+  words = re.escape(f"cannot store a {words} as a scalar")
   params = {"w": jnp.arange(5.0)}
-  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
-  with pytest.raises(jr.ReshardError, match=re.escape(f"cannot store a {words} as a scalar")):
-    jr.save_records(tmp_path / "ckpt", records)
+  opt = _window(make())
+  with pytest.raises(jr.PlacementError, match=r"archive 0, clock scalar \[0\]\.window: " + words):
+    jr.shard_state(opt, params, opt.init(params), world_size=2)
+
+  # Records built by hand around it: every reshard refuses them, and so does a save.
+  fine = _window(np.float32(0.0))
+  records = [
+    dataclasses.replace(r, state=(_Window(make()), r.state[1]))
+    for r in jr.shard_state(fine, params, fine.init(params), world_size=2)
+  ]
+  for call in (
+    lambda: jr.plan(records, world_size=3, rank=0),
+    lambda: jr.unshard_state(records),
+    lambda: jr.save_records(tmp_path / "ckpt", records),
+  ):
+    with pytest.raises(jr.PlacementError, match=r"clock scalar \[0\]\.window: " + words):
+      call()
+  assert not os.path.lexists(tmp_path / "ckpt")
+
+  # The mesh path, which never takes records apart: its save refuses it by the same rule.
+  mesh = device_mesh((2,), ("fsdp",))
+  flat = jr.flat_sharded(opt, mesh, axis="fsdp")
+  with pytest.raises(jr.ReshardError, match=words):
+    jr.save_sharded(tmp_path / "mesh", opt, flat.init(params), {"w": (5,)}, mesh, axis="fsdp")
+  assert not os.path.lexists(tmp_path / "mesh")
+
+
+@pytest.mark.parametrize(
+  "value, words",
+  [
+    (2**63, "the Python int 9223372036854775808 (outside int64)"),
+    (-(2**63) - 1, "the Python int -9223372036854775809 (outside int64)"),
+    (enum.IntEnum("Mode", "A B").B, "a Python Mode (a subclass of IntEnum)"),
+    (1 + 2j, "a complex128 leaf of shape () as a scalar"),
+  ],
+)
+def test_a_python_clock_value_a_checkpoint_cannot_read_back_is_refused_by_name(
+  tmp_path, value, words
+):
+  """A Python int past int64 (or an int subclass) was written, then refused by the save's
+  read-back with no word of why; a complex one was taken in memory."""
+  opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+  params = {"w": jnp.arange(4.0)}
+  state = opt.init(params)
+  state = state._replace(hyperparams={**state.hyperparams, "learning_rate": value})
+  with pytest.raises(jr.PlacementError, match=re.escape(words)):
+    jr.shard_state(opt, params, state, world_size=2)
+  fine = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  for r in fine:
+    r.state.hyperparams["learning_rate"] = value  # optax's own idiom, after the fact
+  with pytest.raises(jr.ReshardError, match=re.escape(f"cannot store {words}")):
+    jr.save_records(tmp_path / "ckpt", fine)
   assert not os.path.lexists(tmp_path / "ckpt")
 
 

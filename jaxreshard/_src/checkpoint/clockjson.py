@@ -23,7 +23,7 @@ from jaxreshard._src.errors import ArchiveError, ReshardError
 __all__ = ["decode_scalar", "encode_scalar"]
 
 # Typed PRNG key implementations a checkpoint may name (``noisy_sgd``'s key).
-_KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+_KEY_IMPLS = _clock.KEY_IMPLS
 
 
 def _is_key(x: Any) -> bool:
@@ -32,17 +32,19 @@ def _is_key(x: Any) -> bool:
 
 
 def encode_scalar(x: Any, where: str) -> dict:
-  if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
+  why = _clock.unstorable(x)
+  if why is not None:
+    raise ReshardError(f"{where}: cannot store {why}")
+  if _clock.is_python_number(x):
     kind = type(x).__name__
     return {"py": kind, "v": x.hex() if kind == "float" else x}
   if _is_key(x):  # a typed PRNG key: its implementation and its key data
     impl = str(jax.random.key_impl(x))
-    if impl not in _KEY_IMPLS:
-      raise ReshardError(f"{where}: cannot store a PRNG key of implementation {impl!r}")
     return {"key": impl, **encode_scalar(jax.random.key_data(x), where)}
   a = np.asarray(x)
-  if a.dtype.name not in fmt.DTYPES or a.nbytes > fmt.MAX_SCALAR_BYTES:
-    raise ReshardError(f"{where}: cannot store a {a.dtype} leaf of shape {a.shape} as a scalar")
+  why = _clock.unstorable(a)  # what numpy made of it, when ``x`` only said its dtype
+  if why is not None:
+    raise ReshardError(f"{where}: cannot store {why}")
   return {
     "dtype": a.dtype.name,
     "shape": list(a.shape),

@@ -46,6 +46,7 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import dictkeys as _dictkeys
 from jaxreshard._src.checkpoint.untrusted import short
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
 
 __all__ = [
@@ -67,25 +68,8 @@ _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,9}\Z")
 # NamedTuple classes are looked up only in these (already imported) packages.
 ALLOWED_PACKAGES = ("optax",)
 
-DTYPES = {
-  name: jnp.dtype(name)
-  for name in (
-    "bool",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-  )
-}
-MAX_SCALAR_BYTES = 1 << 16  # clock scalars are tiny; refuse anything that is not
+DTYPES = {name: jnp.dtype(name) for name in _clock.CLOCK_DTYPES}
+MAX_SCALAR_BYTES = _clock.MAX_CLOCK_BYTES
 MAX_TREE_DEPTH = 200
 
 

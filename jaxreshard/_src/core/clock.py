@@ -17,10 +17,16 @@ import jax
 import numpy as np
 
 from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.errors import PlacementError
 
 __all__ = [
+  "CLOCK_DTYPES",
+  "KEY_IMPLS",
+  "MAX_CLOCK_BYTES",
   "WeakHostScalar",
+  "check_storable",
   "clock_names",
+  "unstorable",
   "is_python_number",
   "keep_weak",
   "python_dtype",
@@ -60,6 +66,97 @@ def stays_on_host(x: Any) -> bool:
   if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     return False
   return np.dtype(jax.dtypes.canonicalize_dtype(dtype)) != np.dtype(dtype)
+
+
+# --- what a checkpoint's clock can hold ---------------------------------------------
+#
+# The dtypes, size bound and PRNG key implementations of a clock scalar the
+# checkpoint format stores exactly. Every path applies this one rule: a save
+# refuses any other clock leaf, and so does taking records apart in memory, so
+# that no state a reshard accepts is refused at its first checkpoint.
+CLOCK_DTYPES = (
+  "bool",
+  "int8",
+  "int16",
+  "int32",
+  "int64",
+  "uint8",
+  "uint16",
+  "uint32",
+  "uint64",
+  "float16",
+  "bfloat16",
+  "float32",
+  "float64",
+)
+MAX_CLOCK_BYTES = 1 << 16  # clock scalars are tiny; anything larger is not a clock
+KEY_IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
+_INT64 = (-(2**63), 2**63)
+
+
+def unstorable(x: Any) -> str | None:
+  """Why a checkpoint's clock cannot hold ``x`` ("a complex64 leaf of shape () as a
+  scalar"), or None when it can.
+
+  A Python bool, float, or int within int64; a typed PRNG key of one of
+  :data:`KEY_IMPLS`; an array or scalar of one of :data:`CLOCK_DTYPES` of at
+  most :data:`MAX_CLOCK_BYTES`. Nothing is copied to look (a jax array stays
+  where it is).
+
+  Examples:
+    >>> import numpy as np
+    >>> unstorable(3) is None, unstorable(np.float32(1.0)) is None
+    (True, True)
+    >>> unstorable(np.complex64(1j))
+    'a complex64 leaf of shape () as a scalar'
+    >>> unstorable(2**64)
+    'the Python int 18446744073709551616 (outside int64)'
+  """
+  if is_python_number(x) and not isinstance(x, complex):
+    if type(x) not in (bool, int, float):  # an IntEnum: read back, it would be an int
+      return f"a Python {type(x).__name__} (a subclass of {type(x).__mro__[1].__name__})"
+    if type(x) is int and not _INT64[0] <= x < _INT64[1]:
+      return f"the Python int {x} (outside int64)"
+    return None
+  dtype = getattr(x, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    impl = str(jax.random.key_impl(x))
+    return None if impl in KEY_IMPLS else f"a PRNG key of implementation {impl!r}"
+  shape = getattr(x, "shape", None)
+  if dtype is None or shape is None:
+    a = np.asarray(x)
+    dtype, shape = a.dtype, a.shape
+  dtype = np.dtype(dtype)
+  if dtype.name not in CLOCK_DTYPES or _nbytes(shape, dtype) > MAX_CLOCK_BYTES:
+    return f"a {dtype} leaf of shape {tuple(shape)} as a scalar"
+  return None
+
+
+def check_storable(index: int, state_parts: _structure.StateParts) -> None:
+  """Refuses an archive with a clock scalar a checkpoint cannot hold (:func:`unstorable`),
+  naming it by its key path: memory takes no state that a save would refuse.
+
+  Raises:
+    PlacementError: the first such scalar, in the state's order.
+  """
+  for k, (_, x) in enumerate(state_parts.scalars):
+    why = unstorable(x)
+    if why is not None:
+      is_scalar = [
+        not isinstance(y, _structure.ParamsSubtreeSlot) for y in state_parts.skeleton_leaves
+      ]
+      path = _structure.clock_paths(state_parts.skeleton, is_scalar)[k]
+      raise PlacementError(
+        f"archive {index}, clock scalar {path}: cannot store {why}; no checkpoint can"
+        " hold this state, so it is refused in memory too"
+      )
+
+
+def _nbytes(shape: Any, dtype: np.dtype) -> int:
+  n = dtype.itemsize
+  for d in shape:
+    n *= int(d)
+  return n
 
 
 class WeakHostScalar(np.ndarray):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import ids as _ids
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.archivecheck import check_version
@@ -136,6 +137,7 @@ def check_record(
   except _structure.StatePartsError as e:
     raise PlacementError(f"archive {index}: {e}") from None
   check_listed(index, state_parts, placements)
+  _clock.check_storable(index, state_parts)
   return state_parts, placements
 
 
