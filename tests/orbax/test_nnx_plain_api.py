@@ -168,6 +168,39 @@ def test_restore_sharded_like_with_a_target_gives_the_logical_state_in_nnx_form(
     )
 
 
+def test_a_target_in_nnx_form_is_restored_in_its_own_tree(tmp_path):
+  """An nnx.Optimizer's abstract opt_state as target=: the same bits as its plain form,
+  handed back in the target's own tree (nnx.State nodes, Variables), by the function
+  and by the orbax handler alike."""
+  tx = optax.adam(1e-2)
+  _, _, path = _saved(tmp_path, tx)
+  _, logical = _trained(tx)
+  mesh3 = device_mesh((3,), ("fsdp",), jax.devices()[4:7])
+  everywhere = jax.sharding.NamedSharding(mesh3, jax.sharding.PartitionSpec())
+  target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere),
+    nnx.eval_shape(lambda: logical.opt_state),
+  )
+  assert isinstance(target[0].mu, nnx.State)
+  plain_target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=everywhere),
+    jax.eval_shape(tx.init, nnx.to_pure_dict(nnx.state(_trained(tx)[0], nnx.Param))),
+  )
+  want = _by_path(jr.restore_sharded(path, mesh3, target=plain_target).state)
+  handler = jr.ReshardCheckpointHandler()
+  for out in (
+    jr.restore_sharded(path, mesh3, target=target).state,
+    handler.restore(path, jr.ReshardRestore(mesh=mesh3, target=target)),
+  ):
+    assert jax.tree_util.tree_structure(out) == jax.tree_util.tree_structure(logical.opt_state)
+    assert isinstance(out[0].nu["layers"][10]["kernel"], nnx.Variable)
+    got = _by_path(out)
+    assert sorted(got) == sorted(want)
+    for key, leaf in got.items():
+      assert leaf.sharding == everywhere, key
+      np.testing.assert_array_equal(bits(leaf), bits(want[key]), err_msg=key)
+
+
 def test_restore_sharded_like_refuses_a_template_of_another_tree(tmp_path):
   tx = optax.adam(1e-2)
   _, _, path = _saved(tmp_path, tx)

@@ -116,7 +116,10 @@ def restore_sharded(
       tree ``optimizer.init(params)`` builds, each leaf a
       ``jax.ShapeDtypeStruct`` (or array) with ``.sharding`` set, any
       sharding per leaf, over any mesh. ``mesh`` and ``axis`` are then not
-      used: the target's shardings say where everything goes.
+      used: the target's shardings say where everything goes. A target in
+      Flax NNX form (an ``nnx.Optimizer``'s abstract ``opt_state``) is
+      restored as its plain form and returned in its own tree (``like``
+      defaults to it).
     optimizer: with ``params``, the optax transformation the restored state
       will feed (or its ``flat_sharded`` wrapper); not with ``target``.
     params: with ``optimizer``, the params pytree the state is for (arrays or
@@ -194,9 +197,14 @@ def restore_sharded(
         "restore_sharded: target= is checked against the checkpoint itself; optimizer="
         " and params= check the flat layout, without target="
       )
+    plain = _plain.plain(target)
+    if like is None and plain is not target:
+      # A target in Flax NNX form (an ``nnx.Optimizer``'s abstract ``opt_state``):
+      # restored as its plain form, handed back in its own tree, as ``like=`` does.
+      like = target
     if like is not None:  # the restored state takes the target's tree
-      _plain.check_like(like, jax.tree_util.tree_structure(target))
-    restored = _target_restore.restore_to_target(directory, target, progress=progress)
+      _plain.check_like(like, jax.tree_util.tree_structure(plain))
+    restored = _target_restore.restore_to_target(directory, plain, progress=progress)
     return _in_like(like, restored)
   world = _mesh.axis_size(mesh, axis)
   ranks = list(_mesh.mesh_ranks(mesh, axis))
