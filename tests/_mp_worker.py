@@ -276,7 +276,8 @@ def fail(opt, params, state, shapes) -> dict:
 
 def refused(opt, params, state, shapes) -> dict:
   """A save_sharded that one process's own data refuses: nonzero bits in the padding of
-  its shards (``kind`` "padding"), or its clock one step ahead ("clock"). Reports what
+  its shards (``kind`` "padding"), or its clock one step ahead ("clock"); or that every
+  process refuses: a clock leaf laid out over the devices of both ("split_clock"). Reports what
   each process raised and how soon; a process left waiting would hit the group's
   time limit, long before the save's 600 s timeout.
   """
@@ -289,7 +290,18 @@ def refused(opt, params, state, shapes) -> dict:
   spec = {p.param: p for p in next(iter(sharded.placements.values()))}
   leaves, treedef = jax.tree_util.tree_flatten(sharded.state)
   roles = structure.history_roles(opt, params, state)
-  if ME == ARGS["fail"]:
+  if ARGS["kind"] == "split_clock":
+    # Every process lays the step count out over the whole mesh, as a step's
+    # out_shardings may: a (world,) clock leaf, each process holding its part.
+    from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+
+    i = next(i for i, pid in enumerate(roles) if pid is None)
+    world = m.devices.size
+    whole = np.arange(world, dtype=np.int32)
+    leaves[i] = jax.make_array_from_callback(
+      (world,), NamedSharding(m, PartitionSpec("fsdp")), lambda index: whole[index]
+    )
+  elif ME == ARGS["fail"]:
     world = m.devices.size
     for i, (leaf, pid) in enumerate(zip(leaves, roles)):
       if ARGS["kind"] == "clock":

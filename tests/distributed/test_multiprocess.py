@@ -74,7 +74,7 @@ def job(tmp_path_factory):
         os.path.join(root, f"refused_{kind}"),
         {"path": os.path.join(root, f"refused_{kind}_ck"), "fail": 1, "kind": kind},
       )
-      for kind in ("padding", "clock")
+      for kind in ("padding", "clock", "split_clock")
     },
   }
   try:
@@ -266,6 +266,19 @@ def test_failed_write_commits_nothing_and_previous_step_restores(job, reference)
     for rank in (0, 5):
       got = manager.restore(1, args=jr.ReshardRestore(world_size=6, rank=rank))
       assert_records_equal(got, jr.reshard(records, jr.plan(records, world_size=6, rank=rank)))
+
+
+def test_a_clock_leaf_held_in_parts_by_several_processes_is_refused_by_every_one(job):
+  """Each archive holds the whole clock; no process holds the whole of this one, and none
+  may write a part of it as if it were the clock (one device's part is what a save
+  committed before, with no error)."""
+  results = sorted(job["results"]["refused_split_clock"], key=lambda r: r["process"])
+  for r in results:
+    assert r["error_type"] == "PlacementError", r
+    assert "clock leaf of shape (8,) is laid out over devices of several processes" in r["error"]
+    assert "replicate it (PartitionSpec())" in r["error"], r
+    assert r["seconds"] < 30, r
+  assert not os.path.exists(os.path.join(job["root"], "refused_split_clock_ck"))
 
 
 @pytest.mark.parametrize(
