@@ -236,3 +236,16 @@ def test_verify_reads_a_checkpoint_whose_clock_holds_a_typed_prng_key(tmp_path):
   result = _run("verify", tmp_path / "a", tmp_path / "c")
   assert result.exit_code == EXIT_DIFFERENT, result.output
   assert "1 of 2 clock scalars" in result.stdout.splitlines()[0], result.stdout
+  # inspect names the key's dtype as jax and the digest do, its value the key data.
+  key = next(
+    c
+    for c in json.loads(_run("inspect", tmp_path / "a", "--json").stdout)["clocks"]
+    if c["path"] == "[0].rng_key"
+  )
+  want = np.asarray(jax.random.key_data(jax.random.key(3)))
+  assert key["dtype"] == "key<fry>" and key["shape"] == [2], key
+  assert key["value"] == want.tolist() and key["bits"] == want.tobytes().hex(), key
+  row = next(
+    line for line in _run("inspect", tmp_path / "a").stdout.splitlines() if "rng_key" in line
+  )
+  assert "key<fry>" in row and "uint32" not in row, row

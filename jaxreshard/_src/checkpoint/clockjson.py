@@ -26,11 +26,6 @@ __all__ = ["decode_scalar", "encode_scalar"]
 _KEY_IMPLS = _clock.KEY_IMPLS
 
 
-def _is_key(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def encode_scalar(x: Any, where: str) -> dict:
   why = _clock.unstorable(x)
   if why is not None:
@@ -38,7 +33,7 @@ def encode_scalar(x: Any, where: str) -> dict:
   if _clock.is_python_number(x):
     kind = type(x).__name__
     return {"py": kind, "v": x.hex() if kind == "float" else x}
-  if _is_key(x):  # a typed PRNG key: its implementation and its key data
+  if _clock.is_key(x):  # a typed PRNG key: its implementation and its key data
     impl = str(jax.random.key_impl(x))
     return {"key": impl, **encode_scalar(jax.random.key_data(x), where)}
   a = np.asarray(x)

@@ -362,7 +362,7 @@ def structure_of(state_parts: _structure.StateParts, record: ShardRecord) -> tup
   structure = repr(
     (str(state_parts.skeleton), [jax.tree_util.keystr(m.prefix) for m in state_parts.subtrees])
   )
-  leaves = _clock_leaves(record)
+  leaves = clock_leaves(record)
   return structure, _clock.clock_key(structure, [x for _, x in leaves]), [n for n, _ in leaves]
 
 
@@ -372,10 +372,10 @@ def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
   Paths are ``_structure.clock_paths``', the name every message uses; a typed
   PRNG key's value is its key data.
   """
-  return [(path, _clock.plain(x)) for path, x in _clock_leaves(record)]
+  return [(path, _clock.plain(x)) for path, x in clock_leaves(record)]
 
 
-def _clock_leaves(record: ShardRecord) -> list[tuple[str, Any]]:
+def clock_leaves(record: ShardRecord) -> list[tuple[str, Any]]:
   """``(key path, leaf)`` of every clock scalar, the leaves as the state holds them."""
   try:
     state_parts = _structure.state_parts(record.state, _structure.roles_of(record))
@@ -391,7 +391,7 @@ def _clock_leaves(record: ShardRecord) -> list[tuple[str, Any]]:
 def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
   # A typed PRNG key is its key data, under its own dtype's name (key<fry>).
   out = []
-  for path, x in _clock_leaves(record):
+  for path, x in clock_leaves(record):
     a = _clock.plain(x)
     dtype = x.dtype if hasattr(x, "dtype") else a.dtype
     weak = " weak" if getattr(x, "weak_type", False) else ""  # how jax promotes it

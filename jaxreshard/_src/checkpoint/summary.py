@@ -98,16 +98,17 @@ def inspect_info(ckpt: _reader.Checkpoint) -> dict:
 def clock_facts(record: Any) -> list[dict]:
   """Each clock scalar of an archive; an array of many elements by its first ones."""
   out = []
-  scalars = _digest.clock_scalars(record)
-  names = _clock.clock_names(record.state, [path for path, _ in scalars])
-  for (path, a), name in zip(scalars, names):
+  leaves = _digest.clock_leaves(record)
+  names = _clock.clock_names(record.state, [path for path, _ in leaves])
+  for (path, x), name in zip(leaves, names):
+    a = _clock.plain(x)  # a typed PRNG key: its key data, under its own dtype (key<fry>)
     value, cut = _values.clock_value(a)
     shown = a.reshape(-1)[: _values.CLOCK_ELEMENTS_SHOWN] if cut else a
     out.append(
       dict(
         path=path,
         name=name,
-        dtype=a.dtype.name,
+        dtype=str(x.dtype) if _clock.is_key(x) else a.dtype.name,
         shape=list(a.shape),
         value=value,
         bits=_digest.raw_bits(shown).tobytes().hex(),

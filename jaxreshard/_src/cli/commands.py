@@ -169,7 +169,8 @@ def inspect(
   "stored_bytes", "disk_bytes", "files": the regular files under the checkpoint
   and their bytes, "orbax": null, or {"path", "step", "steps", "item"} for an
   orbax step or run directory, "clocks": a list of {"path", "name": with the
-  state classes, "dtype", "shape", "value", "bits": hex,
+  state classes, "dtype" (a typed PRNG key's as jax names it, "key<fry>", with
+  its key data for "shape", "value" and "bits"), "shape", "value", "bits": hex,
   "truncated": true when the scalar is an array of more than 16 elements, whose
   first 16 (flat) alone are in "value" and "bits"}, "clocks_agree", "source": null,
   or for the output of a reshard {"checkpoint": the identity of the checkpoint it

@@ -26,6 +26,8 @@ __all__ = [
   "WeakHostScalar",
   "check_storable",
   "clock_names",
+  "is_key",
+  "is_key_dtype",
   "unstorable",
   "is_python_number",
   "keep_weak",
@@ -63,7 +65,7 @@ def stays_on_host(x: Any) -> bool:
   if is_python_number(x):
     return True
   dtype = getattr(x, "dtype", None)
-  if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+  if dtype is None or is_key_dtype(dtype):
     return False
   return np.dtype(jax.dtypes.canonicalize_dtype(dtype)) != np.dtype(dtype)
 
@@ -118,11 +120,10 @@ def unstorable(x: Any) -> str | None:
     if type(x) is int and not _INT64[0] <= x < _INT64[1]:
       return f"the Python int {x} (outside int64)"
     return None
-  dtype = getattr(x, "dtype", None)
-  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+  if is_key(x):
     impl = str(jax.random.key_impl(x))
     return None if impl in KEY_IMPLS else f"a PRNG key of implementation {impl!r}"
-  shape = getattr(x, "shape", None)
+  dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
   if dtype is None or shape is None:
     a = np.asarray(x)
     dtype, shape = a.dtype, a.shape
@@ -233,10 +234,19 @@ def clock_difference(a: tuple[Any, ...], b: tuple[Any, ...]) -> int | None:
   return None if len(a[1]) == len(b[1]) else min(len(a[1]), len(b[1]))
 
 
+def is_key_dtype(dtype: Any) -> bool:
+  """Whether ``dtype`` is a typed PRNG key's (``key<fry>``)."""
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def is_key(x: Any) -> bool:
+  """Whether ``x`` is a typed PRNG key array (``noisy_sgd``'s, ``jax.random.key``)."""
+  return is_key_dtype(getattr(x, "dtype", None))
+
+
 def plain(x: Any) -> Any:
   """A clock leaf as numpy; typed PRNG keys (``noisy_sgd``) as their key data."""
-  dtype = getattr(x, "dtype", None)
-  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+  if is_key(x):
     return np.asarray(jax.random.key_data(x))
   return np.asarray(x)
 

@@ -268,7 +268,7 @@ def host_record(record: ShardRecord) -> ShardRecord:
 def _snapshot(x: Any) -> Any:
   """A copy of one leaf that nothing the caller does later can change."""
   if isinstance(x, jax.Array):
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    if _clock.is_key(x):
       # A typed PRNG key (``noisy_sgd``): its key data copied, wrapped as the same kind.
       data = np.array(jax.random.key_data(x), copy=True)
       return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))

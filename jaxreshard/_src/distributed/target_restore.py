@@ -230,7 +230,7 @@ def _scalar_dtypes(x: Any) -> tuple[np.dtype, ...]:
   """
   if _clock.is_python_number(x):
     return (_clock.python_dtype(x), np.dtype(type(x)))
-  if _is_key(x.dtype):
+  if _clock.is_key_dtype(x.dtype):
     return (x.dtype,)  # a typed PRNG key's own dtype: no numpy dtype describes it
   own = np.dtype(x.dtype)
   if _clock.stays_on_host(x):
@@ -238,12 +238,8 @@ def _scalar_dtypes(x: Any) -> tuple[np.dtype, ...]:
   return (own,)
 
 
-def _is_key(dtype: Any) -> bool:
-  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
 def _dtype_name(dtype: Any) -> str:
-  return str(dtype) if _is_key(dtype) else np.dtype(dtype).name
+  return str(dtype) if _clock.is_key_dtype(dtype) else np.dtype(dtype).name
 
 
 def check_leaf(path: str, leaf: Any, t: Any, groups, whose: str = "the target") -> Any:
@@ -269,7 +265,7 @@ def check_leaf(path: str, leaf: Any, t: Any, groups, whose: str = "the target") 
     return ShapeError(
       f"{what}: {whose} has shape {tuple(t.shape)} but the checkpoint holds {shape}"
     )
-  t_dtype = t.dtype if _is_key(t.dtype) else np.dtype(t.dtype)
+  t_dtype = t.dtype if _clock.is_key_dtype(t.dtype) else np.dtype(t.dtype)
   if t_dtype != dtype and (isinstance(leaf, _Hist) or t_dtype not in dtypes):
     return DtypeError(
       f"{what}: {whose} has dtype {_dtype_name(t_dtype)} but the"
@@ -470,7 +466,7 @@ def _place(leaf: Any, spec: _Spec, data: Any) -> Any:
       # A Python number (it has no placement), or a 64-bit value jax would cut
       # to 32 bits while x64 is off: handed back as it is, as ``restore`` does.
       return data
-    if _is_key(spec.dtype):
+    if _clock.is_key_dtype(spec.dtype):
       return jax.device_put(data, spec.sharding)  # a typed PRNG key moves as it is
     value = np.asarray(data)
     made = jax.make_array_from_callback(

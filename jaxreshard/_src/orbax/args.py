@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.core import archivecheck as _archivecheck
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
@@ -114,9 +115,7 @@ def check(args: ReshardSave) -> Checked:
   state_leaves, treedef = jax.tree_util.tree_flatten(args.state)
   leaves = [
     np.zeros(x.shape, x.dtype)
-    if role is None
-    and isinstance(x, jax.Array)
-    and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    if role is None and isinstance(x, jax.Array) and not _clock.is_key(x)
     else x
     for x, role in zip(state_leaves, roles)
   ]
