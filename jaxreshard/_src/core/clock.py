@@ -10,6 +10,7 @@ to 32 bits (``2**40 + 3`` to ``3``, a float64 NaN payload to another one).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -120,17 +121,31 @@ def unstorable(x: Any) -> str | None:
     if type(x) is int and not _INT64[0] <= x < _INT64[1]:
       return f"the Python int {x} (outside int64)"
     return None
-  if is_key(x):
-    impl = str(jax.random.key_impl(x))
-    return None if impl in KEY_IMPLS else f"a PRNG key of implementation {impl!r}"
   dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
   if dtype is None or shape is None:
     a = np.asarray(x)
     dtype, shape = a.dtype, a.shape
-  dtype = np.dtype(dtype)
-  if dtype.name not in CLOCK_DTYPES or _nbytes(shape, dtype) > MAX_CLOCK_BYTES:
-    return f"a {dtype} leaf of shape {tuple(shape)} as a scalar"
+  try:
+    key, itemsize = _dtype_rule(dtype)
+  except TypeError:  # a ``dtype`` attribute that is no dtype: what numpy makes of it
+    a = np.asarray(x)
+    (key, itemsize), dtype, shape = _dtype_rule(a.dtype), a.dtype, a.shape
+  if key:
+    impl = str(jax.random.key_impl(x))
+    return None if impl in KEY_IMPLS else f"a PRNG key of implementation {impl!r}"
+  if itemsize is None or _nbytes(shape, itemsize) > MAX_CLOCK_BYTES:
+    return f"a {np.dtype(dtype)} leaf of shape {tuple(shape)} as a scalar"
   return None
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_rule(dtype: Any) -> tuple[bool, int | None]:
+  """(whether ``dtype`` is a typed PRNG key's, its item size when a clock may hold it):
+  asked once per dtype, as jax's and numpy's dtype look-ups cost microseconds."""
+  if is_key_dtype(dtype):
+    return True, None
+  dtype = np.dtype(dtype)
+  return False, dtype.itemsize if dtype.name in CLOCK_DTYPES else None
 
 
 def check_storable(index: int, state_parts: _structure.StateParts) -> None:
@@ -153,8 +168,8 @@ def check_storable(index: int, state_parts: _structure.StateParts) -> None:
       )
 
 
-def _nbytes(shape: Any, dtype: np.dtype) -> int:
-  n = dtype.itemsize
+def _nbytes(shape: Any, itemsize: int) -> int:
+  n = itemsize
   for d in shape:
     n *= int(d)
   return n
