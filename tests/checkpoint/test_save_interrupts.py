@@ -94,6 +94,41 @@ def test_an_interrupt_inside_a_write_leaves_no_file_held(tmp_path, monkeypatch, 
     assert_records_equal(a, b)
 
 
+@pytest.mark.parametrize("where", ["open", "flock", "fstat"])
+def test_an_interrupt_while_the_temporary_directory_is_taken_leaves_nothing(
+  tmp_path, monkeypatch, where
+):
+  """Between the temporary directory's making and the save's hold on it (its
+  descriptor, its lock file, the lock), a ``KeyboardInterrupt`` left the directory
+  behind in a process that goes on (a notebook): it is removed as an error's is."""
+  records = adam_records(3)
+  out = str(tmp_path / "ckpt")
+  module = tempdir.fcntl if where == "flock" else tempdir.os
+  real = getattr(module, where)
+  calls = []
+
+  def interrupted(*args, **kwargs):
+    calls.append(args)
+    if len(calls) == 2 or where == "flock":  # the lock file's open, the lock, a check
+      raise KeyboardInterrupt(f"inside {where}")
+    return real(*args, **kwargs)
+
+  made = tempdir.os.mkdir
+  monkeypatch.setattr(
+    tempdir.os,
+    "mkdir",
+    lambda *a, **k: (made(*a, **k), monkeypatch.setattr(module, where, interrupted))[0],
+  )
+  with pytest.raises(KeyboardInterrupt, match=f"inside {where}"):
+    jr.save_records(out, records)
+  monkeypatch.undo()
+  assert calls, "the interrupt was never raised"
+  assert os.listdir(tmp_path) == []
+  jr.save_records(out, records)
+  for a, b in zip(jr.load_records(out), records, strict=True):
+    assert_records_equal(a, b)
+
+
 def test_a_temporary_directory_dropped_unclosed_releases_its_lock(tmp_path):
   """An interrupt between a temporary directory's making and its caller's hold on
   it drops the object: its lock goes with it, so a later save removes the

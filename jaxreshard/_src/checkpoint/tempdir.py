@@ -303,9 +303,10 @@ class TempDir:
       os.mkdir(path)
       try:
         made = cls._take(path, durable)
-      except OSError:
-        # Not taken (out of descriptors, say): what was made goes, by path (no
-        # descriptor needed); a writer's lock was never held on it.
+      except BaseException:
+        # Not taken (out of descriptors, say, or an interrupt while taking it):
+        # what was made goes, by path (no descriptor needed); ``_take`` let go
+        # of any lock it had.
         for remove, what in ((os.unlink, os.path.join(path, LOCK_FILE)), (os.rmdir, path)):
           try:
             remove(what)
