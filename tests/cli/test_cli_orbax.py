@@ -248,3 +248,22 @@ def test_an_out_inside_the_run_or_step_around_a_checkpoint_read_is_refused(run, 
   assert _run("reshard", step10, tmp_path / "on2", "-w", 2).exit_code == 0
   result = _run("inspect", run_dir, "--json")
   assert result.exit_code == 0 and json.loads(result.stdout)["orbax"]["steps"] == [10, 20, 30]
+
+
+def test_a_directory_named_like_a_step_that_orbax_did_not_commit_makes_no_run(run, tmp_path):
+  """A checkpoint at ``.../run_3/src`` (a name orbax's step pattern matches, with no step
+  of orbax's around it): its grandparent is no run directory, and an OUT beside it or
+  anywhere under that grandparent is written (all of it was refused)."""
+  import shutil
+
+  src = tmp_path / "run_3" / "src"
+  shutil.copytree(run / "plain20", src)
+  for out in (tmp_path / "run_3" / "on2", tmp_path / "elsewhere"):
+    result = _run("reshard", src, out, "-w", 2)
+    assert result.exit_code == 0, result.output
+    assert _run("verify", src, out).exit_code == 0
+  # An orbax step around it (orbax's own metadata in its directory) still refuses.
+  step = tmp_path / "orbax_run" / "7"
+  shutil.copytree(run / "run" / "10", step)
+  result = _run("reshard", step / "default", tmp_path / "orbax_run" / "x", "-w", 2)
+  assert result.exit_code == EXIT_ERROR and "the orbax run directory" in result.stderr

@@ -170,18 +170,26 @@ def locate(path: os.PathLike | str, *, step: int | None = None, item: str | None
   return Located(os.path.join(steps[step], name), step, tuple(steps), name)
 
 
+# The file orbax writes in every step directory it commits (orbax 0.12 on).
+_STEP_METADATA = "_CHECKPOINT_METADATA"
+
+
 def enclosing(found: Located) -> list[tuple[str, str]]:
   """The orbax directories around a found checkpoint, each with what it is: a new
   checkpoint written below one would be taken for an item of its step, and change
   what that step or run directory names. The run directory when the checkpoint's
-  directory is an item of one of its steps; else the step directory when the
-  checkpoint was found as one of its items; else none."""
+  directory is an item of one of its steps (a directory orbax committed: it holds
+  orbax's step metadata, so ``/data/run_3/ckpt`` alone does not make ``/data`` a run
+  directory); else the step directory when the checkpoint was found as one of its
+  items; else none."""
   step_dir = os.path.dirname(os.path.abspath(found.path))
   run = os.path.dirname(step_dir)
-  try:
-    steps = orbax_steps(run)
-  except (OSError, ArchiveError):
-    steps = {}
+  steps = {}
+  if os.path.isfile(os.path.join(step_dir, _STEP_METADATA)):
+    try:
+      steps = orbax_steps(run)
+    except (OSError, ArchiveError):
+      steps = {}
   if any(os.path.realpath(d) == os.path.realpath(step_dir) for d in steps.values()):
     return [(run, "the orbax run directory of a checkpoint this command reads")]
   if found.item is not None:
