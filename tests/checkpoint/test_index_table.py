@@ -449,6 +449,46 @@ def test_the_table_is_written_before_its_index_and_both_are_durable(tmp_path, mo
   assert read_json(_index(tmp_path / "c"))["table"]["sha256"] == hashlib.sha256(data).hexdigest()
 
 
+def test_a_table_larger_than_a_reader_reads_is_refused_by_the_save(tmp_path, monkeypatch):
+  """A reader reads at most ``MAX_TABLE_BYTES`` of a table (1 GiB; lowered here to this
+  table's size): one byte more is refused before the table is written, and nothing
+  is left; at the bound it saves and loads exactly."""
+  records = adam_records(4, SHAPES)
+  _save(tmp_path / "measured", records, table=True)
+  size = os.path.getsize(_table_path(tmp_path / "measured"))
+  shutil.rmtree(tmp_path / "measured")
+  monkeypatch.setattr(_table, "MAX_TABLE_BYTES", size - 1)
+  with pytest.raises(jr.ArchiveError) as e:
+    _save(tmp_path / "ck", records, table=True)
+  assert f"{_table.TABLE_FILE} would have {size} bytes (a reader takes {size - 1})" in str(e.value)
+  assert os.listdir(tmp_path) == []
+  monkeypatch.setattr(_table, "MAX_TABLE_BYTES", size)
+  _save(tmp_path / "ok", records, table=True)
+  for got, want in zip(jr.load_records(tmp_path / "ok"), records, strict=True):
+    assert_records_equal(got, want)
+  # A reshard's output, committed with no restore's check (it may be some ranks): to
+  # 8 ranks, a table larger than its source's.
+  from typer.testing import CliRunner
+
+  from jaxreshard._src.cli.commands import app
+
+  monkeypatch.setattr(_writer, "TABLE_MIN_BUFFERS", 0)
+
+  def reshard(out):
+    return CliRunner().invoke(app, ["reshard", str(tmp_path / "ok"), str(out), "-w", "8"])
+
+  monkeypatch.setattr(_table, "MAX_TABLE_BYTES", 1 << 30)
+  assert reshard(tmp_path / "out").exit_code == 0
+  out_size = os.path.getsize(_table_path(tmp_path / "out"))
+  assert out_size > size
+  shutil.rmtree(tmp_path / "out")
+  monkeypatch.setattr(_table, "MAX_TABLE_BYTES", out_size - 1)
+  result = reshard(tmp_path / "out")
+  assert result.exit_code == 2, result.output
+  assert f"would have {out_size} bytes (a reader takes {out_size - 1})" in result.output
+  assert os.listdir(tmp_path) == ["ok"]
+
+
 def test_an_archive_in_two_groups_of_one_rank_reads_from_a_table(tmp_path):
   # Archive 0 holds rank 0 of x and of y; archive 1 rank 1 of x, archive 2 rank 1 of y:
   # two groups meet in archive 0 at (world size 2, rank 0), whose digest covers both.

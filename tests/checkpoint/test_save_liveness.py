@@ -8,6 +8,7 @@ directory at its path is still its own and holds every file it wrote.
 Every case runs real saves and real ``clean`` processes on the real file system.
 """
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -203,6 +204,20 @@ def test_liveness_is_the_lock_not_the_pid_or_host(tmp_path):
   assert sorted(os.listdir(tmp_path)) == sorted([unrelated.name, "ckpt"])
 
 
+@contextlib.contextmanager
+def _unremovable(path):
+  """``path`` (a file) made impossible to remove for as long as the block runs."""
+  if subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode:
+    if os.geteuid() == 0:
+      pytest.skip("no chattr +i here, and root removes any file")
+    os.chmod(path.parent, 0o500)  # not root: a directory it may not change
+  try:
+    yield
+  finally:
+    subprocess.run(["chattr", "-i", str(path)], capture_output=True)
+    os.chmod(path.parent, 0o755)
+
+
 def test_a_partial_removal_is_an_error_naming_what_is_left(tmp_path):
   out = tmp_path / "ckpt"
   stale = tmp_path / f".ckpt.tmp-{'a' * 32}-1-{_archive_io._host()}"
@@ -210,21 +225,93 @@ def test_a_partial_removal_is_an_error_naming_what_is_left(tmp_path):
   (stale / "archive_00001").mkdir()
   stuck = stale / "archive_00000" / "archive.json"
   stuck.write_text("{}")
-  if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode:
-    if os.geteuid() == 0:
-      pytest.skip("no chattr +i here, and root removes any file")
-    os.chmod(stale / "archive_00000", 0o500)  # not root: a directory it may not change
-  try:
+  with _unremovable(stuck):
     result = _cli("clean", str(out))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "removed only partly" in result.stderr and str(stuck) in result.stderr
     assert "removed:" not in result.stdout
     with pytest.raises(jr.ArchiveError, match="removed only partly; left: .*archive.json"):
       _archive_io.remove_temp_dirs(str(out))
-  finally:
-    subprocess.run(["chattr", "-i", str(stuck)], capture_output=True)
-    os.chmod(stale / "archive_00000", 0o755)
   assert _archive_io.remove_temp_dirs(str(out)) == [str(stale)]
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_partial_removal_after_others_also_names_what_was_removed_before_it(tmp_path):
+  """The directories removed before the one that could not be are gone: the error
+  says which, since no list of them is returned."""
+  out = tmp_path / "ckpt"
+  host = _archive_io._host()
+  gone = tmp_path / f".ckpt.tmp-{'a' * 32}-1-{host}"  # sorted first: removed first
+  stale = tmp_path / f".ckpt.tmp-{'b' * 32}-1-{host}"
+  for d in (gone, stale):
+    (d / "archive_00000").mkdir(parents=True)
+  stuck = stale / "archive_00000" / "archive.json"
+  stuck.write_text("{}")
+  with _unremovable(stuck):
+    with pytest.raises(jr.ArchiveError) as e:
+      _archive_io.remove_temp_dirs(str(out))
+    message = str(e.value)
+    assert message.startswith(f"{stale} was removed only partly; left: {stuck} ("), message
+    assert message.endswith(f" (removed before it: {gone})"), message
+    assert not gone.exists()
+  assert _archive_io.remove_temp_dirs(str(out)) == [str(stale)]
+  assert os.listdir(tmp_path) == []
+
+
+def test_a_directory_replaced_while_a_clean_removed_it_is_left_as_it_is(tmp_path, monkeypatch):
+  """Someone renames a dead writer's directory away and makes another at its path
+  while a clean empties it: the clean stops short of removing the new one."""
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+
+  out = tmp_path / "ckpt"
+  stale = tmp_path / f".ckpt.tmp-{'a' * 32}-1-{_archive_io._host()}"
+  (stale / "archive_00000").mkdir(parents=True)
+  remove_below = _tempdir._remove_below  # pylint: disable=protected-access
+
+  def then_replaced(dfd, path, keep=""):
+    left = remove_below(dfd, path, keep)
+    if path == str(stale):
+      os.rename(stale, tmp_path / "moved")
+      stale.mkdir()  # another directory, empty, at the same path
+    return left
+
+  monkeypatch.setattr(_tempdir, "_remove_below", then_replaced)
+  with pytest.raises(jr.ArchiveError, match="was replaced while it was removed; it is left as it"):
+    _archive_io.remove_temp_dirs(str(out))
+  assert stale.is_dir() and os.listdir(stale) == []
+  assert os.listdir(tmp_path / "moved") == []  # the one it held: emptied, its lock file too
+
+
+def test_a_save_whose_every_temporary_directory_a_clean_takes_first_writes_nothing(
+  tmp_path, monkeypatch
+):
+  """A clean may take a new temporary directory's lock before its writer does (it
+  finds no writer's lock yet); the save then starts over in another, and gives up
+  after 8 such directories, having written nothing."""
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+
+  out = tmp_path / "ckpt"
+  mkdir, taken = os.mkdir, []
+
+  def then_taken(path, *args, **kwargs):
+    mkdir(path, *args, **kwargs)
+    if os.path.basename(path).startswith(".ckpt.tmp-"):
+      taken.append((path, _tempdir.hold(path)))  # the clean's probe, as it does first
+
+  monkeypatch.setattr(os, "mkdir", then_taken)
+  try:
+    with pytest.raises(jr.ArchiveError, match="taken by a concurrent clean; nothing was written"):
+      jr.save_records(out, adam_records(2))
+  finally:
+    monkeypatch.undo()
+    for _, held in taken:
+      if held is not None:
+        os.close(held[1])
+        os.close(held[0])
+  assert len(taken) == 8 and all(held is not None for _, held in taken)
+  for path, _ in taken:
+    assert os.listdir(path) == [_archive_io.LOCK_FILE]
+  assert sorted(_archive_io.remove_temp_dirs(str(out))) == sorted(p for p, _ in taken)
   assert os.listdir(tmp_path) == []
 
 

@@ -11,6 +11,7 @@ import errno
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxreshard as jr
+from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint import store as _archive_io
 from tests._core_util import (
   adam_records,
@@ -501,6 +503,15 @@ def test_chunk_bytes_a_save_could_not_read_back_is_refused_before_writing(tmp_pa
     jr.ReshardCheckpointHandler(chunk_bytes=chunk_bytes)
 
 
+@pytest.mark.parametrize("durable", [None, 0, 1, "no", np.bool_(True)])
+def test_a_durable_that_is_not_a_bool_is_refused_before_writing(tmp_path, durable):
+  """``durable=0`` or ``None`` would have saved with no fsync, ``"no"`` with every one."""
+  path = tmp_path / "ckpt"
+  with pytest.raises(jr.ReshardError, match=f"durable {re.escape(repr(durable))} must be True or"):
+    jr.save_records(path, adam_records(world=2), durable=durable)
+  assert os.listdir(tmp_path) == []
+
+
 def test_the_largest_chunk_bytes_is_accepted(tmp_path):
   records = adam_records(world=2)
   jr.save_records(tmp_path / "ckpt", records, chunk_bytes=1 << 30)
@@ -642,6 +653,58 @@ def test_a_save_out_of_descriptors_leaves_no_temporary_directory(tmp_path, monke
   assert os.listdir(tmp_path) == []
 
 
+# Every file a save creates: a buffer's zarr.json and shard file, archive.json, the index.
+_SAVED_FILES = ["zarr.json", "0", "archive.json", "jaxreshard.json"]
+
+
+@pytest.mark.parametrize("name", _SAVED_FILES)
+@pytest.mark.parametrize("failing", ["create", "write"])
+def test_a_file_that_cannot_be_made_or_written_is_an_os_error_naming_the_checkpoint(
+  tmp_path, monkeypatch, failing, name
+):
+  """ENOSPC when any one file is created (no inode left) or written (no block left):
+  the save raises it, named by the checkpoint, and leaves nothing."""
+  open_, writev = os.open, _shardfile._writev
+
+  def create_fails(file, flags, *args, **kwargs):
+    if os.fspath(file) == name and flags & os.O_EXCL:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return open_(file, flags, *args, **kwargs)
+
+  def write_fails(fd, parts):
+    if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name:
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return writev(fd, parts)
+
+  if failing == "create":
+    monkeypatch.setattr(os, "open", create_fails)
+  else:
+    monkeypatch.setattr(_shardfile, "_writev", write_fails)
+  with pytest.raises(OSError) as e:
+    jr.save_records(tmp_path / "ckpt", adam_records(2))
+  assert (e.value.errno, e.value.filename) == (errno.ENOSPC, str(tmp_path / "ckpt")), e.value
+  assert "(saving a checkpoint)" in str(e.value)
+  assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("name", _SAVED_FILES)
+def test_a_failed_fsync_of_a_file_fails_the_save_and_commits_nothing(tmp_path, monkeypatch, name):
+  """A file's fsync runs in the background while the next is written: its EIO (the
+  bytes may never reach the disk) is the save's error, and nothing is committed."""
+  fsync = os.fsync
+
+  def file_fails(fd):
+    if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name:
+      raise OSError(errno.EIO, os.strerror(errno.EIO))
+    return fsync(fd)
+
+  monkeypatch.setattr(os, "fsync", file_fails)
+  with pytest.raises(OSError) as e:
+    jr.save_records(tmp_path / "ckpt", adam_records(2))
+  assert (e.value.errno, e.value.filename) == (errno.EIO, str(tmp_path / "ckpt")), e.value
+  assert os.listdir(tmp_path) == []
+
+
 def _left(tmp_path) -> list[str]:
   return sorted(os.listdir(tmp_path))
 
@@ -671,6 +734,51 @@ def test_more_optimizer_scalars_than_a_reader_takes_are_refused_by_the_save(tmp_
   with pytest.raises(jr.ArchiveError, match="would not load.*1040 optimizer scalars"):
     jr.save_records(str(tmp_path / "ck"), records)
   assert _left(tmp_path) == []
+
+
+def test_an_index_larger_than_a_reader_reads_is_refused_by_the_save(tmp_path, monkeypatch):
+  """A reader reads at most ``MAX_INDEX_BYTES`` of an index (64 MiB, some 10**5 params;
+  lowered here to this index's size): one byte more is refused before the index is
+  written, and nothing is left; at the bound it saves and loads exactly."""
+  from jaxreshard._src.checkpoint import reader as _reader
+  from jaxreshard._src.checkpoint import writer as _writer
+
+  records = adam_records(2)
+  jr.save_records(tmp_path / "measured", records)
+  size = os.path.getsize(tmp_path / "measured" / "jaxreshard.json")
+  shutil.rmtree(tmp_path / "measured")
+  for module in (_writer, _reader):
+    monkeypatch.setattr(module, "MAX_INDEX_BYTES", size - 1)
+  with pytest.raises(jr.ArchiveError) as e:
+    jr.save_records(tmp_path / "ck", records)
+  assert f"jaxreshard.json would have {size} bytes (a reader takes {size - 1})" in str(e.value)
+  assert _left(tmp_path) == []
+  for module in (_writer, _reader):
+    monkeypatch.setattr(module, "MAX_INDEX_BYTES", size)
+  jr.save_records(tmp_path / "ok", records)
+  for got, want in zip(jr.load_records(tmp_path / "ok"), records, strict=True):
+    assert_records_equal(got, want)
+  # A reshard's output, committed with no restore's check (it may be some ranks): its
+  # index names its source, so it is larger than its source's.
+  from typer.testing import CliRunner
+
+  from jaxreshard._src.cli.commands import app
+
+  def reshard(out):
+    return CliRunner().invoke(app, ["reshard", str(tmp_path / "ok"), str(out), "-w", "3"])
+
+  for module in (_writer, _reader):
+    monkeypatch.setattr(module, "MAX_INDEX_BYTES", 64 << 20)
+  assert reshard(tmp_path / "out").exit_code == 0
+  out_size = os.path.getsize(tmp_path / "out" / "jaxreshard.json")
+  assert out_size > size
+  shutil.rmtree(tmp_path / "out")
+  for module in (_writer, _reader):
+    monkeypatch.setattr(module, "MAX_INDEX_BYTES", out_size - 1)
+  result = reshard(tmp_path / "out")
+  assert result.exit_code == 2, result.output
+  assert f"would have {out_size} bytes (a reader takes {out_size - 1})" in result.output
+  assert _left(tmp_path) == ["ok"]
 
 
 @pytest.mark.parametrize("n", [4, 300])  # the JSON index; the binary table (>= 256 buffers)

@@ -999,6 +999,36 @@ def test_merge_refuses_a_part_that_does_not_say_its_source(parts, tmp_path, edit
   assert _leftovers(tmp_path, "out") == []
 
 
+def test_merge_refuses_a_part_whose_archive_holds_two_ranks(tmp_path):
+  """A reshard's part holds one rank of every group in each archive. A hand-made part
+  whose archive holds rank 0 of one param and rank 1 of another is refused: merged by
+  one group's rank, it made a checkpoint holding rank 1 of the other twice (and its
+  rank 0 nowhere), which every restore refused."""
+  from jaxreshard._src.checkpoint import reader as _reader
+  from tests._core_util import adam_records
+
+  records = adam_records(2, {"a": ((4,), jnp.float32), "b": ((6,), jnp.float32)})
+  jr.save_records(tmp_path / "src", records)
+  source = _reader.Source(jr.open_checkpoint(tmp_path / "src").id, 2)
+  first, second = records
+  leaves, treedef = jax.tree.flatten(first.state)
+  theirs = jax.tree.leaves(second.state)
+  mixed = jr.ShardRecord(
+    first.version,
+    tuple(q if p.param == "b" else p for p, q in zip(first.placements, second.placements)),
+    jax.tree.unflatten(
+      treedef, [y if r == "b" else x for x, y, r in zip(leaves, theirs, first.roles)]
+    ),
+    first.roles,
+  )
+  assert {(p.param, p.rank) for p in mixed.placements} == {("a", 0), ("b", 1)}
+  jr.save_records(tmp_path / "p0", _reader.SourcedRecords([mixed], source))
+  jr.save_records(tmp_path / "p1", _reader.SourcedRecords([second], source))
+  line = _one_line_error(_run("merge", tmp_path / "out", tmp_path / "p0", tmp_path / "p1"))
+  assert f"{tmp_path / 'p0'}: archive 0 holds rank 0 of one group and rank 1 of another" in line
+  assert _leftovers(tmp_path, "out") == []
+
+
 @pytest.mark.parametrize(
   "edit, needle",
   [
