@@ -203,3 +203,26 @@ def test_a_pause_left_on_by_a_thread_that_a_fork_drops_ends_in_the_child():
     release.set()
     t.join(10)
   assert gc.isenabled()
+
+
+def test_a_checkpoint_name_of_up_to_255_bytes_is_saved_and_its_leftovers_found(tmp_path):
+  """A legal name too long for the temporary sibling's name with its suffix (uuid, pid,
+  host) raised ENAMETOOLONG "making the temporary directory of a save". The sibling
+  carries it cut, with a hash of the whole: names alike but for their ends stay apart."""
+  records = adam_records(3)
+  for name in ("a" * 255, "a" * 254 + "b", "é" * 100 + "x" * 50):
+    out = str(tmp_path / name)
+    jr.save_records(out, records)
+    for a, b in zip(jr.load_records(out), records, strict=True):
+      assert_records_equal(a, b)
+  stems = {tempdir.temp_stem(n) for n in ("a" * 255, "a" * 254 + "b")}
+  assert len(stems) == 2
+  # A killed save's sibling of a long name: found and removed by the next save's
+  # cleanup (``clean``), and never taken for another name's.
+  final = str(tmp_path / ("c" * 240))
+  tmp = tempdir.new_temp_dir(final)
+  leftover = tmp.path
+  assert len(os.path.basename(leftover).encode()) <= 255
+  del tmp  # its lock goes with it, as with a killed writer's
+  assert tempdir.remove_temp_dirs(str(tmp_path / ("c" * 239 + "d"))) == []
+  assert tempdir.remove_temp_dirs(final) == [leftover]

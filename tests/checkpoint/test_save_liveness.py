@@ -21,6 +21,7 @@ import pytest
 
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import store as _archive_io
+from jaxreshard._src.checkpoint import tempname as _tempname
 from tests._core_util import adam_records, assert_records_equal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -159,7 +160,7 @@ def test_liveness_is_the_lock_not_the_pid_or_host(tmp_path):
   out = tmp_path / "ckpt"
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
-  host = _archive_io._host()
+  host = _tempname.host()
   stale = tmp_path / f".ckpt.tmp-{'a' * 32}-{dead.pid}-{host}"
   # A dead pid in its name (a writer in another pid namespace), its lock held.
   locked = tmp_path / f".ckpt.tmp-{'b' * 32}-{dead.pid}-{host}"
@@ -220,7 +221,7 @@ def _unremovable(path):
 
 def test_a_partial_removal_is_an_error_naming_what_is_left(tmp_path):
   out = tmp_path / "ckpt"
-  stale = tmp_path / f".ckpt.tmp-{'a' * 32}-1-{_archive_io._host()}"
+  stale = tmp_path / f".ckpt.tmp-{'a' * 32}-1-{_tempname.host()}"
   (stale / "archive_00000").mkdir(parents=True)
   (stale / "archive_00001").mkdir()
   stuck = stale / "archive_00000" / "archive.json"
@@ -240,7 +241,7 @@ def test_a_partial_removal_after_others_also_names_what_was_removed_before_it(tm
   """The directories removed before the one that could not be are gone: the error
   says which, since no list of them is returned."""
   out = tmp_path / "ckpt"
-  host = _archive_io._host()
+  host = _tempname.host()
   gone = tmp_path / f".ckpt.tmp-{'a' * 32}-1-{host}"  # sorted first: removed first
   stale = tmp_path / f".ckpt.tmp-{'b' * 32}-1-{host}"
   for d in (gone, stale):
@@ -264,7 +265,7 @@ def test_a_directory_replaced_while_a_clean_removed_it_is_left_as_it_is(tmp_path
   from jaxreshard._src.checkpoint import tempdir as _tempdir
 
   out = tmp_path / "ckpt"
-  stale = tmp_path / f".ckpt.tmp-{'a' * 32}-1-{_archive_io._host()}"
+  stale = tmp_path / f".ckpt.tmp-{'a' * 32}-1-{_tempname.host()}"
   (stale / "archive_00000").mkdir(parents=True)
   remove_below = _tempdir._remove_below  # pylint: disable=protected-access
 

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint import store as _archive_io
+from jaxreshard._src.checkpoint import tempname as _tempname
 from tests._core_util import (
   adam_records,
   assert_records_equal,
@@ -241,9 +242,9 @@ def test_clean_command_removes_what_a_dead_writer_left(tmp_path):
   out = tmp_path / "ckpt"
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
   dead.wait()
-  stale = tmp_path / f".ckpt.tmp-{'a' * 32}-{dead.pid}-{_archive_io._host()}"
+  stale = tmp_path / f".ckpt.tmp-{'a' * 32}-{dead.pid}-{_tempname.host()}"
   other = tmp_path / f".ckpt.tmp-{'c' * 32}-1-some.other.host"
-  unrelated = tmp_path / f".ckpt2.tmp-{'d' * 32}-{dead.pid}-{_archive_io._host()}"
+  unrelated = tmp_path / f".ckpt2.tmp-{'d' * 32}-{dead.pid}-{_tempname.host()}"
   for d in (stale, other, unrelated):
     (d / "archive_00000").mkdir(parents=True)
   result = CliRunner().invoke(app, ["clean", str(out)])

@@ -25,7 +25,6 @@ from jaxreshard._src.checkpoint.reader import (
 from jaxreshard._src.checkpoint.tempdir import (  # noqa: F401  (re-exported)
   LOCK_FILE,
   TempDir,
-  _host,
   commit_dir,
   new_temp_dir,
   remove_temp_dirs,

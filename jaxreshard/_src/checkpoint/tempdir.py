@@ -10,23 +10,23 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
-import socket
 import stat
-import uuid
 
 import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import shardfile as _shardfile
+from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.checkpoint.index import ARCHIVE_FILE, INDEX_FILE
 from jaxreshard._src.checkpoint.rename import commit_dir
 from jaxreshard._src.checkpoint.table import TABLE_FILE
+from jaxreshard._src.checkpoint.tempname import ORBAX_TEMP_SUFFIX, is_temporary, temp_stem
 from jaxreshard._src.checkpoint.writer import IndexBuilder
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
 
 __all__ = [
   "LOCK_FILE",
+  "ORBAX_TEMP_SUFFIX",
   "TempDir",
   "commit_dir",
   "has_lock_file",
@@ -36,27 +36,8 @@ __all__ = [
   "new_temp_dir",
   "remove_temp_dirs",
   "temp_dirs",
+  "temp_stem",
 ]
-
-
-_TEMP = re.compile(r"\.(?P<name>.+)\.tmp-[0-9a-f]{32}-(?P<pid>[0-9]+)-(?P<host>[A-Za-z0-9._-]*)\Z")
-
-# Orbax's temporary directories: its commit renames ``NAME`` + this (and what it may
-# add after it) to ``NAME``.
-ORBAX_TEMP_SUFFIX = ".orbax-checkpoint-tmp"
-
-
-def is_temporary(name: str) -> bool:
-  """Whether ``name`` is a save's temporary directory (jaxreshard's or orbax's): never
-  a checkpoint, a step or an item to read, whatever it holds.
-
-  Examples:
-    >>> is_temporary(".ckpt.tmp-" + "0" * 32 + "-7-host"), is_temporary("7.orbax-checkpoint-tmp")
-    (True, True)
-    >>> is_temporary("ckpt"), is_temporary("7")
-    (False, False)
-  """
-  return bool(_TEMP.match(name)) or ORBAX_TEMP_SUFFIX in name
 
 
 LOCK_FILE = ".jaxreshard-save.lock"
@@ -64,10 +45,6 @@ LOCK_FILE = ".jaxreshard-save.lock"
 for the whole save: a directory whose lock nobody holds has no writer."""
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def _host() -> str:
-  return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64]
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -114,6 +91,7 @@ def temp_dirs(final: str, *, strict: bool = False) -> list[tuple[str, bool]]:
   decides it: process ids repeat across pid namespaces that share a host name.
   """
   parent, name = os.path.split(final)
+  stem = temp_stem(name)
   out = []
   try:
     entries = os.listdir(parent)
@@ -122,8 +100,8 @@ def temp_dirs(final: str, *, strict: bool = False) -> list[tuple[str, bool]]:
       raise OSError(e.errno, f"{e.strerror} (listing it for saves to {final})", parent) from None
     return out
   for entry in sorted(entries):
-    m = _TEMP.match(entry)
-    ours = bool(m) and m["name"] == name
+    m = _tempname.TEMP_NAME.match(entry)
+    ours = bool(m) and m["name"] == stem
     # Orbax's temporary directory of a save_sharded (or of a CheckpointManager with
     # DurableRenameTemporaryPath): its lock file says its writer follows this protocol;
     # without one, orbax's own writers hold no lock, and liveness cannot be decided.
@@ -178,11 +156,6 @@ def _still_there(path: str, dfd: int, lfd: int) -> bool:
     and _same_file(os.stat(path, follow_symlinks=False), os.fstat(dfd))
     and _same_file(os.stat(LOCK_FILE, dir_fd=dfd, follow_symlinks=False), os.fstat(lfd))
   )
-
-
-def _this_host(path: str) -> bool:
-  m = _TEMP.match(os.path.basename(path))
-  return bool(m) and m["host"] == _host()
 
 
 def _remove_below(dfd: int, path: str, keep: str = "") -> list[str]:
@@ -258,7 +231,7 @@ def remove_temp_dirs(final: str, *, everything: bool = False) -> list[str]:
   """
   removed = []
   for path, gone in temp_dirs(final):
-    if not gone or not (everything or _this_host(path)):
+    if not gone or not (everything or _tempname.this_host(path)):
       continue
     dfd, lfd = _lock_probe(path)  # taken again, and held while removing
     if dfd is None:
@@ -299,7 +272,7 @@ class TempDir:
   def create(cls, final: str, durable: bool = True) -> TempDir:
     parent, base = os.path.split(final)
     for _ in range(8):
-      path = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex}-{os.getpid()}-{_host()}")
+      path = os.path.join(parent, _tempname.new_name(base))
       os.mkdir(path)
       try:
         made = cls._take(path, durable)

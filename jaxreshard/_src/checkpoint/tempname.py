@@ -1,0 +1,93 @@
+"""The names of the temporary directories saves write into before their commit.
+
+A save to ``NAME`` writes into the hidden sibling ``.NAME.tmp-ID-PID-HOST`` (``ID``
+32 hex digits); orbax's commit renames ``NAME`` + :data:`ORBAX_TEMP_SUFFIX`. What
+a name says is only read to find a checkpoint's own siblings and to show them:
+whether a writer is alive is its lock's to say (``tempdir``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+import uuid
+
+__all__ = [
+  "ORBAX_TEMP_SUFFIX",
+  "TEMP_NAME",
+  "host",
+  "is_temporary",
+  "new_name",
+  "temp_stem",
+  "this_host",
+]
+
+TEMP_NAME = re.compile(
+  r"\.(?P<name>.+)\.tmp-[0-9a-f]{32}-(?P<pid>[0-9]+)-(?P<host>[A-Za-z0-9._-]*)\Z"
+)
+
+# A directory's name holds at most 255 bytes (Linux's NAME_MAX). A temporary
+# sibling's name is the checkpoint's with ``.`` before it and, after it, ``.tmp-``,
+# 32 hex digits, the process id (at most 7 digits under Linux's pid_max, 20 here)
+# and the host (at most 64 bytes): a checkpoint name too long to leave room for
+# them is cut in its sibling's name, a hash of the whole name after the cut, so
+# that the siblings of two names never share a name and ``clean`` finds each one's.
+_NAME_MAX = 255
+_AROUND_NAME = 1 + len(".tmp-") + 32 + 1 + 20 + 1 + 64
+_HASH_CHARS = 16
+
+
+def temp_stem(name: str) -> str:
+  """The checkpoint name ``name`` as its temporary siblings carry it: itself, or cut
+  and followed by ``~`` and a hash of the whole when it is too long.
+
+  Examples:
+    >>> temp_stem("ckpt")
+    'ckpt'
+    >>> stem = temp_stem("c" * 250)
+    >>> len(stem.encode()) + _AROUND_NAME <= 255, stem[:4], stem[-17]
+    (True, 'cccc', '~')
+  """
+  raw = os.fsencode(name)
+  if len(raw) + _AROUND_NAME <= _NAME_MAX:
+    return name
+  keep = _NAME_MAX - _AROUND_NAME - 1 - _HASH_CHARS
+  digest = hashlib.sha256(raw).hexdigest()[:_HASH_CHARS]
+  # Cut as bytes: a character cut in two is kept as escapes, which give back its bytes.
+  return f"{os.fsdecode(raw[:keep])}~{digest}"
+
+
+# Orbax's temporary directories: its commit renames ``NAME`` + this (and what it may
+# add after it) to ``NAME``.
+ORBAX_TEMP_SUFFIX = ".orbax-checkpoint-tmp"
+
+
+def is_temporary(name: str) -> bool:
+  """Whether ``name`` is a save's temporary directory (jaxreshard's or orbax's): never
+  a checkpoint, a step or an item to read, whatever it holds.
+
+  Examples:
+    >>> is_temporary(".ckpt.tmp-" + "0" * 32 + "-7-host"), is_temporary("7.orbax-checkpoint-tmp")
+    (True, True)
+    >>> is_temporary("ckpt"), is_temporary("7")
+    (False, False)
+  """
+  return bool(TEMP_NAME.match(name)) or ORBAX_TEMP_SUFFIX in name
+
+
+def new_name(base: str) -> str:
+  """A new temporary sibling's name for a save to the checkpoint named ``base``."""
+  return f".{temp_stem(base)}.tmp-{uuid.uuid4().hex}-{os.getpid()}-{host()}"
+
+
+def host() -> str:
+  """This host's name as temporary names carry it (what a directory name may hold)."""
+  return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64]
+
+
+def this_host(path: str) -> bool:
+  """Whether the temporary directory ``path`` was named by a process of this host."""
+  m = TEMP_NAME.match(os.path.basename(path))
+  return bool(m) and m["host"] == host()
