@@ -11,6 +11,7 @@ to 32 bits (``2**40 + 3`` to ``3``, a float64 NaN payload to another one).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,7 +134,7 @@ def unstorable(x: Any) -> str | None:
   if key:
     impl = str(jax.random.key_impl(x))
     return None if impl in KEY_IMPLS else f"a PRNG key of implementation {impl!r}"
-  if itemsize is None or _nbytes(shape, itemsize) > MAX_CLOCK_BYTES:
+  if itemsize is None or itemsize * math.prod(map(int, shape)) > MAX_CLOCK_BYTES:
     return f"a {np.dtype(dtype)} leaf of shape {tuple(shape)} as a scalar"
   return None
 
@@ -166,13 +167,6 @@ def check_storable(index: int, state_parts: _structure.StateParts) -> None:
         f"archive {index}, clock scalar {path}: cannot store {why}; no checkpoint can"
         " hold this state, so it is refused in memory too"
       )
-
-
-def _nbytes(shape: Any, itemsize: int) -> int:
-  n = itemsize
-  for d in shape:
-    n *= int(d)
-  return n
 
 
 class WeakHostScalar(np.ndarray):
