@@ -905,6 +905,12 @@ def test_fifo_in_place_of_a_file(ckpt, entry, monkeypatch):
     return open_(name, flags, *args, dir_fd=dir_fd, **kwargs)
 
   monkeypatch.setattr(os, "open", logged)
+  _refused_as_no_regular_file(ckpt, path)
+  assert str(path) not in opened  # refused unopened: opening a device node may act
+
+
+def _refused_as_no_regular_file(ckpt, path) -> None:
+  """Both readers refuse the FIFO at ``path`` by name, without waiting on it."""
 
   def unblock():  # a writer that closes at once ends a reader's wait on the FIFO
     try:
@@ -916,7 +922,48 @@ def test_fifo_in_place_of_a_file(ckpt, entry, monkeypatch):
     e = _outcome(fn, unblock=unblock)
     assert isinstance(e, jr.ArchiveError), repr(e)
     assert f"{path} is not a regular file" in str(e)
-  assert str(path) not in opened  # refused unopened: opening a device node may act
+
+
+@pytest.mark.parametrize(
+  "entry", ["jaxreshard.json", "archive_00002/archive.json", "archive_00002/float32/c/0"]
+)
+def test_fifo_swapped_in_after_the_stat_check(ckpt, entry, monkeypatch):
+  """A FIFO that replaces a file between its stat and its open: the open does not wait
+  (O_NONBLOCK) and what it opened is refused as not a regular file, never read."""
+  path = ckpt / entry
+  regular = os.stat(path, follow_symlinks=False)  # what every stat of it still reports
+  path.unlink()
+  os.mkfifo(path)
+  stat_ = os.stat
+
+  def raced(name, *args, dir_fd=None, **kwargs):
+    where = os.readlink(f"/proc/self/fd/{dir_fd}") if dir_fd is not None else ""
+    if os.path.join(where, os.fspath(name)) == str(path):
+      return regular
+    return stat_(name, *args, dir_fd=dir_fd, **kwargs)
+
+  monkeypatch.setattr(os, "stat", raced)
+  _refused_as_no_regular_file(ckpt, path)
+
+
+@pytest.mark.parametrize(
+  "entry", ["jaxreshard.json", "archive_00002/archive.json", "archive_00002/float32/zarr.json"]
+)
+def test_metadata_that_grows_while_it_is_read(ckpt, entry, monkeypatch):
+  """A metadata file a writer appends to between its fstat and its read is refused,
+  even where what was appended (whitespace) leaves it valid JSON."""
+  path = ckpt / entry
+  pread_ = os.pread
+
+  def growing(fd, n, offset):
+    if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+      with open(path, "ab") as f:
+        f.write(b" " * 16)
+    return pread_(fd, n, offset)
+
+  monkeypatch.setattr(os, "pread", growing)
+  for fn in _both(ckpt):
+    _refused(fn, jr.ArchiveError, re.escape(f"{path} grew while it was read"))
 
 
 @pytest.mark.parametrize("entry", ["archive_00002/archive.json", "archive_00002/float32/c/0"])

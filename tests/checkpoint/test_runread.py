@@ -349,6 +349,51 @@ def test_a_failing_read_of_whole_chunks_names_the_file(tmp_path):
   assert e.value.filename == os.path.join(tmp_path, "b")
 
 
+def test_a_failing_read_of_the_shard_index_names_the_file(tmp_path, monkeypatch):
+  """An error of the read of the shard index (EIO) while the file is opened is raised
+  as an OSError naming the file, never as an error of the reader's own."""
+  crcs = shardfile.write_array(str(tmp_path), "b", np.zeros(64, np.float32), 8)
+  path = os.path.join(tmp_path, "b")
+  pread_ = os.pread
+
+  def fails(fd, n, offset):
+    if os.readlink(f"/proc/self/fd/{fd}") == os.path.join(path, "c", "0"):
+      raise OSError(errno.EIO, os.strerror(errno.EIO))
+    return pread_(fd, n, offset)
+
+  monkeypatch.setattr(os, "pread", fails)
+  root = shardread.Dir.root(str(tmp_path))
+  try:
+    with pytest.raises(OSError) as e:
+      shardread.ShardFile(root, "b", 64, np.float32, 8, crcs)
+  finally:
+    root.close()
+  assert e.value.errno == errno.EIO and e.value.filename == path
+
+
+# 8 chunks of 8 float32 and their crc32c: 8 * 36 bytes of chunks, then the shard index.
+@pytest.mark.parametrize("keep", [0, 8 * 36 + 8])
+def test_a_shard_index_truncated_while_the_file_is_opened_is_refused(tmp_path, monkeypatch, keep):
+  """A file cut short between its size check and the read of its shard index (all of
+  it, or inside the index): a refusal naming the file, never a read of what is left."""
+  crcs = shardfile.write_array(str(tmp_path), "b", np.zeros(64, np.float32), 8)
+  shard = os.path.join(tmp_path, "b", "c", "0")
+  pread_ = os.pread
+
+  def truncated(fd, n, offset):
+    if os.readlink(f"/proc/self/fd/{fd}") == shard:
+      os.truncate(shard, keep)
+    return pread_(fd, n, offset)
+
+  monkeypatch.setattr(os, "pread", truncated)
+  root = shardread.Dir.root(str(tmp_path))
+  try:
+    with pytest.raises(ArchiveError, match="ended early"):
+      shardread.ShardFile(root, "b", 64, np.float32, 8, crcs)
+  finally:
+    root.close()
+
+
 def test_whole_chunks_of_a_file_truncated_after_it_was_opened_are_refused(tmp_path):
   """Opening checks the file's size once; a file cut short after that is refused by
   the read that comes short, never read as zeros or as a shorter span."""
