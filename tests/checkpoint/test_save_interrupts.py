@@ -14,7 +14,7 @@ import warnings
 import pytest
 
 import jaxreshard as jr
-from jaxreshard._src.checkpoint import shardfile, tempdir
+from jaxreshard._src.checkpoint import shardfile, tempdir, tempname
 from jaxreshard._src.core import gcpause
 from tests._core_util import adam_records, assert_records_equal
 
@@ -215,7 +215,7 @@ def test_a_checkpoint_name_of_up_to_255_bytes_is_saved_and_its_leftovers_found(t
     jr.save_records(out, records)
     for a, b in zip(jr.load_records(out), records, strict=True):
       assert_records_equal(a, b)
-  stems = {tempdir.temp_stem(n) for n in ("a" * 255, "a" * 254 + "b")}
+  stems = {tempname.temp_stem(n) for n in ("a" * 255, "a" * 254 + "b")}
   assert len(stems) == 2
   # A killed save's sibling of a long name: found and removed by the next save's
   # cleanup (``clean``), and never taken for another name's.

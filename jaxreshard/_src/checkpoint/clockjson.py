@@ -22,9 +22,6 @@ from jaxreshard._src.errors import ArchiveError, ReshardError
 
 __all__ = ["decode_scalar", "encode_scalar"]
 
-# Typed PRNG key implementations a checkpoint may name (``noisy_sgd``'s key).
-_KEY_IMPLS = _clock.KEY_IMPLS
-
 
 def encode_scalar(x: Any, where: str) -> dict:
   why = _clock.unstorable(x)
@@ -66,7 +63,7 @@ def decode_scalar(d: Any, where: str) -> Any:
     raise ArchiveError(f"{where}: invalid Python scalar {fmt.short(d)}")
   if "key" in d:
     impl = d["key"]
-    if impl not in _KEY_IMPLS:
+    if impl not in _clock.KEY_IMPLS:  # the implementations a checkpoint may name
       raise ArchiveError(f"{where}: PRNG key implementation {fmt.short(impl)} is not one jax has")
     data = decode_scalar({k: v for k, v in d.items() if k != "key"}, where)
     if not (isinstance(data, np.ndarray | jax.Array) and data.dtype == np.uint32):

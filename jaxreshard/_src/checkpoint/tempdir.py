@@ -36,7 +36,6 @@ __all__ = [
   "new_temp_dir",
   "remove_temp_dirs",
   "temp_dirs",
-  "temp_stem",
 ]
 
 
