@@ -15,7 +15,8 @@ archive or rank, INFO per call; the library installs no handler.
 """
 
 from jaxreshard import orbax as orbax  # the submodule, as a public name
-from jaxreshard._src.checkpoint.digest import Digest, compare_digests, digest
+from jaxreshard._src.checkpoint.digest import Digest, digest
+from jaxreshard._src.checkpoint.digestdiff import compare_digests
 from jaxreshard._src.checkpoint.reader import FORMAT_VERSION as CHECKPOINT_FORMAT_VERSION
 from jaxreshard._src.checkpoint.restore import restore, restore_ranks
 from jaxreshard._src.checkpoint.store import load_records, open_checkpoint, save_records

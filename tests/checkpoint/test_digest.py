@@ -193,6 +193,65 @@ def test_params_at_other_key_paths_are_another_state():
     assert any("key path" in p for p in jr.digest(mixed).problems)
 
 
+def _empty_node_states():
+  """One Adam state of ``w`` in params trees that differ only where no param is."""
+  opt = optax.adam(1e-3)
+  w = np.arange(5, dtype=np.float32) - 2.5
+  trees = {
+    "plain": {"w": w},
+    "empty dict": {"w": w, "e": {}},
+    "None": {"w": w, "e": None},
+    "empty list": {"w": w, "e": []},
+  }
+  # The count 1, mu and nu off zero (each in its own dtype: strict promotion).
+  bump = lambda x: x + jnp.asarray(1, x.dtype)  # noqa: E731
+  return opt, {name: (p, jax.tree.map(bump, opt.init(p))) for name, p in trees.items()}
+
+
+def test_containers_that_hold_no_param_are_part_of_the_state(tmp_path):
+  """``{"w": w, "e": {}}`` and ``{"w": w}`` hold the same param at the same key path,
+  and ``unshard_state`` gives them back as two trees: two states. Each is one
+  state at any world size, on disk, after a reshard and read in any order."""
+  opt, states = _empty_node_states()
+  digests = {}
+  for name, (params, state) in states.items():
+    two, three = (jr.shard_state(opt, params, state, w) for w in (2, 3))
+    d = jr.digest(two)
+    assert d == jr.digest(three) and not d.problems, name
+    five = jr.reshard_ranks(two, [jr.plan(two, world_size=5, rank=r) for r in range(5)])
+    assert jr.digest(five) == d, name
+    path = str(tmp_path / name.replace(" ", "_"))
+    jr.save_records(path, three)
+    loaded = jr.load_records(path)
+    # Rank 0 last: the later ranks of a layout are digested from their packed buffers.
+    assert jr.digest(path) == d and jr.digest(loaded[::-1]) == d, name
+    assert jax.tree.structure(jr.unshard_state(loaded)) == jax.tree.structure(state), name
+    digests[name] = d
+  assert len({d.hexdigest() for d in digests.values()}) == len(digests)
+  for name in ("empty dict", "None", "empty list"):
+    lines = jr.compare_digests(digests["plain"], digests[name])
+    assert len(lines) == 2, lines  # mu and nu
+    assert lines[0].startswith("params tree at [0].mu: the nested dicts of its param ids != ")
+    assert "'e'" in lines[0], lines
+  assert jr.compare_digests(digests["empty dict"], digests["None"]) == [
+    "params tree at [0].mu: PyTreeDef({'e': {}, 'w': *}) != PyTreeDef({'e': None, 'w': *})",
+    "params tree at [0].nu: PyTreeDef({'e': {}, 'w': *}) != PyTreeDef({'e': None, 'w': *})",
+  ]
+
+
+def test_archives_whose_trees_differ_where_no_param_is_are_not_one_state():
+  """Rank 0 of one tree and rank 1 of the other: every reshard refuses them, and
+  their digest lists that problem (equal to neither state's)."""
+  opt, states = _empty_node_states()
+  a, b = (jr.shard_state(opt, *states[name], 2) for name in ("empty dict", "plain"))
+  for mixed in ([a[0], b[1]], [b[0], a[1]]):
+    with pytest.raises(jr.PlacementError, match="hold the same params in other trees"):
+      jr.unshard_state(mixed)
+    d = jr.digest(mixed)
+    assert [p for p in d.problems if "other trees at state path [0].mu" in p], d.problems
+    assert d != jr.digest(a) and d != jr.digest(b)
+
+
 def test_a_digest_with_problems_never_shares_a_hexdigest_with_one_without():
   opt = optax.sgd(0.1, momentum=0.9)
   params = {"a": np.arange(5, dtype=np.float32)}

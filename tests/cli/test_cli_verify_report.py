@@ -54,6 +54,24 @@ def test_clock_scalars_differ_as_numbers(base, tmp_path):
   assert lines[1] == "differs: scalar [0].count: 8 != 12", lines
 
 
+def test_an_empty_node_of_the_params_tree_is_a_difference(base, tmp_path):
+  """The same params at the same key paths and the same bits, beside an empty ``{}``:
+  restored, the two are other trees, and verify says so (exit 1)."""
+  params, state = _state()
+  params["empty"] = {}
+  adam = state[0]._replace(mu={**state[0].mu, "empty": {}}, nu={**state[0].nu, "empty": {}})
+  other = tmp_path / "other"
+  jr.save_records(other, jr.shard_state(OPT, params, (adam,) + tuple(state[1:]), 3))
+  result = _run("verify", base, other)
+  assert result.exit_code == EXIT_DIFFERENT, result.output
+  lines = result.stdout.splitlines()
+  assert lines[0] == "different: 2 differences: 2 other (structure, parameters, problems)", lines
+  assert lines[1].startswith(
+    "differs: params tree at [0].mu: the nested dicts of its param ids != "
+  )
+  assert "'empty': {}" in lines[1] and "[0].nu" in lines[2], lines
+
+
 def _bits(mu, key, i, pattern):
   mu[key].view(np.uint32)[i] = pattern
 

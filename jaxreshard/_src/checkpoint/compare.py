@@ -1,6 +1,6 @@
 """Two checkpoints compared, whatever their layouts: ``jaxreshard verify``'s answer.
 
-Identity is the digests' (``digest.compare_digests``): the same structure,
+Identity is the digests' (``digestdiff.compare_digests``): the same structure,
 clock scalars and every history buffer's bits. When a buffer's bits differ
 (and both sides hold it with one dtype and size), its elements are compared
 too, so that the answer says how: how many elements differ, the first one
@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.checkpoint import digest as _digest
+from jaxreshard._src.checkpoint import digestdiff as _digestdiff
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import values as _values
@@ -130,7 +131,7 @@ def compare_checkpoints(
   """
   tolerance = None if rtol is None and atol is None else (float(rtol or 0), float(atol or 0))
   names = names or (str(paths[0]), str(paths[1]))
-  found = _digest.differences(a, b, names=names)
+  found = _digestdiff.differences(a, b, names=names)
   keys = [key for kind, key, _ in found if kind == "buffer" and _comparable(a, b, key)]
   stats = buffer_diffs(paths, keys, a, tolerance) if keys else {}
   out = tuple(

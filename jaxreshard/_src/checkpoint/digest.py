@@ -28,7 +28,6 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import digestpacked as _packed
 from jaxreshard._src.checkpoint import reader as _reader
-from jaxreshard._src.checkpoint import values as _values
 from jaxreshard._src.checkpoint.parampaths import ParamPaths
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
@@ -36,7 +35,7 @@ from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import ShardRecord
-from jaxreshard._src.errors import PlacementError, ReshardError
+from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.exec import bitview as _bitview
 
 __all__ = [
@@ -45,9 +44,7 @@ __all__ = [
   "ParamDigest",
   "checkpoint_records",
   "clock_scalars",
-  "compare_digests",
   "digest",
-  "differences",
   "digest_records",
   "raw_bits",
 ]
@@ -88,12 +85,18 @@ class Digest:
     params: param id -> ``ParamDigest``.
     problems: nonzero padding, incomplete or inconsistent archives; a
       checkpoint with problems is never "identical" to anything.
+    trees: ``(path, tree structure)`` of each param-mirroring subtree whose
+      tree, as a whole state has it (``unshard_state``'s), is not the nested
+      dicts of its param ids: one with a list, a tuple, another container or
+      an empty node (``None``, ``{}``), with a leaf at each param. The key paths
+      of the params alone leave out containers that hold no param.
   """
 
   structure: str
   scalars: tuple[tuple[str, str, str], ...]
   params: Mapping[str, ParamDigest]
   problems: tuple[str, ...]
+  trees: tuple[tuple[str, str], ...] = ()
 
   def __eq__(self, other: object) -> bool:
     # Archives with problems hold no one state: never equal, not even to themselves,
@@ -102,8 +105,9 @@ class Digest:
       return NotImplemented
     if self.problems or other.problems:
       return False
-    return (self.structure, self.scalars, dict(self.params)) == (
+    return (self.structure, self.trees, self.scalars, dict(self.params)) == (
       other.structure,
+      other.trees,
       other.scalars,
       dict(other.params),
     )
@@ -114,6 +118,8 @@ class Digest:
     """One sha256 over everything above, the problems too: archives with problems
     never share a hexdigest with a set that has none."""
     h = hashlib.sha256(self.structure.encode())
+    if self.trees:  # none for params trees of nested dicts: the hash they always had
+      h.update(repr(("trees", self.trees)).encode())
     h.update(repr(self.scalars).encode())
     for pid in sorted(self.params):
       h.update(repr((pid, self.params[pid])).encode())
@@ -191,9 +197,16 @@ def digest_records(records: Iterable[ShardRecord]) -> Digest:
     path_of = paths.of(state_parts)
     for p in record.placements:
       acc.add_placement(index, p, state_parts.history(p.param), path_of.get(p.param, ""))
+    mirrors = _mirrors(state_parts)
+    acc.add_rank_zero([p.param for p in record.placements if p.rank == 0], mirrors)
     if len(acc.problems) == seen:
-      packed.learn(acc, record, lambda: structure_of(state_parts, record))
+      packed.learn(acc, record, lambda: structure_of(state_parts, record), mirrors)
   return acc.digest()
+
+
+def _mirrors(state_parts: _structure.StateParts) -> tuple[tuple[Any, Any, tuple[str, ...]], ...]:
+  """``(prefix, treedef, param order)`` of each param-mirroring subtree of an archive."""
+  return tuple((m.prefix, m.treedef, m.order) for m in state_parts.subtrees)
 
 
 class _Accumulator:
@@ -207,16 +220,49 @@ class _Accumulator:
     self.seen_ranks: dict[str, set[int]] = {}
     self.streams: dict[tuple[str, int], _Stream] = {}
     self.problems: list[str] = []
+    # The archive a whole state takes its mirrors' trees from (``build_state``'s
+    # template: the one holding rank 0 of the first param id), as (that id, its
+    # mirrors); and ``archivecheck.check_one_tree``'s layouts so far.
+    self.template: tuple[str, tuple] | None = None
+    self.layouts: dict = {}
 
   def add_structure(
     self, index: int, state_parts: _structure.StateParts, record: ShardRecord
   ) -> None:
-    """The state's structure and clock scalars must be those of archive 0."""
+    """The state's structure and clock scalars must be those of archive 0, and
+    archives holding the same params must hold them in the same trees."""
     structure, clock, names = structure_of(state_parts, record)
     if self.structure is None:
       self.structure, self.scalars, self.clock = structure, _scalars(record), clock
     else:
       self.check_structure(index, structure, clock, names)
+    try:
+      _archivecheck.check_one_tree([(index, state_parts)], self.layouts)
+    except PlacementError as e:
+      self.problems.append(str(e))
+
+  def add_rank_zero(self, pids: Iterable[str], mirrors: tuple) -> None:
+    """An archive holds rank 0 of ``pids``, in the trees of ``mirrors`` (``_mirrors``)."""
+    first = min(pids, default=None)
+    if first is not None and (self.template is None or first < self.template[0]):
+      self.template = (first, mirrors)
+
+  def trees(self) -> tuple[tuple[str, str], ...]:
+    """``Digest.trees``. A whole state takes each mirror's tree from the template
+    archive when that holds every param the archives put in the mirror, else
+    makes the nested dicts of their ids (``build_state``); only trees other
+    than those nested dicts are listed."""
+    if self.template is None:
+      return ()
+    out = []
+    for i, (prefix, treedef, order) in enumerate(self.template[1]):
+      held = sorted(
+        pid for pid, key in self.meta.items() if i < len(key[4]) and key[4][i] != "absent"
+      )
+      nested = jax.tree_util.tree_structure(_structure.nested(held, dict.fromkeys(held, 0)))
+      if set(order) == set(held) and treedef != nested:
+        out.append((jax.tree_util.keystr(prefix), str(treedef)))
+    return tuple(out)
 
   def check_structure(self, index: int, structure: str, clock: Any, names: list[str]) -> None:
     """An archive after the first: its structure and clock (``structure_of``) are archive 0's."""
@@ -291,7 +337,9 @@ class _Accumulator:
       params[pid] = ParamDigest(shape, dtype, trainable, words, tuple(buffers), path)
     if self.structure is None:
       self.problems.append("no archives")
-    return Digest(self.structure or "", self.scalars or (), params, tuple(self.problems))
+    return Digest(
+      self.structure or "", self.scalars or (), params, tuple(self.problems), self.trees()
+    )
 
 
 def digest(records_or_directory: Iterable[ShardRecord] | os.PathLike | str) -> Digest:
@@ -397,97 +445,3 @@ def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
     weak = " weak" if getattr(x, "weak_type", False) else ""  # how jax promotes it
     out.append((path, f"{dtype}{a.shape}{weak}", raw_bits(a).tobytes().hex()))
   return tuple(out)
-
-
-def compare_digests(a: Digest, b: Digest, *, names: tuple[str, str] = ("a", "b")) -> list[str]:
-  """Every difference between two digests, one line each; empty when identical.
-
-  Each line names the parameter and buffer index (or the scalar path) that
-  differs. Problems of either digest (nonzero padding, missing ranks) are
-  differences too.
-
-  Args:
-    a: a :func:`digest`.
-    b: another.
-    names: what the lines call ``a`` and ``b``.
-
-  Returns:
-    The differences, sorted by kind then by scalar path or param id; ``[]``
-    exactly when the two states are identical and neither has problems.
-
-  Examples: see :func:`digest`.
-  """
-  for what, d in (("a", a), ("b", b)):
-    if not isinstance(d, Digest):
-      raise ReshardError(f"compare_digests: {what} must be a Digest, got {type(d).__name__}")
-  if not (
-    isinstance(names, (tuple, list)) and len(names) == 2 and all(type(n) is str for n in names)
-  ):
-    raise ReshardError(f"compare_digests: names must be two strings, got {names!r}")
-  return [text for _, _, text in differences(a, b, names=names)]
-
-
-def differences(
-  a: Digest, b: Digest, *, names: tuple[str, str] = ("a", "b")
-) -> list[tuple[str, Any, str]]:
-  """``compare_digests``' lines as ``(kind, key, line)``.
-
-  kind and key: ``problem`` (None), ``structure`` (None), ``scalar`` (its
-  path), ``param`` (its id) or ``buffer`` (``(param id, buffer index)``).
-  """
-  out: list[tuple[str, Any, str]] = [("problem", None, f"{names[0]}: {p}") for p in a.problems] + [
-    ("problem", None, f"{names[1]}: {p}") for p in b.problems
-  ]
-  if a.structure != b.structure:
-    out.append(("structure", None, "optimizer state structure differs"))
-  sa, sb = dict((p, v) for p, *v in a.scalars), dict((p, v) for p, *v in b.scalars)
-  for path in sorted(set(sa) | set(sb)):
-    if sa.get(path) != sb.get(path):
-      out.append(("scalar", path, f"scalar {path}: {_scalars_text(sa.get(path), sb.get(path))}"))
-  for pid in sorted(set(a.params) | set(b.params)):
-    pa, pb = a.params.get(pid), b.params.get(pid)
-    if pa is None or pb is None:
-      out.append(("param", pid, f"param {pid!r}: only in {names[0] if pb is None else names[1]}"))
-      continue
-    if pa.path != pb.path:
-      out.append(("param", pid, f"param {pid!r}: key path {pa.path} != {pb.path}"))
-    for field in ("shape", "dtype", "trainable", "history"):
-      if getattr(pa, field) != getattr(pb, field):
-        out.append(
-          ("param", pid, f"param {pid!r}: {field} {getattr(pa, field)} != {getattr(pb, field)}")
-        )
-    if len(pa.buffers) != len(pb.buffers):
-      out.append(("param", pid, f"param {pid!r}: {len(pa.buffers)} buffers != {len(pb.buffers)}"))
-    for m, (ba, bb) in enumerate(zip(pa.buffers, pb.buffers)):
-      if ba != bb:
-        what = "bits" if (ba.dtype, ba.count) == (bb.dtype, bb.count) else "dtype or size"
-        out.append(
-          (
-            "buffer",
-            (pid, m),
-            f"param {pid!r} buffer {m}: {what} differ"
-            f" ({ba.dtype}[{ba.count}] {ba.sha256[:12]} != {bb.dtype}[{bb.count}]"
-            f" {bb.sha256[:12]})",
-          )
-        )
-  return out
-
-
-def _scalars_text(va: list | None, vb: list | None) -> str:
-  """Two clock scalars that differ, as values (``8 != 12``); as bits when they cannot be read."""
-  a, b = (None if v is None else _values.decode_scalar(*v) for v in (va, vb))
-  if a is not None and b is not None:
-    return _values.pair_text(a, b)
-  return f"{_scalar_text(va)} != {_scalar_text(vb)}"
-
-
-def _scalar_text(v: list | None) -> str:
-  if v is None:
-    return "missing"
-  a = _values.decode_scalar(*v)
-  if a is not None:
-    return f"{a.dtype.name} {_values.value_text(a)}"
-  hexbits = v[1]
-  if len(hexbits) > 4 * _values.CLOCK_ELEMENTS_SHOWN:  # a long array: its first bytes and its size
-    hexbits = f"{hexbits[: 4 * _values.CLOCK_ELEMENTS_SHOWN]}... ({len(v[1]) // 2} bytes)"
-  return f"{v[0]} 0x{hexbits}"

@@ -38,6 +38,7 @@ class _Known:
   keys: list[tuple]  # per pid, its metadata as ``add_placement`` keys it
   # Per pid, its buffers in ``add_placement``'s order: (m, dtype, offset, size, count).
   buffers: list[list[tuple[int, np.dtype, int, int, int]]]
+  mirrors: tuple  # its param-mirroring subtrees, as ``add_rank_zero`` takes them
 
 
 class PackedRanks:
@@ -46,10 +47,13 @@ class PackedRanks:
   def __init__(self):
     self._known: dict[tuple[int, int], _Known] = {}
 
-  def learn(self, acc: Any, record: Any, structure: Callable[[], tuple[str, Any, list]]) -> None:
+  def learn(
+    self, acc: Any, record: Any, structure: Callable[[], tuple[str, Any, list]], mirrors: tuple
+  ) -> None:
     """Keeps what ``record``, just digested param by param with no problem, gave ``acc``,
     when it is a deferred record whose buffers all have flat-shard slots (``structure``:
-    its structure text, clock key and clock scalar names, made when needed)."""
+    its structure text, clock key and clock scalar names, made when needed; ``mirrors``:
+    its param-mirroring subtrees)."""
     found = uniform_parts(record)
     if found is None:
       return
@@ -75,7 +79,7 @@ class PackedRanks:
       buffers.append([(j, d, o, n, c) for j, (_, d, o, n, c) in enumerate(mine)])
     keys = [acc.meta[pid] for pid in pids]
     text, clock, names = structure()
-    self._known[(id(a), world)] = _Known(a, text, clock, names, pids, keys, buffers)
+    self._known[(id(a), world)] = _Known(a, text, clock, names, pids, keys, buffers, mirrors)
 
   def add(self, acc: Any, index: int, record: Any) -> bool:
     """Digests archive ``index`` from its rank and buffers alone, as ``digest_records``
@@ -93,6 +97,8 @@ class PackedRanks:
       return False
     bits = {d: _bitview.bits(b) for d, b in buffers.items()}
     acc.check_structure(index, known.structure, known.clock, known.names)
+    if rank == 0:
+      acc.add_rank_zero(known.pids, known.mirrors)
     meta, seen_ranks, problems, streams = acc.meta, acc.seen_ranks, acc.problems, acc.streams
     for pid, key, mine in zip(known.pids, known.keys, known.buffers):
       if meta.setdefault(pid, key) != key:

@@ -24,6 +24,7 @@ import optax
 
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import digest as _digest
+from jaxreshard._src.checkpoint import digestdiff as _digestdiff
 from jaxreshard._src.exec import bitview as _bitview
 
 __all__ = ["DemoRow", "DemoSummary", "run_demo", "train_example"]
@@ -186,7 +187,7 @@ def run_demo(
     f" -> {SOURCE_WORLD} == original"
   )
   d_src, d_dst = _digest.digest_records(src), _digest.digest_records(dst)
-  digest_equal = not _digest.compare_digests(d_src, d_dst)
+  digest_equal = not _digestdiff.compare_digests(d_src, d_dst)
 
   with tempfile.TemporaryDirectory(prefix="jaxreshard-demo-") as tmp:
     path = archive_dir or f"{tmp}/checkpoint"
