@@ -261,8 +261,13 @@ def test_a_re_signed_index_of_another_format_is_refused(tmp_path):
       "group 0: [archive, rank] pairs must list archives in increasing order; archive 0"
       " follows archive 1",
     ),
+    # mu's dict key renamed in the layout's tree: its leaf is w's history under key 'v'.
+    (
+      lambda d: d["layouts"][0]["tree"][1][0][4][1][1][0].__setitem__(1, "v"),
+      "layout 0: the leaf at [0].mu['v'] is not under a key path 'w'",
+    ),
   ],
-  ids=["layout-key", "leaf-fields", "group-key", "rank-triple", "ranks-reversed"],
+  ids=["layout-key", "leaf-fields", "group-key", "rank-triple", "ranks-reversed", "tree-key"],
 )
 def test_a_re_signed_malformed_layout_or_group_is_refused(tmp_path, edit, words):
   # The index's layouts and groups, edited and re-signed: an unknown key, a leaf of
@@ -274,6 +279,40 @@ def test_a_re_signed_malformed_layout_or_group_is_refused(tmp_path, edit, words)
   for name, read in _readers(path).items():
     msg = _message(read, jr.ArchiveError)
     assert words in msg, (name, msg)
+
+
+@pytest.mark.parametrize(
+  "groups",
+  [[{"world_size": 2, "params": [], "ranks": [[0, 0], [1, 1]]}], []],
+  ids=["one-group-of-none", "no-group"],
+)
+def test_an_index_edited_consistently_to_hold_no_params_is_refused_by_a_restore(tmp_path, groups):
+  # Every param dropped, its optimizer state with it (a layout of EmptyState alone),
+  # the archives re-signed to agree: a target rank would hold nothing. One group of
+  # no params takes the regular plan, no group at all the general one; both refuse.
+  path = tmp_path / "c"
+  _save(path, 2)
+
+  def no_params(d):
+    d.update(params=[], groups=groups, clocks=[[]])
+    d["layouts"] = [{"tree": ["t", [["n", "optax._src.base", "EmptyState", [], []]]], "leaves": []}]
+
+  _edit_consistently(path, no_params)
+  for read in (
+    lambda: jr.restore(path, world_size=1, rank=0),
+    lambda: jr.restore_ranks(path, [0, 1], world_size=2),
+  ):
+    msg = _message(read, jr.PlacementError)
+    assert msg == "no migrations: a target rank needs at least one parameter", msg
+  # Its archives' archive.json still describe w's buffers (and, with a group, its
+  # ranks): a read of the whole checkpoint refuses them, the digest's as a load's.
+  loaded, digested = (
+    _message(read, jr.ArchiveError)
+    for read in (lambda: jr.load_records(path), lambda: jr.digest(path))
+  )
+  assert loaded == digested and loaded.startswith("archive 0 ("), (loaded, digested)
+  if not groups:
+    assert "holds buffers {'float32': 12} but its layout needs {}" in loaded, loaded
 
 
 def test_a_re_signed_archive_json_without_a_full_describes_entry_is_refused(tmp_path):

@@ -398,9 +398,12 @@ def _stream(directory: os.PathLike | str) -> Iterator[ShardRecord]:
 
 
 def checkpoint_records(ckpt: _reader.Checkpoint) -> Iterator[ShardRecord]:
-  """A checkpoint's records, one archive at a time, every archive's metadata checked first."""
+  """A checkpoint's records, one archive at a time, every archive's metadata checked first
+  (its ``archive.json`` too: one whose records hold no param reads no buffer of it)."""
   for i in range(len(ckpt)):
     ckpt.check_archive(i)
+  for i in range(len(ckpt)):
+    ckpt.archive_meta(i)
   for i in range(len(ckpt)):
     yield ckpt.record(i)
 
