@@ -354,6 +354,11 @@ def _first_id_of_4097_characters(arrays, index):
     (lambda a, i: a["structure_ids"].__setitem__(1, a["structure_ids"][0]), "appears twice"),
     (lambda a, i: a["mirror_leaves_end"].__setitem__(0, 1), "1 leaves for the 13 positions"),
     (lambda a, i: i["layouts"][0].update(mirrors=[0]), "mirrors but it lists 1"),
+    (lambda a, i: i["layouts"][0].pop("skeleton"), "expected skeleton, slots and mirrors"),
+    (lambda a, i: i["layouts"][0].update(extra=1), "expected skeleton, slots and mirrors"),
+    (lambda a, i: i["layouts"][0]["mirrors"].__setitem__(1, 9), "structure 9 does not exist"),
+    (lambda a, i: i["layouts"][0]["mirrors"].__setitem__(1, -1), "structure -1 does not exist"),
+    (lambda a, i: i["layouts"][0]["mirrors"].__setitem__(1, True), "structure True does not"),
     (lambda a, i: i["layouts"][0]["slots"].__setitem__(0, {"s": 1}), "numbered in order"),
     (lambda a, i: i["dtypes"].__setitem__(0, "object"), "dtype 'object' is not one"),
     (
@@ -395,6 +400,72 @@ def _first_id_of_4097_characters(arrays, index):
 def test_malformed_table_values_are_refused_when_opened(ckpt, edit, words):
   _edit_table(ckpt, edit)
   _refused_everywhere(ckpt, words)
+
+
+def _redescribe(path):
+  """Re-signs every archive.json to describe its (edited) table layout: the sha256 of
+  the layout's canonical text, so that a re-signed edit reaches the checks made when a
+  state is first built (the skeleton and params trees are decoded then, not when
+  the index is opened)."""
+  layouts = jr.open_checkpoint(path).index.layouts
+  assert len(layouts) == 1
+  digest = hashlib.sha256(layouts[0].digest_text.encode("ascii")).hexdigest()
+  for name in sorted(os.listdir(path)):
+    if name.startswith("archive_"):
+      meta_path = os.path.join(path, name, "archive.json")
+      meta = read_json(meta_path)
+      meta["describes"]["layout"] = digest
+      os.chmod(meta_path, 0o644)
+      write_signed_json(meta_path, meta)
+
+
+def _refused_when_built(path, words):
+  for name in ("load_records", "restore", "digest"):
+    with pytest.raises(jr.ArchiveError) as info:
+      _readers(path)[name]()
+    assert words in str(info.value), (name, str(info.value))
+
+
+def test_a_skeleton_whose_leaves_are_not_in_flatten_order_is_refused(ckpt):
+  # mu's and nu's mirrors swapped in the skeleton: each would be read with the other's
+  # buffers.
+  def swap(a, i):
+    adam = i["layouts"][0]["skeleton"][1][0]
+    assert adam[2] == "ScaleByAdamState" and adam[4] == [0, 1, 2], adam
+    adam[4] = [0, 2, 1]
+
+  _edit_table(ckpt, swap)
+  _redescribe(ckpt)
+  _refused_when_built(ckpt, "the skeleton's leaves are not numbered in flatten order")
+
+
+def test_params_tree_ids_out_of_flatten_order_are_refused(ckpt):
+  # layer00/w and layer01/w (one slot each at world size 4) swapped in the params
+  # tree's ids: each would be read back under the other's name.
+  def swap(a, _):
+    assert a["structure_ids"][1:3].tolist() == [1, 2]
+    a["structure_ids"][1:3] = [2, 1]
+
+  _edit_table(ckpt, swap)
+  _redescribe(ckpt)
+  _refused_when_built(ckpt, "its ids do not form a tree of nested dicts")
+
+
+def test_a_params_tree_whose_key_paths_are_not_its_ids_is_refused(tmp_path):
+  # A params tree kept as JSON (it holds a list) whose key "kernel" is renamed: the
+  # state read back would hold a key no param id names.
+  path = tmp_path / "t"
+  _save(path, v3_records(), table=True)
+
+  def rename(a, _):
+    tree = a["structure_tree"].tobytes()
+    assert tree.count(b'"kernel"') == 1, tree
+    tree = tree.replace(b'"kernel"', b'"kernal"')
+    a["structure_tree"] = np.frombuffer(tree, a["structure_tree"].dtype).copy()
+
+  _edit_table(path, rename)
+  _redescribe(path)
+  _refused_when_built(path, "its tree's key paths are not its ids in flatten order")
 
 
 def test_a_structure_tree_that_is_not_ascii_is_refused(tmp_path):

@@ -1402,6 +1402,7 @@ def test_verify_of_an_incomplete_checkpoint_that_is_no_part_says_what_restore_sa
   jr.save_records(tmp_path / "full", jr.shard_state(opt, params, opt.init(params), 4))
   line = _one_line_error(_run("verify", tmp_path / "full", tmp_path / "three"))
   assert "merge" not in line and str(restored.value) in line, line
+  assert "is not a complete checkpoint, which verify needs" in line, line
 
 
 @pytest.mark.parametrize("n", [200, 250])

@@ -267,3 +267,19 @@ def test_a_directory_named_like_a_step_that_orbax_did_not_commit_makes_no_run(ru
   shutil.copytree(run / "run" / "10", step)
   result = _run("reshard", step / "default", tmp_path / "orbax_run" / "x", "-w", 2)
   assert result.exit_code == EXIT_ERROR and "the orbax run directory" in result.stderr
+
+
+def test_a_step_in_two_directories_is_refused_not_picked(tmp_path):
+  # ``30`` and ``step_30`` (orbax's step_prefix) are both step 30: which one a
+  # command reads would depend on the order the directory lists them in.
+  for name in ("30", "step_30"):
+    (tmp_path / "run" / name).mkdir(parents=True)
+    jr.save_records(tmp_path / "run" / name / "default", _records(30, world_size=2))
+  for args in (("inspect", tmp_path / "run"), ("verify", tmp_path / "run", tmp_path / "run")):
+    line = _error(_run(*args))
+    assert "step 30 is in two directories" in line, line
+    assert "'30'" in line and "'step_30'" in line and "name the one to read" in line, line
+  # Each directory, named as the path, is read.
+  for name in ("30", "step_30"):
+    data = json.loads(_run("inspect", tmp_path / "run" / name, "--json").stdout)
+    assert [c["value"] for c in data["clocks"]] == [30]
