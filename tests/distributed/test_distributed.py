@@ -515,7 +515,26 @@ def _mesh_calls(tmp_path):
   not_called = (
     "optimizer must be an optax GradientTransformation (with init and update), got function"
   )
+  two = {"w": jnp.arange(5.0), "b": jnp.ones(3)}
+
+  def update_what_it_built(wrapped):
+    return wrapped.update(two, wrapped.init(params))
+
   return {
+    "update of grads of another tree than init saw": (
+      lambda: update_what_it_built(jr.flat_sharded(opt, m4)),
+      "the grads' tree is not the params tree the state was built for (at init): grads have"
+      " params ['b'] that those params do not",
+    ),
+    "update of a state not built for the grads' tree": (
+      lambda: jr.flat_sharded(opt, m4).update(two, state),
+      "the state was not built for grads with param ids ['b', 'w']: it lacks leaves",
+    ),
+    "update of a state built for another shape": (
+      lambda: jr.flat_sharded(opt, m4).update({"w": jnp.ones(9)}, state),
+      "param 'w': history buffer of shape (8,) is not the (4 * slots,) = (12,) of its shape"
+      " (9,) over mesh axis 'fsdp'",
+    ),
     "update of a state on another mesh": (
       lambda: jr.flat_sharded(opt, m8).update(params, state, params),
       "param 'w': history buffer laid out on a mesh of shape {'fsdp': 4} over devices"
@@ -573,6 +592,9 @@ def _mesh_calls(tmp_path):
 
 
 _MESH_CALLS = [
+  "update of grads of another tree than init saw",
+  "update of a state not built for the grads' tree",
+  "update of a state built for another shape",
   "update of a state on another mesh",
   "update of no state",
   "restore_sharded of an optimizer not called",

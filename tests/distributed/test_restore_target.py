@@ -485,3 +485,29 @@ def test_a_changed_mask_is_refused_naming_the_leaf(tmp_path, saved_masks_b):
   )
   with pytest.raises(jr.PlacementError, match=rf"leaf \.inner_state\[0\]\.mu\['b'\]: {which}"):
     jr.restore_sharded(path, mesh, target=target)
+
+
+def test_a_target_with_a_list_where_the_checkpoint_has_a_tuple_is_refused(tmp_path):
+  """The same leaf paths (a list and a tuple both index by [i]), other node types."""
+  opt, params = optax.adam(0.1), {"w": jnp.arange(5.0)}
+  path = tmp_path / "ckpt"
+  jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=2))
+  mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
+  target = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
+    opt.init(params),
+  )
+  with pytest.raises(
+    jr.PlacementError,
+    match="the target's tree has the checkpoint's leaf paths but other node types",
+  ):
+    jr.restore_sharded(path, mesh, target=list(target))
+
+
+def test_a_target_restore_of_a_checkpoint_without_parameters_is_refused(tmp_path):
+  path = tmp_path / "ckpt"
+  jr.save_records(path, [jr.ShardRecord(jr.RECORD_VERSION, (), {"count": np.int32(3)}, (None,))])
+  mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
+  target = {"count": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))}
+  with pytest.raises(jr.PlacementError, match="the checkpoint holds no parameters"):
+    jr.restore_sharded(path, mesh, target=target)

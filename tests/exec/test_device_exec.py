@@ -354,6 +354,19 @@ def test_refusals():
     dx.split(src, [6, 5])
   with pytest.raises(ValueError, match="1-D"):
     dx.split(jnp.zeros((2, 2)), [1])
+  with pytest.raises(ValueError, match=r"split: negative size in \(3, -1\)"):
+    dx.split(src, [3, -1])
+  with pytest.raises(ValueError, match=r"gather: source 1 must be 1-D, got shape \(2, 2\)"):
+    dx.gather([src, jnp.zeros((2, 2))], *tables([], [], [], []), 10)
+  with pytest.raises(ValueError, match="gather: negative output size -1"):
+    dx.gather([src], *tables([], [], [], []), -1)
+  with pytest.raises(ValueError, match="nonzero_runs: no sources"):
+    dx.nonzero_runs([], *tables([], [], []))
+  with pytest.raises(TypeError, match="gather: expected jax.Array, got ndarray"):
+    dx.gather([np.zeros(10, np.float32)], *tables([], [], [], []), 10)
+  with x64_context():  # complex128 exists with x64 only; no unsigned type is 16 bytes wide
+    with pytest.raises(ValueError, match="pack: unsupported dtype complex128"):
+      dx.pack([jnp.zeros(3, jnp.complex128)])
 
 
 def test_clear_device_cache():

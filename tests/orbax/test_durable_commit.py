@@ -123,6 +123,86 @@ def test_save_sharded_is_not_reported_done_when_another_save_was_committed(tmp_p
     jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
 
 
+def test_save_sharded_is_not_reported_done_when_what_was_committed_has_no_index(
+  tmp_path, monkeypatch
+):
+  """Between this save's finalize and orbax's rename another save of the same
+  directory empties the shared temporary directory: what is committed holds no
+  index, and the save says so instead of returning."""
+  finalize = _handler.ReshardCheckpointHandler.finalize
+
+  def then_emptied(self, directory):
+    finalize(self, directory)
+    shutil.rmtree(directory)
+    os.mkdir(directory)
+
+  monkeypatch.setattr(_handler.ReshardCheckpointHandler, "finalize", then_emptied)
+  opt, state, mesh = _mesh_state()
+  with pytest.raises(jr.ArchiveError, match="was committed without this save's index"):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+
+
+def _wait_for_refused_save_threads():
+  """A save refused while orbax made its directories leaves orbax's commit thread
+  waiting for that creation's signal until coordination_timeout (which the tests
+  that refuse there cut short): it ends here, not in a later test (its join would
+  raise orbax's TimeoutError)."""
+  import threading
+  import time
+
+  waiting = [t for t in threading.enumerate() if t.name == "jaxreshard_save"]
+  deadline = time.monotonic() + 60
+  while any(t.is_alive() for t in waiting) and time.monotonic() < deadline:
+    time.sleep(0.05)
+
+
+def test_save_sharded_refuses_when_another_save_made_orbax_s_directory_first(tmp_path, monkeypatch):
+  """Another save (one that takes no lock) makes orbax's temporary directory right
+  before orbax makes it for this save: the save is refused, nothing is committed.
+  Orbax's commit thread of the refused save waits for coordination_timeout, cut short."""
+  from orbax.checkpoint._src.path import async_path, atomicity
+
+  mkdir = async_path.mkdir
+
+  async def other_save_first(path, *args, **kwargs):
+    os.mkdir(path)
+    return await mkdir(path, *args, **kwargs)
+
+  monkeypatch.setattr(atomicity.async_path, "mkdir", other_save_first)
+  monkeypatch.setattr(ocp.multihost, "coordination_timeout", lambda: 2)
+  opt, state, mesh = _mesh_state()
+  with pytest.raises(
+    jr.ArchiveExistsError, match="ck was not committed: another save is writing it"
+  ):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert not (tmp_path / "ck").exists()
+  _wait_for_refused_save_threads()
+
+
+def test_save_sharded_refuses_when_a_clean_removes_every_directory_it_makes(tmp_path, monkeypatch):
+  """A ``clean`` removes orbax's temporary directory each time right after this
+  save made it and before it holds its lock: the save makes it anew a few times,
+  then is refused rather than write a directory it does not hold."""
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+
+  hold = _tempdir.hold
+
+  def removed_by_a_clean(path):
+    held = hold(path)
+    for fd in held or ():
+      os.close(fd)
+    shutil.rmtree(path)
+    return None
+
+  monkeypatch.setattr(_tempdir, "hold", removed_by_a_clean)
+  monkeypatch.setattr(ocp.multihost, "coordination_timeout", lambda: 2)
+  opt, state, mesh = _mesh_state()
+  with pytest.raises(jr.ArchiveExistsError, match="every directory made for this save was taken"):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert os.listdir(tmp_path) == []
+  _wait_for_refused_save_threads()
+
+
 def _weak_clock_mesh_state(mesh):
   params = {"w": jnp.zeros((5,), jnp.float32)}
   opt = optax.adam(1e-3)
@@ -457,6 +537,45 @@ def test_a_save_waits_while_another_process_holds_the_step_s_directory(tmp_path,
   for a, b in zip(got, records, strict=True):
     assert_records_equal(a, b)
   assert not tmp.exists() and "theirs" not in os.listdir(run / "1")
+
+
+def test_a_save_gives_up_on_a_directory_another_writer_holds_past_orbax_s_timeout(
+  tmp_path, monkeypatch
+):
+  """Another writer holds the step's directory for longer than orbax waits for a
+  directory: the save is refused a little before that timeout, removing nothing."""
+  import threading
+
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+
+  run = tmp_path / "run"
+  tmp = run / "1.orbax-checkpoint-tmp"
+  (tmp / "theirs").mkdir(parents=True)
+  held = _tempdir.hold(str(tmp))
+  assert held is not None
+  monkeypatch.setattr(ocp.multihost, "coordination_timeout", lambda: 2)
+  errors = []
+
+  def save():
+    try:
+      with _durable_manager(run) as manager:
+        manager.save(1, args=jr.ReshardSave(adam_records(2)))
+        manager.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      errors.append(e)
+
+  saver = threading.Thread(target=save, daemon=True)  # a save that never gives up stays here
+  try:
+    saver.start()
+    saver.join(60)
+    assert not saver.is_alive()
+  finally:
+    os.close(held[1])
+    os.close(held[0])
+  assert [type(e) for e in errors] == [jr.ArchiveExistsError], errors
+  assert "has been writing it for longer than orbax waits for a directory" in str(errors[0])
+  assert (tmp / "theirs").is_dir() and not (run / "1").exists()
+  _wait_for_refused_save_threads()
 
 
 def test_a_lock_taken_on_a_file_a_clean_removed_meanwhile_is_not_held(tmp_path, monkeypatch):
