@@ -179,6 +179,49 @@ def test_save_sharded_refuses_when_another_save_made_orbax_s_directory_first(tmp
   _wait_for_refused_save_threads()
 
 
+_REFUSED_THEN_EXIT = """
+import os, sys, time
+import jax, jax.numpy as jnp, optax
+from orbax.checkpoint._src.path import async_path, atomicity
+import jaxreshard as jr
+
+mkdir = async_path.mkdir
+
+async def other_save_first(path, *args, **kwargs):  # another save made it just now
+  os.mkdir(path)
+  return await mkdir(path, *args, **kwargs)
+
+atomicity.async_path.mkdir = other_save_first
+params, opt = {"w": jnp.arange(12.0)}, optax.adam(1e-3)
+mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+state = jr.shard_to_mesh(opt, params, opt.init(params), mesh).state
+try:
+  jr.save_sharded(os.path.join(sys.argv[1], "ck"), opt, state, {"w": (12,)}, mesh)
+except jr.ArchiveExistsError as e:
+  print("refused:", e, flush=True)
+"""
+
+
+def test_a_process_whose_save_sharded_was_refused_in_orbax_s_directory_creation_exits(tmp_path):
+  """Refused there, the save raises at once; orbax's commit thread of it waits for the
+  directory's signal until orbax's coordination timeout (300 s), and the process's
+  exit does not wait for it. (Before: the process lived those 300 s on.)"""
+  import subprocess
+  import sys
+
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  done = subprocess.run(
+    [sys.executable, "-c", _REFUSED_THEN_EXIT, str(tmp_path)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=150,
+  )
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "refused: save_sharded:" in done.stdout and "another save is writing it" in done.stdout
+  assert not (tmp_path / "ck").exists()
+
+
 def test_save_sharded_refuses_when_a_clean_removes_every_directory_it_makes(tmp_path, monkeypatch):
   """A ``clean`` removes orbax's temporary directory each time right after this
   save made it and before it holds its lock: the save makes it anew a few times,

@@ -283,6 +283,13 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     timeout_secs: how long a process of a multi-process save waits for the
       others to tell that their archives are written (a process whose write
       fails tells at once); None: orbax's default asynchronous timeout.
+    daemon_commits: whether the commit futures' threads are daemon threads,
+      which a process's exit does not wait for. Orbax's own are not: a save
+      left running finishes before the process ends. A caller that waits for
+      every save itself (``save_sharded``) can let them be daemons, so that a
+      save refused while orbax made its directory (whose commit thread then
+      waits for that creation's signal until orbax's coordination timeout)
+      does not hold the process's exit for minutes.
   """
 
   def __init__(
@@ -293,8 +300,10 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
       ocp.options.MultiprocessingOptions()
     ),
     timeout_secs: float | None = None,
+    daemon_commits: bool = False,
   ):
     _index.check_chunk_bytes(chunk_bytes)
+    self._daemon_commits = daemon_commits
     self._chunk_bytes = chunk_bytes
     self._primary_host = multiprocessing_options.primary_host
     self._timeout_s = (
@@ -337,11 +346,32 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     if prepared.index is not None:
       with self._lock:
         self._pending[key] = (prepared.checkpoint_id, prepared.index)
-    return [
-      ocp.future.CommitFutureAwaitingContractedSignals(
-        self._write(key, prepared), name="jaxreshard_save"
-      )
-    ]
+    return [self._commit_future(self._write(key, prepared))]
+
+  def _commit_future(self, coro) -> ocp.future.Future:
+    """Orbax's commit future of ``coro``, made in a daemon thread when its thread
+    is to be a daemon (a thread is one when the thread that makes it is)."""
+
+    def make():
+      return ocp.future.CommitFutureAwaitingContractedSignals(coro, name="jaxreshard_save")
+
+    if not self._daemon_commits:
+      return make()
+    made: list = []
+
+    def make_into() -> None:
+      try:
+        made.append(make())
+      except BaseException as e:  # pylint: disable=broad-exception-caught
+        made.append(e)
+
+    maker = threading.Thread(target=make_into, name="jaxreshard_save_maker", daemon=True)
+    maker.start()
+    maker.join()
+    if isinstance(made[0], BaseException):
+      coro.close()
+      raise made[0]
+    return made[0]
 
   async def _write(self, directory: str, prepared: SavePlan) -> None:
     """Writes this process's archives, tells the others, and waits for theirs."""

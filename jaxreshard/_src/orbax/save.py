@@ -118,7 +118,9 @@ def save_sharded(
     optimizer=optimizer, state=state, shapes=shapes, mesh=mesh, axis=axis, chunk_bytes=chunk_bytes
   )
   timeout = max(1, int(timeout_s))
-  handler = _handler.ReshardCheckpointHandler(timeout_secs=timeout)
+  # This call waits for its save: nothing is left for the process's exit to wait for
+  # but the commit thread of a save refused while orbax made its directory.
+  handler = _handler.ReshardCheckpointHandler(timeout_secs=timeout, daemon_commits=True)
   commit = _durable.one_save()  # its temporary directories' locks go when the save ends
   tmp = os.fspath(commit.from_final(epath.Path(final)).get())
   _durable.refuse_if_held(tmp, final)  # a live save of it
