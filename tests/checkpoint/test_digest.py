@@ -366,6 +366,70 @@ def test_a_clock_scalar_s_weak_type_is_part_of_the_digest(tmp_path):
   assert len(lines) == 1 and "weak" in lines[0] and "step" in lines[0], lines
 
 
+def test_archives_whose_clock_scalar_differs_only_in_weak_type_are_refused_on_every_path(tmp_path):
+  """The digest tells a weak clock scalar from a strong one of the same bits, so
+  archives of the two are two steps: every path refuses the mix (it took the
+  template's weak type), and a checkpoint holding both does not load."""
+  from tests._archive_util import set_unchecked
+
+  opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1, momentum=0.9)
+  params = {"w": jnp.arange(5.0, dtype=jnp.float32)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+
+  def with_lr(r, lr):
+    hyper = dict(r.state.hyperparams, learning_rate=lr)
+    return dataclasses.replace(r, state=r.state._replace(hyperparams=hyper))
+
+  weak = [with_lr(r, jnp.asarray(0.1)) for r in records]
+  strong = [with_lr(r, jnp.float32(0.1)) for r in records]
+  assert jr.digest(weak) != jr.digest(strong)
+  mixed = [weak[0], strong[1]]
+  for call in (
+    lambda: jr.reshard(mixed, jr.plan(mixed, world_size=1, rank=0)),
+    lambda: jr.unshard_state(mixed),
+    lambda: jr.save_records(tmp_path / "refused", mixed),
+  ):
+    with pytest.raises(jr.PlacementError, match=r"learning_rate.*\(not weak\).*\(weak\)"):
+      call()
+  assert not (tmp_path / "refused").exists()
+  assert any("learning_rate" in p for p in jr.digest(mixed).problems)
+  with set_unchecked():
+    jr.save_records(tmp_path / "mixed", mixed)
+  with pytest.raises(jr.ReshardError, match="learning_rate"):
+    jr.restore_ranks(tmp_path / "mixed", range(2), world_size=2)
+  assert jr.digest(tmp_path / "mixed").problems
+  # One weak type throughout is one state, bit for bit.
+  out = jr.reshard(weak, jr.plan(weak, world_size=3, rank=1))
+  lr = out.state.hyperparams["learning_rate"]
+  assert lr.weak_type and bits(lr) == bits(weak[0].state.hyperparams["learning_rate"])
+
+
+def test_archives_whose_state_classes_differ_only_by_class_are_a_problem(tmp_path):
+  """A NamedTuple of optax's name and fields that is another class is another state
+  structure to every reshard and a save; the digest, which prints a tree by its
+  classes' names, must not call such archives one state."""
+  import collections
+
+  opt = optax.adam(1e-3)
+  params = {"w": jnp.arange(5.0, dtype=jnp.float32)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  twin = collections.namedtuple("ScaleByAdamState", ["count", "mu", "nu"])
+  other = dataclasses.replace(
+    records[1], state=(twin(*records[1].state[0]),) + tuple(records[1].state[1:])
+  )
+  mixed = [records[0], other]
+  for call in (
+    lambda: jr.reshard(mixed, jr.plan(mixed, world_size=1, rank=0)),
+    lambda: jr.save_records(tmp_path / "refused", mixed),
+  ):
+    with pytest.raises(jr.PlacementError, match="optimizer state structure"):
+      call()
+  d = jr.digest(mixed)
+  assert d.problems == ("archive 1: optimizer state structure differs from archive 0",)
+  assert d != jr.digest(records)
+  assert jr.digest(records).problems == ()
+
+
 class _Sgd(NamedTuple):
   count: Any
   trace: Any

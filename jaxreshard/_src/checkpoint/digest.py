@@ -266,9 +266,10 @@ class _Accumulator:
 
   def check_structure(self, index: int, structure: str, clock: Any, names: list[str]) -> None:
     """An archive after the first: its structure and clock (``structure_of``) are archive 0's."""
-    if structure != self.structure:
+    where = _clock.clock_difference(self.clock, clock)
+    if structure != self.structure or where == _clock.STRUCTURE:
       self.problems.append(f"archive {index}: optimizer state structure differs from archive 0")
-    elif (where := _clock.clock_difference(self.clock, clock)) is not None:
+    elif where is not None:
       named = f" ({names[where]})" if 0 <= where < len(names) else ""
       self.problems.append(
         f"archive {index}: optimizer clock scalar{named} differs from archive 0's"
@@ -281,6 +282,7 @@ class _Accumulator:
     """One parameter's rank: its metadata agrees, the rank is new, its buffers stream in."""
     pid = p.param
     _validate.check_storage_dtype(p.dtype, f"param {pid!r}: archive {index}")
+    g = FlatShard(p.shape, p.rank, p.world_size)  # a shape 5 or None: refused, as everywhere
     words = tuple(_history_word(h) for h in hist)
     key = (tuple(p.shape), np.dtype(p.dtype).name, bool(p.trainable), p.world_size, words, path)
     if self.meta.setdefault(pid, key) != key:
@@ -293,7 +295,6 @@ class _Accumulator:
       self.problems.append(f"param {pid!r}: rank {p.rank} appears in more than one archive")
       return
     self.seen_ranks[pid].add(p.rank)
-    g = FlatShard(p.shape, p.rank, p.world_size)
     buffers = [h for h in hist if h is not None and h is not _structure.MASKED]
     for m, buf in enumerate(buffers):
       self.add_buffer(
@@ -414,7 +415,10 @@ def structure_of(state_parts: _structure.StateParts, record: ShardRecord) -> tup
     (str(state_parts.skeleton), [jax.tree_util.keystr(m.prefix) for m in state_parts.subtrees])
   )
   leaves = clock_leaves(record)
-  return structure, _clock.clock_key(structure, [x for _, x in leaves]), [n for n, _ in leaves]
+  # The clock compares the tree itself, as a reshard does: its text names a
+  # NamedTuple by its name alone, and another class of that name is another state.
+  skeleton = (state_parts.skeleton, tuple(m.prefix for m in state_parts.subtrees))
+  return structure, _clock.clock_key(skeleton, [x for _, x in leaves]), [n for n, _ in leaves]
 
 
 def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:

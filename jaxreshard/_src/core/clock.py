@@ -215,9 +215,13 @@ def clock_mismatch(src: Any, a: int, b: int, pid: str | None = None) -> str:
     path = _structure.clock_paths(sa[0], [slot is None for slot in sa[1]])[where]
     va, vb = plain(xa[where]), plain(xb[where])
     shown_a, shown_b = repr(va), repr(vb)
-    if shown_a == shown_b:  # printed alike, other bits (a NaN's payload): show the bytes
+    if shown_a == shown_b and va.tobytes() != vb.tobytes():
+      # printed alike, other bits (a NaN's payload): show the bytes
       shown_a += f" (bytes {va.tobytes().hex()})"
       shown_b += f" (bytes {vb.tobytes().hex()})"
+    if shown_a == shown_b:  # the same bits, one of them weakly typed
+      shown_a += " (weak)" if getattr(xa[where], "weak_type", False) else " (not weak)"
+      shown_b += " (weak)" if getattr(xb[where], "weak_type", False) else " (not weak)"
     return (
       f"{name}archive {a} has clock scalar {path} = {shown_a} but archive"
       f" {b} has {shown_b}; these archives are not one checkpoint"
@@ -261,9 +265,11 @@ def plain(x: Any) -> Any:
 
 
 def scalar_bits(x: Any) -> tuple[Any, ...]:
-  """What must agree for two clock scalars to be the same: dtype, shape, bytes."""
+  """What must agree for two clock scalars to be the same: dtype, shape, bytes and
+  weak type (how jax promotes it: the digest and ``verify`` tell weak from strong)."""
   a = plain(x)
-  return (str(getattr(x, "dtype", a.dtype)), a.dtype.str, a.shape, a.tobytes())
+  weak = bool(getattr(x, "weak_type", False))
+  return (str(getattr(x, "dtype", a.dtype)), a.dtype.str, a.shape, a.tobytes(), weak)
 
 
 class ClockClasses:
