@@ -353,6 +353,44 @@ def test_09g_plan_and_unshard_refuse_archives_of_two_groups(call, change, needle
   assert f"param 'a': {needle}; pass explicit migrations to pick one group" == str(info.value)
 
 
+def test_09i_a_target_dim_that_is_no_integer_is_refused():
+  """A migration's shape (5.0,) equals the sources' (5,) but is no geometry."""
+  records = _records()
+  m = dataclasses.replace(_plan(records)[0], shape=(5.0,))
+  assert m.param == "a"
+  _refused(records, [m], jr.PlacementError, "param 'a'", "shape (5.0,) is not a sequence")
+
+
+@pytest.mark.parametrize("shape", [None, 5])
+def test_09k_a_digest_of_a_placement_shape_that_is_no_sequence_refuses_it(shape):
+  """As reshard and a save do, with FlatShard's words (it was a TypeError)."""
+  records = _records()
+  records[1] = _with_placement(records[1], "a", shape=shape)
+  with pytest.raises(jr.PlacementError, match=f"shape {shape} is not a sequence of integers"):
+    jr.digest(records)
+
+
+def test_09j_numpy_integer_ranks_and_world_sizes_save_and_load_as_ints(tmp_path):
+  """np.int32 / np.int64 ranks and world sizes are integers to every path
+  (FlatShard reads them with operator.index): a save writes them as ints, and the
+  checkpoint loads as the records with Python ints."""
+  records = [
+    _with_placement(rec, pid, rank=np.int32(rec.placement(pid).rank), world_size=np.int64(W))
+    for rec in _records()
+    for pid in ["a"]
+  ]
+  target = jr.reshard(records, _plan(_records()))
+  jr.save_records(tmp_path / "ckpt", records)
+  loaded = jr.load_records(tmp_path / "ckpt")
+  assert [r.placement("a").rank for r in loaded] == list(range(W))
+  assert all(type(r.placement("a").rank) is int for r in loaded)
+  assert jr.digest(tmp_path / "ckpt") == jr.digest(_records())
+  again = jr.restore(tmp_path / "ckpt", world_size=6, rank=2)
+  for a, b in zip(jax.tree.leaves(target.state), jax.tree.leaves(again.state)):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
 def test_10a_storage_dtypes_disagree():
   records = _records()
   records[2] = _with_placement(records[2], "a", dtype=jnp.float16)
@@ -496,6 +534,26 @@ def test_12e_a_role_that_is_a_suffix_of_its_path_but_not_its_param():
     jr.PlacementError,
     "archive 1: roles and state disagree at [0].trace['a']['b']",
   )
+
+
+def test_12f_roles_that_call_one_leaf_of_a_params_mirror_a_clock_scalar(tmp_path):
+  """``mu['a']`` called a clock scalar while ``mu['b/c']`` is a history: the mirror
+  is taken whole, so it was resharded as a's history, unchecked as a clock (its
+  ranks differ), and a save crashed on it. Every path refuses it by name."""
+  records = _records()
+  assert records[1].roles == (None, "a", "b/c", "a", "b/c")
+  records = [dataclasses.replace(r, roles=(None, None, "b/c", "a", "b/c")) for r in records]
+  needle = "archive 0: roles and state disagree at [0].mu['a']: the roles call it a clock scalar"
+  _refused(records, _plan(_records()), jr.PlacementError, needle)
+  for call in (
+    lambda: jr.plan(records, world_size=6, rank=2),
+    lambda: jr.unshard_state(records),
+    lambda: jr.digest(records),
+    lambda: jr.save_records(tmp_path / "ckpt", records),
+  ):
+    with pytest.raises(jr.PlacementError, match=re.escape(needle)):
+      call()
+  assert not (tmp_path / "ckpt").exists()
 
 
 def test_13_different_number_of_buffers():

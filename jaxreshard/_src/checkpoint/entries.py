@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from collections.abc import Iterable
 from typing import Any
 
@@ -64,7 +65,9 @@ class ParamEntries:
           self._entry_text.append(json.dumps(self.params[e], separators=(",", ":")))
         else:
           self._terms.append(_param_term(self.params[e]))
-      buckets.setdefault((p.world_size, p.rank), []).append(e)
+      # As Python ints: a numpy integer (np.int32(1)) is a rank every path takes
+      # (``FlatShard`` reads it with ``operator.index``), but no JSON value.
+      buckets.setdefault((operator.index(p.world_size), operator.index(p.rank)), []).append(e)
     self.last = []
     for key, es in buckets.items():
       block = self._sets.setdefault(tuple(es), len(self._sets))

@@ -381,6 +381,14 @@ def _state_parts_of_paths(state: Any, roles: Sequence[str | None]) -> StateParts
     for k in depths:
       if k <= len(path) and path[:k] in prefixes and "/".join(names_i[k:]) != roles[i]:
         raise StatePartsError(f"roles and state disagree at {jax.tree_util.keystr(path)}")
+  # A leaf the roles call a clock scalar cannot sit in a mirror of the params, which
+  # is taken whole as histories: that would make it one, unchecked as a clock.
+  for i, path in enumerate(paths):
+    if roles[i] is None and any(k <= len(path) and path[:k] in prefixes for k in depths):
+      raise StatePartsError(
+        f"roles and state disagree at {jax.tree_util.keystr(path)}: the roles call it a"
+        " clock scalar, but it lies in a subtree that mirrors the params"
+      )
   skeleton_tree, removed = _replace_subtrees(
     state, {p: ParamsSubtreeSlot(i) for p, i in prefixes.items()}
   )

@@ -118,6 +118,8 @@ def _validate_all(src: Sources, migrations: Sequence[Migration]) -> _groups.Grou
         f"param {m.param!r}: archive {f.by_rank[0]} has logical shape {f.shape}"
         f" but the target has {target.shape}"
       )
+    if m.shape is not f.shape and any(type(d) is not int for d in m.shape):
+      _validate.check_target(m)  # a dim 5.0 equals the sources' 5 but is no dim
     if not geometry_checked:
       # The shape is the sources' own, already checked: only the rank and world.
       try:
