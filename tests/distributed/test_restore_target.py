@@ -493,10 +493,7 @@ def test_a_target_with_a_list_where_the_checkpoint_has_a_tuple_is_refused(tmp_pa
   path = tmp_path / "ckpt"
   jr.save_records(path, jr.shard_state(opt, params, opt.init(params), world_size=2))
   mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
-  target = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P())),
-    opt.init(params),
-  )
+  target = _replicated_target(opt, params, mesh)
   with pytest.raises(
     jr.PlacementError,
     match="the target's tree has the checkpoint's leaf paths but other node types",
