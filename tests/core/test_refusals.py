@@ -370,6 +370,46 @@ def test_09k_a_digest_of_a_placement_shape_that_is_no_sequence_refuses_it(shape)
     jr.digest(records)
 
 
+@pytest.mark.parametrize("archive", [0, 1, 3])
+@pytest.mark.parametrize(
+  "change, needle",
+  [
+    (lambda p: dict(rank=bool(p.rank)), "rank must be an integer, not the bool"),
+    (lambda p: dict(world_size=float(W)), "world_size must be an integer, not float 4.0"),
+    (lambda p: dict(shape=(5.0,)), "shape (5.0,) is not a sequence of integers"),
+  ],
+)
+@pytest.mark.parametrize("call", ["reshard", "plan", "unshard_state", "digest", "save_records"])
+def test_09l_a_source_placement_of_a_bool_or_float_is_refused_by_every_path(
+  call, archive, change, needle, tmp_path
+):
+  """Equal to the int it stands for, and of a group whose archives are otherwise
+  alike (which reshard checks through their first one): refused by every path,
+  whichever archive holds it, as ``FlatShard`` refuses it."""
+  records = _records()
+  if archive in (0, 1):
+    p = records[archive].placement("a")
+    records[archive] = _with_placement(records[archive], "a", **change(p))
+  else:  # the last archive, and the records in reverse order
+    p = records[-1].placement("a")
+    records = [_with_placement(records[-1], "a", **change(p))] + records[-2::-1]
+    archive = 0
+  expected = f"param 'a': archive {archive}: {needle}"
+  with pytest.raises(jr.PlacementError) as info:
+    if call == "reshard":
+      jr.reshard(records, _plan())
+    elif call == "plan":
+      jr.reshard(records, jr.plan(records, world_size=6, rank=2))
+    elif call == "unshard_state":
+      jr.unshard_state(records)
+    elif call == "digest":
+      jr.digest(records)
+    else:
+      jr.save_records(tmp_path / "ckpt", records)
+  assert str(info.value).startswith(expected), str(info.value)
+  assert not (tmp_path / "ckpt").exists()
+
+
 def test_09j_numpy_integer_ranks_and_world_sizes_save_and_load_as_ints(tmp_path):
   """np.int32 / np.int64 ranks and world sizes are integers to every path
   (FlatShard reads them with operator.index): a save writes them as ints, and the

@@ -16,7 +16,7 @@ from typing import Any
 
 from jaxreshard._src.errors import PlacementError
 
-__all__ = ["FlatShard", "MAX_COUNT", "MAX_WORLD_SIZE", "normalize_shape"]
+__all__ = ["FlatShard", "MAX_COUNT", "MAX_WORLD_SIZE", "check_integers", "normalize_shape"]
 
 # Element counts and offsets must fit a signed 64-bit index.
 MAX_COUNT = 2**63 - 1
@@ -54,6 +54,19 @@ def normalize_shape(shape: Sequence[int], *, what: str = "shape") -> tuple[int, 
       f"{what} {dims} has {count} elements, more than a 64-bit index can address"
     )
   return dims
+
+
+def check_integers(shape: Any, rank: Any, world_size: Any) -> None:
+  """Refuses, in ``FlatShard``'s words, a shape, rank or world size that is not of
+  integers (a bool, a float, ``None``); no range is checked here."""
+  try:
+    integral = all(not isinstance(d, bool) and operator.index(d) is d for d in shape)
+  except TypeError:
+    integral = False
+  if not integral:
+    normalize_shape(shape)
+  _int(rank, "rank")
+  _int(world_size, "world_size")
 
 
 def _check_rank(rank: int, world: int) -> None:

@@ -28,6 +28,17 @@ def as_dtype(dtype: Any) -> Any:
     return dtype
 
 
+def _as_int(value: Any) -> Any:
+  """An integer of any kind (numpy's too) as a Python int; a bool, a float or junk
+  as-is, for validation to refuse by name."""
+  if isinstance(value, bool):
+    return value
+  try:
+    return operator.index(value)
+  except TypeError:
+    return value
+
+
 def _as_tuple(value: Any) -> Any:
   try:
     return tuple(operator.index(v) for v in value)
@@ -55,9 +66,27 @@ class ParamPlacement:
   dtype: Any = np.dtype("float32")
   trainable: bool = True
 
+  # Whether ``shape``, ``rank`` and ``world_size`` are of Python ints: set False,
+  # on the instance, when they are not. Validation then checks their types (one
+  # attribute read per placement, not a test per value).
+  _integral = True
+
   def __post_init__(self):
-    object.__setattr__(self, "shape", _as_tuple(self.shape))
+    rank, world = self.rank, self.world_size
+    integral = type(rank) is int and type(world) is int
+    if not integral:
+      rank, world = _as_int(rank), _as_int(world)
+      object.__setattr__(self, "rank", rank)
+      object.__setattr__(self, "world_size", world)
+      integral = type(rank) is int and type(world) is int
+    try:
+      shape = tuple(operator.index(v) for v in self.shape)
+    except TypeError:
+      shape, integral = self.shape, False
+    object.__setattr__(self, "shape", shape)
     object.__setattr__(self, "dtype", as_dtype(self.dtype))
+    if not integral:
+      object.__setattr__(self, "_integral", False)
 
   @classmethod
   def checked(

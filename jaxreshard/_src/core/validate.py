@@ -32,7 +32,7 @@ from jaxreshard._src.core.clock import (
   clock_key,
   clock_mismatch,
 )
-from jaxreshard._src.core.geometry import FlatShard
+from jaxreshard._src.core.geometry import FlatShard, check_integers
 from jaxreshard._src.core.groups import SourceFacts, SourceGroup
 from jaxreshard._src.core.placement import SUPPORTED_DTYPES, Migration, ParamPlacement
 from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
@@ -131,6 +131,11 @@ def check_record(
       raise PlacementError(
         f"param {p.param!r}: archive {index} marks it trainable={p.trainable!r}, not a bool"
       )
+    if not p._integral:
+      try:
+        check_integers(p.shape, p.rank, p.world_size)
+      except PlacementError as e:
+        raise PlacementError(f"param {p.param!r}: archive {index}: {e}") from None
     placements[p.param] = p
   try:
     state_parts = _structure.state_parts(record.state, _structure.roles_of(record))
