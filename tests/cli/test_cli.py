@@ -216,6 +216,40 @@ def test_verify_names_the_differing_buffer_and_bad_padding(ckpt):
     assert result.stdout == "" and "differs" not in result.output
 
 
+@pytest.mark.parametrize("text", ["3.0", "+3", " 3", "3_0", "0x3", "\uff13"])
+@pytest.mark.parametrize("option", ["-w", "-r", "--step", "--max-diffs", "--steps"])
+def test_an_integer_option_takes_decimal_digits_only(ckpt, tmp_path, option, text):
+  """Python's int() reads "3_0" as 30 and "+3" or " 3" as 3: the CLI refuses
+  anything but decimal digits, so a typo is never taken as another world size."""
+  root, _ = ckpt
+  args = {
+    "-w": ("reshard", root / "ckpt8", tmp_path / "o", "-w", text),
+    "-r": ("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "-r", text),
+    "--step": ("inspect", root / "ckpt8", "--step", text),
+    "--max-diffs": ("verify", root / "ckpt8", root / "ckpt8", "--max-diffs", text),
+    "--steps": ("demo", "--steps", text),
+  }[option]
+  line = _one_line_error(_run(*args))
+  assert f"{text!r} is not an integer in decimal digits" in line, line
+  assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+  "args, needle",
+  [
+    (("demo", "--steps", "0"), "--steps': 0 is less than 1"),
+    (
+      ("verify", "ROOT/ckpt8", "ROOT/ckpt8", "--max-diffs", "-1"),
+      "--max-diffs': -1 is less than 0",
+    ),
+  ],
+)
+def test_an_integer_option_below_its_least_is_refused(ckpt, args, needle):
+  root, _ = ckpt
+  line = _one_line_error(_run(*(a.replace("ROOT", str(root)) for a in args)))
+  assert needle in line, line
+
+
 def test_errors_are_one_line(ckpt, resharded, tmp_path):
   root, _ = ckpt
   assert "does not exist" in _one_line_error(_run("inspect", tmp_path / "missing"))

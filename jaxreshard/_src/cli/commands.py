@@ -33,6 +33,10 @@ from jaxreshard._src.checkpoint.summary import inspect_info
 from jaxreshard._src.cli import render as _render
 from jaxreshard._src.cli import report as _report
 from jaxreshard._src.cli import streams as _streams
+from jaxreshard._src.cli.options import integer as _integer
+from jaxreshard._src.cli.options import item_option as _item_option
+from jaxreshard._src.cli.options import path as _path
+from jaxreshard._src.cli.options import step_option as _step_option
 from jaxreshard._src.cli.render import EXIT_DIFFERENT, EXIT_ERROR, progress_bar, safe
 
 __all__ = ["EXIT_DIFFERENT", "EXIT_ERROR", "app", "inspect_info", "main", "progress_bar", "safe"]
@@ -46,28 +50,6 @@ app = typer.Typer(
   add_completion=False,
   pretty_exceptions_enable=False,
 )
-
-
-def _path(text: str) -> Path:
-  """A path argument; an empty one names nothing (``Path("")`` would be ``.``)."""
-  if not text:
-    raise typer.BadParameter("an empty path names no checkpoint")
-  return Path(text)
-
-
-def _step_option() -> Any:
-  return typer.Option(
-    None,
-    "--step",
-    help="In an orbax run directory, the step to read (default: the latest"
-    " holding a jaxreshard item).",
-  )
-
-
-def _item_option() -> Any:
-  return typer.Option(
-    None, "--item", help="In an orbax step, the item to read (needed when several hold one)."
-  )
 
 
 _WHERE = (
@@ -106,7 +88,9 @@ def _root(
 @app.command(cls=_render.Command)
 @_render.guard
 def demo(
-  steps: int = typer.Option(3, min=1, help="AdamW steps to train before sharding."),
+  steps: int = typer.Option(
+    3, parser=lambda t: _integer(t, 1), help="AdamW steps to train before sharding."
+  ),
   save: Path | None = typer.Option(
     None,
     "--save",
@@ -199,8 +183,12 @@ def reshard(
   out: Path = typer.Argument(
     ..., parser=_path, metavar="OUT", help="The new checkpoint directory (must not exist)."
   ),
-  world_size: int = typer.Option(..., "--world-size", "-w", help="The target world size M."),
-  rank: int | None = typer.Option(None, "--rank", "-r", help="Write only this target rank."),
+  world_size: int = typer.Option(
+    ..., "--world-size", "-w", parser=_integer, help="The target world size M."
+  ),
+  rank: int | None = typer.Option(
+    None, "--rank", "-r", parser=_integer, help="Write only this target rank."
+  ),
   dry_run: bool = typer.Option(
     False, "--dry-run", help="Print what each target rank reads; write nothing."
   ),
@@ -333,7 +321,7 @@ def verify(
   step: int | None = _step_option(),
   item: str | None = _item_option(),
   max_diffs: int = typer.Option(
-    20, "--max-diffs", min=0, help="Show at most this many differences."
+    20, "--max-diffs", parser=lambda t: _integer(t, 0), help="Show at most this many differences."
   ),
   rtol: float | None = typer.Option(
     None, "--rtol", min=0.0, help="Accept history buffers within this relative tolerance."
