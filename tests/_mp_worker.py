@@ -22,6 +22,10 @@ Tasks:
   fail:      a manager saves step 1, then step 2 with process ``args.fail``
              unable to write its archives (a file size limit, as a full disk);
              reports what each process saw and how long its step 2 took.
+  stall:     an ``AsyncCheckpointer`` of ``ReshardCheckpointHandler(timeout_secs=
+             args.timeout_s)`` saves to ``args.path``, process ``args.stall``'s
+             archive writes held back until process 0 has reported; reports
+             what each process raised and how soon.
   padding_share: ``restore_sharded(path, target=...)`` of each of ``args.paths``
              (Adam over params of ``args.counts`` elements) onto every device,
              replicated; report which restores this process refused, and why.
@@ -332,6 +336,42 @@ def refused(opt, params, state, shapes) -> dict:
     result = {"error": f"{type(e).__name__}: {e}"[:800], "error_type": type(e).__name__}
   result["seconds"] = time.monotonic() - start
   write_result({"task": "refused", "process": ME, **result})
+  leave_broken_job()
+
+
+def stall(opt, params, state, shapes) -> dict:
+  """A save whose process ``args.stall`` never finishes writing within the handler's
+  ``timeout_secs`` (orbax's own timeout is longer): its archive writes wait until
+  process 0 has reported (a minute at most), then fail. Reports what each process
+  raised and how soon.
+  """
+  from jaxreshard._src.checkpoint import reader as _checkpoint  # pylint: disable=g-import-not-at-top
+
+  m = mesh()
+  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
+  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
+  if ME == ARGS["stall"]:
+    primary_done = os.path.join(OUT, "p0.json")
+
+    def held(*a, **k):
+      deadline = time.monotonic() + 60
+      while not os.path.exists(primary_done) and time.monotonic() < deadline:
+        time.sleep(0.05)
+      raise OSError("held back until the primary reported")
+
+    _checkpoint.write_archive = held
+  start = time.monotonic()
+  try:
+    handler = jr.ReshardCheckpointHandler(timeout_secs=ARGS["timeout_s"])
+    with ocp.AsyncCheckpointer(handler, timeout_secs=60) as checkpointer:
+      args = jr.ReshardSave(state=sharded.state, optimizer=opt, shapes=spec, mesh=m)
+      checkpointer.save(ARGS["path"], args=args)
+      checkpointer.wait_until_finished()
+    result = {"error": None}
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    result = {"error": f"{type(e).__name__}: {e}"[:800], "error_type": type(e).__name__}
+  result["seconds"] = time.monotonic() - start
+  write_result({"task": "stall", "process": ME, **result})
   leave_broken_job()
 
 

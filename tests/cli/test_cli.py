@@ -255,6 +255,9 @@ def test_errors_are_one_line(ckpt, resharded, tmp_path):
   assert "does not exist" in _one_line_error(_run("inspect", tmp_path / "missing"))
   assert "not a jaxreshard checkpoint" in _one_line_error(_run("verify", tmp_path, resharded))
   assert "already exists" in _one_line_error(_run("reshard", root / "ckpt8", resharded, "-w", 6))
+  # OUT that is CHECKPOINT itself: named as existing, before it is found inside itself.
+  line = _one_line_error(_run("reshard", root / "ckpt8", root / "ckpt8", "-w", 6))
+  assert "ckpt8 already exists; jaxreshard never overwrites a checkpoint" in line, line
   assert "outside world_size 6" in _one_line_error(
     _run("reshard", root / "ckpt8", tmp_path / "o", "-w", 6, "-r", 6)
   )

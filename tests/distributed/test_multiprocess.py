@@ -298,3 +298,19 @@ def test_a_save_one_process_refuses_fails_at_once_everywhere(job, kind, words):
   assert "process 1 did not write its archives" in first["error"] and words in first["error"]
   assert first["seconds"] < 30 and second["seconds"] < 30, (first, second)
   assert not os.path.exists(os.path.join(job["root"], f"refused_{kind}_ck"))
+
+
+def test_a_process_that_never_finishes_writing_fails_the_save_after_its_timeout(tmp_path):
+  """Process 1's archive writes hang (they end only once process 0 has reported): the
+  primary, told nothing by it, gives up after the save's ``timeout_s`` and names it."""
+  path = str(tmp_path / "ck")
+  with U.ProcessGroup(
+    2, 4, "stall", str(tmp_path / "out"), {"path": path, "stall": 1, "timeout_s": 3}
+  ) as g:
+    first, second = sorted(g.check(), key=lambda r: r["process"])
+  assert first["error_type"] == "ArchiveError", first
+  want = "processes [1] did not finish writing their archives within 3 s; nothing is committed"
+  assert want in first["error"], first
+  assert first["seconds"] < 30, first
+  assert second["error"] and "held back until the primary reported" in second["error"], second
+  assert not os.path.exists(path)

@@ -401,6 +401,24 @@ def test_a_failed_save_sharded_leaves_nothing_and_saves_again(tmp_path, monkeypa
   assert len(jr.load_records(tmp_path / "ck")) == 4
 
 
+def test_a_commit_future_orbax_cannot_make_fails_the_save_and_leaves_nothing(tmp_path, monkeypatch):
+  """save_sharded's commit futures are made in a daemon thread: orbax's error there is
+  the save's own error (never a future that is an exception), and nothing is left."""
+  opt, state, mesh = _mesh_state()
+  make = ocp.future.CommitFutureAwaitingContractedSignals
+
+  def cannot_start(coro, **kwargs):
+    raise RuntimeError("can't start new thread")
+
+  monkeypatch.setattr(ocp.future, "CommitFutureAwaitingContractedSignals", cannot_start)
+  with pytest.raises(jr.ArchiveError, match=r"not committed \(RuntimeError: can't start new"):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert os.listdir(tmp_path) == []
+  monkeypatch.setattr(ocp.future, "CommitFutureAwaitingContractedSignals", make)
+  jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert len(jr.load_records(tmp_path / "ck")) == 4
+
+
 def test_clean_removes_a_killed_save_sharded_s_directory_only_when_its_lock_is_free(tmp_path):
   from typer.testing import CliRunner
 
