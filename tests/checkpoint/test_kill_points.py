@@ -61,6 +61,7 @@ SAVE_RECORDS = {
   "fsync of the temp dir": (("fsync", TMP + "$", 1), False),
   "the rename": (("renameat2", "^/ckpt$", 1), False),
   "lock file removed after the rename": (("unlink", r"^/ckpt/\.jaxreshard-save\.lock$", 1), True),
+  "fsync of the checkpoint after the unlink": (("fsync", "^/ckpt$", 1), True),
   "fsync of the parent after the rename": (("fsync", "^$", 1), True),
   "lock released": (("close", r"^/ckpt/\.jaxreshard-save\.lock \(deleted\)$", 1), True),
   "not killed": ((None, "", 0), True),

@@ -351,11 +351,14 @@ class TempDir:
 
   def commit(self, final: str) -> None:
     """Renames the directory to ``final`` (never replacing anything), drops the lock
-    file, then fsyncs ``final``'s parent (when durable)."""
+    file, then fsyncs ``final`` and its parent (when durable)."""
     commit_dir(self.path, final)
     self.path, self.committed = final, True
     try:
       os.unlink(LOCK_FILE, dir_fd=self.out.fd)
+      if self.out.durable:
+        # The unlink made durable too, or a crash may bring the lock file back.
+        os.fsync(self.out.fd)
     except OSError:
       pass  # an empty file no reader opens; the checkpoint is complete without it gone
     if self.out.durable:
