@@ -1,5 +1,6 @@
 """Orbax commits that are durable when a save returns, and saves racing on one directory."""
 
+import json
 import os
 import shutil
 
@@ -439,12 +440,20 @@ def test_clean_removes_a_killed_save_sharded_s_directory_only_when_its_lock_is_f
       f"kept (orbax's, of a host it does not name; its lock is free here, --all removes it): {stale}"
       in text
     )
+    # No lock in it (orbax made it; the save was killed before locking it): listed, kept.
+    assert (
+      "kept (orbax's, with no lock in it: nothing tells whether its save still runs;"
+      f" the next save of this checkpoint replaces it): {plain}" in text
+    )
+    assert f"0 of 3 temporary directories of {final} removed" in text
     result = CliRunner().invoke(app, ["clean", str(final), "--all", "--json"])
   finally:
     os.close(held[1])
     os.close(held[0])
   assert result.exit_code == 0, result.output
   assert not stale.exists() and live.exists() and plain.exists()
+  report = json.loads(result.stdout)
+  assert report["removed"] == [str(stale)] and sorted(report["kept"]) == [str(live), str(plain)]
 
 
 def test_every_file_of_a_manager_step_is_fsynced_before_its_rename(tmp_path, io_log):

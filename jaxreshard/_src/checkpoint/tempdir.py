@@ -77,12 +77,17 @@ def _lock_probe(path: str) -> tuple[int | None, int | None]:
   return dfd, lfd
 
 
-def temp_dirs(final: str, *, strict: bool = False) -> list[tuple[str, bool]]:
+def temp_dirs(
+  final: str, *, strict: bool = False, unlocked: bool = False
+) -> list[tuple[str, bool | None]]:
   """The temporary siblings saves to ``final`` left, each with whether its writer is gone.
 
   A parent directory that cannot be listed has none to a save (which goes on
   without them); with ``strict`` (``clean``, which reports what it found) it
-  raises the ``OSError`` naming it.
+  raises the ``OSError`` naming it. With ``unlocked`` (``clean`` again), orbax's
+  temporary directories that hold no lock file are listed too, with None: no
+  lock says whether their writer is gone (orbax made the directory, and the
+  save was killed before it locked it), so they are never removed here.
 
   A writer holds an exclusive ``flock`` on the directory's lock file for its
   whole save; the writer is gone when that lock is free (taken and released
@@ -111,6 +116,8 @@ def temp_dirs(final: str, *, strict: bool = False) -> list[tuple[str, bool]]:
     if os.path.islink(path) or not os.path.isdir(path):
       continue  # a link or a file of that name is no save's: never followed or removed
     if orbax and not has_lock_file(path):
+      if unlocked:
+        out.append((path, None))
       continue
     dfd, lfd = _lock_probe(path)
     if dfd is not None:

@@ -402,13 +402,14 @@ def clean(
 
   A save holds a lock (flock) on its temporary directory until it commits; only
   directories whose lock is free are removed, whatever process id or host their
-  name carries. A directory that can be removed only in part is an error (exit 2)
+  name carries. An orbax temporary directory with no lock in it (a save killed
+  before it locked it) is listed as kept: the next save of CHECKPOINT replaces it. A directory that can be removed only in part is an error (exit 2)
   naming what is left.
 
   With --json: {"checkpoint", "removed": paths, "kept": paths}.
   """
   final = os.path.abspath(str(checkpoint))
-  found = _store.temp_dirs(final, strict=True)
+  found = _store.temp_dirs(final, strict=True, unlocked=True)
   removed = set(_store.remove_temp_dirs(final, everything=everything))
   if as_json:
     _render.print_json(

@@ -440,6 +440,11 @@ def print_clean(final: str, found: list, removed: set, everything: bool) -> None
   for path, gone in found:
     if path in removed:
       verb = "removed"
+    elif gone is None:
+      verb = (
+        "kept (orbax's, with no lock in it: nothing tells whether its save still runs;"
+        " the next save of this checkpoint replaces it)"
+      )
     elif gone and not everything:
       whose = "orbax's, of a host it does not name" if _is_orbax_temp(path) else "another host's"
       verb = f"kept ({whose}; its lock is free here, --all removes it)"
