@@ -1,0 +1,230 @@
+"""The mesh paths against the host paths on the same inputs: the same bits, the same refusals.
+
+Each test feeds one input (a checkpoint, records, a mesh state) through the host
+paths (``restore``, ``reshard``, ``unshard_state``) and the mesh paths
+(``restore_sharded`` with and without ``target=``, ``reshard_to_mesh``, the orbax
+handler, ``save_sharded``) on Explicit (``jax.make_mesh``'s default) and Auto
+meshes, and compares bits as unsigned integers and refusals by type and words.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from etils import epath
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxreshard as jr
+from tests._archive_util import padding_unchecked
+from tests._core_util import (
+  assert_records_equal,
+  assert_trees_bit_equal,
+  random_grads,
+  random_state,
+  standard,
+)
+from tests.distributed.test_distributed import _check_against
+
+
+def _auto(shape, names, devices=None):
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape), devices=devices)
+
+
+def _everywhere(tree, mesh, spec=P()):
+  """Abstract ``tree`` with ``spec`` on each leaf whose first dimension it divides, else P()."""
+
+  def f(x):
+    fits = len(spec) and np.ndim(x) and np.shape(x)[0] % mesh.shape[spec[0]] == 0
+    return jax.ShapeDtypeStruct(
+      np.shape(x), x.dtype, sharding=NamedSharding(mesh, spec if fits else P())
+    )
+
+  return jax.tree.map(f, tree)
+
+
+# --- non-zero padding in a source rank: every read path refuses it alike ------------
+
+_PAD_PARAMS = {
+  "big": ((5, 7), jnp.float32),  # 35 over 7: no padding
+  "tiny": ((2,), jnp.float32),  # 2 over 7: ranks 2..6 are all padding
+  "h": ((9,), jnp.bfloat16),  # 9 over 7: rank 4 owns one element and one pad
+}
+
+
+@pytest.mark.parametrize(
+  "pid, archive, index",
+  [("tiny", 5, 0), ("h", 4, 1)],
+  ids=["all_padding_rank", "partly_owned_rank_bf16"],
+)
+def test_nonzero_padding_is_refused_alike_by_every_read_path(tmp_path, pid, archive, index):
+  """-0.0 planted in a padding slot: ``restore``, ``restore_sharded`` on an Explicit 1-D
+  and an Auto 2-D mesh, with and without ``target=``, and the orbax handler all refuse
+  it as one ``ArchiveError`` naming the param and the archive; and target rank by
+  target rank, ``restore`` refuses exactly where ``reshard`` of the same records in
+  memory does (the rank that checks that padding), where it is a ``PlacementError``."""
+  opt = optax.adam(1e-3)
+  params = {k: jnp.zeros(s, d) for k, (s, d) in _PAD_PARAMS.items()}
+  state = random_state(opt, params, seed=5)
+  records = jax.tree.map(np.array, jr.shard_state(opt, params, state, world_size=7))
+  mu = records[archive].state[0].mu[pid]
+  mu.view(np.uint16 if mu.dtype.itemsize == 2 else np.uint32)[index] = (
+    0x8000 if mu.dtype.itemsize == 2 else 0x80000000
+  )
+  path = tmp_path / "ckpt"
+  with padding_unchecked():
+    jr.save_records(path, records)
+  words = (f"param {pid!r}", f"history buffer 0 of archive {archive}", "padding is not zero")
+
+  explicit = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+  auto = _auto((2, 4), ("dp", "fsdp"))
+  paths = {
+    "restore": lambda: [jr.restore(path, world_size=4, rank=r) for r in range(4)],
+    "restore_sharded explicit": lambda: jr.restore_sharded(path, explicit),
+    "restore_sharded auto 2d": lambda: jr.restore_sharded(path, auto),
+    "target replicated": lambda: jr.restore_sharded(
+      path, explicit, target=_everywhere(state, explicit)
+    ),
+    "target rows auto 2d": lambda: jr.restore_sharded(
+      path, auto, target=_everywhere(state, auto, P("fsdp"))
+    ),
+    "handler": lambda: jr.ReshardCheckpointHandler().restore(
+      epath.Path(path), jr.ReshardRestore(mesh=explicit)
+    ),
+  }
+  for name, call in paths.items():
+    with pytest.raises(jr.ArchiveError) as e:
+      call()
+    assert all(w in str(e.value) for w in words), (name, str(e.value))
+
+  for m in (2, 3, 8):
+    for r in range(m):
+      try:
+        jr.reshard(records, jr.plan(records, world_size=m, rank=r))
+        in_memory = None
+      except jr.PlacementError as err:
+        in_memory = err
+      try:
+        jr.restore(path, world_size=m, rank=r)
+        on_disk = None
+      except jr.ArchiveError as err:
+        on_disk = err
+      assert (in_memory is None) == (on_disk is None), (m, r, in_memory, on_disk)
+      for err in (in_memory, on_disk):
+        assert err is None or all(w in str(err) for w in words), (m, r, str(err))
+
+
+# --- one checkpoint, parameter groups from different source world sizes -------------
+
+
+def test_param_groups_of_different_source_world_sizes_restore_alike_on_every_path(tmp_path):
+  """Archives 0-2 hold one group over 3 ranks, archives 3-7 another over 5 (scalar,
+  f16, bf16 params): the flat mesh restores (Explicit 1-D, Auto 2-D), ``reshard_to_mesh``
+  and a ``target=`` restore give ``reshard``'s and ``unshard_state``'s bits."""
+  opt = optax.adam(1e-3)
+  pa = {"a": jnp.zeros((11,), jnp.float32), "c": jnp.zeros((), jnp.bfloat16)}
+  pb = {"b": jnp.zeros((3, 3), jnp.float16)}
+  records = jr.shard_state(opt, pa, random_state(opt, pa, seed=1), world_size=3)
+  records += jr.shard_state(opt, pb, random_state(opt, pb, seed=2), world_size=5)
+  path = tmp_path / "ckpt"
+  jr.save_records(path, records)
+  full = jr.unshard_state(records)
+  for mesh in (
+    jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4]),
+    _auto((2, 4), ("dp", "fsdp")),
+  ):
+    expected = [jr.reshard(records, jr.plan(records, world_size=4, rank=r)) for r in range(4)]
+    for r in range(4):
+      assert_records_equal(jr.restore(path, world_size=4, rank=r), expected[r])
+    assert _check_against(jr.restore_sharded(path, mesh).state, mesh, "fsdp", expected)
+    assert _check_against(jr.reshard_to_mesh(records, mesh).state, mesh, "fsdp", expected)
+    target = _everywhere(full, mesh, P("fsdp"))
+    assert_trees_bit_equal(jr.restore_sharded(path, mesh, target=target).state, full)
+
+
+# --- a flat_sharded state through a CheckpointManager, devices in another order -----
+
+
+def test_flat_sharded_state_on_permuted_devices_through_a_manager_restores_as_the_host(tmp_path):
+  """A trained ``flat_sharded`` state on an Explicit (2 x 3) mesh of devices in no
+  order, saved with ``ReshardSave(state=...)``: its archives are ``shard_state``'s of
+  the state ``gather_from_mesh`` gives; restored onto an Auto mesh of 5 devices in
+  reverse order it is ``restore``'s bits, with ``target=`` the gathered state, and
+  ``(world_size, rank)`` ``restore``'s record."""
+  devices = jax.devices()
+  src = jax.make_mesh((2, 3), ("dp", "fsdp"), devices=[devices[i] for i in (6, 1, 4, 3, 0, 2)])
+  inner = optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3, weight_decay=0.1)
+  params = {
+    "lin/w": jnp.ones((5, 7), jnp.float32),
+    "": jnp.ones((), jnp.float32),
+    "one": jnp.ones((1,), jnp.bfloat16),
+  }
+  wrapped = jr.flat_sharded(inner, src)
+  state = standard(wrapped.init, params)
+  _, state = standard(jax.jit(wrapped.update), random_grads(params, 0), state, params)
+  # ids from the archives' own placements ("lin/w" is the id "lin%2Fw")
+  shapes = {
+    p.param: p for p in jr.shard_state(inner, params, standard(inner.init, params), 3)[0].placements
+  }
+  full = jr.gather_from_mesh(inner, state, shapes, src)
+  with ocp.CheckpointManager(tmp_path / "run", item_names=("opt",)) as manager:
+    manager.save(
+      1,
+      args=ocp.args.Composite(
+        opt=jr.ReshardSave(state=state, optimizer=inner, params=params, mesh=src)
+      ),
+    )
+    manager.wait_until_finished()
+  item = tmp_path / "run" / "1" / "opt"
+  for got, want in zip(
+    jr.load_records(item), jr.shard_state(inner, params, full, world_size=3), strict=True
+  ):
+    assert_trees_bit_equal(got.state, want.state)
+
+  dst = _auto((5,), ("fsdp",), devices=devices[7:2:-1])
+  expected = [jr.restore(item, world_size=5, rank=r) for r in range(5)]
+  target = _everywhere(full, dst, P("fsdp"))
+  with ocp.CheckpointManager(tmp_path / "run", item_names=("opt",)) as manager:
+
+    def restore(**kwargs):
+      return manager.restore(1, args=ocp.args.Composite(opt=jr.ReshardRestore(**kwargs))).opt
+
+    assert _check_against(restore(mesh=dst), dst, "fsdp", expected)
+    restored = restore(mesh=dst, target=target)
+    assert_trees_bit_equal(restored, full)
+    assert [x.sharding for x in jax.tree.leaves(restored)] == [
+      t.sharding for t in jax.tree.leaves(target)
+    ]
+    assert_records_equal(restore(world_size=5, rank=4), expected[4])
+
+
+# --- a history leaf laid out over more than the flat-shard axis ---------------------
+
+
+@pytest.mark.parametrize("axis_types", ["explicit", "auto"])
+@pytest.mark.parametrize("spec", [P(("fsdp", "tp")), P(("tp", "fsdp")), P("tp")])
+def test_saves_refuse_histories_not_sharded_over_the_axis_alone(tmp_path, spec, axis_types):
+  """A history sharded over both mesh axes (or the other one) is not the flat layout:
+  ``save_sharded`` and ``ReshardSave(state=...)`` refuse it alike, before anything is
+  committed, while ``gather_from_mesh`` reads its values exactly."""
+  if axis_types == "explicit":
+    mesh = jax.make_mesh((4, 2), ("fsdp", "tp"))
+  else:
+    mesh = _auto((4, 2), ("fsdp", "tp"))
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"w": jnp.zeros((13,), jnp.float32), "v": jnp.zeros((16,), jnp.float32)}
+  state = random_state(opt, params, seed=4)
+  laid = jr.shard_to_mesh(opt, params, state, mesh)
+  shapes = {p.param: p for p in laid.placements[0]}
+  other = jax.tree.map(
+    lambda x: jax.device_put(x, NamedSharding(mesh, spec)) if x.ndim else x, laid.state
+  )
+  words = "must be a global array sharded over mesh axis 'fsdp'"
+  with pytest.raises(jr.PlacementError, match=words):
+    jr.save_sharded(tmp_path / "a", opt, other, shapes, mesh)
+  with pytest.raises(jr.PlacementError, match=words):
+    jr.ReshardSave(state=other, optimizer=opt, shapes=shapes, mesh=mesh)
+  assert not list(tmp_path.iterdir())
+  assert_trees_bit_equal(jr.gather_from_mesh(opt, other, shapes, mesh), state)
