@@ -4,6 +4,7 @@ Every shard is compared bit for bit with the single-process core
 (``shard_state`` / ``reshard`` / ``unshard_state``).
 """
 
+import dataclasses
 import os
 from typing import NamedTuple
 
@@ -267,8 +268,13 @@ def test_refusals(ex, tmp_path):
   with pytest.raises(jr.ShapeError, match="dense/kernel"):
     jr.gather_from_mesh(opt, out.state, wrong, mesh)
   path = os.path.join(tmp_path, "bad")
+  # A save records dtypes, which bare shapes do not give: the placements do.
+  typed = {p.param: p for p in out.placements[0]}
+  typed_wrong = dict(
+    typed, **{"dense/kernel": dataclasses.replace(typed["dense/kernel"], shape=(256, 300))}
+  )
   with pytest.raises(jr.ShapeError, match="dense/kernel"):
-    jr.save_sharded(path, opt, out.state, wrong, mesh)
+    jr.save_sharded(path, opt, out.state, typed_wrong, mesh)
   assert not os.path.exists(path)
   assert [p for p in os.listdir(tmp_path)] == []  # the temporary directory is gone too
   with pytest.raises(FileNotFoundError):
@@ -278,7 +284,7 @@ def test_refusals(ex, tmp_path):
     lambda x: jax.device_put(x, jax.sharding.NamedSharding(mesh, PartitionSpec())), out.state
   )
   with pytest.raises(jr.PlacementError, match="sharded over mesh axis 'fsdp'"):
-    jr.save_sharded(path, opt, replicated, shapes, mesh)
+    jr.save_sharded(path, opt, replicated, typed, mesh)
   assert not os.path.exists(path)
 
 

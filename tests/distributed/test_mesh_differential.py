@@ -228,3 +228,66 @@ def test_saves_refuse_histories_not_sharded_over_the_axis_alone(tmp_path, spec, 
     jr.ReshardSave(state=other, optimizer=opt, shapes=shapes, mesh=mesh)
   assert not list(tmp_path.iterdir())
   assert_trees_bit_equal(jr.gather_from_mesh(opt, other, shapes, mesh), state)
+
+
+# --- the storage dtype a save records: the params' own, never a history's --------------
+
+_DTYPE_CASES = {
+  # name: (optimizer, params, what a bare shape is refused for, or None)
+  "adam_f32": (optax.adam(1e-3), {"w": jnp.arange(5.0)}, None),
+  "adam_bf16_params": (optax.adam(1e-3), {"w": jnp.arange(5.0).astype(jnp.bfloat16)}, None),
+  "adam_mu_bf16": (
+    optax.adam(1e-3, mu_dtype=jnp.bfloat16),
+    {"w": jnp.arange(5.0)},
+    "its history buffers have several (bfloat16, float32)",
+  ),
+  "set_to_zero_bf16": (
+    optax.set_to_zero(),
+    {"w": jnp.ones(3, jnp.bfloat16)},
+    "it has no history buffer to take it from",
+  ),
+  "masked_f16": (
+    optax.masked(optax.sgd(0.1, momentum=0.9), {"w": True, "f": False}),
+    {"w": jnp.arange(5.0), "f": jnp.ones(3, jnp.float16)},
+    "it has no history buffer to take it from",
+  ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_DTYPE_CASES))
+def test_save_sharded_records_the_params_dtype_or_refuses_a_bare_shape(tmp_path, case):
+  """A bare shape says nothing of a param's dtype: where the param's history buffers
+  do not share one, the save refuses it rather than record a history's dtype (or
+  float32) as the param's. With the dtype given, every save path records what
+  ``shard_state`` records from the params themselves."""
+  opt, params, refused = _DTYPE_CASES[case]
+  mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+  state = opt.init(params)
+  sharded = jr.shard_to_mesh(opt, params, state, mesh)
+  expected = {
+    p.param: p.dtype for p in jr.shard_state(opt, params, state, world_size=4)[0].placements
+  }
+  bare = {k: v.shape for k, v in params.items()}
+  if refused is None:
+    jr.save_sharded(tmp_path / "bare", opt, sharded.state, bare, mesh)
+    assert {p.param: p.dtype for p in jr.load_records(tmp_path / "bare")[0].placements} == expected
+  else:
+    pid = "w" if case != "masked_f16" else "f"
+    for call in (
+      lambda: jr.save_sharded(tmp_path / "bare", opt, sharded.state, bare, mesh),
+      # A manager's save: its args check every refusal of the save when made.
+      lambda: jr.ReshardSave(state=sharded.state, optimizer=opt, shapes=bare, mesh=mesh),
+    ):
+      with pytest.raises(jr.DtypeError) as info:
+        call()
+      assert f"param {pid!r}: shapes gives it only a shape" in str(info.value), info.value
+      assert refused in str(info.value) and "give its dtype too" in str(info.value)
+    assert not (tmp_path / "bare").exists()
+  # A gather records nothing: a bare shape is enough, whatever the histories hold.
+  assert_trees_bit_equal(jr.gather_from_mesh(opt, sharded.state, bare, mesh), state)
+  for name, shapes in (
+    ("structs", {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in params.items()}),
+    ("placements", {p.param: p for p in sharded.placements[0]}),
+  ):
+    jr.save_sharded(tmp_path / name, opt, sharded.state, shapes, mesh)
+    assert {p.param: p.dtype for p in jr.load_records(tmp_path / name)[0].placements} == expected

@@ -11,7 +11,7 @@ state, touching only the devices this process can address.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -22,10 +22,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import structure as _structure
-from jaxreshard._src.core.geometry import FlatShard, normalize_shape
+from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.distributed import leafshards as _leafshards
+from jaxreshard._src.distributed.shapes import placements_for, shape_of
 from jaxreshard._src.engine import reshard as _reshard
 from jaxreshard._src.errors import PlacementError, ShapeError
 
@@ -233,36 +234,6 @@ def _placeholder_params(state: Any, shapes: Mapping[str, Any]) -> Any:
   return _structure.nested(ids, {pid: pid for pid in ids})
 
 
-def shape_of(value: Any, pid: str) -> tuple[int, ...]:
-  return normalize_shape(getattr(value, "shape", value), what=f"param {pid!r}: shape")
-
-
-def placements_for(
-  shapes: Mapping[str, Any], roles: Sequence[str | None], leaves: Sequence[Any], world_size: int
-) -> Callable[[int], tuple[ParamPlacement, ...]]:
-  """A function of rank giving placements; dtype/trainable from ``shapes`` values.
-
-  A ``shapes`` value is a shape, or anything with ``.shape`` (a
-  ``ParamPlacement``, an array, a ``jax.ShapeDtypeStruct``); its ``.dtype``
-  and ``.trainable`` are used when present. Otherwise the storage dtype is
-  that of the parameter's first history buffer (float32 without history).
-  """
-  first_dtype: dict[str, Any] = {}
-  for role, leaf in zip(roles, leaves):
-    if role is not None:
-      first_dtype.setdefault(role, np.dtype(leaf.dtype))
-  base = []
-  for pid in sorted(shapes):
-    v = shapes[pid]
-    dtype = np.dtype(getattr(v, "dtype", first_dtype.get(pid, np.float32)))
-    base.append((pid, shape_of(v, pid), dtype, bool(getattr(v, "trainable", True))))
-
-  def of(rank: int) -> tuple[ParamPlacement, ...]:
-    return tuple(ParamPlacement(pid, s, rank, world_size, d, t) for pid, s, d, t in base)
-
-  return of
-
-
 def optimizer_roles(
   optimizer: Any, state: Any, shapes: Mapping[str, Any]
 ) -> tuple[str | None, ...]:
@@ -444,7 +415,7 @@ def gather_from_mesh(
   world = axis_size(mesh, axis)
   roles = optimizer_roles(optimizer, state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(state)
-  of = placements_for(shapes, roles, leaves, world)
+  of = placements_for(shapes, roles, leaves, world, recorded=False)
   host = [
     _leafshards.gather_bits(leaf) if role is not None else leaf
     for leaf, role in zip(_leafshards.clocks_whole(state, leaves, roles), roles)

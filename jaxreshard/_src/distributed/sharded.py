@@ -28,6 +28,7 @@ from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.distributed import leafshards as _leafshards
 from jaxreshard._src.distributed import mesh as _mesh
 from jaxreshard._src.distributed import optimizer_check as _optimizer_check
+from jaxreshard._src.distributed import shapes as _shapes
 from jaxreshard._src.distributed import target_restore as _target_restore
 from jaxreshard._src.distributed.mesh import MeshState
 from jaxreshard._src.errors import PlacementError, ShapeError
@@ -295,13 +296,13 @@ def global_index(optimizer, state, shapes, mesh, axis, checkpoint_id: str, roles
   if roles is None:
     roles = _mesh.optimizer_roles(optimizer, state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(state)
-  of = _mesh.placements_for(shapes, roles, leaves, world)
+  of = _shapes.placements_for(shapes, roles, leaves, world)
   abstract = []
   for leaf, role in zip(_leafshards.clocks_whole(state, leaves, roles), roles):
     if role is None:
       abstract.append(leaf)
     else:
-      slots = FlatShard(_mesh.shape_of(shapes[role], role), 0, world).slots
+      slots = FlatShard(_shapes.shape_of(shapes[role], role), 0, world).slots
       if tuple(np.shape(leaf)) != (world * slots,):
         raise ShapeError(
           f"param {role!r}: global history buffer of shape {tuple(np.shape(leaf))} is not"

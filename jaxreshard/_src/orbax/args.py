@@ -170,7 +170,8 @@ class ReshardSave(ocp.args.CheckpointArgs):
       values); ``ReshardRestore(like=...)`` gives that form back.
     optimizer: the optax transformation of ``state``.
     shapes: param id -> logical shape, or anything with ``.shape`` (and then
-      its ``.dtype`` / ``.trainable``).
+      its ``.dtype`` / ``.trainable``); a bare shape takes the storage dtype
+      the param's history buffers share (refused when they have none or several).
     params: instead of ``shapes``: the params pytree (ids are its key paths,
       storage dtypes its leaves' dtypes), e.g. ``nnx.state(model, nnx.Param)``
       (ids of its plain form: ``layers/10/kernel``).

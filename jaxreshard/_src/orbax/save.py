@@ -65,6 +65,9 @@ def save_sharded(
     shapes: param id -> logical shape, or anything with ``.shape`` (and then
       its ``.dtype`` / ``.trainable``): ``{p.param: p for p in
       placements[r]}`` of a :class:`MeshState` keeps dtypes and trainability.
+      A bare shape takes the storage dtype the param's history buffers share;
+      a param with none, or with several (``adam(mu_dtype=...)``), is refused
+      (``DtypeError``): give its dtype.
     mesh: the mesh of ``state``.
     axis: the mesh axis of the flat shards.
     chunk_bytes: bytes per stored chunk, the granularity of partial reads.
