@@ -60,10 +60,10 @@ def check_integers(shape: Any, rank: Any, world_size: Any) -> None:
   """Refuses, in ``FlatShard``'s words, a shape, rank or world size that is not of
   integers (a bool, a float, ``None``); no range is checked here."""
   try:
-    integral = all(not isinstance(d, bool) and operator.index(d) is d for d in shape)
-  except TypeError:
-    integral = False
-  if not integral:
+    ints = all(type(d) is int for d in shape)
+  except TypeError:  # not a sequence
+    ints = False
+  if not ints:
     normalize_shape(shape)
   _int(rank, "rank")
   _int(world_size, "world_size")
