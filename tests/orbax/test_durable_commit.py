@@ -1,8 +1,10 @@
 """Orbax commits that are durable when a save returns, and saves racing on one directory."""
 
+import asyncio
 import json
 import os
 import shutil
+import threading
 
 import jax.numpy as jnp
 import optax
@@ -10,6 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxreshard as jr
+from jaxreshard._src.orbax import durable as _durable
 from jaxreshard._src.orbax import handler as _handler
 from tests._core_util import adam_records, assert_records_equal, device_mesh
 
@@ -418,6 +421,47 @@ def test_a_commit_future_orbax_cannot_make_fails_the_save_and_leaves_nothing(tmp
     jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
   assert os.listdir(tmp_path) == []
   monkeypatch.setattr(ocp.future, "CommitFutureAwaitingContractedSignals", make)
+  jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert len(jr.load_records(tmp_path / "ck")) == 4
+
+
+@pytest.mark.parametrize("late", ["mkdir", "start"])
+def test_a_save_that_fails_while_orbax_makes_its_directory_leaves_nothing(
+  tmp_path, monkeypatch, late
+):
+  """Orbax makes a save's temporary directory in a thread of its own while the
+  handler starts writing. A save that fails first waits for a creation that has
+  started and removes what it made (``mkdir``: orbax's directory made late); a
+  creation that starts after the failure makes nothing (``start``). Either way
+  nothing is left once the creation is over."""
+  opt, state, mesh = _mesh_state()
+  make_dir = ocp.path.atomicity.AtomicRenameTemporaryPath.create
+  create = _durable.DurableRenameTemporaryPath.create
+  over = threading.Event()
+
+  async def slow_mkdir(self):
+    await asyncio.sleep(0.5 if late == "mkdir" else 0.0)
+    return await make_dir(self)
+
+  async def watched(self):
+    try:
+      await asyncio.sleep(0.5 if late == "start" else 0.0)
+      return await create(self)
+    finally:
+      over.set()
+
+  def cannot_start(coro, **kwargs):
+    coro.close()
+    raise RuntimeError("can't start new thread")
+
+  monkeypatch.setattr(ocp.path.atomicity.AtomicRenameTemporaryPath, "create", slow_mkdir)
+  monkeypatch.setattr(_durable.DurableRenameTemporaryPath, "create", watched)
+  monkeypatch.setattr(ocp.future, "CommitFutureAwaitingContractedSignals", cannot_start)
+  with pytest.raises(jr.ArchiveError, match=r"not committed \(RuntimeError: can't start new"):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert over.wait(30)
+  assert os.listdir(tmp_path) == []
+  monkeypatch.undo()
   jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
   assert len(jr.load_records(tmp_path / "ck")) == 4
 

@@ -32,7 +32,9 @@ failed save's temporary paths alive; a retried step finds them); two threads
 saving one path at once are not told apart. ``clean`` removes such a
 directory once its lock is free (with ``--all``).
 
-``save_sharded`` commits through it. A ``CheckpointManager`` takes it as
+``save_sharded`` commits through it; when it fails while orbax is still making
+its directory (in a thread of orbax's own), it waits for that creation and
+removes what it made, and a creation that starts after it failed makes nothing. A ``CheckpointManager`` takes it as
 ``CheckpointManagerOptions(temporary_path_class=DurableRenameTemporaryPath)``,
 which orbax uses for each step and for each item of a step.
 """
@@ -43,6 +45,7 @@ import asyncio
 import fcntl
 import os
 import stat
+import threading
 import time
 import weakref
 
@@ -168,6 +171,47 @@ def _is_local(path: str) -> bool:
   return "://" not in path
 
 
+# How long a failed save waits, at most, for the creations of its temporary
+# directories that orbax started in its own threads before it failed.
+_CREATION_WAIT_S = 60.0
+
+
+class _Creations:
+  """The temporary-directory creations of one save, and whether the save is over.
+
+  Orbax makes a save's directories in a thread of its own while the handlers
+  start writing; a save that fails meanwhile is over before that thread is
+  done. A creation that starts after the save is over makes nothing (it returns
+  the path, unmade: raising would only have orbax's thread log it), and the
+  save waits for those that started before it (each then holds its directory,
+  which the save removes), so a failed save leaves no directory behind.
+  """
+
+  def __init__(self):
+    self._cond = threading.Condition()
+    self._running = 0
+    self.over = False
+
+  def start(self) -> bool:
+    """Whether a creation may start (the save is not over); one that may is counted."""
+    with self._cond:
+      if self.over:
+        return False
+      self._running += 1
+      return True
+
+  def done(self) -> None:
+    with self._cond:
+      self._running -= 1
+      self._cond.notify_all()
+
+  def end(self) -> None:
+    """The save is over: no creation starts, and those running are waited for."""
+    with self._cond:
+      self.over = True
+      self._cond.wait_for(lambda: self._running == 0, timeout=_CREATION_WAIT_S)
+
+
 class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
   """``AtomicRenameTemporaryPath`` whose commit is on the disk when it returns.
 
@@ -182,11 +226,21 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
   _release: weakref.finalize | None = None
   # The instances of a class made by ``one_save``: the temporary paths of one save.
   _made: list[DurableRenameTemporaryPath] | None = None
+  _creations: _Creations | None = None  # a ``one_save`` class's
+
+  @classmethod
+  def end_creations(cls) -> None:
+    """A ``one_save`` class's save is over: no creation of its directories starts,
+    and those orbax is running are waited for."""
+    if cls._creations is not None:
+      cls._creations.end()
 
   @classmethod
   def let_go(cls) -> None:
     """Removes the directories the instances of a ``one_save`` class still hold (a
-    failed save's: a committed one is no longer held) and frees their locks."""
+    failed save's: a committed one is no longer held) and frees their locks,
+    after ``end_creations``."""
+    cls.end_creations()
     for path in cls._made or ():
       if path._held is not None:  # pylint: disable=protected-access
         try:
@@ -196,9 +250,21 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
       path._let_go()  # pylint: disable=protected-access
 
   async def create(self):  # pylint: disable=invalid-overridden-method
-    tmp, final = os.fspath(self.get()), os.fspath(self.get_final())
+    tmp = os.fspath(self.get())
     if not _is_local(tmp):
       return await super().create()
+    creations = type(self)._creations
+    if creations is None:
+      return await self._create(tmp, None)
+    if not creations.start():
+      return self.get()
+    try:
+      return await self._create(tmp, creations)
+    finally:
+      creations.done()
+
+  async def _create(self, tmp: str, creations: _Creations | None):
+    final = os.fspath(self.get_final())
     parent = os.path.dirname(os.path.abspath(tmp))
     os.makedirs(parent, exist_ok=True)
     key = os.path.abspath(tmp)
@@ -214,10 +280,16 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
         # step's items at once, and each wait would hold one of the threads that
         # creating the directories needs.
         while not _try_flock(pfd):
+          if creations is not None and creations.over:
+            return self.get()
           await asyncio.sleep(_POLL_S)
         _take_over(key)
         if not _live(tmp):  # absent, or a killed writer's: orbax removes it
-          path = await super().create()
+          try:
+            path = await super().create()
+          except BaseException:
+            _remove_made(tmp)
+            raise
           held = _tempdir.hold(tmp)
           if held is None:  # a clean removed it as it was made: made anew
             taken += 1
@@ -238,6 +310,8 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
       # commit threads waiting for this creation's signal until their timeout, so
       # this save waits for that one to commit or fail (the rename then refuses
       # what that one committed) and takes the directory when it is free.
+      if creations is not None and creations.over:  # the save failed meanwhile
+        return self.get()
       if time.monotonic() > deadline:
         raise ArchiveExistsError(
           f"{tmp}: another save to {final} has been writing it for longer than orbax"
@@ -277,7 +351,25 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
       self._let_go()
 
 
+def _remove_made(tmp: str) -> None:
+  """Removes what a creation that failed made at ``tmp`` (no other save of the path
+  makes it meanwhile: the creation holds the parent's lock)."""
+  held = _tempdir.hold(tmp)
+  if held is None:
+    return
+  try:
+    _tempdir.remove_held(tmp, held[0])
+  except (OSError, ArchiveError):
+    pass  # left to the next save of the path, or to clean
+  finally:
+    _close(*held)
+
+
 def one_save() -> type[DurableRenameTemporaryPath]:
   """A ``DurableRenameTemporaryPath`` class for one save: its ``let_go()`` frees what
   that save's temporary paths hold once the save is over, failed or not."""
-  return type("DurableRenameTemporaryPath", (DurableRenameTemporaryPath,), {"_made": []})
+  return type(
+    "DurableRenameTemporaryPath",
+    (DurableRenameTemporaryPath,),
+    {"_made": [], "_creations": _Creations()},
+  )

@@ -145,6 +145,10 @@ def save_sharded(
   except Exception as e:  # orbax's and the runtime's error types
     raise ArchiveError(f"save_sharded: {final} was not committed ({type(e).__name__}: {e})") from e
   finally:
+    # A directory creation orbax still runs for a failed save needs orbax's
+    # threads: it ends before orbax closes, and what it made goes with the rest
+    # once orbax's last writes into the directory are done.
+    commit.end_creations()
     try:
       checkpointer.close()
     except Exception:  # pylint: disable=broad-exception-caught
