@@ -207,8 +207,9 @@ class _Stats:
       self.first = (start + i, _values.pair_text(x[i], y[i]))
     xs, ys = x[differ], y[differ]
     wide = np.complex128 if np.iscomplexobj(xs) else np.float64
-    xs, ys = xs.astype(wide), ys.astype(wide)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+      # (ml_dtypes warns of a bfloat16 NaN cast to float64 as an invalid value.)
+      xs, ys = xs.astype(wide), ys.astype(wide)
       diff = np.abs(xs - ys)
       same = (xs == ys) | (np.isnan(xs) & np.isnan(ys))  # -0.0 vs 0.0, NaN payloads, inf
       diff = np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))

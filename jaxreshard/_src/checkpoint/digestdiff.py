@@ -100,19 +100,45 @@ def differences(
 
 
 def _scalars_text(va: list | None, vb: list | None) -> str:
-  """Two clock scalars that differ, as values (``8 != 12``); as bits when they cannot be read."""
-  a, b = (None if v is None else _values.decode_scalar(*v) for v in (va, vb))
-  if a is not None and b is not None:
-    return _values.pair_text(a, b)
+  """Two clock scalars that differ, as values (``8 != 12``); as bits when they cannot be read.
+
+  A weakly typed scalar (how jax promotes it) reads as its value too, and which of
+  the two is weak is said when that differs: ``0.1 (not weak) != 0.1 (weak)``.
+  """
+  if va is not None and vb is not None:
+    (a, weak_a), (b, weak_b) = _decoded(va), _decoded(vb)
+    if a is not None and b is not None:
+      if weak_a == weak_b:
+        return _values.pair_text(a, b) + (" (both weak)" if weak_a else "")
+      same_type = (a.dtype, a.shape) == (b.dtype, b.shape)
+      ta, tb = (
+        f"{'' if same_type else _values.type_text(x) + ' '}{_values.value_text(x)}"
+        f" ({'weak' if weak else 'not weak'})"
+        for x, weak in ((a, weak_a), (b, weak_b))
+      )
+      return f"{ta} != {tb}"
   return f"{_scalar_text(va)} != {_scalar_text(vb)}"
+
+
+_WEAK = " weak"
+
+
+def _decoded(v: list) -> tuple[Any, bool]:
+  """A digest's clock scalar ``(type text, hex of its bits)`` as its value (None when it
+  cannot be read) and whether it is weakly typed (``float32() weak``)."""
+  type_text, hexbits = v
+  weak = type_text.endswith(_WEAK)
+  if weak:
+    type_text = type_text[: -len(_WEAK)]
+  return _values.decode_scalar(type_text, hexbits), weak
 
 
 def _scalar_text(v: list | None) -> str:
   if v is None:
     return "missing"
-  a = _values.decode_scalar(*v)
+  a, weak = _decoded(v)
   if a is not None:
-    return f"{a.dtype.name} {_values.value_text(a)}"
+    return f"{a.dtype.name} {_values.value_text(a)}{' (weak)' if weak else ''}"
   hexbits = v[1]
   if len(hexbits) > 4 * _values.CLOCK_ELEMENTS_SHOWN:  # a long array: its first bytes and its size
     hexbits = f"{hexbits[: 4 * _values.CLOCK_ELEMENTS_SHOWN]}... ({len(v[1]) // 2} bytes)"

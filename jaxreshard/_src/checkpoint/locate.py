@@ -10,7 +10,9 @@ ways:
 * an orbax step directory: its one item holding a jaxreshard checkpoint, or
   the one ``item`` names when there are several;
 * an orbax run directory: the step ``step`` names, or the latest step (the
-  largest number) that holds a jaxreshard item;
+  largest number) that holds a jaxreshard item; a later step whose jaxreshard
+  item (as orbax's step metadata records it) has lost its index is refused,
+  never passed over for an older one;
 * anything else is refused, in words that say what was looked for.
 
 A step directory is one whose name is a step number, ``30`` or, with orbax's
@@ -21,8 +23,10 @@ not finish) never match and are never taken.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
+import stat
 from typing import Any
 
 from jaxreshard._src.checkpoint import tempdir as _tempdir
@@ -162,6 +166,7 @@ def locate(path: os.PathLike | str, *, step: int | None = None, item: str | None
     )
   if step is None:
     step = max(steps)
+    _refuse_later_damaged_steps(where, step, item)
   elif step not in steps:
     raise ArchiveError(
       f"{where} has no step {step} with a jaxreshard item (its steps: {', '.join(map(str, steps))})"
@@ -172,6 +177,73 @@ def locate(path: os.PathLike | str, *, step: int | None = None, item: str | None
 
 # The file orbax writes in every step directory it commits (orbax 0.12 on).
 _STEP_METADATA = "_CHECKPOINT_METADATA"
+# Orbax's step metadata of a few items is a few hundred bytes; more is not read.
+_STEP_METADATA_MAX_BYTES = 1 << 20
+_HANDLER = "ReshardCheckpointHandler"
+_ITEM_NAME = re.compile(r"(?!\.\.?\Z)[^/\x00]{1,255}\Z")
+
+
+def _recorded_items(step_dir: str) -> list[str]:
+  """The items orbax's metadata of a committed step records as written by jaxreshard's
+  handler (``item_handlers``), whatever the step directory holds now; none when the
+  metadata is missing, a link, too large or not orbax's JSON."""
+  try:
+    # Never through a link, never blocking on a FIFO: a regular file, checked once open.
+    fd = os.open(
+      os.path.join(step_dir, _STEP_METADATA), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+    )
+  except OSError:
+    return []
+  try:
+    with os.fdopen(fd, "rb") as f:
+      st = os.fstat(f.fileno())
+      if not stat.S_ISREG(st.st_mode) or st.st_size > _STEP_METADATA_MAX_BYTES:
+        return []
+      meta = json.loads(f.read(_STEP_METADATA_MAX_BYTES + 1))
+  except (OSError, ValueError, RecursionError):
+    return []
+  handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
+  if not isinstance(handlers, dict):
+    return []
+  return sorted(
+    name
+    for name, handler in handlers.items()
+    if isinstance(name, str)
+    and isinstance(handler, str)
+    and handler.endswith(_HANDLER)
+    and _ITEM_NAME.match(name)  # a name inside the step directory, never a path
+  )
+
+
+def _refuse_later_damaged_steps(run_dir: str, latest: int, item: str | None) -> None:
+  """Refuses a run in which a step after ``latest`` (the latest step holding a
+  jaxreshard item) lost the index of the jaxreshard item orbax recorded in it: that
+  step is the run's latest (orbax's ``latest_step()``, whose restore refuses it),
+  and reading an older one in its place would give an older state than the run's.
+
+  Raises:
+    ArchiveError: such a step, named with its item and what to do.
+  """
+  try:
+    names = os.listdir(run_dir)
+  except OSError:
+    return
+  for name in sorted(names):
+    m = _STEP_NAME.match(name)
+    path = os.path.join(run_dir, name)
+    if not m or int(m.group(1)) <= latest or _tempdir.is_temporary(name) or not _is_dir(path):
+      continue
+    lost = [
+      n
+      for n in _recorded_items(path)
+      if (item is None or n == item) and not _has_index(os.path.join(path, n))
+    ]
+    if lost:
+      raise ArchiveError(
+        f"{run_dir}: step {int(m.group(1))} is later than step {latest}, and orbax recorded"
+        f" jaxreshard item {lost[0]!r} in it, but {os.path.join(path, lost[0])} holds no"
+        f" {INDEX_FILE} (the step is damaged); give --step {latest} to read step {latest}"
+      )
 
 
 def enclosing(found: Located) -> list[tuple[str, str]]:

@@ -26,6 +26,7 @@ __all__ = [
   "decode_scalar",
   "pair_text",
   "shortest",
+  "type_text",
   "value_text",
 ]
 
@@ -92,13 +93,14 @@ def pair_text(a: Any, b: Any) -> str:
   a, b = np.asarray(a), np.asarray(b)
   ta, tb = value_text(a), value_text(b)
   if (a.dtype, a.shape) != (b.dtype, b.shape):
-    return f"{_type(a)} {ta} != {_type(b)} {tb}"
+    return f"{type_text(a)} {ta} != {type_text(b)} {tb}"
   if ta == tb:
     ta, tb = f"{ta} ({_bits_text(a)})", f"{tb} ({_bits_text(b)})"
   return f"{ta} != {tb}"
 
 
-def _type(a: np.ndarray) -> str:
+def type_text(a: np.ndarray) -> str:
+  """A value's dtype, and its shape unless it is 0-d: ``int32``, ``float32(3,)``."""
   return a.dtype.name + ("" if a.ndim == 0 else str(a.shape))
 
 

@@ -269,14 +269,16 @@ def reshard(
 def _dry_run(ckpt, plans, archives, world_size: int, reads: bool, as_json: bool) -> None:
   """Prints the plans of a dry run, once what its run would read is checked.
 
-  That is present, belongs to this checkpoint and is as large as its metadata
-  says, as the run itself checks before reading (a chunk's checksum is checked
-  only when read): a dry run never shows a plan its run refuses that way.
+  That is present, belongs to this checkpoint, holds histories of the params it
+  lists only, and is as large as its metadata says, as the run itself checks
+  before reading (a chunk's checksum is checked only when read): a dry run
+  never shows a plan its run refuses that way.
   ``archives``: those one rank reads; None: every archive (some rank of a whole
   run reads each).
   """
   for i in archives if archives is not None else range(len(ckpt)):
     ckpt.archive_meta(i)
+    ckpt.check_archive(i)  # its layout against its placements, as the run refuses it
     ckpt.check_files(i)
   if as_json:
     _render.json_plans(plans, world_size, len(ckpt), reads)
