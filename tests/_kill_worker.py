@@ -12,6 +12,9 @@ cleanup, no flush. A kill point is ``[call, path, nth]``: the ``nth`` call named
 ``call`` whose path relative to the directory matches the regex ``path``. A
 kill point with ``call`` null makes no kill (the whole save runs).
 
+A scenario may run the CLI (``clean``, ``reshard``, ``merge``) in the child, as
+``python -m jaxreshard`` runs it; what it prints goes nowhere.
+
 Prints one JSON line: per scenario, per kill point, the child's exit code and the
 call it died in (``[call, path]``, or null).
 """
@@ -116,9 +119,115 @@ def manager_save(root, arm):
     m.wait_until_finished()
 
 
+# --- the CLI's writes and removals: clean, reshard, merge -----------------------------
+
+
+def cli(*args) -> None:
+  """Runs ``python -m jaxreshard ARGS`` in this process; an exit code other than 0 raises."""
+  from jaxreshard._src.cli.commands import main
+
+  try:
+    main([str(a) for a in args])
+  except SystemExit as e:
+    if e.code:
+      raise RuntimeError(f"jaxreshard {' '.join(map(str, args))}: exit code {e.code}") from None
+
+
+def leftover(root: str, name: str, records_, tag: str, host: str | None = None) -> str:
+  """A checkpoint of ``records_`` renamed to the temporary directory of a save of
+  ``NAME`` killed just before its rename, its lock file back in it: jaxreshard's
+  ``.NAME.tmp-TAG...`` (``TAG`` one hex digit, 32 times), or (``tag`` "orbax")
+  orbax's ``NAME.orbax-checkpoint-tmp`` of a ``save_sharded``."""
+  seed = os.path.join(root, f"seed-{tag}")
+  jr.save_records(seed, records_)
+  if tag == "orbax":
+    base = name + _tempname.ORBAX_TEMP_SUFFIX
+  else:
+    base = f".{name}.tmp-{tag * 32}-999999-{host or _tempname.host()}"
+  tmp = os.path.join(root, base)
+  os.rename(seed, tmp)
+  open(os.path.join(tmp, _tempdir.LOCK_FILE), "w").close()
+  return tmp
+
+
+def clean_records(root, arm):
+  """``clean`` of a committed checkpoint's path with three leftovers: one of this host,
+  one (with a binary table) of another host, and a save's killed before its lock."""
+  jr.save_records(os.path.join(root, "old"), records(1))
+  jr.save_records(os.path.join(root, "ckpt"), records())
+  leftover(root, "ckpt", records(), "a")
+  leftover(root, "ckpt", records(table=True), "b", host="elsewhere")
+  os.mkdir(os.path.join(root, f".ckpt.tmp-{'c' * 32}-999990-{_tempname.host()}"))
+  arm()
+  cli("clean", os.path.join(root, "ckpt"), "--all")
+
+
+def clean_orbax(root, arm):
+  """``clean`` of a ``save_sharded`` path (never committed) whose orbax temporary
+  directory a killed save left, locked."""
+  jr.save_records(os.path.join(root, "old"), records(1))
+  tmp = leftover(root, "ck", records(), "orbax")
+  open(os.path.join(tmp, "_CHECKPOINT_METADATA"), "w").close()
+  arm()
+  cli("clean", os.path.join(root, "ck"), "--all")
+
+
+def clean_manager(root, arm):
+  """``clean`` of a manager's step 2, killed after its item's commit: step 1 committed."""
+  run = os.path.join(root, "run")
+  with manager(run) as m:
+    for step, seed in ((1, 1), (2, 0)):
+      m.save(step, args=jr.ReshardSave(records(seed)))
+      m.wait_until_finished()
+  tmp = os.path.join(run, f"2{_tempname.ORBAX_TEMP_SUFFIX}")
+  os.rename(os.path.join(run, "2"), tmp)
+  open(os.path.join(tmp, _tempdir.LOCK_FILE), "w").close()
+  open(os.path.join(tmp, "default", _tempdir.LOCK_FILE), "w").close()
+  arm()
+  cli("clean", os.path.join(run, "2"), "--all")
+
+
+def reshard_whole(root, arm):
+  jr.save_records(os.path.join(root, "ck"), records())
+  arm()
+  cli("reshard", os.path.join(root, "ck"), os.path.join(root, "out"), "-w", 3)
+
+
+def reshard_rank(root, arm):
+  """``reshard --rank 1``, its other ranks' parts written before (to merge it with)."""
+  ck = os.path.join(root, "ck")
+  jr.save_records(ck, records())
+  for r in (0, 2):
+    cli("reshard", ck, os.path.join(root, f"part{r}"), "-w", 3, "--rank", r)
+  arm()
+  cli("reshard", ck, os.path.join(root, "part1"), "-w", 3, "--rank", 1)
+
+
+def merge_parts(root, arm):
+  ck = os.path.join(root, "ck")
+  jr.save_records(ck, records())
+  parts = [os.path.join(root, f"part{r}") for r in range(3)]
+  for r, part in enumerate(parts):
+    cli("reshard", ck, part, "-w", 3, "--rank", r)
+  arm()
+  cli("merge", os.path.join(root, "out"), *parts)
+
+
 SCENARIOS = {
   f.__name__: f
-  for f in (save_records, save_records_table, save_over_leftover, save_sharded, manager_save)
+  for f in (
+    save_records,
+    save_records_table,
+    save_over_leftover,
+    save_sharded,
+    manager_save,
+    clean_records,
+    clean_orbax,
+    clean_manager,
+    reshard_whole,
+    reshard_rank,
+    merge_parts,
+  )
 }
 
 
@@ -285,6 +394,7 @@ def child(save, root: str, point: list) -> None:
   signal.alarm(120)  # a save that hangs ends (-14) rather than stalling the test
   fd = os.open(root + ".said", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
   os.dup2(fd, 2)
+  os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # what a CLI prints is not the worker's report
   killer = Killer(root, point)
   install(killer)
   try:

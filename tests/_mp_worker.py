@@ -278,6 +278,50 @@ def fail(opt, params, state, shapes) -> dict:
   leave_broken_job()
 
 
+def killed(opt, params, state, shapes) -> dict:
+  """Step 1 saved; in step 2's save process ``args.killed`` dies (``os._exit(137)``, as
+  a SIGKILL: no cleanup, nothing told) once it has written its first archive
+  (``args.at`` "archive"), or once it has told the others that its archives are
+  written (``args.at`` "told"). Reports what the others saw and how soon."""
+  from jaxreshard._src.checkpoint import reader as _checkpoint  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.orbax import handler as _handler  # pylint: disable=g-import-not-at-top
+
+  m = mesh()
+  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
+  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
+  options = ocp.CheckpointManagerOptions(
+    temporary_path_class=jr.DurableRenameTemporaryPath,
+    async_options=ocp.AsyncOptions(timeout_secs=ARGS["timeout_s"]),
+  )
+  manager = ocp.CheckpointManager(ARGS["run"], options=options)
+  args = lambda: jr.ReshardSave(state=sharded.state, optimizer=opt, shapes=spec, mesh=m)
+  manager.save(1, args=args())
+  manager.wait_until_finished()
+  result = {"steps_before": manager.all_steps()}
+  if ME == ARGS["killed"]:
+    name = "write_archive" if ARGS["at"] == "archive" else "_tell_peers"
+    module = _checkpoint if ARGS["at"] == "archive" else _handler
+    real = getattr(module, name)
+
+    def dying(*a, **k):
+      real(*a, **k)
+      write_result({"task": "killed", "process": ME, "killed": True, **result})
+      os._exit(137)
+
+    setattr(module, name, dying)
+  start = time.monotonic()
+  try:
+    manager.save(2, args=args())
+    manager.wait_until_finished()
+    result["error"] = None
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    result["error"] = f"{type(e).__name__}: {e}"[:500]
+    result["error_type"] = type(e).__name__
+  result["seconds"] = time.monotonic() - start
+  write_result({"task": "killed", "process": ME, **result})
+  leave_broken_job()
+
+
 def refused(opt, params, state, shapes) -> dict:
   """A save_sharded that one process's own data refuses: nonzero bits in the padding of
   its shards (``kind`` "padding"), or its clock one step ahead ("clock"); or that every

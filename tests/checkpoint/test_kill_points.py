@@ -14,6 +14,12 @@ checkpoint saved before is untouched; and the same save, run again, commits what
 loads exactly (or is refused where the killed one had committed). Last, what orbax
 writes while it commits and fsyncs only after the rename, lost in a crash, changes
 nothing a reader gives.
+
+The CLI is killed the same way: ``clean`` while it removes those leftovers (every
+committed checkpoint still reads exactly, a leftover named explicitly is read whole or
+refused, and a rerun of ``clean`` leaves nothing), and ``reshard`` (whole and
+``--rank``) and ``merge`` while they write OUT (absent, refused by every reader
+naming it, or whole and exact; a rerun writes what loads exactly).
 """
 
 import functools
@@ -135,12 +141,101 @@ MANAGER_SAVE = {
   "fsync of the step after the rename": (("fsync", "^/run/2$", 1), True),
   "not killed": ((None, "", 0), True),
 }
+# ``clean --all`` killed, at a call in one of the leftovers of killed saves (A: this
+# host's, B: another host's, with a binary table, C: a save's killed before it made its
+# lock). A clean removes a leftover's files and directories depth first, its lock file
+# last, then the directory; nothing committed is ever touched, and a rerun leaves nothing.
+CA, CB, CC = (rf"^/\.ckpt\.tmp-{c * 32}-[^/]+" for c in "abc")
+LOCK = r"/\.jaxreshard-save\.lock"
+CLEAN_RECORDS = {
+  "probe of a leftover's lock released": ("close", CA + LOCK + "$", 1),
+  "lock made in the lockless leftover": ("open", CC + LOCK + "$", 1),
+  "first file removed": ("unlink", CA + "/.", 1),
+  "a shard file removed": ("unlink", CA + "/archive_00000/float32/c/0$", 1),
+  "an archive.json removed": ("unlink", CA + "/archive_00001/archive.json$", 1),
+  "a dtype dir removed": ("rmdir", CA + "/archive_00000/bfloat16$", 1),
+  "an archive dir closed": ("close", CA + "/archive_00000$", 1),
+  "index removed": ("unlink", CA + "/jaxreshard.json$", 1),
+  "table removed": ("unlink", CB + "/jaxreshard.table$", 1),
+  "lock removed last": ("unlink", CA + LOCK + "$", 1),
+  "leftover's dir removed": ("rmdir", CA + "$", 1),
+  "lock released after the removal": ("close", CA + LOCK + r" \(deleted\)$", 1),
+  "other host's leftover's first removal": ("unlink", CB + "/.", 1),
+  "lockless leftover's lock removed": ("unlink", CC + LOCK + "$", 1),
+  "not killed": (None, "", 0),
+}
+# Orbax's temporary directory, or the name a clean gives it, emptied, before its lock goes.
+CO = r"^/(ck\.orbax-checkpoint-tmp|\.ck\.tmp-[0-9a-f]{32}-[^/]+)"
+CLEAN_ORBAX = {
+  "renamed to a name of this host's": ("renameat2", CO + "$", 1),
+  "orbax's metadata removed": ("unlink", CO + "/_CHECKPOINT_METADATA$", 1),
+  "a shard file removed": ("unlink", CO + "/archive_00000/float32/c/0$", 1),
+  "index removed": ("unlink", CO + "/jaxreshard.json$", 1),
+  "lock removed last": ("unlink", CO + LOCK + "$", 1),
+  "leftover's dir removed": ("rmdir", CO + "$", 1),
+  "not killed": (None, "", 0),
+}
+CS = r"^/run/(2\.orbax-checkpoint-tmp|\.2\.tmp-[0-9a-f]{32}-[^/]+)"
+CLEAN_MANAGER = {
+  "renamed to a name of this host's": ("renameat2", CS + "$", 1),
+  "step's metadata removed": ("unlink", CS + "/_CHECKPOINT_METADATA$", 1),
+  "item's index removed": ("unlink", CS + "/default/jaxreshard.json$", 1),
+  "item's shard file removed": ("unlink", CS + "/default/archive_00001/float32/c/0$", 1),
+  "item's lock removed": ("unlink", CS + "/default" + LOCK + "$", 1),
+  "item's dir removed": ("rmdir", CS + "/default$", 1),
+  "step's lock removed last": ("unlink", CS + LOCK + "$", 1),
+  "step's dir removed": ("rmdir", CS + "$", 1),
+  "not killed": (None, "", 0),
+}
+# The CLI's outputs: ``reshard`` (whole and ``--rank``) and ``merge`` write through
+# ``save_records``; one point per call site of its commit protocol, and whether OUT
+# is committed once it is killed there.
+OUT = r"^/\.out\.tmp-[^/]+"
+RESHARD_WHOLE = {
+  "temp dir made": (("mkdir", OUT + "$", 1), False),
+  "lock file": (("open", OUT + LOCK + "$", 1), False),
+  "archive dir": (("mkdir", OUT + "/archive_00000$", 1), False),
+  "last shard data": (("writev", OUT + "/archive_00002/float32/c/0$", 1), False),
+  "last archive.json": (("writev", OUT + "/archive_00002/archive.json$", 1), False),
+  "index data": (("writev", OUT + "/jaxreshard.json$", 1), False),
+  "fsync of the temp dir": (("fsync", OUT + "$", 1), False),
+  "the rename": (("renameat2", "^/out$", 1), False),
+  "lock file removed after the rename": (("unlink", "^/out" + LOCK + "$", 1), True),
+  "fsync of the parent after the rename": (("fsync", "^$", 1), True),
+  "not killed": ((None, "", 0), True),
+}
+PART = r"^/\.part1\.tmp-[^/]+"
+RESHARD_RANK = {
+  "temp dir made": (("mkdir", PART + "$", 1), False),
+  "shard data": (("writev", PART + "/archive_00000/float32/c/0$", 1), False),
+  "index data": (("writev", PART + "/jaxreshard.json$", 1), False),
+  "the rename": (("renameat2", "^/part1$", 1), False),
+  "lock file removed after the rename": (("unlink", "^/part1" + LOCK + "$", 1), True),
+  "not killed": ((None, "", 0), True),
+}
+MERGE = {
+  "temp dir made": (("mkdir", OUT + "$", 1), False),
+  "lock file": (("open", OUT + LOCK + "$", 1), False),
+  "a shard data": (("writev", OUT + "/archive_00001/bfloat16/c/0$", 1), False),
+  "last archive.json": (("writev", OUT + "/archive_00002/archive.json$", 1), False),
+  "index data": (("writev", OUT + "/jaxreshard.json$", 1), False),
+  "fsync of the temp dir": (("fsync", OUT + "$", 1), False),
+  "the rename": (("renameat2", "^/out$", 1), False),
+  "lock file removed after the rename": (("unlink", "^/out" + LOCK + "$", 1), True),
+  "not killed": ((None, "", 0), True),
+}
 POINTS = {
   "save_records": SAVE_RECORDS,
   "save_records_table": SAVE_RECORDS_TABLE,
   "save_over_leftover": SAVE_OVER_LEFTOVER,
   "save_sharded": SAVE_SHARDED,
   "manager_save": MANAGER_SAVE,
+  "clean_records": {n: (p, True) for n, p in CLEAN_RECORDS.items()},
+  "clean_orbax": {n: (p, True) for n, p in CLEAN_ORBAX.items()},
+  "clean_manager": {n: (p, True) for n, p in CLEAN_MANAGER.items()},
+  "reshard_whole": RESHARD_WHOLE,
+  "reshard_rank": RESHARD_RANK,
+  "merge_parts": MERGE,
 }
 
 
@@ -383,3 +478,194 @@ def test_a_commit_whose_orbax_files_a_crash_lost_still_reads_exactly(tmp_path):
   assert _cli("verify", ck, ck)[0] == 0
   _check_clean(str(ck))
   assert (ck / "_CHECKPOINT_METADATA").exists() and (run / "1" / "default").is_dir()
+
+
+# --- clean, killed ------------------------------------------------------------------
+
+
+def _readers_of_a_leftover(tmp: str, records: list) -> None:
+  """Named explicitly, what a killed save or clean left gives its save's bits or is
+  refused naming it: by every reader, none laxer than ``load_records``."""
+  whole = _exact_or_refused(lambda: jr.load_records(tmp), records, tmp)
+  for rank in range(len(records)):
+    _exact_or_refused(
+      lambda: [jr.restore(tmp, world_size=len(records), rank=rank)], [records[rank]], tmp
+    )
+  code, out = _cli("inspect", tmp)
+  assert code in (0, 2), out
+  code, out = _cli("verify", tmp, tmp)
+  assert code == (0 if whole else 2), out
+
+
+def _rerun_clean(final: str, parent: str) -> None:
+  """A rerun of ``clean`` finishes the job: no temporary directory is left."""
+  code, out = _cli("clean", final, "--all", "--json")
+  assert code == 0, out
+  assert _leftovers(parent) == [], json.loads(out)
+
+
+@pytest.mark.parametrize("name", list(CLEAN_RECORDS))
+def test_clean_killed(killed, name):
+  point = CLEAN_RECORDS[name]
+  root, report = killed["clean_records"][name]
+  _check_reached(report["at"], point, report["rc"])
+  records, old = worker.records(), worker.records(1)
+  final = os.path.join(root, "ckpt")
+  base = os.path.dirname(os.path.dirname(root))
+  for ckpt, saved in ((final, records), (os.path.join(root, "old"), old)):
+    assert _exact_or_refused(lambda: jr.load_records(ckpt), saved)
+    for rank in range(2):
+      assert_records_equal(jr.restore(ckpt, world_size=2, rank=rank), saved[rank])
+  assert _cli("inspect", final)[0] == 0
+  assert _cli("verify", _reference(base, "save_records"), final)[0] == 0
+  for tmp in _leftovers(root):
+    table = os.path.basename(tmp).startswith(".ckpt.tmp-b")
+    _readers_of_a_leftover(tmp, worker.records(table=table))
+  _rerun_clean(final, root)
+  assert _exact_or_refused(lambda: jr.load_records(final), records)
+  assert _exact_or_refused(lambda: jr.load_records(os.path.join(root, "old")), old)
+
+
+@pytest.mark.parametrize("name", list(CLEAN_ORBAX))
+def test_clean_of_an_orbax_leftover_killed(killed, tmp_path_factory, name):
+  point = CLEAN_ORBAX[name]
+  root, report = killed["clean_orbax"][name]
+  _check_reached(report["at"], point, report["rc"])
+  final = os.path.join(root, "ck")
+  with pytest.raises(FileNotFoundError):
+    jr.load_records(final)
+  for tmp in _leftovers(root):
+    _readers_of_a_leftover(tmp, worker.records())
+  _rerun_clean(final, root)
+  assert _exact_or_refused(lambda: jr.load_records(os.path.join(root, "old")), worker.records(1))
+  opt, state, shapes, mesh = worker.mesh_args()
+  jr.save_sharded(final, opt, state, shapes, mesh)
+  records, _ = _sharded_reference(str(tmp_path_factory.getbasetemp()))
+  assert _exact_or_refused(lambda: jr.load_records(final), records)
+
+
+@pytest.mark.parametrize("name", list(CLEAN_MANAGER))
+def test_clean_of_a_manager_step_killed(killed, name):
+  point = CLEAN_MANAGER[name]
+  root, report = killed["clean_manager"][name]
+  _check_reached(report["at"], point, report["rc"])
+  records, first = worker.records(), worker.records(1)
+  run = os.path.join(root, "run")
+  with worker.manager(run) as manager:
+    assert manager.latest_step() == 1
+    got = manager.restore(1, args=jr.ReshardRestore())
+  for a, b in zip(got, first, strict=True):
+    assert_records_equal(a, b)
+  assert _locate.locate(run).step == 1
+  code, out = _cli("inspect", run)
+  assert code == 0 and "step 1" in out, out
+  assert _exact_or_refused(lambda: jr.load_records(os.path.join(run, "1", "default")), first)
+  for tmp in _leftovers(run):
+    if os.path.isdir(os.path.join(tmp, "default")):
+      _readers_of_a_leftover(os.path.join(tmp, "default"), records)
+  _rerun_clean(os.path.join(run, "2"), run)
+  with worker.manager(run) as manager:
+    manager.save(2, args=jr.ReshardSave(records))
+    manager.wait_until_finished()
+    assert manager.latest_step() == 2
+    got = manager.restore(2, args=jr.ReshardRestore())
+  for a, b in zip(got, records, strict=True):
+    assert_records_equal(a, b)
+  assert _exact_or_refused(lambda: jr.load_records(os.path.join(run, "1", "default")), first)
+
+
+# --- the CLI's outputs, killed ------------------------------------------------------
+
+
+@functools.cache
+def _resharded(base: str) -> tuple[list, list]:
+  """What ``reshard -w 3`` of the worker's records writes, read back: the whole
+  output's records, and each ``--rank`` part's."""
+  ck, out = os.path.join(base, "reshard-source"), os.path.join(base, "reshard-out")
+  jr.save_records(ck, worker.records())
+  assert _cli("reshard", ck, out, "-w", 3)[0] == 0
+  parts = []
+  for r in range(3):
+    assert _cli("reshard", ck, os.path.join(base, f"reshard-part{r}"), "-w", 3, "--rank", r)[0] == 0
+    parts.append(jr.load_records(os.path.join(base, f"reshard-part{r}")))
+  return jr.load_records(out), parts
+
+
+def _check_output(out: str, committed: bool, expected: list, source: str) -> None:
+  """OUT of a killed reshard or merge: absent (every reader refuses it, naming it) or
+  whole and exact (every reader gives its bits, and the source's back)."""
+  assert os.path.isdir(out) is committed
+  if committed:
+    assert _exact_or_refused(lambda: jr.load_records(out), expected)
+    back = worker.records()
+    for rank in range(2):  # 2 -> 3 -> 2 gives the source back, bit for bit
+      assert_records_equal(jr.restore(out, world_size=2, rank=rank), back[rank])
+    assert _cli("inspect", out)[0] == 0
+    assert _cli("verify", source, out)[0] == 0
+  else:
+    with pytest.raises(FileNotFoundError, match=re.escape(out)):
+      jr.load_records(out)
+    with pytest.raises(FileNotFoundError, match=re.escape(out)):
+      jr.restore(out, world_size=2, rank=0)
+    for args in (("inspect", out), ("verify", source, out)):
+      code, text = _cli(*args)
+      assert code == 2 and f"{out} does not exist" in text, text
+  for tmp in _leftovers(os.path.dirname(out)):
+    _exact_or_refused(lambda: jr.load_records(tmp), expected, tmp)
+    code, text = _cli("verify", source, tmp)
+    assert code in (0, 2), text
+
+
+@pytest.mark.parametrize(
+  "scenario,name", [(s, n) for s in ("reshard_whole", "merge_parts") for n in POINTS[s]]
+)
+def test_reshard_or_merge_killed(killed, tmp_path_factory, scenario, name):
+  point, committed = POINTS[scenario][name]
+  root, report = killed[scenario][name]
+  _check_reached(report["at"], point, report["rc"])
+  expected, _ = _resharded(str(tmp_path_factory.getbasetemp()))
+  ck, out = os.path.join(root, "ck"), os.path.join(root, "out")
+  _check_output(out, committed, expected, ck)
+  assert _exact_or_refused(lambda: jr.load_records(ck), worker.records())
+  if scenario == "reshard_whole":
+    again = ("reshard", ck, out, "-w", 3)
+  else:
+    again = ("merge", out, *(os.path.join(root, f"part{r}") for r in range(3)))
+  code, text = _cli(*again)
+  if committed:
+    assert code == 2 and "already exists" in text, text
+  else:
+    assert code == 0, text
+  _check_output(out, True, expected, ck)
+  _check_clean(out)
+  assert _leftovers(root) == []
+
+
+@pytest.mark.parametrize("name", list(RESHARD_RANK))
+def test_reshard_of_one_rank_killed(killed, tmp_path_factory, name):
+  point, committed = RESHARD_RANK[name]
+  root, report = killed["reshard_rank"][name]
+  _check_reached(report["at"], point, report["rc"])
+  expected, parts = _resharded(str(tmp_path_factory.getbasetemp()))
+  part = os.path.join(root, "part1")
+  assert os.path.isdir(part) is committed
+  for tmp in _leftovers(root):
+    _exact_or_refused(lambda: jr.load_records(tmp), parts[1], tmp)
+  merged = os.path.join(root, "merged")
+  merge = ("merge", merged, *(os.path.join(root, f"part{r}") for r in range(3)))
+  code, text = _cli(*merge)
+  if committed:
+    assert _exact_or_refused(lambda: jr.load_records(part), parts[1])
+    assert code == 0, text
+  else:
+    with pytest.raises(FileNotFoundError, match=re.escape(part)):
+      jr.load_records(part)
+    assert code == 2 and f"{part} does not exist" in text, text
+    assert not os.path.exists(merged)
+    code, text = _cli("reshard", os.path.join(root, "ck"), part, "-w", 3, "--rank", 1)
+    assert code == 0, text
+    assert _cli(*merge)[0] == 0
+  assert _exact_or_refused(lambda: jr.load_records(part), parts[1])
+  assert _exact_or_refused(lambda: jr.load_records(merged), expected)
+  _check_clean(part)
+  assert _leftovers(root) == []

@@ -21,8 +21,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from typer.testing import CliRunner
 
 import jaxreshard as jr
+from jaxreshard._src.checkpoint import locate as _locate
+from jaxreshard._src.cli.commands import app
 from jaxreshard._src.core.geometry import FlatShard
 from tests import _mp_util as U
 from tests._core_util import assert_records_equal, bits
@@ -314,3 +317,57 @@ def test_a_process_that_never_finishes_writing_fails_the_save_after_its_timeout(
   assert first["seconds"] < 30, first
   assert second["error"] and "held back until the primary reported" in second["error"], second
   assert not os.path.exists(path)
+
+
+def test_a_process_killed_mid_save_commits_nothing_and_the_previous_step_restores(
+  tmp_path, reference
+):
+  """Process 1 of a two-process manager save dies (as a SIGKILL) once it has written one
+  archive of step 2, or once it has told the other that its archives are written.
+  Whatever becomes of process 0 (here the runtime aborts it once the dead one stops
+  sending heartbeats), step 2 is never committed: every reader gives step 1, what was
+  left is refused or removed by ``clean``, and step 2 saves again."""
+  groups = {
+    at: U.ProcessGroup(
+      2,
+      4,
+      "killed",
+      str(tmp_path / f"out_{at}"),
+      {"run": str(tmp_path / f"run_{at}"), "killed": 1, "at": at, "timeout_s": 30},
+    )
+    for at in ("archive", "told")
+  }
+  try:
+    for g in groups.values():
+      g.__enter__()
+    codes = {at: g.wait() for at, g in groups.items()}
+  finally:
+    for g in groups.values():
+      g.kill()
+  records = reference[3]
+  for at, g in groups.items():
+    assert codes[at][1] == 137, g.tail()
+    killed = json.load(open(os.path.join(g.out, "p1.json")))
+    assert killed["killed"] and killed["steps_before"] == [1], killed
+    run = str(tmp_path / f"run_{at}")
+    assert not os.path.exists(os.path.join(run, "2")), f"step 2 was committed ({at})"
+    leftovers = glob.glob(os.path.join(run, "2.orbax-checkpoint-tmp*"))
+    for d in glob.glob(os.path.join(run, "2.orbax-checkpoint-tmp*", "default*")):
+      with pytest.raises(jr.ArchiveError, match="no jaxreshard.json"):
+        jr.load_records(d)
+    with ocp.CheckpointManager(run) as manager:
+      assert manager.all_steps() == [1]
+      got = manager.restore(1, args=jr.ReshardRestore())
+    for a, b in zip(got, records, strict=True):
+      assert_records_equal(a, b)
+    assert _locate.locate(run).step == 1
+    result = CliRunner().invoke(app, ["clean", os.path.join(run, "2"), "--all", "--json"])
+    assert result.exit_code == 0, result.output
+    assert sorted(json.loads(result.stdout)["removed"]) == sorted(leftovers), result.output
+    assert glob.glob(os.path.join(run, "*tmp*")) == []
+    with ocp.CheckpointManager(run) as manager:
+      manager.save(2, args=jr.ReshardSave(records))
+      manager.wait_until_finished()
+      got = manager.restore(2, args=jr.ReshardRestore())
+    for a, b in zip(got, records, strict=True):
+      assert_records_equal(a, b)
