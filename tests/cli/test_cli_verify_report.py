@@ -267,3 +267,16 @@ def test_verify_reads_a_checkpoint_whose_clock_holds_a_typed_prng_key(tmp_path):
     line for line in _run("inspect", tmp_path / "a").stdout.splitlines() if "rng_key" in line
   )
   assert "key<fry>" in row and "uint32" not in row, row
+
+
+def test_verify_counts_the_clock_scalars_either_side_holds(tmp_path):
+  # adam's clock holds one scalar; inject_hyperparams(adam)'s seven, none at adam's path.
+  params = {"w": np.arange(5, dtype=np.float32)}
+  for name, opt in (("a", OPT), ("b", optax.inject_hyperparams(optax.adam)(learning_rate=1e-3))):
+    jr.save_records(tmp_path / name, jr.shard_state(opt, params, opt.init(params), world_size=2))
+  for x, y in (("a", "b"), ("b", "a")):
+    result = _run("verify", tmp_path / x, tmp_path / y)
+    assert result.exit_code == EXIT_DIFFERENT, result.output
+    assert result.stdout.splitlines()[0] == (
+      "different: 9 differences: 8 of 8 clock scalars, 1 other (structure, parameters, problems)"
+    ), result.stdout

@@ -150,7 +150,9 @@ def _summary(c: Comparison, counts: dict) -> str:
   kinds = [kind for kind, _ in c.differences]
   parts = []
   if kinds.count("scalar"):
-    parts.append(f"{kinds.count('scalar')} of {counts['clock_scalars']} clock scalars")
+    # Of the clock scalars either side holds: a path one side lacks differs too.
+    paths = {s[0] for s in c.digest.scalars} | {s[0] for s in c.out_digest.scalars}
+    parts.append(f"{kinds.count('scalar')} of {len(paths)} clock scalars")
   if kinds.count("buffer"):
     params = len({b.param for b in c.buffers})
     parts.append(
