@@ -284,7 +284,7 @@ def killed(opt, params, state, shapes) -> dict:
   (``args.at`` "archive"), or once it has told the others that its archives are
   written (``args.at`` "told"). Reports what the others saw and how soon."""
   from jaxreshard._src.checkpoint import reader as _checkpoint  # pylint: disable=g-import-not-at-top
-  from jaxreshard._src.orbax import handler as _handler  # pylint: disable=g-import-not-at-top
+  from jaxreshard._src.orbax import peers as _peers  # pylint: disable=g-import-not-at-top
 
   m = mesh()
   sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
@@ -299,8 +299,8 @@ def killed(opt, params, state, shapes) -> dict:
   manager.wait_until_finished()
   result = {"steps_before": manager.all_steps()}
   if ME == ARGS["killed"]:
-    name = "write_archive" if ARGS["at"] == "archive" else "_tell_peers"
-    module = _checkpoint if ARGS["at"] == "archive" else _handler
+    name = "write_archive" if ARGS["at"] == "archive" else "tell_peers"
+    module = _checkpoint if ARGS["at"] == "archive" else _peers
     real = getattr(module, name)
 
     def dying(*a, **k):

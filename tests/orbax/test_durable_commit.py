@@ -105,7 +105,33 @@ def test_archives_of_another_save_in_the_shared_temporary_directory_commit_nothi
     assert manager.all_steps() == []
 
 
-def test_save_sharded_is_not_reported_done_when_another_save_was_committed(tmp_path, monkeypatch):
+@pytest.fixture
+def blocking_orbax_metadata(monkeypatch):
+  """Orbax's step metadata written at once, by the thread that asks for it.
+
+  Orbax writes it from a thread of its own: once the temporary directory is made,
+  and again just before the handler's ``finalize``, each write landing some time
+  later. A test that removes the directory there (as another save or a clean
+  would) saw ``Directory not empty`` from its own ``rmtree`` now and then: a late
+  write of orbax's into it, not the library's doing.
+  """
+  from orbax.checkpoint._src.metadata import checkpoint as orbax_metadata
+
+  store = orbax_metadata._NonBlockingMetadataStore  # pylint: disable=protected-access
+
+  def write(self, file_path, metadata):
+    self._store_impl.write(file_path, metadata)
+
+  def update(self, file_path, **kwargs):
+    self._store_impl.update(file_path, **kwargs)
+
+  monkeypatch.setattr(store, "write", write)
+  monkeypatch.setattr(store, "update", update)
+
+
+def test_save_sharded_is_not_reported_done_when_another_save_was_committed(
+  tmp_path, monkeypatch, blocking_orbax_metadata
+):
   """Between this save's finalize and orbax's rename another save of the same
   directory removes the shared temporary directory and makes it anew, complete:
   the rename commits the other save, and this one raises instead of returning."""
@@ -128,7 +154,7 @@ def test_save_sharded_is_not_reported_done_when_another_save_was_committed(tmp_p
 
 
 def test_save_sharded_is_not_reported_done_when_what_was_committed_has_no_index(
-  tmp_path, monkeypatch
+  tmp_path, monkeypatch, blocking_orbax_metadata
 ):
   """Between this save's finalize and orbax's rename another save of the same
   directory empties the shared temporary directory: what is committed holds no
@@ -226,7 +252,9 @@ def test_a_process_whose_save_sharded_was_refused_in_orbax_s_directory_creation_
   assert not (tmp_path / "ck").exists()
 
 
-def test_save_sharded_refuses_when_a_clean_removes_every_directory_it_makes(tmp_path, monkeypatch):
+def test_save_sharded_refuses_when_a_clean_removes_every_directory_it_makes(
+  tmp_path, monkeypatch, blocking_orbax_metadata
+):
   """A ``clean`` removes orbax's temporary directory each time right after this
   save made it and before it holds its lock: the save makes it anew a few times,
   then is refused rather than write a directory it does not hold."""
@@ -716,3 +744,46 @@ def test_a_lock_taken_on_a_file_a_clean_removed_meanwhile_is_not_held(tmp_path, 
   assert held is not None
   os.close(held[1])
   os.close(held[0])
+
+
+def test_a_save_sharded_that_timed_out_returns_after_its_writes_stopped(tmp_path, monkeypatch):
+  """Orbax gives up on a save past its timeout while the commit future that writes
+  the archives goes on in its own thread. save_sharded returns only once that
+  thread stopped (at its next archive): before, it went on writing into the
+  directory the failed save removed, or into the next save's of the same path
+  (orbax names them alike), which a retry then refused as another save's."""
+  import threading
+
+  from jaxreshard._src.checkpoint import reader as _reader
+
+  opt, state, mesh = _mesh_state()
+  write, result = _reader.write_archive, ocp.future.ChainedFuture.result
+  timed_out, returned, writers = threading.Event(), threading.Event(), []
+
+  def timing_out(self, timeout=None):
+    try:
+      return result(self, timeout=timeout)
+    except TimeoutError:
+      timed_out.set()
+      raise
+
+  def slow_disk(directory, index, *args, **kwargs):
+    if not writers:  # the first archive of the first save: still writing when orbax gives up
+      writers.append(threading.current_thread())
+      assert timed_out.wait(60)
+      returned.wait(1.5)  # not set while save_sharded waits for this write
+    return write(directory, index, *args, **kwargs)
+
+  monkeypatch.setattr(ocp.future.ChainedFuture, "result", timing_out)
+  monkeypatch.setattr(_reader, "write_archive", slow_disk)
+  try:
+    with pytest.raises(jr.ArchiveError, match=r"ck was not committed \(TimeoutError"):
+      jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh, timeout_s=1)
+    assert not writers[0].is_alive()  # no write of the failed save is left running
+  finally:
+    returned.set()
+    for writer in writers:
+      threading.Thread.join(writer, 60)  # orbax's join raises the thread's error
+  assert os.listdir(tmp_path) == []
+  jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert len(jr.load_records(tmp_path / "ck")) == 4

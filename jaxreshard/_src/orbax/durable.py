@@ -45,7 +45,6 @@ import asyncio
 import fcntl
 import os
 import stat
-import threading
 import time
 import weakref
 
@@ -53,6 +52,7 @@ import orbax.checkpoint as ocp
 
 from jaxreshard._src.checkpoint import tempdir as _tempdir
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
+from jaxreshard._src.orbax.inflight import InFlight
 
 __all__ = ["DurableRenameTemporaryPath", "fsync_dir", "fsync_tree", "one_save", "refuse_if_held"]
 
@@ -171,47 +171,6 @@ def _is_local(path: str) -> bool:
   return "://" not in path
 
 
-# How long a failed save waits, at most, for the creations of its temporary
-# directories that orbax started in its own threads before it failed.
-_CREATION_WAIT_S = 60.0
-
-
-class _Creations:
-  """The temporary-directory creations of one save, and whether the save is over.
-
-  Orbax makes a save's directories in a thread of its own while the handlers
-  start writing; a save that fails meanwhile is over before that thread is
-  done. A creation that starts after the save is over makes nothing (it returns
-  the path, unmade: raising would only have orbax's thread log it), and the
-  save waits for those that started before it (each then holds its directory,
-  which the save removes), so a failed save leaves no directory behind.
-  """
-
-  def __init__(self):
-    self._cond = threading.Condition()
-    self._running = 0
-    self.over = False
-
-  def start(self) -> bool:
-    """Whether a creation may start (the save is not over); one that may is counted."""
-    with self._cond:
-      if self.over:
-        return False
-      self._running += 1
-      return True
-
-  def done(self) -> None:
-    with self._cond:
-      self._running -= 1
-      self._cond.notify_all()
-
-  def end(self) -> None:
-    """The save is over: no creation starts, and those running are waited for."""
-    with self._cond:
-      self.over = True
-      self._cond.wait_for(lambda: self._running == 0, timeout=_CREATION_WAIT_S)
-
-
 class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
   """``AtomicRenameTemporaryPath`` whose commit is on the disk when it returns.
 
@@ -226,14 +185,20 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
   _release: weakref.finalize | None = None
   # The instances of a class made by ``one_save``: the temporary paths of one save.
   _made: list[DurableRenameTemporaryPath] | None = None
-  _creations: _Creations | None = None  # a ``one_save`` class's
+  # A ``one_save`` class's: the creations of its directories orbax runs in its
+  # threads. Orbax makes a save's directory while the handlers start writing,
+  # so a save may fail before that creation is done: a creation that starts
+  # after the save is over makes nothing (it returns the path unmade; raising
+  # would only have orbax's thread log it), one running is waited for and what
+  # it made removed, so a failed save leaves no directory behind.
+  _creations: InFlight | None = None
 
   @classmethod
   def end_creations(cls) -> None:
     """A ``one_save`` class's save is over: no creation of its directories starts,
     and those orbax is running are waited for."""
     if cls._creations is not None:
-      cls._creations.end()
+      cls._creations.stop()
 
   @classmethod
   def let_go(cls) -> None:
@@ -263,7 +228,7 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
     finally:
       creations.done()
 
-  async def _create(self, tmp: str, creations: _Creations | None):
+  async def _create(self, tmp: str, creations: InFlight | None):
     final = os.fspath(self.get_final())
     parent = os.path.dirname(os.path.abspath(tmp))
     os.makedirs(parent, exist_ok=True)
@@ -280,7 +245,7 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
         # step's items at once, and each wait would hold one of the threads that
         # creating the directories needs.
         while not _try_flock(pfd):
-          if creations is not None and creations.over:
+          if creations is not None and creations.stopped:
             return self.get()
           await asyncio.sleep(_POLL_S)
         _take_over(key)
@@ -310,7 +275,7 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
       # commit threads waiting for this creation's signal until their timeout, so
       # this save waits for that one to commit or fail (the rename then refuses
       # what that one committed) and takes the directory when it is free.
-      if creations is not None and creations.over:  # the save failed meanwhile
+      if creations is not None and creations.stopped:  # the save failed meanwhile
         return self.get()
       if time.monotonic() > deadline:
         raise ArchiveExistsError(
@@ -371,5 +336,5 @@ def one_save() -> type[DurableRenameTemporaryPath]:
   return type(
     "DurableRenameTemporaryPath",
     (DurableRenameTemporaryPath,),
-    {"_made": [], "_creations": _Creations()},
+    {"_made": [], "_creations": InFlight()},
   )

@@ -62,7 +62,6 @@ import dataclasses
 import hashlib
 import os
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -82,7 +81,9 @@ from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _sharded
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementError, ReshardError
 from jaxreshard._src.orbax import args as _args
+from jaxreshard._src.orbax import peers as _peers
 from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
+from jaxreshard._src.orbax.inflight import InFlight
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
 __all__ = ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
@@ -182,7 +183,7 @@ def prepare_save(
     else:
       archives = ()
   except BaseException as e:
-    _tell_peers(checkpoint_id, e)  # the others stop waiting for this process
+    _peers.tell_peers(checkpoint_id, e)  # the others stop waiting for this process
     raise
   reporter = Reporter(
     what,
@@ -194,66 +195,8 @@ def prepare_save(
   return SavePlan(checkpoint_id, archives, index, args.chunk_bytes, reporter, refusal)
 
 
-_PEERS_KEY = "jaxreshard/save"
-_POLL_S = 0.2
-
-
-def _distributed_client() -> Any:
-  """The ``jax.distributed`` client of a multi-process job, or None."""
-  if jax.process_count() < 2:
-    return None
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-
-  return distributed.global_state.client
-
-
-def _tell_peers(checkpoint_id: str, error: BaseException | None) -> None:
-  """Tells the other processes of this save that this one's archives are written, or why not."""
-  client = _distributed_client()
-  if client is None:
-    return
-  value = "ok" if error is None else f"failed: {type(error).__name__}: {error}"[:2000]
-  try:
-    client.key_value_set(f"{_PEERS_KEY}/{checkpoint_id}/{jax.process_index()}", value)
-  except Exception:  # pylint: disable=broad-exception-caught
-    pass  # the others then wait for this process until their timeout, as orbax would
-
-
-def _await_peers(checkpoint_id: str, directory: str, timeout_s: float) -> None:
-  """Returns when every process of this save told that its archives are written.
-
-  Raises:
-    ArchiveError: a process told that its write failed (naming it and its
-      error), or not every process told within ``timeout_s``.
-  """
-  client = _distributed_client()
-  if client is None:
-    return
-  prefix = f"{_PEERS_KEY}/{checkpoint_id}/"
-  others = set(range(jax.process_count())) - {jax.process_index()}
-  deadline = time.monotonic() + timeout_s
-  while True:
-    told = {}
-    for key, value in client.key_value_dir_get(prefix):
-      tail = key.rsplit("/", 1)[-1]
-      if tail.isdigit():
-        told[int(tail)] = value
-    failed = sorted(p for p in others if told.get(p, "ok") != "ok")
-    if failed:
-      p = failed[0]
-      raise ArchiveError(
-        f"{directory}: process {p} did not write its archives"
-        f" ({told[p][len('failed: ') :]}); nothing is committed"
-      )
-    waiting = sorted(others - set(told))
-    if not waiting:
-      return
-    if time.monotonic() > deadline:
-      raise ArchiveError(
-        f"{directory}: processes {waiting} did not finish writing their archives"
-        f" within {timeout_s:g} s; nothing is committed"
-      )
-    time.sleep(_POLL_S)
+# A save that is over (failed or timed out in this process) says so to its writes.
+_STOPPED = "the save failed (or timed out) in this process; its archive writes stopped"
 
 
 def _unloadable(directory: str) -> Exception | None:
@@ -315,6 +258,18 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     # id(args) -> (args, what checking them found, their prepared save): the
     # saves ``prepare_save`` took ahead of ``async_save``, each taken by the next.
     self._prepared: dict[int, tuple[ReshardSave, Any, SavePlan]] = {}
+    # The archive writes of its commit futures, which ``stop_writes`` ends.
+    self._writes = InFlight()
+
+  def stop_writes(self) -> None:
+    """The saves of this handler are over (``save_sharded``'s, failed or not): every
+    archive write still running stops at its next archive and is waited for (a
+    minute at most), and none starts after. Orbax gives up on a save that timed out
+    while its writes go on in their own thread."""
+    self._writes.stop()
+
+  def _stopped(self) -> str | None:
+    return _STOPPED if self._writes.stopped else None
 
   def prepare_save(
     self, args: ReshardSave, *, progress: ProgressCallback | None = None, where: Any = ""
@@ -346,60 +301,44 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     if prepared.index is not None:
       with self._lock:
         self._pending[key] = (prepared.checkpoint_id, prepared.index)
-    return [self._commit_future(self._write(key, prepared))]
-
-  def _commit_future(self, coro) -> ocp.future.Future:
-    """Orbax's commit future of ``coro``, made in a daemon thread when its thread
-    is to be a daemon (a thread is one when the thread that makes it is)."""
-
-    def make():
-      return ocp.future.CommitFutureAwaitingContractedSignals(coro, name="jaxreshard_save")
-
-    if not self._daemon_commits:
-      return make()
-    made: list = []
-
-    def make_into() -> None:
-      try:
-        made.append(make())
-      except BaseException as e:  # pylint: disable=broad-exception-caught
-        made.append(e)
-
-    maker = threading.Thread(target=make_into, name="jaxreshard_save_maker", daemon=True)
-    maker.start()
-    maker.join()
-    if isinstance(made[0], BaseException):
-      coro.close()
-      raise made[0]
-    return made[0]
+    return [_commit_future(self._write(key, prepared), daemon=self._daemon_commits)]
 
   async def _write(self, directory: str, prepared: SavePlan) -> None:
     """Writes this process's archives, tells the others, and waits for theirs."""
     chunk_bytes = prepared.chunk_bytes if prepared.chunk_bytes is not None else self._chunk_bytes
     builder = _reader.IndexBuilder(prepared.checkpoint_id)
+    started = self._writes.start()
     try:
-      if prepared.refusal is not None:
-        raise prepared.refusal
-      for index, record in prepared.archives:
-        try:
-          nbytes = _reader.write_archive(directory, index, record, builder, chunk_bytes)
-        except FileExistsError as e:
-          raise ArchiveExistsError(
-            f"{e.filename} already exists: another save is writing {directory}"
-          ) from None
-        except FileNotFoundError:
-          if os.path.isdir(directory):
-            raise
-          raise ArchiveError(
-            f"{directory} was removed while this save wrote it: another save"
-            " of the same checkpoint made it anew"
-          ) from None
-        prepared.reporter.step(nbytes, archive=index)
-    except BaseException as e:
-      _tell_peers(prepared.checkpoint_id, e)
-      raise
-    _tell_peers(prepared.checkpoint_id, None)
-    _await_peers(prepared.checkpoint_id, directory, self._timeout_s)
+      try:
+        if not started:
+          raise ArchiveError(f"{directory}: {_STOPPED}")
+        if prepared.refusal is not None:
+          raise prepared.refusal
+        for index, record in prepared.archives:
+          if self._writes.stopped:
+            raise ArchiveError(f"{directory}: {_STOPPED}")
+          try:
+            nbytes = _reader.write_archive(directory, index, record, builder, chunk_bytes)
+          except FileExistsError as e:
+            raise ArchiveExistsError(
+              f"{e.filename} already exists: another save is writing {directory}"
+            ) from None
+          except FileNotFoundError:
+            if os.path.isdir(directory):
+              raise
+            raise ArchiveError(
+              f"{directory} was removed while this save wrote it: another save"
+              " of the same checkpoint made it anew"
+            ) from None
+          prepared.reporter.step(nbytes, archive=index)
+      except BaseException as e:
+        _peers.tell_peers(prepared.checkpoint_id, e)
+        raise
+      _peers.tell_peers(prepared.checkpoint_id, None)
+      _peers.await_peers(prepared.checkpoint_id, directory, self._timeout_s, self._stopped)
+    finally:
+      if started:
+        self._writes.done()
 
   def save(self, directory: epath.Path, args: ReshardSave) -> None:
     """The synchronous save: ``async_save`` and its futures, waited for."""
@@ -421,12 +360,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
       checkpoint_id, index = self._pending.pop(key, ("", None))
     if index is None:
       return
-    client = _distributed_client()
-    if client is not None:  # every process told and was heard: the keys may go
-      try:
-        client.key_value_delete(f"{_PEERS_KEY}/{checkpoint_id}/")
-      except Exception:  # pylint: disable=broad-exception-caught
-        pass
+    _peers.forget(checkpoint_id)  # every process told and was heard
     missing = [
       name
       for name, _, _ in index["archives"]
@@ -471,6 +405,32 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
   def metadata(self, directory: epath.Path) -> Any:
     """Every archive's placements, clocks and lazy buffers (no array data read)."""
     return _store.open_checkpoint(_item_directory(directory))
+
+
+def _commit_future(coro, *, daemon: bool) -> ocp.future.Future:
+  """Orbax's commit future of ``coro``, made in a daemon thread when its thread
+  is to be a daemon (a thread is one when the thread that makes it is)."""
+
+  def make():
+    return ocp.future.CommitFutureAwaitingContractedSignals(coro, name="jaxreshard_save")
+
+  if not daemon:
+    return make()
+  made: list = []
+
+  def make_into() -> None:
+    try:
+      made.append(make())
+    except BaseException as e:  # pylint: disable=broad-exception-caught
+      made.append(e)
+
+  maker = threading.Thread(target=make_into, name="jaxreshard_save_maker", daemon=True)
+  maker.start()
+  maker.join()
+  if isinstance(made[0], BaseException):
+    coro.close()
+    raise made[0]
+  return made[0]
 
 
 def _item_directory(directory: Any) -> str:

@@ -149,6 +149,9 @@ def save_sharded(
     # threads: it ends before orbax closes, and what it made goes with the rest
     # once orbax's last writes into the directory are done.
     commit.end_creations()
+    # Orbax gives up on a save that timed out while its archive writes go on in
+    # their thread: they stop before the directory is removed (or saved again).
+    handler.stop_writes()
     try:
       checkpointer.close()
     except Exception:  # pylint: disable=broad-exception-caught
