@@ -34,7 +34,8 @@ directory once its lock is free (with ``--all``).
 
 ``save_sharded`` commits through it; when it fails while orbax is still making
 its directory (in a thread of orbax's own), it waits for that creation and
-removes what it made, and a creation that starts after it failed makes nothing. A ``CheckpointManager`` takes it as
+removes what it made, and a creation that starts after it failed makes
+nothing. A ``CheckpointManager`` takes it as
 ``CheckpointManagerOptions(temporary_path_class=DurableRenameTemporaryPath)``,
 which orbax uses for each step and for each item of a step.
 """
