@@ -11,6 +11,7 @@ that reads it, with a library error in Python and one line with exit code 2 from
 the command line, leaving nothing behind.
 """
 
+import json
 import os
 import re
 import shutil
@@ -54,6 +55,7 @@ OPTIMIZERS = {
   ),
   "chain_clip": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
 }
+_JR_HANDLER = "jaxreshard._src.orbax.handler.ReshardCheckpointHandler"  # as orbax records it
 W = 5  # the source world size; targets 3 and 8 (8 ranks over 1, 3 or 4 elements: all padding)
 
 
@@ -857,7 +859,10 @@ def test_a_run_whose_latest_step_lost_its_item_is_refused_not_read_at_an_older_s
   assert _ok(_run("verify", tmp_path / "run", good, "--step", 1)).stdout.startswith("identical")
 
 
-@pytest.mark.parametrize("metadata", ["fifo", "garbage", "link", "other_handler"])
+@pytest.mark.parametrize(
+  "metadata",
+  ["fifo", "garbage", "link", "other_handler", "deep", "list", "handlers_str", "huge", "odd_names"],
+)
 def test_a_later_step_without_a_jaxreshard_item_leaves_the_latest_one_read(tmp_path, metadata):
   """A later step that holds no jaxreshard item (orbax's metadata naming another
   handler, or metadata that is no JSON, a FIFO or a link) is not a damaged step of
@@ -876,8 +881,78 @@ def test_a_later_step_without_a_jaxreshard_item_leaves_the_latest_one_read(tmp_p
     meta.write_bytes(b"\xff{" * 100)
   elif metadata == "link":
     os.symlink(tmp_path / "run" / "1" / "_CHECKPOINT_METADATA", meta)
-  else:
+  elif metadata == "other_handler":
     meta.write_text('{"item_handlers": {"default": "orbax.JsonCheckpointHandler"}}')
+  elif metadata == "deep":  # nesting past Python's recursion limit
+    meta.write_bytes(b"[" * 100_000 + b"]" * 100_000)
+  elif metadata == "list":
+    meta.write_text(f'[{{"item_handlers": {{"default": "{_JR_HANDLER}"}}}}]')
+  elif metadata == "handlers_str":
+    meta.write_text(f'{{"item_handlers": "{_JR_HANDLER}"}}')
+  elif metadata == "huge":  # orbax's JSON, then more than is ever read
+    meta.write_text(f'{{"item_handlers": {{"default": "{_JR_HANDLER}"}}}}' + " " * (2 << 20))
+  else:  # names that are no item of the step: the run directory, an absolute path, ...
+    names = ["..", ".", "", "/", os.fspath(tmp_path), "1/default", "a\x00b"]
+    meta.write_text(json.dumps({"item_handlers": {n: _JR_HANDLER for n in names}}))
   _ok(_run("reshard", tmp_path / "run", tmp_path / "o", "-w", 3))
   for r, got in enumerate(jr.load_records(tmp_path / "o")):
     _assert_oracle(got, state, 3, r, metadata)
+
+
+def test_a_later_step_whose_jaxreshard_item_is_a_link_is_refused_not_passed_over(tmp_path):
+  """The latest step's recorded jaxreshard item is a symbolic link (to a whole
+  checkpoint): orbax's ``latest_step()`` is that step and its restore follows the
+  link; the command line never takes a link inside a run, so it must refuse the
+  run, not read step 1 as the run's latest."""
+  opt = optax.adam(1e-3)
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    for s in (1, 2):
+      manager.save(
+        s, args=jr.ReshardSave(jr.shard_state(opt, PARAMS, _state(opt, s), world_size=W))
+      )
+    manager.wait_until_finished()
+  item = tmp_path / "run" / "2" / "default"
+  os.rename(item, tmp_path / "elsewhere")
+  os.symlink(tmp_path / "elsewhere", item)
+  line = _one_line_error(_run("inspect", tmp_path / "run"))
+  assert "step 2 is later than step 1" in line and f"{item} is a symbolic link" in line, line
+  _ok(_run("inspect", tmp_path / "run", "--step", 1))
+
+
+def test_a_step_that_lost_one_of_its_two_jaxreshard_items_is_refused_without_item(tmp_path):
+  """A step of two jaxreshard items ('a', 'b') is read only with ``--item``; once 'b'
+  lost its index the command line took 'a' as the step's one item, where the
+  manager's restore of the step refuses it (a damaged step read as a healthy one)."""
+  opt = optax.adam(1e-3)
+  with ocp.CheckpointManager(tmp_path / "run", item_names=("a", "b")) as manager:
+    for s in (1, 2):
+      records = jr.shard_state(opt, PARAMS, _state(opt, s), world_size=W)
+      manager.save(s, args=ocp.args.Composite(a=jr.ReshardSave(records), b=jr.ReshardSave(records)))
+    manager.wait_until_finished()
+  os.unlink(tmp_path / "run" / "2" / "b" / "jaxreshard.json")
+  words = "orbax recorded jaxreshard item 'b' in it"
+  for args in ((tmp_path / "run",), (tmp_path / "run", "--step", 2), (tmp_path / "run" / "2",)):
+    line = _one_line_error(_run("inspect", *args))
+    assert words in line and "holds no jaxreshard.json" in line, (args, line)
+  _ok(_run("inspect", tmp_path / "run", "--item", "a"))
+  assert "holds 2 jaxreshard items" in _one_line_error(
+    _run("inspect", tmp_path / "run", "--step", 1)
+  )
+
+
+def test_item_given_a_later_step_that_lost_another_item_is_refused_as_a_healthy_one_is(tmp_path):
+  """``--item a`` where the latest step holds only a jaxreshard item 'b': the run is
+  refused (step 2 has no item 'a'). Once 'b' lost its index, the command line read
+  'a' at step 1 instead: a damaged step made the path laxer than a healthy one."""
+  opt = optax.adam(1e-3)
+  records = jr.shard_state(opt, PARAMS, _state(opt), world_size=W)
+  for run in ("healthy", "damaged"):
+    with ocp.CheckpointManager(tmp_path / run, item_names=("a", "b")) as manager:
+      manager.save(1, args=ocp.args.Composite(a=jr.ReshardSave(records), b=jr.ReshardSave(records)))
+      manager.save(2, args=ocp.args.Composite(b=jr.ReshardSave(records)))
+      manager.wait_until_finished()
+  assert "has no item 'a'" in _one_line_error(_run("inspect", tmp_path / "healthy", "--item", "a"))
+  os.unlink(tmp_path / "damaged" / "2" / "b" / "jaxreshard.json")
+  line = _one_line_error(_run("inspect", tmp_path / "damaged", "--item", "a"))
+  assert "step 2 is later than step 1, and orbax recorded jaxreshard item 'b'" in line, line
+  _ok(_run("inspect", tmp_path / "damaged", "--item", "a", "--step", 1))

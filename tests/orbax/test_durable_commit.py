@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 import threading
+import time
 
 import jax.numpy as jnp
 import optax
@@ -494,6 +495,82 @@ def test_a_save_that_fails_while_orbax_makes_its_directory_leaves_nothing(
   assert len(jr.load_records(tmp_path / "ck")) == 4
 
 
+@pytest.mark.parametrize("held", ["parent", "directory"])
+def test_a_failed_save_s_creation_waiting_for_a_lock_ends_with_the_save(
+  tmp_path, monkeypatch, held
+):
+  """The save fails while orbax's creation of its directory waits for a lock another
+  writer holds (the parent's, or the temporary directory's own): the creation ends
+  with the save, which returns at once, not once that writer lets go (orbax's
+  coordination timeout, minutes), and the other writer's directory is left as it is."""
+  import fcntl
+
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+
+  opt, state, mesh = _mesh_state()
+  create = _durable.DurableRenameTemporaryPath.create
+  fds, other = [], []
+  gone, waits, over = threading.Lock(), threading.Event(), threading.Event()
+
+  def release():  # the other writer lets go (once)
+    with gone:
+      while fds:
+        os.close(fds.pop())
+
+  async def contended(self):
+    if held == "parent":
+      fds.append(os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY))
+      fcntl.flock(fds[0], fcntl.LOCK_EX)
+    else:  # another save took the directory after this one looked (refuse_if_held)
+      os.mkdir(self.get())
+      (self.get() / _tempdir.LOCK_FILE).touch()
+      fds.extend(_tempdir.hold(os.fspath(self.get())))
+      other.append(self.get().name)
+    waits.set()
+    try:
+      return await create(self)
+    finally:
+      over.set()
+
+  def cannot_start(coro, **kwargs):
+    coro.close()
+    assert waits.wait(10)  # the save fails while its creation waits for the lock
+    time.sleep(0.2)
+    raise RuntimeError("can't start new thread")
+
+  monkeypatch.setattr(_durable.DurableRenameTemporaryPath, "create", contended)
+  monkeypatch.setattr(ocp.future, "CommitFutureAwaitingContractedSignals", cannot_start)
+  releaser = threading.Timer(20, release)  # a save that waits for the writer ends, late
+  releaser.start()
+  start = time.monotonic()
+  try:
+    with pytest.raises(jr.ArchiveError, match=r"not committed \(RuntimeError: can't start new"):
+      jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+    took = time.monotonic() - start
+    assert over.wait(30)
+    assert sorted(os.listdir(tmp_path)) == other
+  finally:
+    releaser.cancel()
+    release()
+  assert took < 10, f"the failed save returned after {took:.1f} s"
+
+
+def test_a_creation_that_fails_once_orbax_made_the_directory_leaves_nothing(tmp_path, monkeypatch):
+  """Orbax's creation of the directory fails after it made it (a disk error writing
+  what it adds): the save is refused and the directory it made goes with it."""
+  opt, state, mesh = _mesh_state()
+  make_dir = ocp.path.atomicity.AtomicRenameTemporaryPath.create
+
+  async def failing(self):
+    await make_dir(self)
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(ocp.path.atomicity.AtomicRenameTemporaryPath, "create", failing)
+  with pytest.raises(jr.ArchiveError, match="not committed"):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh, timeout_s=5)
+  assert os.listdir(tmp_path) == []
+
+
 def test_clean_removes_a_killed_save_sharded_s_directory_only_when_its_lock_is_free(tmp_path):
   from typer.testing import CliRunner
 
@@ -787,3 +864,24 @@ def test_a_save_sharded_that_timed_out_returns_after_its_writes_stopped(tmp_path
   assert os.listdir(tmp_path) == []
   jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
   assert len(jr.load_records(tmp_path / "ck")) == 4
+
+
+def test_a_timed_out_save_sharded_writes_no_archive_after_it_gave_up(tmp_path, monkeypatch):
+  """Each archive takes longer than the save's timeout: once orbax gave up, the
+  archive being written is the last one (the save waits for it), not the first of
+  four that the failed save then writes into a directory it removes."""
+  from jaxreshard._src.checkpoint import reader as _reader
+
+  opt, state, mesh = _mesh_state()
+  write, written = _reader.write_archive, []
+
+  def slow_disk(directory, index, *args, **kwargs):
+    time.sleep(1.5)
+    written.append(index)
+    return write(directory, index, *args, **kwargs)
+
+  monkeypatch.setattr(_reader, "write_archive", slow_disk)
+  with pytest.raises(jr.ArchiveError, match=r"ck was not committed \(TimeoutError"):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh, timeout_s=1)
+  assert len(written) == 1, written
+  assert os.listdir(tmp_path) == []

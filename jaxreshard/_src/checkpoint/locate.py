@@ -11,8 +11,9 @@ ways:
   the one ``item`` names when there are several;
 * an orbax run directory: the step ``step`` names, or the latest step (the
   largest number) that holds a jaxreshard item; a later step whose jaxreshard
-  item (as orbax's step metadata records it) has lost its index is refused,
-  never passed over for an older one;
+  item (as orbax's step metadata records it) has lost its index, or is a link,
+  is refused, never passed over for an older one (whatever ``item`` names), and
+  so is a step read without ``item`` that lost one of its recorded items;
 * anything else is refused, in words that say what was looked for.
 
 A step directory is one whose name is a step number, ``30`` or, with orbax's
@@ -112,6 +113,12 @@ def orbax_steps(run_dir: os.PathLike | str) -> dict[int, str]:
 
 def _take_item(step_dir: str, item: str | None) -> str:
   items = _items(step_dir)
+  lost = _lost_items(step_dir) if item is None else []
+  if lost:  # the one item left is not the step's one item: the step is damaged
+    raise ArchiveError(
+      f"{step_dir}: orbax recorded jaxreshard item {lost[0][0]!r} in it, but {lost[0][1]}"
+      " (the step is damaged); choose an item that is there with --item NAME"
+    )
   if item is not None:
     if item not in items:
       raise ArchiveError(
@@ -166,7 +173,7 @@ def locate(path: os.PathLike | str, *, step: int | None = None, item: str | None
     )
   if step is None:
     step = max(steps)
-    _refuse_later_damaged_steps(where, step, item)
+    _refuse_later_damaged_steps(where, step)
   elif step not in steps:
     raise ArchiveError(
       f"{where} has no step {step} with a jaxreshard item (its steps: {', '.join(map(str, steps))})"
@@ -215,7 +222,7 @@ def _recorded_items(step_dir: str) -> list[str]:
   )
 
 
-def _refuse_later_damaged_steps(run_dir: str, latest: int, item: str | None) -> None:
+def _refuse_later_damaged_steps(run_dir: str, latest: int) -> None:
   """Refuses a run in which a step after ``latest`` (the latest step holding a
   jaxreshard item) lost the index of the jaxreshard item orbax recorded in it: that
   step is the run's latest (orbax's ``latest_step()``, whose restore refuses it),
@@ -233,17 +240,26 @@ def _refuse_later_damaged_steps(run_dir: str, latest: int, item: str | None) -> 
     path = os.path.join(run_dir, name)
     if not m or int(m.group(1)) <= latest or _tempdir.is_temporary(name) or not _is_dir(path):
       continue
-    lost = [
-      n
-      for n in _recorded_items(path)
-      if (item is None or n == item) and not _has_index(os.path.join(path, n))
-    ]
+    lost = _lost_items(path)
     if lost:
       raise ArchiveError(
         f"{run_dir}: step {int(m.group(1))} is later than step {latest}, and orbax recorded"
-        f" jaxreshard item {lost[0]!r} in it, but {os.path.join(path, lost[0])} holds no"
-        f" {INDEX_FILE} (the step is damaged); give --step {latest} to read step {latest}"
+        f" jaxreshard item {lost[0][0]!r} in it, but {lost[0][1]} (the step is damaged);"
+        f" give --step {latest} to read step {latest}"
       )
+
+
+def _lost_items(step_dir: str) -> list[tuple[str, str]]:
+  """The jaxreshard items orbax recorded in a step that hold no checkpoint a reader
+  takes, each with why: no index, or a link (never taken)."""
+  lost = []
+  for n in _recorded_items(step_dir):
+    where = os.path.join(step_dir, n)
+    if os.path.islink(where):
+      lost.append((n, f"{where} is a symbolic link, never read"))
+    elif not _has_index(where):
+      lost.append((n, f"{where} holds no {INDEX_FILE}"))
+  return lost
 
 
 def enclosing(found: Located) -> list[tuple[str, str]]:
