@@ -571,6 +571,41 @@ def test_a_creation_that_fails_once_orbax_made_the_directory_leaves_nothing(tmp_
   assert os.listdir(tmp_path) == []
 
 
+def test_a_failed_save_stopped_before_its_last_rmdir_leaves_what_clean_removes(
+  tmp_path, monkeypatch
+):
+  """A failed save removes its orbax directory under a name of this host's: stopped
+  between unlinking the directory's lock and removing it (here its rmdir fails, as
+  a kill there would leave it), what is left is no orbax directory without a lock
+  (which no clean may remove) but one that the next clean removes."""
+  from typer.testing import CliRunner
+
+  from jaxreshard._src.cli.commands import app
+
+  opt, state, mesh = _mesh_state()
+  rmdir = os.rmdir
+
+  def fails_for_the_save_s_directory(path, *args, **kwargs):
+    if os.path.dirname(os.path.abspath(path)) == str(tmp_path):
+      raise OSError(5, "injected failure", path)
+    return rmdir(path, *args, **kwargs)
+
+  def cannot_start(coro, **kwargs):
+    coro.close()
+    raise RuntimeError("can't start new thread")
+
+  monkeypatch.setattr(os, "rmdir", fails_for_the_save_s_directory)
+  monkeypatch.setattr(ocp.future, "CommitFutureAwaitingContractedSignals", cannot_start)
+  with pytest.raises(jr.ArchiveError, match="not committed"):
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  monkeypatch.undo()
+  (left,) = os.listdir(tmp_path)
+  assert left.startswith(".ck.tmp-") and os.listdir(tmp_path / left) == []
+  done = CliRunner().invoke(app, ["clean", str(tmp_path / "ck")])
+  assert done.exit_code == 0, done.output
+  assert os.listdir(tmp_path) == []
+
+
 def test_clean_removes_a_killed_save_sharded_s_directory_only_when_its_lock_is_free(tmp_path):
   from typer.testing import CliRunner
 

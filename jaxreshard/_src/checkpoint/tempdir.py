@@ -189,13 +189,14 @@ def _remove_below(dfd: int, path: str, keep: str = "") -> list[str]:
   return left
 
 
-def remove_held(path: str, dfd: int, last_name: str | None = None) -> bool:
+def remove_held(path: str, dfd: int) -> bool:
   """Removes the directory ``path`` held as ``dfd`` (its lock held by the caller), the
   lock file last; False when ``path`` no longer names that directory (nothing removed).
 
-  ``last_name``: a temporary name of this host's that the emptied directory takes
-  before its lock file goes (for orbax's, whose name says nothing of a lock: killed
-  then, a clean would leave a directory without a lock that no clean may remove).
+  An orbax temporary directory, emptied, takes a temporary name of this host's
+  before its lock file goes: orbax's name says nothing of a lock, so a process
+  killed then would leave a directory without a lock that no clean may remove;
+  under the new name the next clean removes it.
 
   Raises:
     ArchiveError: something in it could not be removed; names what is left.
@@ -211,9 +212,12 @@ def remove_held(path: str, dfd: int, last_name: str | None = None) -> bool:
   left = _remove_below(dfd, path, keep=LOCK_FILE)
   if not left:
     try:
-      if last_name is not None:
-        commit_dir(path, last_name)  # never onto what is there
-        path = last_name
+      name = os.path.basename(path)
+      if ORBAX_TEMP_SUFFIX in name and not _tempname.TEMP_NAME.match(name):  # orbax's
+        last = _tempname.new_name(name.split(ORBAX_TEMP_SUFFIX)[0])
+        last = os.path.join(os.path.dirname(path), last)
+        commit_dir(path, last)  # never onto what is there
+        path = last
       os.unlink(LOCK_FILE, dir_fd=dfd)
       if not _same_file(os.stat(path, follow_symlinks=False), os.fstat(dfd)):
         raise ArchiveError(f"{path} was replaced while it was removed; it is left as it is")
@@ -251,10 +255,7 @@ def remove_temp_dirs(final: str, *, everything: bool = False) -> list[str]:
       continue  # a writer took it meanwhile
     try:
       try:
-        last = None
-        if not _tempname.TEMP_NAME.match(os.path.basename(path)):  # orbax's
-          last = os.path.join(os.path.dirname(path), _tempname.new_name(os.path.basename(final)))
-        if not remove_held(path, dfd, last):
+        if not remove_held(path, dfd):
           continue  # renamed away meanwhile: not a leftover
       except ArchiveError as e:
         if removed:
