@@ -250,20 +250,36 @@ def fail(opt, params, state, shapes) -> dict:
   import resource  # pylint: disable=g-import-not-at-top
   import signal  # pylint: disable=g-import-not-at-top
 
+  manager, args = _saved_step_1(opt, params, state)
+  if ME == ARGS["fail"]:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
+  result = {"steps_before": manager.all_steps()}
+  result.update(_save_step_2(manager, args))
+  # The job is broken now: report and leave without the shutdown barrier.
+  write_result({"task": "fail", "process": ME, **result})
+  leave_broken_job()
+
+
+def _saved_step_1(opt, params, state, **options) -> tuple:
+  """A manager of ``args.run`` (``options`` added to its options) that saved step 1 of
+  the state laid out on this job's mesh, and a maker of that save's arguments."""
   m = mesh()
   sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
   spec = {p.param: p for p in next(iter(sharded.placements.values()))}
   options = ocp.CheckpointManagerOptions(
-    async_options=ocp.AsyncOptions(timeout_secs=ARGS.get("timeout_s", 30))
+    async_options=ocp.AsyncOptions(timeout_secs=ARGS.get("timeout_s", 30)), **options
   )
   manager = ocp.CheckpointManager(ARGS["run"], options=options)
   args = lambda: jr.ReshardSave(state=sharded.state, optimizer=opt, shapes=spec, mesh=m)
   manager.save(1, args=args())
   manager.wait_until_finished()
-  if ME == ARGS["fail"]:
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))
-  result = {"steps_before": manager.all_steps()}
+  return manager, args
+
+
+def _save_step_2(manager, args) -> dict:
+  """Step 2's save, waited for: its error (None once committed) and its seconds."""
+  result = {}
   start = time.monotonic()
   try:
     manager.save(2, args=args())
@@ -273,9 +289,7 @@ def fail(opt, params, state, shapes) -> dict:
     result["error"] = f"{type(e).__name__}: {e}"[:500]
     result["error_type"] = type(e).__name__
   result["seconds"] = time.monotonic() - start
-  # The job is broken now: report and leave without the shutdown barrier.
-  write_result({"task": "fail", "process": ME, **result})
-  leave_broken_job()
+  return result
 
 
 def killed(opt, params, state, shapes) -> dict:
@@ -286,17 +300,9 @@ def killed(opt, params, state, shapes) -> dict:
   from jaxreshard._src.checkpoint import reader as _checkpoint  # pylint: disable=g-import-not-at-top
   from jaxreshard._src.orbax import peers as _peers  # pylint: disable=g-import-not-at-top
 
-  m = mesh()
-  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
-  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
-  options = ocp.CheckpointManagerOptions(
-    temporary_path_class=jr.DurableRenameTemporaryPath,
-    async_options=ocp.AsyncOptions(timeout_secs=ARGS["timeout_s"]),
+  manager, args = _saved_step_1(
+    opt, params, state, temporary_path_class=jr.DurableRenameTemporaryPath
   )
-  manager = ocp.CheckpointManager(ARGS["run"], options=options)
-  args = lambda: jr.ReshardSave(state=sharded.state, optimizer=opt, shapes=spec, mesh=m)
-  manager.save(1, args=args())
-  manager.wait_until_finished()
   result = {"steps_before": manager.all_steps()}
   if ME == ARGS["killed"]:
     name = "write_archive" if ARGS["at"] == "archive" else "tell_peers"
@@ -309,15 +315,7 @@ def killed(opt, params, state, shapes) -> dict:
       os._exit(137)
 
     setattr(module, name, dying)
-  start = time.monotonic()
-  try:
-    manager.save(2, args=args())
-    manager.wait_until_finished()
-    result["error"] = None
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    result["error"] = f"{type(e).__name__}: {e}"[:500]
-    result["error_type"] = type(e).__name__
-  result["seconds"] = time.monotonic() - start
+  result.update(_save_step_2(manager, args))
   write_result({"task": "killed", "process": ME, **result})
   leave_broken_job()
 
