@@ -25,3 +25,25 @@ def fixed_id(monkeypatch):
   monkeypatch.setattr(
     writer, "uuid", types.SimpleNamespace(uuid4=lambda: types.SimpleNamespace(hex="0" * 32))
   )
+
+
+# The threads of a save's commit (orbax's, named by the handler) end with the save. One
+# a test leaves waits for a signal until orbax's coordination timeout, and stalls the
+# next test that waits for such threads.
+_SAVE_THREADS = ("jaxreshard_save", "jaxreshard_save_maker")
+_SAVE_THREADS_GRACE_S = 10.0
+
+
+@pytest.fixture(autouse=True)
+def no_save_thread_left_running():
+  """Each test ends with no commit thread of a save still running."""
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+
+  yield
+  deadline = time.monotonic() + _SAVE_THREADS_GRACE_S
+  running = [t for t in threading.enumerate() if t.name in _SAVE_THREADS]
+  for t in running:
+    t.join(max(0.0, deadline - time.monotonic()))
+  left = [t.name for t in running if t.is_alive()]
+  assert not left, f"save threads still running {_SAVE_THREADS_GRACE_S:g} s after the test: {left}"

@@ -557,7 +557,8 @@ def test_a_failed_save_s_creation_waiting_for_a_lock_ends_with_the_save(
 
 def test_a_creation_that_fails_once_orbax_made_the_directory_leaves_nothing(tmp_path, monkeypatch):
   """Orbax's creation of the directory fails after it made it (a disk error writing
-  what it adds): the save is refused and the directory it made goes with it."""
+  what it adds): the save is refused and the directory it made goes with it.
+  Orbax's commit thread of the refused save waits for coordination_timeout, cut short."""
   opt, state, mesh = _mesh_state()
   make_dir = ocp.path.atomicity.AtomicRenameTemporaryPath.create
 
@@ -566,9 +567,11 @@ def test_a_creation_that_fails_once_orbax_made_the_directory_leaves_nothing(tmp_
     raise OSError(28, "No space left on device")
 
   monkeypatch.setattr(ocp.path.atomicity.AtomicRenameTemporaryPath, "create", failing)
+  monkeypatch.setattr(ocp.multihost, "coordination_timeout", lambda: 2)
   with pytest.raises(jr.ArchiveError, match="not committed"):
     jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh, timeout_s=5)
   assert os.listdir(tmp_path) == []
+  _wait_for_refused_save_threads()
 
 
 def test_a_failed_save_stopped_before_its_last_rmdir_leaves_what_clean_removes(
@@ -591,6 +594,10 @@ def test_a_failed_save_stopped_before_its_last_rmdir_leaves_what_clean_removes(
     return rmdir(path, *args, **kwargs)
 
   def cannot_start(coro, **kwargs):
+    # Orbax makes the directory in a thread of its own: the save fails once it is there.
+    deadline = time.monotonic() + 30
+    while not os.listdir(tmp_path) and time.monotonic() < deadline:
+      time.sleep(0.01)
     coro.close()
     raise RuntimeError("can't start new thread")
 
