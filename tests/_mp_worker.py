@@ -26,6 +26,12 @@ Tasks:
              args.timeout_s)`` saves to ``args.path``, process ``args.stall``'s
              archive writes held back until process 0 has reported; reports
              what each process raised and how soon.
+  exists_for_one: process 1 makes ``args.path`` (as another job's save that
+             committed it; with ``args.make`` false it makes nothing) once
+             process 0 is about to ``save_sharded`` there and has looked,
+             ``args.delay_s`` later; then both save with
+             ``timeout_s=args.timeout_s``. Reports what each process raised and
+             how soon.
   padding_share: ``restore_sharded(path, target=...)`` of each of ``args.paths``
              (Adam over params of ``args.counts`` elements) onto every device,
              replicated; report which restores this process refused, and why.
@@ -414,6 +420,31 @@ def stall(opt, params, state, shapes) -> dict:
     result = {"error": f"{type(e).__name__}: {e}"[:800], "error_type": type(e).__name__}
   result["seconds"] = time.monotonic() - start
   write_result({"task": "stall", "process": ME, **result})
+  leave_broken_job()
+
+
+def exists_for_one(opt, params, state, shapes) -> dict:
+  m = mesh()
+  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
+  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
+  looking = os.path.join(OUT, "p0_looking")
+  if ME == 0:
+    open(looking, "w").close()  # its save looks at once, before anything is written
+  else:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(looking) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    time.sleep(ARGS["delay_s"])
+    if ARGS.get("make", True):
+      os.mkdir(ARGS["path"])
+  start = time.monotonic()
+  try:
+    jr.save_sharded(ARGS["path"], opt, sharded.state, spec, m, timeout_s=ARGS["timeout_s"])
+    result = {"error": None}
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    result = {"error": f"{type(e).__name__}: {e}"[:800], "error_type": type(e).__name__}
+  result["seconds"] = time.monotonic() - start
+  write_result({"task": "exists_for_one", "process": ME, **result})
   leave_broken_job()
 
 

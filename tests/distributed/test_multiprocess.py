@@ -319,6 +319,52 @@ def test_a_process_that_never_finishes_writing_fails_the_save_after_its_timeout(
   assert not os.path.exists(path)
 
 
+def test_a_directory_one_process_finds_made_refuses_the_save_in_every_process(tmp_path):
+  """Another job's save commits the directory after process 0 looked and before
+  process 1 does: every process raises process 1's ArchiveExistsError at once, and
+  nothing is written. (Before: process 1 refused alone, and process 0 went on and
+  waited for it in the save's collectives.)"""
+  path = str(tmp_path / "ck")
+  with U.ProcessGroup(
+    2,
+    4,
+    "exists_for_one",
+    str(tmp_path / "out"),
+    {"path": path, "delay_s": 2, "timeout_s": 20},
+    timeout=90,
+  ) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  want = f"process 1 refused the save: {path} already exists; jaxreshard never overwrites"
+  for r in results:
+    assert r.get("error_type") == "ArchiveExistsError" and want in r["error"], results
+  assert results[0]["error"] == results[1]["error"]
+  assert results[0]["seconds"] < 15 and results[1]["seconds"] < 5, results
+  assert sorted(os.listdir(tmp_path)) == ["ck", "out"] and os.listdir(path) == []
+
+
+def test_a_process_that_comes_to_the_save_after_its_timeout_fails_it_in_every_process(tmp_path):
+  """Process 1 comes to save_sharded past the save's ``timeout_s``: process 0 gives up
+  on it then, and process 1, coming late, raises the same error at once instead of
+  waiting for process 0 in the save's collectives (where the save went on)."""
+  path = str(tmp_path / "ck")
+  with U.ProcessGroup(
+    2,
+    4,
+    "exists_for_one",
+    str(tmp_path / "out"),
+    {"path": path, "delay_s": 6, "timeout_s": 2, "make": False},
+    timeout=90,
+  ) as g:
+    first, second = sorted(g.check(), key=lambda r: r["process"])
+  why = "processes [1] did not start the save within 2 s"
+  assert first.get("error_type") == "ArchiveError", first
+  assert f"{why}; nothing was written" in first["error"], first
+  assert second.get("error_type") == "ArchiveError", second
+  assert second["error"] == first["error"], (first, second)
+  assert first["seconds"] < 5 and second["seconds"] < 5, (first, second)
+  assert os.listdir(tmp_path) == ["out"]
+
+
 def test_a_process_killed_mid_save_commits_nothing_and_the_previous_step_restores(
   tmp_path, reference
 ):

@@ -34,6 +34,12 @@ dies without telling is waited for until the handler's ``timeout_secs``
 would. Without a ``jax.distributed`` client (one process) there is nothing
 to wait for.
 
+Orbax gives up on a save past its timeout by no longer waiting for its
+commit futures, and tells the handler nothing else: the handler's future
+then ends the save's archive writes (the archive being written is its last)
+and returns once they stopped, so that orbax's failed save, and a save of the
+same step it starts next, find nothing of it still writing.
+
 Two saves racing on one directory: orbax names the temporary directory
 after the final one, so both saves use the same, and creating it removes
 one found there. A collision inside it (an archive directory the other save
@@ -83,7 +89,7 @@ from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementEr
 from jaxreshard._src.orbax import args as _args
 from jaxreshard._src.orbax import peers as _peers
 from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
-from jaxreshard._src.orbax.inflight import InFlight
+from jaxreshard._src.orbax.inflight import InFlight, StoppingFuture
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
 __all__ = ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
@@ -258,7 +264,8 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     # id(args) -> (args, what checking them found, their prepared save): the
     # saves ``prepare_save`` took ahead of ``async_save``, each taken by the next.
     self._prepared: dict[int, tuple[ReshardSave, Any, SavePlan]] = {}
-    # The archive writes of its commit futures, which ``stop_writes`` ends.
+    # The archive writes of its commit futures (each save's part of them), which
+    # ``stop_writes`` ends.
     self._writes = InFlight()
 
   def stop_writes(self) -> None:
@@ -267,9 +274,6 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     minute at most), and none starts after. Orbax gives up on a save that timed out
     while its writes go on in their own thread."""
     self._writes.stop()
-
-  def _stopped(self) -> str | None:
-    return _STOPPED if self._writes.stopped else None
 
   def prepare_save(
     self, args: ReshardSave, *, progress: ProgressCallback | None = None, where: Any = ""
@@ -301,13 +305,17 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     if prepared.index is not None:
       with self._lock:
         self._pending[key] = (prepared.checkpoint_id, prepared.index)
-    return [_commit_future(self._write(key, prepared), daemon=self._daemon_commits)]
+    work = InFlight(self._writes)
+    future = _commit_future(self._write(key, prepared, work), daemon=self._daemon_commits)
+    # Orbax gives up on a save (its timeout) by no longer waiting for this future.
+    return [StoppingFuture(future, work)]
 
-  async def _write(self, directory: str, prepared: SavePlan) -> None:
-    """Writes this process's archives, tells the others, and waits for theirs."""
+  async def _write(self, directory: str, prepared: SavePlan, work: InFlight) -> None:
+    """Writes this process's archives, tells the others, and waits for theirs; stops at
+    the next archive once ``work`` (the save) is over."""
     chunk_bytes = prepared.chunk_bytes if prepared.chunk_bytes is not None else self._chunk_bytes
     builder = _reader.IndexBuilder(prepared.checkpoint_id)
-    started = self._writes.start()
+    started = work.start()
     try:
       try:
         if not started:
@@ -315,7 +323,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
         if prepared.refusal is not None:
           raise prepared.refusal
         for index, record in prepared.archives:
-          if self._writes.stopped:
+          if work.stopped:
             raise ArchiveError(f"{directory}: {_STOPPED}")
           try:
             nbytes = _reader.write_archive(directory, index, record, builder, chunk_bytes)
@@ -335,10 +343,15 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
         _peers.tell_peers(prepared.checkpoint_id, e)
         raise
       _peers.tell_peers(prepared.checkpoint_id, None)
-      _peers.await_peers(prepared.checkpoint_id, directory, self._timeout_s, self._stopped)
+      _peers.await_peers(
+        prepared.checkpoint_id,
+        directory,
+        self._timeout_s,
+        lambda: _STOPPED if work.stopped else None,
+      )
     finally:
       if started:
-        self._writes.done()
+        work.done()
 
   def save(self, directory: epath.Path, args: ReshardSave) -> None:
     """The synchronous save: ``async_save`` and its futures, waited for."""

@@ -6,40 +6,65 @@ on the save (an error elsewhere, its timeout) while they go on. A caller that
 then removes the save's temporary directory, or saves the same path again,
 would race with them. :class:`InFlight` counts such work while it runs:
 ``stop`` lets none start after it and waits for what is running, which looks
-at ``stopped`` to end early.
+at ``stopped`` to end early. One save's work may be part of a larger whole
+(a handler's saves): stopping the whole stops it too.
+
+Orbax tells a commit future nothing when it gives up on it: its waiter stops
+waiting (``result`` past its timeout raises ``TimeoutError``), or it cancels
+the future. :class:`StoppingFuture` turns either into a ``stop`` of the
+save's work, so that a save orbax gave up on writes no more once that waiter
+is done waiting (an orbax checkpointer joins that waiter before its next save).
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Any
 
-__all__ = ["InFlight"]
+__all__ = ["InFlight", "StoppingFuture"]
 
 # How long a save that is over waits, at most, for the work it started.
 WAIT_S = 60.0
 
 
 class InFlight:
-  """Pieces of one save's work running in orbax's threads, and whether the save is over."""
+  """Pieces of one save's work running in orbax's threads, and whether the save is over.
 
-  def __init__(self):
+  Args:
+    whole: the work this is part of: a piece counts there too, and this is
+      over once that is.
+  """
+
+  def __init__(self, whole: InFlight | None = None):
     self._cond = threading.Condition()
     self._running = 0
-    self.stopped = False
+    self._stopped = False
+    self._whole = whole
+
+  @property
+  def stopped(self) -> bool:
+    """Whether the save (or the whole it is part of) is over."""
+    return self._stopped or (self._whole is not None and self._whole.stopped)
 
   def start(self) -> bool:
     """Whether a piece may start (the save is not over); one that may is counted."""
+    if self._whole is not None and not self._whole.start():
+      return False
     with self._cond:
-      if self.stopped:
-        return False
-      self._running += 1
-      return True
+      if not self._stopped:
+        self._running += 1
+        return True
+    if self._whole is not None:
+      self._whole.done()
+    return False
 
   def done(self) -> None:
     """A piece ``start`` counted has ended."""
     with self._cond:
       self._running -= 1
       self._cond.notify_all()
+    if self._whole is not None:
+      self._whole.done()
 
   def stop(self, timeout_s: float = WAIT_S) -> None:
     """The save is over: no piece starts, and those running are waited for.
@@ -48,7 +73,34 @@ class InFlight:
       >>> work = InFlight()
       >>> work.start(), work.done(), work.stop(), work.start()
       (True, None, None, False)
+      >>> whole = InFlight(); part = InFlight(whole)
+      >>> part.start(), whole.stop(0), part.stopped, part.start()
+      (True, None, True, False)
     """
     with self._cond:
-      self.stopped = True
+      self._stopped = True
       self._cond.wait_for(lambda: self._running == 0, timeout=timeout_s)
+
+
+class StoppingFuture:
+  """An orbax commit future whose work ``work`` stops when its waiter gives up on it.
+
+  ``result`` past its ``timeout`` (orbax's, for a save past its timeout) stops
+  ``work`` and waits for what of it runs before it raises the ``TimeoutError``;
+  ``cancel`` stops it without waiting.
+  """
+
+  def __init__(self, future: Any, work: InFlight):
+    self._future = future
+    self._work = work
+
+  def result(self, timeout: float | None = None) -> Any:
+    try:
+      return self._future.result(timeout=timeout)
+    except TimeoutError:
+      self._work.stop()
+      raise
+
+  def cancel(self) -> Any:
+    self._work.stop(0)
+    return self._future.cancel()

@@ -1,6 +1,10 @@
-"""The processes of one multi-process save tell each other that their archives are written.
+"""The processes of one multi-process save tell each other whether it starts, and when their
+archives are written.
 
-Through the ``jax.distributed`` key-value store: each process's commit future
+Through the ``jax.distributed`` key-value store. Before a save starts, each
+process looks on its own whether it may (``agree_to_start``): another job's save
+may commit the directory between two processes' looks, and a process that
+refused alone would leave the others waiting for it. Each process's commit future
 sets its key once its archives are written (or why they are not), then waits
 for every other process's key. A process that failed is named as soon as it
 tells; one that hangs or died is waited for until the handler's timeout, as
@@ -10,18 +14,27 @@ there is nothing to tell or wait for.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from jaxreshard._src.errors import ArchiveError
+from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
 
-__all__ = ["await_peers", "forget", "tell_peers"]
+__all__ = ["agree_to_start", "await_peers", "forget", "tell_peers"]
 
 _PEERS_KEY = "jaxreshard/save"
 _POLL_S = 0.2
+_START_KEY = "jaxreshard/start"
+_START_POLL_S = 0.02
+_VERDICT = "verdict"  # the key, beside the processes' words, of a save's one verdict
+# Every process of a job starts its saves in the same order: the n-th agreement
+# of each process is the same save's.
+_STARTS = itertools.count()
+# The refusals a process tells the others, by name; any other is an ArchiveError.
+_REFUSALS = {"ArchiveExistsError": ArchiveExistsError, "FileNotFoundError": FileNotFoundError}
 
 
 def _distributed_client() -> Any:
@@ -97,3 +110,85 @@ def forget(checkpoint_id: str) -> None:
       client.key_value_delete(f"{_PEERS_KEY}/{checkpoint_id}/")
     except Exception:  # pylint: disable=broad-exception-caught
       pass
+
+
+def agree_to_start(
+  refusal: BaseException | None, directory: str, timeout_s: float
+) -> Callable[[], None]:
+  """Returns once every process of a save told that it starts; raises in every process
+  the refusal of any.
+
+  ``refusal`` is why this process refuses the save (None: it starts). Each process
+  tells its word; the first process that can decide sets the save's one verdict
+  (the key-value store keeps the first verdict set and refuses any other), and every
+  process follows it: every word "starts", the lowest-numbered refusal it saw, or,
+  past ``timeout_s``, that a process did not come. A process that comes later
+  follows the verdict found.
+
+  Returns:
+    a function that forgets the agreement: call it once every process is past it
+    (after a collective of the save).
+
+  Raises:
+    ArchiveExistsError, FileNotFoundError: the refusal, its words preceded by the
+      process that refused (unchanged in a single process). ArchiveError: another
+      refusal, or not every process told within ``timeout_s``. Every process raises
+      the same error.
+  """
+  client = _distributed_client()
+  if client is None:
+    if refusal is not None:
+      raise refusal
+    return lambda: None
+  prefix = f"{_START_KEY}/{next(_STARTS)}/"
+  me = jax.process_index()
+  word = "ok" if refusal is None else f"{type(refusal).__name__}:{refusal}"[:2000]
+  client.key_value_set(prefix + str(me), word)
+  deadline = time.monotonic() + timeout_s
+  tried = False
+  while True:
+    told = dict((key.rsplit("/", 1)[-1], value) for key, value in client.key_value_dir_get(prefix))
+    verdict = told.get(_VERDICT)
+    if verdict is None:
+      if tried:  # one was set, by this process or another, yet none is found
+        raise ArchiveError(f"{directory}: the processes could not agree to start the save")
+      verdict = _verdict(told, directory, timeout_s, time.monotonic() > deadline)
+      if verdict is None:
+        time.sleep(_START_POLL_S)
+        continue
+      try:
+        client.key_value_set(prefix + _VERDICT, verdict)
+      except Exception:  # pylint: disable=broad-exception-caught
+        pass  # another process's verdict came first: it is the one read next
+      tried = True
+      continue
+    if verdict == "ok":
+      return lambda: _delete(client, prefix) if me == 0 else None
+    name, _, words = verdict.partition(":")
+    raise _REFUSALS.get(name, ArchiveError)(words) from refusal
+
+
+def _verdict(told: dict[str, str], directory: str, timeout_s: float, late: bool) -> str | None:
+  """The verdict the words ``told`` (process number -> word) give, or None while some
+  process has not told (``late``: not within ``timeout_s``, and then it did not come)."""
+  words = {int(k): v for k, v in told.items() if k.isdigit()}
+  refused = sorted(p for p, v in words.items() if v != "ok")
+  if refused:
+    name, _, why = words[refused[0]].partition(":")
+    return f"{name}:process {refused[0]} refused the save: {why}"
+  waiting = sorted(set(range(jax.process_count())) - set(words))
+  if not waiting:
+    return "ok"
+  if not late:
+    return None
+  return (
+    f"ArchiveError:{directory}: processes {waiting} did not start the save within"
+    f" {timeout_s:g} s; nothing was written"
+  )
+
+
+def _delete(client: Any, key: str) -> None:
+  try:
+    client.key_value_delete(key)
+  except Exception:  # pylint: disable=broad-exception-caught
+    pass  # a word left in the store is never read again

@@ -25,6 +25,7 @@ from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
 from jaxreshard._src.orbax import durable as _durable
 from jaxreshard._src.orbax import handler as _handler
+from jaxreshard._src.orbax import peers as _peers
 from jaxreshard._src.progress import ProgressCallback, check_callback
 
 __all__ = ["save_sharded"]
@@ -71,23 +72,26 @@ def save_sharded(
     mesh: the mesh of ``state``.
     axis: the mesh axis of the flat shards.
     chunk_bytes: bytes per stored chunk, the granularity of partial reads.
-    timeout_s: how long a process waits for the others to finish writing (a
-      process whose write fails tells the others at once, and they raise).
+    timeout_s: how long a process waits for the others to come to the save,
+      and to finish writing (a process whose write fails tells the others at
+      once, and they raise).
     progress: called with a :class:`jaxreshard.Progress` after each archive
       this process writes (from orbax's writer thread; the save returns after
       the last); each is also logged at DEBUG, the save at INFO, to the
       ``"jaxreshard"`` logger.
 
   Raises:
-    ArchiveExistsError: ``directory`` already exists (raised on every process),
-      or another save of it is in progress.
-    FileNotFoundError: its parent directory does not exist.
+    ArchiveExistsError: ``directory`` already exists, or another save of it is
+      in progress. Each process looks on its own; the first process that
+      refuses is named, and every process raises the same error at once.
+    FileNotFoundError: its parent directory does not exist (likewise).
     ReshardError: a state that does not match ``shapes``, or a clock leaf
       (not a history) whose parts other processes hold: every archive holds the
       whole clock, so replicate it (raised before anything is written; one laid
       out over this process's devices alone is saved whole); ``ArchiveError``
       when the checkpoint was not committed (a process failed, or did not
-      finish within ``timeout_s``). Arguments of the wrong kind (a directory
+      finish within ``timeout_s``), or not started (a process did not come to
+      it within ``timeout_s``). Arguments of the wrong kind (a directory
       that is not a path, ``timeout_s`` not a positive number, ``shapes`` not
       a mapping of str ids, an optimizer not called) are refused by name.
 
@@ -111,12 +115,16 @@ def save_sharded(
     or not (0 < timeout_s < math.inf)
   ):
     raise ReshardError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-  # Every process looks before any of them can commit (a commit needs all of
-  # them), so all of them agree on this refusal.
-  if os.path.lexists(final):
-    raise ArchiveExistsError(f"{final} already exists; jaxreshard never overwrites a checkpoint")
-  if not os.path.isdir(os.path.dirname(final)):
-    raise FileNotFoundError(f"parent directory {os.path.dirname(final)} of {final} does not exist")
+  commit = _durable.one_save()  # its temporary directories' locks go when the save ends
+  tmp = os.fspath(commit.from_final(epath.Path(final)).get())
+  # Each process looks on its own (another job's save may commit the directory
+  # between two looks); a refusal of any process is every process's, at once.
+  try:
+    looked = _peers.agree_to_start(_refusal(final, tmp), final, timeout_s)
+  except (ReshardError, FileNotFoundError):
+    raise
+  except Exception as e:  # the runtime's error types
+    raise ArchiveError(f"save_sharded: {final} was not started ({type(e).__name__}: {e})") from e
   args = _handler.ReshardSave(
     optimizer=optimizer, state=state, shapes=shapes, mesh=mesh, axis=axis, chunk_bytes=chunk_bytes
   )
@@ -124,13 +132,11 @@ def save_sharded(
   # This call waits for its save: nothing is left for the process's exit to wait for
   # but the commit thread of a save refused while orbax made its directory.
   handler = _handler.ReshardCheckpointHandler(timeout_secs=timeout, daemon_commits=True)
-  commit = _durable.one_save()  # its temporary directories' locks go when the save ends
-  tmp = os.fspath(commit.from_final(epath.Path(final)).get())
-  _durable.refuse_if_held(tmp, final)  # a live save of it
   # Refusals of the state, host copies and the index, before any directory exists.
   checkpointer = ocp.AsyncCheckpointer(handler, timeout_secs=timeout, temporary_path_class=commit)
   try:
     prepared = handler.prepare_save(args, progress=progress, where=final)
+    looked()  # every process is past the agreement (prepare_save's collective)
     checkpointer.save(final, args=args)
     checkpointer.wait_until_finished()
     if ocp.multihost.is_primary_host(0):  # the process that renamed it
@@ -157,6 +163,20 @@ def save_sharded(
     except Exception:  # pylint: disable=broad-exception-caught
       pass  # the error, if any, was raised above
     commit.let_go()
+
+
+def _refusal(final: str, tmp: str) -> Exception | None:
+  """Why this process refuses to save to ``final`` (``tmp``: orbax's temporary
+  directory of it), or None."""
+  if os.path.lexists(final):
+    return ArchiveExistsError(f"{final} already exists; jaxreshard never overwrites a checkpoint")
+  if not os.path.isdir(os.path.dirname(final)):
+    return FileNotFoundError(f"parent directory {os.path.dirname(final)} of {final} does not exist")
+  try:
+    _durable.refuse_if_held(tmp, final)  # a live save of it
+  except ArchiveExistsError as e:
+    return e
+  return None
 
 
 def _check_committed(final: str, checkpoint_id: str) -> None:
