@@ -376,15 +376,9 @@ def refused(opt, params, state, shapes) -> dict:
       leaves[i] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, pieces)
       break
   changed = jax.tree_util.tree_unflatten(treedef, leaves)
-  start = time.monotonic()
-  try:
-    jr.save_sharded(ARGS["path"], opt, changed, spec, m, timeout_s=600)
-    result = {"error": None}
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    result = {"error": f"{type(e).__name__}: {e}"[:800], "error_type": type(e).__name__}
-  result["seconds"] = time.monotonic() - start
-  write_result({"task": "refused", "process": ME, **result})
-  leave_broken_job()
+  report_save(
+    "refused", lambda: jr.save_sharded(ARGS["path"], opt, changed, spec, m, timeout_s=600)
+  )
 
 
 def stall(opt, params, state, shapes) -> dict:
@@ -408,19 +402,15 @@ def stall(opt, params, state, shapes) -> dict:
       raise OSError("held back until the primary reported")
 
     _checkpoint.write_archive = held
-  start = time.monotonic()
-  try:
+
+  def save():
     handler = jr.ReshardCheckpointHandler(timeout_secs=ARGS["timeout_s"])
     with ocp.AsyncCheckpointer(handler, timeout_secs=60) as checkpointer:
       args = jr.ReshardSave(state=sharded.state, optimizer=opt, shapes=spec, mesh=m)
       checkpointer.save(ARGS["path"], args=args)
       checkpointer.wait_until_finished()
-    result = {"error": None}
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    result = {"error": f"{type(e).__name__}: {e}"[:800], "error_type": type(e).__name__}
-  result["seconds"] = time.monotonic() - start
-  write_result({"task": "stall", "process": ME, **result})
-  leave_broken_job()
+
+  report_save("stall", save)
 
 
 def exists_for_one(opt, params, state, shapes) -> dict:
@@ -437,15 +427,10 @@ def exists_for_one(opt, params, state, shapes) -> dict:
     time.sleep(ARGS["delay_s"])
     if ARGS.get("make", True):
       os.mkdir(ARGS["path"])
-  start = time.monotonic()
-  try:
-    jr.save_sharded(ARGS["path"], opt, sharded.state, spec, m, timeout_s=ARGS["timeout_s"])
-    result = {"error": None}
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    result = {"error": f"{type(e).__name__}: {e}"[:800], "error_type": type(e).__name__}
-  result["seconds"] = time.monotonic() - start
-  write_result({"task": "exists_for_one", "process": ME, **result})
-  leave_broken_job()
+  report_save(
+    "exists_for_one",
+    lambda: jr.save_sharded(ARGS["path"], opt, sharded.state, spec, m, timeout_s=ARGS["timeout_s"]),
+  )
 
 
 def restore_target(opt, params, state, shapes) -> dict:
@@ -539,6 +524,19 @@ def _gone(pid: int) -> bool:
       return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
   except FileNotFoundError:
     return True
+
+
+def report_save(task: str, save) -> None:
+  """Runs ``save()``; reports what it raised (or None) and how long it took; leaves."""
+  start = time.monotonic()
+  try:
+    save()
+    result = {"error": None}
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    result = {"error": f"{type(e).__name__}: {e}"[:800], "error_type": type(e).__name__}
+  result["seconds"] = time.monotonic() - start
+  write_result({"task": task, "process": ME, **result})
+  leave_broken_job()
 
 
 def write_result(result: dict) -> None:

@@ -89,7 +89,7 @@ from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementEr
 from jaxreshard._src.orbax import args as _args
 from jaxreshard._src.orbax import peers as _peers
 from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
-from jaxreshard._src.orbax.inflight import InFlight, StoppingFuture
+from jaxreshard._src.orbax.inflight import Deferred, InFlight, StoppingFuture
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
 __all__ = ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
@@ -306,7 +306,9 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
       with self._lock:
         self._pending[key] = (prepared.checkpoint_id, prepared.index)
     work = InFlight(self._writes)
-    future = _commit_future(self._write(key, prepared, work), daemon=self._daemon_commits)
+    # Made when orbax runs it: orbax runs none of a save refused in its directory's creation.
+    write = Deferred(lambda: self._write(key, prepared, work))
+    future = _commit_future(write, daemon=self._daemon_commits)
     # Orbax gives up on a save (its timeout) by no longer waiting for this future.
     return [StoppingFuture(future, work)]
 

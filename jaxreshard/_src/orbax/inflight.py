@@ -18,10 +18,12 @@ is done waiting (an orbax checkpointer joins that waiter before its next save).
 
 from __future__ import annotations
 
+import collections.abc
 import threading
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-__all__ = ["InFlight", "StoppingFuture"]
+__all__ = ["Deferred", "InFlight", "StoppingFuture"]
 
 # How long a save that is over waits, at most, for the work it started.
 WAIT_S = 60.0
@@ -104,3 +106,41 @@ class StoppingFuture:
   def cancel(self) -> Any:
     self._work.stop(0)
     return self._future.cancel()
+
+
+class Deferred(collections.abc.Coroutine):
+  """The coroutine ``make()`` returns, made when it is first run or awaited.
+
+  Orbax never runs the coroutine of a commit future whose save was refused
+  while orbax made its directory: one made ahead and never run is reported, when
+  it is collected, as a coroutine never awaited.
+
+  Examples:
+    >>> import asyncio
+    >>> async def work():
+    ...   return 7
+    >>> asyncio.run(Deferred(work)), Deferred(work).close()
+    (7, None)
+  """
+
+  def __init__(self, make: Callable[[], Coroutine[Any, Any, Any]]):
+    self._make = make
+    self._coro: Coroutine[Any, Any, Any] | None = None
+
+  def _made(self) -> Coroutine[Any, Any, Any]:
+    if self._coro is None:
+      self._coro = self._make()
+    return self._coro
+
+  def send(self, value: Any) -> Any:
+    return self._made().send(value)
+
+  def throw(self, *args: Any) -> Any:
+    return self._made().throw(*args)
+
+  def close(self) -> None:
+    if self._coro is not None:
+      self._coro.close()
+
+  def __await__(self):
+    return self._made().__await__()
