@@ -32,6 +32,12 @@ Tasks:
              ``args.delay_s`` later; then both save with
              ``timeout_s=args.timeout_s``. Reports what each process raised and
              how soon.
+  refused_alone: process ``args.bad`` calls ``save_sharded(args.paths[0])`` with a
+             bad argument (``args.kind``: a ``progress`` that cannot be called, or
+             ``shapes`` that do not match the state), the others with good ones;
+             then every process saves to each of ``args.paths[1:]`` with good
+             ones, all with ``timeout_s=args.timeout_s``. Reports what each save
+             raised and how soon.
   padding_share: ``restore_sharded(path, target=...)`` of each of ``args.paths``
              (Adam over params of ``args.counts`` elements) onto every device,
              replicated; report which restores this process refused, and why.
@@ -433,6 +439,26 @@ def exists_for_one(opt, params, state, shapes) -> dict:
   )
 
 
+def refused_alone(opt, params, state, shapes) -> dict:
+  m = mesh()
+  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
+  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
+  saves = []
+  for n, path in enumerate(ARGS["paths"]):
+    bad = n == 0 and ME == ARGS["bad"]
+    progress = 42 if bad and ARGS["kind"] == "progress" else None
+    shapes = {k: (3,) for k in spec} if bad and ARGS["kind"] == "shapes" else spec
+
+    def save(path=path, shapes=shapes, progress=progress):
+      jr.save_sharded(
+        path, opt, sharded.state, shapes, m, timeout_s=ARGS["timeout_s"], progress=progress
+      )
+
+    saves.append(outcome(save))
+  write_result({"task": "refused_alone", "process": ME, "saves": saves})
+  leave_broken_job()
+
+
 def restore_target(opt, params, state, shapes) -> dict:
   del opt, params, state, shapes  # this task restores its own example
   from jax.sharding import PartitionSpec  # pylint: disable=g-import-not-at-top
@@ -526,8 +552,8 @@ def _gone(pid: int) -> bool:
     return True
 
 
-def report_save(task: str, save) -> None:
-  """Runs ``save()``; reports what it raised (or None) and how long it took; leaves."""
+def outcome(save) -> dict:
+  """Runs ``save()``: what it raised (or None), and how long it took."""
   start = time.monotonic()
   try:
     save()
@@ -535,7 +561,12 @@ def report_save(task: str, save) -> None:
   except Exception as e:  # pylint: disable=broad-exception-caught
     result = {"error": f"{type(e).__name__}: {e}"[:800], "error_type": type(e).__name__}
   result["seconds"] = time.monotonic() - start
-  write_result({"task": task, "process": ME, **result})
+  return result
+
+
+def report_save(task: str, save) -> None:
+  """Runs ``save()``; reports what it raised (or None) and how long it took; leaves."""
+  write_result({"task": task, "process": ME, **outcome(save)})
   leave_broken_job()
 
 

@@ -365,6 +365,44 @@ def test_a_process_that_comes_to_the_save_after_its_timeout_fails_it_in_every_pr
   assert os.listdir(tmp_path) == ["out"]
 
 
+@pytest.mark.parametrize(
+  "kind, error, why",
+  [
+    ("progress", "ReshardError", "progress must be a callable taking a jaxreshard.Progress"),
+    ("shapes", "DtypeError", "param 'dense/bias': shapes gives it only a shape ((3,))"),
+  ],
+)
+def test_a_save_one_process_refused_alone_fails_in_every_process_and_later_saves_commit(
+  tmp_path, kind, error, why
+):
+  """Process 1 refuses its first save_sharded on its own arguments (a progress that
+  cannot be called, before it looks at the directory; shapes that do not match the
+  state): every process raises that refusal at once, and the saves every process then
+  makes with good arguments commit. (Before: process 0 waited for process 1 until the
+  timeout and from then on paired each save with process 1's next one, so every later
+  save failed; or, for shapes, it waited in the save's collectives for good.)"""
+  paths = [str(tmp_path / f"ck{n}") for n in range(3)]
+  with U.ProcessGroup(
+    2,
+    4,
+    "refused_alone",
+    str(tmp_path / "out"),
+    {"paths": paths, "bad": 1, "timeout_s": 4, "kind": kind},
+    timeout=90,
+  ) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  first = [r["saves"][0] for r in results]
+  for s in first:
+    assert s.get("error_type") == error, results
+    assert f"process 1 refused the save: {why}" in s["error"], results
+  assert first[0]["error"] == first[1]["error"] and first[0]["seconds"] < 3, results
+  for r in results:
+    assert [s["error"] for s in r["saves"][1:]] == [None, None], results
+  assert not os.path.exists(paths[0])
+  for path in paths[1:]:
+    assert len(jr.load_records(path)) == 8
+
+
 def test_a_process_killed_mid_save_commits_nothing_and_the_previous_step_restores(
   tmp_path, reference
 ):

@@ -1007,3 +1007,49 @@ def test_a_manager_step_orbax_gave_up_on_saves_again_at_once(tmp_path, monkeypat
   assert written == [0] and not first[0].is_alive()  # nothing of the first save wrote on
   for a, b in zip(got, records, strict=True):
     assert_records_equal(a, b)
+
+
+def test_a_manager_that_gives_up_on_a_composite_stops_the_writes_of_every_item(
+  tmp_path, monkeypatch
+):
+  """Orbax waits for a Composite's commit futures one after another and, once one of
+  them times out, asks none of those after it: the archive writes of every ReshardSave
+  item of the save it gave up on stop (the archive being written is each one's last)
+  before the manager's wait returns, and a retry of the step commits the exact bits."""
+  from jaxreshard._src.checkpoint import reader as _reader
+
+  records = adam_records(4)
+  write, first_save, old, late = _reader.write_archive, [True], set(), []
+  gave_up = threading.Event()
+
+  def slow_disk(directory, index, *args, **kwargs):
+    if first_save[0]:
+      old.add(threading.current_thread())
+    if threading.current_thread() in old:  # each item of the first save outlasts the timeout
+      if gave_up.is_set():
+        late.append((os.path.basename(directory), index))
+      time.sleep(0.7)
+    return write(directory, index, *args, **kwargs)
+
+  def items(make):
+    return ocp.args.Composite(a=make(), b=make())
+
+  monkeypatch.setattr(_reader, "write_archive", slow_disk)
+  options = ocp.CheckpointManagerOptions(async_options=ocp.AsyncOptions(timeout_secs=1))
+  with ocp.CheckpointManager(tmp_path / "run", options=options) as manager:
+    manager.save(1, args=items(lambda: jr.ReshardSave(records)))
+    with pytest.raises(TimeoutError):
+      manager.wait_until_finished()
+    gave_up.set()
+    first_save[0] = False
+    deadline = time.monotonic() + 1  # the writes' threads end as they stop
+    while any(t.is_alive() for t in old) and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert len(old) == 2 and not any(t.is_alive() for t in old)
+    manager.save(1, args=items(lambda: jr.ReshardSave(records)), force=True)
+    manager.wait_until_finished()
+    got = manager.restore(1, args=items(jr.ReshardRestore))
+  assert late == []  # no archive of the first save began after the manager gave up on it
+  for name in ("a", "b"):
+    for x, y in zip(got[name], records, strict=True):
+      assert_records_equal(x, y)

@@ -36,9 +36,11 @@ to wait for.
 
 Orbax gives up on a save past its timeout by no longer waiting for its
 commit futures, and tells the handler nothing else: the handler's future
-then ends the save's archive writes (the archive being written is its last)
-and returns once they stopped, so that orbax's failed save, and a save of the
-same step it starts next, find nothing of it still writing.
+then ends the save's archive writes, those of every item of a ``Composite``
+(orbax asks none of the futures after the one that timed out; the archive
+being written is each one's last), and returns once they stopped, so that
+orbax's failed save, and a save of the same step it starts next, find nothing
+of it still writing.
 
 Two saves racing on one directory: orbax names the temporary directory
 after the final one, so both saves use the same, and creating it removes
@@ -89,7 +91,7 @@ from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementEr
 from jaxreshard._src.orbax import args as _args
 from jaxreshard._src.orbax import peers as _peers
 from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
-from jaxreshard._src.orbax.inflight import Deferred, InFlight, StoppingFuture
+from jaxreshard._src.orbax.inflight import Deferred, InFlight, StoppingFuture, one_save
 from jaxreshard._src.progress import ProgressCallback, Reporter
 
 __all__ = ["ReshardCheckpointHandler", "ReshardRestore", "ReshardSave"]
@@ -310,7 +312,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     write = Deferred(lambda: self._write(key, prepared, work))
     future = _commit_future(write, daemon=self._daemon_commits)
     # Orbax gives up on a save (its timeout) by no longer waiting for this future.
-    return [StoppingFuture(future, work)]
+    return [StoppingFuture(future, one_save(_operation_id(), work))]
 
   async def _write(self, directory: str, prepared: SavePlan, work: InFlight) -> None:
     """Writes this process's archives, tells the others, and waits for theirs; stops at
@@ -420,6 +422,13 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
   def metadata(self, directory: epath.Path) -> Any:
     """Every archive's placements, clocks and lazy buffers (no array data read)."""
     return _store.open_checkpoint(_item_directory(directory))
+
+
+def _operation_id() -> str:
+  """Orbax's id of the save being started: every item of a Composite's is the same."""
+  from orbax.checkpoint._src.futures import synchronization  # pylint: disable=g-import-not-at-top
+
+  return synchronization.OperationIdGenerator.get_current_operation_id()
 
 
 def _commit_future(coro, *, daemon: bool) -> ocp.future.Future:

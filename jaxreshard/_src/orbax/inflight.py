@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import collections.abc
 import threading
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-__all__ = ["Deferred", "InFlight", "StoppingFuture"]
+__all__ = ["Deferred", "InFlight", "StoppingFuture", "one_save"]
 
 # How long a save that is over waits, at most, for the work it started.
 WAIT_S = 60.0
@@ -84,27 +85,53 @@ class InFlight:
       self._cond.wait_for(lambda: self._running == 0, timeout=timeout_s)
 
 
+class _Save(list):
+  """The works of one orbax save, each handler's (a list that can be weakly referenced)."""
+
+
+# Orbax's operation id -> the works of that save: the items of a Composite.
+_SAVES: weakref.WeakValueDictionary[str, _Save] = weakref.WeakValueDictionary()
+_SAVES_LOCK = threading.Lock()
+
+
+def one_save(operation: str, work: InFlight) -> list[InFlight]:
+  """The works of the orbax save ``operation`` (its operation id), ``work`` now among
+  them; kept while a future holding them is."""
+  with _SAVES_LOCK:
+    save = _SAVES.get(operation)
+    if save is None:
+      save = _SAVES[operation] = _Save()
+    save.append(work)
+  return save
+
+
 class StoppingFuture:
-  """An orbax commit future whose work ``work`` stops when its waiter gives up on it.
+  """An orbax commit future whose save's works stop when its waiter gives up on it.
 
   ``result`` past its ``timeout`` (orbax's, for a save past its timeout) stops
-  ``work`` and waits for what of it runs before it raises the ``TimeoutError``;
-  ``cancel`` stops it without waiting.
+  every work of ``save`` and waits for what of them runs before it raises the
+  ``TimeoutError``; ``cancel`` stops them without waiting. Orbax waits for a
+  save's futures one after another and asks none after one that timed out:
+  the works of the items after it stop with it.
   """
 
-  def __init__(self, future: Any, work: InFlight):
+  def __init__(self, future: Any, save: list[InFlight]):
     self._future = future
-    self._work = work
+    self._save = save
 
   def result(self, timeout: float | None = None) -> Any:
     try:
       return self._future.result(timeout=timeout)
     except TimeoutError:
-      self._work.stop()
+      for work in list(self._save):
+        work.stop(0)
+      for work in list(self._save):
+        work.stop()
       raise
 
   def cancel(self) -> Any:
-    self._work.stop(0)
+    for work in list(self._save):
+      work.stop(0)
     return self._future.cancel()
 
 

@@ -21,7 +21,14 @@ from typing import Any
 
 import jax
 
-from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
+from jaxreshard._src.errors import (
+  ArchiveError,
+  ArchiveExistsError,
+  DtypeError,
+  PlacementError,
+  ReshardError,
+  ShapeError,
+)
 
 __all__ = ["agree_to_start", "await_peers", "forget", "tell_peers"]
 
@@ -33,8 +40,13 @@ _VERDICT = "verdict"  # the key, beside the processes' words, of a save's one ve
 # Every process of a job starts its saves in the same order: the n-th agreement
 # of each process is the same save's.
 _STARTS = itertools.count()
-# The refusals a process tells the others, by name; any other is an ArchiveError.
-_REFUSALS = {"ArchiveExistsError": ArchiveExistsError, "FileNotFoundError": FileNotFoundError}
+# The refusals a process tells the others, by name (the library's, and a missing
+# parent directory); any other is an ArchiveError.
+_REFUSALS = {
+  cls.__name__: cls
+  for cls in (FileNotFoundError, ReshardError, PlacementError, ShapeError, DtypeError)
+  + (ArchiveError, ArchiveExistsError)
+}
 
 
 def _distributed_client() -> Any:

@@ -93,7 +93,8 @@ def save_sharded(
       finish within ``timeout_s``), or not started (a process did not come to
       it within ``timeout_s``). Arguments of the wrong kind (a directory
       that is not a path, ``timeout_s`` not a positive number, ``shapes`` not
-      a mapping of str ids, an optimizer not called) are refused by name.
+      a mapping of str ids, an optimizer not called) are refused by name; in
+      every process at once, naming it, when one process refuses its own.
 
   Examples:
     >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
@@ -106,27 +107,22 @@ def save_sharded(
     >>> len(jr.load_records(path)) == jax.device_count()
     True
   """
-  _index.check_chunk_bytes(chunk_bytes)
-  check_callback(progress)
-  final = _archives.path_arg(directory)
-  if (
-    isinstance(timeout_s, bool)
-    or not isinstance(timeout_s, (int, float))
-    or not (0 < timeout_s < math.inf)
-  ):
-    raise ReshardError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+  try:
+    final = _checked(directory, chunk_bytes, progress, timeout_s)
+  except ReshardError as e:
+    _refuse_everywhere(e, str(directory))
   commit = _durable.one_save()  # its temporary directories' locks go when the save ends
   tmp = os.fspath(commit.from_final(epath.Path(final)).get())
-  # Each process looks on its own (another job's save may commit the directory
-  # between two looks); a refusal of any process is every process's, at once.
-  try:
-    looked = _peers.agree_to_start(_refusal(final, tmp), final, timeout_s)
-  except (ReshardError, FileNotFoundError):
-    raise
-  except Exception as e:  # the runtime's error types
-    raise ArchiveError(f"save_sharded: {final} was not started ({type(e).__name__}: {e})") from e
-  args = _handler.ReshardSave(
-    optimizer=optimizer, state=state, shapes=shapes, mesh=mesh, axis=axis, chunk_bytes=chunk_bytes
+  args, looked = _agree_to_start(
+    final,
+    tmp,
+    timeout_s,
+    optimizer=optimizer,
+    state=state,
+    shapes=shapes,
+    mesh=mesh,
+    axis=axis,
+    chunk_bytes=chunk_bytes,
   )
   timeout = max(1, int(timeout_s))
   # This call waits for its save: nothing is left for the process's exit to wait for
@@ -163,6 +159,57 @@ def save_sharded(
     except Exception:  # pylint: disable=broad-exception-caught
       pass  # the error, if any, was raised above
     commit.let_go()
+
+
+def _checked(directory: Any, chunk_bytes: Any, progress: Any, timeout_s: Any) -> str:
+  """``directory`` as an absolute path, once the arguments checked before the save
+  starts are good; raises ``ReshardError`` naming the first that is not."""
+  _index.check_chunk_bytes(chunk_bytes)
+  check_callback(progress)
+  final = _archives.path_arg(directory)
+  if (
+    isinstance(timeout_s, bool)
+    or not isinstance(timeout_s, (int, float))
+    or not (0 < timeout_s < math.inf)
+  ):
+    raise ReshardError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+  return final
+
+
+def _refuse_everywhere(refusal: ReshardError, directory: str) -> None:
+  """Raises ``refusal`` of this process's arguments, and in every other process of the
+  save: a process that left the save's agreement out would pair each later save of
+  its own with the others' save before it."""
+  try:
+    _peers.agree_to_start(refusal, directory, DEFAULT_TIMEOUT_S)
+  except ReshardError:
+    raise
+  except Exception:  # pylint: disable=broad-exception-caught
+    pass  # the runtime's error types: this process's refusal is raised
+  raise refusal
+
+
+def _agree_to_start(final: str, tmp: str, timeout_s: float, **save: Any) -> tuple[Any, Any]:
+  """The save's ``ReshardSave`` of ``save``, and the function that forgets the agreement,
+  once every process agreed to start it (``_peers.agree_to_start``).
+
+  Each process looks on its own (another job's save may commit the directory
+  between two looks) and checks its arguments (without a collective): a refusal of
+  any process is every process's, at once, where one refusing alone would leave the
+  others waiting in the save's collectives.
+  """
+  refusal, args = _refusal(final, tmp), None
+  if refusal is None:
+    try:
+      args = _handler.ReshardSave(**save)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      refusal = e  # raised unchanged in a single process
+  try:
+    return args, _peers.agree_to_start(refusal, final, timeout_s)
+  except (ReshardError, FileNotFoundError):
+    raise
+  except Exception as e:  # the runtime's error types
+    raise ArchiveError(f"save_sharded: {final} was not started ({type(e).__name__}: {e})") from e
 
 
 def _refusal(final: str, tmp: str) -> Exception | None:
