@@ -38,6 +38,13 @@ Tasks:
              then every process saves to each of ``args.paths[1:]`` with good
              ones, all with ``timeout_s=args.timeout_s``. Reports what each save
              raised and how soon.
+  scripted:  the saves ``args.saves`` in order, each a dict: ``path``, ``timeout_s``,
+             and per process (keys are process numbers as strings) ``sleep``
+             (seconds before the call), ``mkdir`` (a directory made before the
+             call) and ``bad`` (``progress``, ``shapes``, ``axis``: a bad argument;
+             ``padding``, ``clock``: state data only this process refuses; ``deleted``:
+             a state whose buffer was deleted).
+             Reports what each save raised and how soon.
   padding_share: ``restore_sharded(path, target=...)`` of each of ``args.paths``
              (Adam over params of ``args.counts`` elements) onto every device,
              replicated; report which restores this process refused, and why.
@@ -332,6 +339,49 @@ def killed(opt, params, state, shapes) -> dict:
   leave_broken_job()
 
 
+DATA = ("padding", "clock", "deleted")
+
+
+def _refused_state(opt, params, state, shapes, sharded_state, m, kind):
+  """``sharded_state`` with data only this process refuses: nonzero bits in the padding
+  of its shards (``kind`` "padding"), its clock one step ahead ("clock"), or a history
+  leaf whose buffers (copies) are deleted ("deleted")."""
+  import math  # pylint: disable=g-import-not-at-top
+
+  from jaxreshard._src.core import structure  # pylint: disable=g-import-not-at-top
+
+  leaves, treedef = jax.tree_util.tree_flatten(sharded_state)
+  roles = structure.history_roles(opt, params, state)
+  world = m.devices.size
+  for i, (leaf, pid) in enumerate(zip(leaves, roles)):
+    if kind == "deleted":
+      if pid is None:
+        continue
+      value = lambda s: s.data * 1  # noqa: E731
+    elif kind == "clock":
+      if pid is not None or not np.issubdtype(leaf.dtype, np.integer):
+        continue
+      value = lambda s: s.data + 1  # noqa: E731
+    else:
+      if pid is None:
+        continue
+      slots = jr.FlatShard(shapes[pid], 0, world).slots
+      padded = [
+        s
+        for s in leaf.addressable_shards
+        if jr.FlatShard(shapes[pid], s.index[0].start // slots, world).owned < slots
+      ]
+      if not padded or math.prod(shapes[pid]) == 0:
+        continue
+      value = lambda s: s.data.at[-1].set(1) if s in padded else s.data  # noqa: E731
+    pieces = [jax.device_put(value(s), s.device) for s in leaf.addressable_shards]
+    leaves[i] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, pieces)
+    if kind == "deleted":
+      leaves[i].delete()
+    break
+  return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
 def refused(opt, params, state, shapes) -> dict:
   """A save_sharded that one process's own data refuses: nonzero bits in the padding of
   its shards (``kind`` "padding"), or its clock one step ahead ("clock"); or that every
@@ -339,8 +389,6 @@ def refused(opt, params, state, shapes) -> dict:
   each process raised and how soon; a process left waiting would hit the group's
   time limit, long before the save's 600 s timeout.
   """
-  import math  # pylint: disable=g-import-not-at-top
-
   from jaxreshard._src.core import structure  # pylint: disable=g-import-not-at-top
 
   m = mesh()
@@ -360,27 +408,9 @@ def refused(opt, params, state, shapes) -> dict:
       (world,), NamedSharding(m, PartitionSpec("fsdp")), lambda index: whole[index]
     )
   elif ME == ARGS["fail"]:
-    world = m.devices.size
-    for i, (leaf, pid) in enumerate(zip(leaves, roles)):
-      if ARGS["kind"] == "clock":
-        if pid is not None or not np.issubdtype(leaf.dtype, np.integer):
-          continue
-        value = lambda s: s.data + 1  # noqa: E731
-      else:
-        if pid is None:
-          continue
-        slots = jr.FlatShard(shapes[pid], 0, world).slots
-        padded = [
-          s
-          for s in leaf.addressable_shards
-          if jr.FlatShard(shapes[pid], s.index[0].start // slots, world).owned < slots
-        ]
-        if not padded or math.prod(shapes[pid]) == 0:
-          continue
-        value = lambda s: s.data.at[-1].set(1) if s in padded else s.data  # noqa: E731
-      pieces = [jax.device_put(value(s), s.device) for s in leaf.addressable_shards]
-      leaves[i] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, pieces)
-      break
+    leaves = jax.tree_util.tree_leaves(
+      _refused_state(opt, params, state, shapes, sharded.state, m, ARGS["kind"])
+    )
   changed = jax.tree_util.tree_unflatten(treedef, leaves)
   report_save(
     "refused", lambda: jr.save_sharded(ARGS["path"], opt, changed, spec, m, timeout_s=600)
@@ -456,6 +486,33 @@ def refused_alone(opt, params, state, shapes) -> dict:
 
     saves.append(outcome(save))
   write_result({"task": "refused_alone", "process": ME, "saves": saves})
+  leave_broken_job()
+
+
+def scripted(opt, params, state, shapes) -> dict:
+  m = mesh()
+  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
+  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
+  saves = []
+  for step in ARGS["saves"]:
+    me = str(ME)
+    time.sleep(step.get("sleep", {}).get(me, 0))
+    if me in step.get("mkdir", {}):
+      os.makedirs(step["mkdir"][me])
+    bad = step.get("bad", {}).get(me)
+    kwargs = {"timeout_s": step["timeout_s"]}
+    if bad == "progress":
+      kwargs["progress"] = 42
+    if bad == "axis":
+      kwargs["axis"] = 3
+    got = {k: (3,) for k in spec} if bad == "shapes" else spec
+    data = (
+      _refused_state(opt, params, state, shapes, sharded.state, m, bad)
+      if bad in DATA
+      else sharded.state
+    )
+    saves.append(outcome(lambda: jr.save_sharded(step["path"], opt, data, got, m, **kwargs)))  # noqa: B023
+  write_result({"task": "scripted", "process": ME, "saves": saves})
   leave_broken_job()
 
 

@@ -181,6 +181,20 @@ def test_save_sharded_then_restore_sharded(ex, tmp_path):
   assert_trees_bit_equal(got, jr.unshard_state(records))
 
 
+def test_one_process_s_save_of_a_deleted_state_raises_the_runtime_error_unchanged(ex, tmp_path):
+  """One process: an error the state's own arrays raise while the save's arguments are
+  checked (a buffer deleted) is raised as it is, as it was before the processes of a
+  save agreed to start it; not as an ArchiveError of a save that "was not started"."""
+  opt, params, state, _ = ex
+  mesh = device_mesh((8,), ("fsdp",))
+  src = jr.shard_to_mesh(opt, params, state, mesh, "fsdp", trainable=U.trainable())
+  next(x for x in jax.tree_util.tree_leaves(src.state) if x.size > 1).delete()
+  path = os.path.join(tmp_path, "ck")
+  with pytest.raises(RuntimeError, match="^Array has been deleted with shape="):
+    jr.save_sharded(path, opt, src.state, {p.param: p for p in src.placements[0]}, mesh)
+  assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize(
   "shape,names", [((2, 3), ("data", "fsdp")), ((4, 2), ("fsdp", "model")), ((8,), ("fsdp",))]
 )

@@ -455,3 +455,94 @@ def test_a_process_killed_mid_save_commits_nothing_and_the_previous_step_restore
       got = manager.restore(2, args=jr.ReshardRestore())
     for a, b in zip(got, records, strict=True):
       assert_records_equal(a, b)
+
+
+def test_three_processes_raise_one_error_for_any_mix_of_refusals_and_later_saves_commit(tmp_path):
+  """Three processes, four saves: two processes refuse at once for different reasons
+  (a progress that cannot be called, shapes that do not match); the parent directory
+  is missing for processes 0 and 2 while process 1, two seconds later, refuses its
+  progress; process 1 refuses while process 2 comes after the timeout; then a good
+  save. Each refused save raises one error, the same in every process, at once; the
+  good save commits the exact bits. (Before: process 1 raised its own ReshardError
+  where the others raised process 0's FileNotFoundError.)"""
+  root = str(tmp_path)
+  saves = [
+    {"path": f"{root}/a", "timeout_s": 3, "bad": {"1": "progress", "2": "shapes"}},
+    {"path": f"{root}/gone/b", "timeout_s": 3, "bad": {"1": "progress"}, "sleep": {"1": 2}},
+    {"path": f"{root}/c", "timeout_s": 3, "bad": {"1": "progress"}, "sleep": {"2": 4}},
+    {"path": f"{root}/d", "timeout_s": 30},
+  ]
+  with U.ProcessGroup(3, 2, "scripted", str(tmp_path / "out"), {"saves": saves}, timeout=120) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  got = list(zip(*[r["saves"] for r in results], strict=True))
+  for n, (kind, words) in enumerate(
+    [
+      (("ReshardError", "DtypeError"), "refused the save: "),
+      (("FileNotFoundError",), f"refused the save: parent directory {root}/gone of"),
+      (("ReshardError",), "process 1 refused the save: progress must be a callable"),
+    ]
+  ):
+    assert len({s["error"] for s in got[n]}) == 1, (n, got[n])  # the same in every process
+    assert got[n][0]["error_type"] in kind and words in got[n][0]["error"], (n, got[n])
+  assert max(s["seconds"] for s in got[0] + got[1]) < 3, got
+  assert got[2][0]["seconds"] < 3 and got[2][1]["seconds"] < 3, got
+  assert [s["error"] for s in got[3]] == [None] * 3, got
+  assert sorted(os.listdir(tmp_path)) == ["d", "out"]
+  opt, params, state, _ = U.example(seed=0)
+  want = jr.shard_state(opt, params, state, 6, trainable=U.trainable())
+  for a, b in zip(jr.load_records(f"{root}/d"), want, strict=True):
+    assert_records_equal(a, b)
+
+
+def test_every_process_raises_a_refusal_in_its_own_words_and_a_later_save_commits(tmp_path):
+  """The directory's name holds a byte that is not UTF-8 (a surrogate in Python's
+  str), or newlines and non-ASCII letters: every process refuses the existing
+  directory with one ArchiveExistsError naming it. Process 1's state has a deleted
+  buffer: every process raises one ArchiveError naming the runtime's error class too.
+  A later save commits. (Before: each process raised an ArchiveError of the key-value
+  store's TypeError for the first; the class of the last was not named.)"""
+  odd = [str(tmp_path / "bad\udcffname"), str(tmp_path / ("é\n☃" * 40))]
+  for path in odd:
+    os.mkdir(path)
+  saves = [{"path": p, "timeout_s": 3} for p in odd] + [
+    {"path": str(tmp_path / "gone"), "timeout_s": 3, "bad": {"1": "deleted"}},
+    {"path": str(tmp_path / "ok"), "timeout_s": 30},
+  ]
+  with U.ProcessGroup(2, 4, "scripted", str(tmp_path / "out"), {"saves": saves}, timeout=90) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  got = list(zip(*[r["saves"] for r in results], strict=True))
+  named = [odd[0].replace("\udcff", "\\udcff"), odd[1]]
+  for n, path in enumerate(named):
+    assert got[n][0]["error"] == got[n][1]["error"], got[n]
+    assert got[n][0]["error_type"] == "ArchiveExistsError", got[n]
+    assert f"refused the save: {path} already exists" in got[n][0]["error"], got[n]
+    assert got[n][0]["seconds"] < 3 and got[n][1]["seconds"] < 3, got[n]
+  deleted = "process 1 refused the save: RuntimeError: Array has been deleted with shape="
+  assert got[2][0]["error"] == got[2][1]["error"], got[2]
+  assert got[2][0]["error_type"] == "ArchiveError" and deleted in got[2][0]["error"], got[2]
+  assert [s["error"] for s in got[3]] == [None, None], got
+  assert len(jr.load_records(tmp_path / "ok")) == 8
+
+
+def test_saves_after_one_process_refused_its_data_commit(tmp_path, reference):
+  """A save that process 1 refuses past the agreement to start it (nonzero padding in
+  its shards), then one whose clocks differ (process 0's a step ahead): each fails at
+  once in every process, and the next save of the same job commits the exact bits
+  (the processes' agreements and orbax's barriers stay paired)."""
+  saves = [
+    {"path": str(tmp_path / "a"), "timeout_s": 30, "bad": {"1": "padding"}},
+    {"path": str(tmp_path / "b"), "timeout_s": 30, "bad": {"0": "clock"}},
+    {"path": str(tmp_path / "c"), "timeout_s": 30},
+  ]
+  with U.ProcessGroup(2, 4, "scripted", str(tmp_path / "out"), {"saves": saves}, timeout=90) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  got = list(zip(*[r["saves"] for r in results], strict=True))
+  for n, words in enumerate(["padding is not zero", "optimizer clock (its scalars' bits) differs"]):
+    assert got[n][0]["error_type"] == "ArchiveError", got[n]
+    assert "process 1 did not write its archives" in got[n][0]["error"], got[n]
+    assert got[n][1]["error_type"] == "PlacementError" and words in got[n][1]["error"], got[n]
+    assert got[n][0]["seconds"] < 5 and got[n][1]["seconds"] < 5, got[n]
+  assert [s["error"] for s in got[2]] == [None, None], got
+  assert sorted(os.listdir(tmp_path)) == ["c", "out"]
+  for a, b in zip(jr.load_records(tmp_path / "c"), reference[3], strict=True):
+    assert_records_equal(a, b)

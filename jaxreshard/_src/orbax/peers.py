@@ -49,6 +49,12 @@ _REFUSALS = {
 }
 
 
+def _text(words: str) -> str:
+  """``words`` as the key-value store takes them (UTF-8): a character that stands for
+  a byte of a path that is not UTF-8 (a lone surrogate) is written escaped."""
+  return words.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _distributed_client() -> Any:
   """The ``jax.distributed`` client of a multi-process job, or None."""
   if jax.process_count() < 2:
@@ -63,7 +69,7 @@ def tell_peers(checkpoint_id: str, error: BaseException | None) -> None:
   client = _distributed_client()
   if client is None:
     return
-  value = "ok" if error is None else f"failed: {type(error).__name__}: {error}"[:2000]
+  value = "ok" if error is None else _text(f"failed: {type(error).__name__}: {error}")[:2000]
   try:
     client.key_value_set(f"{_PEERS_KEY}/{checkpoint_id}/{jax.process_index()}", value)
   except Exception:  # pylint: disable=broad-exception-caught
@@ -142,10 +148,11 @@ def agree_to_start(
     (after a collective of the save).
 
   Raises:
-    ArchiveExistsError, FileNotFoundError: the refusal, its words preceded by the
-      process that refused (unchanged in a single process). ArchiveError: another
-      refusal, or not every process told within ``timeout_s``. Every process raises
-      the same error.
+    ReshardError, FileNotFoundError: the refusal, of its class (a library error,
+      or a missing parent directory), its words preceded by the process that refused
+      (unchanged in a single process); a refusal of any other class is an
+      ArchiveError whose words name that class. ArchiveError: not every process told
+      within ``timeout_s``. Every process raises the same error.
   """
   client = _distributed_client()
   if client is None:
@@ -154,7 +161,7 @@ def agree_to_start(
     return lambda: None
   prefix = f"{_START_KEY}/{next(_STARTS)}/"
   me = jax.process_index()
-  word = "ok" if refusal is None else f"{type(refusal).__name__}:{refusal}"[:2000]
+  word = "ok" if refusal is None else _text(f"{type(refusal).__name__}:{refusal}")[:2000]
   client.key_value_set(prefix + str(me), word)
   deadline = time.monotonic() + timeout_s
   tried = False
@@ -169,7 +176,7 @@ def agree_to_start(
         time.sleep(_START_POLL_S)
         continue
       try:
-        client.key_value_set(prefix + _VERDICT, verdict)
+        client.key_value_set(prefix + _VERDICT, _text(verdict))
       except Exception:  # pylint: disable=broad-exception-caught
         pass  # another process's verdict came first: it is the one read next
       tried = True
@@ -187,6 +194,8 @@ def _verdict(told: dict[str, str], directory: str, timeout_s: float, late: bool)
   refused = sorted(p for p, v in words.items() if v != "ok")
   if refused:
     name, _, why = words[refused[0]].partition(":")
+    if name not in _REFUSALS:  # raised as an ArchiveError that names it
+      name, why = "ArchiveError", f"{name}: {why}"
     return f"{name}:process {refused[0]} refused the save: {why}"
   waiting = sorted(set(range(jax.process_count())) - set(words))
   if not waiting:

@@ -182,7 +182,7 @@ def _refuse_everywhere(refusal: ReshardError, directory: str) -> None:
   its own with the others' save before it."""
   try:
     _peers.agree_to_start(refusal, directory, DEFAULT_TIMEOUT_S)
-  except ReshardError:
+  except (ReshardError, FileNotFoundError):  # the save's one verdict, another's refusal
     raise
   except Exception:  # pylint: disable=broad-exception-caught
     pass  # the runtime's error types: this process's refusal is raised
@@ -209,6 +209,8 @@ def _agree_to_start(final: str, tmp: str, timeout_s: float, **save: Any) -> tupl
   except (ReshardError, FileNotFoundError):
     raise
   except Exception as e:  # the runtime's error types
+    if e is refusal:
+      raise  # one process: its own refusal, unchanged
     raise ArchiveError(f"save_sharded: {final} was not started ({type(e).__name__}: {e})") from e
 
 
