@@ -110,7 +110,10 @@ def save_sharded(
   try:
     final = _checked(directory, chunk_bytes, progress, timeout_s)
   except ReshardError as e:
-    _refuse_everywhere(e, str(directory))
+    # Every process takes part in each save's agreement, this refusal included: one
+    # that left it out would pair each later save of its own with the others' before.
+    _agree(e, str(directory), DEFAULT_TIMEOUT_S)
+    raise
   commit = _durable.one_save()  # its temporary directories' locks go when the save ends
   tmp = os.fspath(commit.from_final(epath.Path(final)).get())
   args, looked = _agree_to_start(
@@ -176,19 +179,6 @@ def _checked(directory: Any, chunk_bytes: Any, progress: Any, timeout_s: Any) ->
   return final
 
 
-def _refuse_everywhere(refusal: ReshardError, directory: str) -> None:
-  """Raises ``refusal`` of this process's arguments, and in every other process of the
-  save: a process that left the save's agreement out would pair each later save of
-  its own with the others' save before it."""
-  try:
-    _peers.agree_to_start(refusal, directory, DEFAULT_TIMEOUT_S)
-  except (ReshardError, FileNotFoundError):  # the save's one verdict, another's refusal
-    raise
-  except Exception:  # pylint: disable=broad-exception-caught
-    pass  # the runtime's error types: this process's refusal is raised
-  raise refusal
-
-
 def _agree_to_start(final: str, tmp: str, timeout_s: float, **save: Any) -> tuple[Any, Any]:
   """The save's ``ReshardSave`` of ``save``, and the function that forgets the agreement,
   once every process agreed to start it (``_peers.agree_to_start``).
@@ -204,14 +194,23 @@ def _agree_to_start(final: str, tmp: str, timeout_s: float, **save: Any) -> tupl
       args = _handler.ReshardSave(**save)
     except Exception as e:  # pylint: disable=broad-exception-caught
       refusal = e  # raised unchanged in a single process
+  return args, _agree(refusal, final, timeout_s)
+
+
+def _agree(refusal: BaseException | None, where: str, timeout_s: float) -> Any:
+  """``_peers.agree_to_start``: the save's verdict raised as it comes (one process:
+  its own refusal, unchanged); where the runtime fails to tell it, this process's
+  refusal, or an ``ArchiveError`` that the save was not started."""
   try:
-    return args, _peers.agree_to_start(refusal, final, timeout_s)
+    return _peers.agree_to_start(refusal, where, timeout_s)
   except (ReshardError, FileNotFoundError):
     raise
-  except Exception as e:  # the runtime's error types
+  except Exception as e:  # pylint: disable=broad-exception-caught
     if e is refusal:
-      raise  # one process: its own refusal, unchanged
-    raise ArchiveError(f"save_sharded: {final} was not started ({type(e).__name__}: {e})") from e
+      raise
+    if refusal is not None:
+      raise refusal from e
+    raise ArchiveError(f"save_sharded: {where} was not started ({type(e).__name__}: {e})") from e
 
 
 def _refusal(final: str, tmp: str) -> Exception | None:
