@@ -32,12 +32,6 @@ Tasks:
              ``args.delay_s`` later; then both save with
              ``timeout_s=args.timeout_s``. Reports what each process raised and
              how soon.
-  refused_alone: process ``args.bad`` calls ``save_sharded(args.paths[0])`` with a
-             bad argument (``args.kind``: a ``progress`` that cannot be called, or
-             ``shapes`` that do not match the state), the others with good ones;
-             then every process saves to each of ``args.paths[1:]`` with good
-             ones, all with ``timeout_s=args.timeout_s``. Reports what each save
-             raised and how soon.
   scripted:  the saves ``args.saves`` in order, each a dict: ``path``, ``timeout_s``,
              and per process (keys are process numbers as strings) ``sleep``
              (seconds before the call), ``mkdir`` (a directory made before the
@@ -467,26 +461,6 @@ def exists_for_one(opt, params, state, shapes) -> dict:
     "exists_for_one",
     lambda: jr.save_sharded(ARGS["path"], opt, sharded.state, spec, m, timeout_s=ARGS["timeout_s"]),
   )
-
-
-def refused_alone(opt, params, state, shapes) -> dict:
-  m = mesh()
-  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
-  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
-  saves = []
-  for n, path in enumerate(ARGS["paths"]):
-    bad = n == 0 and ME == ARGS["bad"]
-    progress = 42 if bad and ARGS["kind"] == "progress" else None
-    shapes = {k: (3,) for k in spec} if bad and ARGS["kind"] == "shapes" else spec
-
-    def save(path=path, shapes=shapes, progress=progress):
-      jr.save_sharded(
-        path, opt, sharded.state, shapes, m, timeout_s=ARGS["timeout_s"], progress=progress
-      )
-
-    saves.append(outcome(save))
-  write_result({"task": "refused_alone", "process": ME, "saves": saves})
-  leave_broken_job()
 
 
 def scripted(opt, params, state, shapes) -> dict:

@@ -382,14 +382,9 @@ def test_a_save_one_process_refused_alone_fails_in_every_process_and_later_saves
   timeout and from then on paired each save with process 1's next one, so every later
   save failed; or, for shapes, it waited in the save's collectives for good.)"""
   paths = [str(tmp_path / f"ck{n}") for n in range(3)]
-  with U.ProcessGroup(
-    2,
-    4,
-    "refused_alone",
-    str(tmp_path / "out"),
-    {"paths": paths, "bad": 1, "timeout_s": 4, "kind": kind},
-    timeout=90,
-  ) as g:
+  saves = [{"path": p, "timeout_s": 4} for p in paths]
+  saves[0]["bad"] = {"1": kind}
+  with U.ProcessGroup(2, 4, "scripted", str(tmp_path / "out"), {"saves": saves}, timeout=90) as g:
     results = sorted(g.check(), key=lambda r: r["process"])
   first = [r["saves"][0] for r in results]
   for s in first:
