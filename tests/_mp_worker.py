@@ -37,8 +37,10 @@ Tasks:
              (seconds before the call), ``mkdir`` (a directory made before the
              call) and ``bad`` (``progress``, ``shapes``, ``axis``: a bad argument;
              ``padding``, ``clock``: state data only this process refuses; ``deleted``:
-             a state whose buffer was deleted).
-             Reports what each save raised and how soon.
+             a state whose buffer was deleted; ``probe``: looking for a live save of
+             the directory fails with an ``OSError``), and ``skip`` (this process does
+             not make this save). Reports what each save raised and how soon (None
+             for a save skipped).
   padding_share: ``restore_sharded(path, target=...)`` of each of ``args.paths``
              (Adam over params of ``args.counts`` elements) onto every device,
              replicated; report which restores this process refused, and why.
@@ -49,6 +51,7 @@ Tasks:
              restore's bytes read and whether every local piece is exact.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -470,6 +473,9 @@ def scripted(opt, params, state, shapes) -> dict:
   saves = []
   for step in ARGS["saves"]:
     me = str(ME)
+    if me in step.get("skip", {}):
+      saves.append(None)
+      continue
     time.sleep(step.get("sleep", {}).get(me, 0))
     if me in step.get("mkdir", {}):
       os.makedirs(step["mkdir"][me])
@@ -485,9 +491,30 @@ def scripted(opt, params, state, shapes) -> dict:
       if bad in DATA
       else sharded.state
     )
-    saves.append(outcome(lambda: jr.save_sharded(step["path"], opt, data, got, m, **kwargs)))  # noqa: B023
+    with _failing_probe(bad == "probe"):
+      saves.append(outcome(lambda: jr.save_sharded(step["path"], opt, data, got, m, **kwargs)))  # noqa: B023
   write_result({"task": "scripted", "process": ME, "saves": saves})
   leave_broken_job()
+
+
+@contextlib.contextmanager
+def _failing_probe(fails: bool):
+  """While it lasts (when ``fails``), looking for a live save of a directory raises
+  the ``OSError`` a storage that fails to answer would."""
+  if not fails:
+    yield
+    return
+  from jaxreshard._src.orbax import durable as _durable  # pylint: disable=g-import-not-at-top
+
+  def probe(tmp: str, final: str) -> None:
+    raise OSError(5, "Input/output error", tmp)
+
+  saved = _durable.refuse_if_held
+  _durable.refuse_if_held = probe
+  try:
+    yield
+  finally:
+    _durable.refuse_if_held = saved
 
 
 def restore_target(opt, params, state, shapes) -> dict:

@@ -541,3 +541,38 @@ def test_saves_after_one_process_refused_its_data_commit(tmp_path, reference):
   assert sorted(os.listdir(tmp_path)) == ["c", "out"]
   for a, b in zip(jr.load_records(tmp_path / "c"), reference[3], strict=True):
     assert_records_equal(a, b)
+
+
+def test_a_save_one_process_misses_fails_alone_and_the_saves_after_it_commit(tmp_path, reference):
+  """Process 1 never makes the first save (its caller skipped it), then fails to look
+  for a live save of the second's directory (an ``OSError`` from the storage); both
+  processes then make two good saves. Each save is the ``opt`` directory of a step. The first save fails in process 0 once its
+  timeout passes, naming process 1; the second fails in both at once, naming the
+  storage's error; the last two commit the exact bits. (Before: process 1's second
+  save met process 0's first, and the ``OSError`` left process 0 waiting: every later
+  save of the job failed.)"""
+  root = str(tmp_path)
+  for step in range(1, 5):  # each save is a step's "opt": their names differ by the step
+    os.mkdir(f"{root}/{step}")
+  saves = [
+    {"path": f"{root}/1/opt", "timeout_s": 4, "skip": {"1": True}},
+    {"path": f"{root}/2/opt", "timeout_s": 30, "bad": {"1": "probe"}},
+    {"path": f"{root}/3/opt", "timeout_s": 30},
+    {"path": f"{root}/4/opt", "timeout_s": 30},
+  ]
+  with U.ProcessGroup(2, 4, "scripted", str(tmp_path / "out"), {"saves": saves}, timeout=120) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  got = list(zip(*[r["saves"] for r in results], strict=True))
+  assert got[0][1] is None, got
+  assert got[0][0]["error_type"] == "ArchiveError", got
+  assert "processes [1] did not start the save within 4 s" in got[0][0]["error"], got
+  assert got[1][0]["error"] == got[1][1]["error"], got
+  assert got[1][0]["error_type"] == "ArchiveError", got
+  assert "process 1 refused the save: OSError: [Errno 5] Input/output error" in got[1][0]["error"]
+  assert got[1][0]["seconds"] < 3, got  # process 0 came last: the refusal was waiting
+  for n in (2, 3):
+    assert [s["error"] for s in got[n]] == [None, None], got
+  assert [os.listdir(f"{root}/{step}") for step in range(1, 5)] == [[], [], ["opt"], ["opt"]]
+  for step in (3, 4):
+    for x, y in zip(jr.load_records(f"{root}/{step}/opt"), reference[3], strict=True):
+      assert_records_equal(x, y)

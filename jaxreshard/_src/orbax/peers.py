@@ -14,7 +14,10 @@ there is nothing to tell or wait for.
 
 from __future__ import annotations
 
-import itertools
+import collections
+import hashlib
+import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,9 +40,13 @@ _POLL_S = 0.2
 _START_KEY = "jaxreshard/start"
 _START_POLL_S = 0.02
 _VERDICT = "verdict"  # the key, beside the processes' words, of a save's one verdict
-# Every process of a job starts its saves in the same order: the n-th agreement
-# of each process is the same save's.
-_STARTS = itertools.count()
+# The n-th agreement of each process on a checkpoint's name (its directory's last
+# two components: below any mount point, whose path may differ from host to host)
+# is the same save's: every process saves a name in the same order. A process that
+# misses a save puts only the later saves of that name out of step; a save of
+# another name still meets the others' save of it.
+_STARTS: collections.Counter = collections.Counter()
+_STARTS_LOCK = threading.Lock()
 # The refusals a process tells the others, by name (the library's, and a missing
 # parent directory); any other is an ArchiveError.
 _REFUSALS = {
@@ -136,8 +143,9 @@ def agree_to_start(
   """Returns once every process of a save told that it starts; raises in every process
   the refusal of any.
 
-  ``refusal`` is why this process refuses the save (None: it starts). Each process
-  tells its word; the first process that can decide sets the save's one verdict
+  ``refusal`` is why this process refuses the save (None: it starts). The processes
+  meet under ``directory``'s name and how many saves of that name each made before
+  (``_start_key``). Each process tells its word; the first process that can decide sets the save's one verdict
   (the key-value store keeps the first verdict set and refuses any other), and every
   process follows it: every word "starts", the lowest-numbered refusal it saw, or,
   past ``timeout_s``, that a process did not come. A process that comes later
@@ -159,7 +167,7 @@ def agree_to_start(
     if refusal is not None:
       raise refusal
     return lambda: None
-  prefix = f"{_START_KEY}/{next(_STARTS)}/"
+  prefix = f"{_START_KEY}/{_start_key(directory)}/"
   me = jax.process_index()
   word = "ok" if refusal is None else _text(f"{type(refusal).__name__}:{refusal}")[:2000]
   client.key_value_set(prefix + str(me), word)
@@ -185,6 +193,18 @@ def agree_to_start(
       return lambda: _delete(client, prefix) if me == 0 else None
     name, _, words = verdict.partition(":")
     raise _REFUSALS.get(name, ArchiveError)(words) from refusal
+
+
+def _start_key(directory: str) -> str:
+  """``<digest of the name>/<n>``: this process's n-th save of ``directory``'s name (its
+  last two components)."""
+  path = os.path.abspath(directory)
+  name = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
+  digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+  with _STARTS_LOCK:
+    n = _STARTS[digest]
+    _STARTS[digest] = n + 1
+  return f"{digest}/{n}"
 
 
 def _verdict(told: dict[str, str], directory: str, timeout_s: float, late: bool) -> str | None:

@@ -48,7 +48,10 @@ def save_sharded(
 ) -> None:
   """Saves a global flat-sharded state as one checkpoint of ``M`` archives, from every process.
 
-  Call it in every process with the same arguments. It is an orbax
+  Call it in every process with the same arguments (the processes meet by the
+  directory's last two components and how many saves of them each made before:
+  a process that misses a save fails only that save in the others, once
+  ``timeout_s`` passes). It is an orbax
   ``AsyncCheckpointer`` save of :class:`ReshardSave` to ``directory``, waited
   for: each process writes the archives of the ranks whose first device (in
   mesh order) it owns, from host copies of its own device buffers; the primary
@@ -111,14 +114,13 @@ def save_sharded(
     final = _checked(directory, chunk_bytes, progress, timeout_s)
   except ReshardError as e:
     # Every process takes part in each save's agreement, this refusal included: one
-    # that left it out would pair each later save of its own with the others' before.
-    _agree(e, str(directory), DEFAULT_TIMEOUT_S)
+    # that left it out would put its later saves of this name out of step.
+    _agree(e, _where(directory), DEFAULT_TIMEOUT_S)
     raise
   commit = _durable.one_save()  # its temporary directories' locks go when the save ends
-  tmp = os.fspath(commit.from_final(epath.Path(final)).get())
   args, looked = _agree_to_start(
     final,
-    tmp,
+    commit,
     timeout_s,
     optimizer=optimizer,
     state=state,
@@ -179,16 +181,21 @@ def _checked(directory: Any, chunk_bytes: Any, progress: Any, timeout_s: Any) ->
   return final
 
 
-def _agree_to_start(final: str, tmp: str, timeout_s: float, **save: Any) -> tuple[Any, Any]:
+def _agree_to_start(final: str, commit: Any, timeout_s: float, **save: Any) -> tuple[Any, Any]:
   """The save's ``ReshardSave`` of ``save``, and the function that forgets the agreement,
   once every process agreed to start it (``_peers.agree_to_start``).
 
   Each process looks on its own (another job's save may commit the directory
   between two looks) and checks its arguments (without a collective): a refusal of
   any process is every process's, at once, where one refusing alone would leave the
-  others waiting in the save's collectives.
+  others waiting in the save's collectives. An error while it looks (the storage's
+  ``OSError``, say) is its refusal too: raised unchanged in a single process.
   """
-  refusal, args = _refusal(final, tmp), None
+  args = None
+  try:
+    refusal = _refusal(final, os.fspath(commit.from_final(epath.Path(final)).get()))
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    refusal = e
   if refusal is None:
     try:
       args = _handler.ReshardSave(**save)
@@ -211,6 +218,15 @@ def _agree(refusal: BaseException | None, where: str, timeout_s: float) -> Any:
     if refusal is not None:
       raise refusal from e
     raise ArchiveError(f"save_sharded: {where} was not started ({type(e).__name__}: {e})") from e
+
+
+def _where(directory: Any) -> str:
+  """``directory`` as words, whatever it is: the save's name in its agreement, where the
+  arguments were refused before it became a path."""
+  try:
+    return os.fsdecode(os.fspath(directory))
+  except Exception:  # pylint: disable=broad-exception-caught
+    return str(directory)
 
 
 def _refusal(final: str, tmp: str) -> Exception | None:
