@@ -642,6 +642,20 @@ def test_mesh_paths_refuse_arguments_of_the_wrong_kind_by_name(tmp_path, case):
   assert sorted(os.listdir(tmp_path)) == ["c"]  # nothing written
 
 
+@pytest.mark.parametrize("timeout_s", [1e14, 1e300])
+def test_save_sharded_with_a_timeout_longer_than_orbax_takes_commits(tmp_path, timeout_s):
+  """A timeout past what orbax and the runtime can hold (a ``timedelta`` of at most
+  999,999,999 days; 32-bit milliseconds) waits the longest they can: the save
+  commits. (Before: it failed inside orbax with an ``OverflowError``.)"""
+  opt, params = optax.adam(0.1), {"w": jnp.arange(5.0)}
+  m4 = device_mesh((4,), ("fsdp",), jax.devices()[:4])
+  state = jr.flat_sharded(opt, m4).init(params)
+  jr.save_sharded(tmp_path / "c", opt, state, {"w": (5,)}, m4, timeout_s=timeout_s)
+  want = jr.shard_state(opt, params, opt.init(params), world_size=4)
+  for a, b in zip(jr.load_records(tmp_path / "c"), want, strict=True):
+    assert_records_equal(a, b)
+
+
 class _Layer(NamedTuple):
   w: jax.Array
   b: jax.Array

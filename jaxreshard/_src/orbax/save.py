@@ -32,6 +32,10 @@ __all__ = ["save_sharded"]
 
 # How long a process waits for the others to finish writing, by default.
 DEFAULT_TIMEOUT_S = 300
+# The longest wait: orbax and the runtime take timeouts as 32-bit milliseconds or
+# ``timedelta``s, and a longer one made the save fail inside orbax (an
+# ``OverflowError``); 24.8 days stands for any longer one.
+MAX_TIMEOUT_S = (2**31 - 1) // 1000
 
 
 def save_sharded(
@@ -77,7 +81,8 @@ def save_sharded(
     chunk_bytes: bytes per stored chunk, the granularity of partial reads.
     timeout_s: how long a process waits for the others to come to the save,
       and to finish writing (a process whose write fails tells the others at
-      once, and they raise).
+      once, and they raise); one longer than ``MAX_TIMEOUT_S`` (24.8 days)
+      waits that long.
     progress: called with a :class:`jaxreshard.Progress` after each archive
       this process writes (from orbax's writer thread; the save returns after
       the last); each is also logged at DEBUG, the save at INFO, to the
@@ -117,6 +122,7 @@ def save_sharded(
     # that left it out would put its later saves of this name out of step.
     _agree(e, _where(directory), DEFAULT_TIMEOUT_S)
     raise
+  timeout_s = min(timeout_s, MAX_TIMEOUT_S)
   commit = _durable.one_save()  # its temporary directories' locks go when the save ends
   args, looked = _agree_to_start(
     final,
