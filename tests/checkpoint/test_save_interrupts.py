@@ -226,3 +226,62 @@ def test_a_checkpoint_name_of_up_to_255_bytes_is_saved_and_its_leftovers_found(t
   del tmp  # its lock goes with it, as with a killed writer's
   assert tempdir.remove_temp_dirs(str(tmp_path / ("c" * 239 + "d"))) == []
   assert tempdir.remove_temp_dirs(final) == [leftover]
+
+
+class _InterruptedAppend(list):
+  """A list whose next ``append`` raises ``KeyboardInterrupt``, as a Ctrl-C landing
+  right after the fsync pool took a job; with ``wait``, once that job has run."""
+
+  def __init__(self, wait: bool):
+    super().__init__()
+    self.wait = wait
+
+  def append(self, future):
+    if self.wait:
+      future.exception()  # the worker fsynced and closed the descriptor, and freed its slot
+    raise KeyboardInterrupt
+
+
+def _free_slots(syncer, limit: int) -> int:
+  """How many of the syncer's ``limit`` slots can be taken now (all are given back)."""
+  taken = 0
+  while taken <= limit and syncer._slots.acquire(blocking=False):
+    taken += 1
+  for _ in range(taken):
+    syncer._slots.release()
+  return taken
+
+
+@pytest.mark.parametrize("worker_first", [True, False])
+def test_an_interrupt_while_a_file_is_handed_to_the_fsync_pool_closes_it_once(
+  tmp_path, worker_first
+):
+  """Ctrl-C lands between the fsync pool taking a file and the writer recording it,
+  with the fsync run already (``worker_first``) or still queued: the interrupt is
+  what is raised, the descriptor is closed exactly once, and its slot is freed once.
+  (Before: the writer closed it and freed its slot too: "ValueError: Semaphore
+  released too many times" came out of a reshard interrupted by Ctrl-C, exit code 2,
+  and the second close could have closed another file given the same number.)"""
+  limit = 4
+  syncer = shardfile._Syncer(threads=1, limit=limit)
+  gate = threading.Event()
+  if not worker_first:  # the pool's one thread is busy until the interrupt is raised
+    syncer._pool.submit(gate.wait)
+  fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY)
+  syncer._pending = _InterruptedAppend(wait=worker_first)
+  try:
+    with pytest.raises(KeyboardInterrupt):
+      syncer.submit(fd, str(tmp_path / "f"))
+    with pytest.raises(OSError):
+      os.fstat(fd)  # closed, by the worker or by the failed hand-over
+    # Another file takes the freed number while a queued fsync job may still hold it.
+    reused = os.open(tmp_path / "g", os.O_CREAT | os.O_WRONLY)
+  finally:
+    gate.set()
+  syncer._pending = []
+  syncer.shutdown()
+  try:
+    assert _free_slots(syncer, limit) == limit
+    os.fstat(reused)  # no late close of the old number closed it
+  finally:
+    os.close(reused)

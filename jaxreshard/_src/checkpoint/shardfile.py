@@ -151,11 +151,22 @@ class _Syncer:
 
   def submit(self, fd: int, path: str) -> None:
     self._slots.acquire()
+    # The descriptor and its slot belong to whoever pops it from ``job`` first (one
+    # atomic step): the worker, or this thread when the hand-over fails. An interrupt
+    # (Ctrl-C) may land after the pool took the job and before it is recorded: then
+    # the worker still fsyncs and closes it, and it is never closed twice (a second
+    # close could close another file that reused the number) nor its slot freed twice.
+    job = [fd]
     try:
-      self._pending.append(self._pool.submit(self._sync, fd, path))
+      self._pending.append(self._pool.submit(self._sync, job, path))
     except BaseException:
-      os.close(fd)
-      self._slots.release()
+      try:
+        mine = job.pop()
+      except IndexError:
+        mine = None  # the worker has it
+      if mine is not None:
+        os.close(mine)
+        self._slots.release()
       raise
     if len(self._pending) > 1024:  # keep the list short: collect what finished
       done = [f for f in self._pending if f.done()]
@@ -163,7 +174,11 @@ class _Syncer:
       for f in done:
         f.result()
 
-  def _sync(self, fd: int, path: str) -> None:
+  def _sync(self, job: list, path: str) -> None:
+    try:
+      fd = job.pop()
+    except IndexError:  # the hand-over failed, and the submitter closed it
+      return
     try:
       os.fsync(fd)
     except OSError as e:
