@@ -919,6 +919,33 @@ def test_a_later_step_whose_jaxreshard_item_is_a_link_is_refused_not_passed_over
   _ok(_run("inspect", tmp_path / "run", "--step", 1))
 
 
+def test_a_later_step_that_is_a_link_is_refused_not_passed_over(tmp_path):
+  """The latest step's directory is a symbolic link (to a step kept elsewhere):
+  orbax's ``latest_step()`` follows it, the command line never takes a link inside a
+  run, so it must refuse the run, not read step 1 as the run's latest. (Before: it
+  read step 1.) A later link to a directory holding no jaxreshard item is passed over,
+  as such a directory is; the link itself given as the path is read."""
+  opt = optax.adam(1e-3)
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    for s in (1, 2):
+      manager.save(
+        s, args=jr.ReshardSave(jr.shard_state(opt, PARAMS, _state(opt, s), world_size=W))
+      )
+    manager.wait_until_finished()
+  step = tmp_path / "run" / "2"
+  os.rename(step, tmp_path / "kept")
+  os.symlink(tmp_path / "kept", step)
+  (tmp_path / "other").mkdir()
+  os.symlink(tmp_path / "other", tmp_path / "run" / "3")
+  line = _one_line_error(_run("inspect", tmp_path / "run"))
+  assert f"step 2 is later than step 1, and {step} is a symbolic link" in line, line
+  assert "give --step 1 to read step 1" in line, line
+  _ok(_run("inspect", tmp_path / "run", "--step", 1))
+  _ok(_run("reshard", step, tmp_path / "o", "-w", 3))
+  for r, got in enumerate(jr.load_records(tmp_path / "o")):
+    _assert_oracle(got, _state(opt, 2), 3, r, "step 2 through the link given")
+
+
 def test_a_step_that_lost_one_of_its_two_jaxreshard_items_is_refused_without_item(tmp_path):
   """A step of two jaxreshard items ('a', 'b') is read only with ``--item``; once 'b'
   lost its index the command line took 'a' as the step's one item, where the

@@ -238,7 +238,19 @@ def _refuse_later_damaged_steps(run_dir: str, latest: int) -> None:
   for name in sorted(names):
     m = _STEP_NAME.match(name)
     path = os.path.join(run_dir, name)
-    if not m or int(m.group(1)) <= latest or _tempdir.is_temporary(name) or not _is_dir(path):
+    if not m or int(m.group(1)) <= latest or _tempdir.is_temporary(name):
+      continue
+    if os.path.islink(path):
+      # Orbax's steps follow links: a linked step holding a jaxreshard item (looked at
+      # through the link, never read) is the run's latest, and is not taken here.
+      if os.path.isdir(path) and (_items(path) or _recorded_items(path)):
+        raise ArchiveError(
+          f"{run_dir}: step {int(m.group(1))} is later than step {latest}, and {path} is a"
+          f" symbolic link, never read inside a run; give --step {latest} to read step"
+          f" {latest}, or the link itself as the path"
+        )
+      continue
+    if not _is_dir(path):
       continue
     lost = _lost_items(path)
     if lost:
