@@ -32,15 +32,15 @@ Tasks:
              ``args.delay_s`` later; then both save with
              ``timeout_s=args.timeout_s``. Reports what each process raised and
              how soon.
-  scripted:  the saves ``args.saves`` in order, each a dict: ``path``, ``timeout_s``,
-             and per process (keys are process numbers as strings) ``sleep``
+  scripted:  the saves ``args.saves`` in order, each a dict: ``path``, ``timeout_s``
+             (or a dict of one per process), and per process (keys are process numbers as strings) ``sleep``
              (seconds before the call), ``mkdir`` (a directory made before the
              call) and ``bad`` (``progress``, ``shapes``, ``axis``: a bad argument;
              ``padding``, ``clock``: state data only this process refuses; ``deleted``:
              a state whose buffer was deleted; ``probe``: looking for a live save of
              the directory fails with an ``OSError``), and ``skip`` (this process does
-             not make this save). Reports what each save raised and how soon (None
-             for a save skipped).
+             not make this save), ``paths`` (this process's spelling of ``path``).
+             Reports what each save raised and how soon (None for a save skipped).
   padding_share: ``restore_sharded(path, target=...)`` of each of ``args.paths``
              (Adam over params of ``args.counts`` elements) onto every device,
              replicated; report which restores this process refused, and why.
@@ -480,7 +480,8 @@ def scripted(opt, params, state, shapes) -> dict:
     if me in step.get("mkdir", {}):
       os.makedirs(step["mkdir"][me])
     bad = step.get("bad", {}).get(me)
-    kwargs = {"timeout_s": step["timeout_s"]}
+    timeout_s = step["timeout_s"]
+    kwargs = {"timeout_s": timeout_s[me] if isinstance(timeout_s, dict) else timeout_s}
     if bad == "progress":
       kwargs["progress"] = 42
     if bad == "axis":
@@ -491,8 +492,9 @@ def scripted(opt, params, state, shapes) -> dict:
       if bad in DATA
       else sharded.state
     )
+    path = step.get("paths", {}).get(me, step["path"])
     with _failing_probe(bad == "probe"):
-      saves.append(outcome(lambda: jr.save_sharded(step["path"], opt, data, got, m, **kwargs)))  # noqa: B023
+      saves.append(outcome(lambda: jr.save_sharded(path, opt, data, got, m, **kwargs)))  # noqa: B023
   write_result({"task": "scripted", "process": ME, "saves": saves})
   leave_broken_job()
 

@@ -576,3 +576,98 @@ def test_a_save_one_process_misses_fails_alone_and_the_saves_after_it_commit(tmp
   for step in (3, 4):
     for x, y in zip(jr.load_records(f"{root}/{step}/opt"), reference[3], strict=True):
       assert_records_equal(x, y)
+
+
+def test_a_retry_of_a_save_one_process_missed_commits(tmp_path, reference):
+  """Process 1 never makes the first save of ``1/opt`` (its caller skipped it); process
+  0's fails once its timeout passes. Both then retry the same directory (process 1 comes
+  once process 0 gave up on the first), then save it once more, then save another
+  directory of the same name. The retry commits the exact bits in both, the save after
+  it is refused in both (the directory exists), and the other directory commits.
+  (Before: process 1 met process 0's first save, the one it missed, and raised that
+  save's old verdict at once, naming itself; process 0 waited out its timeout: every
+  later save of that name failed, each process raising its own error.)"""
+  root = str(tmp_path)
+  os.makedirs(f"{root}/a/1")
+  os.makedirs(f"{root}/b/1")
+  first = f"{root}/a/1/opt"
+  saves = [
+    {"path": first, "timeout_s": 2, "skip": {"1": True}},
+    {"path": first, "timeout_s": 20, "sleep": {"1": 5}},
+    {"path": first, "timeout_s": 20},
+    {"path": f"{root}/b/1/opt", "timeout_s": 20},
+  ]
+  with U.ProcessGroup(2, 4, "scripted", str(tmp_path / "out"), {"saves": saves}, timeout=90) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  got = list(zip(*[r["saves"] for r in results], strict=True))
+  assert got[0][1] is None, got
+  assert "processes [1] did not start the save within 2 s" in got[0][0]["error"], got
+  assert [s["error"] for s in got[1]] == [None, None], got
+  assert [s["error_type"] for s in got[2]] == ["ArchiveExistsError"] * 2, got
+  assert got[2][0]["error"] == got[2][1]["error"], got
+  assert f"{first} already exists" in got[2][0]["error"], got
+  assert [s["error"] for s in got[3]] == [None, None], got
+  for path in (first, f"{root}/b/1/opt"):
+    for x, y in zip(jr.load_records(path), reference[3], strict=True):
+      assert_records_equal(x, y)
+
+
+def test_processes_that_spell_the_parent_differently_meet(tmp_path, reference):
+  """Process 1 reaches the checkpoint's parent through a symbolic link of another name
+  (as a host that mounts the storage elsewhere): the two processes' saves are one save,
+  and commit the exact bits (the name they meet by has its links resolved)."""
+  root = str(tmp_path)
+  os.makedirs(f"{root}/real")
+  os.symlink(f"{root}/real", f"{root}/link")
+  saves = [{"path": f"{root}/real/opt", "paths": {"1": f"{root}/link/opt"}, "timeout_s": 5}]
+  with U.ProcessGroup(2, 4, "scripted", str(tmp_path / "out"), {"saves": saves}, timeout=60) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  assert [r["saves"][0]["error"] for r in results] == [None, None], results
+  for x, y in zip(jr.load_records(f"{root}/real/opt"), reference[3], strict=True):
+    assert_records_equal(x, y)
+
+
+def test_a_process_given_no_path_raises_at_once_and_the_others_at_their_timeout(tmp_path):
+  """Process 1 is given a directory that is not a path (an int: its caller read a
+  setting that it lacks): it raises that refusal at once; process 0, which cannot learn
+  it under the save's name, raises once its timeout passes; the next save commits."""
+  root = str(tmp_path)
+  saves = [
+    {"path": f"{root}/ck0", "paths": {"1": 5}, "timeout_s": 3},
+    {"path": f"{root}/ck1", "timeout_s": 20},
+  ]
+  with U.ProcessGroup(2, 4, "scripted", str(tmp_path / "out"), {"saves": saves}, timeout=60) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  first = [r["saves"][0] for r in results]
+  assert first[1]["error_type"] == "ReshardError", results
+  assert "directory must be a path (str or os.PathLike), got int" in first[1]["error"], results
+  assert first[1]["seconds"] < 2, results
+  assert first[0]["error_type"] == "ArchiveError", results
+  assert "processes [1] did not start the save within 3 s" in first[0]["error"], results
+  assert 3 <= first[0]["seconds"] < 10, results
+  assert [r["saves"][1]["error"] for r in results] == [None, None], results
+  assert len(jr.load_records(f"{root}/ck1")) == 8
+  assert sorted(os.listdir(root)) == ["ck1", "out"]
+
+
+def test_processes_with_different_timeouts_raise_one_error_at_the_shortest(tmp_path):
+  """Each process gives its own ``timeout_s``, one of them past ``MAX_TIMEOUT_S``. The
+  process that waits with the shorter one decides once it passes that the other did not
+  come; the other, coming later, raises that same error at once (it does not wait out
+  its own 24.8 days). A save with both timeouts commits."""
+  root = str(tmp_path)
+  saves = [
+    {"path": f"{root}/ck0", "timeout_s": {"0": 2, "1": 1e300}, "sleep": {"1": 4}},
+    {"path": f"{root}/ck1", "timeout_s": {"0": 1e300, "1": 2}, "sleep": {"0": 7}},
+    {"path": f"{root}/ck2", "timeout_s": {"0": 1e300, "1": 30}},
+  ]
+  with U.ProcessGroup(2, 4, "scripted", str(tmp_path / "out"), {"saves": saves}, timeout=90) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  got = list(zip(*[r["saves"] for r in results], strict=True))
+  for n, late in ((0, 1), (1, 0)):
+    assert got[n][0]["error"] == got[n][1]["error"], got
+    assert f"processes [{late}] did not start the save within 2 s" in got[n][0]["error"], got
+    assert got[n][late]["seconds"] < 1, got
+  assert [s["error"] for s in got[2]] == [None, None], got
+  assert len(jr.load_records(f"{root}/ck2")) == 8
+  assert sorted(os.listdir(root)) == ["ck2", "out"]

@@ -41,10 +41,11 @@ _START_KEY = "jaxreshard/start"
 _START_POLL_S = 0.02
 _VERDICT = "verdict"  # the key, beside the processes' words, of a save's one verdict
 # The n-th agreement of each process on a checkpoint's name (its directory's last
-# two components: below any mount point, whose path may differ from host to host)
-# is the same save's: every process saves a name in the same order. A process that
-# misses a save puts only the later saves of that name out of step; a save of
-# another name still meets the others' save of it.
+# two components, symbolic links resolved: a step's ``100/opt`` is not ``200/opt``,
+# and a host may mount the storage at another path above them) is the same save's:
+# every process saves a name in the same order. A process that misses a save fails
+# only that save (``agree_to_start`` moves it past it); a save of another name still
+# meets the others' save of it.
 _STARTS: collections.Counter = collections.Counter()
 _STARTS_LOCK = threading.Lock()
 # The refusals a process tells the others, by name (the library's, and a missing
@@ -149,7 +150,10 @@ def agree_to_start(
   (the key-value store keeps the first verdict set and refuses any other), and every
   process follows it: every word "starts", the lowest-numbered refusal it saw, or,
   past ``timeout_s``, that a process did not come. A process that comes later
-  follows the verdict found.
+  follows the verdict found; unless that verdict is that it did not come and another
+  process already came to the next save of the name: then this process missed the
+  save, and its save is that next one (it fails only the save it missed, not every
+  later one).
 
   Returns:
     a function that forgets the agreement: call it once every process is past it
@@ -167,7 +171,8 @@ def agree_to_start(
     if refusal is not None:
       raise refusal
     return lambda: None
-  prefix = f"{_START_KEY}/{_start_key(directory)}/"
+  digest, n = _start_key(directory)
+  prefix = f"{_START_KEY}/{digest}/{n}/"
   me = jax.process_index()
   word = "ok" if refusal is None else _text(f"{type(refusal).__name__}:{refusal}")[:2000]
   client.key_value_set(prefix + str(me), word)
@@ -191,20 +196,42 @@ def agree_to_start(
       continue
     if verdict == "ok":
       return lambda: _delete(client, prefix) if me == 0 else None
+    absent, _, verdict = verdict.partition("|")
+    if str(me) in absent.split(",") and _started(client, f"{_START_KEY}/{digest}/{n + 1}/"):
+      # The others waited for this process until their timeout, then came to their next
+      # save of the name: this process missed that save, and this one is their next.
+      n = _skip(digest, n)
+      prefix = f"{_START_KEY}/{digest}/{n}/"
+      client.key_value_set(prefix + str(me), word)
+      deadline, tried = time.monotonic() + timeout_s, False
+      continue
     name, _, words = verdict.partition(":")
     raise _REFUSALS.get(name, ArchiveError)(words) from refusal
 
 
-def _start_key(directory: str) -> str:
-  """``<digest of the name>/<n>``: this process's n-th save of ``directory``'s name (its
-  last two components)."""
-  path = os.path.abspath(directory)
+def _started(client: Any, prefix: str) -> bool:
+  """Whether a process told its word in the agreement under ``prefix``."""
+  return any(key.rsplit("/", 1)[-1].isdigit() for key, _ in client.key_value_dir_get(prefix))
+
+
+def _skip(digest: str, n: int) -> int:
+  """``n + 1``, the agreement this process's save of the name moves to once it missed the
+  ``n``-th (``agree_to_start``); its next save of the name is the one after."""
+  with _STARTS_LOCK:
+    _STARTS[digest] = max(_STARTS[digest], n + 2)
+  return n + 1
+
+
+def _start_key(directory: str) -> tuple[str, int]:
+  """``(digest of the name, n)``: this process's n-th save of ``directory``'s name (its
+  last two components, symbolic links above them resolved)."""
+  path = os.path.realpath(os.path.abspath(directory))
   name = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
   digest = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:24]
   with _STARTS_LOCK:
     n = _STARTS[digest]
     _STARTS[digest] = n + 1
-  return f"{digest}/{n}"
+  return digest, n
 
 
 def _verdict(told: dict[str, str], directory: str, timeout_s: float, late: bool) -> str | None:
@@ -216,14 +243,15 @@ def _verdict(told: dict[str, str], directory: str, timeout_s: float, late: bool)
     name, _, why = words[refused[0]].partition(":")
     if name not in _REFUSALS:  # raised as an ArchiveError that names it
       name, why = "ArchiveError", f"{name}: {why}"
-    return f"{name}:process {refused[0]} refused the save: {why}"
+    return f"|{name}:process {refused[0]} refused the save: {why}"
   waiting = sorted(set(range(jax.process_count())) - set(words))
   if not waiting:
     return "ok"
   if not late:
     return None
+  absent = ",".join(str(p) for p in waiting)  # before "|": the processes waited for in vain
   return (
-    f"ArchiveError:{directory}: processes {waiting} did not start the save within"
+    f"{absent}|ArchiveError:{directory}: processes {waiting} did not start the save within"
     f" {timeout_s:g} s; nothing was written"
   )
 

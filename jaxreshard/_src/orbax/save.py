@@ -53,9 +53,9 @@ def save_sharded(
   """Saves a global flat-sharded state as one checkpoint of ``M`` archives, from every process.
 
   Call it in every process with the same arguments (the processes meet by the
-  directory's last two components and how many saves of them each made before:
-  a process that misses a save fails only that save in the others, once
-  ``timeout_s`` passes). It is an orbax
+  directory's last two components, symbolic links resolved, and how many saves of
+  them each made before: a process that misses a save fails only that save in the
+  others, once ``timeout_s`` passes). It is an orbax
   ``AsyncCheckpointer`` save of :class:`ReshardSave` to ``directory``, waited
   for: each process writes the archives of the ranks whose first device (in
   mesh order) it owns, from host copies of its own device buffers; the primary
@@ -102,7 +102,10 @@ def save_sharded(
       it within ``timeout_s``). Arguments of the wrong kind (a directory
       that is not a path, ``timeout_s`` not a positive number, ``shapes`` not
       a mapping of str ids, an optimizer not called) are refused by name; in
-      every process at once, naming it, when one process refuses its own.
+      every process at once, naming it, when one process refuses its own
+      (except a directory that is not a path, which gives that process no name
+      to meet the others by: it raises at once, the others once ``timeout_s``
+      passes).
 
   Examples:
     >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
