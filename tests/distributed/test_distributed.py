@@ -523,6 +523,13 @@ def test_a_state_of_only_histories_is_saved_from_the_mesh_whatever_its_keys(
   assert_trees_bit_equal(jr.gather_from_mesh(opt, state, shapes, mesh), opt.init(params))
 
 
+class _NoPath:
+  """An ``os.PathLike`` whose ``__fspath__`` gives an int, not a path."""
+
+  def __fspath__(self):
+    return 5
+
+
 def _mesh_calls(tmp_path):
   """Each mesh path given one argument of the wrong kind, and the words it is refused in."""
   opt, params = optax.adam(0.1), {"w": jnp.arange(5.0)}
@@ -584,6 +591,11 @@ def _mesh_calls(tmp_path):
       lambda: jr.save_sharded(None, opt, state, {"w": (5,)}, m4),
       "directory must be a path (str or os.PathLike), got NoneType",
     ),
+    "save_sharded to a PathLike that gives no path": (
+      lambda: jr.save_sharded(_NoPath(), opt, state, {"w": (5,)}, m4),
+      "directory is not a usable path (expected _NoPath.__fspath__() to return str or bytes,"
+      " not int)",
+    ),
     "save_sharded with no timeout": (
       lambda: jr.save_sharded(out, opt, state, {"w": (5,)}, m4, timeout_s=None),
       "timeout_s must be a positive number of seconds, got None",
@@ -622,6 +634,7 @@ _MESH_CALLS = [
   "save_sharded of an optimizer not called",
   "gather_from_mesh of an optimizer not called",
   "save_sharded to no path",
+  "save_sharded to a PathLike that gives no path",
   "save_sharded with no timeout",
   "save_sharded with a NaN timeout",
   "save_sharded of shapes as a list",

@@ -48,7 +48,10 @@ def path_arg(directory: Any, what: str = "directory") -> str:
     raise ReshardError(
       f"{what} must be a path (str or os.PathLike), got {type(directory).__name__}"
     )
-  path = os.fspath(directory)
+  try:
+    path = os.fspath(directory)
+  except TypeError as e:  # an os.PathLike whose __fspath__ gives neither str nor bytes
+    raise ReshardError(f"{what} is not a usable path ({e})") from None
   if not isinstance(path, str) or not path or "\0" in path:
     raise ReshardError(f"{what} {path!r} is not a usable path")
   return os.path.abspath(path)
