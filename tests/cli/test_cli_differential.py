@@ -899,18 +899,24 @@ def test_a_later_step_without_a_jaxreshard_item_leaves_the_latest_one_read(tmp_p
     _assert_oracle(got, state, 3, r, metadata)
 
 
-def test_a_later_step_whose_jaxreshard_item_is_a_link_is_refused_not_passed_over(tmp_path):
-  """The latest step's recorded jaxreshard item is a symbolic link (to a whole
-  checkpoint): orbax's ``latest_step()`` is that step and its restore follows the
-  link; the command line never takes a link inside a run, so it must refuse the
-  run, not read step 1 as the run's latest."""
+def _two_step_run(run) -> optax.GradientTransformation:
+  """A manager's run of steps 1 and 2 (Adam states of seeds 1 and 2); its optimizer."""
   opt = optax.adam(1e-3)
-  with ocp.CheckpointManager(tmp_path / "run") as manager:
+  with ocp.CheckpointManager(run) as manager:
     for s in (1, 2):
       manager.save(
         s, args=jr.ReshardSave(jr.shard_state(opt, PARAMS, _state(opt, s), world_size=W))
       )
     manager.wait_until_finished()
+  return opt
+
+
+def test_a_later_step_whose_jaxreshard_item_is_a_link_is_refused_not_passed_over(tmp_path):
+  """The latest step's recorded jaxreshard item is a symbolic link (to a whole
+  checkpoint): orbax's ``latest_step()`` is that step and its restore follows the
+  link; the command line never takes a link inside a run, so it must refuse the
+  run, not read step 1 as the run's latest."""
+  _two_step_run(tmp_path / "run")
   item = tmp_path / "run" / "2" / "default"
   os.rename(item, tmp_path / "elsewhere")
   os.symlink(tmp_path / "elsewhere", item)
@@ -925,13 +931,7 @@ def test_a_later_step_that_is_a_link_is_refused_not_passed_over(tmp_path):
   run, so it must refuse the run, not read step 1 as the run's latest. (Before: it
   read step 1.) A later link to a directory holding no jaxreshard item is passed over,
   as such a directory is; the link itself given as the path is read."""
-  opt = optax.adam(1e-3)
-  with ocp.CheckpointManager(tmp_path / "run") as manager:
-    for s in (1, 2):
-      manager.save(
-        s, args=jr.ReshardSave(jr.shard_state(opt, PARAMS, _state(opt, s), world_size=W))
-      )
-    manager.wait_until_finished()
+  opt = _two_step_run(tmp_path / "run")
   step = tmp_path / "run" / "2"
   os.rename(step, tmp_path / "kept")
   os.symlink(tmp_path / "kept", step)
