@@ -146,14 +146,14 @@ def agree_to_start(
 
   ``refusal`` is why this process refuses the save (None: it starts). The processes
   meet under ``directory``'s name and how many saves of that name each made before
-  (``_start_key``). Each process tells its word; the first process that can decide sets the save's one verdict
-  (the key-value store keeps the first verdict set and refuses any other), and every
-  process follows it: every word "starts", the lowest-numbered refusal it saw, or,
-  past ``timeout_s``, that a process did not come. A process that comes later
-  follows the verdict found; unless that verdict is that it did not come and another
-  process already came to the next save of the name: then this process missed the
-  save, and its save is that next one (it fails only the save it missed, not every
-  later one).
+  (``_start_key``). Each process tells its word; the first process that can decide
+  sets the save's one verdict (the key-value store keeps the first verdict set and
+  refuses any other), and every process follows it: every word "starts", the
+  lowest-numbered refusal it saw, or, past ``timeout_s``, that a process did not
+  come. A process that comes later follows the verdict found; unless that verdict
+  is that it did not come and another process already came to the next save of the
+  name: then this process missed the save, and its save is that next one (it fails
+  only the save it missed, not every later one).
 
   Returns:
     a function that forgets the agreement: call it once every process is past it
