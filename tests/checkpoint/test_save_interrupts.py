@@ -285,3 +285,154 @@ def test_an_interrupt_while_a_file_is_handed_to_the_fsync_pool_closes_it_once(
     os.fstat(reused)  # no late close of the old number closed it
   finally:
     os.close(reused)
+
+
+class _InterruptedSlots:
+  """The fsync pool's slots, all taken: Ctrl-C lands while the writer waits for one."""
+
+  def __init__(self):
+    self.released = 0
+
+  def acquire(self):
+    raise KeyboardInterrupt("waiting for an fsync slot")
+
+  def release(self):
+    self.released += 1
+
+
+def test_an_interrupt_while_waiting_for_an_fsync_slot_closes_the_file(tmp_path):
+  """Every slot taken (64 files waiting for their fsync on a slow disk), the writer
+  waits in ``submit``; Ctrl-C there: the file handed over is closed, and no slot it
+  never took is freed. (Before: its descriptor stayed open, on a file its save then
+  removed, for the life of the process.)"""
+  syncer = shardfile._Syncer(threads=1, limit=4)
+  syncer._slots = slots = _InterruptedSlots()
+  fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY)
+  with pytest.raises(KeyboardInterrupt, match="waiting for an fsync slot"):
+    syncer.submit(fd, str(tmp_path / "f"))
+  with pytest.raises(OSError):
+    os.fstat(fd)
+  assert slots.released == 0
+  syncer.shutdown()
+
+
+def _interrupt_on_call(code, nth: int):
+  """A profile hook raising ``KeyboardInterrupt`` on the ``nth`` entry into ``code``
+  (where a signal lands: a function's entry), once; and the count of entries."""
+  calls = []
+
+  def hook(frame, event, arg):
+    if event == "call" and frame.f_code is code:
+      calls.append(frame)
+      if len(calls) == nth:
+        sys.setprofile(None)
+        raise KeyboardInterrupt(f"entering {code.co_qualname} #{nth}")
+
+  return hook, calls
+
+
+@pytest.mark.parametrize(
+  "where, nth",
+  [
+    ("OutDir.__exit__", 1),
+    ("OutDir.__exit__", 2),
+    ("OutDir.__exit__", 6),
+    ("OutDir.finish", 1),
+    ("OutDir.finish", 2),
+    ("_Syncer.submit", 1),
+    ("_Syncer.submit", 3),  # the ``c`` directory's, from ``sync``
+  ],
+)
+def test_an_interrupt_as_a_written_file_or_directory_is_let_go_leaves_no_descriptor(
+  tmp_path, where, nth
+):
+  """Ctrl-C where it lands as a written file is handed over to be fsync'ed and closed
+  (the entry of ``finish`` or ``submit``: a function's entry is where a signal's handler
+  runs), as a directory is handed over, or as a ``with`` block of an archive's
+  directory (or its ``c`` subdirectory) ends: once the interrupt is dropped, no
+  descriptor of the removed files is left. (Before: each was kept open, on a removed
+  file, for the life of the process, one more per interrupted save.)"""
+  records = adam_records(3)
+  out = str(tmp_path / "ckpt")
+  cls, name = where.split(".")
+  hook, calls = _interrupt_on_call(getattr(getattr(shardfile, cls), name).__code__, nth)
+  before, held = set(os.listdir("/proc/self/fd")), _deleted_files_held()
+  sys.setprofile(hook)
+  try:
+    with pytest.raises(KeyboardInterrupt, match=f"entering {where} #{nth}"):
+      jr.save_records(out, records)
+  finally:
+    sys.setprofile(None)
+  del calls[:]  # the frames
+  gc.collect()
+  assert _deleted_files_held() == held
+  assert set(os.listdir("/proc/self/fd")) <= before
+  assert os.listdir(tmp_path) == []
+  jr.save_records(out, records)
+  for a, b in zip(jr.load_records(out), records, strict=True):
+    assert_records_equal(a, b)
+
+
+class _InterruptedWait:
+  """A pending fsync whose wait Ctrl-C interrupts (a slow disk's fsync)."""
+
+  def result(self):
+    raise KeyboardInterrupt("waiting for an fsync")
+
+
+def test_an_interrupt_while_the_fsync_pool_is_shut_down_ends_its_threads(tmp_path):
+  """Ctrl-C while a failing save's cleanup waits for the fsyncs it handed over: the
+  pool's threads still end (once their fsyncs are done), not left idle for as long
+  as the interrupt's traceback keeps the pool alive."""
+  syncer = shardfile._Syncer(threads=2, limit=4)
+  fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY)
+  syncer.submit(fd, str(tmp_path / "f"))  # starts a thread
+  threads = [t for t in threading.enumerate() if t.name.startswith("jaxreshard-fsync")]
+  assert threads
+  syncer._pending.append(_InterruptedWait())
+  with pytest.raises(KeyboardInterrupt, match="waiting for an fsync"):
+    syncer.shutdown()
+  for t in threads:
+    t.join(10)
+  assert not any(t.is_alive() for t in threads), "the fsync pool's threads were left running"
+
+
+def test_an_interrupt_as_the_collector_is_paused_leaves_it_running():
+  """Ctrl-C where it can land while a pause of the collector begins (after a builtin
+  returns: ``gc.disable``, the count, the lock's exit) or ends: the interrupt comes
+  out, and the collector runs again with nothing left counted. (Before: landing after
+  ``gc.disable`` or after the count, before the ``try``, left it off for the rest of
+  the process: every later pause found it off and kept it so.)"""
+  code = gcpause.no_gc.__wrapped__.__code__
+  sites = []
+
+  def record(frame, event, arg):
+    if event == "c_return" and frame.f_code is code:
+      sites.append((frame.f_lineno, len([s for s in sites if s[0] == frame.f_lineno])))
+
+  sys.setprofile(record)
+  try:
+    with gcpause.no_gc():
+      pass
+  finally:
+    sys.setprofile(None)
+  assert len(sites) >= 4
+  for site in sites:
+    seen = []
+
+    def hook(frame, event, arg, site=site, seen=seen):
+      if event == "c_return" and frame.f_code is code:
+        at = (frame.f_lineno, len([s for s in seen if s[0] == frame.f_lineno]))
+        seen.append(at)
+        if at == site:
+          sys.setprofile(None)
+          raise KeyboardInterrupt(f"at line {site[0] - code.co_firstlineno}")
+
+    sys.setprofile(hook)
+    try:
+      with pytest.raises(KeyboardInterrupt, match="at line"), gcpause.no_gc():
+        pass
+    finally:
+      sys.setprofile(None)
+    assert gc.isenabled(), f"the collector was left off by an interrupt at {site}"
+    assert gcpause._HELD == {} and not gcpause._LOCK.locked(), site

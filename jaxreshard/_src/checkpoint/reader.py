@@ -138,25 +138,28 @@ class Checkpoint:
     self.directory = path_arg(directory)
     # The root is opened once; every file below it is opened relative to this
     # descriptor, which lives as long as the object (or until ``close``).
-    self._root = _shardread.Dir.root(self.directory)
-    self._closer = weakref.finalize(self, self._root.close)
+    root = _shardread.Dir.root(self.directory)
+    # An error or an interrupt anywhere below closes the root now: a caller that never
+    # gets the object cannot, and a traceback kept alive would hold the descriptor.
     try:
-      self.index = _read_index(self._root, directory, self.directory)
+      self._root = root
+      self._closer = weakref.finalize(self, root.close)
+      self.index = _read_index(root, directory, self.directory)
+      i = self.index
+      self.id, self.record_version, self.source = i.id, i.record_version, i.source
+      self.layouts, self.clocks = i.layouts, i.clocks
+      if len(self.layouts) > 1:
+        _check_one_tree(self)
+      self._lock = threading.Lock()
+      self.memo = _memo.Memo()  # what validation learns of the index, for this object's life
+      self.loaded = LoadedArchives()  # the assemblies whole archives are loaded with
+      # The archives' files and bytes: metadata, buffers, runs, padding.
+      self.archives = _archives.ArchiveReader(
+        self.directory, root, i, weakref.WeakMethod(self.placement)
+      )
     except BaseException:
-      self.close()
+      root.close()
       raise
-    i = self.index
-    self.id, self.record_version, self.source = i.id, i.record_version, i.source
-    self.layouts, self.clocks = i.layouts, i.clocks
-    if len(self.layouts) > 1:
-      _check_one_tree(self)
-    self._lock = threading.Lock()
-    self.memo = _memo.Memo()  # what validation learns of the index, for this object's life
-    self.loaded = LoadedArchives()  # the assemblies whole archives are loaded with
-    # The archives' files and bytes: metadata, buffers, runs, padding.
-    self.archives = _archives.ArchiveReader(
-      self.directory, self._root, i, weakref.WeakMethod(self.placement)
-    )
 
   # The index's per-entry objects, made when first asked (``_index.Index``): planning
   # one target rank reads the index's arrays instead.

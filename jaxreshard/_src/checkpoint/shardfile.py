@@ -149,23 +149,26 @@ class _Syncer:
     self._slots = threading.BoundedSemaphore(limit)
     self._pending: list[concurrent.futures.Future] = []
 
-  def submit(self, fd: int, path: str) -> None:
-    self._slots.acquire()
+  def submit(self, job: list[int] | int, path: str) -> None:
+    """Hands ``job`` (``[fd]``) over: fsync'ed and closed by a worker. Raising, it
+    leaves the descriptor closed, or in ``job`` for the caller to close (an interrupt
+    that lands as this is called)."""
+    if not isinstance(job, list):  # a bare descriptor
+      job = [job]
+    try:
+      self._slots.acquire()
+    except BaseException:  # Ctrl-C while every slot is taken: the descriptor is still ours
+      _close_job(job)
+      raise
     # The descriptor and its slot belong to whoever pops it from ``job`` first (one
     # atomic step): the worker, or this thread when the hand-over fails. An interrupt
     # (Ctrl-C) may land after the pool took the job and before it is recorded: then
     # the worker still fsyncs and closes it, and it is never closed twice (a second
     # close could close another file that reused the number) nor its slot freed twice.
-    job = [fd]
     try:
       self._pending.append(self._pool.submit(self._sync, job, path))
     except BaseException:
-      try:
-        mine = job.pop()
-      except IndexError:
-        mine = None  # the worker has it
-      if mine is not None:
-        os.close(mine)
+      if _close_job(job):  # not the worker's
         self._slots.release()
       raise
     if len(self._pending) > 1024:  # keep the list short: collect what finished
@@ -205,6 +208,9 @@ class _Syncer:
       self.drain()
     except OSError:
       pass
+    except BaseException:  # Ctrl-C while waiting: the threads end once their fsyncs are done
+      self._pool.shutdown(wait=False)
+      raise
     self._pool.shutdown(wait=True)
 
 
@@ -222,9 +228,12 @@ class OutDir:
   """
 
   def __init__(self, fd: int, path: str, durable: bool = True, syncer: _Syncer | None = None):
-    self.fd, self.path, self.durable = fd, path, durable
+    self.path, self.durable = path, durable
     self._own_syncer = durable and syncer is None
     self._syncer = (_Syncer() if self._own_syncer else syncer) if durable else None
+    # Last: interrupted before this, the caller still owns ``fd`` and closes it (and
+    # ``__del__`` does not); from here the object does.
+    self.fd = fd
 
   @classmethod
   def open(cls, path: str, durable: bool = True) -> OutDir:
@@ -254,6 +263,17 @@ class OutDir:
       if self._own_syncer:
         self._own_syncer = False
         self._syncer.shutdown()
+
+  def __del__(self):
+    # An interrupt (Ctrl-C) that lands in a ``with`` block's exit drops the object
+    # unclosed: its descriptor goes with it, not kept on a removed directory for the
+    # life of the process. (Its fsyncs are waited for by whoever holds the root.)
+    fd, self.fd = getattr(self, "fd", -1), -1
+    if fd >= 0:
+      try:
+        os.close(fd)
+      except Exception:  # noqa: BLE001 - a finalizer reports nothing
+        pass
 
   def __enter__(self) -> OutDir:
     return self
@@ -289,25 +309,27 @@ class OutDir:
     except OSError as e:
       raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
 
-  def finish(self, fd: int, name: str) -> None:
-    """Hands a written file over to be fsync'ed and closed (closes it when not durable)."""
+  def finish(self, job: list[int], name: str) -> None:
+    """Hands a written file (``job``: ``[fd]``) over to be fsync'ed and closed (closes
+    it when not durable). Raising, it leaves the descriptor closed or in ``job``: the
+    caller closes what is left there (``_close_job``), never twice."""
     if self._syncer is None:
-      os.close(fd)
+      _close_job(job)
     else:
-      self._syncer.submit(fd, os.path.join(self.path, name))
+      self._syncer.submit(job, os.path.join(self.path, name))
 
   def write_bytes(self, name: str, data: bytes) -> None:
     """Writes ``data`` as the new file ``name``; errors name the file."""
-    fd = self.create(name)
+    job = [self.create(name)]
     try:
-      _writev(fd, [data])
-    except OSError as e:  # a full disk reports itself without the file's name
-      os.close(fd)
-      raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
-    except BaseException:  # an interrupt: the file is removed with its directory
-      os.close(fd)
+      try:
+        _writev(job[0], [data])
+      except OSError as e:  # a full disk reports itself without the file's name
+        raise OSError(e.errno, e.strerror, os.path.join(self.path, name)) from None
+      self.finish(job, name)
+    except BaseException:  # an error, or an interrupt (Ctrl-C) up to the hand-over: the
+      _close_job(job)  # file is removed with its directory, and no descriptor keeps it
       raise
-    self.finish(fd, name)
 
   def write_json(self, name: str, obj: Any) -> None:
     """Writes ``obj`` as compact JSON into the new file ``name``."""
@@ -316,7 +338,22 @@ class OutDir:
   def sync(self) -> None:
     """Hands the directory's own entries over to be fsync'ed (when durable)."""
     if self._syncer is not None:
-      self._syncer.submit(os.dup(self.fd), self.path)
+      job = [os.dup(self.fd)]
+      try:
+        self._syncer.submit(job, self.path)
+      except BaseException:  # an interrupt as it is handed over
+        _close_job(job)
+        raise
+
+
+def _close_job(job: list[int]) -> bool:
+  """Closes the descriptor in ``job`` unless another took it first; whether it did."""
+  try:
+    fd = job.pop()
+  except IndexError:
+    return False
+  os.close(fd)
+  return True
 
 
 def json_bytes(obj: Any) -> bytes:
@@ -344,16 +381,16 @@ def write_array(directory: OutDir | str, name: str, data: np.ndarray, chunk: int
     adir.write_json(META_FILE, zarr_metadata(size, data.dtype, chunk))
     with adir.mkdir(SHARD_KEY[0]) as cdir:
       raw = memoryview(data.view(np.uint8))
-      fd = cdir.create(SHARD_KEY[1])
+      job = [cdir.create(SHARD_KEY[1])]
       try:
-        crcs = _write_chunks(fd, raw, size, itemsize, chunk)
-      except OSError as e:  # a full disk or a quota: say which file
-        os.close(fd)
-        raise OSError(e.errno, e.strerror, os.path.join(cdir.path, SHARD_KEY[1])) from None
-      except BaseException:  # an interrupt: the file is removed with its directory, and
-        os.close(fd)  # a descriptor left open would keep its blocks until the process ends
-        raise
-      cdir.finish(fd, SHARD_KEY[1])
+        try:
+          crcs = _write_chunks(job[0], raw, size, itemsize, chunk)
+        except OSError as e:  # a full disk or a quota: say which file
+          raise OSError(e.errno, e.strerror, os.path.join(cdir.path, SHARD_KEY[1])) from None
+        cdir.finish(job, SHARD_KEY[1])
+      except BaseException:  # an error, or an interrupt up to the hand-over: the file is
+        _close_job(job)  # removed with its directory, and a descriptor left open would
+        raise  # keep its blocks until the process ends
       cdir.sync()
     adir.sync()
   return crcs

@@ -143,7 +143,28 @@ class ReadStats:
 __all__ = ["Dir", "ReadStats", "ShardFile"]
 
 
-class Dir:
+class _Owned:
+  """An object that owns the descriptor ``fd`` (-1 once closed) and closes it once."""
+
+  fd: int
+
+  def close(self) -> None:
+    # The number is given up before it is closed: an interrupt between the two never
+    # leaves it to be closed again (by ``__del__``), when another file may have it.
+    fd, self.fd = getattr(self, "fd", -1), -1
+    if fd >= 0:
+      os.close(fd)
+
+  def __del__(self):
+    # An interrupt (Ctrl-C) that lands in a ``with`` block's exit, or between an open
+    # and its owner's hold, drops the object unclosed: its descriptor goes with it.
+    try:
+      self.close()
+    except Exception:  # noqa: BLE001 - a finalizer reports nothing
+      pass
+
+
+class Dir(_Owned):
   """A directory of the checkpoint, open as a descriptor; names never leave it.
 
   Every open goes through ``openat`` with ``O_NOFOLLOW``: a symbolic link
@@ -163,12 +184,11 @@ class Dir:
       raise FileNotFoundError(f"checkpoint directory {path} does not exist") from None
     except NotADirectoryError:
       raise ArchiveError(f"{path} is not a directory, so not a jaxreshard checkpoint") from None
-    return cls(fd, path)
-
-  def close(self) -> None:
-    if self.fd >= 0:
-      os.close(self.fd)
-      self.fd = -1
+    try:
+      return cls(fd, path)
+    except BaseException:  # an interrupt before the object holds it
+      os.close(fd)
+      raise
 
   def __enter__(self) -> Dir:
     return self
@@ -211,9 +231,13 @@ class Dir:
       return False
 
   def dir(self, name: str) -> Dir:
-    return Dir(
-      self._open(name, os.O_RDONLY | os.O_DIRECTORY, "directory"), os.path.join(self.path, name)
-    )
+    path = os.path.join(self.path, name)
+    fd = self._open(name, os.O_RDONLY | os.O_DIRECTORY, "directory")
+    try:
+      return Dir(fd, path)
+    except BaseException:  # an interrupt before the object holds it
+      os.close(fd)
+      raise
 
   def exists(self, name: str) -> bool:
     try:
@@ -235,17 +259,20 @@ class Dir:
         raise ArchiveError(f"{os.path.join(self.path, name)} is not a regular file")
     # O_NONBLOCK: a FIFO put there after the check must not make the open wait.
     fd = self._open(name, os.O_RDONLY | os.O_NONBLOCK, "file")
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
+    try:
+      st = os.fstat(fd)
+      if not stat.S_ISREG(st.st_mode):
+        raise ArchiveError(f"{os.path.join(self.path, name)} is not a regular file")
+    except BaseException:  # refused, or an interrupt: the caller never holds it
       os.close(fd)
-      raise ArchiveError(f"{os.path.join(self.path, name)} is not a regular file")
+      raise
     return fd, st
 
   def read_bytes(self, name: str, max_bytes: int) -> bytes:
     """A small file's bytes, refused beyond ``max_bytes``."""
     fd, st = self.file(name)
-    path = os.path.join(self.path, name)
     try:
+      path = os.path.join(self.path, name)
       if st.st_size > max_bytes:
         raise ArchiveError(
           f"{path} has {st.st_size} bytes, more than its metadata can have ({max_bytes})"
@@ -270,7 +297,7 @@ class Dir:
     return loads(text, path)
 
 
-class ShardFile:
+class ShardFile(_Owned):
   """An open buffer file, checked against the metadata that describes it.
 
   Attributes:
@@ -310,6 +337,8 @@ class ShardFile:
         )
       with d.dir(SHARD_KEY[0]) as c:
         self.fd, st = c.file(SHARD_KEY[1])
+    # From here ``self.fd`` is this object's: an interrupt in the exits of the ``with``
+    # blocks above drops the object, and ``__del__`` closes it.
     try:  # a refused file is closed here: its caller never holds it
       expected = file_size(size, self.dtype.itemsize, chunk)
       if st.st_size != expected:
@@ -322,11 +351,6 @@ class ShardFile:
     except BaseException:
       self.close()
       raise
-
-  def close(self) -> None:
-    if getattr(self, "fd", -1) >= 0:
-      os.close(self.fd)
-      self.fd = -1
 
   def chunk_ranges(self, src: np.ndarray, length: np.ndarray) -> list[tuple[int, int]]:
     """The byte ranges of the chunks that hold elements ``[src, src + length)``

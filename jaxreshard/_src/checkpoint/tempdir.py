@@ -315,6 +315,7 @@ class TempDir:
   @classmethod
   def _take(cls, path: str, durable: bool) -> TempDir | None:
     dfd = lfd = -1
+    out = None
     try:
       dfd = os.open(path, _DIR_FLAGS)
       lfd = os.open(
@@ -323,10 +324,14 @@ class TempDir:
       fcntl.flock(lfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
       # Taken: still the directory at its path, with this lock file in it.
       if _still_there(path, dfd, lfd):
-        return cls(path, _shardfile.OutDir(dfd, path, durable), lfd)
+        out = _shardfile.OutDir(dfd, path, durable)
+        return cls(path, out, lfd)
     except (FileNotFoundError, BlockingIOError):
       pass
     except BaseException:
+      if out is not None:  # it owns the directory's descriptor now (and closes it once)
+        out.close()
+        dfd = -1
       for fd in (lfd, dfd):
         if fd >= 0:
           os.close(fd)

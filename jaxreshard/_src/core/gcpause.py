@@ -29,20 +29,30 @@ def no_gc():
   """
   global _WAS_ENABLED
   me = threading.get_ident()
-  with _LOCK:
-    if not _HELD:
-      _WAS_ENABLED = gc.isenabled()
-      gc.disable()
-    _HELD[me] = _HELD.get(me, 0) + 1
+  before = None  # this thread's pauses before this one; counted once _HELD[me] exceeds it
+  # An interrupt (Ctrl-C) lands where a builtin returns: after ``gc.disable``, after
+  # the count, in the lock's exit, before the block. The ``finally`` covers the start
+  # too, and the count comes before ``gc.disable``: what was not counted was not
+  # paused, and what was is ended, so the collector is never left off. The
+  # ``finally`` itself calls no builtin before its count is taken back.
   try:
+    with _LOCK:
+      before = _HELD.get(me, 0)
+      first = not _HELD
+      if first:
+        _WAS_ENABLED = gc.isenabled()
+      _HELD[me] = before + 1
+      if first:
+        gc.disable()
     yield
   finally:
     with _LOCK:
-      _HELD[me] -= 1
-      if not _HELD[me]:
-        del _HELD[me]
-      if not _HELD and _WAS_ENABLED:
-        gc.enable()
+      if before is not None and me in _HELD and _HELD[me] > before:  # counted
+        _HELD[me] -= 1
+        if not _HELD[me]:
+          del _HELD[me]
+        if not _HELD and _WAS_ENABLED:
+          gc.enable()
 
 
 def _after_fork_in_child() -> None:
