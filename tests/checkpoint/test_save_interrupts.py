@@ -271,7 +271,7 @@ def test_an_interrupt_while_a_file_is_handed_to_the_fsync_pool_closes_it_once(
   syncer._pending = _InterruptedAppend(wait=worker_first)
   try:
     with pytest.raises(KeyboardInterrupt):
-      syncer.submit(fd, str(tmp_path / "f"))
+      syncer.submit([fd], str(tmp_path / "f"))
     with pytest.raises(OSError):
       os.fstat(fd)  # closed, by the worker or by the failed hand-over
     # Another file takes the freed number while a queued fsync job may still hold it.
@@ -309,7 +309,7 @@ def test_an_interrupt_while_waiting_for_an_fsync_slot_closes_the_file(tmp_path):
   syncer._slots = slots = _InterruptedSlots()
   fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY)
   with pytest.raises(KeyboardInterrupt, match="waiting for an fsync slot"):
-    syncer.submit(fd, str(tmp_path / "f"))
+    syncer.submit([fd], str(tmp_path / "f"))
   with pytest.raises(OSError):
     os.fstat(fd)
   assert slots.released == 0
@@ -386,7 +386,7 @@ def test_an_interrupt_while_the_fsync_pool_is_shut_down_ends_its_threads(tmp_pat
   as the interrupt's traceback keeps the pool alive."""
   syncer = shardfile._Syncer(threads=2, limit=4)
   fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY)
-  syncer.submit(fd, str(tmp_path / "f"))  # starts a thread
+  syncer.submit([fd], str(tmp_path / "f"))  # starts a thread
   threads = [t for t in threading.enumerate() if t.name.startswith("jaxreshard-fsync")]
   assert threads
   syncer._pending.append(_InterruptedWait())

@@ -149,12 +149,10 @@ class _Syncer:
     self._slots = threading.BoundedSemaphore(limit)
     self._pending: list[concurrent.futures.Future] = []
 
-  def submit(self, job: list[int] | int, path: str) -> None:
+  def submit(self, job: list[int], path: str) -> None:
     """Hands ``job`` (``[fd]``) over: fsync'ed and closed by a worker. Raising, it
     leaves the descriptor closed, or in ``job`` for the caller to close (an interrupt
     that lands as this is called)."""
-    if not isinstance(job, list):  # a bare descriptor
-      job = [job]
     try:
       self._slots.acquire()
     except BaseException:  # Ctrl-C while every slot is taken: the descriptor is still ours
