@@ -14,6 +14,7 @@ from jaxreshard._src.core.copyplan import Blocks
 from jaxreshard._src.engine import pipeline as _pipeline
 from jaxreshard._src.engine import sources as _sources
 from jaxreshard._src.exec import host as _host_exec
+from jaxreshard._src.exec import native as _native
 from tests._core_util import (
   OPTIMIZERS,
   STORAGE_SHAPES,
@@ -43,11 +44,15 @@ def _oracle_rows(flats, world):
   span=st.tuples(st.integers(0, 12), st.integers(1, 13)),
   chunk=st.sampled_from([1, 3, 7, 1 << 16]),
   tile=st.sampled_from([(0, 16, 1 << 30), (4, 64, 8), (32, 1 << 20, 1)]),
+  tiled=st.sampled_from([0, 8, 1 << 20]),
+  compiled=st.booleans() if _native.available() else st.just(False),
   seed=st.integers(0, 2**16),
 )
-def test_copy_blocks_is_the_flat_shard_rule(counts, w, m, span, chunk, tile, seed):
+def test_copy_blocks_is_the_flat_shard_rule(counts, w, m, span, chunk, tile, tiled, compiled, seed):
   """Target rows ``first .. first + n - 1`` of every buffer equal the oracle's shards,
-  for any two world sizes, row ranges, chunk and tile sizes; padding stays zero."""
+  for any two world sizes, row ranges, chunk and tile sizes, copied with numpy alone
+  or through the compiled block copy (which takes runs of narrow buffers whose
+  slots average over ``tiled`` elements); padding stays zero."""
   first = min(span[0], m - 1)
   n = min(span[1], m - first)
   rng = np.random.default_rng(seed)
@@ -72,10 +77,12 @@ def test_copy_blocks_is_the_flat_shard_rule(counts, w, m, span, chunk, tile, see
   out = np.zeros((n, int(ts.sum())), np.uint32)
   again = np.zeros_like(out)
   tables = {}
-  names = ("_CHUNK", "_NARROW", "_TILE_BYTES", "_DIRECT")
+  names = ("_CHUNK", "_NARROW", "_TILE_BYTES", "_DIRECT", "_TILED_SLOTS")
   old = [getattr(_host_exec, k) for k in names]
-  for k, v in zip(names, (chunk, *tile)):
+  was_compiled = _native.enabled
+  for k, v in zip(names, (chunk, *tile, tiled)):
     setattr(_host_exec, k, v)
+  _native.enabled = compiled
   try:
     _host_exec.copy_blocks(src, out, blocks, first, tables)
     # The second call copies narrow tiles by the gather tables the first one made.
@@ -83,6 +90,7 @@ def test_copy_blocks_is_the_flat_shard_rule(counts, w, m, span, chunk, tile, see
   finally:
     for k, v in zip(names, old):
       setattr(_host_exec, k, v)
+    _native.enabled = was_compiled
   want = _oracle_rows(flats, m)[first : first + n]
   np.testing.assert_array_equal(out, want)
   np.testing.assert_array_equal(again, want)
@@ -102,12 +110,18 @@ def _spy(monkeypatch):
   return calls
 
 
+COPIES = ["numpy"] + (["compiled"] if _native.available() else [])
+
+
+@pytest.mark.parametrize("copy", COPIES)
 @pytest.mark.parametrize("name", ["adam", "masked", "multi_transform", "inject_hyperparams"])
 @pytest.mark.parametrize("w, m", [(8, 6), (5, 7), (2, 9), (3, 1), (1, 4)])
-def test_every_rank_by_blocks_equals_rank_by_rank(monkeypatch, name, w, m):
-  """``reshard_ranks`` of a whole plan copies by blocks; each rank equals ``reshard``
-  of that rank alone (run by run) and the oracle (uneven worlds, trailing all-padding
-  ranks, scalars, size-1 params, masked and frozen histories)."""
+def test_every_rank_by_blocks_equals_rank_by_rank(monkeypatch, name, w, m, copy):
+  """``reshard_ranks`` of a whole plan copies by blocks (with numpy alone, or through
+  the compiled block copy); each rank equals ``reshard`` of that rank alone (run by
+  run) and the oracle (uneven worlds, trailing all-padding ranks, scalars, size-1
+  params, masked and frozen histories)."""
+  monkeypatch.setattr(_native, "enabled", copy == "compiled")
   opt = OPTIMIZERS[name]()
   params = small_params()
   state = random_state(opt, params)
@@ -170,6 +184,7 @@ def test_narrow_tiles_by_gather_tables_equal_rank_by_rank(monkeypatch, w, m, int
   plans = [jr.plan(records, world_size=m, rank=r) for r in range(m)]
   monkeypatch.setattr(_pipeline, "_BLOCK_RUNS", -1)
   monkeypatch.setattr(_host_exec, "_NARROW", 1 << 20)
+  monkeypatch.setattr(_host_exec, "_TILED_SLOTS", 1 << 20)  # tiles, even beside a compiled copy
   monkeypatch.setattr(_host_exec, "_TILE_BYTES", 96)
   if int32_max is not None:  # every table of int64 positions, as a huge tile's
     monkeypatch.setattr(_host_exec._tiles, "_INT32_MAX", int32_max)

@@ -1,4 +1,4 @@
-"""The host executor: target buffers assembled with numpy copies, no compilation.
+"""The host executor: target buffers assembled with numpy copies, no program compiled.
 
 Sources in host memory (numpy arrays, bytes read from disk, arrays of the CPU
 backend, which numpy views without a copy) are copied run by run into one
@@ -9,6 +9,9 @@ bfloat16 all arrive bit for bit. Padding is the zeros of the fresh buffer.
 A fresh buffer pays a page fault per page on first touch; two threads copying
 disjoint halves of the runs (numpy releases the GIL while it copies) hide
 much of it, so large targets are split between ``THREADS`` workers.
+
+Block copies (every target rank of a plan at once) go through the compiled
+block copy of ``native`` where the package was built with it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 from jaxreshard._src.core import workers as _workers
 from jaxreshard._src.core.copyplan import Blocks, Runs
 from jaxreshard._src.exec import bitview as _bitview
+from jaxreshard._src.exec import native as _native
 from jaxreshard._src.exec import tiles as _tiles
 
 __all__ = [
@@ -246,6 +250,11 @@ _CHUNK = 1 << 16
 # (2 cores with 2 MiB of L2 each; the tile, its gathered copy and its table
 # then no longer fit it).
 _NARROW = 32
+# With the compiled block copy, whose cost is about a mispredicted branch per
+# overlap of a source row and a target row, a run of narrow buffers goes
+# through tiles only when its slots average at most this many elements (a
+# gather costs ~1.5 ns an element, whatever the overlaps).
+_TILED_SLOTS = 8
 _TILE_BYTES = 2 << 20
 # A buffer whose slots on both sides are at least this many elements is copied
 # straight from row to row: an overlap (a numpy call) per at least this many
@@ -257,28 +266,42 @@ def _copy_blocks(src, out, table, tables: dict, a: int, b: int) -> None:
   """Blocks ``a:b``: the flat range ``[lo, hi)`` of each buffer, read from the
   source rows it spans and written to the target rows from row 0 on.
 
-  Buffers of one geometry that lie side by side in both rows (a parameter's
-  ``mu`` and ``nu``) move together: each numpy call moves all of them. Runs of
-  narrow buffers move a tile at a time, each tile by its gather table, kept in
-  ``tables`` by the run's first and last block.
+  Runs of narrow buffers move a tile at a time, each tile by its gather table,
+  kept in ``tables`` by the run's first and last block. The other buffers move
+  through the compiled block copy where it is available (``native``), all in
+  one call. Without it, buffers of one geometry that lie side by side in both
+  rows (a parameter's ``mu`` and ``nu``) move together: each numpy call moves
+  all of them.
   """
   cols = tuple(c[a:b].tolist() for c in table)
+  compiled = _native.enabled
   scratch = np.empty(_CHUNK, src.dtype)
   tiles = np.empty(2 * (_TILE_BYTES // src.itemsize) + 1, src.dtype)
   positions = np.empty(_TILE_BYTES // src.itemsize, np.intp)
+  rest = np.zeros(b - a, bool)  # the blocks left to the compiled copy
   i, n = 0, b - a
   while i < n:
     j = _narrow_run(*cols, i, n, src.itemsize)
-    if j - i > 1:
+    if j - i > 1 and (not compiled or _tiled(cols, i, j)):
       key = (a + i, a + j)
       gather = tables.get(key)
       if gather is None:
         gather = tables.setdefault(key, _tiles.gather_table(*cols, i, j))
       _tiles.copy_tile(src, out, gather, cols[0][i], cols[2][i], tiles, positions)
+    elif compiled:
+      rest[i:j] = True
     else:
       j = i + _alike(*cols, i, n)
       scratch = _copy_one(src, out, *(c[i] for c in cols), j - i, scratch)
     i = j
+  if rest.any():
+    _native.copy_blocks(src, out, table, a + np.flatnonzero(rest))
+
+
+def _tiled(cols, i: int, j: int) -> bool:
+  """Whether tiles copy the run of narrow buffers ``i:j`` faster than the compiled
+  block copy: its slots average at most ``_TILED_SLOTS`` elements."""
+  return sum(cols[1][i:j]) + sum(cols[3][i:j]) <= 2 * _TILED_SLOTS * (j - i)
 
 
 def _alike(so, ss, to, ts, lo, hi, i: int, n: int) -> int:

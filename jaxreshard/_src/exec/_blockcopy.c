@@ -1,0 +1,85 @@
+/* Block copies of the host executor, compiled: each buffer's flat range moved
+ * from the rows of the source ranks to the rows of the target ranks.
+ *
+ * A buffer ("block") lies at columns [so, so + ss) of every source row and at
+ * columns [to, to + ts) of every target row; its rows concatenated are its flat
+ * elements. Block b's flat range [lo, hi) is copied so that flat element lo
+ * lands at column to of target row 0: target row r holds flat elements
+ * [lo + r * ts, lo + (r + 1) * ts). Every overlap of a source row and a target
+ * row is one copy; nothing else is written, so what no block covers keeps the
+ * caller's zeros.
+ *
+ * The caller checks every table against both arrays' shapes before calling:
+ * no bound is checked here. Elements move as unsigned integers of their width,
+ * never as values. The functions take no Python object and hold no lock: they
+ * run with the interpreter's lock released (ctypes releases it for the call).
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Pieces of at most this many elements are copied element by element: the C
+ * library's memcpy costs more than the copy for a few elements. */
+#define SHORT 8
+
+#define BLOCK_COPY(T, NAME)                                                      \
+  static void NAME(const char *src, int64_t src_stride, char *out,             \
+                   int64_t out_stride, int64_t n, const int64_t *so,           \
+                   const int64_t *ss, const int64_t *to, const int64_t *ts,    \
+                   const int64_t *lo, const int64_t *hi) {                     \
+    const int64_t src_step = src_stride / (int64_t)sizeof(T);                  \
+    const int64_t out_step = out_stride / (int64_t)sizeof(T);                  \
+    for (int64_t b = 0; b < n; b++) {                                          \
+      int64_t at = lo[b];                                                      \
+      const int64_t stop = hi[b], s = ss[b], t = ts[b];                        \
+      if (at >= stop) continue;                                                \
+      /* The source row holding flat element `at`, and where each row ends. */ \
+      int64_t k = at / s;                                                      \
+      int64_t src_end = (k + 1) * s, out_end = at + t;                         \
+      /* Flat element j of this source row is sp[j]; of this target row, op[j]. */ \
+      const T *sp = (const T *)(src + k * src_stride) + so[b] - k * s;         \
+      T *op = (T *)out + to[b] - at;                                           \
+      while (at < stop) {                                                      \
+        int64_t end = src_end < out_end ? src_end : out_end;                   \
+        if (stop < end) end = stop;                                            \
+        if (end - at <= SHORT) {                                               \
+          for (int64_t j = at; j < end; j++) op[j] = sp[j];                    \
+        } else {                                                               \
+          memcpy(op + at, sp + at, (size_t)(end - at) * sizeof(T));            \
+        }                                                                      \
+        at = end;                                                              \
+        if (at == src_end) { /* next source row */                             \
+          src_end += s;                                                        \
+          sp += src_step - s;                                                  \
+        }                                                                      \
+        if (at == out_end) { /* next target row */                             \
+          out_end += t;                                                        \
+          op += out_step - t;                                                  \
+        }                                                                      \
+      }                                                                        \
+    }                                                                          \
+  }
+
+BLOCK_COPY(uint8_t, copy1)
+BLOCK_COPY(uint16_t, copy2)
+BLOCK_COPY(uint32_t, copy4)
+BLOCK_COPY(uint64_t, copy8)
+
+/* Copies blocks [0, n) (tables of n int64 each) from `src`'s rows (`src_stride`
+ * bytes apart) to `out`'s rows (`out_stride` bytes apart), elements of `itemsize`
+ * bytes. Returns 0, or -1 (nothing copied) for an item size other than 1, 2, 4
+ * or 8 or row strides that are not whole elements. */
+int jaxreshard_copy_blocks(const char *src, int64_t src_stride, char *out,
+                           int64_t out_stride, int64_t itemsize, int64_t n,
+                           const int64_t *so, const int64_t *ss,
+                           const int64_t *to, const int64_t *ts,
+                           const int64_t *lo, const int64_t *hi) {
+  if (itemsize <= 0 || src_stride % itemsize || out_stride % itemsize) return -1;
+  switch (itemsize) {
+    case 1: copy1(src, src_stride, out, out_stride, n, so, ss, to, ts, lo, hi); return 0;
+    case 2: copy2(src, src_stride, out, out_stride, n, so, ss, to, ts, lo, hi); return 0;
+    case 4: copy4(src, src_stride, out, out_stride, n, so, ss, to, ts, lo, hi); return 0;
+    case 8: copy8(src, src_stride, out, out_stride, n, so, ss, to, ts, lo, hi); return 0;
+    default: return -1;
+  }
+}

@@ -1,0 +1,130 @@
+"""The host executor's block copy compiled in C, where the package was built with it.
+
+``_blockcopy.c`` moves each buffer's flat range from source rows to target rows,
+one copy per overlap of a source row and a target row, with no index array
+and no Python per overlap. The package builds it when it is installed; where no
+C compiler was found, the build skips it and the host executor copies with
+numpy alone (the same bits, more slowly where a buffer's slots are a few
+hundred elements or less). Setting ``JAXRESHARD_NATIVE=0`` in the environment
+before the package is imported makes it copy with numpy alone too.
+
+The library is called through ctypes, which releases the interpreter's lock for
+the call: two threads copy two halves of the blocks at once. Every table is
+checked here against both arrays' shapes before the call; the C code checks
+no bound.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+__all__ = ["available", "copy_blocks", "enabled"]
+
+_LIBRARY = "_blockcopy"
+
+
+def _load() -> Any:
+  """The C function, or None where the library was not built or cannot be loaded."""
+  if os.environ.get("JAXRESHARD_NATIVE", "1") == "0" or ctypes.sizeof(ctypes.c_void_p) != 8:
+    return None
+  here = os.path.dirname(os.path.abspath(__file__))
+  for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+    path = os.path.join(here, _LIBRARY + suffix)
+    if not os.path.isfile(path):
+      continue
+    try:
+      fn = ctypes.CDLL(path).jaxreshard_copy_blocks
+    except (OSError, AttributeError) as e:
+      print(f"jaxreshard: {path} cannot be loaded ({e}); copying with numpy", file=sys.stderr)
+      return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
+    fn.restype = ctypes.c_int
+    return fn
+  return None
+
+
+_copy = _load()
+# Whether the host executor copies through the C library; tests turn it off to
+# compare both ways of copying.
+enabled = _copy is not None
+
+
+def available() -> bool:
+  """Whether the C library was built and loaded."""
+  return _copy is not None
+
+
+def copy_blocks(src: np.ndarray, out: np.ndarray, table: tuple, which: Any) -> None:
+  """Copies the blocks ``which`` (an index or slice of ``table``'s entries) from
+  ``src``'s rows to ``out``'s rows.
+
+  Args:
+    src: ``(source ranks, width)`` unsigned, each row contiguous.
+    out: ``(target rows, width)`` unsigned of the same width in bytes per element,
+      each row contiguous.
+    table: six int64 arrays, one entry per block: its first column and slots in
+      a source row (``so``, ``ss``), in a target row (``to``, ``ts``), and the
+      flat range ``[lo, hi)`` to copy, whose element ``lo`` lands at column ``to``
+      of ``out``'s row 0.
+
+  Raises:
+    ValueError: the arrays or a block do not fit (a bug of the caller's: nothing
+      is copied).
+  """
+  if _copy is None:
+    raise ValueError("the compiled block copy is not available")
+  so, ss, to, ts, lo, hi = (np.ascontiguousarray(c[which], np.int64) for c in table)
+  live = hi > lo
+  if not live.any():
+    return
+  so, ss, to, ts, lo, hi = (c[live] for c in (so, ss, to, ts, lo, hi))
+  size = src.itemsize
+  if not (_rows_of(src, size) and _rows_of(out, size) and out.flags.writeable) or (
+    out.dtype != src.dtype
+  ):
+    raise ValueError(
+      f"block copy: arrays {src.dtype}{src.shape}/{src.strides} and"
+      f" {out.dtype}{out.shape}/{out.strides} are not rows of unsigned elements"
+    )
+  if (
+    (ss < 1).any()
+    or (ts < 1).any()
+    or (so < 0).any()
+    or (so + ss > src.shape[1]).any()
+    or (to < 0).any()
+    or (to + ts > out.shape[1]).any()
+    or (lo < 0).any()
+    or ((hi - 1) // ss >= src.shape[0]).any()
+    or ((hi - lo - 1) // ts >= out.shape[0]).any()
+  ):
+    raise ValueError("block copy: a block lies outside the source or target rows")
+  status = _copy(
+    src.ctypes.data,
+    src.strides[0],
+    out.ctypes.data,
+    out.strides[0],
+    size,
+    len(so),
+    *(c.ctypes.data for c in (so, ss, to, ts, lo, hi)),
+  )
+  if status:
+    raise ValueError(f"block copy: elements of {size} bytes cannot be copied")
+
+
+def _rows_of(a: np.ndarray, size: int) -> bool:
+  """Whether ``a`` is 2-D unsigned, each row's elements ``size`` bytes apart and the
+  rows apart by at least a row, forwards."""
+  return (
+    a.ndim == 2
+    and a.dtype.kind == "u"
+    and a.itemsize == size
+    and (a.shape[1] < 2 or a.strides[1] == size)
+    and (a.shape[0] < 2 or a.strides[0] >= a.shape[1] * size)
+  )

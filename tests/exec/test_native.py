@@ -1,0 +1,175 @@
+"""The compiled block copy against an independent oracle, bit for bit, and its refusals.
+
+The oracle is the rule itself, in plain numpy: a block's rows concatenated are
+its flat elements, and target row ``r`` holds flat elements ``[lo + r * ts,
+lo + (r + 1) * ts)`` clipped to ``hi``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxreshard._src.exec import native
+
+needs_library = pytest.mark.skipif(not native.available(), reason="built without a C compiler")
+
+UINTS = [np.uint8, np.uint16, np.uint32, np.uint64]
+
+
+def _compiler() -> str | None:
+  """The C compiler the package is built with, where one is found."""
+  cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+  return shutil.which(cc[0]) if cc else None
+
+
+@pytest.mark.skipif(os.environ.get("JAXRESHARD_NATIVE") == "0", reason="turned off")
+@pytest.mark.skipif(_compiler() is None, reason="no C compiler to build it with")
+def test_the_library_is_built_where_a_compiler_is():
+  """An install on a machine with a C compiler builds and loads the block copy."""
+  assert native.available()
+
+
+def test_the_environment_turns_it_off():
+  """``JAXRESHARD_NATIVE=0`` before the import: numpy alone copies."""
+  code = "from jaxreshard._src.exec import native; print(native.available(), native.enabled)"
+  env = {**os.environ, "JAXRESHARD_NATIVE": "0"}
+  out = subprocess.run(
+    [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+  )
+  assert out.stdout.split() == ["False", "False"]
+
+
+def _oracle(src, shape, table):
+  """The target rows by the rule, block by block, in plain numpy."""
+  out = np.zeros(shape, src.dtype)
+  for so, ss, to, ts, lo, hi in zip(*(c.tolist() for c in table)):
+    flat = src[:, so : so + ss].reshape(-1)
+    for r in range(shape[0]):
+      piece = flat[lo + r * ts : min(lo + (r + 1) * ts, hi)]
+      out[r, to : to + len(piece)] = piece
+  return out
+
+
+@st.composite
+def _layouts(draw):
+  """Blocks side by side in target rows (anywhere in source rows), each with a flat
+  range that the rows hold; source rows may be a strided view of wider rows."""
+  n = draw(st.integers(1, 6))
+  ss = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
+  ts = draw(st.lists(st.integers(1, 40), min_size=n, max_size=n))
+  src_rows = draw(st.integers(1, 9))
+  out_rows = draw(st.integers(1, 9))
+  gap = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+  so = np.cumsum([0] + [s + g for s, g in zip(ss[:-1], gap[:-1])]).astype(np.int64)
+  shuffle = draw(st.permutations(range(n)))
+  to_order = np.cumsum([0] + [ts[i] for i in shuffle[:-1]])
+  to = np.empty(n, np.int64)
+  to[list(shuffle)] = to_order
+  lo, hi = [], []
+  for s, t in zip(ss, ts):
+    held = s * src_rows
+    a = draw(st.integers(0, held))
+    b = draw(st.integers(a, min(held, a + t * out_rows)))
+    lo.append(a)
+    hi.append(b)
+  width_in = int(so[-1] + ss[-1]) + draw(st.integers(0, 5))
+  width_out = int(sum(ts)) + draw(st.integers(0, 5))
+  table = tuple(np.asarray(c, np.int64) for c in (so, ss, to, ts, lo, hi))
+  return table, (src_rows, width_in), (out_rows, width_out), draw(st.integers(1, 3))
+
+
+@needs_library
+@settings(max_examples=300, deadline=None)
+@given(layout=_layouts(), dtype=st.sampled_from(UINTS), seed=st.integers(0, 2**16))
+def test_the_compiled_copy_is_the_rule(layout, dtype, seed):
+  """Every item size, partial first and last rows, rows several times a block's
+  slots or shorter, empty ranges, strided source rows: the oracle's bits, and
+  zeros wherever no block writes."""
+  table, (src_rows, width_in), (out_rows, width_out), every = layout
+  rng = np.random.default_rng(seed)
+  info = np.iinfo(dtype)
+  wide = rng.integers(info.min, info.max, (src_rows, width_in * every), dtype=dtype, endpoint=True)
+  src = wide[:, :width_in]  # rows ``every`` times their width apart
+  out = np.zeros((out_rows, width_out), dtype)
+  native.copy_blocks(src, out, table, slice(None))
+  np.testing.assert_array_equal(out, _oracle(src, out.shape, table))
+
+
+@needs_library
+def test_a_range_of_blocks_copies_those_alone():
+  """The blocks named are copied, and the others' columns left zero."""
+  src = np.arange(1, 1 + 4 * 6, dtype=np.uint32).reshape(4, 6)
+  # Three blocks of two slots per source row, three per target row.
+  table = tuple(
+    np.asarray(c, np.int64) for c in ([0, 2, 4], [2, 2, 2], [0, 3, 6], [3, 3, 3], [0] * 3, [8] * 3)
+  )
+  out = np.zeros((3, 9), np.uint32)
+  native.copy_blocks(src, out, table, np.array([1]))
+  want = np.zeros_like(out)
+  want[:, 3:6] = _oracle(src, (3, 9), table)[:, 3:6]
+  np.testing.assert_array_equal(out, want)
+
+
+def _good():
+  src = np.arange(1, 1 + 4 * 6, dtype=np.uint16).reshape(4, 6)
+  out = np.zeros((3, 9), np.uint16)
+  table = [np.asarray(c, np.int64) for c in ([0, 2], [2, 2], [0, 3], [3, 3], [0, 1], [8, 8])]
+  return src, out, table
+
+
+def _with(table, column, value):
+  table = [c.copy() for c in table]
+  table[column][-1] = value
+  return tuple(table)
+
+
+@needs_library
+@pytest.mark.parametrize(
+  "change",
+  [
+    pytest.param(lambda s, o, t: (s, o, _with(t, 0, 5)), id="source columns past the row"),
+    pytest.param(lambda s, o, t: (s, o, _with(t, 0, -1)), id="negative source column"),
+    pytest.param(lambda s, o, t: (s, o, _with(t, 1, 0)), id="no source slots"),
+    pytest.param(lambda s, o, t: (s, o, _with(t, 2, 7)), id="target columns past the row"),
+    pytest.param(lambda s, o, t: (s, o, _with(t, 3, 0)), id="no target slots"),
+    pytest.param(lambda s, o, t: (s, o, _with(t, 4, -1)), id="negative first element"),
+    pytest.param(lambda s, o, t: (s, o, _with(t, 5, 9)), id="past the source rows"),
+    pytest.param(lambda s, o, t: (s, o[:2], t), id="past the target rows"),
+    pytest.param(lambda s, o, t: (s.astype(np.int16), o.astype(np.int16), t), id="signed"),
+    pytest.param(lambda s, o, t: (s, o.astype(np.uint32), t), id="two widths"),
+    pytest.param(lambda s, o, t: (s[:, ::2], o, t), id="strided columns"),
+    pytest.param(lambda s, o, t: (s[::-1], o, t), id="rows backwards"),
+    pytest.param(lambda s, o, t: (s.reshape(-1), o, t), id="one dimension"),
+    pytest.param(lambda s, o, t: (s, np.broadcast_to(o[:1], o.shape), t), id="read-only target"),
+  ],
+)
+def test_tables_that_do_not_fit_are_refused_and_nothing_is_written(change):
+  """Every bound the C code trusts is checked first: a block or an array that does
+  not fit raises ``ValueError`` before a byte is written."""
+  src, out, table = change(*_good())
+  before = np.array(out, copy=True)
+  with pytest.raises(ValueError, match="block copy"):
+    native.copy_blocks(src, out, table, slice(0, 2))
+  np.testing.assert_array_equal(np.asarray(out), before)
+
+
+@needs_library
+def test_blocks_with_nothing_to_copy_are_not_checked_against_the_rows():
+  """A block whose range is empty is skipped, wherever its columns say it lies (a
+  target range past a buffer's end, as the last target ranks have)."""
+  src, out, table = _good()
+  table = _with(_with(table, 4, 8), 0, 99)  # lo == hi; columns outside the rows
+  native.copy_blocks(src, out, table, slice(0, 2))
+  want = np.zeros_like(out)
+  want[:, :3] = _oracle(src, out.shape, tuple(c[:1] for c in table))[:, :3]
+  np.testing.assert_array_equal(out, want)
