@@ -11,6 +11,7 @@ import jaxreshard as jr
 from benchmarks import _workload
 from benchmarks._measure import Result, block, measure
 from benchmarks._options import Options
+from jaxreshard._src.exec import native as _native
 
 NAME = "scale"
 GOAL = (
@@ -70,6 +71,7 @@ def world_row(src: int, dst: int, opts: Options) -> dict:
     "last_rank_first_s": round(last_first, 4),
     "last_rank_warm_s": round(last.best, 4),
     "last_vs_share": round(last.best / (warm.best / dst), 2),
+    "compiled_copy": _native.enabled,
   }
 
 
@@ -104,5 +106,7 @@ def run(opts: Options) -> Result:
     " `last_rank_first_s`, `last_rank_warm_s`: `reshard` of the last target rank"
     " alone, its first call (which makes its plan's padding tables) and the best warm"
     " one; `last_vs_share`: the warm one over an average rank's share of `warm_s`."
+    " `compiled_copy`: whether the block copies went through the compiled block copy"
+    " (`_src/exec/_blockcopy.c`; numpy alone where the package was built without it)."
   )
   return Result(NAME, "time per byte vs world size", GOAL, met, tuple(rows), notes)
