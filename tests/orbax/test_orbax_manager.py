@@ -1,6 +1,9 @@
 """A real orbax CheckpointManager saving jaxreshard archives and restoring on a new world size."""
 
 import os
+import subprocess
+import sys
+import time
 
 import orbax.checkpoint as ocp
 import pytest
@@ -443,3 +446,81 @@ def test_an_async_save_is_a_snapshot_of_numpy_records_taken_when_save_returns(
     got = manager.restore(1, args=jr.ReshardRestore())
   for a, b in zip(got, saved, strict=True):
     assert_records_equal(a, b)
+
+
+# A CheckpointManager save of a mesh state with -0.0 in rank 1's padding, refused,
+# in a process that then ends. Orbax removes what an earlier save of the step left
+# in its temporary directory (here 5,000 files) in its directory-creation thread,
+# which is still at it when the refusal comes.
+_PADDING_REFUSED_THEN_EXIT = """
+import os, sys
+import jax, jax.numpy as jnp, numpy as np, optax, orbax.checkpoint as ocp
+import jaxreshard as jr
+
+run = os.path.join(sys.argv[1], "run")
+left = os.path.join(run, "1.orbax-checkpoint-tmp")
+for d in range(50):
+  os.makedirs(os.path.join(left, str(d)))
+  for f in range(100):
+    open(os.path.join(left, str(d), str(f)), "w").close()
+params, opt = {"w": jnp.arange(5.0)}, optax.sgd(0.1, momentum=0.9)
+mesh = jax.make_mesh((2,), ("fsdp",), devices=jax.devices()[:2])
+state = jr.shard_to_mesh(opt, params, opt.init(params), mesh).state
+trace = np.zeros(6, np.float32)
+trace[5] = -0.0  # rank 1's padding slot: a sign bit is not zero bits
+trace = jax.device_put(trace, state[0].trace["w"].sharding)
+state = (state[0]._replace(trace={"w": trace}),) + state[1:]
+args = jr.ReshardSave(state=state, optimizer=opt, shapes={"w": (5,)}, mesh=mesh)
+if sys.argv[2] == "composite":
+  manager = ocp.CheckpointManager(run, item_names=("meta", "opt_state"))
+  args = ocp.args.Composite(meta=ocp.args.JsonSave({"lr": 0.1}), opt_state=args)
+else:
+  manager = ocp.CheckpointManager(run)
+try:
+  manager.save(1, args=args)
+except jr.PlacementError as e:
+  print("refused:", e, flush=True)
+"""
+
+# How long the process may take to end once its save was refused; orbax's threads
+# that hold it wait for its coordination timeout (300 s).
+_EXIT_S = 20.0
+
+
+@pytest.mark.parametrize("mode", ["one_item", "composite"])
+def test_a_process_whose_manager_save_was_refused_for_its_padding_exits(tmp_path, mode):
+  """The refusal (raised by ``manager.save`` once the host copies show the padding, of
+  the save alone or of one item of a ``Composite``) returns after orbax's creation of
+  the step's directories is done, so the process ends at once: a creation still
+  running at the exit could no longer touch a file and never told its signal, and
+  the thread waiting for it would hold the exit."""
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+  )
+  child = subprocess.Popen(
+    [sys.executable, "-c", _PADDING_REFUSED_THEN_EXIT, str(tmp_path), mode],
+    env=env,
+    cwd=root,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    text=True,
+  )
+  try:
+    said = child.stdout.readline()
+    refused = time.monotonic()
+    try:
+      child.wait(_EXIT_S)
+    except subprocess.TimeoutExpired:
+      pass
+    took = time.monotonic() - refused
+  finally:
+    child.kill()
+    child.wait()
+    child.stdout.close()
+  assert said.startswith("refused:") and "padding is not zero" in said, said
+  assert child.returncode == 0, f"the process was still running {took:.0f} s after the refusal"
+  assert took < _EXIT_S

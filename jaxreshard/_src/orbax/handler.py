@@ -66,10 +66,12 @@ Who writes what:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import os
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -299,8 +301,16 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     return prepare_save(args, self._primary_host)
 
   async def async_save(self, directory: epath.Path, args: ReshardSave):
-    """Takes host copies now; returns the future that writes them (see the module doc)."""
-    prepared = self._take_prepared(args)
+    """Takes host copies now; returns the future that writes them (see the module doc).
+
+    A refusal is raised once the directories orbax is making for this save are made
+    (``_await_directory_creation``).
+    """
+    try:
+      prepared = self._take_prepared(args)
+    except Exception:
+      await _await_directory_creation()
+      raise
     key = os.fspath(directory)
     if not prepared.reporter.where:  # a manager's save: its logs name the item directory
       prepared.reporter.where = key
@@ -429,6 +439,58 @@ def _operation_id() -> str:
   from orbax.checkpoint._src.futures import synchronization  # pylint: disable=g-import-not-at-top
 
   return synchronization.OperationIdGenerator.get_current_operation_id()
+
+
+# How often a refused save looks whether orbax's directory creation is over.
+_CREATION_POLL_S = 0.005
+
+
+async def _await_directory_creation() -> None:
+  """Returns once the directories orbax is making for the save being started are made, or
+  their making ended without them (or orbax's coordination timeout passed).
+
+  Orbax starts making a save's directories, in threads of its own, before it asks
+  the handler's ``async_save``; each thread tells a signal of the save's contract
+  when its directories are made, and the next waits for it. A save refused in
+  ``async_save`` leaves them running: were the process to exit now, the
+  interpreter would refuse their file operations (no executor work is taken at
+  exit), a creation cut short would never tell its signal, and the thread waiting
+  for it would hold the exit until orbax's coordination timeout.
+  Where a signal's thread is not (or no longer) running here, it is not waited for:
+  its creation failed, or runs in the primary process.
+  """
+  try:
+    await _await_signals_of(_operation_id())
+  except Exception:  # pylint: disable=broad-exception-caught
+    # Whatever stops the wait (orbax moved what it reads), the refusal is raised as it is.
+    return
+
+
+async def _await_signals_of(operation: str) -> None:
+  """``_await_directory_creation`` for the save of orbax operation ``operation``."""
+  # pylint: disable-next=g-import-not-at-top
+  from orbax.checkpoint._src.futures import future, signaling_client
+
+  contract = future.AwaitableSignalsContract
+  keys = {
+    signal: contract.get_unique_awaitable_singal_key(signal, operation)
+    for signal in contract.get_awaitable_signals_from_contract(operation_id=operation)
+  }
+  client = signaling_client.get_signaling_client()
+  deadline = time.monotonic() + ocp.multihost.coordination_timeout()
+  while keys and time.monotonic() < deadline:
+    # The senders first: a thread that ends after telling its signal is seen to tell it.
+    sending = {
+      signal
+      for thread in threading.enumerate()
+      if isinstance(thread, future._SignalingThread)  # pylint: disable=protected-access
+      and getattr(thread, "_operation_id", None) == operation
+      for signal in getattr(thread, "_send_signals", ())
+    }
+    keys = {s: k for s, k in keys.items() if client.key_value_try_get(k) is None}
+    if any(signal not in sending for signal in keys):
+      return
+    await asyncio.sleep(_CREATION_POLL_S)
 
 
 def _commit_future(coro, *, daemon: bool) -> ocp.future.Future:
