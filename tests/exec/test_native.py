@@ -140,6 +140,12 @@ def _with(table, column, value):
     pytest.param(lambda s, o, t: (s, o, _with(t, 0, 5)), id="source columns past the row"),
     pytest.param(lambda s, o, t: (s, o, _with(t, 0, -1)), id="negative source column"),
     pytest.param(lambda s, o, t: (s, o, _with(t, 1, 0)), id="no source slots"),
+    pytest.param(
+      lambda s, o, t: (s, o, _with(_with(t, 0, 2**62), 1, 2**62)), id="columns that wrap int64"
+    ),
+    pytest.param(
+      lambda s, o, t: (s, o, _with(_with(t, 2, 2**62), 3, 2**62)), id="target columns that wrap"
+    ),
     pytest.param(lambda s, o, t: (s, o, _with(t, 2, 7)), id="target columns past the row"),
     pytest.param(lambda s, o, t: (s, o, _with(t, 3, 0)), id="no target slots"),
     pytest.param(lambda s, o, t: (s, o, _with(t, 4, -1)), id="negative first element"),

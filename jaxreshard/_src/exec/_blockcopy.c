@@ -10,7 +10,7 @@
  * caller's zeros.
  *
  * The caller checks every table against both arrays' shapes before calling:
- * no bound is checked here. Elements move as unsigned integers of their width,
+ * no bound is checked here. No pointer is formed outside the two arrays. Elements move as unsigned integers of their width,
  * never as values. The functions take no Python object and hold no lock: they
  * run with the interpreter's lock released (ctypes releases it for the call).
  */
@@ -27,34 +27,40 @@
                    int64_t out_stride, int64_t n, const int64_t *so,           \
                    const int64_t *ss, const int64_t *to, const int64_t *ts,    \
                    const int64_t *lo, const int64_t *hi) {                     \
-    const int64_t src_step = src_stride / (int64_t)sizeof(T);                  \
-    const int64_t out_step = out_stride / (int64_t)sizeof(T);                  \
     for (int64_t b = 0; b < n; b++) {                                          \
       int64_t at = lo[b];                                                      \
       const int64_t stop = hi[b], s = ss[b], t = ts[b];                        \
       if (at >= stop) continue;                                                \
-      /* The source row holding flat element `at`, and where each row ends. */ \
+      /* The source row holding flat element `at`: its first flat element and \
+         its end; the same of the target row (row 0 starts at `lo`). */        \
       int64_t k = at / s;                                                      \
-      int64_t src_end = (k + 1) * s, out_end = at + t;                         \
-      /* Flat element j of this source row is sp[j]; of this target row, op[j]. */ \
-      const T *sp = (const T *)(src + k * src_stride) + so[b] - k * s;         \
-      T *op = (T *)out + to[b] - at;                                           \
-      while (at < stop) {                                                      \
+      int64_t src_first = k * s, src_end = src_first + s;                      \
+      int64_t out_first = at, out_end = at + t;                                \
+      /* The block's first column in those rows. */                           \
+      const T *sp = (const T *)(src + k * src_stride) + so[b];                 \
+      T *op = (T *)out + to[b];                                                \
+      for (;;) {                                                               \
         int64_t end = src_end < out_end ? src_end : out_end;                   \
         if (stop < end) end = stop;                                            \
-        if (end - at <= SHORT) {                                               \
-          for (int64_t j = at; j < end; j++) op[j] = sp[j];                    \
+        const T *from = sp + (at - src_first);                                 \
+        T *into = op + (at - out_first);                                       \
+        const int64_t count = end - at;                                        \
+        if (count <= SHORT) {                                                  \
+          for (int64_t j = 0; j < count; j++) into[j] = from[j];               \
         } else {                                                               \
-          memcpy(op + at, sp + at, (size_t)(end - at) * sizeof(T));            \
+          memcpy(into, from, (size_t)count * sizeof(T));                       \
         }                                                                      \
         at = end;                                                              \
-        if (at == src_end) { /* next source row */                             \
+        if (at == stop) break;                                                 \
+        if (at == src_end) { /* the next source row */                         \
+          src_first = src_end;                                                 \
           src_end += s;                                                        \
-          sp += src_step - s;                                                  \
+          sp = (const T *)((const char *)sp + src_stride);                     \
         }                                                                      \
-        if (at == out_end) { /* next target row */                             \
+        if (at == out_end) { /* the next target row */                         \
+          out_first = out_end;                                                 \
           out_end += t;                                                        \
-          op += out_step - t;                                                  \
+          op = (T *)((char *)op + out_stride);                                 \
         }                                                                      \
       }                                                                        \
     }                                                                          \

@@ -93,14 +93,18 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, table: tuple, which: Any) -> N
       f"block copy: arrays {src.dtype}{src.shape}/{src.strides} and"
       f" {out.dtype}{out.shape}/{out.strides} are not rows of unsigned elements"
     )
+  # Each bound alone first, so that no sum below can wrap around.
+  width_in, width_out = src.shape[1], out.shape[1]
   if (
     (ss < 1).any()
     or (ts < 1).any()
     or (so < 0).any()
-    or (so + ss > src.shape[1]).any()
     or (to < 0).any()
-    or (to + ts > out.shape[1]).any()
     or (lo < 0).any()
+    or (np.maximum(so, ss) > width_in).any()
+    or (np.maximum(to, ts) > width_out).any()
+    or (so + ss > width_in).any()
+    or (to + ts > width_out).any()
     or ((hi - 1) // ss >= src.shape[0]).any()
     or ((hi - lo - 1) // ts >= out.shape[0]).any()
   ):
