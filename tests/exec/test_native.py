@@ -35,8 +35,18 @@ def _compiler() -> str | None:
 @pytest.mark.skipif(os.environ.get("JAXRESHARD_NATIVE") == "0", reason="turned off")
 @pytest.mark.skipif(_compiler() is None, reason="no C compiler to build it with")
 def test_the_library_is_built_where_a_compiler_is():
-  """An install on a machine with a C compiler builds and loads the block copy."""
+  """An install on a machine with a C compiler builds and loads the block copy, of
+  the version this package calls."""
   assert native.available()
+
+
+@needs_library
+def test_a_library_of_another_version_is_not_loaded(monkeypatch, capsys):
+  """A library built from another ``_blockcopy.c`` (an editable install not
+  installed again) is left alone, with a line on stderr: numpy copies."""
+  monkeypatch.setattr(native, "VERSION", native.VERSION + 1)
+  assert native._load() is None
+  assert "another version of _blockcopy.c" in capsys.readouterr().err
 
 
 def test_the_environment_turns_it_off():

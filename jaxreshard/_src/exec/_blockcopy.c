@@ -71,6 +71,11 @@ BLOCK_COPY(uint16_t, copy2)
 BLOCK_COPY(uint32_t, copy4)
 BLOCK_COPY(uint64_t, copy8)
 
+/* The interface of this file: native.py loads the library only where this is
+ * the number it was written for (an editable install keeps a library built
+ * from an older copy of this file until it is installed again). */
+int jaxreshard_blockcopy_version(void) { return 1; }
+
 /* Copies blocks [0, n) (tables of n int64 each) from `src`'s rows (`src_stride`
  * bytes apart) to `out`'s rows (`out_stride` bytes apart), elements of `itemsize`
  * bytes. Returns 0, or -1 (nothing copied) for an item size other than 1, 2, 4

@@ -27,6 +27,8 @@ import numpy as np
 __all__ = ["available", "copy_blocks", "enabled"]
 
 _LIBRARY = "_blockcopy"
+# The interface of ``_blockcopy.c`` this module calls (``jaxreshard_blockcopy_version``).
+VERSION = 1
 
 
 def _load() -> Any:
@@ -39,9 +41,18 @@ def _load() -> Any:
     if not os.path.isfile(path):
       continue
     try:
-      fn = ctypes.CDLL(path).jaxreshard_copy_blocks
+      library = ctypes.CDLL(path)
+      fn = library.jaxreshard_copy_blocks
+      version = library.jaxreshard_blockcopy_version()
     except (OSError, AttributeError) as e:
       print(f"jaxreshard: {path} cannot be loaded ({e}); copying with numpy", file=sys.stderr)
+      return None
+    if version != VERSION:
+      print(
+        f"jaxreshard: {path} was built from another version of _blockcopy.c ({version},"
+        f" not {VERSION}); copying with numpy until the package is installed again",
+        file=sys.stderr,
+      )
       return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
