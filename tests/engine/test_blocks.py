@@ -287,6 +287,39 @@ def test_every_source_layout_gives_the_same_bits(monkeypatch, layout):
     assert sorted(row.tolist()) == sorted(whole[k].tolist())
 
 
+@pytest.mark.parametrize("copy", ["numpy", "compiled"])
+@pytest.mark.parametrize(
+  "gap, start", [(2, 0), (1, 0), (4, 2), (0, 1)], ids=["2 bytes", "1 byte", "unaligned", "odd"]
+)
+def test_archive_rows_apart_by_a_part_of_an_element(monkeypatch, copy, gap, start):
+  """Archives whose buffers fill rows of one byte buffer, ``gap`` bytes between rows
+  (a row stride of no whole number of elements) from byte ``start``: the stack is
+  a view of them, and both ways of copying give the oracle's bits."""
+  if copy == "compiled" and not _native.available():
+    pytest.skip("built without a C compiler")
+  monkeypatch.setattr(_native, "enabled", copy == "compiled")
+  monkeypatch.setattr(_pipeline, "_BLOCK_RUNS", -1)
+  opt = optax.adam(1e-2)
+  params = random_params({"a": ((130,), jnp.float32), "b": ((5, 3), jnp.float32)})
+  state = random_state(opt, params)
+  records = jr.shard_state(opt, params, state, world_size=4)
+  width = sum(
+    int(np.size(x)) for x, r in zip(jax.tree.leaves(records[0].state), records[0].roles) if r
+  )
+  step = width * 4 + gap
+  raw = np.zeros(start + len(records) * step, np.uint8)
+  rows = [raw[start + i * step :][: width * 4].view(np.float32) for i in range(len(records))]
+  records = _records_with_leaves(records, lambda i, b, p: _one_buffer(b, p, into=rows[i]))
+  stack = _sources.record_sources(records).stacked((0, 1, 2, 3), np.dtype(np.float32))
+  assert stack._whole is not None and stack._whole.strides[0] == step
+  targets = jr.reshard_ranks(records, [jr.plan(records, world_size=3, rank=r) for r in range(3)])
+  full = jr.unshard_state(targets)
+  for (path, leaf), (_, want) in zip(
+    jax.tree_util.tree_flatten_with_path(full)[0], jax.tree_util.tree_flatten_with_path(state)[0]
+  ):
+    assert_bits_equal(leaf, want, jax.tree_util.keystr(path))
+
+
 def test_a_stack_reads_the_sources_as_they_are_now(monkeypatch):
   """Nothing is kept but views: a source buffer written in place between two calls is
   read anew, whether it is viewed, stacked or copied (a strided array's host view is

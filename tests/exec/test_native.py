@@ -143,6 +143,15 @@ def _with(table, column, value):
   return tuple(table)
 
 
+def _unaligned(a: np.ndarray) -> np.ndarray:
+  """A copy of ``a`` whose first element lies one byte past an address aligned to its
+  item size, its rows whole elements apart."""
+  raw = np.zeros(a.nbytes + 1, np.uint8)
+  out = raw[1:].view(a.dtype).reshape(a.shape)
+  out[...] = a
+  return out
+
+
 @needs_library
 @pytest.mark.parametrize(
   "change",
@@ -167,6 +176,8 @@ def _with(table, column, value):
     pytest.param(lambda s, o, t: (s[::-1], o, t), id="rows backwards"),
     pytest.param(lambda s, o, t: (s.reshape(-1), o, t), id="one dimension"),
     pytest.param(lambda s, o, t: (s, np.broadcast_to(o[:1], o.shape), t), id="read-only target"),
+    pytest.param(lambda s, o, t: (_unaligned(s), o, t), id="unaligned source"),
+    pytest.param(lambda s, o, t: (s, _unaligned(o), t), id="unaligned target"),
   ],
 )
 def test_tables_that_do_not_fit_are_refused_and_nothing_is_written(change):
@@ -189,3 +200,35 @@ def test_blocks_with_nothing_to_copy_are_not_checked_against_the_rows():
   want = np.zeros_like(out)
   want[:, :3] = _oracle(src, out.shape, tuple(c[:1] for c in table))[:, :3]
   np.testing.assert_array_equal(out, want)
+
+
+# Rows of ``2**62 + 1`` bytes over a small buffer (numpy allows the shape; nothing may
+# read past the buffer), and a block whose columns and slots are each within a row
+# while their sum is ``2**63``.
+_WRAPPING = """
+import numpy as np
+from jaxreshard._src.exec import native
+
+buffer = np.zeros(64, np.uint8)
+wide = np.lib.stride_tricks.as_strided(buffer, (1, 2**62 + 1), (2**62 + 1, 1))
+small = np.zeros((1, 1), np.uint8)
+table = tuple(np.asarray([c], np.int64) for c in {table})
+src, out = (wide, small) if {source} else (small, wide)
+try:
+  native.copy_blocks(src, out, table, slice(None))
+except ValueError as e:
+  print("refused:", e)
+"""
+
+
+@needs_library
+@pytest.mark.parametrize("source", [True, False], ids=["source row", "target row"])
+def test_columns_and_slots_whose_sum_wraps_in_wide_rows_are_refused(source):
+  """A block's first column and its slots may each fit a row whose width is over
+  ``2**62`` while their sum wraps int64: refused, in a child (a copy would read or
+  write past the buffer)."""
+  big = (2**62, 2**62)
+  table = (*big, 0, 1, 0, 1) if source else (0, 1, *big, 0, 1)
+  code = _WRAPPING.format(table=table, source=source)
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0 and out.stdout.startswith("refused: block copy"), out

@@ -9,10 +9,13 @@
  * row is one copy; nothing else is written, so what no block covers keeps the
  * caller's zeros.
  *
- * The caller checks every table against both arrays' shapes before calling:
- * no bound is checked here. No pointer is formed outside the two arrays. Elements move as unsigned integers of their width,
- * never as values. The functions take no Python object and hold no lock: they
- * run with the interpreter's lock released (ctypes releases it for the call).
+ * The caller checks every table against both arrays' shapes, and that both
+ * arrays start at an address aligned to the element width with rows a whole
+ * number of elements apart, before calling: no bound or alignment is checked
+ * here. No pointer is formed outside the two arrays. Elements move as
+ * unsigned integers of their width, never as values. The functions take no
+ * Python object and hold no lock: they run with the interpreter's lock
+ * released (ctypes releases it for the call).
  */
 #include <stddef.h>
 #include <stdint.h>

@@ -274,7 +274,9 @@ def _copy_blocks(src, out, table, tables: dict, a: int, b: int) -> None:
   all of them.
   """
   cols = tuple(c[a:b].tolist() for c in table)
-  compiled = _native.enabled
+  # Arrays the compiled copy does not take (rows apart by a part of an element, or
+  # elements at unaligned addresses) are copied with numpy.
+  compiled = _native.enabled and _native.fits(src, out)
   scratch = np.empty(_CHUNK, src.dtype)
   tiles = np.empty(2 * (_TILE_BYTES // src.itemsize) + 1, src.dtype)
   positions = np.empty(_TILE_BYTES // src.itemsize, np.intp)

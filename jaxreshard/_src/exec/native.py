@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "copy_blocks", "enabled"]
+__all__ = ["available", "copy_blocks", "enabled", "fits"]
 
 _LIBRARY = "_blockcopy"
 # The interface of ``_blockcopy.c`` this module calls (``jaxreshard_blockcopy_version``).
@@ -77,17 +77,17 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, table: tuple, which: Any) -> N
   ``src``'s rows to ``out``'s rows.
 
   Args:
-    src: ``(source ranks, width)`` unsigned, each row contiguous.
+    src: ``(source ranks, width)`` unsigned, each row contiguous (``fits``).
     out: ``(target rows, width)`` unsigned of the same width in bytes per element,
-      each row contiguous.
+      each row contiguous (``fits``).
     table: six int64 arrays, one entry per block: its first column and slots in
       a source row (``so``, ``ss``), in a target row (``to``, ``ts``), and the
       flat range ``[lo, hi)`` to copy, whose element ``lo`` lands at column ``to``
       of ``out``'s row 0.
 
   Raises:
-    ValueError: the arrays or a block do not fit (a bug of the caller's: nothing
-      is copied).
+    ValueError: the arrays (``fits``) or a block do not fit (a bug of the caller's:
+      nothing is copied).
   """
   if _copy is None:
     raise ValueError("the compiled block copy is not available")
@@ -97,14 +97,13 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, table: tuple, which: Any) -> N
     return
   so, ss, to, ts, lo, hi = (c[live] for c in (so, ss, to, ts, lo, hi))
   size = src.itemsize
-  if not (_rows_of(src, size) and _rows_of(out, size) and out.flags.writeable) or (
-    out.dtype != src.dtype
-  ):
+  if not fits(src, out):
     raise ValueError(
       f"block copy: arrays {src.dtype}{src.shape}/{src.strides} and"
       f" {out.dtype}{out.shape}/{out.strides} are not rows of unsigned elements"
     )
-  # Each bound alone first, so that no sum below can wrap around.
+  # No bound is summed: a row's width less a block's slots (both in [0, width]) is
+  # compared with its first column, which cannot wrap int64 however wide the rows.
   width_in, width_out = src.shape[1], out.shape[1]
   if (
     (ss < 1).any()
@@ -112,10 +111,10 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, table: tuple, which: Any) -> N
     or (so < 0).any()
     or (to < 0).any()
     or (lo < 0).any()
-    or (np.maximum(so, ss) > width_in).any()
-    or (np.maximum(to, ts) > width_out).any()
-    or (so + ss > width_in).any()
-    or (to + ts > width_out).any()
+    or (ss > width_in).any()
+    or (ts > width_out).any()
+    or (so > width_in - ss).any()
+    or (to > width_out - ts).any()
     or ((hi - 1) // ss >= src.shape[0]).any()
     or ((hi - lo - 1) // ts >= out.shape[0]).any()
   ):
@@ -133,13 +132,26 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, table: tuple, which: Any) -> N
     raise ValueError(f"block copy: elements of {size} bytes cannot be copied")
 
 
+def fits(src: np.ndarray, out: np.ndarray) -> bool:
+  """Whether ``copy_blocks`` takes these arrays: rows of one unsigned dtype, ``out``
+  writable, each array's first element and row stride whole elements (the C code
+  reads and writes elements of their width, at addresses aligned to it)."""
+  size = src.itemsize
+  return (
+    _rows_of(src, size) and _rows_of(out, size) and out.flags.writeable and out.dtype == src.dtype
+  )
+
+
 def _rows_of(a: np.ndarray, size: int) -> bool:
   """Whether ``a`` is 2-D unsigned, each row's elements ``size`` bytes apart and the
-  rows apart by at least a row, forwards."""
+  rows apart by at least a row, forwards, by whole elements from an address aligned
+  to ``size``."""
   return (
     a.ndim == 2
     and a.dtype.kind == "u"
     and a.itemsize == size
     and (a.shape[1] < 2 or a.strides[1] == size)
     and (a.shape[0] < 2 or a.strides[0] >= a.shape[1] * size)
+    and a.strides[0] % size == 0
+    and a.ctypes.data % size == 0
   )
