@@ -66,12 +66,10 @@ Who writes what:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hashlib
 import os
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -91,6 +89,7 @@ from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _sharded
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementError, ReshardError
 from jaxreshard._src.orbax import args as _args
+from jaxreshard._src.orbax import creation as _creation
 from jaxreshard._src.orbax import peers as _peers
 from jaxreshard._src.orbax.args import ReshardRestore, ReshardSave
 from jaxreshard._src.orbax.inflight import Deferred, InFlight, StoppingFuture, one_save
@@ -303,13 +302,12 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
   async def async_save(self, directory: epath.Path, args: ReshardSave):
     """Takes host copies now; returns the future that writes them (see the module doc).
 
-    A refusal is raised once the directories orbax is making for this save are made
-    (``_await_directory_creation``).
+    A refusal is raised once orbax's making of this save's directories is over.
     """
     try:
       prepared = self._take_prepared(args)
     except Exception:
-      await _await_directory_creation()
+      await _creation.await_directory_creation()
       raise
     key = os.fspath(directory)
     if not prepared.reporter.where:  # a manager's save: its logs name the item directory
@@ -322,7 +320,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     write = Deferred(lambda: self._write(key, prepared, work))
     future = _commit_future(write, daemon=self._daemon_commits)
     # Orbax gives up on a save (its timeout) by no longer waiting for this future.
-    return [StoppingFuture(future, one_save(_operation_id(), work))]
+    return [StoppingFuture(future, one_save(_creation.operation_id(), work))]
 
   async def _write(self, directory: str, prepared: SavePlan, work: InFlight) -> None:
     """Writes this process's archives, tells the others, and waits for theirs; stops at
@@ -339,19 +337,7 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
         for index, record in prepared.archives:
           if work.stopped:
             raise ArchiveError(f"{directory}: {_STOPPED}")
-          try:
-            nbytes = _reader.write_archive(directory, index, record, builder, chunk_bytes)
-          except FileExistsError as e:
-            raise ArchiveExistsError(
-              f"{e.filename} already exists: another save is writing {directory}"
-            ) from None
-          except FileNotFoundError:
-            if os.path.isdir(directory):
-              raise
-            raise ArchiveError(
-              f"{directory} was removed while this save wrote it: another save"
-              " of the same checkpoint made it anew"
-            ) from None
+          nbytes = _write_archive(directory, index, record, builder, chunk_bytes)
           prepared.reporter.step(nbytes, archive=index)
       except BaseException as e:
         _peers.tell_peers(prepared.checkpoint_id, e)
@@ -434,63 +420,22 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     return _store.open_checkpoint(_item_directory(directory))
 
 
-def _operation_id() -> str:
-  """Orbax's id of the save being started: every item of a Composite's is the same."""
-  from orbax.checkpoint._src.futures import synchronization  # pylint: disable=g-import-not-at-top
-
-  return synchronization.OperationIdGenerator.get_current_operation_id()
-
-
-# How often a refused save looks whether orbax's directory creation is over.
-_CREATION_POLL_S = 0.005
-
-
-async def _await_directory_creation() -> None:
-  """Returns once the directories orbax is making for the save being started are made, or
-  their making ended without them (or orbax's coordination timeout passed).
-
-  Orbax starts making a save's directories, in threads of its own, before it asks
-  the handler's ``async_save``; each thread tells a signal of the save's contract
-  when its directories are made, and the next waits for it. A save refused in
-  ``async_save`` leaves them running: were the process to exit now, the
-  interpreter would refuse their file operations (no executor work is taken at
-  exit), a creation cut short would never tell its signal, and the thread waiting
-  for it would hold the exit until orbax's coordination timeout.
-  Where a signal's thread is not (or no longer) running here, it is not waited for:
-  its creation failed, or runs in the primary process.
-  """
+def _write_archive(directory: str, index: int, record: Any, builder: Any, chunk_bytes: int) -> int:
+  """``write_archive``: its bytes written; a file or directory another save made or
+  removed under it is named as that save's doing."""
   try:
-    await _await_signals_of(_operation_id())
-  except Exception:  # pylint: disable=broad-exception-caught
-    # Whatever stops the wait (orbax moved what it reads), the refusal is raised as it is.
-    return
-
-
-async def _await_signals_of(operation: str) -> None:
-  """``_await_directory_creation`` for the save of orbax operation ``operation``."""
-  # pylint: disable-next=g-import-not-at-top
-  from orbax.checkpoint._src.futures import future, signaling_client
-
-  contract = future.AwaitableSignalsContract
-  keys = {
-    signal: contract.get_unique_awaitable_singal_key(signal, operation)
-    for signal in contract.get_awaitable_signals_from_contract(operation_id=operation)
-  }
-  client = signaling_client.get_signaling_client()
-  deadline = time.monotonic() + ocp.multihost.coordination_timeout()
-  while keys and time.monotonic() < deadline:
-    # The senders first: a thread that ends after telling its signal is seen to tell it.
-    sending = {
-      signal
-      for thread in threading.enumerate()
-      if isinstance(thread, future._SignalingThread)  # pylint: disable=protected-access
-      and getattr(thread, "_operation_id", None) == operation
-      for signal in getattr(thread, "_send_signals", ())
-    }
-    keys = {s: k for s, k in keys.items() if client.key_value_try_get(k) is None}
-    if any(signal not in sending for signal in keys):
-      return
-    await asyncio.sleep(_CREATION_POLL_S)
+    return _reader.write_archive(directory, index, record, builder, chunk_bytes)
+  except FileExistsError as e:
+    raise ArchiveExistsError(
+      f"{e.filename} already exists: another save is writing {directory}"
+    ) from None
+  except FileNotFoundError:
+    if os.path.isdir(directory):
+      raise
+    raise ArchiveError(
+      f"{directory} was removed while this save wrote it: another save"
+      " of the same checkpoint made it anew"
+    ) from None
 
 
 def _commit_future(coro, *, daemon: bool) -> ocp.future.Future:
