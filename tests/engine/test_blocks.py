@@ -165,11 +165,14 @@ def test_storage_dtypes_and_float64_scalars_by_blocks(monkeypatch):
     assert t.state[1].dtype == np.float64 and bits(t.state[1]) == bits(scalar)
 
 
+@pytest.mark.parametrize("gather", ["compiled", "numpy"])
 @pytest.mark.parametrize("int32_max", [None, 0])
 @pytest.mark.parametrize("w, m", [(8, 6), (5, 7), (3, 11), (13, 4), (2, 9)])
-def test_narrow_tiles_by_gather_tables_equal_rank_by_rank(monkeypatch, w, m, int32_max):
+def test_narrow_tiles_by_gather_tables_equal_rank_by_rank(monkeypatch, w, m, int32_max, gather):
   """Every buffer narrow, several tiles: each rank of ``reshard_ranks`` (its tiles
-  gathered by tables made on the first call and reused on the second) equals
+  gathered by tables made on the first call and reused on the second, through the
+  compiled tile gather where the library is and the table is int32, else numpy's
+  ``take``) equals
   ``reshard`` of an equal, fresh migration list (validated and copied run by run),
   bit for bit: uneven worlds, trailing all-padding ranks, a scalar and a size-1
   param, bf16/f16/f32 buffers with NaN payloads and -0.0, an empty param, a
@@ -188,13 +191,20 @@ def test_narrow_tiles_by_gather_tables_equal_rank_by_rank(monkeypatch, w, m, int
   monkeypatch.setattr(_host_exec, "_TILE_BYTES", 96)
   if int32_max is not None:  # every table of int64 positions, as a huge tile's
     monkeypatch.setattr(_host_exec._tiles, "_INT32_MAX", int32_max)
-  tiles = []
+  if gather == "compiled" and not _native.available():
+    pytest.skip("built without a C compiler")
+  monkeypatch.setattr(_native, "enabled", gather == "compiled")
+  tiles, compiled = [], []
   real = _host_exec._tiles.copy_tile
   monkeypatch.setattr(_host_exec._tiles, "copy_tile", lambda *a: tiles.append(a) or real(*a))
+  real_gather = _native.gather_tile
+  monkeypatch.setattr(_native, "gather_tile", lambda *a: compiled.append(a) or real_gather(*a))
   first = jr.reshard_ranks(records, plans)
   made = len(tiles)
   again = jr.reshard_ranks(records, plans)
   assert made and len(tiles) == 2 * made
+  # Only int32 tables go through the compiled gather; every one of them does.
+  assert len(compiled) == (len(tiles) if gather == "compiled" and int32_max is None else 0)
   kind = np.int32 if int32_max is None else np.int64
   assert all(a[2].index.dtype == kind for a in tiles)
   # The second call gathered by the very tables the first one made.

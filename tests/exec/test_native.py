@@ -232,3 +232,70 @@ def test_columns_and_slots_whose_sum_wraps_in_wide_rows_are_refused(source):
   code = _WRAPPING.format(table=table, source=source)
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert out.returncode == 0 and out.stdout.startswith("refused: block copy"), out
+
+
+@needs_library
+@settings(max_examples=200, deadline=None)
+@given(
+  dtype=st.sampled_from(UINTS),
+  n_tile=st.integers(1, 50),
+  rows=st.integers(0, 6),
+  width=st.integers(0, 9),
+  extra=st.integers(0, 4),
+  seed=st.integers(0, 2**16),
+)
+def test_the_tile_gather_is_take_of_the_clipped_index(dtype, n_tile, rows, width, extra, seed):
+  """Each target element is the tile's element at its index, an index past the
+  tile's end or negative reading the tile's last element (the zero the caller
+  places there); target rows that are a strided view of wider rows keep their
+  other columns."""
+  rng = np.random.default_rng(seed)
+  info = np.iinfo(dtype)
+  tile = rng.integers(info.min, info.max, n_tile, dtype=dtype, endpoint=True)
+  index = rng.integers(-3, n_tile + 3, rows * width, dtype=np.int32)
+  index[: min(2, len(index))] = [np.iinfo(np.int32).min, np.iinfo(np.int32).max][
+    : min(2, len(index))
+  ]
+  wide = rng.integers(info.min, info.max, (rows, width + extra), dtype=dtype, endpoint=True)
+  before = wide.copy()
+  native.gather_tile(tile, index, wide[:, extra:])
+  # The oracle: numpy's own take, every index outside the tile sent to its last element.
+  inside = (index >= 0) & (index < n_tile)
+  want = tile[np.where(inside, index, n_tile - 1)].reshape(rows, width)
+  np.testing.assert_array_equal(wide[:, extra:], want)
+  np.testing.assert_array_equal(wide[:, :extra], before[:, :extra])
+
+
+def _good_gather():
+  tile = np.arange(1, 7, dtype=np.uint16)
+  index = np.asarray([0, 5, 9, 2, 3, 1], np.int32)
+  return tile, index, np.zeros((2, 3), np.uint16)
+
+
+@needs_library
+@pytest.mark.parametrize(
+  "change",
+  [
+    pytest.param(lambda t, i, o: (t[:0], i, o), id="empty tile"),
+    pytest.param(lambda t, i, o: (t[::2], i[:3], o[:1]), id="strided tile"),
+    pytest.param(lambda t, i, o: (t.reshape(2, 3), i, o), id="tile of two dimensions"),
+    pytest.param(lambda t, i, o: (t.astype(np.int16), i, o.astype(np.int16)), id="signed"),
+    pytest.param(lambda t, i, o: (t, i, o.astype(np.uint32)), id="two widths"),
+    pytest.param(lambda t, i, o: (t, i.astype(np.int64), o), id="int64 index"),
+    pytest.param(lambda t, i, o: (t, i[:5], o), id="index shorter than the target"),
+    pytest.param(lambda t, i, o: (t, i[::2], o[:1]), id="strided index"),
+    pytest.param(lambda t, i, o: (t, i, o.reshape(-1)), id="target of one dimension"),
+    pytest.param(lambda t, i, o: (t, i, np.zeros((2, 6), o.dtype)[:, ::2]), id="strided target"),
+    pytest.param(lambda t, i, o: (t, i, np.broadcast_to(o[:1], o.shape)), id="read-only target"),
+    pytest.param(lambda t, i, o: (_unaligned(t[None])[0], i, o), id="unaligned tile"),
+    pytest.param(lambda t, i, o: (t, i, _unaligned(o)), id="unaligned target"),
+  ],
+)
+def test_tile_gathers_that_do_not_fit_are_refused_and_nothing_is_written(change):
+  """Every shape the C gather trusts is checked first: ``ValueError`` before a byte
+  is written."""
+  tile, index, out = change(*_good_gather())
+  before = np.array(out, copy=True)
+  with pytest.raises(ValueError, match="tile gather"):
+    native.gather_tile(tile, index, out)
+  np.testing.assert_array_equal(np.asarray(out), before)

@@ -1,5 +1,6 @@
 /* Block copies of the host executor, compiled: each buffer's flat range moved
- * from the rows of the source ranks to the rows of the target ranks.
+ * from the rows of the source ranks to the rows of the target ranks; and the
+ * gather that writes a tile of narrow buffers' target rows from its table.
  *
  * A buffer ("block") lies at columns [so, so + ss) of every source row and at
  * columns [to, to + ts) of every target row; its rows concatenated are its flat
@@ -12,7 +13,8 @@
  * The caller checks every table against both arrays' shapes, and that both
  * arrays start at an address aligned to the element width with rows a whole
  * number of elements apart, before calling: no bound or alignment is checked
- * here. No pointer is formed outside the two arrays. Elements move as
+ * here, except that the tile gather sends every index past its tile to the
+ * tile's last element. No pointer is formed outside the two arrays. Elements move as
  * unsigned integers of their width, never as values. The functions take no
  * Python object and hold no lock: they run with the interpreter's lock
  * released (ctypes releases it for the call).
@@ -74,10 +76,36 @@ BLOCK_COPY(uint16_t, copy2)
 BLOCK_COPY(uint32_t, copy4)
 BLOCK_COPY(uint64_t, copy8)
 
+/* Tile gathers: target row r (`out_stride` bytes after row r - 1) takes `width`
+ * elements, element c being tile[index[r * width + c]]. An index past the
+ * tile's last element reads that last element (the caller places a zero
+ * there for padding), so no index, whatever it holds, reads outside the
+ * tile. */
+#define TILE_GATHER(T, NAME)                                                     \
+  static void NAME(const char *tile, int64_t last, const int32_t *index,         \
+                   char *out, int64_t out_stride, int64_t rows,                  \
+                   int64_t width) {                                              \
+    const T *from = (const T *)tile;                                             \
+    const uint32_t top = (uint32_t)last;                                         \
+    for (int64_t r = 0; r < rows; r++) {                                         \
+      T *into = (T *)(out + r * out_stride);                                     \
+      const int32_t *at = index + r * width;                                     \
+      for (int64_t c = 0; c < width; c++) {                                      \
+        const uint32_t i = (uint32_t)at[c];                                      \
+        into[c] = from[i < top ? i : top];                                       \
+      }                                                                          \
+    }                                                                            \
+  }
+
+TILE_GATHER(uint8_t, gather1)
+TILE_GATHER(uint16_t, gather2)
+TILE_GATHER(uint32_t, gather4)
+TILE_GATHER(uint64_t, gather8)
+
 /* The interface of this file: native.py loads the library only where this is
  * the number it was written for (an editable install keeps a library built
  * from an older copy of this file until it is installed again). */
-int jaxreshard_blockcopy_version(void) { return 1; }
+int jaxreshard_blockcopy_version(void) { return 2; }
 
 /* Copies blocks [0, n) (tables of n int64 each) from `src`'s rows (`src_stride`
  * bytes apart) to `out`'s rows (`out_stride` bytes apart), elements of `itemsize`
@@ -94,6 +122,27 @@ int jaxreshard_copy_blocks(const char *src, int64_t src_stride, char *out,
     case 2: copy2(src, src_stride, out, out_stride, n, so, ss, to, ts, lo, hi); return 0;
     case 4: copy4(src, src_stride, out, out_stride, n, so, ss, to, ts, lo, hi); return 0;
     case 8: copy8(src, src_stride, out, out_stride, n, so, ss, to, ts, lo, hi); return 0;
+    default: return -1;
+  }
+}
+
+/* Writes `rows` target rows of `width` elements of `itemsize` bytes, the first
+ * at `out`, the next `out_stride` bytes apart: element c of row r is element
+ * index[r * width + c] of `tile` (`n_tile` >= 1 elements), or its last element
+ * for an index past it (negative ones included). Returns 0, or -1 (nothing
+ * written) for an item size other than 1, 2, 4 or 8, an empty tile, a tile of
+ * 2**31 elements or more, or a stride that is not whole elements. */
+int jaxreshard_gather_tile(const char *tile, int64_t itemsize, int64_t n_tile,
+                           const int32_t *index, char *out, int64_t out_stride,
+                           int64_t rows, int64_t width) {
+  if (itemsize <= 0 || out_stride % itemsize || n_tile < 1 || n_tile > INT32_MAX)
+    return -1;
+  const int64_t last = n_tile - 1;
+  switch (itemsize) {
+    case 1: gather1(tile, last, index, out, out_stride, rows, width); return 0;
+    case 2: gather2(tile, last, index, out, out_stride, rows, width); return 0;
+    case 4: gather4(tile, last, index, out, out_stride, rows, width); return 0;
+    case 8: gather8(tile, last, index, out, out_stride, rows, width); return 0;
     default: return -1;
   }
 }

@@ -1,8 +1,9 @@
-"""The host executor's block copy compiled in C, where the package was built with it.
+"""The host executor's block copies compiled in C, where the package was built with it.
 
 ``_blockcopy.c`` moves each buffer's flat range from source rows to target rows,
 one copy per overlap of a source row and a target row, with no index array
-and no Python per overlap. The package builds it when it is installed; where no
+and no Python per overlap (``copy_blocks``); and writes a tile of narrow
+buffers' target rows straight from its gather table (``gather_tile``). The package builds it when it is installed; where no
 C compiler was found, the build skips it and the host executor copies with
 numpy alone (the same bits, more slowly where a buffer's slots are a few
 hundred elements or less). Setting ``JAXRESHARD_NATIVE=0`` in the environment
@@ -24,15 +25,23 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "copy_blocks", "enabled", "fits"]
+__all__ = ["available", "copy_blocks", "enabled", "fits", "gather_tile"]
 
 _LIBRARY = "_blockcopy"
 # The interface of ``_blockcopy.c`` this module calls (``jaxreshard_blockcopy_version``).
-VERSION = 1
+VERSION = 2
+
+
+class _Library:
+  """The library's entry points."""
+
+  def __init__(self, copy: Any, gather: Any):
+    self.copy, self.gather = copy, gather
 
 
 def _load() -> Any:
-  """The C function, or None where the library was not built or cannot be loaded."""
+  """The C functions (``copy``, ``gather``), or None where the library was not built
+  or cannot be loaded."""
   if os.environ.get("JAXRESHARD_NATIVE", "1") == "0" or ctypes.sizeof(ctypes.c_void_p) != 8:
     return None
   here = os.path.dirname(os.path.abspath(__file__))
@@ -43,6 +52,7 @@ def _load() -> Any:
     try:
       library = ctypes.CDLL(path)
       fn = library.jaxreshard_copy_blocks
+      gather = library.jaxreshard_gather_tile
       version = library.jaxreshard_blockcopy_version()
     except (OSError, AttributeError) as e:
       print(f"jaxreshard: {path} cannot be loaded ({e}); copying with numpy", file=sys.stderr)
@@ -57,19 +67,21 @@ def _load() -> Any:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
     fn.restype = ctypes.c_int
-    return fn
+    gather.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64]
+    gather.restype = ctypes.c_int
+    return _Library(fn, gather)
   return None
 
 
-_copy = _load()
+_library = _load()
 # Whether the host executor copies through the C library; tests turn it off to
 # compare both ways of copying.
-enabled = _copy is not None
+enabled = _library is not None
 
 
 def available() -> bool:
   """Whether the C library was built and loaded."""
-  return _copy is not None
+  return _library is not None
 
 
 def copy_blocks(src: np.ndarray, out: np.ndarray, table: tuple, which: Any) -> None:
@@ -89,7 +101,7 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, table: tuple, which: Any) -> N
     ValueError: the arrays (``fits``) or a block do not fit (a bug of the caller's:
       nothing is copied).
   """
-  if _copy is None:
+  if _library is None:
     raise ValueError("the compiled block copy is not available")
   so, ss, to, ts, lo, hi = (np.ascontiguousarray(c[which], np.int64) for c in table)
   live = hi > lo
@@ -119,7 +131,7 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, table: tuple, which: Any) -> N
     or ((hi - lo - 1) // ts >= out.shape[0]).any()
   ):
     raise ValueError("block copy: a block lies outside the source or target rows")
-  status = _copy(
+  status = _library.copy(
     src.ctypes.data,
     src.strides[0],
     out.ctypes.data,
@@ -130,6 +142,57 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, table: tuple, which: Any) -> N
   )
   if status:
     raise ValueError(f"block copy: elements of {size} bytes cannot be copied")
+
+
+def gather_tile(tile: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
+  """``out[r, c] = tile[index[r * width + c]]`` for every element of ``out``, an index
+  past ``tile``'s end (or negative) reading its last element.
+
+  Args:
+    tile: 1-D contiguous unsigned, at least one element and fewer than 2**31.
+    index: int32, contiguous, one entry per element of ``out`` (row-major).
+    out: ``(rows, width)`` unsigned of ``tile``'s dtype, each row contiguous
+      (``fits``): a view of the target rows' columns the tile writes.
+
+  Raises:
+    ValueError: arrays that do not fit these (a bug of the caller's: nothing is
+      written).
+  """
+  if _library is None:
+    raise ValueError("the compiled block copy is not available")
+  if not (
+    tile.ndim == 1
+    and tile.dtype.kind == "u"
+    and tile.flags.c_contiguous
+    and 1 <= len(tile) <= np.iinfo(np.int32).max
+    and tile.ctypes.data % tile.itemsize == 0
+    and index.dtype == np.int32
+    and index.ndim == 1
+    and index.flags.c_contiguous
+    and out.ndim == 2
+    and len(index) == out.size
+    and out.dtype == tile.dtype
+    and out.flags.writeable
+    and (not out.size or _rows_of(out, tile.itemsize))
+  ):
+    raise ValueError(
+      f"tile gather: arrays {tile.dtype}{tile.shape}, {index.dtype}{index.shape} and"
+      f" {out.dtype}{out.shape}/{out.strides} do not fit"
+    )
+  if not out.size:
+    return
+  status = _library.gather(
+    tile.ctypes.data,
+    tile.itemsize,
+    len(tile),
+    index.ctypes.data,
+    out.ctypes.data,
+    out.strides[0],
+    out.shape[0],
+    out.shape[1],
+  )
+  if status:
+    raise ValueError(f"tile gather: elements of {tile.itemsize} bytes cannot be gathered")
 
 
 def fits(src: np.ndarray, out: np.ndarray) -> bool:

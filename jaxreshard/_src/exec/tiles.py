@@ -5,8 +5,11 @@ two tiles (``host._copy_tiled``): its source rows are read whole into one, its
 target rows are built in the other and written out whole. Which element of the
 source tile each element of the target tile takes depends only on the blocks
 and the target rows, never on the bytes, so it is worked out once
-(:func:`gather_table`) and every copy of the tile is one ``np.take``: a few
-numpy calls per tile, whatever the number of buffers and rows in it.
+(:func:`gather_table`) and every copy of the tile is one gather: a few numpy
+calls per tile, whatever the number of buffers and rows in it. Where the
+compiled block copy is available (``native``), the gather writes the target
+rows straight from the table (no copy of the table into ``np.take``'s index
+type, no tile of the gathered elements written out again).
 
 The tables are the caller's to keep (``host.copy_blocks``'s ``tables``): one
 per run of buffers, for one range of target rows.
@@ -17,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from jaxreshard._src.exec import native as _native
 
 __all__ = ["GatherTable", "copy_tile", "gather_table"]
 
@@ -93,8 +98,12 @@ def copy_tile(src, out, table: GatherTable, so: int, to: int, tiles, positions) 
     positions = np.empty(n_out, np.intp)
   tiles[:n_in].reshape(-1, table.width_in)[...] = src[table.k0 : table.k1, so : so + table.width_in]
   tiles[n_in] = 0
+  target = out[: table.rows, to : to + table.width_out]
+  if _native.enabled and table.index.dtype == np.int32 and _native.fits(target, target):
+    _native.gather_tile(tiles[: n_in + 1], table.index, target)
+    return
   index = positions[:n_out]
   np.copyto(index, table.index)
   tile_out = tiles[n_in + 1 : n_in + 1 + n_out]
   np.take(tiles[: n_in + 1], index, out=tile_out, mode="clip")
-  out[: table.rows, to : to + table.width_out] = tile_out.reshape(table.rows, table.width_out)
+  target[...] = tile_out.reshape(table.rows, table.width_out)
