@@ -61,6 +61,27 @@ def test_a_clock_written_in_place_into_remembered_records_is_checked_afresh():
   assert [int(t.state[0].count) for t in jr.reshard_ranks(src, [plan])] == [99]
 
 
+@pytest.mark.parametrize(
+  "change",
+  [
+    pytest.param(lambda c: setattr(c, "dtype", np.uint32), id="dtype"),
+    pytest.param(lambda c: setattr(c, "shape", (1,)), id="shape"),
+  ],
+)
+def test_a_clock_s_dtype_or_shape_changed_in_place_in_remembered_records_is_seen(change):
+  """A source's numpy clock whose dtype (the same bits) or shape is changed in place
+  after the records were first resharded: the records are taken apart afresh, and
+  archives whose clocks now differ are refused, as a new list of them is."""
+  src = _numpy_clock_records(2)
+  plan = jr.plan(src, world_size=3, rank=0)
+  assert int(jr.reshard(src, plan).state[0].count) == 3
+  change(src[0].state[0].count)
+  with pytest.raises(jr.PlacementError, match="count"):
+    jr.reshard(src, plan)
+  with pytest.raises(jr.PlacementError, match="count"):
+    jr.reshard(list(src), plan)
+
+
 def test_buffers_are_read_at_each_call_and_a_new_record_is_checked_afresh():
   """Writes into a source buffer are seen by the next call; a buffer replaced in a
   remembered record's dicts is not (the README says so); the same state in a new
