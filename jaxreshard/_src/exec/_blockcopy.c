@@ -14,9 +14,9 @@
  * arrays start at an address aligned to the element width with rows a whole
  * number of elements apart, before calling: no bound or alignment is checked
  * here, except that the tile gather sends every index past its tile to the
- * tile's last element. No pointer is formed outside the two arrays. Elements move as
- * unsigned integers of their width, never as values. The functions take no
- * Python object and hold no lock: they run with the interpreter's lock
+ * tile's last element. No pointer is formed outside the two arrays. Elements
+ * move as unsigned integers of their width, never as values. The functions
+ * take no Python object and hold no lock: they run with the interpreter's lock
  * released (ctypes releases it for the call).
  */
 #include <stddef.h>

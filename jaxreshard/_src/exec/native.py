@@ -3,11 +3,12 @@
 ``_blockcopy.c`` moves each buffer's flat range from source rows to target rows,
 one copy per overlap of a source row and a target row, with no index array
 and no Python per overlap (``copy_blocks``); and writes a tile of narrow
-buffers' target rows straight from its gather table (``gather_tile``). The package builds it when it is installed; where no
-C compiler was found, the build skips it and the host executor copies with
-numpy alone (the same bits, more slowly where a buffer's slots are a few
-hundred elements or less). Setting ``JAXRESHARD_NATIVE=0`` in the environment
-before the package is imported makes it copy with numpy alone too.
+buffers' target rows straight from its gather table (``gather_tile``). The
+package builds it when it is installed; where no C compiler was found, the
+build skips it and the host executor copies with numpy alone (the same bits,
+more slowly where a buffer's slots are a few hundred elements or less).
+Setting ``JAXRESHARD_NATIVE=0`` in the environment before the package is
+imported makes it copy with numpy alone too.
 
 The library is called through ctypes, which releases the interpreter's lock for
 the call: two threads copy two halves of the blocks at once. Every table is
