@@ -861,11 +861,23 @@ def test_a_run_whose_latest_step_lost_its_item_is_refused_not_read_at_an_older_s
 
 @pytest.mark.parametrize(
   "metadata",
-  ["fifo", "garbage", "link", "other_handler", "deep", "list", "handlers_str", "huge", "odd_names"],
+  [
+    "fifo",
+    "garbage",
+    "link",
+    "other_handler",
+    "similar_handler",
+    "deep",
+    "list",
+    "handlers_str",
+    "huge",
+    "odd_names",
+  ],
 )
 def test_a_later_step_without_a_jaxreshard_item_leaves_the_latest_one_read(tmp_path, metadata):
   """A later step that holds no jaxreshard item (orbax's metadata naming another
-  handler, or metadata that is no JSON, a FIFO or a link) is not a damaged step of
+  handler, one whose name ends as jaxreshard's among them, or metadata that is no
+  JSON, a FIFO or a link) is not a damaged step of
   the run: the latest step with a jaxreshard item is read, and nothing blocks."""
   opt = optax.adam(1e-3)
   state = _state(opt)
@@ -883,6 +895,10 @@ def test_a_later_step_without_a_jaxreshard_item_leaves_the_latest_one_read(tmp_p
     os.symlink(tmp_path / "run" / "1" / "_CHECKPOINT_METADATA", meta)
   elif metadata == "other_handler":
     meta.write_text('{"item_handlers": {"default": "orbax.JsonCheckpointHandler"}}')
+  elif metadata == "similar_handler":  # other handlers whose names end as jaxreshard's
+    others = ["mylib.NotAReshardCheckpointHandler", "mylib.ReshardCheckpointHandler"]
+    others += ["ReshardCheckpointHandler", "jaxreshardx.ReshardCheckpointHandler"]
+    meta.write_text(json.dumps({"item_handlers": {f"i{k}": h for k, h in enumerate(others)}}))
   elif metadata == "deep":  # nesting past Python's recursion limit
     meta.write_bytes(b"[" * 100_000 + b"]" * 100_000)
   elif metadata == "list":

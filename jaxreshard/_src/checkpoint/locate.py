@@ -186,6 +186,8 @@ def locate(path: os.PathLike | str, *, step: int | None = None, item: str | None
 _STEP_METADATA = "_CHECKPOINT_METADATA"
 # Orbax's step metadata of a few items is a few hundred bytes; more is not read.
 _STEP_METADATA_MAX_BYTES = 1 << 20
+# Orbax records an item's handler as ``module.qualname``: jaxreshard's is the class of
+# this name in a module of the jaxreshard package, not any class whose name ends so.
 _HANDLER = "ReshardCheckpointHandler"
 _ITEM_NAME = re.compile(r"(?!\.\.?\Z)[^/\x00]{1,255}\Z")
 
@@ -217,9 +219,15 @@ def _recorded_items(step_dir: str) -> list[str]:
     for name, handler in handlers.items()
     if isinstance(name, str)
     and isinstance(handler, str)
-    and handler.endswith(_HANDLER)
+    and _is_ours(handler)
     and _ITEM_NAME.match(name)  # a name inside the step directory, never a path
   )
+
+
+def _is_ours(handler: str) -> bool:
+  """Whether orbax's record of an item's handler names jaxreshard's handler."""
+  module, _, name = handler.rpartition(".")
+  return name == _HANDLER and module.partition(".")[0] == "jaxreshard"
 
 
 def _refuse_later_damaged_steps(run_dir: str, latest: int) -> None:
