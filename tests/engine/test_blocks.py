@@ -427,7 +427,7 @@ def test_the_plan_cache_holds_a_bounded_number_of_migrations(monkeypatch):
   plans = [jr.plan(records, world_size=7, rank=r) for r in range(7)]
   cache = _sources.record_sources(records).plan_cache
   assert cache._held <= 5
-  # An evicted plan is validated in full and still correct.
+  # An evicted plan is recognised by its fields (see test_plan_identity) and still correct.
   for r, p in enumerate(plans):
     assert [x.rank for x in jr.reshard(records, p).placements] == [r, r]
 

@@ -2,6 +2,7 @@
 comparison (``placement.same_migrations``): never by equality, and never for a list
 that the full validation would refuse."""
 
+import contextlib
 import dataclasses
 import gc
 
@@ -267,3 +268,99 @@ def test_ranks_resharded_in_turn_keep_their_programs_when_their_records_are_read
       jax.tree.leaves(out.state)
       assert out.placements
   assert len(made) == len(plans), len(made)
+
+
+def _outcome(records, migrations):
+  """What ``reshard`` makes of ``migrations``: ("ok", its record) or its refusal's
+  (type, words)."""
+  try:
+    return "ok", jr.reshard(records, migrations)
+  except jr.ReshardError as e:
+    return type(e), str(e)
+
+
+def _assert_same_outcome(got, want):
+  assert got[0] == want[0], (got, want)
+  if got[0] == "ok":
+    assert_records_equal(got[1], want[1])
+  else:
+    assert got[1] == want[1]
+
+
+def test_plans_the_cache_dropped_are_recognised_by_their_fields(monkeypatch):
+  """More plans than the cache holds (a world of thousands of ranks and params):
+  a plan it dropped holds the very objects ``plan`` makes every migration of, so
+  it takes its world's family as a held one does. The world's rows are validated
+  in full once, not once per rank, and every rank is the full path's record."""
+  from jaxreshard._src.engine import plans as _plans
+
+  monkeypatch.setattr(_plans.PlanCache, "MAX_MIGRATIONS", 4)
+  records = _records(w=3)
+  src = _sources.record_sources(records)
+  plans = [jr.plan(records, world_size=7, rank=r) for r in range(7)]
+  assert src.plan_cache.match(plans[0]) is None  # dropped: 14 migrations, 4 held
+  assert src.plan_cache.made_again(plans[0]) == (7, 0)
+  assert src.plan_cache.made_again(tuple(plans[6])) == (7, 6)
+  full = []
+  real = _pipeline._validate_all
+  monkeypatch.setattr(_pipeline, "_validate_all", lambda s, m: full.append(m) or real(s, m))
+  together = jr.reshard_ranks(records, plans)
+  assert len(full) == 1
+  one_by_one = [jr.reshard(records, p) for p in plans]
+  assert len(full) == 1
+  for r, p in enumerate(plans):
+    want = jr.reshard(_records(w=3), [dataclasses.replace(m) for m in p])
+    assert_records_equal(together[r], want)
+    assert_records_equal(one_by_one[r], want)
+    assert [x.rank for x in want.placements] == [r, r]
+
+
+def _set_all(migrations, field, value):
+  for m in migrations:
+    object.__setattr__(m, field, value)
+
+
+@pytest.mark.parametrize(
+  "forge",
+  [
+    # Equal to the plan's item, but not its objects: sources of bools, a float rank,
+    # a shape made again, another list's sources tuple of the same ints.
+    lambda p: p.__setitem__(
+      -1, dataclasses.replace(p[-1], sources=tuple(map(bool, p[-1].sources)))
+    ),
+    lambda p: p.__setitem__(-1, dataclasses.replace(p[-1], rank=float(p[-1].rank))),
+    lambda p: p.__setitem__(-1, dataclasses.replace(p[-1], shape=tuple(list(p[-1].shape)))),
+    lambda p: p.__setitem__(-1, dataclasses.replace(p[-1], sources=tuple(list(p[-1].sources)))),
+    # Another target rank, world size or order; one item fewer or twice.
+    lambda p: p.__setitem__(-1, dataclasses.replace(p[-1], rank=0)),
+    lambda p: p.__setitem__(-1, dataclasses.replace(p[-1], world_size=8)),
+    lambda p: p.reverse(),
+    lambda p: p.pop(),
+    lambda p: p.append(p[0]),
+    # Items written in place (bypassing the frozen dataclass): one, or every item
+    # given one rank object that is no int (a float, a bool).
+    lambda p: object.__setattr__(p[-1], "rank", float(p[-1].rank)),
+    lambda p: object.__setattr__(p[-1], "world_size", 6),
+    lambda p: _set_all(p, "rank", float(p[0].rank)),
+    lambda p: _set_all(p, "rank", True),
+  ],
+)
+def test_a_dropped_plan_edited_is_validated_in_full(monkeypatch, forge):
+  """A list of a plan the cache dropped, then edited: recognised by nothing, it is
+  validated in full, and gives what records that never saw a plan give (the same
+  record, or the same refusal in the same words)."""
+  from jaxreshard._src.engine import plans as _plans
+
+  monkeypatch.setattr(_plans.PlanCache, "MAX_MIGRATIONS", 4)
+  records = _records(w=3)
+  src = _sources.record_sources(records)
+  plans = [jr.plan(records, world_size=7, rank=r) for r in range(7)]
+  jr.reshard_ranks(records, plans)  # the world's family is validated and remembered
+  p = plans[1]
+  assert src.plan_cache.match(p) is None
+  forge(p)
+  assert src.plan_cache.made_again(p) is None
+  want = _outcome(_records(w=3), [dataclasses.replace(m) for m in p])
+  _assert_same_outcome(_outcome(records, p), want)
+  with pytest.raises(jr.ReshardError) if want[0] != "ok" else contextlib.nullcontext():
+    jr.reshard_ranks(records, [plans[0], p])
