@@ -59,7 +59,7 @@ class Options:
   dst_world: int = 6
   repeats: int = 3
   param_counts: tuple[int, ...] = (10, 100, 1000, 10_000, 100_000)
-  device_param_counts: tuple[int, ...] = (10, 100, 1000)
+  device_param_counts: tuple[int, ...] = (10, 100, 1000, 10_000)
   compile_size: int = 32 * _M
   compile_ranks: int = 1
   disk_size: int = 64 * _M

@@ -132,7 +132,9 @@ def run(opts: Options) -> Result:
     ' host path compiles none). Device rows: the same with `executor="device"`, which'
     f" packs each source archive's buffers and gathers with run tables as runtime"
     f" arguments ({opts.compile_size // 8} history elements: XLA:CPU runs the gathers"
-    " slowly); `programs` after a cleared cache, `warm_retraces` must be 0. Verdict: at"
+    " slowly; past 256 leaves an archive's pack and the target's split into leaves go"
+    " through host memory, with no program); `programs` after a cleared cache,"
+    " `warm_retraces` must be 0. Verdict: at"
     " 10,000 parameters on the host cold <= 1.5x warm and warm <= 3x the copy; 100,000"
     " parameters warm within 10x of 10,000; on the device executor cold <= 2 s at 10,000"
     " parameters with <= 8 programs (the device rows must reach 10,000 parameters)."

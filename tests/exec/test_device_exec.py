@@ -377,9 +377,11 @@ def test_clear_device_cache():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
-def test_pack_split_keep_special_values_and_one_program_each(dtype):
-  # Signalling NaNs, -0.0 and subnormals through pack and split, 300 leaves: one
-  # pack program and one split program, whatever the leaf count.
+def test_pack_split_keep_special_values_and_one_program_each(dtype, monkeypatch):
+  # Signalling NaNs, -0.0 and subnormals through pack and split, 300 leaves in
+  # programs (the staging bound raised past them): one pack program and one
+  # split program, whatever the leaf count.
+  monkeypatch.setattr(dx, "STAGE_ABOVE", 1000)
   with dtype_context(dtype):
     special = np.array(SPECIAL_BITS[np.dtype(dtype).name], f"u{dtype.itemsize}").view(dtype)
     rng = np.random.default_rng(9)
@@ -391,3 +393,46 @@ def test_pack_split_keep_special_values_and_one_program_each(dtype):
     for piece, x in zip(pieces, host):
       assert_bits_equal(piece, x)
     assert dx.kernel_cache_info() == (2, 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+def test_staged_pack_split_keep_every_bit_and_compile_nothing(dtype):
+  # Past ``STAGE_ABOVE`` leaves, packs and splits go through host memory: the same
+  # bits (special values, scalars, empty leaves, several shapes), on the leaves'
+  # own device, and no program traced or compiled by XLA.
+  with dtype_context(dtype):
+    rng = np.random.default_rng(13)
+    shapes = [(), (0,), (2, 3), (1,), (4, 1, 2)] + [(int(n),) for n in rng.integers(0, 9, 400)]
+    assert len(shapes) > dx.STAGE_ABOVE
+    host = [random_bits(rng, math.prod(s), dtype).reshape(s) for s in shapes]
+    leaves = [jnp.asarray(x) for x in host]
+    dx.clear_kernel_cache()
+    with count_xla_compiles() as compiles:
+      flat = dx.pack(leaves)
+      pieces = dx.split(flat, [x.size for x in host])
+    assert compiles["n"] == 0 and dx.kernel_cache_info() == (0, 0)
+    assert flat.dtype == dtype and flat.devices() == leaves[0].devices()
+    assert_bits_equal(flat, np.concatenate([x.reshape(-1) for x in host]))
+    assert len(pieces) == len(host)
+    for piece, x in zip(pieces, host):
+      assert piece.shape == (x.size,) and piece.dtype == dtype
+      assert piece.devices() == flat.devices()
+      assert_bits_equal(piece, x.reshape(-1))
+    # A prefix of the flat buffer; the rest is ignored, as the program's split does.
+    sizes = [1] * (dx.STAGE_ABOVE + 1)
+    head = dx.split(flat, sizes)
+    for k, piece in enumerate(head):  # compared on the host: a jax op may quiet a bf16 NaN
+      assert_bits_equal(piece, np.asarray(flat)[k : k + 1])
+
+
+def test_staging_keeps_programs_for_dtypes_device_put_would_narrow():
+  # With x64 off, jax.device_put turns a 64-bit numpy array into a 32-bit one:
+  # such dtypes never go through host memory, whatever the leaf count.
+  many = dx.STAGE_ABOVE + 1
+  assert not jax.config.jax_enable_x64
+  for name in ("float64", "int64", "uint64"):
+    assert not dx._staged(many, np.dtype(name)), name
+  for dtype in (F32, F16, BF16, np.dtype("uint8")):
+    assert dx._staged(many, np.dtype(dtype)) and not dx._staged(dx.STAGE_ABOVE, np.dtype(dtype))
+  with x64_context():
+    assert dx._staged(many, np.dtype("float64"))

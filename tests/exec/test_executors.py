@@ -105,6 +105,43 @@ def test_device_program_count_does_not_grow_with_parameters():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_device_executor_past_the_staging_bound_equals_host_and_compiles_a_bounded_few(
+  dtype, monkeypatch
+):
+  """Archives of more leaves than one program takes (``STAGE_ABOVE``) are packed and
+  split through host memory: the same bits as the host executor (special values,
+  a scalar and size-1 params, 5 -> 7 with an all-padding rank), a handful of
+  programs, and none with an argument or result per leaf."""
+  from jaxreshard._src.exec import device as dx
+  from jaxreshard._src.exec import kernels
+
+  def run(n):
+    opt = optax.sgd(0.1, momentum=0.9)
+    sv = special_values(dtype)
+    sizes = [0 if i == 0 else 1 if i == 1 else 2 + (7 * i) % 41 for i in range(n)]
+    params = {f"p{i:04d}": np.zeros((m,) if m else (), dtype) for i, m in enumerate(sizes)}
+    trace = {k: np.resize(np.roll(sv, i), v.shape) for i, (k, v) in enumerate(params.items())}
+    records = jr.shard_state(opt, params, (optax.TraceState(trace=trace), optax.EmptyState()), 5)
+    on_device = [dataclasses.replace(r, state=jax.device_put(r.state)) for r in records]
+    jr.clear_kernel_cache()
+    with count_xla_compiles() as compiles:
+      for rank in (0, 6):  # rank 6 of 7 holds only padding of the smallest params
+        migrations = jr.plan(records, world_size=7, rank=rank)
+        device = jr.reshard(on_device, migrations, executor="device")
+        assert_records_equal(device, jr.reshard(records, migrations, executor="host"))
+    return compiles["n"], {key[0] for key in kernels._CACHE.programs}
+
+  for n in (300, 1200):  # as many leaves per archive and per target
+    assert n > dx.STAGE_ABOVE
+    compiles, kinds = run(n)
+    assert compiles <= 8 and not kinds & {"pack", "split"}, (n, compiles, kinds)
+  # The same below the bound: programs pack each archive layout and split the target.
+  monkeypatch.setattr(dx, "STAGE_ABOVE", 1000)
+  assert {"pack", "split"} <= run(300)[1]
+
+
+@pytest.mark.slow
 def test_second_device_reshard_of_the_same_layout_compiles_nothing():
   records, _ = _adam_records(30, 8)
   later, _ = _adam_records(30, 8, seed=1)  # a restart from a later checkpoint
