@@ -291,3 +291,38 @@ def test_save_sharded_records_the_params_dtype_or_refuses_a_bare_shape(tmp_path,
   ):
     jr.save_sharded(tmp_path / name, opt, sharded.state, shapes, mesh)
     assert {p.param: p.dtype for p in jr.load_records(tmp_path / name)[0].placements} == expected
+
+
+# --- replicas of a history that disagree: every mesh path reads the same one -------
+
+
+@pytest.mark.parametrize("axis_types", [None, (AxisType.Auto,) * 2], ids=["explicit", "auto"])
+def test_replicas_that_disagree_are_read_alike_by_gather_and_save(tmp_path, axis_types):
+  # A history sharded over "fsdp" and replicated over "data", whose "data" = 1
+  # copies hold other bits (nonzero padding included): not made by any jax
+  # computation, but a jax.Array may hold it. gather_from_mesh and save_sharded
+  # read the first copy listed for each part, so they give the same bits and
+  # neither refuses the other copy's padding.
+  kw = {} if axis_types is None else {"axis_types": axis_types}
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), **kw)
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"w": jnp.zeros((5,), jnp.float32)}
+  values = np.array([1, -0.0, np.nan, 4, 5, 0, 0, 0], np.float32)
+  state = jr.shard_to_mesh(opt, params, opt.init(params), mesh, "fsdp").state
+  trace = state[0].trace["w"]  # (8,) over "fsdp", replicated over "data"
+  data_of = {d: int(np.argwhere(mesh.devices == d)[0][0]) for d in mesh.devices.flat}
+  pieces = [
+    jax.device_put(values[idx] + (100 if data_of[d] else 0), d)
+    for d, idx in trace.sharding.addressable_devices_indices_map(trace.shape).items()
+  ]
+  odd = jax.make_array_from_single_device_arrays(trace.shape, trace.sharding, pieces)
+  first = {}
+  for shard in odd.addressable_shards:  # the first copy listed for each part
+    first.setdefault(shard.index[0].start or 0, np.asarray(shard.data))
+  expected = np.concatenate([first[k] for k in sorted(first)])[:5]
+  state = (state[0]._replace(trace={"w": odd}),) + tuple(state[1:])
+  gathered = jr.gather_from_mesh(opt, state, params, mesh, "fsdp")[0].trace["w"]
+  jr.save_sharded(tmp_path / "ck", opt, state, params, mesh, axis="fsdp")
+  loaded = jr.unshard_state(jr.load_records(tmp_path / "ck"))[0].trace["w"]
+  assert_trees_bit_equal(np.asarray(gathered), expected)
+  assert_trees_bit_equal(np.asarray(loaded), expected)

@@ -80,9 +80,15 @@ def gather_bits(leaf: Any) -> np.ndarray:
   if leaf.is_fully_addressable:
     # From the device buffers themselves: ``np.asarray`` of a partially
     # replicated array may go through a computation that quiets NaN payloads.
+    # Each part from the first shard listed for it, the replica a save reads
+    # (``shards_by_start``): copies that disagree give one answer on both paths.
     out = np.zeros(leaf.shape, leaf.dtype)
+    seen = set()
     for shard in leaf.addressable_shards:
-      out[shard.index] = np.asarray(shard.data)
+      part = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in shard.index)
+      if part not in seen:
+        seen.add(part)
+        out[shard.index] = np.asarray(shard.data)
     return out
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
 
