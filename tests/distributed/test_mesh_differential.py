@@ -326,3 +326,30 @@ def test_replicas_that_disagree_are_read_alike_by_gather_and_save(tmp_path, axis
   loaded = jr.unshard_state(jr.load_records(tmp_path / "ck"))[0].trace["w"]
   assert_trees_bit_equal(np.asarray(gathered), expected)
   assert_trees_bit_equal(np.asarray(loaded), expected)
+
+
+@pytest.mark.parametrize(
+  "make",
+  [
+    lambda: optax.adam(1e-3, mu_dtype=jnp.float64),
+    lambda: optax.sgd(0.1, momentum=0.9, accumulator_dtype=jnp.float64),
+  ],
+  ids=["float64_mu", "float64_only_history"],
+)
+def test_gather_from_mesh_takes_a_bare_shape_whose_histories_are_float64(make):
+  # With x64 on, a float64 history of a float32 param is a history like any other:
+  # gather_from_mesh given bare shapes gives what unshard_state gives of the same
+  # state sharded on the host (the param's dtype, which a bare shape does not say,
+  # is never one a placement could not hold).
+  with jax.enable_x64(True):
+    opt = make()  # optax fixes a history dtype when the optimizer is made
+    params = {"w": jnp.zeros((5,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    state = jax.tree.map(
+      lambda x: x + 0.25 if jnp.issubdtype(x.dtype, jnp.floating) else x, opt.init(params)
+    )
+    mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+    on_mesh = jr.shard_to_mesh(opt, params, state, mesh, "fsdp").state
+    assert {x.dtype for x in jax.tree.leaves(on_mesh)} >= {jnp.dtype(jnp.float64)}
+    gathered = jr.gather_from_mesh(opt, on_mesh, {"w": (5,), "b": ()}, mesh, "fsdp")
+    expected = jr.unshard_state(jr.shard_state(opt, params, state, world_size=4))
+    assert_trees_bit_equal(gathered, expected)

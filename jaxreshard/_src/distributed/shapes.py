@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.core.geometry import normalize_shape
-from jaxreshard._src.core.placement import ParamPlacement
+from jaxreshard._src.core.placement import SUPPORTED_DTYPES, ParamPlacement
 from jaxreshard._src.errors import DtypeError
 
 __all__ = ["placements_for", "shape_of"]
@@ -38,8 +38,9 @@ def placements_for(
   ``adam(mu_dtype=...)``, would otherwise record that one).
 
   ``recorded=False`` is for placements that never leave the call (a gather of
-  the whole state): a bare shape then takes its first history buffer's dtype
-  (float32 without history), which nothing sees.
+  the whole state): a bare shape then takes the first of its history buffers'
+  dtypes that a placement may hold (float32 where none is: a float64 ``mu``
+  alone, or no history), which nothing else sees.
 
   Raises:
     DtypeError: a bare shape for a param without history, or whose history
@@ -58,7 +59,7 @@ def placements_for(
       if recorded:
         dtype = _dtype_of_histories(pid, v, set(seen))
       else:
-        dtype = next(iter(seen), np.dtype(np.float32))
+        dtype = next((d for d in seen if d.name in SUPPORTED_DTYPES), np.dtype(np.float32))
     base.append((pid, shape_of(v, pid), np.dtype(dtype), bool(getattr(v, "trainable", True))))
 
   def of(rank: int) -> tuple[ParamPlacement, ...]:
