@@ -26,6 +26,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import jax
 import numpy as np
 
 from jaxreshard._src.core import archivecheck as _archivecheck
@@ -376,15 +377,22 @@ def _signature(
 
 
 class SourceCache:
-  """``RecordSources`` by the identities of their records, dropped when one dies and
-  made afresh when a record no longer holds a clock scalar it was taken apart with."""
+  """``RecordSources`` by the identities of their records and jax's x64 mode, dropped
+  when one dies and made afresh when a record no longer holds a clock scalar it was
+  taken apart with.
+
+  What validation accepts depends on the x64 mode (a float64 history buffer is
+  copied exactly only with x64 on), so sources validated under one mode are
+  never reused under the other: a call after the mode changed validates afresh
+  and refuses what a first call would.
+  """
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._entries: dict[tuple[int, ...], tuple[tuple, RecordSources]] = {}
+    self._entries: dict[tuple[Any, ...], tuple[tuple, RecordSources]] = {}
 
   def get(self, records: Sequence[Any]) -> RecordSources:
-    key = tuple(map(id, records))
+    key = (bool(jax.config.jax_enable_x64), *map(id, records))
     with self._lock:
       hit = self._entries.get(key)
     if hit is not None and all(ref() is r for ref, r in zip(hit[0], records)) and hit[1].current():
@@ -398,7 +406,7 @@ class SourceCache:
       weakref.finalize(r, self._drop, key)
     return sources
 
-  def _drop(self, key: tuple[int, ...]) -> None:
+  def _drop(self, key: tuple[Any, ...]) -> None:
     with self._lock:
       self._entries.pop(key, None)
 
