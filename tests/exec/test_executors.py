@@ -332,3 +332,60 @@ def test_any_nonzero_sees_a_set_element_at_every_position_of_the_index(chunk, th
       flat[p] = 0
   finally:
     _host._GATHER_CHUNK, _host._PARALLEL_BYTES, _host.THREADS = saved
+
+
+@pytest.mark.parametrize("n", [10, 300], ids=["programs", "staged"])
+def test_device_executor_takes_an_archive_whose_leaves_lie_on_several_devices(n):
+  # Leaves of one archive alternating over two devices, or each replicated over two:
+  # the host executor copies them; the device executor moves them onto one device
+  # first, as it does the archives of one gather, and gives the same bits.
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  devices = jax.devices()
+  params = {f"p{i:03d}": np.zeros((3,), np.float32) for i in range(n)}
+  trace = {k: np.arange(3, dtype=np.float32) - i for i, k in enumerate(params)}
+  opt = optax.sgd(0.1, momentum=0.9)
+  records = jr.shard_state(opt, params, (optax.TraceState(trace=trace), optax.EmptyState()), 2)
+
+  def alternating(r):
+    leaves, treedef = jax.tree.flatten(r.state)
+    moved = [jax.device_put(x, devices[i % 2]) for i, x in enumerate(leaves)]
+    return dataclasses.replace(r, state=jax.tree.unflatten(treedef, moved))
+
+  both = NamedSharding(Mesh(np.array(devices[:2]), ("x",)), P())
+  for spread in (
+    [alternating(r) for r in records],
+    [dataclasses.replace(r, state=jax.device_put(r.state, both)) for r in records],
+  ):
+    for rank in range(3):
+      migrations = jr.plan(records, world_size=3, rank=rank)
+      device = jr.reshard(spread, migrations, executor="device")
+      assert_records_equal(device, jr.reshard(records, migrations, executor="host"))
+
+
+def test_staged_device_executor_lands_where_its_programs_would(monkeypatch):
+  # Uncommitted sources resharded under jax.default_device: past the staging bound
+  # the output is on the device, and as committed, as the programs put it.
+  from jaxreshard._src.exec import device as dx
+
+  devices = jax.devices()
+  params = {f"p{i:03d}": np.zeros((3,), np.float32) for i in range(dx.STAGE_ABOVE + 1)}
+  trace = {k: np.arange(3, dtype=np.float32) + i for i, k in enumerate(params)}
+  opt = optax.sgd(0.1, momentum=0.9)
+  records = jr.shard_state(opt, params, (optax.TraceState(trace=trace), optax.EmptyState()), 2)
+  uncommitted = [dataclasses.replace(r, state=jax.tree.map(jnp.asarray, r.state)) for r in records]
+  assert not jax.tree.leaves(uncommitted[0].state)[0].committed
+  migrations = jr.plan(records, world_size=3, rank=0)
+
+  def placed():
+    with jax.default_device(devices[3]):
+      out = jr.reshard(uncommitted, migrations, executor="device")
+    leaf = out.state[0].trace["p001"]
+    return leaf.devices(), leaf.committed, out
+
+  staged = placed()
+  monkeypatch.setattr(dx, "STAGE_ABOVE", 10_000)
+  programs = placed()
+  assert staged[:2] == programs[:2] and staged[0] == {devices[3]}
+  assert_records_equal(staged[2], programs[2])

@@ -51,7 +51,9 @@ class Packs:
     offsets = {(pid, m): at for (pid, m, _), at in zip(order, starts)}
     # A jax array goes in as it is: ``jnp.asarray`` of one costs ~20 us, per leaf.
     leaves = [b if isinstance(b, jax.Array) else jax.numpy.asarray(b) for _, _, b in order]
-    return _device_exec.pack(leaves), offsets
+    # An archive whose leaves lie on several devices is packed on one, as the
+    # sources of one gather are (``on_one_device``).
+    return _device_exec.pack(on_one_device(leaves)), offsets
 
 
 def device_fetch(

@@ -31,7 +31,8 @@ and XLA compiles such a program in time that grows faster than its leaves
 (XLA:CPU: a split into 2,000 arrays ~2 s, into 5,000 ~7 s; a concatenate of
 20,000 ~60 s). Past ``STAGE_ABOVE`` leaves, a pack or split goes through host
 memory instead: ``jax.device_get`` of the leaves (or of the buffer), a numpy
-concatenation (or views), one ``jax.device_put`` back onto the same device. It
+concatenation (or views), one ``jax.device_put`` onto the device the program
+would have run on (the arrays' own when committed, else jax's default). It
 compiles nothing, so compile time no longer grows with the parameters; it
 costs a transfer of the bytes each way and jax's own work per array. Transfers
 copy bits and never convert a value; a dtype that ``device_put`` would narrow
@@ -117,7 +118,8 @@ def pack(leaves: Sequence[jax.Array]) -> jax.Array:
   if _staged(len(leaves), dtype):
     # On the CPU backend a leaf's host copy is a view of it (no transfer to batch).
     host = leaves if device.platform == "cpu" else jax.device_get(leaves)
-    return jax.device_put(np.concatenate([np.asarray(x).reshape(-1) for x in host]), device)
+    flat = np.concatenate([np.asarray(x).reshape(-1) for x in host])
+    return _put(flat, device, any(x.committed for x in leaves))
   specs = tuple((tuple(x.shape), _kernels.weak(x)) for x in leaves)
   key = ("pack", dtype.name, specs, device, _kernels.x64())
   fn = _kernels.program(key, lambda: _kernels.make_pack(dtype, specs, device))
@@ -162,7 +164,7 @@ def split(flat: jax.Array, sizes: Sequence[int]) -> list[jax.Array]:
   if _staged(len(sizes), dtype):
     host = np.asarray(jax.device_get(flat))
     ends = np.cumsum(sizes).tolist()
-    return list(jax.device_put([host[b - k : b] for k, b in zip(sizes, ends)], device))
+    return list(_put([host[b - k : b] for k, b in zip(sizes, ends)], device, flat.committed))
   n = int(flat.shape[0])
   key = ("split", dtype.name, n, _kernels.weak(flat), sizes, device, _kernels.x64())
   fn = _kernels.program(key, lambda: _kernels.make_split(dtype, n, sizes, device))
@@ -302,6 +304,13 @@ def _staged(leaves: int, dtype: np.dtype) -> bool:
   """Whether a pack or split of ``leaves`` leaves of ``dtype`` goes through host
   memory: past ``STAGE_ABOVE``, where ``device_put`` keeps the dtype as it is."""
   return leaves > STAGE_ABOVE and jax.dtypes.canonicalize_dtype(dtype) == dtype
+
+
+def _put(x: Any, device: Any, committed: bool) -> Any:
+  """``x`` (an array or a list of them) on the device a program given arrays so
+  committed would run on and return them: ``device`` itself if committed, else
+  jax's default device, uncommitted."""
+  return jax.device_put(x, device) if committed else jax.device_put(x)
 
 
 def _calls(sources, src_index, src_start, dst_start, length, size, index_dtype, device):
