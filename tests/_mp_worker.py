@@ -52,6 +52,7 @@ Tasks:
 """
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -381,15 +382,20 @@ def _refused_state(opt, params, state, shapes, sharded_state, m, kind):
 
 def refused(opt, params, state, shapes) -> dict:
   """A save_sharded that one process's own data refuses: nonzero bits in the padding of
-  its shards (``kind`` "padding"), or its clock one step ahead ("clock"); or that every
-  process refuses: a clock leaf laid out over the devices of both ("split_clock"). Reports what
-  each process raised and how soon; a process left waiting would hit the group's
-  time limit, long before the save's 600 s timeout.
+  its shards (``kind`` "padding"), one param's dtype as another in its placements
+  ("layout": the index it would make differs), or its clock one step ahead ("clock"; "clock_replica":
+  on a 2-D mesh whose "data" axis spans the processes, so that the primary writes every
+  archive and the other process none); or that every process refuses: a clock leaf laid
+  out over the devices of both ("split_clock"). Reports what each process raised and
+  how soon; a process left waiting would hit the group's time limit, long before the
+  save's 600 s timeout.
   """
   from jaxreshard._src.core import structure  # pylint: disable=g-import-not-at-top
 
   m = mesh()
-  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
+  if ARGS["kind"] == "clock_replica":  # a row of the mesh per process
+    m = Mesh(np.array(jax.devices()).reshape(jax.process_count(), -1), ("data", "fsdp"))
+  sharded = jr.shard_to_mesh(opt, params, state, m, "fsdp", trainable=U.trainable())
   spec = {p.param: p for p in next(iter(sharded.placements.values()))}
   leaves, treedef = jax.tree_util.tree_flatten(sharded.state)
   roles = structure.history_roles(opt, params, state)
@@ -404,13 +410,19 @@ def refused(opt, params, state, shapes) -> dict:
     leaves[i] = jax.make_array_from_callback(
       (world,), NamedSharding(m, PartitionSpec("fsdp")), lambda index: whole[index]
     )
+  elif ARGS["kind"] == "layout":
+    if ME == ARGS["fail"]:  # one param's dtype as another: an index of another layout
+      pid = sorted(spec)[0]
+      spec[pid] = dataclasses.replace(spec[pid], dtype=np.dtype("float16"))
   elif ME == ARGS["fail"]:
+    kind = "clock" if ARGS["kind"] == "clock_replica" else ARGS["kind"]
     leaves = jax.tree_util.tree_leaves(
-      _refused_state(opt, params, state, shapes, sharded.state, m, ARGS["kind"])
+      _refused_state(opt, params, state, shapes, sharded.state, m, kind)
     )
   changed = jax.tree_util.tree_unflatten(treedef, leaves)
   report_save(
-    "refused", lambda: jr.save_sharded(ARGS["path"], opt, changed, spec, m, timeout_s=600)
+    "refused",
+    lambda: jr.save_sharded(ARGS["path"], opt, changed, spec, m, axis="fsdp", timeout_s=600),
   )
 
 

@@ -77,7 +77,7 @@ def job(tmp_path_factory):
         os.path.join(root, f"refused_{kind}"),
         {"path": os.path.join(root, f"refused_{kind}_ck"), "fail": 1, "kind": kind},
       )
-      for kind in ("padding", "clock", "split_clock")
+      for kind in ("padding", "clock", "split_clock", "clock_replica", "layout")
     },
   }
   try:
@@ -289,6 +289,7 @@ def test_a_clock_leaf_held_in_parts_by_several_processes_is_refused_by_every_one
   [
     ("padding", "padding is not zero"),
     ("clock", "process 1's optimizer clock (its scalars' bits) differs from the primary"),
+    ("layout", "process 1's state layout (its tree structure, params' shapes and dtypes"),
   ],
 )
 def test_a_save_one_process_refuses_fails_at_once_everywhere(job, kind, words):
@@ -301,6 +302,19 @@ def test_a_save_one_process_refuses_fails_at_once_everywhere(job, kind, words):
   assert "process 1 did not write its archives" in first["error"] and words in first["error"]
   assert first["seconds"] < 30 and second["seconds"] < 30, (first, second)
   assert not os.path.exists(os.path.join(job["root"], f"refused_{kind}_ck"))
+
+
+def test_a_clock_of_another_step_is_refused_where_its_process_writes_no_archive(job):
+  """On a 2-D mesh whose "data" axis spans the processes the primary writes every
+  archive and process 1 none; process 1's clock one step ahead is refused all the
+  same (it was compared only where both processes wrote archives, so this save
+  committed the primary's step)."""
+  first, second = sorted(job["results"]["refused_clock_replica"], key=lambda r: r["process"])
+  words = "process 1's optimizer clock (its scalars' bits) differs from the primary"
+  assert second["error_type"] == "PlacementError" and words in second["error"], second
+  assert first["error_type"] == "ArchiveError" and words in first["error"], first
+  assert first["seconds"] < 30 and second["seconds"] < 30, (first, second)
+  assert not os.path.exists(os.path.join(job["root"], "refused_clock_replica_ck"))
 
 
 def test_a_process_that_never_finishes_writing_fails_the_save_after_its_timeout(tmp_path):

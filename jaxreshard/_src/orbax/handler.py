@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import threading
 import uuid
@@ -118,27 +119,51 @@ def _is_primary(primary_host: int | None) -> bool:
   return ocp.multihost.is_primary_host(primary_host)
 
 
-def _shared_checkpoint_id(primary_host: int | None, clock: bytes = bytes(32)) -> tuple[str, bytes]:
+def _shared_checkpoint_id(
+  primary_host: int | None, clock: bytes = bytes(32), layout: bytes = bytes(32)
+) -> tuple[str, bytes, bytes]:
   """One new identity for this save, the same in every process (the primary's), and the
-  primary's ``clock`` (a 32-byte digest of its optimizer clock, ``_clock_digest``)."""
-  raw = np.frombuffer(uuid.uuid4().bytes + clock, np.uint8).astype(np.int32)
+  primary's ``clock`` and ``layout`` (32-byte digests of its optimizer clock and of
+  its state's layout, ``_clock_digest`` and ``_layout_digest``)."""
+  raw = np.frombuffer(uuid.uuid4().bytes + clock + layout, np.uint8).astype(np.int32)
   if jax.process_count() > 1:
     raw = np.asarray(ocp.multihost.broadcast_one_to_all(raw, is_source=_is_primary(primary_host)))
   raw = bytes(raw.astype(np.uint8).tolist())
-  return raw[:16].hex(), raw[16:]
+  return raw[:16].hex(), raw[16:48], raw[48:]
+
+
+def _layout_digest(checked: Any) -> bytes:
+  """A digest of what this process's state makes of the checkpoint's index, clock
+  aside (tree structure, params' shapes and dtypes, trainability, placements over
+  the mesh axis): the primary writes the index from its own, so every process's
+  must be the same, or its archives would not be those the index describes."""
+  h = hashlib.sha256()
+  h.update(json.dumps(checked.index, sort_keys=True, default=_json_default).encode())
+  return h.digest()
+
+
+def _json_default(x: Any) -> Any:
+  """numpy values of an index (its tables) as JSON: dtype, shape and bytes."""
+  if isinstance(x, np.ndarray | np.generic):
+    a = np.asarray(x)
+    return [a.dtype.str, list(a.shape), a.tobytes().hex()]
+  raise TypeError(f"not in an index: {type(x).__name__}")
 
 
 def _clock_digest(checked: Any) -> bytes:
-  """A digest of the optimizer clock in this process's archives (every clock scalar's
-  dtype, shape and bits); zeros when it writes none."""
-  record = next(iter(checked.views.values()), None)
-  if record is None:
-    return bytes(32)
+  """A digest of the optimizer clock of this process's state (every clock scalar's
+  dtype, shape and bits), whether or not the process writes an archive: a process
+  whose shards another process writes (a mesh axis besides the flat one spanning
+  processes) still holds a clock, which must be the primary's. Zeros where the
+  process holds no part of a clock leaf (nothing of it to compare)."""
   h = hashlib.sha256()
-  for leaf, role in zip(jax.tree_util.tree_leaves(record.state), record.roles):
+  for leaf, role in zip(checked.tree[1], checked.roles):
     if role is None:
-      if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        leaf = leaf.addressable_data(0)
+      if isinstance(leaf, jax.Array):
+        if not leaf.addressable_shards:
+          return bytes(32)
+        if leaf.is_fully_replicated or not leaf.is_fully_addressable:
+          leaf = leaf.addressable_data(0)
       h.update(repr(_clock.scalar_bits(leaf)).encode())
   return h.digest()
 
@@ -160,7 +185,8 @@ def prepare_save(
   primary = _is_primary(primary_host)
   what = "save_sharded" if args.state is not None else "ReshardSave"
   clock = _clock_digest(checked) if args.state is not None else bytes(32)
-  checkpoint_id, primary_clock = _shared_checkpoint_id(primary_host, clock)
+  layout = _layout_digest(checked) if args.state is not None else bytes(32)
+  checkpoint_id, primary_clock, primary_layout = _shared_checkpoint_id(primary_host, clock, layout)
   index = None
   refusal = None
   try:
@@ -171,6 +197,12 @@ def prepare_save(
         # process's clock must be the primary's, from which the index is made.
         for r, record in archives:
           _historycheck.check_record_data(r, record)
+        if layout != primary_layout and primary_layout != bytes(32):
+          raise PlacementError(
+            f"process {jax.process_index()}'s state layout (its tree structure, params'"
+            " shapes and dtypes, trainability, placements over the mesh axis) differs from"
+            " the primary process's: the processes hold different states"
+          )
         if clock != bytes(32) and primary_clock != bytes(32) and clock != primary_clock:
           raise PlacementError(
             f"process {jax.process_index()}'s optimizer clock (its scalars' bits) differs"
