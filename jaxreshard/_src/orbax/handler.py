@@ -67,15 +67,11 @@ Who writes what:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 import threading
-import uuid
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -85,10 +81,10 @@ from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.checkpoint import table as _table
-from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _sharded
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementError, ReshardError
+from jaxreshard._src.orbax import agreement as _agreement
 from jaxreshard._src.orbax import args as _args
 from jaxreshard._src.orbax import creation as _creation
 from jaxreshard._src.orbax import peers as _peers
@@ -119,55 +115,6 @@ def _is_primary(primary_host: int | None) -> bool:
   return ocp.multihost.is_primary_host(primary_host)
 
 
-def _shared_checkpoint_id(
-  primary_host: int | None, clock: bytes = bytes(32), layout: bytes = bytes(32)
-) -> tuple[str, bytes, bytes]:
-  """One new identity for this save, the same in every process (the primary's), and the
-  primary's ``clock`` and ``layout`` (32-byte digests of its optimizer clock and of
-  its state's layout, ``_clock_digest`` and ``_layout_digest``)."""
-  raw = np.frombuffer(uuid.uuid4().bytes + clock + layout, np.uint8).astype(np.int32)
-  if jax.process_count() > 1:
-    raw = np.asarray(ocp.multihost.broadcast_one_to_all(raw, is_source=_is_primary(primary_host)))
-  raw = bytes(raw.astype(np.uint8).tolist())
-  return raw[:16].hex(), raw[16:48], raw[48:]
-
-
-def _layout_digest(checked: Any) -> bytes:
-  """A digest of what this process's state makes of the checkpoint's index, clock
-  aside (tree structure, params' shapes and dtypes, trainability, placements over
-  the mesh axis): the primary writes the index from its own, so every process's
-  must be the same, or its archives would not be those the index describes."""
-  h = hashlib.sha256()
-  h.update(json.dumps(checked.index, sort_keys=True, default=_json_default).encode())
-  return h.digest()
-
-
-def _json_default(x: Any) -> Any:
-  """numpy values of an index (its tables) as JSON: dtype, shape and bytes."""
-  if isinstance(x, np.ndarray | np.generic):
-    a = np.asarray(x)
-    return [a.dtype.str, list(a.shape), a.tobytes().hex()]
-  raise TypeError(f"not in an index: {type(x).__name__}")
-
-
-def _clock_digest(checked: Any) -> bytes:
-  """A digest of the optimizer clock of this process's state (every clock scalar's
-  dtype, shape and bits), whether or not the process writes an archive: a process
-  whose shards another process writes (a mesh axis besides the flat one spanning
-  processes) still holds a clock, which must be the primary's. Zeros where the
-  process holds no part of a clock leaf (nothing of it to compare)."""
-  h = hashlib.sha256()
-  for leaf, role in zip(checked.tree[1], checked.roles):
-    if role is None:
-      if isinstance(leaf, jax.Array):
-        if not leaf.addressable_shards:
-          return bytes(32)
-        if leaf.is_fully_replicated or not leaf.is_fully_addressable:
-          leaf = leaf.addressable_data(0)
-      h.update(repr(_clock.scalar_bits(leaf)).encode())
-  return h.digest()
-
-
 def prepare_save(
   args: ReshardSave,
   primary_host: int | None = 0,
@@ -184,9 +131,11 @@ def prepare_save(
   checked = args._checks()
   primary = _is_primary(primary_host)
   what = "save_sharded" if args.state is not None else "ReshardSave"
-  clock = _clock_digest(checked) if args.state is not None else bytes(32)
-  layout = _layout_digest(checked) if args.state is not None else bytes(32)
-  checkpoint_id, primary_clock, primary_layout = _shared_checkpoint_id(primary_host, clock, layout)
+  clock = _agreement.clock_digest(checked) if args.state is not None else bytes(32)
+  layout = _agreement.layout_digest(checked) if args.state is not None else bytes(32)
+  checkpoint_id, primary_clock, primary_layout = _agreement.shared_checkpoint_id(
+    primary_host, clock, layout
+  )
   index = None
   refusal = None
   try:
