@@ -195,6 +195,15 @@ def test_04_two_migrations_for_one_param():
   _refused(records, m + [m[0]], jr.PlacementError, "param 'a'", "two migrations", "archive")
 
 
+@pytest.mark.parametrize("param", [5, None, ("a",), b"a"])
+def test_04b_a_migration_whose_param_is_no_id(param):
+  """A param id is a str: anything else is refused by name (a number made the
+  refusal's spelling hint raise an AttributeError)."""
+  records = _records()
+  bad = jr.Migration(param, (5,), 0, 6, (0, 1, 2, 3))
+  _refused(records, [bad], jr.PlacementError, "param is a parameter id (a str)", repr(param))
+
+
 @pytest.mark.parametrize(
   "rank, world, shape", [(6, 6, (5,)), (0, 0, (5,)), (-1, 6, (5,)), (0, 6, (-5,))]
 )
@@ -885,3 +894,23 @@ def test_archives_holding_the_same_params_in_two_trees_are_refused_on_every_path
     with pytest.raises(jr.ArchiveError) as info:
       call()
     assert words in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("call", ["reshard", "unshard_state", "digest", "save_records"])
+def test_09m_a_placement_without_a_dtype_is_refused_as_none_by_every_path(call, tmp_path):
+  """``dtype=None`` is a placement without a dtype: refused as None, not as the
+  float64 numpy reads None as."""
+  records = _records()
+  records[1] = _with_placement(records[1], "a", dtype=None)
+  with pytest.raises(jr.DtypeError) as info:
+    if call == "reshard":
+      jr.reshard(records, _plan())
+    elif call == "unshard_state":
+      jr.unshard_state(records)
+    elif call == "digest":
+      jr.digest(records)
+    else:
+      jr.save_records(tmp_path / "ckpt", records)
+  assert "param 'a': archive 1: storage dtype None is not one of" in str(info.value)
+  assert "float64" not in str(info.value)
+  assert not (tmp_path / "ckpt").exists()

@@ -81,6 +81,9 @@ def _check_histories_one_by_one(index: int, state_parts: Any, placements: dict) 
 
 
 def _dtype_or_none(x: Any) -> np.dtype | None:
+  """``x`` as a numpy dtype; None for junk and for None itself (not numpy's float64)."""
+  if x is None:
+    return None
   try:
     return np.dtype(x)
   except TypeError:

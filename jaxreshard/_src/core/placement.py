@@ -20,8 +20,11 @@ def as_dtype(dtype: Any) -> Any:
   """Normalizes anything numpy/jax accept as a dtype; leaves junk as-is.
 
   Construction never raises: validation happens where a refusal can name the
-  parameter and the archive index (see ``_validate``).
+  parameter and the archive index (see ``_validate``). ``None`` stays ``None``
+  (numpy would read it as float64): a placement without a dtype is refused as one.
   """
+  if dtype is None:
+    return None
   try:
     return np.dtype(dtype)
   except TypeError:

@@ -224,7 +224,7 @@ def not_listed(pid: str, archive: int, src: Sources) -> PlacementError:
   ``/`` inside a key is ``%2F``, a ``%`` is ``%25``), the refusal says which.
   """
   hint = ""
-  for candidate in _spellings(pid):
+  for candidate in _spellings(pid) if isinstance(pid, str) else ():
     if src.placement(archive, candidate) is not None:
       hint = f"; did you mean {candidate!r}? (a / inside a key is written %2F, a % is %25)"
       break

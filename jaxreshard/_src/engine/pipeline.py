@@ -101,6 +101,10 @@ def _validate_all(src: Sources, migrations: Sequence[Migration]) -> _groups.Grou
   for m in migrations:
     if not isinstance(m, Migration):
       raise PlacementError(f"expected a Migration, got {type(m).__name__}")
+    if not isinstance(m.param, str):
+      raise PlacementError(
+        f"a migration's param is a parameter id (a str), not {type(m.param).__name__} {m.param!r}"
+      )
     if m.param in seen:
       raise PlacementError(
         f"param {m.param!r}: two migrations target it (from archives"
