@@ -332,6 +332,45 @@ def test_a_save_whose_temporary_directory_lost_files_raises_and_commits_nothing(
   assert os.listdir(tmp_path) == []
 
 
+def test_a_temporary_directory_replaced_between_the_check_and_the_rename_commits_nothing(
+  tmp_path, monkeypatch
+):
+  """Another process gives the temporary path another checkpoint after the save
+  checked its files and before its rename (which goes by path): the rename puts
+  that one in place. The save finds that what it renamed is not its directory,
+  moves it aside under a name a clean leaves alone, and raises: nothing is at the
+  path, where the save used to return as if it had committed its own state."""
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+
+  out, other = tmp_path / "ckpt", tmp_path / "other"
+  mine, theirs = adam_records(4), adam_records(4, seed=1)
+  jr.save_records(other, theirs)
+  rename, swapped = _tempdir.commit_dir, []
+
+  def swapped_first(tmp, final):
+    if not swapped:
+      swapped.append(tmp)
+      os.rename(tmp, tmp_path / "moved")  # the save's own directory, still held
+      os.rename(other, tmp)
+    rename(tmp, final)
+
+  monkeypatch.setattr(_tempdir, "commit_dir", swapped_first)
+  with pytest.raises(jr.ArchiveError) as info:
+    jr.save_records(out, mine)
+  monkeypatch.undo()
+  assert "the directory renamed into place is not the one the save wrote" in str(info.value)
+  assert "nothing of this save is committed" in str(info.value)
+  assert not out.exists()
+  (aside,) = [n for n in os.listdir(tmp_path) if ".not-this-save-" in n]
+  assert aside in str(info.value)
+  loaded = jr.load_records(tmp_path / aside)
+  assert len(loaded) == len(theirs)
+  for a, b in zip(loaded, theirs):
+    assert_records_equal(a, b)
+  assert _archive_io.remove_temp_dirs(str(out)) == []  # a clean leaves it alone
+  assert (tmp_path / aside).exists()
+
+
 def test_a_save_whose_temporary_directory_was_replaced_raises(tmp_path):
   # The directory at the temporary path is swapped for another one (complete
   # or not): the save's descriptor tells them apart and nothing is committed.

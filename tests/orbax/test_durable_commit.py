@@ -135,7 +135,8 @@ def test_save_sharded_is_not_reported_done_when_another_save_was_committed(
 ):
   """Between this save's finalize and orbax's rename another save of the same
   directory removes the shared temporary directory and makes it anew, complete:
-  the rename commits the other save, and this one raises instead of returning."""
+  the rename puts the other save's directory in place; this one finds that it is
+  not the directory it holds, moves it aside and raises instead of returning."""
   other = tmp_path / "other"
   jr.save_records(other, adam_records(4, seed=9))
   finalize = _handler.ReshardCheckpointHandler.finalize
@@ -150,22 +151,25 @@ def test_save_sharded_is_not_reported_done_when_another_save_was_committed(
   opt = optax.adam(1e-3)
   mesh = device_mesh((4,), ("fsdp",))
   state = jr.shard_to_mesh(opt, params, opt.init(params), mesh).state
-  with pytest.raises(jr.ArchiveError, match="not this save's.*another save of it raced"):
+  with pytest.raises(jr.ArchiveError, match="not the one the save wrote.*moved aside"):
     jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert not (tmp_path / "ck").exists()
 
 
 def test_save_sharded_is_not_reported_done_when_what_was_committed_has_no_index(
   tmp_path, monkeypatch, blocking_orbax_metadata
 ):
   """Between this save's finalize and orbax's rename another save of the same
-  directory empties the shared temporary directory: what is committed holds no
-  index, and the save says so instead of returning."""
+  directory empties the shared temporary directory (in place: the directory the
+  save holds is the one renamed): what is committed holds no index, and the save
+  says so instead of returning."""
   finalize = _handler.ReshardCheckpointHandler.finalize
 
   def then_emptied(self, directory):
     finalize(self, directory)
-    shutil.rmtree(directory)
-    os.mkdir(directory)
+    for name in os.listdir(directory):
+      path = os.path.join(directory, name)
+      shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
 
   monkeypatch.setattr(_handler.ReshardCheckpointHandler, "finalize", then_emptied)
   opt, state, mesh = _mesh_state()
@@ -764,6 +768,39 @@ def test_a_manager_saves_a_step_again_after_a_failed_save_of_it(tmp_path, monkey
     assert manager.all_steps() == [1]
     for a, b in zip(manager.restore(1, args=jr.ReshardRestore()), records, strict=True):
       assert_records_equal(a, b)
+
+
+@pytest.mark.parametrize("level", ["item", "step"])
+def test_a_directory_replaced_between_its_fsync_and_orbax_s_rename_commits_nothing(
+  tmp_path, monkeypatch, level
+):
+  """Another process gives a temporary path (the item's, or the step's around it) a
+  copy of its directory after the durable rename fsynced it and before orbax's
+  rename (which goes by path): the copy, never fsynced, would be committed. The
+  save finds that the directory in place is not the one it holds, moves it aside
+  and fails: no step is listed or left at the step's path."""
+  fsync_tree, calls = _durable.fsync_tree, []
+
+  def then_replaced(path):
+    fsync_tree(path)
+    calls.append(path)
+    if len(calls) == (1 if level == "item" else 2):
+      shutil.copytree(path, path + "-copy")
+      os.rename(path, path + "-moved")  # the save's own directory, still held
+      os.rename(path + "-copy", path)
+
+  monkeypatch.setattr(_durable, "fsync_tree", then_replaced)
+  with _durable_manager(tmp_path / "run") as manager:
+    manager.save(1, args=jr.ReshardSave(adam_records(2)))
+    with pytest.raises(Exception, match="not the one the save wrote") as info:
+      manager.wait_until_finished()
+    assert "nothing of this save is committed" in str(info.value)
+    assert manager.all_steps() == [] and manager.latest_step() is None
+  assert not (tmp_path / "run" / "1").exists()
+  aside = str(info.value).split("it is moved aside to ")[1].split(";")[0]
+  assert ".not-this-save-" in aside and os.path.isdir(aside)
+  with _durable_manager(tmp_path / "run") as manager:
+    assert manager.all_steps() == []
 
 
 def test_a_save_waits_while_another_process_holds_the_step_s_directory(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import uuid
 
 import numpy as np
 
@@ -31,9 +32,11 @@ __all__ = [
   "commit_dir",
   "has_lock_file",
   "hold",
+  "holds",
   "is_temporary",
   "remove_held",
   "new_temp_dir",
+  "not_this_save",
   "remove_temp_dirs",
   "temp_dirs",
 ]
@@ -48,6 +51,33 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
   return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def holds(path: str, fd: int) -> bool:
+  """Whether the directory at ``path`` is the one open as ``fd``."""
+  try:
+    return _same_file(os.stat(path, follow_symlinks=False), os.fstat(fd))
+  except OSError:
+    return False
+
+
+def not_this_save(tmp: str, final: str) -> str:
+  """The refusal of a rename that put another directory at ``final``, which is
+  first moved aside (never onto anything) so that nothing is left there that
+  this save did not write."""
+  # Not a temporary name: a clean must not take it for a killed save's and remove it.
+  parent, base = os.path.split(final)
+  aside = os.path.join(parent, f".{_tempname.temp_stem(base)}.not-this-save-{uuid.uuid4().hex}")
+  try:
+    commit_dir(final, aside)
+    where = f"it is moved aside to {aside}"
+  except OSError as e:
+    where = f"moving it aside failed ({e}): it is still at {final}"
+  return (
+    f"{final}: the directory renamed into place is not the one the save wrote: its"
+    f" temporary directory {tmp} was replaced after its files were checked; {where};"
+    " nothing of this save is committed"
+  )
 
 
 def _lock_probe(path: str) -> tuple[int | None, int | None]:
@@ -374,8 +404,16 @@ class TempDir:
 
   def commit(self, final: str) -> None:
     """Renames the directory to ``final`` (never replacing anything), drops the lock
-    file, then fsyncs ``final`` and its parent (when durable)."""
+    file, then fsyncs ``final`` and its parent (when durable).
+
+    Raises:
+      ArchiveError: the directory the rename put at ``final`` is not this one (the
+        temporary path was given another directory after ``check``): it is moved
+        aside again, and nothing of this save is committed.
+    """
     commit_dir(self.path, final)
+    if not holds(final, self.out.fd):
+      raise ArchiveError(not_this_save(self.path, final))
     self.path, self.committed = final, True
     try:
       os.unlink(LOCK_FILE, dir_fd=self.out.fd)

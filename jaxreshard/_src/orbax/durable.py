@@ -301,6 +301,10 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
       if local:
         await asyncio.to_thread(fsync_tree, tmp)
       await super().finalize()
+      if local and self._held is not None and not _tempdir.holds(final, self._held[0]):
+        # Orbax renames by path: another directory given the temporary path after
+        # the fsync above would be committed as this step.
+        raise ArchiveError(_tempdir.not_this_save(tmp, final))
       if local:
         if self._held is not None:
           # The lock file goes once the directory is in place (its fd follows the rename).
