@@ -1467,3 +1467,53 @@ def test_inspect_lists_the_first_and_last_params_of_a_large_table_unless_asked_f
     assert "not listed" not in every.stdout
   assert f"{n} params, " in default.stdout
   assert [p["param"] for p in _json_out(_run("inspect", tmp_path / "c", "--json"))["params"]] == ids
+
+
+def _without_permission_override() -> list[str]:
+  """A command prefix under which mode bits bind (root's override dropped), or skip."""
+  if os.geteuid() != 0:
+    return []
+  if shutil.which("setpriv") is None:
+    pytest.skip("root reads any file, and there is no setpriv here to drop that")
+  caps = "-dac_override,-dac_read_search"
+  return ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_directory_that_cannot_be_read_is_said_so(tmp_path):
+  """A checkpoint whose directory the process may not look into: its index and its
+  steps both read as missing, and the refusal sent the user after a save that did
+  not finish. The OS's own error names it (as for any file it may not read)."""
+  ck = tmp_path / "ck"
+  jr.save_records(ck, _records(3))
+  prefix = _without_permission_override()
+  os.chmod(ck, 0)
+  try:
+    cli = subprocess.run(
+      [*prefix, sys.executable, "-m", "jaxreshard", "inspect", str(ck)],
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
+    lib = subprocess.run(
+      [
+        *prefix,
+        sys.executable,
+        "-c",
+        "import sys, jaxreshard as jr\n"
+        "try:\n  jr.open_checkpoint(sys.argv[1])\n"
+        "except Exception as e:\n  print(type(e).__name__, e)",
+        str(ck),
+      ],
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
+  finally:
+    os.chmod(ck, 0o755)
+  assert cli.returncode == EXIT_ERROR and cli.stdout == ""
+  assert cli.stderr.splitlines() == [
+    f"jaxreshard: error: Permission denied (looking in it for jaxreshard.json or orbax steps): {ck}"
+  ]
+  assert lib.stdout.startswith("PermissionError "), lib.stdout + lib.stderr
+  assert "a save that did not finish" not in lib.stdout

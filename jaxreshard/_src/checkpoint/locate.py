@@ -89,6 +89,21 @@ def _has_index(path: str) -> bool:
   return os.path.isfile(os.path.join(path, INDEX_FILE))
 
 
+def _raise_if_unreadable(where: str) -> None:
+  """The OS's own error (``PermissionError``...) where ``where`` cannot be looked
+  into: its index and its steps would otherwise both read as missing, and the
+  refusal would send the reader after a save that did not finish."""
+  for probe in (lambda: os.stat(os.path.join(where, INDEX_FILE)), lambda: os.listdir(where)):
+    try:
+      probe()
+    except FileNotFoundError:
+      pass
+    except OSError as e:
+      raise OSError(
+        e.errno, f"{e.strerror} (looking in it for {INDEX_FILE} or orbax steps)", where
+      ) from None
+
+
 def orbax_steps(run_dir: os.PathLike | str) -> dict[int, str]:
   """Each step of an orbax run directory that holds a jaxreshard item: step -> its directory."""
   run_dir = os.fspath(run_dir)
@@ -167,6 +182,7 @@ def locate(path: os.PathLike | str, *, step: int | None = None, item: str | None
     return Located(os.path.join(where, name), item=name)
   steps = orbax_steps(where)
   if not steps:
+    _raise_if_unreadable(where)
     raise ArchiveError(
       f"{where} is not a jaxreshard checkpoint: it holds no {INDEX_FILE} (a save that did not"
       " finish leaves none) and no orbax steps with a jaxreshard item"
