@@ -5,10 +5,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import uuid
 
+from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.errors import ArchiveExistsError
 
-__all__ = ["commit_dir"]
+__all__ = ["commit_dir", "holds", "not_this_save"]
 
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
@@ -41,3 +43,31 @@ def commit_dir(tmp: str, final: str) -> None:
   if os.path.lexists(final):
     raise ArchiveExistsError(f"{final} appeared while it was being written")
   os.rename(tmp, final)
+
+
+def holds(path: str, fd: int) -> bool:
+  """Whether the directory at ``path`` is the one open as ``fd``."""
+  try:
+    a, b = os.stat(path, follow_symlinks=False), os.fstat(fd)
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+  except OSError:
+    return False
+
+
+def not_this_save(tmp: str, final: str) -> str:
+  """The refusal of a rename that put another directory at ``final``, which is
+  first moved aside (never onto anything) so that nothing is left there that
+  this save did not write."""
+  # Not a temporary name: a clean must not take it for a killed save's and remove it.
+  parent, base = os.path.split(final)
+  aside = os.path.join(parent, f".{_tempname.temp_stem(base)}.not-this-save-{uuid.uuid4().hex}")
+  try:
+    commit_dir(final, aside)
+    where = f"it is moved aside to {aside}"
+  except OSError as e:
+    where = f"moving it aside failed ({e}): it is still at {final}"
+  return (
+    f"{final}: the directory renamed into place is not the one the save wrote: its"
+    f" temporary directory {tmp} was replaced after its files were checked; {where};"
+    " nothing of this save is committed"
+  )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-import uuid
 
 import numpy as np
 
@@ -19,7 +18,7 @@ from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.checkpoint.index import ARCHIVE_FILE, INDEX_FILE
-from jaxreshard._src.checkpoint.rename import commit_dir
+from jaxreshard._src.checkpoint.rename import commit_dir, holds, not_this_save
 from jaxreshard._src.checkpoint.table import TABLE_FILE
 from jaxreshard._src.checkpoint.tempname import ORBAX_TEMP_SUFFIX, is_temporary, temp_stem
 from jaxreshard._src.checkpoint.writer import IndexBuilder
@@ -51,33 +50,6 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
   return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
-
-
-def holds(path: str, fd: int) -> bool:
-  """Whether the directory at ``path`` is the one open as ``fd``."""
-  try:
-    return _same_file(os.stat(path, follow_symlinks=False), os.fstat(fd))
-  except OSError:
-    return False
-
-
-def not_this_save(tmp: str, final: str) -> str:
-  """The refusal of a rename that put another directory at ``final``, which is
-  first moved aside (never onto anything) so that nothing is left there that
-  this save did not write."""
-  # Not a temporary name: a clean must not take it for a killed save's and remove it.
-  parent, base = os.path.split(final)
-  aside = os.path.join(parent, f".{_tempname.temp_stem(base)}.not-this-save-{uuid.uuid4().hex}")
-  try:
-    commit_dir(final, aside)
-    where = f"it is moved aside to {aside}"
-  except OSError as e:
-    where = f"moving it aside failed ({e}): it is still at {final}"
-  return (
-    f"{final}: the directory renamed into place is not the one the save wrote: its"
-    f" temporary directory {tmp} was replaced after its files were checked; {where};"
-    " nothing of this save is committed"
-  )
 
 
 def _lock_probe(path: str) -> tuple[int | None, int | None]:
