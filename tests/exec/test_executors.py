@@ -154,6 +154,32 @@ def test_second_device_reshard_of_the_same_layout_compiles_nothing():
   assert jr.kernel_cache_info() == info and compiles["n"] == 0
 
 
+def test_the_device_executor_keeps_a_bounded_number_of_programs(monkeypatch):
+  """Layout after layout (a new param size each time) compiled programs that the
+  process kept for good; past the bound the least recently used go, and a layout
+  whose programs went compiles them again and gives the same bits."""
+  from jaxreshard._src.exec import kernels
+
+  monkeypatch.setattr(kernels, "MAX_PROGRAMS", 6, raising=False)
+  jr.clear_kernel_cache()
+  opt = optax.sgd(0.1, momentum=0.9)
+
+  def reshard_one(count):
+    full = np.arange(1, count + 1, dtype=np.float32)
+    state = (optax.TraceState(trace={"w": full}), optax.EmptyState())
+    records = jr.shard_state(opt, {"w": np.zeros((count,), np.float32)}, state, 4)
+    records = [dataclasses.replace(r, state=jax.device_put(r.state)) for r in records]
+    out = jr.reshard(records, jr.plan(records, world_size=3, rank=1), executor="device")
+    assert_bits_equal(out.state[0].trace["w"], oracle_shard(full, 3, 1))
+    return jr.kernel_cache_info().programs
+
+  held = [reshard_one(count) for count in range(40, 400, 40)]
+  assert max(held) <= 6 and held[-1] == 6, held
+  before = jr.kernel_cache_info().traces
+  reshard_one(40)  # its programs were dropped: traced again, the same bits
+  assert jr.kernel_cache_info().traces > before
+
+
 def _overlapping_source_ranks(count, src, dst, rank):
   s, t = -(-count // src), -(-count // dst)
   lo, hi = rank * t, min((rank + 1) * t, count)
@@ -218,6 +244,32 @@ def test_validation_is_cached_per_record_list_and_never_keeps_records_alive():
   del records, first
   gc.collect()
   assert len(_sources.CACHE) < n  # the entry went with its records
+
+
+def test_records_taken_apart_again_after_a_clock_change_register_nothing_more():
+  """Records that live on while their clock changes between calls (a learning rate
+  replaced in ``hyperparams``, as the README describes) are taken apart again at
+  each call; each call also registered one finalizer per record, none released
+  while the records lived (8 more per call here). Now the ones of the first call
+  stay the only ones, and the entry still goes with its records."""
+  import weakref
+
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
+  params = {"w": jnp.zeros((100,))}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=8)
+  live = lambda: sum(isinstance(o, weakref.finalize) for o in gc.get_objects())
+  jr.reshard(records, jr.plan(records, world_size=6, rank=1))
+  before = live()
+  for i in range(50):
+    for r in records:
+      r.state.hyperparams["learning_rate"] = jnp.asarray(i / 4, jnp.float32)
+    out = jr.reshard(records, jr.plan(records, world_size=6, rank=1))
+    assert float(out.state.hyperparams["learning_rate"]) == i / 4  # seen afresh
+  assert live() <= before
+  n = len(_sources.CACHE)
+  del records, out
+  gc.collect()
+  assert len(_sources.CACHE) < n
 
 
 def test_unknown_executor_is_refused():

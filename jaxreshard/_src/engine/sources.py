@@ -401,9 +401,15 @@ class SourceCache:
       sources = RecordSources(records)
     refs = tuple(weakref.ref(r) for r in records)
     with self._lock:
+      old = self._entries.get(key)
+      # The same live records, taken apart again (a clock changed): their
+      # finalizers for this key are already registered, and a record that
+      # dies drops the entry once, whatever it holds by then.
+      again = old is not None and all(ref() is r for ref, r in zip(old[0], records))
       self._entries[key] = (refs, sources)
-    for r in records:
-      weakref.finalize(r, self._drop, key)
+    if not again:
+      for r in records:
+        weakref.finalize(r, self._drop, key)
     return sources
 
   def _drop(self, key: tuple[Any, ...]) -> None:
