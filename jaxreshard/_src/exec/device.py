@@ -23,7 +23,9 @@ independent of the number of parameters and of the number of runs:
 
 A gather program is therefore keyed by (dtype, source size, output size,
 run bucket, element bucket, index width, device): a handful per dtype and
-archive layout, and a repeated layout compiles nothing.
+archive layout, and a repeated layout compiles nothing. The process keeps at
+most ``kernels.MAX_PROGRAMS`` programs, dropping the least recently used, so
+a long process that meets layout after layout does not hold them all.
 
 Packing an archive's leaves into one buffer and splitting a target buffer back
 into one array per leaf take a program with an argument or a result per leaf,

@@ -9,6 +9,7 @@ they are bit exact on every backend (see ``device``).
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -48,10 +49,18 @@ class KernelCacheInfo(NamedTuple):
   traces: int  # times any program was traced (== compiled) since the cache was cleared
 
 
+# Programs kept at most: a layout needs a handful, so this holds dozens of
+# layouts; past it the least recently used goes (a later call of its layout
+# compiles it again), so a process that sees layout after layout (a new model
+# size each time) does not keep every program it ever compiled.
+MAX_PROGRAMS = 256
+
+
 class _Cache:
   def __init__(self):
     self.lock = threading.Lock()
-    self.programs: dict[Any, Callable[..., Any]] = {}
+    # In order of last use, the most recent last.
+    self.programs: collections.OrderedDict[Any, Callable[..., Any]] = collections.OrderedDict()
     self.traces = 0
 
 
@@ -86,12 +95,17 @@ def program(key: Any, make: Callable[[], Callable[..., Any]]) -> Callable[..., A
   """The cached program for ``key``, made by ``make()`` on first use.
 
   Every key holds the shapes, dtypes, weak types, device and x64 mode of the
-  arguments, so each cached jitted function is traced and compiled once.
+  arguments, so each cached jitted function is traced and compiled once while
+  it is kept: at most ``MAX_PROGRAMS``, the least recently used dropped first.
   """
   with _CACHE.lock:
     fn = _CACHE.programs.get(key)
     if fn is None:
       fn = _CACHE.programs[key] = make()
+      while len(_CACHE.programs) > MAX_PROGRAMS:
+        _CACHE.programs.popitem(last=False)
+    else:
+      _CACHE.programs.move_to_end(key)
   return fn
 
 
