@@ -116,3 +116,22 @@ def test_a_last_chunk_tail_too_large_is_a_reshard_error(tmp_path):
   with _address_space_cap():
     with pytest.raises(jr.ReshardError, match="memory"):
       jr.load_records(root)
+
+
+def test_restore_ranks_refuses_a_checkpoint_opened_at_another_directory(tmp_path):
+  """``checkpoint=`` is ``open_checkpoint(directory)``; one opened at another
+  directory gave that checkpoint's bits under ``directory``'s name. The same
+  directory named another way (a trailing slash, a symbolic link) is the same."""
+  opt = optax.adam(1e-3)
+  params = {"w": jnp.arange(4.0)}
+  state = opt.init(params)
+  p, q = tmp_path / "p", tmp_path / "q"
+  for path, value in ((p, 1.0), (q, 2.0)):
+    full = (state[0]._replace(mu={"w": jnp.full(4, value)}),) + state[1:]
+    jr.save_records(path, jr.shard_state(opt, params, full, world_size=2))
+  with pytest.raises(jr.ArchiveError, match="checkpoint= is the checkpoint opened at .*p, not"):
+    jr.restore_ranks(q, [0], world_size=3, checkpoint=jr.open_checkpoint(p))
+  os.symlink(q, tmp_path / "link")
+  for name in (str(q) + "/", tmp_path / "link"):
+    (got,) = jr.restore_ranks(name, [0], world_size=3, checkpoint=jr.open_checkpoint(q))
+    assert np.asarray(got.state[0].mu["w"]).tolist() == [2.0, 2.0]

@@ -24,7 +24,7 @@ from jaxreshard._src.core.placement import Migration
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.engine import pipeline as _pipeline
 from jaxreshard._src.engine import reshard as _reshard
-from jaxreshard._src.errors import PlacementError
+from jaxreshard._src.errors import ArchiveError, PlacementError
 from jaxreshard._src.progress import ProgressCallback, Reporter, check_callback
 
 __all__ = ["disk_fetch", "restore", "restore_ranks"]
@@ -125,6 +125,21 @@ def restore_ranks(
   )
 
 
+def _check_same_place(ckpt: Checkpoint, directory: Any, what: str) -> None:
+  """``checkpoint=`` must be ``open_checkpoint(directory)``: one opened elsewhere
+  would give another checkpoint's bits under ``directory``'s name."""
+  here, there = os.fspath(directory), os.fspath(ckpt.directory)
+  try:
+    same = os.path.samefile(here, there)
+  except OSError:
+    same = os.path.abspath(here) == os.path.abspath(there)
+  if not same:
+    raise ArchiveError(
+      f"{what}: checkpoint= is the checkpoint opened at {there}, not the one at {here}"
+      " (pass open_checkpoint of the directory restored)"
+    )
+
+
 def restore_reported(
   what: str,
   directory: Any,
@@ -137,6 +152,8 @@ def restore_reported(
   """``restore_ranks``, reporting as the public call ``what``."""
   check_callback(progress)
   ckpt = checkpoint if checkpoint is not None else open_checkpoint(directory)
+  if checkpoint is not None:
+    _check_same_place(ckpt, directory, what)
   with _pipeline.no_gc():  # no reference cycles are made; see no_gc
     reg = _regular.regular(ckpt)
     if reg is not None:
