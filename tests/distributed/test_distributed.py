@@ -709,3 +709,55 @@ def test_namedtuple_params_come_back_as_the_users_classes_with_like_or_target(tm
   restored = jr.restore_sharded(tmp_path / "c", m3, target=abstract).state
   assert type(restored[0].mu["layer"]) is _Layer and type(restored[0].nu["layer"]) is _Layer
   assert_trees_bit_equal(jax.tree.map(np.asarray, restored), jax.tree.map(np.asarray, saved))
+
+
+def test_gather_from_mesh_takes_an_nnx_optimizer_s_state_as_shard_to_mesh_does():
+  """An ``nnx.Optimizer``'s ``opt_state`` (``nnx.State`` nodes, Variable leaves) is
+  gathered in its plain form, as ``shard_to_mesh`` takes it; it was refused with
+  jax's raw pytree error. The gathered state after a step is the unwrapped
+  optimizer's after the same step, bit for bit (elementwise from zero histories)."""
+  from flax import nnx
+
+  mesh = device_mesh((4,), ("fsdp",))
+  tx = optax.adam(1e-2)
+  grads = {"bias": jnp.linspace(-1, 2, 5), "kernel": jnp.linspace(3, -4, 15).reshape(3, 5)}
+  rep = jax.sharding.NamedSharding(mesh, PartitionSpec())
+  grads = jax.device_put(grads, rep)
+
+  def stepped(opt):
+    model = nnx.Linear(3, 5, rngs=nnx.Rngs(0))
+    nnx.update(model, jax.device_put(nnx.state(model), rep))
+    optimizer = nnx.Optimizer(model, opt, wrt=nnx.Param)
+    g = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(g, grads)
+    optimizer.update(model, g)
+    return optimizer
+
+  with jax.numpy_dtype_promotion("standard"):  # optax's and flax's own math needs it
+    sharded = stepped(jr.flat_sharded(tx, mesh, "fsdp"))
+    whole = stepped(tx)
+  got = jr.gather_from_mesh(tx, sharded.opt_state, {"bias": (5,), "kernel": (3, 5)}, mesh)
+  assert type(got[0].mu) is dict and int(got[0].count) == 1
+  for kind in ("mu", "nu"):
+    for pid in ("bias", "kernel"):
+      want = np.asarray(getattr(whole.opt_state[0], kind)[pid][...])
+      have = np.asarray(getattr(got[0], kind)[pid])
+      assert (
+        have.shape == want.shape and have.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+      ), (kind, pid)
+
+
+def test_gather_from_mesh_s_clock_outlives_a_step_that_donates_the_state():
+  """The gathered state's clock leaves are copies: deleting (donating) the sharded
+  state's buffers leaves them readable (they were that state's own buffers)."""
+  mesh = device_mesh((4,), ("fsdp",))
+  opt = optax.adam(1e-2)
+  params = {"w": jnp.arange(6.0)}
+  state = opt.init(params)
+  state = (state[0]._replace(count=jnp.asarray(7, jnp.int32)),) + state[1:]
+  sharded = jr.shard_to_mesh(opt, params, state, mesh).state
+  got = jr.gather_from_mesh(opt, sharded, {"w": (6,)}, mesh)
+  for leaf in jax.tree.leaves(sharded):
+    leaf.delete()
+  assert int(got[0].count) == 7 and got[0].count.dtype == jnp.int32
+  assert np.asarray(got[0].mu["w"]).tolist() == [0.0] * 6

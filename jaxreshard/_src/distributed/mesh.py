@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.placement import ParamPlacement
@@ -380,6 +381,11 @@ def shard_to_mesh(
   )
 
 
+def _copied(leaf: Any) -> Any:
+  """A jax array as a copy of its buffers (a transfer: nothing is compiled)."""
+  return jax.device_put(leaf, may_alias=False) if isinstance(leaf, jax.Array) else leaf
+
+
 def gather_from_mesh(
   optimizer: optax.GradientTransformation,
   state: optax.OptState,
@@ -399,9 +405,14 @@ def gather_from_mesh(
     mesh: the device mesh.
     axis: the mesh axis of the flat shards.
 
+  An ``nnx.Optimizer``'s ``opt_state`` is taken in its plain form, as
+  :func:`shard_to_mesh` takes it (``nnx.State`` nodes as dicts, Variables as
+  their values), and the full state comes back in that form.
+
   Returns:
     The optax state with every history buffer in its parameter's logical shape,
-    bit-identical to ``unshard_state`` of the equivalent records.
+    bit-identical to ``unshard_state`` of the equivalent records. Its clock
+    leaves are copies: a step that donates ``state`` leaves them whole.
 
   Examples:
     >>> import jax, jax.numpy as jnp, numpy as np, optax
@@ -413,11 +424,12 @@ def gather_from_mesh(
     (5,)
   """
   world = axis_size(mesh, axis)
+  state = _plain.plain(state)
   roles = optimizer_roles(optimizer, state, shapes)
   leaves, treedef = jax.tree_util.tree_flatten(state)
   of = placements_for(shapes, roles, leaves, world, recorded=False)
   host = [
-    _leafshards.gather_bits(leaf) if role is not None else leaf
+    _leafshards.gather_bits(leaf) if role is not None else _copied(leaf)
     for leaf, role in zip(_leafshards.clocks_whole(state, leaves, roles), roles)
   ]
   records = []
