@@ -122,3 +122,44 @@ def test_an_nnx_run_resumed_on_another_mesh_continues_bit_for_bit(
   assert {**first, **second} == ref_losses
   assert len(params) == 24 and params == ref_params
   assert step == ref_step == STEPS
+
+
+class _Two(nnx.Module):
+  def __init__(self, n, kernel):
+    self.b = nnx.Param(jnp.arange(n, dtype=jnp.float32))
+    self.k = nnx.Param(jnp.ones(kernel, jnp.float32))
+
+
+def test_a_changed_model_is_refused_when_like_comes_with_the_optimizer_and_params(tmp_path):
+  """A model whose params changed but pad to the same flat sizes over 6 ranks (a (13,)
+  bias grown to (14,), a (3, 4) kernel transposed): ``like=`` alone cannot tell (it
+  checks flat sizes), which is why the README passes ``optimizer=`` and ``params=``
+  with it; with them the restore refuses the checkpoint by name."""
+  mesh = jax.make_mesh((6,), ("fsdp",), devices=jax.devices()[:6])
+  tx = optax.adam(1e-2)
+  saved = _Two(13, (3, 4))
+  opt = nnx.Optimizer(saved, jr.flat_sharded(tx, mesh), wrt=nnx.Param)
+  path = str(tmp_path / "ck")
+  jr.save_sharded(path, tx, opt.opt_state, {"b": (13,), "k": (3, 4)}, mesh)
+  changed = _Two(14, (4, 3))
+  new_opt = nnx.Optimizer(changed, jr.flat_sharded(tx, mesh), wrt=nnx.Param)
+  jr.restore_sharded(path, mesh, like=new_opt.opt_state)  # flat sizes agree: taken
+  with pytest.raises(jr.PlacementError, match=r"param 'b'.*\(14,\).*\(13,\)"):
+    jr.restore_sharded(
+      path, mesh, like=new_opt.opt_state, optimizer=tx, params=nnx.state(changed, nnx.Param)
+    )
+  with pytest.raises(jr.PlacementError, match=r"param 'b'.*\(14,\).*\(13,\)"):
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+      manager.save(
+        1,
+        args=jr.ReshardSave(
+          state=opt.opt_state, optimizer=tx, params=nnx.state(saved, nnx.Param), mesh=mesh
+        ),
+      )
+      manager.wait_until_finished()
+      manager.restore(
+        1,
+        args=jr.ReshardRestore(
+          mesh=mesh, like=new_opt.opt_state, optimizer=tx, params=nnx.state(changed, nnx.Param)
+        ),
+      )
