@@ -914,3 +914,30 @@ def test_09m_a_placement_without_a_dtype_is_refused_as_none_by_every_path(call, 
   assert "param 'a': archive 1: storage dtype None is not one of" in str(info.value)
   assert "float64" not in str(info.value)
   assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("call", ["reshard", "unshard_state", "digest", "save_records"])
+def test_09n_a_param_of_one_group_that_is_a_leaf_above_another_group_s_is_refused(call, tmp_path):
+  """Group A holds 'experts' (a leaf), group B 'experts/w': no params tree holds
+  both. Every path raised a raw TypeError or IndexError while building the tree,
+  and save_records committed the set; each now refuses it by name (``digest``
+  lists it among its problems, as it lists every set that is not one state)."""
+  opt = optax.sgd(0.1, momentum=0.9)
+  a, b = {"experts": jnp.ones((5,))}, {"experts": {"w": jnp.ones((4,))}}
+  records = jr.shard_state(opt, a, opt.init(a), 2) + jr.shard_state(opt, b, opt.init(b), 2)
+  words = (
+    "param 'experts' is a leaf of archive 0's params tree, where archive 2 holds param"
+    " 'experts/w' under it: they are not archives of one state"
+  )
+  if call == "digest":
+    assert any(words in p for p in jr.digest(records).problems)
+    return
+  with pytest.raises(jr.PlacementError) as info:
+    if call == "reshard":
+      jr.reshard(records, jr.plan(records, world_size=3, rank=0))
+    elif call == "unshard_state":
+      jr.unshard_state(records)
+    else:
+      jr.save_records(tmp_path / "ckpt", records)
+  assert words in str(info.value)
+  assert not (tmp_path / "ckpt").exists()

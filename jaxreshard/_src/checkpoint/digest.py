@@ -259,7 +259,10 @@ class _Accumulator:
       held = sorted(
         pid for pid, key in self.meta.items() if i < len(key[4]) and key[4][i] != "absent"
       )
-      nested = jax.tree_util.tree_structure(_structure.nested(held, dict.fromkeys(held, 0)))
+      try:
+        nested = jax.tree_util.tree_structure(_structure.nested(held, dict.fromkeys(held, 0)))
+      except PlacementError:  # ids no tree holds: listed in the problems already
+        continue
       if set(order) == set(held) and treedef != nested:
         out.append((jax.tree_util.keystr(prefix), str(treedef)))
     return tuple(out)

@@ -60,12 +60,23 @@ def check_one_tree(
   from. ``layouts``: one (archive, state parts) per distinct layout; ``seen``: what
   earlier calls were given, for a caller that meets layouts one at a time.
 
+  Archives of different param sets (groups) make one params tree too: a param
+  of one is never a leaf where another's params lie under it (``experts`` and
+  ``experts/w``), which no target could hold.
+
   Raises:
-    PlacementError: naming two such archives and the subtree where they differ.
+    PlacementError: naming two such archives and the subtree where they differ,
+      or the leaf and the param under it.
   """
   seen = {} if seen is None else seen
+  param_sets = seen.setdefault(_PARAM_SETS, [])  # (archive, ids) per distinct param set
   for archive, parts in layouts:
     key = tuple(frozenset(m.order) for m in parts.subtrees)
+    ids = frozenset().union(*key)
+    if all(ids != other for _, other in param_sets):
+      for other_archive, other in param_sets:
+        _check_no_nesting(other_archive, other, archive, ids)
+      param_sets.append((archive, ids))
     trees = tuple(m.treedef for m in parts.subtrees)
     first = seen.setdefault(key, (archive, trees))
     if first[1] != trees:
@@ -76,6 +87,23 @@ def check_one_tree(
         f" path {_path(where)} ({str(first[1][at])[:150]} vs {str(trees[at])[:150]}):"
         " they are not archives of one state"
       )
+
+
+# The key under which ``check_one_tree``'s ``seen`` keeps the param sets met.
+_PARAM_SETS = "param sets"
+
+
+def _check_no_nesting(a: int, ids_a: frozenset, b: int, ids_b: frozenset) -> None:
+  """No id of one set is a key path above an id of the other (ids join keys with
+  ``/``; a ``/`` inside a key is escaped, so every ``/`` ends an ancestor)."""
+  for (x, xs), (y, ys) in (((a, ids_a), (b, ids_b)), ((b, ids_b), (a, ids_a))):
+    for pid in ys:
+      for i, c in enumerate(pid):
+        if c == "/" and pid[:i] in xs:
+          raise PlacementError(
+            f"param {pid[:i]!r} is a leaf of archive {x}'s params tree, where archive {y}"
+            f" holds param {pid!r} under it: they are not archives of one state"
+          )
 
 
 def _path(prefix: tuple) -> str:

@@ -444,6 +444,10 @@ def nested(pids: Sequence[str], values: Mapping[str, Any]) -> Any:
     node = root
     for key in parents:
       node = node.setdefault(key, {})
+      if not isinstance(node, dict):  # validation refuses such sets first
+        raise PlacementError(f"param {pid!r} lies under another param, a leaf")
+    if isinstance(node.get(last), dict):
+      raise PlacementError(f"param {pid!r} is a leaf where other params lie under it")
     node[last] = values[pid]
   return root
 
