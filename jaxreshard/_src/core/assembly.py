@@ -48,12 +48,15 @@ class Assembly:
     nbytes: the bytes of a target rank's history buffers.
   """
 
-  def __init__(self, template: _structure.StateParts, facts: Sequence[Any], layout: Any):
+  def __init__(
+    self, template: _structure.StateParts, facts: Sequence[Any], layout: Any, keys: Any = None
+  ):
     """
     Args:
       template: the state parts whose skeleton and scalars every target takes.
       facts: the validated source facts of each row (parameter), in layout order.
       layout: the target's ``TargetLayout``.
+      keys: ``structure.mirror_keys`` of the facts' groups (see ``build_state``).
     """
     built = [list(f.history) for f in facts]
     self.dtypes = tuple(layout.slots)
@@ -70,7 +73,7 @@ class Assembly:
       for slot in slots:
         built[slot.group][slot.subtree] = _Slot(len(param_of))
         param_of.append(facts[slot.group].param)
-    state = _structure.build_state(template, {f.param: e for f, e in zip(facts, built)})
+    state = _structure.build_state(template, {f.param: e for f, e in zip(facts, built)}, keys=keys)
     leaves, self._treedef = jax.tree_util.tree_flatten(state)
     self._scalars = [x for x in leaves if not isinstance(x, _Slot)]
     # Where each leaf comes from in a pool of the scalars, then every view.

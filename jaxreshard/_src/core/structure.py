@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 import optax
 
-from jaxreshard._src.core.ids import key_name, path_id, split_id
+from jaxreshard._src.core.ids import key_name, path_id
+from jaxreshard._src.core.mirrortree import mirror_keys, nested, nested_by_keys
 from jaxreshard._src.errors import PlacementError
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
   "state_parts",
   "build_state",
   "history_roles",
+  "mirror_keys",
   "param_ids",
   "params_in",
   "path_id",
@@ -435,25 +437,11 @@ def _leaves_under(
   return out
 
 
-def nested(pids: Sequence[str], values: Mapping[str, Any]) -> Any:
-  if list(pids) == [""]:
-    return values[""]
-  root: dict = {}
-  for pid in pids:
-    *parents, last = split_id(pid)
-    node = root
-    for key in parents:
-      node = node.setdefault(key, {})
-      if not isinstance(node, dict):  # validation refuses such sets first
-        raise PlacementError(f"param {pid!r} lies under another param, a leaf")
-    if isinstance(node.get(last), dict):
-      raise PlacementError(f"param {pid!r} is a leaf where other params lie under it")
-    node[last] = values[pid]
-  return root
-
-
 def build_state(
-  template: StateParts, histories: Mapping[str, Sequence[Any]], scalars: Sequence[Any] | None = None
+  template: StateParts,
+  histories: Mapping[str, Sequence[Any]],
+  scalars: Sequence[Any] | None = None,
+  keys: Callable[[int], Mapping[str, tuple]] | None = None,
 ) -> Any:
   """Reassembles a state with ``template``'s clock and the given histories.
 
@@ -463,10 +451,13 @@ def build_state(
     histories: param id -> per mirror of the template: a buffer, MASKED, or
       None (the parameter is absent from that mirror).
     scalars: replacement skeleton scalars, in order (defaults to the template's).
+    keys: ``mirror_keys`` of the templates of every group the params come from.
 
   A mirror whose param set equals the template's keeps its exact tree
   structure; a mirror of a different set (merged or restricted groups) is
-  rebuilt as nested dicts from the ids.
+  rebuilt as nested dicts: at the params' own dict keys (an integer key stays
+  one) when every param lies under dicts only and ``keys`` says where, else at
+  the pieces of their ids, as strings.
   """
   subtrees = []
   for i, subtree in enumerate(template.subtrees):
@@ -480,7 +471,8 @@ def build_state(
         jax.tree_util.tree_unflatten(subtree.treedef, [values[p] for p in subtree.order])
       )
     else:
-      subtrees.append(nested(sorted(values), values))
+      tree = None if keys is None else nested_by_keys(sorted(values), values, keys(i))
+      subtrees.append(nested(sorted(values), values) if tree is None else tree)
   scalar_iter = iter(scalars) if scalars is not None else None
   leaves = []
   for leaf in template.skeleton_leaves:

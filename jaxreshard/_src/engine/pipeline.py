@@ -287,7 +287,7 @@ def deferred(
   template = facts[0].by_rank[0] if facts else 0
 
   def make() -> _assembly.Assembly:
-    return _assembly.Assembly(src.template(template), facts, layout)
+    return _assembly.Assembly(src.template(template), facts, layout, group_keys(src, facts))
 
   family = groups.family
   if family is None:
@@ -374,7 +374,9 @@ def _build_ranks(src, tables, family, archives, first, made: dict) -> list | Non
     rows[dtype] = [flat[i * size : (i + 1) * size] for i in range(n)]
   assembly = family.remember(
     ("assembly", id(layout)),
-    lambda: _assembly.Assembly(src.template(archives[0]), family.facts, layout),
+    lambda: _assembly.Assembly(
+      src.template(archives[0]), family.facts, layout, group_keys(src, family.facts)
+    ),
   )
   return [
     _assembly.deferred_record(assembly, {d: r[i] for d, r in rows.items()}, first + i, family.world)
@@ -442,6 +444,12 @@ def _leaves(buffer: Any, columns: tuple[np.ndarray, ...]) -> list[Any]:
   return _device_exec.split(buffer, size.tolist())
 
 
+def group_keys(src: Sources, facts: Sequence[Any]) -> Any:
+  """``structure.mirror_keys`` of the template of every group ``facts`` come from."""
+  firsts = {f.by_rank[0] for f in facts}
+  return _structure.mirror_keys(src.template(a) for a in sorted(firsts))
+
+
 def record(src: Sources, groups: _groups.Groups, built: list[list[Any]]) -> ShardRecord:
   """The target record: the template archive's clock, the built history buffers.
 
@@ -451,7 +459,7 @@ def record(src: Sources, groups: _groups.Groups, built: list[list[Any]]) -> Shar
   facts = groups.facts
   template = src.template(facts[0].by_rank[0] if facts else 0)
   histories = {f.param: entries for f, entries in zip(facts, built)}
-  state = _structure.build_state(template, histories)
+  state = _structure.build_state(template, histories, keys=group_keys(src, facts))
   roles = _roles(template, histories)
   if roles is None:
     # A leaf is a history buffer exactly when it is one of the buffers just built.
