@@ -22,6 +22,10 @@ Tasks:
   fail:      a manager saves step 1, then step 2 with process ``args.fail``
              unable to write its archives (a file size limit, as a full disk);
              reports what each process saw and how long its step 2 took.
+  full_disk: ``save_sharded`` of the example state to ``args.path`` with process
+             ``args.fail`` unable to write its archives (files held under
+             ``args.bytes``);
+             reports what each process raised and how soon.
   stall:     an ``AsyncCheckpointer`` of ``ReshardCheckpointHandler(timeout_secs=
              args.timeout_s)`` saves to ``args.path``, process ``args.stall``'s
              archive writes held back until process 0 has reported; reports
@@ -276,6 +280,29 @@ def fail(opt, params, state, shapes) -> dict:
   # The job is broken now: report and leave without the shutdown barrier.
   write_result({"task": "fail", "process": ME, **result})
   leave_broken_job()
+
+
+def full_disk(opt, params, state, shapes) -> dict:
+  """``save_sharded`` with one process's files held under ``args.bytes`` (``RLIMIT_FSIZE``):
+  its writes fail for real, as on a full disk, and its cleanup removes the
+  directory the other processes write in."""
+  import resource  # pylint: disable=g-import-not-at-top
+  import signal  # pylint: disable=g-import-not-at-top
+
+  m = mesh()
+  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
+  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
+  if ME == ARGS["fail"]:
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (ARGS["bytes"], resource.RLIM_INFINITY))
+
+  def save():
+    try:
+      jr.save_sharded(ARGS["path"], opt, sharded.state, spec, m, timeout_s=600)
+    finally:  # the report itself is a file
+      resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+  report_save("full_disk", save)
 
 
 def _saved_step_1(opt, params, state, **options) -> tuple:

@@ -67,6 +67,15 @@ def job(tmp_path_factory):
       os.path.join(root, "fail"),
       {"run": os.path.join(root, "fail_run"), "fail": 1, "timeout_s": 600},
     ),
+    # The primary's disk is full in a save_sharded: its cleanup removes the
+    # directory process 1 writes in, and process 1 names the primary's failure.
+    "full_disk_primary": U.ProcessGroup(
+      2,
+      4,
+      "full_disk",
+      os.path.join(root, "full_disk_primary"),
+      {"path": os.path.join(root, "full_disk_primary_ck"), "fail": 0, "bytes": 100},
+    ),
     # Process 1's own data refuses the save: it raises, and the primary hears of
     # it at once (neither waits at orbax's barriers for the other).
     **{
@@ -302,6 +311,19 @@ def test_a_save_one_process_refuses_fails_at_once_everywhere(job, kind, words):
   assert "process 1 did not write its archives" in first["error"] and words in first["error"]
   assert first["seconds"] < 30 and second["seconds"] < 30, (first, second)
   assert not os.path.exists(os.path.join(job["root"], f"refused_{kind}_ck"))
+
+
+def test_a_primary_that_cannot_write_is_named_by_the_other_process(job):
+  """The primary's writes fail (its disk full) and its cleanup removes the save's
+  directory while process 1 writes there: process 1 named 'another save of the
+  same checkpoint'; it now names the primary and its error, at once."""
+  first, second = sorted(job["results"]["full_disk_primary"], key=lambda r: r["process"])
+  assert first["error_type"] == "ArchiveError" and "File too large" in first["error"], first
+  assert second["error_type"] == "ArchiveError", second
+  assert "process 0 did not write its archives" in second["error"], second
+  assert "File too large" in second["error"] and "another save" not in second["error"], second
+  assert first["seconds"] < 30 and second["seconds"] < 30, (first, second)
+  assert not os.path.exists(os.path.join(job["root"], "full_disk_primary_ck"))
 
 
 def test_a_clock_of_another_step_is_refused_where_its_process_writes_no_archive(job):

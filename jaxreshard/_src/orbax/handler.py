@@ -185,6 +185,10 @@ def prepare_save(
   return SavePlan(checkpoint_id, archives, index, args.chunk_bytes, reporter, refusal)
 
 
+# How long a process whose directory went away looks for another process of its save
+# having told a failure (whose cleanup removed it) before blaming another save.
+_PEER_FAILURE_WAIT_S = 2.0
+
 # A save that is over (failed or timed out in this process) says so to its writes.
 _STOPPED = "the save failed (or timed out) in this process; its archive writes stopped"
 
@@ -318,7 +322,9 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
         for index, record in prepared.archives:
           if work.stopped:
             raise ArchiveError(f"{directory}: {_STOPPED}")
-          nbytes = _write_archive(directory, index, record, builder, chunk_bytes)
+          nbytes = _write_archive(
+            directory, index, record, builder, chunk_bytes, prepared.checkpoint_id
+          )
           prepared.reporter.step(nbytes, archive=index)
       except BaseException as e:
         _peers.tell_peers(prepared.checkpoint_id, e)
@@ -401,9 +407,12 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
     return _store.open_checkpoint(_item_directory(directory))
 
 
-def _write_archive(directory: str, index: int, record: Any, builder: Any, chunk_bytes: int) -> int:
+def _write_archive(
+  directory: str, index: int, record: Any, builder: Any, chunk_bytes: int, checkpoint_id: str
+) -> int:
   """``write_archive``: its bytes written; a file or directory another save made or
-  removed under it is named as that save's doing."""
+  removed under it is named as that save's doing, or as the failure of another
+  process of this save (which removes what the save made) when one told it."""
   try:
     return _reader.write_archive(directory, index, record, builder, chunk_bytes)
   except FileExistsError as e:
@@ -413,6 +422,11 @@ def _write_archive(directory: str, index: int, record: Any, builder: Any, chunk_
   except FileNotFoundError:
     if os.path.isdir(directory):
       raise
+    told = _peers.failure_told(checkpoint_id, _PEER_FAILURE_WAIT_S)
+    if told is not None:
+      raise ArchiveError(
+        f"{directory} was removed while this save wrote it: {told}; nothing is committed"
+      ) from None
     raise ArchiveError(
       f"{directory} was removed while this save wrote it: another save"
       " of the same checkpoint made it anew"

@@ -33,7 +33,7 @@ from jaxreshard._src.errors import (
   ShapeError,
 )
 
-__all__ = ["agree_to_start", "await_peers", "forget", "tell_peers"]
+__all__ = ["agree_to_start", "await_peers", "failure_told", "forget", "tell_peers"]
 
 _PEERS_KEY = "jaxreshard/save"
 _POLL_S = 0.2
@@ -125,6 +125,24 @@ def await_peers(
         f"{directory}: processes {waiting} did not finish writing their archives"
         f" within {timeout_s:g} s; nothing is committed"
       )
+    time.sleep(_POLL_S)
+
+
+def failure_told(checkpoint_id: str, wait_s: float) -> str | None:
+  """The first other process of this save that told its write failed, and why (as
+  ``await_peers`` words it), looked for during ``wait_s``; None if none did."""
+  client = _distributed_client()
+  if client is None:
+    return None
+  prefix = f"{_PEERS_KEY}/{checkpoint_id}/"
+  deadline = time.monotonic() + wait_s
+  while True:
+    for key, value in sorted(client.key_value_dir_get(prefix)):
+      tail = key.rsplit("/", 1)[-1]
+      if tail.isdigit() and int(tail) != jax.process_index() and value != "ok":
+        return f"process {tail} did not write its archives ({value[len('failed: ') :]})"
+    if time.monotonic() > deadline:
+      return None
     time.sleep(_POLL_S)
 
 
