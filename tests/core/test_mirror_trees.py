@@ -87,3 +87,14 @@ def test_keys_of_two_kinds_in_one_dict_come_back_as_strings():
   _, _, rb = _records({"d": {"y": jnp.zeros((3,))}}, 2, 1)
   merged = jr.reshard(ra + rb, jr.plan(ra + rb, world_size=3, rank=0))
   assert sorted(merged.state[0].mu["d"]) == ["0", "y"]
+
+
+def test_tuple_keys_that_do_not_compare_come_back_as_strings():
+  """flax's tuple keys ``("blocks", 0, "w")`` in one group and ``("blocks", "shared",
+  "w")`` in the other: tuples, but no order sorts them (0 against "shared"), and
+  jax refused the dict with its raw error on every path. Keyed by strings."""
+  _, _, ra = _records({("blocks", 0, "w"): jnp.zeros((4,))}, 2, 0)
+  _, _, rb = _records({("blocks", "shared", "w"): jnp.zeros((3,))}, 2, 1)
+  merged = jr.reshard(ra + rb, jr.plan(ra + rb, world_size=3, rank=0))
+  assert sorted(merged.state[0].mu) == ["('blocks', 'shared', 'w')", "('blocks', 0, 'w')"]
+  assert type(jr.unshard_state(ra + rb)[0].mu) is dict

@@ -77,6 +77,10 @@ def nested_by_keys(pids: Sequence[str], values: Mapping[str, Any], keys: Mapping
     node[path[-1].key] = values[pid]
 
   def one_kind(d: dict) -> bool:
+    try:  # tuples of one kind may still not compare (0 against "shared" inside)
+      sorted(d)
+    except TypeError:
+      return False
     return len({type(k) for k in d}) <= 1 and all(
       one_kind(v) for v in d.values() if isinstance(v, dict)
     )
