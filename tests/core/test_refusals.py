@@ -941,3 +941,25 @@ def test_09n_a_param_of_one_group_that_is_a_leaf_above_another_group_s_is_refuse
       jr.save_records(tmp_path / "ckpt", records)
   assert words in str(info.value)
   assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("call", ["reshard", "unshard_state", "save_records"])
+def test_09o_a_group_whose_params_tree_is_one_array_joins_no_other(call, tmp_path):
+  """Group A's params are one bare array (its id is ""), group B's ``{"w": y}``: no
+  tree holds both, and every path built ``{"": x, "w": y}``. Refused now; the
+  key "" itself (``{"": x}``) beside ``{"w": y}`` is one tree, and is taken."""
+  opt = optax.sgd(0.1, momentum=0.9)
+  bare, key, other = jnp.ones((5,)), {"": jnp.ones((5,))}, {"w": jnp.ones((4,))}
+  shard = lambda p: jr.shard_state(opt, p, opt.init(p), 2)
+
+  def run(records):
+    if call == "reshard":
+      return jr.reshard(records, jr.plan(records, world_size=3, rank=0))
+    if call == "unshard_state":
+      return jr.unshard_state(records)
+    return jr.save_records(tmp_path / f"ckpt{len(os.listdir(tmp_path))}", records)
+
+  for records in (shard(bare) + shard(other), shard(other) + shard(bare)):
+    with pytest.raises(jr.PlacementError, match="params tree is one array, and archive"):
+      run(records)
+  run(shard(key) + shard(other))

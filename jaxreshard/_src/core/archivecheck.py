@@ -69,14 +69,10 @@ def check_one_tree(
       or the leaf and the param under it.
   """
   seen = {} if seen is None else seen
-  param_sets = seen.setdefault(_PARAM_SETS, [])  # (archive, ids) per distinct param set
+  tree_of = seen.setdefault(_PARAMS_TREE, _ParamsTree())
   for archive, parts in layouts:
     key = tuple(frozenset(m.order) for m in parts.subtrees)
-    ids = frozenset().union(*key)
-    if all(ids != other for _, other in param_sets):
-      for other_archive, other in param_sets:
-        _check_no_nesting(other_archive, other, archive, ids)
-      param_sets.append((archive, ids))
+    tree_of.add(archive, frozenset().union(*key), parts)
     trees = tuple(m.treedef for m in parts.subtrees)
     first = seen.setdefault(key, (archive, trees))
     if first[1] != trees:
@@ -89,21 +85,56 @@ def check_one_tree(
       )
 
 
-# The key under which ``check_one_tree``'s ``seen`` keeps the param sets met.
-_PARAM_SETS = "param sets"
+# The key under which ``check_one_tree``'s ``seen`` keeps the params tree met so far.
+_PARAMS_TREE = "params tree"
 
 
-def _check_no_nesting(a: int, ids_a: frozenset, b: int, ids_b: frozenset) -> None:
-  """No id of one set is a key path above an id of the other (ids join keys with
-  ``/``; a ``/`` inside a key is escaped, so every ``/`` ends an ancestor)."""
-  for (x, xs), (y, ys) in (((a, ids_a), (b, ids_b)), ((b, ids_b), (a, ids_a))):
-    for pid in ys:
+class _ParamsTree:
+  """The ids of every distinct param set met, and every key path above one of them
+  (ids join keys with ``/``; a ``/`` inside a key is escaped, so every ``/`` ends
+  an ancestor): a new set is checked against them in time linear in its ids."""
+
+  def __init__(self):
+    self.sets: set[frozenset] = set()
+    self.ids: dict[str, int] = {}  # id -> an archive holding it
+    self.above: dict[str, tuple[str, int]] = {}  # ancestor -> (an id under it, its archive)
+    self.one_leaf: int | None = None  # an archive whose params tree is one array
+
+  def add(self, archive: int, ids: frozenset, parts: Any) -> None:
+    if ids in self.sets:
+      return
+    # A params tree that is one array (the id "" at the root, not a key "") holds
+    # no other param: no other set can join it.
+    leaf = any(jax.tree_util.treedef_is_leaf(m.treedef) for m in parts.subtrees)
+    if self.sets and (leaf or self.one_leaf is not None):
+      other = self.one_leaf if self.one_leaf is not None else next(iter(self.ids.values()))
+      one, many = (archive, other) if leaf else (other, archive)
+      raise PlacementError(
+        f"archive {one}'s params tree is one array, and archive {many} holds other"
+        " params: they are not archives of one state"
+      )
+    for pid in ids:
+      if pid in self.above and pid not in self.ids:
+        deep, b = self.above[pid]
+        raise _nesting(pid, archive, deep, b)
       for i, c in enumerate(pid):
-        if c == "/" and pid[:i] in xs:
-          raise PlacementError(
-            f"param {pid[:i]!r} is a leaf of archive {x}'s params tree, where archive {y}"
-            f" holds param {pid!r} under it: they are not archives of one state"
-          )
+        if c == "/" and pid[:i] in self.ids and pid[:i] not in ids:
+          raise _nesting(pid[:i], self.ids[pid[:i]], pid, archive)
+    for pid in ids:
+      self.ids.setdefault(pid, archive)
+      for i, c in enumerate(pid):
+        if c == "/":
+          self.above.setdefault(pid[:i], (pid, archive))
+    self.sets.add(ids)
+    if leaf:
+      self.one_leaf = archive
+
+
+def _nesting(leaf: str, a: int, deep: str, b: int) -> PlacementError:
+  return PlacementError(
+    f"param {leaf!r} is a leaf of archive {a}'s params tree, where archive {b}"
+    f" holds param {deep!r} under it: they are not archives of one state"
+  )
 
 
 def _path(prefix: tuple) -> str:
