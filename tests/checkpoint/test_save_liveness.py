@@ -384,3 +384,15 @@ def test_a_save_whose_temporary_directory_was_replaced_raises(tmp_path):
     save.finish()
   assert isinstance(save.error, jr.ArchiveError), save.error
   assert not out.exists()
+
+
+def test_a_directory_moved_aside_from_a_path_with_a_trailing_slash_lands_beside_it(tmp_path):
+  """``not_this_save`` of ``ck/``: the directory at ``ck`` goes beside it (the name
+  of ``ck/`` split at its last ``/`` is empty, and the aside path fell inside it)."""
+  from jaxreshard._src.checkpoint import rename
+
+  (tmp_path / "ck").mkdir()
+  words = rename.not_this_save(str(tmp_path / "tmp"), str(tmp_path / "ck") + "/")
+  assert not (tmp_path / "ck").exists()
+  (aside,) = os.listdir(tmp_path)
+  assert aside.startswith(".ck.not-this-save-") and aside in words

@@ -761,3 +761,18 @@ def test_gather_from_mesh_s_clock_outlives_a_step_that_donates_the_state():
     leaf.delete()
   assert int(got[0].count) == 7 and got[0].count.dtype == jnp.int32
   assert np.asarray(got[0].mu["w"]).tolist() == [0.0] * 6
+
+
+def test_shard_to_mesh_s_clock_is_not_the_caller_s_buffer():
+  """The state ``shard_to_mesh`` makes holds copies of the caller's clock leaves: a
+  step donating it (here: deleting its leaves) left the caller's count deleted."""
+  mesh = device_mesh((4,), ("fsdp",))
+  opt = optax.adam(1e-2)
+  params = {"w": jnp.arange(6.0)}
+  state = opt.init(params)
+  count = jax.device_put(jnp.asarray(3, jnp.int32), jax.devices()[0])
+  state = (state[0]._replace(count=count),) + state[1:]
+  sharded = jr.shard_to_mesh(opt, params, state, mesh).state
+  for leaf in jax.tree.leaves(sharded):
+    leaf.delete()
+  assert not count.is_deleted() and int(count) == 3

@@ -1090,3 +1090,20 @@ def test_a_manager_that_gives_up_on_a_composite_stops_the_writes_of_every_item(
   for name in ("a", "b"):
     for x, y in zip(got[name], records, strict=True):
       assert_records_equal(x, y)
+
+
+def test_save_sharded_into_a_directory_reached_through_a_link(tmp_path):
+  """The checkpoint's parent is the caller's choice, a link to a directory included
+  (a scratch mount linked into the home directory): save_sharded refused it with
+  NotADirectoryError (the parent's lock was taken with O_NOFOLLOW)."""
+  (tmp_path / "real").mkdir()
+  os.symlink(tmp_path / "real", tmp_path / "link")
+  opt, state, mesh = _mesh_state()
+  jr.save_sharded(tmp_path / "link" / "ck", opt, state, {"w": (12,)}, mesh)
+  assert os.listdir(tmp_path / "real") == ["ck"]
+  import jax
+  import numpy as np
+
+  restored, _ = jr.restore_sharded(tmp_path / "real" / "ck", mesh)
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()

@@ -59,7 +59,7 @@ def not_this_save(tmp: str, final: str) -> str:
   first moved aside (never onto anything) so that nothing is left there that
   this save did not write."""
   # Not a temporary name: a clean must not take it for a killed save's and remove it.
-  parent, base = os.path.split(final)
+  parent, base = os.path.split(os.path.normpath(final))
   aside = os.path.join(parent, f".{_tempname.temp_stem(base)}.not-this-save-{uuid.uuid4().hex}")
   try:
     commit_dir(final, aside)

@@ -215,8 +215,11 @@ def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = 
       made = _leafshards.put_from_host(per_rank, shape[0] // world, shape, sharding, dtype)
     else:
       arrays = []
+      # A clock leaf is the caller's own array: copied, so that a step donating
+      # the state made here leaves the caller's whole.
+      alias = role is not None
       for device in sharding.addressable_devices_indices_map(shape):
-        arrays.append(jax.device_put(per_rank[rank_of[device]], device))
+        arrays.append(jax.device_put(per_rank[rank_of[device]], device, may_alias=alias))
       made = jax.make_array_from_single_device_arrays(shape, sharding, arrays, dtype=dtype)
     new_leaves.append(made if role is not None else _clock.keep_weak(made, first))
   return jax.tree_util.tree_unflatten(treedef, new_leaves)

@@ -239,7 +239,9 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
     deadline = time.monotonic() + max(1.0, ocp.multihost.coordination_timeout() - _MARGIN_S)
     taken = 0
     while True:
-      pfd = os.open(parent, _DIR_FLAGS)
+      # The parent is the caller's choice, a link to a directory included (as the
+      # checkpoint's own path may be); what is made under it is never a link.
+      pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
       try:
         # One save at a time decides whether the directory is taken and makes it. The
         # parent's lock is polled, never waited for in a thread: orbax creates a
