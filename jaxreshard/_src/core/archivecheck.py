@@ -99,6 +99,8 @@ class _ParamsTree:
     self.ids: dict[str, int] = {}  # id -> an archive holding it
     self.above: dict[str, tuple[str, int]] = {}  # ancestor -> (an id under it, its archive)
     self.one_leaf: int | None = None  # an archive whose params tree is one array
+    self.first: tuple[int, frozenset] | None = None  # the one set met, not indexed yet
+    self.first_archive: int | None = None
 
   def add(self, archive: int, ids: frozenset, parts: Any) -> None:
     if ids in self.sets:
@@ -107,12 +109,25 @@ class _ParamsTree:
     # no other param: no other set can join it.
     leaf = any(jax.tree_util.treedef_is_leaf(m.treedef) for m in parts.subtrees)
     if self.sets and (leaf or self.one_leaf is not None):
-      other = self.one_leaf if self.one_leaf is not None else next(iter(self.ids.values()))
+      other = self.one_leaf if self.one_leaf is not None else self.first_archive
       one, many = (archive, other) if leaf else (other, archive)
       raise PlacementError(
         f"archive {one}'s params tree is one array, and archive {many} holds other"
         " params: they are not archives of one state"
       )
+    self.sets.add(ids)
+    if leaf:
+      self.one_leaf = archive
+    # One set alone is one tree: its ids are indexed only once a second set comes.
+    if len(self.sets) == 1:
+      self.first, self.first_archive = (archive, ids), archive
+      return
+    if self.first is not None:
+      self._index(*self.first)
+      self.first = None
+    self._index(archive, ids)
+
+  def _index(self, archive: int, ids: frozenset) -> None:
     for pid in ids:
       if pid in self.above and pid not in self.ids:
         deep, b = self.above[pid]
@@ -125,9 +140,6 @@ class _ParamsTree:
       for i, c in enumerate(pid):
         if c == "/":
           self.above.setdefault(pid[:i], (pid, archive))
-    self.sets.add(ids)
-    if leaf:
-      self.one_leaf = archive
 
 
 def _nesting(leaf: str, a: int, deep: str, b: int) -> PlacementError:
