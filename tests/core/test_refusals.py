@@ -92,6 +92,21 @@ def _plan(records=None, world=6, rank=2):
   return jr.plan(records if records is not None else _records(), world_size=world, rank=rank)
 
 
+def _by_path(call, records, path, migrations=None):
+  """``records`` through one public path: ``reshard`` (of ``migrations``, by default a
+  plan to 3 ranks), ``plan`` (a reshard of the records' own plan to 6), ``unshard_state``,
+  ``digest``, or ``save_records`` to ``path``."""
+  if call == "reshard":
+    return jr.reshard(records, migrations or jr.plan(records, world_size=3, rank=0))
+  if call == "plan":
+    return jr.reshard(records, jr.plan(records, world_size=6, rank=2))
+  if call == "unshard_state":
+    return jr.unshard_state(records)
+  if call == "digest":
+    return jr.digest(records)
+  return jr.save_records(path, records)
+
+
 def test_sanity_the_base_case_is_accepted():
   records = _records()
   target = jr.reshard(records, _plan(records))
@@ -405,16 +420,7 @@ def test_09l_a_source_placement_of_a_bool_or_float_is_refused_by_every_path(
     archive = 0
   expected = f"param 'a': archive {archive}: {needle}"
   with pytest.raises(jr.PlacementError) as info:
-    if call == "reshard":
-      jr.reshard(records, _plan())
-    elif call == "plan":
-      jr.reshard(records, jr.plan(records, world_size=6, rank=2))
-    elif call == "unshard_state":
-      jr.unshard_state(records)
-    elif call == "digest":
-      jr.digest(records)
-    else:
-      jr.save_records(tmp_path / "ckpt", records)
+    _by_path(call, records, tmp_path / "ckpt", _plan())
   assert str(info.value).startswith(expected), str(info.value)
   assert not (tmp_path / "ckpt").exists()
 
@@ -903,14 +909,7 @@ def test_09m_a_placement_without_a_dtype_is_refused_as_none_by_every_path(call, 
   records = _records()
   records[1] = _with_placement(records[1], "a", dtype=None)
   with pytest.raises(jr.DtypeError) as info:
-    if call == "reshard":
-      jr.reshard(records, _plan())
-    elif call == "unshard_state":
-      jr.unshard_state(records)
-    elif call == "digest":
-      jr.digest(records)
-    else:
-      jr.save_records(tmp_path / "ckpt", records)
+    _by_path(call, records, tmp_path / "ckpt", _plan())
   assert "param 'a': archive 1: storage dtype None is not one of" in str(info.value)
   assert "float64" not in str(info.value)
   assert not (tmp_path / "ckpt").exists()
@@ -933,12 +932,7 @@ def test_09n_a_param_of_one_group_that_is_a_leaf_above_another_group_s_is_refuse
     assert any(words in p for p in jr.digest(records).problems)
     return
   with pytest.raises(jr.PlacementError) as info:
-    if call == "reshard":
-      jr.reshard(records, jr.plan(records, world_size=3, rank=0))
-    elif call == "unshard_state":
-      jr.unshard_state(records)
-    else:
-      jr.save_records(tmp_path / "ckpt", records)
+    _by_path(call, records, tmp_path / "ckpt")
   assert words in str(info.value)
   assert not (tmp_path / "ckpt").exists()
 
@@ -953,11 +947,7 @@ def test_09o_a_group_whose_params_tree_is_one_array_joins_no_other(call, tmp_pat
   shard = lambda p: jr.shard_state(opt, p, opt.init(p), 2)
 
   def run(records):
-    if call == "reshard":
-      return jr.reshard(records, jr.plan(records, world_size=3, rank=0))
-    if call == "unshard_state":
-      return jr.unshard_state(records)
-    return jr.save_records(tmp_path / f"ckpt{len(os.listdir(tmp_path))}", records)
+    return _by_path(call, records, tmp_path / f"ckpt{len(os.listdir(tmp_path))}")
 
   for records in (shard(bare) + shard(other), shard(other) + shard(bare)):
     with pytest.raises(jr.PlacementError, match="params tree is one array, and archive"):
