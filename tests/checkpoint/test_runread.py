@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxreshard._src.checkpoint import iovread, runread, shardfile, shardread
+from jaxreshard._src.checkpoint import chunkcrc, iovread, runread, shardfile, shardread
 from jaxreshard._src.errors import ArchiveError
 from tests._archive_util import zero_file_reading_a_directory
 
@@ -29,6 +29,19 @@ def mode(request, monkeypatch):
   into the scratch and its runs gathered out of it."""
   monkeypatch.setattr(runread, "_gathers", lambda *_: request.param == "gather")
   return request.param
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def _checks(request, monkeypatch):
+  """Every test with chunks checked in C, spans read on two threads wherever a read
+  has two or more (however few bytes), and with one google_crc32c call per piece,
+  span after span."""
+  if request.param == "python":
+    monkeypatch.setattr(chunkcrc, "native", False)
+  elif not chunkcrc.native:
+    pytest.skip("the compiled chunk check was not built here")
+  else:
+    monkeypatch.setattr(runread, "PARALLEL_BYTES", 0)
 
 
 def _write(tmp_path, data, chunk):
@@ -202,9 +215,11 @@ def test_every_chunk_is_checked_against_its_own_crc32c(tmp_path, monkeypatch, mo
   data = np.arange(1, 1001, dtype=np.float32)
   root, f = _open(tmp_path, data, 8)
   calls = []
-  real = runread.google_crc32c.extend
+  real = chunkcrc.google_crc32c.extend
+  # Counted where each piece is one Python call; the C path runs the same loop.
+  monkeypatch.setattr(chunkcrc, "native", False)
   monkeypatch.setattr(
-    runread.google_crc32c, "extend", lambda crc, b: calls.append(len(b)) or real(crc, b)
+    chunkcrc.google_crc32c, "extend", lambda crc, b: calls.append(len(b)) or real(crc, b)
   )
   out = np.zeros(990, np.float32)
   runread.read_runs(f, np.array([5]), np.array([0]), np.array([990]), out, np.empty(0, np.uint8))
@@ -256,6 +271,7 @@ def test_whole_buffer_reads_check_every_chunk_on_its_own(tmp_path, monkeypatch):
   # Each file: chunks of 4 bytes and their crc32c, an index entry per chunk (16), its crc32c.
   n_chunks = sum((os.path.getsize(p) - 4) // 24 for p in files)
   calls = []
+  monkeypatch.setattr(chunkcrc, "native", False)  # every check a Python call, counted
   for name in ("extend", "value"):
     real = getattr(shardfile.google_crc32c, name)
     monkeypatch.setattr(

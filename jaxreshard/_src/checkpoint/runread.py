@@ -9,11 +9,15 @@ checked while still in cache, each chunk against the checksum the archive's
 metadata recorded for it, with one crc32c call per stretch of the chunk that
 lies back to back in one buffer: every read path checks exactly the same
 thing, so errors in two chunks can never cancel out in a combined checksum
-and be accepted by one path and refused by another. A span that fails is
-refused, naming its first bad chunk, before the next is read; the checksums
-stored in the file must equal the recorded ones, compared all at once after
-the last span (before a span's padding is checked, for those spans). On a
-refusal the caller drops the target buffer.
+and be accepted by one path and refused by another (``chunkcrc``: in C where
+it was built). A span that fails is refused, naming its first bad chunk; where
+two threads read the spans (a large read straight into the target: the even
+spans on one, the odd on the other, each thread stopping at its first
+failure), the failure named is that of the first failing span in file order,
+the one a read span after span stops at. The checksums stored in the file must
+equal the recorded ones, compared all at once after the last span (before a
+span's padding is checked, for those spans). On a refusal the caller drops the
+target buffer.
 
 Where the runs are short (a few elements of each of many params, as a rank of
 a large world holds), the pieces of a chunk are many and each would cost an
@@ -29,12 +33,13 @@ contiguous array, go through the scratch buffer and are copied from there
 
 from __future__ import annotations
 
-import google_crc32c
 import numpy as np
 
+from jaxreshard._src.checkpoint import chunkcrc as _chunkcrc
 from jaxreshard._src.checkpoint import iovread as _iovread
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import workers as _workers
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
 
@@ -49,6 +54,10 @@ _COPY, _DATA, _CRC = 0, 1, 2  # a span's pieces: into the target, scratch data, 
 # are read with their chunks into the scratch and copied out by a gather, which
 # costs less than an iovec and a crc32c call per piece.
 GATHER_BELOW_BYTES = 1024
+# A read of at least this many bytes of chunks, in two spans or more each read
+# straight into the target, is read and checked on two threads: each span's
+# read and its chunks' checks run with the interpreter's lock released.
+PARALLEL_BYTES = 4 << 20
 
 
 def staging(scratch: np.ndarray, nbytes: int, f: _shardread.ShardFile) -> np.ndarray:
@@ -172,6 +181,17 @@ class _Spans:
       np.diff(np.append(span_at, len(needed))) * stride,
       self.per_span * stride if self.gathered is not None else 0,
     )
+    # Spans read straight into the target are independent but for the scratch:
+    # with two threads, the odd ones use a second scratch after the first.
+    self.two = (
+      self.gathered is None
+      and len(span_at) >= 2
+      and len(needed) * stride >= PARALLEL_BYTES
+      and _chunkcrc.native
+    )
+    if self.two:
+      self.scratch = staging(self.scratch, 2 * self.per_span * stride, f)
+      span_off = (np.arange(len(span_at)) % 2) * (self.per_span * stride)
     # Piece boundaries: chunk data starts and ends, checksum ends, copy pieces.
     bounds = _copyplan.unique_ints(
       np.concatenate(
@@ -220,37 +240,41 @@ class _Spans:
     bufs = (self.outb, self.scratch, stored.view(np.uint8))
     pieces = _iovread.Pieces(bufs, mem, addr, n_bytes)
     groups = _crc_groups(mem, addr, n_bytes, seg_lo // f.stride)
-    # Groups of one chunk are consecutive; ``c_at[k]`` is needed chunk k's first.
-    c_at = np.searchsorted(groups[0], needed).tolist() + [len(groups[0])]
-    g_mem, g_addr, g_len = (x.tolist() for x in groups[1:])
-    expected = f.crc_table[needed].tolist()
-    span_first, span_n = needed[span_at], np.diff(np.append(span_at, len(needed)))
+    # Groups of one chunk are consecutive; chunk k's are ``[at[k], at[k + 1])``.
+    at = np.append(np.searchsorted(groups[0], needed), len(groups[0]))
+    checker = _chunkcrc.Checker(bufs, *groups[1:], at, f.crc_table[needed])
+    span_first, span_n = needed[span_at].tolist(), np.diff(np.append(span_at, len(needed)))
+    span_n, starts = span_n.tolist(), span_at.tolist()
     seg_at = span_seg.tolist()
     span_bytes = np.add.reduceat(n_bytes, span_seg[:-1]).tolist()
     has_zero = np.zeros(len(span_at), bool)
     has_zero[np.searchsorted(span_at, np.searchsorted(needed, z[0]), "right") - 1] = True
     has_zero = has_zero.tolist()
-    reads = 0
-    extend = google_crc32c.extend
     span_file, span_off, fill_last = places
     offsets, last_of_fill = span_off.tolist(), fill_last.tolist()
-    fill_first = 0  # the first span of the scratch's current fill
-    for s, (first, k) in enumerate(zip(span_first.tolist(), span_at.tolist())):
-      a, b = seg_at[s], seg_at[s + 1]
-      reads += pieces.read(f.fd, f.path, a, b, first * f.stride, span_bytes[s])
-      n = int(span_n[s])
-      for j in range(k, k + n):
-        crc = 0
-        for g in range(c_at[j], c_at[j + 1]):
-          crc = extend(crc, bufs[g_mem[g]][g_addr[g] : g_addr[g] + g_len[g]])
-        if crc != expected[j]:
-          raise f.bad_chunk(int(needed[j]))
+
+    def one(s: int) -> int:
+      """Reads span ``s``, checks its chunks (and its ranges that must be zero); the
+      system calls made."""
+      first, k, n = span_first[s], starts[s], span_n[s]
+      reads = pieces.read(f.fd, f.path, seg_at[s], seg_at[s + 1], first * f.stride, span_bytes[s])
+      bad = checker.first_bad(k, n)
+      if bad is not None:
+        raise f.bad_chunk(int(needed[bad]))
       if has_zero[s]:
         _check_stored(f, needed[k : k + n], stored[k : k + n])
         self._check_zero(first, n, z, z_ids, offsets[s])
-      if self.gathered is not None and last_of_fill[s]:
-        self._gather(span_file, span_off, fill_first, s + 1)
-        fill_first = s + 1
+      return reads
+
+    if self.two:
+      reads = _in_two(one, len(span_at))
+    else:
+      reads, fill_first = 0, 0  # the first span of the scratch's current fill
+      for s in range(len(span_at)):
+        reads += one(s)
+        if self.gathered is not None and last_of_fill[s]:
+          self._gather(span_file, span_off, fill_first, s + 1)
+          fill_first = s + 1
     _check_stored(f, needed, stored)
     if self.stats is not None:
       self.stats.reads += reads
@@ -304,6 +328,36 @@ class _Spans:
       j = int(nz[0])
       k = int(np.searchsorted(ends, j, side="right"))
       raise self.refuse(int(z_ids[rid[a + k]]), int(start[k]) + (j - int(ends[k] - size[k])) // isz)
+
+
+def _in_two(one, n: int) -> int:
+  """``one(s)`` for every span ``s < n``: the even ones on this thread, the odd ones
+  on the read pool's, at once; the sum of what they return.
+
+  Each thread stops at its first failing span. What is raised is the failure of
+  the first span (in file order) that failed: the one a read span after span
+  would have stopped at.
+  """
+  failed: dict[int, Exception] = {}
+
+  def half(parity: int) -> int:
+    done = 0
+    for s in range(parity, n, 2):
+      try:
+        done += one(s)
+      except Exception as e:  # noqa: BLE001 -- raised below, in span order
+        failed[s] = e
+        break
+    return done
+
+  other = _workers.pool("read", 1).submit(half, 1)
+  try:
+    mine = half(0)
+  finally:
+    theirs = other.result()
+  if failed:
+    raise failed[min(failed)]
+  return mine + theirs
 
 
 def span_starts(needed: np.ndarray, per_span: int) -> np.ndarray:

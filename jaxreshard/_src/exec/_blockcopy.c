@@ -105,7 +105,7 @@ TILE_GATHER(uint64_t, gather8)
 /* The interface of this file: native.py loads the library only where this is
  * the number it was written for (an editable install keeps a library built
  * from an older copy of this file until it is installed again). */
-int jaxreshard_blockcopy_version(void) { return 2; }
+int jaxreshard_blockcopy_version(void) { return 3; }
 
 /* Copies blocks [0, n) (tables of n int64 each) from `src`'s rows (`src_stride`
  * bytes apart) to `out`'s rows (`out_stride` bytes apart), elements of `itemsize`
@@ -145,4 +145,26 @@ int jaxreshard_gather_tile(const char *tile, int64_t itemsize, int64_t n_tile,
     case 8: gather8(tile, last, index, out, out_stride, rows, width); return 0;
     default: return -1;
   }
+}
+
+/* A crc32c extended over `count` bytes at `data`, from `crc` (the C library of
+ * the google_crc32c package has one: `crc32c_extend`). */
+typedef uint32_t (*crc32c_extend_fn)(uint32_t crc, const uint8_t *data, size_t count);
+
+/* Checks chunks [0, n): chunk j's crc32c is `extend` run over its pieces
+ * [at[j], at[j + 1]) one after the other from 0 (piece g: `len[g]` bytes from
+ * address `addr[g]`), and must equal `expected[j]`. Returns the first chunk
+ * whose crc32c differs, or -1 where every one is as expected. The caller checks
+ * that every piece lies inside a buffer it holds. */
+int64_t jaxreshard_check_chunks(void *extend, int64_t n, const int64_t *at,
+                                const uint64_t *addr, const int64_t *len,
+                                const uint32_t *expected) {
+  const crc32c_extend_fn fn = (crc32c_extend_fn)extend;
+  for (int64_t j = 0; j < n; j++) {
+    uint32_t crc = 0;
+    for (int64_t g = at[j]; g < at[j + 1]; g++)
+      crc = fn(crc, (const uint8_t *)(uintptr_t)addr[g], (size_t)len[g]);
+    if (crc != expected[j]) return j;
+  }
+  return -1;
 }

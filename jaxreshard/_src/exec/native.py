@@ -26,22 +26,22 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "copy_blocks", "enabled", "fits", "gather_tile"]
+__all__ = ["available", "check_chunks", "copy_blocks", "enabled", "fits", "gather_tile"]
 
 _LIBRARY = "_blockcopy"
 # The interface of ``_blockcopy.c`` this module calls (``jaxreshard_blockcopy_version``).
-VERSION = 2
+VERSION = 3
 
 
 class _Library:
   """The library's entry points."""
 
-  def __init__(self, copy: Any, gather: Any):
-    self.copy, self.gather = copy, gather
+  def __init__(self, copy: Any, gather: Any, check: Any):
+    self.copy, self.gather, self.check = copy, gather, check
 
 
 def _load() -> Any:
-  """The C functions (``copy``, ``gather``), or None where the library was not built
+  """The C functions (``copy``, ``gather``, ``check``), or None where the library was not built
   or cannot be loaded."""
   if os.environ.get("JAXRESHARD_NATIVE", "1") == "0" or ctypes.sizeof(ctypes.c_void_p) != 8:
     return None
@@ -54,6 +54,7 @@ def _load() -> Any:
       library = ctypes.CDLL(path)
       fn = library.jaxreshard_copy_blocks
       gather = library.jaxreshard_gather_tile
+      check = library.jaxreshard_check_chunks
       version = library.jaxreshard_blockcopy_version()
     except (OSError, AttributeError) as e:
       print(f"jaxreshard: {path} cannot be loaded ({e}); copying with numpy", file=sys.stderr)
@@ -70,7 +71,9 @@ def _load() -> Any:
     fn.restype = ctypes.c_int
     gather.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64]
     gather.restype = ctypes.c_int
-    return _Library(fn, gather)
+    check.argtypes = [ptr, i64, ptr, ptr, ptr, ptr]
+    check.restype = i64
+    return _Library(fn, gather, check)
   return None
 
 
@@ -194,6 +197,15 @@ def gather_tile(tile: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
   )
   if status:
     raise ValueError(f"tile gather: elements of {tile.itemsize} bytes cannot be gathered")
+
+
+def check_chunks(extend: int, n: int, at: int, addr: int, length: int, expected: int) -> int:
+  """The first of ``n`` chunks whose crc32c is not its expected one, or -1: the C
+  function with the interpreter's lock released (``chunkcrc.Checker`` makes and
+  checks the tables, whose addresses these are; ``extend``: a C ``crc32c_extend``)."""
+  if _library is None:
+    raise ValueError("the compiled block copy is not available")
+  return int(_library.check(extend, n, at, addr, length, expected))
 
 
 def fits(src: np.ndarray, out: np.ndarray) -> bool:
