@@ -326,10 +326,10 @@ def verify(
     20, "--max-diffs", parser=lambda t: _integer(t, 0), help="Show at most this many differences."
   ),
   rtol: float | None = typer.Option(
-    None, "--rtol", min=0.0, help="Accept history buffers within this relative tolerance."
+    None, "--rtol", help="Accept history buffers within this relative tolerance."
   ),
   atol: float | None = typer.Option(
-    None, "--atol", min=0.0, help="Accept history buffers within this absolute tolerance."
+    None, "--atol", help="Accept history buffers within this absolute tolerance."
   ),
   as_json: bool = typer.Option(False, "--json", help=_render.JSON_HELP),
 ):
@@ -357,8 +357,8 @@ def verify(
   OUT's, "params", "buffers", "elements", "clock_scalars"} (counts of CHECKPOINT).
   """
   for flag, value in (("--rtol", rtol), ("--atol", atol)):
-    if value is not None and not math.isfinite(value):
-      raise jr.ReshardError(f"{flag} {value} must be a finite number")
+    if value is not None and not (math.isfinite(value) and value >= 0):
+      raise jr.ReshardError(f"{flag} {value} must be a finite number >= 0")
   paths = (_locate(checkpoint, step, item).path, _locate(out).path)
   with progress_bar(_render.err_console()) as bar:
     task = bar.add_task("reading", total=None)
