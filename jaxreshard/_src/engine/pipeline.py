@@ -445,9 +445,17 @@ def _leaves(buffer: Any, columns: tuple[np.ndarray, ...]) -> list[Any]:
 
 
 def group_keys(src: Sources, facts: Sequence[Any]) -> Any:
-  """``structure.mirror_keys`` of the template of every group ``facts`` come from."""
-  firsts = {f.by_rank[0] for f in facts}
-  return _structure.mirror_keys(src.template(a) for a in sorted(firsts))
+  """``structure.mirror_keys`` of the template of every group ``facts`` come from,
+  the groups found when a key is first asked for (most states never ask)."""
+  made: list = []
+
+  def keys(i: int) -> Any:
+    if not made:
+      firsts = {f.by_rank[0] for f in facts}
+      made.append(_structure.mirror_keys(src.template(a) for a in sorted(firsts)))
+    return made[0](i)
+
+  return keys
 
 
 def record(src: Sources, groups: _groups.Groups, built: list[list[Any]]) -> ShardRecord:
