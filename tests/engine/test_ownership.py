@@ -2,6 +2,7 @@
 write into. History buffers are fresh memory per target; numpy clock scalars, which
 numpy lets a caller write in place, are copies of their own in every state built."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -223,3 +224,42 @@ def test_a_read_only_clock_made_writable_and_written_is_seen():
   count[...] = 9
   with pytest.raises(jr.PlacementError, match="count"):
     jr.reshard(src, plan)
+
+
+@pytest.mark.parametrize(
+  "how", ["shard_state", "unshard_state", "reshard-host", "reshard-device", "reshard_ranks"]
+)
+def test_a_step_donating_one_result_s_state_leaves_every_other_clock_alive(how):
+  """jax clock leaves (a step count, injected hyper-parameters) are copies in every
+  state built: a jitted step donating one result's state deletes its buffers, and
+  deleted the sources' and the other targets' clocks with them (one object)."""
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+  params = {"w": jnp.arange(5.0)}
+  state = opt.init(params)
+  records = jr.shard_state(opt, params, state, world_size=2)
+  if how == "shard_state":
+    sources, results = [state], [r.state for r in records]
+  elif how == "unshard_state":
+    sources, results = [r.state for r in records], [jr.unshard_state(records)]
+  elif how == "reshard_ranks":
+    plans = [jr.plan(records, world_size=3, rank=r) for r in range(3)]
+    sources, results = (
+      [r.state for r in records],
+      [t.state for t in jr.reshard_ranks(records, plans)],
+    )
+  else:
+    plan = jr.plan(records, world_size=3, rank=1)
+    executor = how.split("-")[1]
+    sources = [r.state for r in records]
+    results = [jr.reshard(records, plan, executor=executor).state for _ in range(2)]
+  clocks = lambda s: [x for x in jax.tree.leaves(s) if getattr(x, "ndim", None) == 0]
+  assert all(isinstance(x, jax.Array) for x in clocks(results[0]))
+  for x in jax.tree.leaves(results[0]):
+    if isinstance(x, jax.Array):
+      x.delete()  # what a step donating the state does to its buffers
+  for s in sources + results[1:]:
+    assert [x.is_deleted() for x in clocks(s)] == [False] * len(clocks(s))
+    assert np.asarray(s.hyperparams["learning_rate"]).tolist() == np.float32(1e-3).tolist()
+  if how != "shard_state":
+    again = jr.reshard(records, jr.plan(records, world_size=3, rank=0))
+    assert int(again.state.count) == 0

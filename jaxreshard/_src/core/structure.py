@@ -354,13 +354,20 @@ def state_parts(state: Any, roles: Sequence[str | None]) -> StateParts:
 
 def own_scalar(x: Any) -> Any:
   """A clock scalar that no other state shares: a numpy array (mutable in place)
-  copied, anything else (jax arrays, numpy scalars, Python numbers) as it is.
+  or a jax array (deleted when a step donates it) copied, anything else (numpy
+  scalars, Python numbers) as it is.
 
   States taken apart keep their clock as it was when first looked at, and every
-  state built gets scalars of its own: a write into one target's ``count`` never
-  reaches its sources or another target.
+  state built gets scalars of its own: a write into one target's ``count``, or a
+  jitted step donating one target's state, never reaches its sources or another
+  target. A jax array is copied by ``device_put`` (a buffer copy on its own
+  devices, with its sharding): no program is compiled for it.
   """
-  return x.copy() if isinstance(x, np.ndarray) else x
+  if isinstance(x, np.ndarray):
+    return x.copy()
+  if isinstance(x, jax.Array):
+    return jax.device_put(x, may_alias=False)
+  return x
 
 
 def _state_parts_of_paths(state: Any, roles: Sequence[str | None]) -> StateParts:
