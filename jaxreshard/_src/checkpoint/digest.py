@@ -31,6 +31,7 @@ from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint.parampaths import ParamPaths
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
@@ -159,6 +160,7 @@ class _Stream:
       self.next_rank += 1
 
 
+@_deleted.names_deleted
 def digest_records(records: Iterable[ShardRecord]) -> Digest:
   """Digests a complete set of archives, streaming them one at a time.
 
@@ -346,6 +348,7 @@ class _Accumulator:
     )
 
 
+@_deleted.names_deleted
 def digest(records_or_directory: Iterable[ShardRecord] | os.PathLike | str) -> Digest:
   """A fingerprint of an optimizer state that does not depend on how it is sharded.
 

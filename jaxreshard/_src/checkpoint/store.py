@@ -31,6 +31,7 @@ from jaxreshard._src.checkpoint.tempdir import (  # noqa: F401  (re-exported)
   temp_dirs,
 )
 from jaxreshard._src.core import archivecheck as _archivecheck
+from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.assembly import current_parts
 from jaxreshard._src.core.record import ShardRecord
@@ -57,6 +58,7 @@ def _is_under(path: str, *roots: str) -> bool:
   return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
+@_deleted.names_deleted
 def save_records(
   directory: os.PathLike | str,
   records: Iterable[ShardRecord],

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.geometry import FlatShard
@@ -148,6 +149,7 @@ def _check_layout(records: Mapping[int, ShardRecord]) -> tuple[Any, tuple]:
   return treedef, roles
 
 
+@_deleted.names_deleted
 def records_to_mesh(records: Mapping[int, ShardRecord], mesh: Mesh, axis: str = "fsdp") -> Any:
   """Global state from the records of this process's ranks (see :func:`mesh_ranks`).
 
@@ -330,6 +332,7 @@ def records_from_mesh(
   return out
 
 
+@_deleted.names_deleted
 def shard_to_mesh(
   optimizer: optax.GradientTransformation,
   params: optax.Params,
@@ -389,6 +392,7 @@ def _copied(leaf: Any) -> Any:
   return jax.device_put(leaf, may_alias=False) if isinstance(leaf, jax.Array) else leaf
 
 
+@_deleted.names_deleted
 def gather_from_mesh(
   optimizer: optax.GradientTransformation,
   state: optax.OptState,

@@ -22,6 +22,7 @@ from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import writer as _writer
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core.geometry import FlatShard
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
@@ -37,6 +38,7 @@ from jaxreshard._src.progress import ProgressCallback, check_callback
 __all__ = ["global_index", "host_record", "restore_sharded", "reshard_to_mesh", "stamped_index"]
 
 
+@_deleted.names_deleted
 def reshard_to_mesh(records: Sequence[ShardRecord], mesh: Mesh, axis: str = "fsdp") -> MeshState:
   """In-memory source archives -> global state on ``mesh``, resharded to its axis size.
 
@@ -75,6 +77,7 @@ def reshard_to_mesh(records: Sequence[ShardRecord], mesh: Mesh, axis: str = "fsd
   )
 
 
+@_deleted.names_deleted
 def restore_sharded(
   directory: os.PathLike | str,
   mesh: Mesh,

@@ -12,6 +12,7 @@ import numpy as np
 import optax
 
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
@@ -28,6 +29,7 @@ from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
 __all__ = ["coordinate_roles", "shard_state", "unshard_state", "plan", "reshard", "reshard_ranks"]
 
 
+@_deleted.names_deleted
 def shard_state(
   optimizer: optax.GradientTransformation,
   params: optax.Params,
@@ -197,6 +199,7 @@ def _whole_record(leaves, treedef, roles, placements) -> ShardRecord:
   )
 
 
+@_deleted.names_deleted
 def plan(records: Sequence[ShardRecord], *, world_size: int, rank: int) -> list[Migration]:
   """Explicit migrations of every parameter the archives list to one target rank.
 
@@ -251,6 +254,7 @@ def plan_groups(groups, *, world_size: int, rank: int) -> list[Migration]:
     ]
 
 
+@_deleted.names_deleted
 def reshard(
   records: Sequence[ShardRecord], migrations: Sequence[Migration], *, executor: str = "auto"
 ) -> ShardRecord:
@@ -288,6 +292,7 @@ def reshard(
   return reshard_ranks(records, [migrations], executor=executor)[0]
 
 
+@_deleted.names_deleted
 def reshard_ranks(
   records: Sequence[ShardRecord], plans: Sequence[Sequence[Migration]], *, executor: str = "auto"
 ) -> list[ShardRecord]:
@@ -331,6 +336,7 @@ def _reshard_ranks(records, plans, executor) -> list[ShardRecord]:
   return [_pipeline.build(src, groups, fetch) for groups in validated]
 
 
+@_deleted.names_deleted
 def unshard_state(records: Sequence[ShardRecord]) -> optax.OptState:
   """Rebuilds the full (unsharded) optax state from a complete set of archives.
 

@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import store as _store
+from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
 from jaxreshard._src.orbax import durable as _durable
 from jaxreshard._src.orbax import handler as _handler
@@ -38,6 +39,7 @@ DEFAULT_TIMEOUT_S = 300
 MAX_TIMEOUT_S = (2**31 - 1) // 1000
 
 
+@_deleted.names_deleted
 def save_sharded(
   directory: os.PathLike | str,
   optimizer: optax.GradientTransformation,
