@@ -63,6 +63,7 @@ import jax
 import numpy as np
 
 from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.errors import ShapeError
 from jaxreshard._src.exec import kernels as _kernels
 from jaxreshard._src.exec.kernels import KernelCacheInfo, clear_kernel_cache, kernel_cache_info
 
@@ -347,9 +348,10 @@ def _index_dtype(largest: int) -> Any:
   if largest <= _INT32_MAX:
     return np.int32
   if not _kernels.x64():
-    raise ValueError(
-      f"gather: a buffer of {largest} elements needs int64 offsets (past int32's "
-      f"{_INT32_MAX}); enable jax_enable_x64 to build it on the device"
+    raise ShapeError(
+      f"the device executor: a buffer of {largest} elements needs int64 offsets (past"
+      f" int32's {_INT32_MAX}), which jax gives only with jax_enable_x64 on; enable it,"
+      " or pass executor='host'"
     )
   return np.int64
 
