@@ -68,7 +68,7 @@ def test_a_state_holding_a_freed_clock_is_named_by_shard_state():
     jr.shard_state(opt, params, state, world_size=2)
 
 
-@pytest.mark.parametrize("call", ["gather_from_mesh", "save_sharded", "update", "init"])
+@pytest.mark.parametrize("call", ["gather_from_mesh", "save_sharded", "update"])
 def test_mesh_states_and_params_holding_a_freed_buffer_are_named(tmp_path, call):
   mesh = device_mesh((4,), ("fsdp",))
   opt = jr.flat_sharded(optax.adam(1e-3), mesh)
@@ -78,12 +78,6 @@ def test_mesh_states_and_params_holding_a_freed_buffer_are_named(tmp_path, call)
     # A donating step frees the state it was given.
     _, _ = jax.jit(opt.update, donate_argnums=1)(params, state, params)
   assert jax.tree.leaves(state)[0].is_deleted()
-  if call == "init":
-    params, leaf = _fresh_leaf(params, "['w']")
-    leaf.delete()
-    with pytest.raises(jr.ReshardError, match=r"^params\['w'\] is a deleted jax array"):
-      opt.init(params)
-    return
   run = {
     "gather_from_mesh": lambda: jr.gather_from_mesh(optax.adam(1e-3), state, {"w": (5,)}, mesh),
     "save_sharded": lambda: jr.save_sharded(

@@ -18,7 +18,6 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
-from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.geometry import FlatShard
@@ -351,7 +350,6 @@ def flat_sharded(
   def init(params: Any) -> Any:
     # nnx.Optimizer initialises with Variables and updates with their values.
     params = _plain.unwrapped(params)
-    _deleted.refuse_deleted(params, "params")
     # The coordinate rule is checked on the state of the real params: flat
     # params would hide factored statistics (1-D params are never factored).
     logical = jax.eval_shape(optimizer.init, params)
@@ -385,9 +383,6 @@ def flat_sharded(
 
   def update(grads: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
     grads, params = _plain.unwrapped(grads), _plain.unwrapped(params)
-    # A freed buffer run op by op crashes the process in jax rather than raising.
-    for value, name in ((grads, "grads"), (state, "state"), (params, "params")):
-      _deleted.refuse_deleted(value, name)
     ids, leaves, _ = _structure.param_ids(grads)
     shapes = {pid: tuple(np.shape(g)) for pid, g in zip(ids, leaves)}
     _checks.check_update_args(built_for, grads, params, refusal, state)

@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.errors import PlacementError, ShapeError
@@ -158,6 +159,9 @@ def check_update_args(
     raise PlacementError("flat_sharded: update needs the state that init returned, got None")
   if grads is None:
     return
+  # Run op by op, a freed buffer crashes the process in jax rather than raising.
+  for name, value in (("grads", grads), ("state", state), ("params", params)):
+    _deleted.refuse_deleted(value, name)
   if params is not None:
     check_like(params, "params", grads)
   check_built_for(built_for, grads)
