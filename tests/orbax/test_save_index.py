@@ -11,6 +11,8 @@ scalars jax cannot hold), the storage dtypes and the index encoding.
 from __future__ import annotations
 
 import base64
+import os
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -196,3 +198,42 @@ def test_a_history_leaf_of_another_shape_put_in_place_after_the_check_is_refused
   )
   with pytest.raises(jr.ShapeError, match=r"param 'w': global history buffer of shape \(32,\)"):
     _handler.prepare_save(args)
+
+
+class _ManyClocks(NamedTuple):
+  per_layer_lr: Any
+  trace: Any
+
+
+def _past_the_reader_s_bounds(kind):
+  """An optimizer and params whose save a reader would refuse: a param id of 4,097
+  characters, or 1,100 clock scalars for one param (a reader takes 1,024 + 8 per param)."""
+  if kind == "long id":
+    return optax.sgd(1e-3, momentum=0.9), {"k" * 4097: jnp.ones((3,))}
+  opt = optax.GradientTransformation(
+    lambda p: _ManyClocks([jnp.float32(1e-3)] * 1100, jax.tree.map(jnp.zeros_like, p)),
+    lambda g, s, p=None: (g, s),
+  )
+  return opt, {"a": jnp.ones((3,))}
+
+
+@pytest.mark.parametrize("kind", ["long id", "many clocks"])
+@pytest.mark.parametrize("form", ["records", "state"])
+def test_a_save_no_reader_would_load_is_refused_when_its_arguments_are_made(tmp_path, kind, form):
+  """``ReshardSave`` refuses what the reader would, when made: the refusal came from
+  orbax's finalize, after every file was written, and left its temporary directory."""
+  import orbax.checkpoint as ocp
+
+  opt, params = _past_the_reader_s_bounds(kind)
+  mesh = device_mesh((4,), ("fsdp",))
+  with pytest.raises(jr.ArchiveError, match="this save would not load"):
+    if form == "records":
+      jr.ReshardSave(jr.shard_state(opt, params, opt.init(params), world_size=4))
+    else:
+      state = jr.shard_to_mesh(opt, params, opt.init(params), mesh, "fsdp").state
+      jr.ReshardSave(state=state, optimizer=opt, params=params, mesh=mesh, axis="fsdp")
+  # The same save through a manager: refused before any directory is made.
+  with pytest.raises(jr.ArchiveError, match="this save would not load"):
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+      manager.save(1, args=jr.ReshardSave(jr.shard_state(opt, params, opt.init(params), 4)))
+  assert not (tmp_path / "run").exists() or os.listdir(tmp_path / "run") == []

@@ -326,6 +326,12 @@ class Checkpoint:
     )
 
 
+def state_id(ckpt: Checkpoint) -> str:
+  """The identity of the checkpoint whose state ``ckpt`` holds: the one it was
+  resharded from, when its index names one, else its own."""
+  return ckpt.id if ckpt.source is None else ckpt.source.checkpoint
+
+
 def _read_index(root: _shardread.Dir, given: Any, directory: str) -> _index.Index:
   """The checkpoint's index file, its checksum verified, parsed."""
   if not root.exists(INDEX_FILE):

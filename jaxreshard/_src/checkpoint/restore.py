@@ -17,8 +17,15 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import pads as _pads
 from jaxreshard._src.checkpoint import regular as _regular
-from jaxreshard._src.checkpoint.reader import STAGING_BYTES, Checkpoint, allocate, open_checkpoint
+from jaxreshard._src.checkpoint.reader import (
+  STAGING_BYTES,
+  Checkpoint,
+  allocate,
+  open_checkpoint,
+  state_id,
+)
 from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import record as _record
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.placement import Migration
 from jaxreshard._src.core.record import ShardRecord
@@ -189,7 +196,7 @@ def restore_reported(
         out.append(record)
         reporter.step(nbytes, rank=rank)
   reporter.finish()
-  return out
+  return _record.stamped(out, state_id(ckpt))
 
 
 # Target ranks are fetched together (``pipeline.build_batch``) up to this many bytes:

@@ -37,6 +37,7 @@ from jaxreshard._src.checkpoint.index import (
 )
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import record as _record
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.gcpause import no_gc
@@ -382,18 +383,25 @@ def write_index(directory: _shardfile.OutDir, value: dict) -> None:
   """Writes an index value (``IndexBuilder.index()``) into ``directory``: signed JSON,
   and for large layouts its binary table first, fsync'ed with the directory before
   the index that names it is written."""
+  raw, table = readable_index(value, directory.path)
+  if table is not None:
+    directory.write_bytes(_table.TABLE_FILE, table)
+    directory.sync()
+    directory.drain()
+  directory.write_bytes(INDEX_FILE, raw)
+
+
+def readable_index(value: dict, directory: str) -> tuple[bytes, bytes | None]:
+  """An index value's signed JSON and binary table (None for a small layout), checked
+  by the reader's own rules (``check_readable``)."""
   table = None
   if "structures" in value:
     body, table = _tablewrite.encode(value)
   else:
     body = value
   raw = fmt.signed_json(body)
-  check_readable(raw, table, directory.path)
-  if table is not None:
-    directory.write_bytes(_table.TABLE_FILE, table)
-    directory.sync()
-    directory.drain()
-  directory.write_bytes(INDEX_FILE, raw)
+  check_readable(raw, table, directory)
+  return raw, table
 
 
 def check_readable(raw: bytes, table: bytes | None, directory: str) -> None:
@@ -458,7 +466,9 @@ def write_checkpoint(
     with _shardfile.OutDir.open(os.fspath(directory)) as held:
       return write_checkpoint(held, records, chunk_bytes=chunk_bytes, progress=progress)
   builder = IndexBuilder(source=records.source if isinstance(records, SourcedRecords) else None)
+  one = _record.CheckpointOf()  # parts of two saves are never written into one
   for index, record in enumerate(records):
+    one.add(index, record)
     nbytes = write_archive(directory, index, record, builder, chunk_bytes)
     if progress is not None:
       progress(index, nbytes)

@@ -9,8 +9,9 @@ from typing import Any
 import jax
 
 from jaxreshard._src.core.placement import ParamPlacement
+from jaxreshard._src.errors import PlacementError
 
-__all__ = ["ShardRecord", "RECORD_VERSION"]
+__all__ = ["CheckpointOf", "ShardRecord", "RECORD_VERSION", "stamped"]
 
 # The version of a ShardRecord's in-memory layout (``ShardRecord.version``), not of
 # the files on disk: that is ``_reader.FORMAT_VERSION``.
@@ -21,7 +22,12 @@ _DEFERRED = ("placements", "state")
 _PARTS = "_parts"
 
 
-@jax.tree_util.register_dataclass
+@functools.partial(
+  jax.tree_util.register_dataclass,
+  data_fields=["state"],
+  meta_fields=["version", "placements", "roles"],
+  drop_fields=["checkpoint_id"],
+)
 @dataclasses.dataclass(frozen=True)
 class ShardRecord:
   """One rank's archive: placements, optax state and the role of each leaf.
@@ -37,6 +43,13 @@ class ShardRecord:
       nothing downstream needs the optimizer. ``None`` (a record built by
       hand) means: infer it (0-d leaves are scalars, others are histories of
       the listed parameter whose key path ends the leaf's path).
+    checkpoint_id: the identity of the checkpoint whose state the record holds
+      (set by a restore or load: the checkpoint's own, or the one it was
+      resharded from when its index names one; a reshard carries its sources'
+      on), or None: not read from a checkpoint. Records of two different
+      checkpoints are never combined (every path refuses them). It is no part
+      of the record's value: equality, ``repr`` and the pytree leave it out (a
+      record rebuilt by ``jax.tree.map`` has None).
 
   A record is a pytree whose only children are the arrays of ``state``.
 
@@ -52,6 +65,7 @@ class ShardRecord:
   placements: tuple[ParamPlacement, ...] = dataclasses.field(metadata=dict(static=True))
   state: Any
   roles: tuple[str | None, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
+  checkpoint_id: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
   def __post_init__(self):
     object.__setattr__(self, "placements", tuple(self.placements))
@@ -59,12 +73,14 @@ class ShardRecord:
       object.__setattr__(self, "roles", tuple(self.roles))
 
   @classmethod
-  def deferred(cls, version: int, roles: tuple[str | None, ...], parts: Any) -> ShardRecord:
+  def deferred(
+    cls, version: int, roles: tuple[str | None, ...], parts: Any, checkpoint_id: str | None = None
+  ) -> ShardRecord:
     """A record whose ``placements`` and ``state`` are ``parts.placements()`` and
     ``parts.state()``, each made when first read and kept from then on."""
     record = object.__new__(cls)
     d = record.__dict__
-    d["version"], d["roles"], d[_PARTS] = version, roles, parts
+    d["version"], d["roles"], d[_PARTS], d["checkpoint_id"] = version, roles, parts, checkpoint_id
     return record
 
   def __getattr__(self, name: str) -> Any:
@@ -79,7 +95,7 @@ class ShardRecord:
 
   def __reduce__(self):
     # Copies and pickles hold the fields themselves, never what made them.
-    return (type(self), (self.version, self.placements, self.state, self.roles))
+    return (type(self), (self.version, self.placements, self.state, self.roles, self.checkpoint_id))
 
   def placement(self, param: str) -> ParamPlacement | None:
     """The entry for ``param``, or None when this archive does not list it."""
@@ -98,6 +114,55 @@ class ShardRecord:
   def params(self) -> tuple[str, ...]:
     """Param ids this archive lists, in placement order."""
     return tuple(p.param for p in self.placements)
+
+
+def stamped(records: list[ShardRecord], checkpoint_id: str | None) -> list[ShardRecord]:
+  """``records`` (just made here: no caller holds them) as records holding the state of
+  checkpoint ``checkpoint_id``: the same fields, a deferred one still deferred."""
+  if checkpoint_id is None:
+    return records
+  out = []
+  for r in records:
+    parts = deferred_parts(r)
+    if parts is not None and not any(name in r.__dict__ for name in _DEFERRED):
+      out.append(ShardRecord.deferred(r.version, r.roles, parts, checkpoint_id))
+    else:
+      out.append(ShardRecord(r.version, r.placements, r.state, r.roles, checkpoint_id))
+  return out
+
+
+class CheckpointOf:
+  """The one checkpoint whose state a set of records holds, records seen one by one:
+  two records of two different checkpoints are refused (parts of two saves are
+  never combined, even at the same step); records with no ``checkpoint_id`` (not
+  read from a checkpoint) combine with any."""
+
+  def __init__(self):
+    self.first: tuple[int, str] | None = None  # the first archive that names one, and it
+
+  def add(self, archive: int, record: Any) -> None:
+    checkpoint = getattr(record, "checkpoint_id", None)
+    if checkpoint is None:
+      return
+    if self.first is None:
+      self.first = (archive, checkpoint)
+    elif checkpoint != self.first[1]:
+      raise PlacementError(
+        f"archives {self.first[0]} and {archive} hold the states of two checkpoints"
+        f" ({self.first[1]} and {checkpoint}): combining parts of two saves is refused"
+      )
+
+  @property
+  def id(self) -> str | None:
+    return None if self.first is None else self.first[1]
+
+  @classmethod
+  def of(cls, records: Any) -> str | None:
+    """The one checkpoint ``records`` hold the state of (None: none read from one)."""
+    seen = cls()
+    for i, r in enumerate(records):
+      seen.add(i, r)
+    return seen.id
 
 
 def deferred_parts(record: ShardRecord) -> Any:

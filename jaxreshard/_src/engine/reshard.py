@@ -14,6 +14,7 @@ import optax
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import plain as _plain
+from jaxreshard._src.core import record as _record
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.gcpause import no_gc
@@ -331,9 +332,9 @@ def _reshard_ranks(records, plans, executor) -> list[ShardRecord]:
   rows: dict = {}  # source rows the check reads as one array, which the copy reuses
   _padcheck.check(src, validated, executor, rows, packs)
   built = _pipeline.build_ranks(src, validated, executor, rows)
-  if built is not None:
-    return built
-  return [_pipeline.build(src, groups, fetch) for groups in validated]
+  if built is None:
+    built = [_pipeline.build(src, groups, fetch) for groups in validated]
+  return _record.stamped(built, src.checkpoint_id)
 
 
 @_deleted.names_deleted

@@ -32,6 +32,7 @@ import numpy as np
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import record as _record
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.gcpause import no_gc
@@ -131,6 +132,7 @@ class RecordSources:
     if not records:
       raise PlacementError("no archives supplied")
     checked = [_validate.check_record(i, r) for i, r in enumerate(records)]
+    self.checkpoint_id = _record.CheckpointOf.of(records)  # their targets' too
     self.parts_by_archive = [a for a, _ in checked]
     self._placements = [p for _, p in checked]
     # What makes archives interchangeable but for their rank and their bytes:

@@ -19,9 +19,11 @@ import orbax.checkpoint as ocp
 
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import reader as _reader
+from jaxreshard._src.checkpoint import writer as _writer
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import plain as _plain
+from jaxreshard._src.core import record as _record
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.placement import ParamPlacement
@@ -92,9 +94,13 @@ def check(args: ReshardSave) -> Checked:
   """
   if args.state is None:
     builder = _reader.IndexBuilder(source=source_of(args.records))
+    one = _record.CheckpointOf()  # parts of two saves are never saved as one
     for i, record in enumerate(args.records):
+      one.add(i, record)
       builder.add(i, record, pack=False)
-    builder.index()
+    # What a reader would refuse of the index (a param id or a count of clock scalars
+    # past its bounds) is refused now, not at the commit after every file is written.
+    _writer.readable_index(builder.index(), "the save's checkpoint")
     if builder.source is None:  # one restorable set, as a save of records must be
       src = _sources.record_sources(args.records)
       _pipeline.validate(src, _reshard.plan(args.records, world_size=1, rank=0))
@@ -128,6 +134,7 @@ def check(args: ReshardSave) -> Checked:
     "0" * 32,
     roles,
   )
+  _writer.readable_index(index, "the save's checkpoint")
   return Checked(shapes, views, roles, index, (treedef, tuple(state_leaves)))
 
 
