@@ -4,6 +4,7 @@ bytes, and reads of many spans on two threads."""
 from __future__ import annotations
 
 import os
+import threading
 
 import google_crc32c
 import numpy as np
@@ -161,3 +162,135 @@ def test_a_file_truncated_after_a_bad_chunk_names_the_bad_chunk(tmp_path, two, w
     runread.read_runs(f, np.array([1]), np.array([0]), np.array([399]), out, np.empty(0, np.uint8))
   f.close()
   root.close()
+
+
+def test_a_read_on_the_read_pool_s_own_thread_reads_its_spans_itself(tmp_path, two, way):
+  """A read made on the read pool's thread (say by a finalizer it runs) waited forever
+  for its odd spans, queued behind itself: it reads them itself."""
+  from jaxreshard._src.core import workers
+
+  data, root, crcs = _file(tmp_path, 2000, 8)
+  f = shardread.ShardFile(root, "b", 2000, np.float32, 8, crcs)
+  out = np.zeros(1990, np.float32)
+  read = lambda: runread.read_runs(
+    f, np.array([5]), np.array([0]), np.array([1990]), out, np.empty(0, np.uint8)
+  )
+  workers.pool("read", 1).submit(read).result(timeout=60)
+  assert out.view(np.uint32).tolist() == data[5:1995].view(np.uint32).tolist()
+  f.close()
+  root.close()
+
+
+def test_a_read_after_the_pool_is_shut_down_reads_its_spans_itself(tmp_path, two, way, monkeypatch):
+  """At the interpreter's exit the pools are shut down: a read on another thread then
+  raised 'cannot schedule new futures after shutdown'; it reads its spans itself."""
+  import concurrent.futures
+
+  from jaxreshard._src.core import workers
+
+  closed = concurrent.futures.ThreadPoolExecutor(1)
+  closed.shutdown()
+  monkeypatch.setattr(workers, "pool", lambda name, threads: closed)
+  data, root, crcs = _file(tmp_path, 2000, 8)
+  f = shardread.ShardFile(root, "b", 2000, np.float32, 8, crcs)
+  out = np.zeros(1990, np.float32)
+  runread.read_runs(f, np.array([5]), np.array([0]), np.array([1990]), out, np.empty(0, np.uint8))
+  assert out.view(np.uint32).tolist() == data[5:1995].view(np.uint32).tolist()
+  f.close()
+  root.close()
+
+
+def _spans(fail, n=40):
+  """``one`` for ``_in_two``: records each span and the thread it ran on; raises at ``fail``."""
+  import threading
+
+  ran = []
+
+  def one(s):
+    ran.append((s, threading.current_thread().name))
+    if s in fail:
+      raise fail[s]
+    return 1
+
+  return one, ran
+
+
+def test_a_failure_stops_the_other_thread_at_its_next_span():
+  """Once span 2 fails on this thread, the pool's thread reads no span past it (it
+  read its whole half before): its span 1 waits until span 2 has failed."""
+  import time
+
+  failed = threading.Event()
+  ran = []
+
+  def one(s):
+    ran.append(s)
+    if s == 1:
+      assert failed.wait(30)
+      time.sleep(0.05)  # the failure is recorded meanwhile (microseconds)
+    if s == 2:
+      failed.set()
+      raise ArchiveError("span 2")
+    return 1
+
+  with pytest.raises(ArchiveError, match="^span 2$"):
+    runread._in_two(one, 40)
+  assert sorted(ran) == [0, 1, 2], ran
+
+
+def test_an_interrupt_on_one_thread_is_raised_before_a_failure_of_an_earlier_span():
+  one, _ = _spans({1: ArchiveError("span 1"), 4: KeyboardInterrupt()})
+  with pytest.raises(KeyboardInterrupt):
+    runread._in_two(one, 6)
+
+
+def test_a_read_finding_the_pool_s_thread_taken_reads_its_spans_itself():
+  """Concurrent reads share one helper thread: a read that finds it taken reads alone."""
+  one, ran = _spans({})
+  with runread._HELPER:
+    assert runread._in_two(one, 10) == 10
+  assert sorted(s for s, _ in ran) == list(range(10))
+  assert {name for _, name in ran} == {threading.current_thread().name}
+  one, ran = _spans({})
+  assert runread._in_two(one, 10) == 10  # free again: the odd spans on the pool's thread
+  assert {name for s, name in ran if s % 2} == {"jaxreshard-read_0"}
+
+
+def test_tables_the_checker_is_given_strided_are_read_as_their_values(way):
+  """Strided tables are copied contiguous before C reads them by address (a strided
+  length table was read as raw memory: 2**40 bytes past the buffer)."""
+  buf = np.arange(64, dtype=np.uint8)
+  lengths = np.array([8, 2**40, 8, 2**40])[::2]
+  joined = [buf[0:8].tobytes(), buf[16:24].tobytes()]
+  checker = chunkcrc.Checker(
+    (buf,),
+    np.zeros(4, np.int64)[::2],
+    np.array([0, 9, 16, 9])[::2],
+    lengths,
+    np.array([0, 9, 1, 9, 2])[::2],
+    [google_crc32c.value(b) for b in joined],
+  )
+  assert checker.first_bad(0, 2) is None
+
+
+@pytest.mark.parametrize("bad", [-1, 2**32, 2**32 + 5])
+def test_a_recorded_crc_outside_32_bits_is_never_checked(bad):
+  with pytest.raises(AssertionError, match="32-bit"):
+    chunkcrc.Checker((np.zeros(4, np.uint8),), [0], [0], [4], [0, 1], [bad])
+
+
+def test_a_failing_read_names_the_data_file(tmp_path, two, way):
+  data, root, crcs = _file(tmp_path, 2000, 8)
+  f = shardread.ShardFile(root, "b", 2000, np.float32, 8, crcs)
+  os.close(f.fd)
+  out = np.zeros(1990, np.float32)
+  try:
+    with pytest.raises(OSError) as e:
+      runread.read_runs(
+        f, np.array([5]), np.array([0]), np.array([1990]), out, np.empty(0, np.uint8)
+      )
+    assert e.value.filename.endswith("/b/c/0"), e.value.filename
+  finally:
+    f.fd = os.open(os.devnull, os.O_RDONLY)  # what the file's close then closes
+    f.close()
+    root.close()

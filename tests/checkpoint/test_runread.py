@@ -362,7 +362,7 @@ def test_a_failing_read_of_whole_chunks_names_the_file(tmp_path):
   with zero_file_reading_a_directory(tmp_path) as f, pytest.raises(OSError) as e:
     f.read_chunks(0, 2, np.empty(2 * f.stride, np.uint8))
   assert e.value.errno == errno.EISDIR
-  assert e.value.filename == os.path.join(tmp_path, "b")
+  assert e.value.filename == os.path.join(tmp_path, "b", "c", "0")
 
 
 def test_a_failing_read_of_the_shard_index_names_the_file(tmp_path, monkeypatch):
@@ -384,7 +384,7 @@ def test_a_failing_read_of_the_shard_index_names_the_file(tmp_path, monkeypatch)
       shardread.ShardFile(root, "b", 64, np.float32, 8, crcs)
   finally:
     root.close()
-  assert e.value.errno == errno.EIO and e.value.filename == path
+  assert e.value.errno == errno.EIO and e.value.filename == os.path.join(path, "c", "0")
 
 
 # 8 chunks of 8 float32 and their crc32c: 8 * 36 bytes of chunks, then the shard index.

@@ -60,8 +60,13 @@ class Checker:
 
   def __init__(self, bufs: Sequence[np.ndarray], mem, addr, length, at, expected):
     self.bufs = bufs = tuple(bufs)
-    mem, addr, length, at = (np.asarray(x, np.int64) for x in (mem, addr, length, at))
-    self.expected = np.asarray(expected, np.int64)
+    # Contiguous copies: the C function reads them through their addresses.
+    mem, addr, length, at = (np.ascontiguousarray(x, np.int64) for x in (mem, addr, length, at))
+    self.expected = np.ascontiguousarray(expected, np.int64)
+    if len(self.expected) and not (
+      (self.expected >= 0).all() and (self.expected <= 0xFFFFFFFF).all()
+    ):
+      raise AssertionError("a recorded crc32c is no 32-bit value")  # a planning bug, never data
     sizes = np.array([b.nbytes for b in bufs], np.int64)
     # ``addr + length <= size`` written so that no sum can wrap around int64.
     if len(mem) and not (

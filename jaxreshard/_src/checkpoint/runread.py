@@ -33,6 +33,8 @@ contiguous array, go through the scratch buffer and are copied from there
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from jaxreshard._src.checkpoint import chunkcrc as _chunkcrc
@@ -58,6 +60,11 @@ GATHER_BELOW_BYTES = 1024
 # straight into the target, is read and checked on two threads: each span's
 # read and its chunks' checks run with the interpreter's lock released.
 PARALLEL_BYTES = 4 << 20
+_READ_POOL = "read"
+_READ_POOL_PREFIX = f"jaxreshard-{_READ_POOL}"
+# Held by the one read whose odd spans the read pool's thread is reading: a read
+# that finds it taken reads its spans one after another on its own thread.
+_HELPER = threading.Lock()
 
 
 def staging(scratch: np.ndarray, nbytes: int, f: _shardread.ShardFile) -> np.ndarray:
@@ -253,11 +260,15 @@ class _Spans:
     span_file, span_off, fill_last = places
     offsets, last_of_fill = span_off.tolist(), fill_last.tolist()
 
+    data_file = f"{f.path}/c/0"  # what an OSError of a read names
+
     def one(s: int) -> int:
       """Reads span ``s``, checks its chunks (and its ranges that must be zero); the
       system calls made."""
       first, k, n = span_first[s], starts[s], span_n[s]
-      reads = pieces.read(f.fd, f.path, seg_at[s], seg_at[s + 1], first * f.stride, span_bytes[s])
+      reads = pieces.read(
+        f.fd, data_file, seg_at[s], seg_at[s + 1], first * f.stride, span_bytes[s]
+      )
       bad = checker.first_bad(k, n)
       if bad is not None:
         raise f.bad_chunk(int(needed[bad]))
@@ -334,29 +345,54 @@ def _in_two(one, n: int) -> int:
   """``one(s)`` for every span ``s < n``: the even ones on this thread, the odd ones
   on the read pool's, at once; the sum of what they return.
 
-  Each thread stops at its first failing span. What is raised is the failure of
-  the first span (in file order) that failed: the one a read span after span
-  would have stopped at.
+  Each thread stops at its first failing span, and at any span past one that
+  failed on the other. What is raised is an interrupt (``KeyboardInterrupt``)
+  first, else the failure of the first span (in file order) that failed: the
+  one a read span after span would have stopped at. The spans are read one
+  after another, on this thread, where the pool's thread is taken by another
+  read, where this is that thread, or where the pool is shut down (the
+  interpreter is exiting).
   """
-  failed: dict[int, Exception] = {}
+  failed: dict[int, BaseException] = {}
+  lock = threading.Lock()
+  stop = [n]  # no span past this one is read: it failed
 
   def half(parity: int) -> int:
     done = 0
     for s in range(parity, n, 2):
+      if s > stop[0]:
+        break
       try:
         done += one(s)
-      except Exception as e:  # noqa: BLE001 -- raised below, in span order
-        failed[s] = e
+      except BaseException as e:  # raised below, in span order (interrupts first)
+        with lock:
+          failed[s] = e
+          stop[0] = min(stop[0], s)
         break
     return done
 
-  other = _workers.pool("read", 1).submit(half, 1)
+  other = None
+  if _HELPER.acquire(blocking=False):
+    try:
+      if not threading.current_thread().name.startswith(_READ_POOL_PREFIX):
+        other = _workers.pool(_READ_POOL, 1).submit(half, 1)
+    except RuntimeError:  # no new work after the pool's shutdown
+      pass
+    finally:
+      if other is None:
+        _HELPER.release()
+  if other is None:
+    return sum(one(s) for s in range(n))
   try:
     mine = half(0)
   finally:
-    theirs = other.result()
+    try:
+      theirs = other.result()
+    finally:
+      _HELPER.release()
   if failed:
-    raise failed[min(failed)]
+    interrupts = [e for e in failed.values() if not isinstance(e, Exception)]
+    raise interrupts[0] if interrupts else failed[min(failed)]
   return mine + theirs
 
 

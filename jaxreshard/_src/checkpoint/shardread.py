@@ -380,7 +380,7 @@ class ShardFile(_Owned):
     try:
       data = os.pread(self.fd, n, offset)
     except OSError as e:
-      raise OSError(e.errno, e.strerror, self.path) from None
+      raise OSError(e.errno, e.strerror, f"{self.path}/c/0") from None
     if len(data) != n:
       raise ArchiveError(f"{self.path}/c/0 ended early (truncated while read)")
     return data
@@ -426,7 +426,7 @@ class ShardFile(_Owned):
     try:
       got = os.preadv(self.fd, [span], first * self.stride)
     except OSError as e:
-      raise OSError(e.errno, e.strerror, self.path) from None
+      raise OSError(e.errno, e.strerror, f"{self.path}/c/0") from None
     if got != len(span):
       raise ArchiveError(f"{self.path}/c/0 ended early (truncated while read)")
     rows = into[: count * self.stride].reshape(count, self.stride)
