@@ -252,6 +252,19 @@ def test_06b_source_index_out_of_range(bad):
   )
 
 
+@pytest.mark.parametrize("bad", [0.0, 1.0, "1", None])
+def test_06c_source_index_that_is_no_int(bad):
+  """Named as no int (a float index in range was called 'out of range (0..3)')."""
+  records = _records()
+  _refused(
+    records,
+    [jr.Migration("a", (5,), 0, 6, (bad, 1, 2, 3))],
+    jr.PlacementError,
+    "param 'a'",
+    f"archive index {bad!r} is not an int",
+  )
+
+
 def test_07_source_does_not_list_param():
   # Two groups: archives 0..3 hold 'a' and 'b/c'; archive 4 holds only 'x'.
   records = _records()

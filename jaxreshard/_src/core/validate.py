@@ -470,7 +470,9 @@ def check_source_indices(pid: str, sources: tuple[Any, ...], n_archives: int) ->
   for s in sources:
     if isinstance(s, (bool, np.bool_)):
       raise PlacementError(f"param {pid!r}: source archive index {s!r} is a bool, not an index")
-    if not isinstance(s, (int, np.integer)) or not 0 <= s < n_archives:
+    if not isinstance(s, (int, np.integer)):
+      raise PlacementError(f"param {pid!r}: source archive index {s!r} is not an int")
+    if not 0 <= s < n_archives:
       raise PlacementError(
         f"param {pid!r}: source archive index {s!r} is out of range (0..{n_archives - 1})"
       )
