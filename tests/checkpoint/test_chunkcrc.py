@@ -10,7 +10,7 @@ import google_crc32c
 import numpy as np
 import pytest
 
-from jaxreshard._src.checkpoint import chunkcrc, runread, shardfile, shardread
+from jaxreshard._src.checkpoint import chunkcrc, runread, shardfile, shardread, twothreads
 from jaxreshard._src.errors import ArchiveError
 
 
@@ -112,9 +112,9 @@ def _corrupt(tmp_path, at):
 def two(monkeypatch):
   """Reads of two spans or more go to two threads, however few their bytes; counts them."""
   calls = []
-  real = runread._in_two
+  real = twothreads.in_two
   monkeypatch.setattr(runread, "PARALLEL_BYTES", 0)
-  monkeypatch.setattr(runread, "_in_two", lambda one, n: calls.append(n) or real(one, n))
+  monkeypatch.setattr(twothreads, "in_two", lambda one, n: calls.append(n) or real(one, n))
   monkeypatch.setattr(runread, "SPAN_BYTES", 5 * 36)  # 5 chunks of 8 float32 a span
   return calls
 
@@ -201,7 +201,7 @@ def test_a_read_after_the_pool_is_shut_down_reads_its_spans_itself(tmp_path, two
 
 
 def _spans(fail, n=40):
-  """``one`` for ``_in_two``: records each span and the thread it ran on; raises at ``fail``."""
+  """``one`` for ``in_two``: records each span and the thread it ran on; raises at ``fail``."""
   import threading
 
   ran = []
@@ -234,25 +234,25 @@ def test_a_failure_stops_the_other_thread_at_its_next_span():
     return 1
 
   with pytest.raises(ArchiveError, match="^span 2$"):
-    runread._in_two(one, 40)
+    twothreads.in_two(one, 40)
   assert sorted(ran) == [0, 1, 2], ran
 
 
 def test_an_interrupt_on_one_thread_is_raised_before_a_failure_of_an_earlier_span():
   one, _ = _spans({1: ArchiveError("span 1"), 4: KeyboardInterrupt()})
   with pytest.raises(KeyboardInterrupt):
-    runread._in_two(one, 6)
+    twothreads.in_two(one, 6)
 
 
 def test_a_read_finding_the_pool_s_thread_taken_reads_its_spans_itself():
   """Concurrent reads share one helper thread: a read that finds it taken reads alone."""
   one, ran = _spans({})
-  with runread._HELPER:
-    assert runread._in_two(one, 10) == 10
+  with twothreads._HELPER:
+    assert twothreads.in_two(one, 10) == 10
   assert sorted(s for s, _ in ran) == list(range(10))
   assert {name for _, name in ran} == {threading.current_thread().name}
   one, ran = _spans({})
-  assert runread._in_two(one, 10) == 10  # free again: the odd spans on the pool's thread
+  assert twothreads.in_two(one, 10) == 10  # free again: the odd spans on the pool's thread
   assert {name for s, name in ran if s % 2} == {"jaxreshard-read_0"}
 
 

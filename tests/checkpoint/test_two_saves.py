@@ -157,3 +157,33 @@ def test_the_identity_is_no_part_of_the_record_s_value(two):
   rebuilt = jax.tree.map(lambda x: x, r)
   assert rebuilt.checkpoint_id is None
   assert jax.tree.structure(rebuilt) == jax.tree.structure(r)
+
+
+def test_a_chain_of_reshards_holds_the_state_of_the_first_checkpoint(two, tmp_path):
+  """X resharded to Y (all ranks), Y to a part Z0: every one holds X's state, so their
+  records combine (a part named Y, one hop back only, and was refused beside Y's)."""
+  a, _ = two
+  y, z0 = tmp_path / "Y", tmp_path / "Z0"
+  for args in ([str(a), str(y), "-w", "2"], [str(y), str(z0), "-w", "3", "--rank", "0"]):
+    result = CliRunner().invoke(app, ["reshard", *args])
+    assert result.exit_code == 0, result.output
+  ident = jr.open_checkpoint(a).id
+  parts = [jr.load_records(z0)[0], *jr.restore_ranks(y, [1, 2], world_size=3)]
+  assert {r.checkpoint_id for r in parts} == {ident}
+  target = jr.reshard(parts, jr.plan(parts, world_size=1, rank=0))
+  for kind in ("mu", "nu"):
+    for pid in PARAMS:
+      got = np.asarray(getattr(target.state[0], kind)[pid])
+      assert got.view(np.uint32).tolist() == _oracle(1, 1)[0][kind, pid].view(np.uint32).tolist()
+
+
+def test_records_of_an_opened_checkpoint_carry_its_identity_and_a_digest_names_two(two):
+  a, b = two
+  mixed = [jr.open_checkpoint(a).record(i) for i in (0, 1)] + [
+    jr.open_checkpoint(b).record(i) for i in (2, 3)
+  ]
+  with pytest.raises(jr.PlacementError, match="hold the states of two checkpoints"):
+    jr.unshard_state(mixed)
+  problems = jr.digest(mixed).problems
+  assert any("hold the states of two checkpoints" in p for p in problems), problems
+  assert jr.digest(jr.load_records(a)).problems == ()

@@ -32,6 +32,7 @@ from jaxreshard._src.checkpoint.parampaths import ParamPaths
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import deleted as _deleted
+from jaxreshard._src.core import record as _record
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
@@ -189,8 +190,13 @@ def digest_records(records: Iterable[ShardRecord]) -> Digest:
   acc = _Accumulator()
   paths = ParamPaths()
   packed = _packed.PackedRanks()  # later ranks of a deferred record's layout
+  one = _record.CheckpointOf()
   for index, record in enumerate(records):
     _archivecheck.check_version(index, record)
+    try:
+      one.add(index, record)
+    except PlacementError as e:  # parts of two saves hold no one state
+      acc.problems.append(str(e))
     if packed.add(acc, index, record):
       continue
     state_parts = _validate.check_record(index, record)[0]

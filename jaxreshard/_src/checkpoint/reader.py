@@ -104,6 +104,7 @@ from jaxreshard._src.checkpoint.writer import (  # noqa: F401  (re-exported)
 )
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import record as _record
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.geometry import FlatShard
@@ -310,7 +311,7 @@ class Checkpoint:
     when it holds one rank of a uniform group, else leaf by leaf. ``loaded``: the
     assemblies to make and share them with (this checkpoint's own by default)."""
     made = (self.loaded if loaded is None else loaded).record(self, archive)
-    return self.plain_record(archive) if made is None else made
+    return _record.stamped([made or self.plain_record(archive)], state_id(self))[0]
 
   def plain_record(self, archive: int, buffers: dict | None = None) -> ShardRecord:
     """One whole archive, read from disk leaf by leaf (or with ``buffers`` in place of

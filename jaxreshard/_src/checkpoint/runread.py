@@ -33,15 +33,13 @@ contiguous array, go through the scratch buffer and are copied from there
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from jaxreshard._src.checkpoint import chunkcrc as _chunkcrc
 from jaxreshard._src.checkpoint import iovread as _iovread
 from jaxreshard._src.checkpoint import shardread as _shardread
+from jaxreshard._src.checkpoint import twothreads as _twothreads
 from jaxreshard._src.core import copyplan as _copyplan
-from jaxreshard._src.core import workers as _workers
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
 
@@ -60,11 +58,6 @@ GATHER_BELOW_BYTES = 1024
 # straight into the target, is read and checked on two threads: each span's
 # read and its chunks' checks run with the interpreter's lock released.
 PARALLEL_BYTES = 4 << 20
-_READ_POOL = "read"
-_READ_POOL_PREFIX = f"jaxreshard-{_READ_POOL}"
-# Held by the one read whose odd spans the read pool's thread is reading: a read
-# that finds it taken reads its spans one after another on its own thread.
-_HELPER = threading.Lock()
 
 
 def staging(scratch: np.ndarray, nbytes: int, f: _shardread.ShardFile) -> np.ndarray:
@@ -278,7 +271,7 @@ class _Spans:
       return reads
 
     if self.two:
-      reads = _in_two(one, len(span_at))
+      reads = _twothreads.in_two(one, len(span_at))
     else:
       reads, fill_first = 0, 0  # the first span of the scratch's current fill
       for s in range(len(span_at)):
@@ -339,61 +332,6 @@ class _Spans:
       j = int(nz[0])
       k = int(np.searchsorted(ends, j, side="right"))
       raise self.refuse(int(z_ids[rid[a + k]]), int(start[k]) + (j - int(ends[k] - size[k])) // isz)
-
-
-def _in_two(one, n: int) -> int:
-  """``one(s)`` for every span ``s < n``: the even ones on this thread, the odd ones
-  on the read pool's, at once; the sum of what they return.
-
-  Each thread stops at its first failing span, and at any span past one that
-  failed on the other. What is raised is an interrupt (``KeyboardInterrupt``)
-  first, else the failure of the first span (in file order) that failed: the
-  one a read span after span would have stopped at. The spans are read one
-  after another, on this thread, where the pool's thread is taken by another
-  read, where this is that thread, or where the pool is shut down (the
-  interpreter is exiting).
-  """
-  failed: dict[int, BaseException] = {}
-  lock = threading.Lock()
-  stop = [n]  # no span past this one is read: it failed
-
-  def half(parity: int) -> int:
-    done = 0
-    for s in range(parity, n, 2):
-      if s > stop[0]:
-        break
-      try:
-        done += one(s)
-      except BaseException as e:  # raised below, in span order (interrupts first)
-        with lock:
-          failed[s] = e
-          stop[0] = min(stop[0], s)
-        break
-    return done
-
-  other = None
-  if _HELPER.acquire(blocking=False):
-    try:
-      if not threading.current_thread().name.startswith(_READ_POOL_PREFIX):
-        other = _workers.pool(_READ_POOL, 1).submit(half, 1)
-    except RuntimeError:  # no new work after the pool's shutdown
-      pass
-    finally:
-      if other is None:
-        _HELPER.release()
-  if other is None:
-    return sum(one(s) for s in range(n))
-  try:
-    mine = half(0)
-  finally:
-    try:
-      theirs = other.result()
-    finally:
-      _HELPER.release()
-  if failed:
-    interrupts = [e for e in failed.values() if not isinstance(e, Exception)]
-    raise interrupts[0] if interrupts else failed[min(failed)]
-  return mine + theirs
 
 
 def span_starts(needed: np.ndarray, per_span: int) -> np.ndarray:

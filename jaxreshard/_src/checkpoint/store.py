@@ -20,7 +20,6 @@ from jaxreshard._src.checkpoint.reader import (
   Checkpoint,
   open_checkpoint,
   path_arg,
-  state_id,
   write_checkpoint,
 )
 from jaxreshard._src.checkpoint.tempdir import (  # noqa: F401  (re-exported)
@@ -33,7 +32,6 @@ from jaxreshard._src.checkpoint.tempdir import (  # noqa: F401  (re-exported)
 )
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import deleted as _deleted
-from jaxreshard._src.core import record as _record
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.assembly import current_parts
 from jaxreshard._src.core.record import ShardRecord
@@ -265,4 +263,4 @@ def load_records(
     records.append(ckpt.record(i))
     reporter.step(sizes[i], archive=i)
   reporter.finish()
-  return _record.stamped(records, state_id(ckpt))
+  return records

@@ -238,12 +238,13 @@ def reshard(
   with progress_bar(err) as bar:
     task = bar.add_task("resharding", total=total or 1)
 
-    # The output names its source, so that parts of two saves never merge.
+    # The output names its source (the checkpoint whose state it holds: CK's own,
+    # or the one CK was resharded from), so that parts of two saves never merge.
     jr.save_records(
       str(out),
       _reader.SourcedRecords(
         _streams.targets(source, ckpt, ranks, world_size, total, bar, task),
-        _reader.Source(ckpt.id, world_size),
+        _reader.Source(_reader.state_id(ckpt), world_size),
       ),
     )
   if as_json:
