@@ -85,8 +85,9 @@ class Pieces:
     ]
 
   def read(self, fd: int, path: str, a: int, b: int, pos: int, total: int) -> int:
-    """Reads pieces ``[a, b)`` (``total`` bytes) from file offset ``pos``; returns the
-    system calls made. A short read is the file truncated while read."""
+    """Reads pieces ``[a, b)`` (``total`` bytes) from file offset ``pos`` of the file
+    at ``path`` (what errors name); returns the system calls made. A short read is
+    the file truncated while read."""
     if not 0 <= a <= b <= len(self.mem):
       # An iovec past the array would hand the kernel addresses no check has seen.
       raise AssertionError(f"pieces [{a}, {b}) of {len(self.mem)}")  # a planning bug
@@ -102,7 +103,7 @@ class Pieces:
       else:
         got = self._preadv(fd, path, i, j, pos)
       if got != want:
-        raise ArchiveError(f"{path}/c/0 ended early (truncated while read)")
+        raise ArchiveError(f"{path} ended early (truncated while read)")
       pos, reads = pos + want, reads + 1
     return reads
 
