@@ -44,12 +44,13 @@ class ShardRecord:
       hand) means: infer it (0-d leaves are scalars, others are histories of
       the listed parameter whose key path ends the leaf's path).
     checkpoint_id: the identity of the checkpoint whose state the record holds
-      (set by a restore or load: the checkpoint's own, or the one it was
-      resharded from when its index names one; a reshard carries its sources'
-      on), or None: not read from a checkpoint. Records of two different
-      checkpoints are never combined (every path refuses them). It is no part
-      of the record's value: equality, ``repr`` and the pytree leave it out (a
-      record rebuilt by ``jax.tree.map`` has None).
+      (set by a restore or load: the checkpoint's own, or the first one of the
+      reshards its index names; a reshard carries its sources' on), or None:
+      not read from a checkpoint. Every call that combines records refuses
+      records of two different ones. It is no part of the record's value:
+      equality, ``repr`` and the pytree leave it out (a record rebuilt from its
+      leaves, by ``jax.tree.map`` or ``jax.device_put``, has None and combines
+      with any).
 
   A record is a pytree whose only children are the arrays of ``state``.
 
