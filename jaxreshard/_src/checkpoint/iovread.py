@@ -22,7 +22,7 @@ from jaxreshard._src.checkpoint.shardfile import _IOV_MAX
 from jaxreshard._src.errors import ArchiveError
 from jaxreshard._src.exec import libc as _libc
 
-__all__ = ["Pieces"]
+__all__ = ["Pieces", "check_inside"]
 
 
 _PREADV = _libc.function(
@@ -40,6 +40,22 @@ def _int64(x) -> np.ndarray:
   return a.astype(np.int64, copy=False)
 
 
+def check_inside(bufs: Sequence[np.ndarray], mem, addr, n_bytes) -> None:
+  """Every piece ``[addr, addr + n_bytes)`` (int64 arrays) lies inside its buffer
+  ``bufs[mem]``, or an AssertionError (a planning bug, never data): what is
+  checked before any address of a piece is formed."""
+  sizes = np.array([b.nbytes for b in bufs], np.int64)
+  # ``addr + n_bytes <= size`` written so that no sum can wrap around int64.
+  if len(mem) and not (
+    (mem >= 0).all()
+    and (mem < len(bufs)).all()
+    and (addr >= 0).all()
+    and (n_bytes >= 0).all()
+    and (addr <= sizes[mem] - n_bytes).all()  # indexed once every mem is a buffer
+  ):
+    raise AssertionError("a piece lies outside its buffer")
+
+
 class Pieces:
   """Pieces ``[addr, addr + n_bytes)`` of buffers ``bufs[mem]``, in file order.
 
@@ -55,16 +71,7 @@ class Pieces:
       raise AssertionError("pieces lie in 1-D uint8 buffers")  # a planning bug, never data
     if not len(mem) == len(addr) == len(n_bytes):  # never broadcast: one entry per iovec
       raise AssertionError("pieces have one buffer, offset and length each")
-    sizes = np.array([b.nbytes for b in bufs], np.int64)
-    # ``addr + n_bytes <= size`` written so that no sum can wrap around int64.
-    if len(mem) and not (
-      (mem >= 0).all()
-      and (mem < len(bufs)).all()
-      and (addr >= 0).all()
-      and (n_bytes >= 0).all()
-      and (addr <= sizes[mem] - n_bytes).all()  # indexed once every mem is a buffer
-    ):
-      raise AssertionError("a piece lies outside its buffer")  # a planning bug, never data
+    check_inside(bufs, mem, addr, n_bytes)
     self.iov = None
     # Raw addresses only into buffers numpy would let ``os.preadv`` write to.
     if _PREADV is not None and all(b.flags.c_contiguous and b.flags.writeable for b in bufs):
