@@ -328,6 +328,68 @@ def test_replicas_that_disagree_are_read_alike_by_gather_and_save(tmp_path, axis
   assert_trees_bit_equal(np.asarray(loaded), expected)
 
 
+# --- replicas of a clock that disagree: refused on every mesh path --------------------
+
+
+def _replicas_of(x, differ):
+  """``x`` (replicated) rebuilt from per-device copies, ``differ(device index, copy)`` each."""
+  devices = list(x.sharding.addressable_devices_indices_map(x.shape))
+  pieces = [jax.device_put(differ(i, np.asarray(x)), d) for i, d in enumerate(devices)]
+  return jax.make_array_from_single_device_arrays(x.shape, x.sharding, pieces)
+
+
+def _with_clock(state, leaf, differ):
+  """``state`` whose clock ``leaf`` ("count" or "learning_rate") is rebuilt by ``differ``."""
+  if leaf == "count":
+    return state._replace(count=_replicas_of(state.count, differ))
+  lr = _replicas_of(state.hyperparams["learning_rate"], differ)
+  return state._replace(hyperparams={**state.hyperparams, "learning_rate": lr})
+
+
+@pytest.mark.parametrize("axis_types", [None, (AxisType.Auto,) * 2], ids=["explicit", "auto"])
+@pytest.mark.parametrize(
+  "leaf, where, differ",
+  [  # a step count one ahead on one device; 0.0 against -0.0 on another
+    ("count", "state.count", lambda i, a: a + (i == 3)),
+    (
+      "learning_rate",
+      "state.hyperparams['learning_rate']",
+      lambda i, a: (a.view(np.uint32) ^ np.uint32((i == 1) << 31)).view(a.dtype),
+    ),
+  ],
+  ids=["count", "sign_bit"],
+)
+def test_a_clock_whose_replicas_disagree_is_refused_by_every_mesh_path(
+  tmp_path, axis_types, leaf, where, differ
+):
+  # Every archive holds one copy of the clock: copies that disagree would make the
+  # saved step count depend on the device read, so gathers and saves refuse it.
+  kw = {} if axis_types is None else {"axis_types": axis_types}
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), **kw)
+  opt = optax.inject_hyperparams(optax.adam)(learning_rate=0.0)
+  params = {"w": jnp.zeros((5,), jnp.float32)}
+  state = jr.shard_to_mesh(opt, params, opt.init(params), mesh, "fsdp").state
+  odd = _with_clock(state, leaf, differ)
+  calls = {
+    "gather_from_mesh": lambda s: jr.gather_from_mesh(opt, s, params, mesh, "fsdp"),
+    "save_sharded": lambda s: jr.save_sharded(tmp_path / "s", opt, s, params, mesh, "fsdp"),
+    "ReshardSave": lambda s: jr.ReshardSave(
+      state=s, optimizer=opt, params=params, mesh=mesh, axis="fsdp"
+    ),
+  }
+  for name, call in calls.items():
+    with pytest.raises(jr.PlacementError) as info:
+      call(odd)
+    message = f"{where}: the copies of this clock on two devices hold different bits"
+    assert message in str(info.value), (name, info.value)
+  assert not (tmp_path / "s").exists()
+  # Copies that agree (each device holding device 0's bits) are gathered and saved.
+  same = _with_clock(state, leaf, lambda i, a: differ(0, a))
+  for call in calls.values():
+    call(same)
+  assert (tmp_path / "s").exists()
+
+
 @pytest.mark.parametrize(
   "make",
   [

@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import SingleDeviceSharding
 
+from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.errors import PlacementError
 from jaxreshard._src.exec import bitview as _bitview
 
@@ -110,6 +111,7 @@ def clock_whole(leaf: Any, where: Callable[[], str]) -> Any:
   """
   if not isinstance(leaf, jax.Array):
     return leaf
+  _check_replicas(leaf, where)
   if leaf.is_fully_replicated:
     return leaf.addressable_data(0)
   if not leaf.is_fully_addressable:
@@ -119,6 +121,37 @@ def clock_whole(leaf: Any, where: Callable[[], str]) -> Any:
       " replicate it (PartitionSpec()) before saving"
     )
   return jax.device_put(leaf, SingleDeviceSharding(leaf.addressable_data(0).device))
+
+
+def _check_replicas(leaf: jax.Array, where: Callable[[], str]) -> None:
+  """Refuses a clock leaf whose local copies of one part hold different bits.
+
+  Every archive holds one copy of the clock, so copies that disagree (a step that
+  diverged across devices) would make the saved state depend on which copy was
+  read: refused instead, naming the two devices and their bits. A clock is a few
+  scalars, so reading every local copy costs a transfer of a few bytes each.
+  """
+  seen: dict[tuple, tuple[Any, np.ndarray]] = {}
+  for shard in leaf.addressable_shards:
+    part = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in shard.index)
+    data = np.ascontiguousarray(_clock.plain(shard.data))
+    device, first = seen.setdefault(part, (shard.device, data))
+    if first.tobytes() != data.tobytes():
+      raise PlacementError(
+        f"{where()}: the copies of this clock on two devices hold different bits"
+        f" ({device}: {_shown(first)}; {shard.device}: {_shown(data)}); every"
+        " archive holds one copy of a clock, so its replicas must agree"
+      )
+
+
+def _shown(a: np.ndarray) -> str:
+  """An array's first few bit patterns, in hex."""
+  flat = _bitview.bits(a).reshape(-1)
+  if flat.dtype.kind != "u":  # a width with no unsigned type (complex128): its bytes
+    flat = flat.view(np.uint8)
+  width = 2 * flat.dtype.itemsize
+  shown = " ".join(f"0x{int(v):0{width}x}" for v in flat[:4])
+  return shown + (" ..." if flat.size > 4 else "")
 
 
 def clocks_whole(state: Any, leaves: list[Any], roles: Any) -> list[Any]:
