@@ -2,7 +2,8 @@
 ``["u", [keys]]`` for a tuple of such keys (flax's ``traverse_util.flatten_dict``
 form), one kind per dict, written in jax's order for dicts (sorted keys).
 
-Reading them is bounded work: codes nest at most ``MAX_KEY_DEPTH`` deep, and int or
+Which keys a state may hold is ``core.storable``'s rule, which writes their codes
+(``key_code``). Reading them is bounded work: codes nest at most ``MAX_KEY_DEPTH`` deep, and int or
 tuple keys chosen to share a hash (a dict of n of them takes n**2 steps to build) are
 refused before any dict is built.
 """
@@ -11,35 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from jaxreshard._src.checkpoint.untrusted import short
-from jaxreshard._src.errors import ArchiveError, ReshardError
+from jaxreshard._src.core.storable import MAX_KEY_DEPTH, MAX_KEYS_PER_HASH, most_sharing_a_hash
+from jaxreshard._src.errors import ArchiveError
 
-__all__ = ["check_orderable", "decode", "sorted_codes"]
-
-# A dict key inside a tuple key nests at most this deep.
-MAX_KEY_DEPTH = 16
-
-# At most this many keys of one dict may share a hash (-1 and -2 share one in CPython).
-MAX_KEYS_PER_HASH = 8
-
-
-def code(key: Any, depth: int = 0) -> list | None:
-  """A dict key's JSON; None for a key of no code."""
-  t = type(key)
-  if t is str:
-    return ["s", key]
-  if t is int:
-    return ["i", key]
-  if t is tuple and depth < MAX_KEY_DEPTH:
-    codes = [code(k, depth + 1) for k in key]
-    return None if None in codes else ["u", codes]
-  return None
+__all__ = ["MAX_KEY_DEPTH", "MAX_KEYS_PER_HASH", "check_orderable", "decode", "value"]
 
 
 def value(json_code: Any, depth: int = 0) -> str | int | tuple | None:
-  """:func:`code`'s inverse; None for JSON that is not a key's code."""
+  """``core.storable.key_code``'s inverse; None for JSON that is not a key's code."""
   if type(json_code) is not list or len(json_code) != 2:
     return None
   tag, v = json_code
@@ -51,28 +32,6 @@ def value(json_code: Any, depth: int = 0) -> str | int | tuple | None:
     out = tuple(value(c, depth + 1) for c in v)
     return None if None in out else out
   return None
-
-
-def sorted_codes(node: dict, path: tuple) -> tuple[list, list]:
-  """A dict's keys in jax's order for dicts (sorted), and their codes.
-
-  Raises:
-    ReshardError: keys of two kinds, or a key with no code.
-  """
-  refused = ReshardError(
-    f"state node at {path}: dict keys must be all str, all int or all tuples of"
-    " str, int and such tuples to be stored"
-  )
-  if len({type(k) for k in node}) > 1:
-    raise refused
-  try:
-    keys = sorted(node)
-  except TypeError:
-    raise refused from None
-  codes = [code(k) for k in keys]
-  if None in codes:
-    raise refused
-  return keys, codes
 
 
 def decode(codes: list, where: str) -> list:
@@ -98,16 +57,12 @@ def decode(codes: list, where: str) -> list:
       kinds = " and ".join(sorted({type(key).__name__, type(keys[0]).__name__})[::-1])
       raise ArchiveError(f"{where}: a dict node mixes {kinds} keys")
     keys.append(key)
-  # A str's hash is seeded per process, so no file can choose it; an int's is the int
-  # modulo 2**61 - 1, and a tuple's follows from its items'.
-  if len(keys) > MAX_KEYS_PER_HASH and type(keys[0]) is not str:
-    hashes = np.fromiter(map(hash, keys), np.int64, len(keys))
-    most = int(np.unique(hashes, return_counts=True)[1].max())
-    if most > MAX_KEYS_PER_HASH:
-      raise ArchiveError(
-        f"{where}: {most} keys of a dict node share one hash (at most"
-        f" {MAX_KEYS_PER_HASH}): keys chosen to collide"
-      )
+  most = most_sharing_a_hash(keys)
+  if most > MAX_KEYS_PER_HASH:
+    raise ArchiveError(
+      f"{where}: {most} keys of a dict node share one hash (at most"
+      f" {MAX_KEYS_PER_HASH}): keys chosen to collide"
+    )
   return keys
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import keyword
 import math
 import re
 import sys
@@ -47,6 +46,7 @@ import numpy as np
 from jaxreshard._src.checkpoint import dictkeys as _dictkeys
 from jaxreshard._src.checkpoint.untrusted import short
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import storable as _storable
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
 
 __all__ = [
@@ -62,7 +62,7 @@ __all__ = [
 
 # Names that become file names inside a checkpoint; anything else is refused.
 ARCHIVE_NAME = re.compile(r"archive_[0-9]{5,9}\Z")
-_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,199}\Z")
+_IDENTIFIER = _storable.IDENTIFIER
 _MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,9}\Z")
 
 # NamedTuple classes are looked up only in these (already imported) packages.
@@ -70,7 +70,7 @@ ALLOWED_PACKAGES = ("optax",)
 
 DTYPES = {name: jnp.dtype(name) for name in _clock.CLOCK_DTYPES}
 MAX_SCALAR_BYTES = _clock.MAX_CLOCK_BYTES
-MAX_TREE_DEPTH = 200
+MAX_TREE_DEPTH = _storable.MAX_TREE_DEPTH
 
 
 def check_name(name: Any, pattern: re.Pattern, where: str) -> str:
@@ -227,19 +227,6 @@ def shape_of(value: Any, where: str) -> tuple[int, ...]:
 # --- the state's tree structure -----------------------------------------------
 
 
-_LEAF = jax.tree_util.tree_structure(0)
-
-
-def _is_namedtuple(x: Any) -> bool:
-  return isinstance(x, tuple) and hasattr(type(x), "_fields")
-
-
-def _is_frozen_dict(node: Any) -> bool:
-  # Only flax's own class, and only when flax is loaded (nothing is imported here).
-  core = sys.modules.get("flax.core.frozen_dict")
-  return core is not None and type(node) is getattr(core, "FrozenDict", None)
-
-
 def _frozen_dict_class(where: str) -> type:
   try:
     from flax.core.frozen_dict import FrozenDict  # pylint: disable=g-import-not-at-top
@@ -254,43 +241,27 @@ def encode_tree(state: Any) -> tuple[dict, list[Any]]:
   """Encodes ``state``'s structure; returns (tree, leaves in jax.tree.leaves order).
 
   Raises:
-    ReshardError: a node type the on-disk format cannot re-create.
+    ReshardError: a tree the on-disk format cannot re-create (``core.storable``'s rule).
   """
   leaves: list[Any] = []
   classes: dict[tuple, type] = {}
 
   def enc(node, path):
-    if node is None:
-      return None
-    if _is_namedtuple(node):
-      cls = type(node)
-      classes[(cls.__module__, cls.__name__, tuple(cls._fields))] = cls
-      return [
-        "n",
-        cls.__module__,
-        cls.__name__,
-        list(cls._fields),
-        [enc(c, path + (f,)) for f, c in zip(cls._fields, node)],
-      ]
-    if type(node) in (tuple, list):
-      return [
-        "t" if type(node) is tuple else "l",
-        [enc(c, path + (i,)) for i, c in enumerate(node)],
-      ]
-    frozen = _is_frozen_dict(node)
-    if type(node) is dict or frozen:
-      keys, codes = _dictkeys.sorted_codes(node, path)
-      return ["f" if frozen else "d", codes, [enc(node[k], path + (k,)) for k in keys]]
-    if jax.tree_util.tree_structure(node) == _LEAF:
+    kind, what, children = _storable.node(node, path, classes)
+    if kind == "leaf":
       leaves.append(node)
       return len(leaves) - 1
-    raise ReshardError(
-      f"state node at {path} is a {type(node).__module__}.{type(node).__qualname__}, a"
-      " pytree node type jaxreshard cannot store (NamedTuple, dict, flax's FrozenDict, list,"
-      " tuple and None can be)"
-    )
+    if kind == "none":
+      return None
+    out = [enc(c, path + (k,)) for k, c in children]
+    if kind == "n":
+      return ["n", what.__module__, what.__name__, list(what._fields), out]
+    return [kind, out] if kind in ("l", "t") else [kind, what, out]
 
-  tree = enc(state, ())
+  try:
+    tree = enc(state, ())
+  except _storable.UnstorableTree as e:
+    raise ReshardError(str(e)) from None
   # The encoding must give back exactly this structure, or saving is pointless
   # (with the original classes: one loaded elsewhere may be a plain namedtuple).
   rebuilt = decode_tree(tree, list(range(len(leaves))), "state", classes)
@@ -314,15 +285,10 @@ def namedtuple_class(module: Any, name: Any, fields: Any, where: str) -> type:
   (name, fields) so that archives loaded separately still share a structure.
   """
   check_name(name, _IDENTIFIER, where)
-  if not isinstance(fields, list) or not all(
-    isinstance(f, str) and _IDENTIFIER.match(f) and not keyword.iskeyword(f) for f in fields
-  ):
+  # The rule a writer applies (``storable.names_ok``): what it refuses is never read.
+  if not isinstance(fields, list) or not _storable.names_ok(name, fields):
     raise ArchiveError(f"{where}: NamedTuple {short(name)} has invalid field names {short(fields)}")
   fields = tuple(fields)
-  if len(set(fields)) != len(fields) or keyword.iskeyword(name):
-    raise ArchiveError(
-      f"{where}: NamedTuple {short(name)} has invalid field names {short(list(fields))}"
-    )
   if isinstance(module, str) and _MODULE.match(module) and module.split(".")[0] in ALLOWED_PACKAGES:
     mod = sys.modules.get(module)  # never imports: only modules already loaded
     cls = getattr(mod, name, None) if mod is not None else None

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxreshard._src.checkpoint.layout import ArchiveLayout, JsonLayout, LeafInfo, _ScalarSlot  # noqa: F401  (re-exported)
+from jaxreshard._src.core.ids import MAX_ID_CHARS  # noqa: F401  (re-exported)
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.errors import ReshardError
 
@@ -62,8 +63,6 @@ MAX_ARCHIVE_BYTES = 64 << 20
 # than this is not an optimizer's state, and would only cost time to print.
 MAX_CLOCK_SCALARS_BASE = 1024
 MAX_CLOCK_SCALARS_PER_PARAM = 8
-# Param ids are key paths; no model's run to this length.
-MAX_ID_CHARS = 4096
 # Reads of chunk spans go through a reused scratch buffer of this size.
 STAGING_BYTES = 8 << 20
 

@@ -14,7 +14,11 @@ import jax
 
 from jaxreshard._src.errors import ReshardError
 
-__all__ = ["escape", "key_name", "path_id", "split_id", "unescape"]
+__all__ = ["MAX_ID_CHARS", "escape", "key_name", "path_id", "split_id", "unescape"]
+
+# A checkpoint holds ids of at most this many characters (no model's key paths run
+# to this length); every call in memory refuses a longer one as a save does.
+MAX_ID_CHARS = 4096
 
 _tu = jax.tree_util
 _DictKey, _GetAttrKey, _SequenceKey = _tu.DictKey, _tu.GetAttrKey, _tu.SequenceKey

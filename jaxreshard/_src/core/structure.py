@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxreshard._src.core import storable as _storable
 from jaxreshard._src.core.ids import key_name, path_id
 from jaxreshard._src.core.mirrortree import mirror_keys, nested, nested_by_keys
 from jaxreshard._src.errors import PlacementError
@@ -312,6 +313,8 @@ class _OutlineCache:
     with self.lock:
       outline = self.outlines.get(key)
     if outline is None:
+      # A structure no checkpoint holds is refused here, once per structure.
+      _storable.check_structure(treedef)
       outline = _state_parts_of_paths(jax.tree_util.tree_unflatten(treedef, list(range(n))), roles)
       with self.lock:
         if len(self.outlines) >= self.maxsize:
@@ -328,6 +331,7 @@ def state_parts(state: Any, roles: Sequence[str | None]) -> StateParts:
 
   Raises:
     StatePartsError: when roles do not describe the state, or a mirror is ragged.
+    UnstorableTree: a tree no checkpoint can hold (``storable``'s rule).
   """
   leaves, treedef = jax.tree_util.tree_flatten(state)
   if len(leaves) != len(roles):

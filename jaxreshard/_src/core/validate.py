@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import ids as _ids
+from jaxreshard._src.core import storable as _storable
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.archivecheck import check_version
 from jaxreshard._src.core.clock import (
@@ -35,7 +36,7 @@ from jaxreshard._src.core.clock import (
 from jaxreshard._src.core.geometry import FlatShard, check_integers
 from jaxreshard._src.core.groups import SourceFacts, SourceGroup
 from jaxreshard._src.core.placement import SUPPORTED_DTYPES, Migration, ParamPlacement
-from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
+from jaxreshard._src.errors import DtypeError, PlacementError, ReshardError, ShapeError
 
 __all__ = [
   "SUPPORTED_NP_DTYPES",
@@ -127,6 +128,11 @@ def check_record(
       raise PlacementError(f"archive {index}: placement {p!r} is not a ParamPlacement")
     if p.param in placements:
       raise listed_twice(p.param, index)
+    if isinstance(p.param, str) and len(p.param) > _ids.MAX_ID_CHARS:
+      raise PlacementError(
+        f"param {p.param[:80]!r}... ({len(p.param)} characters): archive {index} lists an"
+        f" id longer than the {_ids.MAX_ID_CHARS} characters a checkpoint holds"
+      )
     if not isinstance(p.trainable, (bool, np.bool_)):
       raise PlacementError(
         f"param {p.param!r}: archive {index} marks it trainable={p.trainable!r}, not a bool"
@@ -141,6 +147,8 @@ def check_record(
     state_parts = _structure.state_parts(record.state, _structure.roles_of(record))
   except _structure.StatePartsError as e:
     raise PlacementError(f"archive {index}: {e}") from None
+  except _storable.UnstorableTree as e:  # memory takes no tree that a save refuses
+    raise ReshardError(f"archive {index}: {e}") from None
   check_listed(index, state_parts, placements)
   _clock.check_storable(index, state_parts)
   return state_parts, placements

@@ -15,6 +15,7 @@ from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import record as _record
+from jaxreshard._src.core import storable as _storable
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core import validate as _validate
 from jaxreshard._src.core.gcpause import no_gc
@@ -25,7 +26,7 @@ from jaxreshard._src.engine import devicefetch as _devicefetch
 from jaxreshard._src.engine import padcheck as _padcheck
 from jaxreshard._src.engine import pipeline as _pipeline
 from jaxreshard._src.engine import sources as _sources
-from jaxreshard._src.errors import DtypeError, PlacementError, ShapeError
+from jaxreshard._src.errors import DtypeError, PlacementError, ReshardError, ShapeError
 
 __all__ = ["coordinate_roles", "shard_state", "unshard_state", "plan", "reshard", "reshard_ranks"]
 
@@ -64,6 +65,9 @@ def shard_state(
     of ``state`` unchanged.
 
   Raises:
+    ReshardError: a state tree no checkpoint can hold (a registered custom pytree
+      node, dict keys other than str, int or tuples of them, a tree nested too deep),
+      named by its node's key path, as a save would refuse it.
     PlacementError: an invalid world size, colliding ids, unknown ``trainable`` keys.
     ShapeError: a history buffer that is not shaped like its parameter
       (non-coordinate state such as Adafactor's factored statistics) or not floating.
@@ -81,6 +85,10 @@ def shard_state(
   ids, leaves, shapes, roles = coordinate_roles(optimizer, params, state)
   trainable = _validate.trainable_map(trainable, ids)
   state_leaves, state_def = jax.tree_util.tree_flatten(state)
+  try:  # a tree no checkpoint can hold, before any copy: memory takes none a save refuses
+    _storable.check_structure(state_def)
+  except _storable.UnstorableTree as e:
+    raise ReshardError(str(e)) from None
 
   # The full state is the one archive of a world of size 1; every rank is resharded from it.
   placements = tuple(
