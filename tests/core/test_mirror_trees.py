@@ -5,14 +5,18 @@ nested dicts, at the params' own dict keys when every param lies under dicts
 only (integer and tuple keys kept), else at the pieces of their ids as strings.
 Integer keys came back as strings ('0'), so a merged state no longer fed an
 ``nnx.List`` model's optimizer and a round trip did not give the archives back.
+Groups whose params no one tree holds at their own keys (a list beside a dict,
+keys of two kinds in one dict) are refused on every path.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import jaxreshard as jr
+from jaxreshard._src.core import archivecheck as _archivecheck
 from tests._core_util import assert_records_equal, device_mesh
 
 OPT = optax.adam(1e-2)
@@ -70,31 +74,85 @@ def test_a_merge_of_two_groups_keeps_integer_and_tuple_keys_from_disk(tmp_path):
   assert _key_types(state[0].mu) == WANT
 
 
-def test_a_list_on_the_way_still_comes_back_as_string_keys():
-  """A params tree that is a list: merged with another group's dict, the mirror
-  cannot be a list, and is a dict at the ids' pieces (as the README says)."""
-  a, _, ra = _records([jnp.zeros((4,))], 2, 0)
+def _refused_on_every_path(ra, rb, needle, tmp_path, monkeypatch):
+  """Groups whose params no one tree holds, each at its own key path: refused with one
+  message by every call in memory, by a save, by the digest and, in a checkpoint
+  written before the rule (the check patched out of its save), by every reader."""
+  records = ra + rb
+  sources = {0: tuple(range(len(ra))), 1: tuple(range(len(ra), len(records)))}
+  migrations = [
+    jr.Migration(p.param, p.shape, 0, 3, sources[g])
+    for g, rs in enumerate((ra, rb))
+    for p in rs[0].placements
+  ]
+  calls = {
+    "plan": lambda: jr.plan(records, world_size=3, rank=0),
+    "reshard": lambda: jr.reshard(records, migrations),
+    "reshard_ranks": lambda: jr.reshard_ranks(records, [migrations]),
+    "unshard_state": lambda: jr.unshard_state(records),
+    "save_records": lambda: jr.save_records(tmp_path / "refused", records),
+  }
+  messages = set()
+  for name, call in calls.items():
+    with pytest.raises(jr.PlacementError) as got:
+      call()
+    assert needle in str(got.value), (name, str(got.value))
+    messages.add(str(got.value))
+  assert len(messages) == 1, messages
+  assert not (tmp_path / "refused").exists()
+  assert any(needle in p for p in jr.digest(records).problems)
+  with monkeypatch.context() as m:
+    m.setattr(_archivecheck._Nodes, "add", lambda *_: None)
+    jr.save_records(tmp_path / "old", records)
+  for name, call in {
+    "load_records": lambda: jr.load_records(tmp_path / "old"),
+    "restore": lambda: jr.restore(tmp_path / "old", world_size=3, rank=0),
+    "digest": lambda: jr.digest(tmp_path / "old"),
+  }.items():
+    with pytest.raises(jr.ArchiveError) as got:
+      call()
+    assert needle in str(got.value), (name, str(got.value))
+
+
+def test_a_list_beside_a_dict_is_refused_on_every_path(tmp_path, monkeypatch):
+  """A params tree that is a list in one group and a dict in the other: a merge made
+  the list a dict keyed '0', and a verify of the result found another key path."""
+  _, _, ra = _records([jnp.zeros((4,))], 2, 0)
   _, _, rb = _records({"b": jnp.zeros((3,))}, 2, 1)
-  merged = jr.reshard(ra + rb, jr.plan(ra + rb, world_size=3, rank=0))
-  assert sorted(merged.state[0].mu) == ["0", "b"]
+  _refused_on_every_path(
+    ra,
+    rb,
+    "archive 0 holds a list at state path [0].mu and archive 2 a dict",
+    tmp_path,
+    monkeypatch,
+  )
 
 
-def test_keys_of_two_kinds_in_one_dict_come_back_as_strings():
+def test_keys_of_two_kinds_in_one_dict_are_refused_on_every_path(tmp_path, monkeypatch):
   """Group A's dict under 'd' has the integer key 0, group B's the string key 'y':
-  one dict cannot sort keys of two kinds, so that mirror is keyed by the ids'
-  pieces (as before)."""
+  one dict cannot sort keys of two kinds, and a merge keyed it by the ids' pieces
+  ('0'), which no verify took for the archives' state."""
   _, _, ra = _records({"d": {0: jnp.zeros((4,))}}, 2, 0)
   _, _, rb = _records({"d": {"y": jnp.zeros((3,))}}, 2, 1)
-  merged = jr.reshard(ra + rb, jr.plan(ra + rb, world_size=3, rank=0))
-  assert sorted(merged.state[0].mu["d"]) == ["0", "y"]
+  _refused_on_every_path(
+    ra,
+    rb,
+    "the dict at state path [0].mu['d'] holds key 0 in archive 0 and key 'y' in archive 2",
+    tmp_path,
+    monkeypatch,
+  )
 
 
-def test_tuple_keys_that_do_not_compare_come_back_as_strings():
+def test_tuple_keys_that_do_not_compare_are_refused_on_every_path(tmp_path, monkeypatch):
   """flax's tuple keys ``("blocks", 0, "w")`` in one group and ``("blocks", "shared",
-  "w")`` in the other: tuples, but no order sorts them (0 against "shared"), and
-  jax refused the dict with its raw error on every path. Keyed by strings."""
+  "w")`` in the other: tuples, but no order sorts them (0 against "shared")."""
   _, _, ra = _records({("blocks", 0, "w"): jnp.zeros((4,))}, 2, 0)
   _, _, rb = _records({("blocks", "shared", "w"): jnp.zeros((3,))}, 2, 1)
-  merged = jr.reshard(ra + rb, jr.plan(ra + rb, world_size=3, rank=0))
-  assert sorted(merged.state[0].mu) == ["('blocks', 'shared', 'w')", "('blocks', 0, 'w')"]
-  assert type(jr.unshard_state(ra + rb)[0].mu) is dict
+  _refused_on_every_path(
+    ra,
+    rb,
+    "the dict at state path [0].mu holds key ('blocks', 0, 'w') in archive 0 and key"
+    " ('blocks', 'shared', 'w') in archive 2",
+    tmp_path,
+    monkeypatch,
+  )

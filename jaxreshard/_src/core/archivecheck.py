@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+from jax.tree_util import DictKey, GetAttrKey, SequenceKey
 
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
@@ -60,9 +61,12 @@ def check_one_tree(
   from. ``layouts``: one (archive, state parts) per distinct layout; ``seen``: what
   earlier calls were given, for a caller that meets layouts one at a time.
 
-  Archives of different param sets (groups) make one params tree too: a param
-  of one is never a leaf where another's params lie under it (``experts`` and
-  ``experts/w``), which no target could hold.
+  Archives of different param sets (groups) make one params tree too, each
+  param at its own key path: a param of one is never a leaf where another's
+  params lie under it (``experts`` and ``experts/w``); a node of one is the
+  same container as the other's at that path (never a list or a tuple beside
+  a dict), and two dicts at one path hold keys of one kind, in an order jax
+  sorts (never ``0`` beside ``"x"``). A target merging them could hold neither.
 
   Raises:
     PlacementError: naming two such archives and the subtree where they differ,
@@ -99,8 +103,9 @@ class _ParamsTree:
     self.ids: dict[str, int] = {}  # id -> an archive holding it
     self.above: dict[str, tuple[str, int]] = {}  # ancestor -> (an id under it, its archive)
     self.one_leaf: int | None = None  # an archive whose params tree is one array
-    self.first: tuple[int, frozenset] | None = None  # the one set met, not indexed yet
+    self.first: tuple[int, frozenset, Any] | None = None  # the one set met, not indexed yet
     self.first_archive: int | None = None
+    self.nodes = _Nodes()  # every inner node of the sets' params trees
 
   def add(self, archive: int, ids: frozenset, parts: Any) -> None:
     if ids in self.sets:
@@ -120,12 +125,14 @@ class _ParamsTree:
       self.one_leaf = archive
     # One set alone is one tree: its ids are indexed only once a second set comes.
     if len(self.sets) == 1:
-      self.first, self.first_archive = (archive, ids), archive
+      self.first, self.first_archive = (archive, ids, parts), archive
       return
     if self.first is not None:
-      self._index(*self.first)
+      self._index(*self.first[:2])
+      self.nodes.add(self.first[0], self.first[2])
       self.first = None
     self._index(archive, ids)
+    self.nodes.add(archive, parts)
 
   def _index(self, archive: int, ids: frozenset) -> None:
     for pid in ids:
@@ -147,6 +154,88 @@ def _nesting(leaf: str, a: int, deep: str, b: int) -> PlacementError:
     f"param {leaf!r} is a leaf of archive {a}'s params tree, where archive {b}"
     f" holds param {deep!r} under it: they are not archives of one state"
   )
+
+
+def _inner_nodes(parts: Any) -> dict[tuple, tuple[str, tuple, tuple]]:
+  """Each inner node of an archive's params trees (its leaves are param ids): its key
+  path in the params tree -> (its kind, its keys when a dict, its path in the state)."""
+  out: dict[tuple, tuple[str, tuple, tuple]] = {}
+  for m in parts.subtrees:
+    stack = [(jax.tree_util.tree_unflatten(m.treedef, list(m.order)), ())]
+    while stack:
+      x, path = stack.pop()
+      t = type(x)
+      if t is str:  # a param id
+        continue
+      if isinstance(x, tuple) and hasattr(t, "_fields"):
+        kind, children = (
+          f"NamedTuple {t.__name__}",
+          [(GetAttrKey(f), c) for f, c in zip(t._fields, x)],
+        )
+      elif t is list or t is tuple:
+        kind, children = f"{t.__name__}", [(SequenceKey(i), c) for i, c in enumerate(x)]
+      elif x is None:
+        kind, children = "None", []
+      else:  # a dict or flax's FrozenDict: the only other nodes a state holds
+        kind, children = t.__name__, [(DictKey(k), x[k]) for k in x]
+      keys = tuple(x) if children and type(children[0][0]) is DictKey else ()
+      out.setdefault(path, (kind, keys, m.prefix + path))
+      stack.extend((c, path + (k,)) for k, c in children)
+  return out
+
+
+class _Nodes:
+  """The inner nodes of every param set's params tree met so far, by key path: each
+  node's kind, the keys of a dict (all sets' together) and the archive it came from."""
+
+  def __init__(self):
+    self.nodes: dict[tuple, tuple[str, list, int]] = {}
+
+  def add(self, archive: int, parts: Any) -> None:
+    for path, (kind, keys, where) in _inner_nodes(parts).items():
+      seen = self.nodes.get(path)
+      if seen is None:
+        self.nodes[path] = (kind, list(keys), archive)
+        continue
+      if seen[0] != kind:
+        raise PlacementError(
+          f"archive {seen[2]} holds a {seen[0]} at state path {_path(where)} and archive"
+          f" {archive} a {kind}: no one params tree holds the params of both, each at its"
+          " own key path, so they are not archives of one state"
+        )
+      new = [k for k in keys if k not in set(seen[1])]
+      if new:
+        _check_one_kind(seen[1], new, seen[2], archive, where)
+        seen[1].extend(new)
+
+
+def _check_one_kind(old: list, new: list, a: int, b: int, where: tuple) -> None:
+  """Keys of one dict from two archives: of one kind, in an order jax sorts."""
+  try:
+    if len({type(k) for k in old + new}) == 1:
+      sorted(old + new)
+      return
+  except TypeError:
+    pass
+  j, k = _clash(old, new)
+  raise PlacementError(
+    f"the dict at state path {_path(where)} holds key {j!r} in archive {a} and key"
+    f" {k!r} in archive {b}, keys of two kinds or in no order jax sorts: no one dict"
+    " holds both, so they are not archives of one state"
+  )
+
+
+def _clash(old: list, new: list) -> tuple[Any, Any]:
+  """Two keys, one of each list, that no one dict of jax holds (some two do)."""
+  for k in new:
+    for j in old:
+      if type(j) is not type(k):
+        return j, k
+      try:
+        sorted([j, k])
+      except TypeError:
+        return j, k
+  return old[0], new[0]  # each pair sorts, but not all of them together
 
 
 def _path(prefix: tuple) -> str:
