@@ -74,6 +74,24 @@ def test_a_merge_of_two_groups_keeps_integer_and_tuple_keys_from_disk(tmp_path):
   assert _key_types(state[0].mu) == WANT
 
 
+def test_a_merge_of_two_groups_has_the_digest_of_its_sources(tmp_path):
+  """The digest names each mirror's tree as a whole state has it: for groups of
+  integer and tuple keys, the nested dicts at those keys (``unshard_state``'s), not
+  at the ids' pieces. It named the latter, so a merge that kept every key had
+  another digest than its sources, and ``verify`` called them different."""
+  (_, _, ra), (_, _, rb) = _groups()
+  records = ra + rb
+  whole = jr.unshard_state(records)
+  trees = dict(jr.digest(records).trees)
+  for field in ("mu", "nu"):
+    assert trees[f"[0].{field}"] == str(jax.tree_util.tree_structure(getattr(whole[0], field)))
+  merged = jr.reshard_ranks(records, [jr.plan(records, world_size=3, rank=r) for r in range(3)])
+  assert jr.digest(merged) == jr.digest(records)
+  jr.save_records(tmp_path / "src", records)
+  jr.save_records(tmp_path / "out", merged)
+  assert jr.digest(tmp_path / "out") == jr.digest(tmp_path / "src") == jr.digest(records)
+
+
 def _refused_on_every_path(ra, rb, needle, tmp_path, monkeypatch):
   """Groups whose params no one tree holds, each at its own key path: refused with one
   message by every call in memory, by a save, by the digest and, in a checkpoint

@@ -233,6 +233,10 @@ class _Accumulator:
     # mirrors); and ``archivecheck.check_one_tree``'s layouts so far.
     self.template: tuple[str, tuple] | None = None
     self.layouts: dict = {}
+    # Per mirror, each param's key path in an archive holding its rank 0: where a
+    # whole state of several groups puts it (``build_state``'s ``keys``).
+    self.keys: list[dict[str, tuple]] = []
+    self._keyed: dict[int, tuple] = {}  # the mirrors read into ``keys``, by identity
 
   def add_structure(
     self, index: int, state_parts: _structure.StateParts, record: ShardRecord
@@ -254,12 +258,22 @@ class _Accumulator:
     first = min(pids, default=None)
     if first is not None and (self.template is None or first < self.template[0]):
       self.template = (first, mirrors)
+    if first is not None and self._keyed.get(id(mirrors)) is not mirrors:
+      self._keyed[id(mirrors)] = mirrors
+      for i, (_, treedef, order) in enumerate(mirrors):
+        if i == len(self.keys):
+          self.keys.append({})
+        tree = jax.tree_util.tree_unflatten(treedef, list(order))
+        for path, pid in jax.tree_util.tree_flatten_with_path(tree)[0]:
+          self.keys[i].setdefault(pid, tuple(path))
 
   def trees(self) -> tuple[tuple[str, str], ...]:
     """``Digest.trees``. A whole state takes each mirror's tree from the template
     archive when that holds every param the archives put in the mirror, else
     makes the nested dicts of their ids (``build_state``); only trees other
-    than those nested dicts are listed."""
+    than those nested dicts are listed. A mirror of several groups' params is
+    nested dicts at their own keys where every one lies under dicts only, as
+    ``build_state`` makes it."""
     if self.template is None:
       return ()
     out = []
@@ -271,7 +285,11 @@ class _Accumulator:
         nested = jax.tree_util.tree_structure(_structure.nested(held, dict.fromkeys(held, 0)))
       except PlacementError:  # ids no tree holds: listed in the problems already
         continue
-      if set(order) == set(held) and treedef != nested:
+      if set(order) != set(held):
+        keys = self.keys[i] if i < len(self.keys) else {}
+        by_keys = _structure.nested_by_keys(held, dict.fromkeys(held, 0), keys)
+        treedef = nested if by_keys is None else jax.tree_util.tree_structure(by_keys)
+      if treedef != nested:
         out.append((jax.tree_util.keystr(prefix), str(treedef)))
     return tuple(out)
 
