@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 import jaxreshard as jr
@@ -36,7 +37,15 @@ def _fresh_leaf(tree, path):
 
 @pytest.mark.parametrize(
   "call",
-  ["reshard-host", "reshard-device", "reshard_ranks", "unshard_state", "save_records", "digest"],
+  [
+    "reshard-host",
+    "reshard-device",
+    "reshard_ranks",
+    "unshard_state",
+    "save_records",
+    "save_records-generator",
+    "digest",
+  ],
 )
 def test_records_holding_a_freed_buffer_are_named(tmp_path, call):
   _, _, records = _records()
@@ -50,6 +59,8 @@ def test_records_holding_a_freed_buffer_are_named(tmp_path, call):
     "reshard_ranks": lambda: jr.reshard_ranks(records, [plan]),
     "unshard_state": lambda: jr.unshard_state(records),
     "save_records": lambda: jr.save_records(tmp_path / "ck", records),
+    # Consumed as it is written: the record being written is still named.
+    "save_records-generator": lambda: jr.save_records(tmp_path / "ck", (r for r in records)),
     "digest": lambda: jr.digest(records),
   }[call]
   with pytest.raises(
@@ -66,6 +77,41 @@ def test_a_state_holding_a_freed_clock_is_named_by_shard_state():
   count.delete()
   with pytest.raises(jr.ReshardError, match=r"^state\[0\]\.count is a deleted jax array"):
     jr.shard_state(opt, params, state, world_size=2)
+
+
+@pytest.mark.parametrize("records_as", [list, iter])
+def test_a_reshard_save_of_records_holding_a_freed_buffer_is_named(records_as):
+  _, _, records = _records()
+  state, leaf = _fresh_leaf(records[1].state, "[0].mu['w']")
+  records[1] = jr.ShardRecord(records[1].version, records[1].placements, state, records[1].roles)
+  leaf.delete()
+  with pytest.raises(jr.ReshardError, match=r"^records\[1\]\.state\[0\]\.mu\['w'\] is a deleted"):
+    jr.ReshardSave(records_as(records))
+
+
+def test_a_manager_save_of_records_freed_after_their_args_were_made_is_named(tmp_path):
+  _, _, records = _records()
+  state, leaf = _fresh_leaf(records[0].state, "[0].nu['b']")
+  records[0] = jr.ShardRecord(records[0].version, records[0].placements, state, records[0].roles)
+  args = jr.ReshardSave(records)
+  leaf.delete()  # a donating step, after the save's arguments were checked
+  with ocp.CheckpointManager(tmp_path / "run") as manager:
+    with pytest.raises(jr.ReshardError, match=r"^records\[0\]\.state\[0\]\.nu\['b'\] is a deleted"):
+      manager.save(1, args=args)
+    manager.wait_until_finished()
+    assert manager.all_steps() == []
+
+
+def test_a_reshard_save_of_a_mesh_state_holding_a_freed_buffer_is_named():
+  mesh = device_mesh((4,), ("fsdp",))
+  opt = optax.adam(1e-3)
+  params = {"w": jnp.arange(5.0)}
+  with jax.numpy_dtype_promotion("standard"):
+    sharded = jr.shard_to_mesh(opt, params, opt.init(params), mesh)
+  state, count = _fresh_leaf(sharded.state, "[0].count")
+  count.delete()
+  with pytest.raises(jr.ReshardError, match=r"^state\[0\]\.count is a deleted jax array"):
+    jr.ReshardSave(state=state, optimizer=opt, shapes={"w": (5,)}, mesh=mesh)
 
 
 @pytest.mark.parametrize("call", ["gather_from_mesh", "save_sharded", "update"])

@@ -18,6 +18,7 @@ from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint.reader import (
   DEFAULT_CHUNK_BYTES,
   Checkpoint,
+  SourcedRecords,
   open_checkpoint,
   path_arg,
   write_checkpoint,
@@ -58,7 +59,6 @@ def _is_under(path: str, *roots: str) -> bool:
   return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-@_deleted.names_deleted
 def save_records(
   directory: os.PathLike | str,
   records: Iterable[ShardRecord],
@@ -125,6 +125,25 @@ def save_records(
   _index.check_chunk_bytes(chunk_bytes)
   final = path_arg(directory)
   _archivecheck.check_records_iterable(records, "save_records")
+  sourced = isinstance(records, SourcedRecords)
+  named = records.records if sourced else records
+  if not isinstance(named, Sequence):
+    # A generator's records are gone once written: the one being written is kept,
+    # so that a deleted array in it is named as a list's would be.
+    named = _deleted.Consumed(named)
+    records = SourcedRecords(named, records.source) if sourced else named
+  with _deleted.naming(records=named):
+    _save(final, records, chunk_bytes, progress, durable)
+
+
+def _save(
+  final: str,
+  records: Iterable[ShardRecord],
+  chunk_bytes: int,
+  progress: ProgressCallback | None,
+  durable: bool,
+) -> None:
+  """``save_records`` of checked arguments (``final``: the checkpoint's absolute path)."""
   if isinstance(records, Sequence):
     reporter = Reporter(
       "save_records", progress, where=final, total=len(records), total_bytes=_total_bytes(records)

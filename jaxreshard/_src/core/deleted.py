@@ -5,22 +5,25 @@ A jitted step that donates its state frees the state's buffers (so does
 ("Array has been deleted") naming only a shape. The public calls that take
 records, states or params re-raise it as a ``ReshardError`` naming the argument
 and the key path of the first deleted leaf, found by walking the arguments only
-once the call has failed: a call that succeeds pays nothing.
+once the call has failed: a call that succeeds pays nothing. A call that consumes
+a generator of records keeps the record it uses last (``Consumed``), since the
+generator itself has nothing left to walk then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import jax
 
 from jaxreshard._src.errors import ReshardError
 
-__all__ = ["deleted_leaf", "names_deleted", "refuse_deleted"]
+__all__ = ["Consumed", "deleted_leaf", "names_deleted", "naming", "refuse_deleted"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 # The words of jax's error for a deleted array (``jax.Array``'s own check).
@@ -56,6 +59,72 @@ def refuse_deleted(value: Any, name: str) -> None:
     raise ReshardError(_message(name, path))
 
 
+class Consumed:
+  """An iterator over ``iterable`` that keeps the item it gave last, and that item's
+  index: a call that consumes a generator can still name that item's deleted array
+  when using it fails (the items before it are gone; the one being used is the one
+  that failed). Only a reference is kept: nothing is walked unless the call fails."""
+
+  def __init__(self, iterable: Iterable[Any]):
+    self._items = iter(iterable)
+    self._index = -1
+    self._last: Any = None
+
+  def __iter__(self) -> Iterator[Any]:
+    return self
+
+  def __next__(self) -> Any:
+    self._last = None
+    item = next(self._items)
+    self._index += 1
+    self._last = item
+    return item
+
+  def deleted(self, name: str) -> tuple[str, str] | None:
+    """(``name[i]``, the key path) of the last item's first deleted array, or None."""
+    path = deleted_leaf(self._last) if self._index >= 0 else None
+    return None if path is None else (f"{name}[{self._index}]", path)
+
+
+def _first(values: Mapping[str, Any]) -> tuple[str, str] | None:
+  """(argument name, key path) of the first deleted jax array among ``values``."""
+  for name, value in values.items():
+    if isinstance(value, Consumed):
+      found = value.deleted(name)
+    else:
+      path = deleted_leaf(value)
+      found = None if path is None else (name, path)
+    if found is not None:
+      return found
+  return None
+
+
+@contextlib.contextmanager
+def _outermost(find: Callable[[], tuple[str, str] | None]) -> Iterator[None]:
+  """jax's error for a deleted array raised inside, re-raised as a ReshardError naming
+  what ``find`` finds (any other error, or one ``find`` finds nothing for, as it was).
+  Only the outermost such block on this thread names anything: the arguments the
+  caller passed, not those a call inside it made."""
+  depth = getattr(_calls, "depth", 0)
+  _calls.depth = depth + 1
+  try:
+    yield
+  except RuntimeError as e:
+    found = find() if not depth and _JAX_WORDS in str(e) else None
+    if found is None:
+      raise
+    raise ReshardError(_message(*found)) from e
+  finally:
+    _calls.depth = depth
+
+
+def naming(**values: Any) -> contextlib.AbstractContextManager[None]:
+  """A block whose jax error for a deleted array names the first of ``values`` (by its
+  keyword) that holds one, and its key path; a :class:`Consumed` value names the item
+  it gave last (``name[i]``)."""
+  return _outermost(lambda: _first(values))
+
+
 def names_deleted(fn: _F) -> _F:
   """``fn``, jax's error for a deleted array among its arguments re-raised as a
   ReshardError naming the argument and the leaf (any other error as it was)."""
@@ -66,26 +135,11 @@ def names_deleted(fn: _F) -> _F:
       arguments = signature.bind(*args, **kwargs).arguments
     except TypeError:
       return None
-    for name, value in arguments.items():
-      path = deleted_leaf(value)
-      if path is not None:
-        return name, path
-    return None
+    return _first(arguments)
 
   @functools.wraps(fn)
   def wrapper(*args: Any, **kwargs: Any) -> Any:
-    # Only the outermost such call on this thread names an argument: the one the
-    # caller passed, not one a call inside it made.
-    depth = getattr(_calls, "depth", 0)
-    _calls.depth = depth + 1
-    try:
+    with _outermost(lambda: first(args, kwargs)):
       return fn(*args, **kwargs)
-    except RuntimeError as e:
-      found = first(args, kwargs) if not depth and _JAX_WORDS in str(e) else None
-      if found is None:
-        raise
-      raise ReshardError(_message(*found)) from e
-    finally:
-      _calls.depth = depth
 
   return wrapper  # type: ignore[return-value]

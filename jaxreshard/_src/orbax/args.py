@@ -9,6 +9,7 @@ picks the handler from the arguments alone.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import writer as _writer
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import record as _record
 from jaxreshard._src.core import structure as _structure
@@ -35,7 +37,7 @@ from jaxreshard._src.engine import reshard as _reshard
 from jaxreshard._src.engine import sources as _sources
 from jaxreshard._src.errors import PlacementError
 
-__all__ = ["ReshardRestore", "ReshardSave", "check", "source_of"]
+__all__ = ["ReshardRestore", "ReshardSave", "check", "naming_deleted", "source_of"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,13 @@ def source_of(records: Any) -> _reader.Source | None:
   return records.source if isinstance(records, _reader.SourcedRecords) else None
 
 
+def naming_deleted(args: ReshardSave) -> contextlib.AbstractContextManager[None]:
+  """A block in which jax's error for a deleted array of ``args`` (a record's leaf, or
+  the state's or the params') names it, as ``save_records`` and ``save_sharded`` do."""
+  records = None if args.records is None else tuple(args.records)
+  return _deleted.naming(records=records, state=args.state, params=args.params)
+
+
 def check(args: ReshardSave) -> Checked:
   """Every refusal of a save of ``args``, in every process, with nothing copied or written.
 
@@ -92,6 +101,12 @@ def check(args: ReshardSave) -> Checked:
   ranks, and the index of every rank (made with a placeholder identity and clock,
   and kept: the save stamps it with its own).
   """
+  with naming_deleted(args):
+    return _check(args)
+
+
+def _check(args: ReshardSave) -> Checked:
+  """``check``, where a deleted array is jax's error."""
   if args.state is None:
     builder = _reader.IndexBuilder(source=source_of(args.records))
     one = _record.CheckpointOf()  # parts of two saves are never saved as one

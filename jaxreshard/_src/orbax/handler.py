@@ -128,11 +128,14 @@ def prepare_save(
   same in every process. Its reporter tells ``progress`` (and the logger) of
   each archive written.
   """
-  checked = args._checks()
+  # The caller's arrays are read from here on: one freed since ``args`` was made
+  # (a donating step) is named, as ``save_records`` names it.
+  with _args.naming_deleted(args):
+    checked = args._checks()
+    clock = _agreement.clock_digest(checked) if args.state is not None else bytes(32)
+    layout = _agreement.layout_digest(checked) if args.state is not None else bytes(32)
   primary = _is_primary(primary_host)
   what = "save_sharded" if args.state is not None else "ReshardSave"
-  clock = _agreement.clock_digest(checked) if args.state is not None else bytes(32)
-  layout = _agreement.layout_digest(checked) if args.state is not None else bytes(32)
   checkpoint_id, primary_clock, primary_layout = _agreement.shared_checkpoint_id(
     primary_host, clock, layout
   )
@@ -141,7 +144,8 @@ def prepare_save(
   try:
     if args.state is not None:
       try:
-        archives = tuple(sorted((r, _sharded.host_record(v)) for r, v in checked.views.items()))
+        with _args.naming_deleted(args):
+          archives = tuple(sorted((r, _sharded.host_record(v)) for r, v in checked.views.items()))
         # A state's padding is data, seen first in these host copies; and every
         # process's clock must be the primary's, from which the index is made.
         for r, record in archives:
@@ -165,7 +169,8 @@ def prepare_save(
         # ``checked.tree`` holds the state's leaves now (``_checks`` made sure of it).
         index = _sharded.stamped_index(checked.index, checkpoint_id, checked.tree[1], checked.roles)
     elif primary:
-      archives = tuple((i, _sharded.host_record(r)) for i, r in enumerate(args.records))
+      with _args.naming_deleted(args):
+        archives = tuple((i, _sharded.host_record(r)) for i, r in enumerate(args.records))
       builder = _reader.IndexBuilder(checkpoint_id, _args.source_of(args.records))
       for i, record in archives:
         builder.add(i, record, pack=False)
