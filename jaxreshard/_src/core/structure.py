@@ -30,6 +30,7 @@ import optax
 from jaxreshard._src.core import storable as _storable
 from jaxreshard._src.core.ids import key_name, path_id
 from jaxreshard._src.core.mirrortree import mirror_keys, nested, nested_by_keys
+from jaxreshard._src.core.roleinference import StatePartsError, infer_roles
 from jaxreshard._src.errors import PlacementError
 
 __all__ = [
@@ -222,10 +223,6 @@ def clock_paths(skeleton: Any, is_scalar: Sequence[bool]) -> list[str]:
   ]
 
 
-class StatePartsError(Exception):
-  """Internal: a state that cannot be taken apart; callers re-raise with context."""
-
-
 def _subtree_prefix(path: KeyPath, pid: str, names: Sequence[str]) -> KeyPath:
   # An id of n segments is the last n keys of the path (``names`` are their
   # names); the id "" is also the empty path of a params tree that is a single leaf.
@@ -269,31 +266,12 @@ def roles_of(record: Any) -> tuple[str | None, ...]:
   """A record's roles: as recorded, or inferred for a hand-built record.
 
   Raises:
-    StatePartsError: a hand-built record with a buffer no listed param explains.
+    StatePartsError: a hand-built record with a buffer no listed param explains,
+      or one whose state does not say which of two listed params it is.
   """
   if record.roles is not None:
     return record.roles
   return infer_roles(record.state, sorted(p.param for p in record.placements))
-
-
-def infer_roles(state: Any, listed: Sequence[str]) -> tuple[str | None, ...]:
-  """Roles of a hand-built record: 0-d leaves are scalars, others histories."""
-  roles = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    if np.ndim(leaf) == 0:
-      roles.append(None)
-      continue
-    match = [pid for pid in listed if _suffix_matches(path, pid)]
-    if not match:
-      raise StatePartsError(
-        f"the buffer at {jax.tree_util.keystr(path)} is not the history of any listed parameter"
-      )
-    roles.append(max(match, key=len))
-  return tuple(roles)
-
-
-def _suffix_matches(path: KeyPath, pid: str) -> bool:
-  return any(path_id(path[len(path) - k :]) == pid for k in range(1, len(path) + 1))
 
 
 class _OutlineCache:
