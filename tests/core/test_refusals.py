@@ -529,6 +529,33 @@ def test_12a_clock_scalars_that_print_alike_are_told_apart_by_their_bytes():
   assert "(bytes 0000c07f)" in message and "(bytes 0100c07f)" in message, message
 
 
+@pytest.mark.parametrize("impls", [("threefry2x32", "rbg"), ("rbg", "unsafe_rbg")])
+def test_12a_prng_keys_of_two_implementations_are_named_by_them(impls, tmp_path):
+  """Keys of one seed and two implementations (rbg and unsafe_rbg hold the same key
+  data): each side of the refusal names its key's implementation, on every path."""
+  params = {"a": jnp.zeros((5,))}
+  records = []
+  for impl in impls:
+    opt = optax.noisy_sgd(1e-2, key=jax.random.key(0, impl=impl))
+    with jax.numpy_dtype_promotion("standard"):
+      state = opt.init(params)
+    records.append(jr.shard_state(opt, params, state, 2)[len(records)])
+  data = {"threefry2x32": "array([0, 0], dtype=uint32)", "rbg": "array([0, 0, 0, 0], dtype=uint32)"}
+  data["unsafe_rbg"] = data["rbg"]
+  needle = (
+    f"archive 1 has clock scalar [0].rng_key = a PRNG key of implementation {impls[1]!r}"
+    f" with key data {data[impls[1]]} but archive 0 has a PRNG key of implementation"
+    f" {impls[0]!r} with key data {data[impls[0]]}; these archives are not one checkpoint"
+  )
+  for call in (
+    lambda: jr.reshard(records, jr.plan(records, world_size=1, rank=0)),
+    lambda: jr.save_records(tmp_path / "ckpt", records),
+  ):
+    with pytest.raises(jr.PlacementError, match=re.escape(needle)):
+      call()
+  assert not (tmp_path / "ckpt").exists()
+
+
 def test_12b_state_structure_differs():
   # adamw's state has one more (empty) transform than adam's: same histories.
   records = _records()

@@ -214,7 +214,7 @@ def clock_mismatch(src: Any, a: int, b: int, pid: str | None = None) -> str:
   if where is not None and where < min(len(xa), len(xb)):
     path = _structure.clock_paths(sa[0], [slot is None for slot in sa[1]])[where]
     va, vb = plain(xa[where]), plain(xb[where])
-    shown_a, shown_b = repr(va), repr(vb)
+    shown_a, shown_b = _shown(xa[where], va), _shown(xb[where], vb)
     if shown_a == shown_b and va.tobytes() != vb.tobytes():
       # printed alike, other bits (a NaN's payload): show the bytes
       shown_a += f" (bytes {va.tobytes().hex()})"
@@ -227,6 +227,16 @@ def clock_mismatch(src: Any, a: int, b: int, pid: str | None = None) -> str:
       f" {b} has {shown_b}; these archives are not one checkpoint"
     )
   return f"{name}archives {a} and {b} have different optimizer clocks; not one checkpoint"
+
+
+def _shown(x: Any, value: np.ndarray) -> str:
+  """A clock scalar in a refusal: its value (``value``, its ``plain`` form); a PRNG
+  key's with its implementation, as keys of two implementations can hold the same
+  key data."""
+  if is_key(x):
+    impl = str(jax.random.key_impl(x))
+    return f"a PRNG key of implementation {impl!r} with key data {value!r}"
+  return repr(value)
 
 
 STRUCTURE = -1  # what ``clock_difference`` answers when the state structures differ
