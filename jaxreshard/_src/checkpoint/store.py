@@ -160,6 +160,7 @@ def _save(
       records,
       chunk_bytes=chunk_bytes,
       progress=lambda i, nbytes: reporter.step(nbytes, archive=i),
+      where=final,  # a refusal names the checkpoint, not its hidden temporary sibling
     )
     tmp.check(builder, chunk_bytes)
     if builder.source is None:

@@ -379,11 +379,12 @@ def _write_archive_into(
   return sum(int(data.nbytes) for data in buffers.values())
 
 
-def write_index(directory: _shardfile.OutDir, value: dict) -> None:
+def write_index(directory: _shardfile.OutDir, value: dict, where: str | None = None) -> None:
   """Writes an index value (``IndexBuilder.index()``) into ``directory``: signed JSON,
   and for large layouts its binary table first, fsync'ed with the directory before
-  the index that names it is written."""
-  raw, table = readable_index(value, directory.path)
+  the index that names it is written. ``where``: the checkpoint's path in a refusal
+  (default: the directory's own, which a save's temporary directory means nothing as)."""
+  raw, table = readable_index(value, directory.path if where is None else where)
   if table is not None:
     directory.write_bytes(_table.TABLE_FILE, table)
     directory.sync()
@@ -452,6 +453,7 @@ def write_checkpoint(
   *,
   chunk_bytes: int = DEFAULT_CHUNK_BYTES,
   progress: Callable[[int, int], None] | None = None,
+  where: str | None = None,
 ) -> IndexBuilder:
   """Writes every record into an existing empty ``directory``; returns what it wrote.
 
@@ -460,11 +462,14 @@ def write_checkpoint(
   nbytes)`` is called after each. ``SourcedRecords`` give the index their
   ``Source``. Every file and directory is fsync'ed (when ``directory`` is
   durable) before it returns. Not atomic by itself: ``save_records`` and the
-  orbax handler supply the atomic commit.
+  orbax handler supply the atomic commit. ``where``: the path a refusal of the index
+  names (``save_records``: the checkpoint's, not its temporary directory's).
   """
   if not isinstance(directory, _shardfile.OutDir):
     with _shardfile.OutDir.open(os.fspath(directory)) as held:
-      return write_checkpoint(held, records, chunk_bytes=chunk_bytes, progress=progress)
+      return write_checkpoint(
+        held, records, chunk_bytes=chunk_bytes, progress=progress, where=where
+      )
   builder = IndexBuilder(source=records.source if isinstance(records, SourcedRecords) else None)
   one = _record.CheckpointOf()  # parts of two saves are never written into one
   for index, record in enumerate(records):
@@ -472,7 +477,7 @@ def write_checkpoint(
     nbytes = write_archive(directory, index, record, builder, chunk_bytes)
     if progress is not None:
       progress(index, nbytes)
-  write_index(directory, builder.index())
+  write_index(directory, builder.index(), where)
   directory.sync()
   directory.drain()
   return builder
