@@ -805,6 +805,28 @@ def test_verify_reads_a_weak_clock_scalar_as_its_number_and_says_which_is_weak(t
   assert _ok(_run("verify", tmp_path / "weak", tmp_path / "weak")).stdout.startswith("identical")
 
 
+def test_inspect_says_which_clock_scalars_are_weak_as_verify_does(tmp_path):
+  """``inspect`` showed a weak and a strong learning rate alike, in its table and its
+  JSON, while ``verify`` and the digest tell them apart."""
+  opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+  params = {"w": jnp.zeros((5,))}
+  state = opt.init(params)
+  for name, lr in (("strong", jnp.asarray(0.1, jnp.float32)), ("weak", jnp.asarray(0.1))):
+    changed = state._replace(hyperparams=dict(state.hyperparams, learning_rate=lr))
+    jr.save_records(tmp_path / name, jr.shard_state(opt, params, changed, world_size=2))
+    clocks = {
+      c["path"]: c
+      for c in json.loads(_ok(_run("inspect", tmp_path / name, "--json")).stdout)["clocks"]
+    }
+    assert clocks[".hyperparams['learning_rate']"]["weak"] is (name == "weak")
+    assert clocks[".count"]["weak"] is False  # optax's own count: an int32 array
+    rows = [
+      l for l in _ok(_run("inspect", tmp_path / name)).stdout.splitlines() if "learning_rate" in l
+    ]
+    dtype = [l.split("│")[2].strip() for l in rows]
+    assert dtype == (["float32 (weak)"] if name == "weak" else ["float32"]), rows
+
+
 # --- the latest step of a run: the manager's and the command line's -------------------
 
 

@@ -113,6 +113,8 @@ def clock_facts(record: Any) -> list[dict]:
         value=value,
         bits=_digest.raw_bits(shown).tobytes().hex(),
         truncated=cut,
+        # How jax promotes it, which the digest and ``verify`` tell apart too.
+        weak=bool(getattr(x, "weak_type", False)),
       )
     )
   return out

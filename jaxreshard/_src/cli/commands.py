@@ -156,7 +156,9 @@ def inspect(
   state classes, "dtype" (a typed PRNG key's as jax names it, "key<fry>", with
   its key data for "shape", "value" and "bits"), "shape", "value", "bits": hex,
   "truncated": true when the scalar is an array of more than 16 elements, whose
-  first 16 (flat) alone are in "value" and "bits"}, "clocks_agree", "source": null,
+  first 16 (flat) alone are in "value" and "bits", "weak": whether it is weakly
+  typed (how jax promotes it; the table's dtype says "(weak)")}, "clocks_agree",
+  "source": null,
   or for the output of a reshard {"checkpoint": the identity of the checkpoint it
   was resharded from, "world_size", "layout": the target layout's sha256}}.
   """

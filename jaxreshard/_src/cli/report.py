@@ -106,7 +106,8 @@ def _clock_table(info: dict) -> Table:
     if c["truncated"]:
       n = int(np.prod(c["shape"], dtype=np.int64))
       value = f"{str(value)[:-1]}, ...] ({n} elements of shape {tuple(c['shape'])})"
-    clocks.add_row(cell(c["path"]), c["dtype"], cell(value), cell(c["name"]))
+    dtype = f"{c['dtype']} (weak)" if c["weak"] else c["dtype"]
+    clocks.add_row(cell(c["path"]), dtype, cell(value), cell(c["name"]))
   return clocks
 
 
