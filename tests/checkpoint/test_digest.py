@@ -366,6 +366,36 @@ def test_a_clock_scalar_s_weak_type_is_part_of_the_digest(tmp_path):
   assert len(lines) == 1 and "weak" in lines[0] and "step" in lines[0], lines
 
 
+def test_a_python_number_in_the_clock_is_weak_as_jax_makes_it_and_saves_as_before(tmp_path):
+  """jax promotes a Python float as weakly typed (``jnp.asarray(0.1).weak_type``): the
+  digest says so, and tells it from a strong float64 of the same bits (they restore
+  as different values: a Python float and a numpy scalar). The checkpoint stores the
+  Python number as it always did, with no weak type of its own."""
+  from tests._archive_util import read_json
+
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"w": jnp.ones((5,), jnp.float32)}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+
+  def with_lr(lr):
+    state = lambda r: {"trace": r.state[0].trace, "lr": lr}  # noqa: E731
+    return [jr.ShardRecord(r.version, r.placements, state(r)) for r in records]
+
+  python, strong = with_lr(0.1), with_lr(np.float64(0.1))
+  assert jnp.asarray(0.1).weak_type
+  assert [s[1] for s in jr.digest(python).scalars] == ["float64() weak"]
+  assert [s[1] for s in jr.digest(strong).scalars] == ["float64()"]
+  jr.save_records(tmp_path / "py", python)
+  assert jr.compare_digests(jr.digest(python), jr.digest(tmp_path / "py")) == []
+  lines = jr.compare_digests(jr.digest(tmp_path / "py"), jr.digest(strong))
+  assert lines == ["scalar ['lr']: 0.1 (weak) != 0.1 (not weak)"], lines
+  assert read_json(tmp_path / "py" / "jaxreshard.json")["clocks"] == [
+    [{"py": "float", "v": (0.1).hex()}]
+  ]
+  loaded = jr.load_records(tmp_path / "py")[0].state["lr"]
+  assert type(loaded) is float and loaded == 0.1
+
+
 def test_archives_whose_clock_scalar_differs_only_in_weak_type_are_refused_on_every_path(tmp_path):
   """The digest tells a weak clock scalar from a strong one of the same bits, so
   archives of the two are two steps: every path refuses the mix (it took the

@@ -556,6 +556,26 @@ def test_12a_prng_keys_of_two_implementations_are_named_by_them(impls, tmp_path)
   assert not (tmp_path / "ckpt").exists()
 
 
+def test_12a_a_python_number_is_weak_as_jax_makes_it():
+  """jax promotes a Python int as weakly typed (``jnp.asarray(3).weak_type``): a
+  ``count`` of 3 in one archive and ``np.int64(3)`` (strong) in another are two
+  clocks, which the refusal tells apart; before, they were one (each 'not weak'),
+  and the type of every target's count followed whichever archive came first."""
+  assert jnp.asarray(3).weak_type and not jnp.asarray(np.int64(3)).weak_type
+  records = _records()
+  records = [
+    dataclasses.replace(r, state=(r.state[0]._replace(count=c),) + tuple(r.state[1:]))
+    for r, c in zip(records, [3] + [np.int64(3)] * (len(records) - 1))
+  ]
+  _refused(
+    records,
+    _plan(_records()),
+    jr.PlacementError,
+    "archive 1 has clock scalar [0].count = array(3) (not weak) but archive 0 has array(3)"
+    " (weak); these archives are not one checkpoint",
+  )
+
+
 def test_12b_state_structure_differs():
   # adamw's state has one more (empty) transform than adam's: same histories.
   records = _records()

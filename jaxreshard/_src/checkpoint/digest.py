@@ -479,6 +479,6 @@ def _scalars(record: ShardRecord) -> tuple[tuple[str, str, str], ...]:
   for path, x in clock_leaves(record):
     a = _clock.plain(x)
     dtype = x.dtype if hasattr(x, "dtype") else a.dtype
-    weak = " weak" if getattr(x, "weak_type", False) else ""  # how jax promotes it
+    weak = " weak" if _clock.is_weak(x) else ""  # how jax promotes it
     out.append((path, f"{dtype}{a.shape}{weak}", raw_bits(a).tobytes().hex()))
   return tuple(out)

@@ -114,7 +114,7 @@ def clock_facts(record: Any) -> list[dict]:
         bits=_digest.raw_bits(shown).tobytes().hex(),
         truncated=cut,
         # How jax promotes it, which the digest and ``verify`` tell apart too.
-        weak=bool(getattr(x, "weak_type", False)),
+        weak=_clock.is_weak(x),
       )
     )
   return out

@@ -32,6 +32,7 @@ __all__ = [
   "is_key_dtype",
   "unstorable",
   "is_python_number",
+  "is_weak",
   "keep_weak",
   "python_dtype",
   "stays_on_host",
@@ -46,6 +47,23 @@ except ImportError:  # pragma: no cover - another jax layout: scalars come back 
 def is_python_number(x: Any) -> bool:
   """A plain Python ``bool``/``int``/``float``/``complex`` (not a numpy scalar)."""
   return isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic)
+
+
+def is_weak(x: Any) -> bool:
+  """Whether jax promotes ``x`` as weakly typed: a Python ``int``, ``float`` or
+  ``complex`` (``jnp.asarray(3).weak_type`` is True; a ``bool`` is not weak), or an
+  array that says it is (``weak_type``, as jax's and ``WeakHostScalar`` do).
+
+  Examples:
+    >>> import numpy as np, jax.numpy as jnp
+    >>> is_weak(3), is_weak(0.1), is_weak(True), is_weak(np.int64(3))
+    (True, True, False, False)
+    >>> is_weak(jnp.asarray(3)) == jnp.asarray(3).weak_type == True
+    True
+  """
+  if is_python_number(x):
+    return not isinstance(x, bool)
+  return bool(getattr(x, "weak_type", False))
 
 
 def python_dtype(x: Any) -> np.dtype:
@@ -220,8 +238,8 @@ def clock_mismatch(src: Any, a: int, b: int, pid: str | None = None) -> str:
       shown_a += f" (bytes {va.tobytes().hex()})"
       shown_b += f" (bytes {vb.tobytes().hex()})"
     if shown_a == shown_b:  # the same bits, one of them weakly typed
-      shown_a += " (weak)" if getattr(xa[where], "weak_type", False) else " (not weak)"
-      shown_b += " (weak)" if getattr(xb[where], "weak_type", False) else " (not weak)"
+      shown_a += " (weak)" if is_weak(xa[where]) else " (not weak)"
+      shown_b += " (weak)" if is_weak(xb[where]) else " (not weak)"
     return (
       f"{name}archive {a} has clock scalar {path} = {shown_a} but archive"
       f" {b} has {shown_b}; these archives are not one checkpoint"
@@ -278,7 +296,7 @@ def scalar_bits(x: Any) -> tuple[Any, ...]:
   """What must agree for two clock scalars to be the same: dtype, shape, bytes and
   weak type (how jax promotes it: the digest and ``verify`` tell weak from strong)."""
   a = plain(x)
-  weak = bool(getattr(x, "weak_type", False))
+  weak = is_weak(x)
   return (str(getattr(x, "dtype", a.dtype)), a.dtype.str, a.shape, a.tobytes(), weak)
 
 
