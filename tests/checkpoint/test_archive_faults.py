@@ -265,6 +265,33 @@ def test_missing_file_of_an_archive(ckpt, entry):
     _refused(fn, jr.ArchiveError, re.escape(str(path)) + " is missing")
 
 
+@pytest.mark.parametrize("then", ["removed", "replaced"])
+def test_a_checkpoint_removed_or_replaced_after_it_was_opened_is_named_so(tmp_path, then):
+  """An opened checkpoint reads below the directory it opened; once that directory is
+  removed (and another checkpoint saved at its path), its archives are gone: the
+  refusal says the checkpoint changed since it was opened, not that an archive of it
+  'is missing'. Opened again, the new checkpoint reads."""
+  path = tmp_path / "ck"
+  jr.save_records(path, adam_records(2, seed=0))
+  opened = jr.open_checkpoint(path)
+  shutil.rmtree(path)
+  words = "removed and another is at its path now" if then == "replaced" else "removed"
+  if then == "replaced":
+    jr.save_records(path, adam_records(2, seed=1))
+  needle = (
+    f"archive 0: {path} changed since the checkpoint was opened: that directory was {words},"
+    " so its archive_00000 cannot be read; open the checkpoint again to read what is there now"
+  )
+  for fn in (
+    lambda: jr.restore_ranks(path, [0], world_size=3, checkpoint=opened),
+    lambda: opened.record(0),
+  ):
+    _refused(fn, jr.ArchiveError, re.escape(needle))
+  if then == "replaced":
+    again = jr.restore_ranks(path, [0], world_size=3, checkpoint=jr.open_checkpoint(path))
+    _same(again, jr.restore_ranks(path, [0], world_size=3))
+
+
 def test_missing_index_is_an_unfinished_save(ckpt):
   (ckpt / "jaxreshard.json").unlink()
   for fn in _both(ckpt):

@@ -215,7 +215,7 @@ class Dir(_Owned):
       " regular entry"
     )
     if isinstance(e, FileNotFoundError):
-      return ArchiveError(f"{path} is missing")
+      return ArchiveError(self._removed(name) or f"{path} is missing")
     if isinstance(e, NotADirectoryError):  # O_DIRECTORY on a link fails with ENOTDIR, not ELOOP
       return link if self._is_link(name) else ArchiveError(f"{path} is not a directory")
     if e.errno == errno.ELOOP:
@@ -223,6 +223,27 @@ class Dir(_Owned):
     if e.errno in (errno.ENXIO, errno.ENODEV, errno.EOPNOTSUPP):  # a socket or a device
       return ArchiveError(f"{path} is not a regular file")
     return OSError(e.errno, e.strerror, path)
+
+  def _removed(self, name: str) -> str:
+    """The refusal of a missing entry ``name`` when this directory itself was removed
+    after it was opened (the checkpoint deleted, or replaced by another at its path,
+    since); '' when it is still in place (the entry itself is missing)."""
+    try:
+      held = os.fstat(self.fd)
+    except OSError:
+      return ""
+    if held.st_nlink != 0:  # still linked: in place, or moved (read where it went)
+      return ""
+    try:
+      now = os.stat(self.path)
+      replaced = (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+    except OSError:
+      replaced = False
+    return (
+      f"{self.path} changed since the checkpoint was opened: that directory was removed"
+      f"{' and another is at its path now' if replaced else ''}, so its {name} cannot be"
+      " read; open the checkpoint again to read what is there now"
+    )
 
   def _is_link(self, name: str) -> bool:
     try:
