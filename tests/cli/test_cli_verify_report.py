@@ -174,6 +174,27 @@ def test_an_infinity_is_within_no_tolerance_of_anything_but_itself(tmp_path, oth
   assert _run("verify", ref, ref, "--rtol", 1e-6).exit_code == 0
 
 
+@pytest.mark.parametrize("tol", [("--rtol", 1e-3), ("--atol", 0), ("--rtol", 0, "--atol", 1e-6)])
+def test_nans_of_other_payloads_are_within_every_tolerance(tmp_path, tol):
+  """NaN matches NaN whatever its payload (as -0.0 matches 0.0): other bits, so not
+  identical, but within every tolerance. (``rtol * |NaN|`` is NaN, and the NaN pair
+  was counted outside the tolerance beside "max abs diff 0".)"""
+
+  def nan(payload):
+    def edit(mu):
+      mu["p03"][2] = np.array(payload, np.uint32).view(np.float32)
+
+    return edit
+
+  ref = _save(tmp_path / "a", edit=nan(0x7FC00123))
+  other = _save(tmp_path / "b", world_size=3, edit=nan(0x7FC00001))
+  result = _run("verify", ref, other, *tol)
+  assert result.exit_code == 0, (tol, result.output)
+  first = result.stdout.splitlines()[0]
+  assert first.startswith("within tolerance") and "outside" not in first, (tol, first)
+  assert _run("verify", ref, other).exit_code == EXIT_DIFFERENT  # bit for bit: not identical
+
+
 @pytest.mark.parametrize("flag", ["--rtol", "--atol"])
 @pytest.mark.parametrize("bad", ["inf", "nan", "-1e-9", "-inf"])
 def test_a_tolerance_that_is_not_a_finite_number_at_least_zero_is_refused(base, flag, bad):

@@ -221,10 +221,11 @@ class _Stats:
       self.outside += n
     else:
       rtol, atol = self.tolerance
-      # An infinite difference (an infinity or NaN against anything but itself) is
-      # outside every tolerance, even where ``rtol * |x|`` is infinite too.
+      # Values that are the same (NaN against NaN, whatever their payloads) are inside
+      # every tolerance; an infinite difference (an infinity or NaN against anything
+      # but itself) is outside every one, even where ``rtol * |x|`` is infinite too.
       with np.errstate(invalid="ignore", over="ignore"):
-        inside = np.isfinite(diff) & (diff <= atol + rtol * np.abs(xs))
+        inside = same | (np.isfinite(diff) & (diff <= atol + rtol * np.abs(xs)))
       self.outside += int(np.count_nonzero(~inside))
 
   def result(self, key: tuple[str, int], dtype: str) -> BufferDiff:
