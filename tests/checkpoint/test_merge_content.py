@@ -193,6 +193,31 @@ def test_parts_of_two_saves_or_two_clocks_are_refused_with_table_indexes(tmp_pat
   assert not os.path.exists(tmp_path / "out")
 
 
+def test_parts_whose_states_are_other_trees_are_refused_naming_what_differs(tmp_path):
+  # The refusal said "another optimizer state structure" of both parts, naming nothing.
+  records = adam_records(8, SHAPES)
+  parts = _parts(tmp_path, records)
+
+  def other(name, state_of, roles_of):
+    return _parts(
+      tmp_path,
+      [jr.ShardRecord(r.version, r.placements, state_of(r), roles_of(r)) for r in records],
+      name,
+    )
+
+  extra = other("extra", lambda r: (*r.state, np.int32(5)), lambda r: (*r.roles, None))
+  with pytest.raises(PlacementError) as info:
+    _merge.merge_parts(tmp_path / "out", parts[:2] + extra[2:3] + parts[3:])
+  assert f"{extra[2]} holds its optimizer state in another tree than {parts[0]}" in str(
+    info.value
+  ) and f"(clock scalar [2] is in {extra[2]} only)" in str(info.value), info.value
+  nested = other("nested", lambda r: (r.state[0], (r.state[1],)), lambda r: r.roles)
+  with pytest.raises(PlacementError) as info:
+    _merge.merge_parts(tmp_path / "out", parts[:2] + nested[2:3] + parts[3:])
+  assert "(the same clock scalars (1), in other nodes of the state tree)" in str(info.value)
+  assert not os.path.exists(tmp_path / "out")
+
+
 _DTYPES = [np.dtype(np.float32), np.dtype(jnp.bfloat16), np.dtype(np.float16)]
 _SHAPES = st.lists(st.integers(0, 9), min_size=0, max_size=2).map(tuple)
 

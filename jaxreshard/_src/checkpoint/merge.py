@@ -161,8 +161,9 @@ def _clock_mismatch(part: _Part, archive: int, first: _Part) -> str:
     return ""
   if where == _clock.STRUCTURE:
     return (
-      f"{part.path} has another optimizer state structure but {first.path} has another"
-      " optimizer state structure; parts of different steps are never merged"
+      f"{part.path} holds its optimizer state in another tree than {first.path}"
+      f" ({_structure_difference(part, archive, first)}); parts of different steps are"
+      " never merged"
     )
   mine = _digest.clock_scalars(part.ckpt.metadata_record(archive))[where]
   theirs = _digest.clock_scalars(first.ckpt.metadata_record(0))[where]
@@ -171,6 +172,20 @@ def _clock_mismatch(part: _Part, archive: int, first: _Part) -> str:
     f" {theirs[0]} = {_values.clock_text(theirs[1])}; parts of different steps are never"
     " merged"
   )
+
+
+def _structure_difference(part: _Part, archive: int, first: _Part) -> str:
+  """What differs between two archives' state trees, in words: a clock scalar one of
+  them holds and the other not, else the tree around the same clock scalars."""
+  mine = [p for p, _ in _digest.clock_scalars(part.ckpt.metadata_record(archive))]
+  theirs = [p for p, _ in _digest.clock_scalars(first.ckpt.metadata_record(0))]
+  only_mine = [p for p in mine if p not in set(theirs)]
+  only_theirs = [p for p in theirs if p not in set(mine)]
+  if only_mine:
+    return f"clock scalar {only_mine[0]} is in {part.path} only"
+  if only_theirs:
+    return f"clock scalar {only_theirs[0]} is in {first.path} only"
+  return f"the same clock scalars ({len(mine)}), in other nodes of the state tree"
 
 
 def merge_plan(
