@@ -150,8 +150,8 @@ def inspect(
   With --json: {"archives", "world_sizes", "params": a list of {"param",
   "shape", "dtype", "trainable", "world_sizes", "ranks", "buffers": the dtype
   of each history buffer, "bytes", "stored_bytes": with padding}, "bytes",
-  "stored_bytes", "disk_bytes", "files": the regular files under the checkpoint
-  and their bytes, "orbax": null, or {"path", "step", "steps", "item"} for an
+  "stored_bytes", "disk_bytes", "files": how many regular files lie under the
+  checkpoint ("disk_bytes" is their bytes), "orbax": null, or {"path", "step", "steps", "item"} for an
   orbax step or run directory, "clocks": a list of {"path", "name": with the
   state classes, "dtype" (a typed PRNG key's as jax names it, "key<fry>", with
   its key data for "shape", "value" and "bits"), "shape", "value", "bits": hex,

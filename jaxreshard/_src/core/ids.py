@@ -12,13 +12,23 @@ from typing import Any
 
 import jax
 
-from jaxreshard._src.errors import ReshardError
+from jaxreshard._src.errors import PlacementError, ReshardError
 
-__all__ = ["MAX_ID_CHARS", "escape", "key_name", "path_id", "split_id", "unescape"]
+__all__ = ["MAX_ID_CHARS", "check_length", "escape", "key_name", "path_id", "split_id", "unescape"]
 
 # A checkpoint holds ids of at most this many characters (no model's key paths run
 # to this length); every call in memory refuses a longer one as a save does.
 MAX_ID_CHARS = 4096
+
+
+def check_length(pid: Any, index: int) -> None:
+  """Refuses an id of archive ``index`` longer than a checkpoint holds."""
+  if isinstance(pid, str) and len(pid) > MAX_ID_CHARS:
+    raise PlacementError(
+      f"param {pid[:80]!r}... ({len(pid)} characters): archive {index} lists an"
+      f" id longer than the {MAX_ID_CHARS} characters a checkpoint holds"
+    )
+
 
 _tu = jax.tree_util
 _DictKey, _GetAttrKey, _SequenceKey = _tu.DictKey, _tu.GetAttrKey, _tu.SequenceKey

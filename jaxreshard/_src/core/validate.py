@@ -68,6 +68,12 @@ def check_storage_dtype(dtype: Any, where: str) -> None:
     raise DtypeError(f"{where}: storage dtype {dtype} is not one of {', '.join(SUPPORTED_DTYPES)}")
 
 
+_X64_HINT = (
+  " (enable jax_enable_x64 to keep float64 exact: jax.config.update('jax_enable_x64',"
+  " True), or JAX_ENABLE_X64=1 in the environment, as for the CLI)"
+)
+
+
 def check_buffer_dtype(dtype: Any, where: str) -> None:
   """History buffers must be floating: integer, bool and quantized state is refused."""
   try:
@@ -78,7 +84,7 @@ def check_buffer_dtype(dtype: Any, where: str) -> None:
     return
   if dtype.name == "float64" and jax.config.jax_enable_x64:
     return
-  hint = " (enable jax_enable_x64 to keep float64 exact)" if dtype.name == "float64" else ""
+  hint = "" if dtype.name != "float64" else _X64_HINT
   name = dtype.name
   if not dtype.isnative:  # the same name in the other byte order
     name, hint = (
@@ -128,11 +134,7 @@ def check_record(
       raise PlacementError(f"archive {index}: placement {p!r} is not a ParamPlacement")
     if p.param in placements:
       raise listed_twice(p.param, index)
-    if isinstance(p.param, str) and len(p.param) > _ids.MAX_ID_CHARS:
-      raise PlacementError(
-        f"param {p.param[:80]!r}... ({len(p.param)} characters): archive {index} lists an"
-        f" id longer than the {_ids.MAX_ID_CHARS} characters a checkpoint holds"
-      )
+    _ids.check_length(p.param, index)
     if not isinstance(p.trainable, (bool, np.bool_)):
       raise PlacementError(
         f"param {p.param!r}: archive {index} marks it trainable={p.trainable!r}, not a bool"
