@@ -3,7 +3,7 @@
 A save refuses a tree it cannot store exactly: dict keys that are not all str,
 all int or all tuples of those (a float, None, a numpy integer, a bool, a tuple
 nested too deep, two kinds in one dict), a registered pytree node of another type
-(a dataclass, an ``OrderedDict``), a node more than 200 keys deep, int keys that
+(a dataclass, a ``defaultdict``), a node more than 200 keys deep, int keys that
 share one hash, a NamedTuple whose names a reader cannot re-create, and a param id
 past 4,096 characters. ``shard_state``, ``reshard``, ``reshard_ranks`` and
 ``unshard_state`` took such states, so a run learnt of them at its first
@@ -84,11 +84,11 @@ CASES = {
     "(0, 'trace', 'm')",
     f"is a {__name__}.Node, a pytree node type jaxreshard cannot store",
   ),
-  "an OrderedDict": (
-    collections.OrderedDict(w=A),
+  "a defaultdict": (
+    collections.defaultdict(list, w=A),
     ["w"],
     "(0, 'trace')",
-    "is a collections.OrderedDict, a pytree node type",
+    "is a collections.defaultdict, a pytree node type",
   ),
   "a tree 201 deep": (
     _nested(199),
@@ -218,3 +218,69 @@ def test_a_structure_is_checked_once(monkeypatch):
     jr.reshard(records, jr.plan(records, world_size=4, rank=rank))
   jr.unshard_state(records)
   assert len(walked) == 1
+
+
+def _bits(tree):
+  return [np.asarray(x).reshape(-1).view(np.uint8).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def test_named_chain_keeps_its_ordered_dict_on_every_path(tmp_path):
+  """optax's named_chain holds its state in an OrderedDict, whose keys jax keeps in
+  their own order: every call and the checkpoint take it, and give it back in that
+  order (not sorted), bit for bit. (A save refused it, and then memory did too.)"""
+  opt = optax.named_chain(("zeta", optax.scale_by_adam()), ("alpha", optax.trace(0.9)))
+  params = {"w": jnp.arange(5.0), "b": jnp.ones((2, 3))}
+  state = jax.tree.map(lambda x: x + 0.5 if x.dtype == jnp.float32 else x, opt.init(params))
+  assert type(state) is collections.OrderedDict and list(state) == ["zeta", "alpha"]
+  records = jr.shard_state(opt, params, state, world_size=3)
+  jr.save_records(tmp_path / "ck", records)
+  loaded = jr.load_records(tmp_path / "ck")
+  for whole in (
+    jr.unshard_state(records),
+    jr.unshard_state(loaded),
+    jr.unshard_state([jr.restore(tmp_path / "ck", world_size=2, rank=r) for r in range(2)]),
+    jr.unshard_state(
+      jr.reshard_ranks(records, [jr.plan(records, world_size=4, rank=r) for r in range(4)])
+    ),
+  ):
+    assert type(whole) is collections.OrderedDict and list(whole) == ["zeta", "alpha"]
+    assert jax.tree.structure(whole) == jax.tree.structure(state)
+    assert _bits(whole) == _bits(state)
+  assert jr.digest(loaded) == jr.digest(records)
+
+
+def test_a_frozen_dict_group_beside_a_dict_group_is_one_state(tmp_path):
+  """Groups whose params are a FrozenDict in one and a dict in the other (one str key
+  kind) merge into one tree of dicts, as before archives of groups were compared node
+  by node: every path takes them (the node check refused 'a FrozenDict ... and a dict')."""
+  from flax.core import freeze  # pylint: disable=g-import-not-at-top
+
+  def group(params, world):  # the trace holds the params' values
+    state = OPT.init(params)
+    state = (state[0]._replace(trace=jax.tree.map(lambda x: x, params)), *state[1:])
+    return jr.shard_state(OPT, params, state, world_size=world)
+
+  records = group(freeze({"params": {"enc": jnp.arange(5.0)}}), 2) + group(
+    {"params": {"dec": jnp.arange(7.0)}}, 3
+  )
+  target = jr.reshard(records, jr.plan(records, world_size=1, rank=0))
+  want = {
+    "params": {"dec": np.arange(7.0, dtype=np.float32), "enc": np.arange(5.0, dtype=np.float32)}
+  }
+  assert _bits(jr.unshard_state([target])[0].trace) == _bits(want)
+  jr.save_records(tmp_path / "ck", records)
+  assert _bits(jr.unshard_state(jr.load_records(tmp_path / "ck"))[0].trace) == _bits(want)
+  assert _bits(jr.restore(tmp_path / "ck", world_size=1, rank=0).state[0].trace) == _bits(want)
+
+
+def test_flat_sharded_init_refuses_a_tree_a_save_refuses():
+  """flat_sharded's init took params no checkpoint can hold and trained on them; the
+  run learnt of it at its first save_sharded. It refuses them as shard_state does."""
+  mesh = jax.make_mesh((4,), ("fsdp",), devices=jax.devices()[:4])
+  params = {np.int64(3): jnp.arange(5.0), np.int64(4): jnp.arange(3.0)}
+  opt = jr.flat_sharded(optax.adam(1e-3), mesh, axis="fsdp")
+  with pytest.raises(jr.ReshardError) as got:
+    opt.init(params)
+  assert "state node at (0, 'mu'): dict keys must be all str" in str(got.value), got.value
+  with pytest.raises(jr.PlacementError, match="4097 characters.*in the params"):
+    opt.init({"x" * 4097: jnp.arange(3.0)})

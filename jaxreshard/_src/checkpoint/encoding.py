@@ -14,6 +14,7 @@ has a node per leaf, and arrays parse faster than objects)::
   ["d", [["s", "mu"], ["i", 0]], [children]] (dict: str or int keys)
   ["d", [["u", [["s", "layer"], ["i", 0]]]], [children]] (tuple keys: ("layer", 0))
   ["f", [...keys...], [children]]             (flax FrozenDict, keys as for dict)
+  ["o", [...keys...], [children]]             (OrderedDict, keys in its own order)
   ["n", "optax._src.transform", "ScaleByAdamState", ["count", "mu", "nu"], [children]]
 
 Every JSON file jaxreshard writes in a checkpoint (the index and each
@@ -337,7 +338,7 @@ def decode_tree(tree: Any, leaves: Sequence[Any], where: str, classes: dict | No
     if kind in ("l", "t") and len(node) == 2:
       out = [dec(c, depth + 1) for c in children]
       return out if kind == "l" else tuple(out)
-    if kind in ("d", "f") and len(node) == 3 and type(node[1]) is list:
+    if kind in ("d", "f", "o") and len(node) == 3 and type(node[1]) is list:
       keys = node[1]
       if len(keys) != len(children):
         raise ArchiveError(
@@ -349,6 +350,8 @@ def decode_tree(tree: Any, leaves: Sequence[Any], where: str, classes: dict | No
         if key in out:
           raise ArchiveError(f"{where}: dict key {short(key)} appears twice")
         out[key] = dec(c, depth + 1)
+      if kind == "o":  # its keys in their stored order, which jax keeps
+        return collections.OrderedDict(out)
       if out and type(decoded[0]) is tuple:
         _dictkeys.check_orderable(out, where)
       return out if kind == "d" else _frozen_dict_class(where)(out)

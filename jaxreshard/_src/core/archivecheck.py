@@ -189,24 +189,32 @@ class _Nodes:
   node's kind, the keys of a dict (all sets' together) and the archive it came from."""
 
   def __init__(self):
-    self.nodes: dict[tuple, tuple[str, list, int]] = {}
+    # path -> (kind, its keys in order met, the same as a set, first archive)
+    self.nodes: dict[tuple, tuple[str, list, set, int]] = {}
 
   def add(self, archive: int, parts: Any) -> None:
     for path, (kind, keys, where) in _inner_nodes(parts).items():
       seen = self.nodes.get(path)
       if seen is None:
-        self.nodes[path] = (kind, list(keys), archive)
+        self.nodes[path] = (kind, list(keys), set(keys), archive)
         continue
-      if seen[0] != kind:
+      if _same_kind(seen[0]) != _same_kind(kind):
         raise PlacementError(
-          f"archive {seen[2]} holds a {seen[0]} at state path {_path(where)} and archive"
+          f"archive {seen[3]} holds a {seen[0]} at state path {_path(where)} and archive"
           f" {archive} a {kind}: no one params tree holds the params of both, each at its"
           " own key path, so they are not archives of one state"
         )
-      new = [k for k in keys if k not in set(seen[1])]
+      new = [k for k in keys if k not in seen[2]]
       if new:
-        _check_one_kind(seen[1], new, seen[2], archive, where)
+        _check_one_kind(seen[1], new, seen[3], archive, where)
         seen[1].extend(new)
+        seen[2].update(new)
+
+
+def _same_kind(kind: str) -> str:
+  """A node kind as the merged tree holds it: every mapping (a dict, flax's
+  FrozenDict, an OrderedDict) is a dict there, nested by its keys."""
+  return "dict" if kind in ("dict", "FrozenDict", "OrderedDict") else kind
 
 
 def _check_one_kind(old: list, new: list, a: int, b: int, where: tuple) -> None:

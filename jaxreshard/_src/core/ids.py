@@ -21,12 +21,12 @@ __all__ = ["MAX_ID_CHARS", "check_length", "escape", "key_name", "path_id", "spl
 MAX_ID_CHARS = 4096
 
 
-def check_length(pid: Any, index: int) -> None:
-  """Refuses an id of archive ``index`` longer than a checkpoint holds."""
+def check_length(pid: Any, where: str) -> None:
+  """Refuses an id longer than a checkpoint holds; ``where`` names what lists it."""
   if isinstance(pid, str) and len(pid) > MAX_ID_CHARS:
     raise PlacementError(
-      f"param {pid[:80]!r}... ({len(pid)} characters): archive {index} lists an"
-      f" id longer than the {MAX_ID_CHARS} characters a checkpoint holds"
+      f"param {pid[:80]!r}... ({len(pid)} characters), in {where}: an id longer than the"
+      f" {MAX_ID_CHARS} characters a checkpoint holds"
     )
 
 

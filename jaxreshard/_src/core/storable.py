@@ -6,8 +6,9 @@ written. A state whose tree it cannot store exactly is refused by a save, and by
 every call in memory too (:func:`check_structure`), so that a state that reshards
 in memory can always be saved and loaded. A tree is storable when:
 
-* every node is None, a leaf, a list, a tuple, a dict, flax's ``FrozenDict`` or
-  a NamedTuple: no other registered pytree node (a dataclass, an ``OrderedDict``);
+* every node is None, a leaf, a list, a tuple, a dict, flax's ``FrozenDict``, an
+  ``OrderedDict`` (optax's ``named_chain``) or a NamedTuple: no other registered
+  pytree node (a dataclass, a ``defaultdict``);
 * no node lies more than ``MAX_TREE_DEPTH`` keys below the root;
 * each dict's keys are all ``str``, all ``int`` or all tuples of those and of
   such tuples nested at most ``MAX_KEY_DEPTH`` deep (exactly these types: a bool,
@@ -23,6 +24,7 @@ Checks in memory are of tree *structures*, once per structure (:data:`CHECKED`).
 
 from __future__ import annotations
 
+import collections
 import keyword
 import re
 import sys
@@ -116,34 +118,45 @@ def _is_frozen_dict(x: Any) -> bool:
   return core is not None and type(x) is getattr(core, "FrozenDict", None)
 
 
-def _sorted_codes(x: dict, path: tuple) -> tuple[list, list]:
-  refused = UnstorableTree(
+def _refused_keys(path: tuple) -> UnstorableTree:
+  return UnstorableTree(
     f"{_where(path)}: dict keys must be all str, all int or all tuples of"
     " str, int and such tuples to be stored"
   )
-  if len({type(k) for k in x}) > 1:
-    raise refused
+
+
+def _sorted_codes(x: dict, path: tuple) -> tuple[list, list]:
+  """A dict's keys in jax's order (sorted), and their codes."""
   try:
     keys = sorted(x)
   except TypeError:
-    raise refused from None
+    raise _refused_keys(path) from None
+  return keys, _codes(keys, path)
+
+
+def _codes(keys: list, path: tuple) -> list:
+  """The codes of one mapping's keys, in the order given: all of one kind, each
+  with a code, at most ``MAX_KEYS_PER_HASH`` of them sharing a hash."""
+  if len({type(k) for k in keys}) > 1:
+    raise _refused_keys(path)
   codes = [key_code(k) for k in keys]
   if None in codes:
-    raise refused
+    raise _refused_keys(path)
   most = most_sharing_a_hash(keys)
   if most > MAX_KEYS_PER_HASH:
     raise UnstorableTree(
       f"{_where(path)}: {most} keys of the dict share one hash (at most"
       f" {MAX_KEYS_PER_HASH}); a checkpoint holding them would not load"
     )
-  return keys, codes
+  return codes
 
 
 def node(x: Any, path: tuple, classes: dict) -> tuple[str, Any, list]:
   """One node of a state's tree, as a checkpoint stores it: ``(kind, what, children)``.
 
   ``kind`` is ``"none"``, ``"leaf"``, ``"l"`` or ``"t"`` (list, tuple), ``"d"`` or
-  ``"f"`` (dict, FrozenDict: ``what`` their keys' codes, in jax's order), or ``"n"``
+  ``"f"`` (dict, FrozenDict: ``what`` their keys' codes, in jax's order), ``"o"``
+  (an OrderedDict: its keys' codes in its own order, which jax keeps), or ``"n"``
   (a NamedTuple: ``what`` its class, recorded in ``classes`` by (module, name,
   fields)); ``children`` are ``(key, child)`` pairs in jax's order.
 
@@ -180,11 +193,16 @@ def node(x: Any, path: tuple, classes: dict) -> tuple[str, Any, list]:
   if t is dict or frozen:
     keys, codes = _sorted_codes(x, path)
     return ("f" if frozen else "d"), codes, [(k, x[k]) for k in keys]
+  if t is collections.OrderedDict:  # optax's named_chain: jax keeps its keys' order
+    keys = list(x)
+    codes = _codes(keys, path)
+    return "o", codes, [(k, x[k]) for k in keys]
   if jax.tree_util.tree_structure(x) == _LEAF:
     return "leaf", None, []
   raise UnstorableTree(
     f"{_where(path)} is a {t.__module__}.{t.__qualname__}, a pytree node type jaxreshard"
-    " cannot store (NamedTuple, dict, flax's FrozenDict, list, tuple and None can be)"
+    " cannot store (NamedTuple, dict, OrderedDict, flax's FrozenDict, list, tuple and None"
+    " can be)"
   )
 
 

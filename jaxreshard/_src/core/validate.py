@@ -134,7 +134,7 @@ def check_record(
       raise PlacementError(f"archive {index}: placement {p!r} is not a ParamPlacement")
     if p.param in placements:
       raise listed_twice(p.param, index)
-    _ids.check_length(p.param, index)
+    _ids.check_length(p.param, f"archive {index}")
     if not isinstance(p.trainable, (bool, np.bool_)):
       raise PlacementError(
         f"param {p.param!r}: archive {index} marks it trainable={p.trainable!r}, not a bool"

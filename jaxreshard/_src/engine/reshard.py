@@ -13,6 +13,7 @@ import optax
 
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import deleted as _deleted
+from jaxreshard._src.core import ids as _ids
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import record as _record
 from jaxreshard._src.core import storable as _storable
@@ -85,10 +86,6 @@ def shard_state(
   ids, leaves, shapes, roles = coordinate_roles(optimizer, params, state)
   trainable = _validate.trainable_map(trainable, ids)
   state_leaves, state_def = jax.tree_util.tree_flatten(state)
-  try:  # a tree no checkpoint can hold, before any copy: memory takes none a save refuses
-    _storable.check_structure(state_def)
-  except _storable.UnstorableTree as e:
-    raise ReshardError(str(e)) from None
 
   # The full state is the one archive of a world of size 1; every rank is resharded from it.
   placements = tuple(
@@ -159,6 +156,15 @@ def coordinate_roles(
         " sharded flat"
       )
     _validate.check_buffer_dtype(leaf.dtype, where)
+  # A tree or an id no checkpoint can hold, before any copy: every way in (shard_state,
+  # shard_to_mesh, flat_sharded's init) takes none a save refuses. A save stores the
+  # plain form (``nnx.State`` nodes as dicts).
+  try:
+    _storable.check_structure(jax.tree_util.tree_structure(_plain.plain(state)))
+  except _storable.UnstorableTree as e:
+    raise ReshardError(str(e)) from None
+  for pid in ids:
+    _ids.check_length(pid, "the params")
   return ids, leaves, shapes, roles
 
 
