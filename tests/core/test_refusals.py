@@ -1013,3 +1013,32 @@ def test_09o_a_group_whose_params_tree_is_one_array_joins_no_other(call, tmp_pat
     with pytest.raises(jr.PlacementError, match="params tree is one array, and archive"):
       run(records)
   run(shard(key) + shard(other))
+
+
+def test_a_user_namedtuple_loaded_and_in_memory_is_refused_saying_why(tmp_path):
+  """A NamedTuple state class from outside optax comes back from a checkpoint as a new
+  class of its name and fields. Records of such a state loaded beside records made in
+  memory are two structures that print alike: the refusal says why, naming both."""
+  from typing import NamedTuple  # pylint: disable=g-import-not-at-top
+
+  class Held(NamedTuple):
+    step: object
+    mu: object
+
+  opt = optax.GradientTransformation(
+    lambda p: Held(np.int32(3), jax.tree.map(jnp.zeros_like, p)), lambda g, s, p=None: (g, s)
+  )
+  pa, pb = {"a": jnp.arange(5.0)}, {"b": jnp.arange(7.0)}
+  jr.save_records(tmp_path / "a", jr.shard_state(opt, pa, opt.init(pa), world_size=2))
+  loaded = list(jr.load_records(tmp_path / "a"))
+  records = loaded + jr.shard_state(opt, pb, opt.init(pb), world_size=3)
+  with pytest.raises(jr.PlacementError) as info:
+    jr.reshard(records, jr.plan(records, world_size=2, rank=0))
+  assert (
+    f"(alike in print, but two classes named Held: {__name__}."
+    "test_a_user_namedtuple_loaded_and_in_memory_is_refused_saying_why.<locals>.Held and"
+    " the one a checkpoint's reader made;"
+  ) in str(info.value) or (
+    "(alike in print, but two classes named Held: the one a checkpoint's reader made and"
+    f" {__name__}.test_a_user_namedtuple_loaded_and_in_memory_is_refused_saying_why"
+  ) in str(info.value), info.value

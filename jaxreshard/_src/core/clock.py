@@ -218,6 +218,33 @@ def keep_weak(x: Any, like: Any) -> Any:
 # --- the one rule for whether two archives are of one step -----------------------
 
 
+def _origin(cls: type) -> str:
+  if cls.__module__.startswith("jaxreshard."):
+    return "the one a checkpoint's reader made"
+  return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _classes_differ(ta: Any, tb: Any) -> str:
+  """For two tree structures that print alike: the first two node classes of one name
+  that are not one class (a NamedTuple outside optax, which a checkpoint re-creates as
+  a new class of its name and fields), in words; '' when they print otherwise."""
+  if str(ta) != str(tb):
+    return ""
+  pending = [(ta, tb)]
+  while pending:
+    x, y = pending.pop()
+    (cx, _), (cy, _) = x.node_data() or (None, None), y.node_data() or (None, None)
+    if cx is not cy and cx is not None and cy is not None:
+      return (
+        f" (alike in print, but two classes named {cx.__name__}: {_origin(cx)} and"
+        f" {_origin(cy)}; a checkpoint re-creates a NamedTuple class from outside optax"
+        " as a new class of its name and fields, so its states combine only with states"
+        " loaded from a checkpoint)"
+      )
+    pending.extend(zip(x.children(), y.children()))
+  return ""
+
+
 def clock_mismatch(src: Any, a: int, b: int, pid: str | None = None) -> str:
   """Words the refusal of archives ``a`` and ``b``, whose optimizer clocks differ."""
   name = f"param {pid!r}: " if pid is not None else ""
@@ -227,7 +254,7 @@ def clock_mismatch(src: Any, a: int, b: int, pid: str | None = None) -> str:
   if where == STRUCTURE:
     return (
       f"{name}archive {a} has optimizer state structure {sa[0]} but archive"
-      f" {b} has {sb[0]}; these archives are not one checkpoint"
+      f" {b} has {sb[0]}{_classes_differ(sa[0], sb[0])}; these archives are not one checkpoint"
     )
   if where is not None and where < min(len(xa), len(xb)):
     path = _structure.clock_paths(sa[0], [slot is None for slot in sa[1]])[where]
