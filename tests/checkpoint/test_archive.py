@@ -246,7 +246,7 @@ def test_keys_with_slashes_percent_and_empty_keys_keep_their_structure(tmp_path)
   assert len(set(ids)) == 6 and "mlp%2F~%2Flinear_0/w" in ids and "mlp/~/linear_0/w" in ids
   targets = [jr.reshard(records, jr.plan(records, world_size=2, rank=r)) for r in range(2)]
   assert_trees_bit_equal(jr.unshard_state(targets), state)
-  # A restricted set of parameters is rebuilt from the ids alone: the keys come back.
+  # A restricted set of parameters keeps the group's tree: the keys come back.
   part = [m for m in jr.plan(records, world_size=2, rank=0) if m.param.startswith("mlp%2F")]
   mu = jr.reshard(records, part).state[0].mu
   assert list(mu) == ["mlp/~/linear_0"] and sorted(mu["mlp/~/linear_0"]) == ["b", "w"]

@@ -161,7 +161,7 @@ def test_the_leaves_view_the_packed_buffers(adam):
 def test_a_deferred_record_is_the_eager_record(monkeypatch, name, subset):
   """The structure worked out once (markers in place of the buffers) gives the record
   the eager build gives: placements, roles, tree structure and bits, also for a
-  target holding some of the params (its subtrees rebuilt as nested dicts)."""
+  target holding some of the params (its subtrees rebuilt from the group's)."""
   from jaxreshard._src.engine import pipeline as _pipeline
 
   opt = OPTIMIZERS[name]()

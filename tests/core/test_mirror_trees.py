@@ -1,9 +1,9 @@
 """The tree of a target holding params of several groups (or some of one group's).
 
-Such a target cannot take one template's tree: each history mirror is rebuilt as
-nested dicts, at the params' own dict keys when every param lies under dicts
-only (integer and tuple keys kept), else at the pieces of their ids as strings.
-Integer keys came back as strings ('0'), so a merged state no longer fed an
+Such a target cannot take one template's tree whole: each history mirror is the
+union of its groups' trees, every dict at its own keys (integer and tuple keys
+kept; ``test_mirror_containers`` has the other containers). Integer keys came
+back as strings ('0'), so a merged state no longer fed an
 ``nnx.List`` model's optimizer and a round trip did not give the archives back.
 Groups whose params no one tree holds at their own keys (a list beside a dict,
 keys of two kinds in one dict) are refused on every path.
@@ -171,6 +171,23 @@ def test_tuple_keys_that_do_not_compare_are_refused_on_every_path(tmp_path, monk
     rb,
     "the dict at state path [0].mu holds key ('blocks', 0, 'w') in archive 0 and key"
     " ('blocks', 'shared', 'w') in archive 2",
+    tmp_path,
+    monkeypatch,
+  )
+
+
+def test_an_empty_node_where_another_group_has_a_param_is_refused_on_every_path(
+  tmp_path, monkeypatch
+):
+  """Param 'x' of group A where group B holds None: a merge that keeps every node of
+  both (lists, tuples, empty nodes) holds neither tree, and dropping B's None made
+  another state than B's; no one params tree holds both."""
+  _, _, ra = _records({"x": jnp.zeros((4,))}, 2, 0)
+  _, _, rb = _records({"x": None, "y": jnp.zeros((3,))}, 2, 1)
+  _refused_on_every_path(
+    ra,
+    rb,
+    "archive 0 holds a param at state path [0].mu['x'] and archive 2 a None",
     tmp_path,
     monkeypatch,
   )

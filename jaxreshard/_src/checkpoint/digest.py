@@ -233,10 +233,10 @@ class _Accumulator:
     # mirrors); and ``archivecheck.check_one_tree``'s layouts so far.
     self.template: tuple[str, tuple] | None = None
     self.layouts: dict = {}
-    # Per mirror, each param's key path in an archive holding its rank 0: where a
-    # whole state of several groups puts it (``build_state``'s ``keys``).
-    self.keys: list[dict[str, tuple]] = []
-    self._keyed: dict[int, tuple] = {}  # the mirrors read into ``keys``, by identity
+    # Per mirror, the distinct trees of the archives holding a rank 0: the trees a
+    # whole state of several groups merges (``build_state``'s ``keys``).
+    self.mirror_trees: list[dict[tuple, None]] = []
+    self._keyed: dict[int, tuple] = {}  # the mirrors read into ``mirror_trees``, by identity
 
   def add_structure(
     self, index: int, state_parts: _structure.StateParts, record: ShardRecord
@@ -261,19 +261,15 @@ class _Accumulator:
     if first is not None and self._keyed.get(id(mirrors)) is not mirrors:
       self._keyed[id(mirrors)] = mirrors
       for i, (_, treedef, order) in enumerate(mirrors):
-        if i == len(self.keys):
-          self.keys.append({})
-        tree = jax.tree_util.tree_unflatten(treedef, list(order))
-        for path, pid in jax.tree_util.tree_flatten_with_path(tree)[0]:
-          self.keys[i].setdefault(pid, tuple(path))
+        if i == len(self.mirror_trees):
+          self.mirror_trees.append({})
+        self.mirror_trees[i].setdefault((treedef, order), None)
 
   def trees(self) -> tuple[tuple[str, str], ...]:
     """``Digest.trees``. A whole state takes each mirror's tree from the template
     archive when that holds every param the archives put in the mirror, else
-    makes the nested dicts of their ids (``build_state``); only trees other
-    than those nested dicts are listed. A mirror of several groups' params is
-    nested dicts at their own keys where every one lies under dicts only, as
-    ``build_state`` makes it."""
+    merges the trees of every group's archives (``build_state``); only trees
+    other than the nested dicts of the params' ids are listed."""
     if self.template is None:
       return ()
     out = []
@@ -283,12 +279,11 @@ class _Accumulator:
       )
       try:
         nested = jax.tree_util.tree_structure(_structure.nested(held, dict.fromkeys(held, 0)))
+        if set(order) != set(held):
+          trees = tuple(self.mirror_trees[i]) if i < len(self.mirror_trees) else ()
+          treedef = _structure.merged_tree(trees or ((treedef, order),), held, prefix)[0]
       except PlacementError:  # ids no tree holds: listed in the problems already
         continue
-      if set(order) != set(held):
-        keys = self.keys[i] if i < len(self.keys) else {}
-        by_keys = _structure.nested_by_keys(held, dict.fromkeys(held, 0), keys)
-        treedef = nested if by_keys is None else jax.tree_util.tree_structure(by_keys)
       if treedef != nested:
         out.append((jax.tree_util.keystr(prefix), str(treedef)))
     return tuple(out)

@@ -65,7 +65,8 @@ def check_one_tree(
   param at its own key path: a param of one is never a leaf where another's
   params lie under it (``experts`` and ``experts/w``); a node of one is the
   same container as the other's at that path (never a list or a tuple beside
-  a dict), and two dicts at one path hold keys of one kind, in an order jax
+  a dict, nor an empty node, ``None`` or ``{}``, where the other has a param),
+  and two dicts at one path hold keys of one kind, in an order jax
   sorts (never ``0`` beside ``"x"``). A target merging them could hold neither.
 
   Raises:
@@ -105,7 +106,7 @@ class _ParamsTree:
     self.one_leaf: int | None = None  # an archive whose params tree is one array
     self.first: tuple[int, frozenset, Any] | None = None  # the one set met, not indexed yet
     self.first_archive: int | None = None
-    self.nodes = _Nodes()  # every inner node of the sets' params trees
+    self.nodes = _Nodes()  # every node of the sets' params trees
 
   def add(self, archive: int, ids: frozenset, parts: Any) -> None:
     if ids in self.sets:
@@ -156,16 +157,18 @@ def _nesting(leaf: str, a: int, deep: str, b: int) -> PlacementError:
   )
 
 
-def _inner_nodes(parts: Any) -> dict[tuple, tuple[str, tuple, tuple]]:
-  """Each inner node of an archive's params trees (its leaves are param ids): its key
-  path in the params tree -> (its kind, its keys when a dict, its path in the state)."""
+def _tree_nodes(parts: Any) -> dict[tuple, tuple[str, tuple, tuple]]:
+  """Each node of an archive's params trees (its leaves are param ids, of the kind
+  "param"): its key path in the params tree -> (its kind, its keys when a dict, its
+  path in the state)."""
   out: dict[tuple, tuple[str, tuple, tuple]] = {}
   for m in parts.subtrees:
     stack = [(jax.tree_util.tree_unflatten(m.treedef, list(m.order)), ())]
     while stack:
       x, path = stack.pop()
       t = type(x)
-      if t is str:  # a param id
+      if t is str:  # a param id: no other set holds a node there, not even an empty one
+        out.setdefault(path, ("param", (), m.prefix + path))
         continue
       if isinstance(x, tuple) and hasattr(t, "_fields"):
         kind, children = (
@@ -185,15 +188,15 @@ def _inner_nodes(parts: Any) -> dict[tuple, tuple[str, tuple, tuple]]:
 
 
 class _Nodes:
-  """The inner nodes of every param set's params tree met so far, by key path: each
-  node's kind, the keys of a dict (all sets' together) and the archive it came from."""
+  """The nodes of every param set's params tree met so far, by key path: each node's
+  kind, the keys of a dict (all sets' together) and the archive it came from."""
 
   def __init__(self):
     # path -> (kind, its keys in order met, the same as a set, first archive)
     self.nodes: dict[tuple, tuple[str, list, set, int]] = {}
 
   def add(self, archive: int, parts: Any) -> None:
-    for path, (kind, keys, where) in _inner_nodes(parts).items():
+    for path, (kind, keys, where) in _tree_nodes(parts).items():
       seen = self.nodes.get(path)
       if seen is None:
         self.nodes[path] = (kind, list(keys), set(keys), archive)

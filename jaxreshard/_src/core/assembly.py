@@ -56,7 +56,7 @@ class Assembly:
       template: the state parts whose skeleton and scalars every target takes.
       facts: the validated source facts of each row (parameter), in layout order.
       layout: the target's ``TargetLayout``.
-      keys: ``structure.mirror_keys`` of the facts' groups (see ``build_state``).
+      keys: ``structure.mirror_trees`` of the facts' groups (see ``build_state``).
     """
     built = [list(f.history) for f in facts]
     self.dtypes = tuple(layout.slots)

@@ -29,7 +29,7 @@ import optax
 
 from jaxreshard._src.core import storable as _storable
 from jaxreshard._src.core.ids import key_name, path_id
-from jaxreshard._src.core.mirrortree import mirror_keys, nested, nested_by_keys
+from jaxreshard._src.core.mirrortree import merged_tree, mirror_trees, nested
 from jaxreshard._src.core.roleinference import StatePartsError, infer_roles
 from jaxreshard._src.errors import PlacementError
 
@@ -39,7 +39,9 @@ __all__ = [
   "state_parts",
   "build_state",
   "history_roles",
-  "mirror_keys",
+  "merged_tree",
+  "mirror_trees",
+  "nested",
   "param_ids",
   "params_in",
   "path_id",
@@ -430,7 +432,7 @@ def build_state(
   template: StateParts,
   histories: Mapping[str, Sequence[Any]],
   scalars: Sequence[Any] | None = None,
-  keys: Callable[[int], Mapping[str, tuple]] | None = None,
+  keys: Callable[[int], Sequence[Any]] | None = None,
 ) -> Any:
   """Reassembles a state with ``template``'s clock and the given histories.
 
@@ -440,13 +442,17 @@ def build_state(
     histories: param id -> per mirror of the template: a buffer, MASKED, or
       None (the parameter is absent from that mirror).
     scalars: replacement skeleton scalars, in order (defaults to the template's).
-    keys: ``mirror_keys`` of the templates of every group the params come from.
+    keys: ``mirror_trees`` of the templates of every group the params come from
+      (the template's own trees when None).
 
   A mirror whose param set equals the template's keeps its exact tree
-  structure; a mirror of a different set (merged or restricted groups) is
-  rebuilt as nested dicts: at the params' own dict keys (an integer key stays
-  one) when every param lies under dicts only and ``keys`` says where, else at
-  the pieces of their ids, as strings.
+  structure; a mirror of a different set (merged or restricted groups) is the
+  union of its groups' trees restricted to its params (``merged_tree``): every
+  container as the groups hold it, a list, a tuple or a NamedTuple whole.
+
+  Raises:
+    PlacementError: a mirror holding some of a list's, a tuple's or a
+      NamedTuple's params but not all.
   """
   subtrees = []
   for i, subtree in enumerate(template.subtrees):
@@ -456,12 +462,12 @@ def build_state(
       if v is not None:
         values[pid] = optax.MaskedNode() if v is MASKED else v
     if set(values) == set(subtree.order):
-      subtrees.append(
-        jax.tree_util.tree_unflatten(subtree.treedef, [values[p] for p in subtree.order])
-      )
+      treedef, order = subtree.treedef, subtree.order
     else:
-      tree = None if keys is None else nested_by_keys(sorted(values), values, keys(i))
-      subtrees.append(nested(sorted(values), values) if tree is None else tree)
+      trees = keys(i) if keys is not None else ()
+      trees = trees or ((subtree.treedef, subtree.order),)
+      treedef, order = merged_tree(trees, values, subtree.prefix)
+    subtrees.append(jax.tree_util.tree_unflatten(treedef, [values[p] for p in order]))
   scalar_iter = iter(scalars) if scalars is not None else None
   leaves = []
   for leaf in template.skeleton_leaves:

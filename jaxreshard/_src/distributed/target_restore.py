@@ -117,7 +117,7 @@ def checkpoint_state(ckpt: Checkpoint) -> tuple[list[Any], Any]:
     g.param: [_Hist(gi, m) if present is True else present for m, present in enumerate(g.history)]
     for gi, g in enumerate(groups)
   }
-  keys = _structure.mirror_keys(ckpt.template(a) for a in sorted({g.by_rank[0] for g in groups}))
+  keys = _structure.mirror_trees(ckpt.template(a) for a in sorted({g.by_rank[0] for g in groups}))
   return groups, _structure.build_state(template, histories, keys=keys)
 
 

@@ -445,14 +445,14 @@ def _leaves(buffer: Any, columns: tuple[np.ndarray, ...]) -> list[Any]:
 
 
 def group_keys(src: Sources, facts: Sequence[Any]) -> Any:
-  """``structure.mirror_keys`` of the template of every group ``facts`` come from,
+  """``structure.mirror_trees`` of the template of every group ``facts`` come from,
   the groups found when a key is first asked for (most states never ask)."""
   made: list = []
 
   def keys(i: int) -> Any:
     if not made:
       firsts = {f.by_rank[0] for f in facts}
-      made.append(_structure.mirror_keys(src.template(a) for a in sorted(firsts)))
+      made.append(_structure.mirror_trees(src.template(a) for a in sorted(firsts)))
     return made[0](i)
 
   return keys
