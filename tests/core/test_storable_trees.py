@@ -271,6 +271,7 @@ def test_a_frozen_dict_group_beside_a_dict_group_is_one_state(tmp_path):
   jr.save_records(tmp_path / "ck", records)
   assert _bits(jr.unshard_state(jr.load_records(tmp_path / "ck"))[0].trace) == _bits(want)
   assert _bits(jr.restore(tmp_path / "ck", world_size=1, rank=0).state[0].trace) == _bits(want)
+  assert not jr.compare_digests(jr.digest(records), jr.digest([target]))
 
 
 def test_flat_sharded_init_refuses_a_tree_a_save_refuses():

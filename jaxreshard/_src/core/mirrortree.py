@@ -15,6 +15,7 @@ refused, as no container of that kind holds them at their own indices.
 
 from __future__ import annotations
 
+import collections
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -110,6 +111,8 @@ def _kind(x: Any) -> str:
     return "param"
   if isinstance(x, tuple) and hasattr(t, "_fields"):
     return f"NamedTuple {t.__module__}.{t.__qualname__}"
+  if isinstance(x, Mapping):  # a dict, flax's FrozenDict, an OrderedDict: one kind
+    return "mapping"
   return "None" if x is None else t.__qualname__
 
 
@@ -136,6 +139,13 @@ def _merge(nodes: list, held: frozenset, where: tuple) -> tuple[Any, str]:
   merged = {k: _merge(c, held, where + (DictKey(k),)) for k, c in children.items()}
   state = _state(s for _, s in merged.values())
   kept = {k: v for k, (v, s) in merged.items() if s is not _DROPPED}
+  # Mappings of one type keep it (an OrderedDict its keys' order, as jax does);
+  # mappings of several types (a FrozenDict in one group, a dict in another) merge
+  # into a dict.
+  if any(type(n) is not t for n in nodes):
+    t = dict
+  if t is collections.OrderedDict:
+    return t((k, kept[k]) for k in children if k in kept), state
   try:
     keys = sorted(kept)
   except TypeError:  # archivecheck refuses such groups first
