@@ -32,6 +32,21 @@ failed save's temporary paths alive; a retried step finds them); two threads
 saving one path at once are not told apart. ``clean`` removes such a
 directory once its lock is free (with ``--all``).
 
+A committed checkpoint is never removed or replaced by a save through it. A
+``CheckpointManager`` saves with orbax's ``force=True``, whose save removes what
+is at the step's path before writing: a step another manager or process
+committed, which this manager's list of steps missed, would be gone (and, until
+the new rename, no step at all). Orbax asks the class for the save's temporary
+path (``from_final``, in every process) before it removes anything: a committed
+step is refused there (``ArchiveExistsError`` naming it; nothing is written or
+removed, and the manager's next save goes on). One committed after that look is
+kept too: the final path this class gives orbax removes nothing (orbax's removal
+is refused), and the rename does not replace it (epath's rename refuses an
+existing destination, the kernel's a directory that is not empty): the save's
+commit is refused and its directory removed. Orbax's synchronous ``Checkpointer``
+(``enable_async_checkpointing=False``) removes the step before it asks the class,
+which then cannot keep it.
+
 ``save_sharded`` commits through it; when it fails while orbax is still making
 its directory (in a thread of orbax's own), it waits for that creation and
 removes what it made, and a creation that starts after it failed makes
@@ -43,6 +58,7 @@ which orbax uses for each step and for each item of a step.
 from __future__ import annotations
 
 import asyncio
+import errno
 import fcntl
 import os
 import stat
@@ -50,12 +66,20 @@ import time
 import weakref
 
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jaxreshard._src.checkpoint import tempdir as _tempdir
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
 from jaxreshard._src.orbax.inflight import InFlight
 
-__all__ = ["DurableRenameTemporaryPath", "fsync_dir", "fsync_tree", "one_save", "refuse_if_held"]
+__all__ = [
+  "DurableRenameTemporaryPath",
+  "fsync_dir",
+  "fsync_tree",
+  "one_save",
+  "refuse_if_committed",
+  "refuse_if_held",
+]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -130,6 +154,51 @@ def refuse_if_held(tmp: str, final: str) -> None:
     )
 
 
+def refuse_if_committed(final: str, outcome: str = "this save removed nothing") -> None:
+  """Raises ``ArchiveExistsError`` naming ``final`` when something is at it: a save
+  through ``DurableRenameTemporaryPath`` never replaces or removes a committed
+  checkpoint (a ``CheckpointManager`` whose list of steps missed another manager's
+  or process's step saves it with orbax's ``force=True``, which removes it first)."""
+  if os.path.lexists(final):
+    raise _exists(final, outcome)
+
+
+def _exists(final: str, outcome: str) -> ArchiveExistsError:
+  return ArchiveExistsError(
+    f"{final} already exists; jaxreshard never overwrites a checkpoint (a step another"
+    f" manager or process committed included): {outcome}"
+  )
+
+
+# The type epath gives a local path (``PosixGPath``), which orbax's paths are here.
+_LOCAL_PATH = type(epath.Path("/"))
+
+
+class _KeptPosixGPath(_LOCAL_PATH):
+  """A save's final path whose ``rmtree`` removes nothing. Orbax removes the final
+  path of a forced save (every ``CheckpointManager`` save) after it asked the class
+  for it (``from_final``, which refuses a committed one): a step another process
+  commits in between is refused here instead of removed. Paths made from it
+  (``final / name``) are removed as epath removes them."""
+
+  _kept = False
+
+  @classmethod
+  def of(cls, final: epath.Path) -> _KeptPosixGPath:
+    path = cls(final)
+    path._kept = True
+    return path
+
+  def rmtree(self, missing_ok: bool = False) -> None:
+    if not self._kept:
+      return super().rmtree(missing_ok=missing_ok)
+    final = os.fspath(self)
+    refuse_if_committed(final)
+    if not missing_ok:
+      raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), final)
+    return None
+
+
 # A save waits for another process's save of the same path until this long before
 # orbax's coordination timeout; it looks at a lock another holds this often.
 _MARGIN_S = 5.0
@@ -177,7 +246,9 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
 
   The temporary directory is fsync'ed before the rename, the parent of the final
   one after, and the final one again (the files orbax adds while it commits), so
-  a commit that returned survives a crash or power loss.
+  a commit that returned survives a crash or power loss. A checkpoint committed
+  at the final path (another manager's or process's step) is refused, never
+  removed (orbax's ``force=True``) nor replaced.
   Paths that are not local directories (another file system's ``epath``) are
   committed as orbax commits them.
   """
@@ -193,6 +264,20 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
   # would only have orbax's thread log it), one running is waited for and what
   # it made removed, so a failed save leaves no directory behind.
   _creations: InFlight | None = None
+
+  def __init__(self, temporary_path, final_path, **kwargs):
+    if type(final_path) is _LOCAL_PATH:  # pylint: disable=unidiomatic-typecheck
+      final_path = _KeptPosixGPath.of(final_path)  # never removed by orbax's force
+    super().__init__(temporary_path, final_path, **kwargs)
+
+  @classmethod
+  def from_final(cls, final_path, **kwargs):
+    """Orbax asks for a save's temporary path (each process, before the save
+    starts); a committed checkpoint at ``final_path`` is refused here, and one
+    committed later is neither removed (orbax's ``force``) nor replaced (the rename)."""
+    if _is_local(os.fspath(final_path)):
+      refuse_if_committed(os.fspath(final_path))
+    return super().from_final(final_path, **kwargs)
 
   @classmethod
   def end_creations(cls) -> None:
@@ -302,7 +387,24 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
     try:
       if local:
         await asyncio.to_thread(fsync_tree, tmp)
-      await super().finalize()
+      try:
+        if local:  # another process's save of this path may have committed meanwhile
+          refuse_if_committed(final, _NOT_RENAMED)
+        await super().finalize()  # its rename never replaces a directory that is not empty
+      except (ArchiveExistsError, OSError) as e:
+        if not (local and os.path.lexists(final)) or not _refused_rename(e):
+          raise
+        if self._held is not None:  # this save's own directory: it commits nowhere now
+          store = self._checkpoint_metadata_store
+          if store is not None:  # orbax's writes of its metadata into it end first
+            await asyncio.to_thread(store.wait_until_finished)
+          try:
+            _tempdir.remove_held(tmp, self._held[0])
+          except (OSError, ArchiveError):
+            pass  # left to the next save of the path, or to clean
+        if isinstance(e, ArchiveExistsError):
+          raise
+        raise _exists(final, f"{_NOT_RENAMED} ({e})") from e
       if local and self._held is not None and not _tempdir.holds(final, self._held[0]):
         # Orbax renames by path: another directory given the temporary path after
         # the fsync above would be committed as this step.
@@ -321,6 +423,17 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
           await asyncio.to_thread(_fsync_top, final)
     finally:
       self._let_go()
+
+
+def _refused_rename(e: BaseException) -> bool:
+  """Whether ``e`` is a commit refused for what is at its final path: this module's
+  check, epath's (a ``FileExistsError`` without an errno), or the rename's own."""
+  if isinstance(e, (ArchiveExistsError, FileExistsError)):
+    return True
+  return isinstance(e, OSError) and e.errno in (errno.EEXIST, errno.ENOTEMPTY)
+
+
+_NOT_RENAMED = "this save is not committed (its directory, never renamed over it, is removed)"
 
 
 def _remove_made(tmp: str) -> None:
