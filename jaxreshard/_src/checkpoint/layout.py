@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import masks as _masks
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.errors import ArchiveError
 
@@ -198,7 +199,10 @@ class ArchiveLayout:
   def history(self, pid: str) -> tuple[Any, ...]:
     """Per subtree: the param's ``LeafInfo``, MASKED, or None where it is absent."""
     hit = self.histories.get(pid)
-    return hit if hit is not None else (None,) * self.n_mirrors
+    if hit is None:
+      hit = (None,) * self.n_mirrors
+    # A param under a MaskedNode that stands for its subtree (``masks``' rule).
+    return _masks.fill(hit, self.state_parts.subtrees, pid) if None in hit else hit
 
   def infos(self) -> dict[tuple[str, int], LeafInfo]:
     """Every history buffer of the layout, by (param, mirror)."""

@@ -6,7 +6,8 @@ param whose id its key path ends with. Where two listed ids end its path (a para
 named after a node of the optimizer's state: ``{"x", "mu": {"x"}}`` under Adam,
 whose ``[0].mu['x']`` may be param ``x`` of the mirror ``[0].mu`` or param ``mu/x``
 of a mirror at ``[0]``), the mirror is a subtree each of whose leaves (histories,
-clock scalars and ``optax.MaskedNode`` places alike) lies at a listed id below it:
+clock scalars and ``optax.MaskedNode`` places alike) lies at a listed id below it (a
+``MaskedNode`` may stand for a subtree of listed params, by ``masks``' rule):
 Adam's ``[0]`` also holds ``count``, so only ``[0].mu`` is one. Where several such
 subtrees hold the leaf, the outermost is the mirror when it holds every listed
 param (a mirror holds the whole params tree, so a subtree inside it holds fewer);
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxreshard._src.core import masks as _masks
 from jaxreshard._src.core.ids import path_id
 
 __all__ = ["StatePartsError", "infer_roles"]
@@ -93,7 +95,8 @@ def _held_ids(state: Any, ids: set[str]) -> dict[KeyPath, set[str] | None]:
   (``optax.MaskedNode`` places included), or None when one of them is no listed id."""
   held: dict[KeyPath, set[str] | None] = {}
   is_masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
-  for path, _ in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_masked)[0]:
+  listed = sorted(ids)
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_masked)[0]:
     for j in range(len(path)):
       below = held.setdefault(path[:j], set())
       if below is None:
@@ -101,6 +104,8 @@ def _held_ids(state: Any, ids: set[str]) -> dict[KeyPath, set[str] | None]:
       pid = path_id(path[j:])
       if pid in ids:
         below.add(pid)
+      elif is_masked(leaf) and (under := _masks.under(listed, pid)):
+        below.update(under)  # a MaskedNode standing for a subtree of listed params
       else:
         held[path[:j]] = None
   return held

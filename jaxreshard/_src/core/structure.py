@@ -13,7 +13,9 @@ records that once, as per-leaf *roles*, and from then on takes a state apart
   leaf; its tree structure and scalar leaves are the clock;
 * the *params subtrees* (:class:`ParamsSubtree`): for each, its own tree
   structure and, per param id, its buffer or ``optax.MaskedNode`` (no history
-  there).
+  there). One ``MaskedNode`` may stand for a whole subtree of params (a prefix
+  mask): its entry has that subtree's id, and ``StateParts.history`` of each
+  param under it says MASKED (``masks``' rule).
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ import jax
 import numpy as np
 import optax
 
+from jaxreshard._src.core import masks as _masks
 from jaxreshard._src.core import storable as _storable
 from jaxreshard._src.core.ids import key_name, path_id
+from jaxreshard._src.core.masks import MASKED
 from jaxreshard._src.core.mirrortree import merged_tree, mirror_trees, nested
 from jaxreshard._src.core.roleinference import StatePartsError, infer_roles
 from jaxreshard._src.errors import PlacementError
@@ -49,16 +53,6 @@ __all__ = [
 ]
 
 KeyPath = tuple[Any, ...]
-
-
-class _Masked:
-  """A parameter masked out of one mirror (``optax.MaskedNode`` in the state)."""
-
-  def __repr__(self):
-    return "MASKED"
-
-
-MASKED = _Masked()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +78,7 @@ def params_in(state: Any, ids: Sequence[str]) -> Any:
   Its leaves are the ids; dicts, lists, tuples and integer keys are kept as the
   state holds them, so a state of list-structured params mirrors it. None when
   no subtree of ``state`` (a ``MaskedNode`` counting as a leaf) has exactly
-  the ids ``ids``.
+  the ids ``ids`` (a ``MaskedNode`` at a subtree of them standing for them).
   """
   want = sorted(ids)
 
@@ -93,6 +87,11 @@ def params_in(state: Any, ids: Sequence[str]) -> Any:
     pids = [path_id(p) for p, _ in with_path]
     if sorted(pids) == want:
       return jax.tree_util.tree_unflatten(treedef, pids)
+    # A MaskedNode may stand for a subtree of them (``masks``' rule).
+    if len(pids) < len(want) and any(_is_masked_node(x) for _, x in with_path):
+      found = _masks.ids_tree(with_path, treedef, want)
+      if found is not None:
+        return found
     if len(pids) < len(want) or _is_leaf_node(node) or _is_masked_node(node):
       return None
     for _, child in _children(node)[0]:
@@ -180,8 +179,8 @@ class ParamsSubtree:
 
   prefix: KeyPath
   treedef: Any  # tree structure with MaskedNode positions as leaves
-  order: tuple[str, ...]  # param id of each position, in flatten order
-  entries: Mapping[str, Any]  # param id -> buffer or MASKED
+  order: tuple[str, ...]  # id of each position (a param's, or a masked subtree's)
+  entries: Mapping[str, Any]  # id of a position -> buffer or MASKED
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,8 +198,13 @@ class StateParts:
     ]
 
   def history(self, pid: str) -> tuple[Any, ...]:
-    """Per mirror: the buffer, MASKED, or None when the mirror lacks ``pid``."""
-    return tuple(m.entries.get(pid) for m in self.subtrees)
+    """Per mirror: the buffer, MASKED (a ``MaskedNode`` at ``pid`` or at a subtree
+    above it), or None when the mirror lacks ``pid``."""
+    out = tuple(m.entries.get(pid) for m in self.subtrees)
+    for h in out:
+      if h is None:
+        return _masks.fill(out, self.subtrees, pid)
+    return out
 
   def param_set(self) -> set[str]:
     out = set()
@@ -461,6 +465,14 @@ def build_state(
       v = per_subtree[i]
       if v is not None:
         values[pid] = optax.MaskedNode() if v is MASKED else v
+    if set(values) != set(subtree.order):
+      # One MaskedNode back where the template's stood for a whole subtree.
+      places = _masks.masked_places(subtree.entries, subtree.order)
+      values = _masks.collapse(values, places)
+      if keys is not None and set(values) != set(subtree.order):
+        # Those of every group's tree: an id of none of this target's params.
+        others = [p for _, order in keys(i) for p in order if p not in values]
+        values = _masks.collapse(values, others)
     if set(values) == set(subtree.order):
       treedef, order = subtree.treedef, subtree.order
     else:

@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.core import ids as _ids
+from jaxreshard._src.core import masks as _masks
 from jaxreshard._src.core import storable as _storable
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.archivecheck import check_version
@@ -181,12 +182,9 @@ def nonzero_padding(
 
 
 def check_listed(archive: int, state_parts: _structure.StateParts, listed: Collection[str]) -> None:
-  """Every param an archive holds a history for is one it lists."""
-  for pid in sorted(state_parts.param_set() - set(listed)):
-    raise PlacementError(
-      f"param {pid!r}: archive {archive} holds a history for it but does not list it"
-      " in its placements"
-    )
+  """Every param an archive holds a history for is one it lists; a ``MaskedNode``
+  standing for a subtree stands for listed params (``masks``' rule)."""
+  _masks.check_places(archive, state_parts, listed)
 
 
 class Sources(Protocol):

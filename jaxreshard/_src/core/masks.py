@@ -1,0 +1,148 @@
+"""``optax.MaskedNode`` in a mirror of the params: one param's, or a whole subtree's.
+
+A mask of ``optax.masked`` may be a prefix of the params tree, and so may the
+labels of ``optax.multi_transform`` (``{"backbone": "frozen", "head": "train"}``):
+then one ``MaskedNode`` stands in a mirror where a whole subtree of params would,
+and its place has the id of that subtree (``backbone``), not of a param.
+
+The rule: a ``MaskedNode`` at id ``p`` of a mirror masks, in that mirror, the
+param ``p`` when it is listed, else every listed param under ``p`` (an id
+``p/...``), of which there must be at least one. A state keeps the place as
+optax made it, one ``MaskedNode``; the history of each param it stands for
+holds MASKED for that mirror; and a state built from histories puts one
+``MaskedNode`` back at a place of its template (or of its groups' templates)
+under which every param it holds is masked, so that it has optax's own tree.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import optax
+
+from jaxreshard._src.core.ids import path_id
+from jaxreshard._src.core.mirrortree import nested
+from jaxreshard._src.errors import PlacementError
+
+__all__ = ["MASKED", "check_places", "collapse", "fill", "ids_tree", "masked_places", "under"]
+
+
+class _Masked:
+  """A parameter masked out of one mirror (``optax.MaskedNode`` in the state)."""
+
+  def __repr__(self):
+    return "MASKED"
+
+
+MASKED = _Masked()
+
+
+def _ancestors(pid: str) -> Iterator[str]:
+  """The ids of the subtrees above ``pid``, innermost first (``a/b/c``: ``a/b``, ``a``).
+  A ``/`` inside a key is escaped, so each cut is at a key."""
+  cut = pid.rfind("/")
+  while cut >= 0:
+    pid = pid[:cut]
+    yield pid
+    cut = pid.rfind("/")
+
+
+def fill(history: Sequence[Any], subtrees: Sequence[Any], pid: str) -> tuple[Any, ...]:
+  """``history`` (per mirror: entry or None) with MASKED in each mirror that lacks
+  ``pid`` but holds a ``MaskedNode`` at a subtree above it."""
+  out = list(history)
+  for m, h in enumerate(history):
+    if h is None:
+      entries = subtrees[m].entries
+      if any(entries.get(a) is MASKED for a in _ancestors(pid)):
+        out[m] = MASKED
+  return tuple(out)
+
+
+def under(sorted_ids: Sequence[str], place: str) -> list[str]:
+  """The ids of ``sorted_ids`` below ``place`` (``place/...``)."""
+  head = place + "/"
+  i = bisect.bisect_left(sorted_ids, head)
+  out = []
+  while i < len(sorted_ids) and sorted_ids[i].startswith(head):
+    out.append(sorted_ids[i])
+    i += 1
+  return out
+
+
+def check_places(archive: int, state_parts: Any, listed: Collection[str]) -> None:
+  """Every param an archive holds a history for is one it lists, and every
+  ``MaskedNode`` standing for a subtree stands for at least one listed param.
+
+  Raises:
+    PlacementError: naming the param, or the masked subtree and its mirror.
+  """
+  extra = state_parts.param_set() - set(listed)
+  if not extra:
+    return
+  ids = sorted(listed)
+  for pid in sorted(extra):
+    places = [m for m in state_parts.subtrees if pid in m.entries]
+    if any(m.entries[pid] is not MASKED for m in places):
+      raise PlacementError(
+        f"param {pid!r}: archive {archive} holds a history for it but does not list it"
+        " in its placements"
+      )
+    if not under(ids, pid):
+      where = ", ".join(jax.tree_util.keystr(m.prefix) or "the root" for m in places)
+      raise PlacementError(
+        f"param {pid!r}: archive {archive} holds an optax.MaskedNode for it (in the"
+        f" mirror of the params at {where}), which stands for that param or for every"
+        " param under it, but lists neither it nor any param under it in its placements"
+      )
+
+
+def collapse(values: dict[str, Any], places: Iterable[str]) -> dict[str, Any]:
+  """``values`` (param id -> mirror entry) with one ``MaskedNode`` at each of
+  ``places`` (ids of masked places of the templates) under which it holds params,
+  all masked; ``values`` itself when no place is one."""
+  ids = None
+  out = values
+  for place in places:
+    if place in out:
+      continue
+    if ids is None:
+      ids = sorted(out)
+    below = under(ids, place)
+    if below and all(isinstance(out[p], optax.MaskedNode) for p in below):
+      if out is values:
+        out = dict(values)
+      for p in below:
+        del out[p]
+      out[place] = optax.MaskedNode()
+      ids = None
+  return out
+
+
+def masked_places(entries: Mapping[str, Any], order: Sequence[str]) -> list[str]:
+  """The ids of a mirror's ``MaskedNode`` places, in its flatten order."""
+  return [p for p in order if entries.get(p) is MASKED]
+
+
+def ids_tree(with_path: Sequence[tuple[Any, Any]], treedef: Any, want: Sequence[str]) -> Any:
+  """The params tree (leaves: their ids) a mirror holds, when its places (flattened
+  with ``MaskedNode`` as a leaf: ``with_path``, ``treedef``) are exactly the sorted
+  ids ``want``, each ``MaskedNode`` standing for the ids under it (nested dicts of
+  their keys, as strings, below it); else None."""
+  leaves, covered = [], 0
+  for path, leaf in with_path:
+    pid = path_id(path)
+    below = under(want, pid) if isinstance(leaf, optax.MaskedNode) else []
+    if below:
+      rest = [p[len(pid) + 1 :] for p in below]
+      leaves.append(nested(rest, dict(zip(rest, below))))
+      covered += len(below)
+    else:
+      leaves.append(pid)
+      covered += 1
+  if covered != len(want) or not set(want).issuperset(p for p in leaves if isinstance(p, str)):
+    return None
+  return jax.tree_util.tree_unflatten(treedef, leaves)
