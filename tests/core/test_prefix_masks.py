@@ -57,6 +57,24 @@ def _nested_prefixes():
   return optax.multi_transform(transforms, labels), _backbone_params()
 
 
+def _nested_with_a_list():
+  # The adam mirror masks the list of layers; only the momentum mirror holds it.
+  params = {
+    "backbone": {
+      "enc": {"w": _array(10, (5, 3))},
+      "layers": [_array(11, (4,)), _array(12, (2, 2))],
+    },
+    "head": {"w": _array(13, (3,))},
+  }
+  labels = {"backbone": {"enc": "frozen", "layers": "momentum"}, "head": "train"}
+  transforms = {
+    "train": optax.adam(1e-2),
+    "frozen": optax.set_to_zero(),
+    "momentum": optax.sgd(1e-2, momentum=0.9),
+  }
+  return optax.multi_transform(transforms, labels), params
+
+
 def _integer_keys():
   params = {
     "layers": {0: {"w": _array(5, (6,)), "b": _array(6, (2,))}, 1: {"w": _array(7, (3, 3))}},
@@ -76,6 +94,7 @@ def _masked_prefix():
 CASES = {
   "prefix_labels": _prefix_labels,
   "nested_prefixes": _nested_prefixes,
+  "nested_with_a_list": _nested_with_a_list,
   "integer_keys": _integer_keys,
   "masked_prefix": _masked_prefix,
 }
@@ -83,6 +102,7 @@ CASES = {
 SUBTREE = {
   "prefix_labels": "['backbone']",
   "nested_prefixes": "['backbone']['enc']",
+  "nested_with_a_list": "['backbone']['layers']",
   "integer_keys": "['layers'][0]",
   "masked_prefix": "['a']",
 }
@@ -187,6 +207,24 @@ def test_on_a_mesh_of_four_devices(name):
     want, plain = standard(opt.update, grads, plain, params)
     assert_trees_bit_equal(got, want)
   _assert_same_state(jr.gather_from_mesh(opt, flat, shapes, mesh), plain)
+
+
+def test_a_list_under_a_masked_place_is_found_in_an_unmasked_mirror(tmp_path):
+  """MultiSteps' accumulated grads hold the params' list where the adam mirror holds one
+  MaskedNode: gathers and saves on a mesh take the params' tree from the mirror that
+  holds it (they rebuilt the list as a dict of "0", "1" and refused the state)."""
+  params = {"backbone": [_array(14, (4,)), _array(15, (3,))], "head": _array(16, (2,))}
+  labels = {"backbone": "frozen", "head": "train"}
+  inner = optax.multi_transform({"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}, labels)
+  opt = optax.MultiSteps(inner, every_k_schedule=2)
+  state = standard(opt.init, params)
+  _, state = standard(opt.update, random_grads(params, 0), state, params)
+  mesh = device_mesh((4,), ("fsdp",))
+  laid = jr.shard_to_mesh(opt, params, state, mesh)
+  shapes = {p.param: p for p in laid.placements[0]}
+  _assert_same_state(jr.gather_from_mesh(opt, laid.state, shapes, mesh), state)
+  jr.save_sharded(tmp_path / "ck", opt, laid.state, shapes, mesh)
+  _assert_same_state(jr.unshard_state(jr.load_records(tmp_path / "ck")), state)
 
 
 def test_groups_of_other_world_sizes_keep_one_masked_node():

@@ -27,7 +27,16 @@ from jaxreshard._src.core.ids import path_id
 from jaxreshard._src.core.mirrortree import nested
 from jaxreshard._src.errors import PlacementError
 
-__all__ = ["MASKED", "check_places", "collapse", "fill", "ids_tree", "masked_places", "under"]
+__all__ = [
+  "MASKED",
+  "check_places",
+  "collapse",
+  "fill",
+  "ids_tree",
+  "masked_places",
+  "under",
+  "unmasked_tree",
+]
 
 
 class _Masked:
@@ -146,3 +155,50 @@ def ids_tree(with_path: Sequence[tuple[Any, Any]], treedef: Any, want: Sequence[
   if covered != len(want) or not set(want).issuperset(p for p in leaves if isinstance(p, str)):
     return None
   return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _at(tree: Any, path: Sequence[Any]) -> Any:
+  """The node of ``tree`` at the key path ``path``; None where it has none."""
+  node = tree
+  for key in path:
+    try:
+      if isinstance(key, jax.tree_util.DictKey):
+        node = node[key.key]
+      elif isinstance(key, jax.tree_util.SequenceKey):
+        node = node[key.idx]
+      elif isinstance(key, jax.tree_util.GetAttrKey):
+        node = getattr(node, key.name)
+      else:
+        return None
+    except (KeyError, IndexError, TypeError, AttributeError):
+      return None
+  return node
+
+
+def unmasked_tree(mirrors: Sequence[Any], want: Sequence[str]) -> Any:
+  """The params' tree (leaves: their ids) that ``mirrors`` hold together: the first
+  mirror's, each ``MaskedNode`` place in it replaced by that place's subtree in a
+  mirror where it is not masked (its containers and keys as that mirror holds
+  them); a place masked in every mirror, as ``ids_tree`` makes it (nested dicts of
+  the ids under it). ``mirrors``: trees of ids with ``MaskedNode`` places. None
+  when the ids are not ``want``."""
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+  ids = sorted(want)
+
+  def resolve(tree: Any, prefix: tuple) -> Any:
+    def place(path: tuple, leaf: Any) -> Any:
+      if not is_masked(leaf):
+        return leaf
+      for other in mirrors:
+        sub = _at(other, prefix + path)
+        if sub is not None and not is_masked(sub):
+          return resolve(sub, prefix + path)
+      pid = path_id(prefix + path)  # masked in every mirror
+      below = under(ids, pid)
+      rest = [p[len(pid) + 1 :] for p in below]
+      return nested(rest, dict(zip(rest, below))) if below else pid
+
+    return jax.tree_util.tree_map_with_path(place, tree, is_leaf=is_masked)
+
+  out = resolve(mirrors[0], ())
+  return out if sorted(jax.tree_util.tree_leaves(out)) == ids else None

@@ -82,17 +82,22 @@ def params_in(state: Any, ids: Sequence[str]) -> Any:
   """
   want = sorted(ids)
 
+  # A MaskedNode may stand for a subtree of them (``masks``' rule): a subtree holding them
+  # all is looked for first; else the mirrors with such places (``masked``), merged.
+  masked: list = []
+
   def find(node):
     with_path, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=_is_masked_node)
     pids = [path_id(p) for p, _ in with_path]
     if sorted(pids) == want:
       return jax.tree_util.tree_unflatten(treedef, pids)
-    # A MaskedNode may stand for a subtree of them (``masks``' rule).
-    if len(pids) < len(want) and any(_is_masked_node(x) for _, x in with_path):
-      found = _masks.ids_tree(with_path, treedef, want)
-      if found is not None:
-        return found
-    if len(pids) < len(want) or _is_leaf_node(node) or _is_masked_node(node):
+    some_masked = any(_is_masked_node(x) for _, x in with_path)  # as many leaves or fewer
+    if len(pids) <= len(want) and some_masked:
+      if _masks.ids_tree(with_path, treedef, want) is not None:
+        leaves = [x if _is_masked_node(x) else pid for (_, x), pid in zip(with_path, pids)]
+        masked.append((jax.tree_util.tree_unflatten(treedef, leaves), with_path, treedef))
+        return None
+    if (len(pids) < len(want) and not some_masked) or _is_leaf_node(node) or _is_masked_node(node):
       return None
     for _, child in _children(node)[0]:
       found = find(child)
@@ -100,7 +105,11 @@ def params_in(state: Any, ids: Sequence[str]) -> Any:
         return found
     return None
 
-  return find(state) if want else None
+  found = find(state) if want else None
+  if found is not None or not masked:
+    return found
+  merged = _masks.unmasked_tree([m for m, _, _ in masked], want)
+  return merged if merged is not None else _masks.ids_tree(*masked[0][1:], want)
 
 
 def require_optimizer(optimizer: Any, hint: str = "") -> None:
