@@ -212,12 +212,45 @@ def check_tree(tree: Any) -> None:
   Raises:
     UnstorableTree: naming the first such node, in jax's order.
   """
+  if _plainly_storable(tree):
+    return
   classes: dict = {}
   stack = [(tree, ())]
   while stack:
     x, path = stack.pop()
     _, _, children = node(x, path, classes)
     stack.extend((c, path + (k,)) for k, c in reversed(children))
+
+
+def _plainly_storable(tree: Any) -> bool:
+  """Whether ``tree`` (its leaves ints, as ``check_structure`` makes it) is made only of
+  what every state holds and :func:`node` takes: None, dicts of str keys, lists,
+  tuples, NamedTuples of valid names (one class per name and fields), within the
+  depth. False sends it through :func:`node`, which names what it refuses."""
+  classes: dict = {}
+  stack = [(tree, 0)]
+  while stack:
+    x, depth = stack.pop()
+    if depth > MAX_TREE_DEPTH:
+      return False
+    t = type(x)
+    if t is int or x is None:
+      continue
+    if t is dict:
+      if not all(type(k) is str for k in x):
+        return False
+      children = x.values()
+    elif t is list or t is tuple:
+      children = x
+    elif isinstance(x, tuple) and hasattr(t, "_fields"):
+      key = (t.__module__, t.__name__, tuple(t._fields))
+      if classes.setdefault(key, t) is not t or not names_ok(t.__name__, t._fields):
+        return False
+      children = x
+    else:
+      return False
+    stack.extend((c, depth + 1) for c in children)
+  return True
 
 
 class _Checked:
