@@ -70,6 +70,26 @@ def test_records_holding_a_freed_buffer_are_named(tmp_path, call):
   assert not (tmp_path / "ck").exists()
 
 
+def test_a_generator_that_reshards_inside_a_save_names_what_the_reshard_was_given(tmp_path):
+  """save_records of a generator of reshard's targets, one source leaf freed: the leaf is
+  in none of save_records' arguments (the generator yields nothing before it fails),
+  so the call inside names it among its own arguments. (It was jax's bare error.)"""
+  _, _, records = _records()
+  state, leaf = _fresh_leaf(records[1].state, "[0].mu['w']")
+  records[1] = jr.ShardRecord(records[1].version, records[1].placements, state, records[1].roles)
+  plans = [jr.plan(records, world_size=3, rank=r) for r in range(3)]
+  leaf.delete()
+  with pytest.raises(jr.ReshardError) as info:
+    jr.save_records(tmp_path / "ck", (jr.reshard(records, p) for p in plans))
+  assert str(info.value).startswith(
+    "records[1].state[0].mu['w'] (given to reshard inside the call) is a deleted jax array"
+  ), info.value
+  assert not (tmp_path / "ck").exists()
+  # The outer call's own arguments are named first, as before.
+  with pytest.raises(jr.ReshardError, match=r"^records\[1\]\.state\[0\]\.mu\['w'\] is a"):
+    jr.reshard_ranks(records, plans)
+
+
 def test_a_state_holding_a_freed_clock_is_named_by_shard_state():
   opt, params, _ = _records()
   with jax.numpy_dtype_promotion("standard"):

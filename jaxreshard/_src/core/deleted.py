@@ -100,22 +100,38 @@ def _first(values: Mapping[str, Any]) -> tuple[str, str] | None:
 
 
 @contextlib.contextmanager
-def _outermost(find: Callable[[], tuple[str, str] | None]) -> Iterator[None]:
+def _outermost(
+  find: Callable[[], tuple[str, str] | None], call: str | None = None
+) -> Iterator[None]:
   """jax's error for a deleted array raised inside, re-raised as a ReshardError naming
   what ``find`` finds (any other error, or one ``find`` finds nothing for, as it was).
-  Only the outermost such block on this thread names anything: the arguments the
-  caller passed, not those a call inside it made."""
+  Only the outermost such block on this thread raises: it names the arguments the
+  caller passed, and only when none of them holds the array, what a block inside it
+  found among its own (``call``'s): a generator of records given to ``save_records``
+  that reshards inside, whose sources are nowhere in the outer call's arguments."""
   depth = getattr(_calls, "depth", 0)
   _calls.depth = depth + 1
   try:
     yield
   except RuntimeError as e:
-    found = find() if not depth and _JAX_WORDS in str(e) else None
+    if _JAX_WORDS not in str(e):
+      raise
+    if depth:  # inside another block: what it finds is kept, the shallowest's last
+      found = find()
+      if found is not None:
+        _calls.inner = (
+          found[0],
+          f"{found[1]} (given to {call} inside the call)" if call else found[1],
+        )
+      raise
+    found = find() or getattr(_calls, "inner", None)
     if found is None:
       raise
     raise ReshardError(_message(*found)) from e
   finally:
     _calls.depth = depth
+    if not depth:
+      _calls.inner = None
 
 
 def naming(**values: Any) -> contextlib.AbstractContextManager[None]:
@@ -139,7 +155,7 @@ def names_deleted(fn: _F) -> _F:
 
   @functools.wraps(fn)
   def wrapper(*args: Any, **kwargs: Any) -> Any:
-    with _outermost(lambda: first(args, kwargs)):
+    with _outermost(lambda: first(args, kwargs), fn.__name__):
       return fn(*args, **kwargs)
 
   return wrapper  # type: ignore[return-value]
