@@ -12,8 +12,10 @@ than Python per buffer at each call, first of these that applies:
 
 * uniform archives seen as the rows of one 2-D array (``stacked``), where
   several target ranks are built and the copy by blocks makes that stack
-  anyway: one gather over rows evenly spaced in one allocation, else one per
-  row the spans read; the index tables are made once per plan;
+  anyway: over rows evenly spaced in one allocation, the spans' runs (those
+  that touch merged) read in place by the compiled library (numpy's gather of
+  their elements without it), else one gather per row the spans read; the
+  run and index tables are made once per plan;
 * numpy buffers that share a few allocations (views of one packed buffer
   per archive, or of one for every archive): one gather per allocation, its
   index table made once per plan from the buffers' addresses;
@@ -239,8 +241,8 @@ def _on_device(src: MemorySources, plan: PadPlan, packs) -> bool:
 
 
 def _by_stack(src, groups: _groups.Groups, plan: PadPlan, ranks, rows) -> bool | None:
-  """Gathers the spans from uniform archives' rows seen as one 2-D array, with one
-  index table per dtype kept for the plan: True when every bit is zero, False
+  """Reads the spans from uniform archives' rows seen as one 2-D array, with one
+  run table per dtype kept for the plan: True when every bit is zero, False
   when one is not; None where that does not apply (no such rows, or rows that
   are a copy when the pieces would cost less)."""
   family = groups.family
@@ -284,18 +286,18 @@ def _by_stack(src, groups: _groups.Groups, plan: PadPlan, ranks, rows) -> bool |
       return None
     if share:
       rows[id(stack)] = array
-    index = family.recent(
-      ("pad index", ranks, dtype, id(stack), step),
-      lambda s=stack, k=step: _stack_index(groups, plan.pairs, s, k),
+    runs = family.recent(
+      ("pad runs", ranks, dtype, id(stack), step),
+      lambda s=stack, k=step: _stack_runs(groups, plan.pairs, s, k),
     )
-    if _host_exec.any_nonzero(flat, index):
+    if _host_exec.any_nonzero_runs(flat, *runs):
       return False
   return True
 
 
 def _row_gathers(groups: _groups.Groups, pairs: tuple, stack: Any) -> list:
   """(row, index of the spans' elements in it) of each row of ``stack`` they read."""
-  index = _stack_index(groups, pairs, stack, stack.width)  # increasing: runs do not overlap
+  index = _host_exec.run_elements(*_stack_runs(groups, pairs, stack, stack.width))
   row = index // max(stack.width, 1)
   cut = np.flatnonzero(np.diff(row)) + 1
   return [
@@ -347,18 +349,8 @@ def _allocation_gathers(src: MemorySources, runs: dict, keys: list) -> list | No
       o, p = allocations[c // size], c % size
       flat = o.reshape(-1).view(np.uint8)
       flat = flat[p : p + (flat.size - p) // size * size].view(uint)
-      out.append((flat, _run_elements(element[sel], r.length[sel])))
+      out.append((flat, _host_exec.run_elements(element[sel], r.length[sel])))
   return out
-
-
-def _run_elements(start: np.ndarray, length: np.ndarray) -> np.ndarray:
-  """Every element of runs ``[start, start + length)``, runs in order of their starts:
-  increasing where they do not overlap (distinct buffers of one allocation)."""
-  order = np.argsort(start, kind="stable")
-  start, length = start[order], length[order]
-  ends = np.cumsum(length)
-  total = int(ends[-1]) if len(ends) else 0
-  return np.repeat(start - (ends - length), length) + np.arange(total, dtype=np.int64)
 
 
 def _flat(rows: np.ndarray) -> tuple[np.ndarray | None, int]:
@@ -373,9 +365,13 @@ def _flat(rows: np.ndarray) -> tuple[np.ndarray | None, int]:
   return np.lib.stride_tricks.as_strided(rows, (size,), (itemsize,), writeable=False), step
 
 
-def _stack_index(groups: _groups.Groups, pairs: tuple, stack: Any, step: int) -> np.ndarray:
-  """The flat index (rows ``step`` elements apart) of every element of the spans in
-  each of their rows' buffers of a stack."""
+def _stack_runs(
+  groups: _groups.Groups, pairs: tuple, stack: Any, step: int
+) -> tuple[np.ndarray, np.ndarray]:
+  """(start, length) in the flat stack (rows ``step`` elements apart) of the spans in
+  each of their rows' buffers, in address order, runs that touch merged into one
+  (spans of buffers side by side in a row, a row's last and the next row's
+  first): the check reads them in place, one run at a time."""
   row_of = {pid: i for i, pid in enumerate(groups.params)}
   g = np.fromiter((row_of.get(p, -1) for p, _ in stack.order), np.int64, len(stack.order))
   offset = np.asarray(stack.offsets, np.int64)
@@ -388,8 +384,16 @@ def _stack_index(groups: _groups.Groups, pairs: tuple, stack: Any, step: int) ->
   span = np.repeat(np.arange(len(row), dtype=np.int64), n)
   buf = first[row][span] + (np.arange(len(span), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n))
   base = rank[span] * step + offset[buf] + start[span]
-  # Read in address order: the gather streams through the rows.
-  return _run_elements(base, length[span])
+  length = length[span]
+  order = np.argsort(base, kind="stable")
+  base, length = base[order], length[order]
+  if not len(base):
+    return base, length
+  # A run starts where the previous one does not end right before it.
+  first = np.flatnonzero(np.concatenate([[True], base[1:] != (base + length)[:-1]]))
+  ends = np.cumsum(length)[np.concatenate([first[1:] - 1, [len(base) - 1]])]
+  merged = np.diff(np.concatenate([[0], ends]))
+  return np.ascontiguousarray(base[first]), merged
 
 
 def _refusal(src: MemorySources, plan: PadPlan, r: _copyplan.Runs, flat: np.ndarray):

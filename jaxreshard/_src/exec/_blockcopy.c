@@ -1,6 +1,7 @@
 /* Block copies of the host executor, compiled: each buffer's flat range moved
- * from the rows of the source ranks to the rows of the target ranks; and the
- * gather that writes a tile of narrow buffers' target rows from its table.
+ * from the rows of the source ranks to the rows of the target ranks; the
+ * gather that writes a tile of narrow buffers' target rows from its table; and
+ * the check that runs of source padding hold no set bit.
  *
  * A buffer ("block") lies at columns [so, so + ss) of every source row and at
  * columns [to, to + ts) of every target row; its rows concatenated are its flat
@@ -22,6 +23,13 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+/* A hint that memory at `p` is read soon, where the compiler has one. */
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
 
 /* Pieces of at most this many elements are copied element by element: the C
  * library's memcpy costs more than the copy for a few elements. */
@@ -105,7 +113,33 @@ TILE_GATHER(uint64_t, gather8)
 /* The interface of this file: native.py loads the library only where this is
  * the number it was written for (an editable install keeps a library built
  * from an older copy of this file until it is installed again). */
-int jaxreshard_blockcopy_version(void) { return 3; }
+int jaxreshard_blockcopy_version(void) { return 4; }
+
+/* Whether any bit is set in the runs [start[j], start[j] + length[j]) of the
+ * `n_flat` elements of `itemsize` bytes at `flat`, j in [0, n): 1 where one is,
+ * 0 where none is, -1 (nothing read) for a run that does not lie inside them
+ * (a negative start or length included) or an item size below 1. Bits are
+ * read as bytes: no element is read as a value. */
+int jaxreshard_any_nonzero_runs(const char *flat, int64_t itemsize, int64_t n_flat,
+                                int64_t n, const int64_t *start,
+                                const int64_t *length) {
+  if (itemsize < 1 || n_flat < 0) return -1;
+  for (int64_t j = 0; j < n; j++)
+    if (start[j] < 0 || length[j] < 0 || start[j] > n_flat - length[j]) return -1;
+  /* Runs lie apart in memory: each is asked for well before it is read, so that
+   * the reads overlap instead of waiting for memory one run at a time. */
+  const int64_t ahead = 16;
+  for (int64_t j = 0; j < n && j < ahead; j++) PREFETCH(flat + start[j] * itemsize);
+  for (int64_t j = 0; j < n; j++) {
+    if (j + ahead < n) PREFETCH(flat + start[j + ahead] * itemsize);
+    const unsigned char *p = (const unsigned char *)flat + start[j] * itemsize;
+    const int64_t count = length[j] * itemsize;
+    unsigned char any = 0;
+    for (int64_t i = 0; i < count; i++) any |= p[i];
+    if (any) return 1;
+  }
+  return 0;
+}
 
 /* Copies blocks [0, n) (tables of n int64 each) from `src`'s rows (`src_stride`
  * bytes apart) to `out`'s rows (`out_stride` bytes apart), elements of `itemsize`

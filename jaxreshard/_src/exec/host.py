@@ -32,6 +32,7 @@ from jaxreshard._src.exec import tiles as _tiles
 __all__ = [
   "Program",
   "any_nonzero",
+  "any_nonzero_runs",
   "bits",
   "copy_blocks",
   "execute",
@@ -79,6 +80,8 @@ def _in_two(fn: Any, here: tuple, there: tuple) -> tuple[Any, Any]:
   return mine, theirs
 
 
+# Below this many runs ``any_nonzero_runs`` reads them in one thread.
+_PARALLEL_RUNS = 1 << 14
 # Elements ``any_nonzero`` gathers per numpy call: the values stay in cache
 # between the gather and the test, and nothing as large as the index is made.
 _GATHER_CHUNK = 1 << 16
@@ -95,6 +98,41 @@ def any_nonzero(flat: np.ndarray, index: np.ndarray) -> bool:
     return _any_nonzero(flat, index, 0, n)
   half = n // 2
   return any(_in_two(_any_nonzero, (flat, index, 0, half), (flat, index, half, n)))
+
+
+def any_nonzero_runs(flat: np.ndarray, start: np.ndarray, length: np.ndarray) -> bool:
+  """Whether any element of the runs ``flat[start[j] : start[j] + length[j]]`` (int64
+  arrays) has a bit set: read in place, run by run, by the compiled library where
+  it is available (no index of every element), else ``any_nonzero`` of the runs'
+  elements.
+
+  A run outside ``flat`` raises ``ValueError`` from the compiled library, or numpy's
+  ``IndexError``.
+  """
+  if not (_native.enabled and flat.ndim == 1 and flat.flags.c_contiguous):
+    return any_nonzero(flat, run_elements(start, length))
+  n = len(start)
+  # Runs lie apart in memory, each read a wait for it: two threads wait at once.
+  if THREADS < 2 or n < _PARALLEL_RUNS:
+    return _native.any_nonzero_runs(flat, start, length)
+  half = n // 2
+  return any(
+    _in_two(
+      _native.any_nonzero_runs,
+      (flat, start[:half], length[:half]),
+      (flat, start[half:], length[half:]),
+    )
+  )
+
+
+def run_elements(start: np.ndarray, length: np.ndarray) -> np.ndarray:
+  """Every element of runs ``[start, start + length)``, runs in order of their starts:
+  increasing where they do not overlap."""
+  order = np.argsort(start, kind="stable")
+  start, length = start[order], length[order]
+  ends = np.cumsum(length)
+  total = int(ends[-1]) if len(ends) else 0
+  return np.repeat(start - (ends - length), length) + np.arange(total, dtype=np.int64)
 
 
 def _any_nonzero(flat: np.ndarray, index: np.ndarray, a: int, b: int) -> bool:

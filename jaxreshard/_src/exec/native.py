@@ -2,8 +2,9 @@
 
 ``_blockcopy.c`` moves each buffer's flat range from source rows to target rows,
 one copy per overlap of a source row and a target row, with no index array
-and no Python per overlap (``copy_blocks``); and writes a tile of narrow
-buffers' target rows straight from its gather table (``gather_tile``). The
+and no Python per overlap (``copy_blocks``); writes a tile of narrow
+buffers' target rows straight from its gather table (``gather_tile``); and
+reads runs of padding in place for a set bit (``any_nonzero_runs``). The
 package builds it when it is installed; where no C compiler was found, the
 build skips it and the host executor copies with numpy alone (the same bits,
 more slowly where a buffer's slots are a few hundred elements or less).
@@ -26,22 +27,30 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["available", "check_chunks", "copy_blocks", "enabled", "fits", "gather_tile"]
+__all__ = [
+  "any_nonzero_runs",
+  "available",
+  "check_chunks",
+  "copy_blocks",
+  "enabled",
+  "fits",
+  "gather_tile",
+]
 
 _LIBRARY = "_blockcopy"
 # The interface of ``_blockcopy.c`` this module calls (``jaxreshard_blockcopy_version``).
-VERSION = 3
+VERSION = 4
 
 
 class _Library:
   """The library's entry points."""
 
-  def __init__(self, copy: Any, gather: Any, check: Any):
-    self.copy, self.gather, self.check = copy, gather, check
+  def __init__(self, copy: Any, gather: Any, check: Any, any_runs: Any):
+    self.copy, self.gather, self.check, self.any_runs = copy, gather, check, any_runs
 
 
 def _load() -> Any:
-  """The C functions (``copy``, ``gather``, ``check``), or None where the library was not built
+  """The C functions (``copy``, ``gather``, ``check``, ``any_runs``), or None where the library was not built
   or cannot be loaded."""
   if os.environ.get("JAXRESHARD_NATIVE", "1") == "0" or ctypes.sizeof(ctypes.c_void_p) != 8:
     return None
@@ -55,6 +64,7 @@ def _load() -> Any:
       fn = library.jaxreshard_copy_blocks
       gather = library.jaxreshard_gather_tile
       check = library.jaxreshard_check_chunks
+      any_runs = library.jaxreshard_any_nonzero_runs
       version = library.jaxreshard_blockcopy_version()
     except (OSError, AttributeError) as e:
       print(f"jaxreshard: {path} cannot be loaded ({e}); copying with numpy", file=sys.stderr)
@@ -73,7 +83,9 @@ def _load() -> Any:
     gather.restype = ctypes.c_int
     check.argtypes = [ptr, i64, ptr, ptr, ptr, ptr]
     check.restype = i64
-    return _Library(fn, gather, check)
+    any_runs.argtypes = [ptr, i64, i64, i64, ptr, ptr]
+    any_runs.restype = ctypes.c_int
+    return _Library(fn, gather, check, any_runs)
   return None
 
 
@@ -146,6 +158,39 @@ def copy_blocks(src: np.ndarray, out: np.ndarray, table: tuple, which: Any) -> N
   )
   if status:
     raise ValueError(f"block copy: elements of {size} bytes cannot be copied")
+
+
+def any_nonzero_runs(flat: np.ndarray, start: np.ndarray, length: np.ndarray) -> bool:
+  """Whether any bit is set in the runs ``flat[start[j] : start[j] + length[j]]``.
+
+  Args:
+    flat: 1-D, contiguous (any dtype: its bits are read as bytes).
+    start, length: int64, contiguous, one entry per run.
+
+  Raises:
+    ValueError: arrays that do not fit these, or a run that does not lie inside
+      ``flat`` (a bug of the caller's: nothing is read).
+  """
+  if _library is None:
+    raise ValueError("the compiled block copy is not available")
+  if not (
+    flat.ndim == 1
+    and flat.flags.c_contiguous
+    and all(
+      a.dtype == np.int64 and a.ndim == 1 and a.flags.c_contiguous and len(a) == len(start)
+      for a in (start, length)
+    )
+  ):
+    raise ValueError(
+      f"nonzero runs: arrays {flat.dtype}{flat.shape}, {start.dtype}{start.shape} and"
+      f" {length.dtype}{length.shape} do not fit"
+    )
+  found = _library.any_runs(
+    flat.ctypes.data, flat.itemsize, len(flat), len(start), start.ctypes.data, length.ctypes.data
+  )
+  if found < 0:
+    raise ValueError(f"nonzero runs: a run lies outside the {len(flat)} elements read")
+  return bool(found)
 
 
 def gather_tile(tile: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
