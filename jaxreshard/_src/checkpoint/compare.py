@@ -180,7 +180,9 @@ def buffer_diffs(
 
 
 def _histories(record: Any) -> dict[str, list[np.ndarray]]:
-  parts = _structure.state_parts(record.state, _structure.roles_of(record))
+  parts = _structure.state_parts(
+    record.state, _structure.roles_of(record), [p.param for p in record.placements]
+  )
   return {
     pid: [np.asarray(h) for h in parts.history(pid) if h is not None and h is not _structure.MASKED]
     for pid in parts.param_set()

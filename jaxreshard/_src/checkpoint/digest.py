@@ -458,7 +458,9 @@ def clock_scalars(record: ShardRecord) -> list[tuple[str, np.ndarray]]:
 def clock_leaves(record: ShardRecord) -> list[tuple[str, Any]]:
   """``(key path, leaf)`` of every clock scalar, the leaves as the state holds them."""
   try:
-    state_parts = _structure.state_parts(record.state, _structure.roles_of(record))
+    state_parts = _structure.state_parts(
+      record.state, _structure.roles_of(record), [p.param for p in record.placements]
+    )
   except _structure.StatePartsError as e:
     raise PlacementError(f"an archive that cannot be taken apart: {e}") from None
   paths = _structure.clock_paths(

@@ -57,8 +57,9 @@ def parse_index(index: Any, where: str, table: Any = None, parse_table: Any = No
   archives = fmt.expect(index["archives"], list, where)
   if not archives:
     raise ArchiveError(f"{where}: the archive list is empty")
+  listed = [e.param for e in params]
   layouts = tuple(
-    _parse_layout(e, f"{where}, layout {i}")
+    _parse_layout(e, f"{where}, layout {i}", listed)
     for i, e in enumerate(fmt.expect(index["layouts"], list, where))
   )
   raw_clocks = _raw_clocks(index, where, len(params))
@@ -301,7 +302,7 @@ def _parse_param(e: Any, where: str) -> ParamEntry:
   )
 
 
-def _parse_layout(e: Any, where: str) -> JsonLayout:
+def _parse_layout(e: Any, where: str, listed: Sequence[str]) -> JsonLayout:
   fmt.expect(e, dict, where)
   if set(e) != {"tree", "leaves"}:
     raise ArchiveError(f"{where}: expected tree and leaves")
@@ -330,7 +331,7 @@ def _parse_layout(e: Any, where: str) -> JsonLayout:
       leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), d))
     else:
       raise ArchiveError(f"{lw}: invalid leaf {str(x)[:80]!r}")
-  return JsonLayout(e["tree"], leaves, where)
+  return JsonLayout(e["tree"], leaves, where, listed)
 
 
 def _clock_scalars(e: Any, where: str, n_params: int) -> list[Any]:

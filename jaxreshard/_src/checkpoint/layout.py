@@ -252,9 +252,10 @@ def mirror_columns(
 
 
 class JsonLayout(ArchiveLayout):
-  """A layout of format version 3: the whole tree, decoded when the index is read."""
+  """A layout of format version 3: the whole tree, decoded when the index is read.
+  ``listed``: the index's params, which find its mirrors of ``MaskedNode`` places alone."""
 
-  def __init__(self, tree: Any, leaves: list[Any], where: str):
+  def __init__(self, tree: Any, leaves: list[Any], where: str, listed: Sequence[str] = ()):
     self.tree = tree
     self.where = where
     self.leaves = leaves  # LeafInfo or _ScalarSlot, in tree-leaf order
@@ -262,7 +263,7 @@ class JsonLayout(ArchiveLayout):
     self.n_scalars = sum(isinstance(x, _ScalarSlot) for x in leaves)
     placeholder = fmt.decode_tree(tree, leaves, where)
     try:
-      self.state_parts = _structure.state_parts(placeholder, self.roles)
+      self.state_parts = _structure.state_parts(placeholder, self.roles, listed)
     except _structure.StatePartsError as e:
       raise ArchiveError(f"{where}: {e}") from None
     # (param, mirror) of each history leaf, by the leaf's identity.

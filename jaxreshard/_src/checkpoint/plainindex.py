@@ -145,7 +145,7 @@ class PlainLayouts:
     last = builder.entries.last
     if rank is None or len(last) != 1 or last[0][0] != (world, rank):
       return
-    state_parts = _structure.state_parts(record.state, roles)
+    state_parts = _structure.state_parts(record.state, roles, [p.param for p in placements])
     count = {p.param: math.prod(p.shape) for p in placements}
     order: dict[np.dtype, list[tuple[int, int]]] = {}
     for pid, _m, buf in _copyplan.packing_order(

@@ -12,6 +12,8 @@ optax made it, one ``MaskedNode``; the history of each param it stands for
 holds MASKED for that mirror; and a state built from histories puts one
 ``MaskedNode`` back at a place of its template (or of its groups' templates)
 under which every param it holds is masked, so that it has optax's own tree.
+A mirror that holds ``MaskedNode`` places alone is found by its places' ids
+(``masked_mirrors``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ __all__ = [
   "collapse",
   "fill",
   "ids_tree",
+  "masked_mirrors",
   "masked_places",
   "under",
   "unmasked_tree",
@@ -202,3 +205,65 @@ def unmasked_tree(mirrors: Sequence[Any], want: Sequence[str]) -> Any:
 
   out = resolve(mirrors[0], ())
   return out if sorted(jax.tree_util.tree_leaves(out)) == ids else None
+
+
+def masked_mirrors(
+  state: Any, prefixes: Mapping[tuple, int], listed: Collection[str]
+) -> dict[tuple, int]:
+  """``prefixes`` (the key paths of the mirrors the roles find, each with its index)
+  with the mirrors of ``state`` that hold ``MaskedNode`` places and no buffer, all
+  numbered in the state's flatten order.
+
+  A rank holding only params that a mirror masks (a frozen group placed apart) has
+  that mirror as optax builds it for them: ``MaskedNode`` places, no leaf, so no
+  role says where it is. The rule: a subtree outside every mirror the roles find,
+  holding no leaf, each of whose ``MaskedNode`` places lies at the id of a
+  ``listed`` param below it or of a subtree of listed params, is a mirror. Where
+  several nested subtrees are such for one place, the outermost that holds every
+  listed param is (a mirror holds the whole params tree); where none of them
+  does, the place stays in the skeleton, as one that is no mirror does.
+  """
+  is_masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731
+  items = jax.tree_util.tree_flatten_with_path(state, is_leaf=is_masked)[0]
+  depths = sorted({len(p) for p in prefixes})
+
+  def claimed(path: tuple) -> bool:
+    return any(path[:k] in prefixes for k in depths if k <= len(path))
+
+  places = [path for path, x in items if is_masked(x) and not claimed(path)]
+  if not places:
+    return dict(prefixes)
+  ids = sorted(listed)
+  idset = set(ids)
+  nodes = {path[:j] for path in places for j in range(len(path) + 1)}
+  # Per node above a place: the listed ids its places stand for; None when it
+  # holds a leaf or a place that stands for no listed id.
+  held: dict[tuple, set[str] | None] = {}
+  for path, x in items:
+    for j in range(len(path) + 1):
+      node = path[:j]
+      if node not in nodes or (node in held and held[node] is None):
+        continue
+      pid = path_id(path[j:]) if is_masked(x) else None
+      below = [] if pid is None else [pid] if pid in idset else under(ids, pid)
+      if below:
+        held.setdefault(node, set()).update(below)
+      else:
+        held[node] = None
+  chosen = set()
+  for path in places:
+    found = [path[:j] for j in range(len(path) + 1) if held.get(path[:j]) is not None]
+    if len(found) > 1:
+      found = [node for node in found if held[node] == idset][:1]
+    chosen.update(found)
+  chosen = {c for c in chosen if not any(c[:k] in chosen for k in range(len(c)))}
+  if not chosen:
+    return dict(prefixes)
+  first: dict[tuple, int] = {}
+  every = set(prefixes) | chosen
+  for i, (path, _) in enumerate(items):
+    for k in range(len(path) + 1):
+      if path[:k] in every:
+        first.setdefault(path[:k], i)
+  order = sorted(every, key=lambda p: (first[p], prefixes.get(p, -1)))
+  return {p: i for i, p in enumerate(order)}

@@ -15,14 +15,15 @@ records that once, as per-leaf *roles*, and from then on takes a state apart
   structure and, per param id, its buffer or ``optax.MaskedNode`` (no history
   there). One ``MaskedNode`` may stand for a whole subtree of params (a prefix
   mask): its entry has that subtree's id, and ``StateParts.history`` of each
-  param under it says MASKED (``masks``' rule).
+  param under it says MASKED (``masks``' rule). A mirror of ``MaskedNode`` places
+  alone has no leaf to carry a role: the ids of the params its archive lists find
+  it (``masks.masked_mirrors``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -30,7 +31,7 @@ import numpy as np
 import optax
 
 from jaxreshard._src.core import masks as _masks
-from jaxreshard._src.core import storable as _storable
+from jaxreshard._src.core import outlines as _outlines
 from jaxreshard._src.core.ids import key_name, path_id
 from jaxreshard._src.core.masks import MASKED
 from jaxreshard._src.core.mirrortree import merged_tree, mirror_trees, nested
@@ -289,38 +290,17 @@ def roles_of(record: Any) -> tuple[str | None, ...]:
   return infer_roles(record.state, sorted(p.param for p in record.placements))
 
 
-class _OutlineCache:
-  """State parts of tree *structures* (leaf indices as leaves), by (treedef, roles).
-
-  Every rank of a layout has the same structure, so taking W archives apart
-  walks their key paths once; each archive then only places its leaves.
-  """
-
-  def __init__(self, maxsize: int = 64):
-    self.maxsize = maxsize
-    self.lock = threading.Lock()
-    self.outlines: dict[Any, StateParts] = {}  # leaves: indices into the flat state
-
-  def get(self, treedef: Any, roles: tuple, n: int) -> StateParts:
-    key = (treedef, roles)
-    with self.lock:
-      outline = self.outlines.get(key)
-    if outline is None:
-      # A structure no checkpoint holds is refused here, once per structure.
-      _storable.check_structure(treedef)
-      outline = _state_parts_of_paths(jax.tree_util.tree_unflatten(treedef, list(range(n))), roles)
-      with self.lock:
-        if len(self.outlines) >= self.maxsize:
-          self.outlines.pop(next(iter(self.outlines)))
-        self.outlines[key] = outline
-    return outline
+OUTLINES = _outlines.OutlineCache(
+  lambda tree, roles, listed: _state_parts_of_paths(tree, roles, listed)
+)
 
 
-OUTLINES = _OutlineCache()
-
-
-def state_parts(state: Any, roles: Sequence[str | None]) -> StateParts:
-  """Takes ``state`` apart using per-leaf ``roles`` (see ``history_roles``).
+def state_parts(
+  state: Any, roles: Sequence[str | None], listed: Collection[str] | None = None
+) -> StateParts:
+  """Takes ``state`` apart using per-leaf ``roles`` (see ``history_roles``) and the
+  ids of the params its archive lists (``listed``), which find the mirrors that
+  hold ``MaskedNode`` places alone (``masks.masked_mirrors``; None: not looked for).
 
   Raises:
     StatePartsError: when roles do not describe the state, or a mirror is ragged.
@@ -329,7 +309,7 @@ def state_parts(state: Any, roles: Sequence[str | None]) -> StateParts:
   leaves, treedef = jax.tree_util.tree_flatten(state)
   if len(leaves) != len(roles):
     raise StatePartsError(f"the state has {len(leaves)} leaves but its roles describe {len(roles)}")
-  outline = OUTLINES.get(treedef, tuple(roles), len(leaves))
+  outline = OUTLINES.get(treedef, tuple(roles), len(leaves), listed)
   subtrees = tuple(
     ParamsSubtree(
       m.prefix,
@@ -367,7 +347,9 @@ def own_scalar(x: Any) -> Any:
   return x
 
 
-def _state_parts_of_paths(state: Any, roles: Sequence[str | None]) -> StateParts:
+def _state_parts_of_paths(
+  state: Any, roles: Sequence[str | None], listed: Collection[str] | None = None
+) -> StateParts:
   """``state_parts`` by walking key paths (the state's leaves are their own indices)."""
   with_path = jax.tree_util.tree_flatten_with_path(state)[0]
   if len(with_path) != len(roles):
@@ -380,6 +362,8 @@ def _state_parts_of_paths(state: Any, roles: Sequence[str | None]) -> StateParts
   prefixes: dict[KeyPath, int] = {}
   for i, names_i in names.items():
     prefixes.setdefault(_subtree_prefix(paths[i], roles[i], names_i), len(prefixes))
+  if listed is not None:
+    prefixes = _masks.masked_mirrors(state, prefixes, listed)
   # Every buffer below a mirror's prefix must carry the role its position says.
   depths = sorted({len(p) for p in prefixes})
   for i, names_i in names.items():

@@ -147,7 +147,7 @@ def check_record(
         raise PlacementError(f"param {p.param!r}: archive {index}: {e}") from None
     placements[p.param] = p
   try:
-    state_parts = _structure.state_parts(record.state, _structure.roles_of(record))
+    state_parts = _structure.state_parts(record.state, _structure.roles_of(record), placements)
   except _structure.StatePartsError as e:
     raise PlacementError(f"archive {index}: {e}") from None
   except _storable.UnstorableTree as e:  # memory takes no tree that a save refuses
