@@ -301,13 +301,13 @@ class _OutlineCache:
     self.lock = threading.Lock()
     self.outlines: dict[Any, StateParts] = {}  # leaves: indices into the flat state
 
-  def get(self, treedef: Any, roles: tuple, n: int) -> StateParts:
+  def get(self, treedef: Any, roles: tuple, n: int, state: Any) -> StateParts:
+    # Each call: a structure equal to one outlined vouches only for a tree of exact keys.
+    _storable.check_structure(treedef, state)
     key = (treedef, roles)
     with self.lock:
       outline = self.outlines.get(key)
     if outline is None:
-      # A structure no checkpoint holds is refused here, once per structure.
-      _storable.check_structure(treedef)
       outline = _state_parts_of_paths(jax.tree_util.tree_unflatten(treedef, list(range(n))), roles)
       with self.lock:
         if len(self.outlines) >= self.maxsize:
@@ -329,7 +329,7 @@ def state_parts(state: Any, roles: Sequence[str | None]) -> StateParts:
   leaves, treedef = jax.tree_util.tree_flatten(state)
   if len(leaves) != len(roles):
     raise StatePartsError(f"the state has {len(leaves)} leaves but its roles describe {len(roles)}")
-  outline = OUTLINES.get(treedef, tuple(roles), len(leaves))
+  outline = OUTLINES.get(treedef, tuple(roles), len(leaves), state)
   subtrees = tuple(
     ParamsSubtree(
       m.prefix,

@@ -160,7 +160,8 @@ def coordinate_roles(
   # shard_to_mesh, flat_sharded's init) takes none a save refuses. A save stores the
   # plain form (``nnx.State`` nodes as dicts).
   try:
-    _storable.check_structure(jax.tree_util.tree_structure(_plain.plain(state)))
+    stored = _plain.plain(state)
+    _storable.check_structure(jax.tree_util.tree_structure(stored), stored)
   except _storable.UnstorableTree as e:
     raise ReshardError(str(e)) from None
   for pid in ids:
