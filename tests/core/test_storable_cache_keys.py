@@ -102,6 +102,29 @@ def test_records_are_refused_for_a_key_equal_to_one_taken(case, same_ids, fresh,
   assert _refusal(lambda: jr.reshard(bad_records, to_two)) == want
 
 
+def _plain_record(record, key):
+  """``record`` (one key's trace) built with its fields, numpy buffers, keyed ``key``."""
+  (trace,) = record.state[0].trace.values()
+  state = (optax.TraceState(trace={key: np.asarray(trace)}), record.state[1])
+  return jr.ShardRecord(1, record.placements, state, record.roles)
+
+
+@pytest.mark.parametrize("case", sorted(KEYS))
+def test_a_save_refuses_a_rank_keyed_equal_to_the_rank_before(case, fresh, tmp_path):
+  """A save registers a plain record of a structure it has written leaf by leaf
+  from that one: a rank whose keys are only equal to the first's is refused as it
+  is alone, not written with the first's keys."""
+  good, bad = KEYS[case]
+  ranks = jr.shard_state(OPT, {good: A}, OPT.init({good: A}), 2)
+  first, second = _plain_record(ranks[0], good), _plain_record(ranks[1], bad)
+  alone = _refusal(lambda: jr.save_records(tmp_path / "alone", [second]))
+  assert alone.startswith("archive 0: state node at (0, 'trace'): dict keys"), alone
+  got = _refusal(lambda: jr.save_records(tmp_path / "ck", [first, second]))
+  assert got == "archive 1: " + alone.removeprefix("archive 0: ")
+  assert not (tmp_path / "ck").exists()
+  jr.save_records(tmp_path / "ok", [first, _plain_record(ranks[1], good)])
+
+
 def test_a_structure_of_exact_keys_is_still_checked_once(fresh, monkeypatch):
   """Trees of str, int and tuple keys hit the checked structures as before."""
   walked = []
