@@ -302,12 +302,12 @@ class _OutlineCache:
     self.outlines: dict[Any, StateParts] = {}  # leaves: indices into the flat state
 
   def get(self, treedef: Any, roles: tuple, n: int, state: Any) -> StateParts:
-    # Each call: a structure equal to one outlined vouches only for a tree of exact keys.
-    _storable.check_structure(treedef, state)
     key = (treedef, roles)
     with self.lock:
       outline = self.outlines.get(key)
-    if outline is None:
+    # An outline vouches only for a tree of exact keys; any other is checked (and refused).
+    if outline is None or not _storable.exact_keys(state):
+      _storable.check_structure(treedef, state)
       outline = _state_parts_of_paths(jax.tree_util.tree_unflatten(treedef, list(range(n))), roles)
       with self.lock:
         if len(self.outlines) >= self.maxsize:
