@@ -5,11 +5,11 @@ its local ranks, ``sharded.host_record``) are plain records that differ only in
 their placements' rank, their clock's values and their bytes: one state
 structure, one set of roles, one shape and dtype per history buffer, one list of
 params. The first is registered leaf by leaf, with every check the writer makes;
-what it gave is kept here. A later record of the same structure is checked with
-a few comparisons and array operations (its placements the first's but for one
-rank, its buffers numpy arrays of the first's shapes and dtypes, its padding
-zero bits) and registered with the first's layout and param entries and its own
-clock. Anything else is registered leaf by leaf, so every refusal keeps its
+what it gave is kept here. A later record of the same structure and exact keys
+is checked with a few comparisons and array operations (its placements the
+first's but for one rank, its buffers numpy arrays of the first's shapes and
+dtypes, its padding zero bits) and registered with the first's layout and param
+entries and its own clock. Anything else is registered leaf by leaf, so every refusal keeps its
 words (a record with nonzero padding is passed on, and refused there).
 """
 
@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from jaxreshard._src.core import copyplan as _copyplan
+from jaxreshard._src.core import storable as _storable
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.placement import ParamPlacement
 from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord, deferred_parts
@@ -96,7 +97,9 @@ class PlainLayouts:
       return None
     leaves, treedef = jax.tree_util.tree_flatten(record.state)
     known = self._known.get(treedef)
-    if known is None or record.roles != known.roles:
+    # jax takes a structure keyed True as one keyed 1 (``storable.exact_keys``): it is
+    # the first's only when every key is exactly a str, an int or a tuple of those.
+    if known is None or record.roles != known.roles or not _storable.exact_keys(record.state):
       return None
     history = [leaves[i] for i in known.history]
     if any(type(x) is not np.ndarray for x in history):

@@ -40,12 +40,15 @@ class OutlineCache:
     self.lock = threading.Lock()
     self.outlines: dict[Any, Any] = {}  # leaves: indices into the flat state
 
-  def _get(self, key: tuple, treedef: Any, roles: tuple, n: int, listed: Any) -> Any:
+  def _get(self, key: tuple, treedef: Any, roles: tuple, n: int, listed: Any, state: Any) -> Any:
     with self.lock:
       hit = self.outlines.get(key)
+    # An outline vouches only for a tree of exact keys (jax takes a key True for 1):
+    # any other is checked, and refused, as a structure no checkpoint holds is,
+    # once per structure.
+    if hit is None or (state is not None and not _storable.exact_keys(state)):
+      _storable.check_structure(treedef, state)
     if hit is None:
-      # A structure no checkpoint holds is refused here, once per structure.
-      _storable.check_structure(treedef)
       outline = self.make(jax.tree_util.tree_unflatten(treedef, list(range(n))), roles, listed)
       hit = (outline, listed is None and _keeps_masked_places(outline.skeleton))
       with self.lock:
@@ -54,9 +57,18 @@ class OutlineCache:
         self.outlines[key] = hit
     return hit
 
-  def get(self, treedef: Any, roles: tuple, n: int, listed: Collection[str] | None = None) -> Any:
-    outline, masked = self._get((treedef, roles), treedef, roles, n, None)
+  def get(
+    self,
+    treedef: Any,
+    roles: tuple,
+    n: int,
+    listed: Collection[str] | None = None,
+    state: Any = None,
+  ) -> Any:
+    """The outline of ``treedef``; ``state``, when given, a tree of it whose keys
+    are looked at (:func:`storable.exact_keys`)."""
+    outline, masked = self._get((treedef, roles), treedef, roles, n, None, state)
     if masked and listed is not None:
       listed = frozenset(listed)
-      outline = self._get((treedef, roles, listed), treedef, roles, n, listed)[0]
+      outline = self._get((treedef, roles, listed), treedef, roles, n, listed, None)[0]
     return outline

@@ -20,12 +20,18 @@ in memory can always be saved and loaded. A tree is storable when:
   module, a name and fields (a reader could not tell them apart).
 
 Checks in memory are of tree *structures*, once per structure (:data:`CHECKED`).
+jax takes structures whose dict keys are equal as equal (``True``, ``1.0`` and
+``np.int64(1)`` as ``1``; ``np.str_("a")`` and a str subclass's ``"a"`` as ``"a"``),
+so a structure checked before vouches only for a tree whose keys are all of exactly
+those types (:func:`exact_keys`).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import keyword
+import operator
 import re
 import sys
 import threading
@@ -45,6 +51,7 @@ __all__ = [
   "UnstorableTree",
   "check_structure",
   "check_tree",
+  "exact_keys",
   "key_code",
   "most_sharing_a_hash",
   "names_ok",
@@ -253,33 +260,76 @@ def _plainly_storable(tree: Any) -> bool:
   return True
 
 
+_EXACT_KINDS = frozenset((str, int, tuple))
+
+
+def exact_keys(tree: Any) -> bool:
+  """Whether every key of every dict, OrderedDict and FrozenDict in ``tree`` is
+  exactly a str, an int or a tuple of those (:func:`key_code`). Two such trees of
+  equal jax structures are the same tree, keys and their types alike.
+
+  Walked a level at a time, each level's nodes picked by type in C, not one by one.
+  """
+  frozen = getattr(sys.modules.get("flax.core.frozen_dict"), "FrozenDict", None)
+  level = [tree]
+  while level:
+    types = list(map(type, level))
+    below: list = []
+    for t in set(types):
+      of_t = map(operator.is_, types, itertools.repeat(t))
+      if t is dict or t is collections.OrderedDict or t is frozen:
+        nodes = list(itertools.compress(level, of_t))
+        keys = list(itertools.chain.from_iterable(nodes))
+        kinds = set(map(type, keys))
+        if not kinds <= _EXACT_KINDS:
+          return False
+        if tuple in kinds and any(type(k) is tuple and key_code(k) is None for k in keys):
+          return False
+        below.extend(itertools.chain.from_iterable(map(t.values, nodes)))
+      elif t is tuple or t is list or (issubclass(t, tuple) and hasattr(t, "_fields")):
+        below.extend(itertools.chain.from_iterable(itertools.compress(level, of_t)))
+    level = below
+  return True
+
+
 class _Checked:
   """Tree structures known storable, the most recent ``maxsize``; a structure is
-  walked once (refused ones again at each call)."""
+  walked once (refused ones again at each call). A known structure vouches for a
+  tree only when the tree's keys are exact (:func:`exact_keys`); a tree of other
+  keys is walked, and refused."""
 
   def __init__(self, maxsize: int = 64):
     self.maxsize = maxsize
     self._lock = threading.Lock()
     self._known: dict[Any, None] = {}
 
-  def check(self, treedef: Any) -> None:
+  def check(self, treedef: Any, tree: Any = None) -> None:
     with self._lock:
-      if treedef in self._known:
-        return
-    check_tree(jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves)))
+      known = treedef in self._known
+    if known and exact_keys(_indices(treedef) if tree is None else tree):
+      return
+    check_tree(_indices(treedef))
     with self._lock:
       if len(self._known) >= self.maxsize:
         self._known.pop(next(iter(self._known)))
       self._known[treedef] = None
 
 
+def _indices(treedef: Any) -> Any:
+  """The tree of ``treedef`` with its leaves' indices as leaves."""
+  return jax.tree_util.tree_unflatten(treedef, range(treedef.num_leaves))
+
+
 CHECKED = _Checked()
 
 
-def check_structure(treedef: Any) -> None:
+def check_structure(treedef: Any, tree: Any = None) -> None:
   """:func:`check_tree` of a tree structure, walked once per structure.
+
+  ``tree``, when given, is a tree of that structure (its keys are looked at when
+  the structure is known; None looks at the structure's own).
 
   Raises:
     UnstorableTree: a structure no checkpoint can hold.
   """
-  CHECKED.check(treedef)
+  CHECKED.check(treedef, tree)

@@ -309,7 +309,7 @@ def state_parts(
   leaves, treedef = jax.tree_util.tree_flatten(state)
   if len(leaves) != len(roles):
     raise StatePartsError(f"the state has {len(leaves)} leaves but its roles describe {len(roles)}")
-  outline = OUTLINES.get(treedef, tuple(roles), len(leaves), listed)
+  outline = OUTLINES.get(treedef, tuple(roles), len(leaves), listed, state)
   subtrees = tuple(
     ParamsSubtree(
       m.prefix,

@@ -142,7 +142,7 @@ def coordinate_roles(
       " leaves are not one per parameter (factored or matrix statistics, per-axis"
       " lists, or params of another tree, as optax.lookahead's) cannot be sharded flat"
     ) from e
-  with_path = jax.tree_util.tree_flatten_with_path(state)[0]
+  with_path, state_def = jax.tree_util.tree_flatten_with_path(state)
   if len(with_path) != len(roles):
     raise PlacementError("the optimizer's own description of its state does not match `state`")
   for (path, leaf), pid in zip(with_path, roles):
@@ -160,7 +160,9 @@ def coordinate_roles(
   # shard_to_mesh, flat_sharded's init) takes none a save refuses. A save stores the
   # plain form (``nnx.State`` nodes as dicts).
   try:
-    _storable.check_structure(jax.tree_util.tree_structure(_plain.plain(state)))
+    stored = _plain.plain(state)  # ``state`` itself when it holds no NNX node
+    stored_def = state_def if stored is state else jax.tree_util.tree_structure(stored)
+    _storable.check_structure(stored_def, stored)
   except _storable.UnstorableTree as e:
     raise ReshardError(str(e)) from None
   for pid in ids:
