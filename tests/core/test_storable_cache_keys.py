@@ -49,7 +49,7 @@ KEYS = {
 def _fresh(monkeypatch):
   """No structure checked or outlined yet, whatever ran before in this process."""
   monkeypatch.setattr(storable, "CHECKED", storable._Checked())
-  monkeypatch.setattr(structure, "OUTLINES", structure._OutlineCache())
+  monkeypatch.setattr(structure.OUTLINES, "outlines", {})
 
 
 def _record(key, pid):
