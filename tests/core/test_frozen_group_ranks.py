@@ -177,3 +177,56 @@ def test_a_checkpoint_of_a_binary_table_index(tmp_path, name):
     assert_records_equal(got, want)
   assert_trees_bit_equal(jr.unshard_state(disk), state)
   assert jr.digest(split) == jr.digest(tmp_path / "ck") == jr.digest(whole)
+
+
+def _apart(opt, params, apart):
+  """``params`` and the optimizer's state after two steps, and its records with the
+  params of ``apart`` over 3 ranks and the others over 2 (rank 2: ``apart`` alone)."""
+  state = standard(opt.init, params)
+  for step in range(2):
+    _, state = standard(opt.update, random_grads(params, step), state, params)
+  records = jr.shard_state(opt, params, state, world_size=4)
+  shapes = {p.param: p.shape for p in records[0].placements}
+  split = []
+  for rank in range(3):
+    migrations = [
+      jr.Migration(p, shape, rank, 3 if p in apart else 2, tuple(range(4)))
+      for p, shape in shapes.items()
+      if p in apart or rank < 2
+    ]
+    split.append(jr.reshard(records, migrations))
+  return state, split
+
+
+def _ids_that_spell_more_nodes():
+  d = lambda n: np.arange(n, dtype=np.float32) + 1  # noqa: E731
+  return {
+    # Param id '': the MaskedNode place itself spells it, as does the mirror holding it.
+    "empty_id": (_adam_or_zero({"": "frozen", "a": "train"}), {"": d(5), "a": d(3)}, {""}),
+    # Params 'a' and 'trace/a': rank 2's TraceState(trace={'a': MaskedNode}) spells
+    # 'trace/a' from the state node, a param rank 2 does not list.
+    "trace_a": (
+      optax.masked(optax.trace(0.9), {"a": False, "trace": {"a": True}, "h": True}),
+      {"a": d(5), "trace": {"a": d(3)}, "h": d(4)},
+      {"a"},
+    ),
+  }
+
+
+@pytest.mark.parametrize("name", sorted(_ids_that_spell_more_nodes()))
+def test_a_save_takes_apart_what_memory_takes_apart(tmp_path, name):
+  """Mirrors of ``MaskedNode`` places alone are found by the params the archive
+  lists, on disk as in memory: a save of records memory took (ids that the place
+  itself or the state node above the mirror also spell) is written, and gives
+  the state back bit for bit."""
+  opt, params, apart = _ids_that_spell_more_nodes()[name]
+  state, split = _apart(opt, params, apart)
+  assert_trees_bit_equal(jr.unshard_state(split), state)
+  jr.save_records(tmp_path / "ck", split)
+  for got, want in zip(jr.load_records(tmp_path / "ck"), split, strict=True):
+    assert_records_equal(got, want)
+  assert_trees_bit_equal(jr.unshard_state(jr.load_records(tmp_path / "ck")), state)
+  whole = jr.shard_state(opt, params, state, world_size=5)
+  for got, want in zip(jr.restore_ranks(tmp_path / "ck", range(5), world_size=5), whole):
+    assert_records_equal(got, want)
+  assert jr.digest(split) == jr.digest(tmp_path / "ck") == jr.digest(whole)

@@ -57,9 +57,8 @@ def parse_index(index: Any, where: str, table: Any = None, parse_table: Any = No
   archives = fmt.expect(index["archives"], list, where)
   if not archives:
     raise ArchiveError(f"{where}: the archive list is empty")
-  listed = [e.param for e in params]
   layouts = tuple(
-    _parse_layout(e, f"{where}, layout {i}", listed)
+    _parse_layout(e, f"{where}, layout {i}")
     for i, e in enumerate(fmt.expect(index["layouts"], list, where))
   )
   raw_clocks = _raw_clocks(index, where, len(params))
@@ -73,6 +72,13 @@ def parse_index(index: Any, where: str, table: Any = None, parse_table: Any = No
   for gi, g in enumerate(groups):
     for a, r in g.ranks:
       member[a].append((gi, r))
+  # Each layout is taken apart with the params its archives list, as each archive's
+  # own listing takes its state apart in memory.
+  of_layout: list[set[int]] = [set() for _ in layouts]
+  for a, m in enumerate(member):
+    of_layout[archive_layout[a]].update(gi for gi, _ in m)
+  for layout, gis in zip(layouts, of_layout):
+    layout.take_apart({params[p].param for gi in gis for p in groups[gi].params})
   param_index = tuple({params[p].param: p for p in g.params} for g in groups)
   for gi, pindex in enumerate(param_index):
     if len(pindex) != len(groups[gi].params):
@@ -302,7 +308,7 @@ def _parse_param(e: Any, where: str) -> ParamEntry:
   )
 
 
-def _parse_layout(e: Any, where: str, listed: Sequence[str]) -> JsonLayout:
+def _parse_layout(e: Any, where: str) -> JsonLayout:
   fmt.expect(e, dict, where)
   if set(e) != {"tree", "leaves"}:
     raise ArchiveError(f"{where}: expected tree and leaves")
@@ -331,7 +337,7 @@ def _parse_layout(e: Any, where: str, listed: Sequence[str]) -> JsonLayout:
       leaves.append(LeafInfo(fmt.expect(x[0], str, lw), (slots,), d))
     else:
       raise ArchiveError(f"{lw}: invalid leaf {str(x)[:80]!r}")
-  return JsonLayout(e["tree"], leaves, where, listed)
+  return JsonLayout(e["tree"], leaves, where)
 
 
 def _clock_scalars(e: Any, where: str, n_params: int) -> list[Any]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import numpy as np
@@ -252,20 +252,25 @@ def mirror_columns(
 
 
 class JsonLayout(ArchiveLayout):
-  """A layout of format version 3: the whole tree, decoded when the index is read.
-  ``listed``: the index's params, which find its mirrors of ``MaskedNode`` places alone."""
+  """A layout of format version 3: the whole tree, decoded when the index is read,
+  and taken apart (:meth:`take_apart`) once the params its archives list are known:
+  they, and no other, find its mirrors of ``MaskedNode`` places alone, as an
+  archive's own listing does in memory."""
 
-  def __init__(self, tree: Any, leaves: list[Any], where: str, listed: Sequence[str] = ()):
+  def __init__(self, tree: Any, leaves: list[Any], where: str):
     self.tree = tree
     self.where = where
     self.leaves = leaves  # LeafInfo or _ScalarSlot, in tree-leaf order
     self.roles = tuple(x.param if isinstance(x, LeafInfo) else None for x in leaves)
     self.n_scalars = sum(isinstance(x, _ScalarSlot) for x in leaves)
-    placeholder = fmt.decode_tree(tree, leaves, where)
+    self._placeholder = fmt.decode_tree(tree, leaves, where)
+
+  def take_apart(self, listed: Collection[str]) -> None:
+    """Its state parts, ``listed`` being the params of the archives that use it."""
     try:
-      self.state_parts = _structure.state_parts(placeholder, self.roles, listed)
+      self.state_parts = _structure.state_parts(self._placeholder, self.roles, listed)
     except _structure.StatePartsError as e:
-      raise ArchiveError(f"{where}: {e}") from None
+      raise ArchiveError(f"{self.where}: {e}") from None
     # (param, mirror) of each history leaf, by the leaf's identity.
     self._keys = {
       id(info): (pid, mi)
