@@ -43,7 +43,10 @@ removed, and the manager's next save goes on). One committed after that look is
 kept too: the final path this class gives orbax removes nothing (orbax's removal
 is refused), and the rename does not replace it (epath's rename refuses an
 existing destination, the kernel's a directory that is not empty): the save's
-commit is refused and its directory removed. Orbax's synchronous ``Checkpointer``
+commit is refused and its directory removed. A step the manager itself deleted
+(``delete``, ``max_to_keep``) with ``enable_background_delete=True`` is only queued
+for orbax's deleter thread: a save of its number waits until that thread of this
+process is done with it (``deletes``), then looks. Orbax's synchronous ``Checkpointer``
 (``enable_async_checkpointing=False``) removes the step before it asks the class,
 which then cannot keep it.
 
