@@ -141,3 +141,22 @@ def test_a_committed_step_is_still_refused_with_background_delete(tmp_path):
         second.save(1, args=jr.ReshardSave(B))
   _only_committed(run, [1])
   _assert_is(_reopened(run, 1), A)
+
+
+def test_a_saved_step_is_not_removed_by_a_deletion_queued_before_it(tmp_path):
+  """A manager whose list of steps is stale queues the deletion of a step already
+  gone, behind others; orbax's deleter, finding its number when it gets to it,
+  would remove the new save's directory or the step it committed."""
+  run = tmp_path / "run"
+  with _manager(run) as first:
+    for step in range(1, 9):
+      first.save(step, args=jr.ReshardSave(A))
+  with _manager(run) as first, _manager(run, enable_background_delete=True) as second:
+    assert second.all_steps() == list(range(1, 9))
+    first.delete(1)  # gone; the second manager still lists it
+    for step in (*range(2, 9), 1):
+      second.delete(step)
+    second.save(1, args=jr.ReshardSave(B))
+    second.wait_until_finished()
+  _only_committed(run, [1])
+  _assert_is(_reopened(run, 1), B)
