@@ -43,7 +43,10 @@ removed, and the manager's next save goes on). One committed after that look is
 kept too: the final path this class gives orbax removes nothing (orbax's removal
 is refused), and the rename does not replace it (epath's rename refuses an
 existing destination, the kernel's a directory that is not empty): the save's
-commit is refused and its directory removed. Orbax's synchronous ``Checkpointer``
+commit is refused and its directory removed. A step the manager itself deleted
+(``delete``, ``max_to_keep``) with ``enable_background_delete=True`` is only queued
+for orbax's deleter thread: a save of its number waits until that thread of this
+process is done with it (``deletes``), then looks. Orbax's synchronous ``Checkpointer``
 (``enable_async_checkpointing=False``) removes the step before it asks the class,
 which then cannot keep it.
 
@@ -70,6 +73,7 @@ from etils import epath
 
 from jaxreshard._src.checkpoint import tempdir as _tempdir
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
+from jaxreshard._src.orbax import deletes as _deletes
 from jaxreshard._src.orbax.inflight import InFlight
 
 __all__ = [
@@ -204,6 +208,20 @@ class _KeptPosixGPath(_LOCAL_PATH):
 _MARGIN_S = 5.0
 _POLL_S = 0.005
 
+_STILL_QUEUED = (
+  "orbax's background deleter (enable_background_delete) of this process has not"
+  " removed it yet, and this save waited for it as long as orbax waits for a step's"
+  " processes; this save removed nothing (save the step once the deletion is done,"
+  " e.g. after the manager's close(), or delete without background deletion)"
+)
+
+
+def _wait_s() -> float:
+  """How long a save waits for another's work on its path: a little less than
+  orbax's coordination timeout, which its other processes wait for it."""
+  return max(1.0, ocp.multihost.coordination_timeout() - _MARGIN_S)
+
+
 # The temporary paths this process holds the lock of, by path.
 _HOLDERS: dict[str, weakref.ref] = {}
 
@@ -275,8 +293,12 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
     """Orbax asks for a save's temporary path (each process, before the save
     starts); a committed checkpoint at ``final_path`` is refused here, and one
     committed later is neither removed (orbax's ``force``) nor replaced (the rename)."""
-    if _is_local(os.fspath(final_path)):
-      refuse_if_committed(os.fspath(final_path))
+    final = os.fspath(final_path)
+    if _is_local(final):
+      # A step this process's manager deleted in the background is removed first.
+      if _deletes.wait_for(final, _wait_s()):
+        raise _exists(final, _STILL_QUEUED)
+      refuse_if_committed(final)
     return super().from_final(final_path, **kwargs)
 
   @classmethod
@@ -321,7 +343,7 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
     key = os.path.abspath(tmp)
     # Orbax's other threads wait for this creation up to its coordination timeout;
     # giving up a little before it leaves them little to wait for after a refusal.
-    deadline = time.monotonic() + max(1.0, ocp.multihost.coordination_timeout() - _MARGIN_S)
+    deadline = time.monotonic() + _wait_s()
     taken = 0
     while True:
       # The parent is the caller's choice, a link to a directory included (as the
