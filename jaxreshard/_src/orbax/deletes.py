@@ -20,11 +20,14 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 
 __all__ = ["pending_at", "wait_for"]
 
 # The path of each queued step, with the deleter that queued it (once per queue).
 _PENDING: dict[str, list] = {}
+# The deleters whose thread lets go of the steps it is done with (``_track``).
+_TRACKED: weakref.WeakSet = weakref.WeakSet()
 _CHANGED = threading.Condition()
 # How often a wait looks at whether a deleter's thread has stopped (it stops at
 # its first error, with the steps after it still queued).
@@ -61,7 +64,7 @@ def _track(deleter) -> None:
       _done(_step_path(standard, step), deleter)
 
   standard.delete = delete
-  deleter._jaxreshard_tracked = True  # pylint: disable=protected-access
+  _TRACKED.add(deleter)
 
 
 def _done(key: str, deleter) -> None:
@@ -77,7 +80,7 @@ def _done(key: str, deleter) -> None:
 def _queued(deleter, step: int) -> str | None:
   """Records ``step`` as queued by ``deleter``; the key it is recorded at."""
   try:
-    if not getattr(deleter, "_jaxreshard_tracked", False):
+    if deleter not in _TRACKED:
       _track(deleter)
     key = _step_path(deleter._standard_deleter, step)  # pylint: disable=protected-access
   except (AttributeError, TypeError, ValueError):
