@@ -36,6 +36,9 @@ Tasks:
              ``args.delay_s`` later; then both save with
              ``timeout_s=args.timeout_s``. Reports what each process raised and
              how soon.
+  background_resave: a manager with orbax's background deletion saves step 1,
+             deletes it and saves it again (process 0's deleter ``args.slow_s``
+             slow); reports the second save's outcome and the run's listing.
   scripted:  the saves ``args.saves`` in order, each a dict: ``path``, ``timeout_s``
              (or a dict of one per process), and per process (keys are process numbers as strings) ``sleep``
              (seconds before the call), ``mkdir`` (a directory made before the
@@ -503,6 +506,43 @@ def exists_for_one(opt, params, state, shapes) -> dict:
     "exists_for_one",
     lambda: jr.save_sharded(ARGS["path"], opt, sharded.state, spec, m, timeout_s=ARGS["timeout_s"]),
   )
+
+
+def background_resave(opt, params, state, shapes) -> dict:
+  """A manager with orbax's background deletion saves step 1, deletes it and saves
+  it again; process 0 (orbax's primary, whose deleter alone removes steps) takes
+  ``args.slow_s`` to remove a step. Reports what the second save raised, how long
+  it took, and the run directory's listing."""
+  from orbax.checkpoint._src.path import deleter as deleter_lib  # pylint: disable=g-import-not-at-top
+
+  if ME == 0 and ARGS.get("slow_s"):
+    remove = deleter_lib.PathDeleter.delete
+
+    def slow(self, path, **kwargs):
+      time.sleep(ARGS["slow_s"])
+      return remove(self, path, **kwargs)
+
+    deleter_lib.PathDeleter.delete = slow
+  m = mesh()
+  sharded = jr.shard_to_mesh(opt, params, state, m, trainable=U.trainable())
+  spec = {p.param: p for p in next(iter(sharded.placements.values()))}
+  options = ocp.CheckpointManagerOptions(
+    temporary_path_class=jr.DurableRenameTemporaryPath, enable_background_delete=True
+  )
+  manager = ocp.CheckpointManager(ARGS["run"], options=options)
+  save = lambda: jr.ReshardSave(state=sharded.state, optimizer=opt, shapes=spec, mesh=m)  # noqa: E731
+  manager.save(1, args=save())
+  manager.wait_until_finished()
+  manager.delete(1)
+
+  def again():
+    manager.save(1, args=save())
+    manager.wait_until_finished()
+
+  result = outcome(again)
+  manager.close()
+  result["listing"] = sorted(os.listdir(ARGS["run"]))
+  return result
 
 
 def scripted(opt, params, state, shapes) -> dict:

@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import jaxreshard as jr
+from tests import _mp_util as U
 from tests._core_util import adam_records, bits
 
 A, B = adam_records(2, seed=0), adam_records(2, seed=1)
@@ -160,3 +161,75 @@ def test_a_saved_step_is_not_removed_by_a_deletion_queued_before_it(tmp_path):
     second.wait_until_finished()
   _only_committed(run, [1])
   _assert_is(_reopened(run, 1), B)
+
+
+@pytest.mark.parametrize("spelling", ["same", "symlink", "dotdot"])
+def test_a_deletion_queued_under_another_spelling_of_the_run_is_waited_for(tmp_path, spelling):
+  """Two managers in one process spell the run directory two ways (a link to it, or
+  a path through ``..``): the save of one still waits for the other's deleter, which
+  has the step queued behind others, instead of committing a step that deleter
+  then removes."""
+  run = tmp_path / "run"
+  run.mkdir()
+  other = {"same": run, "symlink": tmp_path / "link", "dotdot": run / ".." / "run"}[spelling]
+  if spelling == "symlink":
+    os.symlink(run, other)
+  with _manager(run) as first:
+    for step in range(1, 9):
+      first.save(step, args=jr.ReshardSave(A))
+  with _manager(run) as first, _manager(other, enable_background_delete=True) as second:
+    first.delete(1)  # gone; the second manager still lists it
+    for step in (*range(2, 9), 1):
+      second.delete(step)
+    assert first.save(1, args=jr.ReshardSave(B), force=True)
+    first.wait_until_finished()
+  _only_committed(run, [1])
+  _assert_is(_reopened(run, 1), B)
+
+
+def test_a_step_its_stopped_deleter_left_is_refused_by_name(tmp_path, monkeypatch):
+  """Orbax's deleter thread stops at its first error (here an I/O error removing step
+  1): the steps queued after it stay, a save of one is refused naming the stopped
+  deleter (not another manager's step), and nothing is kept waiting for it."""
+  from orbax.checkpoint._src.path import deleter as deleter_lib
+
+  from jaxreshard._src.orbax import deletes
+
+  remove = deleter_lib.PathDeleter.delete
+
+  def failing(self, path, **kwargs):
+    if os.path.basename(str(path)) == "1":
+      raise OSError(5, "Input/output error (injected)", str(path))
+    return remove(self, path, **kwargs)
+
+  monkeypatch.setattr(deleter_lib.PathDeleter, "delete", failing)
+  run = tmp_path / "run"
+  manager = _manager(run, enable_background_delete=True)
+  for step in (1, 2, 3):
+    manager.save(step, args=jr.ReshardSave(A))
+  manager.wait_until_finished()
+  for step in (1, 2, 3):
+    manager.delete(step)
+  with pytest.raises(jr.ArchiveExistsError, match="whose thread stopped at an error"):
+    manager.save(2, args=jr.ReshardSave(B))
+  with pytest.raises(OSError, match="injected"):
+    manager.close()
+  assert not any(str(run) in key for key in deletes._PENDING)
+  _only_committed(run, [1, 2, 3])
+  _assert_is(_reopened(run, 2), A)
+
+
+@pytest.mark.parametrize("slow_s", [0, 2])
+def test_every_process_saves_a_step_the_primary_deletes_in_the_background(tmp_path, slow_s):
+  """Two processes: only orbax's primary removes a deleted step, the other's deleter
+  is done with it at once. That process's save of the step waits, as the primary's
+  does, until the step's directory is gone: both save it again (before, it refused
+  the step as another's committed one while the primary went on into the save and
+  waited for it there)."""
+  run = str(tmp_path / "run")
+  args = {"run": run, "slow_s": slow_s}
+  with U.ProcessGroup(2, 4, "background_resave", str(tmp_path / "out"), args, timeout=150) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  for r in results:
+    assert r["error"] is None and r["listing"] == ["1"], results
+    assert r["seconds"] >= slow_s, results

@@ -8,11 +8,17 @@ step: a new save's temporary one). A save of that step number meanwhile finds th
 old step committed at its path, and a save that went on would have its own
 directory, or the step it committed, removed by that thread.
 
-So a save of a step through ``DurableRenameTemporaryPath`` first waits until this
-process's deleters have removed every step queued at its path (or their thread
-has stopped), and only then looks at what is committed there. Each queued step is
-recorded here by its path as orbax queues it, and let go when the deleter's thread
-is done with it, removed or not.
+So a save of a step through ``DurableRenameTemporaryPath`` first waits until every
+step queued at its path is removed, and only then looks at what is committed
+there. Each queued step is recorded here by its path (the run directory's links
+resolved: two managers may spell it two ways) as orbax queues it, and let go when
+the deleter's thread is done with it. Only orbax's primary process removes a step:
+on another process the thread is done at once, and the step is waited for until
+its directory is gone (the primary's deleter removes it before that process's
+save of the step starts, which no process can commit alone). A thread that stopped
+(orbax's deleter stops at its first error, and ``close`` raises it) removes
+nothing more: its steps are let go, and a save that then finds one committed is
+told so (:func:`stopped_at`).
 """
 
 from __future__ import annotations
@@ -22,10 +28,14 @@ import threading
 import time
 import weakref
 
-__all__ = ["pending_at", "wait_for"]
+__all__ = ["stopped_at", "wait_for"]
 
 # The path of each queued step, with the deleter that queued it (once per queue).
 _PENDING: dict[str, list] = {}
+# Steps another process's deleter removes (this one is not orbax's primary), by path.
+_ELSEWHERE: set[str] = set()
+# Steps left queued by a deleter whose thread stopped, by path.
+_STOPPED: set[str] = set()
 # The deleters whose thread lets go of the steps it is done with (``_track``).
 _TRACKED: weakref.WeakSet = weakref.WeakSet()
 _CHANGED = threading.Condition()
@@ -35,7 +45,10 @@ _POLL_S = 0.05
 
 
 def _key(path) -> str:
-  return os.path.abspath(os.fspath(path))
+  """A step's path with its run directory's links resolved (the step itself may not
+  exist yet, or any more)."""
+  path = os.path.abspath(os.fspath(path))
+  return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
 
 
 def _step_path(standard, step: int) -> str:
@@ -61,53 +74,87 @@ def _track(deleter) -> None:
     try:
       remove(step)
     finally:
-      _done(_step_path(standard, step), deleter)
+      _done(_step_path(standard, step), deleter, elsewhere=not _removes_here(standard))
 
   standard.delete = delete
   _TRACKED.add(deleter)
 
 
-def _done(key: str, deleter) -> None:
+def _removes_here(standard) -> bool:
+  """Whether orbax's deleter removes steps on this process (its primary host)."""
+  from orbax.checkpoint._src.multihost import multihost  # pylint: disable=import-outside-toplevel
+
+  try:
+    return bool(multihost.is_primary_host(standard._primary_host))  # pylint: disable=protected-access
+  except Exception:  # pylint: disable=broad-exception-caught
+    return True  # asked of a deleter unlike orbax's own: taken as removing here
+
+
+def _done(key: str, deleter, elsewhere: bool = False) -> None:
   with _CHANGED:
     owners = _PENDING.get(key, [])
     if deleter in owners:
       owners.remove(deleter)
+      if elsewhere:
+        _ELSEWHERE.add(key)
     if not owners:
       _PENDING.pop(key, None)
     _CHANGED.notify_all()
 
 
+def _let_go_of_stopped() -> None:
+  """Lets go of the steps of deleters whose thread stopped (with ``_CHANGED`` held):
+  none of them will be removed; their paths are kept for ``stopped_at``."""
+  for key, owners in list(_PENDING.items()):
+    dead = [d for d in owners if not _alive(d)]
+    if dead:
+      _STOPPED.add(key)
+      owners[:] = [d for d in owners if _alive(d)]
+      if not owners:
+        del _PENDING[key]
+
+
 def _queued(deleter, step: int) -> str | None:
   """Records ``step`` as queued by ``deleter``; the key it is recorded at."""
   try:
-    if deleter not in _TRACKED:
-      _track(deleter)
+    with _CHANGED:  # one wrapper per deleter, whichever threads queue at once
+      if deleter not in _TRACKED:
+        _track(deleter)
     key = _step_path(deleter._standard_deleter, step)  # pylint: disable=protected-access
   except (AttributeError, TypeError, ValueError):
     return None  # a deleter unlike orbax's own: its steps are not waited for
   with _CHANGED:
+    _let_go_of_stopped()
+    _STOPPED.discard(key)
     _PENDING.setdefault(key, []).append(deleter)
   return key
 
 
-def pending_at(path) -> bool:
-  """Whether a live deleter of this process has yet to remove a step queued at ``path``."""
-  with _CHANGED:
-    return any(_alive(d) for d in _PENDING.get(_key(path), ()))
-
-
 def wait_for(path, timeout_s: float) -> bool:
-  """Waits until no live deleter of this process has a step queued at ``path``, up to
-  ``timeout_s`` seconds; whether one still has."""
+  """Waits until no step queued at ``path`` is left to remove, up to ``timeout_s``
+  seconds: one a live deleter of this process has queued, or one another process
+  removes whose directory is still there. Whether one still is."""
   key = _key(path)
   deadline = time.monotonic() + timeout_s
   with _CHANGED:
-    while any(_alive(d) for d in _PENDING.get(key, ())):
+    while True:
+      _let_go_of_stopped()
+      if key in _ELSEWHERE and not os.path.lexists(key):
+        _ELSEWHERE.discard(key)
+      if key not in _PENDING and key not in _ELSEWHERE:
+        return False
       left = deadline - time.monotonic()
       if left <= 0:
         return True
       _CHANGED.wait(min(left, _POLL_S))
-  return False
+
+
+def stopped_at(path) -> bool:
+  """Whether a deleter of this process whose thread stopped had a step queued at
+  ``path`` (it will not remove it)."""
+  with _CHANGED:
+    _let_go_of_stopped()
+    return _key(path) in _STOPPED
 
 
 def _install() -> None:

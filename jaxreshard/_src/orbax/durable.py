@@ -209,10 +209,16 @@ _MARGIN_S = 5.0
 _POLL_S = 0.005
 
 _STILL_QUEUED = (
-  "orbax's background deleter (enable_background_delete) of this process has not"
-  " removed it yet, and this save waited for it as long as orbax waits for a step's"
-  " processes; this save removed nothing (save the step once the deletion is done,"
-  " e.g. after the manager's close(), or delete without background deletion)"
+  "orbax's background deleter (enable_background_delete; the primary process's,"
+  " which removes steps for every process) has not removed it yet, and this save"
+  " waited for it as long as orbax waits for a step's processes; this save removed"
+  " nothing (save the step once the deletion is done, e.g. after the manager's"
+  " close(), or delete without background deletion)"
+)
+_DELETER_STOPPED = (
+  "it was queued for orbax's background deleter (enable_background_delete) of this"
+  " process, whose thread stopped at an error before removing it (the manager's"
+  " close() raises that error); this save removed nothing"
 )
 
 
@@ -298,6 +304,8 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
       # A step this process's manager deleted in the background is removed first.
       if _deletes.wait_for(final, _wait_s()):
         raise _exists(final, _STILL_QUEUED)
+      if _deletes.stopped_at(final) and os.path.lexists(final):
+        raise _exists(final, _DELETER_STOPPED)
       refuse_if_committed(final)
     return super().from_final(final_path, **kwargs)
 
