@@ -586,6 +586,12 @@ class Transplant(Op):
     return {self.entry}
 
 
+def through_link(ckpt: str, entry: str) -> bool:
+  """Whether a directory above ``entry`` in ``ckpt`` is a symbolic link."""
+  parts = entry.split("/")[:-1]
+  return any(os.path.islink(os.path.join(ckpt, *parts[: i + 1])) for i in range(len(parts)))
+
+
 def _is_regular_or_dir(path: str) -> bool:
   try:
     mode = os.lstat(path).st_mode
