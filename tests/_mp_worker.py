@@ -542,6 +542,9 @@ def background_resave(opt, params, state, shapes) -> dict:
   result = outcome(again)
   manager.close()
   result["listing"] = sorted(os.listdir(ARGS["run"]))
+  from jaxreshard._src.orbax import deletes  # pylint: disable=g-import-not-at-top
+
+  result["left_to_wait_for"] = len(deletes._PENDING) + len(deletes._ELSEWHERE)
   return result
 
 

@@ -163,17 +163,24 @@ def test_a_saved_step_is_not_removed_by_a_deletion_queued_before_it(tmp_path):
   _assert_is(_reopened(run, 1), B)
 
 
-@pytest.mark.parametrize("spelling", ["same", "symlink", "dotdot"])
+@pytest.mark.parametrize("spelling", ["same", "symlink", "dotdot", "dotdot_after_link"])
 def test_a_deletion_queued_under_another_spelling_of_the_run_is_waited_for(tmp_path, spelling):
-  """Two managers in one process spell the run directory two ways (a link to it, or
-  a path through ``..``): the save of one still waits for the other's deleter, which
-  has the step queued behind others, instead of committing a step that deleter
-  then removes."""
-  run = tmp_path / "run"
-  run.mkdir()
-  other = {"same": run, "symlink": tmp_path / "link", "dotdot": run / ".." / "run"}[spelling]
-  if spelling == "symlink":
-    os.symlink(run, other)
+  """Two managers in one process spell the run directory two ways (a link to it, a
+  path through ``..``, or a ``..`` after a link, which the kernel takes from the
+  link's target): the save of one still waits for the other's deleter, which has
+  the step queued behind others, instead of committing a step that deleter then
+  removes."""
+  run = tmp_path / "deep" / "run"
+  run.mkdir(parents=True)
+  (tmp_path / "deep" / "x").mkdir()
+  os.symlink(run, tmp_path / "link")
+  os.symlink(tmp_path / "deep" / "x", tmp_path / "L")
+  other = {
+    "same": run,
+    "symlink": tmp_path / "link",
+    "dotdot": run / ".." / "run",
+    "dotdot_after_link": tmp_path / "L" / ".." / "run",
+  }[spelling]
   with _manager(run) as first:
     for step in range(1, 9):
       first.save(step, args=jr.ReshardSave(A))
@@ -210,8 +217,9 @@ def test_a_step_its_stopped_deleter_left_is_refused_by_name(tmp_path, monkeypatc
   manager.wait_until_finished()
   for step in (1, 2, 3):
     manager.delete(step)
-  with pytest.raises(jr.ArchiveExistsError, match="whose thread stopped at an error"):
-    manager.save(2, args=jr.ReshardSave(B))
+  for step in (1, 2):  # the step it stopped at, and one queued after it
+    with pytest.raises(jr.ArchiveExistsError, match="whose thread stopped at an error"):
+      manager.save(step, args=jr.ReshardSave(B))
   with pytest.raises(OSError, match="injected"):
     manager.close()
   assert not any(str(run) in key for key in deletes._PENDING)
@@ -233,3 +241,4 @@ def test_every_process_saves_a_step_the_primary_deletes_in_the_background(tmp_pa
   for r in results:
     assert r["error"] is None and r["listing"] == ["1"], results
     assert r["seconds"] >= slow_s, results
+    assert r["left_to_wait_for"] == 0, results  # nothing kept once the step is gone

@@ -46,9 +46,10 @@ _POLL_S = 0.05
 
 def _key(path) -> str:
   """A step's path with its run directory's links resolved (the step itself may not
-  exist yet, or any more)."""
-  path = os.path.abspath(os.fspath(path))
-  return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+  exist yet, or any more), each ``..`` taken where the kernel takes it: after the
+  link before it."""
+  path = os.fspath(path)
+  return os.path.join(os.path.realpath(os.path.dirname(path) or "."), os.path.basename(path))
 
 
 def _step_path(standard, step: int) -> str:
@@ -71,10 +72,13 @@ def _track(deleter) -> None:
   remove = standard.delete
 
   def delete(step: int) -> None:
+    key = _step_path(standard, step)
     try:
       remove(step)
-    finally:
-      _done(_step_path(standard, step), deleter, elsewhere=not _removes_here(standard))
+    except BaseException:
+      _done(key, deleter, stopped=True)  # the thread stops at its first error
+      raise
+    _done(key, deleter, elsewhere=not _removes_here(standard))
 
   standard.delete = delete
   _TRACKED.add(deleter)
@@ -90,13 +94,15 @@ def _removes_here(standard) -> bool:
     return True  # asked of a deleter unlike orbax's own: taken as removing here
 
 
-def _done(key: str, deleter, elsewhere: bool = False) -> None:
+def _done(key: str, deleter, elsewhere: bool = False, stopped: bool = False) -> None:
   with _CHANGED:
     owners = _PENDING.get(key, [])
     if deleter in owners:
       owners.remove(deleter)
       if elsewhere:
         _ELSEWHERE.add(key)
+      if stopped:
+        _STOPPED.add(key)
     if not owners:
       _PENDING.pop(key, None)
     _CHANGED.notify_all()
@@ -127,6 +133,12 @@ def _queued(deleter, step: int) -> str | None:
     _let_go_of_stopped()
     _STOPPED.discard(key)
     _PENDING.setdefault(key, []).append(deleter)
+    elsewhere = list(_ELSEWHERE)
+  # Steps another process removed are let go once their directory is gone, whether
+  # or not this process saves their number again (looked at outside the lock).
+  gone = [k for k in elsewhere if not os.path.lexists(k)]
+  with _CHANGED:
+    _ELSEWHERE.difference_update(gone)
   return key
 
 
@@ -136,25 +148,34 @@ def wait_for(path, timeout_s: float) -> bool:
   removes whose directory is still there. Whether one still is."""
   key = _key(path)
   deadline = time.monotonic() + timeout_s
-  with _CHANGED:
-    while True:
+  while True:
+    with _CHANGED:
       _let_go_of_stopped()
-      if key in _ELSEWHERE and not os.path.lexists(key):
+      here, elsewhere = key in _PENDING, key in _ELSEWHERE
+    # The file system is asked outside the lock: a slow one holds no deleter up.
+    if elsewhere and not os.path.lexists(key):
+      with _CHANGED:
         _ELSEWHERE.discard(key)
-      if key not in _PENDING and key not in _ELSEWHERE:
-        return False
-      left = deadline - time.monotonic()
-      if left <= 0:
-        return True
+      elsewhere = False
+    if not here and not elsewhere:
+      return False
+    left = deadline - time.monotonic()
+    if left <= 0:
+      # Waited for once: a later save of the step finds it as it is, at once.
+      with _CHANGED:
+        _ELSEWHERE.discard(key)
+      return True
+    with _CHANGED:
       _CHANGED.wait(min(left, _POLL_S))
 
 
 def stopped_at(path) -> bool:
   """Whether a deleter of this process whose thread stopped had a step queued at
   ``path`` (it will not remove it)."""
+  key = _key(path)
   with _CHANGED:
     _let_go_of_stopped()
-    return _key(path) in _STOPPED
+    return key in _STOPPED
 
 
 def _install() -> None:

@@ -213,7 +213,8 @@ _STILL_QUEUED = (
   " which removes steps for every process) has not removed it yet, and this save"
   " waited for it as long as orbax waits for a step's processes; this save removed"
   " nothing (save the step once the deletion is done, e.g. after the manager's"
-  " close(), or delete without background deletion)"
+  " close(), which raises the error of a deleter that stopped, or delete without"
+  " background deletion)"
 )
 _DELETER_STOPPED = (
   "it was queued for orbax's background deleter (enable_background_delete) of this"
