@@ -242,3 +242,28 @@ def test_every_process_saves_a_step_the_primary_deletes_in_the_background(tmp_pa
     assert r["error"] is None and r["listing"] == ["1"], results
     assert r["seconds"] >= slow_s, results
     assert r["left_to_wait_for"] == 0, results  # nothing kept once the step is gone
+
+
+def test_a_reload_of_the_bookkeeping_keeps_the_steps_queued_before_it(tmp_path):
+  """``importlib.reload`` of the module that records queued steps (a notebook's
+  autoreload) keeps what it recorded: a step queued behind others before the reload
+  is still waited for, and the save made after it is not removed by the deleter."""
+  import importlib
+
+  from jaxreshard._src.orbax import deletes
+
+  run = tmp_path / "run"
+  with _manager(run) as first:
+    for step in range(1, 9):
+      first.save(step, args=jr.ReshardSave(A))
+  with _manager(run) as first, _manager(run, enable_background_delete=True) as second:
+    first.delete(1)  # gone; the second manager still lists it
+    for step in (*range(2, 9), 1):
+      second.delete(step)
+    tracked = len(deletes._TRACKED)
+    assert importlib.reload(deletes) is deletes
+    assert len(deletes._TRACKED) == tracked
+    second.save(1, args=jr.ReshardSave(B))
+    second.wait_until_finished()
+  _only_committed(run, [1])
+  _assert_is(_reopened(run, 1), B)

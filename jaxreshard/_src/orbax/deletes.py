@@ -30,15 +30,25 @@ import weakref
 
 __all__ = ["stopped_at", "wait_for"]
 
+
+def _kept(name: str, make):
+  """The value ``name`` had before this module was run again (``importlib.reload``, as a
+  notebook's autoreload does), else ``make()``. The wrappers installed on orbax's
+  deleters stay, and call into this module's namespace: the steps they queued
+  before must still be waited for, and a deleter tracked before is not wrapped twice.
+  """
+  return globals()[name] if name in globals() else make()
+
+
 # The path of each queued step, with the deleter that queued it (once per queue).
-_PENDING: dict[str, list] = {}
+_PENDING: dict[str, list] = _kept("_PENDING", dict)
 # Steps another process's deleter removes (this one is not orbax's primary), by path.
-_ELSEWHERE: set[str] = set()
+_ELSEWHERE: set[str] = _kept("_ELSEWHERE", set)
 # Steps left queued by a deleter whose thread stopped, by path.
-_STOPPED: set[str] = set()
+_STOPPED: set[str] = _kept("_STOPPED", set)
 # The deleters whose thread lets go of the steps it is done with (``_track``).
-_TRACKED: weakref.WeakSet = weakref.WeakSet()
-_CHANGED = threading.Condition()
+_TRACKED: weakref.WeakSet = _kept("_TRACKED", weakref.WeakSet)
+_CHANGED: threading.Condition = _kept("_CHANGED", threading.Condition)
 # How often a wait looks at whether a deleter's thread has stopped (it stops at
 # its first error, with the steps after it still queued).
 _POLL_S = 0.05
