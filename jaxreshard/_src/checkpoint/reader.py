@@ -225,9 +225,22 @@ class Checkpoint:
     return self.clocks[self.archive_clock[archive]]
 
   def template(self, archive: int) -> _structure.StateParts:
+    # A target takes its skeleton and clock scalars from the index's layout and clock
+    # entries of ``archive``: an archive's ``archive.json`` must say it was written with
+    # them, even where no byte is read (a state of clock scalars alone, or of params
+    # without history). Any checked archive of the same entries says so; else this one.
+    if not self.archives.metas.vouched(archive):
+      self.check_described(archive)
     c = self.archive_clock[archive]
     with self._lock:
       return self.layout(archive).template(c, self.clocks[c])
+
+  def check_described(self, archive: int) -> None:
+    """The index's account of an archive (its layout, clock and placements) is the one
+    its ``archive.json`` was written with, and holds on its own (``check_archive``):
+    what any read of the archive checks, for an archive of which nothing is read."""
+    self.check_archive(archive)
+    self.archive_meta(archive)
 
   def check_archive(self, archive: int) -> None:
     """Refusals of one archive on its own: version, listing, histories of unlisted params.
@@ -255,22 +268,7 @@ class Checkpoint:
   def locate_runs(
     self, groups: Any, archive: np.ndarray, group: np.ndarray, subtree: np.ndarray, dtype: np.dtype
   ) -> tuple[np.ndarray, np.ndarray, list[Any]]:
-    """A history buffer lives in its archive's packed buffer of its dtype, where
-    the archive's layout packs it (``ArchiveLayout.offset_table``)."""
-    pids = groups.params
-    if not len(archive):
-      return np.zeros(0, np.int64), np.zeros(0, np.int64), []
-    name_of = self.index.name_of
-    rows, at = np.unique(group, return_inverse=True)
-    names = np.fromiter((name_of[pids[g]] for g in rows.tolist()), np.int64, len(rows))[at]
-    layout = self.index.tables.a_layout[archive]
-    base = np.empty(len(archive), np.int64)
-    for L in _copyplan.unique_ints(layout).tolist():
-      sel = layout == L
-      table = self.layouts[L].offset_table
-      base[sel] = table[self.layouts[L].columns.rows_of(names[sel]), subtree[sel]]
-    archives, source = np.unique(archive, return_inverse=True)
-    return source.reshape(-1), base, [(a, np.dtype(dtype)) for a in archives.tolist()]
+    return locate_runs(self.index, groups, archive, group, subtree, dtype)
 
   # --- archives and their buffers (``_archives.ArchiveReader``) ----------------
 
@@ -325,6 +323,28 @@ class Checkpoint:
       state=layout.state(self.scalars(archive), buffers),
       roles=layout.roles,
     )
+
+
+def locate_runs(
+  index: Any, groups: Any, archive: np.ndarray, group: np.ndarray, subtree: np.ndarray, dtype: Any
+) -> tuple[np.ndarray, np.ndarray, list[Any]]:
+  """``Sources.locate_runs`` of a checkpoint: a history buffer lives in its archive's
+  packed buffer of its dtype, where the archive's layout packs it
+  (``ArchiveLayout.offset_table``)."""
+  pids = groups.params
+  if not len(archive):
+    return np.zeros(0, np.int64), np.zeros(0, np.int64), []
+  name_of = index.name_of
+  rows, at = np.unique(group, return_inverse=True)
+  names = np.fromiter((name_of[pids[g]] for g in rows.tolist()), np.int64, len(rows))[at]
+  layout = index.tables.a_layout[archive]
+  base = np.empty(len(archive), np.int64)
+  for L in _copyplan.unique_ints(layout).tolist():
+    sel = layout == L
+    table = index.layouts[L].offset_table
+    base[sel] = table[index.layouts[L].columns.rows_of(names[sel]), subtree[sel]]
+  archives, source = np.unique(archive, return_inverse=True)
+  return source.reshape(-1), base, [(a, np.dtype(dtype)) for a in archives.tolist()]
 
 
 def state_id(ckpt: Checkpoint) -> str:

@@ -186,10 +186,12 @@ def restore_reported(
       batch = validated[at.start : at.stop]
       built = None
       if len(batch) > 1:
-        padding = _pads.Trailing()
+        padding, described = _pads.Trailing(), set()
         for g in batch:
           padding.update(all_padding_sources(g, ckpt.index.name_of))
-        built = _pipeline.build_batch(ckpt, batch, disk_fetch(ckpt, padding=padding))
+          described.update(described_sources(ckpt, g, g.rank, g.world))
+        fetch = disk_fetch(ckpt, padding=padding, described=sorted(described))
+        built = _pipeline.build_batch(ckpt, batch, fetch)
       if built is None:
         built = [_pipeline.build(ckpt, g, disk_fetch(ckpt, g)) for g in batch]
       for rank, nbytes, record in zip(ranks[at.start : at.stop], sizes[at.start : at.stop], built):
@@ -226,9 +228,10 @@ def _validated(ckpt: Checkpoint, migrations: Sequence[Migration]) -> list[_valid
   return groups
 
 
-def padding_archives(ckpt: Checkpoint, world_size: int, rank: int) -> set[int]:
-  """The archives whose all-padding buffers a restore of target ``rank`` checks
-  (``all_padding_sources``), from the index alone."""
+def checked_archives(ckpt: Checkpoint, world_size: int, rank: int) -> set[int]:
+  """The archives a restore of target ``rank`` checks without copying from them, from
+  the index alone: those whose all-padding buffers it checks (``all_padding_sources``)
+  and those without bytes in its share (``described_sources``)."""
   with _pipeline.no_gc():
     reg = _regular.regular(ckpt)
     if reg is not None:
@@ -237,7 +240,8 @@ def padding_archives(ckpt: Checkpoint, world_size: int, rank: int) -> set[int]:
     else:
       migrations = _reshard.plan_groups(ckpt.complete_groups(), world_size=world_size, rank=rank)
       groups = _validated(ckpt, migrations)
-    return {a for a, *_ in all_padding_sources(groups, ckpt.index.name_of).by_file()}
+    padding = {a for a, *_ in all_padding_sources(groups, ckpt.index.name_of).by_file()}
+    return padding | set(described_sources(ckpt, groups, groups.rank, groups.world))
 
 
 def validated_whole(ckpt: Checkpoint) -> Any:
@@ -266,6 +270,34 @@ def copied_bytes(groups: Any) -> int:
       n = per_element[key] = sum(np.dtype(d).itemsize for _, d in _copyplan.history_buffers(f))
     itemsize[i] = n
   return int(((groups.stop - groups.start) * itemsize).sum())
+
+
+def described_sources(ckpt: Checkpoint, groups: Any, part: Any, parts: Any) -> list[int]:
+  """The archives holding no byte (every buffer of their layout empty) whose account of
+  its params a reader of share ``part`` of ``parts`` checks (``check_described``).
+
+  Such an archive (a frozen group's on ranks of its own, or every archive of a state
+  of clock scalars alone or of zero-size params) is never read for bytes, yet its
+  signed ``archive.json`` is what vouches for the index's placements and clock of it.
+  Share ``part`` of each row's source ranks is ``[part * W // parts, (part + 1) * W //
+  parts)`` (rounded up, at least one rank): a restore's target rank of its world, or
+  a process among all; together the shares check every such archive once. ``part``
+  and ``parts`` are ints or per-row arrays.
+  """
+  if not len(groups):
+    return []
+  empty = np.asarray([not any(layout.sizes.values()) for layout in ckpt.layouts], bool)
+  if not empty.any():
+    return []
+  w = np.asarray(groups.src_world, np.int64)
+  part, parts = np.broadcast_to(part, w.shape), np.broadcast_to(parts, w.shape)
+  lo = np.minimum(part * w // parts, w - 1)
+  hi = np.minimum(w, np.maximum(lo + 1, -(-((part + 1) * w) // parts)))
+  n = hi - lo
+  row = np.repeat(np.arange(len(w)), n)
+  k = np.repeat(lo, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+  archives = _copyplan.unique_ints(groups.archives(row, k))
+  return archives[empty[ckpt.index.tables.a_layout[archives]]].tolist()
 
 
 def all_padding_sources(groups: Sequence[_validate.SourceGroup], name_of: dict) -> _pads.Trailing:
@@ -315,17 +347,24 @@ def disk_fetch(
   groups: Sequence[_validate.SourceGroup] = (),
   *,
   padding: _pads.Trailing | None = None,
+  described: Sequence[int] | None = None,
 ) -> _pipeline.Fetch:
   """Runs over packed buffers on disk: chunk spans read, checked and copied.
 
   The padding of every source buffer the runs copy from must be zero bits, and
   so must the all-padding source buffers that ``groups``' target rank checks
   (``all_padding_sources``; ``padding``: those of several target ranks at
-  once): data that contradicts the layout is refused.
+  once): data that contradicts the layout is refused. The archives without bytes
+  in its share (``described_sources``; ``described``: those of several target
+  ranks) are checked first.
   """
   trailing = all_padding_sources(groups, ckpt.index.name_of) if padding is None else padding
+  if described is None:
+    described = described_sources(ckpt, groups, groups.rank, groups.world) if groups else []
 
   def fetch(runs: dict, keys: list, layout: _copyplan.TargetLayout) -> dict:
+    for archive in described:
+      ckpt.check_described(archive)
     # Each source buffer's runs, per target dtype: (key, the runs' positions in r).
     by_source = {dtype: _by_source(r) for dtype, r in runs.items()}
     wanted: dict = {}

@@ -226,7 +226,7 @@ def reshard(
   if dry_run:
     archives = None
     if rank is not None:  # what its run reads: its runs' archives, and those it checks
-      archives = sorted(set(first.per_archive) | _restore.padding_archives(ckpt, world_size, rank))
+      archives = sorted(set(first.per_archive) | _restore.checked_archives(ckpt, world_size, rank))
     _dry_run(ckpt, plans, archives, world_size, reads, as_json)
     return
   if os.path.lexists(out):
