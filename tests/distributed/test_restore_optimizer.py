@@ -165,3 +165,47 @@ def test_a_state_its_first_update_retyped_is_one_the_optimizer_builds(tmp_path, 
   jr.save_records(tmp_path / "f16", jr.shard_state(opt, f16, state16, world_size=3))
   with pytest.raises(jr.DtypeError, match=r"leaf .*\.mu\['g'\] \(param 'g'\): optimizer\.init"):
     _restore(tmp_path / "f16", mesh, optimizer=opt, params=params)
+
+
+def test_a_frozen_param_of_another_storage_dtype_is_refused(saved, mesh):
+  # The frozen param has no history: only its placement says which dtype was saved.
+  _, params, path = saved
+  new_params = _params(T.SPECS, {"frozen/w": (T.SPECS["frozen/w"][0], jnp.bfloat16)})
+  message = (
+    r"^the checkpoint does not hold these params: param 'frozen/w': the params have dtype"
+    r" bfloat16 but the checkpoint holds float32$"
+  )
+  with pytest.raises(jr.DtypeError, match=message):
+    _restore(path, mesh, optimizer=T.optimizer(), params=new_params)
+  with pytest.raises(jr.DtypeError, match=message):
+    _restore(path, mesh, optimizer=jr.flat_sharded(T.optimizer(), mesh), params=new_params)
+  # Python numbers as params take jax's dtype for them: float32, the saved one.
+  scalar = _params(T.SPECS)
+  scalar["scalar"] = 0.0
+  checked = _restore(path, mesh, optimizer=T.optimizer(), params=scalar)
+  _assert_same_pieces(checked.state, _restore(path, mesh).state)
+
+
+@pytest.mark.parametrize(
+  "saved_dtype, new_dtype", [(jnp.float32, jnp.bfloat16), (jnp.bfloat16, jnp.float32)]
+)
+def test_a_param_whose_history_an_update_retypes_is_refused_in_another_dtype(
+  tmp_path, mesh, saved_dtype, new_dtype
+):
+  # inject_hyperparams' float32 learning rate makes sgd's trace float32 at the first
+  # update whatever the param's dtype: the saved trace fits both, the placement one.
+  opt = optax.inject_hyperparams(optax.sgd)(learning_rate=1e-2, momentum=0.9)
+  params = {"w": jnp.ones((5, 3), saved_dtype), "g": jnp.ones((3,), jnp.float32)}
+  with jax.numpy_dtype_promotion("standard"):
+    state = opt.update(params, opt.init(params), params)[1]
+  assert state.inner_state[0].trace["w"].dtype == jnp.float32
+  jr.save_records(tmp_path / "ckpt", jr.shard_state(opt, params, state, world_size=3))
+  checked = _restore(tmp_path / "ckpt", mesh, optimizer=opt, params=params)
+  _assert_same_pieces(checked.state, _restore(tmp_path / "ckpt", mesh).state)
+  other = dict(params, w=params["w"].astype(new_dtype))
+  with pytest.raises(
+    jr.DtypeError,
+    match=rf"param 'w': the params have dtype {jnp.dtype(new_dtype).name} but the checkpoint"
+    rf" holds {jnp.dtype(saved_dtype).name}$",
+  ):
+    _restore(tmp_path / "ckpt", mesh, optimizer=opt, params=other)

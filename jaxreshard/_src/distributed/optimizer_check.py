@@ -79,6 +79,7 @@ def check_optimizer(ckpt: Checkpoint, optimizer: Any, params: Any) -> None:
     kinds=(DtypeError,),
     default=PlacementError,
   )
+  _check_param_dtypes(groups, params)
 
 
 def _stepped(optimizer: Any, params: Any, abstract: Any) -> list[Any] | None:
@@ -92,6 +93,13 @@ def _stepped(optimizer: Any, params: Any, abstract: Any) -> list[Any] | None:
   if jax.tree.structure(state) != jax.tree.structure(abstract):
     return None
   return jax.tree.leaves(state)
+
+
+def _dtype(x: Any) -> np.dtype:
+  """A param leaf's dtype: an array's or a ``ShapeDtypeStruct``'s, or the one jax gives a
+  Python number."""
+  d = getattr(x, "dtype", None)
+  return np.dtype(d if d is not None else jax.numpy.result_type(x))
 
 
 def _check_params(groups: list[Any], params: Any) -> None:
@@ -119,4 +127,23 @@ def _check_params(groups: list[Any], params: Any) -> None:
       )
   _target_restore.raise_collected(
     "the checkpoint does not hold these params", errors, kinds=(PlacementError,)
+  )
+
+
+def _check_param_dtypes(groups: list[Any], params: Any) -> None:
+  """Every param of ``params`` has the storage dtype the checkpoint holds it in (their
+  ids and shapes are checked): part of its placement, whether or not a history shows
+  it (a frozen param has none; an update may retype one)."""
+  ids, leaves, _ = _structure.param_ids(params)
+  saved = {g.param: np.dtype(g.dtype) for g in groups}
+  errors = [
+    DtypeError(
+      f"param {pid!r}: the params have dtype {_dtype(x).name} but the checkpoint holds"
+      f" {saved[pid].name}"
+    )
+    for pid, x in zip(ids, leaves)
+    if _dtype(x) != saved[pid]
+  ]
+  _target_restore.raise_collected(
+    "the checkpoint does not hold these params", errors, kinds=(DtypeError,)
   )
