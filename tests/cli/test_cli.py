@@ -1517,3 +1517,111 @@ def test_a_checkpoint_directory_that_cannot_be_read_is_said_so(tmp_path):
   ]
   assert lib.stdout.startswith("PermissionError "), lib.stdout + lib.stderr
   assert "a save that did not finish" not in lib.stdout
+
+
+@pytest.mark.parametrize("signal_kind", ["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("where", ["after the rename", "while reporting", "before the rename"])
+def test_an_interrupt_says_whether_the_output_was_already_in_place(
+  ckpt, tmp_path, monkeypatch, where, signal_kind
+):
+  """Ctrl-C (or SIGTERM) that lands once the save renamed OUT into place (in its last
+  syncs, or while the command prints its report) leaves OUT complete, and the
+  command says so instead of "interrupted" alone; one that lands before leaves
+  nothing. The exit code is the signal's either way."""
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+  from jaxreshard._src.cli import interrupts as _interrupts
+  from jaxreshard._src.cli import render as _render
+
+  root, src = ckpt
+  interrupt = _interrupts.Terminated if signal_kind == "SIGTERM" else KeyboardInterrupt
+  rename = _tempdir.commit_dir
+
+  def interrupted_rename(path, final):
+    if where == "before the rename":
+      raise interrupt
+    rename(path, final)
+    raise interrupt
+
+  def interrupted_report(*args, **kwargs):
+    raise interrupt
+
+  if where == "while reporting":
+    monkeypatch.setattr(_render, "cell", interrupted_report)
+  else:
+    monkeypatch.setattr(_tempdir, "commit_dir", interrupted_rename)
+  out = tmp_path / "out"
+  result = _run("reshard", root / "ckpt8", out, "-w", 3)
+  word = "terminated" if signal_kind == "SIGTERM" else "interrupted"
+  assert result.exit_code == (128 + 15 if signal_kind == "SIGTERM" else 130), result.output
+  assert "Traceback" not in result.output
+  if where == "before the rename":
+    assert result.stderr.strip() == f"jaxreshard: {word}"
+    assert not out.exists()
+    return
+  assert result.stderr.strip() == f"jaxreshard: {word} after {out} was written: it is complete"
+  got = jr.load_records(out)
+  for r, g in enumerate(got):
+    assert_records_equal(g, jr.reshard(src, jr.plan(src, world_size=3, rank=r)))
+
+
+def test_an_interrupt_that_lands_in_a_dropped_save_directory_prints_no_traceback(
+  tmp_path, monkeypatch
+):
+  """A finalizer cannot raise: an interrupt that lands while a dropped temporary
+  directory (one whose save ended, or is being unwound) releases its descriptors
+  was printed by Python with a traceback. It is not reported, and the descriptors
+  are released all the same."""
+  import gc
+  import sys
+
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+
+  release = _tempdir.TempDir.close
+  calls = []
+
+  def interrupted_close(self):
+    if id(self) == mine:  # another test's directory may be collected here too
+      calls.append(1)
+      if len(calls) == 1:
+        raise KeyboardInterrupt
+    release(self)
+
+  made = _tempdir.new_temp_dir(str(tmp_path / "ck"))
+  mine = id(made)
+  monkeypatch.setattr(_tempdir.TempDir, "close", interrupted_close)
+  unraisable = []
+  monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+  del made
+  gc.collect()
+  assert not unraisable, unraisable[0].exc_value
+  assert len(calls) == 2
+  # Its writer is gone: a later save or clean removes it.
+  assert [gone for _, gone in _tempdir.temp_dirs(str(tmp_path / "ck"))] == [True]
+
+
+@pytest.mark.parametrize("what", ["directory", "link", "empty file"])
+def test_an_index_that_is_no_index_file_is_refused_as_the_library_refuses_it(ckpt, tmp_path, what):
+  """Something other than a signed index file at the index's name: every command says
+  what the library's readers say of it, not that the checkpoint has no index."""
+  root, _ = ckpt
+  path = tmp_path / "ck"
+  shutil.copytree(root / "ckpt8", path)
+  index = path / "jaxreshard.json"
+  os.remove(index)
+  if what == "directory":
+    os.mkdir(index)
+  elif what == "link":
+    os.symlink(root / "ckpt8" / "jaxreshard.json", index)
+  else:
+    index.write_bytes(b"")
+  with pytest.raises(jr.ReshardError) as info:
+    jr.load_records(path)
+  words = str(info.value)
+  assert "no jaxreshard.json" not in words
+  for args in (
+    ("inspect", path),
+    ("verify", path, root / "ckpt8"),
+    ("reshard", path, tmp_path / "o", "-w", 2),
+  ):
+    line = _one_line_error(_run(*args))
+    assert line == f"jaxreshard: error: {words}", (args, line)

@@ -435,6 +435,12 @@ class TempDir:
       self.close()
     except Exception:  # noqa: BLE001 - a finalizer reports nothing
       pass
+    except KeyboardInterrupt:
+      # One that lands in here cannot leave a finalizer (Python would print it with a
+      # traceback and drop it). This object is dropped where its save ends, or
+      # where an interrupt is already unwinding the save: the descriptors are
+      # released and the interrupt, too late to stop anything, is not reported.
+      self.close()
 
   def close(self) -> None:
     """Releases the lock and the directory."""

@@ -30,6 +30,7 @@ from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.checkpoint import summary as _summary
 from jaxreshard._src.checkpoint.summary import inspect_info
+from jaxreshard._src.cli import interrupts as _interrupts
 from jaxreshard._src.cli import render as _render
 from jaxreshard._src.cli import report as _report
 from jaxreshard._src.cli import streams as _streams
@@ -235,20 +236,26 @@ def reshard(
     )
   _refuse_inside(out, [checkpoint], [located])
   total = first.bytes_read if rank is not None else _read_plan.total_bytes(ckpt)
-  err = _render.err_console()
-  t0 = time.perf_counter()
-  with progress_bar(err) as bar:
-    task = bar.add_task("resharding", total=total or 1)
+  with _interrupts.writing(out):  # an interrupt once OUT is in place says it is complete
+    err = _render.err_console()
+    t0 = time.perf_counter()
+    with progress_bar(err) as bar:
+      task = bar.add_task("resharding", total=total or 1)
 
-    # The output names its source (the checkpoint whose state it holds: CK's own,
-    # or the one CK was resharded from), so that parts of two saves never merge.
-    jr.save_records(
-      str(out),
-      _reader.SourcedRecords(
-        _streams.targets(source, ckpt, ranks, world_size, total, bar, task),
-        _reader.Source(_reader.state_id(ckpt), world_size),
-      ),
-    )
+      # The output names its source (the checkpoint whose state it holds: CK's own,
+      # or the one CK was resharded from), so that parts of two saves never merge.
+      jr.save_records(
+        str(out),
+        _reader.SourcedRecords(
+          _streams.targets(source, ckpt, ranks, world_size, total, bar, task),
+          _reader.Source(_reader.state_id(ckpt), world_size),
+        ),
+      )
+    _written(out, ranks, world_size, total, time.perf_counter() - t0, as_json)
+
+
+def _written(out: Path, ranks: Any, world_size: int, total: int, seconds: float, as_json: bool):
+  """The report of a reshard that wrote ``out``."""
   if as_json:
     _render.print_json(
       dict(
@@ -257,14 +264,14 @@ def reshard(
         world_size=world_size,
         ranks=list(ranks),
         bytes_read=total,
-        seconds=round(time.perf_counter() - t0, 3),
+        seconds=round(seconds, 3),
       )
     )
     return
   _render.console().print(
     _render.cell(
       f"wrote {len(ranks)} of {world_size} target ranks to {out}"
-      f" ({_render.size(total)} moved, {time.perf_counter() - t0:.1f} s)"
+      f" ({_render.size(total)} moved, {seconds:.1f} s)"
     )
   )
 
@@ -460,24 +467,25 @@ def merge(
   located = [_locate(p, step, item) for p in parts]
   _refuse_inside(out, parts, located)
   found = [x.path for x in located]
-  with progress_bar(_render.err_console()) as bar:
-    task = bar.add_task("merging", total=None)
-    merged = _merge.merge_parts(
-      str(out), found, progress=lambda p: bar.update(task, completed=p.done_bytes)
+  with _interrupts.writing(out):  # an interrupt once OUT is in place says it is complete
+    with progress_bar(_render.err_console()) as bar:
+      task = bar.add_task("merging", total=None)
+      merged = _merge.merge_parts(
+        str(out), found, progress=lambda p: bar.update(task, completed=p.done_bytes)
+      )
+    n = merged.world_size
+    if as_json:
+      _render.print_json(dict(out=os.path.abspath(out), world_size=n, parts=len(parts), archives=n))
+      return
+    _render.console().print(
+      _render.cell(
+        f"merged {len(parts)} part{'s' if len(parts) != 1 else ''} into {out}:"
+        f" ranks 0..{n - 1} of {n}, resharded from checkpoint {merged.source.checkpoint}"
+      )
     )
-  n = merged.world_size
-  if as_json:
-    _render.print_json(dict(out=os.path.abspath(out), world_size=n, parts=len(parts), archives=n))
-    return
-  _render.console().print(
-    _render.cell(
-      f"merged {len(parts)} part{'s' if len(parts) != 1 else ''} into {out}:"
-      f" ranks 0..{n - 1} of {n}, resharded from checkpoint {merged.source.checkpoint}"
-    )
-  )
 
 
 def main(argv: list[str] | None = None) -> None:
   """The ``jaxreshard`` console script."""
-  _render.on_sigterm_interrupt()
+  _interrupts.on_sigterm_interrupt()
   app(args=argv, prog_name="jaxreshard")

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +26,7 @@ from rich.text import Text
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import read_plan as _read_plan
 from jaxreshard._src.checkpoint import tempdir as _tempdir
+from jaxreshard._src.cli.interrupts import Committed, Terminated
 
 EXIT_DIFFERENT = 1
 EXIT_ERROR = 2
@@ -156,24 +156,6 @@ def message(e: BaseException) -> str:
   return safe(text)
 
 
-class Terminated(KeyboardInterrupt):
-  """SIGTERM (what ``timeout``, batch schedulers and containers send), raised where
-  Ctrl-C's KeyboardInterrupt would be, so that every path that cleans up after an
-  interrupted save cleans up after it too."""
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-  del signum, frame
-  raise Terminated
-
-
-def on_sigterm_interrupt() -> None:
-  """Makes SIGTERM interrupt the command line as Ctrl-C does, where the command line
-  runs in a process's main thread (called in another, it leaves SIGTERM alone)."""
-  if threading.current_thread() is threading.main_thread():
-    signal.signal(signal.SIGTERM, _raise_terminated)
-
-
 def _stdout_to_devnull() -> None:
   os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
@@ -202,6 +184,13 @@ def guard(fn: Callable) -> Callable:
       # `jaxreshard inspect ... | head`: the reader left; that is not an error.
       _stdout_to_devnull()
       raise typer.Exit(0) from None
+    except Committed as e:
+      print(
+        f"jaxreshard: {'terminated' if e.terminated else 'interrupted'} after {safe(e.out)}"
+        " was written: it is complete",
+        file=sys.stderr,
+      )
+      raise typer.Exit(128 + signal.SIGTERM if e.terminated else 130) from None
     except Terminated:
       print("jaxreshard: terminated", file=sys.stderr)
       raise typer.Exit(128 + signal.SIGTERM) from None

@@ -1,0 +1,66 @@
+"""Interrupts of the command line: SIGTERM raised as Ctrl-C's KeyboardInterrupt is, and
+an interrupt that lands once a command's output is in place told apart."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = ["Committed", "Terminated", "on_sigterm_interrupt", "writing"]
+
+
+class Terminated(KeyboardInterrupt):
+  """SIGTERM (what ``timeout``, batch schedulers and containers send), raised where
+  Ctrl-C's KeyboardInterrupt would be, so that every path that cleans up after an
+  interrupted save cleans up after it too."""
+
+
+class Committed(KeyboardInterrupt):
+  """An interrupt (or a SIGTERM) that landed once the command's output was in place."""
+
+  def __init__(self, out: Any, terminated: bool):
+    super().__init__(out)
+    self.out, self.terminated = out, terminated
+
+
+@contextlib.contextmanager
+def writing(out: Any) -> Iterator[None]:
+  """A command that writes the checkpoint ``out``, which did not exist when it began.
+
+  A save renames its checkpoint into place once it is whole, then syncs it and
+  its parent: an interrupt that lands after the rename (in those syncs, or while
+  the command reports) leaves ``out`` complete. The syncs are run again here,
+  and the interrupt is raised as :class:`Committed`, which says so.
+  """
+  there = os.path.lexists(out)  # then it is not this command's: a save refuses it
+  try:
+    yield
+  except KeyboardInterrupt as e:
+    if isinstance(e, Committed) or there or not os.path.isdir(out):
+      raise
+    for path in (out, os.path.dirname(os.path.abspath(out))):
+      try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+          os.fsync(fd)
+        finally:
+          os.close(fd)
+      except OSError:
+        pass
+    raise Committed(out, isinstance(e, Terminated)) from None
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+  del signum, frame
+  raise Terminated
+
+
+def on_sigterm_interrupt() -> None:
+  """Makes SIGTERM interrupt the command line as Ctrl-C does, where the command line
+  runs in a process's main thread (called in another, it leaves SIGTERM alone)."""
+  if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _raise_terminated)
