@@ -86,7 +86,9 @@ def _items(step_dir: str) -> list[str]:
 
 
 def _has_index(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, INDEX_FILE))
+  # Whatever is at the index's name makes a checkpoint, to be opened and refused in
+  # its own words (not a regular file, a link) as the library refuses it.
+  return os.path.lexists(os.path.join(path, INDEX_FILE))
 
 
 def _raise_if_unreadable(where: str) -> None:
