@@ -855,6 +855,15 @@ def test_verify_of_a_part_says_partial_and_suggests_merge(ckpt, parts):
   assert "partial checkpoint: ranks [2] of 6" in line and "jaxreshard merge" in line, line
 
 
+@pytest.mark.parametrize("args", [(), ("--dry-run",), ("-r", 0)])
+def test_reshard_of_a_part_says_partial_and_suggests_merge_as_verify_does(
+  ckpt, parts, tmp_path, args
+):
+  line = _one_line_error(_run("reshard", parts[2], tmp_path / "o", "-w", 2, *args))
+  assert "partial checkpoint: ranks [2] of 6" in line and "jaxreshard merge" in line, line
+  assert not (tmp_path / "o").exists()
+
+
 def test_mixed_steps_refusal_names_the_scalar_path_inspect_shows(tmp_path):
   opt = optax.adam(1e-3)
   params = {"w": np.ones((10,), np.float32)}

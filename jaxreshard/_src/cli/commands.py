@@ -216,6 +216,7 @@ def reshard(
   located = _locate(checkpoint, step, item)
   source = located.path
   ckpt = _reader.open_checkpoint(source)
+  _merge.refuse_partial(source, ckpt)  # in the words verify uses: merge the parts first
   # Refuses a bad world size or a rank outside it before any work.
   jr.FlatShard((), 0 if rank is None else rank, world_size)
   ranks = [rank] if rank is not None else range(world_size)
