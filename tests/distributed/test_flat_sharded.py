@@ -102,6 +102,10 @@ MASK_FUNCTIONS = {
 REDUCING = {
   "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
   "lamb": lambda: optax.lamb(1e-2, weight_decay=0.1),
+  # Step sizes from dot products over the whole state: op by op on explicit axes, a
+  # dot of two sharded flat buffers has no layout jax picks; it runs on Auto axes.
+  "prodigy": lambda: optax.contrib.prodigy(1.0),
+  "dadapt_adamw": lambda: optax.contrib.dadapt_adamw(1.0),
 }
 
 

@@ -277,11 +277,15 @@ def update_on_auto_axes(
   if concrete:
     try:
       return update(*args)  # op by op, as the unwrapped optimizer runs outside jit
-    except TypeError:
+    except Exception as e:  # pylint: disable=broad-exception-caught
       # Op by op under explicit axes, branches of a ``lax.cond`` (``apply_if_finite``'s
-      # kept and zeroed updates) may differ in layout type; the update has changed
-      # nothing (arrays are values), so it runs again on Auto axes, as under jit.
-      pass
+      # kept and zeroed updates) may differ in layout type (a TypeError), and a dot
+      # product over the flat histories (prodigy's, mechanize's) has a sharded
+      # contracting dimension whose result's layout jax will not choose (its
+      # ShardingTypeError). The update has changed nothing (arrays are values), so it
+      # runs again on Auto axes, as under jit.
+      if not isinstance(e, TypeError) and type(e).__name__ != "ShardingTypeError":
+        raise
 
   def laid_out(tree: Any, pids: Any) -> Any:
     leaves = [
