@@ -144,9 +144,15 @@ def _shape_sites() -> dict[Any, str]:
     "scale_by_param_block_norm": (),
     "centralize": (),
     "adaptive_grad_clip": (1.0,),
+    "contrib.scale_by_muon": (),  # orthogonalizes each matrix (muon)
   }
-  # An optax without one of them cannot hold it: nothing to look for.
-  made = {name: getattr(optax, name)(*a) for name, a in args.items() if hasattr(optax, name)}
+  made = {}
+  for name, a in args.items():
+    where: Any = optax
+    for part in name.split("."):
+      where = getattr(where, part, None)  # an optax without it cannot hold it
+    if where is not None:
+      made[name] = where(*a)
   return {t.update.__code__: f"optax.{name}" for name, t in made.items()}
 
 
