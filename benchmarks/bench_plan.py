@@ -29,6 +29,9 @@ def needed_ranks(counts: np.ndarray, src: int, dst: int, rank: int) -> np.ndarra
   These are the archives a restore of that rank reads or checks for padding,
   when no all-padding source rank past the target world's padded buffer falls
   to it (``copyplan.padding_ranks``): true of the rank measured, ``dst // 3``.
+  Its share of the source ranks, whose ``archive.json`` it checks
+  (``restore.described_sources``), is among them; archive 0 (the first of the
+  group) it checks too.
   """
   counts = counts[counts > 0]
   ss, ts = -(-counts // src), -(-counts // dst)
@@ -146,7 +149,9 @@ def planning_rows(opts: Options) -> list[dict]:
   src, dst = opts.plan_worlds
   rank = dst // 3
   sizes = _workload.param_sizes(opts.plan_size // 2, opts.plan_params, opts.seed)
-  only = needed_ranks(np.asarray(sizes, np.int64), src, dst, rank).tolist()
+  # And archive 0: the first of the group, whose archive.json vouches for the
+  # skeleton and clock scalars every target rank takes from the index.
+  only = sorted({0, *needed_ranks(np.asarray(sizes, np.int64), src, dst, rank).tolist()})
   with tempfile.TemporaryDirectory(prefix="jr-bench-plan-") as tmp:
     path = os.path.join(tmp, "ckpt")
     t0 = time.perf_counter()
@@ -243,7 +248,9 @@ def run(opts: Options) -> Result:
     " straight in the on-disk format (`write_index_checkpoint`). `plan_s`:"
     " `open_checkpoint` (read and check the index) + the read plan of one target rank of"
     f" {opts.plan_worlds[1]}, from the index alone; `archives_read`: archives that plan"
-    " reads (only the archives that rank reads or checks are written, `archives_written`);"
+    " reads (only the archives that rank reads or checks are written, `archives_written`:"
+    " those its runs overlap, and archive 0, whose archive.json vouches for the skeleton"
+    " and clock scalars it takes from the index);"
     " `mib_read`: /proc/self/io rchar delta during the best warm restore (every piece"
     " reads its whole chunks, each checked against its crc32c: a rank's few elements of a"
     " small parameter in an archive cost a chunk);"

@@ -1,14 +1,16 @@
-"""Archives that hold no byte: every reader checks what the index says of them.
+"""Archives a reader reads no byte of: every reader checks what the index says of them.
 
 A state of clock scalars alone (``inject_hyperparams(sgd)`` without momentum), one
 whose params all have zero elements, and a frozen group placed on ranks of its own
-leave archives with an ``archive.json`` and no buffer. No restore reads a byte of
-them, yet the record it builds takes their placements and the clock from the index:
-their signed ``archive.json`` must still vouch for it. Each target rank checks its
-template archive and its share of those archives (a process among all, in a
-restore onto a mesh), so a restore of every target rank, like ``load_records`` and
-``verify``, finds any of them damaged, and an index edited and re-signed on its own
-is refused on every path.
+leave archives with an ``archive.json`` and no buffer; an index edited and
+re-signed on its own can leave others unread (a group relabelled with another's
+layout has no history to read). The record a restore builds still takes their
+placements, and its skeleton and clock, from the index: their signed
+``archive.json`` must vouch for it. Each target rank checks the first archive of
+each group and its share of each group's archives (a process among all, in a
+restore onto a mesh), so a restore of every target rank, like ``load_records``
+and ``verify``, finds any of them damaged, and such an edit is refused on every
+path.
 """
 
 import json
@@ -219,3 +221,104 @@ def test_a_restore_of_every_rank_reads_each_archive_json_of_a_clock_only_state(t
   assert (
     np.asarray(got[0].state.hyperparams["learning_rate"]).tobytes() == np.float32(0.5).tobytes()
   )
+
+
+# --- archives whose bytes an edited index keeps from being read ------------------------
+
+
+def _two_groups_apart(tmp_path):
+  """Adam: param a on archives 0-1, param b on archives 2-4, each archive with bytes."""
+  params = {"a": jnp.ones((6,)), "b": jnp.ones((10,))}
+  opt = optax.adam(1e-3)
+  records = jr.shard_state(opt, params, _filled(opt.init(params)), world_size=2)
+  shape = {p.param: p.shape for p in records[0].placements}
+  out = [jr.reshard(records, [jr.Migration("a", shape["a"], r, 2, (0, 1))]) for r in range(2)]
+  out += [jr.reshard(records, [jr.Migration("b", shape["b"], r, 3, (0, 1))]) for r in range(3)]
+  path = tmp_path / "apart"
+  jr.save_records(path, out)
+  return path
+
+
+def _frozen_on_the_template(tmp_path):
+  """a over archives 0-1; frozen b (no history) on archive 0 alone, the template."""
+  params = {"a": jnp.ones((8,)), "b": jnp.ones((3,))}
+  opt = optax.multi_transform(
+    {"train": optax.adam(1e-3), "frozen": optax.set_to_zero()}, {"a": "train", "b": "frozen"}
+  )
+  records = jr.shard_state(opt, params, _filled(opt.init(params)), world_size=2)
+  shape = {p.param: p.shape for p in records[0].placements}
+  a = [jr.Migration("a", shape["a"], r, 2, (0, 1)) for r in range(2)]
+  out = [
+    jr.reshard(records, [a[0], jr.Migration("b", shape["b"], 0, 1, (0, 1))]),
+    jr.reshard(records, [a[1]]),
+  ]
+  path = tmp_path / "template"
+  jr.save_records(path, out)
+  return path
+
+
+def _relabel(path, archives, like):
+  """The index gives ``archives`` the layout entry of archive ``like`` (re-signed)."""
+  index = read_json(path / "jaxreshard.json")
+  for a in archives:
+    index["archives"][a][1] = index["archives"][like][1]
+  write_signed_json(path / "jaxreshard.json", index)
+
+
+def _outcomes(calls):
+  out = {}
+  for name, call in calls.items():
+    try:
+      call()
+    except jr.ReshardError as e:
+      out[name] = str(e)
+    else:
+      out[name] = None
+  return out
+
+
+def test_a_group_an_edited_layout_keeps_from_being_read_is_refused_by_every_reader(tmp_path):
+  # Archives 0-1 given b's layout: a then has no history, no byte of 0-1 is read, and
+  # the readers returned a without its moments; load_records refused.
+  path = _two_groups_apart(tmp_path)
+  _relabel(path, (0, 1), like=2)
+  mesh = device_mesh((3,), ("fsdp",))
+  calls = {
+    f"restore w=8 r={r}": (lambda r=r: jr.restore(path, world_size=8, rank=r)) for r in range(8)
+  }
+  calls |= {
+    f"restore_ranks {ranks}": (lambda ranks=ranks: jr.restore_ranks(path, ranks, world_size=8))
+    for ranks in ([5], [4, 5], [5, 6, 7], list(range(8)))
+  }
+  calls |= {
+    f"restore_ranks w={w}": (lambda w=w: jr.restore_ranks(path, range(w), world_size=w))
+    for w in (1, 2, 3, 5)
+  }
+  calls["restore_sharded"] = lambda: jr.restore_sharded(path, mesh, "fsdp")
+  calls["load_records"] = lambda: jr.load_records(path)
+  outcomes = _outcomes(calls)
+  silent = [name for name, msg in outcomes.items() if msg is None]
+  assert not silent, f"{silent} returned a without its history"
+  result = CliRunner().invoke(
+    app, ["reshard", str(path), str(tmp_path / "o"), "-w", "8", "-r", "6"]
+  )
+  assert result.exit_code == EXIT_ERROR and not (tmp_path / "o").exists(), result.output
+
+
+def test_a_template_given_another_archive_s_layout_is_refused_by_one_rank_s_restore(tmp_path):
+  # The template (archive 0, holding frozen b) given archive 1's layout: rank 1 of 2
+  # reads only archive 1, whose layout the edit names; it returned a state without
+  # b's masked places.
+  path = _frozen_on_the_template(tmp_path)
+  _relabel(path, (0,), like=1)
+  for rank in range(2):
+    with pytest.raises(jr.ReshardError, match="disagree on its state layout"):
+      jr.restore(path, world_size=2, rank=rank)
+  result = CliRunner().invoke(
+    app, ["reshard", str(path), str(tmp_path / "o"), "-w", "2", "-r", "1"]
+  )
+  assert result.exit_code == EXIT_ERROR and "disagree on its state layout" in result.stderr
+  dry = CliRunner().invoke(
+    app, ["reshard", str(path), str(tmp_path / "o"), "-w", "2", "-r", "1", "--dry-run"]
+  )
+  assert dry.exit_code == EXIT_ERROR and "disagree on its state layout" in dry.stderr

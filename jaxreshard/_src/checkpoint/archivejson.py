@@ -74,20 +74,11 @@ class ArchiveMetas:
     self.directory, self.index, self._root = directory, index, root
     self._lock = threading.Lock()
     self._meta: dict[int, dict] = {}
-    # The (layout, clock) entries of the index some checked archive.json was written with.
-    self._vouched: set[tuple[int, int]] = set()
 
   def has(self, archive: int) -> bool:
     """Whether the archive's ``archive.json`` was read and checked."""
     with self._lock:
       return archive in self._meta
-
-  def vouched(self, archive: int) -> bool:
-    """Whether an archive with the index's layout and clock entries of ``archive`` had its
-    ``archive.json`` checked: those entries are then ones an archive was written with."""
-    key = (self.index.archive_layout[archive], self.index.archive_clock[archive])
-    with self._lock:
-      return key in self._vouched
 
   def get(self, archive: int) -> dict:
     """An archive's ``archive.json``, checked against the index (read once)."""
@@ -106,7 +97,6 @@ class ArchiveMetas:
     check_archive_meta(self.index, archive, meta, where)
     with self._lock:
       self._meta[archive] = meta
-      self._vouched.add((self.index.archive_layout[archive], self.index.archive_clock[archive]))
     return meta
 
 

@@ -226,11 +226,9 @@ class Checkpoint:
 
   def template(self, archive: int) -> _structure.StateParts:
     # A target takes its skeleton and clock scalars from the index's layout and clock
-    # entries of ``archive``: an archive's ``archive.json`` must say it was written with
-    # them, even where no byte is read (a state of clock scalars alone, or of params
-    # without history). Any checked archive of the same entries says so; else this one.
-    if not self.archives.metas.vouched(archive):
-      self.check_described(archive)
+    # entries of ``archive``: its ``archive.json`` must say it was written with them,
+    # even where no byte of it is read.
+    self.check_described(archive)
     c = self.archive_clock[archive]
     with self._lock:
       return self.layout(archive).template(c, self.clocks[c])

@@ -231,7 +231,7 @@ def _validated(ckpt: Checkpoint, migrations: Sequence[Migration]) -> list[_valid
 def checked_archives(ckpt: Checkpoint, world_size: int, rank: int) -> set[int]:
   """The archives a restore of target ``rank`` checks without copying from them, from
   the index alone: those whose all-padding buffers it checks (``all_padding_sources``)
-  and those without bytes in its share (``described_sources``)."""
+  and those whose ``archive.json`` it checks (``described_sources``)."""
   with _pipeline.no_gc():
     reg = _regular.regular(ckpt)
     if reg is not None:
@@ -273,31 +273,30 @@ def copied_bytes(groups: Any) -> int:
 
 
 def described_sources(ckpt: Checkpoint, groups: Any, part: Any, parts: Any) -> list[int]:
-  """The archives holding no byte (every buffer of their layout empty) whose account of
-  its params a reader of share ``part`` of ``parts`` checks (``check_described``).
+  """The archives whose ``archive.json`` a reader of share ``part`` of ``parts`` checks
+  (``check_described``) whether or not it reads a byte of them.
 
-  Such an archive (a frozen group's on ranks of its own, or every archive of a state
-  of clock scalars alone or of zero-size params) is never read for bytes, yet its
-  signed ``archive.json`` is what vouches for the index's placements and clock of it.
-  Share ``part`` of each row's source ranks is ``[part * W // parts, (part + 1) * W //
-  parts)`` (rounded up, at least one rank): a restore's target rank of its world, or
-  a process among all; together the shares check every such archive once. ``part``
-  and ``parts`` are ints or per-row arrays.
+  A record takes its params' placements and its skeleton and clock scalars from the
+  index; each archive's signed ``archive.json`` vouches for what the index says of
+  that archive. A reader checks the first archive of each group (the templates the
+  skeleton and clock come from) and its share of each group's source ranks,
+  ``[part * W // parts, (part + 1) * W // parts)`` rounded up, at least one rank: a
+  target rank of its world, or a process among all. Together the shares check every
+  archive, those without bytes (a frozen group's, a state of clock scalars alone)
+  and those an edited index would have no byte read from included. ``part`` and
+  ``parts`` are ints or per-row arrays.
   """
   if not len(groups):
-    return []
-  empty = np.asarray([not any(layout.sizes.values()) for layout in ckpt.layouts], bool)
-  if not empty.any():
     return []
   w = np.asarray(groups.src_world, np.int64)
   part, parts = np.broadcast_to(part, w.shape), np.broadcast_to(parts, w.shape)
   lo = np.minimum(part * w // parts, w - 1)
   hi = np.minimum(w, np.maximum(lo + 1, -(-((part + 1) * w) // parts)))
-  n = hi - lo
+  n = hi - lo + 1  # and source rank 0
   row = np.repeat(np.arange(len(w)), n)
-  k = np.repeat(lo, n) + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-  archives = _copyplan.unique_ints(groups.archives(row, k))
-  return archives[empty[ckpt.index.tables.a_layout[archives]]].tolist()
+  at = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+  k = np.where(at == 0, 0, np.repeat(lo, n) + at - 1)
+  return _copyplan.unique_ints(groups.archives(row, k)).tolist()
 
 
 def all_padding_sources(groups: Sequence[_validate.SourceGroup], name_of: dict) -> _pads.Trailing:
@@ -354,9 +353,9 @@ def disk_fetch(
   The padding of every source buffer the runs copy from must be zero bits, and
   so must the all-padding source buffers that ``groups``' target rank checks
   (``all_padding_sources``; ``padding``: those of several target ranks at
-  once): data that contradicts the layout is refused. The archives without bytes
-  in its share (``described_sources``; ``described``: those of several target
-  ranks) are checked first.
+  once): data that contradicts the layout is refused. The ``archive.json`` of the
+  archives ``described_sources`` names (``described``: those of several target
+  ranks) are checked first, whether or not a byte of them is read.
   """
   trailing = all_padding_sources(groups, ckpt.index.name_of) if padding is None else padding
   if described is None:

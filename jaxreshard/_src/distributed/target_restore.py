@@ -421,7 +421,7 @@ def _read(ckpt: Checkpoint, groups, leaves, specs, stats, progress) -> list[Any]
         runs.setdefault((archive, np.dtype(d)), []).append((src[sel] + base, dst[sel], lens[sel]))
     where.append(at)
 
-  # The archives without bytes in this process's share: no read checks them otherwise.
+  # Each group's first archive and this process's share of its archives, read or not.
   for archive in _restore.described_sources(ckpt, groups, jax.process_index(), jax.process_count()):
     ckpt.check_described(archive)
   keys = sorted(runs, key=lambda k: (k[0], k[1].name))
