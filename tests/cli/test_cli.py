@@ -1529,26 +1529,33 @@ def test_a_checkpoint_directory_that_cannot_be_read_is_said_so(tmp_path):
 
 
 @pytest.mark.parametrize("signal_kind", ["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("where", ["after the rename", "while reporting", "before the rename"])
+@pytest.mark.parametrize(
+  "where", ["after the rename", "while reporting", "before the rename", "another made OUT"]
+)
 def test_an_interrupt_says_whether_the_output_was_already_in_place(
   ckpt, tmp_path, monkeypatch, where, signal_kind
 ):
   """Ctrl-C (or SIGTERM) that lands once the save renamed OUT into place (in its last
   syncs, or while the command prints its report) leaves OUT complete, and the
   command says so instead of "interrupted" alone; one that lands before leaves
-  nothing. The exit code is the signal's either way."""
+  nothing of it, and says nothing of an OUT another made meanwhile. The exit code
+  is the signal's either way."""
   from jaxreshard._src.checkpoint import tempdir as _tempdir
   from jaxreshard._src.cli import interrupts as _interrupts
   from jaxreshard._src.cli import render as _render
 
   root, src = ckpt
+  out = tmp_path / "out"
   interrupt = _interrupts.Terminated if signal_kind == "SIGTERM" else KeyboardInterrupt
   rename = _tempdir.commit_dir
 
-  def interrupted_rename(path, final):
-    if where == "before the rename":
-      raise interrupt
+  def interrupted_after(path, final):  # the rename done: the syncs follow
     rename(path, final)
+    raise interrupt
+
+  def interrupted_before(path, final):
+    if where == "another made OUT":
+      os.mkdir(out)
     raise interrupt
 
   def interrupted_report(*args, **kwargs):
@@ -1556,16 +1563,17 @@ def test_an_interrupt_says_whether_the_output_was_already_in_place(
 
   if where == "while reporting":
     monkeypatch.setattr(_render, "cell", interrupted_report)
+  elif where == "after the rename":
+    monkeypatch.setattr(_tempdir, "commit_dir", interrupted_after)
   else:
-    monkeypatch.setattr(_tempdir, "commit_dir", interrupted_rename)
-  out = tmp_path / "out"
+    monkeypatch.setattr(_tempdir, "commit_dir", interrupted_before)
   result = _run("reshard", root / "ckpt8", out, "-w", 3)
   word = "terminated" if signal_kind == "SIGTERM" else "interrupted"
   assert result.exit_code == (128 + 15 if signal_kind == "SIGTERM" else 130), result.output
   assert "Traceback" not in result.output
-  if where == "before the rename":
+  if where in ("before the rename", "another made OUT"):
     assert result.stderr.strip() == f"jaxreshard: {word}"
-    assert not out.exists()
+    assert os.listdir(out) == [] if where == "another made OUT" else not out.exists()
     return
   assert result.stderr.strip() == f"jaxreshard: {word} after {out} was written: it is complete"
   got = jr.load_records(out)

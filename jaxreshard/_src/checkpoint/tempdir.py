@@ -11,6 +11,8 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import threading
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +31,7 @@ __all__ = [
   "ORBAX_TEMP_SUFFIX",
   "TempDir",
   "commit_dir",
+  "committed_here",
   "has_lock_file",
   "hold",
   "holds",
@@ -39,6 +42,35 @@ __all__ = [
   "remove_temp_dirs",
   "temp_dirs",
 ]
+
+
+# The directories this process's saves renamed into place, most recent last:
+# absolute path -> (device, inode) of the directory committed there.
+_COMMITTED: dict[str, tuple[int, int]] = {}
+_COMMITTED_KEPT = 256
+_COMMITTED_LOCK = threading.Lock()
+
+
+def committed_here(path: Any) -> bool:
+  """Whether the directory at ``path`` is one a save of this process committed there
+  (the same directory, not another made at that path since)."""
+  key = os.path.abspath(path)
+  with _COMMITTED_LOCK:
+    made = _COMMITTED.get(key)
+  try:
+    st = os.stat(key, follow_symlinks=False)
+  except OSError:
+    return False
+  return made == (st.st_dev, st.st_ino) and stat.S_ISDIR(st.st_mode)
+
+
+def _committed(path: str, fd: int) -> None:
+  st = os.fstat(fd)
+  with _COMMITTED_LOCK:
+    _COMMITTED.pop(os.path.abspath(path), None)
+    _COMMITTED[os.path.abspath(path)] = (st.st_dev, st.st_ino)
+    while len(_COMMITTED) > _COMMITTED_KEPT:
+      del _COMMITTED[next(iter(_COMMITTED))]
 
 
 LOCK_FILE = ".jaxreshard-save.lock"
@@ -383,6 +415,9 @@ class TempDir:
         temporary path was given another directory after ``check``): it is moved
         aside again, and nothing of this save is committed.
     """
+    # Recorded first (no interrupt can land between the rename and the record): it
+    # says only that this directory, if it is the one at ``final``, was committed.
+    _committed(final, self.out.fd)
     commit_dir(self.path, final)
     if not holds(final, self.out.fd):
       raise ArchiveError(not_this_save(self.path, final))

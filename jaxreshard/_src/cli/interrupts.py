@@ -10,6 +10,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from jaxreshard._src.checkpoint import tempdir as _tempdir
+
 __all__ = ["Committed", "Terminated", "on_sigterm_interrupt", "writing"]
 
 
@@ -40,8 +42,8 @@ def writing(out: Any) -> Iterator[None]:
   try:
     yield
   except KeyboardInterrupt as e:
-    if isinstance(e, Committed) or there or not os.path.isdir(out):
-      raise
+    if isinstance(e, Committed) or there or not _tempdir.committed_here(out):
+      raise  # not in place, or not this command's save's (another made it meanwhile)
     for path in (out, os.path.dirname(os.path.abspath(out))):
       try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
