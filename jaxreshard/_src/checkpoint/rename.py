@@ -5,12 +5,15 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import stat
+import threading
 import uuid
+from typing import Any
 
 from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.errors import ArchiveExistsError
 
-__all__ = ["commit_dir", "holds", "not_this_save"]
+__all__ = ["commit_dir", "committed", "committed_here", "holds", "not_this_save"]
 
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
@@ -71,3 +74,33 @@ def not_this_save(tmp: str, final: str) -> str:
     f" temporary directory {tmp} was replaced after its files were checked; {where};"
     " nothing of this save is committed"
   )
+
+
+# The directories this process's saves renamed into place, most recent last:
+# absolute path -> (device, inode) of the directory committed there.
+_COMMITTED: dict[str, tuple[int, int]] = {}
+_COMMITTED_KEPT = 256
+_COMMITTED_LOCK = threading.Lock()
+
+
+def committed_here(path: Any) -> bool:
+  """Whether the directory at ``path`` is one a save of this process committed there
+  (the same directory, not another made at that path since)."""
+  key = os.path.abspath(path)
+  with _COMMITTED_LOCK:
+    made = _COMMITTED.get(key)
+  try:
+    st = os.stat(key, follow_symlinks=False)
+  except OSError:
+    return False
+  return made == (st.st_dev, st.st_ino) and stat.S_ISDIR(st.st_mode)
+
+
+def committed(path: str, fd: int) -> None:
+  """Records the directory open as ``fd`` as the one a save commits at ``path``."""
+  st = os.fstat(fd)
+  with _COMMITTED_LOCK:
+    _COMMITTED.pop(os.path.abspath(path), None)
+    _COMMITTED[os.path.abspath(path)] = (st.st_dev, st.st_ino)
+    while len(_COMMITTED) > _COMMITTED_KEPT:
+      del _COMMITTED[next(iter(_COMMITTED))]

@@ -11,8 +11,6 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
-import threading
-from typing import Any
 
 import numpy as np
 
@@ -20,7 +18,7 @@ from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.checkpoint.index import ARCHIVE_FILE, INDEX_FILE
-from jaxreshard._src.checkpoint.rename import commit_dir, holds, not_this_save
+from jaxreshard._src.checkpoint.rename import commit_dir, committed, holds, not_this_save
 from jaxreshard._src.checkpoint.table import TABLE_FILE
 from jaxreshard._src.checkpoint.tempname import ORBAX_TEMP_SUFFIX, is_temporary, temp_stem
 from jaxreshard._src.checkpoint.writer import IndexBuilder
@@ -31,7 +29,6 @@ __all__ = [
   "ORBAX_TEMP_SUFFIX",
   "TempDir",
   "commit_dir",
-  "committed_here",
   "has_lock_file",
   "hold",
   "holds",
@@ -42,35 +39,6 @@ __all__ = [
   "remove_temp_dirs",
   "temp_dirs",
 ]
-
-
-# The directories this process's saves renamed into place, most recent last:
-# absolute path -> (device, inode) of the directory committed there.
-_COMMITTED: dict[str, tuple[int, int]] = {}
-_COMMITTED_KEPT = 256
-_COMMITTED_LOCK = threading.Lock()
-
-
-def committed_here(path: Any) -> bool:
-  """Whether the directory at ``path`` is one a save of this process committed there
-  (the same directory, not another made at that path since)."""
-  key = os.path.abspath(path)
-  with _COMMITTED_LOCK:
-    made = _COMMITTED.get(key)
-  try:
-    st = os.stat(key, follow_symlinks=False)
-  except OSError:
-    return False
-  return made == (st.st_dev, st.st_ino) and stat.S_ISDIR(st.st_mode)
-
-
-def _committed(path: str, fd: int) -> None:
-  st = os.fstat(fd)
-  with _COMMITTED_LOCK:
-    _COMMITTED.pop(os.path.abspath(path), None)
-    _COMMITTED[os.path.abspath(path)] = (st.st_dev, st.st_ino)
-    while len(_COMMITTED) > _COMMITTED_KEPT:
-      del _COMMITTED[next(iter(_COMMITTED))]
 
 
 LOCK_FILE = ".jaxreshard-save.lock"
@@ -415,9 +383,7 @@ class TempDir:
         temporary path was given another directory after ``check``): it is moved
         aside again, and nothing of this save is committed.
     """
-    # Recorded first (no interrupt can land between the rename and the record): it
-    # says only that this directory, if it is the one at ``final``, was committed.
-    _committed(final, self.out.fd)
+    committed(final, self.out.fd)  # first: no interrupt lands between rename and record
     commit_dir(self.path, final)
     if not holds(final, self.out.fd):
       raise ArchiveError(not_this_save(self.path, final))
@@ -471,10 +437,8 @@ class TempDir:
     except Exception:  # noqa: BLE001 - a finalizer reports nothing
       pass
     except KeyboardInterrupt:
-      # One that lands in here cannot leave a finalizer (Python would print it with a
-      # traceback and drop it). This object is dropped where its save ends, or
-      # where an interrupt is already unwinding the save: the descriptors are
-      # released and the interrupt, too late to stop anything, is not reported.
+      # A finalizer cannot raise one (Python prints and drops it); this object is dropped
+      # where its save ends or an interrupt already unwinds it: too late to stop anything.
       self.close()
 
   def close(self) -> None:

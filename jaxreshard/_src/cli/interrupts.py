@@ -10,7 +10,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from jaxreshard._src.checkpoint import tempdir as _tempdir
+from jaxreshard._src.checkpoint import rename as _rename
 
 __all__ = ["Committed", "Terminated", "on_sigterm_interrupt", "writing"]
 
@@ -42,7 +42,7 @@ def writing(out: Any) -> Iterator[None]:
   try:
     yield
   except KeyboardInterrupt as e:
-    if isinstance(e, Committed) or there or not _tempdir.committed_here(out):
+    if isinstance(e, Committed) or there or not _rename.committed_here(out):
       raise  # not in place, or not this command's save's (another made it meanwhile)
     for path in (out, os.path.dirname(os.path.abspath(out))):
       try:
