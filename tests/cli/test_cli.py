@@ -1581,6 +1581,65 @@ def test_an_interrupt_says_whether_the_output_was_already_in_place(
     assert_records_equal(g, jr.reshard(src, jr.plan(src, world_size=3, rank=r)))
 
 
+@pytest.mark.parametrize("when", ["this save's rename never ran", "an earlier command's"])
+def test_an_interrupt_claims_no_directory_that_reuses_a_recorded_inode(
+  ckpt, tmp_path, monkeypatch, when
+):
+  """A file system reuses a removed directory's inode number at once (ext4 does): a
+  directory another process makes at OUT as the save unwinds may have the number of
+  this save's temporary directory, or of an OUT an earlier command of the process
+  wrote and the user removed. Neither is this command's output."""
+  from jaxreshard._src.checkpoint import rename as _rename
+  from jaxreshard._src.checkpoint import tempdir as _tempdir
+
+  root, _ = ckpt
+  out = tmp_path / "out"
+  if when == "an earlier command's":
+    assert _run("reshard", root / "ckpt8", out, "-w", 3).exit_code == 0
+    shutil.rmtree(out)
+
+    def interrupted(self, *args, **kwargs):  # while the save checks its files
+      raise KeyboardInterrupt
+
+    monkeypatch.setattr(_tempdir.TempDir, "check", interrupted)
+  else:
+
+    def interrupted(path, final):  # recorded, then interrupted before the rename
+      raise KeyboardInterrupt
+
+    monkeypatch.setattr(_tempdir, "commit_dir", interrupted)
+  close = _tempdir.TempDir.close
+  made = []
+
+  def close_then_another_makes_out(self):
+    close(self)
+    mine = os.path.dirname(self.path) == str(tmp_path)  # not another test's, collected here
+    if mine and not os.path.lexists(out):
+      os.mkdir(out)  # another process, as this save unwinds
+      made.append(os.stat(out).st_ino)
+
+  monkeypatch.setattr(_tempdir.TempDir, "close", close_then_another_makes_out)
+  # The worst case, whatever the file system gives: OUT has the recorded number.
+  real_stat = os.stat
+
+  def same_inode(path, *args, **kwargs):
+    st = real_stat(path, *args, **kwargs)
+    recorded = _rename._COMMITTED.get(os.path.abspath(path))
+    if made and os.path.abspath(path) == str(out) and recorded is not None:
+      fields = list(st)
+      fields[1] = recorded[1]
+      return os.stat_result(fields)
+    return st
+
+  monkeypatch.setattr(_rename.os, "stat", same_inode)
+  result = _run("reshard", root / "ckpt8", out, "-w", 3)
+  monkeypatch.setattr(_rename.os, "stat", real_stat)
+  assert made, "the save did not unwind through its directory's close"
+  assert result.exit_code == 130, result.output
+  assert result.stderr.strip() == "jaxreshard: interrupted"
+  assert os.listdir(out) == []
+
+
 def test_an_interrupt_that_lands_in_a_dropped_save_directory_prints_no_traceback(
   tmp_path, monkeypatch
 ):

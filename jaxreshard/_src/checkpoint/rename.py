@@ -13,7 +13,7 @@ from typing import Any
 from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.errors import ArchiveExistsError
 
-__all__ = ["commit_dir", "committed", "committed_here", "holds", "not_this_save"]
+__all__ = ["commit_dir", "committed", "committed_here", "forget", "holds", "not_this_save"]
 
 _RENAME_NOREPLACE = 1
 _AT_FDCWD = -100
@@ -94,6 +94,13 @@ def committed_here(path: Any) -> bool:
   except OSError:
     return False
   return made == (st.st_dev, st.st_ino) and stat.S_ISDIR(st.st_mode)
+
+
+def forget(path: Any) -> None:
+  """Drops what ``committed`` recorded at ``path`` (a rename that did not happen, or a
+  path found empty: a directory made there later may reuse the inode number)."""
+  with _COMMITTED_LOCK:
+    _COMMITTED.pop(os.path.abspath(path), None)
 
 
 def committed(path: str, fd: int) -> None:

@@ -18,7 +18,7 @@ from jaxreshard._src.checkpoint import encoding as fmt
 from jaxreshard._src.checkpoint import shardfile as _shardfile
 from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.checkpoint.index import ARCHIVE_FILE, INDEX_FILE
-from jaxreshard._src.checkpoint.rename import commit_dir, committed, holds, not_this_save
+from jaxreshard._src.checkpoint.rename import commit_dir, committed, forget, holds, not_this_save
 from jaxreshard._src.checkpoint.table import TABLE_FILE
 from jaxreshard._src.checkpoint.tempname import ORBAX_TEMP_SUFFIX, is_temporary, temp_stem
 from jaxreshard._src.checkpoint.writer import IndexBuilder
@@ -379,12 +379,16 @@ class TempDir:
     file, then fsyncs ``final`` and its parent (when durable).
 
     Raises:
-      ArchiveError: the directory the rename put at ``final`` is not this one (the
-        temporary path was given another directory after ``check``): it is moved
-        aside again, and nothing of this save is committed.
+      ArchiveError: the directory the rename put at ``final`` is not this one (given
+        another after ``check``): moved aside again, nothing of this save committed.
     """
-    committed(final, self.out.fd)  # first: no interrupt lands between rename and record
-    commit_dir(self.path, final)
+    try:
+      committed(final, self.out.fd)  # first: no interrupt lands between rename and record
+      commit_dir(self.path, final)
+    except BaseException:
+      if not holds(final, self.out.fd):
+        forget(final)  # not renamed: a directory made there may reuse the inode
+      raise
     if not holds(final, self.out.fd):
       raise ArchiveError(not_this_save(self.path, final))
     self.path, self.committed = final, True

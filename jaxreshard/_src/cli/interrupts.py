@@ -39,6 +39,8 @@ def writing(out: Any) -> Iterator[None]:
   and the interrupt is raised as :class:`Committed`, which says so.
   """
   there = os.path.lexists(out)  # then it is not this command's: a save refuses it
+  if not there:
+    _rename.forget(out)  # an earlier command's record: its directory is gone
   try:
     yield
   except KeyboardInterrupt as e:
