@@ -1701,3 +1701,27 @@ def test_an_index_that_is_no_index_file_is_refused_as_the_library_refuses_it(ckp
   ):
     line = _one_line_error(_run(*args))
     assert line == f"jaxreshard: error: {words}", (args, line)
+
+
+def test_a_dot_dot_after_a_link_is_taken_as_the_kernel_takes_it(ckpt, tmp_path, monkeypatch):
+  """``lnk/..`` is the parent of the link's target, not the directory holding the link:
+  a save through that path lands where the kernel resolves it, and an OUT that so
+  resolves outside the checkpoint it reads is not written inside it (a textual
+  normalisation put ``lnk/../ck/out`` at ``ck/out``, inside ``ck``)."""
+  root, src = ckpt
+  (tmp_path / "x" / "y").mkdir(parents=True)
+  (tmp_path / "x" / "d").mkdir()
+  os.symlink(tmp_path / "x" / "y", tmp_path / "lnk")
+  shutil.copytree(root / "ckpt8", tmp_path / "ck")
+  monkeypatch.chdir(tmp_path)
+  result = _run("reshard", "ck", "lnk/../ck/out", "-w", 3)
+  assert result.exit_code == EXIT_ERROR, result.output
+  assert not (tmp_path / "ck" / "out").exists() and not (tmp_path / "x" / "ck").exists()
+  assert _run("reshard", "ck", "lnk/../d/out", "-w", 3).exit_code == 0
+  assert not (tmp_path / "d").exists()
+  got = jr.load_records(tmp_path / "x" / "d" / "out")
+  for r, g in enumerate(got):
+    assert_records_equal(g, jr.reshard(src, jr.plan(src, world_size=3, rank=r)))
+  jr.save_records("lnk/../d/saved", src)
+  assert not (tmp_path / "d").exists()
+  assert len(jr.load_records(tmp_path / "x" / "d" / "saved")) == 8

@@ -54,7 +54,15 @@ def path_arg(directory: Any, what: str = "directory") -> str:
     raise ReshardError(f"{what} is not a usable path ({e})") from None
   if not isinstance(path, str) or not path or "\0" in path:
     raise ReshardError(f"{what} {path!r} is not a usable path")
-  return os.path.abspath(path)
+  parts = os.path.join(os.getcwd(), path).split(os.sep)
+  if ".." not in parts:
+    return os.path.abspath(path)
+  # A ``..`` after a link is the link target's parent, as the kernel takes it (not
+  # the link's, as a textual normalisation would): what comes before the last one
+  # is resolved (``realpath``), what follows it is normalised as text.
+  last = len(parts) - 1 - parts[::-1].index("..")
+  head = os.path.realpath(os.sep.join(parts[: last + 1]) or os.sep)
+  return os.path.normpath(os.path.join(head, *parts[last + 1 :]))
 
 
 # The bytes at the end of a buffer file that opening it reads (its shard index)
