@@ -125,16 +125,21 @@ def _readers(path, opt, params, tmp_path):
   }
 
 
-def _refusals(path, opt, params, tmp_path):
+def _outcomes(calls):
+  """Each call's refusal (its message), or None where it returned."""
   out = {}
-  for name, read in _readers(path, opt, params, tmp_path).items():
+  for name, call in calls.items():
     try:
-      read()
+      call()
     except jr.ReshardError as e:
       out[name] = str(e)
     else:
       out[name] = None
   return out
+
+
+def _refusals(path, opt, params, tmp_path):
+  return _outcomes(_readers(path, opt, params, tmp_path))
 
 
 @pytest.mark.parametrize("name", sorted(STATES))
@@ -197,13 +202,9 @@ def test_an_index_re_signed_on_its_own_is_refused_by_every_reader(tmp_path, name
   write_signed_json(path / "jaxreshard.json", index)
   outcomes = _refusals(path, opt, params, tmp_path)
   # One target rank alone reads no byte either: its template archive and its share vouch.
-  for rank in range(3):
-    try:
-      jr.restore(path, world_size=3, rank=rank)
-    except jr.ReshardError as e:
-      outcomes[f"restore rank {rank}"] = str(e)
-    else:
-      outcomes[f"restore rank {rank}"] = None
+  outcomes |= _outcomes(
+    {f"restore rank {r}": (lambda r=r: jr.restore(path, world_size=3, rank=r)) for r in range(3)}
+  )
   silent = [reader for reader, msg in outcomes.items() if msg is None]
   assert not silent, f"{silent} returned what the edited index says"
   for reader, msg in outcomes.items():
@@ -263,18 +264,6 @@ def _relabel(path, archives, like):
   for a in archives:
     index["archives"][a][1] = index["archives"][like][1]
   write_signed_json(path / "jaxreshard.json", index)
-
-
-def _outcomes(calls):
-  out = {}
-  for name, call in calls.items():
-    try:
-      call()
-    except jr.ReshardError as e:
-      out[name] = str(e)
-    else:
-      out[name] = None
-  return out
 
 
 def test_a_group_an_edited_layout_keeps_from_being_read_is_refused_by_every_reader(tmp_path):

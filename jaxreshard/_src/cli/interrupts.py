@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import rename as _rename
 
 __all__ = ["Committed", "Terminated", "on_sigterm_interrupt", "writing"]
@@ -38,15 +39,16 @@ def writing(out: Any) -> Iterator[None]:
   the command reports) leaves ``out`` complete. The syncs are run again here,
   and the interrupt is raised as :class:`Committed`, which says so.
   """
-  there = os.path.lexists(out)  # then it is not this command's: a save refuses it
+  final = _archives.path_arg(out)  # the path the save commits, spelt as it spells it
+  there = os.path.lexists(final)  # then it is not this command's: a save refuses it
   if not there:
-    _rename.forget(out)  # an earlier command's record: its directory is gone
+    _rename.forget(final)  # an earlier command's record: its directory is gone
   try:
     yield
   except KeyboardInterrupt as e:
-    if isinstance(e, Committed) or there or not _rename.committed_here(out):
+    if isinstance(e, Committed) or there or not _rename.committed_here(final):
       raise  # not in place, or not this command's save's (another made it meanwhile)
-    for path in (out, os.path.dirname(os.path.abspath(out))):
+    for path in (final, os.path.dirname(final)):
       try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
