@@ -60,7 +60,7 @@ def _scale(opts: Options, tmp: str) -> dict:
 
   from jaxreshard._src.cli.commands import app
 
-  out = {}
+  out, cli_ns, copy_ns = {}, [], []
   nbytes = 4 * opts.cli_scale_size
   for src_world, dst_world in opts.cli_scale_worlds:
     src = os.path.join(tmp, f"scale-{src_world}")
@@ -75,10 +75,21 @@ def _scale(opts: Options, tmp: str) -> dict:
         raise RuntimeError(f"reshard {src_world} -> {dst_world} failed:\n{result.output[-3000:]}")
       best = took if best is None else min(best, took)
       _disk.rmtree(dst)
+    copy = float("inf")
+    for i in range(max(2, opts.repeats)):
+      dst = os.path.join(tmp, f"copy-{src_world}-{i}")
+      t0 = time.perf_counter()
+      _disk.durable_copy(src, dst)
+      copy = min(copy, time.perf_counter() - t0)
+      _disk.rmtree(dst)
     _disk.rmtree(src)
-    out[f"ns_per_byte_{src_world}_{dst_world}"] = round(1e9 * best / nbytes, 2)
-  figures = list(out.values())
-  out["cli_scale_vs_first"] = round(figures[-1] / figures[0], 2)
+    cli_ns.append(1e9 * best / nbytes)
+    copy_ns.append(1e9 * copy / nbytes)
+    out[f"ns_per_byte_{src_world}_{dst_world}"] = round(cli_ns[-1], 2)
+    out[f"copy_ns_per_byte_{src_world}"] = round(copy_ns[-1], 2)
+    out[f"cli_over_copy_{src_world}_{dst_world}"] = round(best / copy, 2)
+  out["cli_scale_vs_first"] = round(cli_ns[-1] / cli_ns[0], 2)
+  out["copy_scale_vs_first"] = round(copy_ns[-1] / copy_ns[0], 2)
   return out
 
 
@@ -132,6 +143,11 @@ def run(opts: Options) -> Result:
     f" compiles done; best of {max(2, opts.repeats)}), converting"
     f" {opts.scale_params} Adam parameters of {opts.cli_scale_size} history elements in all"
     " from S to M ranks, per history byte; `cli_scale_vs_first`: the last of those over"
-    " the first (the same bytes over more ranks)."
+    " the first (the same bytes over more ranks). `copy_ns_per_byte_S`: a durable copy of"
+    " the S-rank source checkpoint's files (`_disk.durable_copy`: each file read, written"
+    " anew and fsynced, every directory fsynced; best of as many), per history byte, the"
+    " floor of a command that reads a checkpoint and writes one as large, in as many"
+    " files; `cli_over_copy_S_M`: the conversion over that copy; `copy_scale_vs_first`:"
+    " how the copy itself grows with the ranks (files per archive, not bytes)."
   )
   return Result(NAME, "CLI reshard vs orbax load + save", GOAL, met, (row,), notes)

@@ -55,6 +55,8 @@ def test_machine_command_report_and_plot(quick_run):
   assert doc["machine"]["cpus"] >= 1 and doc["command"].startswith("python -m benchmarks --quick")
   text = out.read_text()
   assert "## Machine" in text and "## memory" in text and "## scale" in text
+  (cli,) = [r for r in doc["results"] if r["name"] == "cli"]
+  assert {"cli_over_copy_8_6", "copy_ns_per_byte_8", "copy_scale_vs_first"} <= set(cli["rows"][0])
   assert (out.parent / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -104,3 +106,21 @@ def test_device_mode_runs_on_xla_cpu(tmp_path):
   assert executor["programs"] <= 8, executor
   assert restore["bit_exact_vs_orbax"] is True, restore
   assert result["met"] is None
+
+
+def test_durable_copy_copies_every_file_and_refuses_an_existing_target(tmp_path):
+  from benchmarks import _disk
+
+  src = tmp_path / "src"
+  (src / "a" / "b").mkdir(parents=True)
+  (src / "top").write_bytes(b"\x00\x01")
+  (src / "a" / "b" / "leaf").write_bytes(bytes(range(256)) * 3)
+  (src / "a" / "empty").write_bytes(b"")
+  (src / "c").mkdir()
+  _disk.durable_copy(str(src), str(tmp_path / "dst"))
+  listing = lambda root: sorted(  # noqa: E731
+    (str(p.relative_to(root)), p.read_bytes() if p.is_file() else None) for p in root.rglob("*")
+  )
+  assert listing(tmp_path / "dst") == listing(src)
+  with pytest.raises(FileExistsError):
+    _disk.durable_copy(str(src), str(tmp_path / "dst"))
