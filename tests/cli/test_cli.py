@@ -832,7 +832,7 @@ def test_merge_refusals_are_one_line_and_leave_no_out(ckpt, parts, tmp_path):
   assert _run("reshard", root / "ckpt8", tmp_path / "w3", "-w", 3, "-r", 2).exit_code == 0
   out = tmp_path / "out"
   cases = [
-    (parts + [parts[2]], r"rank 2 of 6 is in both .*part2 and .*part2"),
+    (parts + [parts[2]], r"part2 is given twice; parts must hold disjoint ranks"),
     (parts[:2] + parts[4:], r"ranks \[2, 3\] of 6 are in none of the parts"),
     (parts[:5] + [tmp_path / "w3"], r"world size 3 but .*part0 has 6"),
     (
@@ -1391,6 +1391,47 @@ def test_a_signal_in_the_middle_of_a_reshard_leaves_nothing(tmp_path, signum, co
   assert p.returncode == code, err
   assert err.strip().splitlines()[-1] == words, err
   assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_a_missing_checkpoint_names_the_temporary_directory_a_save_to_it_left(tmp_path):
+  """Where only a save's temporary sibling is there (the save was killed, or runs),
+  "does not exist" says so and names ``clean``, instead of leaving the reader to
+  guess; another checkpoint's temporary directory is not named."""
+  left = f".ck.tmp-{'0' * 32}-7-host"
+  (tmp_path / left).mkdir()
+  (tmp_path / f".ck2.tmp-{'1' * 32}-8-host").mkdir()
+  assert _one_line_error(_run("inspect", tmp_path / "ck")) == (
+    f"jaxreshard: error: checkpoint directory {tmp_path / 'ck'} does not exist ({left}: the"
+    " temporary directory of a save to it that has not finished;"
+    f" `jaxreshard clean {tmp_path}` removes those of killed saves)"
+  )
+  assert _one_line_error(_run("inspect", tmp_path / "c")) == (
+    f"jaxreshard: error: checkpoint directory {tmp_path / 'c'} does not exist"
+  )
+
+
+def test_a_sigterm_once_the_command_has_reported_keeps_its_exit_code(tmp_path):
+  """A SIGTERM that lands after the command finished and reported (while the process
+  exits) is ignored: the exit code is the command's own (0: OUT is complete), not
+  the 143 of an interrupted command, after which a job script would retry and
+  fail on an OUT that exists."""
+  opt = optax.sgd(0.1, momentum=0.9)
+  params = {"w": np.zeros((10,), np.float32)}
+  jr.save_records(tmp_path / "src", jr.shard_state(opt, params, opt.init(params), world_size=4))
+  # The signal comes once main() has returned: as late as a real one can come
+  # before the interpreter's finalization puts back the default handler.
+  run = (
+    "import os, signal, sys, time; from jaxreshard._src.cli.commands import main\n"
+    "try:\n  main(['reshard', 'src', 'out', '-w', '3'])\n"
+    "except SystemExit as e:\n  code = e.code\n"
+    "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2); sys.exit(code)\n"
+  )
+  p = subprocess.run(
+    [sys.executable, "-c", run], cwd=tmp_path, capture_output=True, text=True, timeout=120
+  )
+  assert p.returncode == 0, p.stderr
+  assert p.stderr == "" and "wrote 3 of 3 target ranks" in p.stdout, (p.stdout, p.stderr)
+  assert jr.restore(tmp_path / "out", world_size=3, rank=2).placements
 
 
 def test_an_internal_error_is_one_line_and_exit_2(ckpt, monkeypatch):

@@ -188,6 +188,14 @@ def _structure_difference(part: _Part, archive: int, first: _Part) -> str:
   return f"the same clock scalars ({len(mine)}), in other nodes of the state tree"
 
 
+def _same_directory(a: Any, b: Any) -> bool:
+  """Whether two parts' paths name one directory (two spellings of it included)."""
+  try:
+    return os.path.samefile(a, b)
+  except OSError:
+    return False
+
+
 def merge_plan(
   parts: Sequence[Any], *, step: int | None = None, item: str | None = None
 ) -> MergePlan:
@@ -235,6 +243,8 @@ def merge_plan(
         " different saves are never merged"
       )
     for a, r in sorted(part.rank_of.items()):
+      if r in owner and _same_directory(owner[r][0].path, part.path):
+        raise PlacementError(f"{part.path} is given twice; parts must hold disjoint ranks")
       if r in owner:
         raise PlacementError(
           f"rank {r} of {first.world} is in both {owner[r][0].path}"

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.checkpoint.shardfile import (
   CRC_BYTES,
   INDEX_ENTRY_BYTES,
@@ -164,6 +165,27 @@ class _Owned:
       pass
 
 
+def _unfinished_saves(path: str) -> str:
+  """Words on the temporary siblings that saves to ``path`` left, or ''."""
+  parent, base = os.path.split(os.path.normpath(path))
+  stem = _tempname.temp_stem(base)
+  try:
+    left = sorted(
+      n
+      for n in os.listdir(parent or ".")
+      if (m := _tempname.TEMP_NAME.match(n)) and m["name"] == stem
+    )
+  except (OSError, ValueError):
+    return ""
+  if not left:
+    return ""
+  more = f" and {len(left) - 1} more" if len(left) > 1 else ""
+  return (
+    f" ({left[0]}{more}: the temporary directory of a save to it that has not finished;"
+    f" `jaxreshard clean {parent or '.'}` removes those of killed saves)"
+  )
+
+
 class Dir(_Owned):
   """A directory of the checkpoint, open as a descriptor; names never leave it.
 
@@ -181,7 +203,9 @@ class Dir(_Owned):
     try:
       fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except FileNotFoundError:
-      raise FileNotFoundError(f"checkpoint directory {path} does not exist") from None
+      raise FileNotFoundError(
+        f"checkpoint directory {path} does not exist{_unfinished_saves(path)}"
+      ) from None
     except NotADirectoryError:
       raise ArchiveError(f"{path} is not a directory, so not a jaxreshard checkpoint") from None
     try:

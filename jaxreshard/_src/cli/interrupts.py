@@ -13,7 +13,7 @@ from typing import Any
 from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import rename as _rename
 
-__all__ = ["Committed", "Terminated", "on_sigterm_interrupt", "writing"]
+__all__ = ["Committed", "Terminated", "finished", "on_sigterm_interrupt", "writing"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -70,3 +70,16 @@ def on_sigterm_interrupt() -> None:
   runs in a process's main thread (called in another, it leaves SIGTERM alone)."""
   if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def finished() -> None:
+  """The command's outcome is decided and reported: a SIGTERM from here on, while the
+  process exits (its threads joined, jax shut down, the interpreter finalized, which
+  puts back the default handler that kills with 143), is ignored, so that the exit
+  code is the command's own and never says that work which completed was cut short.
+  Only the handler :func:`on_sigterm_interrupt` installed is replaced."""
+  if (
+    threading.current_thread() is threading.main_thread()
+    and signal.getsignal(signal.SIGTERM) is _raise_terminated
+  ):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -26,6 +26,7 @@ from rich.text import Text
 import jaxreshard as jr
 from jaxreshard._src.checkpoint import read_plan as _read_plan
 from jaxreshard._src.checkpoint import tempdir as _tempdir
+from jaxreshard._src.cli import interrupts as _interrupts
 from jaxreshard._src.cli.interrupts import Committed, Terminated
 
 EXIT_DIFFERENT = 1
@@ -177,42 +178,50 @@ def guard(fn: Callable) -> Callable:
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
     try:
-      return fn(*args, **kwargs)
-    except (typer.Exit, typer.Abort):
-      raise
-    except BrokenPipeError:
-      # `jaxreshard inspect ... | head`: the reader left; that is not an error.
-      _stdout_to_devnull()
-      raise typer.Exit(0) from None
-    except Committed as e:
-      print(
-        f"jaxreshard: {'terminated' if e.terminated else 'interrupted'} after {safe(e.out)}"
-        " was written: it is complete",
-        file=sys.stderr,
-      )
-      raise typer.Exit(128 + signal.SIGTERM if e.terminated else 130) from None
-    except Terminated:
-      print("jaxreshard: terminated", file=sys.stderr)
-      raise typer.Exit(128 + signal.SIGTERM) from None
-    except KeyboardInterrupt:
-      print("jaxreshard: interrupted", file=sys.stderr)
-      raise typer.Exit(130) from None
-    # ReshardError is a ValueError; other ValueErrors come from bad input too.
-    except (ValueError, OSError) as e:
-      print(f"jaxreshard: error: {message(e)}", file=sys.stderr)
-      raise typer.Exit(EXIT_ERROR) from None
-    except Exception as e:  # pylint: disable=broad-except
-      # A bug, not an answer: exit 2 (verify's 1 means "different"), one line.
-      if os.environ.get("JAXRESHARD_TRACEBACK"):
-        raise
-      print(
-        f"jaxreshard: error: internal error, please report it: {message(e)}"
-        " (JAXRESHARD_TRACEBACK=1 shows where)",
-        file=sys.stderr,
-      )
-      raise typer.Exit(EXIT_ERROR) from None
+      return _reported(fn, args, kwargs)
+    finally:
+      _interrupts.finished()
 
   return wrapper
+
+
+def _reported(fn: Callable, args: Any, kwargs: Any) -> Any:
+  """``fn(*args, **kwargs)``, its errors and interrupts reported as ``guard`` says."""
+  try:
+    return fn(*args, **kwargs)
+  except (typer.Exit, typer.Abort):
+    raise
+  except BrokenPipeError:
+    # `jaxreshard inspect ... | head`: the reader left; that is not an error.
+    _stdout_to_devnull()
+    raise typer.Exit(0) from None
+  except Committed as e:
+    print(
+      f"jaxreshard: {'terminated' if e.terminated else 'interrupted'} after {safe(e.out)}"
+      " was written: it is complete",
+      file=sys.stderr,
+    )
+    raise typer.Exit(128 + signal.SIGTERM if e.terminated else 130) from None
+  except Terminated:
+    print("jaxreshard: terminated", file=sys.stderr)
+    raise typer.Exit(128 + signal.SIGTERM) from None
+  except KeyboardInterrupt:
+    print("jaxreshard: interrupted", file=sys.stderr)
+    raise typer.Exit(130) from None
+  # ReshardError is a ValueError; other ValueErrors come from bad input too.
+  except (ValueError, OSError) as e:
+    print(f"jaxreshard: error: {message(e)}", file=sys.stderr)
+    raise typer.Exit(EXIT_ERROR) from None
+  except Exception as e:  # pylint: disable=broad-except
+    # A bug, not an answer: exit 2 (verify's 1 means "different"), one line.
+    if os.environ.get("JAXRESHARD_TRACEBACK"):
+      raise
+    print(
+      f"jaxreshard: error: internal error, please report it: {message(e)}"
+      " (JAXRESHARD_TRACEBACK=1 shows where)",
+      file=sys.stderr,
+    )
+    raise typer.Exit(EXIT_ERROR) from None
 
 
 JSON_HELP = "Print machine-readable JSON only (on stdout; errors stay on stderr)."
