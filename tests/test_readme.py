@@ -51,9 +51,32 @@ def test_readme_python_examples_run(tmp_path):
   assert "param 'dense/bias': source archive index 7 is out of range (0..6)" in out.getvalue()
   # The restore checked against another optimizer prints the refusal the README shows.
   assert (
-    "optimizer.init(params)'s tree does not match the checkpoint's state: missing leaf [0].count"
-    in out.getvalue()
+    "optimizer.init(params)'s tree does not match the checkpoint's state: it lacks the"
+    " checkpoint's leaf [0].count" in out.getvalue()
   )
+
+
+def test_the_weak_clock_refusal_is_quoted_as_it_is_raised():
+  """The README quotes the refusal of a learning rate weak in one archive and strong in
+  another: the quote is the message's own text."""
+  import dataclasses
+
+  import jax.numpy as jnp
+  import optax
+
+  import jaxreshard as jr
+
+  quoted = re.search(r"is two clocks \(`(archive 1 has clock scalar.*?)`\)", README, re.S)
+  assert quoted, "the README's quote of the weak clock refusal"
+  opt = optax.inject_hyperparams(optax.sgd)(learning_rate=0.1)
+  params = {"w": jnp.ones((5,))}
+  records = jr.shard_state(opt, params, opt.init(params), world_size=2)
+  state = records[1].state
+  weak = dict(state.hyperparams, learning_rate=jnp.asarray(0.1))
+  records[1] = dataclasses.replace(records[1], state=state._replace(hyperparams=weak))
+  with pytest.raises(jr.PlacementError) as e:
+    jr.reshard(records, jr.plan(records, world_size=3, rank=0))
+  assert " ".join(quoted.group(1).split()) in str(e.value)
 
 
 def test_quick_start_holds_two_commands_and_ci_runs_the_second():

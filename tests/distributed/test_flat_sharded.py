@@ -465,6 +465,15 @@ def test_non_coordinate_optimizer_is_refused_at_init_like_shard_state():
   with pytest.raises(jr.ShapeError) as got:
     standard(wrapped.init, params)
   assert str(got.value) == str(expected.value)
+  assert "adafactor keeps v_row and v_col, factored or not" in str(got.value)
+
+
+def test_unfactored_adafactor_is_refused_naming_its_placeholders():
+  """With ``factored=False`` adafactor still keeps a (1,) v_row and v_col per param:
+  the refusal says so rather than leaving "factored statistics" unexplained."""
+  inner = optax.adafactor(1e-2, factored=False)
+  with pytest.raises(jr.ShapeError, match=r"v_row.*\(1,\).*adafactor keeps v_row and v_col"):
+    jr.flat_sharded(inner, _mesh("explicit8")).init(random_params(SHAPES))
 
 
 @pytest.mark.parametrize("mesh_kind", ["explicit2x4", "auto5"])

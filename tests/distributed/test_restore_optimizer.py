@@ -83,7 +83,7 @@ REFUSALS = {
   "another_optimizer": (
     lambda params: (optax.sgd(0.1, momentum=0.9), params),
     jr.PlacementError,
-    r"optimizer\.init\(params\)'s tree does not match the checkpoint's state: missing leaf"
+    r"optimizer\.init\(params\)'s tree does not match the checkpoint's state: it lacks the checkpoint's leaf"
     r" \[1\]\.inner_states\['train'\]\.inner_state\.count \(a clock scalar\), .*; extra leaf"
     r" \[0\]\.trace\['dense'\]\['bias'\], .* \(not in the checkpoint\)$",
   ),

@@ -192,7 +192,7 @@ def test_refuses_a_missing_param(saved):
   opt, fewer = _params_and_optimizer([p for p in T.SPECS if p != "head/w"])
   with pytest.raises(
     jr.PlacementError,
-    match=r"missing leaf .*mu\['head'\]\['w'\] \(history"
+    match=r"lacks the checkpoint's leaf .*mu\['head'\]\['w'\] \(history"
     r" buffer 0 of param 'head/w'\)",
   ):
     jr.restore_sharded(path, _mesh("explicit"), target=_replicated_target(opt, fewer))
@@ -202,7 +202,9 @@ def test_refuses_a_missing_masked_param(saved):
   """A param the optimizer masks has no buffers, but its MaskedNode positions count."""
   path = saved[3]
   opt, fewer = _params_and_optimizer([p for p in T.SPECS if p not in T.FROZEN])
-  with pytest.raises(jr.PlacementError, match=r"missing leaf .*\['frozen'\]\['w'\] \(a masked"):
+  with pytest.raises(
+    jr.PlacementError, match=r"lacks the checkpoint's leaf .*\['frozen'\]\['w'\] \(a masked"
+  ):
     jr.restore_sharded(path, _mesh("explicit"), target=_replicated_target(opt, fewer))
 
 

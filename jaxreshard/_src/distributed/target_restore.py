@@ -175,7 +175,7 @@ def check_structure(
     parts = []
     if missing:
       parts.append(
-        "missing "
+        "it lacks the checkpoint's "
         + ", ".join(f"leaf {p} ({_describe(x, groups)})" for p, x in missing[:_MAX_LISTED])
       )
     if extra:

@@ -150,10 +150,13 @@ def coordinate_roles(
       continue
     where = f"param {pid!r}: history buffer at {jax.tree_util.keystr(path)}"
     if tuple(np.shape(leaf)) != shapes[pid]:
+      # optax.scale_by_factored_rms (adafactor's) keeps these per param, factored or not.
+      factored = any(getattr(k, "name", None) in ("v_row", "v_col") for k in path)
       raise ShapeError(
         f"{where} has shape {tuple(np.shape(leaf))}, not the parameter's {shapes[pid]};"
-        " non-coordinate optimizer state (factored or matrix statistics) cannot be"
-        " sharded flat"
+        " non-coordinate optimizer state (factored or matrix statistics"
+        f"{': adafactor keeps v_row and v_col, factored or not' if factored else ''})"
+        " cannot be sharded flat"
       )
     _validate.check_buffer_dtype(leaf.dtype, where)
   # A tree or an id no checkpoint can hold, before any copy: every way in (shard_state,
