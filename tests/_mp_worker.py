@@ -581,6 +581,40 @@ def scripted(opt, params, state, shapes) -> dict:
   leave_broken_job()
 
 
+def records_saves(opt, params, state, shapes) -> dict:
+  """Saves of records through a manager, one step per entry of ``saves``: each process
+  passes every rank's records, process ``process`` (per step; none where absent) with
+  the first element of rank 0's first history buffer one bit off ("bits"), or every
+  record's integer clock one step ahead ("clock"). Reports each save's outcome
+  (``wait_until_finished`` included) and the steps the manager lists."""
+  records = jr.shard_state(opt, params, state, 8, trainable=U.trainable())
+  saves = []
+  with ocp.CheckpointManager(ARGS["run"]) as manager:
+    for step, change in enumerate(ARGS["saves"], start=1):
+      mine = list(records)
+      if change.get("process") == ME:
+        for rank, r in enumerate(mine):
+          leaves, treedef = jax.tree_util.tree_flatten(r.state)
+          for i, x in enumerate(leaves):
+            if change["kind"] == "bits" and rank == 0 and np.ndim(x) and np.size(x):
+              x = np.array(x)
+              x.reshape(-1).view(np.uint8)[0] ^= 1
+              leaves[i] = x
+              break
+            if change["kind"] == "clock" and not np.ndim(x) and np.issubdtype(x.dtype, np.integer):
+              leaves[i] = np.asarray(x) + 1
+          mine[rank] = dataclasses.replace(r, state=jax.tree_util.tree_unflatten(treedef, leaves))
+
+      def save(step=step, mine=mine):
+        manager.save(step, args=ocp.args.Composite(default=jr.ReshardSave(mine)))
+        manager.wait_until_finished()
+
+      saves.append(outcome(save))
+    steps = list(manager.all_steps())
+  write_result({"task": "records_saves", "process": ME, "saves": saves, "steps": steps})
+  leave_broken_job()
+
+
 @contextlib.contextmanager
 def _failing_probe(fails: bool):
   """While it lasts (when ``fails``), looking for a live save of a directory raises

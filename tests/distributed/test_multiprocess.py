@@ -707,3 +707,29 @@ def test_processes_with_different_timeouts_raise_one_error_at_the_shortest(tmp_p
   assert [s["error"] for s in got[2]] == [None, None], got
   assert len(jr.load_records(f"{root}/ck2")) == 8
   assert sorted(os.listdir(root)) == ["ck2", "out"]
+
+
+def test_a_save_of_records_where_one_process_passes_other_records_fails_everywhere(
+  tmp_path, reference
+):
+  """A save of records: the primary writes every archive from its own records. A
+  process whose records differ (one bit of one history element; a clock one step
+  ahead) refused nothing and the checkpoint held the primary's state, which that
+  process restored as its own. Now every process's records are digested and compared
+  with the primary's: the save fails in every process at once, nothing is committed,
+  and the saves after it commit the same records exactly."""
+  saves = [{"process": 1, "kind": "bits"}, {"process": 1, "kind": "clock"}, {}]
+  run = str(tmp_path / "run")
+  with U.ProcessGroup(
+    2, 4, "records_saves", str(tmp_path / "out"), {"run": run, "saves": saves}, timeout=120
+  ) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  words = "process 1's records (their placements, structure, dtypes or bits) differ"
+  for r in results:
+    for s in r["saves"][:2]:
+      assert s["error"] is not None and words in s["error"], results
+    assert r["saves"][2]["error"] is None and r["steps"] == [3], results
+  # Orbax leaves a failed step's temporary directory (a later manager removes it).
+  assert [n for n in os.listdir(run) if "orbax-checkpoint-tmp" not in n] == ["3"]
+  _, _, _, records = reference
+  assert jr.digest(os.path.join(run, "3", "default")) == jr.digest(records)

@@ -98,8 +98,8 @@ def test_a_mesh_restore_is_checked_against_the_optimizer_it_feeds(tmp_path):
     sgd = optax.sgd(0.1, momentum=0.9)
     with pytest.raises(
       jr.PlacementError,
-      match=r"optimizer\.init\(params\)'s tree does not match the checkpoint's state: missing"
-      r" leaf \[0\]\.count \(a clock scalar\), leaf \[0\]\.mu\['dense'\]\['bias'\] \(history"
+      match=r"optimizer\.init\(params\)'s tree does not match the checkpoint's state: it lacks"
+      r" the checkpoint's leaf \[0\]\.count \(a clock scalar\), leaf \[0\]\.mu\['dense'\]\['bias'\] \(history"
       r" buffer 0 of param 'dense/bias'\).*; extra leaf \[0\]\.trace\['dense'\]\['bias'\]",
     ):
       manager.restore(1, args=jr.ReshardRestore(mesh=mesh, optimizer=sgd, params=params))

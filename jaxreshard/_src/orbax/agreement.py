@@ -14,13 +14,15 @@ import json
 import uuid
 from typing import Any
 
+import google_crc32c
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxreshard._src.core import clock as _clock
+from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = ["clock_digest", "layout_digest", "shared_checkpoint_id"]
+__all__ = ["clock_digest", "layout_digest", "records_digest", "shared_checkpoint_id"]
 
 
 def shared_checkpoint_id(
@@ -71,4 +73,22 @@ def clock_digest(checked: Any) -> bytes:
         if leaf.is_fully_replicated or not leaf.is_fully_addressable:
           leaf = leaf.addressable_data(0)
       h.update(repr(_clock.scalar_bits(leaf)).encode())
+  return h.digest()
+
+
+def records_digest(records: Any) -> bytes:
+  """A digest of every record a process passes to a save of records (its version,
+  placements and roles, its state's tree structure and every leaf's dtype, shape,
+  weak type and the crc32c of its bits): the primary writes the archives from its
+  own records, so every process must pass the same, or the checkpoint would hold
+  another state than the process asked to save."""
+  h = hashlib.sha256()
+  for record in records:
+    leaves, treedef = jax.tree_util.tree_flatten(record.state)
+    h.update(repr((record.version, record.placements, record.roles, treedef)).encode())
+    for leaf in leaves:
+      value = np.asarray(leaf)
+      h.update(f"{value.dtype.name}{value.shape}{_clock.is_weak(leaf)}".encode())
+      crc = google_crc32c.value(_bitview.bits(value).view(np.uint8))
+      h.update(crc.to_bytes(4, "little"))
   return h.digest()

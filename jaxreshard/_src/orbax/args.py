@@ -157,8 +157,8 @@ def _check(args: ReshardSave) -> Checked:
 class ReshardSave(ocp.args.CheckpointArgs):
   """Save archives as one orbax checkpoint item: given records, or a state on a mesh.
 
-  Either ``records`` (every rank's archive, the same in every process; the
-  primary writes them) or the training loop's sharded state: ``state``,
+  Either ``records`` (every rank's archive, the same in every process: the
+  primary writes them, and a process whose records differ fails the save) or the training loop's sharded state: ``state``,
   ``optimizer``, ``mesh``, ``axis`` and the params' ids and shapes, as
   ``shapes`` (``param id -> shape or placement``, as :func:`save_sharded`
   takes) or ``params`` (the params pytree, or its ``jax.ShapeDtypeStruct``s;

@@ -133,7 +133,12 @@ def prepare_save(
   with _args.naming_deleted(args):
     checked = args._checks()
     clock = _agreement.clock_digest(checked) if args.state is not None else bytes(32)
-    layout = _agreement.layout_digest(checked) if args.state is not None else bytes(32)
+    if args.state is not None:
+      layout = _agreement.layout_digest(checked)
+    elif jax.process_count() > 1:  # the primary writes every archive from its records
+      layout = _agreement.records_digest(args.records)
+    else:
+      layout = bytes(32)
   primary = _is_primary(primary_host)
   what = "save_sharded" if args.state is not None else "ReshardSave"
   checkpoint_id, primary_clock, primary_layout = _agreement.shared_checkpoint_id(
@@ -177,6 +182,12 @@ def prepare_save(
       index = builder.index()
     else:
       archives = ()
+      if layout != primary_layout:  # the primary's archives would not be this process's
+        refusal = PlacementError(
+          f"process {jax.process_index()}'s records (their placements, structure, dtypes"
+          " or bits) differ from the primary process's, which writes every archive: a"
+          " save of records needs the same records in every process"
+        )
   except BaseException as e:
     _peers.tell_peers(checkpoint_id, e)  # the others stop waiting for this process
     raise
