@@ -166,12 +166,13 @@ def manager_save(opt, state, spec, m) -> dict:
 
 def restore(opt, params, state, shapes) -> dict:
   m = mesh()
-  # Warm-up on a tiny private checkpoint: imports and first-call work are then
-  # not counted as bytes read for the real restore.
+  # Warm-up on a tiny private checkpoint, onto this process's own devices (two
+  # processes' saves are never restored onto one mesh): imports and first-call work
+  # are then not counted as bytes read for the real restore.
   tiny, tiny_opt = {"w": jax.numpy.arange(3.0)}, optax.adam(1e-3)
   warm = os.path.join(OUT, f"warm_p{ME}")
   jr.save_records(warm, jr.shard_state(tiny_opt, tiny, tiny_opt.init(tiny), 2))
-  jr.restore_sharded(warm, m)
+  jr.restore_sharded(warm, Mesh(np.array(jax.local_devices()), ("fsdp",)))
 
   before = rchar()
   out = jr.restore_sharded(ARGS["path"], m)
@@ -668,6 +669,34 @@ def restore_target(opt, params, state, shapes) -> dict:
       "devices_in_mesh": sum(d.process_index == ME for d in m.devices.flat),
     }
   return out
+
+
+def restore_two_saves(opt, params, state, shapes) -> dict:
+  """Restores onto the whole mesh (both processes' devices), case after case: each
+  process the checkpoint its entry of ``paths`` names, flat (``restore_sharded``) or
+  onto a replicated ``target``. Reports each case's error (or None) and, where none,
+  the integer clock restored."""
+  from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
+
+  m = mesh()
+  everywhere = NamedSharding(m, PartitionSpec())
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=everywhere), state
+  )
+  cases = []
+  for case in ARGS["cases"]:
+    path = case["paths"][str(ME)]
+    got = {}
+
+    def restore(case=case, path=path, got=got):
+      target = abstract if case["target"] else None
+      out = jr.restore_sharded(path, m, "fsdp", target=target)
+      leaves = jax.tree.leaves(out.state)
+      count = next(x for x in leaves if not np.ndim(x) and np.issubdtype(x.dtype, np.integer))
+      got["count"] = int(np.asarray(count.addressable_data(0)))
+
+    cases.append({**outcome(restore), **got})
+  return {"cases": cases}
 
 
 def padding_share(opt, params, state, shapes) -> dict:

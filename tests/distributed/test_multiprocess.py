@@ -733,3 +733,51 @@ def test_a_save_of_records_where_one_process_passes_other_records_fails_everywhe
   assert [n for n in os.listdir(run) if "orbax-checkpoint-tmp" not in n] == ["3"]
   _, _, _, records = reference
   assert jr.digest(os.path.join(run, "3", "default")) == jr.digest(records)
+
+
+def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_path):
+  """Each process reads the ranks of its own devices: processes that opened two saves
+  (a step number read at two moments, a stale copy of the run on one host) made
+  global arrays whose halves were of two saves, and a clock that differed between
+  processes, with no error. Every process now tells the others the identity of the
+  state it opened before any byte is read: flat or onto a target, two saves fail in
+  every process; a process that cannot open its checkpoint is named by the other;
+  one save restores."""
+  opt = U.optimizer()
+  paths = {}
+  for step in (1, 2):
+    _, params, state, _ = U.example(seed=step)
+    state = jax.tree.map(lambda x: x + (step - 1) if np.ndim(x) == 0 else x, state)
+    paths[step] = str(tmp_path / f"step{step}")
+    jr.save_records(paths[step], jr.shard_state(opt, params, state, 8, trainable=U.trainable()))
+  two = {"0": paths[2], "1": paths[1]}
+  cases = [
+    {"paths": two, "target": False},
+    {"paths": two, "target": True},
+    {"paths": {"0": paths[1], "1": str(tmp_path / "gone")}, "target": False},
+    {"paths": {"0": paths[1], "1": paths[1]}, "target": False},
+    {"paths": {"0": paths[2], "1": paths[2]}, "target": True},
+  ]
+  with U.ProcessGroup(
+    2, 4, "restore_two_saves", str(tmp_path / "out"), {"cases": cases}, timeout=120
+  ) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  two_saves = "the processes of this restore opened checkpoints of two saves"
+  for r in results:
+    flat, target, gone, one, one_target = r["cases"]
+    for case in (flat, target):
+      assert case["error_type"] == "PlacementError" and two_saves in case["error"], r
+    if r["process"] == 1:
+      assert gone["error_type"] == "FileNotFoundError", r
+    else:
+      assert gone["error_type"] == "ArchiveError", r
+      assert "process 1 of this restore could not open its checkpoint" in gone["error"], r
+      assert "FileNotFoundError" in gone["error"] and gone["seconds"] < 30, r
+    assert one["error"] is None and one_target["error"] is None, r
+
+  def count(seed):
+    leaves = jax.tree.leaves(U.example(seed=seed)[2])
+    return int(next(x for x in leaves if not np.ndim(x) and np.issubdtype(x.dtype, np.integer)))
+
+  assert [r["cases"][3]["count"] for r in results] == [count(1)] * 2
+  assert [r["cases"][4]["count"] for r in results] == [count(2) + 1] * 2

@@ -29,6 +29,7 @@ from jaxreshard._src.core.record import RECORD_VERSION, ShardRecord
 from jaxreshard._src.distributed import leafshards as _leafshards
 from jaxreshard._src.distributed import mesh as _mesh
 from jaxreshard._src.distributed import optimizer_check as _optimizer_check
+from jaxreshard._src.distributed import restore_agreement as _agreement
 from jaxreshard._src.distributed import shapes as _shapes
 from jaxreshard._src.distributed import target_restore as _target_restore
 from jaxreshard._src.distributed.mesh import MeshState
@@ -212,9 +213,13 @@ def restore_sharded(
     return _in_like(like, restored)
   world = _mesh.axis_size(mesh, axis)
   ranks = list(_mesh.mesh_ranks(mesh, axis))
+  processes = _agreement.processes_of(mesh.devices.flat)
   ckpt = None
-  if optimizer is not None or like is not None:
-    ckpt = _reader.open_checkpoint(directory)
+  if optimizer is not None or like is not None or len(processes) > 1:
+    # Every process of the mesh opened a checkpoint of one state, before any byte is read.
+    ckpt = _agreement.opened_everywhere(
+      processes, lambda: _reader.open_checkpoint(directory), directory
+    )
   if optimizer is not None:
     _optimizer_check.check_optimizer(ckpt, optimizer, params)
   if like is not None:  # the restored state takes the saved state's tree

@@ -37,6 +37,7 @@ from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.placement import ParamPlacement
+from jaxreshard._src.distributed import restore_agreement as _agreement
 from jaxreshard._src.distributed.mesh import MeshState
 from jaxreshard._src.errors import DtypeError, PlacementError, ReshardError, ShapeError
 from jaxreshard._src.progress import ProgressCallback, Reporter
@@ -82,7 +83,8 @@ def restore_to_target(
   Returns:
     ``MeshState(state, {0: placements})``: see ``restore_sharded``.
   """
-  ckpt = open_checkpoint(directory)
+  processes = _agreement.processes_of(_agreement.devices_of_target(target))
+  ckpt = _agreement.opened_everywhere(processes, lambda: open_checkpoint(directory), directory)
   groups, expected = checkpoint_state(ckpt)
   paths, leaves, treedef = check_structure(expected, target, groups)
   specs = [check_leaf(p, e, t, groups) for p, e, t in zip(paths, leaves, jax.tree.leaves(target))]

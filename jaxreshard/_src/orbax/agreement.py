@@ -22,7 +22,13 @@ import orbax.checkpoint as ocp
 from jaxreshard._src.core import clock as _clock
 from jaxreshard._src.exec import bitview as _bitview
 
-__all__ = ["clock_digest", "layout_digest", "records_digest", "shared_checkpoint_id"]
+__all__ = [
+  "clock_digest",
+  "layout_digest",
+  "records_digest",
+  "save_layout_digest",
+  "shared_checkpoint_id",
+]
 
 
 def shared_checkpoint_id(
@@ -92,3 +98,15 @@ def records_digest(records: Any) -> bytes:
       crc = google_crc32c.value(_bitview.bits(value).view(np.uint8))
       h.update(crc.to_bytes(4, "little"))
   return h.digest()
+
+
+def save_layout_digest(args: Any, checked: Any) -> bytes:
+  """What this process compares with the primary's before a save (``ReshardSave``
+  ``args``, ``checked`` by it): its state's layout; with records, in a multi-process
+  save, the records themselves (the primary writes every archive from its own);
+  zeros (nothing to compare) in one process."""
+  if args.state is not None:
+    return layout_digest(checked)
+  if jax.process_count() > 1:
+    return records_digest(args.records)
+  return bytes(32)

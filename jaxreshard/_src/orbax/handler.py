@@ -133,12 +133,7 @@ def prepare_save(
   with _args.naming_deleted(args):
     checked = args._checks()
     clock = _agreement.clock_digest(checked) if args.state is not None else bytes(32)
-    if args.state is not None:
-      layout = _agreement.layout_digest(checked)
-    elif jax.process_count() > 1:  # the primary writes every archive from its records
-      layout = _agreement.records_digest(args.records)
-    else:
-      layout = bytes(32)
+    layout = _agreement.save_layout_digest(args, checked)
   primary = _is_primary(primary_host)
   what = "save_sharded" if args.state is not None else "ReshardSave"
   checkpoint_id, primary_clock, primary_layout = _agreement.shared_checkpoint_id(
