@@ -416,7 +416,7 @@ def refused(opt, params, state, shapes) -> dict:
   its shards (``kind`` "padding"), one param's dtype as another in its placements
   ("layout": the index it would make differs), or its clock one step ahead ("clock"; "clock_replica":
   on a 2-D mesh whose "data" axis spans the processes, so that the primary writes every
-  archive and the other process none); or that every process refuses: a clock leaf laid
+  archive and the other process none), or that mesh with its rows swapped ("mesh"); or that every process refuses: a clock leaf laid
   out over the devices of both ("split_clock"). Reports what each process raised and
   how soon; a process left waiting would hit the group's time limit, long before the
   save's 600 s timeout.
@@ -424,7 +424,7 @@ def refused(opt, params, state, shapes) -> dict:
   from jaxreshard._src.core import structure  # pylint: disable=g-import-not-at-top
 
   m = mesh()
-  if ARGS["kind"] == "clock_replica":  # a row of the mesh per process
+  if ARGS["kind"] in ("clock_replica", "mesh"):  # a row of the mesh per process
     m = Mesh(np.array(jax.devices()).reshape(jax.process_count(), -1), ("data", "fsdp"))
   sharded = jr.shard_to_mesh(opt, params, state, m, "fsdp", trainable=U.trainable())
   spec = {p.param: p for p in next(iter(sharded.placements.values()))}
@@ -445,15 +445,18 @@ def refused(opt, params, state, shapes) -> dict:
     if ME == ARGS["fail"]:  # one param's dtype as another: an index of another layout
       pid = sorted(spec)[0]
       spec[pid] = dataclasses.replace(spec[pid], dtype=np.dtype("float16"))
-  elif ME == ARGS["fail"]:
+  elif ME == ARGS["fail"] and ARGS["kind"] != "mesh":
     kind = "clock" if ARGS["kind"] == "clock_replica" else ARGS["kind"]
     leaves = jax.tree_util.tree_leaves(
       _refused_state(opt, params, state, shapes, sharded.state, m, kind)
     )
   changed = jax.tree_util.tree_unflatten(treedef, leaves)
+  given = m
+  if ARGS["kind"] == "mesh" and ME == ARGS["fail"]:  # its rows swapped: it writes every rank
+    given = Mesh(m.devices[::-1], m.axis_names)
   report_save(
     "refused",
-    lambda: jr.save_sharded(ARGS["path"], opt, changed, spec, m, axis="fsdp", timeout_s=600),
+    lambda: jr.save_sharded(ARGS["path"], opt, changed, spec, given, axis="fsdp", timeout_s=600),
   )
 
 

@@ -86,7 +86,7 @@ def job(tmp_path_factory):
         os.path.join(root, f"refused_{kind}"),
         {"path": os.path.join(root, f"refused_{kind}_ck"), "fail": 1, "kind": kind},
       )
-      for kind in ("padding", "clock", "split_clock", "clock_replica", "layout")
+      for kind in ("padding", "clock", "split_clock", "clock_replica", "layout", "mesh")
     },
   }
   try:
@@ -299,6 +299,7 @@ def test_a_clock_leaf_held_in_parts_by_several_processes_is_refused_by_every_one
     ("padding", "padding is not zero"),
     ("clock", "process 1's optimizer clock (its scalars' bits) differs from the primary"),
     ("layout", "process 1's state layout (its tree structure, params' shapes and dtypes"),
+    ("mesh", "or mesh (its devices, their order, its axes) differs from the primary"),
   ],
 )
 def test_a_save_one_process_refuses_fails_at_once_everywhere(job, kind, words):

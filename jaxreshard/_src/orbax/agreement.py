@@ -102,11 +102,15 @@ def records_digest(records: Any) -> bytes:
 
 def save_layout_digest(args: Any, checked: Any) -> bytes:
   """What this process compares with the primary's before a save (``ReshardSave``
-  ``args``, ``checked`` by it): its state's layout; with records, in a multi-process
+  ``args``, ``checked`` by it): its state's layout and its mesh; with records, in a multi-process
   save, the records themselves (the primary writes every archive from its own);
   zeros (nothing to compare) in one process."""
   if args.state is not None:
-    return layout_digest(checked)
+    # The mesh too: which process writes each rank follows from it, so two processes
+    # given two meshes would both write some archives and none others.
+    mesh = args.mesh
+    where = (mesh.axis_names, mesh.devices.shape, [d.id for d in mesh.devices.flat], args.axis)
+    return hashlib.sha256(layout_digest(checked) + repr(where).encode()).digest()
   if jax.process_count() > 1:
     return records_digest(args.records)
   return bytes(32)

@@ -153,8 +153,9 @@ def prepare_save(
         if layout != primary_layout and primary_layout != bytes(32):
           raise PlacementError(
             f"process {jax.process_index()}'s state layout (its tree structure, params'"
-            " shapes and dtypes, trainability, placements over the mesh axis) differs from"
-            " the primary process's: the processes hold different states"
+            " shapes and dtypes, trainability, placements over the mesh axis) or mesh (its"
+            " devices, their order, its axes) differs from the primary process's: the"
+            " processes hold different states or pass different meshes"
           )
         if clock != bytes(32) and primary_clock != bytes(32) and clock != primary_clock:
           raise PlacementError(
