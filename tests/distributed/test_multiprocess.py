@@ -742,8 +742,8 @@ def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_
   global arrays whose halves were of two saves, and a clock that differed between
   processes, with no error. Every process now tells the others the identity of the
   state it opened before any byte is read: flat or onto a target, two saves fail in
-  every process; a process that cannot open its checkpoint is named by the other;
-  one save restores."""
+  every process; a process that cannot open its checkpoint is named by the other,
+  and one that never comes after the timeout; one save restores."""
   opt = U.optimizer()
   paths = {}
   for step in (1, 2):
@@ -758,14 +758,19 @@ def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_
     {"paths": {"0": paths[1], "1": str(tmp_path / "gone")}, "target": False},
     {"paths": {"0": paths[1], "1": paths[1]}, "target": False},
     {"paths": {"0": paths[2], "1": paths[2]}, "target": True},
+    # Last: process 1 never comes (its count of restores stays one behind).
+    {"paths": {"0": paths[2]}, "target": False, "timeout_s": 3},
   ]
   with U.ProcessGroup(
     2, 4, "restore_two_saves", str(tmp_path / "out"), {"cases": cases}, timeout=120
   ) as g:
     results = sorted(g.check(), key=lambda r: r["process"])
   two_saves = "the processes of this restore opened checkpoints of two saves"
+  late = results[0]["cases"][5]
+  assert late["error_type"] == "ArchiveError" and late["seconds"] < 30, late
+  assert "processes [1] did not come to this restore within 3 s" in late["error"], late
   for r in results:
-    flat, target, gone, one, one_target = r["cases"]
+    flat, target, gone, one, one_target, _ = r["cases"]
     for case in (flat, target):
       assert case["error_type"] == "PlacementError" and two_saves in case["error"], r
     if r["process"] == 1:

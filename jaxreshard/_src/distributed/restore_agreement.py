@@ -32,9 +32,9 @@ __all__ = ["devices_of_target", "opened_everywhere", "processes_of"]
 
 _KEY = "jaxreshard/restore"
 # A process that is not at the restore by then (it failed before it, or hangs) is
-# named; the others fail instead of waiting for good.
-TIMEOUT_S = 600.0
-_POLL_S = 0.02
+# named; the others fail instead of waiting for good. Long: a slow peer (still
+# loading its data) is waited for, as a collective waits.
+TIMEOUT_S = 1800.0
 _COUNTS: collections.Counter = collections.Counter()
 _LOCK = threading.Lock()
 
@@ -71,10 +71,15 @@ def opened_everywhere(
   """``open_it()`` (the checkpoint), once every one of ``processes`` opened one of the
   same state.
 
+  Every process sets its word (the state it opened, or why it could not); the
+  first of ``processes`` reads every other's as it comes and sets the verdict,
+  which the others wait for: a number of requests to the store linear in the
+  processes, each answered when its key is set.
+
   Raises:
-    PlacementError: another process opened a checkpoint of another state.
-    ArchiveError: another process could not open its checkpoint (its error), or
-      was not at this restore within ``TIMEOUT_S``.
+    PlacementError: processes opened checkpoints of two states.
+    ArchiveError: another process could not open its checkpoint (its error), or a
+      process was not at this restore within ``TIMEOUT_S``.
     whatever ``open_it`` raises, in this process (the others are told).
   """
   client = _client(processes)
@@ -84,43 +89,68 @@ def opened_everywhere(
     n = _COUNTS[processes]
     _COUNTS[processes] += 1
   prefix = f"{_KEY}/{'-'.join(map(str, processes))}/{n}/"
-  me = jax.process_index()
+  me, leader = jax.process_index(), processes[0]
+  deadline = time.monotonic() + TIMEOUT_S
   try:
     ckpt = open_it()
   except BaseException as e:
+    word = _text(f"failed: {type(e).__name__}: {e}")
     try:  # the others stop waiting for this process
-      client.key_value_set(prefix + str(me), _text(f"failed: {type(e).__name__}: {e}"))
+      client.key_value_set(prefix + str(me), word)
+      if me == leader:
+        client.key_value_set(prefix + "verdict", _verdict({me: word}, directory))
     except Exception:  # pylint: disable=broad-exception-caught
       pass
     raise
-  mine = {"state": _reader.state_id(ckpt), "path": str(directory)}
-  client.key_value_set(prefix + str(me), "ok " + _text(json.dumps(mine)))
-  others = set(processes) - {me}
-  deadline = time.monotonic() + TIMEOUT_S
-  while True:
-    told = {}
-    for key, value in client.key_value_dir_get(prefix):
-      tail = key.rsplit("/", 1)[-1]
-      if tail.isdigit() and int(tail) in others:
-        told[int(tail)] = value
-    for p in sorted(told):
-      if told[p].startswith("failed: "):
-        raise ArchiveError(
-          f"{directory}: process {p} of this restore could not open its checkpoint"
-          f" ({told[p][len('failed: ') :]})"
-        )
-      theirs = json.loads(told[p][len("ok ") :])
-      if theirs["state"] != mine["state"]:
-        raise PlacementError(
-          f"the processes of this restore opened checkpoints of two saves: process {me}"
-          f" {mine['path']} (checkpoint {mine['state']}), process {p} {theirs['path']}"
-          f" (checkpoint {theirs['state']}); every process restores the same checkpoint"
-        )
-    if len(told) == len(others):
-      return ckpt
-    if time.monotonic() > deadline:
-      waiting = sorted(others - set(told))
-      raise ArchiveError(
-        f"{directory}: processes {waiting} did not come to this restore within {TIMEOUT_S:g} s"
+  word = "ok " + _text(json.dumps({"state": _reader.state_id(ckpt), "path": str(directory)}))
+  client.key_value_set(prefix + str(me), word)
+  if me == leader:
+    words = {me: word}
+    for p in processes[1:]:
+      words[p] = _get(client, prefix + str(p), deadline, directory, [p])
+      if words[p].startswith("failed: "):
+        break  # named at once; the others need not be waited for
+    verdict = _verdict(words, directory)
+    client.key_value_set(prefix + "verdict", verdict)
+  else:
+    verdict = _get(client, prefix + "verdict", deadline, directory, [leader])
+  if verdict != "ok":
+    cls, _, words = verdict.partition(": ")
+    raise (PlacementError if cls == "PlacementError" else ArchiveError)(words)
+  return ckpt
+
+
+def _get(client: Any, key: str, deadline: float, directory: Any, who: list[int]) -> str:
+  """The value of ``key`` once set; an ArchiveError naming ``who`` past ``deadline``."""
+  left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+  try:
+    return client.blocking_key_value_get(key, left_ms)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    if "DEADLINE_EXCEEDED" not in str(e) and time.monotonic() < deadline:
+      raise
+    raise ArchiveError(
+      f"{directory}: processes {who} did not come to this restore within {TIMEOUT_S:g} s"
+    ) from None
+
+
+def _verdict(words: dict[int, str], directory: Any) -> str:
+  """The restore's verdict from the processes' words: "ok", or a refusal as
+  ``Class: words``."""
+  for p, word in sorted(words.items()):
+    if word.startswith("failed: "):
+      why = word[len("failed: ") :]
+      return (
+        f"ArchiveError: {directory}: process {p} of this restore could not open its"
+        f" checkpoint ({why})"
       )
-    time.sleep(_POLL_S)
+  opened = {p: json.loads(word[len("ok ") :]) for p, word in words.items()}
+  first = min(opened)
+  for p in sorted(opened):
+    if opened[p]["state"] != opened[first]["state"]:
+      a, b = opened[first], opened[p]
+      return (
+        "PlacementError: the processes of this restore opened checkpoints of two saves:"
+        f" process {first} {a['path']} (checkpoint {a['state']}), process {p} {b['path']}"
+        f" (checkpoint {b['state']}); every process restores the same checkpoint"
+      )
+  return "ok"
