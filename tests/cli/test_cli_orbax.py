@@ -283,3 +283,24 @@ def test_a_step_in_two_directories_is_refused_not_picked(tmp_path):
   for name in ("30", "step_30"):
     data = json.loads(_run("inspect", tmp_path / "run" / name, "--json").stdout)
     assert [c["value"] for c in data["clocks"]] == [30]
+
+
+def test_a_folder_of_checkpoints_is_not_taken_for_an_orbax_step(run, tmp_path):
+  """A directory that holds checkpoints but is neither named as a step nor holds
+  orbax's step metadata (a user's folder of them; ``/tmp`` with one left in it) was
+  read as a step: its one checkpoint taken silently, or ``--item`` choosing among
+  them. It is refused, naming the checkpoints; a step directory of a manager (named
+  as a step, holding orbax's metadata) is still read, and so is a copy of one
+  renamed (its metadata kept)."""
+  import shutil
+
+  folder = tmp_path / "ckpts"
+  folder.mkdir()
+  shutil.copytree(run / "plain30", folder / "only")
+  for args in ((folder,), (folder, "--item", "only")):
+    line = _error(_run("inspect", *args))
+    assert "is not a jaxreshard checkpoint" in line, line
+    assert "the checkpoints in it: 'only' (name one as the path)" in line, line
+  shutil.copytree(run / "run" / "20", tmp_path / "renamed_step")
+  assert _run("inspect", tmp_path / "renamed_step").exit_code == 0
+  assert _run("inspect", run / "run" / "20").exit_code == 0

@@ -7,8 +7,10 @@ for a manager without item names). A path names a checkpoint in one of four
 ways:
 
 * the checkpoint directory itself (it holds ``jaxreshard.json``);
-* an orbax step directory: its one item holding a jaxreshard checkpoint, or
-  the one ``item`` names when there are several;
+* an orbax step directory (named as a step, or holding orbax's step metadata):
+  its one item holding a jaxreshard checkpoint, or the one ``item`` names when
+  there are several; a directory of checkpoints that is neither is refused,
+  naming them;
 * an orbax run directory: the step ``step`` names, or the latest step (the
   largest number) that holds a jaxreshard item; a later step whose jaxreshard
   item (as orbax's step metadata records it) has lost its index, or is a link,
@@ -83,6 +85,14 @@ def _items(step_dir: str) -> list[str]:
     and _is_dir(os.path.join(step_dir, n))
     and _has_index(os.path.join(step_dir, n))
   )
+
+
+def _is_step(path: str) -> bool:
+  """Whether ``path`` is an orbax step directory: named as a step (``30``, ``step_30``)
+  or holding orbax's step metadata. Any other directory that holds checkpoints (a
+  user's folder of them, ``/tmp``) is not one: none of them is taken for it."""
+  name = os.path.basename(os.path.normpath(path))
+  return bool(_STEP_NAME.match(name)) or os.path.lexists(os.path.join(path, _STEP_METADATA))
 
 
 def _has_index(path: str) -> bool:
@@ -177,7 +187,7 @@ def locate(path: os.PathLike | str, *, step: int | None = None, item: str | None
       given = "--step" if step is not None else "--item"
       _refuse_option(where, given, "it is a jaxreshard checkpoint itself")
     return Located(where)
-  if _items(where):  # a step directory
+  if _items(where) and _is_step(where):  # a step directory
     if step is not None:
       _refuse_option(where, "--step", "it is one orbax step's directory")
     name = _take_item(where, item)
@@ -185,9 +195,16 @@ def locate(path: os.PathLike | str, *, step: int | None = None, item: str | None
   steps = orbax_steps(where)
   if not steps:
     _raise_if_unreadable(where)
+    inside = _items(where)
     raise ArchiveError(
       f"{where} is not a jaxreshard checkpoint: it holds no {INDEX_FILE} (a save that did not"
       " finish leaves none) and no orbax steps with a jaxreshard item"
+      + (
+        f"; the checkpoints in it: {', '.join(map(repr, inside[:8]))}"
+        f"{' and more' if len(inside) > 8 else ''} (name one as the path)"
+        if inside
+        else ""
+      )
     )
   if step is None:
     step = max(steps)
