@@ -677,8 +677,9 @@ def restore_target(opt, params, state, shapes) -> dict:
 def restore_two_saves(opt, params, state, shapes) -> dict:
   """Restores onto the whole mesh (both processes' devices), case after case: each
   process the checkpoint its entry of ``paths`` names, flat (``restore_sharded``) or
-  onto a replicated ``target``; a process without an entry skips the case (the others
-  wait ``timeout_s`` for it). Reports each case's error (or None) and, where none,
+  onto a replicated ``target``, along ``axis`` (per process; "fsdp" where absent); a
+  process without an entry skips the case (the others wait ``timeout_s`` for it,
+  and ``grace_s`` more for the first process's verdict). Reports each case's error (or None) and, where none,
   the integer clock restored."""
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
 
@@ -696,11 +697,13 @@ def restore_two_saves(opt, params, state, shapes) -> dict:
       continue
     path = case["paths"][str(ME)]
     restore_agreement.TIMEOUT_S = case.get("timeout_s", restore_agreement.TIMEOUT_S)
+    restore_agreement._GRACE_S = case.get("grace_s", restore_agreement._GRACE_S)
+    axis = case.get("axis", {}).get(str(ME), "fsdp")  # another: refused in this process
     got = {}
 
-    def restore(case=case, path=path, got=got):
-      target = abstract if case["target"] else None
-      out = jr.restore_sharded(path, m, "fsdp", target=target)
+    def restore(case=case, path=path, got=got, axis=axis):
+      target = abstract if case.get("target") else None
+      out = jr.restore_sharded(path, m, axis, target=target)
       leaves = jax.tree.leaves(out.state)
       count = next(x for x in leaves if not np.ndim(x) and np.issubdtype(x.dtype, np.integer))
       got["count"] = int(np.asarray(count.addressable_data(0)))

@@ -16,6 +16,7 @@ process checks them bit for bit against the single-process core.
 import glob
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -751,6 +752,9 @@ def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_
     state = jax.tree.map(lambda x: x + (step - 1) if np.ndim(x) == 0 else x, state)
     paths[step] = str(tmp_path / f"step{step}")
     jr.save_records(paths[step], jr.shard_state(opt, params, state, 8, trainable=U.trainable()))
+  # A long path of characters JSON escapes (their words once cut the message).
+  far = tmp_path / ("检查点" * 25) / ("長い道" * 25) / ("ü" * 120) / "ck"
+  shutil.copytree(paths[1], far)
   two = {"0": paths[2], "1": paths[1]}
   cases = [
     {"paths": two, "target": False},
@@ -758,6 +762,12 @@ def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_
     {"paths": {"0": paths[1], "1": str(tmp_path / "gone")}, "target": False},
     {"paths": {"0": paths[1], "1": paths[1]}, "target": False},
     {"paths": {"0": paths[2], "1": paths[2]}, "target": True},
+    # Process 1 refuses its own arguments: every process counts the restore, so that
+    # two saves after it are still found, and one save restores.
+    {"paths": {"0": paths[1], "1": paths[1]}, "axis": {"1": "nope"}},
+    {"paths": two, "target": False},
+    {"paths": {"0": paths[1], "1": paths[1]}, "target": False},
+    {"paths": {"0": str(far), "1": str(far)}, "target": True},
     # Last: process 1 never comes (its count of restores stays one behind).
     {"paths": {"0": paths[2]}, "target": False, "timeout_s": 3},
   ]
@@ -766,18 +776,23 @@ def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_
   ) as g:
     results = sorted(g.check(), key=lambda r: r["process"])
   two_saves = "the processes of this restore opened checkpoints of two saves"
-  late = results[0]["cases"][5]
+  late = results[0]["cases"][9]
   assert late["error_type"] == "ArchiveError" and late["seconds"] < 30, late
   assert "processes [1] did not come to this restore within 3 s" in late["error"], late
+  bad_axis = [r["cases"][5] for r in results]
+  assert "process 1 refused this restore (" in bad_axis[0]["error"], bad_axis
+  assert "nope" in bad_axis[1]["error"] and bad_axis[0]["seconds"] < 30, bad_axis
   for r in results:
-    flat, target, gone, one, one_target, _ = r["cases"]
+    assert two_saves in r["cases"][6]["error"] and r["cases"][7]["error"] is None, r
+    assert r["cases"][8]["error"] is None and r["cases"][8]["count"] == r["cases"][7]["count"], r
+    flat, target, gone, one, one_target = r["cases"][:5]
     for case in (flat, target):
       assert case["error_type"] == "PlacementError" and two_saves in case["error"], r
     if r["process"] == 1:
       assert gone["error_type"] == "FileNotFoundError", r
     else:
       assert gone["error_type"] == "ArchiveError", r
-      assert "process 1 of this restore could not open its checkpoint" in gone["error"], r
+      assert "process 1 refused this restore (FileNotFoundError: " in gone["error"], r
       assert "FileNotFoundError" in gone["error"] and gone["seconds"] < 30, r
     assert one["error"] is None and one_target["error"] is None, r
 
@@ -787,3 +802,23 @@ def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_
 
   assert [r["cases"][3]["count"] for r in results] == [count(1)] * 2
   assert [r["cases"][4]["count"] for r in results] == [count(2) + 1] * 2
+
+
+def test_the_process_that_never_comes_to_a_restore_is_the_one_named(tmp_path):
+  """Of three processes, the third never comes: the first names it after its wait,
+  and the second, waiting for the first's verdict a little longer, names it too
+  (before: the second's wait ended with the first's, and it named the first)."""
+  opt = U.optimizer()
+  _, params, state, _ = U.example(seed=1)
+  path = str(tmp_path / "ck")
+  jr.save_records(path, jr.shard_state(opt, params, state, 6, trainable=U.trainable()))
+  cases = [{"paths": {"0": path, "1": path}, "timeout_s": 3, "grace_s": 5}]
+  with U.ProcessGroup(
+    3, 2, "restore_two_saves", str(tmp_path / "out"), {"cases": cases}, timeout=120
+  ) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  for r in results[:2]:
+    (case,) = r["cases"]
+    assert case["error_type"] == "ArchiveError", r
+    assert "processes [2] did not come to this restore within 3 s" in case["error"], r
+  assert results[2]["cases"] == [{"error": None, "skipped": True}]

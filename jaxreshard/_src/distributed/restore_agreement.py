@@ -6,12 +6,15 @@ checkpoints (a step number read at two moments, a stale copy of the run director
 on one host) would make arrays whose parts are of two saves, and a clock that
 differs between processes. So before any byte is read, every process whose devices
 the restore places on tells the others, through the ``jax.distributed`` key-value
-store, the identity of the state it opened (or why it could not open one), and
-every process compares: one identity, or an error in every process.
+store, the identity of the state it opened (or why it refused the restore: its
+arguments, or a checkpoint it could not open), and every process compares: one
+identity, or an error in every process.
 
 The processes meet under the set of them and how many such restores each made
-before: every process restores onto those devices in the same order, as it calls
-any collective.
+before: every process restores onto those devices in the same order (from one
+thread), as it calls any collective. Every restore that knows its devices counts,
+whatever it then refuses, so that one refusal never leaves a process a restore
+behind the others.
 """
 
 from __future__ import annotations
@@ -24,17 +27,19 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.errors import ArchiveError, PlacementError
 
-__all__ = ["devices_of_target", "opened_everywhere", "processes_of"]
+__all__ = ["devices_of_target", "opened_everywhere", "processes_of", "restore_devices"]
 
 _KEY = "jaxreshard/restore"
 # A process that is not at the restore by then (it failed before it, or hangs) is
 # named; the others fail instead of waiting for good. Long: a slow peer (still
 # loading its data) is waited for, as a collective waits.
 TIMEOUT_S = 1800.0
+_GRACE_S = 60.0  # how much longer the others wait for the first process's verdict
 _COUNTS: collections.Counter = collections.Counter()
 _LOCK = threading.Lock()
 
@@ -42,6 +47,15 @@ _LOCK = threading.Lock()
 def processes_of(devices: Iterable[Any]) -> tuple[int, ...]:
   """The processes whose devices are among ``devices``, sorted."""
   return tuple(sorted({d.process_index for d in devices}))
+
+
+def restore_devices(mesh: Any, target: Any) -> Iterable[Any]:
+  """The devices a restore places on: a target's (when given), else the mesh's; none
+  where neither says (the restore refuses such arguments itself)."""
+  if target is not None:
+    return devices_of_target(target)
+  devices = getattr(mesh, "devices", None)
+  return devices.flat if isinstance(devices, np.ndarray) else ()
 
 
 def devices_of_target(target: Any) -> Iterable[Any]:
@@ -68,18 +82,21 @@ def _text(words: str) -> str:
 def opened_everywhere(
   processes: tuple[int, ...], open_it: Callable[[], Any], directory: Any
 ) -> Any:
-  """``open_it()`` (the checkpoint), once every one of ``processes`` opened one of the
-  same state.
+  """``open_it()`` (the checkpoint, or a tuple whose first element it is), once every
+  one of ``processes`` opened one of the same state. Everything a process may refuse
+  before it reads a byte runs inside ``open_it``, so that its refusal reaches the
+  others and every process counts this restore.
 
-  Every process sets its word (the state it opened, or why it could not); the
+  Every process sets its word (the state it opened, or why it refused); the
   first of ``processes`` reads every other's as it comes and sets the verdict,
   which the others wait for: a number of requests to the store linear in the
   processes, each answered when its key is set.
 
   Raises:
     PlacementError: processes opened checkpoints of two states.
-    ArchiveError: another process could not open its checkpoint (its error), or a
-      process was not at this restore within ``TIMEOUT_S``.
+    ArchiveError: another process refused the restore (its error: its arguments,
+      or a checkpoint it could not open), or a process was not at this restore
+      within ``TIMEOUT_S``.
     whatever ``open_it`` raises, in this process (the others are told).
   """
   client = _client(processes)
@@ -92,36 +109,49 @@ def opened_everywhere(
   me, leader = jax.process_index(), processes[0]
   deadline = time.monotonic() + TIMEOUT_S
   try:
-    ckpt = open_it()
+    opened = open_it()
   except BaseException as e:
     word = _text(f"failed: {type(e).__name__}: {e}")
     try:  # the others stop waiting for this process
       client.key_value_set(prefix + str(me), word)
       if me == leader:
-        client.key_value_set(prefix + "verdict", _verdict({me: word}, directory))
+        client.key_value_set(prefix + "verdict", _text(_verdict({me: word}, directory)))
     except Exception:  # pylint: disable=broad-exception-caught
       pass
     raise
-  word = "ok " + _text(json.dumps({"state": _reader.state_id(ckpt), "path": str(directory)}))
+  ckpt = opened[0] if isinstance(opened, tuple) else opened
+  # JSON's ASCII escapes keep any path whole; a long one is shown cut (words only).
+  shown = str(directory) if len(str(directory)) <= 300 else f"{str(directory)[:280]}..."
+  word = "ok " + json.dumps({"state": _reader.state_id(ckpt), "path": shown})
   client.key_value_set(prefix + str(me), word)
   if me == leader:
     words = {me: word}
     for p in processes[1:]:
-      words[p] = _get(client, prefix + str(p), deadline, directory, [p])
+      try:
+        words[p] = _get(client, prefix + str(p), deadline, directory, [p], TIMEOUT_S)
+      except ArchiveError as e:  # told to the others, who wait for the verdict
+        client.key_value_set(prefix + "verdict", _text(f"ArchiveError: {e}"))
+        raise
       if words[p].startswith("failed: "):
         break  # named at once; the others need not be waited for
-    verdict = _verdict(words, directory)
+    verdict = _text(_verdict(words, directory))
     client.key_value_set(prefix + "verdict", verdict)
   else:
-    verdict = _get(client, prefix + "verdict", deadline, directory, [leader])
+    # Past the first process's own wait: its verdict names whoever did not come.
+    verdict = _get(
+      client, prefix + "verdict", deadline + _GRACE_S, directory, [leader], TIMEOUT_S + _GRACE_S
+    )
   if verdict != "ok":
     cls, _, words = verdict.partition(": ")
     raise (PlacementError if cls == "PlacementError" else ArchiveError)(words)
-  return ckpt
+  return opened
 
 
-def _get(client: Any, key: str, deadline: float, directory: Any, who: list[int]) -> str:
-  """The value of ``key`` once set; an ArchiveError naming ``who`` past ``deadline``."""
+def _get(
+  client: Any, key: str, deadline: float, directory: Any, who: list[int], waited_s: float
+) -> str:
+  """The value of ``key`` once set; past ``deadline``, an ArchiveError naming ``who``
+  (not come after ``waited_s``)."""
   left_ms = max(1, int((deadline - time.monotonic()) * 1000))
   try:
     return client.blocking_key_value_get(key, left_ms)
@@ -129,7 +159,7 @@ def _get(client: Any, key: str, deadline: float, directory: Any, who: list[int])
     if "DEADLINE_EXCEEDED" not in str(e) and time.monotonic() < deadline:
       raise
     raise ArchiveError(
-      f"{directory}: processes {who} did not come to this restore within {TIMEOUT_S:g} s"
+      f"{directory}: processes {who} did not come to this restore within {waited_s:g} s"
     ) from None
 
 
@@ -139,10 +169,7 @@ def _verdict(words: dict[int, str], directory: Any) -> str:
   for p, word in sorted(words.items()):
     if word.startswith("failed: "):
       why = word[len("failed: ") :]
-      return (
-        f"ArchiveError: {directory}: process {p} of this restore could not open its"
-        f" checkpoint ({why})"
-      )
+      return f"ArchiveError: {directory}: process {p} refused this restore ({why})"
   opened = {p: json.loads(word[len("ok ") :]) for p, word in words.items()}
   first = min(opened)
   for p in sorted(opened):

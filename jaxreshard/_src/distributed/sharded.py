@@ -193,9 +193,38 @@ def restore_sharded(
     >>> state[0].mu["w"].shape, state[0].count.sharding == everywhere
     ((10,), True)
   """
+  # Every process whose devices the restore places on opens a checkpoint of one save,
+  # and a refusal of its arguments in one process is one in every process.
+  processes = _agreement.processes_of(_agreement.restore_devices(mesh, target))
+  ckpt, plain, like = _agreement.opened_everywhere(
+    processes,
+    lambda: _checked_and_opened(directory, mesh, axis, target, optimizer, params, like, progress),
+    directory,
+  )
+  if target is not None:
+    restored = _target_restore.restore_to_target(
+      directory, plain, progress=progress, checkpoint=ckpt
+    )
+    return _in_like(like, restored)
+  world = _mesh.axis_size(mesh, axis)
+  ranks = list(_mesh.mesh_ranks(mesh, axis))
+  records = _restore.restore_reported(
+    "restore_sharded", directory, ranks, world_size=world, checkpoint=ckpt, progress=progress
+  )
+  built = dict(zip(ranks, records))
+  restored = MeshState(
+    _mesh.records_to_mesh(built, mesh, axis), {r: rec.placements for r, rec in built.items()}
+  )
+  return _in_like(like, restored)
+
+
+def _checked_and_opened(directory, mesh, axis, target, optimizer, params, like, progress):
+  """``restore_sharded``'s arguments checked and its checkpoint opened (and checked
+  against ``optimizer`` and ``like``): ``(checkpoint, plain target, like)``."""
   check_callback(progress)
   if (optimizer is None) != (params is None):
     raise PlacementError("restore_sharded: optimizer= and params= go together; pass both")
+  plain = None
   if target is not None:
     if optimizer is not None:
       raise PlacementError(
@@ -209,30 +238,15 @@ def restore_sharded(
       like = target
     if like is not None:  # the restored state takes the target's tree
       _plain.check_like(like, jax.tree_util.tree_structure(plain))
-    restored = _target_restore.restore_to_target(directory, plain, progress=progress)
-    return _in_like(like, restored)
-  world = _mesh.axis_size(mesh, axis)
-  ranks = list(_mesh.mesh_ranks(mesh, axis))
-  processes = _agreement.processes_of(mesh.devices.flat)
-  ckpt = None
-  if optimizer is not None or like is not None or len(processes) > 1:
-    # Every process of the mesh opened a checkpoint of one state, before any byte is read.
-    ckpt = _agreement.opened_everywhere(
-      processes, lambda: _reader.open_checkpoint(directory), directory
-    )
+    return _reader.open_checkpoint(directory), plain, like
+  _mesh.axis_size(mesh, axis)
+  ckpt = _reader.open_checkpoint(directory)
   if optimizer is not None:
     _optimizer_check.check_optimizer(ckpt, optimizer, params)
   if like is not None:  # the restored state takes the saved state's tree
     saved = _target_restore.checkpoint_state(ckpt)[1]
     _plain.check_like(like, jax.tree_util.tree_structure(saved))
-  records = _restore.restore_reported(
-    "restore_sharded", directory, ranks, world_size=world, checkpoint=ckpt, progress=progress
-  )
-  built = dict(zip(ranks, records))
-  restored = MeshState(
-    _mesh.records_to_mesh(built, mesh, axis), {r: rec.placements for r, rec in built.items()}
-  )
-  return _in_like(like, restored)
+  return ckpt, plain, like
 
 
 def _in_like(like: Any, restored: MeshState) -> MeshState:

@@ -71,6 +71,7 @@ def restore_to_target(
   *,
   stats: ReadStats | None = None,
   progress: ProgressCallback | None = None,
+  checkpoint: Checkpoint | None = None,
 ) -> MeshState:
   """The checkpoint's full optax state, laid out as ``target``'s shardings say.
 
@@ -79,12 +80,15 @@ def restore_to_target(
     target: the abstract state (see ``restore_sharded``).
     stats: a counter of the chunk bytes this process reads, when given.
     progress: told after each source archive read (see ``restore_sharded``).
+    checkpoint: ``directory`` already opened, every process of the restore agreed.
 
   Returns:
     ``MeshState(state, {0: placements})``: see ``restore_sharded``.
   """
-  processes = _agreement.processes_of(_agreement.devices_of_target(target))
-  ckpt = _agreement.opened_everywhere(processes, lambda: open_checkpoint(directory), directory)
+  ckpt = checkpoint
+  if ckpt is None:
+    processes = _agreement.processes_of(_agreement.restore_devices(None, target))
+    ckpt = _agreement.opened_everywhere(processes, lambda: open_checkpoint(directory), directory)
   groups, expected = checkpoint_state(ckpt)
   paths, leaves, treedef = check_structure(expected, target, groups)
   specs = [check_leaf(p, e, t, groups) for p, e, t in zip(paths, leaves, jax.tree.leaves(target))]
