@@ -93,6 +93,10 @@ def records_digest(records: Any) -> bytes:
     leaves, treedef = jax.tree_util.tree_flatten(record.state)
     h.update(repr((record.version, record.placements, record.roles, treedef)).encode())
     for leaf in leaves:
+      # A typed PRNG key (noisy_sgd's) by its implementation and key data.
+      if _clock.is_key(leaf):
+        h.update(str(jax.random.key_impl(leaf)).encode())
+        leaf = jax.random.key_data(leaf)
       value = np.asarray(leaf)
       h.update(f"{value.dtype.name}{value.shape}{_clock.is_weak(leaf)}".encode())
       crc = google_crc32c.value(_bitview.bits(value).view(np.uint8))
