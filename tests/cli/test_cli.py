@@ -832,7 +832,7 @@ def test_merge_refusals_are_one_line_and_leave_no_out(ckpt, parts, tmp_path):
   assert _run("reshard", root / "ckpt8", tmp_path / "w3", "-w", 3, "-r", 2).exit_code == 0
   out = tmp_path / "out"
   cases = [
-    (parts + [parts[2]], r"part2 is given twice; parts must hold disjoint ranks"),
+    (parts + [parts[2]], r"part2 is one part given twice; parts must hold disjoint ranks"),
     (parts[:2] + parts[4:], r"ranks \[2, 3\] of 6 are in none of the parts"),
     (parts[:5] + [tmp_path / "w3"], r"world size 3 but .*part0 has 6"),
     (
@@ -1408,6 +1408,10 @@ def test_a_missing_checkpoint_names_the_temporary_directory_a_save_to_it_left(tm
   assert _one_line_error(_run("inspect", tmp_path / "c")) == (
     f"jaxreshard: error: checkpoint directory {tmp_path / 'c'} does not exist"
   )
+  spaced = tmp_path / "with space"
+  (spaced / left).mkdir(parents=True)
+  line = _one_line_error(_run("inspect", spaced / "ck"))
+  assert f"`jaxreshard clean '{spaced}'` removes" in line, line
 
 
 def test_a_sigterm_once_the_command_has_reported_keeps_its_exit_code(tmp_path):
@@ -1418,20 +1422,32 @@ def test_a_sigterm_once_the_command_has_reported_keeps_its_exit_code(tmp_path):
   opt = optax.sgd(0.1, momentum=0.9)
   params = {"w": np.zeros((10,), np.float32)}
   jr.save_records(tmp_path / "src", jr.shard_state(opt, params, opt.init(params), world_size=4))
-  # The signal comes once main() has returned: as late as a real one can come
-  # before the interpreter's finalization puts back the default handler.
+  # The signal comes once the console script's main() has returned: as late as a
+  # real one can come before the interpreter's finalization puts back the default
+  # handler. Run with argv given (a program running the command line in its own
+  # process), main() puts back that program's handler: SIGTERM is its again.
   run = (
     "import os, signal, sys, time; from jaxreshard._src.cli.commands import main\n"
-    "try:\n  main(['reshard', 'src', 'out', '-w', '3'])\n"
+    "mine = lambda *a: print('the program handled it')\n"
+    "signal.signal(signal.SIGTERM, mine)\n"
+    "argv = None if sys.argv[1] == 'script' else sys.argv[2:]\n"
+    "sys.argv = ['jaxreshard', *sys.argv[2:]]\n"
+    "try:\n  main(argv)\n"
     "except SystemExit as e:\n  code = e.code\n"
     "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2); sys.exit(code)\n"
   )
-  p = subprocess.run(
-    [sys.executable, "-c", run], cwd=tmp_path, capture_output=True, text=True, timeout=120
-  )
-  assert p.returncode == 0, p.stderr
-  assert p.stderr == "" and "wrote 3 of 3 target ranks" in p.stdout, (p.stdout, p.stderr)
-  assert jr.restore(tmp_path / "out", world_size=3, rank=2).placements
+  for how, out in (("script", "out"), ("embedded", "out2")):
+    p = subprocess.run(
+      [sys.executable, "-c", run, how, "reshard", "src", out, "-w", "3"],
+      cwd=tmp_path,
+      capture_output=True,
+      text=True,
+      timeout=120,
+    )
+    assert p.returncode == 0 and p.stderr == "", (how, p.stderr)
+    assert "wrote 3 of 3 target ranks" in p.stdout, (how, p.stdout)
+    assert ("the program handled it" in p.stdout) == (how == "embedded"), (how, p.stdout)
+    assert jr.restore(tmp_path / out, world_size=3, rank=2).placements
 
 
 def test_an_internal_error_is_one_line_and_exit_2(ckpt, monkeypatch):

@@ -244,7 +244,11 @@ def merge_plan(
       )
     for a, r in sorted(part.rank_of.items()):
       if r in owner and _same_directory(owner[r][0].path, part.path):
-        raise PlacementError(f"{part.path} is given twice; parts must hold disjoint ranks")
+        first_given = owner[r][0].path
+        twice = (
+          f"{part.path} is" if first_given == part.path else f"{first_given} and {part.path} are"
+        )
+        raise PlacementError(f"{twice} one part given twice; parts must hold disjoint ranks")
       if r in owner:
         raise PlacementError(
           f"rank {r} of {first.world} is in both {owner[r][0].path}"

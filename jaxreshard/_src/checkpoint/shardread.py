@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import errno
 import os
+import shlex
 import stat
 import threading
 from collections.abc import Sequence
@@ -182,7 +183,7 @@ def _unfinished_saves(path: str) -> str:
   more = f" and {len(left) - 1} more" if len(left) > 1 else ""
   return (
     f" ({left[0]}{more}: the temporary directory of a save to it that has not finished;"
-    f" `jaxreshard clean {parent or '.'}` removes those of killed saves)"
+    f" `jaxreshard clean {shlex.quote(parent or '.')}` removes those of killed saves)"
   )
 
 

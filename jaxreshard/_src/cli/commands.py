@@ -487,6 +487,12 @@ def merge(
 
 
 def main(argv: list[str] | None = None) -> None:
-  """The ``jaxreshard`` console script."""
-  _interrupts.on_sigterm_interrupt()
-  app(args=argv, prog_name="jaxreshard")
+  """The ``jaxreshard`` console script; with ``argv``, the command line run inside
+  another program, whose SIGTERM handler is put back when the command ends (the
+  console script's process ignores SIGTERM from then on, while it exits)."""
+  previous = _interrupts.on_sigterm_interrupt()
+  try:
+    app(args=argv, prog_name="jaxreshard")
+  finally:
+    if argv is not None:
+      _interrupts.put_back(previous)

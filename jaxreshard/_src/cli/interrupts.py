@@ -13,7 +13,7 @@ from typing import Any
 from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import rename as _rename
 
-__all__ = ["Committed", "Terminated", "finished", "on_sigterm_interrupt", "writing"]
+__all__ = ["Committed", "Terminated", "finished", "on_sigterm_interrupt", "put_back", "writing"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -65,11 +65,20 @@ def _raise_terminated(signum: int, frame: Any) -> None:
   raise Terminated
 
 
-def on_sigterm_interrupt() -> None:
+def on_sigterm_interrupt() -> Any:
   """Makes SIGTERM interrupt the command line as Ctrl-C does, where the command line
-  runs in a process's main thread (called in another, it leaves SIGTERM alone)."""
+  runs in a process's main thread (called in another, it leaves SIGTERM alone).
+  Returns the handler it replaced (None where it replaced none)."""
   if threading.current_thread() is threading.main_thread():
-    signal.signal(signal.SIGTERM, _raise_terminated)
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+  return None
+
+
+def put_back(previous: Any) -> None:
+  """Puts back the SIGTERM handler :func:`on_sigterm_interrupt` replaced (a program
+  that ran the command line in its own process keeps its own handling)."""
+  if previous is not None and threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, previous)
 
 
 def finished() -> None:
