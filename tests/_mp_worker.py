@@ -677,7 +677,8 @@ def restore_target(opt, params, state, shapes) -> dict:
 def restore_two_saves(opt, params, state, shapes) -> dict:
   """Restores onto the whole mesh (both processes' devices), case after case: each
   process the checkpoint its entry of ``paths`` names, flat (``restore_sharded``) or
-  onto a replicated ``target``, along ``axis`` (per process; "fsdp" where absent); a
+  onto a replicated ``target``, along ``axis`` (per process; "fsdp" where absent), onto
+  the devices of the processes ``mesh_of`` lists (where given, else all); a
   process without an entry skips the case (the others wait ``timeout_s`` for it,
   and ``grace_s`` more for the first process's verdict). Reports each case's error (or None) and, where none,
   the integer clock restored."""
@@ -701,9 +702,15 @@ def restore_two_saves(opt, params, state, shapes) -> dict:
     axis = case.get("axis", {}).get(str(ME), "fsdp")  # another: refused in this process
     got = {}
 
-    def restore(case=case, path=path, got=got, axis=axis):
+    where = m
+    if "mesh_of" in case:  # a mesh of these processes' devices
+      where = Mesh(
+        np.array([d for d in jax.devices() if d.process_index in case["mesh_of"]]), ("fsdp",)
+      )
+
+    def restore(case=case, path=path, got=got, axis=axis, where=where):
       target = abstract if case.get("target") else None
-      out = jr.restore_sharded(path, m, axis, target=target)
+      out = jr.restore_sharded(path, where, axis, target=target)
       leaves = jax.tree.leaves(out.state)
       count = next(x for x in leaves if not np.ndim(x) and np.issubdtype(x.dtype, np.integer))
       got["count"] = int(np.asarray(count.addressable_data(0)))

@@ -807,18 +807,29 @@ def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_
 def test_the_process_that_never_comes_to_a_restore_is_the_one_named(tmp_path):
   """Of three processes, the third never comes: the first names it after its wait,
   and the second, waiting for the first's verdict a little longer, names it too
-  (before: the second's wait ended with the first's, and it named the first)."""
+  (before: the second's wait ended with the first's, and it named the first). A
+  restore onto a mesh of the first two, which the third calls too, restores in
+  those two and is refused in words in the third (before: a TypeError there)."""
   opt = U.optimizer()
   _, params, state, _ = U.example(seed=1)
   path = str(tmp_path / "ck")
   jr.save_records(path, jr.shard_state(opt, params, state, 6, trainable=U.trainable()))
-  cases = [{"paths": {"0": path, "1": path}, "timeout_s": 3, "grace_s": 5}]
+  cases = [
+    # A mesh of processes 0 and 1: process 2, which calls it too (as every process
+    # calls a manager's restore), is refused in words and takes no part.
+    {"paths": {"0": path, "1": path, "2": path}, "mesh_of": [0, 1]},
+    {"paths": {"0": path, "1": path}, "timeout_s": 3, "grace_s": 5},
+  ]
   with U.ProcessGroup(
     3, 2, "restore_two_saves", str(tmp_path / "out"), {"cases": cases}, timeout=120
   ) as g:
     results = sorted(g.check(), key=lambda r: r["process"])
   for r in results[:2]:
-    (case,) = r["cases"]
+    subset, case = r["cases"]
+    assert subset["error"] is None, r
     assert case["error_type"] == "ArchiveError", r
     assert "processes [2] did not come to this restore within 3 s" in case["error"], r
-  assert results[2]["cases"] == [{"error": None, "skipped": True}]
+  subset, skipped = results[2]["cases"]
+  assert subset["error_type"] == "PlacementError", subset
+  assert "process 2 holds none of the mesh's devices" in subset["error"], subset
+  assert skipped == {"error": None, "skipped": True}

@@ -67,8 +67,8 @@ def devices_of_target(target: Any) -> Iterable[Any]:
 
 def _client(processes: tuple[int, ...]) -> Any:
   """The ``jax.distributed`` client, where the restore spans several processes."""
-  if len(processes) < 2 or jax.process_count() < 2:
-    return None
+  if len(processes) < 2 or jax.process_count() < 2 or jax.process_index() not in processes:
+    return None  # one process, or none of the restore's devices here: nothing to agree
   from jax._src import distributed  # pylint: disable=g-import-not-at-top
 
   return distributed.global_state.client

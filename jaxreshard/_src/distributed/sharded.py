@@ -240,6 +240,11 @@ def _checked_and_opened(directory, mesh, axis, target, optimizer, params, like, 
       _plain.check_like(like, jax.tree_util.tree_structure(plain))
     return _reader.open_checkpoint(directory), plain, like
   _mesh.axis_size(mesh, axis)
+  if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
+    raise PlacementError(
+      f"restore_sharded: process {jax.process_index()} holds none of the mesh's devices;"
+      " the processes whose devices the mesh holds restore onto it"
+    )
   ckpt = _reader.open_checkpoint(directory)
   if optimizer is not None:
     _optimizer_check.check_optimizer(ckpt, optimizer, params)
