@@ -678,7 +678,8 @@ def restore_two_saves(opt, params, state, shapes) -> dict:
   """Restores onto the whole mesh (both processes' devices), case after case: each
   process the checkpoint its entry of ``paths`` names, flat (``restore_sharded``) or
   onto a replicated ``target``, along ``axis`` (per process; "fsdp" where absent), onto
-  the devices of the processes ``mesh_of`` lists (where given, else all); a
+  the devices of the processes ``mesh_of`` lists (where given, else all; in two rows
+  in the processes ``rows`` lists); a
   process without an entry skips the case (the others wait ``timeout_s`` for it,
   and ``grace_s`` more for the first process's verdict). Reports each case's error (or None) and, where none,
   the integer clock restored."""
@@ -707,9 +708,13 @@ def restore_two_saves(opt, params, state, shapes) -> dict:
       where = Mesh(
         np.array([d for d in jax.devices() if d.process_index in case["mesh_of"]]), ("fsdp",)
       )
+    if str(ME) in case.get("rows", {}):  # the same devices in rows: another mesh
+      where = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "fsdp"))
+    on = NamedSharding(where, PartitionSpec())
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), abstract)
 
-    def restore(case=case, path=path, got=got, axis=axis, where=where):
-      target = abstract if case.get("target") else None
+    def restore(case=case, path=path, got=got, axis=axis, where=where, target=target):
+      target = target if case.get("target") else None
       out = jr.restore_sharded(path, where, axis, target=target)
       leaves = jax.tree.leaves(out.state)
       count = next(x for x in leaves if not np.ndim(x) and np.issubdtype(x.dtype, np.integer))

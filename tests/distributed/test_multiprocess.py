@@ -768,6 +768,8 @@ def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_
     {"paths": two, "target": False},
     {"paths": {"0": paths[1], "1": paths[1]}, "target": False},
     {"paths": {"0": str(far), "1": str(far)}, "target": True},
+    # Process 1 restores onto the same devices in two rows: another mesh.
+    {"paths": {"0": paths[1], "1": paths[1]}, "rows": {"1": True}},
     # Last: process 1 never comes (its count of restores stays one behind).
     {"paths": {"0": paths[2]}, "target": False, "timeout_s": 3},
   ]
@@ -776,7 +778,7 @@ def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_
   ) as g:
     results = sorted(g.check(), key=lambda r: r["process"])
   two_saves = "the processes of this restore opened checkpoints of two saves"
-  late = results[0]["cases"][9]
+  late = results[0]["cases"][10]
   assert late["error_type"] == "ArchiveError" and late["seconds"] < 30, late
   assert "processes [1] did not come to this restore within 3 s" in late["error"], late
   bad_axis = [r["cases"][5] for r in results]
@@ -785,6 +787,7 @@ def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_
   for r in results:
     assert two_saves in r["cases"][6]["error"] and r["cases"][7]["error"] is None, r
     assert r["cases"][8]["error"] is None and r["cases"][8]["count"] == r["cases"][7]["count"], r
+    assert "process 1 restores onto another mesh" in r["cases"][9]["error"], r
     flat, target, gone, one, one_target = r["cases"][:5]
     for case in (flat, target):
       assert case["error_type"] == "PlacementError" and two_saves in case["error"], r
@@ -818,6 +821,7 @@ def test_the_process_that_never_comes_to_a_restore_is_the_one_named(tmp_path):
     # A mesh of processes 0 and 1: process 2, which calls it too (as every process
     # calls a manager's restore), is refused in words and takes no part.
     {"paths": {"0": path, "1": path, "2": path}, "mesh_of": [0, 1]},
+    {"paths": {"0": path, "1": path, "2": path}, "mesh_of": [0, 1], "target": True},
     {"paths": {"0": path, "1": path}, "timeout_s": 3, "grace_s": 5},
   ]
   with U.ProcessGroup(
@@ -825,11 +829,12 @@ def test_the_process_that_never_comes_to_a_restore_is_the_one_named(tmp_path):
   ) as g:
     results = sorted(g.check(), key=lambda r: r["process"])
   for r in results[:2]:
-    subset, case = r["cases"]
-    assert subset["error"] is None, r
+    subset, subset_target, case = r["cases"]
+    assert subset["error"] is None and subset_target["error"] is None, r
     assert case["error_type"] == "ArchiveError", r
     assert "processes [2] did not come to this restore within 3 s" in case["error"], r
-  subset, skipped = results[2]["cases"]
+  subset, subset_target, skipped = results[2]["cases"]
   assert subset["error_type"] == "PlacementError", subset
   assert "process 2 holds none of the mesh's devices" in subset["error"], subset
+  assert "process 2 holds none of the target's devices" in subset_target["error"], subset_target
   assert skipped == {"error": None, "skipped": True}

@@ -32,7 +32,13 @@ import numpy as np
 from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.errors import ArchiveError, PlacementError
 
-__all__ = ["devices_of_target", "opened_everywhere", "processes_of", "restore_devices"]
+__all__ = [
+  "devices_of_target",
+  "mesh_words",
+  "opened_everywhere",
+  "processes_of",
+  "restore_devices",
+]
 
 _KEY = "jaxreshard/restore"
 # A process that is not at the restore by then (it failed before it, or hangs) is
@@ -58,6 +64,15 @@ def restore_devices(mesh: Any, target: Any) -> Iterable[Any]:
   return devices.flat if isinstance(devices, np.ndarray) else ()
 
 
+def mesh_words(mesh: Any, axis: Any) -> Any:
+  """What every process of a restore onto ``mesh`` along ``axis`` must pass alike."""
+  devices = getattr(mesh, "devices", None)
+  if not isinstance(devices, np.ndarray):
+    return None
+  names = [str(n) for n in getattr(mesh, "axis_names", ())]
+  return [names, list(devices.shape), [d.id for d in devices.flat], str(axis)]
+
+
 def devices_of_target(target: Any) -> Iterable[Any]:
   """The devices a target's leaves are laid out on (leaves without a sharding, which
   the restore refuses later, add none)."""
@@ -80,12 +95,13 @@ def _text(words: str) -> str:
 
 
 def opened_everywhere(
-  processes: tuple[int, ...], open_it: Callable[[], Any], directory: Any
+  processes: tuple[int, ...], open_it: Callable[[], Any], directory: Any, where: Any = None
 ) -> Any:
   """``open_it()`` (the checkpoint, or a tuple whose first element it is), once every
   one of ``processes`` opened one of the same state. Everything a process may refuse
   before it reads a byte runs inside ``open_it``, so that its refusal reaches the
-  others and every process counts this restore.
+  others and every process counts this restore. ``where`` (JSON-able: the mesh's
+  axes and devices, say) must be the same in every process too.
 
   Every process sets its word (the state it opened, or why it refused); the
   first of ``processes`` reads every other's as it comes and sets the verdict,
@@ -122,18 +138,23 @@ def opened_everywhere(
   ckpt = opened[0] if isinstance(opened, tuple) else opened
   # JSON's ASCII escapes keep any path whole; a long one is shown cut (words only).
   shown = str(directory) if len(str(directory)) <= 300 else f"{str(directory)[:280]}..."
-  word = "ok " + json.dumps({"state": _reader.state_id(ckpt), "path": shown})
+  mine = {"state": _reader.state_id(ckpt), "path": shown, "where": where}
+  word = "ok " + json.dumps(mine)
   client.key_value_set(prefix + str(me), word)
   if me == leader:
     words = {me: word}
-    for p in processes[1:]:
-      try:
+    try:
+      for p in processes[1:]:
         words[p] = _get(client, prefix + str(p), deadline, directory, [p], TIMEOUT_S)
-      except ArchiveError as e:  # told to the others, who wait for the verdict
-        client.key_value_set(prefix + "verdict", _text(f"ArchiveError: {e}"))
-        raise
-      if words[p].startswith("failed: "):
-        break  # named at once; the others need not be waited for
+        if words[p].startswith("failed: "):
+          break  # named at once; the others need not be waited for
+    except BaseException as e:  # told to the others (an interrupt too), who wait for it
+      why = str(e) if isinstance(e, ArchiveError) else f"{directory}: process {me} stopped"
+      try:
+        client.key_value_set(prefix + "verdict", _text(f"ArchiveError: {why}"))
+      except Exception:  # pylint: disable=broad-exception-caught
+        pass
+      raise
     verdict = _text(_verdict(words, directory))
     client.key_value_set(prefix + "verdict", verdict)
   else:
@@ -173,6 +194,12 @@ def _verdict(words: dict[int, str], directory: Any) -> str:
   opened = {p: json.loads(word[len("ok ") :]) for p, word in words.items()}
   first = min(opened)
   for p in sorted(opened):
+    if opened[p].get("where") != opened[first].get("where"):
+      return (
+        f"PlacementError: {directory}: process {p} restores onto another mesh (its devices,"
+        f" their order, its axes, or the axis) than process {first}; every process"
+        " restores onto the same"
+      )
     if opened[p]["state"] != opened[first]["state"]:
       a, b = opened[first], opened[p]
       return (

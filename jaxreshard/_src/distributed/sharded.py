@@ -200,6 +200,7 @@ def restore_sharded(
     processes,
     lambda: _checked_and_opened(directory, mesh, axis, target, optimizer, params, like, progress),
     directory,
+    None if target is not None else _agreement.mesh_words(mesh, axis),
   )
   if target is not None:
     restored = _target_restore.restore_to_target(
@@ -230,6 +231,12 @@ def _checked_and_opened(directory, mesh, axis, target, optimizer, params, like, 
       raise PlacementError(
         "restore_sharded: target= is checked against the checkpoint itself; optimizer="
         " and params= check the flat layout, without target="
+      )
+    devices = list(_agreement.devices_of_target(target))  # none: refused by the leaf checks
+    if devices and not any(d.process_index == jax.process_index() for d in devices):
+      raise PlacementError(
+        f"restore_sharded: process {jax.process_index()} holds none of the target's devices;"
+        " the processes whose devices the target's shardings hold restore onto them"
       )
     plain = _plain.plain(target)
     if like is None and plain is not target:
