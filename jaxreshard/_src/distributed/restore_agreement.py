@@ -13,13 +13,15 @@ identity, or an error in every process.
 The processes meet under the set of them and how many such restores each made
 before: every process restores onto those devices in the same order (from one
 thread), as it calls any collective. Every restore that knows its devices counts,
-whatever it then refuses, so that one refusal never leaves a process a restore
-behind the others.
+whatever it then refuses of its arguments or checkpoint, so that such a refusal
+never leaves a process a restore behind the others; a process that raises before
+(orbax refusing a step) and goes on, while the others did not, is one behind.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import threading
 import time
@@ -65,12 +67,15 @@ def restore_devices(mesh: Any, target: Any) -> Iterable[Any]:
 
 
 def mesh_words(mesh: Any, axis: Any) -> Any:
-  """What every process of a restore onto ``mesh`` along ``axis`` must pass alike."""
+  """What every process of a restore onto ``mesh`` along ``axis`` must pass alike:
+  a digest of its axes, shape, devices in order and the axis (a few bytes in the
+  store whatever the number of devices)."""
   devices = getattr(mesh, "devices", None)
   if not isinstance(devices, np.ndarray):
     return None
   names = [str(n) for n in getattr(mesh, "axis_names", ())]
-  return [names, list(devices.shape), [d.id for d in devices.flat], str(axis)]
+  words = repr((names, devices.shape, [d.id for d in devices.flat], str(axis)))
+  return hashlib.sha256(words.encode()).hexdigest()[:32]
 
 
 def devices_of_target(target: Any) -> Iterable[Any]:

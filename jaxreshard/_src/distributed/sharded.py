@@ -174,6 +174,11 @@ def restore_sharded(
     PlacementError: with ``like``, a tree whose plain form is not the restored
       state's tree (another optimizer, other params, string keys for integer
       ones).
+    PlacementError: onto devices of several processes, processes that opened
+      checkpoints of two saves or were given two meshes (in every process); a
+      process that holds none of the mesh's (or target's) devices.
+    ArchiveError: onto devices of several processes, another process refused
+      the restore (named, with its error), or did not come to it in time.
 
   Examples:
     >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
