@@ -200,10 +200,12 @@ def restore_sharded(
   """
   # Every process whose devices the restore places on opens a checkpoint of one save,
   # and a refusal of its arguments in one process is one in every process.
-  processes = _agreement.processes_of(_agreement.restore_devices(mesh, target))
+  devices = list(_agreement.restore_devices(mesh, target))
   ckpt, plain, like = _agreement.opened_everywhere(
-    processes,
-    lambda: _checked_and_opened(directory, mesh, axis, target, optimizer, params, like, progress),
+    _agreement.processes_of(devices),
+    lambda: _checked_and_opened(
+      directory, (mesh, axis, devices), target, optimizer, params, like, progress
+    ),
     directory,
     None if target is not None else _agreement.mesh_words(mesh, axis),
   )
@@ -224,25 +226,30 @@ def restore_sharded(
   return _in_like(like, restored)
 
 
-def _checked_and_opened(directory, mesh, axis, target, optimizer, params, like, progress):
+def _checked_and_opened(directory, where, target, optimizer, params, like, progress):
   """``restore_sharded``'s arguments checked and its checkpoint opened (and checked
-  against ``optimizer`` and ``like``): ``(checkpoint, plain target, like)``."""
+  against ``optimizer`` and ``like``): ``(checkpoint, plain target, like)``.
+  ``where`` is ``(mesh, axis, the devices the restore places on)``."""
+  mesh, axis, devices = where
   check_callback(progress)
   if (optimizer is None) != (params is None):
     raise PlacementError("restore_sharded: optimizer= and params= go together; pass both")
+  if target is None:
+    _mesh.axis_size(mesh, axis)
+  elif optimizer is not None:
+    raise PlacementError(
+      "restore_sharded: target= is checked against the checkpoint itself; optimizer="
+      " and params= check the flat layout, without target="
+    )
+  # None (a target without shardings): refused by the target's leaf checks.
+  if devices and not any(d.process_index == jax.process_index() for d in devices):
+    raise PlacementError(
+      f"restore_sharded: process {jax.process_index()} holds none of the"
+      f" {'target' if target is not None else 'mesh'}'s devices; the processes whose"
+      " devices it holds restore onto them"
+    )
   plain = None
   if target is not None:
-    if optimizer is not None:
-      raise PlacementError(
-        "restore_sharded: target= is checked against the checkpoint itself; optimizer="
-        " and params= check the flat layout, without target="
-      )
-    devices = list(_agreement.devices_of_target(target))  # none: refused by the leaf checks
-    if devices and not any(d.process_index == jax.process_index() for d in devices):
-      raise PlacementError(
-        f"restore_sharded: process {jax.process_index()} holds none of the target's devices;"
-        " the processes whose devices the target's shardings hold restore onto them"
-      )
     plain = _plain.plain(target)
     if like is None and plain is not target:
       # A target in Flax NNX form (an ``nnx.Optimizer``'s abstract ``opt_state``):
@@ -251,12 +258,6 @@ def _checked_and_opened(directory, mesh, axis, target, optimizer, params, like, 
     if like is not None:  # the restored state takes the target's tree
       _plain.check_like(like, jax.tree_util.tree_structure(plain))
     return _reader.open_checkpoint(directory), plain, like
-  _mesh.axis_size(mesh, axis)
-  if not any(d.process_index == jax.process_index() for d in mesh.devices.flat):
-    raise PlacementError(
-      f"restore_sharded: process {jax.process_index()} holds none of the mesh's devices;"
-      " the processes whose devices the mesh holds restore onto it"
-    )
   ckpt = _reader.open_checkpoint(directory)
   if optimizer is not None:
     _optimizer_check.check_optimizer(ckpt, optimizer, params)
