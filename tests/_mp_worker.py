@@ -686,10 +686,6 @@ def restore_two_saves(opt, params, state, shapes) -> dict:
   from jax.sharding import NamedSharding, PartitionSpec  # pylint: disable=g-import-not-at-top
 
   m = mesh()
-  everywhere = NamedSharding(m, PartitionSpec())
-  abstract = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=everywhere), state
-  )
   from jaxreshard._src.distributed import restore_agreement  # pylint: disable=g-import-not-at-top
 
   cases = []
@@ -711,7 +707,9 @@ def restore_two_saves(opt, params, state, shapes) -> dict:
     if str(ME) in case.get("rows", {}):  # the same devices in rows: another mesh
       where = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "fsdp"))
     on = NamedSharding(where, PartitionSpec())
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), abstract)
+    target = jax.tree.map(
+      lambda x, on=on: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=on), state
+    )
 
     def restore(case=case, path=path, got=got, axis=axis, where=where, target=target):
       target = target if case.get("target") else None

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from jaxreshard._src.checkpoint import reader as _reader
+from jaxreshard._src.distributed import kvstore as _kv
 from jaxreshard._src.errors import ArchiveError, PlacementError
 
 __all__ = [
@@ -87,16 +88,14 @@ def devices_of_target(target: Any) -> Iterable[Any]:
 
 def _client(processes: tuple[int, ...]) -> Any:
   """The ``jax.distributed`` client, where the restore spans several processes."""
-  if len(processes) < 2 or jax.process_count() < 2 or jax.process_index() not in processes:
+  if len(processes) < 2 or jax.process_index() not in processes:
     return None  # one process, or none of the restore's devices here: nothing to agree
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-
-  return distributed.global_state.client
+  return _kv.client()
 
 
 def _text(words: str) -> str:
-  """``words`` as the key-value store takes them (UTF-8, a lone surrogate escaped)."""
-  return words.encode("utf-8", "backslashreplace").decode("utf-8")[:2000]
+  """``words`` as the key-value store takes them, cut to 2,000 characters."""
+  return _kv.text(words)[:2000]
 
 
 def opened_everywhere(

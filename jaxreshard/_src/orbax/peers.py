@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from jaxreshard._src.distributed import kvstore as _kv
 from jaxreshard._src.errors import (
   ArchiveError,
   ArchiveExistsError,
@@ -57,27 +58,12 @@ _REFUSALS = {
 }
 
 
-def _text(words: str) -> str:
-  """``words`` as the key-value store takes them (UTF-8): a character that stands for
-  a byte of a path that is not UTF-8 (a lone surrogate) is written escaped."""
-  return words.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _distributed_client() -> Any:
-  """The ``jax.distributed`` client of a multi-process job, or None."""
-  if jax.process_count() < 2:
-    return None
-  from jax._src import distributed  # pylint: disable=g-import-not-at-top
-
-  return distributed.global_state.client
-
-
 def tell_peers(checkpoint_id: str, error: BaseException | None) -> None:
   """Tells the other processes of this save that this one's archives are written, or why not."""
-  client = _distributed_client()
+  client = _kv.client()
   if client is None:
     return
-  value = "ok" if error is None else _text(f"failed: {type(error).__name__}: {error}")[:2000]
+  value = "ok" if error is None else _kv.text(f"failed: {type(error).__name__}: {error}")[:2000]
   try:
     client.key_value_set(f"{_PEERS_KEY}/{checkpoint_id}/{jax.process_index()}", value)
   except Exception:  # pylint: disable=broad-exception-caught
@@ -95,7 +81,7 @@ def await_peers(
       said why this process's save is over meanwhile (its words follow the
       directory's).
   """
-  client = _distributed_client()
+  client = _kv.client()
   if client is None:
     return
   prefix = f"{_PEERS_KEY}/{checkpoint_id}/"
@@ -131,7 +117,7 @@ def await_peers(
 def failure_told(checkpoint_id: str, wait_s: float) -> str | None:
   """The first other process of this save that told its write failed, and why (as
   ``await_peers`` words it), looked for during ``wait_s``; None if none did."""
-  client = _distributed_client()
+  client = _kv.client()
   if client is None:
     return None
   prefix = f"{_PEERS_KEY}/{checkpoint_id}/"
@@ -148,7 +134,7 @@ def failure_told(checkpoint_id: str, wait_s: float) -> str | None:
 
 def forget(checkpoint_id: str) -> None:
   """Removes the keys of a save every process told and was heard by (the primary, once)."""
-  client = _distributed_client()
+  client = _kv.client()
   if client is not None:
     try:
       client.key_value_delete(f"{_PEERS_KEY}/{checkpoint_id}/")
@@ -184,7 +170,7 @@ def agree_to_start(
       ArchiveError whose words name that class. ArchiveError: not every process told
       within ``timeout_s``. Every process raises the same error.
   """
-  client = _distributed_client()
+  client = _kv.client()
   if client is None:
     if refusal is not None:
       raise refusal
@@ -192,7 +178,7 @@ def agree_to_start(
   digest, n = _start_key(directory)
   prefix = f"{_START_KEY}/{digest}/{n}/"
   me = jax.process_index()
-  word = "ok" if refusal is None else _text(f"{type(refusal).__name__}:{refusal}")[:2000]
+  word = "ok" if refusal is None else _kv.text(f"{type(refusal).__name__}:{refusal}")[:2000]
   client.key_value_set(prefix + str(me), word)
   deadline = time.monotonic() + timeout_s
   tried = False
@@ -207,7 +193,7 @@ def agree_to_start(
         time.sleep(_START_POLL_S)
         continue
       try:
-        client.key_value_set(prefix + _VERDICT, _text(verdict))
+        client.key_value_set(prefix + _VERDICT, _kv.text(verdict))
       except Exception:  # pylint: disable=broad-exception-caught
         pass  # another process's verdict came first: it is the one read next
       tried = True
