@@ -11,6 +11,7 @@ import pytest
 
 from jaxreshard._src.checkpoint import chunkcrc, iovread, runread, shardfile, shardread
 from jaxreshard._src.errors import ArchiveError
+from jaxreshard._src.exec import native
 from tests._archive_util import zero_file_reading_a_directory
 
 
@@ -34,10 +35,12 @@ def mode(request, monkeypatch):
 @pytest.fixture(autouse=True, params=["c", "python"])
 def _checks(request, monkeypatch):
   """Every test with chunks checked in C, spans read on two threads wherever a read
-  has two or more (however few bytes), and with one google_crc32c call per piece,
-  span after span."""
+  has two or more (however few bytes) and gathered runs copied by the compiled block
+  copy, and with one google_crc32c call per piece, span after span, and numpy's
+  gather."""
   if request.param == "python":
     monkeypatch.setattr(chunkcrc, "native", False)
+    monkeypatch.setattr(native, "enabled", False)
   elif not chunkcrc.native:
     pytest.skip("the compiled chunk check was not built here")
   else:

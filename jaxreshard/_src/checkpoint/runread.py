@@ -23,8 +23,9 @@ Where the runs are short (a few elements of each of many params, as a rank of
 a large world holds), the pieces of a chunk are many and each would cost an
 iovec and a crc32c call. Spans are then read whole into the scratch buffer, one
 after another up to about one span's bytes (a fill), each chunk checked with
-one call, and the runs copied out of it with one gather per fill: the same
-chunks read, the same checks, one more copy of the bytes the runs move.
+one call, and the runs copied out of it once per fill (the compiled block copy,
+one memcpy per run, where the package was built with it; else one numpy gather):
+the same chunks read, the same checks, one more copy of the bytes the runs move.
 
 Runs that overlap each other in the file, or a target buffer that is not one
 contiguous array, go through the scratch buffer and are copied from there
@@ -42,6 +43,7 @@ from jaxreshard._src.checkpoint import twothreads as _twothreads
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.errors import ArchiveError, ReshardError
 from jaxreshard._src.exec import bitview as _bitview
+from jaxreshard._src.exec import native as _native
 
 __all__ = ["SPAN_BYTES", "fills", "read_runs", "read_runs_staged", "span_starts", "staging"]
 
@@ -308,6 +310,11 @@ class _Spans:
     src = self.scratch[: len(self.scratch) // unit * unit].view(uint)
     out = self.outb[: len(self.outb) // unit * unit].view(uint)
     size = (stop - start) // unit
+    rows = src.reshape(1, -1), out.reshape(1, -1)
+    if _native.enabled and _native.fits(*rows):
+      # Each piece is one block of one source row and one target row: a memcpy each.
+      _native.copy_blocks(*rows, (at // unit, size, to // unit, size, 0 * size, size), slice(None))
+      return
     ends = np.cumsum(size)
     within = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - size, size)
     out[np.repeat(to // unit, size) + within] = src[np.repeat(at // unit, size) + within]
