@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jaxreshard as jr
-from jaxreshard._src.checkpoint import iovread, runread, shardfile, shardread
+from jaxreshard._src.checkpoint import iovread, runread, shardfile, shardread, spanbatch
 from jaxreshard._src.errors import ArchiveError
 from tests._archive_util import read_json, shard_file, write_signed_json
 from tests._core_util import adam_records
@@ -530,17 +530,26 @@ def test_a_checkpoint_truncated_while_read_is_refused(ckpt, preadv, monkeypatch,
   # Each buffer file is truncated after every check, right before its first read.
   if not os.path.isdir("/proc/self/fd"):
     pytest.skip("no /proc here")
-  read_pieces = iovread.Pieces.read
+  # Spans are read one at a time (``Pieces.read``) or in batches in C (``SpanBatches.read``).
+  read_pieces, read_in_c = iovread.Pieces.read, spanbatch.SpanBatches.read
 
-  def truncated_first(self, fd, *args):
+  def truncate(fd):
     w = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY)
     try:
       os.ftruncate(w, keep)
     finally:
       os.close(w)
+
+  def truncated_first(self, fd, *args):
+    truncate(fd)
     return read_pieces(self, fd, *args)
 
+  def truncated_first_in_c(self, f, *args):
+    truncate(f.fd)
+    return read_in_c(self, f, *args)
+
   monkeypatch.setattr(iovread.Pieces, "read", truncated_first)
+  monkeypatch.setattr(spanbatch.SpanBatches, "read", truncated_first_in_c)
   read = {
     "load_records": lambda: jr.load_records(ckpt),
     "restore": lambda: jr.restore(ckpt, world_size=3, rank=1),

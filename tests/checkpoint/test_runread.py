@@ -368,6 +368,17 @@ def test_a_failing_read_of_whole_chunks_names_the_file(tmp_path):
   assert e.value.filename == os.path.join(tmp_path, "b", "c", "0")
 
 
+@pytest.mark.parametrize("runs", [([0], [0], [64]), ([1, 20, 40], [0, 5, 10], [2, 3, 4])])
+def test_a_failing_read_of_runs_names_the_file(tmp_path, runs):
+  """The same error raised by a read of runs, one span or many, however the spans
+  are read (one by one, on two threads or in one C call)."""
+  out = np.zeros(64, np.float32)
+  with zero_file_reading_a_directory(tmp_path) as f, pytest.raises(OSError) as e:
+    runread.read_runs(f, *runs, out, np.empty(0, np.uint8))
+  assert e.value.errno == errno.EISDIR
+  assert e.value.filename == os.path.join(tmp_path, "b", "c", "0")
+
+
 def test_a_failing_read_of_the_shard_index_names_the_file(tmp_path, monkeypatch):
   """An error of the read of the shard index (EIO) while the file is opened is raised
   as an OSError naming the file, never as an error of the reader's own."""

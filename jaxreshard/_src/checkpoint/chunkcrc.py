@@ -43,6 +43,13 @@ def _extend_address() -> int | None:
 
 
 _EXTEND = _extend_address() if _native.available() else None
+
+
+def extend_address() -> int | None:
+  """The address of the C ``crc32c_extend`` the checks call, or None."""
+  return _EXTEND
+
+
 # Whether chunks are checked in C; tests turn it off to compare both ways.
 native = _EXTEND is not None
 
@@ -85,6 +92,12 @@ class Checker:
     else:
       self._pieces = (mem.tolist(), addr.tolist(), length.tolist())
       self._at_list, self._expected_list = at.tolist(), self.expected.tolist()
+
+  @property
+  def pointers(self) -> tuple[int, int, int, int]:
+    """The addresses of the C tables (``at``, piece addresses, lengths, crc32c's):
+    only where ``in_c``."""
+    return self._ptrs
 
   def first_bad(self, k: int, n: int) -> int | None:
     """The first of chunks ``[k, k + n)`` whose crc32c is not the recorded one, or None."""

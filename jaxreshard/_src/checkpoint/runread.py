@@ -14,8 +14,10 @@ it was built). A span that fails is refused, naming its first bad chunk; where
 two threads read the spans (a large read straight into the target: the even
 spans on one, the odd on the other, each thread stopping at its first
 failure), the failure named is that of the first failing span in file order,
-the one a read span after span stops at. The checksums stored in the file must
-equal the recorded ones, compared all at once after the last span (before a
+the one a read span after span stops at). On one thread, spans with no range
+to check for zeros are read and checked in one C call per batch (up to the end
+of a fill), where the package was built with it. The checksums stored in the
+file must equal the recorded ones, compared all at once after the last span (before a
 span's padding is checked, for those spans). On a refusal the caller drops the
 target buffer.
 
@@ -39,6 +41,7 @@ import numpy as np
 from jaxreshard._src.checkpoint import chunkcrc as _chunkcrc
 from jaxreshard._src.checkpoint import iovread as _iovread
 from jaxreshard._src.checkpoint import shardread as _shardread
+from jaxreshard._src.checkpoint import spanbatch as _spanbatch
 from jaxreshard._src.checkpoint import twothreads as _twothreads
 from jaxreshard._src.core import copyplan as _copyplan
 from jaxreshard._src.errors import ArchiveError, ReshardError
@@ -269,18 +272,31 @@ class _Spans:
         raise f.bad_chunk(int(needed[bad]))
       if has_zero[s]:
         _check_stored(f, needed[k : k + n], stored[k : k + n])
-        self._check_zero(first, n, z, z_ids, offsets[s])
+        _check_zero(f, self.scratch, self.refuse, first, n, z, z_ids, offsets[s])
       return reads
 
     if self.two:
       reads = _twothreads.in_two(one, len(span_at))
     else:
-      reads, fill_first = 0, 0  # the first span of the scratch's current fill
-      for s in range(len(span_at)):
-        reads += one(s)
-        if self.gathered is not None and last_of_fill[s]:
-          self._gather(span_file, span_off, fill_first, s + 1)
-          fill_first = s + 1
+      # Spans with no range that must be zero are read and checked in C where it
+      # can, as many as lie back to back up to the end of the scratch's fill.
+      in_c = _spanbatch.SpanBatches.make(
+        pieces, checker, span_seg, span_file, span_at, span_n, len(needed)
+      )
+      gathers = self.gathered is not None
+      reads, fill_first, s = 0, 0, 0  # the first span of the scratch's current fill
+      while s < len(span_at):
+        if in_c is not None and not has_zero[s]:
+          e = s + 1
+          while e < len(span_at) and not has_zero[e] and not (gathers and last_of_fill[e - 1]):
+            e += 1
+          reads += in_c.read(f, s, e, needed)
+        else:
+          reads, e = reads + one(s), s + 1
+        if gathers and last_of_fill[e - 1]:
+          self._gather(span_file, span_off, fill_first, e)
+          fill_first = e
+        s = e
     _check_stored(f, needed, stored)
     if self.stats is not None:
       self.stats.reads += reads
@@ -319,26 +335,26 @@ class _Spans:
     within = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - size, size)
     out[np.repeat(to // unit, size) + within] = src[np.repeat(at // unit, size) + within]
 
-  def _check_zero(self, first: int, n: int, z, z_ids, offset: int) -> None:
-    """The ranges that must be zero bits, in the span just read (all in the scratch,
-    from ``offset`` on)."""
-    chunk, lo, hi, rid = z
-    f = self.f
-    a, b = np.searchsorted(chunk, [first, first + n])
-    if a == b:
-      return
-    # Every byte of the ranges, range after range, in one gather: zero bits are zero bytes.
-    isz = f.dtype.itemsize
-    ch, start, stop = chunk[a:b], lo[a:b], hi[a:b]
-    size = (stop - start) * isz
-    ends = np.cumsum(size)
-    at = offset + (ch - first) * f.stride + (start - ch * f.chunk) * isz  # in the scratch
-    index = np.repeat(at - (ends - size), size) + np.arange(int(ends[-1]), dtype=np.int64)
-    nz = np.flatnonzero(self.scratch[index])
-    if nz.size:
-      j = int(nz[0])
-      k = int(np.searchsorted(ends, j, side="right"))
-      raise self.refuse(int(z_ids[rid[a + k]]), int(start[k]) + (j - int(ends[k] - size[k])) // isz)
+
+def _check_zero(f, scratch, refuse, first: int, n: int, z, z_ids, offset: int) -> None:
+  """The ranges that must be zero bits, in the span just read (all in the scratch,
+  from ``offset`` on)."""
+  chunk, lo, hi, rid = z
+  a, b = np.searchsorted(chunk, [first, first + n])
+  if a == b:
+    return
+  # Every byte of the ranges, range after range, in one gather: zero bits are zero bytes.
+  isz = f.dtype.itemsize
+  ch, start, stop = chunk[a:b], lo[a:b], hi[a:b]
+  size = (stop - start) * isz
+  ends = np.cumsum(size)
+  at = offset + (ch - first) * f.stride + (start - ch * f.chunk) * isz  # in the scratch
+  index = np.repeat(at - (ends - size), size) + np.arange(int(ends[-1]), dtype=np.int64)
+  nz = np.flatnonzero(scratch[index])
+  if nz.size:
+    j = int(nz[0])
+    k = int(np.searchsorted(ends, j, side="right"))
+    raise refuse(int(z_ids[rid[a + k]]), int(start[k]) + (j - int(ends[k] - size[k])) // isz)
 
 
 def span_starts(needed: np.ndarray, per_span: int) -> np.ndarray:

@@ -1,7 +1,9 @@
 /* Block copies of the host executor, compiled: each buffer's flat range moved
  * from the rows of the source ranks to the rows of the target ranks; the
- * gather that writes a tile of narrow buffers' target rows from its table; and
- * the check that runs of source padding hold no set bit.
+ * gather that writes a tile of narrow buffers' target rows from its table; the
+ * check that runs of source padding hold no set bit; the crc32c check of a
+ * span's chunks; and, on Linux, spans of a shard file read (preadv) and checked
+ * one after another in one call.
  *
  * A buffer ("block") lies at columns [so, so + ss) of every source row and at
  * columns [to, to + ts) of every target row; its rows concatenated are its flat
@@ -110,10 +112,11 @@ TILE_GATHER(uint16_t, gather2)
 TILE_GATHER(uint32_t, gather4)
 TILE_GATHER(uint64_t, gather8)
 
+
 /* The interface of this file: native.py loads the library only where this is
  * the number it was written for (an editable install keeps a library built
  * from an older copy of this file until it is installed again). */
-int jaxreshard_blockcopy_version(void) { return 4; }
+int jaxreshard_blockcopy_version(void) { return 5; }
 
 /* Whether any bit is set in the runs [start[j], start[j] + length[j]) of the
  * `n_flat` elements of `itemsize` bytes at `flat`, j in [0, n): 1 where one is,
@@ -202,3 +205,63 @@ int64_t jaxreshard_check_chunks(void *extend, int64_t n, const int64_t *at,
   }
   return -1;
 }
+
+#if defined(__linux__)
+#include <errno.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+
+/* Reads spans [0, n) of file `fd` and checks their chunks, span after span,
+ * stopping at the first that fails. Span s is the iovecs [seg[s], seg[s + 1])
+ * of `iov`, read from file offset pos[s] with preadv, at most `iov_max` iovecs
+ * a call (a call interrupted by a signal is made again); its chunks are
+ * [first[s], first[s] + count[s]) of the tables jaxreshard_check_chunks takes
+ * (`at`, `addr`, `len`, `expected`). Every call's system calls are added to
+ * *reads. Returns -1 where every span was read whole and every chunk is as
+ * expected; else the failing span, with result[0] what failed (1: the file
+ * ended before a span's bytes, 2: a read error, its errno in result[1], 3: a
+ * chunk whose crc32c differs, its index in the tables in result[1]). The
+ * caller checks every iovec and piece against the buffers it holds. */
+int64_t jaxreshard_read_spans(int fd, void *extend, int64_t n, const struct iovec *iov,
+                              const int64_t *seg, const int64_t *pos,
+                              const int64_t *first, const int64_t *count,
+                              const int64_t *at, const uint64_t *addr,
+                              const int64_t *len, const uint32_t *expected,
+                              int64_t iov_max, int64_t *result, int64_t *reads) {
+  for (int64_t s = 0; s < n; s++) {
+    int64_t offset = pos[s];
+    for (int64_t i = seg[s]; i < seg[s + 1]; i += iov_max) {
+      const int64_t j = seg[s + 1] - i < iov_max ? seg[s + 1] : i + iov_max;
+      size_t want = 0;
+      for (int64_t k = i; k < j; k++) want += iov[k].iov_len;
+      ssize_t got;
+      do {
+        got = preadv(fd, iov + i, (int)(j - i), (off_t)offset);
+      } while (got < 0 && errno == EINTR);
+      *reads += 1;
+      if (got < 0) {
+        result[0] = 2;
+        result[1] = errno;
+        return s;
+      }
+      if ((size_t)got != want) {
+        result[0] = 1;
+        return s;
+      }
+      offset += (int64_t)want;
+    }
+    const int64_t bad = jaxreshard_check_chunks(extend, count[s], at + first[s], addr, len,
+                                                expected + first[s]);
+    if (bad >= 0) {
+      result[0] = 3;
+      result[1] = first[s] + bad;
+      return s;
+    }
+  }
+  return -1;
+}
+
+int jaxreshard_reads_spans(void) { return 1; }
+#else
+int jaxreshard_reads_spans(void) { return 0; }
+#endif

@@ -4,7 +4,9 @@
 one copy per overlap of a source row and a target row, with no index array
 and no Python per overlap (``copy_blocks``); writes a tile of narrow
 buffers' target rows straight from its gather table (``gather_tile``); and
-reads runs of padding in place for a set bit (``any_nonzero_runs``). The
+reads runs of padding in place for a set bit (``any_nonzero_runs``); checks a
+span's chunks against their crc32c (``check_chunks``) and, on Linux, reads and
+checks spans of a shard file one after another in one call (``read_spans``). The
 package builds it when it is installed; where no C compiler was found, the
 build skips it and the host executor copies with numpy alone (the same bits,
 more slowly where a buffer's slots are a few hundred elements or less).
@@ -23,6 +25,7 @@ import ctypes
 import importlib.machinery
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -35,18 +38,21 @@ __all__ = [
   "enabled",
   "fits",
   "gather_tile",
+  "read_spans",
+  "reads_spans",
 ]
 
 _LIBRARY = "_blockcopy"
 # The interface of ``_blockcopy.c`` this module calls (``jaxreshard_blockcopy_version``).
-VERSION = 4
+VERSION = 5
 
 
 class _Library:
-  """The library's entry points."""
+  """The library's entry points (``read_spans`` None where it has none: not Linux)."""
 
-  def __init__(self, copy: Any, gather: Any, check: Any, any_runs: Any):
+  def __init__(self, copy: Any, gather: Any, check: Any, any_runs: Any, read_spans: Any):
     self.copy, self.gather, self.check, self.any_runs = copy, gather, check, any_runs
+    self.read_spans = read_spans
 
 
 def _load() -> Any:
@@ -66,6 +72,7 @@ def _load() -> Any:
       check = library.jaxreshard_check_chunks
       any_runs = library.jaxreshard_any_nonzero_runs
       version = library.jaxreshard_blockcopy_version()
+      read_spans = library.jaxreshard_read_spans if library.jaxreshard_reads_spans() else None
     except (OSError, AttributeError) as e:
       print(f"jaxreshard: {path} cannot be loaded ({e}); copying with numpy", file=sys.stderr)
       return None
@@ -85,7 +92,10 @@ def _load() -> Any:
     check.restype = i64
     any_runs.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     any_runs.restype = ctypes.c_int
-    return _Library(fn, gather, check, any_runs)
+    if read_spans is not None:
+      read_spans.argtypes = [ctypes.c_int, ptr, i64, *[ptr] * 9, i64, ptr, ptr]
+      read_spans.restype = i64
+    return _Library(fn, gather, check, any_runs, read_spans)
   return None
 
 
@@ -251,6 +261,33 @@ def check_chunks(extend: int, n: int, at: int, addr: int, length: int, expected:
   if _library is None:
     raise ValueError("the compiled block copy is not available")
   return int(_library.check(extend, n, at, addr, length, expected))
+
+
+def reads_spans() -> bool:
+  """Whether ``read_spans`` is there: the library was loaded on Linux."""
+  return _library is not None and _library.read_spans is not None
+
+
+def read_spans(
+  fd: int, extend: int, n: int, tables: Sequence[int], iov_max: int
+) -> tuple[int, ...]:
+  """Reads ``n`` spans of file ``fd`` and checks their chunks in one C call, with the
+  interpreter's lock released, stopping at the first span that fails.
+
+  ``tables``: the addresses of the iovecs, of each span's first iovec, file
+  offset, first chunk and chunk count, and of the chunk tables
+  ``check_chunks`` takes (``runread`` makes and checks them all). Returns
+  ``(span, what, detail, reads)``: span -1 where all were read and checked,
+  else the failing span and what failed (1: the file ended, 2: a read error
+  whose errno is ``detail``, 3: chunk ``detail`` of the tables differs);
+  ``reads``: the system calls made.
+  """
+  if _library is None or _library.read_spans is None:
+    raise ValueError("the compiled span reader is not available")
+  result = np.zeros(2, np.int64)
+  reads = np.zeros(1, np.int64)
+  span = _library.read_spans(fd, extend, n, *tables, iov_max, result.ctypes.data, reads.ctypes.data)
+  return int(span), int(result[0]), int(result[1]), int(reads[0])
 
 
 def fits(src: np.ndarray, out: np.ndarray) -> bool:
