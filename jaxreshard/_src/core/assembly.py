@@ -59,46 +59,47 @@ class Assembly:
       keys: ``structure.mirror_trees`` of the facts' groups (see ``build_state``).
     """
     built = [list(f.history) for f in facts]
+    params = [f.param for f in facts]
     self.dtypes = tuple(layout.slots)
     self._slices: list[tuple[np.dtype, tuple[slice, ...]]] = []
     self.nbytes = sum(np.dtype(d).itemsize * int(n) for d, n in layout.sizes.items())
     param_of: list[str] = []  # per history buffer, in layout order
+    view_of: list[tuple[Any, ...]] = []  # per history buffer: its view's shape, dtype, strides
     # Per dtype, each buffer's place, slots, mirror, param row and element count.
     self._geometry: list[tuple[np.dtype, np.ndarray, ...]] = []
     counts = np.asarray([math.prod(f.shape) for f in facts], np.int64)
-    for dtype, slots in layout.slots.items():
+    for dtype in layout.slots:
       group, subtree, offset, size = layout.columns[dtype]
       self._slices.append((dtype, tuple(map(slice, offset.tolist(), (offset + size).tolist()))))
       self._geometry.append((dtype, offset, size, subtree, group, counts[group]))
-      for slot in slots:
-        built[slot.group][slot.subtree] = _Slot(len(param_of))
-        param_of.append(facts[slot.group].param)
-    state = _structure.build_state(template, {f.param: e for f, e in zip(facts, built)}, keys=keys)
+      rows = group.tolist()
+      for row, mirror, k in zip(rows, subtree.tolist(), itertools.count(len(param_of))):
+        built[row][mirror] = _Slot(k)
+      param_of.extend(map(params.__getitem__, rows))
+      dt = np.dtype(dtype)
+      strides = (dt.itemsize,)
+      view_of.extend(((n,), dt, strides) for n in size.tolist())
+    state = _structure.build_state(template, dict(zip(params, built)), keys=keys)
     leaves, self._treedef = jax.tree_util.tree_flatten(state)
-    self._scalars = [x for x in leaves if not isinstance(x, _Slot)]
+    # Per leaf, its history buffer (layout order), or -1 for a clock scalar.
+    buffer = np.fromiter(
+      (x.index if type(x) is _Slot else -1 for x in leaves), np.int64, len(leaves)
+    )
+    is_buffer = buffer >= 0
+    at_scalar = np.flatnonzero(~is_buffer).tolist()
+    self._scalars = [leaves[i] for i in at_scalar]
     # Where each leaf comes from in a pool of the scalars, then every view.
-    order, k = [], 0
-    for x in leaves:
-      if isinstance(x, _Slot):
-        order.append(len(self._scalars) + x.index)
-      else:
-        order.append(k)
-        k += 1
+    order = np.where(is_buffer, len(at_scalar) + buffer, np.cumsum(~is_buffer) - 1).tolist()
     self._order = tuple(order)
     self._pick = operator.itemgetter(*order) if len(order) > 1 else None
-    self.roles = tuple(param_of[x.index] if isinstance(x, _Slot) else None for x in leaves)
-    # What each leaf of a state made by ``state`` is: (position, shape, dtype, strides)
-    # of every history view, and (position, template scalar) of every numpy clock
-    # scalar (the leaves a caller can change in place without replacing them).
-    views = [
-      ((x.stop - x.start,), np.dtype(d), (np.dtype(d).itemsize,))
-      for d, sl in self._slices
-      for x in sl
-    ]
-    self._views = [(i, *views[x.index]) for i, x in enumerate(leaves) if isinstance(x, _Slot)]
-    self._arrays = [
-      (i, x) for i, x in enumerate(leaves) if not isinstance(x, _Slot) and isinstance(x, np.ndarray)
-    ]
+    self.roles = tuple(map((*param_of, None).__getitem__, buffer.tolist()))
+    # What each leaf of a state made by ``state`` is: the positions of the history
+    # views and (shape, dtype, strides) of each, and (position, template scalar) of
+    # every numpy clock scalar (the leaves a caller can change in place without
+    # replacing them).
+    at_buffer = np.flatnonzero(is_buffer)
+    self._views = (at_buffer.tolist(), list(map(view_of.__getitem__, buffer[at_buffer].tolist())))
+    self._arrays = [(i, leaves[i]) for i in at_scalar if isinstance(leaves[i], np.ndarray)]
     self.params = tuple(f.param for f in facts)
     self._shapes = tuple(f.shape for f in facts)
     self._dtypes = tuple(f.dtype for f in facts)
@@ -134,7 +135,7 @@ class Assembly:
       return False
     if not all(map(operator.is_, now, leaves)):
       return False
-    for i, shape, dtype, strides in self._views:
+    for i, (shape, dtype, strides) in zip(*self._views):
       x = now[i]
       if x.shape != shape or x.dtype != dtype or x.strides != strides:
         return False
