@@ -368,6 +368,33 @@ def test_a_failing_read_of_whole_chunks_names_the_file(tmp_path):
   assert e.value.filename == os.path.join(tmp_path, "b", "c", "0")
 
 
+def test_a_fill_of_chunks_larger_than_a_span_holds_one_chunk(tmp_path, monkeypatch, mode):
+  """Chunks larger than a span's bytes are each a span alone, and a fill of the
+  scratch holds one of them (a read on two threads, one each): the memory a read
+  takes is not a larger multiple of the chunk size a checkpoint chose."""
+  monkeypatch.setattr(runread, "SPAN_BYTES", 64)
+  data = np.arange(6 * 64, dtype=np.float32)
+  root, f = _open(tmp_path, data, 64)  # chunks of 256 bytes, 260 with their checksum
+  asked = []
+  staging = runread.staging
+  monkeypatch.setattr(
+    runread, "staging", lambda scratch, n, f: asked.append(n) or staging(scratch, n, f)
+  )
+  out = np.zeros(6, np.float32)
+  try:
+    runread.read_runs(
+      f, np.arange(6) * 64 + 5, np.arange(6), np.ones(6, np.int64), out, np.empty(0, np.uint8)
+    )
+  finally:
+    f.close()
+    root.close()
+  assert out.tolist() == (np.arange(6) * 64 + 5).tolist()
+  most = (
+    max(f.stride, runread.FILL_SPANS * runread.SPAN_BYTES) if mode == "gather" else 2 * f.stride
+  )
+  assert max(asked) <= most
+
+
 @pytest.mark.parametrize("runs", [([0], [0], [64]), ([1, 20, 40], [0, 5, 10], [2, 3, 4])])
 def test_a_failing_read_of_runs_names_the_file(tmp_path, runs):
   """The same error raised by a read of runs, one span or many, however the spans

@@ -7,6 +7,7 @@ lo + (r + 1) * ts)`` clipped to ``hi``.
 
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import shlex
 import shutil
@@ -47,6 +48,44 @@ def test_a_library_of_another_version_is_not_loaded(monkeypatch, capsys):
   monkeypatch.setattr(native, "VERSION", native.VERSION + 1)
   assert native._load() is None
   assert "another version of _blockcopy.c" in capsys.readouterr().err
+
+
+_OLD_LIBRARY = """
+#include <stdint.h>
+int jaxreshard_blockcopy_version(void) { return 4; }
+int jaxreshard_copy_blocks(void) { return -1; }
+int jaxreshard_gather_tile(void) { return -1; }
+int64_t jaxreshard_check_chunks(void) { return -1; }
+int jaxreshard_any_nonzero_runs(void) { return -1; }
+"""
+
+
+@pytest.mark.skipif(os.environ.get("JAXRESHARD_NATIVE") == "0", reason="turned off")
+@pytest.mark.skipif(_compiler() is None, reason="no C compiler")
+def test_a_library_built_before_a_function_was_added_is_named_as_another_version(tmp_path, capsys):
+  """A library left by an older build lacks the newer functions: it is refused for
+  its version, with the line saying to install the package again."""
+  source = tmp_path / "old.c"
+  source.write_text(_OLD_LIBRARY)
+  cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+  suffix = next(s for s in importlib.machinery.EXTENSION_SUFFIXES if s.endswith(".so"))
+  subprocess.run(
+    [*cc, "-shared", "-fPIC", "-o", str(tmp_path / f"_blockcopy{suffix}"), str(source)], check=True
+  )
+  assert native._load(str(tmp_path)) is None
+  err = capsys.readouterr().err
+  assert "another version of _blockcopy.c (4," in err and "installed again" in err
+
+
+@pytest.mark.skipif(_compiler() is None, reason="no C compiler")
+def test_the_library_compiles_as_strict_c99():
+  """Every function the library calls is declared under ``-std=c99`` too (an
+  undeclared one fails newer compilers, and the optional build then leaves the
+  library out without a word)."""
+  cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+  source = os.path.join(os.path.dirname(native.__file__), "_blockcopy.c")
+  flags = ["-std=c99", "-Werror=implicit-function-declaration", "-fsyntax-only"]
+  subprocess.run([*cc, *flags, source], check=True)
 
 
 def test_the_environment_turns_it_off():

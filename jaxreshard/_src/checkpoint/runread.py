@@ -63,8 +63,9 @@ GATHER_BELOW_BYTES = 1024
 # straight into the target, is read and checked on two threads: each span's
 # read and its chunks' checks run with the interpreter's lock released.
 PARALLEL_BYTES = 4 << 20
-# Spans read into the scratch, at most, before its pieces are copied out by the
-# compiled block copy: each fill costs a C call to read and one to copy.
+# Spans' bytes (``SPAN_BYTES`` each) read into the scratch, at most, before its
+# pieces are copied out by the compiled block copy: each fill costs a C call to
+# read and one to copy.
 FILL_SPANS = 4
 
 
@@ -183,12 +184,15 @@ class _Spans:
     span_at = np.flatnonzero(new)
     span_file = needed[span_at] * stride  # each span's first byte in the file
     # Each span's place in the scratch: at its start, or after the spans read before it
-    # since the scratch's last gather (``fills``). A fill holds about ``FILL_SPANS``
-    # spans' bytes where the compiled block copy gathers (a table entry per piece),
-    # one span's for numpy's gather (index arrays a few times its elements).
+    # since the scratch's last gather (``fills``). A fill holds up to
+    # ``FILL_SPANS * SPAN_BYTES`` where the compiled block copy gathers (a table entry
+    # per piece), one span's bytes for numpy's gather (index arrays a few times its
+    # elements); a span of one chunk larger than that fills it alone.
     fill = 0
     if self.gathered is not None:
-      fill = (FILL_SPANS if _native.enabled else 1) * self.per_span * stride
+      fill = self.per_span * stride
+      if _native.enabled:
+        fill = max(fill, FILL_SPANS * SPAN_BYTES)
       self.scratch = staging(self.scratch, fill, f)
     span_off, fill_last = fills(np.diff(np.append(span_at, len(needed))) * stride, fill)
     # Spans read straight into the target are independent but for the scratch:

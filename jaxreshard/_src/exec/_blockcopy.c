@@ -22,6 +22,9 @@
  * take no Python object and hold no lock: they run with the interpreter's lock
  * released (ctypes releases it for the call).
  */
+/* preadv is declared by glibc's <sys/uio.h> only where this is defined (a strict
+ * -std=c99 build hides it otherwise). */
+#define _DEFAULT_SOURCE
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>

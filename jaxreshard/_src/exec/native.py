@@ -55,33 +55,35 @@ class _Library:
     self.read_spans = read_spans
 
 
-def _load() -> Any:
-  """The C functions (``copy``, ``gather``, ``check``, ``any_runs``), or None where the library was not built
-  or cannot be loaded."""
+def _load(here: str | None = None) -> Any:
+  """The C functions (``copy``, ``gather``, ``check``, ``any_runs``, ``read_spans``), or
+  None where the library (in ``here``, this module's directory by default) was not
+  built or cannot be loaded."""
   if os.environ.get("JAXRESHARD_NATIVE", "1") == "0" or ctypes.sizeof(ctypes.c_void_p) != 8:
     return None
-  here = os.path.dirname(os.path.abspath(__file__))
+  here = os.path.dirname(os.path.abspath(__file__)) if here is None else here
   for suffix in importlib.machinery.EXTENSION_SUFFIXES:
     path = os.path.join(here, _LIBRARY + suffix)
     if not os.path.isfile(path):
       continue
     try:
       library = ctypes.CDLL(path)
+      # The version first: a library of another version may lack any other function.
+      version = library.jaxreshard_blockcopy_version()
+      if version != VERSION:
+        print(
+          f"jaxreshard: {path} was built from another version of _blockcopy.c ({version},"
+          f" not {VERSION}); copying with numpy until the package is installed again",
+          file=sys.stderr,
+        )
+        return None
       fn = library.jaxreshard_copy_blocks
       gather = library.jaxreshard_gather_tile
       check = library.jaxreshard_check_chunks
       any_runs = library.jaxreshard_any_nonzero_runs
-      version = library.jaxreshard_blockcopy_version()
       read_spans = library.jaxreshard_read_spans if library.jaxreshard_reads_spans() else None
     except (OSError, AttributeError) as e:
       print(f"jaxreshard: {path} cannot be loaded ({e}); copying with numpy", file=sys.stderr)
-      return None
-    if version != VERSION:
-      print(
-        f"jaxreshard: {path} was built from another version of _blockcopy.c ({version},"
-        f" not {VERSION}); copying with numpy until the package is installed again",
-        file=sys.stderr,
-      )
       return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr]
