@@ -61,24 +61,26 @@ class Assembly:
     built = [list(f.history) for f in facts]
     params = [f.param for f in facts]
     self.dtypes = tuple(layout.slots)
-    self._slices: list[tuple[np.dtype, tuple[slice, ...]]] = []
+    # Per dtype, each history buffer's first and end element in its packed buffer:
+    # lists of ints, which the cyclic collector does not track (slices it would).
+    self._spans: list[tuple[np.dtype, list[int], list[int]]] = []
     self.nbytes = sum(np.dtype(d).itemsize * int(n) for d, n in layout.sizes.items())
     param_of: list[str] = []  # per history buffer, in layout order
-    view_of: list[tuple[Any, ...]] = []  # per history buffer: its view's shape, dtype, strides
+    size_of: list[int] = []  # per history buffer: its view's elements and dtype
+    dtype_of: list[np.dtype] = []
     # Per dtype, each buffer's place, slots, mirror, param row and element count.
     self._geometry: list[tuple[np.dtype, np.ndarray, ...]] = []
     counts = np.asarray([math.prod(f.shape) for f in facts], np.int64)
     for dtype in layout.slots:
       group, subtree, offset, size = layout.columns[dtype]
-      self._slices.append((dtype, tuple(map(slice, offset.tolist(), (offset + size).tolist()))))
+      self._spans.append((dtype, offset.tolist(), (offset + size).tolist()))
       self._geometry.append((dtype, offset, size, subtree, group, counts[group]))
       rows = group.tolist()
       for row, mirror, k in zip(rows, subtree.tolist(), itertools.count(len(param_of))):
         built[row][mirror] = _Slot(k)
       param_of.extend(map(params.__getitem__, rows))
-      dt = np.dtype(dtype)
-      strides = (dt.itemsize,)
-      view_of.extend(((n,), dt, strides) for n in size.tolist())
+      size_of.extend(size.tolist())
+      dtype_of.extend(itertools.repeat(np.dtype(dtype), len(rows)))
     state = _structure.build_state(template, dict(zip(params, built)), keys=keys)
     leaves, self._treedef = jax.tree_util.tree_flatten(state)
     # Per leaf, its history buffer (layout order), or -1 for a clock scalar.
@@ -94,11 +96,17 @@ class Assembly:
     self._pick = operator.itemgetter(*order) if len(order) > 1 else None
     self.roles = tuple(map((*param_of, None).__getitem__, buffer.tolist()))
     # What each leaf of a state made by ``state`` is: the positions of the history
-    # views and (shape, dtype, strides) of each, and (position, template scalar) of
+    # views and the elements and dtype of each (one-dimensional, contiguous), and
+    # (position, template scalar) of
     # every numpy clock scalar (the leaves a caller can change in place without
     # replacing them).
     at_buffer = np.flatnonzero(is_buffer)
-    self._views = (at_buffer.tolist(), list(map(view_of.__getitem__, buffer[at_buffer].tolist())))
+    which = buffer[at_buffer].tolist()
+    self._views = (
+      at_buffer.tolist(),
+      list(map(size_of.__getitem__, which)),
+      list(map(dtype_of.__getitem__, which)),
+    )
     self._arrays = [(i, leaves[i]) for i in at_scalar if isinstance(leaves[i], np.ndarray)]
     self.params = tuple(f.param for f in facts)
     self._shapes = tuple(f.shape for f in facts)
@@ -109,8 +117,8 @@ class Assembly:
     """The target state whose history buffers are views of ``buffers`` (one per
     dtype), and its leaves."""
     pool = list(map(_structure.own_scalar, self._scalars))
-    for dtype, slices in self._slices:
-      pool.extend(map(buffers[dtype].__getitem__, slices))
+    for dtype, starts, stops in self._spans:
+      pool.extend(map(buffers[dtype].__getitem__, map(slice, starts, stops)))
     if self._pick is not None:
       leaves = self._pick(pool)
     else:
@@ -135,9 +143,9 @@ class Assembly:
       return False
     if not all(map(operator.is_, now, leaves)):
       return False
-    for i, (shape, dtype, strides) in zip(*self._views):
+    for i, n, dtype in zip(*self._views):
       x = now[i]
-      if x.shape != shape or x.dtype != dtype or x.strides != strides:
+      if x.shape != (n,) or x.dtype != dtype or x.strides != (dtype.itemsize,):
         return False
     for i, t in self._arrays:
       x = now[i]
