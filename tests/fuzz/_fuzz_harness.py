@@ -496,7 +496,12 @@ class Replace(Op):
       canary = os.path.join(work, "canary", self.entry.replace("/", "_"))
       os.makedirs(os.path.dirname(canary), exist_ok=True)
       try:
-        (shutil.copytree if os.path.isdir(kept) else shutil.copy2)(kept, canary)
+        # Links inside it are copied as links: following one (an earlier op's link to
+        # its own canary) would read that canary here, as if a reader had.
+        if os.path.isdir(kept):
+          shutil.copytree(kept, canary, symlinks=True)
+        else:
+          shutil.copy2(kept, canary)
       except BaseException:
         # Content that cannot be copied (an earlier op made a FIFO in it): no canary,
         # and none half-made whose fresh atimes would read as "followed a link".

@@ -281,6 +281,17 @@ def test_shape_edit_that_leaves_data_in_padding_is_refused(fuzz_ckpt):
   assert code == 2, (code, err)
 
 
+def test_moving_an_archive_that_holds_a_link_outside_reads_no_canary():
+  # Found by test_fuzz_combined (a harness fault, not a reader's): an archive whose
+  # archive.json an earlier op had made a link to its canary outside was copied
+  # outside in turn, following that link, which read the first canary: "followed a
+  # link outside the checkpoint" with no reader at fault.
+  fuzz_case(
+    [Replace("archive_00000/archive.json", "symlink_out"), Replace("archive_00000", "symlink_out")],
+    [(0, 1)],
+  )
+
+
 def test_an_op_that_cannot_apply_leaves_no_half_made_canary():
   # Found by test_fuzz_combined (a harness fault, not a reader's): moving an archive
   # that holds a FIFO outside failed half-way, and the half copy's fresh atimes read
