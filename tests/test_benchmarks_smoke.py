@@ -60,6 +60,20 @@ def test_machine_command_report_and_plot(quick_run):
   assert (out.parent / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plot_leaves_out_a_time_rounded_to_zero(tmp_path):
+  # A quick run's copy of a few KiB can take under the rows' rounding: the plot
+  # divided by zero and the whole run failed.
+  from benchmarks._report import plot_throughput
+
+  row = {"mib": 0.06, "reshard_s": 0.0001, "reshard_ranks_s": 0.0001}
+  rows = [
+    {**row, "memcpy_s": 0.0, "fresh_copy_s": 0.00002},
+    {**row, "mib": 0.25, "memcpy_s": 1e-5, "fresh_copy_s": 0.0},
+  ]
+  path = plot_throughput(rows, str(tmp_path / "p.png"), "t")
+  assert os.path.getsize(path) > 0
+
+
 def test_workload_matches_shard_state():
   """The benchmark's direct archive builder agrees with jr.shard_state."""
   import jax
