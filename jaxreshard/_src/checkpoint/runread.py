@@ -16,18 +16,19 @@ spans on one, the odd on the other, each thread stopping at its first
 failure), the failure named is that of the first failing span in file order,
 the one a read span after span stops at). On one thread, spans with no range
 to check for zeros are read and checked in one C call per batch (up to the end
-of a fill), where the package was built with it. The checksums stored in the
-file must equal the recorded ones, compared all at once after the last span (before a
-span's padding is checked, for those spans). On a refusal the caller drops the
-target buffer.
+of a fill), where the package was built with it (``spanbatch``). The checksums
+stored in the file must equal the recorded ones, compared all at once after the
+last span (before a span's padding is checked, for those spans). On a refusal
+the caller drops the target buffer.
 
 Where the runs are short (a few elements of each of many params, as a rank of
 a large world holds), the pieces of a chunk are many and each would cost an
 iovec and a crc32c call. Spans are then read whole into the scratch buffer, one
-after another up to about one span's bytes (a fill), each chunk checked with
-one call, and the runs copied out of it once per fill (the compiled block copy,
-one memcpy per run, where the package was built with it; else one numpy gather):
-the same chunks read, the same checks, one more copy of the bytes the runs move.
+after another up to a few spans' bytes (a fill, ``FILL_SPANS``), each chunk
+checked with one call, and the runs copied out of it once per fill (the compiled
+block copy, one memcpy per run, where the package was built with it; else one
+numpy gather of a fill of one span's bytes): the same chunks read, the same
+checks, one more copy of the bytes the runs move.
 
 Runs that overlap each other in the file, or a target buffer that is not one
 contiguous array, go through the scratch buffer and are copied from there
@@ -338,7 +339,8 @@ class _Spans:
     rows = src.reshape(1, -1), out.reshape(1, -1)
     if _native.enabled and _native.fits(*rows):
       # Each piece is one block of one source row and one target row: a memcpy each.
-      _native.copy_blocks(*rows, (at // unit, size, to // unit, size, 0 * size, size), slice(None))
+      blocks = (at // unit, size, to // unit, size, np.zeros_like(size), size)
+      _native.copy_blocks(*rows, blocks, slice(None))
       return
     ends = np.cumsum(size)
     within = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - size, size)

@@ -97,9 +97,8 @@ class Assembly:
     self.roles = tuple(map((*param_of, None).__getitem__, buffer.tolist()))
     # What each leaf of a state made by ``state`` is: the positions of the history
     # views and the elements and dtype of each (one-dimensional, contiguous), and
-    # (position, template scalar) of
-    # every numpy clock scalar (the leaves a caller can change in place without
-    # replacing them).
+    # (position, template scalar) of every numpy clock scalar (the leaves a caller
+    # can change in place without replacing them).
     at_buffer = np.flatnonzero(is_buffer)
     which = buffer[at_buffer].tolist()
     self._views = (
