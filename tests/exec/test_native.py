@@ -27,9 +27,14 @@ needs_library = pytest.mark.skipif(not native.available(), reason="built without
 UINTS = [np.uint8, np.uint16, np.uint32, np.uint64]
 
 
+def _cc() -> list[str]:
+  """The command line of the C compiler the package is built with."""
+  return shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+
+
 def _compiler() -> str | None:
   """The C compiler the package is built with, where one is found."""
-  cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+  cc = _cc()
   return shutil.which(cc[0]) if cc else None
 
 
@@ -67,7 +72,7 @@ def test_a_library_built_before_a_function_was_added_is_named_as_another_version
   its version, with the line saying to install the package again."""
   source = tmp_path / "old.c"
   source.write_text(_OLD_LIBRARY)
-  cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+  cc = _cc()
   suffix = next(s for s in importlib.machinery.EXTENSION_SUFFIXES if s.endswith(".so"))
   subprocess.run(
     [*cc, "-shared", "-fPIC", "-o", str(tmp_path / f"_blockcopy{suffix}"), str(source)], check=True
@@ -82,7 +87,7 @@ def test_the_library_compiles_as_strict_c99():
   """Every function the library calls is declared under ``-std=c99`` too (an
   undeclared one fails newer compilers, and the optional build then leaves the
   library out without a word)."""
-  cc = shlex.split(os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc")
+  cc = _cc()
   source = os.path.join(os.path.dirname(native.__file__), "_blockcopy.c")
   flags = ["-std=c99", "-Werror=implicit-function-declaration", "-fsyntax-only"]
   subprocess.run([*cc, *flags, source], check=True)

@@ -115,7 +115,6 @@ TILE_GATHER(uint16_t, gather2)
 TILE_GATHER(uint32_t, gather4)
 TILE_GATHER(uint64_t, gather8)
 
-
 /* The interface of this file: native.py loads the library only where this is
  * the number it was written for (an editable install keeps a library built
  * from an older copy of this file until it is installed again). */
