@@ -61,6 +61,7 @@ def host_row(n_params: int, opts: Options) -> dict:
   copy = measure(lambda: [x.copy() for x in leaves], opts.repeats)
   records = leaves = None  # freed; the lambdas above are not called again
   gc.collect()
+  inputs = _inputs_floor(n_params, opts) if n_params <= _FLOOR_PARAMS else None
   return {
     "executor": "host",
     "params": n_params,
@@ -71,7 +72,41 @@ def host_row(n_params: int, opts: Options) -> dict:
     "copy_s": round(copy.best, 5),
     "warm_over_copy": round(warm.best / copy.best, 1),
     "programs": programs,
+    "inputs_s": None if inputs is None else round(inputs, 4),
+    "inputs_over_warm": None if inputs is None else round(inputs / warm.best, 1),
   }
+
+
+# The floor of a cold call is measured up to this many params (it builds the
+# records a second time).
+_FLOOR_PARAMS = 10_000
+
+
+def read_ranks(n_params: int, opts: Options, rank: int = 1) -> list[int]:
+  """The source ranks whose slots target ``rank`` overlaps in some param."""
+  sizes = np.asarray(_workload.param_sizes(opts.compile_size // 2, n_params, opts.seed))
+  src, dst = -(-sizes // opts.src_world), -(-sizes // opts.dst_world)
+  start, stop = np.minimum(rank * dst, sizes), np.minimum((rank + 1) * dst, sizes)
+  live = stop > start
+  first, last = start[live] // src[live], (stop[live] - 1) // src[live]
+  return sorted({r for a, b in zip(first.tolist(), last.tolist()) for r in range(a, b + 1)})
+
+
+def _inputs_floor(n_params: int, opts: Options) -> float:
+  """What any first call on fresh records of jax arrays pays before its own work:
+  a flatten of every record's state, and a host view (``np.asarray``, jax's first
+  conversion of each array) of every leaf of the records target rank 1 reads. On
+  records built afresh (the same values), so that no view is cached yet."""
+  records = _workload.adam_records(opts.compile_size, n_params, opts.src_world, opts.seed)
+  read = read_ranks(n_params, opts)
+  gc.collect()
+  t0 = time.perf_counter()
+  flat = [jax.tree_util.tree_flatten(r.state)[0] for r in records]
+  views = [np.asarray(x) for r in read for x in flat[r]]
+  seconds = time.perf_counter() - t0
+  del flat, views, records
+  gc.collect()
+  return seconds
 
 
 # jax's own events for the three steps of making a program: tracing to a jaxpr,
@@ -133,6 +168,8 @@ def run(opts: Options) -> Result:
     r.setdefault("copy_s", None)  # the host rows' baseline
     r.setdefault("warm_over_copy", None)
     r.setdefault("compile_s", None)  # the host path compiles nothing
+    r.setdefault("inputs_s", None)  # measured on the host rows
+    r.setdefault("inputs_over_warm", None)
   met = None
   if not opts.quick:
     host = [r for r in rows if r["executor"] == "host"]
@@ -160,7 +197,12 @@ def run(opts: Options) -> Result:
     " numpy arrays and the source's own step count (checked after the cold call), so"
     " nothing is left to wait for, and flattening the output tree to block on it (what"
     " runs before 2026-12-04 timed) is the caller's cost, not the call's; `programs` counts device-executor programs compiled (the"
-    ' host path compiles none). Device rows: the same with `executor="device"`, which'
+    " host path compiles none). `inputs_s` (up to 10,000 parameters): on the same records"
+    " built afresh, a `jax.tree_util.tree_flatten` of every record's state and an"
+    " `np.asarray` of every leaf of the records rank 1 reads, jax's own cost of a first look"
+    " at each array, which any cold call on fresh jax arrays pays; `inputs_over_warm`: that"
+    " over `warm_s`, the least `cold_over_warm` such a call can show."
+    ' Device rows: the same with `executor="device"`, which'
     f" packs each source archive's buffers and gathers with run tables as runtime"
     f" arguments ({opts.compile_size // 8} history elements: XLA:CPU runs the gathers"
     " slowly; past 256 leaves an archive's pack and the target's split into leaves go"

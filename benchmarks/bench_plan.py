@@ -143,7 +143,7 @@ def write_index_checkpoint(
 
 def planning_rows(opts: Options) -> list[dict]:
   """Open a large checkpoint's index and plan one target rank, then restore it."""
-  from benchmarks.bench_restore import _raw_read, _timed  # pylint: disable=g-import-not-at-top
+  from benchmarks.bench_restore import _checked_read, _raw_read, _timed  # pylint: disable=g-import-not-at-top
   from jaxreshard._src.checkpoint import read_plan as _read_plan  # pylint: disable=g-import-not-at-top
 
   src, dst = opts.plan_worlds
@@ -171,6 +171,7 @@ def planning_rows(opts: Options) -> list[dict]:
     )
     nbytes = plan.bytes_read
     raw_s, _, _ = _timed(lambda: _raw_read(path, nbytes), opts.repeats)
+    checked_s, _, _ = _timed(lambda: _checked_read(path, warm_read), opts.repeats)
     # From the disk: every file dropped from the page cache before each run.
     disk_s, disk_raw_s, evicted = float("inf"), float("inf"), True
     for _ in range(max(1, opts.repeats)):
@@ -213,6 +214,8 @@ def planning_rows(opts: Options) -> list[dict]:
       "warm_restore_s": round(warm_s, 4),
       "raw_read_s": round(raw_s, 4),
       "vs_raw_read": round(raw_s / warm_s, 3),
+      "checked_read_s": round(checked_s, 4),
+      "floor_vs_raw_read": round(raw_s / checked_s, 3),
       "disk_restore_s": round(disk_s, 4) if evicted else None,
       "disk_raw_read_s": round(disk_raw_s, 4) if evicted else None,
       "vs_raw_read_disk": round(disk_raw_s / disk_s, 3) if evicted else None,
@@ -257,7 +260,12 @@ def run(opts: Options) -> Result:
     " `restore_s`: the first restore of that rank in the process; `warm_restore_s`: the best"
     " of the warm restores; `raw_read_s`: a plain readinto of the same number of bytes (`mib`,"
     " what the rank copies) from the written archives' files into a fresh buffer, best of as"
-    " many runs; `vs_raw_read`: raw_read_s / warm_restore_s; `disk_restore_s`,"
+    " many runs; `vs_raw_read`: raw_read_s / warm_restore_s; `checked_read_s`: a read of"
+    " as many bytes as the warm restore read (`mib_read`) from the same files, a MiB a"
+    " call, each MiB's crc32c computed right after it is read with the reader's own C"
+    " function, and `floor_vs_raw_read`: raw_read_s / checked_read_s, the most"
+    " `vs_raw_read` a restore that reads those chunks and checks them can reach here,"
+    " whatever its bookkeeping; `disk_restore_s`,"
     " `disk_raw_read_s`, `vs_raw_read_disk`: the same from the disk, every file dropped from"
     " the page cache before each run (`POSIX_FADV_DONTNEED`), as a restarted host reads a"
     " checkpoint nobody has read since it was written; `exact`: one parameter's bits"
