@@ -91,6 +91,17 @@ def test_chunk_ranges_are_the_chunks_the_runs_lie_in(tmp_path):
   root.close()
 
 
+def test_chunk_ranges_leave_out_a_chunk_between_two_read(tmp_path):
+  # A restore at thousands of ranks reads a chunk of every few: the chunks
+  # between are not asked of the disk (a gap of a chunk is more than a page).
+  root, f = _shard_file(tmp_path)
+  assert f.stride > 4096
+  src, length = np.array([0, 2 * f.chunk, 3 * f.chunk]), np.array([1, 1, 1])
+  assert f.chunk_ranges(src, length) == [(0, f.stride), (2 * f.stride, 2 * f.stride)]
+  f.close()
+  root.close()
+
+
 def test_warm_brings_a_file_into_the_page_cache(tmp_path):
   root, f = _shard_file(tmp_path)
   _evict(str(tmp_path))
