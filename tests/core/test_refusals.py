@@ -204,6 +204,29 @@ def test_03b_history_for_unlisted_param():
   _refused(records, migrations, jr.PlacementError, "param 'b/c'", "archive 3", "does not list")
 
 
+@pytest.mark.parametrize("sources", [None, 3, 2.0])
+def test_04c_a_migration_whose_sources_are_no_collection(sources, tmp_path):
+  """Sources that are no collection of indices are refused by name, on every path
+  that takes migrations (``Migration`` raised a raw TypeError making the tuple)."""
+  records = _records()
+  bad = jr.Migration("a", (5,), 0, 6, sources)
+  needles = ("param 'a'", "a migration's sources are the indices", type(sources).__name__)
+  _refused(records, [bad], jr.PlacementError, *needles)
+  with pytest.raises(jr.PlacementError) as info:
+    jr.reshard_ranks(records, [[bad]])
+  assert all(n in str(info.value) for n in needles)
+
+
+@pytest.mark.parametrize("ranks", [None, 3])
+def test_04d_restore_ranks_of_no_list_of_ranks(ranks, tmp_path):
+  """``restore_ranks`` refuses ranks that are no collection by name, as it refuses a
+  rank that is no int (a raw TypeError came out of its first loop)."""
+  jr.save_records(tmp_path / "ckpt", _records())
+  with pytest.raises(jr.PlacementError, match="ranks must be a list of target ranks"):
+    jr.restore_ranks(tmp_path / "ckpt", ranks, world_size=2)
+  assert len(jr.restore_ranks(tmp_path / "ckpt", (r for r in [1, 0]), world_size=2)) == 2
+
+
 def test_04_two_migrations_for_one_param():
   records = _records()
   m = _plan(records)

@@ -8,6 +8,7 @@ import dataclasses
 import re
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -76,3 +77,48 @@ def test_a_state_that_does_not_say_which_param_a_buffer_is_refused_as_ambiguous(
     with pytest.raises(jr.PlacementError, match=re.escape(needle)):
       call()
   assert not (tmp_path / "ckpt").exists()
+
+
+def _injected(kind: str, lr):
+  if kind == "sgd":
+    return optax.inject_hyperparams(optax.sgd)(learning_rate=lr)
+  if kind == "adam":
+    return optax.inject_hyperparams(optax.adam)(learning_rate=lr)
+  # One nested in a chain, inside another's inner state.
+  inner = optax.inject_hyperparams(optax.sgd)(learning_rate=lr)
+  return optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(lambda: inner)())
+
+
+def _lr(state, kind):
+  if kind == "chain":
+    return state[1].inner_state.hyperparams["learning_rate"]
+  return state.hyperparams["learning_rate"]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adam", "chain"])
+def test_an_injected_vector_hyper_parameter_is_a_clock_scalar_where_it_looks_like_a_history(
+  kind, tmp_path
+):
+  """``inject_hyperparams`` keeps its hyper-parameters beside the inner state: a
+  vector learning rate at ``.hyperparams['learning_rate']`` over params
+  ``{"learning_rate": (8,)}`` at 4 ranks has that param's id at the end of its path
+  and its 2 slots, and is a clock scalar, as optax says. It was taken for the
+  param's history: every path gave the rate back 4 times over, with no error (and
+  under Adam, whose other hyper-parameters are 0-d, the record was refused)."""
+  params = {"learning_rate": jnp.arange(8.0)}
+  opt = _injected(kind, jnp.array([0.1, 0.2], jnp.float32))
+  state = random_state(opt, params)
+  want = np.asarray(_lr(state, kind)).view(np.uint32)
+  assert want.shape == (2,)
+  records = jr.shard_state(opt, params, state, 4)
+  hand = _hand_built(records)
+  assert jr.digest(hand) == jr.digest(records)
+  assert (np.asarray(_lr(jr.unshard_state(hand), kind)).view(np.uint32) == want).all()
+  for rank in range(2):
+    plan = jr.plan(records, world_size=2, rank=rank)
+    got = jr.reshard(hand, plan)
+    assert_records_equal(got, jr.reshard(records, plan))
+    assert (np.asarray(_lr(got.state, kind)).view(np.uint32) == want).all()
+  jr.save_records(tmp_path / "ckpt", hand)
+  restored = jr.restore(tmp_path / "ckpt", world_size=2, rank=1)
+  assert (np.asarray(_lr(restored.state, kind)).view(np.uint32) == want).all()

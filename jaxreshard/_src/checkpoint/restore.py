@@ -158,6 +158,12 @@ def restore_reported(
 ) -> list[ShardRecord]:
   """``restore_ranks``, reporting as the public call ``what``."""
   check_callback(progress)
+  try:
+    ranks = list(ranks)
+  except TypeError:
+    raise PlacementError(
+      f"{what}: ranks must be a list of target ranks (ints), not {type(ranks).__name__}"
+    ) from None
   ckpt = checkpoint if checkpoint is not None else open_checkpoint(directory)
   if checkpoint is not None:
     _check_same_place(ckpt, directory, what)

@@ -49,6 +49,15 @@ def _as_tuple(value: Any) -> Any:
     return value
 
 
+def _as_sources(value: Any) -> Any:
+  """Source archive indices as a tuple; anything that is not a collection of them
+  (None, an int) as-is, for validation to refuse by name."""
+  try:
+    return tuple(value)
+  except TypeError:
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class ParamPlacement:
   """One parameter's entry in one archive.
@@ -126,7 +135,7 @@ class Migration:
 
   def __post_init__(self):
     object.__setattr__(self, "shape", _as_tuple(self.shape))
-    object.__setattr__(self, "sources", tuple(self.sources))
+    object.__setattr__(self, "sources", _as_sources(self.sources))
 
   def __eq__(self, other: Any) -> Any:
     # The dataclass's own equality, and a tick of ``_EQ_CALLS``: see ``same_migrations``.

@@ -41,10 +41,12 @@ class ShardRecord:
       whose history buffer it is, or ``None`` for a scalar of the optimizer
       clock. Found with ``optax.tree_map_params`` when the record is made, so
       nothing downstream needs the optimizer. ``None`` (a record built by
-      hand) means: infer it (0-d leaves are scalars, others are histories of
-      the listed parameter whose key path ends the leaf's path; where two do, a
-      param named after a node of the state, the subtree that mirrors the
-      params decides, and a state that does not say is refused: pass ``roles``).
+      hand) means: infer it (0-d leaves are scalars, and so is every leaf of
+      the hyper-parameters ``optax.inject_hyperparams`` keeps; others are
+      histories of the listed parameter whose key path ends the leaf's path;
+      where two do, a param named after a node of the state, the subtree that
+      mirrors the params decides, and a state that does not say is refused:
+      pass ``roles``).
     checkpoint_id: the identity of the checkpoint whose state the record holds
       (set by a restore or load: the checkpoint's own, or the first one of the
       reshards its index names; a reshard carries its sources' on), or None:

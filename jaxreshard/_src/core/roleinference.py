@@ -12,6 +12,11 @@ Adam's ``[0]`` also holds ``count``, so only ``[0].mu`` is one. Where several su
 subtrees hold the leaf, the outermost is the mirror when it holds every listed
 param (a mirror holds the whole params tree, so a subtree inside it holds fewer);
 otherwise the roles are ambiguous, and refused, naming each reading.
+
+The hyper-parameters ``optax.inject_hyperparams`` keeps beside its inner state
+(its ``hyperparams`` and ``hyperparams_states`` fields) are clock scalars whatever
+their shape, as optax's own roles say: a vector learning rate whose key path ends
+in a param's id, of that param's slots, is no history of it.
 """
 
 from __future__ import annotations
@@ -45,10 +50,11 @@ def infer_roles(state: Any, listed: Sequence[str]) -> tuple[str | None, ...]:
   """
   ids = set(listed)
   leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+  injected = _injected_fields(state, ())
   # Per leaf: the lengths of the prefixes below which its path is a listed id.
   found: list[list[int] | None] = []
   for path, leaf in leaves:
-    if np.ndim(leaf) == 0:
+    if np.ndim(leaf) == 0 or (injected and any(path[: len(p)] == p for p in injected)):
       found.append(None)
       continue
     prefixes = [j for j in range(len(path)) if path_id(path[j:]) in ids]
@@ -67,6 +73,39 @@ def infer_roles(state: Any, listed: Sequence[str]) -> tuple[str | None, ...]:
       prefixes = _mirror_of(path, prefixes, held, ids)
     roles.append(path_id(path[prefixes[0] :]))
   return tuple(roles)
+
+
+# optax's states of ``inject_hyperparams`` (the stateful one where optax has it),
+# and the fields of theirs that hold hyper-parameters and their schedules' states.
+_INJECTED = tuple(
+  t
+  for t in (
+    getattr(optax, "InjectHyperparamsState", None),
+    getattr(optax, "InjectStatefulHyperparamsState", None),
+  )
+  if isinstance(t, type)
+)
+_HYPER_FIELDS = ("hyperparams", "hyperparams_states")
+
+
+def _injected_fields(tree: Any, prefix: KeyPath) -> list[KeyPath]:
+  """The key paths of the hyper-parameter fields of every optax injected-hyperparams
+  state in ``tree`` (below ``prefix``), nested ones included."""
+  out: list[KeyPath] = []
+  if not _INJECTED:
+    return out
+  is_injected = lambda x: isinstance(x, _INJECTED)  # noqa: E731
+  for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_injected)[0]:
+    if not is_injected(node):
+      continue
+    at = prefix + tuple(path)
+    for name in node._fields:
+      key = at + (jax.tree_util.GetAttrKey(name),)
+      if name in _HYPER_FIELDS:
+        out.append(key)
+      else:
+        out.extend(_injected_fields(getattr(node, name), key))
+  return out
 
 
 def _mirror_of(

@@ -105,6 +105,11 @@ def _validate_all(src: Sources, migrations: Sequence[Migration]) -> _groups.Grou
       raise PlacementError(
         f"a migration's param is a parameter id (a str), not {type(m.param).__name__} {m.param!r}"
       )
+    if type(m.sources) is not tuple:
+      raise PlacementError(
+        f"param {m.param!r}: a migration's sources are the indices of its source"
+        f" archives (a list of ints), not {type(m.sources).__name__} {m.sources!r}"
+      )
     if m.param in seen:
       raise PlacementError(
         f"param {m.param!r}: two migrations target it (from archives"
