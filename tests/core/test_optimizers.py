@@ -126,6 +126,36 @@ def test_frozen_params_have_no_history_and_stay_frozen(name):
     assert masked, "frozen params must keep their MaskedNode (no history)"
 
 
+def _labels_by_walk(p):
+  if isinstance(p, dict):
+    return {k: _labels_by_walk(v) for k, v in p.items()}
+  return "frozen" if p.ndim == 0 else "train"
+
+
+def test_label_functions_that_walk_the_params_tree():
+  """A ``multi_transform`` label function that walks the params' dicts (flax's
+  ``traverse_util.path_aware_map``, a loop over keys) runs in optax; optax's
+  ``tree_map_params``, which finds the state's mirrors, calls it on a placeholder
+  instead of the params, and shard_state raised a raw AssertionError (flax) or a
+  ShapeError about factored statistics. The labels of the placeholder come back
+  without a call: every path is as with the same labels given as a pytree."""
+  from flax import traverse_util
+
+  transforms = {"train": optax.adam(1e-2), "frozen": optax.set_to_zero()}
+  params = small_params()
+  by_tree = optax.multi_transform(transforms, _labels_by_walk(params))
+  for labels in (
+    _labels_by_walk,
+    lambda p: traverse_util.path_aware_map(lambda path, x: "frozen" if x.ndim == 0 else "train", p),
+  ):
+    opt = optax.multi_transform(transforms, labels)
+    trained, state = _train(opt, params)
+    records, _ = _migrate_and_check(opt, trained, state)
+    assert [r.roles for r in records] == [
+      r.roles for r in jr.shard_state(by_tree, trained, state, 8)
+    ]
+
+
 @pytest.mark.slow
 def test_multi_steps_accumulator_and_clock_carried():
   opt = OPTIMIZERS["multi_steps"]()

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import traverse_util
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -74,6 +75,15 @@ DIVIDING = {
   ),
   "multi_steps_adam": lambda: optax.MultiSteps(optax.adam(1e-2), every_k_schedule=2),
 }
+
+
+def _labels_by_walk(p):
+  """Labels by a walk over the params' dicts: "matrix" for a leaf of 2 dims or more."""
+  if isinstance(p, dict):
+    return {k: _labels_by_walk(v) for k, v in p.items()}
+  return "matrix" if p.ndim > 1 else "vector"
+
+
 # Mask and label *functions* that depend on shapes: they see the params' own
 # shapes, so "decay only matrices" decays the same params as unwrapped.
 MATRICES = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)  # noqa: E731
@@ -96,6 +106,20 @@ MASK_FUNCTIONS = {
   ),
   "multi_steps_mask_fn": lambda: optax.MultiSteps(
     optax.adamw(1e-2, weight_decay=0.1, mask=MATRICES), every_k_schedule=2
+  ),
+  # Label functions that walk the params' structure (flax's documented way to
+  # freeze part of a model, and a loop over a dict's keys), which optax's
+  # placeholder (the params in ``tree_map_params``) is not: labels of it come
+  # back without the function being called.
+  "multi_transform_path_aware_labels": lambda: optax.multi_transform(
+    {"matrix": optax.adamw(1e-2, weight_decay=0.1), "other": optax.sgd(1e-2, momentum=0.9)},
+    lambda p: traverse_util.path_aware_map(
+      lambda path, x: "matrix" if x.ndim > 1 and path[0] != "emb" else "other", p
+    ),
+  ),
+  "multi_transform_labels_by_walk": lambda: optax.multi_transform(
+    {"matrix": optax.adamw(1e-2, weight_decay=0.1), "vector": optax.sgd(1e-2, momentum=0.9)},
+    _labels_by_walk,
   ),
 }
 # Whole-parameter or whole-tree reductions: equal to float rounding.
@@ -533,7 +557,7 @@ def test_a_hidden_shape_dependent_mask_function_is_refused():
 def test_a_mask_function_on_part_of_the_params_is_refused_by_name():
   # Called on a tree that is not the params' (a part of it, keyed from its
   # root), a mask function cannot be given the params' shapes: refused, named.
-  from jaxreshard._src.distributed import logical_masks as _logical_masks
+  from jaxreshard._src.core import logical_masks as _logical_masks
 
   def decay_matrices(p):
     return jax.tree.map(lambda x: x.ndim > 1, p)

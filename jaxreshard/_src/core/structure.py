@@ -30,6 +30,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxreshard._src.core import logical_masks as _logical_masks
 from jaxreshard._src.core import masks as _masks
 from jaxreshard._src.core import outlines as _outlines
 from jaxreshard._src.core.ids import key_name, path_id
@@ -161,6 +162,8 @@ def history_roles(optimizer: Any, params: Any, state: Any) -> tuple[str | None, 
   # A wrapper (flat_sharded's) describes its state through the optimizer it wraps.
   if isinstance(optimizer, WrappedOptimizer):
     optimizer = optimizer.inner
+  # Its label functions answer optax's placeholder without being called on it.
+  optimizer = _logical_masks.with_logical_callables(optimizer)
   ids, _, treedef = param_ids(params)
   id_tree = jax.tree_util.tree_unflatten(treedef, ids)
 

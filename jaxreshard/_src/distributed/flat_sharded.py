@@ -18,10 +18,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 
+from jaxreshard._src.core import logical_masks as _logical_masks
 from jaxreshard._src.core import plain as _plain
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.core.geometry import FlatShard
-from jaxreshard._src.distributed import logical_masks as _logical_masks
 from jaxreshard._src.distributed import update_checks as _checks
 from jaxreshard._src.distributed.flat_layout import MeshLayout as _MeshLayout
 from jaxreshard._src.distributed.flat_layout import index_dtype as _index_dtype  # noqa: F401

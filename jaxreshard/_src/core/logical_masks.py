@@ -11,6 +11,16 @@ stand-ins of the params' own shapes (optax requires masks to be static, i.e.
 functions of the tree, shapes and dtypes only), and the pytree it returns is
 used as the unwrapped optimizer would use it.
 
+``optax.tree_map_params`` (which finds the subtrees of a state that mirror the
+params, for every path that lays a state out flat) runs the optimizer's ``init``
+on a placeholder that stands for the whole params tree. ``optax.masked`` passes
+it down without calling its mask; ``multi_transform`` calls its label function
+on it, and a function that walks the params' structure (flax's
+``traverse_util.path_aware_map``, a loop over the dict's keys) fails there. A
+wrapped function called with the placeholder gives back labels of its structure
+without being called, as ``optax.masked`` does: only the state's structure is
+read, never which label a param has.
+
 The functions live in the closures of optax's combinators; they are found by
 walking closures (functions, bound methods of optimizer objects such as
 ``optax.MultiSteps``, partials, tuples, lists, dicts) and recognised by the
@@ -28,6 +38,7 @@ import contextvars
 import copy
 import dataclasses
 import functools
+import importlib
 import types
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -35,7 +46,7 @@ from typing import Any
 import jax
 import optax
 
-from jaxreshard._src.core import structure as _structure
+from jaxreshard._src.core.ids import path_id
 from jaxreshard._src.errors import PlacementError, ShapeError
 
 __all__ = ["LogicalCallable", "logical_shapes", "with_logical_callables"]
@@ -63,6 +74,20 @@ def logical_shapes(params: Mapping[str, tuple[tuple[int, ...], Any]]) -> Iterato
     _ACTIVE.reset(token)
 
 
+def _placeholder_type() -> type | None:
+  """The class of the placeholder ``optax.tree_map_params`` runs ``init`` on, or None
+  where this optax keeps it elsewhere."""
+  try:
+    module = importlib.import_module("optax.tree_utils._state_utils")
+  except ImportError:
+    return None
+  found = getattr(module, "_ParamsPlaceholder", None)
+  return found if isinstance(found, type) else None
+
+
+_PLACEHOLDER = _placeholder_type()
+
+
 def _is_masked_node(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
@@ -79,13 +104,13 @@ class LogicalCallable:
     return f"LogicalCallable({self.fn!r})"
 
   def __call__(self, tree: Any, *args: Any, **kwargs: Any) -> Any:
+    if _PLACEHOLDER is not None and isinstance(tree, _PLACEHOLDER):
+      return jax.tree.map(lambda _: None, tree)
     logical = _ACTIVE.get()
     if logical is None:
       return self.fn(tree, *args, **kwargs)
     with_path, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_masked_node)
-    known = [
-      _structure.path_id(p) in logical.params for p, x in with_path if not _is_masked_node(x)
-    ]
+    known = [path_id(p) in logical.params for p, x in with_path if not _is_masked_node(x)]
     if not known or (not any(known) and not self.params_only):
       # No leaves, or not a params tree (a static argument for something else).
       return self.fn(tree, *args, **kwargs)
@@ -105,7 +130,7 @@ class LogicalCallable:
       if _is_masked_node(x):
         leaves.append(x)
         continue
-      shape, dtype = logical.params[_structure.path_id(p)]
+      shape, dtype = logical.params[path_id(p)]
       leaves.append(jax.ShapeDtypeStruct(shape, getattr(x, "dtype", dtype)))
     return self.fn(jax.tree_util.tree_unflatten(treedef, leaves), *args, **kwargs)
 
