@@ -156,6 +156,20 @@ def test_label_functions_that_walk_the_params_tree():
     ]
 
 
+def test_a_skip_function_of_the_params_keys_is_refused_saying_why():
+  """MultiSteps calls its should_skip_update_fn at init; optax.tree_map_params (which
+  finds the state's mirrors) calls it with a placeholder for the params, where a
+  function reading ``updates["dense"]`` fails. The refusal says so and how to write
+  the function (it blamed factored or matrix statistics)."""
+  params = small_params()
+  skip = lambda updates, step, params: (~jnp.all(jnp.isfinite(updates["dense"]["bias"])), {})  # noqa: E731
+  opt = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2, should_skip_update_fn=skip)
+  _, state = _train(opt, params, steps=1)
+  with pytest.raises(jr.ShapeError, match="MultiSteps should_skip_update_fn") as info:
+    jr.shard_state(opt, params, state, 4)
+  assert "jax.tree.map" in str(info.value) and "factored" not in str(info.value)
+
+
 @pytest.mark.slow
 def test_multi_steps_accumulator_and_clock_carried():
   opt = OPTIMIZERS["multi_steps"]()

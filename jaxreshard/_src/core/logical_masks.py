@@ -88,6 +88,22 @@ def _placeholder_type() -> type | None:
 _PLACEHOLDER = _placeholder_type()
 
 
+def placeholder_refusal(ids: list[str], error: Exception) -> ShapeError | None:
+  """The refusal of a state whose roles ``optax.tree_map_params`` could not find
+  because a function of the user's that ``init`` calls with the params (MultiSteps'
+  ``should_skip_update_fn``) failed on its placeholder; None for another ``error``."""
+  if "_ParamsPlaceholder" not in str(error):
+    return None
+  return ShapeError(
+    f"params {ids[:3]}{'...' if len(ids) > 3 else ''}: the subtrees of the state that"
+    " mirror the params are found by optax.tree_map_params, which runs the optimizer's"
+    " init on a placeholder standing for the whole params tree, and a function the"
+    " optimizer calls there with the params (a MultiSteps should_skip_update_fn) failed"
+    f" on it ({type(error).__name__}: {str(error).splitlines()[0]}): write it as a"
+    " function of the whole tree (jax.tree.map), not of the params' keys"
+  )
+
+
 def _is_masked_node(x: Any) -> bool:
   return isinstance(x, optax.MaskedNode)
 
@@ -178,6 +194,12 @@ def _shape_sites() -> dict[Any, str]:
       where = getattr(where, part, None)  # an optax without it cannot hold it
     if where is not None:
       made[name] = where(*a)
+  # Sophia's Hessian estimate (its default one) calls the loss on the params it is
+  # given: on flat shards the loss would see 1-D padded arrays, not the model's.
+  sophia = getattr(getattr(optax, "contrib", None), "_sophia", None)
+  estimate = getattr(sophia, "hutchinson_estimator_diag_hessian", None)
+  if estimate is not None:
+    made["contrib.sophia"] = estimate()
   return {t.update.__code__: f"optax.{name}" for name, t in made.items()}
 
 
@@ -190,9 +212,9 @@ def shape_dependent_refusal(optimizer: Any) -> ShapeError | None:
   if not walker.shape_dependent:
     return None
   return ShapeError(
-    f"{', '.join(sorted(set(walker.shape_dependent)))} reads each param's shape or"
-    " averages over its elements: on flat zero-padded shards it would give other"
-    " updates, so flat_sharded refuses it"
+    f"{', '.join(sorted(set(walker.shape_dependent)))} reads each param's shape,"
+    " averages over its elements or evaluates the loss on the params: on flat"
+    " zero-padded shards it would give other updates, so flat_sharded refuses it"
   )
 
 

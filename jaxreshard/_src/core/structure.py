@@ -173,15 +173,21 @@ def history_roles(optimizer: Any, params: Any, state: Any) -> tuple[str | None, 
   # tree_map_params re-runs optax's own init, whose math (schedules in
   # inject_hyperparams) is not clean under strict dtype promotion; only the
   # state's structure is used here, so the caller's setting must not matter.
-  with jax.numpy_dtype_promotion("standard"):
-    tagged = optax.tree_map_params(
-      optimizer,
-      tag,
-      state,
-      id_tree,
-      transform_non_params=lambda v: jax.tree.map(lambda _: _SCALAR_ROLE, v),
-      is_leaf=_is_masked_node,
-    )
+  try:
+    with jax.numpy_dtype_promotion("standard"):
+      tagged = optax.tree_map_params(
+        optimizer,
+        tag,
+        state,
+        id_tree,
+        transform_non_params=lambda v: jax.tree.map(lambda _: _SCALAR_ROLE, v),
+        is_leaf=_is_masked_node,
+      )
+  except Exception as e:
+    refusal = _logical_masks.placeholder_refusal(ids, e)
+    if refusal is None:
+      raise
+    raise refusal from e
   leaves = jax.tree.leaves(tagged, is_leaf=lambda x: isinstance(x, _Hist) or x is _SCALAR_ROLE)
   return tuple(x.pid if isinstance(x, _Hist) else None for x in leaves)
 

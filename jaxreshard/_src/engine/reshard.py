@@ -131,7 +131,7 @@ def coordinate_roles(
   try:
     roles = _structure.history_roles(optimizer, params, state)
   except (ValueError, TypeError, IndexError, KeyError) as e:
-    if isinstance(e, PlacementError):
+    if isinstance(e, ReshardError):  # a refusal of the roles' own, with its words
       raise
     # optax.tree_map_params cannot pair a subtree with the params when its
     # leaves are not one per parameter (SM3's per-axis lists, for example).
