@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -248,6 +249,22 @@ def test_an_integer_option_below_its_least_is_refused(ckpt, args, needle):
   root, _ = ckpt
   line = _one_line_error(_run(*(a.replace("ROOT", str(root)) for a in args)))
   assert needle in line, line
+
+
+@pytest.mark.parametrize(
+  "name", [".model.tmp-" + "0123456789abcdef" * 2 + "-1-vm", "7.orbax-checkpoint-tmp-3"]
+)
+def test_no_checkpoint_is_written_under_a_temporary_directory_s_name(ckpt, tmp_path, name):
+  """A checkpoint named as a save's temporary directory is taken by ``clean`` (and the
+  next save to its base name) for a killed save's leftover, and removed once nobody
+  holds its lock: reshard, merge and save_records wrote one, which clean then
+  removed, whole and verified. Every save refuses such a name, writing nothing."""
+  root, src = ckpt
+  line = _one_line_error(_run("reshard", root / "ckpt8", tmp_path / name, "-w", 3))
+  assert "never saved under the name of a save's temporary directory" in line, line
+  with pytest.raises(jr.ReshardError, match="name of a save's temporary directory"):
+    jr.save_records(tmp_path / name, src)
+  assert os.listdir(tmp_path) == []
 
 
 def test_errors_are_one_line(ckpt, resharded, tmp_path):
@@ -1414,11 +1431,31 @@ def test_a_missing_checkpoint_names_the_temporary_directory_a_save_to_it_left(tm
   assert f"`jaxreshard clean '{spaced}'` removes" in line, line
 
 
-def test_a_sigterm_once_the_command_has_reported_keeps_its_exit_code(tmp_path):
-  """A SIGTERM that lands after the command finished and reported (while the process
-  exits) is ignored: the exit code is the command's own (0: OUT is complete), not
-  the 143 of an interrupted command, after which a job script would retry and
-  fail on an OUT that exists."""
+def test_a_sigterm_before_the_command_runs_exits_143_saying_so(capsys):
+  """A SIGTERM while the command line is parsed (before any command runs) ends the
+  process with 143 and one line, as a SIGTERM in a command does; raised as an
+  interrupt there, the parser exited 130 (Ctrl-C's code), silently."""
+  from jaxreshard._src.cli import interrupts
+
+  interrupts.put_back(None)  # no command runs
+  with pytest.raises(SystemExit) as info:
+    interrupts._raise_terminated(signal.SIGTERM, None)
+  assert info.value.code == 143 and capsys.readouterr().err == "jaxreshard: terminated\n"
+  interrupts.started()
+  try:
+    with pytest.raises(interrupts.Terminated):
+      interrupts._raise_terminated(signal.SIGTERM, None)
+  finally:
+    interrupts.put_back(None)
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_once_the_command_has_reported_keeps_its_exit_code(tmp_path, signame):
+  """A SIGTERM or Ctrl-C that lands after the command finished and reported (while
+  the process exits) is ignored: the exit code is the command's own (0: OUT is
+  complete), not the 143 or 130 of an interrupted command, after which a job script
+  would retry and fail on an OUT that exists. (A Ctrl-C there killed the process,
+  or printed a KeyboardInterrupt traceback from the threads' shutdown.)"""
   opt = optax.sgd(0.1, momentum=0.9)
   params = {"w": np.zeros((10,), np.float32)}
   jr.save_records(tmp_path / "src", jr.shard_state(opt, params, opt.init(params), world_size=4))
@@ -1429,12 +1466,12 @@ def test_a_sigterm_once_the_command_has_reported_keeps_its_exit_code(tmp_path):
   run = (
     "import os, signal, sys, time; from jaxreshard._src.cli.commands import main\n"
     "mine = lambda *a: print('the program handled it')\n"
-    "signal.signal(signal.SIGTERM, mine)\n"
+    f"signal.signal(signal.{signame}, mine)\n"
     "argv = None if sys.argv[1] == 'script' else sys.argv[2:]\n"
     "sys.argv = ['jaxreshard', *sys.argv[2:]]\n"
     "try:\n  main(argv)\n"
     "except SystemExit as e:\n  code = e.code\n"
-    "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2); sys.exit(code)\n"
+    f"os.kill(os.getpid(), signal.{signame}); time.sleep(0.2); sys.exit(code)\n"
   )
   for how, out in (("script", "out"), ("embedded", "out2")):
     p = subprocess.run(

@@ -31,6 +31,7 @@ from jaxreshard._src.checkpoint.tempdir import (  # noqa: F401  (re-exported)
   remove_temp_dirs,
   temp_dirs,
 )
+from jaxreshard._src.checkpoint.tempname import check_not_temporary
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import structure as _structure
@@ -100,7 +101,8 @@ def save_records(
       parent directory after the rename fails: the checkpoint is then in place
       and complete but its rename may not survive a crash, as the error says.
     ReshardError: a record that cannot be stored (no records, an invalid
-      archive, a state node type the format cannot re-create).
+      archive, a state node type the format cannot re-create), or a ``directory``
+      named as a save's temporary directory (which ``clean`` would remove).
 
   Everything is written into a temporary sibling directory, held by its
   descriptor and locked (``flock``) by this save, that is renamed to
@@ -124,6 +126,7 @@ def save_records(
   """
   _index.check_chunk_bytes(chunk_bytes)
   final = path_arg(directory)
+  check_not_temporary(final)
   _archivecheck.check_records_iterable(records, "save_records")
   sourced = isinstance(records, SourcedRecords)
   named = records.records if sourced else records

@@ -14,10 +14,13 @@ import re
 import socket
 import uuid
 
+from jaxreshard._src.errors import ReshardError
+
 __all__ = [
   "ORBAX_TEMP_SUFFIX",
   "TEMP_NAME",
   "host",
+  "check_not_temporary",
   "is_temporary",
   "new_name",
   "temp_stem",
@@ -75,6 +78,22 @@ def is_temporary(name: str) -> bool:
     (False, False)
   """
   return bool(TEMP_NAME.match(name)) or ORBAX_TEMP_SUFFIX in name
+
+
+def check_not_temporary(final: str) -> None:
+  """Refuses to save a checkpoint at ``final`` when its name is a save's temporary
+  directory's: ``jaxreshard clean`` and the next save to its base name take such
+  a directory for a killed save's leftover, and remove it once nobody holds its lock.
+
+  Raises:
+    ReshardError: naming the path.
+  """
+  if is_temporary(os.path.basename(final)):
+    raise ReshardError(
+      f"{final}: a checkpoint is never saved under the name of a save's temporary"
+      " directory (.NAME.tmp-*, *.orbax-checkpoint-tmp*), which jaxreshard clean and"
+      " later saves remove as a killed save's leftover; choose another name"
+    )
 
 
 def new_name(base: str) -> str:

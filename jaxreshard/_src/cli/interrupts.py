@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +14,15 @@ from typing import Any
 from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import rename as _rename
 
-__all__ = ["Committed", "Terminated", "finished", "on_sigterm_interrupt", "put_back", "writing"]
+__all__ = [
+  "Committed",
+  "Terminated",
+  "finished",
+  "on_sigterm_interrupt",
+  "put_back",
+  "started",
+  "writing",
+]
 
 
 class Terminated(KeyboardInterrupt):
@@ -60,9 +69,23 @@ def writing(out: Any) -> Iterator[None]:
     raise Committed(out, isinstance(e, Terminated)) from None
 
 
+# Whether a command runs (``started``): before it, while the command line is parsed,
+# there is nothing to clean up, and a SIGTERM ends the process as it says.
+_RUNNING = threading.Event()
+
+
+def started() -> None:
+  """A command begins: from here a SIGTERM is raised as :class:`Terminated`."""
+  _RUNNING.set()
+
+
 def _raise_terminated(signum: int, frame: Any) -> None:
-  del signum, frame
-  raise Terminated
+  del frame
+  if _RUNNING.is_set():
+    raise Terminated
+  # Raised as an interrupt here, the command line's parser would exit 130, silently.
+  print("jaxreshard: terminated", file=sys.stderr)
+  raise SystemExit(128 + signum)
 
 
 def on_sigterm_interrupt() -> Any:
@@ -75,20 +98,30 @@ def on_sigterm_interrupt() -> Any:
 
 
 def put_back(previous: Any) -> None:
-  """Puts back the SIGTERM handler :func:`on_sigterm_interrupt` replaced (a program
-  that ran the command line in its own process keeps its own handling)."""
+  """Puts back the SIGTERM handler :func:`on_sigterm_interrupt` replaced, and the
+  SIGINT one :func:`finished` did (a program that ran the command line in its own
+  process keeps its own handling)."""
+  _RUNNING.clear()
   if previous is not None and threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, previous)
+    while _SIGINT_BEFORE:
+      signal.signal(signal.SIGINT, _SIGINT_BEFORE.pop())
+
+
+# The SIGINT handler ``finished`` replaced, for ``put_back``.
+_SIGINT_BEFORE: list[Any] = []
 
 
 def finished() -> None:
-  """The command's outcome is decided and reported: a SIGTERM from here on, while the
-  process exits (its threads joined, jax shut down, the interpreter finalized, which
-  puts back the default handler that kills with 143), is ignored, so that the exit
-  code is the command's own and never says that work which completed was cut short.
-  Only the handler :func:`on_sigterm_interrupt` installed is replaced."""
+  """The command's outcome is decided and reported: a SIGTERM or a Ctrl-C from here
+  on, while the process exits (its threads joined, jax shut down, the interpreter
+  finalized, which puts back the default handlers that kill with 143 and 130, or a
+  KeyboardInterrupt traceback from the threads' shutdown), is ignored, so that the
+  exit code is the command's own and never says that work which completed was cut
+  short. Only where :func:`on_sigterm_interrupt` installed its handler."""
   if (
     threading.current_thread() is threading.main_thread()
     and signal.getsignal(signal.SIGTERM) is _raise_terminated
   ):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _SIGINT_BEFORE.append(signal.signal(signal.SIGINT, signal.SIG_IGN))

@@ -177,6 +177,7 @@ def guard(fn: Callable) -> Callable:
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
+    _interrupts.started()
     try:
       return _reported(fn, args, kwargs)
     finally:
