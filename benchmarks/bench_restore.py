@@ -39,14 +39,21 @@ def _timed(fn, repeats):
   return best, read, out
 
 
+def _buffer_files(path: str):
+  """The checkpoint's float32 buffer files, archive after archive (by name)."""
+  for name in sorted(os.listdir(path)):
+    f = os.path.join(path, name, "float32", "c", "0")
+    if os.path.exists(f):
+      yield f
+
+
 def _raw_read(path: str, nbytes: int) -> np.ndarray:
   """``nbytes`` read with plain ``readinto`` from the checkpoint's buffer files, in order."""
   out = np.empty(nbytes, np.uint8)
   view, pos = memoryview(out), 0
-  for name in sorted(os.listdir(path)):
-    f = os.path.join(path, name, "float32", "c", "0")
-    if pos >= nbytes or not os.path.exists(f):
-      continue
+  for f in _buffer_files(path):
+    if pos >= nbytes:
+      break
     with open(f, "rb", buffering=0) as fh:
       pos += fh.readinto(view[pos:])
   return out
@@ -77,10 +84,9 @@ def _checked_read(path: str, nbytes: int, piece: int = 1 << 20) -> np.ndarray:
   out = np.empty(nbytes, np.uint8)
   view, pos = memoryview(out), 0
   crc = 0
-  for name in sorted(os.listdir(path)):
-    f = os.path.join(path, name, "float32", "c", "0")
-    if pos >= nbytes or not os.path.exists(f):
-      continue
+  for f in _buffer_files(path):
+    if pos >= nbytes:
+      break
     with open(f, "rb", buffering=0) as fh:
       while pos < nbytes:
         got = fh.readinto(view[pos : min(pos + piece, nbytes)])
