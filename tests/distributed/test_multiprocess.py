@@ -807,6 +807,45 @@ def test_processes_of_one_restore_that_open_two_saves_fail_in_every_process(tmp_
   assert [r["cases"][4]["count"] for r in results] == [count(2) + 1] * 2
 
 
+def test_a_refusal_while_one_process_reads_its_part_fails_every_process(tmp_path):
+  """The processes agree on the state they opened before any byte is read; what one
+  refused while it read its part (a chunk that fails its crc32c in an archive only
+  its ranks read, a target whose dtype its data does not match) came back from
+  that process alone, and the other handed back its half of the global arrays of
+  a state refused. Every process now raises, the others naming the refusing one,
+  and a restore after it restores in both."""
+  opt = U.optimizer()
+  _, params, state, _ = U.example(seed=1)
+  good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+  jr.save_records(good, jr.shard_state(opt, params, state, 8, trainable=U.trainable()))
+  shutil.copytree(good, bad)
+  # A bit of archive 7's data, which only process 1's ranks (4-7) read.
+  data = os.path.join(bad, sorted(d for d in os.listdir(bad) if d.startswith("archive_"))[7])
+  data = os.path.join(data, "float32", "c", "0")
+  with open(data, "r+b") as f:
+    f.seek(os.path.getsize(data) // 2)
+    byte = f.read(1)
+    f.seek(-1, os.SEEK_CUR)
+    f.write(bytes([byte[0] ^ 1]))
+  both = lambda p: {"0": p, "1": p}  # noqa: E731
+  cases = [
+    {"paths": both(bad), "target": False},
+    {"paths": both(good), "target": True, "wrong_dtype": {"1": True}},
+    {"paths": both(good), "target": False},
+  ]
+  with U.ProcessGroup(
+    2, 4, "restore_two_saves", str(tmp_path / "out"), {"cases": cases}, timeout=120
+  ) as g:
+    results = sorted(g.check(), key=lambda r: r["process"])
+  first, second = results
+  assert "fails its crc32c check" in second["cases"][0]["error"], second
+  assert "process 1 refused its part of this restore" in first["cases"][0]["error"], first
+  assert "fails its crc32c check" in first["cases"][0]["error"], first
+  assert second["cases"][1]["error_type"] == "DtypeError", second
+  assert "process 1 refused its part of this restore (DtypeError" in first["cases"][1]["error"]
+  assert [r["cases"][2]["error"] for r in results] == [None, None], results
+
+
 def test_the_process_that_never_comes_to_a_restore_is_the_one_named(tmp_path):
   """Of three processes, the third never comes: the first names it after its wait,
   and the second, waiting for the first's verdict a little longer, names it too

@@ -37,6 +37,7 @@ from jaxreshard._src.errors import ArchiveError, PlacementError
 
 __all__ = [
   "devices_of_target",
+  "done_everywhere",
   "mesh_words",
   "opened_everywhere",
   "processes_of",
@@ -132,12 +133,7 @@ def opened_everywhere(
     opened = open_it()
   except BaseException as e:
     word = _text(f"failed: {type(e).__name__}: {e}")
-    try:  # the others stop waiting for this process
-      client.key_value_set(prefix + str(me), word)
-      if me == leader:
-        client.key_value_set(prefix + "verdict", _text(_verdict({me: word}, directory)))
-    except Exception:  # pylint: disable=broad-exception-caught
-      pass
+    _tell(client, prefix, {str(me): word, "verdict": _verdict({me: word}, directory)}, me, leader)
     raise
   ckpt = opened[0] if isinstance(opened, tuple) else opened
   # JSON's ASCII escapes keep any path whole; a long one is shown cut (words only).
@@ -154,10 +150,7 @@ def opened_everywhere(
           break  # named at once; the others need not be waited for
     except BaseException as e:  # told to the others (an interrupt too), who wait for it
       why = str(e) if isinstance(e, ArchiveError) else f"{directory}: process {me} stopped"
-      try:
-        client.key_value_set(prefix + "verdict", _text(f"ArchiveError: {why}"))
-      except Exception:  # pylint: disable=broad-exception-caught
-        pass
+      _tell(client, prefix, {"verdict": f"ArchiveError: {why}"}, me, leader)
       raise
     verdict = _text(_verdict(words, directory))
     client.key_value_set(prefix + "verdict", verdict)
@@ -170,6 +163,73 @@ def opened_everywhere(
     cls, _, words = verdict.partition(": ")
     raise (PlacementError if cls == "PlacementError" else ArchiveError)(words)
   return opened
+
+
+def done_everywhere(processes: tuple[int, ...], build: Callable[[], Any], directory: Any) -> Any:
+  """``build()`` (the reads and checks of this process's part of the restore), once
+  every one of ``processes`` built its part. What a process refuses while it reads
+  (a chunk that fails its checksum, padding that is not zero, a target its data
+  does not match) is then refused in every process: the others raise naming it,
+  and no process hands back part of a state another process refused. Called after
+  :func:`opened_everywhere` of the same restore, in the same order everywhere.
+
+  Raises:
+    ArchiveError: another process refused its part (named, with its error), or
+      was not done within ``TIMEOUT_S``.
+    whatever ``build`` raises, in this process (the others are told).
+  """
+  client = _client(processes)
+  if client is None:
+    return build()
+  with _LOCK:
+    n = _COUNTS[("done", processes)]
+    _COUNTS[("done", processes)] += 1
+  prefix = f"{_KEY}/{'-'.join(map(str, processes))}/done/{n}/"
+  me, leader = jax.process_index(), processes[0]
+  deadline = time.monotonic() + TIMEOUT_S
+
+  def refused(p: int, word: str) -> str:
+    return f"{directory}: process {p} refused its part of this restore ({word[8:]})"
+
+  try:
+    built = build()
+  except BaseException as e:
+    word = _text(f"failed: {type(e).__name__}: {e}")
+    _tell(client, prefix, {str(me): word, "verdict": refused(me, word)}, me, leader)
+    raise
+  client.key_value_set(prefix + str(me), "ok")
+  if me == leader:
+    verdict = "ok"
+    try:
+      for p in processes[1:]:
+        word = _get(client, prefix + str(p), deadline, directory, [p], TIMEOUT_S)
+        if word != "ok":
+          verdict = refused(p, word)
+          break
+    except BaseException as e:  # told to the others, who wait for it
+      why = str(e) if isinstance(e, ArchiveError) else f"{directory}: process {me} stopped"
+      _tell(client, prefix, {"verdict": why}, me, leader)
+      raise
+    client.key_value_set(prefix + "verdict", _text(verdict))
+  else:
+    verdict = _get(
+      client, prefix + "verdict", deadline + _GRACE_S, directory, [leader], TIMEOUT_S + _GRACE_S
+    )
+  if verdict != "ok":
+    raise ArchiveError(verdict)
+  return built
+
+
+def _tell(client: Any, prefix: str, words: dict[str, str], me: int, leader: int) -> None:
+  """Sets ``words`` (this process's word, the verdict) under ``prefix``, so that the
+  others stop waiting for this process; only the first process sets the verdict. A
+  store that cannot be reached any more leaves them to their timeout."""
+  try:
+    for key, word in words.items():
+      if key != "verdict" or me == leader:
+        client.key_value_set(prefix + key, _text(word))
+  except Exception:  # pylint: disable=broad-exception-caught
+    pass
 
 
 def _get(

@@ -178,7 +178,8 @@ def restore_sharded(
       checkpoints of two saves or were given two meshes (in every process); a
       process that holds none of the mesh's (or target's) devices.
     ArchiveError: onto devices of several processes, another process refused
-      the restore (named, with its error), or did not come to it in time.
+      the restore, before reading or while it read its part (named, with its
+      error), or did not come to it in time.
 
   Examples:
     >>> import os, tempfile, jax, jax.numpy as jnp, numpy as np, optax, jaxreshard as jr
@@ -201,23 +202,33 @@ def restore_sharded(
   # Every process whose devices the restore places on opens a checkpoint of one save,
   # and a refusal of its arguments in one process is one in every process.
   devices = list(_agreement.restore_devices(mesh, target))
+  processes = _agreement.processes_of(devices)
   ckpt, plain, like = _agreement.opened_everywhere(
-    _agreement.processes_of(devices),
+    processes,
     lambda: _checked_and_opened(
       directory, (mesh, axis, devices), target, optimizer, params, like, progress
     ),
     directory,
     None if target is not None else _agreement.mesh_words(mesh, axis),
   )
+  # What a process refuses while it reads its part is refused in every process too.
   if target is not None:
-    restored = _target_restore.restore_to_target(
-      directory, plain, progress=progress, checkpoint=ckpt
+    restored = _agreement.done_everywhere(
+      processes,
+      lambda: _target_restore.restore_to_target(
+        directory, plain, progress=progress, checkpoint=ckpt
+      ),
+      directory,
     )
     return _in_like(like, restored)
   world = _mesh.axis_size(mesh, axis)
   ranks = list(_mesh.mesh_ranks(mesh, axis))
-  records = _restore.restore_reported(
-    "restore_sharded", directory, ranks, world_size=world, checkpoint=ckpt, progress=progress
+  records = _agreement.done_everywhere(
+    processes,
+    lambda: _restore.restore_reported(
+      "restore_sharded", directory, ranks, world_size=world, checkpoint=ckpt, progress=progress
+    ),
+    directory,
   )
   built = dict(zip(ranks, records))
   restored = MeshState(
