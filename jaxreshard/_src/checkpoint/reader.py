@@ -77,6 +77,7 @@ from jaxreshard._src.checkpoint import pads as _pads
 from jaxreshard._src.checkpoint import shardread as _shardread
 from jaxreshard._src.checkpoint import table as _table
 from jaxreshard._src.checkpoint import tableindex as _tableindex
+from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.checkpoint.archives import allocate, path_arg  # noqa: F401  (re-exported)
 from jaxreshard._src.checkpoint.index import (  # noqa: F401  (re-exported)
   _TWICE,
@@ -406,8 +407,17 @@ def open_checkpoint(directory: os.PathLike | str) -> Checkpoint:
   Raises:
     FileNotFoundError: ``directory`` does not exist.
     ArchiveError: it is not a jaxreshard checkpoint of this format version, its
-      index fails its checksum, or its index is malformed.
+      index fails its checksum, or its index is malformed; or it lies in a save's
+      temporary directory (``.NAME.tmp-*``, ``*.orbax-checkpoint-tmp*``): a save
+      still running, or the leftover of one that was killed, is never read.
   """
+  _tempname.check_not_in_temporary(path_arg(directory))
+  return Checkpoint(directory)
+
+
+def open_unfinished(directory: os.PathLike | str) -> Checkpoint:
+  """``open_checkpoint`` of a save's own temporary directory, by the save that
+  writes it, to check that what it is about to commit loads."""
   return Checkpoint(directory)
 
 

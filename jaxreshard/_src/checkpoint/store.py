@@ -20,6 +20,7 @@ from jaxreshard._src.checkpoint.reader import (
   Checkpoint,
   SourcedRecords,
   open_checkpoint,
+  open_unfinished,
   path_arg,
   write_checkpoint,
 )
@@ -108,9 +109,9 @@ def save_records(
   descriptor and locked (``flock``) by this save, that is renamed to
   ``directory`` at the very end, once it is checked to be still this save's
   and complete: a failed save leaves nothing, and a killed one leaves a
-  ``.NAME.tmp-*`` sibling whose lock is then free (a name the CLI never takes for
-  a checkpoint when it looks in a directory; named explicitly, one killed after
-  its last write reads as whole), which the next save to ``directory`` on the
+  ``.NAME.tmp-*`` sibling whose lock is then free (never read as a checkpoint,
+  even named explicitly: a leftover of a save killed after its last write looks
+  whole, but was never reported done), which the next save to ``directory`` on the
   same host removes, as does ``jaxreshard clean``. Neither ever removes a
   directory whose writer holds its lock.
 
@@ -203,7 +204,7 @@ def check_restorable(path: str, final: str) -> None:
   rules, with their messages; nothing is committed then. (A reshard's output names
   its source and may be a part of the target's ranks: its parts merge first.)"""
   try:
-    with open_checkpoint(path) as ckpt:
+    with open_unfinished(path) as ckpt:
       _restore.validated_whole(ckpt)
   except ReshardError as e:
     raise type(e)(f"{final}: this save would not restore, so nothing is committed: {e}") from None

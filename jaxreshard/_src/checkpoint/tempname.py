@@ -14,12 +14,13 @@ import re
 import socket
 import uuid
 
-from jaxreshard._src.errors import ReshardError
+from jaxreshard._src.errors import ArchiveError, ReshardError
 
 __all__ = [
   "ORBAX_TEMP_SUFFIX",
   "TEMP_NAME",
   "host",
+  "check_not_in_temporary",
   "check_not_temporary",
   "is_temporary",
   "new_name",
@@ -94,6 +95,30 @@ def check_not_temporary(final: str) -> None:
       " directory (.NAME.tmp-*, *.orbax-checkpoint-tmp*), which jaxreshard clean and"
       " later saves remove as a killed save's leftover; choose another name"
     )
+
+
+def check_not_in_temporary(path: str) -> None:
+  """Refuses to read a checkpoint at ``path`` when it, or a directory above it, is a
+  save's temporary directory: a save still writing it, or the leftover of a save
+  that was killed before its commit (which may hold a complete-looking index).
+
+  Raises:
+    ArchiveError: naming the path and the committed name to read instead.
+  """
+  here = os.path.abspath(path)
+  while True:
+    name = os.path.basename(here)
+    if name and is_temporary(name):
+      raise ArchiveError(
+        f"{path}: {name!r} is a save's temporary directory (.NAME.tmp-*,"
+        " *.orbax-checkpoint-tmp*), never a checkpoint to read: a save still writing"
+        " it, or the leftover of one killed before its commit; read the committed"
+        " checkpoint instead (jaxreshard clean removes leftovers nobody holds)"
+      )
+    parent = os.path.dirname(here)
+    if parent == here:
+      return
+    here = parent
 
 
 def new_name(base: str) -> str:

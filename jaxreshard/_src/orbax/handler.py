@@ -211,7 +211,7 @@ def _unloadable(directory: str) -> Exception | None:
   and its archives one restorable set (ranks, clocks, structures, dtypes).
   Orbax makes it visible once ``finalize`` returns."""
   try:
-    ckpt = _reader.open_checkpoint(directory)
+    ckpt = _reader.open_unfinished(directory)
     for i in range(len(ckpt)):
       ckpt.check_archive(i)
       ckpt.check_files(i)

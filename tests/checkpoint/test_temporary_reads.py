@@ -1,0 +1,87 @@
+"""A save's temporary directory is never read as a checkpoint.
+
+A save writes into a temporary directory (``.NAME.tmp-*``, or orbax's
+``NAME.orbax-checkpoint-tmp*`` for ``save_sharded`` and a manager's steps) and
+renames it at its commit. One killed between writing its index and the rename
+leaves a directory that looks complete; every read path loaded it, and the CLI
+converted it, although the save was never reported done.
+"""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from typer.testing import CliRunner
+
+import jaxreshard as jr
+from jaxreshard._src.checkpoint import tempdir as _tempdir
+from jaxreshard._src.checkpoint import tempname as _tempname
+from jaxreshard._src.cli.commands import EXIT_ERROR, app
+from tests._core_util import device_mesh
+
+OPT = optax.adam(1e-2)
+
+
+def _records():
+  params = {"w": jnp.arange(10.0), "b": jnp.ones((3,))}
+  state = OPT.init(params)
+  state = (state[0]._replace(mu={"w": jnp.arange(10.0) * 3, "b": jnp.ones((3,)) * 2}), state[1])
+  return jr.shard_state(OPT, params, state, world_size=4)
+
+
+def _leftovers(root):
+  """A committed checkpoint renamed to each kind of temporary directory, its lock file
+  back in it (as a save killed just before its rename leaves it)."""
+  seed = os.path.join(root, "seed")
+  jr.save_records(seed, _records())
+  out = []
+  names = [
+    f".ckpt.tmp-{'a' * 32}-999999-{_tempname.host()}",
+    "ckpt" + _tempname.ORBAX_TEMP_SUFFIX,
+    os.path.join("run", "2" + _tempname.ORBAX_TEMP_SUFFIX, "state"),  # a manager's step
+  ]
+  for name in names:
+    path = os.path.join(root, name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    shutil.copytree(seed, path)
+    open(os.path.join(path, _tempdir.LOCK_FILE), "w").close()
+    out.append(path)
+  return seed, out
+
+
+def test_every_read_path_refuses_a_save_s_temporary_directory(tmp_path):
+  seed, leftovers = _leftovers(str(tmp_path))
+  mesh = device_mesh((4,), ("fsdp",))
+  for path in leftovers:
+    reads = {
+      "open_checkpoint": lambda: jr.open_checkpoint(path),
+      "load_records": lambda: jr.load_records(path),
+      "restore": lambda: jr.restore(path, world_size=3, rank=0),
+      "restore_ranks": lambda: jr.restore_ranks(path, range(3), world_size=3),
+      "restore_sharded": lambda: jr.restore_sharded(path, mesh, "fsdp"),
+      "digest": lambda: jr.digest(path),
+    }
+    for name, read in reads.items():
+      with pytest.raises(jr.ArchiveError, match="a save's temporary directory") as e:
+        read()
+      assert path in str(e.value), (name, str(e.value))
+    for args in (
+      ["inspect", path],
+      ["verify", path, seed],
+      ["reshard", path, str(tmp_path / "out"), "-w", "3"],
+    ):
+      result = CliRunner().invoke(app, args)
+      assert result.exit_code == EXIT_ERROR, (args, result.output)
+      assert "a save's temporary directory" in result.stderr, result.stderr
+    assert not os.path.exists(tmp_path / "out")
+  # The same files under a committed name load, bit for bit.
+  os.rename(leftovers[1], tmp_path / "committed")
+  got = jr.unshard_state(jr.load_records(tmp_path / "committed"))
+  want = jr.unshard_state(_records())
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert a.dtype == b.dtype
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
