@@ -42,6 +42,7 @@ __all__ = [
   "opened_everywhere",
   "processes_of",
   "restore_devices",
+  "target_words",
 ]
 
 _KEY = "jaxreshard/restore"
@@ -78,6 +79,50 @@ def mesh_words(mesh: Any, axis: Any) -> Any:
   names = [str(n) for n in getattr(mesh, "axis_names", ())]
   words = repr((names, devices.shape, [d.id for d in devices.flat], str(axis)))
   return hashlib.sha256(words.encode()).hexdigest()[:32]
+
+
+def target_words(target: Any) -> str:
+  """What every process of a restore onto ``target`` must pass alike: a digest of
+  each leaf's shape, dtype and layout (which device holds which block, in the
+  sharding's device order), a few bytes in the store whatever the size of the tree.
+
+  Each process builds its part of every global array from its own target: targets
+  whose shardings differ (another device order, another mesh shape or partition)
+  make parts of different arrays, which no later collective can put together.
+  """
+  digest = hashlib.sha256()
+  meshes: dict[int, str] = {}
+  try:
+    for leaf in jax.tree.leaves(target):
+      sharding = getattr(leaf, "sharding", None)
+      shape = tuple(getattr(leaf, "shape", ()))
+      digest.update(repr((shape, str(getattr(leaf, "dtype", None)))).encode())
+      digest.update(_layout_words(sharding, shape, meshes).encode())
+  except Exception as e:  # a target the restore refuses (in every process) when it checks it
+    return f"target not readable ({type(e).__name__})"
+  return "target " + digest.hexdigest()[:32]
+
+
+def _layout_words(sharding: Any, shape: tuple, meshes: dict[int, str]) -> str:
+  """A sharding's layout of ``shape``: a named sharding's mesh (its axes, shape and
+  devices in order, once per mesh) and partition; any other's block of each device."""
+  if sharding is None:
+    return "none"
+  mesh = getattr(sharding, "mesh", None)
+  devices = getattr(mesh, "devices", None)
+  if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(devices, np.ndarray):
+    words = meshes.get(id(mesh))
+    if words is None:  # once per mesh, however many devices it has
+      names = [str(n) for n in mesh.axis_names]
+      whole = repr((names, devices.shape, [d.id for d in devices.flat]))
+      words = meshes[id(mesh)] = hashlib.sha256(whole.encode()).hexdigest()
+    kind = getattr(sharding, "memory_kind", None)
+    return repr((words, str(sharding.spec), kind))
+  try:
+    blocks = sharding.devices_indices_map(shape)
+  except Exception:  # a sharding that cannot say: its own words
+    return repr(sharding)
+  return repr(sorted((d.id, repr(i)) for d, i in blocks.items()))
 
 
 def devices_of_target(target: Any) -> Iterable[Any]:
@@ -259,6 +304,12 @@ def _verdict(words: dict[int, str], directory: Any) -> str:
   first = min(opened)
   for p in sorted(opened):
     if opened[p].get("where") != opened[first].get("where"):
+      if any(str(opened[q].get("where")).startswith("target") for q in (p, first)):
+        return (
+          f"PlacementError: {directory}: process {p} restores onto another target than"
+          f" process {first} (a leaf's shape, dtype, devices, their order, the mesh or"
+          " the partition differ); every process passes the same target"
+        )
       return (
         f"PlacementError: {directory}: process {p} restores onto another mesh (its devices,"
         f" their order, its axes, or the axis) than process {first}; every process"

@@ -209,7 +209,7 @@ def restore_sharded(
       directory, (mesh, axis, devices), target, optimizer, params, like, progress
     ),
     directory,
-    None if target is not None else _agreement.mesh_words(mesh, axis),
+    _agreement.target_words(target) if target is not None else _agreement.mesh_words(mesh, axis),
   )
   # What a process refuses while it reads its part is refused in every process too.
   if target is not None:
