@@ -1000,6 +1000,30 @@ def test_a_timed_out_save_sharded_writes_no_archive_after_it_gave_up(tmp_path, m
   assert os.listdir(tmp_path) == []
 
 
+def test_a_save_that_fails_after_its_commit_does_not_say_it_was_not_committed(
+  tmp_path, monkeypatch
+):
+  """A process whose wait fails after the directory was renamed (another process's
+  rename, then a barrier that times out) said "was not committed" of a checkpoint
+  that is complete: a retry trusting it met "already exists". It now says that the
+  directory exists and may be complete, and it loads."""
+  opt, state, mesh = _mesh_state()
+  wait = ocp.AsyncCheckpointer.wait_until_finished
+
+  def then_fails(self):
+    wait(self)
+    if os.path.isdir(tmp_path / "ck"):  # orbax also waits before it starts a save
+      raise TimeoutError("the commit barrier timed out")
+
+  monkeypatch.setattr(ocp.AsyncCheckpointer, "wait_until_finished", then_fails)
+  with pytest.raises(jr.ArchiveError) as e:
+    jr.save_sharded(tmp_path / "ck", opt, state, {"w": (12,)}, mesh)
+  assert "was not committed" not in str(e.value), e.value
+  assert "ck exists, but this process could not see its save through" in str(e.value)
+  assert "TimeoutError: the commit barrier timed out" in str(e.value)
+  assert len(jr.load_records(tmp_path / "ck")) == 4
+
+
 @pytest.mark.parametrize("durable", [False, True])
 def test_a_manager_step_orbax_gave_up_on_saves_again_at_once(tmp_path, monkeypatch, durable):
   """A CheckpointManager gives up on a save past its timeout and tells the handler

@@ -162,7 +162,14 @@ def save_sharded(
       f"save_sharded: {final} was not committed: another save is writing it ({e})"
     ) from e
   except Exception as e:  # orbax's and the runtime's error types
-    raise ArchiveError(f"save_sharded: {final} was not committed ({type(e).__name__}: {e})") from e
+    why = f"{type(e).__name__}: {e}"
+    if os.path.lexists(final):  # another process's rename came before the failure
+      raise ArchiveError(
+        f"save_sharded: {final} exists, but this process could not see its save through"
+        f" ({why}); it may be complete or another save's: read it (a restore, or"
+        " jaxreshard verify) before trusting it or saving there again"
+      ) from e
+    raise ArchiveError(f"save_sharded: {final} was not committed ({why})") from e
   finally:
     # A directory creation orbax still runs for a failed save needs orbax's
     # threads: it ends before orbax closes, and what it made goes with the rest
