@@ -730,6 +730,30 @@ def _durable_manager(path, **kwargs):
   return ocp.CheckpointManager(path, options=options, **kwargs)
 
 
+def test_a_step_whose_item_a_killed_save_committed_saves_again(tmp_path):
+  """A save killed after its item's rename and before its step's leaves
+  ``RUN/2.orbax-checkpoint-tmp/default`` in place. The next save of step 2 raised
+  ``ArchiveExistsError`` ("already exists; ... this save removed nothing") although
+  that item was never committed and orbax removed it during that save: only a
+  second retry saved the step. It now saves at once, with the exact bits."""
+  import shutil
+
+  records = adam_records(3)
+  with _durable_manager(tmp_path / "run") as manager:
+    manager.save(1, args=jr.ReshardSave(adam_records(3, seed=1)))
+    manager.wait_until_finished()
+  leftover = tmp_path / "run" / "2.orbax-checkpoint-tmp" / "default"
+  shutil.copytree(tmp_path / "run" / "1" / "default", leftover)
+  with _durable_manager(tmp_path / "run") as manager:
+    assert manager.all_steps() == [1]
+    assert manager.save(2, args=jr.ReshardSave(records))
+    manager.wait_until_finished()
+    got = manager.restore(2, args=jr.ReshardRestore())
+  for a, b in zip(got, records, strict=True):
+    assert_records_equal(a, b)
+  assert sorted(os.listdir(tmp_path / "run")) == ["1", "2"]
+
+
 def test_a_step_of_many_items_saves(tmp_path):
   """Orbax creates a step's items at once: each waits for the parent's lock without
   holding one of the threads that making the directories needs (more items than

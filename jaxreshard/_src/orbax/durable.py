@@ -72,6 +72,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from jaxreshard._src.checkpoint import tempdir as _tempdir
+from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError
 from jaxreshard._src.orbax import deletes as _deletes
 from jaxreshard._src.orbax.inflight import InFlight
@@ -307,7 +308,10 @@ class DurableRenameTemporaryPath(ocp.path.atomicity.AtomicRenameTemporaryPath):
         raise _exists(final, _STILL_QUEUED)
       if _deletes.stopped_at(final) and os.path.lexists(final):
         raise _exists(final, _DELETER_STOPPED)
-      refuse_if_committed(final)
+      # An item's final path lies in its step's temporary directory: what is there
+      # is a killed save's leftover, never committed, which orbax removes.
+      if not _tempname.is_temporary(os.path.basename(os.path.dirname(os.path.abspath(final)))):
+        refuse_if_committed(final)
     return super().from_final(final_path, **kwargs)
 
   @classmethod
