@@ -173,3 +173,32 @@ def test_refusals_of_arguments_are_reshard_errors(tmp_path):
     with pytest.raises(jr.ReshardError):
       call()
   assert os.listdir(tmp_path) == []
+
+
+def test_importing_every_module_starts_no_jax_backend(tmp_path):
+  """``jax.distributed.initialize`` must come before jax starts a backend, and a
+  process that forks after importing must not hold one: importing the package
+  (every module of it) runs no jax computation."""
+  import socket
+  import subprocess
+  import sys
+
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  script = f"""
+import importlib, pkgutil
+import jaxreshard
+for m in pkgutil.walk_packages(jaxreshard.__path__, "jaxreshard."):
+  if not m.name.endswith(("._blockcopy", ".__main__")):  # a C library; the command line
+    importlib.import_module(m.name)
+import jax
+jax.distributed.initialize("localhost:{port}", num_processes=1, process_id=0)
+print("initialized", jax.process_count())
+"""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  root = pathlib.Path(__file__).resolve().parent.parent
+  out = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=root, timeout=120
+  )
+  assert out.returncode == 0 and "initialized 1" in out.stdout, out.stderr[-2000:]

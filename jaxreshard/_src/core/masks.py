@@ -37,6 +37,7 @@ __all__ = [
   "ids_tree",
   "masked_mirrors",
   "masked_places",
+  "node_at",
   "under",
   "unmasked_tree",
 ]
@@ -160,7 +161,7 @@ def ids_tree(with_path: Sequence[tuple[Any, Any]], treedef: Any, want: Sequence[
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _at(tree: Any, path: Sequence[Any]) -> Any:
+def node_at(tree: Any, path: Sequence[Any]) -> Any:
   """The node of ``tree`` at the key path ``path``; None where it has none."""
   node = tree
   for key in path:
@@ -193,7 +194,7 @@ def unmasked_tree(mirrors: Sequence[Any], want: Sequence[str]) -> Any:
       if not is_masked(leaf):
         return leaf
       for other in mirrors:
-        sub = _at(other, prefix + path)
+        sub = node_at(other, prefix + path)
         if sub is not None and not is_masked(sub):
           return resolve(sub, prefix + path)
       pid = path_id(prefix + path)  # masked in every mirror

@@ -6,12 +6,12 @@ the validated source side of every (param, sources) group. Resharding rank
 after rank over the same records asks :func:`record_sources` for them again;
 it answers from :data:`CACHE`, which is keyed by the records' identities and
 drops an entry as soon as one of its records is garbage collected, so it never
-keeps records alive. Records are frozen; the containers inside their states
-must not be mutated in place after a record was resharded (build a new
-record instead), as with any jax pytree. What is remembered is what the
-records were when first looked at: their structure, placements and clock
-scalars (numpy ones copied then). Only the values of history buffers are read
-as they are at each call: host views of them, never copies, are kept (a
+keeps records alive, and takes the records apart afresh when one changed since
+(a buffer or clock scalar replaced in a container of its state, a key added or
+removed, a field of the record set: ``recordguard``). What is remembered is
+what the records were when first looked at: their structure, placements and
+clock scalars (numpy ones copied then). Only the values of history buffers are
+read as they are at each call: host views of them, never copies, are kept (a
 strided numpy buffer, whose host view is a copy, is copied again per call).
 Those views are of the memory each buffer viewed when first looked at, as it
 viewed it: a shape, dtype or strides set in place later on a numpy buffer, or a
@@ -41,8 +41,8 @@ from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.engine import plans as _plans
 from jaxreshard._src.engine import stacks as _stacks
 from jaxreshard._src.engine.caches import FactsCache, RecentByObject, sources_key  # noqa: F401  (re-exported)
-from jaxreshard._src.engine.clockguard import ClockGuard
 from jaxreshard._src.engine.homes import BufferHomes
+from jaxreshard._src.engine.recordguard import RecordGuard
 from jaxreshard._src.errors import PlacementError
 
 __all__ = [
@@ -142,8 +142,8 @@ class RecordSources:
     # time in their parameters (each ``_is_uniform`` compares every archive of a group).
     self._layout_ids = _numbered([sig[0] for sig in self._signatures])
     _check_one_tree(self._layout_ids, self.parts_by_archive)
-    # The clock scalars held in the records' mutable containers, for ``current``.
-    self._clock_guard = ClockGuard(records, self.parts_by_archive)
+    # What the records hold (fields, containers, numpy clock scalars), for ``current``.
+    self._guard = RecordGuard(records, self.parts_by_archive)
     # Whether a source tuple is uniform, by ``sources_key``.
     self._uniform: dict[tuple, bool] = {}
     # Each buffer's host view, and whether it lives on an accelerator.
@@ -161,10 +161,10 @@ class RecordSources:
   def __len__(self) -> int:
     return len(self.parts_by_archive)
 
-  def current(self) -> bool:
-    """Whether the records still hold the clock scalars they were taken apart with
-    (one replaced in a dict of a state is not: the records are taken apart afresh)."""
-    return self._clock_guard.holds()
+  def current(self, records: Sequence[Any]) -> bool:
+    """Whether ``records`` (these sources' records, in order) still hold what they were
+    taken apart with (``recordguard``); else they are taken apart afresh."""
+    return self._guard.holds(records)
 
   def placement(self, archive: int, pid: str) -> ParamPlacement | None:
     return self._placements[archive].get(pid)
@@ -380,8 +380,8 @@ def _signature(
 
 class SourceCache:
   """``RecordSources`` by the identities of their records and jax's x64 mode, dropped
-  when one dies and made afresh when a record no longer holds a clock scalar it was
-  taken apart with.
+  when one dies and made afresh when a record no longer holds what it was taken
+  apart with (``RecordSources.current``).
 
   What validation accepts depends on the x64 mode (a float64 history buffer is
   copied exactly only with x64 on), so sources validated under one mode are
@@ -397,7 +397,11 @@ class SourceCache:
     key = (bool(jax.config.jax_enable_x64), *map(id, records))
     with self._lock:
       hit = self._entries.get(key)
-    if hit is not None and all(ref() is r for ref, r in zip(hit[0], records)) and hit[1].current():
+    if (
+      hit is not None
+      and all(ref() is r for ref, r in zip(hit[0], records))
+      and hit[1].current(records)
+    ):
       return hit[1]
     with no_gc():
       sources = RecordSources(records)

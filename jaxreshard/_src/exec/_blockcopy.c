@@ -1,7 +1,8 @@
 /* Block copies of the host executor, compiled: each buffer's flat range moved
  * from the rows of the source ranks to the rows of the target ranks; the
  * gather that writes a tile of narrow buffers' target rows from its table; the
- * check that runs of source padding hold no set bit; the crc32c check of a
+ * check that runs of source padding hold no set bit; a read of one word of each
+ * of many objects; the crc32c check of a
  * span's chunks; and, on Linux, spans of a shard file read (preadv) and checked
  * one after another in one call.
  *
@@ -118,7 +119,21 @@ TILE_GATHER(uint64_t, gather8)
 /* The interface of this file: native.py loads the library only where this is
  * the number it was written for (an editable install keeps a library built
  * from an older copy of this file until it is installed again). */
-int jaxreshard_blockcopy_version(void) { return 5; }
+int jaxreshard_blockcopy_version(void) { return 6; }
+
+/* Writes to out[i] the 8 bytes at address addresses[i], i in [0, n): a field of
+ * each of n live objects the caller holds (the version tags of dicts, which
+ * `recordguard` compares between calls), read in one call instead of one
+ * interpreter call per object. Every address is 8-byte aligned inside an object
+ * the caller keeps alive; none is checked here. */
+void jaxreshard_read_words(int64_t n, const int64_t *addresses, uint64_t *out) {
+  const int64_t ahead = 16;
+  for (int64_t i = 0; i < n && i < ahead; i++) PREFETCH((const void *)(uintptr_t)addresses[i]);
+  for (int64_t i = 0; i < n; i++) {
+    if (i + ahead < n) PREFETCH((const void *)(uintptr_t)addresses[i + ahead]);
+    out[i] = *(const uint64_t *)(uintptr_t)addresses[i];
+  }
+}
 
 /* Whether any bit is set in the runs [start[j], start[j] + length[j]) of the
  * `n_flat` elements of `itemsize` bytes at `flat`, j in [0, n): 1 where one is,
