@@ -17,7 +17,7 @@ compares them:
 - dicts (a params tree of dicts in every history mirror, often one per param:
   by far the most numerous) by CPython's version tag, which the interpreter moves
   at every change of a dict: one read per dict, whatever its size, all of them in
-  one call of the compiled library (``native.read_words``) where it is built. The
+  one call of the compiled library (``native.first_changed_word``) where it is built. The
   tag is used only where a check of this interpreter, made once, finds it moved
   by every kind of change; elsewhere each dict is compared by its keys and the
   identity of each value;
@@ -202,7 +202,7 @@ class RecordGuard:
         if not all(map(operator.is_, map(d.get, _FIELDS), fields)):
           return False
       if self._where is not None:
-        if not np.array_equal(_native.read_words(self._where), self._expected):
+        if _native.first_changed_word(self._where, self._expected) != -1:
           return False
       elif self._tags:
         if not all(_tag(d) == tag for d, tag in self._dicts):

@@ -121,18 +121,21 @@ TILE_GATHER(uint64_t, gather8)
  * from an older copy of this file until it is installed again). */
 int jaxreshard_blockcopy_version(void) { return 6; }
 
-/* Writes to out[i] the 8 bytes at address addresses[i], i in [0, n): a field of
- * each of n live objects the caller holds (the version tags of dicts, which
- * `recordguard` compares between calls), read in one call instead of one
- * interpreter call per object. Every address is 8-byte aligned inside an object
- * the caller keeps alive; none is checked here. */
-void jaxreshard_read_words(int64_t n, const int64_t *addresses, uint64_t *out) {
-  const int64_t ahead = 16;
+/* The first i in [0, n) whose 8-byte word at address addresses[i] differs from
+ * expected[i], or -1 where none does: a field of each of n live objects the
+ * caller holds (the version tags of dicts, which `recordguard` compares between
+ * calls), read in one call instead of one interpreter call per object. Every
+ * address is 8-byte aligned inside an object the caller keeps alive; none is
+ * checked here. The objects lie apart in memory: each is asked for well ahead. */
+int64_t jaxreshard_first_changed_word(int64_t n, const int64_t *addresses,
+                                      const uint64_t *expected) {
+  const int64_t ahead = 64;
   for (int64_t i = 0; i < n && i < ahead; i++) PREFETCH((const void *)(uintptr_t)addresses[i]);
   for (int64_t i = 0; i < n; i++) {
     if (i + ahead < n) PREFETCH((const void *)(uintptr_t)addresses[i + ahead]);
-    out[i] = *(const uint64_t *)(uintptr_t)addresses[i];
+    if (*(const uint64_t *)(uintptr_t)addresses[i] != expected[i]) return i;
   }
+  return -1;
 }
 
 /* Whether any bit is set in the runs [start[j], start[j] + length[j]) of the

@@ -39,7 +39,7 @@ __all__ = [
   "fits",
   "gather_tile",
   "read_spans",
-  "read_words",
+  "first_changed_word",
   "reads_spans",
 ]
 
@@ -84,7 +84,7 @@ def _load(here: str | None = None) -> Any:
       gather = library.jaxreshard_gather_tile
       check = library.jaxreshard_check_chunks
       any_runs = library.jaxreshard_any_nonzero_runs
-      words = library.jaxreshard_read_words
+      words = library.jaxreshard_first_changed_word
       read_spans = library.jaxreshard_read_spans if library.jaxreshard_reads_spans() else None
     except (OSError, AttributeError) as e:
       print(f"jaxreshard: {path} cannot be loaded ({e}); copying with numpy", file=sys.stderr)
@@ -99,7 +99,7 @@ def _load(here: str | None = None) -> Any:
     any_runs.argtypes = [ptr, i64, i64, i64, ptr, ptr]
     any_runs.restype = ctypes.c_int
     words.argtypes = [i64, ptr, ptr]
-    words.restype = None
+    words.restype = i64
     if read_spans is not None:
       read_spans.argtypes = [ctypes.c_int, ptr, i64, *[ptr] * 9, i64, ptr, ptr]
       read_spans.restype = i64
@@ -262,17 +262,26 @@ def gather_tile(tile: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
     raise ValueError(f"tile gather: elements of {tile.itemsize} bytes cannot be gathered")
 
 
-def read_words(addresses: np.ndarray) -> np.ndarray | None:
-  """The 8 bytes at each address of ``addresses`` (int64, 8-byte aligned, each inside
-  a live object the caller holds), as uint64; None without the library."""
+def first_changed_word(addresses: np.ndarray, expected: np.ndarray) -> int | None:
+  """The first ``i`` whose 8 bytes at ``addresses[i]`` (int64, 8-byte aligned, each
+  inside a live object the caller holds) differ from ``expected[i]`` (uint64), or
+  -1 where none does; None without the library."""
   if _library is None:
     return None
-  if addresses.dtype != np.int64 or addresses.ndim != 1 or not addresses.flags.c_contiguous:
-    raise ValueError(f"read_words: addresses {addresses.dtype}{addresses.shape} do not fit")
-  out = np.empty(len(addresses), np.uint64)
-  if len(addresses):
-    _library.words(len(addresses), addresses.ctypes.data, out.ctypes.data)
-  return out
+  if (
+    addresses.dtype != np.int64
+    or expected.dtype != np.uint64
+    or addresses.shape != expected.shape
+    or addresses.ndim != 1
+    or not (addresses.flags.c_contiguous and expected.flags.c_contiguous)
+  ):
+    raise ValueError(
+      f"first_changed_word: {addresses.dtype}{addresses.shape} and"
+      f" {expected.dtype}{expected.shape} do not fit"
+    )
+  if not len(addresses):
+    return -1
+  return int(_library.words(len(addresses), addresses.ctypes.data, expected.ctypes.data))
 
 
 def check_chunks(extend: int, n: int, at: int, addr: int, length: int, expected: int) -> int:
