@@ -371,13 +371,15 @@ class _Accumulator:
 def digest(records_or_directory: Iterable[ShardRecord] | os.PathLike | str) -> Digest:
   """A fingerprint of an optimizer state that does not depend on how it is sharded.
 
-  Two sets of archives have equal digests (``==``, or the same ``hexdigest()``)
-  exactly when they hold the same optimizer state: the same structure, every
-  clock scalar with the same bits, every parameter with the same shape, dtype,
-  trainability and history buffers, each buffer's elements with the same bits
-  in the same order, whatever the world sizes. Padding never enters the hash;
-  nonzero padding and incomplete sets of archives are listed in
-  ``Digest.problems``.
+  Two sets of archives without problems have equal digests (``==``, or the same
+  ``hexdigest()``) exactly when they hold the same optimizer state: the same
+  structure, every clock scalar with the same bits, every parameter with the same
+  shape, dtype, trainability and history buffers, each buffer's elements with the
+  same bits in the same order, whatever the world sizes. Padding never enters the
+  hash; nonzero padding and incomplete sets of archives are listed in
+  ``Digest.problems``: such a digest equals none (``==``, not even itself), and its
+  ``hexdigest()``, which covers the problems, never equals that of a set without
+  any (the same incomplete set digested twice gives the same one).
 
   Args:
     records_or_directory: every archive of one state (any iterable of
