@@ -146,17 +146,17 @@ class RecordGuard:
         if type(node) in leaves or id(node) in seen:
           continue
         seen.add(id(node))
-        if isinstance(node, (jax.Array, np.generic)):
-          leaves.add(type(node))
-          continue
         if isinstance(node, dict):
           values = list(node.values())
-          dicts[id(node)] = (node, _tag(node)) if self._tags else (node, list(node), values)
+          dicts[id(node)] = (node, None) if self._tags else (node, list(node), values)
         elif isinstance(node, tuple):
           values = node
         elif isinstance(node, list):
           values = list(node)
           lists[id(node)] = (node, values)
+        elif isinstance(node, (jax.Array, np.generic)):
+          leaves.add(type(node))
+          continue
         else:
           one = _children(node)
           if one is None:
@@ -166,11 +166,13 @@ class RecordGuard:
             nodes[id(node)] = (node, *one)
         pending.extend(v for v in values if type(v) not in leaves)
     self._dicts = list(dicts.values())
-    # Where each dict's tag lies, and the tags, for one read of them all in C.
+    # Where each dict's tag lies, and the tags, read for all of them in one C call.
     self._where = self._expected = None
     if self._tags and _native.available():
       self._where = np.array([id(d) + _TAG_OFFSET for d, _ in self._dicts], np.int64)
-      self._expected = np.array([tag for _, tag in self._dicts], np.uint64)
+      self._expected = _native.read_words(self._where)
+    elif self._tags:
+      self._dicts = [(d, _tag(d)) for d, _ in self._dicts]
     self._lists = list(lists.values())
     self._nodes = list(nodes.values())
     # The records' own clock scalars that are numpy arrays (the parts hold copies),

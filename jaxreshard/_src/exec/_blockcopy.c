@@ -119,7 +119,19 @@ TILE_GATHER(uint64_t, gather8)
 /* The interface of this file: native.py loads the library only where this is
  * the number it was written for (an editable install keeps a library built
  * from an older copy of this file until it is installed again). */
-int jaxreshard_blockcopy_version(void) { return 6; }
+int jaxreshard_blockcopy_version(void) { return 7; }
+
+/* Writes to out[i] the 8-byte word at address addresses[i], i in [0, n): the
+ * words `jaxreshard_first_changed_word` compares with later, read in one call.
+ * The same conditions on the addresses hold. */
+void jaxreshard_read_words(int64_t n, const int64_t *addresses, uint64_t *out) {
+  const int64_t ahead = 64;
+  for (int64_t i = 0; i < n && i < ahead; i++) PREFETCH((const void *)(uintptr_t)addresses[i]);
+  for (int64_t i = 0; i < n; i++) {
+    if (i + ahead < n) PREFETCH((const void *)(uintptr_t)addresses[i + ahead]);
+    out[i] = *(const uint64_t *)(uintptr_t)addresses[i];
+  }
+}
 
 /* The first i in [0, n) whose 8-byte word at address addresses[i] differs from
  * expected[i], or -1 where none does: a field of each of n live objects the

@@ -40,22 +40,23 @@ __all__ = [
   "gather_tile",
   "read_spans",
   "first_changed_word",
+  "read_words",
   "reads_spans",
 ]
 
 _LIBRARY = "_blockcopy"
 # The interface of ``_blockcopy.c`` this module calls (``jaxreshard_blockcopy_version``).
-VERSION = 6
+VERSION = 7
 
 
 class _Library:
   """The library's entry points (``read_spans`` None where it has none: not Linux)."""
 
   def __init__(
-    self, copy: Any, gather: Any, check: Any, any_runs: Any, read_spans: Any, words: Any
+    self, copy: Any, gather: Any, check: Any, any_runs: Any, read_spans: Any, words: Any, read: Any
   ):
     self.copy, self.gather, self.check, self.any_runs = copy, gather, check, any_runs
-    self.read_spans, self.words = read_spans, words
+    self.read_spans, self.words, self.read = read_spans, words, read
 
 
 def _load(here: str | None = None) -> Any:
@@ -85,6 +86,7 @@ def _load(here: str | None = None) -> Any:
       check = library.jaxreshard_check_chunks
       any_runs = library.jaxreshard_any_nonzero_runs
       words = library.jaxreshard_first_changed_word
+      read = library.jaxreshard_read_words
       read_spans = library.jaxreshard_read_spans if library.jaxreshard_reads_spans() else None
     except (OSError, AttributeError) as e:
       print(f"jaxreshard: {path} cannot be loaded ({e}); copying with numpy", file=sys.stderr)
@@ -100,10 +102,12 @@ def _load(here: str | None = None) -> Any:
     any_runs.restype = ctypes.c_int
     words.argtypes = [i64, ptr, ptr]
     words.restype = i64
+    read.argtypes = [i64, ptr, ptr]
+    read.restype = None
     if read_spans is not None:
       read_spans.argtypes = [ctypes.c_int, ptr, i64, *[ptr] * 9, i64, ptr, ptr]
       read_spans.restype = i64
-    return _Library(fn, gather, check, any_runs, read_spans, words)
+    return _Library(fn, gather, check, any_runs, read_spans, words, read)
   return None
 
 
@@ -260,6 +264,19 @@ def gather_tile(tile: np.ndarray, index: np.ndarray, out: np.ndarray) -> None:
   )
   if status:
     raise ValueError(f"tile gather: elements of {tile.itemsize} bytes cannot be gathered")
+
+
+def read_words(addresses: np.ndarray) -> np.ndarray | None:
+  """The 8 bytes at each address of ``addresses`` (int64, 8-byte aligned, each inside
+  a live object the caller holds), as uint64; None without the library."""
+  if _library is None:
+    return None
+  if addresses.dtype != np.int64 or addresses.ndim != 1 or not addresses.flags.c_contiguous:
+    raise ValueError(f"read_words: addresses {addresses.dtype}{addresses.shape} do not fit")
+  out = np.empty(len(addresses), np.uint64)
+  if len(addresses):
+    _library.read(len(addresses), addresses.ctypes.data, out.ctypes.data)
+  return out
 
 
 def first_changed_word(addresses: np.ndarray, expected: np.ndarray) -> int | None:
