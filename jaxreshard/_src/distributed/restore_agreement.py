@@ -113,9 +113,7 @@ def _layout_words(sharding: Any, shape: tuple, meshes: dict[int, str]) -> str:
   if isinstance(sharding, jax.sharding.NamedSharding) and isinstance(devices, np.ndarray):
     words = meshes.get(id(mesh))
     if words is None:  # once per mesh, however many devices it has
-      names = [str(n) for n in mesh.axis_names]
-      whole = repr((names, devices.shape, [d.id for d in devices.flat]))
-      words = meshes[id(mesh)] = hashlib.sha256(whole.encode()).hexdigest()
+      words = meshes[id(mesh)] = mesh_words(mesh, None)
     kind = getattr(sharding, "memory_kind", None)
     return repr((words, str(sharding.spec), kind))
   try:
