@@ -13,6 +13,7 @@ the code under test. Every case runs with dicts compared by their version tags r
 in C, read one by one, and by their values (as where the tags are not there).
 """
 
+import collections
 import dataclasses
 
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ import optax
 import pytest
 
 import jaxreshard as jr
-from jaxreshard._src.engine import recordguard
+from jaxreshard._src.engine import recordguard, sources
 from jaxreshard._src.exec import native
 
 OPT = optax.adam(1e-3)
@@ -177,10 +178,113 @@ def test_every_kind_of_change_to_a_dict_is_seen_by_the_guard(mode):
   for name, change in changes.items():
     inner = {"a": np.ones(1), "b": np.ones(1)}
     record = jr.ShardRecord(1, (), {"mu": {"x": inner}})
-    guard = recordguard.RecordGuard([record], [])
+    guard = recordguard.RecordGuard([record])
     assert guard.holds([record]), name
     change(inner)
     if name == "clear and refill alike" and mode == "values":
       assert guard.holds([record]), name  # the same keys and the same buffers: unchanged
     else:
       assert not guard.holds([record]), name
+
+
+def test_an_ordered_dict_reordered_in_place_is_seen(mode):
+  """``move_to_end`` reorders an ``OrderedDict`` (jax flattens it in that order)
+  without moving the dict's version tag."""
+  params = {"a": jnp.arange(4.0), "b": jnp.arange(4.0) + 4}
+  opt = optax.adam(1e-3)
+
+  def ordered(r):
+    s = r.state[0]
+    s = s._replace(mu=collections.OrderedDict(s.mu), nu=collections.OrderedDict(s.nu))
+    return dataclasses.replace(r, state=(s, *r.state[1:]), roles=None)
+
+  records = [ordered(r) for r in jr.shard_state(opt, params, opt.init(params), world_size=2)]
+  assert list(jr.unshard_state(records)[0].mu) == ["a", "b"]
+  for r in records:
+    r.state[0].mu.move_to_end("a")
+  assert list(jr.unshard_state(records)[0].mu) == ["b", "a"]
+  # One archive's tree reordered alone: two trees, refused as a first call refuses them.
+  records[0].state[0].mu.move_to_end("b")
+  with pytest.raises(jr.PlacementError, match="other trees"):
+    jr.unshard_state([dataclasses.replace(r) for r in records])
+  with pytest.raises(jr.PlacementError, match="other trees"):
+    jr.unshard_state(records)
+
+
+def test_a_change_made_while_a_first_call_takes_the_records_apart_is_seen_later(mode, monkeypatch):
+  """A buffer replaced (by another thread) after a record was taken apart, before the
+  call ends, is read by the next call: nothing remembered hides it for good."""
+  records = _records()
+  check = sources._validate.check_record
+
+  def then_replace(i, record):
+    out = check(i, record)
+    if i == len(records) - 1:  # every record taken apart: rank 1's buffer replaced now
+      records[1].state[0].mu["enc"]["w"] = np.array([99.0, 98.0], np.float32)
+    return out
+
+  monkeypatch.setattr(sources._validate, "check_record", then_replace)
+  first = jr.unshard_state(records)[0].mu["enc"]["w"]
+  assert float(first[2]) == 12.0  # the call itself read the buffer it took apart
+  monkeypatch.setattr(sources._validate, "check_record", check)
+  got = jr.unshard_state(records)[0].mu["enc"]["w"]
+  assert np.array_equal(_bits(got), _bits(_full(records, "mu", "enc", "w", 7)))
+  assert float(got[2]) == 99.0
+
+
+def test_a_checkpoint_id_set_through_object_setattr_is_seen(mode):
+  records = _records(world=2)
+  assert jr.reshard(records, jr.plan(records, world_size=1, rank=0)).checkpoint_id is None
+  for r in records:
+    object.__setattr__(r, "checkpoint_id", "ckpt-X")
+  assert jr.reshard(records, jr.plan(records, world_size=1, rank=0)).checkpoint_id == "ckpt-X"
+  object.__setattr__(records[1], "checkpoint_id", "ckpt-Y")
+  with pytest.raises(jr.PlacementError, match="two checkpoints"):
+    jr.reshard(records, jr.plan(records, world_size=1, rank=0))
+
+
+def test_a_jax_clock_scalar_deleted_after_a_first_call_is_refused_as_a_first_call_refuses_it(mode):
+  records = _records(world=2)
+  jr.reshard(records, jr.plan(records, world_size=1, rank=0))
+  records[1].state[0].count.delete()
+  with pytest.raises(jr.ReshardError, match=r"records\[1\]\.state\[0\]\.count is a deleted"):
+    jr.reshard([dataclasses.replace(r) for r in records], jr.plan(records, world_size=1, rank=0))
+  with pytest.raises(jr.ReshardError, match=r"records\[1\]\.state\[0\]\.count is a deleted"):
+    jr.reshard(records, jr.plan(records, world_size=1, rank=0))
+
+
+def test_a_clock_written_while_a_first_call_takes_the_records_apart_is_seen_later(
+  mode, monkeypatch
+):
+  records = [
+    dataclasses.replace(r, state=(r.state[0]._replace(count=np.array(3, np.int32)), *r.state[1:]))
+    for r in _records()
+  ]
+  check = sources._validate.check_record
+
+  def then_write(i, record):
+    out = check(i, record)
+    if i == len(records) - 1:  # every clock copied: each written in place now
+      for r in records:
+        r.state[0].count[...] = 7
+    return out
+
+  monkeypatch.setattr(sources._validate, "check_record", then_write)
+  assert int(jr.unshard_state(records)[0].count) == 3
+  monkeypatch.setattr(sources._validate, "check_record", check)
+  assert int(jr.unshard_state(records)[0].count) == 7
+
+
+@pytest.mark.parametrize("deferred", [True, False])
+def test_records_unchanged_are_taken_apart_once(mode, deferred):
+  """``shard_state``'s records make their state when first read (taking them apart
+  reads it); records built whole have it. Either way a second call reuses the first's."""
+  records = _records()
+  if not deferred:
+    records = [jr.ShardRecord(r.version, r.placements, r.state, r.roles) for r in records]
+  first = sources.record_sources(records)
+  assert sources.record_sources(records) is first
+  jr.unshard_state(records)
+  assert sources.record_sources(records) is first
+  records[0].state[0].mu["enc"]["w"] = np.array(records[0].state[0].mu["enc"]["w"])  # same bits
+  assert sources.record_sources(records) is not first

@@ -19,7 +19,7 @@ RECORD_VERSION = 1
 
 # The fields a deferred record makes on first read, and where it keeps their maker.
 _DEFERRED = ("placements", "state")
-_PARTS = "_parts"
+PARTS = "_parts"
 
 
 @functools.partial(
@@ -85,7 +85,7 @@ class ShardRecord:
     ``parts.state()``, each made when first read and kept from then on."""
     record = object.__new__(cls)
     d = record.__dict__
-    d["version"], d["roles"], d[_PARTS], d["checkpoint_id"] = version, roles, parts, checkpoint_id
+    d["version"], d["roles"], d[PARTS], d["checkpoint_id"] = version, roles, parts, checkpoint_id
     return record
 
   def __getattr__(self, name: str) -> Any:
@@ -93,7 +93,7 @@ class ShardRecord:
     # made by ``deferred``. ``setdefault`` keeps the first one made when two
     # threads read the field at once.
     if name in _DEFERRED:
-      parts = self.__dict__.get(_PARTS)
+      parts = self.__dict__.get(PARTS)
       if parts is not None:
         return self.__dict__.setdefault(name, getattr(parts, name)())
     raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -173,4 +173,4 @@ class CheckpointOf:
 def deferred_parts(record: ShardRecord) -> Any:
   """What a deferred record's fields are made from (its packed buffers), or None
   for a record built with its fields."""
-  return record.__dict__.get(_PARTS)
+  return record.__dict__.get(PARTS)

@@ -6,29 +6,38 @@ buffer's place, the validated structure, the clock classes), reading only the
 bytes of the history buffers again. A record changed since must not leave a
 later call answering from that: a buffer or a clock scalar replaced in a dict or
 list of its state (``state[0].mu["w"] = zeros``, optax's own idiom
-``state.hyperparams["learning_rate"] = x``), a key added or removed, a field of
-the frozen record set anyway. Such a record is taken apart afresh, and refused
-or used exactly as a first call would.
+``state.hyperparams["learning_rate"] = x``), a key added, removed or moved, a
+field of the frozen record set anyway. Such a record is taken apart afresh, and
+refused or used exactly as a first call would.
 
 :class:`RecordGuard` keeps each record's fields, and every container of each
-state that can change in place with what it held; :meth:`RecordGuard.holds`
-compares them:
+state that can change in place with what it held, read before the records are
+taken apart (a change made while they are, from another thread, is seen by the
+next call); :meth:`RecordGuard.holds` compares them:
 
-- dicts (a params tree of dicts in every history mirror, often one per param:
-  by far the most numerous) by CPython's version tag, which the interpreter moves
-  at every change of a dict: one read per dict, whatever its size, all of them in
-  one call of the compiled library (``native.first_changed_word``) where it is built. The
-  tag is used only where a check of this interpreter, made once, finds it moved
-  by every kind of change; elsewhere each dict is compared by its keys and the
-  identity of each value;
+- dicts of exactly ``dict`` (a params tree of dicts in every history mirror,
+  often one per param: by far the most numerous) by CPython's version tag, which
+  the interpreter moves at every change of such a dict: one read per dict,
+  whatever its size, all of them in one call of the compiled library
+  (``native.first_changed_word``) where it is built. The tag is used only where a
+  check of this interpreter, made once, finds it moved by every kind of change;
+  elsewhere, and for every subclass of dict (an ``OrderedDict`` reordered by
+  ``move_to_end`` keeps its tag), each dict is compared by its keys in order and
+  the identity of each value;
 - lists item by item, by identity;
 - any other pytree node that is neither a tuple (NamedTuple states) nor a frozen
   dataclass, by its children, flattened again, and its tree definition.
 
-A clock scalar that is a numpy array is compared by its bytes too, read-only or
-not: numpy lets a caller write a 0-d array in place, and one that is read-only
-now can be written through its base or another view, or made writable again.
-History buffers are not compared: every call reads their current bytes.
+A clock scalar that is a numpy array is compared with the bytes the taking apart
+copied of it, read-only or not: numpy lets a caller write a 0-d array in place,
+and one that is read-only now can be written through its base or another view,
+or made writable again. One that is a jax array is looked at for deletion (a
+first call refuses a deleted one). History buffers are not compared: every call
+reads their current bytes.
+
+Frozen objects changed through ``object.__setattr__`` below the record (its
+``ParamPlacement`` entries), and a tuple's class reassigned, are not looked at:
+that would cost a look per placement per call.
 """
 
 from __future__ import annotations
@@ -45,14 +54,17 @@ import jax
 import numpy as np
 
 from jaxreshard._src.core import masks as _masks
+from jaxreshard._src.core import record as _record
 from jaxreshard._src.core import structure as _structure
 from jaxreshard._src.exec import native as _native
 
 __all__ = ["RecordGuard", "dict_tags"]
 
-# The record's fields as its ``__dict__`` holds them: a deferred record's
-# placements and state are absent until first read, and are not made here.
-_FIELDS = ("version", "placements", "state", "roles")
+# The record's fields as its ``__dict__`` holds them (with what a deferred record
+# makes its placements and state of). The guard reads each field as taking the
+# record apart does: a deferred record's placements and state are made here.
+_FIELDS = ("version", "placements", "state", "roles", "checkpoint_id", _record.PARTS)
+_STATE = _FIELDS.index("state")
 # Objects that are leaves of every tree, skipped without a look at the registry
 # (jax's array type joins them when first met: making one here would start jax's
 # backend at import, before ``jax.distributed.initialize`` or a fork).
@@ -120,40 +132,67 @@ def _children(node: Any) -> tuple[list, Any] | None:
   return children, treedef
 
 
-def _scalar_paths(parts: _structure.StateParts) -> list[tuple[Any, ...]]:
-  """The key path of each clock scalar of ``parts``, in the record's state."""
+def _scalar_paths(parts: _structure.StateParts) -> list[tuple[tuple[Any, ...], int]]:
+  """The key path of each clock scalar of ``parts`` in the record's state, with its
+  place in ``parts.skeleton_leaves``."""
   n = len(parts.skeleton_leaves)
   tree = jax.tree_util.tree_unflatten(parts.skeleton, list(range(n)))
   scalar = [not isinstance(x, _structure.ParamsSubtreeSlot) for x in parts.skeleton_leaves]
-  return [path for path, i in jax.tree_util.tree_flatten_with_path(tree)[0] if scalar[i]]
+  return [(path, i) for path, i in jax.tree_util.tree_flatten_with_path(tree)[0] if scalar[i]]
 
 
 class RecordGuard:
-  """What some records held when they were taken apart, to compare with later."""
+  """What some records held before they were taken apart, to compare with later.
 
-  def __init__(self, records: Sequence[Any], parts: Sequence[_structure.StateParts]):
-    self._fields = [tuple(r.__dict__.get(k) for k in _FIELDS) for r in records]
+  Made before the records are taken apart (each container's tag or contents read
+  before what it holds is looked at), and told the clock scalars the taking apart
+  copied (:meth:`note_scalars`): a record changed at any time after a container
+  was looked at, while it was taken apart included, no longer holds what the guard
+  keeps, and the next call takes it apart afresh.
+  """
+
+  def __init__(self, records: Sequence[Any]):
+    self._fields = [tuple(getattr(r, k, None) for k in _FIELDS) for r in records]
     self._tags = dict_tags()
-    dicts: dict[int, Any] = {}
-    lists: dict[int, tuple[list, list]] = {}
-    nodes: dict[int, tuple[Any, list, Any]] = {}
+    native = self._tags and _native.available()
+    tagged: list[dict] = []  # dicts of exactly ``dict``, compared by their tags
+    where: list[np.ndarray] = []
+    expected: list[Any] = []
+    full: list[tuple[dict, list, list]] = []  # other dicts, by keys and values
+    lists: list[tuple[list, list]] = []
+    nodes: list[tuple[Any, list, Any]] = []
     seen: set[int] = set()
     leaves = set(_LEAF_TYPES)
-    for fields in self._fields:
-      pending = [fields[_FIELDS.index("state")]]
-      while pending:
-        node = pending.pop()
+    level = [fields[_STATE] for fields in self._fields]
+    while level:
+      # This level's containers, each once; each dict's tag is read before its
+      # values are, so that a change made after they were looked at moves it.
+      fresh = []
+      for node in level:
         if type(node) in leaves or id(node) in seen:
           continue
         seen.add(id(node))
+        fresh.append(node)
+      plain = [node for node in fresh if type(node) is dict]
+      if self._tags and plain:
+        tagged.extend(plain)
+        if native:
+          at = np.fromiter(map(id, plain), np.int64, len(plain)) + _TAG_OFFSET
+          where.append(at)
+          expected.append(_native.read_words(at))
+        else:
+          expected.extend(map(_tag, plain))
+      level = []
+      for node in fresh:
         if isinstance(node, dict):
           values = list(node.values())
-          dicts[id(node)] = (node, None) if self._tags else (node, list(node), values)
+          if not (self._tags and type(node) is dict):
+            full.append((node, list(node), values))
         elif isinstance(node, tuple):
           values = node
         elif isinstance(node, list):
           values = list(node)
-          lists[id(node)] = (node, values)
+          lists.append((node, values))
         elif isinstance(node, (jax.Array, np.generic)):
           leaves.add(type(node))
           continue
@@ -163,39 +202,61 @@ class RecordGuard:
             continue
           values = one[0]
           if not _frozen(node):
-            nodes[id(node)] = (node, *one)
-        pending.extend(v for v in values if type(v) not in leaves)
-    self._dicts = list(dicts.values())
-    # Where each dict's tag lies, and the tags, read for all of them in one C call.
+            nodes.append((node, *one))
+        level.extend(v for v in values if type(v) not in leaves)
+    self._tagged = tagged
+    # Where each tag lies and the tags, compared in one C call; else one by one.
     self._where = self._expected = None
-    if self._tags and _native.available():
-      self._where = np.array([id(d) + _TAG_OFFSET for d, _ in self._dicts], np.int64)
-      self._expected = _native.read_words(self._where)
-    elif self._tags:
-      self._dicts = [(d, _tag(d)) for d, _ in self._dicts]
-    self._lists = list(lists.values())
-    self._nodes = list(nodes.values())
-    # The records' own clock scalars that are numpy arrays (the parts hold copies),
-    # with their bytes.
+    if native and where:
+      self._where = np.concatenate(where)
+      self._expected = np.concatenate(expected)
+    elif not native:
+      self._expected = expected
+    self._full, self._lists, self._nodes = full, lists, nodes
+    self._scalars: list[tuple[np.ndarray, Any, tuple, bytes]] = []
+    self._arrays: list[jax.Array] = []
+
+  @classmethod
+  def before(cls, records: Sequence[Any]) -> RecordGuard | None:
+    """A guard of ``records`` made before they are taken apart, or None for records
+    it cannot look at (taking them apart refuses them)."""
+    try:
+      return cls(records)
+    except Exception:  # pylint: disable=broad-exception-caught
+      return None
+
+  def note_scalars(self, parts: Sequence[_structure.StateParts]) -> RecordGuard:
+    """Keeps the records' clock scalars: a numpy array with the bytes ``parts``
+    copied of it (a write since is seen), a jax array to be found deleted. Returns
+    this guard."""
     scalars: dict[int, tuple[np.ndarray, Any, tuple, bytes]] = {}
-    paths_of: dict[Any, list[tuple[Any, ...]]] = {}  # by skeleton: archives share them
+    arrays: dict[int, jax.Array] = {}
+    paths_of: dict[Any, list[tuple[tuple[Any, ...], int]]] = {}  # by skeleton: archives share them
     for fields, p in zip(self._fields, parts):
       paths = paths_of.get(p.skeleton)
       if paths is None:
         paths = paths_of[p.skeleton] = _scalar_paths(p)
-      for path in paths:
-        x = _masks.node_at(fields[_FIELDS.index("state")], path)
+      for path, i in paths:
+        x = _masks.node_at(fields[_STATE], path)
+        copy = p.skeleton_leaves[i]
         if isinstance(x, np.ndarray):
-          scalars[id(x)] = (x, x.dtype, x.shape, x.tobytes())
+          if isinstance(copy, np.ndarray):
+            scalars[id(x)] = (x, copy.dtype, copy.shape, copy.tobytes())
+          else:  # not what was taken apart: never the same
+            scalars[id(x)] = (x, None, None, b"")
+        elif isinstance(x, jax.Array):
+          arrays[id(x)] = x
     self._scalars = list(scalars.values())
+    self._arrays = list(arrays.values())
+    return self
 
   def __len__(self) -> int:
-    """How many containers and numpy clock scalars are compared."""
-    return len(self._dicts) + len(self._lists) + len(self._nodes) + len(self._scalars)
+    """How many containers and clock scalars are compared."""
+    return sum(map(len, (self._tagged, self._full, self._lists, self._nodes, self._scalars)))
 
   def holds(self, records: Sequence[Any]) -> bool:
     """Whether ``records`` (the records taken apart, in order) still hold every field,
-    container and numpy clock scalar's bytes they held."""
+    container and clock scalar they held."""
     try:
       if len(records) != len(self._fields):
         return False
@@ -206,15 +267,14 @@ class RecordGuard:
       if self._where is not None:
         if _native.first_changed_word(self._where, self._expected) != -1:
           return False
-      elif self._tags:
-        if not all(_tag(d) == tag for d, tag in self._dicts):
+      elif self._tags and self._tagged:
+        if not all(map(operator.eq, map(_tag, self._tagged), self._expected)):
           return False
-      else:
-        for d, keys, values in self._dicts:
-          if len(d) != len(values) or not all(map(operator.is_, d.values(), values)):
-            return False
-          if list(d) != keys:
-            return False
+      for d, keys, values in self._full:
+        if len(d) != len(values) or not all(map(operator.is_, d.values(), values)):
+          return False
+        if list(d) != keys:
+          return False
       for items, values in self._lists:
         if len(items) != len(values) or not all(map(operator.is_, items, values)):
           return False
@@ -224,6 +284,8 @@ class RecordGuard:
           return False
         if not all(map(operator.is_, now[0], children)):
           return False
+      if any(x.is_deleted() for x in self._arrays):
+        return False
       return all(x.dtype == d and x.shape == s and x.tobytes() == b for x, d, s, b in self._scalars)
     except Exception:  # a container that now refuses to be read: not the same
       return False

@@ -127,10 +127,11 @@ class RecordSources:
   """Validated facts about one list of in-memory source archives."""
 
   def __init__(self, records: Sequence[ShardRecord]):
-    # The records themselves are not kept (so that a cache entry never keeps
-    # them alive): their state parts hold everything later calls read.
+    # The records are not kept (a cache entry never keeps them alive): their parts are.
     if not records:
       raise PlacementError("no archives supplied")
+    # What the records hold, before they are taken apart (changes since: ``current``).
+    guard = RecordGuard.before(records)
     checked = [_validate.check_record(i, r) for i, r in enumerate(records)]
     self.checkpoint_id = _record.CheckpointOf.of(records)  # their targets' too
     self.parts_by_archive = [a for a, _ in checked]
@@ -142,8 +143,7 @@ class RecordSources:
     # time in their parameters (each ``_is_uniform`` compares every archive of a group).
     self._layout_ids = _numbered([sig[0] for sig in self._signatures])
     _check_one_tree(self._layout_ids, self.parts_by_archive)
-    # What the records hold (fields, containers, numpy clock scalars), for ``current``.
-    self._guard = RecordGuard(records, self.parts_by_archive)
+    self._guard = None if guard is None else guard.note_scalars(self.parts_by_archive)
     # Whether a source tuple is uniform, by ``sources_key``.
     self._uniform: dict[tuple, bool] = {}
     # Each buffer's host view, and whether it lives on an accelerator.
@@ -164,7 +164,7 @@ class RecordSources:
   def current(self, records: Sequence[Any]) -> bool:
     """Whether ``records`` (these sources' records, in order) still hold what they were
     taken apart with (``recordguard``); else they are taken apart afresh."""
-    return self._guard.holds(records)
+    return self._guard is not None and self._guard.holds(records)
 
   def placement(self, archive: int, pid: str) -> ParamPlacement | None:
     return self._placements[archive].get(pid)
