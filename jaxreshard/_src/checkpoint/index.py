@@ -316,6 +316,13 @@ class Index:
     return tuple(tuple(m) for m in member)
 
   @functools.cached_property
+  def ungrouped(self) -> tuple[int, ...]:
+    """The archives no group lists (those that list no param), in order."""
+    listed = np.zeros(len(self.tables.a_layout), bool)
+    listed[self.tables.g_archive] = True
+    return tuple(np.flatnonzero(~listed).tolist())
+
+  @functools.cached_property
   def param_index(self) -> tuple[dict, ...]:
     t, pids = self.tables, self.tables.pids
     return tuple(

@@ -287,13 +287,15 @@ def described_sources(ckpt: Checkpoint, groups: Any, part: Any, parts: Any) -> l
   that archive. A reader checks the first archive of each group (the templates the
   skeleton and clock come from) and its share of each group's source ranks,
   ``[part * W // parts, (part + 1) * W // parts)`` rounded up, at least one rank: a
-  target rank of its world, or a process among all. Together the shares check every
-  archive, those without bytes (a frozen group's, a state of clock scalars alone)
-  and those an edited index would have no byte read from included. ``part`` and
-  ``parts`` are ints or per-row arrays.
+  target rank of its world, or a process among all; and every archive no group
+  lists (one that lists no param: no reader's share). Together they check every
+  archive, those without bytes (a frozen group's, a state of clock scalars alone,
+  one listing no param) and those an edited index would have no byte read from
+  included. ``part`` and ``parts`` are ints or per-row arrays.
   """
+  ungrouped = list(ckpt.index.ungrouped)
   if not len(groups):
-    return []
+    return ungrouped
   w = np.asarray(groups.src_world, np.int64)
   part, parts = np.broadcast_to(part, w.shape), np.broadcast_to(parts, w.shape)
   lo = np.minimum(part * w // parts, w - 1)
@@ -302,7 +304,10 @@ def described_sources(ckpt: Checkpoint, groups: Any, part: Any, parts: Any) -> l
   row = np.repeat(np.arange(len(w)), n)
   at = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
   k = np.where(at == 0, 0, np.repeat(lo, n) + at - 1)
-  return _copyplan.unique_ints(groups.archives(row, k)).tolist()
+  shares = groups.archives(row, k)
+  if ungrouped:
+    shares = np.concatenate([shares, ungrouped])
+  return _copyplan.unique_ints(shares).tolist()
 
 
 def all_padding_sources(groups: Sequence[_validate.SourceGroup], name_of: dict) -> _pads.Trailing:
