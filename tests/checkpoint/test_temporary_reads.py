@@ -53,10 +53,20 @@ def _leftovers(root):
   return seed, out
 
 
+def _links(root, leftovers):
+  """Symbolic links whose own names hide the temporary directory they lead to: a
+  ``latest`` link to a leftover, and a manager's step named by a link to another
+  step's temporary directory."""
+  latest = os.path.join(root, "latest")
+  os.symlink(leftovers[0], latest)
+  os.symlink("2" + _tempname.ORBAX_TEMP_SUFFIX, os.path.join(root, "run", "3"))
+  return [latest, os.path.join(root, "run", "3", "state")]
+
+
 def test_every_read_path_refuses_a_save_s_temporary_directory(tmp_path):
   seed, leftovers = _leftovers(str(tmp_path))
   mesh = device_mesh((4,), ("fsdp",))
-  for path in leftovers:
+  for path in leftovers + _links(str(tmp_path), leftovers):
     reads = {
       "open_checkpoint": lambda: jr.open_checkpoint(path),
       "load_records": lambda: jr.load_records(path),
@@ -85,3 +95,26 @@ def test_every_read_path_refuses_a_save_s_temporary_directory(tmp_path):
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert a.dtype == b.dtype
     assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_a_save_is_refused_inside_a_save_s_temporary_directory(tmp_path):
+  """A checkpoint saved there would never load, and ``clean`` would remove it with the
+  directory it lies in."""
+  inside = [
+    tmp_path / f".run.tmp-{'b' * 32}-1-{_tempname.host()}" / "ckpt",
+    tmp_path / ("keep" + _tempname.ORBAX_TEMP_SUFFIX + "-old") / "ckpt",
+  ]
+  os.makedirs(tmp_path / "real.orbax-checkpoint-tmp")
+  os.symlink(tmp_path / "real.orbax-checkpoint-tmp", tmp_path / "plain")
+  inside.append(tmp_path / "plain" / "ckpt")  # a link's name hides where it leads
+  for path in inside:
+    os.makedirs(path.parent, exist_ok=True)
+    with pytest.raises(jr.ReshardError, match="a save's temporary directory by its name"):
+      jr.save_records(path, _records())
+    assert not os.path.exists(path)
+  seed = tmp_path / "seed"
+  jr.save_records(seed, _records())
+  result = CliRunner().invoke(app, ["reshard", str(seed), str(inside[0]), "-w", "2"])
+  assert result.exit_code == EXIT_ERROR, result.output
+  assert "a save's temporary directory by its name" in result.stderr, result.stderr
+  assert not os.path.exists(inside[0])

@@ -23,6 +23,7 @@ __all__ = [
   "check_not_in_temporary",
   "check_not_temporary",
   "is_temporary",
+  "temporary_around",
   "new_name",
   "temp_stem",
   "this_host",
@@ -81,10 +82,28 @@ def is_temporary(name: str) -> bool:
   return bool(TEMP_NAME.match(name)) or ORBAX_TEMP_SUFFIX in name
 
 
+def temporary_around(path: str) -> str | None:
+  """The name of a save's temporary directory that ``path`` is or lies in, found
+  along the path as written and along it with every symbolic link resolved (a
+  link's own name hides the directory it points to), or None."""
+  for here in dict.fromkeys((os.path.abspath(path), os.path.realpath(path))):
+    while True:
+      name = os.path.basename(here)
+      if name and is_temporary(name):
+        return name
+      parent = os.path.dirname(here)
+      if parent == here:
+        break
+      here = parent
+  return None
+
+
 def check_not_temporary(final: str) -> None:
-  """Refuses to save a checkpoint at ``final`` when its name is a save's temporary
-  directory's: ``jaxreshard clean`` and the next save to its base name take such
-  a directory for a killed save's leftover, and remove it once nobody holds its lock.
+  """Refuses to save a checkpoint at ``final`` when it is, or lies in, a save's
+  temporary directory (its name's, or a symbolic link's to one): ``jaxreshard
+  clean`` and the next save to its base name take such a directory for a killed
+  save's leftover, and remove it once nobody holds its lock; and no read opens a
+  checkpoint there (``check_not_in_temporary``).
 
   Raises:
     ReshardError: naming the path.
@@ -95,30 +114,33 @@ def check_not_temporary(final: str) -> None:
       " directory (.NAME.tmp-*, *.orbax-checkpoint-tmp*), which jaxreshard clean and"
       " later saves remove as a killed save's leftover; choose another name"
     )
+  name = temporary_around(final)
+  if name is not None:
+    raise ReshardError(
+      f"{final}: it lies in {name!r}, a save's temporary directory by its name"
+      " (.NAME.tmp-*, *.orbax-checkpoint-tmp*): a checkpoint saved there would never"
+      " be read, and jaxreshard clean and later saves remove such a directory as a"
+      " killed save's leftover; choose another path"
+    )
 
 
 def check_not_in_temporary(path: str) -> None:
   """Refuses to read a checkpoint at ``path`` when it, or a directory above it, is a
-  save's temporary directory: a save still writing it, or the leftover of a save
-  that was killed before its commit (which may hold a complete-looking index).
+  save's temporary directory, named as such or through a symbolic link: a save
+  still writing it, or the leftover of a save that was killed before its commit
+  (which may hold a complete-looking index).
 
   Raises:
     ArchiveError: naming the path and the committed name to read instead.
   """
-  here = os.path.abspath(path)
-  while True:
-    name = os.path.basename(here)
-    if name and is_temporary(name):
-      raise ArchiveError(
-        f"{path}: {name!r} is a save's temporary directory (.NAME.tmp-*,"
-        " *.orbax-checkpoint-tmp*), never a checkpoint to read: a save still writing"
-        " it, or the leftover of one killed before its commit; read the committed"
-        " checkpoint instead (jaxreshard clean removes leftovers nobody holds)"
-      )
-    parent = os.path.dirname(here)
-    if parent == here:
-      return
-    here = parent
+  name = temporary_around(path)
+  if name is not None:
+    raise ArchiveError(
+      f"{path}: {name!r} is a save's temporary directory (.NAME.tmp-*,"
+      " *.orbax-checkpoint-tmp*), never a checkpoint to read: a save still writing"
+      " it, or the leftover of one killed before its commit; read the committed"
+      " checkpoint instead (jaxreshard clean removes leftovers nobody holds)"
+    )
 
 
 def new_name(base: str) -> str:
