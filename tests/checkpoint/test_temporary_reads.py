@@ -118,3 +118,25 @@ def test_a_save_is_refused_inside_a_save_s_temporary_directory(tmp_path):
   assert result.exit_code == EXIT_ERROR, result.output
   assert "a save's temporary directory by its name" in result.stderr, result.stderr
   assert not os.path.exists(inside[0])
+
+
+def test_a_save_is_refused_inside_a_committed_checkpoint(tmp_path):
+  """Its files would join the outer checkpoint's (``inspect`` counted them as its
+  own); ``reshard`` refused an output inside its input, ``save_records`` took it."""
+  outer = tmp_path / "outer"
+  jr.save_records(outer, _records())
+  os.symlink(outer / "archive_00000", tmp_path / "alias")
+  for path in (
+    outer / "nested",
+    outer / "archive_00000" / "float32" / "nested",
+    tmp_path / "alias" / "nested",  # a link's name hides where it leads
+  ):
+    with pytest.raises(jr.ReshardError, match=f"lies inside the checkpoint {outer}"):
+      jr.save_records(path, _records())
+    assert not os.path.exists(path)
+  other = tmp_path / "other"
+  jr.save_records(other, _records())
+  result = CliRunner().invoke(app, ["reshard", str(other), str(outer / "out"), "-w", "2"])
+  assert result.exit_code == EXIT_ERROR, result.output
+  assert f"lies inside the checkpoint {outer}" in result.stderr, result.stderr
+  assert jr.digest(outer) == jr.digest(other)  # nothing joined it

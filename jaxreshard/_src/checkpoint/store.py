@@ -43,6 +43,7 @@ from jaxreshard._src.progress import ProgressCallback, Reporter
 
 __all__ = [
   "DEFAULT_CHUNK_BYTES",
+  "check_save_path",
   "LOCK_FILE",
   "TempDir",
   "commit_dir",
@@ -55,6 +56,31 @@ __all__ = [
   "temp_dirs",
   "write_checkpoint",
 ]
+
+
+def check_save_path(final: str) -> None:
+  """Refuses a save to ``final`` where what it saves would not be read as saved: as or
+  in a save's temporary directory (``check_not_temporary``), or inside a committed
+  checkpoint, its path as written or with every symbolic link resolved (its files
+  would be counted, copied and removed as that checkpoint's).
+
+  Raises:
+    ReshardError: naming the path, and the checkpoint it lies in.
+  """
+  check_not_temporary(final)
+  for path in dict.fromkeys((os.path.abspath(final), os.path.realpath(final))):
+    here = os.path.dirname(path)
+    while True:
+      if os.path.isfile(os.path.join(here, _index.INDEX_FILE)):
+        raise ReshardError(
+          f"{final}: it lies inside the checkpoint {here}, whose files it would join"
+          " (counted, copied and removed as that checkpoint's); a checkpoint is never"
+          " saved inside another: choose another path"
+        )
+      parent = os.path.dirname(here)
+      if parent == here:
+        break
+      here = parent
 
 
 def _is_under(path: str, *roots: str) -> bool:
@@ -127,7 +153,7 @@ def save_records(
   """
   _index.check_chunk_bytes(chunk_bytes)
   final = path_arg(directory)
-  check_not_temporary(final)
+  check_save_path(final)
   _archivecheck.check_records_iterable(records, "save_records")
   sourced = isinstance(records, SourcedRecords)
   named = records.records if sourced else records

@@ -22,7 +22,6 @@ from jax.sharding import Mesh
 from jaxreshard._src.checkpoint import archives as _archives
 from jaxreshard._src.checkpoint import index as _index
 from jaxreshard._src.checkpoint import store as _store
-from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, ReshardError
 from jaxreshard._src.orbax import durable as _durable
@@ -191,7 +190,7 @@ def _checked(directory: Any, chunk_bytes: Any, progress: Any, timeout_s: Any) ->
   _index.check_chunk_bytes(chunk_bytes)
   check_callback(progress)
   final = _archives.path_arg(directory)
-  _tempname.check_not_temporary(final)
+  _store.check_save_path(final)
   if (
     isinstance(timeout_s, bool)
     or not isinstance(timeout_s, (int, float))
