@@ -243,16 +243,6 @@ def test_a_checkpoint_id_set_through_object_setattr_is_seen(mode):
     jr.reshard(records, jr.plan(records, world_size=1, rank=0))
 
 
-def test_a_jax_clock_scalar_deleted_after_a_first_call_is_refused_as_a_first_call_refuses_it(mode):
-  records = _records(world=2)
-  jr.reshard(records, jr.plan(records, world_size=1, rank=0))
-  records[1].state[0].count.delete()
-  with pytest.raises(jr.ReshardError, match=r"records\[1\]\.state\[0\]\.count is a deleted"):
-    jr.reshard([dataclasses.replace(r) for r in records], jr.plan(records, world_size=1, rank=0))
-  with pytest.raises(jr.ReshardError, match=r"records\[1\]\.state\[0\]\.count is a deleted"):
-    jr.reshard(records, jr.plan(records, world_size=1, rank=0))
-
-
 def test_a_clock_written_while_a_first_call_takes_the_records_apart_is_seen_later(
   mode, monkeypatch
 ):
