@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from typer.testing import CliRunner
 
@@ -140,3 +141,28 @@ def test_a_save_is_refused_inside_a_committed_checkpoint(tmp_path):
   assert result.exit_code == EXIT_ERROR, result.output
   assert f"lies inside the checkpoint {outer}" in result.stderr, result.stderr
   assert jr.digest(outer) == jr.digest(other)  # nothing joined it
+  # A stray file of the index's name does not make its directory a checkpoint.
+  stray = tmp_path / "home"
+  os.makedirs(stray / "runs")
+  (stray / "jaxreshard.json").write_text("{}")
+  jr.save_records(stray / "runs" / "ckpt", _records())
+  assert jr.digest(stray / "runs" / "ckpt") == jr.digest(other)
+
+
+@pytest.mark.parametrize("where", ["in a temporary directory", "in a checkpoint"])
+def test_a_manager_s_save_is_refused_where_save_records_refuses_it(tmp_path, where):
+  """The orbax handler writes into orbax's temporary directories, never through
+  ``save_records``: it checks the path orbax commits to as ``save_records`` checks its own."""
+  if where == "in a temporary directory":
+    root = tmp_path / f".run.tmp-{'c' * 32}-1-{_tempname.host()}" / "run"
+    words = "a save's temporary directory by its name"
+  else:
+    jr.save_records(tmp_path / "outer", _records())
+    root = tmp_path / "outer" / "archive_00000" / "run"
+    words = f"lies inside the checkpoint {tmp_path / 'outer'}"
+  with ocp.CheckpointManager(root) as manager:
+    with pytest.raises(jr.ReshardError, match=words):
+      manager.save(1, args=jr.ReshardSave(_records()))
+      manager.wait_until_finished()
+    assert manager.all_steps() == []
+  assert not os.path.exists(root / "1")

@@ -71,7 +71,7 @@ def check_save_path(final: str) -> None:
   for path in dict.fromkeys((os.path.abspath(final), os.path.realpath(final))):
     here = os.path.dirname(path)
     while True:
-      if os.path.isfile(os.path.join(here, _index.INDEX_FILE)):
+      if os.path.isfile(os.path.join(here, _index.INDEX_FILE)) and _is_checkpoint(here):
         raise ReshardError(
           f"{final}: it lies inside the checkpoint {here}, whose files it would join"
           " (counted, copied and removed as that checkpoint's); a checkpoint is never"
@@ -81,6 +81,16 @@ def check_save_path(final: str) -> None:
       if parent == here:
         break
       here = parent
+
+
+def _is_checkpoint(directory: str) -> bool:
+  """Whether ``directory`` opens as a checkpoint (a stray file of the index's name
+  does not make one)."""
+  try:
+    open_checkpoint(directory).close()
+  except (ReshardError, OSError):
+    return False
+  return True
 
 
 def _is_under(path: str, *roots: str) -> bool:

@@ -22,6 +22,7 @@ __all__ = [
   "host",
   "check_not_in_temporary",
   "check_not_temporary",
+  "committed_path",
   "is_temporary",
   "temporary_around",
   "new_name",
@@ -96,6 +97,31 @@ def temporary_around(path: str) -> str | None:
         break
       here = parent
   return None
+
+
+def committed_path(path: str) -> str:
+  """Where a save writing into ``path`` commits: ``path`` up to its lowest orbax
+  temporary directories (a manager's ``STEP.orbax-checkpoint-tmp*`` and its item's
+  ``ITEM.orbax-checkpoint-tmp*``, a checkpointer's ``NAME.orbax-checkpoint-tmp*``:
+  the lowest run of them) named as orbax's commit names them, what lies below
+  them left out; ``path`` itself where it lies in none.
+
+  Examples:
+    >>> committed_path("/runs/a/7.orbax-checkpoint-tmp-123/state.orbax-checkpoint-tmp")
+    '/runs/a/7/state'
+    >>> committed_path("/runs/a/ckpt")
+    '/runs/a/ckpt'
+  """
+  parts = os.path.abspath(path).split(os.sep)
+  temp = [ORBAX_TEMP_SUFFIX in p for p in parts]
+  if not any(temp):
+    return os.path.abspath(path)
+  last = max(i for i, t in enumerate(temp) if t)
+  first = last
+  while first > 0 and temp[first - 1]:
+    first -= 1
+  named = [p[: p.index(ORBAX_TEMP_SUFFIX)] if t else p for p, t in zip(parts, temp)]
+  return os.sep.join(parts[:first] + named[first : last + 1])
 
 
 def check_not_temporary(final: str) -> None:

@@ -81,6 +81,7 @@ from jaxreshard._src.checkpoint import reader as _reader
 from jaxreshard._src.checkpoint import restore as _restore
 from jaxreshard._src.checkpoint import store as _store
 from jaxreshard._src.checkpoint import table as _table
+from jaxreshard._src.checkpoint import tempname as _tempname
 from jaxreshard._src.core.record import ShardRecord
 from jaxreshard._src.distributed import sharded as _sharded
 from jaxreshard._src.errors import ArchiveError, ArchiveExistsError, PlacementError, ReshardError
@@ -301,12 +302,13 @@ class ReshardCheckpointHandler(ocp.AsyncCheckpointHandler):
 
     A refusal is raised once orbax's making of this save's directories is over.
     """
+    key = os.fspath(directory)
     try:
       prepared = self._take_prepared(args)
+      _store.check_save_path(_tempname.committed_path(key))  # as save_records checks
     except Exception:
       await _creation.await_directory_creation()
       raise
-    key = os.fspath(directory)
     if not prepared.reporter.where:  # a manager's save: its logs name the item directory
       prepared.reporter.where = key
     if prepared.index is not None:
