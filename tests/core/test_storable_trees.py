@@ -62,10 +62,20 @@ _COLLIDING = [i * (2**61 - 1) for i in range(9)]  # one hash in CPython
 
 # name -> (params, their ids in flatten order, the node the refusal names, its words)
 CASES = {
-  "a float key": ({1.5: A}, ["1.5"], "(0, 'trace')", "dict keys must be all str"),
-  "a None key": ({None: A}, ["None"], "(0, 'trace')", "dict keys must be all str"),
-  "a numpy integer key": ({np.int64(3): A}, ["3"], "(0, 'trace')", "dict keys must be all str"),
-  "a bool key": ({True: A}, ["True"], "(0, 'trace')", "dict keys must be all str"),
+  "a float key": ({1.5: A}, ["1.5"], "(0, 'trace')", "stored (key 1.5, of type float)"),
+  "a None key": ({None: A}, ["None"], "(0, 'trace')", "stored (key None, of type NoneType)"),
+  "a numpy integer key": (
+    {np.int64(3): A},
+    ["3"],
+    "(0, 'trace')",
+    "(key np.int64(3), of type int64)",
+  ),
+  "a bool key": (
+    {True: A},
+    ["True"],
+    "(0, 'trace')",
+    "dict keys must be all str, all int or all tuples of str, int and such tuples to be stored (key True, of type bool)",
+  ),
   "a tuple key 17 deep": (
     {"t": {_tuple_key(17): A}},
     ["t/" + str(_tuple_key(17))],

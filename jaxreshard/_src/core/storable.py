@@ -125,10 +125,15 @@ def _is_frozen_dict(x: Any) -> bool:
   return core is not None and type(x) is getattr(core, "FrozenDict", None)
 
 
-def _refused_keys(path: tuple) -> UnstorableTree:
+def _refused_keys(path: tuple, keys: list) -> UnstorableTree:
+  """The refusal of a dict's keys, naming one that breaks the rule (the first whose
+  kind is not the first key's, or that has no code) and its type."""
+  first = type(keys[0]) if keys else None
+  bad = [k for k in keys if type(k) is not first or key_code(k) is None][:1]
+  named = "".join(f" (key {repr(k)[:80]}, of type {type(k).__name__})" for k in bad)
   return UnstorableTree(
     f"{_where(path)}: dict keys must be all str, all int or all tuples of"
-    " str, int and such tuples to be stored"
+    f" str, int and such tuples to be stored{named}"
   )
 
 
@@ -137,7 +142,7 @@ def _sorted_codes(x: dict, path: tuple) -> tuple[list, list]:
   try:
     keys = sorted(x)
   except TypeError:
-    raise _refused_keys(path) from None
+    raise _refused_keys(path, list(x)) from None
   return keys, _codes(keys, path)
 
 
@@ -145,10 +150,10 @@ def _codes(keys: list, path: tuple) -> list:
   """The codes of one mapping's keys, in the order given: all of one kind, each
   with a code, at most ``MAX_KEYS_PER_HASH`` of them sharing a hash."""
   if len({type(k) for k in keys}) > 1:
-    raise _refused_keys(path)
+    raise _refused_keys(path, keys)
   codes = [key_code(k) for k in keys]
   if None in codes:
-    raise _refused_keys(path)
+    raise _refused_keys(path, keys)
   most = most_sharing_a_hash(keys)
   if most > MAX_KEYS_PER_HASH:
     raise UnstorableTree(
