@@ -400,3 +400,22 @@ def test_a_reshard_output_with_a_clock_written_in_place_is_refused_at_save(tmp_p
   with pytest.raises(jr.PlacementError, match=r"archive 1 has clock scalar \['s64'\]"):
     jr.save_records(tmp_path / "out", targets)
   assert not os.path.exists(tmp_path / "out")
+
+
+def test_groups_of_other_params_are_never_compared_for_one_assembly(tmp_path):
+  """An expert layout: many groups alike in size, each on archives of its own. Each
+  group's assembly is looked for among those of its own params only (it was compared
+  with every one made before: load_records took time in the square of the groups)."""
+  opt = optax.adam(1e-3)
+  records = []
+  for g in range(12):
+    params = {f"e{g:02d}": {"w0": np.full((5,), g, np.float32), "w1": np.ones((5,), np.float32)}}
+    records += jr.shard_state(opt, params, jax.tree.map(np.asarray, opt.init(params)), world_size=2)
+  jr.save_records(tmp_path / "c", records)
+  with jr.open_checkpoint(tmp_path / "c") as ckpt:
+    loaded = [ckpt.record(a) for a in range(len(ckpt))]
+    assert all(deferred_parts(r) is not None for r in loaded)
+    buckets = ckpt.loaded._content.values()
+    assert len(buckets) == 12 and all(len(b) == 1 for b in buckets)
+  for got, want in zip(loaded, records, strict=True):
+    assert_records_equal(got, want)

@@ -100,7 +100,9 @@ class LoadedArchives:
     if not _packs_as(layout, facts, target) or not _sorted_dicts(getattr(layout, "tree", None)):
       return None
     template = ckpt.template(archive)
-    cheap = (group.world_size, len(facts), tuple(target.sizes.items()))
+    # Groups of other params never share a bucket: an expert layout's thousands of
+    # groups, alike in size, would each be compared with every one made before.
+    cheap = (group.world_size, tuple(f.param for f in facts), tuple(target.sizes.items()))
     content = _content(template, facts, target)
     for seen, made in self._content.get(cheap, ()):
       if seen == content:
