@@ -164,6 +164,20 @@ class RecordGuard:
     nodes: list[tuple[Any, list, Any]] = []
     seen: set[int] = set()
     leaves = set(_LEAF_TYPES)
+    # Where tags are read, each record's own dict is compared by its tag too (any
+    # field set moves it), in place of its fields one by one; an attribute the
+    # record caches on itself later (its ``placement`` index) moves it once.
+    self._record_dicts = [r.__dict__ for r in records] if self._tags else None
+    level: list[Any] = list(self._record_dicts or ())
+    if level:
+      seen.update(map(id, level))
+      tagged.extend(level)
+      if native:
+        at = np.fromiter(map(id, level), np.int64, len(level)) + _TAG_OFFSET
+        where.append(at)
+        expected.append(_native.read_words(at))
+      else:
+        expected.extend(map(_tag, level))
     level = [fields[_STATE] for fields in self._fields]
     while level:
       # This level's containers, each once; each dict's tag is read before its
@@ -256,10 +270,14 @@ class RecordGuard:
     try:
       if len(records) != len(self._fields):
         return False
-      for r, fields in zip(records, self._fields):
-        d = r.__dict__
-        if not all(map(operator.is_, map(d.get, _FIELDS), fields)):
+      if self._record_dicts is not None:  # their tags are compared below
+        if not all(map(operator.is_, map(vars, records), self._record_dicts)):
           return False
+      else:
+        for r, fields in zip(records, self._fields):
+          d = r.__dict__
+          if not all(map(operator.is_, map(d.get, _FIELDS), fields)):
+            return False
       if self._where is not None:
         if _native.first_changed_word(self._where, self._expected) != -1:
           return False
