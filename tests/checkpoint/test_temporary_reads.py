@@ -149,13 +149,17 @@ def test_a_save_is_refused_inside_a_committed_checkpoint(tmp_path):
   assert jr.digest(stray / "runs" / "ckpt") == jr.digest(other)
 
 
-@pytest.mark.parametrize("where", ["in a temporary directory", "in a checkpoint"])
+@pytest.mark.parametrize(
+  "where", ["in a temporary directory", "at an orbax temporary name", "in a checkpoint"]
+)
 def test_a_manager_s_save_is_refused_where_save_records_refuses_it(tmp_path, where):
   """The orbax handler writes into orbax's temporary directories, never through
   ``save_records``: it checks the path orbax commits to as ``save_records`` checks its own."""
+  words = "a save's temporary directory by its name"
   if where == "in a temporary directory":
     root = tmp_path / f".run.tmp-{'c' * 32}-1-{_tempname.host()}" / "run"
-    words = "a save's temporary directory by its name"
+  elif where == "at an orbax temporary name":  # the manager's own directory: not orbax's
+    root = tmp_path / ("run" + _tempname.ORBAX_TEMP_SUFFIX + "-old")
   else:
     jr.save_records(tmp_path / "outer", _records())
     root = tmp_path / "outer" / "archive_00000" / "run"
@@ -166,3 +170,13 @@ def test_a_manager_s_save_is_refused_where_save_records_refuses_it(tmp_path, whe
       manager.wait_until_finished()
     assert manager.all_steps() == []
   assert not os.path.exists(root / "1")
+
+
+def test_a_checkpointer_s_save_is_refused_below_an_orbax_temporary_name(tmp_path):
+  parent = tmp_path / ("keep" + _tempname.ORBAX_TEMP_SUFFIX + "-old")
+  os.makedirs(parent)
+  checkpointer = ocp.Checkpointer(jr.ReshardCheckpointHandler())
+  with pytest.raises(jr.ReshardError, match="a save's temporary directory by its name"):
+    checkpointer.save(parent / "c1", args=jr.ReshardSave(_records()))
+  checkpointer.close()
+  assert not os.path.exists(parent / "c1")

@@ -99,29 +99,35 @@ def temporary_around(path: str) -> str | None:
   return None
 
 
+# A directory orbax writes a save into: its final name and this suffix, then, in
+# older orbax versions, a timestamp.
+_ORBAX_TEMP = re.compile(r"(?P<name>.+)" + re.escape(ORBAX_TEMP_SUFFIX) + r"(-[0-9]+)?\Z")
+
+
 def committed_path(path: str) -> str:
-  """Where a save writing into ``path`` commits: ``path`` up to its lowest orbax
-  temporary directories (a manager's ``STEP.orbax-checkpoint-tmp*`` and its item's
-  ``ITEM.orbax-checkpoint-tmp*``, a checkpointer's ``NAME.orbax-checkpoint-tmp*``:
-  the lowest run of them) named as orbax's commit names them, what lies below
-  them left out; ``path`` itself where it lies in none.
+  """Where a save writing into ``path`` commits: ``path`` with its lowest orbax
+  temporary directories (a manager's ``STEP.orbax-checkpoint-tmp`` and its item's
+  ``ITEM.orbax-checkpoint-tmp``, or a checkpointer's ``NAME.orbax-checkpoint-tmp``:
+  at most two, one inside the other, each named exactly as orbax names them)
+  named as orbax's commit names them; ``path`` itself where it lies in none. A
+  directory above them with a temporary name is left as it is (and a save there
+  refused).
 
   Examples:
-    >>> committed_path("/runs/a/7.orbax-checkpoint-tmp-123/state.orbax-checkpoint-tmp")
+    >>> committed_path("/runs/a/7.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp")
     '/runs/a/7/state'
+    >>> committed_path("/runs/b.orbax-checkpoint-tmp-old/c.orbax-checkpoint-tmp")
+    '/runs/b.orbax-checkpoint-tmp-old/c'
     >>> committed_path("/runs/a/ckpt")
     '/runs/a/ckpt'
   """
   parts = os.path.abspath(path).split(os.sep)
-  temp = [ORBAX_TEMP_SUFFIX in p for p in parts]
-  if not any(temp):
-    return os.path.abspath(path)
-  last = max(i for i, t in enumerate(temp) if t)
-  first = last
-  while first > 0 and temp[first - 1]:
-    first -= 1
-  named = [p[: p.index(ORBAX_TEMP_SUFFIX)] if t else p for p, t in zip(parts, temp)]
-  return os.sep.join(parts[:first] + named[first : last + 1])
+  found = [i for i, p in enumerate(parts) if _ORBAX_TEMP.match(p)]
+  if found:
+    lowest = found[-1]
+    for i in (lowest, lowest - 1)[: 2 if lowest - 1 in found else 1]:
+      parts[i] = _ORBAX_TEMP.match(parts[i])["name"]
+  return os.sep.join(parts)
 
 
 def check_not_temporary(final: str) -> None:

@@ -126,8 +126,9 @@ def _is_frozen_dict(x: Any) -> bool:
 
 
 def _refused_keys(path: tuple, keys: list) -> UnstorableTree:
-  """The refusal of a dict's keys, naming one that breaks the rule (the first whose
-  kind is not the first key's, or that has no code) and its type."""
+  """The refusal of a dict's keys, naming one that breaks the rule where one does
+  (the first whose kind is not the first key's, or that has no code) and its
+  type; tuple keys that cannot be sorted together name none."""
   first = type(keys[0]) if keys else None
   bad = [k for k in keys if type(k) is not first or key_code(k) is None][:1]
   named = "".join(f" (key {repr(k)[:80]}, of type {type(k).__name__})" for k in bad)
