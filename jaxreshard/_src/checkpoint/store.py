@@ -32,7 +32,7 @@ from jaxreshard._src.checkpoint.tempdir import (  # noqa: F401  (re-exported)
   remove_temp_dirs,
   temp_dirs,
 )
-from jaxreshard._src.checkpoint.tempname import check_not_temporary
+from jaxreshard._src.checkpoint.tempname import check_not_temporary, lineage
 from jaxreshard._src.core import archivecheck as _archivecheck
 from jaxreshard._src.core import deleted as _deleted
 from jaxreshard._src.core import structure as _structure
@@ -60,27 +60,23 @@ __all__ = [
 
 def check_save_path(final: str) -> None:
   """Refuses a save to ``final`` where what it saves would not be read as saved: as or
-  in a save's temporary directory (``check_not_temporary``), or inside a committed
-  checkpoint, its path as written or with every symbolic link resolved (its files
-  would be counted, copied and removed as that checkpoint's).
+  in a save's temporary directory (``check_not_temporary``), or inside a directory
+  that opens as a checkpoint, along its ``lineage`` (its files would be counted,
+  copied and removed as that checkpoint's).
 
   Raises:
     ReshardError: naming the path, and the checkpoint it lies in.
   """
   check_not_temporary(final)
-  for path in dict.fromkeys((os.path.abspath(final), os.path.realpath(final))):
-    here = os.path.dirname(path)
-    while True:
-      if os.path.isfile(os.path.join(here, _index.INDEX_FILE)) and _is_checkpoint(here):
-        raise ReshardError(
-          f"{final}: it lies inside the checkpoint {here}, whose files it would join"
-          " (counted, copied and removed as that checkpoint's); a checkpoint is never"
-          " saved inside another: choose another path"
-        )
-      parent = os.path.dirname(here)
-      if parent == here:
-        break
-      here = parent
+  for here in lineage(final):
+    if here in (os.path.abspath(final), os.path.realpath(final)):
+      continue  # the save's own path: a checkpoint there is refused as existing
+    if os.path.isfile(os.path.join(here, _index.INDEX_FILE)) and _is_checkpoint(here):
+      raise ReshardError(
+        f"{final}: it lies inside the checkpoint {here}, whose files it would join"
+        " (counted, copied and removed as that checkpoint's); a checkpoint is never"
+        " saved inside another: choose another path"
+      )
 
 
 def _is_checkpoint(directory: str) -> bool:

@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import uuid
+from collections.abc import Iterator
 
 from jaxreshard._src.errors import ArchiveError, ReshardError
 
@@ -24,6 +25,7 @@ __all__ = [
   "check_not_temporary",
   "committed_path",
   "is_temporary",
+  "lineage",
   "temporary_around",
   "new_name",
   "temp_stem",
@@ -83,19 +85,25 @@ def is_temporary(name: str) -> bool:
   return bool(TEMP_NAME.match(name)) or ORBAX_TEMP_SUFFIX in name
 
 
-def temporary_around(path: str) -> str | None:
-  """The name of a save's temporary directory that ``path`` is or lies in, found
-  along the path as written and along it with every symbolic link resolved (a
-  link's own name hides the directory it points to), or None."""
+def lineage(path: str) -> Iterator[str]:
+  """``path`` and each directory above it, as written (made absolute) and then with
+  every symbolic link resolved (a link's own name hides where it leads)."""
   for here in dict.fromkeys((os.path.abspath(path), os.path.realpath(path))):
     while True:
-      name = os.path.basename(here)
-      if name and is_temporary(name):
-        return name
+      yield here
       parent = os.path.dirname(here)
       if parent == here:
         break
       here = parent
+
+
+def temporary_around(path: str) -> str | None:
+  """The name of a save's temporary directory that ``path`` is or lies in (along its
+  ``lineage``), or None."""
+  for here in lineage(path):
+    name = os.path.basename(here)
+    if name and is_temporary(name):
+      return name
   return None
 
 
@@ -123,10 +131,9 @@ def committed_path(path: str) -> str:
   """
   parts = os.path.abspath(path).split(os.sep)
   found = [i for i, p in enumerate(parts) if _ORBAX_TEMP.match(p)]
-  if found:
-    lowest = found[-1]
-    for i in (lowest, lowest - 1)[: 2 if lowest - 1 in found else 1]:
-      parts[i] = _ORBAX_TEMP.match(parts[i])["name"]
+  run = found[-2:] if len(found) > 1 and found[-2] == found[-1] - 1 else found[-1:]
+  for i in run:
+    parts[i] = _ORBAX_TEMP.match(parts[i])["name"]
   return os.sep.join(parts)
 
 

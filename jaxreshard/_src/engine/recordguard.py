@@ -165,20 +165,24 @@ class RecordGuard:
     nodes: list[tuple[Any, list, Any]] = []
     seen: set[int] = set()
     leaves = set(_LEAF_TYPES)
+
+    def read_tags(dicts: list[dict]) -> None:
+      """Keeps ``dicts``, each with its tag as read now."""
+      tagged.extend(dicts)
+      if native:
+        at = np.fromiter(map(id, dicts), np.int64, len(dicts)) + _TAG_OFFSET
+        where.append(at)
+        expected.append(_native.read_words(at))
+      else:
+        expected.extend(map(_tag, dicts))
+
     # Where tags are read, each record's own dict is compared by its tag too (any
     # field set moves it), in place of its fields one by one; an attribute the
     # record caches on itself later (its ``placement`` index) moves it once.
     self._record_dicts = [r.__dict__ for r in records] if self._tags else None
-    level: list[Any] = list(self._record_dicts or ())
-    if level:
-      seen.update(map(id, level))
-      tagged.extend(level)
-      if native:
-        at = np.fromiter(map(id, level), np.int64, len(level)) + _TAG_OFFSET
-        where.append(at)
-        expected.append(_native.read_words(at))
-      else:
-        expected.extend(map(_tag, level))
+    if self._record_dicts:
+      seen.update(map(id, self._record_dicts))
+      read_tags(self._record_dicts)
     level = [fields[_STATE] for fields in self._fields]
     while level:
       # This level's containers, each once; each dict's tag is read before its
@@ -191,13 +195,7 @@ class RecordGuard:
         fresh.append(node)
       plain = [node for node in fresh if type(node) is dict]
       if self._tags and plain:
-        tagged.extend(plain)
-        if native:
-          at = np.fromiter(map(id, plain), np.int64, len(plain)) + _TAG_OFFSET
-          where.append(at)
-          expected.append(_native.read_words(at))
-        else:
-          expected.extend(map(_tag, plain))
+        read_tags(plain)
       level = []
       for node in fresh:
         if isinstance(node, dict):
